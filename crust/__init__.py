@@ -1,0 +1,3 @@
+"""crust: Container RUntime STorage operations."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from crust.cli import main
+
+raise SystemExit(main())

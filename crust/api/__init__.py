@@ -1,0 +1,1 @@
+"""Generated from specs/ by tools/gen_stubs.py; do not edit."""

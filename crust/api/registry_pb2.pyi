@@ -1,0 +1,109 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterHandlerRequest(_message.Message):
+    __slots__ = ("name", "endpoint", "filesystems", "features")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    FILESYSTEMS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    endpoint: str
+    filesystems: _containers.RepeatedScalarFieldContainer[str]
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., endpoint: _Optional[str] = ..., filesystems: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RegisterHandlerResponse(_message.Message):
+    __slots__ = ("lease_id", "lease_seconds")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    lease_seconds: int
+    def __init__(self, lease_id: _Optional[str] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("name", "lease_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    lease_id: str
+    def __init__(self, name: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_seconds",)
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: int
+    def __init__(self, lease_seconds: _Optional[int] = ...) -> None: ...
+
+class UnregisterHandlerRequest(_message.Message):
+    __slots__ = ("name", "lease_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    lease_id: str
+    def __init__(self, name: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterHandlerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClaimVolumeRequest(_message.Message):
+    __slots__ = ("target_path", "handler", "sandbox_id")
+    TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    target_path: str
+    handler: str
+    sandbox_id: str
+    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ...) -> None: ...
+
+class ClaimVolumeResponse(_message.Message):
+    __slots__ = ("mount_info_json",)
+    MOUNT_INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    mount_info_json: str
+    def __init__(self, mount_info_json: _Optional[str] = ...) -> None: ...
+
+class ReleaseVolumeRequest(_message.Message):
+    __slots__ = ("target_path", "handler", "sandbox_id")
+    TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    target_path: str
+    handler: str
+    sandbox_id: str
+    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseVolumeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListClaimsRequest(_message.Message):
+    __slots__ = ("handler",)
+    HANDLER_FIELD_NUMBER: _ClassVar[int]
+    handler: str
+    def __init__(self, handler: _Optional[str] = ...) -> None: ...
+
+class Claim(_message.Message):
+    __slots__ = ("target_path", "handler", "sandbox_id", "volume_id", "claimed_at")
+    TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_AT_FIELD_NUMBER: _ClassVar[int]
+    target_path: str
+    handler: str
+    sandbox_id: str
+    volume_id: str
+    claimed_at: int
+    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., volume_id: _Optional[str] = ..., claimed_at: _Optional[int] = ...) -> None: ...
+
+class ListClaimsResponse(_message.Message):
+    __slots__ = ("claims",)
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    claims: _containers.RepeatedCompositeFieldContainer[Claim]
+    def __init__(self, claims: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ...) -> None: ...

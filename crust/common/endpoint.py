@@ -1,0 +1,57 @@
+"""CSI endpoints: unix:///abs/path (the form kubelet and the sidecars use)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+
+
+def socket_path(endpoint: str) -> str:
+    """unix:///run/x.sock, unix:/run/x.sock or /run/x.sock -> /run/x.sock."""
+    if endpoint.startswith("unix://"):
+        path = endpoint[len("unix://") :]
+    elif endpoint.startswith("unix:"):
+        path = endpoint[len("unix:") :]
+    elif endpoint.startswith("/"):
+        path = endpoint
+    else:
+        raise ValueError(f"endpoint {endpoint!r}: only unix:///absolute/path endpoints are supported")
+    if not path.startswith("/"):
+        raise ValueError(f"endpoint {endpoint!r}: the socket path must be absolute")
+    return os.path.normpath(path)
+
+
+def grpc_target(endpoint: str) -> str:
+    return "unix://" + socket_path(endpoint)
+
+
+def clear_stale_socket(path: str) -> None:
+    """Remove a socket file left by a dead server; refuse to steal a live one."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise RuntimeError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise RuntimeError(f"{path}: another server is listening there")
+
+
+def prepare_socket_dir(path: str) -> None:
+    """Create the socket's directory (0700) when it does not exist yet.
+
+    An existing directory is left as its owner made it (kubelet's plugin
+    directory, for one).
+    """
+    parent = Path(path).parent
+    if not parent.exists():
+        parent.mkdir(parents=True, mode=0o700)

@@ -1,0 +1,178 @@
+"""gRPC wiring shared by every crust daemon.
+
+- one interceptor: request id and structured log fields, the RPC deadline for
+  subprocesses, secrets stripped from logged requests, latency metrics, and the
+  single mapping of crust errors to gRPC status codes;
+- a unix socket bound with a restrictive umask (no window where another user
+  can connect) after a stale socket file is cleared;
+- the gRPC health service, reflection, and a graceful stop on SIGTERM/SIGINT:
+  the signal only sets an event, health turns NOT_SERVING, in-flight RPCs get
+  a grace period, the socket file is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+import uuid
+from typing import Awaitable, Callable, Iterable
+
+import grpc
+from google.protobuf.message import Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Histogram
+
+from crust.common import logs
+from crust.common.endpoint import clear_stale_socket, prepare_socket_dir, socket_path
+from crust.common.errors import CrustError
+from crust.common.redact import redacted
+from crust.sys.run import rpc_deadline
+
+log = logging.getLogger("crust.rpc")
+
+RPC_LATENCY = Histogram(
+    "crust_rpc_duration_seconds",
+    "Time to serve one gRPC call",
+    ["component", "method", "code"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+# Probe is called every few seconds by liveness sidecars: log it at debug only.
+QUIET_METHODS = {"/csi.v1.Identity/Probe", "/grpc.health.v1.Health/Check"}
+
+
+def _volume_fields(request: Message) -> dict:
+    fields = {}
+    for name in ("volume_id", "name", "snapshot_id", "target_path", "staging_target_path", "volume_path"):
+        if hasattr(request, name):
+            try:
+                value = getattr(request, name)
+            except AttributeError:
+                continue
+            if isinstance(value, str) and value:
+                fields[name] = value
+    return fields
+
+
+class CrustInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, component: str):
+        self.component = component
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+        method = details.method
+
+        async def serve_one(request, context: grpc.aio.ServicerContext):
+            metadata = dict(context.invocation_metadata() or ())
+            request_id = metadata.get("x-request-id") or uuid.uuid4().hex[:12]
+            logs.log_fields.set({"component": self.component, "rpc": method.rsplit("/", 1)[-1],
+                                 "request_id": request_id, **_volume_fields(request)})
+            remaining = context.time_remaining()
+            rpc_deadline.set(time.monotonic() + remaining if remaining is not None else None)
+            quiet = method in QUIET_METHODS
+            log.log(logging.DEBUG if quiet else logging.INFO, "request",
+                    extra={"fields": {"request": redacted(request)}})
+            started = time.monotonic()
+            code, message = grpc.StatusCode.OK, ""
+            try:
+                response = await inner(request, context)
+            except CrustError as exc:
+                code, message = exc.code, exc.message
+            except asyncio.CancelledError:
+                code, message = grpc.StatusCode.CANCELLED, "cancelled"
+                raise
+            except Exception as exc:  # noqa: BLE001 - the one catch-all boundary
+                if isinstance(exc, grpc.aio.AbortError):
+                    code = context.code() or grpc.StatusCode.UNKNOWN
+                    raise
+                log.exception("unexpected error")
+                code, message = grpc.StatusCode.INTERNAL, f"internal error: {exc}"
+            finally:
+                elapsed = time.monotonic() - started
+                RPC_LATENCY.labels(self.component, method, code.name).observe(elapsed)
+            if code is grpc.StatusCode.OK:
+                log.log(logging.DEBUG if quiet else logging.INFO, "ok",
+                        extra={"fields": {"ms": round(elapsed * 1e3, 2)}})
+                return response
+            log.warning("failed", extra={"fields": {"code": code.name, "error": message,
+                                                    "ms": round(elapsed * 1e3, 2)}})
+            await context.abort(code, message)
+
+        return grpc.unary_unary_rpc_method_handler(
+            serve_one,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def bind_unix(server: grpc.aio.Server, endpoint: str, mode: int = 0o600) -> str:
+    path = socket_path(endpoint)
+    prepare_socket_dir(path)
+    clear_stale_socket(path)
+    # The umask is process-wide; binding happens synchronously right here,
+    # before any other thread of ours creates files.
+    old = os.umask(0o777 & ~mode)
+    try:
+        server.add_insecure_port("unix://" + path)
+    finally:
+        os.umask(old)
+    return path
+
+
+class Daemon:
+    """A gRPC server on a unix socket with health, reflection and graceful stop."""
+
+    def __init__(self, component: str, endpoint: str, service_names: Iterable[str]):
+        self.component = component
+        self.endpoint = endpoint
+        self.server = grpc.aio.server(interceptors=[CrustInterceptor(component)])
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.service_names = list(service_names)
+        self.stopping = asyncio.Event()
+        self.socket_path: str | None = None
+
+    async def start(self) -> None:
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = self.service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        self.socket_path = bind_unix(self.server, self.endpoint)
+        await self.server.start()
+        for name in self.service_names + [""]:
+            await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
+        log.info("serving", extra={"fields": {"component": self.component, "socket": self.socket_path}})
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await _maybe_await(self.health.enter_graceful_shutdown())
+        await self.server.stop(grace)
+        if self.socket_path:
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+        log.info("stopped", extra={"fields": {"component": self.component}})
+
+    async def run_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        await self.start()
+        self.install_signal_handlers()
+        await self.stopping.wait()
+        if on_stop:
+            await on_stop()
+        await self.stop()
+
+
+async def _maybe_await(value):
+    if asyncio.iscoroutine(value):
+        return await value
+    return value

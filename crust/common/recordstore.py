@@ -1,0 +1,70 @@
+"""A directory of pydantic records, one JSON file per record.
+
+Each record is written atomically (crust.common.atomicfile), so a SIGKILL at
+any point leaves every record either old or new. One file per record keeps a
+write O(1) whatever the number of volumes, and a reload is one directory scan.
+The blocking file system calls run in a worker thread so that an fsync never
+stalls the daemon's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Generic, Iterator, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from crust.common.atomicfile import clean_temporaries, remove_durably, write_atomic
+
+log = logging.getLogger(__name__)
+
+Record = TypeVar("Record", bound=BaseModel)
+
+_SAFE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+
+class RecordStore(Generic[Record]):
+    def __init__(self, directory: str | os.PathLike, model: type[Record]):
+        self.directory = Path(directory)
+        self.model = model
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        clean_temporaries(self.directory)
+
+    def _path(self, key: str) -> Path:
+        # Keys are ids we generated ourselves; refuse anything that could
+        # step outside the directory.
+        if not _SAFE_KEY.match(key):
+            raise ValueError(f"unsafe record key {key!r}")
+        return self.directory / f"{key}.json"
+
+    def load_all(self) -> Iterator[tuple[str, Record]]:
+        for path in sorted(self.directory.glob("*.json")):
+            try:
+                yield path.stem, self.model.model_validate_json(path.read_bytes())
+            except (ValidationError, ValueError, OSError) as exc:
+                # A record we cannot read is kept aside for a human, never
+                # silently dropped or overwritten.
+                log.error("unreadable record %s kept aside: %s", path, exc)
+                path.rename(path.with_suffix(".corrupt"))
+
+    def get(self, key: str) -> Record | None:
+        try:
+            return self.model.model_validate_json(self._path(key).read_bytes())
+        except FileNotFoundError:
+            return None
+
+    def put_sync(self, key: str, record: Record) -> None:
+        write_atomic(self._path(key), record.model_dump_json(indent=1).encode())
+
+    def delete_sync(self, key: str) -> None:
+        remove_durably(self._path(key))
+
+    async def put(self, key: str, record: Record) -> None:
+        await asyncio.to_thread(self.put_sync, key, record)
+
+    async def delete(self, key: str) -> None:
+        await asyncio.to_thread(self.delete_sync, key)

@@ -1,0 +1,52 @@
+"""Strip secrets from protobuf messages before they are logged.
+
+The CSI proto marks every secret field with the (csi.v1.csi_secret) option;
+this walks a message and replaces the values of such fields, at any depth, so
+a secret can never reach a log line.
+"""
+
+from __future__ import annotations
+
+from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from crust.api import csi_pb2
+
+MASK = "***stripped***"
+
+
+def _is_secret(field: FieldDescriptor) -> bool:
+    return field.GetOptions().Extensions[csi_pb2.csi_secret]
+
+
+def _scrub(message: Message) -> None:
+    for field, value in message.ListFields():
+        if _is_secret(field):
+            if field.message_type is not None and field.message_type.GetOptions().map_entry:
+                for key in list(value.keys()):
+                    value[key] = MASK
+            elif field.type == FieldDescriptor.TYPE_STRING:
+                setattr(message, field.name, MASK)
+            else:
+                message.ClearField(field.name)
+            continue
+        if field.type != FieldDescriptor.TYPE_MESSAGE:
+            continue
+        if field.message_type.GetOptions().map_entry:
+            if field.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
+                for item in value.values():
+                    _scrub(item)
+        elif field.is_repeated:
+            for item in value:
+                _scrub(item)
+        else:
+            _scrub(value)
+
+
+def redacted(message: Message) -> dict:
+    """A JSON-ready dict of the message with every secret replaced."""
+    copy = type(message)()
+    copy.CopyFrom(message)
+    _scrub(copy)
+    return json_format.MessageToDict(copy, preserving_proto_field_name=True)

@@ -1,0 +1,48 @@
+"""Facts about block devices: size, major:minor, readability."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from crust.sys.run import run
+
+
+def size_bytes(device: str) -> int:
+    """Size of a block device in bytes, read without any tool."""
+    fd = os.open(device, os.O_RDONLY)
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    finally:
+        os.close(fd)
+
+
+def major_minor(device: str) -> tuple[int, int]:
+    st = os.stat(device)
+    if not stat.S_ISBLK(st.st_mode):
+        raise ValueError(f"{device} is not a block device")
+    return os.major(st.st_rdev), os.minor(st.st_rdev)
+
+
+def is_block_device(path: str) -> bool:
+    try:
+        return stat.S_ISBLK(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def read_head(device: str, length: int = 64 * 1024) -> bytes:
+    """Read the start of the device; raises OSError on an I/O error.
+
+    Used before formatting: a device that cannot be read is never treated as
+    blank.
+    """
+    fd = os.open(device, os.O_RDONLY)
+    try:
+        return os.pread(fd, length, 0)
+    finally:
+        os.close(fd)
+
+
+async def flush(device: str) -> None:
+    await run(["blockdev", "--flushbufs", device])

@@ -1,0 +1,120 @@
+"""Filesystems on block devices: probe, create, check and grow.
+
+Formatting is the one operation that can destroy a user's data, so probe()
+answers "blank" only when blkid positively reports no signature on a device
+that reads without error. Every other outcome means "do not format".
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+from crust.sys import blockdev
+from crust.sys.run import CommandError, run
+
+SUPPORTED = ("ext4", "xfs")
+
+# Smallest device each mkfs accepts (xfsprogs refuses filesystems under 300 MiB).
+MIN_SIZE = {"ext4": 8 * 1024 * 1024, "xfs": 300 * 1024 * 1024}
+
+
+class ProbeState(enum.Enum):
+    BLANK = "blank"
+    FORMATTED = "formatted"
+
+
+@dataclass(frozen=True)
+class Probe:
+    state: ProbeState
+    fs_type: str = ""  # set when FORMATTED: the signature blkid found (ext4, xfs, ...)
+
+
+async def probe(device: str) -> Probe:
+    """Tell a blank device from a formatted one; raise on any doubt.
+
+    blkid -p does a low-level probe without its cache: exit 0 prints the
+    signature, exit 2 means nothing was found. Anything else (I/O error,
+    ambivalent result) raises, and the caller must not format.
+    """
+    blockdev.read_head(device)  # OSError here: unreadable, never "blank"
+    result = await run(
+        ["blkid", "-p", "-o", "export", "--", device], check=False
+    )
+    if result.returncode == 2:
+        return Probe(ProbeState.BLANK)
+    if result.returncode != 0:
+        raise CommandError(result.argv, result.returncode, result.stderr or result.stdout)
+    fields = dict(
+        line.split("=", 1) for line in result.stdout.splitlines() if "=" in line
+    )
+    kind = fields.get("TYPE") or fields.get("PTTYPE") or fields.get("USAGE") or "unknown"
+    return Probe(ProbeState.FORMATTED, kind)
+
+
+async def make(device: str, fs_type: str) -> None:
+    if fs_type == "ext4":
+        # No lazy init: the volume is complete when mkfs returns, so a host
+        # crash right after cannot leave half-initialised inode tables.
+        await run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", "--", device])
+    elif fs_type == "xfs":
+        await run(["mkfs.xfs", "-q", "--", device])
+    else:
+        raise ValueError(f"unsupported filesystem {fs_type!r}")
+
+
+@dataclass(frozen=True)
+class Usage:
+    total_bytes: int
+    available_bytes: int
+    used_bytes: int
+    total_inodes: int
+    free_inodes: int
+    used_inodes: int
+
+
+def usage(path: str) -> Usage:
+    st = os.statvfs(path)
+    total = st.f_blocks * st.f_frsize
+    avail = st.f_bavail * st.f_frsize
+    free = st.f_bfree * st.f_frsize
+    return Usage(
+        total_bytes=total,
+        available_bytes=avail,
+        used_bytes=total - free,
+        total_inodes=st.f_files,
+        free_inodes=st.f_ffree,
+        used_inodes=st.f_files - st.f_ffree,
+    )
+
+
+async def grow_mounted(fs_type: str, device: str, mount_point: str) -> None:
+    """Grow a mounted filesystem to fill its (already grown) device."""
+    if fs_type == "xfs":
+        await run(["xfs_growfs", "--", mount_point])
+    elif fs_type == "ext4":
+        await run(["resize2fs", "--", device])
+    else:
+        raise ValueError(f"cannot grow {fs_type!r}")
+
+
+async def grow_offline(fs_type: str, device: str) -> None:
+    """Grow an unmounted filesystem (ext4 only; xfs can only grow mounted)."""
+    if fs_type != "ext4":
+        raise ValueError(f"offline grow of {fs_type!r} is not possible")
+    # resize2fs insists on a fresh check before an offline resize.
+    await run(["e2fsck", "-f", "-p", "--", device], ok_codes=(0, 1))
+    await run(["resize2fs", "--", device])
+
+
+async def block_count_bytes(fs_type: str, device: str) -> int:
+    """Size of the filesystem on an (unmounted or mounted) ext4 device, from its superblock."""
+    if fs_type != "ext4":
+        raise ValueError("superblock size read only for ext4")
+    result = await run(["dumpe2fs", "-h", "--", device])
+    fields = {}
+    for line in result.stdout.splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return int(fields["Block count"]) * int(fields["Block size"])
