@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 from crust.sys.run import run
@@ -62,6 +63,11 @@ async def refresh_capacity(device: str) -> None:
 
 async def detach(device: str) -> None:
     await run(["losetup", "--detach", device])
+
+
+def detach_sync(device: str) -> None:
+    """Detach at start-up, before the event loop serves anything."""
+    subprocess.run(["losetup", "--detach", device], check=True, capture_output=True, timeout=30)
 
 
 async def list_json() -> list[dict]:

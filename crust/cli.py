@@ -1,0 +1,99 @@
+"""The `crust` command line: one entry point, a subcommand per component."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from crust import __version__
+from crust.common import logs
+from crust.common.units import parse_size
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+
+
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity (default: info)")
+    p.add_argument("--log-format", default="json", choices=["json", "text"],
+                   help="json: one structured object per line (default); text: for humans")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="crust",
+        description="crust: block volumes whose file system is mounted inside the sandbox, not on the host.",
+    )
+    parser.add_argument("--version", action="version", version=f"crust {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    d = sub.add_parser(
+        "driver",
+        help="run the block-volume CSI driver (loop backend)",
+        description="Serve the CSI Identity, Controller and Node services of the loop-device "
+                    "block-volume driver on a unix socket.",
+    )
+    d.add_argument("--endpoint", required=True, help="unix:///path/to/csi.sock to serve on")
+    d.add_argument("--node-id", required=True, help="this node's id (also its topology segment)")
+    d.add_argument("--data-dir", required=True, type=Path,
+                   help="state and storage pools (backing files); shared by controller and nodes")
+    d.add_argument("--mode", default="all", choices=["all", "controller", "node"],
+                   help="controller: never touches devices; node: no controller state; all: both (default)")
+    d.add_argument("--backend", default="loop", choices=["loop"], help="storage backend (default: loop)")
+    d.add_argument("--capacity", type=_size, default=0,
+                   help="size of this node's pool, e.g. 100Gi (default: size of the data dir's file system)")
+    d.add_argument("--max-volumes-per-node", type=int, default=64,
+                   help="attach limit reported to the CO (default: 64)")
+    d.add_argument("--default-fs-type", default="ext4", choices=["ext4", "xfs"],
+                   help="file system when a mount capability names none (default: ext4)")
+    d.add_argument("--advertise-alpha", action="store_true",
+                   help="advertise the alpha GET_ID and GET_NODE_INFO capabilities (the RPCs are served anyway)")
+    _add_logging(d)
+
+    demo = sub.add_parser(
+        "demo",
+        help="walk one volume through its whole life on the embedded defaults (as root)",
+        description="Start `crust driver` in a temporary root and play the CO: create, attach, "
+                    "stage, publish, write, stats, expand, snapshot, restore, unpublish, unstage, "
+                    "delete. Prints each step with its time; exit 0 only when every step held.",
+    )
+    demo.add_argument("--fs", default="xfs", choices=["ext4", "xfs"],
+                      help="file system of the demo volume (default: xfs, which grows online here)")
+    demo.add_argument("--json", action="store_true", help="print the result as JSON")
+    demo.add_argument("--keep", action="store_true", help="keep the temporary root for inspection")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "driver":
+        from crust.driver.config import DriverConfig, Mode
+        from crust.driver.server import serve
+
+        logs.setup(args.log_level, args.log_format == "json")
+        try:
+            config = DriverConfig(
+                endpoint=args.endpoint, node_id=args.node_id, data_dir=args.data_dir.absolute(),
+                mode=Mode(args.mode), backend=args.backend, capacity_bytes=args.capacity,
+                max_volumes_per_node=args.max_volumes_per_node, default_fs_type=args.default_fs_type,
+                advertise_alpha=args.advertise_alpha,
+            )
+        except ValidationError as exc:
+            print(f"crust driver: invalid configuration:\n{exc}", file=sys.stderr)
+            return 2
+        serve(config)
+        return 0
+    if args.command == "demo":
+        from crust.demo import run_demo
+
+        return run_demo(fs_type=args.fs, as_json=args.json, keep=args.keep)
+    return 2

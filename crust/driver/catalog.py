@@ -1,0 +1,160 @@
+"""The controller's catalog: volume and snapshot records plus the node pools.
+
+Records live on disk (crust.common.recordstore); this class keeps the
+in-memory indexes (by id and by name) that every RPC needs, and on start it
+reconciles records with the backing files they describe.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from crust.common.recordstore import RecordStore
+from crust.driver.backend import loop as backend
+from crust.driver.records import GroupSnapshotRecord, Lifecycle, PoolRecord, SnapshotRecord, VolumeRecord
+
+log = logging.getLogger(__name__)
+
+
+class Catalog:
+    def __init__(self, data_dir: Path):
+        self.data_dir = data_dir
+        self.volume_store = RecordStore(data_dir / "controller" / "volumes", VolumeRecord)
+        self.snapshot_store = RecordStore(data_dir / "controller" / "snapshots", SnapshotRecord)
+        self.group_store = RecordStore(data_dir / "controller" / "groups", GroupSnapshotRecord)
+        self.groups: dict[str, GroupSnapshotRecord] = {}
+        self.group_names: dict[str, str] = {}
+        self.volumes: dict[str, VolumeRecord] = {}
+        self.snapshots: dict[str, SnapshotRecord] = {}
+        self.volume_names: dict[str, str] = {}
+        self.snapshot_names: dict[str, str] = {}
+
+    # -- pools (the node registry of the loop backend) ----------------------
+
+    def pool(self, node_id: str) -> backend.Pool:
+        return backend.Pool(self.data_dir, node_id)
+
+    def pools(self) -> dict[str, PoolRecord]:
+        found = {}
+        for path in sorted((self.data_dir / "pools").glob("*/pool.json")):
+            try:
+                record = PoolRecord.model_validate_json(path.read_bytes())
+            except (OSError, ValueError) as exc:
+                log.error("unreadable pool record %s: %s", path, exc)
+                continue
+            found[record.node_id] = record
+        return found
+
+    def provisioned(self, node_id: str) -> int:
+        """Bytes promised on a pool: volumes plus snapshots."""
+        total = sum(v.capacity_bytes for v in self.volumes.values() if v.node == node_id)
+        total += sum(s.size_bytes for s in self.snapshots.values() if s.node == node_id)
+        return total
+
+    def available(self, pool: PoolRecord) -> int:
+        return max(0, pool.capacity_bytes - self.provisioned(pool.node_id))
+
+    # -- load and reconcile ---------------------------------------------------
+
+    def load(self) -> None:
+        for key, volume in self.volume_store.load_all():
+            if volume.state is not Lifecycle.READY:
+                self._finish_volume(volume)
+                continue
+            self._index_volume(volume)
+        for key, snap in self.snapshot_store.load_all():
+            if snap.state is not Lifecycle.READY:
+                self._finish_snapshot(snap)
+                continue
+            self._index_snapshot(snap)
+        for key, group in self.group_store.load_all():
+            if group.state is not Lifecycle.READY:
+                # Members of an unfinished group are removed with it; the CO
+                # retries the whole group by name.
+                for sid in group.snapshot_ids:
+                    snap = self.snapshots.pop(sid, None)
+                    if snap is not None:
+                        self.snapshot_names.pop(snap.name, None)
+                        self._finish_snapshot(snap)
+                self.group_store.delete_sync(group.group_snapshot_id)
+                continue
+            self.groups[group.group_snapshot_id] = group
+            self.group_names[group.name] = group.group_snapshot_id
+        for node_id in self.pools():
+            removed = self.pool(node_id).clean_partials()
+            if removed:
+                log.info("removed %d partial backing files from pool %s", removed, node_id)
+        log.info("catalog loaded", extra={"fields": {"volumes": len(self.volumes), "snapshots": len(self.snapshots)}})
+
+    def _finish_volume(self, volume: VolumeRecord) -> None:
+        # A create that did not reach READY is rolled back: the CO retries
+        # CreateVolume with the same name and gets a complete volume. A
+        # delete that did not finish is finished.
+        path = self.pool(volume.node).volume_file(volume.volume_id)
+        backend.remove(path)
+        backend.remove(self.pool(volume.node).temp_file(path))
+        self.volume_store.delete_sync(volume.volume_id)
+        log.info("finished interrupted %s of volume %s", volume.state.value, volume.volume_id)
+
+    def _finish_snapshot(self, snap: SnapshotRecord) -> None:
+        path = self.pool(snap.node).snapshot_file(snap.snapshot_id)
+        backend.remove(path)
+        backend.remove(self.pool(snap.node).temp_file(path))
+        self.snapshot_store.delete_sync(snap.snapshot_id)
+        log.info("finished interrupted %s of snapshot %s", snap.state.value, snap.snapshot_id)
+
+    # -- indexes --------------------------------------------------------------
+
+    def _index_volume(self, volume: VolumeRecord) -> None:
+        self.volumes[volume.volume_id] = volume
+        self.volume_names[volume.name] = volume.volume_id
+
+    def _index_snapshot(self, snap: SnapshotRecord) -> None:
+        self.snapshots[snap.snapshot_id] = snap
+        self.snapshot_names[snap.name] = snap.snapshot_id
+
+    async def save_volume(self, volume: VolumeRecord) -> None:
+        await self.volume_store.put(volume.volume_id, volume)
+        self._index_volume(volume)
+
+    async def forget_volume(self, volume: VolumeRecord) -> None:
+        await self.volume_store.delete(volume.volume_id)
+        self.volumes.pop(volume.volume_id, None)
+        if self.volume_names.get(volume.name) == volume.volume_id:
+            del self.volume_names[volume.name]
+
+    async def save_snapshot(self, snap: SnapshotRecord) -> None:
+        await self.snapshot_store.put(snap.snapshot_id, snap)
+        self._index_snapshot(snap)
+
+    async def forget_snapshot(self, snap: SnapshotRecord) -> None:
+        await self.snapshot_store.delete(snap.snapshot_id)
+        self.snapshots.pop(snap.snapshot_id, None)
+        if self.snapshot_names.get(snap.name) == snap.snapshot_id:
+            del self.snapshot_names[snap.name]
+
+    async def save_group(self, group: GroupSnapshotRecord) -> None:
+        await self.group_store.put(group.group_snapshot_id, group)
+        self.groups[group.group_snapshot_id] = group
+        self.group_names[group.name] = group.group_snapshot_id
+
+    async def forget_group(self, group: GroupSnapshotRecord) -> None:
+        await self.group_store.delete(group.group_snapshot_id)
+        self.groups.pop(group.group_snapshot_id, None)
+        if self.group_names.get(group.name) == group.group_snapshot_id:
+            del self.group_names[group.name]
+
+    def volume_by_name(self, name: str) -> VolumeRecord | None:
+        vid = self.volume_names.get(name)
+        return self.volumes.get(vid) if vid else None
+
+    def snapshot_by_name(self, name: str) -> SnapshotRecord | None:
+        sid = self.snapshot_names.get(name)
+        return self.snapshots.get(sid) if sid else None
+
+    def volume_file(self, volume: VolumeRecord) -> Path:
+        return self.pool(volume.node).volume_file(volume.volume_id)
+
+    def snapshot_file(self, snap: SnapshotRecord) -> Path:
+        return self.pool(snap.node).snapshot_file(snap.snapshot_id)

@@ -1,0 +1,78 @@
+"""Configuration of `crust driver`, validated once at start."""
+
+from __future__ import annotations
+
+import enum
+import re
+import shutil
+from pathlib import Path
+
+from pydantic import BaseModel, Field, field_validator
+
+DRIVER_NAME = "loop.csi.crust.dev"
+# The one topology segment of the loop backend: the node whose pool holds the
+# volume's backing file.
+TOPOLOGY_KEY = "topology.loop.csi.crust.dev/node"
+
+_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class Mode(str, enum.Enum):
+    ALL = "all"
+    CONTROLLER = "controller"
+    NODE = "node"
+
+    @property
+    def controller(self) -> bool:
+        return self in (Mode.ALL, Mode.CONTROLLER)
+
+    @property
+    def node(self) -> bool:
+        return self in (Mode.ALL, Mode.NODE)
+
+
+class DriverConfig(BaseModel):
+    endpoint: str
+    node_id: str
+    data_dir: Path
+    mode: Mode = Mode.ALL
+    backend: str = "loop"
+    # Pool size the node offers (sum of volume sizes it accepts); 0 = the size
+    # of the file system holding data_dir. Volumes are sparse files, so this is
+    # a provisioning limit, not an allocation.
+    capacity_bytes: int = Field(default=0, ge=0)
+    max_volumes_per_node: int = Field(default=64, ge=1, le=4096)
+    # Default file system when a mount capability names none.
+    default_fs_type: str = "ext4"
+    # Advertise the capabilities of the proposed alpha RPCs (GET_ID,
+    # GET_NODE_INFO). The RPCs are served either way; the capabilities stay
+    # off by default because today's COs and conformance tools reject
+    # capability values they do not know.
+    advertise_alpha: bool = False
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id(cls, value: str) -> str:
+        if not _NODE_ID.match(value):
+            raise ValueError("node id must be 1-63 characters of letters, digits, '.', '_' or '-'")
+        return value
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        if value != "loop":
+            raise ValueError(f"unknown backend {value!r}; available: loop")
+        return value
+
+    @field_validator("default_fs_type")
+    @classmethod
+    def _fs(cls, value: str) -> str:
+        if value not in ("ext4", "xfs"):
+            raise ValueError("default fs type must be ext4 or xfs")
+        return value
+
+    def effective_capacity(self) -> int:
+        if self.capacity_bytes:
+            return self.capacity_bytes
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        return shutil.disk_usage(self.data_dir).total

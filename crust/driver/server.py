@@ -1,0 +1,81 @@
+"""`crust driver`: wire the CSI services of the loop driver onto a unix socket.
+
+The mode decides what runs: `controller` registers Identity + Controller and
+never touches a device; `node` registers Identity + Node and keeps no
+controller state; `all` runs both for a single machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from crust.api import csi_pb2, csi_pb2_grpc
+from crust.common.grpcserver import Daemon
+from crust.driver.catalog import Catalog
+from crust.driver.config import DriverConfig
+from crust.driver.controller import ControllerService
+from crust.driver.group_controller import GroupControllerService
+from crust.driver.identity import IdentityService
+from crust.driver.node import NodeService
+
+log = logging.getLogger(__name__)
+
+
+class Driver:
+    def __init__(self, config: DriverConfig):
+        self.config = config
+        self.ready = False
+        self.catalog: Catalog | None = None
+        self.controller: ControllerService | None = None
+        self.node: NodeService | None = None
+        services = [csi_pb2.DESCRIPTOR.services_by_name["Identity"].full_name]
+        if config.mode.controller:
+            services.append(csi_pb2.DESCRIPTOR.services_by_name["Controller"].full_name)
+            services.append(csi_pb2.DESCRIPTOR.services_by_name["GroupController"].full_name)
+        if config.mode.node:
+            services.append(csi_pb2.DESCRIPTOR.services_by_name["Node"].full_name)
+        self.daemon = Daemon("driver", config.endpoint, services)
+
+    def prepare(self) -> None:
+        """Load and reconcile state before the socket accepts calls."""
+        self.config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        server = self.daemon.server
+        identity = IdentityService(controller=self.config.mode.controller, ready=lambda: self.ready)
+        csi_pb2_grpc.add_IdentityServicer_to_server(identity, server)
+        if self.config.mode.node:
+            # The node goes first so that, in `all` mode, its pool exists when
+            # the controller loads the catalog.
+            self.node = NodeService(self.config)
+            self.node.register_pool()
+            self.node.reconcile()
+            csi_pb2_grpc.add_NodeServicer_to_server(self.node, server)
+        if self.config.mode.controller:
+            self.catalog = Catalog(self.config.data_dir)
+            self.catalog.load()
+            self.controller = ControllerService(self.config, self.catalog)
+            csi_pb2_grpc.add_ControllerServicer_to_server(self.controller, server)
+            csi_pb2_grpc.add_GroupControllerServicer_to_server(GroupControllerService(self.controller), server)
+
+    async def start(self) -> None:
+        self.prepare()
+        await self.daemon.start()
+        self.ready = True
+
+    async def stop(self, grace: float = 5.0) -> None:
+        self.ready = False
+        await self.daemon.stop(grace)
+
+    async def run(self) -> None:
+        await self.start()
+        self.daemon.install_signal_handlers()
+        await self.daemon.stopping.wait()
+        await self.stop()
+
+
+def serve(config: DriverConfig) -> None:
+    async def main() -> None:
+        # The gRPC server binds to the running loop, so it is built inside it.
+        await Driver(config).run()
+
+    asyncio.run(main())
