@@ -185,7 +185,10 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 if current is None:
                     await self._format_if_blank(device, fs_type, volume_id)
                     await self._grow_if_needed(fs_type, device, None)
-                    await mount.mount(device, staging, fs_type, flags)
+                    # xfs refuses a second file system with the same UUID, which
+                    # is exactly what a clone or a restored snapshot is.
+                    extra = ["nouuid"] if fs_type == "xfs" and "nouuid" not in flags else []
+                    await mount.mount(device, staging, fs_type, flags + extra)
                     if fs_type == "xfs" and cap.access_mode.mode not in csi_input.READ_ONLY_MODES:
                         await self._grow_if_needed(fs_type, device, staging)
             record = NodeVolumeRecord(volume_id=volume_id, staging_path=staging, access_type=kind,

@@ -1,0 +1,25 @@
+import os
+
+import pytest
+
+from tests.harness import Root
+
+
+def pytest_configure(config):
+    if os.geteuid() != 0:
+        raise pytest.UsageError("crust's tests create loop devices and mounts: run them as root")
+
+
+@pytest.fixture
+def root():
+    r = Root()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+@pytest.fixture
+def driver(root):
+    """A `crust driver --mode all` serving on a fresh root."""
+    return root.driver().start()

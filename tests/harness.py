@@ -1,0 +1,205 @@
+"""Test harness: real `crust driver` processes on real unix sockets.
+
+Everything a test creates lives under one temporary root; cleanup unmounts
+only mounts below that root and detaches only loop devices whose backing
+file is below it, so a test never touches what it did not create.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from crust.api import csi_pb2, csi_pb2_grpc
+from crust.sys import loop as sysloop
+from crust.sys import mount as sysmount
+
+AccessMode = csi_pb2.VolumeCapability.AccessMode
+MIB = 1024**2
+GIB = 1024**3
+
+
+def mount_cap(fs_type: str = "", mode: int = AccessMode.SINGLE_NODE_WRITER, flags=()) -> csi_pb2.VolumeCapability:
+    return csi_pb2.VolumeCapability(
+        mount=csi_pb2.VolumeCapability.MountVolume(fs_type=fs_type, mount_flags=list(flags)),
+        access_mode=AccessMode(mode=mode),
+    )
+
+
+def block_cap(mode: int = AccessMode.SINGLE_NODE_WRITER) -> csi_pb2.VolumeCapability:
+    return csi_pb2.VolumeCapability(block=csi_pb2.VolumeCapability.BlockVolume(), access_mode=AccessMode(mode=mode))
+
+
+def cleanup_root(root: Path) -> None:
+    """Unmount and detach what lives under root (deepest mounts first)."""
+    prefix = str(root.resolve()) + "/"
+    for _ in range(3):
+        mounts = [m for m in sysmount.mounts() if (m.mount_point + "/").startswith(prefix)]
+        if not mounts:
+            break
+        for m in sorted(mounts, key=lambda m: -len(m.mount_point)):
+            subprocess.run(["umount", "-l", m.mount_point], capture_output=True)
+    for device, backing in sysloop.attached().items():
+        if backing.startswith(prefix):
+            subprocess.run(["losetup", "-d", device], capture_output=True)
+
+
+@dataclass
+class DriverProcess:
+    root: Path
+    node_id: str = "node-a"
+    mode: str = "all"
+    extra: list[str] = field(default_factory=list)
+    endpoint_name: str = "csi.sock"
+    proc: subprocess.Popen | None = None
+    channel: grpc.Channel | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.root / self.endpoint_name
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"{self.endpoint_name}.log"
+
+    def start(self, timeout: float = 15.0) -> "DriverProcess":
+        argv = [sys.executable, "-m", "crust", "driver", "--endpoint", f"unix://{self.socket}",
+                "--node-id", self.node_id, "--data-dir", str(self.data_dir), "--mode", self.mode,
+                "--capacity", "100Gi", *self.extra]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"driver exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            if self.socket.exists():
+                self.channel = grpc.insecure_channel(f"unix://{self.socket}")
+                try:
+                    ready = self.identity.Probe(csi_pb2.ProbeRequest(), timeout=2).ready.value
+                except grpc.RpcError:
+                    ready = False
+                if ready:
+                    return self
+                self.channel.close()
+            time.sleep(0.05)
+        raise TimeoutError(f"driver not ready: {self.log_path.read_text()[-2000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def restart(self) -> "DriverProcess":
+        self.stop()
+        return self.start()
+
+    @property
+    def identity(self) -> csi_pb2_grpc.IdentityStub:
+        return csi_pb2_grpc.IdentityStub(self.channel)
+
+    @property
+    def controller(self) -> csi_pb2_grpc.ControllerStub:
+        return csi_pb2_grpc.ControllerStub(self.channel)
+
+    @property
+    def group(self) -> csi_pb2_grpc.GroupControllerStub:
+        return csi_pb2_grpc.GroupControllerStub(self.channel)
+
+    @property
+    def node(self) -> csi_pb2_grpc.NodeStub:
+        return csi_pb2_grpc.NodeStub(self.channel)
+
+    # -- CO-side shortcuts used by many tests ----------------------------------
+
+    def create(self, name: str, size: int = 64 * MIB, cap=None, **kw) -> csi_pb2.Volume:
+        req = csi_pb2.CreateVolumeRequest(
+            name=name, capacity_range=csi_pb2.CapacityRange(required_bytes=size),
+            volume_capabilities=[cap or mount_cap()], **kw)
+        return self.controller.CreateVolume(req, timeout=60).volume
+
+    def stage(self, volume_id: str, staging: Path, cap=None) -> None:
+        self.node.NodeStageVolume(csi_pb2.NodeStageVolumeRequest(
+            volume_id=volume_id, staging_target_path=str(staging), volume_capability=cap or mount_cap()), timeout=60)
+
+    def publish(self, volume_id: str, staging: Path, target: Path, cap=None, readonly=False) -> None:
+        self.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
+            volume_id=volume_id, staging_target_path=str(staging), target_path=str(target),
+            volume_capability=cap or mount_cap(), readonly=readonly), timeout=60)
+
+    def unpublish(self, volume_id: str, target: Path) -> None:
+        self.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
+            volume_id=volume_id, target_path=str(target)), timeout=60)
+
+    def unstage(self, volume_id: str, staging: Path) -> None:
+        self.node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(
+            volume_id=volume_id, staging_target_path=str(staging)), timeout=60)
+
+    def delete(self, volume_id: str) -> None:
+        self.controller.DeleteVolume(csi_pb2.DeleteVolumeRequest(volume_id=volume_id), timeout=60)
+
+
+class Root:
+    """A short temporary root (unix socket paths must stay under 108 bytes)."""
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="crust-t-"))
+        self.drivers: list[DriverProcess] = []
+
+    def driver(self, **kw) -> DriverProcess:
+        d = DriverProcess(root=self.path, **kw)
+        self.drivers.append(d)
+        return d
+
+    def close(self) -> None:
+        for d in self.drivers:
+            try:
+                d.stop()
+            except Exception:  # noqa: BLE001 - cleanup goes on
+                pass
+        cleanup_root(self.path)
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def code_of(call, *args, **kw) -> grpc.StatusCode:
+    """Run an RPC that must fail; return its status code."""
+    try:
+        call(*args, **kw)
+    except grpc.RpcError as exc:
+        return exc.code()
+    raise AssertionError("the call succeeded but was expected to fail")
+
+
+def mounted_at(path: Path) -> sysmount.MountEntry | None:
+    return sysmount.at(str(path))
+
+
+def device_mounts(device: str) -> list[sysmount.MountEntry]:
+    st = os.stat(device)
+    return sysmount.of_device(os.major(st.st_rdev), os.minor(st.st_rdev))
