@@ -59,6 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="advertise the alpha GET_ID and GET_NODE_INFO capabilities (the RPCs are served anyway)")
     _add_logging(d)
 
+    sh = sub.add_parser(
+        "shim",
+        help="run the deferral shim in front of any block-capable CSI driver",
+        description="Serve CSI in front of BACKEND: volumes asked for as file systems are raw block "
+                    "volumes at the backend; NodePublishVolume with defer_fs_ops returns a deferred-mount "
+                    "description instead of mounting. Everything else passes through unchanged.",
+    )
+    sh.add_argument("--endpoint", required=True, help="unix:///path the shim serves CSI on")
+    sh.add_argument("--backend-endpoint", required=True, help="unix:///path of the wrapped CSI driver")
+    sh.add_argument("--proxy-endpoint", required=True,
+                    help="unix:///path of the crust proxy's Runtime API (stats and expansion of deferred volumes)")
+    sh.add_argument("--state-dir", required=True, type=Path, help="the shim's records and private mount points")
+    sh.add_argument("--default-fs-type", default="ext4", choices=["ext4", "xfs"],
+                    help="file system when a mount capability names none (default: ext4)")
+    sh.add_argument("--no-advertise-deferral", action="store_true",
+                    help="do not advertise DEFER_FS_OPS* (for conformance tools that reject unknown capabilities)")
+    sh.add_argument("--max-request-bytes", type=_size, default=1024 * 1024,
+                    help="largest request accepted (default: 1Mi)")
+    _add_logging(sh)
+
     demo = sub.add_parser(
         "demo",
         help="walk one volume through its whole life on the embedded defaults (as root)",
@@ -91,6 +111,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"crust driver: invalid configuration:\n{exc}", file=sys.stderr)
             return 2
         serve(config)
+        return 0
+    if args.command == "shim":
+        from crust.csi_shim.config import ShimConfig
+        from crust.csi_shim.server import serve as serve_shim
+
+        logs.setup(args.log_level, args.log_format == "json")
+        try:
+            shim_config = ShimConfig(
+                endpoint=args.endpoint, backend_endpoint=args.backend_endpoint,
+                proxy_endpoint=args.proxy_endpoint, state_dir=args.state_dir.absolute(),
+                default_fs_type=args.default_fs_type, advertise_deferral=not args.no_advertise_deferral,
+                max_request_bytes=args.max_request_bytes,
+            )
+        except ValidationError as exc:
+            print(f"crust shim: invalid configuration:\n{exc}", file=sys.stderr)
+            return 2
+        serve_shim(shim_config)
         return 0
     if args.command == "demo":
         from crust.demo import run_demo

@@ -62,3 +62,15 @@ class Internal(CrustError):
 
 class DeadlineExceeded(CrustError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Forwarded(CrustError):
+    """An error answered by another gRPC server, passed on unchanged."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+    @classmethod
+    def from_rpc_error(cls, exc: grpc.RpcError) -> "Forwarded":
+        return cls(exc.code(), exc.details() or "")

@@ -129,10 +129,15 @@ def bind_unix(server: grpc.aio.Server, endpoint: str, mode: int = 0o600) -> str:
 class Daemon:
     """A gRPC server on a unix socket with health, reflection and graceful stop."""
 
-    def __init__(self, component: str, endpoint: str, service_names: Iterable[str]):
+    def __init__(self, component: str, endpoint: str, service_names: Iterable[str], *,
+                 max_request_bytes: int | None = None):
         self.component = component
         self.endpoint = endpoint
-        self.server = grpc.aio.server(interceptors=[CrustInterceptor(component)])
+        options = [("grpc.max_receive_message_length", max_request_bytes)] if max_request_bytes else []
+        self.server = grpc.aio.server(interceptors=[CrustInterceptor(component)], options=options)
+        # Handlers consulted after every registered service (the shim's
+        # passthrough): they would otherwise shadow health and reflection.
+        self.fallback_handlers: list[grpc.GenericRpcHandler] = []
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.service_names = list(service_names)
         self.stopping = asyncio.Event()
@@ -142,6 +147,8 @@ class Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = self.service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
+        if self.fallback_handlers:
+            self.server.add_generic_rpc_handlers(tuple(self.fallback_handlers))
         self.socket_path = bind_unix(self.server, self.endpoint)
         await self.server.start()
         for name in self.service_names + [""]:
@@ -170,6 +177,18 @@ class Daemon:
         if on_stop:
             await on_stop()
         await self.stop()
+
+
+def unary_handlers(service: str, implementation, methods: dict[str, tuple[type, type]]) -> grpc.GenericRpcHandler:
+    """A handler serving only the named unary methods of `service` from
+    `implementation`; other methods of the service fall through to the next
+    handler (the shim registers its passthrough after these)."""
+    return grpc.method_handlers_generic_handler(service, {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(implementation, name), request_deserializer=req.FromString,
+            response_serializer=rsp.SerializeToString)
+        for name, (req, rsp) in methods.items()
+    })
 
 
 async def _maybe_await(value):

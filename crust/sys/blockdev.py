@@ -24,6 +24,27 @@ def major_minor(device: str) -> tuple[int, int]:
     return os.major(st.st_rdev), os.minor(st.st_rdev)
 
 
+def device_path(major: int, minor: int) -> str:
+    """The /dev path of a block device, from sysfs (works without udev)."""
+    try:
+        with open(f"/sys/dev/block/{major}:{minor}/uevent") as f:
+            for line in f:
+                if line.startswith("DEVNAME="):
+                    return "/dev/" + line.strip().split("=", 1)[1]
+    except FileNotFoundError:
+        pass
+    raise FileNotFoundError(f"no block device {major}:{minor}")
+
+
+def resolve(path: str) -> tuple[str, int, int]:
+    """(device path, major, minor) of a block device node or a bind mount of one."""
+    st = os.stat(path)
+    if not stat.S_ISBLK(st.st_mode):
+        raise ValueError(f"{path} is not a block device")
+    major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+    return device_path(major, minor), major, minor
+
+
 def is_block_device(path: str) -> bool:
     try:
         return stat.S_ISBLK(os.stat(path).st_mode)

@@ -1,0 +1,80 @@
+"""File system steps shared by the driver's and the shim's node services:
+format a blank device (and nothing else), make a file system fill its
+device, grow a mounted one, and measure one."""
+
+from __future__ import annotations
+
+import logging
+
+from crust.api import csi_pb2
+from crust.common.errors import FailedPrecondition, Internal
+from crust.sys import blockdev, fs
+from crust.sys.run import CommandError
+
+log = logging.getLogger(__name__)
+
+Usage = csi_pb2.VolumeUsage
+
+
+async def format_if_blank(device: str, fs_type: str, volume_id: str) -> bool:
+    """mkfs only a device blkid positively reports blank; True if formatted."""
+    try:
+        probe = await fs.probe(device)
+    except (OSError, CommandError) as exc:
+        # Any doubt about the content means no mkfs: data is never risked.
+        raise Internal(f"cannot tell whether volume {volume_id} is blank, refusing to format it: {exc}")
+    if probe.state is fs.ProbeState.BLANK:
+        log.info("formatting blank volume", extra={"fields": {"fs_type": fs_type, "device": device}})
+        await fs.make(device, fs_type)
+        return True
+    if probe.fs_type != fs_type:
+        raise FailedPrecondition(
+            f"volume {volume_id} holds a {probe.fs_type} file system; volume_capability.mount.fs_type asks for {fs_type}")
+    return False
+
+
+async def fill_device_offline(fs_type: str, device: str) -> None:
+    """Before mounting: grow an ext4 file system that is smaller than its
+    device (the device was expanded, or a snapshot restored into a larger
+    volume). xfs can only grow mounted: see grow_online."""
+    if fs_type == "ext4" and await fs.block_count_bytes("ext4", device) < blockdev.size_bytes(device):
+        await fs.grow_offline("ext4", device)
+
+
+def mount_options(fs_type: str, flags: list[str]) -> list[str]:
+    # xfs refuses a second file system with the same UUID, which is exactly
+    # what a clone or a restored snapshot is.
+    return flags + (["nouuid"] if fs_type == "xfs" and "nouuid" not in flags else [])
+
+
+async def grow_online(fs_type: str, device: str, mount_point: str) -> None:
+    """Grow a mounted file system to its device; FAILED_PRECONDITION where
+    this host kernel refuses (online ext4 on some kernels)."""
+    if fs_type == "xfs":
+        await fs.grow_mounted("xfs", device, mount_point)
+    elif fs_type == "ext4":
+        if await fs.block_count_bytes("ext4", device) < blockdev.size_bytes(device):
+            try:
+                await fs.grow_mounted("ext4", device, mount_point)
+            except CommandError as exc:
+                # The file system is untouched; it grows offline at the next stage.
+                raise FailedPrecondition(
+                    f"this host kernel refused to grow the mounted ext4 file system ({exc.stderr}); "
+                    "it grows to the new size at the next NodeStageVolume (unpublish and unstage the volume)")
+    else:
+        raise FailedPrecondition(f"cannot grow a {fs_type} file system")
+
+
+def stats(path: str, *, went_readonly: bool) -> csi_pb2.NodeGetVolumeStatsResponse:
+    u = fs.usage(path)
+    condition = csi_pb2.VolumeCondition(abnormal=False, message="healthy")
+    if went_readonly:
+        condition = csi_pb2.VolumeCondition(
+            abnormal=True, message="the file system went read-only (errors detected by the kernel)")
+    return csi_pb2.NodeGetVolumeStatsResponse(
+        usage=[
+            Usage(unit=Usage.BYTES, total=u.total_bytes, available=u.available_bytes, used=u.used_bytes),
+            Usage(unit=Usage.INODES, total=u.total_inodes, available=u.free_inodes, used=u.used_inodes),
+        ],
+        volume_condition=condition,
+    )

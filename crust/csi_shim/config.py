@@ -1,0 +1,36 @@
+"""Configuration of `crust shim`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field, field_validator
+
+from crust.common.endpoint import socket_path
+
+
+class ShimConfig(BaseModel):
+    endpoint: str
+    backend_endpoint: str
+    proxy_endpoint: str
+    state_dir: Path
+    default_fs_type: str = "ext4"
+    # Advertise DEFER_FS_OPS*. On by default: deferral is what the shim is for.
+    # Off for conformance tools that reject capability values they do not know.
+    advertise_deferral: bool = True
+    # Largest request the shim accepts; CSI requests are small, a huge one is
+    # an attack or a bug.
+    max_request_bytes: int = Field(default=1024 * 1024, ge=64 * 1024)
+
+    @field_validator("endpoint", "backend_endpoint", "proxy_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        socket_path(value)  # raises ValueError with a clear message
+        return value
+
+    @field_validator("default_fs_type")
+    @classmethod
+    def _fs(cls, value: str) -> str:
+        if value not in ("ext4", "xfs"):
+            raise ValueError("default fs type must be ext4 or xfs")
+        return value

@@ -1,0 +1,60 @@
+"""Controller side of the shim: only capability translation.
+
+CreateVolume, ValidateVolumeCapabilities, ControllerPublishVolume and
+GetCapacity carry volume capabilities; the shim rewrites mount capabilities
+to block ones so the backend provisions and attaches a raw block volume.
+Every other Controller RPC passes through untouched (crust.csi_shim.passthrough).
+"""
+
+from __future__ import annotations
+
+from crust.api import csi_pb2
+from crust.csi_shim.backend import Backend
+from crust.csi_shim.translate import caps_to_block, to_block
+
+
+class ControllerShim:
+    def __init__(self, backend: Backend):
+        self.backend = backend
+
+    async def CreateVolume(self, request: csi_pb2.CreateVolumeRequest, context):
+        forwarded = csi_pb2.CreateVolumeRequest()
+        forwarded.CopyFrom(request)
+        del forwarded.volume_capabilities[:]
+        forwarded.volume_capabilities.extend(caps_to_block(request.volume_capabilities))
+        return await self.backend.call(self.backend.controller.CreateVolume, forwarded, context)
+
+    async def ValidateVolumeCapabilities(self, request: csi_pb2.ValidateVolumeCapabilitiesRequest, context):
+        forwarded = csi_pb2.ValidateVolumeCapabilitiesRequest()
+        forwarded.CopyFrom(request)
+        del forwarded.volume_capabilities[:]
+        forwarded.volume_capabilities.extend(caps_to_block(request.volume_capabilities))
+        response = await self.backend.call(self.backend.controller.ValidateVolumeCapabilities, forwarded, context)
+        if response.HasField("confirmed"):
+            # Confirm what the CO asked for, not the translation.
+            del response.confirmed.volume_capabilities[:]
+            response.confirmed.volume_capabilities.extend(request.volume_capabilities)
+        return response
+
+    async def ControllerPublishVolume(self, request: csi_pb2.ControllerPublishVolumeRequest, context):
+        forwarded = csi_pb2.ControllerPublishVolumeRequest()
+        forwarded.CopyFrom(request)
+        if request.HasField("volume_capability"):
+            forwarded.volume_capability.CopyFrom(to_block(request.volume_capability))
+        return await self.backend.call(self.backend.controller.ControllerPublishVolume, forwarded, context)
+
+    async def GetCapacity(self, request: csi_pb2.GetCapacityRequest, context):
+        forwarded = csi_pb2.GetCapacityRequest()
+        forwarded.CopyFrom(request)
+        del forwarded.volume_capabilities[:]
+        forwarded.volume_capabilities.extend(caps_to_block(request.volume_capabilities))
+        return await self.backend.call(self.backend.controller.GetCapacity, forwarded, context)
+
+
+METHODS = {
+    "CreateVolume": (csi_pb2.CreateVolumeRequest, csi_pb2.CreateVolumeResponse),
+    "ValidateVolumeCapabilities": (csi_pb2.ValidateVolumeCapabilitiesRequest,
+                                   csi_pb2.ValidateVolumeCapabilitiesResponse),
+    "ControllerPublishVolume": (csi_pb2.ControllerPublishVolumeRequest, csi_pb2.ControllerPublishVolumeResponse),
+    "GetCapacity": (csi_pb2.GetCapacityRequest, csi_pb2.GetCapacityResponse),
+}

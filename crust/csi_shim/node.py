@@ -1,0 +1,418 @@
+"""Node side of the shim: deferral of file system operations.
+
+For a volume served with the mount access type, the backend only ever sees a
+raw block volume: the shim stages and publishes it as block into the shim's
+own state dir, finds the device, formats it when positively blank, and mounts
+nothing. Then:
+
+- NodePublishVolume with defer_fs_ops mounts no file system of the volume on
+  the host. It puts an empty read-only tmpfs on the target (a runtime that
+  ignores deferral gets a read-only empty directory and fails loudly instead
+  of writing to the host's disk) and returns the deferred-mount description.
+- NodePublishVolume without it mounts the file system on the host (once per
+  staged volume, at the staging path) and bind-mounts it to the target, like
+  any plugin.
+- Stats and expansion of a deferred target go to the proxy's Runtime API.
+
+Safety rules, each a FAILED_PRECONDITION naming the holder: never defer a
+volume whose file system is mounted on the host, never host-mount a volume
+deferred to a sandbox, never defer a single-writer volume to a second target.
+Raw block volumes pass through to the backend unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+
+from crust.api import csi_pb2
+from crust.common import csi_input, volumefs
+from crust.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from crust.common.inflight import InFlight
+from crust.common.recordstore import RecordStore
+from crust.csi_shim.backend import Backend
+from crust.csi_shim.config import ShimConfig
+from crust.csi_shim.description import describe
+from crust.csi_shim.records import ShimPublish, ShimVolumeRecord, volume_key
+from crust.csi_shim.runtime_client import RuntimeClient
+from crust.csi_shim.translate import to_block
+from crust.sys import blockdev, fs, mount
+
+log = logging.getLogger(__name__)
+
+RPC = csi_pb2.NodeServiceCapability.RPC
+SHIM_CAPABILITIES = [RPC.STAGE_UNSTAGE_VOLUME, RPC.GET_VOLUME_STATS, RPC.EXPAND_VOLUME]
+DEFERRAL_CAPABILITIES = [RPC.DEFER_FS_OPS, RPC.DEFER_FS_OPS_WITH_SUPPLEMENTAL_GROUP,
+                         RPC.DEFER_FS_OPS_WITH_SUPPLEMENTAL_GROUP_CHANGE_POLICY]
+AccessMode = csi_pb2.VolumeCapability.AccessMode
+
+PLACEHOLDER_SOURCE = "crust-deferred"
+CHANGE_POLICIES = ("", "Always", "OnRootMismatch")
+_GROUP = re.compile(r"^[0-9]{1,10}$")
+
+
+class NodeShim:
+    def __init__(self, config: ShimConfig, backend: Backend, runtime: RuntimeClient):
+        self.config = config
+        self.backend = backend
+        self.runtime = runtime
+        self.records = RecordStore(config.state_dir / "volumes", ShimVolumeRecord)
+        self.private = config.state_dir / "backend"
+        self.inflight = InFlight()
+
+    # -- start-up ------------------------------------------------------------------
+
+    def reconcile(self) -> None:
+        """Drop publishes whose mount vanished (after a reboot the CO publishes
+        again); the kernel's mount table is the truth."""
+        for key, rec in self.records.load_all():
+            gone = [t for t, p in rec.published.items() if not self._target_is_ours(t, p.deferred, rec)]
+            for target in gone:
+                del rec.published[target]
+            if gone:
+                self.records.put_sync(key, rec)
+                log.info("dropped vanished publishes", extra={"fields": {"volume_id": rec.volume_id, "targets": gone}})
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _record(self, volume_id: str) -> ShimVolumeRecord | None:
+        return self.records.get(volume_key(volume_id))
+
+    async def _save(self, rec: ShimVolumeRecord) -> None:
+        await self.records.put(volume_key(rec.volume_id), rec)
+
+    def _device(self, rec: ShimVolumeRecord) -> tuple[str, int, int]:
+        try:
+            return blockdev.resolve(rec.backend_target)
+        except (FileNotFoundError, ValueError) as exc:
+            raise FailedPrecondition(
+                f"volume {rec.volume_id}: the backend no longer publishes its device ({exc}); "
+                "call NodeStageVolume again")
+
+    def _host_mounts(self, rec: ShimVolumeRecord) -> list[mount.MountEntry]:
+        """Mounts of the volume's file system on the host (not the device node)."""
+        try:
+            _, major, minor = blockdev.resolve(rec.backend_target)
+        except (FileNotFoundError, ValueError):
+            return []
+        return mount.of_device(major, minor)
+
+    def _target_is_ours(self, target: str, deferred: bool, rec: ShimVolumeRecord) -> bool:
+        entry = mount.at(target)
+        if entry is None:
+            return False
+        if deferred:
+            return entry.fs_type == "tmpfs" and entry.source == PLACEHOLDER_SOURCE
+        return any(m.mount_point == target for m in self._host_mounts(rec))
+
+    @staticmethod
+    def _is_placeholder(entry: mount.MountEntry | None) -> bool:
+        return entry is not None and entry.fs_type == "tmpfs" and entry.source == PLACEHOLDER_SOURCE
+
+    def _fs_type(self, cap: csi_pb2.VolumeCapability, volume_context) -> str:
+        fs_type = cap.mount.fs_type or volume_context.get("fsType") or self.config.default_fs_type
+        if fs_type not in fs.SUPPORTED:
+            raise InvalidArgument(f"volume_capability.mount.fs_type {fs_type!r} is not supported; "
+                                  f"use one of {', '.join(fs.SUPPORTED)}")
+        return fs_type
+
+    def _capability(self, request) -> str:
+        if not request.HasField("volume_capability"):
+            raise InvalidArgument("volume_capability is required")
+        modes = set(AccessMode.Mode.values()) - {AccessMode.UNKNOWN}
+        return csi_input.capability(request.volume_capability, "volume_capability", modes, fs.SUPPORTED)
+
+    # -- capabilities ----------------------------------------------------------------
+
+    async def NodeGetCapabilities(self, request, context):
+        caps = set(self.backend.node_capabilities) | set(SHIM_CAPABILITIES)
+        if self.config.advertise_deferral:
+            caps |= set(DEFERRAL_CAPABILITIES)
+        return csi_pb2.NodeGetCapabilitiesResponse(capabilities=[
+            csi_pb2.NodeServiceCapability(rpc=csi_pb2.NodeServiceCapability.RPC(type=c)) for c in sorted(caps)
+        ])
+
+    # -- stage / unstage ---------------------------------------------------------------
+
+    async def NodeStageVolume(self, request: csi_pb2.NodeStageVolumeRequest, context):
+        volume_id = csi_input.required(request.volume_id, "volume_id")
+        staging = csi_input.path(request.staging_target_path, "staging_target_path")
+        kind = self._capability(request)
+        if kind == "block":
+            if not self.backend.stages:
+                return csi_pb2.NodeStageVolumeResponse()  # the CO stages because we advertise it
+            return await self.backend.call(self.backend.node.NodeStageVolume, request, context)
+        cap = request.volume_capability
+        fs_type = self._fs_type(cap, request.volume_context)
+        flags = list(cap.mount.mount_flags)
+        with self.inflight.hold(volume_id):
+            rec = self._record(volume_id)
+            if rec is not None:
+                if rec.staging_path != staging:
+                    raise FailedPrecondition(f"volume {volume_id} is already staged at {rec.staging_path}")
+                if (rec.fs_type, rec.mount_flags) != (fs_type, flags):
+                    raise AlreadyExists(f"volume {volume_id} is staged at {staging} with a different volume_capability")
+            private = self.private / volume_key(volume_id)
+            backend_staging = private / "staging"
+            backend_target = private / "device"
+            backend_staging.mkdir(parents=True, exist_ok=True, mode=0o700)
+            block_cap = to_block(cap)
+            if self.backend.stages:
+                await self.backend.call(self.backend.node.NodeStageVolume, csi_pb2.NodeStageVolumeRequest(
+                    volume_id=volume_id, publish_context=request.publish_context,
+                    staging_target_path=str(backend_staging), volume_capability=block_cap,
+                    secrets=request.secrets, volume_context=request.volume_context), context)
+            await self.backend.call(self.backend.node.NodePublishVolume, csi_pb2.NodePublishVolumeRequest(
+                volume_id=volume_id, publish_context=request.publish_context,
+                staging_target_path=str(backend_staging) if self.backend.stages else "",
+                target_path=str(backend_target), volume_capability=block_cap, readonly=False,
+                secrets=request.secrets, volume_context=request.volume_context), context)
+            record = rec or ShimVolumeRecord(
+                volume_id=volume_id, staging_path=staging, fs_type=fs_type, mount_flags=flags,
+                access_mode=cap.access_mode.mode, backend_staging=str(backend_staging) if self.backend.stages else "",
+                backend_target=str(backend_target), publish_context=dict(request.publish_context),
+                volume_context=dict(request.volume_context))
+            device, _, _ = self._device(record)
+            if not self._host_mounts(record):
+                await volumefs.format_if_blank(device, fs_type, volume_id)
+            await self._save(record)
+            log.info("staged without mounting", extra={"fields": {"device": device, "fs_type": fs_type}})
+            return csi_pb2.NodeStageVolumeResponse()
+
+    async def NodeUnstageVolume(self, request: csi_pb2.NodeUnstageVolumeRequest, context):
+        volume_id = csi_input.required(request.volume_id, "volume_id")
+        staging = csi_input.path(request.staging_target_path, "staging_target_path")
+        private = self.private / volume_key(volume_id)
+        rec = self._record(volume_id)
+        if rec is None and not private.exists():
+            if not self.backend.stages:
+                return csi_pb2.NodeUnstageVolumeResponse()
+            return await self.backend.call(self.backend.node.NodeUnstageVolume, request, context)
+        with self.inflight.hold(volume_id):
+            if rec is not None:
+                live = [t for t, p in rec.published.items() if self._target_is_ours(t, p.deferred, rec)]
+                if live:
+                    raise FailedPrecondition(f"volume {volume_id} is still published at {', '.join(live)}")
+                host = [m for m in self._host_mounts(rec) if m.mount_point != staging]
+                if host:
+                    raise FailedPrecondition(f"volume {volume_id} is still mounted on the host at {host[0].mount_point}")
+                entry = mount.at(staging)
+                if entry is not None and any(m.mount_point == staging for m in self._host_mounts(rec)):
+                    await mount.unmount_all(staging)
+            backend_target = private / "device"
+            backend_staging = private / "staging"
+            await self.backend.call(self.backend.node.NodeUnpublishVolume, csi_pb2.NodeUnpublishVolumeRequest(
+                volume_id=volume_id, target_path=str(backend_target)), context)
+            if self.backend.stages:
+                await self.backend.call(self.backend.node.NodeUnstageVolume, csi_pb2.NodeUnstageVolumeRequest(
+                    volume_id=volume_id, staging_target_path=str(backend_staging)), context)
+            shutil.rmtree(private, ignore_errors=True)
+            await self.records.delete(volume_key(volume_id))
+            return csi_pb2.NodeUnstageVolumeResponse()
+
+    # -- publish / unpublish --------------------------------------------------------------
+
+    def _groups(self, request: csi_pb2.NodePublishVolumeRequest) -> tuple[str, str]:
+        mount_cap = request.volume_capability.mount
+        group = mount_cap.volume_supplemental_group
+        policy = mount_cap.volume_supplemental_group_change_policy
+        if (group or policy) and not request.defer_fs_ops:
+            raise InvalidArgument("volume_capability.mount.volume_supplemental_group(_change_policy) "
+                                  "may only be set together with defer_fs_ops")
+        if group and not _GROUP.match(group):
+            raise InvalidArgument(f"volume_capability.mount.volume_supplemental_group must be a numeric group id, got {group!r}")
+        if policy not in CHANGE_POLICIES:
+            raise InvalidArgument("volume_capability.mount.volume_supplemental_group_change_policy must be "
+                                  f"Always or OnRootMismatch, got {policy!r}")
+        return group, policy
+
+    async def NodePublishVolume(self, request: csi_pb2.NodePublishVolumeRequest, context):
+        volume_id = csi_input.required(request.volume_id, "volume_id")
+        target = csi_input.path(request.target_path, "target_path")
+        kind = self._capability(request)
+        if kind == "block":
+            if request.defer_fs_ops:
+                raise InvalidArgument("defer_fs_ops: a raw block volume has no file system operations to defer")
+            return await self.backend.call(self.backend.node.NodePublishVolume, request, context)
+        staging = csi_input.path(request.staging_target_path, "staging_target_path")
+        group, policy = self._groups(request)
+        mode = request.volume_capability.access_mode.mode
+        readonly = request.readonly or mode in csi_input.READ_ONLY_MODES
+        wanted = ShimPublish(deferred=request.defer_fs_ops, readonly=readonly,
+                             supplemental_group=group, supplemental_group_change_policy=policy)
+        with self.inflight.hold(volume_id):
+            rec = self._record(volume_id)
+            if rec is None or rec.staging_path != staging:
+                raise FailedPrecondition(f"volume {volume_id} is not staged at {staging}; call NodeStageVolume first")
+            device, major, minor = self._device(rec)
+            known = rec.published.get(target)
+            if known is not None and self._target_is_ours(target, known.deferred, rec):
+                if known != wanted:
+                    raise AlreadyExists(f"volume {volume_id} is already published at {target} "
+                                        f"(deferred={known.deferred}, readonly={known.readonly}); the request differs")
+                return self._response(rec, wanted, device, major, minor)
+            entry = mount.at(target)
+            if entry is not None:
+                if wanted.deferred and self._is_placeholder(entry):
+                    pass  # placed before a crash; adopted below
+                elif not wanted.deferred and self._target_is_ours(target, False, rec):
+                    pass
+                else:
+                    raise FailedPrecondition(f"target_path {target} already has a mount ({entry.source})")
+            if wanted.deferred:
+                await self._publish_deferred(rec, target, wanted, entry)
+            else:
+                await self._publish_on_host(rec, target, wanted, device, entry)
+            rec.published[target] = wanted
+            await self._save(rec)
+            return self._response(rec, wanted, device, major, minor)
+
+    def _response(self, rec, publish: ShimPublish, device, major, minor) -> csi_pb2.NodePublishVolumeResponse:
+        if not publish.deferred:
+            return csi_pb2.NodePublishVolumeResponse()
+        return csi_pb2.NodePublishVolumeResponse(deferred_mount=describe(
+            volume_id=rec.volume_id, device=device, major=major, minor=minor, fs_type=rec.fs_type,
+            flags=rec.mount_flags, readonly=publish.readonly, capacity_bytes=blockdev.size_bytes(device),
+            supplemental_group=publish.supplemental_group,
+            change_policy=publish.supplemental_group_change_policy, volume_context=rec.volume_context))
+
+    async def _publish_deferred(self, rec: ShimVolumeRecord, target: str, wanted: ShimPublish, entry) -> None:
+        host = self._host_mounts(rec)
+        if host:
+            raise FailedPrecondition(
+                f"volume {rec.volume_id}: its file system is mounted on the host at {host[0].mount_point}; "
+                "unpublish the host publishes before deferring it to a sandbox")
+        others = [t for t, p in rec.published.items() if p.deferred and t != target
+                  and self._target_is_ours(t, True, rec)]
+        if others and not (wanted.readonly and all(rec.published[t].readonly for t in others)):
+            raise FailedPrecondition(
+                f"volume {rec.volume_id} is already deferred to a sandbox at {others[0]}; a single-writer "
+                "file system mounted by two sandboxes would be corrupted")
+        if entry is None:
+            os.makedirs(target, exist_ok=True)
+            # Fail closed: a runtime that ignores deferral sees an empty
+            # read-only directory, never the host's disk.
+            await mount.mount(PLACEHOLDER_SOURCE, target, "tmpfs", ["ro", "size=4k", "nr_inodes=16", "mode=0555"])
+        log.info("deferred publish", extra={"fields": {"target": target}})
+
+    async def _publish_on_host(self, rec: ShimVolumeRecord, target: str, wanted: ShimPublish, device: str,
+                               entry) -> None:
+        deferred = [t for t, p in rec.published.items() if p.deferred and self._target_is_ours(t, True, rec)]
+        if deferred:
+            raise FailedPrecondition(
+                f"volume {rec.volume_id} is deferred to a sandbox at {deferred[0]}; it cannot be mounted on the host too")
+        if rec.access_mode == AccessMode.SINGLE_NODE_SINGLE_WRITER:
+            others = [t for t in rec.host_targets() if t != target and self._target_is_ours(t, False, rec)]
+            if others:
+                raise FailedPrecondition(
+                    f"volume {rec.volume_id} has access mode SINGLE_NODE_SINGLE_WRITER and is published at {others[0]}")
+        staged = mount.at(rec.staging_path)
+        if staged is None or not any(m.mount_point == rec.staging_path for m in self._host_mounts(rec)):
+            if staged is not None:
+                raise FailedPrecondition(f"staging_target_path {rec.staging_path} has another mount ({staged.source})")
+            os.makedirs(rec.staging_path, exist_ok=True)
+            await volumefs.fill_device_offline(rec.fs_type, device)
+            await mount.mount(device, rec.staging_path, rec.fs_type, volumefs.mount_options(rec.fs_type, rec.mount_flags))
+            if rec.fs_type == "xfs":
+                await volumefs.grow_online("xfs", device, rec.staging_path)
+        if entry is None:
+            os.makedirs(target, exist_ok=True)
+            await mount.bind(rec.staging_path, target, readonly=wanted.readonly)
+
+    async def NodeUnpublishVolume(self, request: csi_pb2.NodeUnpublishVolumeRequest, context):
+        volume_id = csi_input.required(request.volume_id, "volume_id")
+        target = csi_input.path(request.target_path, "target_path")
+        rec = self._record(volume_id)
+        entry = mount.at(target)
+        if rec is None and not self._is_placeholder(entry):
+            return await self.backend.call(self.backend.node.NodeUnpublishVolume, request, context)
+        with self.inflight.hold(volume_id):
+            if entry is not None:
+                ours = self._is_placeholder(entry) or (rec is not None and self._target_is_ours(target, False, rec))
+                if not ours:
+                    raise FailedPrecondition(f"target_path {target} holds a mount that is not volume {volume_id}")
+                await mount.unmount_all(target)
+            if os.path.isdir(target) and not os.path.islink(target):
+                try:
+                    os.rmdir(target)
+                except OSError as exc:
+                    raise FailedPrecondition(f"target_path {target} is not empty after unmount: {exc}")
+            if rec is not None:
+                rec.published.pop(target, None)
+                if not rec.host_targets():
+                    # The last host publish is gone: unmount the shared host
+                    # mount so the volume can be deferred again.
+                    if any(m.mount_point == rec.staging_path for m in self._host_mounts(rec)):
+                        await mount.unmount_all(rec.staging_path)
+                await self._save(rec)
+            return csi_pb2.NodeUnpublishVolumeResponse()
+
+    # -- stats / expand ---------------------------------------------------------------------
+
+    def _is_deferred(self, rec: ShimVolumeRecord, path: str, flag: bool) -> bool:
+        publish = rec.published.get(path)
+        if publish is not None:
+            return publish.deferred  # the record wins over a missing flag (a downgraded CO)
+        return flag
+
+    async def NodeGetVolumeStats(self, request: csi_pb2.NodeGetVolumeStatsRequest, context):
+        volume_id = csi_input.required(request.volume_id, "volume_id")
+        path = csi_input.required(request.volume_path, "volume_path")
+        rec = self._record(volume_id)
+        if rec is None:
+            return await self.backend.call(self.backend.node.NodeGetVolumeStats, request, context)
+        if self._is_deferred(rec, path, request.defer_fs_ops):
+            if path not in rec.published:
+                raise NotFound(f"volume {volume_id} is not published at volume_path {path!r}")
+            response = await self.runtime.stats(path, context)
+            return csi_pb2.NodeGetVolumeStatsResponse(usage=response.usage,
+                                                      volume_condition=response.volume_condition)
+        host = [m for m in self._host_mounts(rec) if m.mount_point == path]
+        if not host:
+            raise NotFound(f"volume {volume_id} is not mounted at volume_path {path!r}")
+        publish = rec.published.get(path)
+        wanted_ro = publish.readonly if publish else False
+        return volumefs.stats(path, went_readonly="ro" in host[0].super_options and not wanted_ro)
+
+    async def NodeExpandVolume(self, request: csi_pb2.NodeExpandVolumeRequest, context):
+        volume_id = csi_input.required(request.volume_id, "volume_id")
+        path = csi_input.required(request.volume_path, "volume_path")
+        rec = self._record(volume_id)
+        if rec is None:
+            return await self.backend.call(self.backend.node.NodeExpandVolume, request, context)
+        with self.inflight.hold(volume_id):
+            deferred = self._is_deferred(rec, path, request.defer_fs_ops)
+            if path not in rec.published and path != rec.staging_path:
+                raise NotFound(f"volume {volume_id} is not published at volume_path {path!r}")
+            # First the device: the backend grows it as a raw block volume.
+            if self.backend.expands:
+                forwarded = csi_pb2.NodeExpandVolumeRequest(
+                    volume_id=volume_id, volume_path=rec.backend_target, staging_target_path=rec.backend_staging,
+                    volume_capability=to_block(request.volume_capability) if request.HasField("volume_capability")
+                    else None, secrets=request.secrets)
+                if request.HasField("capacity_range"):
+                    forwarded.capacity_range.CopyFrom(request.capacity_range)
+                await self.backend.call(self.backend.node.NodeExpandVolume, forwarded, context)
+            device, _, _ = self._device(rec)
+            size = blockdev.size_bytes(device)
+            if deferred:
+                # Then the file system, by the one who can see it: the sandbox.
+                rng = request.capacity_range if request.HasField("capacity_range") else None
+                capacity = await self.runtime.expand(path, rng, context)
+                return csi_pb2.NodeExpandVolumeResponse(capacity_bytes=capacity or size)
+            if any(m.mount_point == rec.staging_path for m in self._host_mounts(rec)):
+                await volumefs.grow_online(rec.fs_type, device, rec.staging_path)
+            return csi_pb2.NodeExpandVolumeResponse(capacity_bytes=size)
+
+
+METHODS = {
+    "NodeGetCapabilities": (csi_pb2.NodeGetCapabilitiesRequest, csi_pb2.NodeGetCapabilitiesResponse),
+    "NodeStageVolume": (csi_pb2.NodeStageVolumeRequest, csi_pb2.NodeStageVolumeResponse),
+    "NodeUnstageVolume": (csi_pb2.NodeUnstageVolumeRequest, csi_pb2.NodeUnstageVolumeResponse),
+    "NodePublishVolume": (csi_pb2.NodePublishVolumeRequest, csi_pb2.NodePublishVolumeResponse),
+    "NodeUnpublishVolume": (csi_pb2.NodeUnpublishVolumeRequest, csi_pb2.NodeUnpublishVolumeResponse),
+    "NodeGetVolumeStats": (csi_pb2.NodeGetVolumeStatsRequest, csi_pb2.NodeGetVolumeStatsResponse),
+    "NodeExpandVolume": (csi_pb2.NodeExpandVolumeRequest, csi_pb2.NodeExpandVolumeResponse),
+}

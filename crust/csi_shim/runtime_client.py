@@ -1,0 +1,46 @@
+"""Client of the proxy's Runtime API (specs/runtime.proto).
+
+The shim cannot see the file system of a deferred volume; it asks the proxy,
+which asks the runtime handler that mounted the volume in its sandbox.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
+from crust.common.endpoint import grpc_target
+from crust.common.errors import Forwarded, Unavailable
+
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE}
+
+
+class RuntimeClient:
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.channel = grpc.aio.insecure_channel(grpc_target(endpoint))
+        self.stub = runtime_pb2_grpc.RuntimeStub(self.channel)
+
+    async def _call(self, method, request, context):
+        timeout = context.time_remaining() if context is not None else 30.0
+        try:
+            return await method(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _UNREACHABLE:
+                raise Unavailable(f"the crust proxy at {self.endpoint} is unreachable ({exc.details()}); "
+                                  "stats and expansion of a deferred volume need it") from None
+            raise Forwarded.from_rpc_error(exc) from None
+
+    async def stats(self, target_path: str, context) -> runtime_pb2.RuntimeGetVolumeStatsResponse:
+        return await self._call(self.stub.RuntimeGetVolumeStats,
+                                runtime_pb2.RuntimeGetVolumeStatsRequest(volume_target_path=target_path), context)
+
+    async def expand(self, target_path: str, capacity_range: csi_pb2.CapacityRange | None, context) -> int:
+        request = runtime_pb2.RuntimeExpandVolumeRequest(volume_target_path=target_path)
+        if capacity_range is not None:
+            request.capacity_range.CopyFrom(capacity_range)
+        response = await self._call(self.stub.RuntimeExpandVolume, request, context)
+        return response.capacity_bytes
+
+    async def close(self) -> None:
+        await self.channel.close()

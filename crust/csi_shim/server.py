@@ -1,0 +1,61 @@
+"""`crust shim`: a CSI plugin in front of another CSI plugin, adding deferral.
+
+Wiring: the Node RPCs the shim changes, the Controller RPCs whose
+capabilities it translates, and a byte-level passthrough for everything else
+(Identity included: the shim keeps the backend's name, so CSIDriver objects
+and StorageClasses stay as they are).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from crust.common.grpcserver import Daemon, unary_handlers
+from crust.csi_shim import controller, node
+from crust.csi_shim.backend import Backend
+from crust.csi_shim.config import ShimConfig
+from crust.csi_shim.passthrough import Passthrough
+from crust.csi_shim.runtime_client import RuntimeClient
+
+log = logging.getLogger(__name__)
+
+
+class Shim:
+    def __init__(self, config: ShimConfig):
+        self.config = config
+        self.backend = Backend(config.backend_endpoint)
+        self.runtime = RuntimeClient(config.proxy_endpoint)
+        self.node = node.NodeShim(config, self.backend, self.runtime)
+        self.controller = controller.ControllerShim(self.backend)
+        self.daemon = Daemon("shim", config.endpoint, [], max_request_bytes=config.max_request_bytes)
+
+    async def start(self) -> None:
+        self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        await self.backend.learn()
+        self.node.reconcile()
+        server = self.daemon.server
+        server.add_generic_rpc_handlers((
+            unary_handlers("csi.v1.Node", self.node, node.METHODS),
+            unary_handlers("csi.v1.Controller", self.controller, controller.METHODS),
+        ))
+        self.daemon.fallback_handlers.append(Passthrough(self.backend.channel))
+        await self.daemon.start()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.daemon.stop(grace)
+        await self.backend.close()
+        await self.runtime.close()
+
+    async def run(self) -> None:
+        await self.start()
+        self.daemon.install_signal_handlers()
+        await self.daemon.stopping.wait()
+        await self.stop()
+
+
+def serve(config: ShimConfig) -> None:
+    async def main() -> None:
+        await Shim(config).run()
+
+    asyncio.run(main())
