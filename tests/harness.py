@@ -53,48 +53,12 @@ def cleanup_root(root: Path) -> None:
             subprocess.run(["losetup", "-d", device], capture_output=True)
 
 
-@dataclass
-class DriverProcess:
-    root: Path
-    node_id: str = "node-a"
-    mode: str = "all"
-    extra: list[str] = field(default_factory=list)
-    endpoint_name: str = "csi.sock"
+class CsiProcess:
+    """A crust daemon serving CSI on `socket`: stubs and CO-side shortcuts."""
+
+    # Set by the dataclasses below.
     proc: subprocess.Popen | None = None
     channel: grpc.Channel | None = None
-
-    @property
-    def socket(self) -> Path:
-        return self.root / self.endpoint_name
-
-    @property
-    def data_dir(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def log_path(self) -> Path:
-        return self.root / f"{self.endpoint_name}.log"
-
-    def start(self, timeout: float = 15.0) -> "DriverProcess":
-        argv = [sys.executable, "-m", "crust", "driver", "--endpoint", f"unix://{self.socket}",
-                "--node-id", self.node_id, "--data-dir", str(self.data_dir), "--mode", self.mode,
-                "--capacity", "100Gi", *self.extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"driver exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
-            if self.socket.exists():
-                self.channel = grpc.insecure_channel(f"unix://{self.socket}")
-                try:
-                    ready = self.identity.Probe(csi_pb2.ProbeRequest(), timeout=2).ready.value
-                except grpc.RpcError:
-                    ready = False
-                if ready:
-                    return self
-                self.channel.close()
-            time.sleep(0.05)
-        raise TimeoutError(f"driver not ready: {self.log_path.read_text()[-2000:]}")
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.channel is not None:
@@ -115,10 +79,6 @@ class DriverProcess:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
-
-    def restart(self) -> "DriverProcess":
-        self.stop()
-        return self.start()
 
     @property
     def identity(self) -> csi_pb2_grpc.IdentityStub:
@@ -165,6 +125,104 @@ class DriverProcess:
         self.controller.DeleteVolume(csi_pb2.DeleteVolumeRequest(volume_id=volume_id), timeout=60)
 
 
+@dataclass
+class DriverProcess(CsiProcess):
+    root: Path
+    node_id: str = "node-a"
+    mode: str = "all"
+    extra: list[str] = field(default_factory=list)
+    endpoint_name: str = "csi.sock"
+    proc: subprocess.Popen | None = None
+    channel: grpc.Channel | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.root / self.endpoint_name
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"{self.endpoint_name}.log"
+
+    def start(self, timeout: float = 15.0) -> "DriverProcess":
+        argv = [sys.executable, "-m", "crust", "driver", "--endpoint", f"unix://{self.socket}",
+                "--node-id", self.node_id, "--data-dir", str(self.data_dir), "--mode", self.mode,
+                "--capacity", "100Gi", *self.extra]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"driver exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            if self.socket.exists():
+                self.channel = grpc.insecure_channel(f"unix://{self.socket}")
+                try:
+                    ready = self.identity.Probe(csi_pb2.ProbeRequest(), timeout=2).ready.value
+                except grpc.RpcError:
+                    ready = False
+                if ready:
+                    return self
+                self.channel.close()
+            time.sleep(0.05)
+        raise TimeoutError(f"driver not ready: {self.log_path.read_text()[-2000:]}")
+
+    def restart(self) -> "DriverProcess":
+        self.stop()
+        return self.start()
+
+
+@dataclass
+class ShimProcess(CsiProcess):
+    """`crust shim` in front of a DriverProcess, with a Runtime API endpoint."""
+
+    root: Path
+    backend: DriverProcess
+    proxy_socket: Path
+    extra: list[str] = field(default_factory=list)
+    endpoint_name: str = "shim.sock"
+    proc: subprocess.Popen | None = None
+    channel: grpc.Channel | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.root / self.endpoint_name
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "shim-state"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"{self.endpoint_name}.log"
+
+    def start(self, timeout: float = 15.0) -> "ShimProcess":
+        argv = [sys.executable, "-m", "crust", "shim", "--endpoint", f"unix://{self.socket}",
+                "--backend-endpoint", f"unix://{self.backend.socket}",
+                "--proxy-endpoint", f"unix://{self.proxy_socket}", "--state-dir", str(self.state_dir), *self.extra]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"shim exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            if self.socket.exists():
+                self.channel = grpc.insecure_channel(f"unix://{self.socket}")
+                try:
+                    csi_pb2_grpc.NodeStub(self.channel).NodeGetCapabilities(
+                        csi_pb2.NodeGetCapabilitiesRequest(), timeout=2)
+                    return self
+                except grpc.RpcError:
+                    self.channel.close()
+            time.sleep(0.05)
+        raise TimeoutError(f"shim not ready: {self.log_path.read_text()[-2000:]}")
+
+    def restart(self) -> "ShimProcess":
+        self.stop()
+        return self.start()
+
+
+
 class Root:
     """A short temporary root (unix socket paths must stay under 108 bytes)."""
 
@@ -177,8 +235,14 @@ class Root:
         self.drivers.append(d)
         return d
 
+    def shim(self, backend: DriverProcess, **kw) -> ShimProcess:
+        s = ShimProcess(root=self.path, backend=backend, proxy_socket=self.path / "proxy.sock", **kw)
+        # Stopped before the drivers (close() stops in reverse order).
+        self.drivers.append(s)
+        return s
+
     def close(self) -> None:
-        for d in self.drivers:
+        for d in reversed(self.drivers):
             try:
                 d.stop()
             except Exception:  # noqa: BLE001 - cleanup goes on

@@ -46,11 +46,13 @@ def path(value: str, field: str) -> str:
     required(value, field)
     if "\x00" in value:
         raise InvalidArgument(f"{field} contains a NUL character")
-    if len(value) > MAX_PATH:
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_PATH:
         raise InvalidArgument(f"{field} is longer than {MAX_PATH} bytes")
     if not value.startswith("/"):
         raise InvalidArgument(f"{field} must be an absolute path, got {value!r}")
-    if os.path.normpath(value) != value.rstrip("/") and value != "/":
+    # normpath keeps a leading "//" (POSIX leaves its meaning open), so a
+    # doubled slash is refused explicitly.
+    if (os.path.normpath(value) != value.rstrip("/") and value != "/") or "//" in value:
         raise InvalidArgument(f"{field} must be normalised (no '.', '..' or '//'), got {value!r}")
     return value.rstrip("/") or "/"
 
@@ -95,7 +97,7 @@ def mount_flags(flags: list[str], field: str) -> list[str]:
             raise InvalidArgument(f"{field}[{i}] is empty")
         if len(flag) > MAX_OPTION:
             raise InvalidArgument(f"{field}[{i}] is longer than {MAX_OPTION} characters")
-        if "," in flag or any(ord(c) < 32 for c in flag):
+        if "," in flag or any(ord(c) < 32 or 127 <= ord(c) < 160 for c in flag):
             raise InvalidArgument(f"{field}[{i}] {flag!r} must be a single option (no ',' or control characters)")
     return flags
 
@@ -113,6 +115,12 @@ def capacity(rng: csi_pb2.CapacityRange | None, *, default: int, minimum: int, m
     size = required_bytes or (min(default, limit_bytes) if limit_bytes else default)
     size = max(size, minimum)
     size = -(-size // align) * align
+    if limit_bytes and size > limit_bytes:
+        # Rounding up overshot the limit; the aligned size below the limit
+        # may still satisfy both the request and the minimum.
+        below = limit_bytes // align * align
+        if below >= max(required_bytes, minimum):
+            size = below
     if limit_bytes and size > limit_bytes:
         raise OutOfRange(
             f"{field}: the smallest volume this driver can make is {size} bytes "

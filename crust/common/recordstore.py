@@ -37,7 +37,7 @@ class RecordStore(Generic[Record]):
     def _path(self, key: str) -> Path:
         # Keys are ids we generated ourselves; refuse anything that could
         # step outside the directory.
-        if not _SAFE_KEY.match(key):
+        if not _SAFE_KEY.fullmatch(key):  # fullmatch: '$' alone lets a trailing newline in
             raise ValueError(f"unsafe record key {key!r}")
         return self.directory / f"{key}.json"
 

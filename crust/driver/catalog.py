@@ -71,8 +71,12 @@ class Catalog:
         for key, group in self.group_store.load_all():
             if group.state is not Lifecycle.READY:
                 # Members of an unfinished group are removed with it; the CO
-                # retries the whole group by name.
-                for sid in group.snapshot_ids:
+                # retries the whole group by name. A member made just before
+                # the crash may not be listed in the group record yet, but it
+                # names its group.
+                members = set(group.snapshot_ids) | {
+                    sid for sid, snap in self.snapshots.items() if snap.group_snapshot_id == group.group_snapshot_id}
+                for sid in sorted(members):
                     snap = self.snapshots.pop(sid, None)
                     if snap is not None:
                         self.snapshot_names.pop(snap.name, None)

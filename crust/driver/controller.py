@@ -281,6 +281,13 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
                     raise AlreadyExists(f"volume {name!r} exists with different parameters")
                 if existing.content_source != source:
                     raise AlreadyExists(f"volume {name!r} exists with a different volume_content_source")
+                if existing.capacity_bytes < minimum:
+                    raise AlreadyExists(f"volume {name!r} exists with {existing.capacity_bytes} bytes, too small "
+                                        f"for the requested volume_capabilities (at least {minimum})")
+                requisite = {t.segments.get(TOPOLOGY_KEY) for t in request.accessibility_requirements.requisite}
+                if requisite and existing.node not in requisite:
+                    raise AlreadyExists(f"volume {name!r} exists on node {existing.node}, outside "
+                                        "accessibility_requirements.requisite")
                 return csi_pb2.CreateVolumeResponse(volume=self._csi_volume(existing))
 
             pool = self._place(request, size, near)
@@ -400,6 +407,13 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         except InvalidArgument as exc:
             # Unsupported capabilities are an answer here, not an error.
             return csi_pb2.ValidateVolumeCapabilitiesResponse(message=exc.message)
+        fs_types = {c.mount.fs_type or volume.parameters.get(PARAM_FS_TYPE, self.config.default_fs_type)
+                    for c in request.volume_capabilities if c.HasField("mount")}
+        for fs_type in sorted(fs_types):
+            if volume.capacity_bytes < fs.MIN_SIZE.get(fs_type, 0):
+                return csi_pb2.ValidateVolumeCapabilitiesResponse(
+                    message=f"volume_capabilities: a {fs_type} file system needs at least "
+                            f"{fs.MIN_SIZE[fs_type]} bytes; the volume has {volume.capacity_bytes}")
         if dict(request.parameters) and _check_parameters(dict(request.parameters), "parameters",
                                                             {PARAM_PROVISIONING, PARAM_FS_TYPE}) != volume.parameters:
             return csi_pb2.ValidateVolumeCapabilitiesResponse(message="parameters differ from the volume's")

@@ -118,8 +118,28 @@ class NodeService(csi_pb2_grpc.NodeServicer):
 
     @staticmethod
     def _device_of(backing: Path) -> str | None:
-        devices = loop.devices_for(backing)
+        """The writable loop device of the volume (read-only ones serve
+        read-only raw block publishes, see NodePublishVolume)."""
+        devices = [d for d in loop.devices_for(backing) if not loop.read_only(d)]
         return devices[0] if devices else None
+
+    @staticmethod
+    async def _detach_if_unused(device: str) -> None:
+        """Detach a loop device this driver attached, unless something mounts it."""
+        try:
+            if mount.of_device(*blockdev.major_minor(device)) or mount.of_device_node(device):
+                return
+            await loop.detach(device)
+        except (OSError, ValueError, CommandError) as exc:
+            log.warning("could not detach", extra={"fields": {"device": device, "error": str(exc)}})
+
+    @staticmethod
+    def _read_only_device(entry: mount.MountEntry, backing: Path) -> str | None:
+        """The read-only loop device a read-only raw block publish bound at this entry."""
+        if entry.fs_type != "devtmpfs":
+            return None
+        device = "/dev" + entry.root
+        return device if device in loop.devices_for(backing) and loop.read_only(device) else None
 
     async def _attach(self, backing: Path) -> str:
         device = self._device_of(backing)
@@ -129,19 +149,22 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         return device
 
     @staticmethod
-    def _is_our_mount(entry: mount.MountEntry, device: str | None) -> bool:
-        """Is this mount entry the file system or the device node of `device`?"""
-        if device is None:
-            return False
-        try:
-            majmin = blockdev.major_minor(device)
-        except (FileNotFoundError, ValueError):
-            return False
-        if (entry.major, entry.minor) == majmin:
-            return True
-        # A bind mount of the device node itself (raw block publish) shows the
-        # devtmpfs it lives on, with the node's name as root.
-        return entry.fs_type == "devtmpfs" and entry.root == "/" + os.path.basename(device)
+    def _is_our_mount(entry: mount.MountEntry, device: str | None, backing: Path | None = None) -> bool:
+        """Is this mount entry the file system or the device node of `device`
+        (or, given backing, of any loop device over the volume's file)?"""
+        devices = loop.devices_for(backing) if backing is not None else [device] if device else []
+        for dev in devices:
+            try:
+                majmin = blockdev.major_minor(dev)
+            except (FileNotFoundError, ValueError):
+                continue
+            if (entry.major, entry.minor) == majmin:
+                return True
+            # A bind mount of the device node itself (raw block publish) shows the
+            # devtmpfs it lives on, with the node's name as root.
+            if entry.fs_type == "devtmpfs" and entry.root == "/" + os.path.basename(dev):
+                return True
+        return False
 
     def _validate_capability(self, request, field: str = "volume_capability") -> str:
         if not request.HasField("volume_capability"):
@@ -167,6 +190,11 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         fs_type = (cap.mount.fs_type or request.volume_context.get("fsType") or self.config.default_fs_type) \
             if kind == "mount" else ""
         flags = list(cap.mount.mount_flags) if kind == "mount" else []
+        if kind == "mount" and fs_type not in fs.SUPPORTED:
+            # Only reachable through volume_context (the capability's own
+            # fs_type is checked above).
+            raise InvalidArgument(f"volume_context.fsType {fs_type!r} is not supported; use one of "
+                                  f"{', '.join(fs.SUPPORTED)}")
         with self.inflight.hold(volume_id):
             backing = self._backing_file(volume_id)
             rec = self.records.get(volume_id)
@@ -177,20 +205,29 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                     raise AlreadyExists(f"volume {volume_id} is staged at {staging} with a different volume_capability")
             if kind == "mount":
                 os.makedirs(staging, exist_ok=True)
+            attached_here = self._device_of(backing) is None
             device = await self._attach(backing)
-            if kind == "mount":
-                current = mount.at(staging)
-                if current is not None and not self._is_our_mount(current, device):
-                    raise FailedPrecondition(f"staging_target_path {staging} has another file system mounted ({current.source})")
-                if current is None:
-                    await self._format_if_blank(device, fs_type, volume_id)
-                    await self._grow_if_needed(fs_type, device, None)
-                    # xfs refuses a second file system with the same UUID, which
-                    # is exactly what a clone or a restored snapshot is.
-                    extra = ["nouuid"] if fs_type == "xfs" and "nouuid" not in flags else []
-                    await mount.mount(device, staging, fs_type, flags + extra)
-                    if fs_type == "xfs" and cap.access_mode.mode not in csi_input.READ_ONLY_MODES:
-                        await self._grow_if_needed(fs_type, device, staging)
+            try:
+                if kind == "mount":
+                    current = mount.at(staging)
+                    if current is not None and not self._is_our_mount(current, device):
+                        raise FailedPrecondition(
+                            f"staging_target_path {staging} has another file system mounted ({current.source})")
+                    if current is None:
+                        await self._format_if_blank(device, fs_type, volume_id)
+                        await self._grow_if_needed(fs_type, device, None)
+                        # xfs refuses a second file system with the same UUID, which
+                        # is exactly what a clone or a restored snapshot is.
+                        extra = ["nouuid"] if fs_type == "xfs" and "nouuid" not in flags else []
+                        await mount.mount(device, staging, fs_type, flags + extra)
+                        if fs_type == "xfs" and cap.access_mode.mode not in csi_input.READ_ONLY_MODES:
+                            await self._grow_if_needed(fs_type, device, staging)
+            except Exception:
+                # A failed stage leaves no loop device behind: no NodeUnstageVolume
+                # follows a failed stage, and DeleteVolume would orphan the device.
+                if attached_here:
+                    await self._detach_if_unused(device)
+                raise
             record = NodeVolumeRecord(volume_id=volume_id, staging_path=staging, access_type=kind,
                                       access_mode=cap.access_mode.mode, fs_type=fs_type, mount_flags=flags,
                                       published=rec.published if rec else {})
@@ -227,14 +264,14 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             current = mount.at(staging)
             if current is not None and (self._is_our_mount(current, device) or rec is not None):
                 await mount.unmount_all(staging)
-            if device is not None:
-                majmin = blockdev.major_minor(device)
-                still = mount.of_device(*majmin) + mount.of_device_node(device)
+            devices = loop.devices_for(backing)  # read-only ones of raw block publishes too
+            for dev in devices:
+                still = mount.of_device(*blockdev.major_minor(dev)) + mount.of_device_node(dev)
                 if still:
                     raise FailedPrecondition(
-                        f"volume {volume_id} ({device}) is still mounted at {still[0].mount_point}")
-                for dev in loop.devices_for(backing):
-                    await loop.detach(dev)
+                        f"volume {volume_id} ({dev}) is still mounted at {still[0].mount_point}")
+            for dev in devices:
+                await loop.detach(dev)
             await self.records.delete(volume_id)
             return csi_pb2.NodeUnstageVolumeResponse()
 
@@ -262,7 +299,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 raise FailedPrecondition(f"volume {volume_id} is not attached; call NodeStageVolume again")
             wanted = NodePublish(readonly=readonly, access_type=kind)
             current = mount.at(target)
-            if current is not None and self._is_our_mount(current, device):
+            if current is not None and self._is_our_mount(current, device, backing):
                 known = rec.published.get(target)
                 if known is not None and known != wanted:
                     raise AlreadyExists(f"volume {volume_id} is published at {target} with readonly={known.readonly}")
@@ -278,6 +315,13 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                     raise FailedPrecondition(
                         f"volume {volume_id} has access mode SINGLE_NODE_SINGLE_WRITER and is published at {others[0]}")
             if kind == "mount":
+                staged = mount.at(staging)
+                if staged is None or not self._is_our_mount(staged, device):
+                    # Binding the bare directory would hand the workload the
+                    # host's file system instead of the volume.
+                    raise FailedPrecondition(
+                        f"volume {volume_id} is not mounted at staging_target_path {staging}; "
+                        "call NodeStageVolume again")
                 os.makedirs(target, exist_ok=True)
                 source = staging
             else:
@@ -285,7 +329,16 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 if not os.path.exists(target):
                     Path(target).touch(mode=0o600)
                 source = device
-            await mount.bind(source, target, readonly=readonly)
+                if readonly:
+                    # A read-only bind mount does not stop writes through a
+                    # device node; a read-only loop device of its own does.
+                    source = await loop.attach(backing, read_only=True)
+            try:
+                await mount.bind(source, target, readonly=readonly)
+            except Exception:
+                if source not in (device, staging):
+                    await self._detach_if_unused(source)
+                raise
             rec.published[target] = wanted
             await self.records.put(volume_id, rec)
             return csi_pb2.NodePublishVolumeResponse()
@@ -297,12 +350,16 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             rec = self.records.get(volume_id)
             if rec is None and not self._volume_exists(volume_id):
                 raise NotFound(f"volume {volume_id!r} does not exist on node {self.config.node_id}")
-            device = self._device_of(self.pool.volume_file(volume_id))
+            backing = self.pool.volume_file(volume_id)
+            device = self._device_of(backing)
             current = mount.at(target)
             if current is not None:
-                if not (self._is_our_mount(current, device) or (rec and target in rec.published)):
+                if not (self._is_our_mount(current, device, backing) or (rec and target in rec.published)):
                     raise FailedPrecondition(f"target_path {target} holds a mount that is not volume {volume_id}")
+                private = self._read_only_device(current, backing)
                 await mount.unmount_all(target)
+                if private is not None:
+                    await self._detach_if_unused(private)
             # The spec asks the plugin to remove what it created at target.
             if os.path.isdir(target) and not os.path.islink(target):
                 try:
@@ -320,7 +377,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
 
     def _mount_for(self, volume_id: str, path: str, device: str | None) -> mount.MountEntry:
         entry = mount.at(path) if path.startswith("/") else None
-        if entry is None or not self._is_our_mount(entry, device):
+        if entry is None or not self._is_our_mount(entry, device, self.pool.volume_file(volume_id)):
             raise NotFound(f"volume {volume_id} is not mounted at volume_path {path!r}")
         return entry
 
@@ -337,7 +394,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         if not backing.exists():
             condition = csi_pb2.VolumeCondition(abnormal=True, message="the backing file was removed")
         if entry.fs_type == "devtmpfs":
-            size = blockdev.size_bytes(device)
+            size = blockdev.size_bytes("/dev" + entry.root)
             return csi_pb2.NodeGetVolumeStatsResponse(
                 usage=[Usage(unit=Usage.BYTES, total=size)], volume_condition=condition)
         u = fs.usage(path)
@@ -367,7 +424,8 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             if device is None:
                 raise FailedPrecondition(f"volume {volume_id} is not staged on node {self.config.node_id}")
             entry = self._mount_for(volume_id, path, device)
-            await loop.refresh_capacity(device)
+            for dev in loop.devices_for(backing):  # read-only publishes grow too
+                await loop.refresh_capacity(dev)
             size = blockdev.size_bytes(device)
             required = request.capacity_range.required_bytes if request.HasField("capacity_range") else 0
             if required > size:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 
 from crust.api import csi_pb2, csi_pb2_grpc
+from crust.common.endpoint import clear_stale_socket, socket_path
 from crust.common.grpcserver import Daemon
 from crust.driver.catalog import Catalog
 from crust.driver.config import DriverConfig
@@ -58,6 +59,10 @@ class Driver:
             csi_pb2_grpc.add_GroupControllerServicer_to_server(GroupControllerService(self.controller), server)
 
     async def start(self) -> None:
+        # Refuse a socket another server is listening on before any state is
+        # touched: a second driver must not reconcile (roll back creates,
+        # detach devices) what the live one is in the middle of.
+        clear_stale_socket(socket_path(self.config.endpoint))
         self.prepare()
         await self.daemon.start()
         self.ready = True

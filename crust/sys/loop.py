@@ -46,9 +46,21 @@ def attached() -> dict[str, str]:
     return result
 
 
-async def attach(backing_file: str | os.PathLike, *, direct_io: bool = False) -> str:
-    """Attach backing_file to a free loop device and return its path."""
-    argv = ["losetup", "--find", "--show", "--nooverlap"]
+def read_only(device: str) -> bool:
+    """Is the loop device read-only (attached with --read-only)?"""
+    try:
+        return (SYS_BLOCK / os.path.basename(device) / "ro").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+async def attach(backing_file: str | os.PathLike, *, direct_io: bool = False, read_only: bool = False) -> str:
+    """Attach backing_file to a free loop device and return its path.
+
+    read_only attaches a second, read-only device beside the writable one
+    (--nooverlap would hand back the writable device instead).
+    """
+    argv = ["losetup", "--find", "--show", "--read-only" if read_only else "--nooverlap"]
     if direct_io:
         argv.append("--direct-io=on")
     argv.append(os.path.realpath(backing_file))

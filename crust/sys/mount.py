@@ -90,8 +90,14 @@ def of_device(major: int, minor: int) -> list[MountEntry]:
 
 
 def of_device_node(device_path: str) -> list[MountEntry]:
-    """Bind mounts of a block device node itself (raw block publish)."""
-    return [e for e in mounts() if e.source == device_path or e.mount_point == device_path]
+    """Bind mounts of a block device node itself (raw block publish).
+
+    mountinfo shows such a bind as the devtmpfs holding the node, with the
+    node's name as root (source is "devtmpfs", not the device path).
+    """
+    name = "/" + os.path.basename(device_path)
+    return [e for e in mounts() if e.source == device_path or e.mount_point == device_path
+            or (e.fs_type == "devtmpfs" and e.root == name)]
 
 
 async def mount(source: str, target: str, fs_type: str, options: list[str] | None = None) -> None:

@@ -1,0 +1,784 @@
+"""Logic-only unit tests: input checks, paging, mountinfo parsing, redaction,
+atomic files, record stores, sizes, endpoints, the generated stubs and the
+wire facts of specs/csi.proto. Nothing here touches a device or a mount.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import importlib.util
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import FieldDescriptor
+from pydantic import BaseModel
+
+from crust.api import csi_pb2
+from crust.common import atomicfile, csi_input, endpoint, units
+from crust.common.errors import Aborted, CrustError, InvalidArgument, OutOfRange
+from crust.common.recordstore import RecordStore
+from crust.common.redact import MASK, redacted
+from crust.driver.controller import TOKEN_PREFIX, _page
+from crust.sys import mount as sysmount
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 1024**2
+GIB = 1024**3
+
+
+def _raises(exc_type: type[CrustError], fn, *args, **kw) -> CrustError:
+    with pytest.raises(exc_type) as info:
+        fn(*args, **kw)
+    # The exact class, not a subclass or sibling: the class is the gRPC code.
+    assert type(info.value) is exc_type
+    return info.value
+
+
+# -- csi_input.path ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("/", "/"),
+    ("/var/lib/kubelet/pods/p/volumes/x/mount", "/var/lib/kubelet/pods/p/volumes/x/mount"),
+    ("/a/b/", "/a/b"),  # a trailing slash names the same directory
+    ("/with space/and-ünïcode", "/with space/and-ünïcode"),
+    ("/a/.hidden/..x", "/a/.hidden/..x"),  # dots inside a name are not components
+])
+def test_path_accepts_normalised_absolute_paths(value, expected):
+    assert csi_input.path(value, "target_path") == expected
+
+
+@pytest.mark.parametrize("value", [
+    "relative/path",
+    "./x",
+    "..",
+    "/a/../b",
+    "/a/..",
+    "/..",
+    "/a/./b",
+    "/a//b",
+    "//a",  # POSIX normpath keeps a leading '//', the check must not
+    "//",
+    "/a/b//",
+])
+def test_path_rejects_relative_and_unnormalised(value):
+    err = _raises(InvalidArgument, csi_input.path, value, "staging_target_path")
+    assert "staging_target_path" in err.message
+
+
+def test_path_rejects_empty_nul_and_too_long():
+    for value in ("", "/a\x00b", "/" + "x" * csi_input.MAX_PATH):
+        err = _raises(InvalidArgument, csi_input.path, value, "target_path")
+        assert "target_path" in err.message
+    # The limit is in bytes (PATH_MAX), not characters.
+    wide = "/" + "é" * (csi_input.MAX_PATH // 2 + 10)
+    assert len(wide) < csi_input.MAX_PATH < len(wide.encode())
+    err = _raises(InvalidArgument, csi_input.path, wide, "target_path")
+    assert "target_path" in err.message
+    # Right at the limit is fine.
+    assert csi_input.path("/" + "x" * (csi_input.MAX_PATH - 1), "p") == "/" + "x" * (csi_input.MAX_PATH - 1)
+
+
+# -- csi_input.mount_flags -------------------------------------------------------------
+
+
+def test_mount_flags_accepts_single_options():
+    flags = ["noatime", "discard", "context=system_u:object_r:container_file_t:s0", "uid=1000"]
+    assert csi_input.mount_flags(flags, "volume_capability.mount.mount_flags") == flags
+
+
+@pytest.mark.parametrize("flag", ["ro,exec", "a,", ",", "x\ny", "x\ty", "x\x00", "x\x1f", "x\x7f", "x\x85"])
+def test_mount_flags_rejects_commas_and_control_characters(flag):
+    err = _raises(InvalidArgument, csi_input.mount_flags, ["noatime", flag], "cap.mount.mount_flags")
+    assert "cap.mount.mount_flags[1]" in err.message
+
+
+def test_mount_flags_rejects_empty_and_too_long():
+    for flag in ("", "x" * (csi_input.MAX_OPTION + 1)):
+        err = _raises(InvalidArgument, csi_input.mount_flags, [flag], "f")
+        assert "f[0]" in err.message
+
+
+def test_capability_checks_mount_flags_inside():
+    cap = csi_pb2.VolumeCapability(
+        mount=csi_pb2.VolumeCapability.MountVolume(mount_flags=["ro,exec"]),
+        access_mode=csi_pb2.VolumeCapability.AccessMode(mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER))
+    err = _raises(InvalidArgument, csi_input.capability, cap, "volume_capability", csi_input.SINGLE_NODE_MODES,
+                  ("ext4",))
+    assert "volume_capability.mount.mount_flags[0]" in err.message
+
+
+# -- csi_input.capacity ------------------------------------------------------------------
+
+
+def _capacity(required=0, limit=0, *, default=GIB, minimum=16 * MIB, maximum=100 * GIB, align=MIB, none=False):
+    rng = None if none else csi_pb2.CapacityRange(required_bytes=required, limit_bytes=limit)
+    return csi_input.capacity(rng, default=default, minimum=minimum, maximum=maximum, align=align)
+
+
+def test_capacity_defaults_minimum_and_rounding():
+    assert _capacity(none=True) == GIB
+    assert _capacity() == GIB
+    assert _capacity(required=1) == 16 * MIB  # raised to the minimum
+    assert _capacity(required=64 * MIB) == 64 * MIB  # exact multiples are honoured
+    assert _capacity(required=64 * MIB + 1) == 65 * MIB  # rounded up, never down
+    assert _capacity(required=100 * GIB) == 100 * GIB  # the maximum itself is allowed
+
+
+def test_capacity_within_limit():
+    # Only a limit: the default, capped by the limit.
+    assert _capacity(limit=32 * MIB) == 32 * MIB
+    assert _capacity(limit=4 * GIB) == GIB
+    # required == limit, aligned: exactly that.
+    assert _capacity(required=48 * MIB, limit=48 * MIB) == 48 * MIB
+    # A limit that is not a MiB multiple still admits the aligned size below it.
+    assert _capacity(limit=20 * MIB + 5) == 20 * MIB
+    assert _capacity(required=17 * MIB, limit=20 * MIB + 5) == 17 * MIB
+    assert _capacity(required=17 * MIB + 1, limit=20 * MIB + 5) == 18 * MIB
+
+
+def test_capacity_out_of_range_versus_invalid_argument():
+    # Contradictory or negative requests are the caller's mistake.
+    err = _raises(InvalidArgument, _capacity, required=64 * MIB, limit=32 * MIB)
+    assert "capacity_range" in err.message
+    _raises(InvalidArgument, _capacity, required=-1)
+    _raises(InvalidArgument, _capacity, limit=-1)
+    # Well-formed ranges this driver cannot satisfy are OUT_OF_RANGE.
+    err = _raises(OutOfRange, _capacity, limit=8 * MIB)  # below the minimum
+    assert "capacity_range" in err.message
+    _raises(OutOfRange, _capacity, required=17 * MIB + 1, limit=17 * MIB + 1000)  # no MiB multiple fits
+    _raises(OutOfRange, _capacity, required=100 * GIB + 1)  # above the maximum
+    _raises(OutOfRange, _capacity, required=1, maximum=8 * MIB)  # minimum above the maximum
+    assert InvalidArgument.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert OutOfRange.code is grpc.StatusCode.OUT_OF_RANGE
+
+
+# -- controller._page ---------------------------------------------------------------------
+
+
+IDS = [f"vol-{i:03d}" for i in range(10)]
+
+
+@pytest.mark.parametrize("max_entries", [1, 3, 4, 9, 10, 11])
+def test_page_walk_covers_every_id_once(max_entries):
+    seen, token, calls = [], "", 0
+    while True:
+        page, token = _page(IDS, token, max_entries)
+        assert 0 < len(page) <= max_entries
+        seen += page
+        calls += 1
+        if not token:
+            break
+        assert calls < 50
+    assert seen == IDS
+    assert calls == -(-len(IDS) // max_entries)
+
+
+def test_page_zero_means_all():
+    assert _page(IDS, "", 0) == (IDS, "")
+    assert _page([], "", 0) == ([], "")
+    assert _page([], "", 5) == ([], "")
+
+
+def test_page_token_of_deleted_id_still_works():
+    page, token = _page(IDS, "", 3)
+    assert page == IDS[:3] and token
+    remaining = [i for i in IDS if i != page[-1]]  # the last returned item is deleted
+    remaining.append("vol-999")  # and one is created meanwhile
+    seen, token2 = [], token
+    while token2:
+        chunk, token2 = _page(remaining, token2, 3)
+        seen += chunk
+    assert seen == IDS[3:] + ["vol-999"]
+
+
+def test_page_invalid_token_is_aborted():
+    for bad in ("garbage", "vol-003", "AFTER:vol-003"):
+        err = _raises(Aborted, _page, IDS, bad, 3)
+        assert "starting_token" in err.message
+    assert Aborted.code is grpc.StatusCode.ABORTED
+    # A well-formed token past the end is an empty last page, not an error.
+    assert _page(IDS, TOKEN_PREFIX + "zzz", 3) == ([], "")
+
+
+def test_page_negative_max_entries_is_invalid():
+    _raises(InvalidArgument, _page, IDS, "", -1)
+
+
+# -- mount.parse_mountinfo ------------------------------------------------------------------
+
+
+MOUNTINFO = "\n".join([
+    r"22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw,errors=remount-ro",
+    r"36 35 98:0 /mnt1 /mnt/with\040space rw,noatime master:1 propagate_from:2 - ext3 /dev/root rw,errors=continue",
+    r"40 22 7:3 / /var/lib/k/a\040b\011c\134d rw,relatime - xfs /dev/loop3 rw,attr2,inode64",
+    r"41 22 0:6 /loop3 /tmp/t/block ro,nosuid shared:7 - devtmpfs devtmpfs rw,size=100k",
+    r"50 22 0:45 / /srv/x\040-\040y rw - tmpfs my\040tmpfs rw",
+    "",
+    "garbage line",
+])
+
+
+def test_parse_mountinfo():
+    entries = sysmount.parse_mountinfo(MOUNTINFO)
+    assert [e.mount_id for e in entries] == [22, 36, 40, 41, 50]
+    root, spaced, loop, block, dashed = entries
+    assert (root.major, root.minor, root.root, root.mount_point) == (8, 1, "/", "/")
+    assert root.fs_type == "ext4" and root.source == "/dev/sda1"
+    assert root.options == ("rw", "relatime") and root.super_options == ("rw", "errors=remount-ro")
+    # Two optional fields before the separator.
+    assert spaced.mount_point == "/mnt/with space"
+    assert spaced.root == "/mnt1"
+    assert (spaced.major, spaced.minor) == (98, 0)
+    assert spaced.options == ("rw", "noatime")
+    assert spaced.fs_type == "ext3" and spaced.source == "/dev/root"
+    assert spaced.super_options == ("rw", "errors=continue")
+    # No optional field at all; tab and backslash escapes.
+    assert loop.mount_point == "/var/lib/k/a b\tc\\d"
+    assert (loop.major, loop.minor, loop.fs_type, loop.source) == (7, 3, "xfs", "/dev/loop3")
+    assert not loop.readonly
+    assert block.readonly and block.root == "/loop3" and block.fs_type == "devtmpfs"
+    # An escaped " - " in a mount point is not the separator.
+    assert dashed.mount_point == "/srv/x - y"
+    assert dashed.fs_type == "tmpfs" and dashed.source == "my tmpfs"
+
+
+# -- redact ----------------------------------------------------------------------------------
+
+
+SECRETS = {"password": "hunter2", "token": "s3cr3t"}
+
+
+def _no_secret_left(obj) -> None:
+    text = repr(obj)
+    for value in SECRETS.values():
+        assert value not in text
+
+
+def test_redacted_strips_top_level_secrets_and_keeps_the_rest():
+    stage = csi_pb2.NodeStageVolumeRequest(
+        volume_id="vol-1", staging_target_path="/s", secrets=SECRETS, volume_context={"fsType": "ext4"},
+        publish_context={"node": "a"})
+    out = redacted(stage)
+    _no_secret_left(out)
+    assert out["secrets"] == {"password": MASK, "token": MASK}
+    assert out["volume_id"] == "vol-1" and out["staging_target_path"] == "/s"
+    assert out["volume_context"] == {"fsType": "ext4"} and out["publish_context"] == {"node": "a"}
+    assert stage.secrets["password"] == "hunter2"  # the request itself is untouched
+
+    create = csi_pb2.CreateVolumeRequest(
+        name="pvc-1", secrets=SECRETS, parameters={"provisioning": "thin"},
+        capacity_range=csi_pb2.CapacityRange(required_bytes=5))
+    out = redacted(create)
+    _no_secret_left(out)
+    assert out["secrets"] == {"password": MASK, "token": MASK}
+    assert out["name"] == "pvc-1" and out["parameters"] == {"provisioning": "thin"}
+    assert out["capacity_range"] == {"required_bytes": "5"}
+
+    snap = csi_pb2.CreateSnapshotRequest(source_volume_id="vol-1", name="s", secrets=SECRETS,
+                                         parameters={"k": "v"})
+    out = redacted(snap)
+    _no_secret_left(out)
+    assert out["secrets"] == {"password": MASK, "token": MASK}
+    assert out["parameters"] == {"k": "v"} and out["source_volume_id"] == "vol-1"
+
+
+def test_every_csi_secrets_field_is_marked():
+    # redacted() relies on the option: every `secrets` field must carry it.
+    found = 0
+    for msg in csi_pb2.DESCRIPTOR.message_types_by_name.values():
+        for field in msg.fields:
+            if field.name == "secrets":
+                assert field.GetOptions().Extensions[csi_pb2.csi_secret], msg.full_name
+                found += 1
+    assert found >= 15
+
+
+@pytest.fixture(scope="module")
+def wrapper_class():
+    """A message nesting CSI requests at depth (singular, repeated, map) and
+    holding secret fields of other types, built at run time."""
+    pool = descriptor_pool.Default()
+    fdp = descriptor_pb2.FileDescriptorProto(name="crust_test_redact.proto", package="crusttest",
+                                             syntax="proto3", dependency=[csi_pb2.DESCRIPTOR.name])
+    msg = fdp.message_type.add(name="Wrapper")
+    entry = msg.nested_type.add(name="ByNameEntry")
+    entry.options.map_entry = True
+    entry.field.add(name="key", number=1, type=FieldDescriptor.TYPE_STRING, label=FieldDescriptor.LABEL_OPTIONAL)
+    entry.field.add(name="value", number=2, type=FieldDescriptor.TYPE_MESSAGE, label=FieldDescriptor.LABEL_OPTIONAL,
+                    type_name=".csi.v1.CreateSnapshotRequest")
+    msg.field.add(name="stage", number=1, type=FieldDescriptor.TYPE_MESSAGE, label=FieldDescriptor.LABEL_OPTIONAL,
+                  type_name=".csi.v1.NodeStageVolumeRequest")
+    msg.field.add(name="creates", number=2, type=FieldDescriptor.TYPE_MESSAGE,
+                  label=FieldDescriptor.LABEL_REPEATED, type_name=".csi.v1.CreateVolumeRequest")
+    msg.field.add(name="by_name", number=3, type=FieldDescriptor.TYPE_MESSAGE,
+                  label=FieldDescriptor.LABEL_REPEATED, type_name=".crusttest.Wrapper.ByNameEntry")
+    token = msg.field.add(name="token", number=4, type=FieldDescriptor.TYPE_STRING,
+                          label=FieldDescriptor.LABEL_OPTIONAL)
+    token.options.Extensions[csi_pb2.csi_secret] = True
+    pin = msg.field.add(name="pin", number=5, type=FieldDescriptor.TYPE_INT64, label=FieldDescriptor.LABEL_OPTIONAL)
+    pin.options.Extensions[csi_pb2.csi_secret] = True
+    msg.field.add(name="note", number=6, type=FieldDescriptor.TYPE_STRING, label=FieldDescriptor.LABEL_OPTIONAL)
+    msg.field.add(name="inner", number=7, type=FieldDescriptor.TYPE_MESSAGE, label=FieldDescriptor.LABEL_OPTIONAL,
+                  type_name=".crusttest.Wrapper")
+    try:
+        desc = pool.FindMessageTypeByName("crusttest.Wrapper")
+    except KeyError:
+        pool.AddSerializedFile(fdp.SerializeToString())
+        desc = pool.FindMessageTypeByName("crusttest.Wrapper")
+    return message_factory.GetMessageClass(desc)
+
+
+def test_redacted_strips_secrets_at_any_depth(wrapper_class):
+    W = wrapper_class
+    inner = W(
+        stage=csi_pb2.NodeStageVolumeRequest(volume_id="vol-deep", secrets=SECRETS),
+        creates=[csi_pb2.CreateVolumeRequest(name="a", secrets=SECRETS),
+                 csi_pb2.CreateVolumeRequest(name="b", parameters={"p": "1"})],
+        token="s3cr3t", pin=1234567, note="visible",
+    )
+    inner.by_name["x"].CopyFrom(csi_pb2.CreateSnapshotRequest(name="snap-x", secrets=SECRETS))
+    outer = W(inner=inner, stage=csi_pb2.NodeStageVolumeRequest(volume_id="vol-top", secrets=SECRETS))
+    out = redacted(outer)
+    _no_secret_left(out)
+    assert "1234567" not in repr(out)
+    assert out["stage"] == {"volume_id": "vol-top", "secrets": {"password": MASK, "token": MASK}}
+    deep = out["inner"]
+    assert deep["stage"]["secrets"] == {"password": MASK, "token": MASK}
+    assert deep["stage"]["volume_id"] == "vol-deep"
+    assert deep["creates"][0] == {"name": "a", "secrets": {"password": MASK, "token": MASK}}
+    assert deep["creates"][1] == {"name": "b", "parameters": {"p": "1"}}
+    assert deep["by_name"]["x"] == {"name": "snap-x", "secrets": {"password": MASK, "token": MASK}}
+    assert deep["token"] == MASK
+    assert "pin" not in deep
+    assert deep["note"] == "visible"
+    assert outer.inner.token == "s3cr3t"  # original untouched
+
+
+# -- atomicfile ---------------------------------------------------------------------------------
+
+
+def _temporaries(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name.endswith(".tmp"))
+
+
+def test_write_atomic_replaces_whole_file(tmp_path):
+    target = tmp_path / "rec.json"
+    target.write_bytes(b"x" * 10000)
+    os.chmod(target, 0o644)
+    atomicfile.write_atomic(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert _temporaries(tmp_path) == []
+    atomicfile.write_atomic(target, b"other", mode=0o644)
+    assert target.read_bytes() == b"other"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec.json"]
+
+
+@pytest.mark.parametrize("failing", ["rename", "fsync"])
+def test_write_atomic_failure_keeps_old_content(tmp_path, monkeypatch, failing):
+    target = tmp_path / "rec.json"
+    atomicfile.write_atomic(target, b"old content")
+    real = getattr(os, failing)
+    calls = []
+
+    def boom(*args, **kw):
+        calls.append(args)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, failing, boom)
+    with pytest.raises(OSError):
+        atomicfile.write_atomic(target, b"new content that must not appear")
+    monkeypatch.setattr(os, failing, real)
+    assert calls, f"os.{failing} was never called: the failure was not simulated"
+    assert target.read_bytes() == b"old content"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec.json"]
+
+
+def test_clean_temporaries_and_remove_durably(tmp_path):
+    (tmp_path / ".a.json.k3j4.tmp").write_bytes(b"partial")
+    (tmp_path / "a.json").write_bytes(b"{}")
+    (tmp_path / "keep.tmp").write_bytes(b"not ours: no leading dot")
+    assert atomicfile.clean_temporaries(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "keep.tmp"]
+    assert atomicfile.remove_durably(tmp_path / "a.json") is True
+    assert atomicfile.remove_durably(tmp_path / "a.json") is False
+
+
+# -- recordstore ------------------------------------------------------------------------------------
+
+
+class Rec(BaseModel):
+    name: str
+    size: int = 0
+    tags: dict[str, str] = {}
+
+
+async def test_recordstore_round_trip(tmp_path):
+    store = RecordStore(tmp_path / "recs", Rec)
+    assert stat.S_IMODE((tmp_path / "recs").stat().st_mode) == 0o700
+    assert store.get("vol-1") is None
+    store.put_sync("vol-1", Rec(name="one", size=1, tags={"a": "b"}))
+    await store.put("vol-2", Rec(name="two", size=2))
+    assert store.get("vol-1") == Rec(name="one", size=1, tags={"a": "b"})
+    assert stat.S_IMODE((tmp_path / "recs" / "vol-1.json").stat().st_mode) == 0o600
+    # A second store over the same directory (a restart) sees the same.
+    again = RecordStore(tmp_path / "recs", Rec)
+    assert dict(again.load_all()) == {"vol-1": Rec(name="one", size=1, tags={"a": "b"}),
+                                      "vol-2": Rec(name="two", size=2)}
+    await again.put("vol-1", Rec(name="one", size=10))
+    assert store.get("vol-1").size == 10
+    await again.delete("vol-1")
+    again.delete_sync("vol-1")  # idempotent
+    assert store.get("vol-1") is None
+    assert [k for k, _ in store.load_all()] == ["vol-2"]
+    assert sorted(p.name for p in (tmp_path / "recs").iterdir()) == ["vol-2.json"]
+
+
+def test_recordstore_moves_corrupt_files_aside(tmp_path):
+    d = tmp_path / "recs"
+    store = RecordStore(d, Rec)
+    store.put_sync("good", Rec(name="g"))
+    (d / "broken.json").write_bytes(b'{"name": "trunc')
+    (d / "wrongshape.json").write_bytes(b'{"size": "not a number"}')
+    (d / "empty.json").write_bytes(b"")
+    loaded = dict(store.load_all())
+    assert loaded == {"good": Rec(name="g")}
+    assert sorted(p.name for p in d.iterdir()) == ["broken.corrupt", "empty.corrupt", "good.json",
+                                                   "wrongshape.corrupt"]
+    assert (d / "broken.corrupt").read_bytes() == b'{"name": "trunc'  # kept for a human
+    assert dict(store.load_all()) == {"good": Rec(name="g")}  # and stays out of the way
+
+
+def test_recordstore_cleans_temporaries_at_open(tmp_path):
+    d = tmp_path / "recs"
+    d.mkdir()
+    (d / ".vol-1.json.abcd1234.tmp").write_bytes(b'{"name": "half')
+    store = RecordStore(d, Rec)
+    assert list(d.iterdir()) == []
+    assert list(store.load_all()) == []
+
+
+@pytest.mark.parametrize("key", ["../x", "a/b", "/etc/passwd", "..", ".hidden", "", "x\n", "a b", "-x", "x" * 202])
+def test_recordstore_rejects_unsafe_keys(tmp_path, key):
+    store = RecordStore(tmp_path / "recs", Rec)
+    with pytest.raises(ValueError):
+        store.put_sync(key, Rec(name="evil"))
+    with pytest.raises(ValueError):
+        store.get(key)
+    with pytest.raises(ValueError):
+        store.delete_sync(key)
+    assert list((tmp_path / "recs").iterdir()) == []
+    assert not (tmp_path / "x.json").exists()
+
+
+# -- units ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, value", [
+    ("4096", 4096), ("0", 0), ("512Mi", 512 * MIB), ("10Gi", 10 * GIB), ("1G", 10**9), ("1g", 10**9),
+    ("2Ti", 2 * 2**40), ("3k", 3000), ("3Ki", 3072), ("1KiB", 1024), ("1MB", 10**6), (" 7 Mi ", 7 * MIB),
+    ("100Gi", 100 * GIB),
+])
+def test_parse_size(text, value):
+    assert units.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "Mi", "1.5Gi", "-1", "1Pi", "1 2", "10 Gix", "ten"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError):
+        units.parse_size(text)
+
+
+def test_format_size():
+    assert units.format_size(0) == "0"
+    assert units.format_size(1000) == "1000"
+    assert units.format_size(1024) == "1Ki"
+    assert units.format_size(1536 * MIB) == "1536Mi"
+    assert units.format_size(GIB) == "1Gi"
+    assert units.format_size(3 * 2**40) == "3Ti"
+    assert units.format_size(GIB + 1) == str(GIB + 1)
+    for n in (0, 1, 1023, 4096, 64 * MIB, 100 * GIB, 2**40 + 2**20):
+        assert units.parse_size(units.format_size(n)) == n
+
+
+# -- endpoint -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, path", [
+    ("unix:///run/csi/csi.sock", "/run/csi/csi.sock"),
+    ("unix:/run/csi/csi.sock", "/run/csi/csi.sock"),
+    ("/run/csi/csi.sock", "/run/csi/csi.sock"),
+    ("unix:///run/csi/../x.sock", "/run/x.sock"),
+    ("unix:///run//csi/./csi.sock", "/run/csi/csi.sock"),
+])
+def test_socket_path_forms(value, path):
+    assert endpoint.socket_path(value) == path
+    assert endpoint.grpc_target(value) == "unix://" + path
+
+
+@pytest.mark.parametrize("value, words", [
+    ("tcp://127.0.0.1:10000", "only unix"),
+    ("csi.sock", "only unix"),
+    ("", "only unix"),
+    ("unix://relative/csi.sock", "absolute"),
+    ("unix:relative.sock", "absolute"),
+    ("unix://", "absolute"),
+])
+def test_socket_path_errors(value, words):
+    with pytest.raises(ValueError) as info:
+        endpoint.socket_path(value)
+    assert words in str(info.value)
+    assert repr(value) in str(info.value)
+
+
+def test_clear_stale_socket(tmp_path):
+    path = str(tmp_path / "s.sock")
+    endpoint.clear_stale_socket(path)  # nothing there: fine
+    # A socket nobody listens on is removed.
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    s.close()
+    assert stat.S_ISSOCK(os.lstat(path).st_mode)
+    endpoint.clear_stale_socket(path)
+    assert not os.path.lexists(path)
+    # A live one is refused and kept.
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        live.bind(path)
+        live.listen(1)
+        with pytest.raises(RuntimeError, match="another server"):
+            endpoint.clear_stale_socket(path)
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+    finally:
+        live.close()
+    os.unlink(path)
+    # Something that is not a socket is never removed.
+    Path(path).write_text("precious")
+    with pytest.raises(RuntimeError, match="not a socket"):
+        endpoint.clear_stale_socket(path)
+    assert Path(path).read_text() == "precious"
+
+
+# -- generated stubs ----------------------------------------------------------------------------------------
+
+
+def _load_gen_stubs(path: Path):
+    spec = importlib.util.spec_from_file_location(f"gen_stubs_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stub_files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.is_file() and p.suffix in (".py", ".pyi"))
+
+
+def _differences(a: Path, b: Path) -> list[str]:
+    names_a, names_b = set(_stub_files(a)), set(_stub_files(b))
+    diff = sorted(names_a ^ names_b)
+    diff += sorted(n for n in names_a & names_b if (a / n).read_bytes() != (b / n).read_bytes())
+    return diff
+
+
+def test_gen_stubs_check_passes():
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "gen_stubs.py"), "--check"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "up to date" in result.stdout
+
+
+def test_generated_stubs_match_specs_byte_for_byte(tmp_path):
+    """Regenerate from specs/ here and compare ourselves (independent of the
+    tool's own comparison): editing specs/*.proto without regenerating, or
+    editing crust/api by hand, fails this test."""
+    gen = _load_gen_stubs(REPO / "tools" / "gen_stubs.py")
+    assert gen.SPECS == REPO / "specs" and gen.API == REPO / "crust" / "api"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    gen.generate(fresh)
+    assert {"csi_pb2.py", "csi_pb2.pyi", "csi_pb2_grpc.py", "__init__.py"} <= set(_stub_files(fresh))
+    assert _differences(fresh, REPO / "crust" / "api") == []
+    # The comparison itself can see a one-byte change.
+    copy = tmp_path / "copy"
+    shutil.copytree(REPO / "crust" / "api", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert _differences(fresh, copy) == []
+    data = bytearray((copy / "csi_pb2.py").read_bytes())
+    middle = len(data) // 2
+    data[middle] = ord("A") if data[middle] != ord("A") else ord("B")
+    (copy / "csi_pb2.py").write_bytes(bytes(data))
+    assert _differences(fresh, copy) == ["csi_pb2.py"]
+
+
+def test_gen_stubs_check_fails_on_stale_stubs(tmp_path):
+    """The tool's --check, run on a copy of the repository layout, fails for
+    an edited proto, an edited stub and a stray stub."""
+    for d in ("tools", "specs"):
+        shutil.copytree(REPO / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
+    api = tmp_path / "crust" / "api"
+    shutil.copytree(REPO / "crust" / "api", api, ignore=shutil.ignore_patterns("__pycache__"))
+    tool = tmp_path / "tools" / "gen_stubs.py"
+
+    def check() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True, timeout=60)
+
+    assert check().returncode == 0  # the copy is faithful
+
+    proto = tmp_path / "specs" / "csi.proto"
+    original = proto.read_text()
+    edited = original.replace("message NodeGetIDResponse {", "message NodeGetIDResponse {\n  string extra = 99;", 1)
+    assert edited != original
+    proto.write_text(edited)
+    result = check()
+    assert result.returncode == 1 and "csi_pb2" in result.stdout, result.stdout + result.stderr
+    proto.write_text(original)
+    assert check().returncode == 0
+
+    stub = api / "csi_pb2_grpc.py"
+    good = stub.read_bytes()
+    stub.write_bytes(good.replace(b"NodeGetID", b"NodeGetId", 1))
+    result = check()
+    assert result.returncode == 1 and "csi_pb2_grpc.py" in result.stdout
+    stub.write_bytes(good)
+
+    (api / "old_pb2.py").write_text("# left over from a removed proto\n")
+    result = check()
+    assert result.returncode == 1 and "old_pb2.py" in result.stdout
+
+
+# -- wire facts of specs/csi.proto ---------------------------------------------------------------------------
+
+
+D = csi_pb2.DESCRIPTOR
+
+
+def _field(message: str, name: str):
+    desc = D.message_types_by_name[message.split(".")[0]]
+    for part in message.split(".")[1:]:
+        desc = desc.nested_types_by_name[part]
+    return desc.fields_by_name[name]
+
+
+def test_package():
+    assert D.package == "csi.v1"
+    assert D.services_by_name["Node"].full_name == "csi.v1.Node"
+    assert D.services_by_name["Controller"].full_name == "csi.v1.Controller"
+
+
+def test_alpha_enum_values():
+    node = csi_pb2.NodeServiceCapability.RPC.Type
+    assert node.Value("DEFER_FS_OPS") == 7
+    assert node.Value("DEFER_FS_OPS_WITH_SUPPLEMENTAL_GROUP") == 8
+    assert node.Value("DEFER_FS_OPS_WITH_SUPPLEMENTAL_GROUP_CHANGE_POLICY") == 9
+    assert node.Value("GET_ID") == 10
+    ctrl = csi_pb2.ControllerServiceCapability.RPC.Type
+    assert ctrl.Value("GET_NODE_INFO") == 16
+    enum = D.message_types_by_name["NodeServiceCapability"].nested_types_by_name["RPC"].enum_types_by_name["Type"]
+    for name in ("DEFER_FS_OPS", "DEFER_FS_OPS_WITH_SUPPLEMENTAL_GROUP",
+                 "DEFER_FS_OPS_WITH_SUPPLEMENTAL_GROUP_CHANGE_POLICY", "GET_ID"):
+        assert enum.values_by_name[name].GetOptions().Extensions[csi_pb2.alpha_enum_value]
+
+
+def test_upstream_enum_values():
+    node = csi_pb2.NodeServiceCapability.RPC.Type
+    assert [node.Value(n) for n in ("UNKNOWN", "STAGE_UNSTAGE_VOLUME", "GET_VOLUME_STATS", "EXPAND_VOLUME",
+                                    "VOLUME_CONDITION", "SINGLE_NODE_MULTI_WRITER", "VOLUME_MOUNT_GROUP")] == \
+        list(range(7))
+    ctrl = csi_pb2.ControllerServiceCapability.RPC.Type
+    upstream = ["UNKNOWN", "CREATE_DELETE_VOLUME", "PUBLISH_UNPUBLISH_VOLUME", "LIST_VOLUMES", "GET_CAPACITY",
+                "CREATE_DELETE_SNAPSHOT", "LIST_SNAPSHOTS", "CLONE_VOLUME", "PUBLISH_READONLY", "EXPAND_VOLUME",
+                "LIST_VOLUMES_PUBLISHED_NODES", "VOLUME_CONDITION", "GET_VOLUME", "SINGLE_NODE_MULTI_WRITER",
+                "MODIFY_VOLUME", "GET_SNAPSHOT"]
+    assert [ctrl.Value(n) for n in upstream] == list(range(16))
+    mode = csi_pb2.VolumeCapability.AccessMode.Mode
+    assert [mode.Value(n) for n in ("UNKNOWN", "SINGLE_NODE_WRITER", "SINGLE_NODE_READER_ONLY",
+                                    "MULTI_NODE_READER_ONLY", "MULTI_NODE_SINGLE_WRITER", "MULTI_NODE_MULTI_WRITER",
+                                    "SINGLE_NODE_SINGLE_WRITER", "SINGLE_NODE_MULTI_WRITER")] == list(range(8))
+
+
+@pytest.mark.parametrize("message, name, number", [
+    ("NodePublishVolumeRequest", "defer_fs_ops", 9),
+    ("NodeUnpublishVolumeRequest", "defer_fs_ops", 3),
+    ("NodeGetVolumeStatsRequest", "defer_fs_ops", 4),
+    ("NodeExpandVolumeRequest", "defer_fs_ops", 7),
+])
+def test_defer_fs_ops_fields(message, name, number):
+    field = _field(message, name)
+    assert field.number == number
+    assert field.type == FieldDescriptor.TYPE_BOOL
+    assert field.GetOptions().Extensions[csi_pb2.alpha_field]
+
+
+def test_alpha_fields_and_messages():
+    group = _field("VolumeCapability.MountVolume", "volume_supplemental_group")
+    policy = _field("VolumeCapability.MountVolume", "volume_supplemental_group_change_policy")
+    assert (group.number, policy.number) == (4, 5)
+    assert group.type == policy.type == FieldDescriptor.TYPE_STRING
+    deferred = _field("NodePublishVolumeResponse", "deferred_mount")
+    assert deferred.number == 1000
+    assert deferred.message_type.full_name == "csi.v1.DeferredMount"
+    assert deferred.GetOptions().Extensions[csi_pb2.alpha_field]
+    assert _field("NodeExpandVolumeRequest", "secrets").number == 6
+
+
+def test_alpha_rpcs_exist():
+    node = D.services_by_name["Node"].methods_by_name["NodeGetID"]
+    assert node.input_type.full_name == "csi.v1.NodeGetIDRequest"
+    assert node.output_type.full_name == "csi.v1.NodeGetIDResponse"
+    ctrl = D.services_by_name["Controller"].methods_by_name["ControllerGetNodeInfo"]
+    assert ctrl.input_type.full_name == "csi.v1.ControllerGetNodeInfoRequest"
+    assert ctrl.output_type.full_name == "csi.v1.ControllerGetNodeInfoResponse"
+    # and the generated gRPC stubs carry them
+    from crust.api import csi_pb2_grpc
+    assert hasattr(csi_pb2_grpc.NodeServicer, "NodeGetID")
+    assert hasattr(csi_pb2_grpc.ControllerServicer, "ControllerGetNodeInfo")
+
+
+@pytest.mark.parametrize("message, numbers", [
+    ("CreateVolumeRequest", {"name": 1, "capacity_range": 2, "volume_capabilities": 3, "parameters": 4,
+                             "secrets": 5, "volume_content_source": 6, "accessibility_requirements": 7,
+                             "mutable_parameters": 8}),
+    ("NodeStageVolumeRequest", {"volume_id": 1, "publish_context": 2, "staging_target_path": 3,
+                                "volume_capability": 4, "secrets": 5, "volume_context": 6}),
+    ("NodePublishVolumeRequest", {"volume_id": 1, "publish_context": 2, "staging_target_path": 3,
+                                  "target_path": 4, "volume_capability": 5, "readonly": 6, "secrets": 7,
+                                  "volume_context": 8}),
+    ("NodeUnpublishVolumeRequest", {"volume_id": 1, "target_path": 2}),
+    ("NodeGetVolumeStatsRequest", {"volume_id": 1, "volume_path": 2, "staging_target_path": 3}),
+    ("NodeExpandVolumeRequest", {"volume_id": 1, "volume_path": 2, "capacity_range": 3,
+                                 "staging_target_path": 4, "volume_capability": 5, "secrets": 6}),
+    ("CreateVolumeResponse", {"volume": 1}),
+    ("Volume", {"capacity_bytes": 1, "volume_id": 2, "volume_context": 3, "content_source": 4,
+                "accessible_topology": 5}),
+    ("CapacityRange", {"required_bytes": 1, "limit_bytes": 2}),
+    ("VolumeCapability", {"block": 1, "mount": 2, "access_mode": 3}),
+    ("VolumeCapability.MountVolume", {"fs_type": 1, "mount_flags": 2, "volume_mount_group": 3}),
+    ("CreateSnapshotRequest", {"source_volume_id": 1, "name": 2, "secrets": 3, "parameters": 4}),
+    ("DeleteVolumeRequest", {"volume_id": 1, "secrets": 2}),
+    ("ListVolumesRequest", {"max_entries": 1, "starting_token": 2}),
+    ("NodeGetInfoResponse", {"node_id": 1, "max_volumes_per_node": 2, "accessible_topology": 3}),
+])
+def test_upstream_field_numbers(message, numbers):
+    got = {name: _field(message, name).number for name in numbers}
+    assert got == numbers
+
+
+def test_upstream_services_are_complete():
+    methods = {s.name: sorted(m.name for m in s.methods) for s in D.services_by_name.values()}
+    assert methods["Identity"] == ["GetPluginCapabilities", "GetPluginInfo", "Probe"]
+    assert methods["Node"] == sorted(["NodeStageVolume", "NodeUnstageVolume", "NodePublishVolume",
+                                      "NodeUnpublishVolume", "NodeGetVolumeStats", "NodeExpandVolume",
+                                      "NodeGetCapabilities", "NodeGetInfo", "NodeGetID"])
+    assert {"CreateVolume", "DeleteVolume", "ControllerPublishVolume", "ControllerUnpublishVolume",
+            "ValidateVolumeCapabilities", "ListVolumes", "GetCapacity", "ControllerGetCapabilities",
+            "CreateSnapshot", "DeleteSnapshot", "ListSnapshots", "GetSnapshot", "ControllerExpandVolume",
+            "ControllerGetVolume", "ControllerModifyVolume", "ControllerGetNodeInfo"} == set(methods["Controller"])
