@@ -216,6 +216,11 @@ class CO:
             into[step] = (time.perf_counter() - t0) * 1e3
         return resp
 
+    def round_trip(self, into=None) -> None:
+        """A call that does no work: the gRPC + event-loop floor under every step."""
+        self._timed(into, "NodeGetCapabilities", self.d.node.NodeGetCapabilities,
+                    csi_pb2.NodeGetCapabilitiesRequest())
+
     def create(self, v: Vol, into=None) -> None:
         with self.lock:
             self.live[v.name] = v
@@ -345,6 +350,7 @@ def snapshot_env(root: Path, driver: Driver) -> dict:
         "loop_nodes_in_sys_block": len(loop_names()),
         "loop_devices_attached": len(sysloop.attached()),
         "node_records": len(list(records.glob("*.json"))) if records.exists() else 0,
+        "loadavg_before": _read("/proc/loadavg").split(" ")[0],
         "ms_read_mountinfo": cost(lambda: Path("/proc/self/mountinfo").read_bytes()),
         "ms_mount_mounts": cost(sysmount.mounts),
         "ms_mount_at": cost(lambda: sysmount.at(str(root / "nowhere"))),
@@ -452,6 +458,7 @@ def render_table(result: dict) -> str:
 
     size = result["config"]
     ext4 = f"ext4 {size['ext4_mib']} MiB"
+    add("gRPC round trip, no work (NodeGetCapabilities)", "ext4", "NodeGetCapabilities")
     for step in EXT4_STEPS:
         add(f"{step} ({ext4})", "ext4", step)
     add(f"whole lifecycle ({ext4}, sum)", "ext4", "total")
@@ -476,7 +483,9 @@ def render_table(result: dict) -> str:
                 ("node_records", "node records on disk"),
                 ("ms_read_mountinfo", "one raw read of /proc/self/mountinfo, ms"),
                 ("ms_mount_mounts", "one crust.sys.mount.mounts() (read + parse), ms"),
-                ("ms_loop_devices_for", "one crust.sys.loop.devices_for() scan, ms")]
+                ("ms_loop_devices_for", "one crust.sys.loop.devices_for() scan, ms"),
+                ("loadavg_before", "1-min load average before measuring (2 CPUs)"),
+                ("loadavg_after", "1-min load average after measuring")]
     out.append("")
     out.append("| state during the measurement | " + " | ".join(f"{n} bg" for n in scales) + " |")
     out.append("|---|" + "---:|" * len(scales))
@@ -569,6 +578,7 @@ def measure_one(co: CO, root: Path, tag: str, args) -> tuple[dict, dict]:
     b = Vol(f"m-{tag}-xfs", "xfs", args.xfs_size * MIB, str(base / "x-staging"), str(base / "x-target"))
     te: dict[str, float] = {}
     tx: dict[str, float] = {}
+    co.round_trip(te)
     # The ext4 volume's life, in the order a CO calls it...
     co.create(a, te)
     co.controller_publish(a, te)
@@ -595,6 +605,9 @@ def main(argv=None) -> int:
     def on_signal(signum, frame):
         raise Interrupted(signal.Signals(signum).name)
 
+    # Ctrl-C raises KeyboardInterrupt even when started with SIGINT ignored
+    # (as background jobs of a non-interactive shell are).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)
 
@@ -639,7 +652,7 @@ def main(argv=None) -> int:
             print(f"\n[{n} background volumes] ready (+{len(todo)} in {built:.1f}s); mountinfo {env['mountinfo_lines']} "
                   f"lines, {env['loop_nodes_in_sys_block']} loop nodes; measuring {args.volumes} volumes",
                   flush=True)
-            ext4 = {s: [] for s in EXT4_STEPS + ["total"]}
+            ext4 = {s: [] for s in EXT4_STEPS + ["total", "NodeGetCapabilities"]}
             xfs = {s: [] for s in XFS_STEPS}
             t1 = time.monotonic()
             for i in range(args.volumes):
@@ -652,6 +665,7 @@ def main(argv=None) -> int:
                     print(f"  {i + 1}/{args.volumes} (lifecycle median so far "
                           f"{statistics.median(ext4['total']):.0f} ms)", flush=True)
             seen_loops |= {d.removeprefix("/dev/") for d in ours(root)}
+            env["loadavg_after"] = _read("/proc/loadavg").split(" ")[0]
             result["scales"].append({
                 "background": n, "build_seconds": round(built, 1),
                 "measure_seconds": round(time.monotonic() - t1, 1), "env": env,
@@ -664,7 +678,7 @@ def main(argv=None) -> int:
         print(render_table(result))
         status = 0
     except (KeyboardInterrupt, Interrupted) as exc:
-        print(f"\ninterrupted ({exc or 'SIGINT'}); cleaning up", file=sys.stderr, flush=True)
+        print(f"\ninterrupted ({str(exc) or 'SIGINT'}); cleaning up", file=sys.stderr, flush=True)
         status = 130
     except Exception as exc:  # noqa: BLE001 - report, then clean up
         why = ""
@@ -691,16 +705,22 @@ def main(argv=None) -> int:
             leftovers = list(co.live.values())
             with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as cleaners:
                 problems = [p for p in cleaners.map(co.tear_down_quietly, leftovers) if p]
-        driver.stop()
-        unmounted, detached = force_cleanup(root)
-        removed_nodes = 0
-        if not args.keep_loop_nodes:
-            removed_nodes = remove_loop_nodes(seen_loops - loops_before)
+        try:
+            driver.stop()
+        except Exception as exc:  # noqa: BLE001 - the kernel-side cleanup below must still run
+            problems.append(f"stopping the driver: {exc!r}")
+        unmounted = detached = removed_nodes = 0
+        try:
+            unmounted, detached = force_cleanup(root)
+            if not args.keep_loop_nodes:
+                removed_nodes = remove_loop_nodes(seen_loops - loops_before)
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"forced cleanup: {exc!r}")
         left_mounts = [m.mount_point for m in sysmount.mounts() if (m.mount_point + "/").startswith(str(root) + "/")]
         left_loops = ours(root)
         if not left_mounts and not left_loops:
             shutil.rmtree(root, ignore_errors=True)
-        print(f"\ncleanup: {len(co.live)} volumes left in the driver, {len(problems)} teardown errors, "
+        print(f"\ncleanup: {len(co.live)} volumes not deleted through the driver, {len(problems)} teardown errors, "
               f"{unmounted} forced unmounts, {detached} forced detaches, {removed_nodes} loop nodes removed "
               f"({time.monotonic() - t0:.1f}s)", file=sys.stderr, flush=True)
         for p in problems[:10]:

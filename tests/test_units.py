@@ -5,7 +5,6 @@ wire facts of specs/csi.proto. Nothing here touches a device or a mount.
 
 from __future__ import annotations
 
-import filecmp
 import importlib.util
 import os
 import shutil

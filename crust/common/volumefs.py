@@ -57,9 +57,11 @@ async def grow_online(fs_type: str, device: str, mount_point: str) -> None:
             try:
                 await fs.grow_mounted("ext4", device, mount_point)
             except CommandError as exc:
-                # The file system is untouched; it grows offline at the next stage.
+                # Seen here: the resize ioctl answers EPERM (the kernel, or a
+                # missing CAP_SYS_RESOURCE in a container, refuses it). The
+                # file system is untouched; it grows offline at the next stage.
                 raise FailedPrecondition(
-                    f"this host kernel refused to grow the mounted ext4 file system ({exc.stderr}); "
+                    f"online growth of the mounted ext4 file system was refused on this host ({exc.stderr}); "
                     "it grows to the new size at the next NodeStageVolume (unpublish and unstage the volume)")
     else:
         raise FailedPrecondition(f"cannot grow a {fs_type} file system")

@@ -13,7 +13,7 @@ import grpc
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.common.endpoint import grpc_target
 from crust.common.errors import Forwarded
-from crust.csi_shim.passthrough import forwardable_metadata
+from crust.csi_shim.passthrough import forward_timeout, forwardable_metadata
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Backend:
     async def call(self, method, request, context: grpc.aio.ServicerContext | None, metadata=None):
         """Call the backend with the caller's deadline and metadata; its errors
         come back unchanged (status code and message)."""
-        timeout = context.time_remaining() if context is not None else 60.0
+        timeout = forward_timeout(context) if context is not None else 60.0
         md = forwardable_metadata(context) if context is not None else metadata
         try:
             return await method(request, timeout=timeout, metadata=md)

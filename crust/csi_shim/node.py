@@ -114,8 +114,10 @@ class NodeShim:
     def _fs_type(self, cap: csi_pb2.VolumeCapability, volume_context) -> str:
         fs_type = cap.mount.fs_type or volume_context.get("fsType") or self.config.default_fs_type
         if fs_type not in fs.SUPPORTED:
-            raise InvalidArgument(f"volume_capability.mount.fs_type {fs_type!r} is not supported; "
-                                  f"use one of {', '.join(fs.SUPPORTED)}")
+            # The capability's own fs_type was checked already: name the field
+            # the bad value really came from.
+            field = "volume_capability.mount.fs_type" if cap.mount.fs_type else "volume_context.fsType"
+            raise InvalidArgument(f"{field} {fs_type!r} is not supported; use one of {', '.join(fs.SUPPORTED)}")
         return fs_type
 
     def _capability(self, request) -> str:
@@ -159,24 +161,34 @@ class NodeShim:
             backend_target = private / "device"
             backend_staging.mkdir(parents=True, exist_ok=True, mode=0o700)
             block_cap = to_block(cap)
-            if self.backend.stages:
-                await self.backend.call(self.backend.node.NodeStageVolume, csi_pb2.NodeStageVolumeRequest(
+            try:
+                if self.backend.stages:
+                    await self.backend.call(self.backend.node.NodeStageVolume, csi_pb2.NodeStageVolumeRequest(
+                        volume_id=volume_id, publish_context=request.publish_context,
+                        staging_target_path=str(backend_staging), volume_capability=block_cap,
+                        secrets=request.secrets, volume_context=request.volume_context), context)
+                await self.backend.call(self.backend.node.NodePublishVolume, csi_pb2.NodePublishVolumeRequest(
                     volume_id=volume_id, publish_context=request.publish_context,
-                    staging_target_path=str(backend_staging), volume_capability=block_cap,
+                    staging_target_path=str(backend_staging) if self.backend.stages else "",
+                    target_path=str(backend_target), volume_capability=block_cap, readonly=False,
                     secrets=request.secrets, volume_context=request.volume_context), context)
-            await self.backend.call(self.backend.node.NodePublishVolume, csi_pb2.NodePublishVolumeRequest(
-                volume_id=volume_id, publish_context=request.publish_context,
-                staging_target_path=str(backend_staging) if self.backend.stages else "",
-                target_path=str(backend_target), volume_capability=block_cap, readonly=False,
-                secrets=request.secrets, volume_context=request.volume_context), context)
-            record = rec or ShimVolumeRecord(
-                volume_id=volume_id, staging_path=staging, fs_type=fs_type, mount_flags=flags,
-                access_mode=cap.access_mode.mode, backend_staging=str(backend_staging) if self.backend.stages else "",
-                backend_target=str(backend_target), publish_context=dict(request.publish_context),
-                volume_context=dict(request.volume_context))
-            device, _, _ = self._device(record)
-            if not self._host_mounts(record):
-                await volumefs.format_if_blank(device, fs_type, volume_id)
+                record = rec or ShimVolumeRecord(
+                    volume_id=volume_id, staging_path=staging, fs_type=fs_type, mount_flags=flags,
+                    access_mode=cap.access_mode.mode,
+                    backend_staging=str(backend_staging) if self.backend.stages else "",
+                    backend_target=str(backend_target), publish_context=dict(request.publish_context),
+                    volume_context=dict(request.volume_context))
+                device, _, _ = self._device(record)
+                if not self._host_mounts(record):
+                    await volumefs.format_if_blank(device, fs_type, volume_id)
+            except Exception:
+                if rec is None:
+                    # A failed first stage leaves no backend publish behind:
+                    # no NodeUnstageVolume follows a failed stage, so the
+                    # backend would keep the device attached for good (e.g.
+                    # an ext4 volume staged asking for xfs).
+                    await self._release_backend(volume_id, context, quiet=True)
+                raise
             await self._save(record)
             log.info("staged without mounting", extra={"fields": {"device": device, "fs_type": fs_type}})
             return csi_pb2.NodeStageVolumeResponse()
@@ -201,16 +213,26 @@ class NodeShim:
                 entry = mount.at(staging)
                 if entry is not None and any(m.mount_point == staging for m in self._host_mounts(rec)):
                     await mount.unmount_all(staging)
-            backend_target = private / "device"
-            backend_staging = private / "staging"
-            await self.backend.call(self.backend.node.NodeUnpublishVolume, csi_pb2.NodeUnpublishVolumeRequest(
-                volume_id=volume_id, target_path=str(backend_target)), context)
-            if self.backend.stages:
-                await self.backend.call(self.backend.node.NodeUnstageVolume, csi_pb2.NodeUnstageVolumeRequest(
-                    volume_id=volume_id, staging_target_path=str(backend_staging)), context)
-            shutil.rmtree(private, ignore_errors=True)
+            await self._release_backend(volume_id, context)
             await self.records.delete(volume_key(volume_id))
             return csi_pb2.NodeUnstageVolumeResponse()
+
+    async def _release_backend(self, volume_id: str, context, *, quiet: bool = False) -> None:
+        """Undo the backend's raw block stage and publish in the private dir.
+        quiet: log failures instead of raising (cleaning up after another error)."""
+        private = self.private / volume_key(volume_id)
+        try:
+            await self.backend.call(self.backend.node.NodeUnpublishVolume, csi_pb2.NodeUnpublishVolumeRequest(
+                volume_id=volume_id, target_path=str(private / "device")), context)
+            if self.backend.stages:
+                await self.backend.call(self.backend.node.NodeUnstageVolume, csi_pb2.NodeUnstageVolumeRequest(
+                    volume_id=volume_id, staging_target_path=str(private / "staging")), context)
+        except Exception as exc:
+            if not quiet:
+                raise
+            log.warning("could not release the backend's publish", extra={"fields": {"error": str(exc)}})
+            return
+        shutil.rmtree(private, ignore_errors=True)
 
     # -- publish / unpublish --------------------------------------------------------------
 
@@ -219,8 +241,9 @@ class NodeShim:
         group = mount_cap.volume_supplemental_group
         policy = mount_cap.volume_supplemental_group_change_policy
         if (group or policy) and not request.defer_fs_ops:
-            raise InvalidArgument("volume_capability.mount.volume_supplemental_group(_change_policy) "
-                                  "may only be set together with defer_fs_ops")
+            # Name the field that was actually set, so the CO operator knows which one.
+            name = "volume_supplemental_group" if group else "volume_supplemental_group_change_policy"
+            raise InvalidArgument(f"volume_capability.mount.{name} may only be set together with defer_fs_ops")
         if group and not _GROUP.match(group):
             raise InvalidArgument(f"volume_capability.mount.volume_supplemental_group must be a numeric group id, got {group!r}")
         if policy not in CHANGE_POLICIES:

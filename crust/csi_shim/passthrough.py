@@ -4,21 +4,59 @@ The handler is registered last, so it only sees methods no servicer of the
 shim claims, including methods of a newer CSI the shim has never heard of.
 Requests and responses are forwarded as raw bytes (no deserialisation), with
 the caller's metadata and remaining deadline; the backend's initial and
-trailing metadata, status code and message come back unchanged. Every method
-is proxied as a bidirectional stream: on the wire a unary call is a stream of
-one message, so this forwards unary and streaming methods alike.
+trailing metadata, status code and message come back unchanged. The shim
+cannot know whether an unknown method streams, so it looks at the caller: a
+unary caller (every CSI RPC) sends its one message and its half-close
+together, and is forwarded as a unary request; any other caller is forwarded
+as a bidirectional stream. Both forward any number of responses.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 
 log = logging.getLogger(__name__)
 
+_EOF = object()
+# How long to wait, after a caller's first message, for its half-close before
+# forwarding the call as a stream. A unary caller's half-close comes with its
+# message, so for unary calls the wait ends at once.
+_HALF_CLOSE_WAIT = 0.05
+
+
+async def _next(requests):
+    try:
+        return await requests.__anext__()
+    except StopAsyncIteration:
+        return _EOF
+
+
 # Headers that belong to the transport, not to the caller.
 _HOP_BY_HOP = ("user-agent", "grpc-accept-encoding", "grpc-encoding", "grpc-timeout", "te", "content-type")
+
+
+def forward_timeout(context: grpc.aio.ServicerContext) -> float | None:
+    """The timeout to give the next hop: the caller's remaining time, less
+    what gRPC's wire encoding can add.
+
+    grpc-timeout is sent rounded UP to a unit that grows with the value (1 ms
+    under 1 s, 10 ms under 10 s, 100 ms under 100 s, 1 s under 1000 s, ...),
+    so the deadline we received may already be one unit late and ours would
+    be rounded up once more. Forwarding time_remaining() as is let the
+    backend work on after its caller had given up (measured: +19 ms on a 5 s
+    call); two units and a little slack off keep its deadline within the
+    caller's.
+    """
+    remaining = context.time_remaining()
+    if remaining is None:
+        return None
+    unit = 0.001
+    while unit < 3600 and remaining >= unit * 1000:
+        unit *= 10
+    return max(remaining - 2 * unit - 0.005, 0.001)
 
 
 def forwardable_metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, str | bytes]]:
@@ -35,11 +73,32 @@ class Passthrough(grpc.GenericRpcHandler):
         channel = self.channel
 
         async def forward(request_iterator, context: grpc.aio.ServicerContext):
-            call = channel.stream_stream(method, request_serializer=None, response_deserializer=None)(
-                request_iterator,
-                timeout=context.time_remaining(),
-                metadata=forwardable_metadata(context),
-            )
+            requests = request_iterator.__aiter__()
+            first = await _next(requests)
+            following = asyncio.ensure_future(_next(requests))
+            if first is not _EOF:
+                await asyncio.wait({following}, timeout=_HALF_CLOSE_WAIT)
+            kw = {"timeout": forward_timeout(context), "metadata": forwardable_metadata(context)}
+            if first is not _EOF and following.done() and following.result() is _EOF:
+                # Unary request: metadata, message and half-close leave in one
+                # batch. Streaming it instead hits grpc-python issue #36066: a
+                # write that loses the race with a backend answering early
+                # (UNIMPLEMENTED is sent before the request is read) replaces
+                # the backend's status with INTERNAL "Internal error from Core".
+                call = channel.unary_stream(method, request_serializer=None, response_deserializer=None)(
+                    first, **kw)
+            else:
+                async def replay():
+                    item = first
+                    if item is not _EOF:
+                        yield item
+                        item = await following
+                    while item is not _EOF:
+                        yield item
+                        item = await _next(requests)
+
+                call = channel.stream_stream(method, request_serializer=None, response_deserializer=None)(
+                    replay(), **kw)
             try:
                 initial = await call.initial_metadata()
                 if initial:

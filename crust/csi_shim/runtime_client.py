@@ -11,6 +11,7 @@ import grpc
 from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
 from crust.common.endpoint import grpc_target
 from crust.common.errors import Forwarded, Unavailable
+from crust.csi_shim.passthrough import forward_timeout
 
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE}
 
@@ -22,7 +23,7 @@ class RuntimeClient:
         self.stub = runtime_pb2_grpc.RuntimeStub(self.channel)
 
     async def _call(self, method, request, context):
-        timeout = context.time_remaining() if context is not None else 30.0
+        timeout = forward_timeout(context) if context is not None else 30.0
         try:
             return await method(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:

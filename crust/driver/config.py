@@ -53,7 +53,7 @@ class DriverConfig(BaseModel):
     @field_validator("node_id")
     @classmethod
     def _node_id(cls, value: str) -> str:
-        if not _NODE_ID.match(value):
+        if not _NODE_ID.fullmatch(value):
             raise ValueError("node id must be 1-63 characters of letters, digits, '.', '_' or '-'")
         return value
 

@@ -35,7 +35,7 @@ from crust.driver.records import (
     SnapshotRecord,
     VolumeRecord,
 )
-from crust.sys import fs
+from crust.sys import fs, loop
 
 log = logging.getLogger(__name__)
 
@@ -337,6 +337,14 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             if volume.published:
                 raise FailedPrecondition(
                     f"volume {volume_id} is still published to node(s) {', '.join(sorted(volume.published))}")
+            # A CO that skipped ControllerPublish (or lost track) may still
+            # have the volume staged. Reading /sys touches no device; it sees
+            # only this machine's loop devices, which is where `all` mode and a
+            # node sharing the machine would hold it.
+            attached = loop.devices_for(self.catalog.volume_file(volume))
+            if attached:
+                raise FailedPrecondition(
+                    f"volume {volume_id} is still attached as {attached[0]} on node {volume.node}; unstage it first")
             volume.state = Lifecycle.DELETING
             await self.catalog.volume_store.put(volume_id, volume)
             backend.remove(self.catalog.volume_file(volume))

@@ -17,11 +17,10 @@ import os
 from pathlib import Path
 
 from crust.api import csi_pb2, csi_pb2_grpc
-from crust.common import csi_input
+from crust.common import csi_input, volumefs
 from crust.common.errors import (
     AlreadyExists,
     FailedPrecondition,
-    Internal,
     InvalidArgument,
     NotFound,
     OutOfRange,
@@ -171,15 +170,6 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             raise InvalidArgument(f"{field} is required")
         return csi_input.capability(request.volume_capability, field, self.supported_modes, fs.SUPPORTED)
 
-    async def _grow_if_needed(self, fs_type: str, device: str, mount_point: str | None) -> None:
-        """Make the file system fill its device (after an expansion or a
-        restore into a larger volume)."""
-        if fs_type == "ext4" and mount_point is None:
-            if await fs.block_count_bytes("ext4", device) < blockdev.size_bytes(device):
-                await fs.grow_offline("ext4", device)
-        elif fs_type == "xfs" and mount_point is not None:
-            await fs.grow_mounted("xfs", device, mount_point)
-
     # -- stage / unstage ----------------------------------------------------------------
 
     async def NodeStageVolume(self, request: csi_pb2.NodeStageVolumeRequest, context):
@@ -214,14 +204,11 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                         raise FailedPrecondition(
                             f"staging_target_path {staging} has another file system mounted ({current.source})")
                     if current is None:
-                        await self._format_if_blank(device, fs_type, volume_id)
-                        await self._grow_if_needed(fs_type, device, None)
-                        # xfs refuses a second file system with the same UUID, which
-                        # is exactly what a clone or a restored snapshot is.
-                        extra = ["nouuid"] if fs_type == "xfs" and "nouuid" not in flags else []
-                        await mount.mount(device, staging, fs_type, flags + extra)
+                        await volumefs.format_if_blank(device, fs_type, volume_id)
+                        await volumefs.fill_device_offline(fs_type, device)
+                        await mount.mount(device, staging, fs_type, volumefs.mount_options(fs_type, flags))
                         if fs_type == "xfs" and cap.access_mode.mode not in csi_input.READ_ONLY_MODES:
-                            await self._grow_if_needed(fs_type, device, staging)
+                            await volumefs.grow_online(fs_type, device, staging)
             except Exception:
                 # A failed stage leaves no loop device behind: no NodeUnstageVolume
                 # follows a failed stage, and DeleteVolume would orphan the device.
@@ -234,19 +221,6 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             await self.records.put(volume_id, record)
             log.info("staged", extra={"fields": {"device": device, "fs_type": fs_type}})
             return csi_pb2.NodeStageVolumeResponse()
-
-    async def _format_if_blank(self, device: str, fs_type: str, volume_id: str) -> None:
-        try:
-            probe = await fs.probe(device)
-        except (OSError, CommandError) as exc:
-            # Any doubt about the content means no mkfs: data is never risked.
-            raise Internal(f"cannot tell whether volume {volume_id} is blank, refusing to format it: {exc}")
-        if probe.state is fs.ProbeState.BLANK:
-            log.info("formatting blank volume", extra={"fields": {"fs_type": fs_type, "device": device}})
-            await fs.make(device, fs_type)
-        elif probe.fs_type != fs_type:
-            raise FailedPrecondition(
-                f"volume {volume_id} holds a {probe.fs_type} file system; volume_capability.mount.fs_type asks for {fs_type}")
 
     async def NodeUnstageVolume(self, request: csi_pb2.NodeUnstageVolumeRequest, context):
         volume_id = csi_input.required(request.volume_id, "volume_id")
@@ -397,19 +371,12 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             size = blockdev.size_bytes("/dev" + entry.root)
             return csi_pb2.NodeGetVolumeStatsResponse(
                 usage=[Usage(unit=Usage.BYTES, total=size)], volume_condition=condition)
-        u = fs.usage(path)
         rec = self.records.get(volume_id)
         wanted_ro = rec is not None and rec.published.get(path, NodePublish()).readonly
-        if "ro" in entry.super_options and not wanted_ro and not condition.abnormal:
-            condition = csi_pb2.VolumeCondition(
-                abnormal=True, message="the file system went read-only (errors detected by the kernel)")
-        return csi_pb2.NodeGetVolumeStatsResponse(
-            usage=[
-                Usage(unit=Usage.BYTES, total=u.total_bytes, available=u.available_bytes, used=u.used_bytes),
-                Usage(unit=Usage.INODES, total=u.total_inodes, available=u.free_inodes, used=u.used_inodes),
-            ],
-            volume_condition=condition,
-        )
+        response = volumefs.stats(path, went_readonly="ro" in entry.super_options and not wanted_ro)
+        if condition.abnormal:
+            response.volume_condition.CopyFrom(condition)
+        return response
 
     async def NodeExpandVolume(self, request: csi_pb2.NodeExpandVolumeRequest, context):
         volume_id = csi_input.required(request.volume_id, "volume_id")
@@ -436,21 +403,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 return csi_pb2.NodeExpandVolumeResponse(capacity_bytes=size)
             rec = self.records.get(volume_id)
             mount_point = rec.staging_path if rec else path
-            if entry.fs_type == "xfs":
-                await fs.grow_mounted("xfs", device, mount_point)
-            elif entry.fs_type == "ext4":
-                if await fs.block_count_bytes("ext4", device) < size:
-                    try:
-                        await fs.grow_mounted("ext4", device, mount_point)
-                    except CommandError as exc:
-                        # Seen on some kernels: online ext4 resize is refused.
-                        # The file system is untouched; it grows offline at the
-                        # next NodeStageVolume.
-                        raise FailedPrecondition(
-                            f"this host kernel refused to grow the mounted ext4 file system ({exc.stderr}); "
-                            "it grows to the new size at the next NodeStageVolume (unpublish and unstage the volume)")
-            else:
-                raise FailedPrecondition(f"cannot grow a {entry.fs_type} file system")
+            await volumefs.grow_online(entry.fs_type, device, mount_point)
             return csi_pb2.NodeExpandVolumeResponse(capacity_bytes=size)
 
     # -- info ---------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def new_id(prefix: str) -> str:
 
 
 def valid_id(value: str) -> bool:
-    return bool(ID_PATTERN.match(value))
+    return bool(ID_PATTERN.fullmatch(value))
 
 
 class Pool:
