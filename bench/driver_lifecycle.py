@@ -367,6 +367,35 @@ def loops_in_log(driver: Driver) -> set[str]:
     return set(re.findall(r'"/dev/(loop[0-9]+)"', text))
 
 
+def cpu_sample(driver_pid: int | None) -> dict:
+    """Clock ticks: whole machine busy/iowait, this process, the driver (with
+    its reaped children: mkfs, mount, losetup...)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    ticks = [int(x) for x in fields]
+    idle, iowait = ticks[3], ticks[4]
+    busy = sum(ticks[:8]) - idle - iowait  # user nice system idle iowait irq softirq steal
+    own = os.times()
+    hz = os.sysconf("SC_CLK_TCK")
+    driver = 0
+    if driver_pid:
+        try:
+            st = Path(f"/proc/{driver_pid}/stat").read_text().rsplit(")", 1)[1].split()
+            driver = sum(int(x) for x in st[11:15])  # utime stime cutime cstime
+        except (OSError, IndexError, ValueError):
+            pass
+    return {"t": time.monotonic(), "busy": busy, "iowait": iowait, "driver": driver,
+            "own": round((own.user + own.system + own.children_user + own.children_system) * hz)}
+
+
+def foreign_cpu(a: dict, b: dict) -> dict:
+    """CPU the rest of the machine used between two samples, in cores."""
+    hz = os.sysconf("SC_CLK_TCK")
+    secs = max(1e-6, b["t"] - a["t"])
+    others = (b["busy"] - a["busy"]) - (b["driver"] - a["driver"]) - (b["own"] - a["own"])
+    return {"other_processes_cpu_cores": round(max(0, others) / hz / secs, 2),
+            "iowait_cores": round((b["iowait"] - a["iowait"]) / hz / secs, 2)}
+
+
 def remove_loop_nodes(names: set[str]) -> int:
     """Remove free loop device nodes by name (LOOP_CTL_REMOVE); busy ones stay."""
     removed = 0
@@ -484,8 +513,8 @@ def render_table(result: dict) -> str:
                 ("ms_read_mountinfo", "one raw read of /proc/self/mountinfo, ms"),
                 ("ms_mount_mounts", "one crust.sys.mount.mounts() (read + parse), ms"),
                 ("ms_loop_devices_for", "one crust.sys.loop.devices_for() scan, ms"),
-                ("loadavg_before", "1-min load average before measuring (2 CPUs)"),
-                ("loadavg_after", "1-min load average after measuring")]
+                ("other_processes_cpu_cores", "CPU used by other processes while measuring, cores"),
+                ("iowait_cores", "iowait while measuring, cores")]
     out.append("")
     out.append("| state during the measurement | " + " | ".join(f"{n} bg" for n in scales) + " |")
     out.append("|---|" + "---:|" * len(scales))
@@ -648,13 +677,20 @@ def main(argv=None) -> int:
                 fut.result()
             seen_loops |= {d.removeprefix("/dev/") for d in ours(root)}
             built = time.monotonic() - t0
+            # Start each measurement from a clean page cache: writeback of what
+            # building the background dirtied would otherwise slow every fsync.
+            t_sync = time.monotonic()
+            os.sync()
+            synced = time.monotonic() - t_sync
             env = snapshot_env(root, driver)
+            env["sync_seconds_after_build"] = round(synced, 1)
             print(f"\n[{n} background volumes] ready (+{len(todo)} in {built:.1f}s); mountinfo {env['mountinfo_lines']} "
                   f"lines, {env['loop_nodes_in_sys_block']} loop nodes; measuring {args.volumes} volumes",
                   flush=True)
             ext4 = {s: [] for s in EXT4_STEPS + ["total", "NodeGetCapabilities"]}
             xfs = {s: [] for s in XFS_STEPS}
             t1 = time.monotonic()
+            cpu0 = cpu_sample(driver.proc.pid if driver.proc else None)
             for i in range(args.volumes):
                 te, tx = measure_one(co, root, f"{n}-{i:03d}", args)
                 for k, v in te.items():
@@ -666,6 +702,7 @@ def main(argv=None) -> int:
                           f"{statistics.median(ext4['total']):.0f} ms)", flush=True)
             seen_loops |= {d.removeprefix("/dev/") for d in ours(root)}
             env["loadavg_after"] = _read("/proc/loadavg").split(" ")[0]
+            env.update(foreign_cpu(cpu0, cpu_sample(driver.proc.pid if driver.proc else None)))
             result["scales"].append({
                 "background": n, "build_seconds": round(built, 1),
                 "measure_seconds": round(time.monotonic() - t1, 1), "env": env,

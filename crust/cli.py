@@ -79,6 +79,44 @@ def build_parser() -> argparse.ArgumentParser:
                     help="largest request accepted (default: 1Mi)")
     _add_logging(sh)
 
+    px = sub.add_parser(
+        "proxy",
+        help="run the proxy next to kubelet (deferral decisions, watched directory, registry, Runtime API)",
+        description="Serve CSI to kubelet in front of PLUGIN (the crust shim), decide deferral, publish "
+                    "deferred volumes into the watched directory, and serve the handler registry and the "
+                    "Runtime API on the runtime endpoint.",
+    )
+    px.add_argument("--csi-endpoint", required=True, help="unix:///path kubelet talks to")
+    px.add_argument("--plugin-endpoint", required=True, help="unix:///path of the plugin (crust shim)")
+    px.add_argument("--runtime-endpoint", required=True,
+                    help="unix:///path for the Runtime API and the handler registry (its directory must be 0700)")
+    px.add_argument("--volumes-dir", required=True, type=Path,
+                    help="the watched directory: <sha256(target)>/mountInfo.json per deferred volume")
+    px.add_argument("--state-dir", required=True, type=Path, help="the proxy's records (persistent storage)")
+    px.add_argument("--kata-dir", type=Path, help="also mirror entries in Kata's direct-volume layout here")
+    px.add_argument("--kubelet-root", type=Path, default=Path("/var/lib/kubelet"),
+                    help="target paths must lie below it (default: /var/lib/kubelet)")
+    px.add_argument("--policy", type=Path, help="deferral policy file (YAML or JSON)")
+    px.add_argument("--runtime-socket-group", type=int,
+                    help="numeric group allowed on the runtime socket (0660) instead of root only (0600)")
+    px.add_argument("--lease-seconds", type=int, default=15, help="handler lease (default: 15)")
+    px.add_argument("--claim-grace-seconds", type=float, default=300,
+                    help="how long an unclaimed deferred volume counts as 'sandbox starting' (default: 300)")
+    px.add_argument("--sweep-interval", type=float, default=60,
+                    help="seconds between sweeps of entries whose target is gone (default: 60)")
+    px.add_argument("--metrics-port", type=int, default=0,
+                    help="serve Prometheus metrics on 127.0.0.1:PORT (default: off)")
+    _add_logging(px)
+
+    st = sub.add_parser(
+        "status",
+        help="show the deferred volumes and the registered handlers of a running proxy",
+        description="Ask a running `crust proxy` (over its runtime endpoint) for its deferred volumes "
+                    "(target, device, fs, state, claim, handler) and its handlers with their lease age.",
+    )
+    st.add_argument("--runtime-endpoint", required=True, help="the proxy's runtime endpoint")
+    st.add_argument("--json", action="store_true", help="print JSON")
+
     demo = sub.add_parser(
         "demo",
         help="walk one volume through its whole life on the embedded defaults (as root)",
@@ -129,6 +167,31 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         serve_shim(shim_config)
         return 0
+    if args.command == "proxy":
+        from crust.proxy.config import PolicyFile, ProxyConfig
+        from crust.proxy.server import serve as serve_proxy
+
+        logs.setup(args.log_level, args.log_format == "json")
+        try:
+            policy = PolicyFile.load(args.policy) if args.policy else PolicyFile()
+            proxy_config = ProxyConfig(
+                csi_endpoint=args.csi_endpoint, plugin_endpoint=args.plugin_endpoint,
+                runtime_endpoint=args.runtime_endpoint, volumes_dir=args.volumes_dir.absolute(),
+                state_dir=args.state_dir.absolute(), kata_dir=args.kata_dir.absolute() if args.kata_dir else None,
+                kubelet_root=args.kubelet_root.absolute(), policy=policy,
+                runtime_socket_group=args.runtime_socket_group, lease_seconds=args.lease_seconds,
+                claim_grace_seconds=args.claim_grace_seconds, sweep_interval_seconds=args.sweep_interval,
+                metrics_port=args.metrics_port,
+            )
+        except (ValidationError, ValueError) as exc:
+            print(f"crust proxy: invalid configuration:\n{exc}", file=sys.stderr)
+            return 2
+        serve_proxy(proxy_config)
+        return 0
+    if args.command == "status":
+        from crust.proxy.status import status
+
+        return status(args.runtime_endpoint, args.json)
     if args.command == "demo":
         from crust.demo import run_demo
 

@@ -18,7 +18,7 @@ import json
 import os
 import stat
 import subprocess
-import threading
+import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -536,9 +536,12 @@ def test_stats_and_expansion_of_a_deferred_volume_go_to_the_runtime(env):
     # The proxy is down: UNAVAILABLE with a message, and nothing falls back to a host mount.
     env.runtime.stop()
     env.runtime.stats[str(target)] = answer
-    fails(env.shim.node.NodeGetVolumeStats, stats_req(vid, target, True), Code.UNAVAILABLE, "proxy")
+    proxy = str(env.runtime.socket)
+    fails(env.shim.node.NodeGetVolumeStats, stats_req(vid, target, True), Code.UNAVAILABLE, "proxy", proxy,
+          "unreachable")
     env.controller_expand(vid, 80 * MIB)
-    fails(env.shim.node.NodeExpandVolume, expand_req(vid, target, 80 * MIB, True), Code.UNAVAILABLE, "proxy")
+    fails(env.shim.node.NodeExpandVolume, expand_req(vid, target, 80 * MIB, True), Code.UNAVAILABLE, proxy,
+          "unreachable")
     assert fs_mounts(device) == []
     assert sysmount.at(str(env.staging(vid))) is None
     assert_placeholder(target)
@@ -675,6 +678,14 @@ class FakeBackend:
             self.seen.append({"metadata": list(context.invocation_metadata()), "request": request})
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "custom msg")
 
+        def chat(requests, context):
+            # A bidirectional stream: one reversed answer per message, then a count.
+            count = 0
+            for request in requests:
+                count += 1
+                yield request[::-1]
+            yield str(count).encode()
+
         raw = {"request_deserializer": None, "response_serializer": None}
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         self.server.add_generic_rpc_handlers((
@@ -688,7 +699,8 @@ class FakeBackend:
                     response_serializer=csi_pb2.NodeGetCapabilitiesResponse.SerializeToString)}),
             grpc.method_handlers_generic_handler("csi.v1.Future", {
                 "Echo": grpc.unary_unary_rpc_method_handler(echo, **raw),
-                "Fail": grpc.unary_unary_rpc_method_handler(fail, **raw)}),
+                "Fail": grpc.unary_unary_rpc_method_handler(fail, **raw),
+                "Chat": grpc.stream_stream_rpc_method_handler(chat, **raw)}),
         ))
         self.server.add_insecure_port(f"unix://{self.socket}")
         self.server.start()
@@ -720,10 +732,26 @@ def test_unknown_methods_pass_through_byte_for_byte(root):
         assert (info.value.code(), info.value.details()) == (Code.RESOURCE_EXHAUSTED, "custom msg")
         assert ("x-test", "w") in backend.seen[1]["metadata"]
 
-        # A method the backend does not have either: its UNIMPLEMENTED comes back.
-        with pytest.raises(grpc.RpcError) as info:
-            shim.channel.unary_unary("/csi.v1.Future/Nope")(b"", timeout=5)
-        assert info.value.code() == Code.UNIMPLEMENTED
+        # A method the backend does not have either: its UNIMPLEMENTED comes
+        # back, every time (the backend answers before reading the request,
+        # which used to race with the shim's write: grpc-python issue #36066).
+        nope = shim.channel.unary_unary("/csi.v1.Future/Nope")
+        answers = []
+        for _ in range(40):
+            with pytest.raises(grpc.RpcError) as info:
+                nope(b"abc", timeout=5)
+            answers.append((info.value.code(), info.value.details()))
+        assert set(answers) == {(Code.UNIMPLEMENTED, "Method not found!")}, set(answers)
+
+        # Streams pass through too: a caller that keeps its stream open, and an empty stream.
+        def slow():
+            for part in (b"one", b"two", b"three"):
+                yield part
+                time.sleep(0.1)
+
+        chat = shim.channel.stream_stream("/csi.v1.Future/Chat")
+        assert list(chat(slow(), timeout=5)) == [b"eno", b"owt", b"eerht", b"3"]
+        assert list(chat(iter(()), timeout=5)) == [b"0"]
 
         # Identity passes through: the shim keeps the backend's name.
         info = shim.identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest(), timeout=5)

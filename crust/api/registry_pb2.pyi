@@ -53,14 +53,16 @@ class UnregisterHandlerResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ClaimVolumeRequest(_message.Message):
-    __slots__ = ("target_path", "handler", "sandbox_id")
+    __slots__ = ("target_path", "handler", "sandbox_id", "sandbox_pid")
     TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
     HANDLER_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_PID_FIELD_NUMBER: _ClassVar[int]
     target_path: str
     handler: str
     sandbox_id: str
-    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ...) -> None: ...
+    sandbox_pid: int
+    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., sandbox_pid: _Optional[int] = ...) -> None: ...
 
 class ClaimVolumeResponse(_message.Message):
     __slots__ = ("mount_info_json",)
@@ -89,21 +91,77 @@ class ListClaimsRequest(_message.Message):
     def __init__(self, handler: _Optional[str] = ...) -> None: ...
 
 class Claim(_message.Message):
-    __slots__ = ("target_path", "handler", "sandbox_id", "volume_id", "claimed_at")
+    __slots__ = ("target_path", "handler", "sandbox_id", "volume_id", "claimed_at", "sandbox_pid")
     TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
     HANDLER_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIMED_AT_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_PID_FIELD_NUMBER: _ClassVar[int]
     target_path: str
     handler: str
     sandbox_id: str
     volume_id: str
     claimed_at: int
-    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., volume_id: _Optional[str] = ..., claimed_at: _Optional[int] = ...) -> None: ...
+    sandbox_pid: int
+    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., volume_id: _Optional[str] = ..., claimed_at: _Optional[int] = ..., sandbox_pid: _Optional[int] = ...) -> None: ...
 
 class ListClaimsResponse(_message.Message):
     __slots__ = ("claims",)
     CLAIMS_FIELD_NUMBER: _ClassVar[int]
     claims: _containers.RepeatedCompositeFieldContainer[Claim]
     def __init__(self, claims: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ...) -> None: ...
+
+class ListHandlersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Handler(_message.Message):
+    __slots__ = ("name", "endpoint", "filesystems", "features", "lease_age_seconds", "lease_expired")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    FILESYSTEMS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    endpoint: str
+    filesystems: _containers.RepeatedScalarFieldContainer[str]
+    features: _containers.RepeatedScalarFieldContainer[str]
+    lease_age_seconds: float
+    lease_expired: bool
+    def __init__(self, name: _Optional[str] = ..., endpoint: _Optional[str] = ..., filesystems: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[str]] = ..., lease_age_seconds: _Optional[float] = ..., lease_expired: bool = ...) -> None: ...
+
+class ListHandlersResponse(_message.Message):
+    __slots__ = ("handlers",)
+    HANDLERS_FIELD_NUMBER: _ClassVar[int]
+    handlers: _containers.RepeatedCompositeFieldContainer[Handler]
+    def __init__(self, handlers: _Optional[_Iterable[_Union[Handler, _Mapping]]] = ...) -> None: ...
+
+class ListVolumesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeferredVolume(_message.Message):
+    __slots__ = ("target_path", "volume_id", "device", "fs_type", "state", "claim", "kata_mirror_error")
+    TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FS_TYPE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    KATA_MIRROR_ERROR_FIELD_NUMBER: _ClassVar[int]
+    target_path: str
+    volume_id: str
+    device: str
+    fs_type: str
+    state: str
+    claim: Claim
+    kata_mirror_error: str
+    def __init__(self, target_path: _Optional[str] = ..., volume_id: _Optional[str] = ..., device: _Optional[str] = ..., fs_type: _Optional[str] = ..., state: _Optional[str] = ..., claim: _Optional[_Union[Claim, _Mapping]] = ..., kata_mirror_error: _Optional[str] = ...) -> None: ...
+
+class ListVolumesResponse(_message.Message):
+    __slots__ = ("volumes",)
+    VOLUMES_FIELD_NUMBER: _ClassVar[int]
+    volumes: _containers.RepeatedCompositeFieldContainer[DeferredVolume]
+    def __init__(self, volumes: _Optional[_Iterable[_Union[DeferredVolume, _Mapping]]] = ...) -> None: ...

@@ -64,6 +64,16 @@ class RegistryStub(object):
                 request_serializer=registry__pb2.ListClaimsRequest.SerializeToString,
                 response_deserializer=registry__pb2.ListClaimsResponse.FromString,
                 _registered_method=True)
+        self.ListHandlers = channel.unary_unary(
+                '/crust.registry.v1.Registry/ListHandlers',
+                request_serializer=registry__pb2.ListHandlersRequest.SerializeToString,
+                response_deserializer=registry__pb2.ListHandlersResponse.FromString,
+                _registered_method=True)
+        self.ListVolumes = channel.unary_unary(
+                '/crust.registry.v1.Registry/ListVolumes',
+                request_serializer=registry__pb2.ListVolumesRequest.SerializeToString,
+                response_deserializer=registry__pb2.ListVolumesResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer(object):
@@ -113,6 +123,20 @@ class RegistryServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListHandlers(self, request, context):
+        """Registered handlers with the age of their lease (for `crust status`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListVolumes(self, request, context):
+        """Every deferred volume the proxy knows, claimed or not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +169,16 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.ListClaims,
                     request_deserializer=registry__pb2.ListClaimsRequest.FromString,
                     response_serializer=registry__pb2.ListClaimsResponse.SerializeToString,
+            ),
+            'ListHandlers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListHandlers,
+                    request_deserializer=registry__pb2.ListHandlersRequest.FromString,
+                    response_serializer=registry__pb2.ListHandlersResponse.SerializeToString,
+            ),
+            'ListVolumes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVolumes,
+                    request_deserializer=registry__pb2.ListVolumesRequest.FromString,
+                    response_serializer=registry__pb2.ListVolumesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +343,60 @@ class Registry(object):
             '/crust.registry.v1.Registry/ListClaims',
             registry__pb2.ListClaimsRequest.SerializeToString,
             registry__pb2.ListClaimsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListHandlers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.registry.v1.Registry/ListHandlers',
+            registry__pb2.ListHandlersRequest.SerializeToString,
+            registry__pb2.ListHandlersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVolumes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.registry.v1.Registry/ListVolumes',
+            registry__pb2.ListVolumesRequest.SerializeToString,
+            registry__pb2.ListVolumesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -112,17 +112,20 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-def bind_unix(server: grpc.aio.Server, endpoint: str, mode: int = 0o600) -> str:
+def bind_unix(server: grpc.aio.Server, endpoint: str, mode: int = 0o600, group: int | None = None) -> str:
     path = socket_path(endpoint)
     prepare_socket_dir(path)
     clear_stale_socket(path)
     # The umask is process-wide; binding happens synchronously right here,
-    # before any other thread of ours creates files.
+    # before any other thread of ours creates files, so the socket never
+    # exists with a looser mode.
     old = os.umask(0o777 & ~mode)
     try:
         server.add_insecure_port("unix://" + path)
     finally:
         os.umask(old)
+    if group is not None:
+        os.chown(path, -1, group)
     return path
 
 
@@ -130,9 +133,11 @@ class Daemon:
     """A gRPC server on a unix socket with health, reflection and graceful stop."""
 
     def __init__(self, component: str, endpoint: str, service_names: Iterable[str], *,
-                 max_request_bytes: int | None = None):
+                 max_request_bytes: int | None = None, socket_mode: int = 0o600, socket_group: int | None = None):
         self.component = component
         self.endpoint = endpoint
+        self.socket_mode = socket_mode
+        self.socket_group = socket_group
         options = [("grpc.max_receive_message_length", max_request_bytes)] if max_request_bytes else []
         self.server = grpc.aio.server(interceptors=[CrustInterceptor(component)], options=options)
         # Handlers consulted after every registered service (the shim's
@@ -149,7 +154,7 @@ class Daemon:
         reflection.enable_server_reflection(names, self.server)
         if self.fallback_handlers:
             self.server.add_generic_rpc_handlers(tuple(self.fallback_handlers))
-        self.socket_path = bind_unix(self.server, self.endpoint)
+        self.socket_path = bind_unix(self.server, self.endpoint, self.socket_mode, self.socket_group)
         await self.server.start()
         for name in self.service_names + [""]:
             await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))

@@ -75,11 +75,12 @@ class Passthrough(grpc.GenericRpcHandler):
         async def forward(request_iterator, context: grpc.aio.ServicerContext):
             requests = request_iterator.__aiter__()
             first = await _next(requests)
-            following = asyncio.ensure_future(_next(requests))
+            following = None
             if first is not _EOF:
+                following = asyncio.ensure_future(_next(requests))
                 await asyncio.wait({following}, timeout=_HALF_CLOSE_WAIT)
             kw = {"timeout": forward_timeout(context), "metadata": forwardable_metadata(context)}
-            if first is not _EOF and following.done() and following.result() is _EOF:
+            if following is not None and following.done() and following.result() is _EOF:
                 # Unary request: metadata, message and half-close leave in one
                 # batch. Streaming it instead hits grpc-python issue #36066: a
                 # write that loses the race with a backend answering early
@@ -89,10 +90,10 @@ class Passthrough(grpc.GenericRpcHandler):
                     first, **kw)
             else:
                 async def replay():
-                    item = first
-                    if item is not _EOF:
-                        yield item
-                        item = await following
+                    if first is _EOF:
+                        return
+                    yield first
+                    item = await following
                     while item is not _EOF:
                         yield item
                         item = await _next(requests)
@@ -111,5 +112,8 @@ class Passthrough(grpc.GenericRpcHandler):
             except grpc.aio.AioRpcError as exc:
                 log.debug("backend answered %s for %s", exc.code().name, method)
                 await context.abort(exc.code(), exc.details() or "", exc.trailing_metadata() or ())
+            finally:
+                if following is not None and not following.done():
+                    following.cancel()
 
         return grpc.stream_stream_rpc_method_handler(forward, request_deserializer=None, response_serializer=None)

@@ -1,0 +1,100 @@
+"""mountInfo.json: the description of a deferred volume on disk.
+
+The keys Kata Containers reads for its direct-assigned volumes
+("volume-type", "device", "fstype", "metadata", "options") come first and
+keep Kata's meaning, so a stock Kata can read our file (its parser ignores
+keys it does not know). crust's own keys follow. The JSON schema generated
+from this model is published as specs/mountinfo.schema.json.
+
+Never a secret in here: the file sits on disk where runtimes read it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from crust.api import csi_pb2
+
+SCHEMA_VERSION = 1
+
+# Kata's metadata keys.
+FS_GROUP = "fsGroup"
+FS_GROUP_CHANGE_POLICY = "fsGroupChangePolicy"
+
+
+class MountInfo(BaseModel):
+    """One deferred volume, as a runtime handler needs it."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+    volume_type: Literal["block"] = Field("block", alias="volume-type",
+                                          description="Kind of volume; a host block device today.")
+    device: str = Field(description="Host path of the block device, e.g. /dev/loop3.")
+    fstype: str = Field(description="File system on the device (ext4, xfs).")
+    metadata: dict[str, str] = Field(default_factory=dict,
+                                     description="Kata's string map: fsGroup, fsGroupChangePolicy.")
+    options: list[str] = Field(default_factory=list,
+                               description="Mount options a guest can use (never host-only ones).")
+
+    # crust's keys.
+    schema_version: int = Field(SCHEMA_VERSION, alias="crust-schema-version")
+    readonly: bool = Field(False, description="Mount read-only.")
+    volume_id: str = Field("", alias="volume-id", description="CSI volume id.")
+    target_path: str = Field(alias="target-path", description="The CSI target path: the key of this entry.")
+    capacity_bytes: int = Field(0, alias="capacity-bytes", description="Device size at publish time.")
+    device_major: int = Field(0, alias="device-major", description="Major number of the device.")
+    device_minor: int = Field(0, alias="device-minor", description="Minor number of the device.")
+    volume_context: dict[str, str] = Field(default_factory=dict, alias="volume-context",
+                                           description="Non-secret CSI volume context.")
+
+    @classmethod
+    def from_deferred(cls, target_path: str, d: csi_pb2.DeferredMount) -> "MountInfo":
+        metadata = {}
+        if d.volume_supplemental_group:
+            metadata[FS_GROUP] = d.volume_supplemental_group
+        if d.volume_supplemental_group_change_policy:
+            metadata[FS_GROUP_CHANGE_POLICY] = d.volume_supplemental_group_change_policy
+        return cls(
+            device=d.device, fstype=d.fs_type, metadata=metadata, options=list(d.mount_options),
+            readonly=d.readonly, volume_id=d.volume_id, target_path=target_path,
+            capacity_bytes=d.capacity_bytes, device_major=d.device_major, device_minor=d.device_minor,
+            volume_context=dict(d.volume_context),
+        )
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(by_alias=True, indent=1).encode()
+
+    def kata_json(self) -> bytes:
+        """Only Kata's keys, for the mirror in Kata's direct-volume layout."""
+        return self.model_dump_json(by_alias=True, include={"volume_type", "device", "fstype", "metadata",
+                                                            "options"}, indent=1).encode()
+
+
+def digest(target_path: str) -> str:
+    """Name of the entry directory: hex sha256 of the target path (KEP-2857)."""
+    return hashlib.sha256(target_path.encode()).hexdigest()
+
+
+def kata_name(target_path: str) -> str:
+    """Name of Kata's entry directory: URL-safe base64 of the path, with padding."""
+    return base64.urlsafe_b64encode(target_path.encode()).decode()
+
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+def is_digest(name: str) -> bool:
+    return bool(_DIGEST.fullmatch(name))
+
+
+def json_schema() -> dict:
+    schema = MountInfo.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://crust.dev/schemas/mountinfo.schema.json"
+    schema["title"] = "crust mountInfo.json"
+    return schema

@@ -1,0 +1,43 @@
+"""The proxy's own records, kept in --state-dir on persistent storage.
+
+The volumes directory may live on /run and vanish with a reboot; these
+records survive it, and on start the proxy rebuilds the directory from them
+for every target kubelet still has published.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel, Field
+
+from crust.proxy.mountinfo import MountInfo
+
+
+class Claim(BaseModel):
+    handler: str
+    sandbox_id: str
+    sandbox_pid: int = 0
+    claimed_at: float = Field(default_factory=time.time)
+
+
+class DeferredVolume(BaseModel):
+    """A deferred volume the proxy published into the volumes directory."""
+
+    target_path: str
+    info: MountInfo
+    staged_at: float = Field(default_factory=time.time)
+    claim: Claim | None = None
+    kata_mirror_error: str = ""
+
+
+class Decision(BaseModel):
+    """Whether NodePublishVolume of this target was deferred, and why: later
+    calls for the target (stats, expand, unpublish) carry the same flag, as
+    kubelet keeps deferFSMount in vol_data.json."""
+
+    target_path: str
+    volume_id: str
+    deferred: bool
+    reason: str
+    decided_at: float = Field(default_factory=time.time)

@@ -1,0 +1,132 @@
+"""Stats and expansion of a deferred volume, asked of whoever mounted it:
+the claiming handler over its socket, or a KEP-style runtime through the
+`runtime-cli` it recorded in the volume's directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import grpc
+from google.protobuf import json_format
+
+from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc, runtime_pb2
+from crust.common.endpoint import grpc_target
+from crust.common.errors import FailedPrecondition, Forwarded, Internal, Unavailable
+from crust.proxy.records import DeferredVolume
+from crust.proxy.state import ProxyState
+from crust.sys.run import CommandError, run
+
+log = logging.getLogger(__name__)
+
+HANDLER_TIMEOUT = 10.0
+
+
+class Router:
+    def __init__(self, state: ProxyState):
+        self.state = state
+        self.channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, endpoint: str) -> handler_pb2_grpc.HandlerStub:
+        channel = self.channels.get(endpoint)
+        if channel is None:
+            channel = self.channels[endpoint] = grpc.aio.insecure_channel(grpc_target(endpoint))
+        return handler_pb2_grpc.HandlerStub(channel)
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            await channel.close()
+
+    def _timeout(self, context) -> float:
+        remaining = context.time_remaining() if context is not None else None
+        return min(HANDLER_TIMEOUT, remaining) if remaining is not None else HANDLER_TIMEOUT
+
+    def _holder(self, volume: DeferredVolume):
+        """The registered handler holding the volume, or None for the runtime-cli way."""
+        claim = volume.claim
+        if claim is None:
+            return None
+        handler = self.state.handlers.get(claim.handler)
+        if handler is None or not self.state.lease_fresh(claim.handler):
+            raise Unavailable(
+                f"{volume.target_path} is claimed by sandbox {claim.sandbox_id} of handler {claim.handler}, "
+                "whose lease expired or who is not registered; it cannot be asked")
+        return handler
+
+    async def _call_handler(self, handler, method: str, request, context):
+        stub = self._stub(handler.endpoint)
+        try:
+            return await getattr(stub, method)(request, timeout=self._timeout(context))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise Unavailable(f"handler {handler.name} at {handler.endpoint} did not answer: {exc.details()}")
+            raise Forwarded.from_rpc_error(exc) from None
+
+    async def _run_cli(self, cli: str, args: list[str]) -> dict:
+        try:
+            result = await run([cli, "crust", *args], timeout=self.state.config.runtime_cli_timeout_seconds)
+        except CommandError as exc:
+            if exc.timed_out:
+                raise Unavailable(f"runtime-cli {cli} did not answer within "
+                                  f"{self.state.config.runtime_cli_timeout_seconds:.0f}s")
+            raise Unavailable(f"runtime-cli {cli} failed: {exc}")
+        except (FileNotFoundError, PermissionError) as exc:
+            raise Unavailable(f"runtime-cli {cli} cannot be run: {exc}")
+        try:
+            return json.loads(result.stdout)
+        except json.JSONDecodeError as exc:
+            raise Internal(f"runtime-cli {cli} printed no JSON: {exc}")
+
+    def _not_claimed(self, volume: DeferredVolume, what: str):
+        waited = time.time() - volume.staged_at
+        if waited <= self.state.config.claim_grace_seconds:
+            return None  # the sandbox is still starting: not abnormal
+        raise FailedPrecondition(
+            f"no sandbox has claimed {volume.target_path} in {waited:.0f}s; {what} needs the runtime that mounts it")
+
+    async def stats(self, volume: DeferredVolume, context) -> runtime_pb2.RuntimeGetVolumeStatsResponse:
+        handler = self._holder(volume)
+        if handler is not None:
+            rsp = await self._call_handler(handler, "GetVolumeStats", handler_pb2.GetVolumeStatsRequest(
+                target_path=volume.target_path, sandbox_id=volume.claim.sandbox_id), context)
+            return runtime_pb2.RuntimeGetVolumeStatsResponse(usage=rsp.usage, volume_condition=rsp.volume_condition)
+        cli = self.state.dir.runtime_cli(volume.target_path)
+        if cli is not None:
+            data = await self._run_cli(cli, ["stats", volume.target_path])
+            try:
+                return json_format.ParseDict(data, runtime_pb2.RuntimeGetVolumeStatsResponse())
+            except json_format.ParseError as exc:
+                raise Internal(f"runtime-cli {cli} stats: unexpected JSON: {exc}")
+        self._not_claimed(volume, "stats")
+        return runtime_pb2.RuntimeGetVolumeStatsResponse(volume_condition=csi_pb2.VolumeCondition(
+            abnormal=False, message="the sandbox that mounts this volume is still starting"))
+
+    async def expand(self, volume: DeferredVolume, rng: csi_pb2.CapacityRange, context) -> int:
+        handler = self._holder(volume)
+        if handler is not None:
+            rsp = await self._call_handler(handler, "ExpandVolume", handler_pb2.ExpandVolumeRequest(
+                target_path=volume.target_path, sandbox_id=volume.claim.sandbox_id, capacity_range=rng), context)
+            return rsp.capacity_bytes
+        cli = self.state.dir.runtime_cli(volume.target_path)
+        if cli is not None:
+            data = await self._run_cli(cli, ["resize", volume.target_path, str(rng.required_bytes),
+                                             str(rng.limit_bytes)])
+            value = data.get("capacity_bytes", data.get("capacityBytes"))
+            if not isinstance(value, int):
+                raise Internal(f"runtime-cli {cli} resize: no integer capacity_bytes in its JSON")
+            return value
+        if self._not_claimed(volume, "expansion") is None:
+            raise Unavailable(f"{volume.target_path} is not mounted by a sandbox yet; retry when it is")
+        return 0
+
+    async def sandbox_state(self, handler_name: str, sandbox_id: str) -> int | None:
+        handler = self.state.handlers.get(handler_name)
+        if handler is None:
+            return None
+        try:
+            rsp = await self._stub(handler.endpoint).GetSandbox(
+                handler_pb2.GetSandboxRequest(sandbox_id=sandbox_id), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return None
+        return rsp.state

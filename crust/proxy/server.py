@@ -1,0 +1,118 @@
+"""`crust proxy`: the host daemon next to kubelet.
+
+Two unix sockets in one process:
+- the CSI endpoint kubelet talks to (forwarding to the plugin, deciding and
+  recording deferral, staging returned descriptions);
+- the runtime endpoint: the KEP's Runtime API (called by the shim) and the
+  handler registry (called by runtime handlers), created 0600 inside a
+  0700 directory (or 0660/0750 for a configured group).
+Plus a periodic sweep and Prometheus metrics on a loopback port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+
+from prometheus_client import start_http_server
+
+from crust.api import registry_pb2, registry_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from crust.common.endpoint import socket_path
+from crust.common.grpcserver import Daemon, unary_handlers
+from crust.csi_shim.backend import Backend
+from crust.csi_shim.passthrough import Passthrough
+from crust.proxy import csi_frontend
+from crust.proxy.config import ProxyConfig
+from crust.proxy.kube import PodLookup
+from crust.proxy.policy import Decider
+from crust.proxy.registry import RegistryService
+from crust.proxy.routing import Router
+from crust.proxy.runtime_api import RuntimeService
+from crust.proxy.state import ProxyState
+
+log = logging.getLogger(__name__)
+
+
+def prepare_runtime_socket_dir(config: ProxyConfig) -> None:
+    """The runtime socket lives in a directory only its users can enter."""
+    path = socket_path(config.runtime_endpoint)
+    parent = os.path.dirname(path)
+    allowed = 0o750 if config.runtime_socket_group is not None else 0o700
+    if not os.path.exists(parent):
+        os.makedirs(parent, mode=0o700)
+    if config.runtime_socket_group is not None:
+        os.chown(parent, 0, config.runtime_socket_group)
+        os.chmod(parent, 0o750)
+    mode = stat.S_IMODE(os.stat(parent).st_mode)
+    if mode & ~allowed:
+        raise SystemExit(f"crust proxy: the directory of the runtime socket, {parent}, is mode {mode:o}; it must "
+                         f"be {allowed:o} or stricter so no other user can reach the registry")
+
+
+class Proxy:
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.state = ProxyState(config)
+        self.router = Router(self.state)
+        self.plugin = Backend(config.plugin_endpoint)
+        pods = PodLookup(config.policy.kubernetes) if config.policy.deferral.runtime_classes or \
+            config.policy.deferral.fs_group_from_pod else None
+        self.frontend = csi_frontend.CsiFrontend(self.state, self.plugin, Decider(config.policy.deferral, pods))
+        self.csi = Daemon("proxy-csi", config.csi_endpoint, [])
+        self.runtime = Daemon("proxy-runtime", config.runtime_endpoint, [
+            runtime_pb2.DESCRIPTOR.services_by_name["Runtime"].full_name,
+            registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
+        ], socket_mode=0o660 if config.runtime_socket_group is not None else 0o600,
+            socket_group=config.runtime_socket_group)
+        self.sweeper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        prepare_runtime_socket_dir(self.config)
+        self.state.reconcile()
+        # The runtime side first: the shim may call it as soon as kubelet can
+        # reach the CSI side.
+        runtime_pb2_grpc.add_RuntimeServicer_to_server(RuntimeService(self.state, self.router), self.runtime.server)
+        registry_pb2_grpc.add_RegistryServicer_to_server(RegistryService(self.state), self.runtime.server)
+        await self.runtime.start()
+        await self.plugin.learn()
+        self.csi.server.add_generic_rpc_handlers((
+            unary_handlers("csi.v1.Node", self.frontend, csi_frontend.METHODS),))
+        self.csi.fallback_handlers.append(Passthrough(self.plugin.channel))
+        await self.csi.start()
+        if self.config.metrics_port:
+            start_http_server(self.config.metrics_port, addr="127.0.0.1")
+        self.sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_seconds)
+            try:
+                removed = await asyncio.to_thread(self.state.sweep)
+                if removed:
+                    log.info("sweep removed entries", extra={"fields": {"removed": removed}})
+            except Exception:  # noqa: BLE001 - the sweep must outlive one bad entry
+                log.exception("sweep failed")
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+        await self.csi.stop(grace)
+        await self.runtime.stop(grace)
+        await self.router.close()
+        await self.plugin.close()
+
+    async def run(self) -> None:
+        await self.start()
+        self.runtime.install_signal_handlers()  # one signal stops both sockets
+        await self.runtime.stopping.wait()
+        await self.stop()
+
+
+def serve(config: ProxyConfig) -> None:
+    async def main() -> None:
+        await Proxy(config).run()
+
+    asyncio.run(main())

@@ -1,0 +1,267 @@
+"""The proxy's core: deferred volumes, their claims, and the handlers.
+
+One object shared by the CSI front end, the Runtime API and the registry,
+so that "stage a description" is one code path whichever door it came in by.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Gauge
+
+from crust.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from crust.common.recordstore import RecordStore
+from crust.proxy.config import ProxyConfig
+from crust.proxy.mountinfo import MountInfo, digest
+from crust.proxy.records import Claim, Decision, DeferredVolume
+from crust.proxy.volumes_dir import MirrorError, VolumesDir
+
+log = logging.getLogger(__name__)
+
+DEFERRED_PUBLISHED = Counter("volumes_published_with_deferred_ops",
+                             "NodePublishVolume calls answered with a deferred-mount description")
+VOLUMES = Gauge("crust_proxy_deferred_volumes", "Deferred volumes by state", ["state"])
+HANDLERS = Gauge("crust_proxy_handlers", "Registered runtime handlers", ["lease"])
+
+
+@dataclass
+class Handler:
+    name: str
+    endpoint: str
+    filesystems: list[str]
+    features: list[str]
+    lease_id: str
+    registered_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+
+    def lease_age(self) -> float:
+        return time.monotonic() - self.last_seen
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ProxyState:
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.dir = VolumesDir(config.volumes_dir, config.kata_dir)
+        self.volumes = RecordStore(config.state_dir / "volumes", DeferredVolume)
+        self.decisions = RecordStore(config.state_dir / "decisions", Decision)
+        self.handlers: dict[str, Handler] = {}
+        self.started = time.monotonic()
+        # Volumes in memory, by digest of the target path: 1000 volumes are
+        # a dict lookup, not a directory scan, per call.
+        self.by_digest: dict[str, DeferredVolume] = {}
+
+    # -- start-up and sweep -----------------------------------------------------
+
+    def reconcile(self) -> None:
+        """Rebuild the volumes directory from the records for every target
+        kubelet still has, drop the rest, and remove stray entries."""
+        for key, volume in self.volumes.load_all():
+            if not os.path.lexists(volume.target_path):
+                self.dir.remove(volume.target_path)
+                self.volumes.delete_sync(key)
+                log.info("dropped deferred volume whose target is gone",
+                         extra={"fields": {"target_path": volume.target_path}})
+                continue
+            self._write_entry(volume)
+            if volume.claim is not None:
+                self.dir.mark_sandbox(volume.target_path, volume.claim.sandbox_id)
+            self.by_digest[key] = volume
+        for key, decision in self.decisions.load_all():
+            if not os.path.lexists(decision.target_path):
+                self.decisions.delete_sync(key)
+        for name in self.dir.digests():
+            if name not in self.by_digest:
+                log.info("removing an entry no record explains", extra={"fields": {"digest": name}})
+                self.dir.remove_digest(name)
+        self.update_gauges()
+
+    def sweep(self) -> int:
+        """Remove entries whose target path is gone and that no live sandbox holds."""
+        removed = 0
+        for key, volume in list(self.by_digest.items()):
+            if os.path.lexists(volume.target_path):
+                continue
+            if volume.claim is not None and self.holder_alive(volume.claim):
+                continue
+            self.dir.remove(volume.target_path)
+            self.volumes.delete_sync(key)
+            self.decisions.delete_sync(key)
+            del self.by_digest[key]
+            removed += 1
+        self.update_gauges()
+        return removed
+
+    def update_gauges(self) -> None:
+        counts = {"unclaimed": 0, "claimed": 0, "holder-gone": 0}
+        for volume in self.by_digest.values():
+            counts[self.volume_state(volume)] += 1
+        for state, n in counts.items():
+            VOLUMES.labels(state).set(n)
+        fresh = sum(1 for h in self.handlers.values() if h.lease_age() <= self.config.lease_seconds)
+        HANDLERS.labels("fresh").set(fresh)
+        HANDLERS.labels("expired").set(len(self.handlers) - fresh)
+
+    # -- deferred volumes ----------------------------------------------------------
+
+    def get(self, target_path: str) -> DeferredVolume | None:
+        return self.by_digest.get(digest(target_path))
+
+    def _write_entry(self, volume: DeferredVolume) -> None:
+        try:
+            self.dir.write(volume.info)
+            volume.kata_mirror_error = ""
+        except MirrorError as exc:
+            volume.kata_mirror_error = str(exc)
+            log.warning("kata mirror not written", extra={"fields": {"target_path": volume.target_path,
+                                                                    "error": str(exc)}})
+
+    async def stage(self, info: MountInfo) -> DeferredVolume:
+        """Publish a description into the volumes directory (idempotent)."""
+        key = digest(info.target_path)
+        volume = self.by_digest.get(key)
+        if volume is not None and volume.info.device != info.device and volume.claim is not None \
+                and self.holder_alive(volume.claim):
+            raise FailedPrecondition(
+                f"{info.target_path} is held by sandbox {volume.claim.sandbox_id} of handler "
+                f"{volume.claim.handler} with device {volume.info.device}; it cannot change to {info.device}")
+        volume = DeferredVolume(target_path=info.target_path, info=info,
+                                claim=volume.claim if volume is not None else None)
+        # The record first: a crash after it leaves a record whose entry the
+        # next start rewrites; a crash before it leaves nothing.
+        await self.volumes.put(key, volume)
+        self._write_entry(volume)
+        if volume.kata_mirror_error:
+            await self.volumes.put(key, volume)
+        self.by_digest[key] = volume
+        self.update_gauges()
+        return volume
+
+    async def unstage(self, target_path: str) -> None:
+        key = digest(target_path)
+        volume = self.by_digest.get(key)
+        if volume is not None and volume.claim is not None and self.holder_alive(volume.claim):
+            raise Unavailable(
+                f"{target_path} is still held by sandbox {volume.claim.sandbox_id} of handler "
+                f"{volume.claim.handler}; retry after the sandbox stops")
+        self.dir.remove(target_path)
+        await self.volumes.delete(key)
+        self.by_digest.pop(key, None)
+        self.update_gauges()
+
+    # -- handlers and claims ----------------------------------------------------------
+
+    def lease_fresh(self, name: str) -> bool:
+        handler = self.handlers.get(name)
+        return handler is not None and handler.lease_age() <= self.config.lease_seconds
+
+    def holder_alive(self, claim: Claim) -> bool:
+        """A claim holds while its handler's lease is fresh, or, once it is
+        not, while the sandbox's process still runs. A claim of a handler not
+        seen since this proxy started holds for one lease period (it may be
+        re-registering)."""
+        if self.lease_fresh(claim.handler):
+            return True
+        if claim.sandbox_pid and pid_alive(claim.sandbox_pid):
+            return True
+        if claim.handler not in self.handlers:
+            return time.monotonic() - self.started <= self.config.lease_seconds
+        return False
+
+    def volume_state(self, volume: DeferredVolume) -> str:
+        if volume.claim is None:
+            return "unclaimed"
+        return "claimed" if self.holder_alive(volume.claim) else "holder-gone"
+
+    def register(self, name: str, endpoint: str, filesystems: list[str], features: list[str]) -> Handler:
+        handler = Handler(name=name, endpoint=endpoint, filesystems=filesystems, features=features,
+                          lease_id=secrets.token_hex(12))
+        self.handlers[name] = handler
+        self.update_gauges()
+        log.info("handler registered", extra={"fields": {"handler": name, "endpoint": endpoint}})
+        return handler
+
+    def heartbeat(self, name: str, lease_id: str) -> Handler:
+        handler = self.handlers.get(name)
+        if handler is None or handler.lease_id != lease_id:
+            raise NotFound(f"handler {name!r} is not registered (the proxy may have restarted); register again")
+        handler.last_seen = time.monotonic()
+        return handler
+
+    def unregister(self, name: str, lease_id: str) -> None:
+        handler = self.handlers.get(name)
+        if handler is not None and handler.lease_id == lease_id:
+            del self.handlers[name]
+            self.update_gauges()
+
+    async def claim(self, target_path: str, handler: str, sandbox_id: str, sandbox_pid: int) -> DeferredVolume:
+        volume = self.get(target_path)
+        if volume is None:
+            raise NotFound(f"no deferred volume is published at {target_path}")
+        if handler not in self.handlers:
+            raise FailedPrecondition(f"handler {handler!r} is not registered; register before claiming")
+        if volume.info.fstype not in self.handlers[handler].filesystems:
+            raise FailedPrecondition(
+                f"handler {handler!r} did not register file system {volume.info.fstype!r} "
+                f"(it supports {', '.join(self.handlers[handler].filesystems) or 'none'})")
+        current = volume.claim
+        if current is not None:
+            if (current.handler, current.sandbox_id) == (handler, sandbox_id):
+                return volume  # the same sandbox claiming again: fine
+            if self.holder_alive(current):
+                raise FailedPrecondition(
+                    f"{target_path} is already claimed by sandbox {current.sandbox_id} of handler "
+                    f"{current.handler}; a single-writer file system mounted by two sandboxes would be corrupted")
+            log.info("taking over a claim whose holder is gone",
+                     extra={"fields": {"target_path": target_path, "old_sandbox": current.sandbox_id}})
+        volume.claim = Claim(handler=handler, sandbox_id=sandbox_id, sandbox_pid=sandbox_pid)
+        await self.volumes.put(digest(target_path), volume)
+        self.dir.mark_sandbox(target_path, sandbox_id)
+        self.update_gauges()
+        return volume
+
+    async def release(self, target_path: str, handler: str, sandbox_id: str) -> None:
+        volume = self.get(target_path)
+        if volume is None or volume.claim is None:
+            return
+        if (volume.claim.handler, volume.claim.sandbox_id) != (handler, sandbox_id):
+            raise FailedPrecondition(
+                f"{target_path} is claimed by sandbox {volume.claim.sandbox_id} of handler "
+                f"{volume.claim.handler}, not by {sandbox_id} of {handler}")
+        volume.claim = None
+        await self.volumes.put(digest(target_path), volume)
+        self.dir.mark_sandbox(target_path, None)
+        self.update_gauges()
+
+    # -- deferral decisions ------------------------------------------------------------
+
+    def decision(self, target_path: str) -> Decision | None:
+        return self.decisions.get(digest(target_path))
+
+    async def record_decision(self, decision: Decision) -> None:
+        await self.decisions.put(digest(decision.target_path), decision)
+
+    async def forget_decision(self, target_path: str) -> None:
+        await self.decisions.delete(digest(target_path))
+
+
+def check_handler_name(name: str) -> str:
+    if not name or len(name) > 63 or not all(c.isalnum() or c in "-_." for c in name):
+        raise InvalidArgument("name must be 1-63 characters of letters, digits, '-', '_' or '.'")
+    return name

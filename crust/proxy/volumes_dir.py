@@ -1,0 +1,188 @@
+"""The watched directory: one entry per deferred volume, for runtime handlers.
+
+    <volumes-dir>/<hex sha256(target path)>/mountInfo.json   (KEP-2857 layout)
+    <kata-dir>/<base64url(target path)>/mountInfo.json       (optional Kata mirror)
+    <kata-dir>/<base64url(target path)>/<sandbox-id>         (empty; Kata's claim marker)
+    <volumes-dir>/<digest>/runtime-cli                       (written by a KEP-style runtime)
+
+Directories are 0700 and files 0600. Files are written atomically
+(temporary file, fsync, rename, fsync of the directory), so a reader never
+sees a partial file, even if the proxy is killed mid-write. Every path below
+the roots is opened relative to a directory file descriptor with O_NOFOLLOW:
+a symlink planted inside these directories is never followed.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import stat
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from crust.proxy.mountinfo import MountInfo, digest, is_digest, kata_name
+
+log = logging.getLogger(__name__)
+
+MOUNT_INFO = "mountInfo.json"
+RUNTIME_CLI = "runtime-cli"
+NAME_MAX = 255
+
+
+class MirrorError(Exception):
+    """The Kata mirror could not be written; the canonical entry still was."""
+
+
+@contextmanager
+def _open_dir(parent_fd: int | None, name: str, create: bool) -> Iterator[int]:
+    """Open (and optionally create, 0700) a directory without following a symlink."""
+    if create:
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+                # Planted by someone else: remove it (unlink never follows).
+                log.warning("replacing a non-directory in the volumes directory", extra={"fields": {"name": name}})
+                os.unlink(name, dir_fd=parent_fd)
+                os.mkdir(name, 0o700, dir_fd=parent_fd)
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _write_atomic_at(dir_fd: int, name: str, data: bytes) -> None:
+    tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        raise
+    os.fsync(dir_fd)
+
+
+def _clear_dir(parent_fd: int, name: str) -> bool:
+    """Remove directory `name` and the plain files in it (no recursion, no symlink following)."""
+    try:
+        with _open_dir(parent_fd, name, create=False) as fd:
+            for entry in os.listdir(fd):
+                os.unlink(entry, dir_fd=fd)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        os.unlink(name, dir_fd=parent_fd)  # a symlink or file where the entry should be
+        os.fsync(parent_fd)
+        return True
+    os.rmdir(name, dir_fd=parent_fd)
+    os.fsync(parent_fd)
+    return True
+
+
+class VolumesDir:
+    def __init__(self, root: Path, kata_root: Path | None = None):
+        self.root = root
+        self.kata_root = kata_root
+        for d in (root, kata_root):
+            if d is not None:
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    @contextmanager
+    def _root(self, root: Path) -> Iterator[int]:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def write(self, info: MountInfo) -> None:
+        """Write the canonical entry, then the Kata mirror (MirrorError if only it failed)."""
+        data = info.to_json()
+        with self._root(self.root) as root_fd, _open_dir(root_fd, digest(info.target_path), create=True) as fd:
+            _write_atomic_at(fd, MOUNT_INFO, data)
+            os.fsync(root_fd)
+        if self.kata_root is not None:
+            name = kata_name(info.target_path)
+            if len(name.encode()) > NAME_MAX:
+                raise MirrorError(
+                    f"the Kata mirror name of {info.target_path!r} would be {len(name)} bytes, over the "
+                    f"{NAME_MAX}-byte file name limit; Kata cannot use this volume, the crust entry is written")
+            with self._root(self.kata_root) as root_fd, _open_dir(root_fd, name, create=True) as fd:
+                _write_atomic_at(fd, MOUNT_INFO, data)
+                os.fsync(root_fd)
+
+    def read(self, target_path: str) -> MountInfo | None:
+        try:
+            with self._root(self.root) as root_fd, _open_dir(root_fd, digest(target_path), create=False) as fd:
+                f = os.open(MOUNT_INFO, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+                with os.fdopen(f, "rb") as fh:
+                    return MountInfo.model_validate_json(fh.read())
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def runtime_cli(self, target_path: str) -> str | None:
+        """The CLI a KEP-style runtime recorded for this volume, if any."""
+        try:
+            with self._root(self.root) as root_fd, _open_dir(root_fd, digest(target_path), create=False) as fd:
+                f = os.open(RUNTIME_CLI, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+                with os.fdopen(f, "rb") as fh:
+                    text = fh.read(4096).decode(errors="replace").strip()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                log.warning("ignoring a symlinked runtime-cli", extra={"fields": {"target_path": target_path}})
+                return None
+            raise
+        return text if text.startswith("/") else None
+
+    def remove(self, target_path: str) -> None:
+        with self._root(self.root) as root_fd:
+            _clear_dir(root_fd, digest(target_path))
+        if self.kata_root is not None:
+            name = kata_name(target_path)
+            if len(name.encode()) <= NAME_MAX:
+                with self._root(self.kata_root) as root_fd:
+                    _clear_dir(root_fd, name)
+
+    def mark_sandbox(self, target_path: str, sandbox_id: str | None) -> None:
+        """Kata's claim marker: exactly one empty file named by the sandbox id
+        (or none when sandbox_id is None)."""
+        if self.kata_root is None:
+            return
+        name = kata_name(target_path)
+        if len(name.encode()) > NAME_MAX:
+            return
+        with self._root(self.kata_root) as root_fd:
+            try:
+                with _open_dir(root_fd, name, create=False) as fd:
+                    for entry in os.listdir(fd):
+                        if entry != MOUNT_INFO and not entry.startswith(".") and entry != sandbox_id:
+                            os.unlink(entry, dir_fd=fd)
+                    if sandbox_id:
+                        f = os.open(sandbox_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=fd)
+                        os.close(f)
+                    os.fsync(fd)
+            except FileNotFoundError:
+                return
+
+    def digests(self) -> list[str]:
+        return sorted(n for n in os.listdir(self.root) if is_digest(n))
+
+    def remove_digest(self, name: str) -> None:
+        with self._root(self.root) as root_fd:
+            _clear_dir(root_fd, name)
