@@ -223,6 +223,85 @@ class ShimProcess(CsiProcess):
 
 
 
+@dataclass
+class ProxyProcess(CsiProcess):
+    """`crust proxy` in front of a ShimProcess; kubelet talks to `socket`.
+
+    The runtime endpoint is the shim's proxy socket (root/proxy.sock, inside
+    the 0700 temporary root); the kubelet root is root/kubelet."""
+
+    root: Path
+    plugin: ShimProcess
+    extra: list[str] = field(default_factory=list)
+    endpoint_name: str = "kubelet-csi.sock"
+    proc: subprocess.Popen | None = None
+    channel: grpc.Channel | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.root / self.endpoint_name
+
+    @property
+    def runtime_socket(self) -> Path:
+        return self.plugin.proxy_socket
+
+    @property
+    def volumes_dir(self) -> Path:
+        return self.root / "volumes"
+
+    @property
+    def kata_dir(self) -> Path:
+        return self.root / "kata"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "proxy-state"
+
+    @property
+    def kubelet_root(self) -> Path:
+        return self.root / "kubelet"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"{self.endpoint_name}.log"
+
+    def target(self, pod: str, pv: str) -> Path:
+        """A target path laid out as kubelet lays it out."""
+        return self.kubelet_root / "pods" / pod / "volumes" / "kubernetes.io~csi" / pv / "mount"
+
+    def staging(self, pv: str) -> Path:
+        return self.kubelet_root / "plugins" / "kubernetes.io" / "csi" / "staging" / pv / "globalmount"
+
+    def start(self, timeout: float = 15.0) -> "ProxyProcess":
+        self.kubelet_root.mkdir(exist_ok=True)
+        argv = [sys.executable, "-m", "crust", "proxy", "--csi-endpoint", f"unix://{self.socket}",
+                "--plugin-endpoint", f"unix://{self.plugin.socket}",
+                "--runtime-endpoint", f"unix://{self.runtime_socket}", "--volumes-dir", str(self.volumes_dir),
+                "--state-dir", str(self.state_dir), "--kata-dir", str(self.kata_dir),
+                "--kubelet-root", str(self.kubelet_root), *self.extra]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"proxy exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            if self.socket.exists():
+                self.channel = grpc.insecure_channel(f"unix://{self.socket}")
+                try:
+                    self.identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest(), timeout=2)
+                    return self
+                except grpc.RpcError:
+                    self.channel.close()
+            time.sleep(0.05)
+        raise TimeoutError(f"proxy not ready: {self.log_path.read_text()[-2000:]}")
+
+    def restart(self) -> "ProxyProcess":
+        self.stop()
+        return self.start()
+
+    def runtime_channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(f"unix://{self.runtime_socket}")
+
+
 class Root:
     """A short temporary root (unix socket paths must stay under 108 bytes)."""
 
@@ -240,6 +319,19 @@ class Root:
         # Stopped before the drivers (close() stops in reverse order).
         self.drivers.append(s)
         return s
+
+    def proxy(self, plugin: ShimProcess, **kw) -> ProxyProcess:
+        p = ProxyProcess(root=self.path, plugin=plugin, **kw)
+        self.drivers.append(p)
+        return p
+
+    def stack(self, proxy_extra=(), shim_extra=(), driver_extra=()) -> tuple[DriverProcess, ShimProcess, "ProxyProcess"]:
+        """driver -> shim -> proxy, started in that order (the shim's Runtime
+        API calls reach the proxy once it is up)."""
+        driver = self.driver(extra=list(driver_extra)).start()
+        shim = self.shim(driver, extra=list(shim_extra)).start()
+        proxy = self.proxy(shim, extra=list(proxy_extra)).start()
+        return driver, shim, proxy
 
     def close(self) -> None:
         for d in reversed(self.drivers):
