@@ -13,6 +13,12 @@ from crust.csi_shim.backend import Backend
 from crust.csi_shim.translate import caps_to_block, to_block
 
 
+# StorageClass parameters meant for crust itself (the proxy's deferral policy
+# reads them from volume_context). The backend never sees them: any driver
+# may reject parameters it does not know.
+CRUST_PARAMETER_PREFIX = "crust.dev/"
+
+
 class ControllerShim:
     def __init__(self, backend: Backend):
         self.backend = backend
@@ -22,7 +28,14 @@ class ControllerShim:
         forwarded.CopyFrom(request)
         del forwarded.volume_capabilities[:]
         forwarded.volume_capabilities.extend(caps_to_block(request.volume_capabilities))
-        return await self.backend.call(self.backend.controller.CreateVolume, forwarded, context)
+        ours = {k: v for k, v in request.parameters.items() if k.startswith(CRUST_PARAMETER_PREFIX)}
+        for key in ours:
+            del forwarded.parameters[key]
+        response = await self.backend.call(self.backend.controller.CreateVolume, forwarded, context)
+        # The CO keeps volume_context with the volume and passes it to every
+        # NodeStage/NodePublish, where the proxy's policy can see it.
+        response.volume.volume_context.update(ours)
+        return response
 
     async def ValidateVolumeCapabilities(self, request: csi_pb2.ValidateVolumeCapabilitiesRequest, context):
         forwarded = csi_pb2.ValidateVolumeCapabilitiesRequest()
