@@ -117,6 +117,38 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--runtime-endpoint", required=True, help="the proxy's runtime endpoint")
     st.add_argument("--json", action="store_true", help="print JSON")
 
+    hd = sub.add_parser(
+        "handler",
+        help="run the light runtime handler (mount-namespace sandboxes)",
+        description="Register with the crust proxy, watch the volumes directory, and run sandboxes whose "
+                    "deferred volumes are mounted only inside their own mount namespace.",
+    )
+    hd.add_argument("--endpoint", required=True, help="unix:///path of this handler's socket")
+    hd.add_argument("--proxy-endpoint", required=True, help="the proxy's runtime endpoint (registry)")
+    hd.add_argument("--volumes-dir", required=True, type=Path, help="the proxy's watched directory")
+    hd.add_argument("--state-dir", required=True, type=Path, help="sandbox records and mount points")
+    hd.add_argument("--name", default="mountns", help="handler name in the registry (default: mountns)")
+    _add_logging(hd)
+
+    sb = sub.add_parser(
+        "sandbox",
+        help="run, delete or list sandboxes of a running `crust handler`",
+        description="Drive the sandboxes of a running handler: run an OCI runtime bundle, delete a "
+                    "sandbox (unmount, release its volumes), list sandboxes.",
+    )
+    sb.add_argument("--handler-endpoint", default="unix:///run/crust/handler.sock",
+                    help="the handler's socket (default: unix:///run/crust/handler.sock)")
+    sb_sub = sb.add_subparsers(dest="action", metavar="ACTION")
+    sb_sub.required = True
+    sb_run = sb_sub.add_parser("run", help="create a sandbox from an OCI bundle and start its process")
+    sb_run.add_argument("--bundle", required=True, type=Path, help="bundle directory (config.json inside)")
+    sb_run.add_argument("--id", required=True, help="sandbox id")
+    sb_run.add_argument("--json", action="store_true")
+    sb_del = sb_sub.add_parser("delete", help="stop a sandbox, unmount and release its volumes")
+    sb_del.add_argument("id")
+    sb_list = sb_sub.add_parser("list", help="list sandboxes")
+    sb_list.add_argument("--json", action="store_true")
+
     demo = sub.add_parser(
         "demo",
         help="walk one volume through its whole life on the embedded defaults (as root)",
@@ -192,6 +224,26 @@ def main(argv: list[str] | None = None) -> int:
         from crust.proxy.status import status
 
         return status(args.runtime_endpoint, args.json)
+    if args.command == "handler":
+        from crust.runtime_handler.server import HandlerConfig
+        from crust.runtime_handler.server import serve as serve_handler
+
+        logs.setup(args.log_level, args.log_format == "json")
+        try:
+            handler_config = HandlerConfig(name=args.name, endpoint=args.endpoint,
+                                           proxy_endpoint=args.proxy_endpoint,
+                                           volumes_dir=args.volumes_dir.absolute(),
+                                           state_dir=args.state_dir.absolute())
+        except ValidationError as exc:
+            print(f"crust handler: invalid configuration:\n{exc}", file=sys.stderr)
+            return 2
+        serve_handler(handler_config)
+        return 0
+    if args.command == "sandbox":
+        from crust.runtime_handler import sandbox_cli
+
+        return sandbox_cli.main(args.action, args.handler_endpoint, bundle=getattr(args, "bundle", None),
+                                sandbox_id=getattr(args, "id", ""), as_json=getattr(args, "json", False))
     if args.command == "demo":
         from crust.demo import run_demo
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import csi_pb2 as csi__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rhandler.proto\x12\x10\x63rust.handler.v1\x1a\tcsi.proto\"@\n\x15GetVolumeStatsRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x12\n\nsandbox_id\x18\x02 \x01(\t\"o\n\x16GetVolumeStatsResponse\x12\"\n\x05usage\x18\x01 \x03(\x0b\x32\x13.csi.v1.VolumeUsage\x12\x31\n\x10volume_condition\x18\x02 \x01(\x0b\x32\x17.csi.v1.VolumeCondition\"m\n\x13\x45xpandVolumeRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x12\n\nsandbox_id\x18\x02 \x01(\t\x12-\n\x0e\x63\x61pacity_range\x18\x03 \x01(\x0b\x32\x15.csi.v1.CapacityRange\".\n\x14\x45xpandVolumeResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x03\"\'\n\x11GetSandboxRequest\x12\x12\n\nsandbox_id\x18\x01 \x01(\t\"\x97\x01\n\x12GetSandboxResponse\x12\x39\n\x05state\x18\x01 \x01(\x0e\x32*.crust.handler.v1.GetSandboxResponse.State\"F\n\x05State\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0c\n\x08STARTING\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\x0b\n\x07STOPPED\x10\x03\x12\x08\n\x04GONE\x10\x04\x32\xac\x02\n\x07Handler\x12\x65\n\x0eGetVolumeStats\x12\'.crust.handler.v1.GetVolumeStatsRequest\x1a(.crust.handler.v1.GetVolumeStatsResponse\"\x00\x12_\n\x0c\x45xpandVolume\x12%.crust.handler.v1.ExpandVolumeRequest\x1a&.crust.handler.v1.ExpandVolumeResponse\"\x00\x12Y\n\nGetSandbox\x12#.crust.handler.v1.GetSandboxRequest\x1a$.crust.handler.v1.GetSandboxResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rhandler.proto\x12\x10\x63rust.handler.v1\x1a\tcsi.proto\"@\n\x15GetVolumeStatsRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x12\n\nsandbox_id\x18\x02 \x01(\t\"o\n\x16GetVolumeStatsResponse\x12\"\n\x05usage\x18\x01 \x03(\x0b\x32\x13.csi.v1.VolumeUsage\x12\x31\n\x10volume_condition\x18\x02 \x01(\x0b\x32\x17.csi.v1.VolumeCondition\"m\n\x13\x45xpandVolumeRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x12\n\nsandbox_id\x18\x02 \x01(\t\x12-\n\x0e\x63\x61pacity_range\x18\x03 \x01(\x0b\x32\x15.csi.v1.CapacityRange\".\n\x14\x45xpandVolumeResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x03\"\'\n\x11GetSandboxRequest\x12\x12\n\nsandbox_id\x18\x01 \x01(\t\"\x97\x01\n\x12GetSandboxResponse\x12\x39\n\x05state\x18\x01 \x01(\x0e\x32*.crust.handler.v1.GetSandboxResponse.State\"F\n\x05State\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0c\n\x08STARTING\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\x0b\n\x07STOPPED\x10\x03\x12\x08\n\x04GONE\x10\x04\"7\n\x11RunSandboxRequest\x12\x0e\n\x06\x62undle\x18\x01 \x01(\t\x12\x12\n\nsandbox_id\x18\x02 \x01(\t\"\x82\x01\n\rSandboxVolume\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07\x66s_type\x18\x03 \x01(\t\x12\x13\n\x0bmount_point\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x65stinations\x18\x05 \x03(\t\x12\x10\n\x08subpaths\x18\x06 \x03(\t\"\xe3\x01\n\x0bSandboxInfo\x12\x12\n\nsandbox_id\x18\x01 \x01(\t\x12\x39\n\x05state\x18\x02 \x01(\x0e\x32*.crust.handler.v1.GetSandboxResponse.State\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x13\n\x0bprocess_pid\x18\x04 \x01(\x03\x12\x0e\n\x06\x65xited\x18\x05 \x01(\x08\x12\x11\n\texit_code\x18\x06 \x01(\x05\x12\x30\n\x07volumes\x18\x07 \x03(\x0b\x32\x1f.crust.handler.v1.SandboxVolume\x12\x0e\n\x06\x62undle\x18\x08 \x01(\t\"D\n\x12RunSandboxResponse\x12.\n\x07sandbox\x18\x01 \x01(\x0b\x32\x1d.crust.handler.v1.SandboxInfo\"*\n\x14\x44\x65leteSandboxRequest\x12\x12\n\nsandbox_id\x18\x01 \x01(\t\"\x17\n\x15\x44\x65leteSandboxResponse\"\x16\n\x14ListSandboxesRequest\"I\n\x15ListSandboxesResponse\x12\x30\n\tsandboxes\x18\x01 \x03(\x0b\x32\x1d.crust.handler.v1.SandboxInfo2\xac\x02\n\x07Handler\x12\x65\n\x0eGetVolumeStats\x12\'.crust.handler.v1.GetVolumeStatsRequest\x1a(.crust.handler.v1.GetVolumeStatsResponse\"\x00\x12_\n\x0c\x45xpandVolume\x12%.crust.handler.v1.ExpandVolumeRequest\x1a&.crust.handler.v1.ExpandVolumeResponse\"\x00\x12Y\n\nGetSandbox\x12#.crust.handler.v1.GetSandboxRequest\x1a$.crust.handler.v1.GetSandboxResponse\"\x00\x32\xb3\x02\n\x0eSandboxControl\x12Y\n\nRunSandbox\x12#.crust.handler.v1.RunSandboxRequest\x1a$.crust.handler.v1.RunSandboxResponse\"\x00\x12\x62\n\rDeleteSandbox\x12&.crust.handler.v1.DeleteSandboxRequest\x1a\'.crust.handler.v1.DeleteSandboxResponse\"\x00\x12\x62\n\rListSandboxes\x12&.crust.handler.v1.ListSandboxesRequest\x1a\'.crust.handler.v1.ListSandboxesResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,6 +46,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSANDBOXRESPONSE']._serialized_end=577
   _globals['_GETSANDBOXRESPONSE_STATE']._serialized_start=507
   _globals['_GETSANDBOXRESPONSE_STATE']._serialized_end=577
-  _globals['_HANDLER']._serialized_start=580
-  _globals['_HANDLER']._serialized_end=880
+  _globals['_RUNSANDBOXREQUEST']._serialized_start=579
+  _globals['_RUNSANDBOXREQUEST']._serialized_end=634
+  _globals['_SANDBOXVOLUME']._serialized_start=637
+  _globals['_SANDBOXVOLUME']._serialized_end=767
+  _globals['_SANDBOXINFO']._serialized_start=770
+  _globals['_SANDBOXINFO']._serialized_end=997
+  _globals['_RUNSANDBOXRESPONSE']._serialized_start=999
+  _globals['_RUNSANDBOXRESPONSE']._serialized_end=1067
+  _globals['_DELETESANDBOXREQUEST']._serialized_start=1069
+  _globals['_DELETESANDBOXREQUEST']._serialized_end=1111
+  _globals['_DELETESANDBOXRESPONSE']._serialized_start=1113
+  _globals['_DELETESANDBOXRESPONSE']._serialized_end=1136
+  _globals['_LISTSANDBOXESREQUEST']._serialized_start=1138
+  _globals['_LISTSANDBOXESREQUEST']._serialized_end=1160
+  _globals['_LISTSANDBOXESRESPONSE']._serialized_start=1162
+  _globals['_LISTSANDBOXESRESPONSE']._serialized_end=1235
+  _globals['_HANDLER']._serialized_start=1238
+  _globals['_HANDLER']._serialized_end=1538
+  _globals['_SANDBOXCONTROL']._serialized_start=1541
+  _globals['_SANDBOXCONTROL']._serialized_end=1848
 # @@protoc_insertion_point(module_scope)

@@ -63,3 +63,73 @@ class GetSandboxResponse(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     state: GetSandboxResponse.State
     def __init__(self, state: _Optional[_Union[GetSandboxResponse.State, str]] = ...) -> None: ...
+
+class RunSandboxRequest(_message.Message):
+    __slots__ = ("bundle", "sandbox_id")
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    bundle: str
+    sandbox_id: str
+    def __init__(self, bundle: _Optional[str] = ..., sandbox_id: _Optional[str] = ...) -> None: ...
+
+class SandboxVolume(_message.Message):
+    __slots__ = ("target_path", "device", "fs_type", "mount_point", "destinations", "subpaths")
+    TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FS_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MOUNT_POINT_FIELD_NUMBER: _ClassVar[int]
+    DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    SUBPATHS_FIELD_NUMBER: _ClassVar[int]
+    target_path: str
+    device: str
+    fs_type: str
+    mount_point: str
+    destinations: _containers.RepeatedScalarFieldContainer[str]
+    subpaths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, target_path: _Optional[str] = ..., device: _Optional[str] = ..., fs_type: _Optional[str] = ..., mount_point: _Optional[str] = ..., destinations: _Optional[_Iterable[str]] = ..., subpaths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SandboxInfo(_message.Message):
+    __slots__ = ("sandbox_id", "state", "pid", "process_pid", "exited", "exit_code", "volumes", "bundle")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_PID_FIELD_NUMBER: _ClassVar[int]
+    EXITED_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    VOLUMES_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    state: GetSandboxResponse.State
+    pid: int
+    process_pid: int
+    exited: bool
+    exit_code: int
+    volumes: _containers.RepeatedCompositeFieldContainer[SandboxVolume]
+    bundle: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., state: _Optional[_Union[GetSandboxResponse.State, str]] = ..., pid: _Optional[int] = ..., process_pid: _Optional[int] = ..., exited: bool = ..., exit_code: _Optional[int] = ..., volumes: _Optional[_Iterable[_Union[SandboxVolume, _Mapping]]] = ..., bundle: _Optional[str] = ...) -> None: ...
+
+class RunSandboxResponse(_message.Message):
+    __slots__ = ("sandbox",)
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
+    sandbox: SandboxInfo
+    def __init__(self, sandbox: _Optional[_Union[SandboxInfo, _Mapping]] = ...) -> None: ...
+
+class DeleteSandboxRequest(_message.Message):
+    __slots__ = ("sandbox_id",)
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
+
+class DeleteSandboxResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSandboxesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSandboxesResponse(_message.Message):
+    __slots__ = ("sandboxes",)
+    SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    sandboxes: _containers.RepeatedCompositeFieldContainer[SandboxInfo]
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[SandboxInfo, _Mapping]]] = ...) -> None: ...

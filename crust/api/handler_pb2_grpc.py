@@ -185,3 +185,172 @@ class Handler(object):
             timeout,
             metadata,
             _registered_method=True)
+
+
+class SandboxControlStub(object):
+    """Local control of a handler's sandboxes (`crust sandbox run|delete|list`),
+    served on the same socket. A CRI runtime would drive its sandboxes its own
+    way; this is the light runtime crust ships.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RunSandbox = channel.unary_unary(
+                '/crust.handler.v1.SandboxControl/RunSandbox',
+                request_serializer=handler__pb2.RunSandboxRequest.SerializeToString,
+                response_deserializer=handler__pb2.RunSandboxResponse.FromString,
+                _registered_method=True)
+        self.DeleteSandbox = channel.unary_unary(
+                '/crust.handler.v1.SandboxControl/DeleteSandbox',
+                request_serializer=handler__pb2.DeleteSandboxRequest.SerializeToString,
+                response_deserializer=handler__pb2.DeleteSandboxResponse.FromString,
+                _registered_method=True)
+        self.ListSandboxes = channel.unary_unary(
+                '/crust.handler.v1.SandboxControl/ListSandboxes',
+                request_serializer=handler__pb2.ListSandboxesRequest.SerializeToString,
+                response_deserializer=handler__pb2.ListSandboxesResponse.FromString,
+                _registered_method=True)
+
+
+class SandboxControlServicer(object):
+    """Local control of a handler's sandboxes (`crust sandbox run|delete|list`),
+    served on the same socket. A CRI runtime would drive its sandboxes its own
+    way; this is the light runtime crust ships.
+    """
+
+    def RunSandbox(self, request, context):
+        """Create a sandbox from an OCI runtime bundle and start its process.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSandbox(self, request, context):
+        """Stop the process, unmount, release the claims. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSandboxes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SandboxControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RunSandbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunSandbox,
+                    request_deserializer=handler__pb2.RunSandboxRequest.FromString,
+                    response_serializer=handler__pb2.RunSandboxResponse.SerializeToString,
+            ),
+            'DeleteSandbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSandbox,
+                    request_deserializer=handler__pb2.DeleteSandboxRequest.FromString,
+                    response_serializer=handler__pb2.DeleteSandboxResponse.SerializeToString,
+            ),
+            'ListSandboxes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSandboxes,
+                    request_deserializer=handler__pb2.ListSandboxesRequest.FromString,
+                    response_serializer=handler__pb2.ListSandboxesResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'crust.handler.v1.SandboxControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('crust.handler.v1.SandboxControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SandboxControl(object):
+    """Local control of a handler's sandboxes (`crust sandbox run|delete|list`),
+    served on the same socket. A CRI runtime would drive its sandboxes its own
+    way; this is the light runtime crust ships.
+    """
+
+    @staticmethod
+    def RunSandbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.SandboxControl/RunSandbox',
+            handler__pb2.RunSandboxRequest.SerializeToString,
+            handler__pb2.RunSandboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSandbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.SandboxControl/DeleteSandbox',
+            handler__pb2.DeleteSandboxRequest.SerializeToString,
+            handler__pb2.DeleteSandboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSandboxes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.SandboxControl/ListSandboxes',
+            handler__pb2.ListSandboxesRequest.SerializeToString,
+            handler__pb2.ListSandboxesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,284 @@
+"""The runtime handler: what a runtime needs to mount deferred volumes in its
+sandboxes, independent of how the sandbox isolates (crust.runtime_handler.sandbox).
+
+Running a sandbox from an OCI bundle:
+1. resolve every mount source to a deferred volume (and subpath) through the
+   index of the watched directory;
+2. claim each volume through the registry (refused if another live sandbox
+   holds it), before touching it;
+3. check the device is the one described (block device, same major:minor,
+   at least the described size): device names are reused;
+4. attach and mount each volume once, apply fsGroup, then give each
+   container destination its view (whole volume or subpath);
+5. start the process. Deleting the sandbox undoes it all and releases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel, Field
+
+from crust.api import handler_pb2
+from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument, NotFound
+from crust.common.inflight import InFlight
+from crust.common.recordstore import RecordStore
+from crust.proxy.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
+from crust.proxy.paths import check_sandbox_id
+from crust.runtime_handler.index import VolumeIndex
+from crust.runtime_handler.oci import BundleError, load_bundle
+from crust.runtime_handler.registration import Registration
+from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, resolve
+from crust.runtime_handler.sandbox import Sandbox
+from crust.sys import blockdev
+
+log = logging.getLogger(__name__)
+
+State = handler_pb2.GetSandboxResponse.State
+ENTRY_WAIT = 5.0  # how long a CSI mount source may take to appear in the index
+
+
+class VolumeView(BaseModel):
+    destination: str
+    subpath: str = ""
+    readonly: bool = False
+
+
+class MountedVolume(BaseModel):
+    target_path: str
+    device: str
+    fs_type: str
+    mount_point: str
+    readonly: bool = False
+    views: list[VolumeView] = Field(default_factory=list)
+
+
+class SandboxRecord(BaseModel):
+    sandbox_id: str
+    bundle: str
+    pid: int = 0
+    process_pid: int = 0
+    volumes: dict[str, MountedVolume] = Field(default_factory=dict)  # by digest
+    created_at: float = Field(default_factory=time.time)
+
+
+def check_device(info: MountInfo) -> None:
+    """The described device, and no other, before anything touches it."""
+    try:
+        st = os.stat(info.device)
+    except FileNotFoundError:
+        raise FailedPrecondition(f"device {info.device} of {info.target_path} does not exist") from None
+    if not stat.S_ISBLK(st.st_mode):
+        raise FailedPrecondition(f"{info.device} is not a block device")
+    found = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    if info.device_major and found != (info.device_major, info.device_minor):
+        raise FailedPrecondition(f"{info.device} is {found[0]}:{found[1]}, the volume was "
+                                 f"{info.device_major}:{info.device_minor}: the name was reused")
+    size = blockdev.size_bytes(info.device)
+    if size < info.capacity_bytes:
+        raise FailedPrecondition(f"{info.device} has {size} bytes, the volume has {info.capacity_bytes}")
+
+
+class RuntimeHandler:
+    def __init__(self, *, name: str, volumes_dir: Path, state_dir: Path, registration: Registration,
+                 make_sandbox: Callable[[str, Path, Path | None, int], Sandbox]):
+        self.name = name
+        self.index = VolumeIndex(volumes_dir)
+        self.state_dir = state_dir
+        self.records = RecordStore(state_dir / "sandboxes", SandboxRecord)
+        self.registration = registration
+        self.make_sandbox = make_sandbox
+        self.sandboxes: dict[str, tuple[Sandbox, SandboxRecord]] = {}
+        self.inflight = InFlight()
+        registration.on_register = self.reclaim
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.index.start()
+        await self.recover()
+        self.registration.start()
+
+    async def stop(self) -> None:
+        await self.registration.stop()
+        self.index.stop()
+
+    async def recover(self) -> None:
+        """After a restart: keep sandboxes whose holder process lives, clean
+        up (and release) the others."""
+        for key, record in self.records.load_all():
+            sandbox = self.make_sandbox(record.sandbox_id, self._workdir(record.sandbox_id),
+                                        self._rootfs(record), record.pid)
+            if sandbox.alive():
+                self.sandboxes[record.sandbox_id] = (sandbox, record)
+                log.info("sandbox survived the restart", extra={"fields": {"sandbox": record.sandbox_id}})
+            else:
+                log.info("sandbox died while the handler was down", extra={"fields": {"sandbox": record.sandbox_id}})
+                self.sandboxes[record.sandbox_id] = (sandbox, record)
+                self._pending_release = getattr(self, "_pending_release", []) + [record.sandbox_id]
+
+    async def reclaim(self) -> None:
+        """Called after every (re-)registration: re-assert the claims of live
+        sandboxes (idempotent for the same sandbox) and release dead ones."""
+        for sandbox_id in list(getattr(self, "_pending_release", [])):
+            try:
+                await self.delete_sandbox(sandbox_id)
+            except CrustError as exc:
+                log.warning("could not clean a dead sandbox", extra={"fields": {"sandbox": sandbox_id,
+                                                                                "error": exc.message}})
+            self._pending_release.remove(sandbox_id)
+        for sandbox, record in list(self.sandboxes.values()):
+            for volume in record.volumes.values():
+                try:
+                    await self.registration.claim(volume.target_path, record.sandbox_id, sandbox.pid)
+                except CrustError as exc:
+                    log.error("lost a claim", extra={"fields": {"sandbox": record.sandbox_id,
+                                                                "target_path": volume.target_path,
+                                                                "error": exc.message}})
+
+    def _workdir(self, sandbox_id: str) -> Path:
+        return self.state_dir / "run" / sandbox_id
+
+    @staticmethod
+    def _rootfs(record: SandboxRecord) -> Path | None:
+        try:
+            spec = load_bundle(Path(record.bundle))
+        except BundleError:
+            return None
+        return (Path(record.bundle) / spec.root.path) if spec.root else None
+
+    # -- sandboxes ---------------------------------------------------------------------
+
+    async def run_sandbox(self, bundle: str, sandbox_id: str) -> SandboxRecord:
+        sandbox_id = check_sandbox_id(sandbox_id)
+        if not bundle.startswith("/"):
+            raise InvalidArgument("bundle must be an absolute path")
+        try:
+            spec = load_bundle(Path(bundle))
+        except BundleError as exc:
+            raise InvalidArgument(str(exc)) from None
+        with self.inflight.hold(sandbox_id):
+            if sandbox_id in self.sandboxes:
+                return self.sandboxes[sandbox_id][1]
+            await asyncio.wait_for(self.registration.registered.wait(), 10)
+            # Resolve every mount before touching anything.
+            plan: dict[str, tuple[MountInfo, list[VolumeView]]] = {}
+            others = []
+            for m in spec.mounts:
+                try:
+                    resolved = resolve(m.source, self.index)
+                    if resolved is None and CSI_DIR in m.source.split("/"):
+                        # kubelet published just now: give the entry a moment.
+                        resolved = await asyncio.to_thread(self._wait_resolve, m.source)
+                except SubpathEscapes as exc:
+                    raise InvalidArgument(str(exc)) from None
+                if resolved is None:
+                    others.append(m)
+                    continue
+                view = VolumeView(destination=m.destination, subpath=resolved.subpath,
+                                  readonly="ro" in m.options)
+                plan.setdefault(resolved.digest, (resolved.info, []))[1].append(view)
+            rootfs = (Path(bundle) / spec.root.path) if spec.root else None
+            sandbox = self.make_sandbox(sandbox_id, self._workdir(sandbox_id), rootfs, 0)
+            record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
+            await sandbox.start()
+            record.pid = sandbox.pid
+            self.sandboxes[sandbox_id] = (sandbox, record)
+            try:
+                for key, (info, views) in plan.items():
+                    await self._mount_volume(sandbox, record, key, info, views)
+                for m in others:
+                    if m.type == "bind" or "bind" in m.options or "rbind" in m.options:
+                        await sandbox.bind(m.source, m.destination, readonly="ro" in m.options)
+                record.process_pid = await sandbox.run_process(
+                    spec.process.args, spec.process.env, spec.process.cwd, self._workdir(sandbox_id) / "process.log")
+                await self.records.put(sandbox_id, record)
+            except BaseException:
+                await self._teardown(sandbox, record)
+                raise
+            log.info("sandbox running", extra={"fields": {"sandbox": sandbox_id, "volumes": len(record.volumes)}})
+            return record
+
+    def _wait_resolve(self, source: str):
+        deadline = time.monotonic() + ENTRY_WAIT
+        while time.monotonic() < deadline:
+            resolved = resolve(source, self.index)
+            if resolved is not None:
+                return resolved
+            time.sleep(0.02)
+        return None
+
+    async def _mount_volume(self, sandbox: Sandbox, record: SandboxRecord, key: str, info: MountInfo,
+                            views: list[VolumeView]) -> None:
+        if info.fstype not in self.registration.filesystems:
+            raise FailedPrecondition(f"handler {self.name} cannot mount {info.fstype}")
+        # Claim first: a second sandbox is refused before it touches the device.
+        await self.registration.claim(info.target_path, record.sandbox_id, sandbox.pid)
+        mounted = MountedVolume(target_path=info.target_path, device=info.device, fs_type=info.fstype,
+                                mount_point=str(self._workdir(record.sandbox_id) / "volumes" / key),
+                                readonly=info.readonly, views=views)
+        record.volumes[key] = mounted  # recorded before mounting: teardown knows what to undo
+        check_device(info)
+        inside = await sandbox.attach(info.device)
+        await sandbox.mount(inside, info.fstype, info.options, info.readonly, mounted.mount_point)
+        group = info.metadata.get(FS_GROUP)
+        if group and not info.readonly:
+            await sandbox.apply_fs_group(mounted.mount_point, int(group),
+                                         info.metadata.get(FS_GROUP_CHANGE_POLICY, "Always"))
+        for view in views:
+            source = mounted.mount_point + (f"/{view.subpath}" if view.subpath else "")
+            if view.subpath:
+                await sandbox.check_subpath(mounted.mount_point, view.subpath)
+            await sandbox.bind(source, view.destination, readonly=view.readonly or info.readonly)
+
+    async def _teardown(self, sandbox: Sandbox, record: SandboxRecord) -> None:
+        errors = []
+        await sandbox.stop_process()
+        for volume in record.volumes.values():
+            try:
+                await sandbox.unmount(volume.mount_point)
+                await sandbox.detach(volume.device)
+            except CrustError as exc:
+                errors.append(exc.message)
+        await sandbox.stop()
+        for volume in record.volumes.values():
+            try:
+                await self.registration.release(volume.target_path, record.sandbox_id)
+            except CrustError as exc:
+                errors.append(exc.message)
+        self.sandboxes.pop(record.sandbox_id, None)
+        await self.records.delete(record.sandbox_id)
+        if errors:
+            raise FailedPrecondition(f"sandbox {record.sandbox_id} cleaned up with errors: {'; '.join(errors)}")
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        with self.inflight.hold(sandbox_id):
+            entry = self.sandboxes.get(sandbox_id)
+            if entry is None:
+                return
+            await self._teardown(*entry)
+
+    def find(self, target_path: str, sandbox_id: str) -> tuple[Sandbox, MountedVolume]:
+        entry = self.sandboxes.get(sandbox_id)
+        volume = entry[1].volumes.get(digest(target_path)) if entry else None
+        if entry is None or volume is None:
+            raise NotFound(f"sandbox {sandbox_id} does not hold {target_path}")
+        return entry[0], volume
+
+    def info(self, sandbox: Sandbox, record: SandboxRecord) -> handler_pb2.SandboxInfo:
+        code = sandbox.process_exit_code()
+        return handler_pb2.SandboxInfo(
+            sandbox_id=record.sandbox_id, state=State.RUNNING if sandbox.alive() else State.STOPPED,
+            pid=record.pid, process_pid=record.process_pid, exited=code is not None,
+            exit_code=code or 0, bundle=record.bundle,
+            volumes=[handler_pb2.SandboxVolume(
+                target_path=v.target_path, device=v.device, fs_type=v.fs_type, mount_point=v.mount_point,
+                destinations=[w.destination for w in v.views], subpaths=[w.subpath for w in v.views])
+                for v in record.volumes.values()])
+

@@ -1,0 +1,133 @@
+"""An index of the watched directory, kept current with watchdog.
+
+An initial scan plus file system events keep a map digest -> MountInfo. A
+bad entry (partial, garbage, vanished between event and read) is logged and
+skipped; it never crashes the handler. Readers may wait for an entry that is
+about to appear (the proxy answers kubelet only after writing it, but the
+runtime may be asked to start the sandbox at the same moment).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from crust.proxy.mountinfo import MountInfo, is_digest
+
+log = logging.getLogger(__name__)
+
+MOUNT_INFO = "mountInfo.json"
+
+
+class VolumeIndex(FileSystemEventHandler):
+    def __init__(self, root: Path):
+        self.root = root
+        self.entries: dict[str, MountInfo] = {}
+        self.updated_at: dict[str, float] = {}
+        self.lock = threading.Condition()
+        self.observer: Observer | None = None
+        self.skipped = 0
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> "VolumeIndex":
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.observer = Observer()
+        self.observer.schedule(self, str(self.root), recursive=True)
+        self.observer.start()
+        self.rescan()  # after the watch starts, so nothing falls between the two
+        return self
+
+    def stop(self) -> None:
+        if self.observer is not None:
+            self.observer.stop()
+            self.observer.join(5)
+            self.observer = None
+
+    # -- reading -------------------------------------------------------------------
+
+    def rescan(self) -> None:
+        seen = set()
+        for entry in self.root.iterdir():
+            if is_digest(entry.name):
+                seen.add(entry.name)
+                self._load(entry.name)
+        with self.lock:
+            for gone in set(self.entries) - seen:
+                self._drop(gone)
+
+    def _load(self, digest: str) -> None:
+        path = self.root / digest / MOUNT_INFO
+        try:
+            if path.is_symlink():
+                raise ValueError("mountInfo.json is a symlink")
+            info = MountInfo.model_validate_json(path.read_bytes())
+        except FileNotFoundError:
+            with self.lock:
+                self._drop(digest)
+            return
+        except (OSError, ValueError, ValidationError) as exc:
+            self.skipped += 1
+            log.warning("skipping a bad entry", extra={"fields": {"digest": digest, "error": str(exc)[:200]}})
+            return
+        from crust.proxy.mountinfo import digest as digest_of
+
+        if digest_of(info.target_path) != digest:
+            self.skipped += 1
+            log.warning("skipping an entry whose target path does not match its directory",
+                        extra={"fields": {"digest": digest}})
+            return
+        with self.lock:
+            self.entries[digest] = info
+            self.updated_at[digest] = time.monotonic()
+            self.lock.notify_all()
+
+    def _drop(self, digest: str) -> None:
+        if self.entries.pop(digest, None) is not None:
+            self.updated_at[digest] = time.monotonic()
+            self.lock.notify_all()
+
+    def get(self, digest: str) -> MountInfo | None:
+        with self.lock:
+            return self.entries.get(digest)
+
+    def wait_for(self, digest: str, timeout: float) -> MountInfo | None:
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while digest not in self.entries:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.lock.wait(left)
+            return self.entries[digest]
+
+    # -- watchdog events -------------------------------------------------------------
+
+    def _digest_of_event(self, path: str) -> str | None:
+        try:
+            rel = Path(path).relative_to(self.root)
+        except ValueError:
+            return None
+        parts = rel.parts
+        if not parts or not is_digest(parts[0]):
+            return None
+        if len(parts) == 1 or parts[1] == MOUNT_INFO:
+            return parts[0]
+        return None  # temporaries and other files inside an entry
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        try:
+            for path in (event.src_path, getattr(event, "dest_path", "")):
+                if not path:
+                    continue
+                digest = self._digest_of_event(str(path))
+                if digest is not None:
+                    self._load(digest)
+        except Exception:  # noqa: BLE001 - the watcher thread must survive anything
+            log.exception("index update failed")

@@ -1,0 +1,56 @@
+"""The part of an OCI runtime bundle (config.json, runtime-spec) a sandbox honours:
+process args, env and cwd; root path; mounts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class Process(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    args: list[str] = Field(min_length=1)
+    env: list[str] = Field(default_factory=list)
+    cwd: str = "/"
+
+
+class Root(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    path: str = "rootfs"
+    readonly: bool = False
+
+
+class Mount(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    destination: str
+    source: str = ""
+    type: str = ""
+    options: list[str] = Field(default_factory=list)
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    ociVersion: str = ""
+    process: Process
+    root: Root | None = None
+    mounts: list[Mount] = Field(default_factory=list)
+
+
+class BundleError(ValueError):
+    pass
+
+
+def load_bundle(bundle: Path) -> Spec:
+    path = bundle / "config.json"
+    try:
+        spec = Spec.model_validate(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise BundleError(f"{path} does not exist") from None
+    except (json.JSONDecodeError, ValidationError) as exc:
+        raise BundleError(f"{path}: {exc}") from None
+    for m in spec.mounts:
+        if not m.destination.startswith("/"):
+            raise BundleError(f"{path}: mount destination {m.destination!r} must be absolute")
+    return spec

@@ -1,0 +1,328 @@
+"""The Sandbox interface a runtime implements, and the light one crust ships:
+a private mount namespace.
+
+A handler drives any sandbox through the same steps: start, attach a
+device, mount it at a sandbox-private mount point, apply fsGroup, give each
+container its view (bind, optionally a subpath), run the process, measure,
+grow, unmount, detach, stop. A microVM runtime implements the same methods
+with virtio-blk and a guest agent (examples/kata).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import os
+import signal
+import stat
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from crust.api import csi_pb2
+from crust.common.errors import FailedPrecondition, InvalidArgument
+from crust.sys import mount as sysmount
+from crust.sys.run import CommandError, run
+
+Usage = csi_pb2.VolumeUsage
+
+
+@dataclass
+class VolumeStats:
+    usage: list[csi_pb2.VolumeUsage]
+    condition: csi_pb2.VolumeCondition
+
+
+class Sandbox(abc.ABC):
+    """One pod sandbox. Mount points are paths in the sandbox's own view."""
+
+    id: str
+
+    @property
+    @abc.abstractmethod
+    def pid(self) -> int:
+        """A process that lives exactly as long as the sandbox."""
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def attach(self, device: str) -> str:
+        """Make the host device reachable inside; returns its path inside."""
+
+    @abc.abstractmethod
+    async def mount(self, device: str, fs_type: str, options: list[str], readonly: bool, mount_point: str) -> None: ...
+
+    @abc.abstractmethod
+    async def apply_fs_group(self, mount_point: str, gid: int, policy: str) -> None: ...
+
+    @abc.abstractmethod
+    async def bind(self, source: str, destination: str, readonly: bool) -> None:
+        """Give a container a view of a path (a mount point or a subpath of one)."""
+
+    @abc.abstractmethod
+    async def check_subpath(self, mount_point: str, subpath: str) -> None:
+        """Refuse a subpath that leaves the volume ('..', a symlink on the way)."""
+
+    @abc.abstractmethod
+    async def stats(self, mount_point: str, readonly: bool) -> VolumeStats: ...
+
+    @abc.abstractmethod
+    async def grow(self, fs_type: str, device: str, mount_point: str) -> None: ...
+
+    @abc.abstractmethod
+    async def unmount(self, mount_point: str) -> None: ...
+
+    @abc.abstractmethod
+    async def detach(self, device: str) -> None: ...
+
+    @abc.abstractmethod
+    async def run_process(self, args: list[str], env: list[str], cwd: str, log_path: Path) -> int:
+        """Start the container process; returns its pid."""
+
+    @abc.abstractmethod
+    def process_exit_code(self) -> int | None: ...
+
+    @abc.abstractmethod
+    async def stop_process(self) -> None:
+        """Stop the container process (before volumes are unmounted)."""
+
+    @abc.abstractmethod
+    def alive(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+
+# Host directories a light container sees read-only (its "image").
+IMAGE_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "usr", "etc")
+
+
+class MountNamespaceSandbox(Sandbox):
+    """A private mount namespace, held open by a `sleep` process.
+
+    Volumes are mounted inside the namespace only: the host's mount table
+    never shows them. The container's root is the bundle's rootfs with the
+    host's system directories bound read-only (a light image), plus its
+    mounts; the process runs chrooted there.
+    """
+
+    def __init__(self, sandbox_id: str, workdir: Path, rootfs: Path | None = None, holder_pid: int = 0):
+        self.id = sandbox_id
+        self.workdir = workdir
+        self.rootfs = rootfs
+        self._holder: subprocess.Popen | None = None
+        self._holder_pid = holder_pid
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._holder.pid if self._holder is not None else self._holder_pid
+
+    def root_view(self, path: str) -> str:
+        """A sandbox path as reachable from the host, through the namespace."""
+        return f"/proc/{self.pid}/root{path}"
+
+    async def ns(self, *argv: str, **kw):
+        return await run(["nsenter", f"--target={self.pid}", "--mount", "--", *argv], **kw)
+
+    async def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._holder = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "--", "sleep", "infinity"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+        mine = os.readlink("/proc/self/ns/mnt")
+        for _ in range(200):
+            try:
+                if os.readlink(f"/proc/{self.pid}/ns/mnt") != mine:
+                    break
+            except FileNotFoundError:
+                pass
+            await asyncio.sleep(0.005)
+        else:
+            raise FailedPrecondition(f"sandbox {self.id}: the mount namespace did not come up")
+        if self.rootfs is not None:
+            await self._prepare_rootfs()
+
+    async def _prepare_rootfs(self) -> None:
+        root = self.rootfs
+        root.mkdir(parents=True, exist_ok=True)
+        for name in IMAGE_DIRS:
+            host = Path("/") / name
+            if host.is_symlink():
+                # usr-merged hosts: /bin -> usr/bin; keep the link in the image.
+                link = root / name
+                if not link.exists() and not link.is_symlink():
+                    link.symlink_to(os.readlink(host))
+                continue
+            if host.is_dir():
+                (root / name).mkdir(exist_ok=True)
+                await self.ns("mount", "--bind", str(host), str(root / name))
+                await self.ns("mount", "-o", "remount,bind,ro", str(root / name))
+        for name, fstype in (("dev", None), ("tmp", "tmpfs"), ("proc", None)):
+            (root / name).mkdir(exist_ok=True)
+            if fstype:
+                await self.ns("mount", "-t", fstype, "-o", "mode=1777", fstype, str(root / name))
+            else:
+                await self.ns("mount", "--rbind", f"/{name}", str(root / name))
+
+    async def attach(self, device: str) -> str:
+        # Same kernel, private mount table: the host device node is usable as is.
+        return device
+
+    async def mount(self, device, fs_type, options, readonly, mount_point) -> None:
+        Path(mount_point).mkdir(parents=True, exist_ok=True, mode=0o700)  # empty on the host
+        opts = list(options) + (["ro"] if readonly else [])
+        if fs_type == "xfs" and "nouuid" not in opts:
+            opts.append("nouuid")
+        argv = ["mount", "-t", fs_type] + (["-o", ",".join(opts)] if opts else []) + ["--", device, mount_point]
+        await self.ns(*argv)
+
+    async def apply_fs_group(self, mount_point: str, gid: int, policy: str) -> None:
+        await asyncio.to_thread(apply_fs_group, self.root_view(mount_point), gid, policy)
+
+    async def bind(self, source: str, destination: str, readonly: bool) -> None:
+        root = str(self.rootfs) if self.rootfs is not None else ""
+        target = root + destination
+        src_view = self.root_view(source)
+        if os.path.isdir(src_view):
+            os.makedirs(self.root_view(target), exist_ok=True)
+        else:
+            Path(self.root_view(target)).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.root_view(target)).touch(exist_ok=True)
+        await self.ns("mount", "--bind", "--", source, target)
+        if readonly:
+            await self.ns("mount", "-o", "remount,bind,ro", "--", target)
+
+    async def check_subpath(self, mount_point: str, subpath: str) -> None:
+        await asyncio.to_thread(safe_subpath, self.root_view(mount_point), subpath)
+
+    async def stats(self, mount_point: str, readonly: bool) -> VolumeStats:
+        view = self.root_view(mount_point)
+        st = os.statvfs(view)
+        total, free, avail = st.f_blocks * st.f_frsize, st.f_bfree * st.f_frsize, st.f_bavail * st.f_frsize
+        usage = [Usage(unit=Usage.BYTES, total=total, available=avail, used=total - free),
+                 Usage(unit=Usage.INODES, total=st.f_files, available=st.f_ffree, used=st.f_files - st.f_ffree)]
+        return VolumeStats(usage, self._condition(mount_point, readonly))
+
+    def _condition(self, mount_point: str, readonly: bool) -> csi_pb2.VolumeCondition:
+        with open(f"/proc/{self.pid}/mountinfo") as f:
+            entries = [e for e in sysmount.parse_mountinfo(f.read()) if e.mount_point == mount_point]
+        if not entries:
+            return csi_pb2.VolumeCondition(abnormal=True, message="the volume is not mounted in the sandbox")
+        entry = entries[-1]
+        if "ro" in entry.super_options and not readonly:
+            return csi_pb2.VolumeCondition(abnormal=True, message="the file system went read-only in the sandbox")
+        errors = Path(f"/sys/fs/ext4/{os.path.basename(entry.source)}/errors_count")
+        if entry.fs_type == "ext4" and errors.exists() and int(errors.read_text().strip() or 0) > 0:
+            return csi_pb2.VolumeCondition(abnormal=True,
+                                           message=f"ext4 reports {errors.read_text().strip()} errors")
+        return csi_pb2.VolumeCondition(abnormal=False, message="mounted and healthy in the sandbox")
+
+    async def grow(self, fs_type: str, device: str, mount_point: str) -> None:
+        try:
+            if fs_type == "xfs":
+                await self.ns("xfs_growfs", mount_point)
+            elif fs_type == "ext4":
+                await self.ns("resize2fs", device)
+            else:
+                raise FailedPrecondition(f"cannot grow {fs_type}")
+        except CommandError as exc:
+            raise FailedPrecondition(
+                f"growing the mounted {fs_type} file system in sandbox {self.id} was refused on this host "
+                f"({exc.stderr}); a microVM sandbox grows it in its own kernel") from None
+
+    async def unmount(self, mount_point: str) -> None:
+        if self.alive():
+            await self.ns("umount", "--", mount_point, check=False)
+
+    async def detach(self, device: str) -> None:
+        return None  # nothing was attached: the namespace used the host node
+
+    async def run_process(self, args, env, cwd, log_path: Path) -> int:
+        if self.rootfs is None:
+            raise InvalidArgument("the bundle has no root: the mount-namespace sandbox needs one")
+        log = open(log_path, "ab")
+        self._process = subprocess.Popen(
+            ["nsenter", f"--target={self.pid}", "--mount", "--", "chroot", str(self.rootfs),
+             "/usr/bin/env", "-i", "-C", cwd, *env, *args],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        return self._process.pid
+
+    def process_exit_code(self) -> int | None:
+        return self._process.poll() if self._process is not None else None
+
+    def alive(self) -> bool:
+        if self._holder is not None:
+            return self._holder.poll() is None
+        return _pid_is_sleeping_holder(self._holder_pid)
+
+    async def stop_process(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            os.killpg(self._process.pid, signal.SIGKILL)
+            await asyncio.to_thread(self._process.wait)
+
+    async def stop(self) -> None:
+        await self.stop_process()
+        if self._holder is not None:
+            self._holder.kill()
+            self._holder.wait()
+        elif self._holder_pid and _pid_is_sleeping_holder(self._holder_pid):
+            os.kill(self._holder_pid, signal.SIGKILL)
+
+
+def safe_subpath(root_view: str, subpath: str) -> None:
+    """Refuse a subpath that leaves the volume: '..' or a symlink on the way
+    (checked inside the mounted volume, where the symlinks live)."""
+    if not subpath:
+        return
+    parts = subpath.split("/")
+    if subpath.startswith("/") or ".." in parts:
+        raise InvalidArgument(f"subpath {subpath!r} escapes the volume")
+    fd = os.open(root_view, os.O_PATH | os.O_DIRECTORY)
+    try:
+        for part in parts:
+            try:
+                nxt = os.open(part, os.O_PATH | os.O_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                raise InvalidArgument(f"subpath {subpath!r} does not exist in the volume") from None
+            if stat.S_ISLNK(os.fstat(nxt).st_mode):
+                os.close(nxt)
+                raise InvalidArgument(f"subpath {subpath!r} goes through a symlink inside the volume")
+            os.close(fd)
+            fd = nxt
+    finally:
+        os.close(fd)
+
+
+def _pid_is_sleeping_holder(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[:2] == [b"sleep", b"infinity"]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def apply_fs_group(root: str, gid: int, policy: str) -> bool:
+    """Kubernetes fsGroup semantics: group ownership gid and group rw (rwx +
+    setgid on directories) on the whole tree. OnRootMismatch skips the walk
+    when the root already has the group and the permissions. Symlinks are
+    changed themselves, never followed. Returns whether it walked."""
+    st = os.lstat(root)
+    want_dir = stat.S_IRGRP | stat.S_IWGRP | stat.S_IXGRP | stat.S_ISGID
+    if policy == "OnRootMismatch" and st.st_gid == gid and (st.st_mode & want_dir) == want_dir:
+        return False
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in [dirpath] + [os.path.join(dirpath, n) for n in dirnames + filenames]:
+            s = os.lstat(name)
+            os.lchown(name, -1, gid)
+            if stat.S_ISLNK(s.st_mode):
+                continue
+            mode = stat.S_IMODE(s.st_mode)
+            if stat.S_ISDIR(s.st_mode):
+                os.chmod(name, mode | want_dir)
+            else:
+                os.chmod(name, mode | stat.S_IRGRP | stat.S_IWGRP)
+    return True

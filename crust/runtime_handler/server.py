@@ -1,0 +1,65 @@
+"""`crust handler`: the light runtime handler daemon (mount-namespace sandboxes)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from crust.api import handler_pb2, handler_pb2_grpc
+from crust.common.grpcserver import Daemon
+from crust.runtime_handler.handler import RuntimeHandler
+from crust.runtime_handler.registration import Registration
+from crust.runtime_handler.sandbox import MountNamespaceSandbox
+from crust.runtime_handler.service import HandlerService, SandboxControlService
+
+log = logging.getLogger(__name__)
+
+
+class HandlerConfig(BaseModel):
+    name: str = "mountns"
+    endpoint: str
+    proxy_endpoint: str
+    volumes_dir: Path
+    state_dir: Path
+    filesystems: list[str] = ["ext4", "xfs"]
+
+
+def mount_namespace_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None, pid: int):
+    return MountNamespaceSandbox(sandbox_id, workdir, rootfs, pid)
+
+
+class HandlerDaemon:
+    def __init__(self, config: HandlerConfig, make_sandbox=mount_namespace_sandbox):
+        self.config = config
+        registration = Registration(config.proxy_endpoint, config.name, config.endpoint, config.filesystems,
+                                    ["stats", "expand", "fsgroup", "subpath"])
+        self.handler = RuntimeHandler(name=config.name, volumes_dir=config.volumes_dir,
+                                      state_dir=config.state_dir, registration=registration,
+                                      make_sandbox=make_sandbox)
+        self.daemon = Daemon("handler", config.endpoint, [
+            handler_pb2.DESCRIPTOR.services_by_name["Handler"].full_name,
+            handler_pb2.DESCRIPTOR.services_by_name["SandboxControl"].full_name,
+        ])
+
+    async def run(self) -> None:
+        self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        handler_pb2_grpc.add_HandlerServicer_to_server(HandlerService(self.handler), self.daemon.server)
+        handler_pb2_grpc.add_SandboxControlServicer_to_server(SandboxControlService(self.handler), self.daemon.server)
+        await self.daemon.start()
+        await self.handler.start()
+        self.daemon.install_signal_handlers()
+        await self.daemon.stopping.wait()
+        # Sandboxes outlive the handler daemon (as containers outlive a
+        # restarted runtime daemon); their claims stay with them.
+        await self.handler.stop()
+        await self.daemon.stop()
+
+
+def serve(config: HandlerConfig) -> None:
+    async def main() -> None:
+        await HandlerDaemon(config).run()
+
+    asyncio.run(main())
