@@ -151,11 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="walk one volume through its whole life on the embedded defaults (as root)",
-        description="Start `crust driver` in a temporary root and play the CO: create, attach, "
-                    "stage, publish, write, stats, expand, snapshot, restore, unpublish, unstage, "
-                    "delete. Prints each step with its time; exit 0 only when every step held.",
+        help="a deferred volume end to end on the embedded defaults (as root)",
+        description="Start driver, shim, proxy and a runtime handler in a temporary root and play kubelet: "
+                    "create, stage, publish with deferral, run a pod sandbox that writes into the volume "
+                    "(mounted only inside the sandbox), stats and expansion from inside it, stop it, "
+                    "unpublish, publish on the host and read the data back, clean up. Prints each step with "
+                    "its time; exit 0 only when every step held.",
     )
+    demo.add_argument("--runtime", default="mountns", choices=["mountns"],
+                      help="sandbox of the runtime handler (default: mountns, a private mount namespace)")
     demo.add_argument("--fs", default="xfs", choices=["ext4", "xfs"],
                       help="file system of the demo volume (default: xfs, which grows online here)")
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -247,5 +251,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from crust.demo import run_demo
 
-        return run_demo(fs_type=args.fs, as_json=args.json, keep=args.keep)
+        return run_demo(fs_type=args.fs, runtime=args.runtime, as_json=args.json, keep=args.keep)
     return 2

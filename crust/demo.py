@@ -1,11 +1,14 @@
-"""`crust demo`: one volume's whole life on the embedded defaults.
+"""`crust demo`: a deferred volume, end to end, on the embedded defaults.
 
-Starts `crust driver` (loop backend) in a temporary root and plays the CO
-over the driver's real unix socket, printing each step with its time. Every
-step checks what it claims (bytes on disk, mounts in /proc/self/mountinfo,
-sizes seen by statvfs). Whatever happens, including Ctrl-C, the temporary
-root is cleaned: the volume is released, the driver stopped, every mount
-and loop device under the root removed.
+Starts driver, shim, proxy and a runtime handler in a temporary root and
+plays kubelet over the proxy's CSI socket: create, stage, publish with
+deferral (decided by the proxy's policy from a StorageClass parameter),
+run a pod sandbox whose process writes data into the volume, stats and
+expansion answered from inside the sandbox, stop the sandbox, unpublish,
+publish again WITHOUT deferral and read the data back on the host. Every
+step checks what it claims (mounts in /proc/self/mountinfo, files on disk,
+sizes); the host's mount table is watched during the sandbox's life.
+Whatever happens, including Ctrl-C, everything under the root is released.
 """
 
 from __future__ import annotations
@@ -79,46 +82,79 @@ def _check(condition: bool, message: str) -> None:
         raise StepFailed(message)
 
 
-def _contains(path: Path, needle: bytes) -> bool:
-    """Search a sparse file for needle, reading only its data extents."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        end = os.fstat(fd).st_size
-        offset = 0
-        while offset < end:
+class Daemon:
+    """One crust daemon of the demo, as a child process with its own log."""
+
+    def __init__(self, name: str, argv: list[str], socket: Path, root: Path):
+        self.name, self.argv, self.socket, self.root = name, argv, socket, root
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> str:
+        self.proc = subprocess.Popen([sys.executable, "-m", "crust", *self.argv], stdout=subprocess.DEVNULL,
+                                     stderr=open(self.root / f"{self.name}.log", "ab"))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            _check(self.proc.poll() is None, f"{self.name} exited with {self.proc.returncode}; see {self.name}.log")
+            if self.socket.exists():
+                return f"pid {self.proc.pid}, {self.socket.name}"
+            time.sleep(0.02)
+        raise StepFailed(f"{self.name} did not come up within 20 s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
             try:
-                start = os.lseek(fd, offset, os.SEEK_DATA)
-            except OSError:  # no data after offset
-                return False
-            stop = os.lseek(fd, start, os.SEEK_HOLE)
-            if needle in os.pread(fd, stop - start, start):
-                return True
-            offset = stop
-        return False
-    finally:
-        os.close(fd)
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 class Demo:
-    def __init__(self, root: Path, fs_type: str, timeline: Timeline):
+    """Plays kubelet against driver -> shim -> proxy, with a runtime handler."""
+
+    def __init__(self, root: Path, fs_type: str, runtime: str, timeline: Timeline):
         self.root = root
         self.fs_type = fs_type
+        self.runtime = runtime
         self.t = timeline
-        self.socket = root / "csi.sock"
-        self.staging = root / "kubelet" / "staging" / "pv-demo"
-        self.target = root / "kubelet" / "pods" / "pod-1" / "volumes" / "pv-demo" / "mount"
-        self.restore_staging = root / "kubelet" / "staging" / "pv-restore"
-        self.restore_target = root / "kubelet" / "pods" / "pod-2" / "volumes" / "pv-restore" / "mount"
-        self.proc: subprocess.Popen | None = None
-        self.channel: grpc.Channel | None = None
+        self.kubelet = root / "kubelet"
+        self.staging = self.kubelet / "plugins" / "kubernetes.io" / "csi" / "pv-demo" / "globalmount"
+        self.target = self.kubelet / "pods" / "pod-1" / "volumes" / "kubernetes.io~csi" / "pv-demo" / "mount"
+        self.run_dir = root / "run"
         self.node_id = "demo-node"
+        sock = {n: root / f"{n}.sock" for n in ("driver", "shim", "kubelet-csi", "handler")}
+        proxy_sock = self.run_dir / "proxy.sock"
+        policy = root / "policy.yaml"
+        self.daemons = [
+            Daemon("driver", ["driver", "--endpoint", f"unix://{sock['driver']}", "--node-id", self.node_id,
+                              "--data-dir", str(root / "data"), "--capacity", "20Gi"], sock["driver"], root),
+            Daemon("shim", ["shim", "--endpoint", f"unix://{sock['shim']}",
+                            "--backend-endpoint", f"unix://{sock['driver']}", "--proxy-endpoint", f"unix://{proxy_sock}",
+                            "--state-dir", str(root / "shim")], sock["shim"], root),
+            Daemon("proxy", ["proxy", "--csi-endpoint", f"unix://{sock['kubelet-csi']}",
+                             "--plugin-endpoint", f"unix://{sock['shim']}", "--runtime-endpoint", f"unix://{proxy_sock}",
+                             "--volumes-dir", str(self.run_dir / "volumes"), "--state-dir", str(root / "proxy"),
+                             "--kubelet-root", str(self.kubelet), "--policy", str(policy)],
+                   sock["kubelet-csi"], root),
+            Daemon("handler", ["handler", "--endpoint", f"unix://{sock['handler']}",
+                               "--proxy-endpoint", f"unix://{proxy_sock}", "--volumes-dir",
+                               str(self.run_dir / "volumes"), "--state-dir", str(root / "handler")],
+                   sock["handler"], root),
+        ]
+        self.kubelet_socket = sock["kubelet-csi"]
+        self.handler_socket = sock["handler"]
+        self.policy = policy
+        self.channel: grpc.Channel | None = None
         self.volume_id = ""
-        self.snapshot_id = ""
-        self.restore_id = ""
-        self.payload = os.urandom(1 * MIB)
+        self.device = ""
+        self.device_majmin = (0, 0)
+        self.sandbox_started = False
+        self.published = self.staged = self.host_published = False
         self.size_before = 0
         self.size_after = 0
         self.data_verified = False
+        self.host_mounted_during_sandbox = False
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -126,40 +162,6 @@ class Demo:
         return csi_pb2.VolumeCapability(
             mount=csi_pb2.VolumeCapability.MountVolume(fs_type=self.fs_type),
             access_mode=AccessMode(mode=AccessMode.SINGLE_NODE_WRITER))
-
-    def start_driver(self) -> str:
-        log = open(self.root / "driver.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "crust", "driver", "--endpoint", f"unix://{self.socket}",
-             "--node-id", self.node_id, "--data-dir", str(self.root / "data"), "--capacity", "20Gi"],
-            stdout=subprocess.DEVNULL, stderr=log)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            _check(self.proc.poll() is None, f"driver exited with {self.proc.returncode}; see driver.log")
-            if self.socket.exists():
-                self.channel = grpc.insecure_channel(f"unix://{self.socket}")
-                try:
-                    if csi_pb2_grpc.IdentityStub(self.channel).Probe(csi_pb2.ProbeRequest(), timeout=2).ready.value:
-                        info = csi_pb2_grpc.IdentityStub(self.channel).GetPluginInfo(csi_pb2.GetPluginInfoRequest())
-                        return f"{info.name} {info.vendor_version} on {self.socket.name}, pid {self.proc.pid}"
-                except grpc.RpcError:
-                    pass
-                self.channel.close()
-                self.channel = None
-            time.sleep(0.05)
-        raise StepFailed("driver did not become ready within 20 s")
-
-    def stop_driver(self) -> str:
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
-        if self.proc is None or self.proc.poll() is not None:
-            return "not running"
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(20)
-        _check(code == 0, f"driver exited with {code}")
-        _check(not self.socket.exists(), "driver left its socket behind")
-        return "SIGTERM, exit 0, socket removed"
 
     @property
     def ctl(self) -> csi_pb2_grpc.ControllerStub:
@@ -169,47 +171,61 @@ class Demo:
     def node(self) -> csi_pb2_grpc.NodeStub:
         return csi_pb2_grpc.NodeStub(self.channel)
 
-    def backing_file(self, volume_id: str) -> Path:
-        return self.root / "data" / "pools" / self.node_id / "volumes" / f"{volume_id}.img"
+    def sandbox(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "crust", "sandbox", "--handler-endpoint",
+                               f"unix://{self.handler_socket}", *args], capture_output=True, text=True, timeout=120)
 
-    def stats_bytes(self, path: Path) -> int:
+    def host_mounts_of_device(self) -> list[str]:
+        return [m.mount_point for m in sysmount.of_device(*self.device_majmin)] if self.device_majmin[0] else []
+
+    def watch_host(self) -> None:
+        """Called during the sandbox's life: the host must never mount the file system."""
+        if self.host_mounts_of_device():
+            self.host_mounted_during_sandbox = True
+
+    def stats_total(self) -> int:
         rsp = self.node.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(
-            volume_id=self.volume_id, volume_path=str(path)), timeout=30)
-        by_unit = {u.unit: u for u in rsp.usage}
-        total = by_unit[csi_pb2.VolumeUsage.BYTES].total
+            volume_id=self.volume_id, volume_path=str(self.target)), timeout=30)
         _check(not rsp.volume_condition.abnormal, f"condition abnormal: {rsp.volume_condition.message}")
-        _check(abs(total - os.statvfs(path).f_blocks * os.statvfs(path).f_frsize) == 0,
-               "stats disagree with statvfs of the target")
-        return total
+        by_unit = {u.unit: u for u in rsp.usage}
+        _check(csi_pb2.VolumeUsage.BYTES in by_unit, "no byte usage in the answer")
+        return by_unit[csi_pb2.VolumeUsage.BYTES].total
 
-    def stage_and_publish(self, volume_id: str, staging: Path, target: Path) -> None:
-        self.node.NodeStageVolume(csi_pb2.NodeStageVolumeRequest(
-            volume_id=volume_id, staging_target_path=str(staging), volume_capability=self.cap()), timeout=120)
-        self.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
-            volume_id=volume_id, staging_target_path=str(staging), target_path=str(target),
-            volume_capability=self.cap()), timeout=60)
+    def write_bundle(self) -> Path:
+        bundle = self.root / "bundle"
+        (bundle / "rootfs").mkdir(parents=True, exist_ok=True)
+        script = ("head -c 1048576 /dev/urandom > /data/payload.bin && "
+                  "sha256sum /data/payload.bin | cut -d' ' -f1 > /data/payload.sha256 && sync")
+        (bundle / "config.json").write_text(json.dumps({
+            "ociVersion": "1.0.2", "root": {"path": "rootfs"},
+            "process": {"args": ["/bin/sh", "-c", script], "env": ["PATH=/usr/bin:/bin"], "cwd": "/"},
+            "mounts": [{"destination": "/data", "source": str(self.target), "type": "bind", "options": ["rbind"]}],
+        }, indent=1))
+        return bundle
 
-    def unpublish_and_unstage(self, volume_id: str, staging: Path, target: Path) -> None:
-        self.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
-            volume_id=volume_id, target_path=str(target)), timeout=60)
-        self.node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(
-            volume_id=volume_id, staging_target_path=str(staging)), timeout=60)
-
-    # -- the story --------------------------------------------------------------------
+    # -- the story ---------------------------------------------------------------------
 
     def play(self) -> None:
         t = self.t
         size = 320 * MIB if self.fs_type == "xfs" else 128 * MIB
         grown = size + 256 * MIB
-        t.run("start crust driver", self.start_driver)
+        self.kubelet.mkdir(parents=True)
+        self.run_dir.mkdir(mode=0o700)
+        # The StorageClass parameter crust.dev/defer reaches volume_context;
+        # the proxy's policy defers on it, as it would for today's kubelet.
+        self.policy.write_text('deferral:\n  storageClassParameters:\n    crust.dev/defer: "true"\n')
+        for daemon in self.daemons:
+            t.run(f"start crust {daemon.name}", daemon.start)
+        self.channel = grpc.insecure_channel(f"unix://{self.kubelet_socket}")
+        time.sleep(0.3)  # the handler registers with the proxy
 
         def create():
             vol = self.ctl.CreateVolume(csi_pb2.CreateVolumeRequest(
                 name="pvc-demo", capacity_range=csi_pb2.CapacityRange(required_bytes=size),
-                volume_capabilities=[self.cap()]), timeout=60).volume
+                volume_capabilities=[self.cap()], parameters={"crust.dev/defer": "true"}), timeout=60).volume
             self.volume_id = vol.volume_id
-            _check(self.backing_file(vol.volume_id).stat().st_size == size, "backing file has the wrong size")
-            return f"{vol.volume_id}, {format_size(vol.capacity_bytes)}, sparse backing file"
+            self.volume_context = dict(vol.volume_context)
+            return f"{vol.volume_id}, {format_size(vol.capacity_bytes)}, StorageClass parameter crust.dev/defer=true"
         t.run("CreateVolume", create)
 
         t.run("ControllerPublishVolume", lambda: self.ctl.ControllerPublishVolume(
@@ -218,158 +234,180 @@ class Demo:
 
         def stage():
             self.node.NodeStageVolume(csi_pb2.NodeStageVolumeRequest(
-                volume_id=self.volume_id, staging_target_path=str(self.staging), volume_capability=self.cap()),
-                timeout=120)
-            entry = sysmount.at(str(self.staging))
-            _check(entry is not None and entry.fs_type == self.fs_type, "staging path is not mounted")
-            return f"{entry.source} formatted {self.fs_type}, mounted at staging path"
+                volume_id=self.volume_id, staging_target_path=str(self.staging), volume_capability=self.cap(),
+                volume_context=self.volume_context), timeout=120)
+            self.staged = True
+            _check(sysmount.at(str(self.staging)) is None, "the staging path was mounted")
+            return f"block device staged and formatted {self.fs_type}; nothing mounted on the host"
         t.run("NodeStageVolume", stage)
 
-        def publish():
-            self.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
+        def publish_deferred():
+            rsp = self.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
                 volume_id=self.volume_id, staging_target_path=str(self.staging), target_path=str(self.target),
-                volume_capability=self.cap()), timeout=60)
-            _check(sysmount.at(str(self.target)) is not None, "target is not mounted")
-            return "bind mount at the pod's target path"
-        t.run("NodePublishVolume", publish)
+                volume_capability=self.cap(), volume_context=self.volume_context), timeout=60)
+            self.published = True
+            _check(rsp.HasField("deferred_mount"), "the proxy did not defer")
+            d = rsp.deferred_mount
+            self.device, self.device_majmin = d.device, (d.device_major, d.device_minor)
+            entry = sysmount.at(str(self.target))
+            _check(entry is not None and entry.fs_type == "tmpfs" and entry.readonly,
+                   "the target is not the read-only placeholder")
+            _check(not self.host_mounts_of_device(), "the file system is mounted on the host")
+            return f"deferred: {d.device} ({d.device_major}:{d.device_minor}) described in mountInfo.json"
+        t.run("NodePublishVolume (deferred)", publish_deferred)
 
-        def write():
-            path = self.target / "payload.bin"
-            with open(path, "wb") as f:
-                f.write(self.payload)
-                f.flush()
-                os.fsync(f.fileno())
-            return f"1 MiB written, sha256 {hashlib.sha256(self.payload).hexdigest()[:12]}"
-        t.run("pod writes data", write)
+        def run_sandbox():
+            out = self.sandbox("run", "--bundle", str(self.write_bundle()), "--id", "pod-1", "--json")
+            _check(out.returncode == 0, out.stderr.strip())
+            self.sandbox_started = True
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                self.watch_host()
+                info = json.loads(self.sandbox("list", "--json").stdout)[0]
+                if info.get("exited"):
+                    _check(info.get("exit_code", 0) == 0, f"the pod process exited with {info.get('exit_code')}")
+                    return f"pod process wrote 1 MiB + its sha256 to /data inside {self.runtime} sandbox pid {info['pid']}"
+                time.sleep(0.05)
+            raise StepFailed("the pod process did not finish within 30 s")
+        t.run("run pod sandbox (writes data)", run_sandbox)
 
         def stats_before():
-            self.size_before = self.stats_bytes(self.target)
-            return f"file system size {format_size(self.size_before)} ({self.size_before} bytes)"
+            self.watch_host()
+            self.size_before = self.stats_total()
+            return f"{format_size(self.size_before)} ({self.size_before} bytes), measured inside the sandbox"
         t.run("NodeGetVolumeStats", stats_before)
 
-        t.run("ControllerExpandVolume", lambda: "backing file grown to " + format_size(self.ctl.ControllerExpandVolume(
+        t.run("ControllerExpandVolume", lambda: "device grown to " + format_size(self.ctl.ControllerExpandVolume(
             csi_pb2.ControllerExpandVolumeRequest(volume_id=self.volume_id,
                                                   capacity_range=csi_pb2.CapacityRange(required_bytes=grown)),
             timeout=60).capacity_bytes))
 
-        if self.fs_type == "xfs":
-            t.run("NodeExpandVolume (online)", lambda: "xfs grown while mounted, to " + format_size(
-                self.node.NodeExpandVolume(csi_pb2.NodeExpandVolumeRequest(
+        def expand():
+            self.watch_host()
+            try:
+                rsp = self.node.NodeExpandVolume(csi_pb2.NodeExpandVolumeRequest(
                     volume_id=self.volume_id, volume_path=str(self.target),
-                    capacity_range=csi_pb2.CapacityRange(required_bytes=grown)), timeout=120).capacity_bytes))
-        else:
-            def refused():
-                try:
-                    self.node.NodeExpandVolume(csi_pb2.NodeExpandVolumeRequest(
-                        volume_id=self.volume_id, volume_path=str(self.target),
-                        capacity_range=csi_pb2.CapacityRange(required_bytes=grown)), timeout=120)
-                except grpc.RpcError as exc:
-                    _check(exc.code() == grpc.StatusCode.FAILED_PRECONDITION, f"unexpected {exc.code().name}")
-                    return "refused online by this kernel (FAILED_PRECONDITION); grows offline at next stage"
-                return "grown online"
-            t.run("NodeExpandVolume (online)", refused)
-            t.run("unpublish + unstage + stage + publish", lambda: (
-                self.unpublish_and_unstage(self.volume_id, self.staging, self.target),
-                self.stage_and_publish(self.volume_id, self.staging, self.target)) and "ext4 grown offline at stage")
+                    capacity_range=csi_pb2.CapacityRange(required_bytes=grown)), timeout=120)
+            except grpc.RpcError as exc:
+                if self.fs_type == "ext4" and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    return "ext4 online growth refused on this host (grows when next mounted)"
+                raise
+            return f"grown online inside the sandbox to {format_size(rsp.capacity_bytes)}"
+        t.run("NodeExpandVolume", expand)
 
         def stats_after():
-            self.size_after = self.stats_bytes(self.target)
-            _check(self.size_after > self.size_before, "the file system did not grow")
-            return f"file system size {format_size(self.size_after)} ({self.size_after} bytes)"
+            self.watch_host()
+            self.size_after = self.stats_total()
+            if self.fs_type == "xfs":
+                _check(self.size_after > self.size_before, "the file system did not grow in the sandbox")
+            return f"{format_size(self.size_after)} ({self.size_after} bytes)"
         t.run("NodeGetVolumeStats (after expand)", stats_after)
 
-        def snapshot():
-            snap = self.ctl.CreateSnapshot(csi_pb2.CreateSnapshotRequest(
-                name="snap-demo", source_volume_id=self.volume_id), timeout=120).snapshot
-            self.snapshot_id = snap.snapshot_id
-            return f"{snap.snapshot_id}, ready={snap.ready_to_use}"
-        t.run("CreateSnapshot", snapshot)
-
-        def restore():
-            vol = self.ctl.CreateVolume(csi_pb2.CreateVolumeRequest(
-                name="pvc-restore", volume_capabilities=[self.cap()],
-                volume_content_source=csi_pb2.VolumeContentSource(
-                    snapshot=csi_pb2.VolumeContentSource.SnapshotSource(snapshot_id=self.snapshot_id))),
-                timeout=120).volume
-            self.restore_id = vol.volume_id
-            self.stage_and_publish(vol.volume_id, self.restore_staging, self.restore_target)
-            data = (self.restore_target / "payload.bin").read_bytes()
-            _check(data == self.payload, "restored volume does not hold the written data")
-            self.unpublish_and_unstage(vol.volume_id, self.restore_staging, self.restore_target)
-            self.ctl.DeleteVolume(csi_pb2.DeleteVolumeRequest(volume_id=vol.volume_id), timeout=60)
-            self.restore_id = ""
-            return "new volume from the snapshot holds the same 1 MiB; then deleted"
-        t.run("restore snapshot and read back", restore)
+        def stop_sandbox():
+            self.watch_host()
+            out = self.sandbox("delete", "pod-1")
+            _check(out.returncode == 0, out.stderr.strip())
+            self.sandbox_started = False
+            return "process stopped, volume unmounted in the sandbox, claim released"
+        t.run("stop pod sandbox", stop_sandbox)
 
         def unpublish():
             self.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
                 volume_id=self.volume_id, target_path=str(self.target)), timeout=60)
-            _check(not self.target.exists(), "target path left behind")
-            return "target unmounted and removed"
+            self.published = False
+            _check(not any((self.run_dir / "volumes").iterdir()), "the watched directory still has an entry")
+            return "placeholder and mountInfo.json removed"
         t.run("NodeUnpublishVolume", unpublish)
 
-        def unstage():
+        def publish_host():
+            self.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
+                volume_id=self.volume_id, staging_target_path=str(self.staging), target_path=str(self.target),
+                volume_capability=self.cap()), timeout=60)
+            self.published = self.host_published = True
+            data = (self.target / "payload.bin").read_bytes()
+            want = (self.target / "payload.sha256").read_text().strip()
+            self.data_verified = hashlib.sha256(data).hexdigest() == want and len(data) == MIB
+            _check(self.data_verified, "the data written in the sandbox does not read back on the host")
+            if self.fs_type == "ext4":
+                self.size_after = os.statvfs(self.target).f_blocks * os.statvfs(self.target).f_frsize
+                _check(self.size_after > self.size_before, "the ext4 file system did not grow offline")
+            return f"host mount (no deferral) reads the 1 MiB back, sha256 {want[:12]} matches"
+        t.run("NodePublishVolume (on the host)", publish_host)
+
+        def cleanup():
+            self.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
+                volume_id=self.volume_id, target_path=str(self.target)), timeout=60)
+            self.published = False
             self.node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(
                 volume_id=self.volume_id, staging_target_path=str(self.staging)), timeout=60)
-            _check(sysmount.at(str(self.staging)) is None, "staging path still mounted")
-            from crust.sys import loop
-            _check(not loop.devices_for(self.backing_file(self.volume_id)), "loop device still attached")
-            return "unmounted, loop device detached"
-        t.run("NodeUnstageVolume", unstage)
-
-        def verify_on_disk():
-            # The bytes the pod wrote are in the backing file, read with no mount at all.
-            self.data_verified = _contains(self.backing_file(self.volume_id), self.payload[:4096])
-            _check(self.data_verified, "payload not found in the backing file")
-            return "payload found in the backing file"
-        t.run("data is on disk", verify_on_disk)
-
-        t.run("ControllerUnpublishVolume", lambda: self.ctl.ControllerUnpublishVolume(
-            csi_pb2.ControllerUnpublishVolumeRequest(volume_id=self.volume_id, node_id=self.node_id),
-            timeout=30) and "detached from the node")
-        t.run("DeleteSnapshot", lambda: self.ctl.DeleteSnapshot(
-            csi_pb2.DeleteSnapshotRequest(snapshot_id=self.snapshot_id), timeout=30) and self.snapshot_id)
-
-        def delete():
+            self.staged = False
+            self.ctl.ControllerUnpublishVolume(csi_pb2.ControllerUnpublishVolumeRequest(
+                volume_id=self.volume_id, node_id=self.node_id), timeout=30)
             self.ctl.DeleteVolume(csi_pb2.DeleteVolumeRequest(volume_id=self.volume_id), timeout=60)
-            _check(not self.backing_file(self.volume_id).exists(), "backing file left behind")
             self.volume_id = ""
-            return "backing file removed"
-        t.run("DeleteVolume", delete)
-        t.run("stop crust driver", self.stop_driver)
+            return "unpublished, unstaged, detached, deleted"
+        t.run("NodeUnpublish + NodeUnstage + DeleteVolume", cleanup)
+
+        def stop_all():
+            if self.channel is not None:
+                self.channel.close()
+                self.channel = None
+            for daemon in reversed(self.daemons):
+                daemon.stop()
+                _check(daemon.proc.returncode == 0, f"{daemon.name} exited with {daemon.proc.returncode}")
+            return "SIGTERM to handler, proxy, shim, driver: all exited 0"
+        t.run("stop daemons", stop_all)
+
+    def abort(self) -> None:
+        """Best-effort release after a failure or Ctrl-C, through the daemons."""
+        try:
+            if self.sandbox_started:
+                self.sandbox("delete", "pod-1")
+            if self.channel is not None and self.volume_id:
+                if self.published:
+                    self.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
+                        volume_id=self.volume_id, target_path=str(self.target)), timeout=30)
+                if self.staged:
+                    self.node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(
+                        volume_id=self.volume_id, staging_target_path=str(self.staging)), timeout=30)
+        except (grpc.RpcError, subprocess.TimeoutExpired, OSError):
+            pass
+        if self.channel is not None:
+            self.channel.close()
+        for daemon in reversed(self.daemons):
+            daemon.stop()
 
 
-def run_demo(fs_type: str = "xfs", as_json: bool = False, keep: bool = False) -> int:
+def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = False, keep: bool = False) -> int:
     if os.geteuid() != 0:
-        print("crust demo: needs root (loop devices and mounts)", file=sys.stderr)
+        print("crust demo: needs root (loop devices, mounts, namespaces)", file=sys.stderr)
         return 2
     root = Path(tempfile.mkdtemp(prefix="crust-demo-"))
     timeline = Timeline(as_json)
-    demo = Demo(root, fs_type, timeline)
+    demo = Demo(root, fs_type, runtime, timeline)
     ok = False
     if not as_json:
-        print(f"crust demo: one {fs_type} volume through its whole life, in {root}\n")
+        print(f"crust demo: a deferred {fs_type} volume, mounted only inside a {runtime} sandbox, in {root}\n")
     try:
         demo.play()
-        ok = all(s.ok for s in timeline.steps)
+        ok = all(s.ok for s in timeline.steps) and demo.data_verified and not demo.host_mounted_during_sandbox
     except StepFailed:
         ok = False
     except KeyboardInterrupt:
         print("\ninterrupted: cleaning up", file=sys.stderr)
-        ok = False
     finally:
-        try:
-            demo.stop_driver()
-        except (StepFailed, subprocess.TimeoutExpired, OSError):
-            if demo.proc and demo.proc.poll() is None:
-                demo.proc.kill()
+        if not ok:
+            demo.abort()
+        _kill_sandboxes(root)
         leftovers = release_under(root)
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
     if as_json:
         print(json.dumps({
             "steps": [{"name": s.name, "ms": s.ms, "ok": s.ok, "detail": s.detail} for s in timeline.steps],
+            "runtime": runtime,
             "fs_type": fs_type,
+            "host_mounted_during_sandbox": demo.host_mounted_during_sandbox,
             "data_verified": demo.data_verified,
             "size_before": demo.size_before,
             "size_after": demo.size_after,
@@ -378,6 +416,28 @@ def run_demo(fs_type: str = "xfs", as_json: bool = False, keep: bool = False) ->
         }, indent=1))
     else:
         total = sum(s.ms for s in timeline.steps)
-        print(f"\n{'every step held' if ok else 'FAILED'}: {len(timeline.steps)} steps in {total / 1e3:.2f} s"
+        print(f"\n{'every step held' if ok else 'FAILED'}: {len(timeline.steps)} steps in {total / 1e3:.2f} s; "
+              f"host mounted the file system during the sandbox: {'YES' if demo.host_mounted_during_sandbox else 'no'}; "
+              f"data verified: {'yes' if demo.data_verified else 'NO'}"
               + (f"; cleaned up after a failure: {', '.join(leftovers)}" if leftovers else ""))
     return 0 if ok else 1
+
+
+def _kill_sandboxes(root: Path) -> None:
+    """Sandbox holder processes of this demo (their state lives under root)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            if cmdline.split(b"\0")[:2] != [b"sleep", b"infinity"]:
+                continue
+            # A holder's mount namespace has our sandbox mounts under root.
+            mounts = (entry / "mountinfo").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if str(root) + "/" in mounts:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
