@@ -302,6 +302,88 @@ class ProxyProcess(CsiProcess):
         return grpc.insecure_channel(f"unix://{self.runtime_socket}")
 
 
+@dataclass
+class HandlerProcess:
+    """`crust handler` (mount-namespace sandboxes) registered with a ProxyProcess."""
+
+    root: Path
+    proxy: ProxyProcess
+    name: str = "mountns"
+    endpoint_name: str = "handler.sock"
+    proc: subprocess.Popen | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.root / self.endpoint_name
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / f"{self.name}-state"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"{self.endpoint_name}.log"
+
+    def start(self, timeout: float = 15.0) -> "HandlerProcess":
+        argv = [sys.executable, "-m", "crust", "handler", "--endpoint", f"unix://{self.socket}",
+                "--proxy-endpoint", f"unix://{self.proxy.runtime_socket}", "--volumes-dir",
+                str(self.proxy.volumes_dir), "--state-dir", str(self.state_dir), "--name", self.name]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))
+        deadline = time.monotonic() + timeout
+        from crust.api import registry_pb2, registry_pb2_grpc
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"handler exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            with self.proxy.runtime_channel() as channel:
+                try:
+                    names = [h.name for h in registry_pb2_grpc.RegistryStub(channel).ListHandlers(
+                        registry_pb2.ListHandlersRequest(), timeout=2).handlers if not h.lease_expired]
+                except grpc.RpcError:
+                    names = []
+            if self.name in names and self.socket.exists():
+                return self
+            time.sleep(0.05)
+        raise TimeoutError(f"handler not registered: {self.log_path.read_text()[-2000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code, self.proc = self.proc.returncode, None
+        return code
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def sandbox(self, *args: str) -> subprocess.CompletedProcess:
+        """Run `crust sandbox ARGS` against this handler."""
+        return subprocess.run([sys.executable, "-m", "crust", "sandbox", "--handler-endpoint",
+                               f"unix://{self.socket}", *args], capture_output=True, text=True, timeout=120)
+
+
+def kill_sandbox_holders(root: Path) -> None:
+    """Sandboxes outlive their handler by design; tests kill the holders of
+    their own root (processes whose mount namespace has mounts under it)."""
+    prefix = str(root.resolve()) + "/"
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "cmdline").read_bytes().split(b"\0")[:2] != [b"sleep", b"infinity"]:
+                continue
+            if prefix not in (entry / "mountinfo").read_text():
+                continue
+            os.kill(int(entry.name), signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+
+
 class Root:
     """A short temporary root (unix socket paths must stay under 108 bytes)."""
 
@@ -333,12 +415,18 @@ class Root:
         proxy = self.proxy(shim, extra=list(proxy_extra)).start()
         return driver, shim, proxy
 
+    def handler(self, proxy: ProxyProcess, **kw) -> HandlerProcess:
+        h = HandlerProcess(root=self.path, proxy=proxy, **kw)
+        self.drivers.append(h)
+        return h
+
     def close(self) -> None:
         for d in reversed(self.drivers):
             try:
                 d.stop()
             except Exception:  # noqa: BLE001 - cleanup goes on
                 pass
+        kill_sandbox_holders(self.path)
         cleanup_root(self.path)
         shutil.rmtree(self.path, ignore_errors=True)
 
