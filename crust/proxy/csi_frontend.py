@@ -59,9 +59,17 @@ class CsiFrontend:
             forwarded.volume_capability.mount.volume_supplemental_group_change_policy = verdict.fs_group_change_policy
         # Recorded before the plugin acts, so every later call for this target
         # carries the flag even if the proxy dies right after the plugin.
+        earlier = self.state.decision(target)
         await self.state.record_decision(Decision(target_path=target, volume_id=request.volume_id,
                                                   deferred=True, reason=verdict.reason))
-        response = await self.plugin.call(self.plugin.node.NodePublishVolume, forwarded, context)
+        try:
+            response = await self.plugin.call(self.plugin.node.NodePublishVolume, forwarded, context)
+        except BaseException:
+            # The plugin refused (or the call died): nothing was deferred by
+            # this call, so no decision of it may outlive it.
+            if earlier is None:
+                await self.state.forget_decision(target)
+            raise
         if not response.HasField("deferred_mount"):
             # No silent fallback: whatever the plugin did, it did not defer.
             await self.plugin.call(self.plugin.node.NodeUnpublishVolume, csi_pb2.NodeUnpublishVolumeRequest(

@@ -57,7 +57,11 @@ class PodLookup:
         from kubernetes.client.exceptions import ApiException
 
         if self._api is None:
-            self._api = self._make_api()
+            try:
+                self._api = self._make_api()
+            except Exception as exc:  # noqa: BLE001 - config loaders raise many types
+                raise PodLookupError(f"pod {namespace}/{name}: no access to the Kubernetes API ({exc}); set "
+                                     "kubernetes.apiServer or kubernetes.kubeconfig in the policy file")
         try:
             pod = self._api.read_namespaced_pod(name, namespace, _request_timeout=self.access.timeout_seconds)
         except ApiException as exc:

@@ -16,7 +16,7 @@ import hashlib
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from crust.api import csi_pb2
 
@@ -25,6 +25,10 @@ SCHEMA_VERSION = 1
 # Kata's metadata keys.
 FS_GROUP = "fsGroup"
 FS_GROUP_CHANGE_POLICY = "fsGroupChangePolicy"
+
+# Volume context keys that carry secrets: kubelet puts the pod's service
+# account tokens there for a CSIDriver with tokenRequests.
+SECRET_CONTEXT_KEYS = frozenset({"csi.storage.k8s.io/serviceAccount.tokens"})
 
 
 class MountInfo(BaseModel):
@@ -39,7 +43,8 @@ class MountInfo(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict,
                                      description="Kata's string map: fsGroup, fsGroupChangePolicy.")
     options: list[str] = Field(default_factory=list,
-                               description="Mount options a guest can use (never host-only ones).")
+                               description="Mount options a guest can use (never host-only ones); "
+                                           "\"ro\" when read-only, as Kata reads it.")
 
     # crust's keys.
     schema_version: int = Field(SCHEMA_VERSION, alias="crust-schema-version")
@@ -51,6 +56,23 @@ class MountInfo(BaseModel):
     device_minor: int = Field(0, alias="device-minor", description="Minor number of the device.")
     volume_context: dict[str, str] = Field(default_factory=dict, alias="volume-context",
                                            description="Non-secret CSI volume context.")
+
+    @field_validator("volume_context")
+    @classmethod
+    def _no_secrets(cls, value: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in value.items() if k not in SECRET_CONTEXT_KEYS}
+
+    @model_validator(mode="after")
+    def _readonly_in_options(self) -> "MountInfo":
+        """Kata takes read-only from an "ro" option (it ignores "readonly"),
+        so the two always agree."""
+        if "ro" in self.options:
+            self.readonly = True
+        if self.readonly:
+            self.options = [o for o in self.options if o != "rw"]
+            if "ro" not in self.options:
+                self.options.append("ro")
+        return self
 
     @classmethod
     def from_deferred(cls, target_path: str, d: csi_pb2.DeferredMount) -> "MountInfo":

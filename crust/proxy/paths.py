@@ -16,14 +16,16 @@ def check_target(path: str, kubelet_root: Path, field: str = "target_path") -> s
     root = os.path.normpath(str(kubelet_root))
     if not (path + "/").startswith(root.rstrip("/") + "/") or path == root:
         raise InvalidArgument(f"{field} {path!r} is outside the kubelet root {root}")
-    # The parent exists when kubelet publishes; a symlink on the way must not
-    # lead out of the root.
-    parent = os.path.dirname(path)
-    if os.path.exists(parent):
-        real_root = os.path.realpath(root)
-        real_parent = os.path.realpath(parent)
-        if not (real_parent + "/").startswith(real_root.rstrip("/") + "/") and real_parent != real_root:
-            raise InvalidArgument(f"{field} {path!r} leads outside the kubelet root through a symlink")
+    # A symlink on the way must not lead out of the root. The parent exists
+    # when kubelet publishes; otherwise the deepest ancestor that exists (a
+    # dangling symlink included) is what the path would be reached through.
+    existing = os.path.dirname(path)
+    while existing != root and not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(existing)
+    if not (real + "/").startswith(real_root.rstrip("/") + "/") and real != real_root:
+        raise InvalidArgument(f"{field} {path!r} leads outside the kubelet root through a symlink")
     return path
 
 

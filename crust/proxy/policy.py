@@ -64,7 +64,10 @@ class Decider:
             return Verdict(False, "no deferral rule matched")
         group = request.volume_capability.mount.volume_supplemental_group
         change = request.volume_capability.mount.volume_supplemental_group_change_policy
-        if not group and self.policy.fs_group_from_pod:
+        # A CO that sets defer_fs_ops passes the pod's fsGroup itself
+        # (volume_supplemental_group): the pod is looked up only for today's
+        # kubelet, which knows nothing of deferral.
+        if not group and self.policy.fs_group_from_pod and not request.defer_fs_ops:
             pod = pod or await self._pod(request)
             if pod is not None:
                 group, change = pod.fs_group, change or pod.fs_group_change_policy

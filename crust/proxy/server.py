@@ -90,7 +90,7 @@ class Proxy:
         while True:
             await asyncio.sleep(self.config.sweep_interval_seconds)
             try:
-                removed = await asyncio.to_thread(self.state.sweep)
+                removed = await self.state.sweep()
                 if removed:
                     log.info("sweep removed entries", extra={"fields": {"removed": removed}})
             except Exception:  # noqa: BLE001 - the sweep must outlive one bad entry

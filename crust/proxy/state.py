@@ -6,10 +6,12 @@ so that "stage a description" is one code path whichever door it came in by.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
@@ -66,6 +68,16 @@ class ProxyState:
         # Volumes in memory, by digest of the target path: 1000 volumes are
         # a dict lookup, not a directory scan, per call.
         self.by_digest: dict[str, DeferredVolume] = {}
+        # One lock per target: stage, unstage, claim, release and the sweep
+        # read a volume, await a record write, then replace the volume; two of
+        # them interleaved on one target would lose (or bring back) a claim.
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+
+    def _lock(self, key: str) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
 
     # -- start-up and sweep -----------------------------------------------------
 
@@ -79,6 +91,7 @@ class ProxyState:
                 log.info("dropped deferred volume whose target is gone",
                          extra={"fields": {"target_path": volume.target_path}})
                 continue
+            self.dir.clean_temporaries(volume.target_path)
             self._write_entry(volume)
             if volume.claim is not None:
                 self.dir.mark_sandbox(volume.target_path, volume.claim.sandbox_id)
@@ -92,21 +105,26 @@ class ProxyState:
                 self.dir.remove_digest(name)
         self.update_gauges()
 
-    def sweep(self) -> int:
+    async def sweep(self) -> int:
         """Remove entries whose target path is gone and that no live sandbox holds."""
         removed = 0
-        for key, volume in list(self.by_digest.items()):
-            if os.path.lexists(volume.target_path):
-                continue
-            if volume.claim is not None and self.holder_alive(volume.claim):
-                continue
-            self.dir.remove(volume.target_path)
-            self.volumes.delete_sync(key)
-            self.decisions.delete_sync(key)
-            del self.by_digest[key]
-            removed += 1
+        for key in list(self.by_digest):
+            async with self._lock(key):
+                volume = self.by_digest.get(key)
+                if volume is None or os.path.lexists(volume.target_path):
+                    continue
+                if volume.claim is not None and self.holder_alive(volume.claim):
+                    continue
+                await asyncio.to_thread(self._drop, key, volume.target_path)
+                del self.by_digest[key]
+                removed += 1
         self.update_gauges()
         return removed
+
+    def _drop(self, key: str, target_path: str) -> None:
+        self.dir.remove(target_path)
+        self.volumes.delete_sync(key)
+        self.decisions.delete_sync(key)
 
     def update_gauges(self) -> None:
         counts = {"unclaimed": 0, "claimed": 0, "holder-gone": 0}
@@ -135,6 +153,10 @@ class ProxyState:
     async def stage(self, info: MountInfo) -> DeferredVolume:
         """Publish a description into the volumes directory (idempotent)."""
         key = digest(info.target_path)
+        async with self._lock(key):
+            return await self._stage(key, info)
+
+    async def _stage(self, key: str, info: MountInfo) -> DeferredVolume:
         volume = self.by_digest.get(key)
         if volume is not None and volume.info.device != info.device and volume.claim is not None \
                 and self.holder_alive(volume.claim):
@@ -155,6 +177,10 @@ class ProxyState:
 
     async def unstage(self, target_path: str) -> None:
         key = digest(target_path)
+        async with self._lock(key):
+            await self._unstage(key, target_path)
+
+    async def _unstage(self, key: str, target_path: str) -> None:
         volume = self.by_digest.get(key)
         if volume is not None and volume.claim is not None and self.holder_alive(volume.claim):
             raise Unavailable(
@@ -211,6 +237,10 @@ class ProxyState:
             self.update_gauges()
 
     async def claim(self, target_path: str, handler: str, sandbox_id: str, sandbox_pid: int) -> DeferredVolume:
+        async with self._lock(digest(target_path)):
+            return await self._claim(target_path, handler, sandbox_id, sandbox_pid)
+
+    async def _claim(self, target_path: str, handler: str, sandbox_id: str, sandbox_pid: int) -> DeferredVolume:
         volume = self.get(target_path)
         if volume is None:
             raise NotFound(f"no deferred volume is published at {target_path}")
@@ -237,6 +267,10 @@ class ProxyState:
         return volume
 
     async def release(self, target_path: str, handler: str, sandbox_id: str) -> None:
+        async with self._lock(digest(target_path)):
+            await self._release(target_path, handler, sandbox_id)
+
+    async def _release(self, target_path: str, handler: str, sandbox_id: str) -> None:
         volume = self.get(target_path)
         if volume is None or volume.claim is None:
             return

@@ -24,9 +24,16 @@ def status(endpoint: str, as_json: bool) -> int:
               file=sys.stderr)
         return 1
     if as_json:
+        # Every scalar field, even at its default (lease_expired: false, an
+        # empty kata_mirror_error): a script must not have to know proto3's
+        # omission rules to read a fresh handler's lease.
+        def as_dict(message):
+            return json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                             always_print_fields_with_no_presence=True)
+
         print(json.dumps({
-            "volumes": [json_format.MessageToDict(v, preserving_proto_field_name=True) for v in volumes],
-            "handlers": [json_format.MessageToDict(h, preserving_proto_field_name=True) for h in handlers],
+            "volumes": [as_dict(v) for v in volumes],
+            "handlers": [as_dict(h) for h in handlers],
         }, indent=1))
         return 0
     print(f"deferred volumes: {len(volumes)}")

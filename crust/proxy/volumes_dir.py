@@ -180,6 +180,28 @@ class VolumesDir:
             except FileNotFoundError:
                 return
 
+    def clean_temporaries(self, target_path: str) -> int:
+        """Remove temporaries a killed writer left in this volume's entry and
+        its Kata mirror (at start, before anything writes); returns how many."""
+        removed = 0
+        roots = [(self.root, digest(target_path))]
+        if self.kata_root is not None and len(kata_name(target_path).encode()) <= NAME_MAX:
+            roots.append((self.kata_root, kata_name(target_path)))
+        for root, name in roots:
+            with self._root(root) as root_fd:
+                try:
+                    with _open_dir(root_fd, name, create=False) as fd:
+                        for entry in os.listdir(fd):
+                            if entry.startswith(".") and entry.endswith(".tmp"):
+                                os.unlink(entry, dir_fd=fd)
+                                removed += 1
+                        if removed:
+                            os.fsync(fd)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                        raise
+        return removed
+
     def digests(self) -> list[str]:
         return sorted(n for n in os.listdir(self.root) if is_digest(n))
 
