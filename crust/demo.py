@@ -424,7 +424,15 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
 
 
 def _kill_sandboxes(root: Path) -> None:
-    """Sandbox holder processes of this demo (their state lives under root)."""
+    """Sandbox holder processes of this demo.
+
+    A holder of ours has mounts at mount points below the demo handler's
+    state directory or the demo bundle: sandbox-private mounts that the host
+    never has. Any other namespace copied from the host while the demo ran
+    also lists mounts under root (the placeholder, the host publish), so
+    "root appears in its mountinfo" would kill sandboxes that are not ours.
+    """
+    private = (str(root / "handler") + "/", str(root / "bundle") + "/")
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -432,11 +440,10 @@ def _kill_sandboxes(root: Path) -> None:
             cmdline = (entry / "cmdline").read_bytes()
             if cmdline.split(b"\0")[:2] != [b"sleep", b"infinity"]:
                 continue
-            # A holder's mount namespace has our sandbox mounts under root.
-            mounts = (entry / "mountinfo").read_text()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            mounts = sysmount.parse_mountinfo((entry / "mountinfo").read_text())
+        except OSError:
             continue
-        if str(root) + "/" in mounts:
+        if any(m.mount_point.startswith(private) for m in mounts):
             try:
                 os.kill(int(entry.name), signal.SIGKILL)
             except ProcessLookupError:

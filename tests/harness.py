@@ -60,6 +60,30 @@ class CsiProcess:
     proc: subprocess.Popen | None = None
     channel: grpc.Channel | None = None
 
+    def _launch(self, what: str, argv: list[str], ready, timeout: float) -> None:
+        """Start `python -m crust ARGV` and wait until ready(channel) holds
+        on its socket; the process's stderr goes to log_path."""
+        self.proc = subprocess.Popen([sys.executable, "-m", "crust", *argv], stdout=subprocess.DEVNULL,
+                                     stderr=open(self.log_path, "ab"))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            if self.socket.exists():
+                self.channel = grpc.insecure_channel(f"unix://{self.socket}")
+                try:
+                    if ready():
+                        return
+                except grpc.RpcError:
+                    pass
+                self.channel.close()
+            time.sleep(0.05)
+        raise TimeoutError(f"{what} not ready: {self.log_path.read_text()[-2000:]}")
+
+    def restart(self):
+        self.stop()
+        return self.start()
+
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.channel is not None:
             self.channel.close()
@@ -148,29 +172,11 @@ class DriverProcess(CsiProcess):
         return self.root / f"{self.endpoint_name}.log"
 
     def start(self, timeout: float = 15.0) -> "DriverProcess":
-        argv = [sys.executable, "-m", "crust", "driver", "--endpoint", f"unix://{self.socket}",
-                "--node-id", self.node_id, "--data-dir", str(self.data_dir), "--mode", self.mode,
-                "--capacity", "100Gi", *self.extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"driver exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
-            if self.socket.exists():
-                self.channel = grpc.insecure_channel(f"unix://{self.socket}")
-                try:
-                    ready = self.identity.Probe(csi_pb2.ProbeRequest(), timeout=2).ready.value
-                except grpc.RpcError:
-                    ready = False
-                if ready:
-                    return self
-                self.channel.close()
-            time.sleep(0.05)
-        raise TimeoutError(f"driver not ready: {self.log_path.read_text()[-2000:]}")
-
-    def restart(self) -> "DriverProcess":
-        self.stop()
-        return self.start()
+        self._launch("driver", ["driver", "--endpoint", f"unix://{self.socket}", "--node-id", self.node_id,
+                                "--data-dir", str(self.data_dir), "--mode", self.mode, "--capacity", "100Gi",
+                                *self.extra],
+                     lambda: self.identity.Probe(csi_pb2.ProbeRequest(), timeout=2).ready.value, timeout)
+        return self
 
 
 @dataclass
@@ -198,28 +204,12 @@ class ShimProcess(CsiProcess):
         return self.root / f"{self.endpoint_name}.log"
 
     def start(self, timeout: float = 15.0) -> "ShimProcess":
-        argv = [sys.executable, "-m", "crust", "shim", "--endpoint", f"unix://{self.socket}",
-                "--backend-endpoint", f"unix://{self.backend.socket}",
-                "--proxy-endpoint", f"unix://{self.proxy_socket}", "--state-dir", str(self.state_dir), *self.extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"shim exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
-            if self.socket.exists():
-                self.channel = grpc.insecure_channel(f"unix://{self.socket}")
-                try:
-                    csi_pb2_grpc.NodeStub(self.channel).NodeGetCapabilities(
-                        csi_pb2.NodeGetCapabilitiesRequest(), timeout=2)
-                    return self
-                except grpc.RpcError:
-                    self.channel.close()
-            time.sleep(0.05)
-        raise TimeoutError(f"shim not ready: {self.log_path.read_text()[-2000:]}")
-
-    def restart(self) -> "ShimProcess":
-        self.stop()
-        return self.start()
+        self._launch("shim", ["shim", "--endpoint", f"unix://{self.socket}",
+                              "--backend-endpoint", f"unix://{self.backend.socket}",
+                              "--proxy-endpoint", f"unix://{self.proxy_socket}", "--state-dir", str(self.state_dir),
+                              *self.extra],
+                     lambda: self.node.NodeGetCapabilities(csi_pb2.NodeGetCapabilitiesRequest(), timeout=2), timeout)
+        return self
 
 
 
@@ -274,29 +264,15 @@ class ProxyProcess(CsiProcess):
 
     def start(self, timeout: float = 15.0) -> "ProxyProcess":
         self.kubelet_root.mkdir(exist_ok=True)
-        argv = [sys.executable, "-m", "crust", "proxy", "--csi-endpoint", f"unix://{self.socket}",
-                "--plugin-endpoint", f"unix://{self.plugin.socket}",
-                "--runtime-endpoint", f"unix://{self.runtime_socket}", "--volumes-dir", str(self.volumes_dir),
-                "--state-dir", str(self.state_dir), "--kata-dir", str(self.kata_dir),
-                "--kubelet-root", str(self.kubelet_root), *self.extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"proxy exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
-            if self.socket.exists():
-                self.channel = grpc.insecure_channel(f"unix://{self.socket}")
-                try:
-                    self.identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest(), timeout=2)
-                    return self
-                except grpc.RpcError:
-                    self.channel.close()
-            time.sleep(0.05)
-        raise TimeoutError(f"proxy not ready: {self.log_path.read_text()[-2000:]}")
+        self._launch("proxy", ["proxy", "--csi-endpoint", f"unix://{self.socket}",
+                               "--plugin-endpoint", f"unix://{self.plugin.socket}",
+                               "--runtime-endpoint", f"unix://{self.runtime_socket}",
+                               "--volumes-dir", str(self.volumes_dir), "--state-dir", str(self.state_dir),
+                               "--kata-dir", str(self.kata_dir), "--kubelet-root", str(self.kubelet_root),
+                               *self.extra],
+                     lambda: self.identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest(), timeout=2), timeout)
+        return self
 
-    def restart(self) -> "ProxyProcess":
-        self.stop()
-        return self.start()
 
     def runtime_channel(self) -> grpc.Channel:
         return grpc.insecure_channel(f"unix://{self.runtime_socket}")

@@ -9,7 +9,10 @@ runtime may be asked to start the sandbox at the same moment).
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -23,6 +26,10 @@ from crust.proxy.mountinfo import MountInfo, is_digest
 log = logging.getLogger(__name__)
 
 MOUNT_INFO = "mountInfo.json"
+MAX_ENTRY_BYTES = 1 << 20
+# Our own reads of an entry raise these inotify events: reacting to them
+# would read the entry again, forever.
+READ_EVENTS = frozenset({"opened", "closed_no_write"})
 
 
 class VolumeIndex(FileSystemEventHandler):
@@ -62,12 +69,40 @@ class VolumeIndex(FileSystemEventHandler):
             for gone in set(self.entries) - seen:
                 self._drop(gone)
 
-    def _load(self, digest: str) -> None:
-        path = self.root / digest / MOUNT_INFO
+    def _read_entry(self, digest: str) -> bytes:
+        """An entry's mountInfo.json: a regular file reached without following
+        a symlink (neither the entry directory nor the file), and read without
+        blocking (a FIFO planted there must not hang the handler)."""
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            if path.is_symlink():
-                raise ValueError("mountInfo.json is a symlink")
-            info = MountInfo.model_validate_json(path.read_bytes())
+            dir_fd = os.open(self.root / digest, flags | os.O_DIRECTORY)
+            try:
+                fd = os.open(MOUNT_INFO, flags, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise ValueError(f"{digest}/{MOUNT_INFO} is reached through a symlink or is not in a directory")
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"{MOUNT_INFO} is not a regular file")
+            data = b""
+            while len(data) <= MAX_ENTRY_BYTES:
+                chunk = os.read(fd, MAX_ENTRY_BYTES + 1 - len(data))
+                if not chunk:
+                    break
+                data += chunk
+            if len(data) > MAX_ENTRY_BYTES:
+                raise ValueError(f"{MOUNT_INFO} is larger than {MAX_ENTRY_BYTES} bytes")
+            return data
+        finally:
+            os.close(fd)
+
+    def _load(self, digest: str) -> None:
+        try:
+            info = MountInfo.model_validate_json(self._read_entry(digest))
         except FileNotFoundError:
             with self.lock:
                 self._drop(digest)
@@ -122,6 +157,8 @@ class VolumeIndex(FileSystemEventHandler):
         return None  # temporaries and other files inside an entry
 
     def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.event_type in READ_EVENTS:
+            return
         try:
             for path in (event.src_path, getattr(event, "dest_path", "")):
                 if not path:

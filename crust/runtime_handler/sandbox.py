@@ -16,6 +16,7 @@ import os
 import signal
 import stat
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -249,6 +250,8 @@ class MountNamespaceSandbox(Sandbox):
              "/usr/bin/env", "-i", "-C", cwd, *env, *args],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
+        # Our child, not reaped yet: its pid cannot have been reused.
+        (self.workdir / "process").write_text(f"{self._process.pid} {_start_time(self._process.pid)}")
         return self._process.pid
 
     def process_exit_code(self) -> int | None:
@@ -263,6 +266,59 @@ class MountNamespaceSandbox(Sandbox):
         if self._process is not None and self._process.poll() is None:
             os.killpg(self._process.pid, signal.SIGKILL)
             await asyncio.to_thread(self._process.wait)
+        # After a handler restart the process is no child of ours (and any
+        # process may have left its group): every process in the sandbox's
+        # mount namespace goes, or it would keep the volume mounted after the
+        # claim is released. The holder stays until stop().
+        await asyncio.to_thread(self._kill_members)
+
+    def _namespace(self) -> str | None:
+        """The sandbox's mount namespace, from a process known to be in it:
+        the holder, or (the holder died) the container process recorded at
+        its start (pid and start time, so a reused pid is never taken)."""
+        candidates = [self.pid] if self.alive() else []
+        try:
+            pid, started = (self.workdir / "process").read_text().split()
+            if _start_time(int(pid)) == started:
+                candidates.append(int(pid))
+        except (OSError, ValueError):
+            pass
+        for pid in candidates:
+            try:
+                ns = os.readlink(f"/proc/{pid}/ns/mnt")
+            except OSError:
+                continue
+            if ns != os.readlink("/proc/self/ns/mnt"):
+                return ns
+        return None
+
+    def _members(self) -> list[int]:
+        ns = self._namespace()
+        if ns is None:
+            return []
+        found = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) == self.pid:
+                continue
+            try:
+                if os.readlink(f"/proc/{entry.name}/ns/mnt") == ns:
+                    found.append(int(entry.name))
+            except OSError:
+                continue  # gone, a zombie, or a kernel thread
+        return found
+
+    def _kill_members(self) -> None:
+        for _ in range(100):
+            members = self._members()
+            if not members:
+                return
+            for pid in members:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
+        raise FailedPrecondition(f"sandbox {self.id}: processes {members} would not die")
 
     async def stop(self) -> None:
         await self.stop_process()
@@ -271,6 +327,7 @@ class MountNamespaceSandbox(Sandbox):
             self._holder.wait()
         elif self._holder_pid and _pid_is_sleeping_holder(self._holder_pid):
             os.kill(self._holder_pid, signal.SIGKILL)
+        (self.workdir / "process").unlink(missing_ok=True)
 
 
 def safe_subpath(root_view: str, subpath: str) -> None:
@@ -295,6 +352,16 @@ def safe_subpath(root_view: str, subpath: str) -> None:
             fd = nxt
     finally:
         os.close(fd)
+
+
+def _start_time(pid: int) -> str:
+    """When the process started (clock ticks since boot): with the pid, an
+    identity that is never reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def _pid_is_sleeping_holder(pid: int) -> bool:
