@@ -24,12 +24,18 @@ Run from the project root as root (loop devices and mounts):
 
     .venv/bin/python bench/driver_lifecycle.py [--volumes 30] [--background 10,500] [--json OUT]
 
+The driver runs in a private mount namespace of its own (as a node plugin
+does in its container): the benchmark's 1,000 mounts stay out of the host's
+mount table, so mount namespaces other programs create meanwhile cannot copy
+and pin them, and the host's mounts do not inflate the driver's mountinfo.
+
 Everything it makes lives under one temporary root and is removed on exit,
-also on Ctrl-C or failure: volumes are unpublished, unstaged and deleted
-through the driver, the driver is stopped, then any mount left below the
-root is unmounted and any loop device over a file below it is detached; the
-loop device nodes the run made the kernel create are removed again (unless
---keep-loop-nodes), so the next run starts from the same /sys/block.
+also on Ctrl-C, SIGTERM or failure: volumes are unpublished, unstaged and
+deleted through the driver, the driver is stopped (its namespace, and any
+mount still in it, goes with it), any mount left below the root is unmounted
+and any loop device over a file below it is detached; the loop device nodes
+the run made the kernel create are removed again (unless --keep-loop-nodes),
+so the next run starts from the same /sys/block.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import argparse
 import ctypes
 import datetime as dt
 import fcntl
+import inspect
 import json
 import os
 import platform
@@ -119,6 +126,21 @@ def _die_with_parent() -> None:
         pass
 
 
+# Run inside the driver's own mount namespace, before exec'ing the driver:
+# the namespace starts as a copy of the host's, so first let go of every
+# loop-device file system (and loop device node bind) that other users of
+# this machine have mounted; keeping them would pin their devices for as long
+# as the benchmark runs.
+_LAUNCHER = """
+import os, subprocess, sys
+from crust.sys import mount
+for e in sorted(mount.mounts(), key=lambda e: -len(e.mount_point)):
+    if e.major == 7 or (e.fs_type == "devtmpfs" and e.root.startswith("/loop")):
+        subprocess.run(["umount", "-l", "--", e.mount_point], capture_output=True)
+os.execv(sys.executable, [sys.executable, "-m", "crust", *sys.argv[1:]])
+"""
+
+
 class Driver:
     def __init__(self, root: Path, node_id: str = "bench-node"):
         self.root = root
@@ -131,8 +153,19 @@ class Driver:
         self.controller: csi_pb2_grpc.ControllerStub | None = None
         self.node: csi_pb2_grpc.NodeStub | None = None
 
+    @property
+    def mountinfo(self) -> str:
+        """The driver's view of the mounts (its own namespace)."""
+        return f"/proc/{self.proc.pid}/mountinfo" if self.proc is not None else "/proc/self/mountinfo"
+
     def start(self, timeout: float = 20.0) -> None:
-        argv = [sys.executable, "-m", "crust", "driver", "--endpoint", f"unix://{self.socket}",
+        # The driver gets a private mount namespace of its own, as a node
+        # plugin has in its container: the benchmark's mounts never show in
+        # the host's mount table, so mount namespaces that other programs
+        # create meanwhile (`unshare -m`) do not copy and pin them, and the
+        # host's other mounts do not inflate the driver's mountinfo.
+        argv = ["unshare", "--mount", "--propagation", "private", "--", sys.executable, "-c", _LAUNCHER,
+                "driver", "--endpoint", f"unix://{self.socket}",
                 "--node-id", self.node_id, "--data-dir", str(self.data_dir), "--mode", "all",
                 # Volumes are sparse: the capacity is a provisioning limit only.
                 "--capacity", "1Ti",
@@ -208,10 +241,27 @@ class CO:
         # its CreateVolume is sent, and removed only after DeleteVolume).
         self.live: dict[str, Vol] = {}
         self.lock = threading.Lock()
+        self.retries: dict[str, int] = {}
+        self.last_retry_reason: dict[str, str] = {}
 
-    def _timed(self, into: dict | None, step: str, fn, req):
-        t0 = time.perf_counter()
-        resp = fn(req, timeout=RPC_TIMEOUT)
+    def _timed(self, into: dict | None, step: str, fn, req, retry_precondition: bool = False):
+        """One RPC, timed. With retry_precondition, FAILED_PRECONDITION is
+        retried as a CO would (every 50 ms, up to 10 s): the time kept is
+        that of the call that succeeded, and the retries are counted."""
+        deadline = time.monotonic() + 10
+        while True:
+            t0 = time.perf_counter()
+            try:
+                resp = fn(req, timeout=RPC_TIMEOUT)
+                break
+            except grpc.RpcError as exc:
+                if not (retry_precondition and exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                        and time.monotonic() < deadline):
+                    raise
+                with self.lock:
+                    self.retries[step] = self.retries.get(step, 0) + 1
+                    self.last_retry_reason[step] = exc.details()
+                time.sleep(0.05)
         if into is not None:
             into[step] = (time.perf_counter() - t0) * 1e3
         return resp
@@ -278,8 +328,11 @@ class CO:
                     csi_pb2.ControllerUnpublishVolumeRequest(volume_id=v.volume_id, node_id=self.node_id))
 
     def delete(self, v: Vol, into=None) -> None:
+        # The driver refuses to delete a volume whose loop device it still
+        # sees; right after NodeUnstageVolume the kernel may not have finished
+        # the detach (see docs/benchmarks.md), and a CO retries.
         self._timed(into, "DeleteVolume", self.d.controller.DeleteVolume,
-                    csi_pb2.DeleteVolumeRequest(volume_id=v.volume_id))
+                    csi_pb2.DeleteVolumeRequest(volume_id=v.volume_id), retry_precondition=True)
         with self.lock:
             self.live.pop(v.name, None)
 
@@ -328,10 +381,12 @@ def ours(root: Path) -> dict[str, str]:
 
 def snapshot_env(root: Path, driver: Driver) -> dict:
     """What the driver's per-RPC scans walk over at this scale, and what one
-    such scan costs (the same crust.sys functions, called here)."""
-    text = Path("/proc/self/mountinfo").read_text()
-    prefix = str(root) + "/"
+    such scan costs (the same crust.sys functions, called here against the
+    driver's mount namespace)."""
+    text = Path(driver.mountinfo).read_text()
     mounts = sysmount.parse_mountinfo(text)
+    prefix = str(root) + "/"
+    records = driver.data_dir / "node" / driver.node_id / "volumes"
     probe_file = driver.data_dir / "pools" / driver.node_id / "volumes" / "vol-0000000000000000deadbeef.img"
 
     def cost(fn, n=30) -> float:
@@ -342,8 +397,7 @@ def snapshot_env(root: Path, driver: Driver) -> dict:
             samples.append((time.perf_counter() - t0) * 1e3)
         return round(statistics.median(samples), 3)
 
-    records = driver.data_dir / "node" / driver.node_id / "volumes"
-    return {
+    env = {
         "mountinfo_lines": len(mounts),
         "mountinfo_bytes": len(text),
         "mounts_under_root": sum(1 for m in mounts if (m.mount_point + "/").startswith(prefix)),
@@ -351,11 +405,23 @@ def snapshot_env(root: Path, driver: Driver) -> dict:
         "loop_devices_attached": len(sysloop.attached()),
         "node_records": len(list(records.glob("*.json"))) if records.exists() else 0,
         "loadavg_before": _read("/proc/loadavg").split(" ")[0],
-        "ms_read_mountinfo": cost(lambda: Path("/proc/self/mountinfo").read_bytes()),
-        "ms_mount_mounts": cost(sysmount.mounts),
-        "ms_mount_at": cost(lambda: sysmount.at(str(root / "nowhere"))),
+        "ms_read_mountinfo": cost(lambda: Path(driver.mountinfo).read_bytes()),
         "ms_loop_devices_for": cost(lambda: sysloop.devices_for(probe_file)),
     }
+    # Time crust.sys.mount against the driver's namespace: pass the table
+    # where the function takes one, else point the module's path at it.
+    nowhere = str(root / "nowhere")
+    if "table" in inspect.signature(sysmount.mounts).parameters:
+        env["ms_mount_mounts"] = cost(lambda: sysmount.mounts(driver.mountinfo))
+        env["ms_mount_at"] = cost(lambda: sysmount.at(nowhere, driver.mountinfo))
+    else:
+        saved, sysmount.MOUNTINFO = sysmount.MOUNTINFO, driver.mountinfo
+        try:
+            env["ms_mount_mounts"] = cost(sysmount.mounts)
+            env["ms_mount_at"] = cost(lambda: sysmount.at(nowhere))
+        finally:
+            sysmount.MOUNTINFO = saved
+    return env
 
 
 def loops_in_log(driver: Driver) -> set[str]:
@@ -506,12 +572,13 @@ def render_table(result: dict) -> str:
                                     for i, w in enumerate(widths)) + "|"]
     for r in rows:
         out.append(line(r))
-    env_keys = [("mountinfo_lines", "mountinfo lines (whole namespace)"),
+    env_keys = [("mountinfo_lines", "mountinfo lines (driver's namespace)"),
                 ("loop_nodes_in_sys_block", "/sys/block/loop* nodes"),
                 ("loop_devices_attached", "attached loop devices (all users)"),
                 ("node_records", "node records on disk"),
-                ("ms_read_mountinfo", "one raw read of /proc/self/mountinfo, ms"),
+                ("ms_read_mountinfo", "one raw read of the driver's /proc/PID/mountinfo, ms"),
                 ("ms_mount_mounts", "one crust.sys.mount.mounts() (read + parse), ms"),
+                ("ms_mount_at", "one crust.sys.mount.at(), ms"),
                 ("ms_loop_devices_for", "one crust.sys.loop.devices_for() scan, ms"),
                 ("other_processes_cpu_cores", "CPU used by other processes while measuring, cores"),
                 ("iowait_cores", "iowait while measuring, cores")]
@@ -690,6 +757,7 @@ def main(argv=None) -> int:
             ext4 = {s: [] for s in EXT4_STEPS + ["total", "NodeGetCapabilities"]}
             xfs = {s: [] for s in XFS_STEPS}
             t1 = time.monotonic()
+            retries0 = dict(co.retries)
             cpu0 = cpu_sample(driver.proc.pid if driver.proc else None)
             for i in range(args.volumes):
                 te, tx = measure_one(co, root, f"{n}-{i:03d}", args)
@@ -701,6 +769,11 @@ def main(argv=None) -> int:
                     print(f"  {i + 1}/{args.volumes} (lifecycle median so far "
                           f"{statistics.median(ext4['total']):.0f} ms)", flush=True)
             seen_loops |= {d.removeprefix("/dev/") for d in ours(root)}
+            env["retries_while_measuring"] = {k: v - retries0.get(k, 0) for k, v in co.retries.items()
+                                              if v - retries0.get(k, 0)}
+            if env["retries_while_measuring"]:
+                print(f"  retried (FAILED_PRECONDITION): {env['retries_while_measuring']}; last reason: "
+                      f"{co.last_retry_reason}", flush=True)
             env["loadavg_after"] = _read("/proc/loadavg").split(" ")[0]
             env.update(foreign_cpu(cpu0, cpu_sample(driver.proc.pid if driver.proc else None)))
             result["scales"].append({
@@ -742,12 +815,24 @@ def main(argv=None) -> int:
             leftovers = list(co.live.values())
             with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as cleaners:
                 problems = [p for p in cleaners.map(co.tear_down_quietly, leftovers) if p]
+        ns_mounts = 0
         try:
+            if driver.proc is not None and driver.proc.poll() is None:
+                ns_mounts = sum(1 for m in sysmount.parse_mountinfo(Path(driver.mountinfo).read_text())
+                                if (m.mount_point + "/").startswith(str(root) + "/"))
+        except OSError:
+            pass
+        try:
+            # Stopping the driver ends its mount namespace: the kernel unmounts
+            # whatever is still mounted there.
             driver.stop()
         except Exception as exc:  # noqa: BLE001 - the kernel-side cleanup below must still run
             problems.append(f"stopping the driver: {exc!r}")
         unmounted = detached = removed_nodes = 0
         try:
+            deadline = time.monotonic() + 5
+            while ours(root) and time.monotonic() < deadline and ns_mounts:
+                time.sleep(0.1)  # file systems of the ended namespace let go of their devices
             unmounted, detached = force_cleanup(root)
             if not args.keep_loop_nodes:
                 removed_nodes = remove_loop_nodes(seen_loops - loops_before)
@@ -758,6 +843,7 @@ def main(argv=None) -> int:
         if not left_mounts and not left_loops:
             shutil.rmtree(root, ignore_errors=True)
         print(f"\ncleanup: {len(co.live)} volumes not deleted through the driver, {len(problems)} teardown errors, "
+              f"{ns_mounts} mounts left in the driver's namespace (released with it), "
               f"{unmounted} forced unmounts, {detached} forced detaches, {removed_nodes} loop nodes removed "
               f"({time.monotonic() - t0:.1f}s)", file=sys.stderr, flush=True)
         for p in problems[:10]:
@@ -767,7 +853,9 @@ def main(argv=None) -> int:
                   f"root kept at {root}", file=sys.stderr)
             status = status or 1
         if args.json and result["scales"]:
-            result["cleanup"] = {"teardown_errors": problems, "forced_unmounts": unmounted,
+            result["retries_total"] = co.retries
+            result["cleanup"] = {"teardown_errors": problems, "mounts_left_in_driver_namespace": ns_mounts,
+                                 "forced_unmounts": unmounted,
                                  "forced_detaches": detached, "loop_nodes_removed": removed_nodes}
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -8,6 +8,7 @@ file is below it, so a test never touches what it did not create.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -344,16 +345,19 @@ class HandlerProcess:
 
 
 def kill_sandbox_holders(root: Path) -> None:
-    """Sandboxes outlive their handler by design; tests kill the holders of
-    their own root (processes whose mount namespace has mounts under it)."""
-    prefix = str(root.resolve()) + "/"
+    """Sandboxes outlive their handler by design; a test root kills the
+    holders of its own handlers' sandboxes: processes with a mount under
+    <root>/<handler>-state/run/, which exists only inside such a sandbox's
+    namespace (host mounts propagate into every namespace, so merely
+    mentioning the root would also match other roots' sandboxes)."""
+    own = re.compile(re.escape(str(root.resolve())) + r"/[^/ ]+-state/run/")
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             if (entry / "cmdline").read_bytes().split(b"\0")[:2] != [b"sleep", b"infinity"]:
                 continue
-            if prefix not in (entry / "mountinfo").read_text():
+            if not own.search((entry / "mountinfo").read_text()):
                 continue
             os.kill(int(entry.name), signal.SIGKILL)
         except (FileNotFoundError, ProcessLookupError, PermissionError):

@@ -130,7 +130,7 @@ class MountNamespaceSandbox(Sandbox):
     async def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._holder = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "--", "sleep", "infinity"],
+            ["unshare", "--mount", "--propagation", "slave", "--", "sleep", "infinity"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
         mine = os.readlink("/proc/self/ns/mnt")
@@ -208,11 +208,9 @@ class MountNamespaceSandbox(Sandbox):
         return VolumeStats(usage, self._condition(mount_point, readonly))
 
     def _condition(self, mount_point: str, readonly: bool) -> csi_pb2.VolumeCondition:
-        with open(f"/proc/{self.pid}/mountinfo") as f:
-            entries = [e for e in sysmount.parse_mountinfo(f.read()) if e.mount_point == mount_point]
-        if not entries:
+        entry = sysmount.at(mount_point, table=f"/proc/{self.pid}/mountinfo")
+        if entry is None:
             return csi_pb2.VolumeCondition(abnormal=True, message="the volume is not mounted in the sandbox")
-        entry = entries[-1]
         if "ro" in entry.super_options and not readonly:
             return csi_pb2.VolumeCondition(abnormal=True, message="the file system went read-only in the sandbox")
         errors = Path(f"/sys/fs/ext4/{os.path.basename(entry.source)}/errors_count")

@@ -16,6 +16,8 @@ MOUNTINFO = "/proc/self/mountinfo"
 
 def _unescape(field: str) -> str:
     # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    if "\\" not in field:
+        return field  # the common case, and the hot path on nodes with many mounts
     out, i = [], 0
     while i < len(field):
         if field[i] == "\\" and i + 4 <= len(field) and field[i + 1 : i + 4].isdigit():
@@ -69,16 +71,25 @@ def parse_mountinfo(text: str) -> list[MountEntry]:
     return entries
 
 
-def mounts() -> list[MountEntry]:
-    with open(MOUNTINFO) as f:
-        return parse_mountinfo(f.read())
+def _escape(path: str) -> str:
+    return path.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011").replace("\n", "\\012")
 
 
-def at(path: str) -> MountEntry | None:
+def mounts(table: str = MOUNTINFO, containing: str | None = None) -> list[MountEntry]:
+    """Entries of a mount table; with `containing`, only lines that contain
+    that text are parsed (a cheap filter: a node may have thousands of mounts)."""
+    with open(table) as f:
+        text = f.read()
+    if containing is not None:
+        text = "\n".join(line for line in text.splitlines() if containing in line)
+    return parse_mountinfo(text)
+
+
+def at(path: str, table: str = MOUNTINFO) -> MountEntry | None:
     """The top-most mount at exactly this path, if any."""
     path = os.path.normpath(path)
     found = None
-    for entry in mounts():
+    for entry in mounts(table, containing=f" {_escape(path)} "):
         if entry.mount_point == path:
             found = entry  # later lines are mounted on top of earlier ones
     return found
@@ -86,7 +97,7 @@ def at(path: str) -> MountEntry | None:
 
 def of_device(major: int, minor: int) -> list[MountEntry]:
     """Every mount (including bind mounts) of the filesystem on this device."""
-    return [e for e in mounts() if (e.major, e.minor) == (major, minor)]
+    return [e for e in mounts(containing=f" {major}:{minor} ") if (e.major, e.minor) == (major, minor)]
 
 
 def of_device_node(device_path: str) -> list[MountEntry]:
