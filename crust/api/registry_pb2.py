@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0eregistry.proto\x12\x11\x63rust.registry.v1\"_\n\x16RegisterHandlerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x13\n\x0b\x66ilesystems\x18\x03 \x03(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x03(\t\"B\n\x17RegisterHandlerResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x03\"2\n\x10HeartbeatRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"*\n\x11HeartbeatResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x03\":\n\x18UnregisterHandlerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x1b\n\x19UnregisterHandlerResponse\"c\n\x12\x43laimVolumeRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x0f\n\x07handler\x18\x02 \x01(\t\x12\x12\n\nsandbox_id\x18\x03 \x01(\t\x12\x13\n\x0bsandbox_pid\x18\x04 \x01(\x03\".\n\x13\x43laimVolumeResponse\x12\x17\n\x0fmount_info_json\x18\x01 \x01(\t\"P\n\x14ReleaseVolumeRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x0f\n\x07handler\x18\x02 \x01(\t\x12\x12\n\nsandbox_id\x18\x03 \x01(\t\"\x17\n\x15ReleaseVolumeResponse\"$\n\x11ListClaimsRequest\x12\x0f\n\x07handler\x18\x01 \x01(\t\"}\n\x05\x43laim\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x0f\n\x07handler\x18\x02 \x01(\t\x12\x12\n\nsandbox_id\x18\x03 \x01(\t\x12\x11\n\tvolume_id\x18\x04 \x01(\t\x12\x12\n\nclaimed_at\x18\x05 \x01(\x03\x12\x13\n\x0bsandbox_pid\x18\x06 \x01(\x03\">\n\x12ListClaimsResponse\x12(\n\x06\x63laims\x18\x01 \x03(\x0b\x32\x18.crust.registry.v1.Claim\"\x15\n\x13ListHandlersRequest\"\x82\x01\n\x07Handler\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x13\n\x0b\x66ilesystems\x18\x03 \x03(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x03(\t\x12\x19\n\x11lease_age_seconds\x18\x05 \x01(\x01\x12\x15\n\rlease_expired\x18\x06 \x01(\x08\"D\n\x14ListHandlersResponse\x12,\n\x08handlers\x18\x01 \x03(\x0b\x32\x1a.crust.registry.v1.Handler\"\x14\n\x12ListVolumesRequest\"\xac\x01\n\x0e\x44\x65\x66\x65rredVolume\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x11\n\tvolume_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07\x66s_type\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\'\n\x05\x63laim\x18\x06 \x01(\x0b\x32\x18.crust.registry.v1.Claim\x12\x19\n\x11kata_mirror_error\x18\x07 \x01(\t\"I\n\x13ListVolumesResponse\x12\x32\n\x07volumes\x18\x01 \x03(\x0b\x32!.crust.registry.v1.DeferredVolume2\xa8\x06\n\x08Registry\x12j\n\x0fRegisterHandler\x12).crust.registry.v1.RegisterHandlerRequest\x1a*.crust.registry.v1.RegisterHandlerResponse\"\x00\x12X\n\tHeartbeat\x12#.crust.registry.v1.HeartbeatRequest\x1a$.crust.registry.v1.HeartbeatResponse\"\x00\x12p\n\x11UnregisterHandler\x12+.crust.registry.v1.UnregisterHandlerRequest\x1a,.crust.registry.v1.UnregisterHandlerResponse\"\x00\x12^\n\x0b\x43laimVolume\x12%.crust.registry.v1.ClaimVolumeRequest\x1a&.crust.registry.v1.ClaimVolumeResponse\"\x00\x12\x64\n\rReleaseVolume\x12\'.crust.registry.v1.ReleaseVolumeRequest\x1a(.crust.registry.v1.ReleaseVolumeResponse\"\x00\x12[\n\nListClaims\x12$.crust.registry.v1.ListClaimsRequest\x1a%.crust.registry.v1.ListClaimsResponse\"\x00\x12\x61\n\x0cListHandlers\x12&.crust.registry.v1.ListHandlersRequest\x1a\'.crust.registry.v1.ListHandlersResponse\"\x00\x12^\n\x0bListVolumes\x12%.crust.registry.v1.ListVolumesRequest\x1a&.crust.registry.v1.ListVolumesResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0eregistry.proto\x12\x11\x63rust.registry.v1\"_\n\x16RegisterHandlerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x13\n\x0b\x66ilesystems\x18\x03 \x03(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x03(\t\"B\n\x17RegisterHandlerResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x03\"2\n\x10HeartbeatRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"*\n\x11HeartbeatResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x03\":\n\x18UnregisterHandlerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x1b\n\x19UnregisterHandlerResponse\"c\n\x12\x43laimVolumeRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x0f\n\x07handler\x18\x02 \x01(\t\x12\x12\n\nsandbox_id\x18\x03 \x01(\t\x12\x13\n\x0bsandbox_pid\x18\x04 \x01(\x03\".\n\x13\x43laimVolumeResponse\x12\x17\n\x0fmount_info_json\x18\x01 \x01(\t\"i\n\x14ReleaseVolumeRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x0f\n\x07handler\x18\x02 \x01(\t\x12\x12\n\nsandbox_id\x18\x03 \x01(\t\x12\x17\n\x0f\x61\x62normal_reason\x18\x04 \x01(\t\"\x17\n\x15ReleaseVolumeResponse\"$\n\x11ListClaimsRequest\x12\x0f\n\x07handler\x18\x01 \x01(\t\"}\n\x05\x43laim\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x0f\n\x07handler\x18\x02 \x01(\t\x12\x12\n\nsandbox_id\x18\x03 \x01(\t\x12\x11\n\tvolume_id\x18\x04 \x01(\t\x12\x12\n\nclaimed_at\x18\x05 \x01(\x03\x12\x13\n\x0bsandbox_pid\x18\x06 \x01(\x03\">\n\x12ListClaimsResponse\x12(\n\x06\x63laims\x18\x01 \x03(\x0b\x32\x18.crust.registry.v1.Claim\"\x15\n\x13ListHandlersRequest\"\x82\x01\n\x07Handler\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x13\n\x0b\x66ilesystems\x18\x03 \x03(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x03(\t\x12\x19\n\x11lease_age_seconds\x18\x05 \x01(\x01\x12\x15\n\rlease_expired\x18\x06 \x01(\x08\"D\n\x14ListHandlersResponse\x12,\n\x08handlers\x18\x01 \x03(\x0b\x32\x1a.crust.registry.v1.Handler\"\x14\n\x12ListVolumesRequest\"\xac\x01\n\x0e\x44\x65\x66\x65rredVolume\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x11\n\tvolume_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07\x66s_type\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\'\n\x05\x63laim\x18\x06 \x01(\x0b\x32\x18.crust.registry.v1.Claim\x12\x19\n\x11kata_mirror_error\x18\x07 \x01(\t\"I\n\x13ListVolumesResponse\x12\x32\n\x07volumes\x18\x01 \x03(\x0b\x32!.crust.registry.v1.DeferredVolume2\xa8\x06\n\x08Registry\x12j\n\x0fRegisterHandler\x12).crust.registry.v1.RegisterHandlerRequest\x1a*.crust.registry.v1.RegisterHandlerResponse\"\x00\x12X\n\tHeartbeat\x12#.crust.registry.v1.HeartbeatRequest\x1a$.crust.registry.v1.HeartbeatResponse\"\x00\x12p\n\x11UnregisterHandler\x12+.crust.registry.v1.UnregisterHandlerRequest\x1a,.crust.registry.v1.UnregisterHandlerResponse\"\x00\x12^\n\x0b\x43laimVolume\x12%.crust.registry.v1.ClaimVolumeRequest\x1a&.crust.registry.v1.ClaimVolumeResponse\"\x00\x12\x64\n\rReleaseVolume\x12\'.crust.registry.v1.ReleaseVolumeRequest\x1a(.crust.registry.v1.ReleaseVolumeResponse\"\x00\x12[\n\nListClaims\x12$.crust.registry.v1.ListClaimsRequest\x1a%.crust.registry.v1.ListClaimsResponse\"\x00\x12\x61\n\x0cListHandlers\x12&.crust.registry.v1.ListHandlersRequest\x1a\'.crust.registry.v1.ListHandlersResponse\"\x00\x12^\n\x0bListVolumes\x12%.crust.registry.v1.ListVolumesRequest\x1a&.crust.registry.v1.ListVolumesResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,27 +48,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLAIMVOLUMERESPONSE']._serialized_start=488
   _globals['_CLAIMVOLUMERESPONSE']._serialized_end=534
   _globals['_RELEASEVOLUMEREQUEST']._serialized_start=536
-  _globals['_RELEASEVOLUMEREQUEST']._serialized_end=616
-  _globals['_RELEASEVOLUMERESPONSE']._serialized_start=618
-  _globals['_RELEASEVOLUMERESPONSE']._serialized_end=641
-  _globals['_LISTCLAIMSREQUEST']._serialized_start=643
-  _globals['_LISTCLAIMSREQUEST']._serialized_end=679
-  _globals['_CLAIM']._serialized_start=681
-  _globals['_CLAIM']._serialized_end=806
-  _globals['_LISTCLAIMSRESPONSE']._serialized_start=808
-  _globals['_LISTCLAIMSRESPONSE']._serialized_end=870
-  _globals['_LISTHANDLERSREQUEST']._serialized_start=872
-  _globals['_LISTHANDLERSREQUEST']._serialized_end=893
-  _globals['_HANDLER']._serialized_start=896
-  _globals['_HANDLER']._serialized_end=1026
-  _globals['_LISTHANDLERSRESPONSE']._serialized_start=1028
-  _globals['_LISTHANDLERSRESPONSE']._serialized_end=1096
-  _globals['_LISTVOLUMESREQUEST']._serialized_start=1098
-  _globals['_LISTVOLUMESREQUEST']._serialized_end=1118
-  _globals['_DEFERREDVOLUME']._serialized_start=1121
-  _globals['_DEFERREDVOLUME']._serialized_end=1293
-  _globals['_LISTVOLUMESRESPONSE']._serialized_start=1295
-  _globals['_LISTVOLUMESRESPONSE']._serialized_end=1368
-  _globals['_REGISTRY']._serialized_start=1371
-  _globals['_REGISTRY']._serialized_end=2179
+  _globals['_RELEASEVOLUMEREQUEST']._serialized_end=641
+  _globals['_RELEASEVOLUMERESPONSE']._serialized_start=643
+  _globals['_RELEASEVOLUMERESPONSE']._serialized_end=666
+  _globals['_LISTCLAIMSREQUEST']._serialized_start=668
+  _globals['_LISTCLAIMSREQUEST']._serialized_end=704
+  _globals['_CLAIM']._serialized_start=706
+  _globals['_CLAIM']._serialized_end=831
+  _globals['_LISTCLAIMSRESPONSE']._serialized_start=833
+  _globals['_LISTCLAIMSRESPONSE']._serialized_end=895
+  _globals['_LISTHANDLERSREQUEST']._serialized_start=897
+  _globals['_LISTHANDLERSREQUEST']._serialized_end=918
+  _globals['_HANDLER']._serialized_start=921
+  _globals['_HANDLER']._serialized_end=1051
+  _globals['_LISTHANDLERSRESPONSE']._serialized_start=1053
+  _globals['_LISTHANDLERSRESPONSE']._serialized_end=1121
+  _globals['_LISTVOLUMESREQUEST']._serialized_start=1123
+  _globals['_LISTVOLUMESREQUEST']._serialized_end=1143
+  _globals['_DEFERREDVOLUME']._serialized_start=1146
+  _globals['_DEFERREDVOLUME']._serialized_end=1318
+  _globals['_LISTVOLUMESRESPONSE']._serialized_start=1320
+  _globals['_LISTVOLUMESRESPONSE']._serialized_end=1393
+  _globals['_REGISTRY']._serialized_start=1396
+  _globals['_REGISTRY']._serialized_end=2204
 # @@protoc_insertion_point(module_scope)

@@ -71,14 +71,16 @@ class ClaimVolumeResponse(_message.Message):
     def __init__(self, mount_info_json: _Optional[str] = ...) -> None: ...
 
 class ReleaseVolumeRequest(_message.Message):
-    __slots__ = ("target_path", "handler", "sandbox_id")
+    __slots__ = ("target_path", "handler", "sandbox_id", "abnormal_reason")
     TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
     HANDLER_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    ABNORMAL_REASON_FIELD_NUMBER: _ClassVar[int]
     target_path: str
     handler: str
     sandbox_id: str
-    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ...) -> None: ...
+    abnormal_reason: str
+    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., abnormal_reason: _Optional[str] = ...) -> None: ...
 
 class ReleaseVolumeResponse(_message.Message):
     __slots__ = ()

@@ -29,6 +29,8 @@ class DeferredVolume(BaseModel):
     staged_at: float = Field(default_factory=time.time)
     claim: Claim | None = None
     kata_mirror_error: str = ""
+    # Why the last holder let go abnormally (its sandbox crashed), if it did.
+    abnormal_reason: str = ""
 
 
 class Decision(BaseModel):

@@ -53,7 +53,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
 
     async def ReleaseVolume(self, request, context):
         target = self._target(request.target_path)
-        await self.state.release(target, check_handler_name(request.handler), check_sandbox_id(request.sandbox_id))
+        await self.state.release(target, check_handler_name(request.handler), check_sandbox_id(request.sandbox_id),
+                                 request.abnormal_reason[:500])
         return registry_pb2.ReleaseVolumeResponse()
 
     async def ListClaims(self, request, context):

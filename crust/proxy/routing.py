@@ -98,6 +98,9 @@ class Router:
                 return json_format.ParseDict(data, runtime_pb2.RuntimeGetVolumeStatsResponse())
             except json_format.ParseError as exc:
                 raise Internal(f"runtime-cli {cli} stats: unexpected JSON: {exc}")
+        if volume.abnormal_reason:
+            return runtime_pb2.RuntimeGetVolumeStatsResponse(volume_condition=csi_pb2.VolumeCondition(
+                abnormal=True, message=volume.abnormal_reason))
         self._not_claimed(volume, "stats")
         return runtime_pb2.RuntimeGetVolumeStatsResponse(volume_condition=csi_pb2.VolumeCondition(
             abnormal=False, message="the sandbox that mounts this volume is still starting"))

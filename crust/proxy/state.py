@@ -68,6 +68,7 @@ class ProxyState:
         # Volumes in memory, by digest of the target path: 1000 volumes are
         # a dict lookup, not a directory scan, per call.
         self.by_digest: dict[str, DeferredVolume] = {}
+        self._register_gauges()
         # One lock per target: stage, unstage, claim, release and the sweep
         # read a volume, await a record write, then replace the volume; two of
         # them interleaved on one target would lose (or bring back) a claim.
@@ -103,7 +104,6 @@ class ProxyState:
             if name not in self.by_digest:
                 log.info("removing an entry no record explains", extra={"fields": {"digest": name}})
                 self.dir.remove_digest(name)
-        self.update_gauges()
 
     async def sweep(self) -> int:
         """Remove entries whose target path is gone and that no live sandbox holds."""
@@ -118,7 +118,6 @@ class ProxyState:
                 await asyncio.to_thread(self._drop, key, volume.target_path)
                 del self.by_digest[key]
                 removed += 1
-        self.update_gauges()
         return removed
 
     def _drop(self, key: str, target_path: str) -> None:
@@ -126,15 +125,16 @@ class ProxyState:
         self.volumes.delete_sync(key)
         self.decisions.delete_sync(key)
 
-    def update_gauges(self) -> None:
-        counts = {"unclaimed": 0, "claimed": 0, "holder-gone": 0}
-        for volume in self.by_digest.values():
-            counts[self.volume_state(volume)] += 1
-        for state, n in counts.items():
-            VOLUMES.labels(state).set(n)
-        fresh = sum(1 for h in self.handlers.values() if h.lease_age() <= self.config.lease_seconds)
-        HANDLERS.labels("fresh").set(fresh)
-        HANDLERS.labels("expired").set(len(self.handlers) - fresh)
+    def _register_gauges(self) -> None:
+        """Gauges are computed when Prometheus scrapes, so stage and unstage
+        stay O(1) however many volumes there are."""
+        for state in ("unclaimed", "claimed", "holder-gone"):
+            VOLUMES.labels(state).set_function(
+                lambda state=state: sum(1 for v in self.by_digest.values() if self.volume_state(v) == state))
+        HANDLERS.labels("fresh").set_function(
+            lambda: sum(1 for name in self.handlers if self.lease_fresh(name)))
+        HANDLERS.labels("expired").set_function(
+            lambda: sum(1 for name in self.handlers if not self.lease_fresh(name)))
 
     # -- deferred volumes ----------------------------------------------------------
 
@@ -172,7 +172,6 @@ class ProxyState:
         if volume.kata_mirror_error:
             await self.volumes.put(key, volume)
         self.by_digest[key] = volume
-        self.update_gauges()
         return volume
 
     async def unstage(self, target_path: str) -> None:
@@ -189,7 +188,6 @@ class ProxyState:
         self.dir.remove(target_path)
         await self.volumes.delete(key)
         self.by_digest.pop(key, None)
-        self.update_gauges()
 
     # -- handlers and claims ----------------------------------------------------------
 
@@ -219,7 +217,6 @@ class ProxyState:
         handler = Handler(name=name, endpoint=endpoint, filesystems=filesystems, features=features,
                           lease_id=secrets.token_hex(12))
         self.handlers[name] = handler
-        self.update_gauges()
         log.info("handler registered", extra={"fields": {"handler": name, "endpoint": endpoint}})
         return handler
 
@@ -234,7 +231,6 @@ class ProxyState:
         handler = self.handlers.get(name)
         if handler is not None and handler.lease_id == lease_id:
             del self.handlers[name]
-            self.update_gauges()
 
     async def claim(self, target_path: str, handler: str, sandbox_id: str, sandbox_pid: int) -> DeferredVolume:
         async with self._lock(digest(target_path)):
@@ -261,16 +257,16 @@ class ProxyState:
             log.info("taking over a claim whose holder is gone",
                      extra={"fields": {"target_path": target_path, "old_sandbox": current.sandbox_id}})
         volume.claim = Claim(handler=handler, sandbox_id=sandbox_id, sandbox_pid=sandbox_pid)
+        volume.abnormal_reason = ""
         await self.volumes.put(digest(target_path), volume)
         self.dir.mark_sandbox(target_path, sandbox_id)
-        self.update_gauges()
         return volume
 
-    async def release(self, target_path: str, handler: str, sandbox_id: str) -> None:
+    async def release(self, target_path: str, handler: str, sandbox_id: str, abnormal_reason: str = "") -> None:
         async with self._lock(digest(target_path)):
-            await self._release(target_path, handler, sandbox_id)
+            await self._release(target_path, handler, sandbox_id, abnormal_reason)
 
-    async def _release(self, target_path: str, handler: str, sandbox_id: str) -> None:
+    async def _release(self, target_path: str, handler: str, sandbox_id: str, abnormal_reason: str = "") -> None:
         volume = self.get(target_path)
         if volume is None or volume.claim is None:
             return
@@ -279,9 +275,9 @@ class ProxyState:
                 f"{target_path} is claimed by sandbox {volume.claim.sandbox_id} of handler "
                 f"{volume.claim.handler}, not by {sandbox_id} of {handler}")
         volume.claim = None
+        volume.abnormal_reason = abnormal_reason
         await self.volumes.put(digest(target_path), volume)
         self.dir.mark_sandbox(target_path, None)
-        self.update_gauges()
 
     # -- deferral decisions ------------------------------------------------------------
 

@@ -104,8 +104,29 @@ class RuntimeHandler:
         self.index.start()
         await self.recover()
         self.registration.start()
+        self.reaper = asyncio.create_task(self._reap_forever())
+
+    async def _reap_forever(self, interval: float = 1.0) -> None:
+        """A sandbox that died on its own (a crashed VM, a killed holder)
+        gives its volumes back, marked abnormal, instead of holding them."""
+        while True:
+            await asyncio.sleep(interval)
+            for sandbox_id, (sandbox, record) in list(self.sandboxes.items()):
+                if sandbox.alive() or self.inflight.busy(sandbox_id):
+                    continue
+                log.warning("sandbox died", extra={"fields": {"sandbox": sandbox_id}})
+                try:
+                    with self.inflight.hold(sandbox_id):
+                        await self._teardown(sandbox, record, f"sandbox {sandbox_id} died unexpectedly "
+                                                              "(its VM or holder process exited)")
+                except CrustError as exc:
+                    log.warning("cleanup of a dead sandbox failed", extra={"fields": {"sandbox": sandbox_id,
+                                                                                      "error": exc.message}})
 
     async def stop(self) -> None:
+        reaper = getattr(self, "reaper", None)
+        if reaper is not None:
+            reaper.cancel()
         await self.registration.stop()
         self.index.stop()
 
@@ -237,7 +258,7 @@ class RuntimeHandler:
                 await sandbox.check_subpath(mounted.mount_point, view.subpath)
             await sandbox.bind(source, view.destination, readonly=view.readonly or info.readonly)
 
-    async def _teardown(self, sandbox: Sandbox, record: SandboxRecord) -> None:
+    async def _teardown(self, sandbox: Sandbox, record: SandboxRecord, abnormal_reason: str = "") -> None:
         errors = []
         await sandbox.stop_process()
         for volume in record.volumes.values():
@@ -249,7 +270,7 @@ class RuntimeHandler:
         await sandbox.stop()
         for volume in record.volumes.values():
             try:
-                await self.registration.release(volume.target_path, record.sandbox_id)
+                await self.registration.release(volume.target_path, record.sandbox_id, abnormal_reason)
             except CrustError as exc:
                 errors.append(exc.message)
         self.sandboxes.pop(record.sandbox_id, None)

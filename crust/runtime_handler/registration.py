@@ -80,9 +80,10 @@ class Registration:
             raise Forwarded.from_rpc_error(exc) from None
         return rsp.mount_info_json
 
-    async def release(self, target_path: str, sandbox_id: str) -> None:
+    async def release(self, target_path: str, sandbox_id: str, abnormal_reason: str = "") -> None:
         try:
             await self.stub.ReleaseVolume(registry_pb2.ReleaseVolumeRequest(
-                target_path=target_path, handler=self.name, sandbox_id=sandbox_id), timeout=10)
+                target_path=target_path, handler=self.name, sandbox_id=sandbox_id,
+                abnormal_reason=abnormal_reason), timeout=10)
         except grpc.aio.AioRpcError as exc:
             raise Forwarded.from_rpc_error(exc) from None
