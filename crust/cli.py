@@ -149,6 +149,32 @@ def build_parser() -> argparse.ArgumentParser:
     sb_list = sb_sub.add_parser("list", help="list sandboxes")
     sb_list.add_argument("--json", action="store_true")
 
+    kt = sub.add_parser(
+        "kata",
+        help="the microVM runtime handler: guest image and handler daemon",
+        description="A runtime handler whose sandboxes are QEMU microVMs: deferred volumes are hot-plugged "
+                    "as virtio-blk and mounted, measured and grown by the guest kernel.",
+    )
+    kt_sub = kt.add_subparsers(dest="kata_command", metavar="COMMAND")
+    kt_sub.required = True
+    kt_img = kt_sub.add_parser("image", help="build (or confirm up to date) the guest kernel and initramfs")
+    kt_img.add_argument("--cache", type=Path, default=Path("/var/cache/crust/kata"),
+                        help="cache directory (default: /var/cache/crust/kata)")
+    kt_img.add_argument("--flavor", default="cloud", choices=["cloud", "generic"],
+                        help="cloud: Debian's cloud kernel (default); generic: the full kernel (9p)")
+    kt_img.add_argument("--force", action="store_true", help="rebuild even if nothing changed")
+    kt_h = kt_sub.add_parser("handler", help="run the microVM handler daemon")
+    kt_h.add_argument("--endpoint", required=True, help="unix:///path of this handler's socket")
+    kt_h.add_argument("--proxy-endpoint", required=True, help="the proxy's runtime endpoint (registry)")
+    kt_h.add_argument("--volumes-dir", required=True, type=Path, help="the proxy's watched directory")
+    kt_h.add_argument("--state-dir", required=True, type=Path, help="sandbox records, VM sockets and logs")
+    kt_h.add_argument("--name", default="kata", help="handler name in the registry (default: kata)")
+    kt_h.add_argument("--accel", default="tcg", choices=["tcg", "kvm"],
+                      help="QEMU accelerator: kvm where it works, tcg (software) otherwise (default: tcg)")
+    kt_h.add_argument("--memory", type=int, default=256, help="guest memory in MiB (default: 256)")
+    kt_h.add_argument("--cache", type=Path, default=Path("/var/cache/crust/kata"), help="guest image cache")
+    _add_logging(kt_h)
+
     demo = sub.add_parser(
         "demo",
         help="a deferred volume end to end on the embedded defaults (as root)",
@@ -158,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "unpublish, publish on the host and read the data back, clean up. Prints each step with "
                     "its time; exit 0 only when every step held.",
     )
-    demo.add_argument("--runtime", default="mountns", choices=["mountns"],
-                      help="sandbox of the runtime handler (default: mountns, a private mount namespace)")
+    demo.add_argument("--runtime", default="mountns", choices=["mountns", "kata"],
+                      help="sandbox of the runtime handler: mountns, a private mount namespace (default); "
+                           "kata, a QEMU microVM whose kernel mounts the volume")
     demo.add_argument("--fs", default="xfs", choices=["ext4", "xfs"],
                       help="file system of the demo volume (default: xfs, which grows online here)")
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -248,6 +275,20 @@ def main(argv: list[str] | None = None) -> int:
 
         return sandbox_cli.main(args.action, args.handler_endpoint, bundle=getattr(args, "bundle", None),
                                 sandbox_id=getattr(args, "id", ""), as_json=getattr(args, "json", False))
+    if args.command == "kata":
+        if args.kata_command == "image":
+            from crust.kata.image import main as image_main
+
+            return image_main(["build", "--cache", str(args.cache), "--flavor", args.flavor]
+                              + (["--force"] if args.force else []))
+        from crust.kata.handler import serve as serve_kata
+        from crust.runtime_handler.server import HandlerConfig
+
+        logs.setup(args.log_level, args.log_format == "json")
+        serve_kata(HandlerConfig(name=args.name, endpoint=args.endpoint, proxy_endpoint=args.proxy_endpoint,
+                                 volumes_dir=args.volumes_dir.absolute(), state_dir=args.state_dir.absolute()),
+                   cache=args.cache, accel=args.accel, memory_mib=args.memory)
+        return 0
     if args.command == "demo":
         from crust.demo import run_demo
 

@@ -137,10 +137,10 @@ class Demo:
                              "--volumes-dir", str(self.run_dir / "volumes"), "--state-dir", str(root / "proxy"),
                              "--kubelet-root", str(self.kubelet), "--policy", str(policy)],
                    sock["kubelet-csi"], root),
-            Daemon("handler", ["handler", "--endpoint", f"unix://{sock['handler']}",
-                               "--proxy-endpoint", f"unix://{proxy_sock}", "--volumes-dir",
-                               str(self.run_dir / "volumes"), "--state-dir", str(root / "handler")],
-                   sock["handler"], root),
+            Daemon("handler", (["kata", "handler"] if runtime == "kata" else ["handler"]) + [
+                "--endpoint", f"unix://{sock['handler']}", "--proxy-endpoint", f"unix://{proxy_sock}",
+                "--volumes-dir", str(self.run_dir / "volumes"), "--state-dir", str(root / "handler")],
+                sock["handler"], root),
         ]
         self.kubelet_socket = sock["kubelet-csi"]
         self.handler_socket = sock["handler"]
@@ -424,27 +424,21 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
 
 
 def _kill_sandboxes(root: Path) -> None:
-    """Sandbox holder processes of this demo.
-
-    A holder of ours has mounts at mount points below the demo handler's
-    state directory or the demo bundle: sandbox-private mounts that the host
-    never has. Any other namespace copied from the host while the demo ran
-    also lists mounts under root (the placeholder, the host publish), so
-    "root appears in its mountinfo" would kill sandboxes that are not ours.
-    """
-    private = (str(root / "handler") + "/", str(root / "bundle") + "/")
+    """Sandboxes of this demo that outlived their handler: mount-namespace
+    holders with mounts under the demo's handler state, and QEMU processes
+    whose sockets live under the root."""
+    own = str(root) + "/handler/"
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes()
-            if cmdline.split(b"\0")[:2] != [b"sleep", b"infinity"]:
-                continue
-            mounts = sysmount.parse_mountinfo((entry / "mountinfo").read_text())
-        except OSError:
-            continue
-        if any(m.mount_point.startswith(private) for m in mounts):
-            try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if argv[:2] == [b"sleep", b"infinity"]:
+                mine = any(line.split(" ")[4].startswith(own) for line in (entry / "mountinfo").read_text().splitlines()
+                           if len(line.split(" ")) > 4)
+            else:
+                mine = argv[0].endswith(b"qemu-system-x86_64") and own.encode() in b" ".join(argv)
+            if mine:
                 os.kill(int(entry.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
+            continue

@@ -1,0 +1,273 @@
+"""The host side of the guest agent's line protocol (guest/agent.sh).
+
+The agent listens on the guest's second serial port, which QEMU exposes as a
+unix socket on the host. A serial line has no framing, no connection state
+and may carry noise (the guest echoes what arrives before the agent switched
+the line to raw mode), so every request carries an id and the client only
+accepts an answer `<id> ok|err ...` for an id it is waiting for; anything else
+on the line is ignored. Ids start with a random per-client prefix, so an
+answer meant for a previous client (a restarted handler) is never taken for
+a new request's.
+
+A dead guest must not leave callers waiting for their timeouts: when the
+socket closes (QEMU exited) or the owner calls `mark_dead` (it saw the QEMU
+process exit), every pending request fails at once with GuestGone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 30.0
+_WORD = re.compile(r"^[A-Za-z0-9_.,=:/+@-]+$")
+
+
+class AgentError(Exception):
+    """A request that did not succeed."""
+
+
+class AgentRefused(AgentError):
+    """The agent answered `err`."""
+
+    def __init__(self, command: str, message: str):
+        self.command = command
+        self.message = message
+        super().__init__(f"guest agent refused {command}: {message}")
+
+
+class AgentTimeout(AgentError):
+    pass
+
+
+class GuestGone(AgentError):
+    """The guest (or its serial line) is gone; nothing will answer."""
+
+
+def b64(text: str | bytes) -> str:
+    """An argument that may hold spaces: URL-safe base64, "-" when empty."""
+    data = text.encode() if isinstance(text, str) else text
+    return base64.urlsafe_b64encode(data).decode() if data else "-"
+
+
+@dataclass
+class Answer:
+    id: str
+    words: list[str]
+    fields: dict[str, str] = field(default_factory=dict)   # the key=value words
+
+    @classmethod
+    def parse(cls, ident: str, text: str) -> Answer:
+        words = text.split()
+        return cls(ident, words, dict(w.split("=", 1) for w in words if "=" in w))
+
+    def int(self, key: str) -> int:
+        return int(self.fields[key])
+
+
+class AgentClient:
+    def __init__(self, socket_path: str, *, default_timeout: float = DEFAULT_TIMEOUT):
+        self.socket_path = socket_path
+        self.default_timeout = default_timeout
+        self._prefix = secrets.token_hex(3)
+        self._next = 0
+        self._pending: dict[str, tuple[str, asyncio.Future]] = {}
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._task: asyncio.Task | None = None
+        self._write_lock = asyncio.Lock()
+        self._announced: asyncio.Future | None = None   # the agent's "- ok ready ..." line
+        self.dead: str | None = None     # why, once the guest is gone
+
+    # ------------------------------------------------------------ plumbing
+
+    async def connect(self, timeout: float = 10.0) -> None:
+        """Connect to QEMU's socket (it may not exist yet right after spawn)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline or self.dead:
+                    raise GuestGone(f"agent socket {self.socket_path} did not come up"
+                                    + (f" ({self.dead})" if self.dead else "")) from None
+                await asyncio.sleep(0.02)
+        self._announced = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._read_loop(), name=f"agent-reader {self.socket_path}")
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                raw = await self._reader.readline()
+                if not raw:
+                    break
+                line = raw.decode(errors="replace").strip("\r\n")
+                parts = line.split(" ", 2)
+                if parts[:2] == ["-", "ok"] and len(parts) == 3 and parts[2].startswith("ready "):
+                    if not self._announced.done():
+                        self._announced.set_result(Answer.parse("-", parts[2]))
+                    continue
+                if len(parts) < 2 or parts[1] not in ("ok", "err") or parts[0] not in self._pending:
+                    log.debug("agent line ignored: %r", line)
+                    continue
+                command, fut = self._pending.pop(parts[0])
+                if fut.done():
+                    continue
+                rest = parts[2] if len(parts) > 2 else ""
+                if parts[1] == "ok":
+                    fut.set_result(Answer.parse(parts[0], rest))
+                else:
+                    fut.set_exception(AgentRefused(command, rest))
+        except (ConnectionError, OSError) as exc:
+            self.mark_dead(f"agent socket error: {exc}")
+        self.mark_dead("the agent socket closed (QEMU exited?)")
+
+    def mark_dead(self, reason: str) -> None:
+        """Fail every pending and future request at once."""
+        if self.dead is None:
+            self.dead = reason
+        for command, fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(GuestGone(f"{command}: {self.dead}"))
+        self._pending.clear()
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            try:
+                await self._writer.wait_closed()
+            except (ConnectionError, OSError):
+                pass
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.mark_dead("the client was closed")
+
+    async def request(self, command: str, *args: str, timeout: float | None = None) -> Answer:
+        """Send one request, wait for its answer. Raises AgentRefused on `err`,
+        AgentTimeout, or GuestGone."""
+        for word in (command, *args):
+            if not _WORD.match(word):
+                raise ValueError(f"agent argument {word!r} is not one plain word: encode it with b64()")
+        if self.dead:
+            raise GuestGone(f"{command}: {self.dead}")
+        if self._writer is None:
+            raise GuestGone(f"{command}: not connected")
+        self._next += 1
+        ident = f"{self._prefix}-{self._next}"
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[ident] = (command, fut)
+        line = " ".join((ident, command, *args)) + "\n"
+        limit = timeout if timeout is not None else self.default_timeout
+        try:
+            async with self._write_lock:
+                self._writer.write(line.encode())
+                await self._writer.drain()
+            return await asyncio.wait_for(fut, limit)
+        except asyncio.TimeoutError:
+            raise AgentTimeout(f"guest agent: no answer to {command} within {limit:.1f}s") from None
+        except (ConnectionError, OSError) as exc:
+            self.mark_dead(f"agent socket error: {exc}")
+            raise GuestGone(f"{command}: {self.dead}") from None
+        finally:
+            self._pending.pop(ident, None)
+
+    async def wait_ready(self, timeout: float = 120.0, interval: float = 2.0) -> Answer:
+        """Until the agent is up: its "ready" announcement, or the answer to a
+        ping (a client that connects to a running guest). Pings are rare on
+        purpose: those sent before the agent opened its port are delivered
+        all at once when it does, and each costs a round in the guest."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AgentTimeout(f"the guest agent did not answer within {timeout:.0f}s")
+            ping = asyncio.ensure_future(self.request("ping", timeout=min(interval, remaining)))
+            done, _ = await asyncio.wait({ping, self._announced}, return_when=asyncio.FIRST_COMPLETED)
+            if ping in done:
+                try:
+                    return ping.result()
+                except AgentTimeout:
+                    continue
+            ping.cancel()
+            try:
+                await ping
+            except (asyncio.CancelledError, AgentError):
+                pass
+            return self._announced.result()
+
+    # ------------------------------------------------------------ commands
+
+    async def ping(self) -> Answer:
+        return await self.request("ping")
+
+    async def mount(self, serial: str, fs_type: str, options: list[str], readonly: bool, target: str,
+                    timeout: float = 60.0) -> str:
+        """Mount the virtio disk with this serial; returns its guest name (vda)."""
+        answer = await self.request("mount", serial, fs_type, b64(",".join(options)),
+                                    "ro" if readonly else "rw", target, timeout=timeout)
+        return answer.fields["device"]
+
+    async def fsgroup(self, target: str, gid: int, policy: str, timeout: float = 300.0) -> bool:
+        """Kubernetes fsGroup semantics; returns whether the tree was walked."""
+        answer = await self.request("fsgroup", target, str(gid), policy, timeout=timeout)
+        return answer.fields.get("walked") == "1"
+
+    async def stats(self, target: str) -> dict[str, int | str]:
+        """total/free/avail bytes, inodes/ifree, mode (ro|rw), fstype, device,
+        errors (ext4 errors_count), devsize (bytes)."""
+        answer = await self.request("stats", target)
+        return {k: (int(v) if v.isdigit() else v) for k, v in answer.fields.items()}
+
+    async def grow(self, target: str, timeout: float = 120.0) -> dict[str, int]:
+        answer = await self.request("grow", target, timeout=timeout)
+        return {k: int(v) for k, v in answer.fields.items() if v.isdigit()}
+
+    async def umount(self, target: str, timeout: float = 60.0) -> bool:
+        """Returns whether something was unmounted (already unmounted is fine)."""
+        answer = await self.request("umount", target, timeout=timeout)
+        return answer.fields.get("unmounted") == "1"
+
+    async def exec(self, command_line: str) -> int:
+        """Start `sh -c command_line` in the guest (output to the console);
+        returns its pid for wait()."""
+        return (await self.request("exec", b64(command_line))).int("pid")
+
+    async def wait(self, pid: int) -> int | None:
+        """The exit code, or None while it runs (never blocks in the guest)."""
+        answer = await self.request("wait", str(pid))
+        return int(answer.fields["code"]) if answer.fields.get("state") == "exited" else None
+
+    async def wait_exit(self, pid: int, timeout: float = 60.0, interval: float = 0.1) -> int:
+        deadline = time.monotonic() + timeout
+        while (code := await self.wait(pid)) is None:
+            if time.monotonic() > deadline:
+                raise AgentTimeout(f"guest process {pid} still running after {timeout:.0f}s")
+            await asyncio.sleep(interval)
+        return code
+
+    async def bind(self, source: str, target: str, readonly: bool) -> None:
+        """A container's view of a mounted volume (or a subpath of it)."""
+        await self.request("bind", source, target, "ro" if readonly else "rw")
+
+    async def checkpath(self, root: str, subpath: str) -> None:
+        """Refused (AgentRefused) when the subpath leaves the volume: '..' or a symlink."""
+        await self.request("checkpath", root, b64(subpath))
+
+    async def kill(self, pid: int) -> None:
+        await self.request("kill", str(pid))
+
+    async def poweroff(self, timeout: float = 60.0) -> Answer:
+        """Kill the guest's processes, unmount everything, power off."""
+        return await self.request("poweroff", timeout=timeout)

@@ -1,0 +1,338 @@
+#!/bin/sh
+# shellcheck disable=SC2086,SC2046  # word splitting is intended (set -f below)
+# The crust guest agent (busybox sh), started by /init, talking to the host
+# over a serial port (default /dev/ttyS1; the console stays on ttyS0).
+#
+# Protocol: one request per line, one answer per line.
+#   request:  <id> <command> <args...>
+#   answer:   <id> ok [<fields...>]   or   <id> err <message>
+# <id> is chosen by the host ([A-Za-z0-9_.-]+) and echoed back. Arguments are
+# single words; those that may hold spaces or other bytes (mount options, a
+# command line) travel as URL-safe base64 with padding, "-" standing for the
+# empty string. Answers are always one line (newlines become spaces).
+# Once, when it starts, the agent announces itself unasked with the id "-":
+#   - ok ready agent=<n> image=<hash> kernel=<release> uptime=<s>
+# The command table is in examples/kata/README.md.
+#
+# Requests are served one at a time, in arrival order. Each command runs in a
+# command substitution, i.e. a subshell: whatever it does (fail, exit, hang
+# up a pipe), the loop survives and the request gets exactly one answer.
+# Commands print their ok-fields on stdout, or a reason on stderr and return
+# non-zero.
+
+PORT=${1:-/dev/ttyS1}
+AGENT_VERSION=1
+RUN=/run/crust
+DISK_WAIT_SECONDS=15
+export PATH=/sbin:/bin:/usr/sbin:/usr/bin
+# Requests and /proc/mounts lines are split into words on purpose, never
+# globbed; the one glob (/sys/block/vd*) turns it back on locally.
+set -f
+
+# shellcheck disable=SC1091
+[ -r /etc/crust/image ] && . /etc/crust/image
+
+log() { echo "crust-agent: $*" >/dev/console; }
+fail() { echo "$*" >&2; exit 1; }
+
+NL='
+'
+CR=$(printf '\r')
+TAB=$(printf '\t')
+one_line() {  # the common case (already one line) without forking
+  case $1 in
+    *"$NL"*|*"$CR"*|*"$TAB"*) printf '%s' "$1" | tr '\r\n\t' '   ' | sed 's/  */ /g; s/^ //; s/ $//' | cut -c1-1000 ;;
+    *) printf '%s' "$1" ;;
+  esac
+}
+
+reply() {  # id ok|err text
+  text=$(one_line "$3")
+  if [ -n "$text" ]; then printf '%s %s %s\n' "$1" "$2" "$text" >&3
+  else printf '%s %s\n' "$1" "$2" >&3; fi
+  log "$1 $2${text:+ $text}"
+}
+
+b64() {  # URL-safe base64 (padded) -> bytes; "-" is the empty string
+  [ "$1" = - ] && return 0
+  case $1 in *[!A-Za-z0-9_=-]*) fail "not URL-safe base64: $1" ;; esac
+  printf '%s' "$1" | tr '_-' '/+' | base64 -d || fail "bad base64: $1"
+}
+
+check_path() {  # absolute, no "..", no characters that /proc/mounts escapes
+  case $1 in
+    /*) ;;
+    *) fail "not an absolute path: $1" ;;
+  esac
+  case $1 in
+    *[!A-Za-z0-9/_.@:+,=-]*) fail "unsupported characters in path: $1" ;;
+    */../*|*/..|*/./*|*/.) fail "path with . or ..: $1" ;;
+  esac
+}
+
+mount_line() {  # target -> its (last) line of /proc/mounts, or nothing
+  awk -v t="$1" '$2 == t { l = $0 } END { if (l != "") print l }' /proc/mounts
+}
+
+find_disk() {  # serial -> vdX, waiting for a device that is still being hot-plugged
+  tries=$((DISK_WAIT_SECONDS * 5))
+  set +f   # runs in a subshell: the main loop keeps set -f
+  while :; do
+    for d in /sys/block/vd*; do
+      [ -r "$d/serial" ] || continue
+      if [ "$(cat "$d/serial")" = "$1" ] && [ -b "/dev/${d##*/}" ]; then
+        echo "${d##*/}"
+        return 0
+      fi
+    done
+    tries=$((tries - 1))
+    [ "$tries" -gt 0 ] || return 1
+    usleep 200000
+  done
+}
+
+fs_numbers() {  # target -> "total=.. free=.. avail=.. inodes=.. ifree=.."
+  set -- $(stat -f -c '%S %b %f %a %c %d' "$1") || fail "statfs $1 failed"
+  echo "total=$(($1 * $2)) free=$(($1 * $3)) avail=$(($1 * $4)) inodes=$5 ifree=$6"
+}
+
+load_fs_modules() {  # fstype: the modules the image listed for it, on first use
+  grep -qw "$1" /proc/filesystems && return 0
+  [ -r "/etc/crust/modules.d/$1" ] || return 0
+  while read -r module; do
+    name=${module##*/}
+    name=${name%.ko}
+    [ -d "/sys/module/$(echo "$name" | tr - _)" ] && continue
+    insmod "$module" || fail "insmod $module failed"
+  done < "/etc/crust/modules.d/$1"
+}
+
+cmd_ping() {
+  read -r up _ < /proc/uptime
+  read -r release < /proc/sys/kernel/osrelease
+  echo "agent=$AGENT_VERSION image=${CRUST_IMAGE_HASH:-unknown} kernel=$release uptime=$up"
+}
+
+cmd_mount() {  # serial fstype options-b64 ro|rw target
+  [ $# -eq 5 ] || fail "usage: mount <serial> <fstype> <options-b64> <ro|rw> <target>"
+  serial=$1 fstype=$2 mode=$4 target=$5
+  options=$(b64 "$3") || exit 1
+  case $serial in ''|*[!A-Za-z0-9_.-]*) fail "bad serial: $serial" ;; esac
+  case $fstype in ''|*[!a-z0-9]*) fail "bad file system type: $fstype" ;; esac
+  case $mode in ro|rw) ;; *) fail "mode must be ro or rw, not $mode" ;; esac
+  case $options in *[!A-Za-z0-9_.,=:/+@-]*) fail "unsupported characters in mount options" ;; esac
+  check_path "$target"
+  dev=$(find_disk "$serial") || fail "no virtio disk with serial $serial after ${DISK_WAIT_SECONDS}s"
+  line=$(mount_line "$target")
+  if [ -n "$line" ]; then
+    set -- $line
+    [ "$1" = "/dev/$dev" ] || fail "$target is already a mount of $1"
+    echo "device=$dev already=1"
+    return 0
+  fi
+  mkdir -p "$target" || fail "mkdir $target failed"
+  load_fs_modules "$fstype"
+  mount -t "$fstype" -o "${options:+$options,}$mode" "/dev/$dev" "$target" ||
+    fail "mount of $dev ($fstype) on $target failed"
+  # busybox mount falls back to read-only on a write-protected disk: a
+  # read-write request must not succeed that way.
+  set -- $(mount_line "$target")
+  if [ "$mode" = rw ] && [ "${4%%,*}" != rw ]; then
+    umount "$target"
+    fail "$dev could only be mounted read-only"
+  fi
+  echo "device=$dev"
+}
+
+cmd_fsgroup() {  # target gid Always|OnRootMismatch (Kubernetes fsGroup semantics)
+  [ $# -eq 3 ] || fail "usage: fsgroup <target> <gid> <Always|OnRootMismatch>"
+  target=$1 gid=$2 policy=$3
+  check_path "$target"
+  case $gid in ''|*[!0-9]*) fail "bad gid: $gid" ;; esac
+  case $policy in Always|OnRootMismatch) ;; *) fail "bad policy: $policy" ;; esac
+  [ -n "$(mount_line "$target")" ] || fail "not mounted: $target"
+  if [ "$policy" = OnRootMismatch ]; then
+    perm=$(stat -c %a "$target")
+    if [ "$(stat -c %g "$target")" = "$gid" ] && [ $((0$perm & 02070)) -eq $((02070)) ]; then
+      echo "walked=0"
+      return 0
+    fi
+  fi
+  # Group ownership on everything (symlinks themselves, never followed),
+  # group rw on files, rwx + setgid on directories; stay on this file system.
+  find "$target" -xdev -exec chgrp -h "$gid" {} + || fail "chgrp failed under $target"
+  find "$target" -xdev -type d -exec chmod g+rwxs {} + || fail "chmod failed under $target"
+  find "$target" -xdev ! -type d ! -type l -exec chmod g+rw {} + || fail "chmod failed under $target"
+  echo "walked=1"
+}
+
+cmd_stats() {  # target
+  [ $# -eq 1 ] || fail "usage: stats <target>"
+  check_path "$1"
+  line=$(mount_line "$1")
+  [ -n "$line" ] || fail "not mounted: $1"
+  target=$1
+  set -- $line
+  dev=${1#/dev/} fstype=$3 mode=${4%%,*}
+  errors=0
+  [ -r "/sys/fs/ext4/$dev/errors_count" ] && errors=$(cat "/sys/fs/ext4/$dev/errors_count")
+  devsize=0
+  [ -r "/sys/class/block/$dev/size" ] && devsize=$(($(cat "/sys/class/block/$dev/size") * 512))
+  echo "$(fs_numbers "$target") mode=$mode fstype=$fstype device=$dev errors=$errors devsize=$devsize"
+}
+
+cmd_grow() {  # target: grow the mounted file system to its (grown) device
+  [ $# -eq 1 ] || fail "usage: grow <target>"
+  check_path "$1"
+  line=$(mount_line "$1")
+  [ -n "$line" ] || fail "not mounted: $1"
+  target=$1
+  set -- $line
+  case $3 in
+    xfs) xfs_growfs "$target" >&2 || fail "xfs_growfs $target failed" ;;
+    ext2|ext3|ext4) resize2fs "$1" >&2 || fail "resize2fs $1 failed" ;;
+    *) fail "cannot grow a $3 file system" ;;
+  esac
+  echo "$(fs_numbers "$target") devsize=$(($(cat "/sys/class/block/${1#/dev/}/size") * 512))"
+}
+
+cmd_umount() {  # target (already unmounted is success)
+  [ $# -eq 1 ] || fail "usage: umount <target>"
+  check_path "$1"
+  [ -n "$(mount_line "$1")" ] || { echo "unmounted=0"; return 0; }
+  umount "$1" || fail "umount $1 failed"
+  echo "unmounted=1"
+}
+
+cmd_exec() {  # command-b64: run it with sh -c in the background, output to the console
+  [ $# -eq 1 ] || fail "usage: exec <command-b64>"
+  line=$(b64 "$1") || exit 1
+  [ -n "$line" ] || fail "empty command"
+  mkdir -p "$RUN/exec"
+  # $$ of the wrapper is the pid we return; it records the exit code under
+  # that name (written, then renamed: a reader never sees half a number).
+  sh -c 'sh -c "$1"; echo $? > '"$RUN"'/exec/$$.tmp; mv '"$RUN"'/exec/$$.tmp '"$RUN"'/exec/$$.exit' \
+    crust-exec "$line" </dev/null >/dev/console 2>&1 &
+  pid=$!
+  : > "$RUN/exec/$pid.started"
+  echo "pid=$pid"
+}
+
+cmd_wait() {  # pid: "state=running" or "state=exited code=<n>", never blocks
+  [ $# -eq 1 ] || fail "usage: wait <pid>"
+  case $1 in ''|*[!0-9]*) fail "bad pid: $1" ;; esac
+  [ -e "$RUN/exec/$1.started" ] || fail "no process $1 was started by exec"
+  if [ -r "$RUN/exec/$1.exit" ]; then echo "state=exited code=$(cat "$RUN/exec/$1.exit")"; return 0; fi
+  [ -d "/proc/$1" ] && { echo "state=running"; return 0; }
+  # Gone without recording a code: killed by a signal.
+  [ -r "$RUN/exec/$1.exit" ] && { echo "state=exited code=$(cat "$RUN/exec/$1.exit")"; return 0; }
+  fail "process $1 ended without an exit code (killed)"
+}
+
+cmd_bind() {  # source target ro|rw: give a container its view of a mounted volume
+  [ $# -eq 3 ] || fail "usage: bind <source> <target> <ro|rw>"
+  check_path "$1"
+  check_path "$2"
+  case $3 in ro|rw) ;; *) fail "mode must be ro or rw, not $3" ;; esac
+  [ -n "$(mount_line "$2")" ] && { echo "already=1"; return 0; }
+  if [ -d "$1" ]; then mkdir -p "$2" || fail "mkdir $2 failed"
+  else mkdir -p "${2%/*}" && : > "$2" || fail "cannot create $2"; fi
+  mount --bind "$1" "$2" || fail "bind $1 -> $2 failed"
+  if [ "$3" = ro ]; then
+    mount -o remount,bind,ro "$2" || { umount "$2"; fail "read-only remount of $2 failed"; }
+  fi
+  echo "bound=1"
+}
+
+cmd_checkpath() {  # root subpath-b64: the subpath exists below root and passes no symlink
+  [ $# -eq 2 ] || fail "usage: checkpath <root> <subpath-b64>"
+  check_path "$1"
+  sub=$(b64 "$2") || exit 1
+  case /$sub/ in */../*|*/./*|//*) fail "subpath $sub escapes the volume" ;; esac
+  path=$1
+  old_ifs=$IFS; IFS=/
+  for part in $sub; do
+    IFS=$old_ifs
+    [ -n "$part" ] || continue
+    path=$path/$part
+    [ -L "$path" ] && fail "subpath $sub goes through a symlink ($part)"
+    [ -e "$path" ] || fail "subpath $sub does not exist in the volume"
+    IFS=/
+  done
+  IFS=$old_ifs
+  echo "ok=1"
+}
+
+cmd_kill() {  # pid: kill a process started by exec, and its children
+  [ $# -eq 1 ] || fail "usage: kill <pid>"
+  case $1 in ''|*[!0-9]*) fail "bad pid: $1" ;; esac
+  [ -e "$RUN/exec/$1.started" ] || fail "no process $1 was started by exec"
+  for child in $(cat /proc/[0-9]*/stat 2>/dev/null | awk -v p="$1" '$4 == p {print $1}'); do
+    kill -KILL "$child" 2>/dev/null
+  done
+  kill -KILL "$1" 2>/dev/null
+  echo "killed=1"
+}
+
+dispatch() {
+  cmd=$1
+  [ $# -gt 0 ] && shift
+  case $cmd in
+    ping) cmd_ping "$@" ;;
+    mount) cmd_mount "$@" ;;
+    fsgroup) cmd_fsgroup "$@" ;;
+    stats) cmd_stats "$@" ;;
+    grow) cmd_grow "$@" ;;
+    umount) cmd_umount "$@" ;;
+    exec) cmd_exec "$@" ;;
+    wait) cmd_wait "$@" ;;
+    bind) cmd_bind "$@" ;;
+    checkpath) cmd_checkpath "$@" ;;
+    kill) cmd_kill "$@" ;;
+    *) fail "unknown command: ${cmd:-(none)}" ;;
+  esac
+}
+
+poweroff_guest() {  # id: stop every process, unmount everything, answer, power off
+  kill -KILL -1 2>/dev/null   # all but init and this shell
+  usleep 200000
+  sync
+  n=0 failed=0
+  for m in $(awk '$2 == "/" || $2 ~ "^/(proc|sys|dev|run|tmp)(/|$)" { next } { print $2 }' /proc/mounts | tac); do
+    if umount "$m" 2>/dev/null || { usleep 300000; umount "$m"; }; then n=$((n + 1))
+    else failed=$((failed + 1)); umount -l "$m" 2>/dev/null; fi
+  done
+  sync
+  reply "$1" ok "unmounted=$n failed=$failed"
+  exec 3>&-   # closing a tty waits until the answer left the UART
+  poweroff -f
+}
+
+exec 3<>"$PORT" || { log "cannot open $PORT"; exit 1; }
+# Raw: no echo of the requests back to the host, no CR/LF translation, and
+# clocal: the host (dis)connecting must not hang up the line.
+stty raw -echo clocal -hupcl 115200 <&3 || log "stty on $PORT failed"
+mkdir -p "$RUN/exec"
+log "listening on $PORT (agent $AGENT_VERSION, image ${CRUST_IMAGE_HASH:-unknown})"
+# Unsolicited, id "-": a host already connected need not wait for its next ping.
+reply - ok "ready $(cmd_ping)"
+
+while IFS= read -r line <&3; do
+  line=${line%"$CR"}
+  set -- $line
+  [ $# -gt 0 ] || continue
+  id=$1
+  shift
+  case $id in *[!A-Za-z0-9_.-]*) log "ignored a malformed line"; continue ;; esac
+  if [ "${1:-}" = poweroff ]; then
+    poweroff_guest "$id"
+  fi
+  if out=$(dispatch "$@" 2>"$RUN/err"); then
+    reply "$id" ok "$out"
+  else
+    rc=$?
+    msg=$(tail -n 4 "$RUN/err")
+    reply "$id" err "${msg:-${1:-request} failed with exit code $rc}"
+  fi
+done
+log "$PORT closed"

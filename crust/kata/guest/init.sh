@@ -1,0 +1,36 @@
+#!/bin/sh
+# /init of the crust guest (PID 1, busybox sh).
+#
+# Sets up the pseudo file systems, loads the kernel modules the image
+# builder listed (in dependency order: no modprobe, no depmod at boot), then
+# keeps the guest agent running on the second serial port. PID 1 must never
+# exit (the kernel would panic), so the agent is a child and is restarted if
+# it dies; waiting on it also reaps the orphans the agent leaves behind.
+# Everything this script prints goes to the console (ttyS0).
+
+export PATH=/sbin:/bin:/usr/sbin:/usr/bin
+umask 022
+
+mount -t proc -o nosuid,nodev,noexec proc /proc
+mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
+mount -t devtmpfs -o nosuid,mode=0755 devtmpfs /dev
+mkdir -p /dev/pts /dev/shm
+mount -t tmpfs -o nosuid,nodev,mode=0755 tmpfs /run
+mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /tmp
+exec </dev/console >/dev/console 2>&1
+
+# Only this list is loaded: the image has no modules.dep, so the kernel's own
+# module requests (through busybox modprobe) find nothing and fail quietly.
+while read -r module; do
+  [ -n "$module" ] || continue
+  insmod "$module" || echo "crust-init: insmod $module failed"
+done < /etc/crust/modules
+
+hostname crust-guest
+echo "crust-init: up in $(cut -d' ' -f1 /proc/uptime)s, starting the agent on /dev/ttyS1"
+
+while :; do
+  sh /usr/lib/crust/agent.sh /dev/ttyS1
+  echo "crust-init: the agent exited ($?); restarting it"
+  sleep 1
+done

@@ -1,0 +1,27 @@
+"""`crust kata handler`: the runtime handler whose sandboxes are microVMs."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from crust.kata.image import DEFAULT_CACHE, build
+from crust.kata.qemu import VmConfig
+from crust.kata.sandbox import KataSandbox
+from crust.runtime_handler.server import HandlerConfig, HandlerDaemon
+
+
+def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "tcg", memory_mib: int = 256) -> None:
+    # The image is checked (and rebuilt if its inputs changed) before the
+    # handler registers: a sandbox must never wait for a kernel build.
+    image = build(cache, "cloud")
+    vm_config = VmConfig(kernel=image.kernel, initrd=image.initrd, accel=accel, memory_mib=memory_mib)
+
+    def make_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None, pid: int) -> KataSandbox:
+        # The guest has its own root file system; the bundle's rootfs is not used.
+        return KataSandbox(sandbox_id, workdir, vm_config, pid)
+
+    async def main() -> None:
+        await HandlerDaemon(config, make_sandbox=make_sandbox).run()
+
+    asyncio.run(main())

@@ -1,0 +1,460 @@
+"""Build the guest image (a kernel and an initramfs) from Debian packages only.
+
+    python -m crust.kata.image build [--cache DIR] [--flavor cloud|generic] [--force] [--json]
+
+Why this shape:
+
+- Only Debian's package registry is trusted: the kernel and busybox-static
+  are fetched with `apt-get download` (pinned to apt's candidate version) and
+  unpacked with `dpkg -x`; the file system tools (e2fsprogs, xfsprogs,
+  blkid) are the host's installed Debian binaries, copied with the shared
+  libraries `ldd` names. Every copied file must belong to an installed
+  package, whose name and version enter the image hash.
+- The kernel is Debian's own, so the guest parses volumes with a kernel that
+  gets security updates: after `apt-get update`, a new candidate changes the
+  hash and the next build picks it up.
+- The build is cached: the output is rebuilt only when its inputs change
+  (package versions, the guest scripts, the module list, this builder's
+  format), which is decided without downloading anything. The initramfs is
+  byte-for-byte reproducible (see cpio.py).
+
+Layout of the cache (default /var/cache/crust/kata):
+    debs/                 downloaded .deb files
+    extract/<pkg>_<ver>/  `dpkg -x` of each
+    images/<flavor>/      vmlinuz, initramfs.gz, manifest.json (inputs, hash, sizes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from crust.kata import cpio
+from crust.kata.kmod import ModuleTree
+from crust.sys.run import CommandError
+
+DEFAULT_CACHE = Path("/var/cache/crust/kata")
+GUEST_DIR = Path(__file__).parent / "guest"
+# Bump when the image layout changes in a way the other inputs do not show.
+BUILDER_VERSION = 2
+SBIN_PATH = "/usr/sbin:/sbin:/usr/bin:/bin"
+
+# Kernel modules the guest loads; their dependencies are added (kmod.py) and
+# those built into the kernel are skipped. Boot modules are loaded by /init;
+# a file system's modules by the agent on the first mount of that type (xfs
+# alone costs about half a second of boot under software emulation). The
+# serial ports (8250) are built into both kernels: no virtio-serial needed.
+BOOT_MODULES = ("virtio_pci", "virtio_blk")
+FS_MODULES = {"ext4": ("ext4",), "xfs": ("xfs",)}
+
+
+@dataclass(frozen=True)
+class Flavor:
+    name: str
+    kernel_metapackage: str              # depends on the current kernel's package
+    boot_modules: tuple[str, ...]
+    fs_modules: dict[str, tuple[str, ...]]
+
+    def module_inputs(self) -> dict:
+        return {"boot": list(self.boot_modules), "fs": {k: list(v) for k, v in sorted(self.fs_modules.items())}}
+
+
+FLAVORS = {
+    # Small, virtio-oriented; no 9p. ext4 is built in.
+    "cloud": Flavor("cloud", "linux-image-cloud-amd64", BOOT_MODULES, FS_MODULES),
+    # Debian's generic kernel: ext4 is a module, and it has 9p over virtio
+    # (for sharing a host directory later).
+    "generic": Flavor("generic", "linux-image-amd64", BOOT_MODULES,
+                      {**FS_MODULES, "9p": ("9p", "9pnet_virtio")}),
+}
+
+# Debian package -> programs copied from the host's installation of it.
+HOST_TOOLS = {
+    "e2fsprogs": ("resize2fs", "e2fsck", "mke2fs", "tune2fs"),
+    "xfsprogs": ("xfs_growfs", "xfs_repair", "mkfs.xfs"),
+    "util-linux": ("blkid",),
+}
+TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
+HOST_CONFIG = ("/etc/mke2fs.conf",)
+
+
+# ---------------------------------------------------------------- commands
+
+def _cmd(argv: list[str], *, timeout: float = 120, cwd: Path | None = None,
+         ok_codes: tuple[int, ...] = (0,)) -> str:
+    """Run argv (no shell), return stdout; CommandError with stderr on failure."""
+    try:
+        done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "LC_ALL": "C", "DEBIAN_FRONTEND": "noninteractive"})
+    except subprocess.TimeoutExpired:
+        raise CommandError(argv, None, f"no answer within {timeout:.0f}s", timed_out=True) from None
+    if done.returncode not in ok_codes:
+        raise CommandError(argv, done.returncode, done.stderr or done.stdout)
+    return done.stdout
+
+
+def kernel_package(metapackage: str) -> str:
+    """The versioned kernel package the metapackage points at
+    (linux-image-cloud-amd64 -> linux-image-6.1.0-56-cloud-amd64)."""
+    for line in _cmd(["apt-cache", "depends", metapackage]).splitlines():
+        m = re.match(r"\s*Depends:\s*(linux-image-\S+)", line)
+        if m:
+            return m.group(1)
+    raise LookupError(f"apt-cache depends {metapackage} names no linux-image package (apt-get update?)")
+
+
+def candidate_versions(packages: list[str]) -> dict[str, str]:
+    """apt's candidate version of each package (what apt-get download gets)."""
+    found, current = {}, None
+    for line in _cmd(["apt-cache", "policy", *packages]).splitlines():
+        if line and not line[0].isspace() and line.endswith(":"):
+            current = line[:-1]
+        m = re.match(r"\s*Candidate:\s*(\S+)", line)
+        if m and current and m.group(1) != "(none)":
+            found[current] = m.group(1)
+    missing = [p for p in packages if p not in found]
+    if missing:
+        raise LookupError(f"apt has no candidate for {' '.join(missing)} (apt-get update?)")
+    return found
+
+
+def owners(paths: list[str]) -> dict[str, tuple[str, str]]:
+    """path -> (package, version) of the installed package that shipped it.
+    usr-merged hosts reach one file as /lib/... and /usr/lib/...; dpkg knows
+    one of the names, so every variant is asked (in one dpkg-query call)."""
+    variants: dict[str, str] = {}
+    for path in paths:
+        for p in (path, os.path.realpath(path)):
+            for v in (p, p[4:] if p.startswith("/usr/") else "/usr" + p):
+                variants.setdefault(v, path)
+    package_of: dict[str, str] = {}
+    # Exit code 1: some variants are unknown to dpkg, as expected.
+    for line in _cmd(["dpkg-query", "-S", *variants], ok_codes=(0, 1)).splitlines():
+        if ": " not in line or line.startswith("diversion "):
+            continue
+        pkgs, name = line.split(": ", 1)          # "libc6:amd64: /lib/x86_64-linux-gnu/libc.so.6"
+        if name in variants:
+            package_of.setdefault(variants[name], pkgs.split(", ")[0].split(":")[0])
+    missing = [p for p in paths if p not in package_of]
+    if missing:
+        raise LookupError(f"{' '.join(missing)}: no installed Debian package ships it; "
+                          "refusing to copy it into the guest")
+    versions = {}
+    out = _cmd(["dpkg-query", "-W", "-f", "${Package} ${db:Status-Abbrev} ${Version}\n",
+                *sorted(set(package_of.values()))])
+    for line in out.splitlines():
+        name, status, version = line.split()
+        if status.startswith("ii"):
+            versions[name] = version
+    return {path: (pkg, versions[pkg]) for path, pkg in package_of.items()}
+
+
+def shared_libraries(binary: str) -> list[str]:
+    """Paths ldd resolves for binary (the loader included)."""
+    libs = []
+    for line in _cmd(["ldd", binary]).splitlines():
+        line = line.strip()
+        if "=>" in line:
+            target = line.split("=>", 1)[1].split("(")[0].strip()
+            if target.startswith("/"):
+                libs.append(target)
+            elif "not found" in line:
+                raise LookupError(f"ldd {binary}: {line}")
+        elif line.startswith("/"):
+            libs.append(line.split("(")[0].strip())
+    return libs
+
+
+# ------------------------------------------------------------------ inputs
+
+@dataclass
+class HostFile:
+    source: str      # on the host
+    dest: str        # in the guest
+    mode: int
+
+
+@dataclass
+class Inputs:
+    flavor: Flavor
+    kernel_package: str
+    downloads: dict[str, str]          # package -> version, fetched with apt-get download
+    host_packages: dict[str, str]      # package -> version, files copied from the host
+    host_files: list[HostFile]
+    scripts: dict[str, str]            # guest script (or host config file) -> sha256
+
+    def as_dict(self) -> dict:
+        return {"builder": BUILDER_VERSION, "flavor": self.flavor.name, "modules": self.flavor.module_inputs(),
+                "kernel_package": self.kernel_package, "downloads": self.downloads,
+                "host_packages": self.host_packages, "scripts": self.scripts,
+                "host_files": sorted(f.dest for f in self.host_files)}
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def ensure_host_tools() -> None:
+    """Install the Debian packages of missing tools (root; ordinary apt-get)."""
+    missing = sorted({pkg for pkg, tools in HOST_TOOLS.items()
+                      for t in tools if shutil.which(t, path=SBIN_PATH) is None})
+    if missing:
+        print(f"crust-kata: installing {' '.join(missing)} with apt-get", file=sys.stderr)
+        _cmd(["apt-get", "install", "-y", "--no-install-recommends", *missing], timeout=900)
+
+
+def collect_inputs(flavor: Flavor) -> Inputs:
+    kpkg = kernel_package(flavor.kernel_metapackage)
+    downloads = candidate_versions([kpkg, "busybox-static"])
+    ensure_host_tools()
+    files: dict[str, HostFile] = {}
+    for tools in HOST_TOOLS.values():
+        for tool in tools:
+            path = shutil.which(tool, path=SBIN_PATH)
+            files[f"/sbin/{tool}"] = HostFile(path, f"/sbin/{tool}", 0o755)
+            for lib in shared_libraries(path):
+                files.setdefault(lib, HostFile(lib, lib, 0o755))
+    for conf in HOST_CONFIG:
+        files[conf] = HostFile(conf, conf, 0o644)
+    host_packages = dict(owners([f.source for f in files.values()]).values())
+    # Config files are editable conffiles: their package version does not
+    # say what they contain.
+    hashed = {"init.sh": GUEST_DIR / "init.sh", "agent.sh": GUEST_DIR / "agent.sh",
+              **{conf: Path(conf) for conf in HOST_CONFIG}}
+    scripts = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in hashed.items()}
+    return Inputs(flavor, kpkg, downloads, dict(sorted(host_packages.items())),
+                  sorted(files.values(), key=lambda f: f.dest), scripts)
+
+
+# ------------------------------------------------------------- downloading
+
+def fetch(cache: Path, package: str, version: str) -> Path:
+    """The .deb of package=version, downloaded once into cache/debs."""
+    debs = cache / "debs"
+    debs.mkdir(parents=True, exist_ok=True)
+    name = f"{package}_{version.replace(':', '%3a')}_"
+    for existing in debs.glob(f"{glob_escape(name)}*.deb"):
+        return existing
+    with tempfile.TemporaryDirectory(dir=debs) as tmp:
+        _cmd(["apt-get", "download", "-o", "APT::Sandbox::User=root", f"{package}={version}"],
+             cwd=Path(tmp), timeout=900)
+        got = list(Path(tmp).glob("*.deb"))
+        if len(got) != 1:
+            raise RuntimeError(f"apt-get download {package}={version} left {len(got)} files")
+        fields = _cmd(["dpkg-deb", "-f", str(got[0]), "Package", "Version"])
+        if f"Package: {package}" not in fields or f"Version: {version}" not in fields:
+            raise RuntimeError(f"apt-get download {package}={version} gave {fields!r}")
+        final = debs / got[0].name
+        os.replace(got[0], final)
+        return final
+
+
+def glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", text)
+
+
+def extract(cache: Path, deb: Path, package: str, version: str) -> Path:
+    """`dpkg -x` of the .deb into cache/extract, once (marked complete last)."""
+    dest = cache / "extract" / f"{package}_{re.sub(r'[^A-Za-z0-9.+-]', '_', version)}"
+    if (dest / ".complete").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".x-"))
+    try:
+        _cmd(["dpkg", "-x", str(deb), str(tmp)], timeout=600)
+        (tmp / ".complete").touch()
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+# -------------------------------------------------------------- assembling
+
+def _busybox_entries(busybox: Path, taken: set[str]) -> list[cpio.Entry]:
+    """busybox plus a link per applet at its usual place (bin/sh, sbin/insmod,
+    usr/bin/...); names the real tools provide are left to them."""
+    entries = [cpio.regular("bin/busybox", busybox.read_bytes(), 0o755)]
+    for applet in _cmd([str(busybox), "--list-full"]).split():
+        if os.path.basename(applet) in taken or applet == "bin/busybox":
+            continue
+        entries.append(cpio.symlink(applet, "/bin/busybox"))
+    return entries
+
+
+@dataclass
+class BuildResult:
+    flavor: str
+    digest: str
+    rebuilt: bool
+    kernel: Path
+    initrd: Path
+    manifest: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _output_dir(cache: Path, flavor: Flavor) -> Path:
+    return cache / "images" / flavor.name
+
+
+def _current(out: Path, digest: str) -> dict | None:
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if manifest.get("hash") != digest:
+        return None
+    for name, size in manifest.get("sizes", {}).items():
+        if not (out / name).is_file() or (out / name).stat().st_size != size:
+            return None
+    return manifest
+
+
+def assemble(cache: Path, inputs: Inputs) -> tuple[bytes, bytes, dict]:
+    """(vmlinuz, initramfs.gz, manifest) for inputs."""
+    kernel_dir = extract(cache, fetch(cache, inputs.kernel_package, inputs.downloads[inputs.kernel_package]),
+                         inputs.kernel_package, inputs.downloads[inputs.kernel_package])
+    bb_dir = extract(cache, fetch(cache, "busybox-static", inputs.downloads["busybox-static"]),
+                     "busybox-static", inputs.downloads["busybox-static"])
+    releases = sorted(p.name for p in (kernel_dir / "lib" / "modules").iterdir())
+    if len(releases) != 1:
+        raise RuntimeError(f"{inputs.kernel_package} ships modules for {releases}")
+    release = releases[0]
+    vmlinuz = (kernel_dir / "boot" / f"vmlinuz-{release}").read_bytes()
+    tree = ModuleTree(kernel_dir / "lib" / "modules" / release)
+    boot = tree.resolve(list(inputs.flavor.boot_modules))
+    per_fs = {fs: tree.resolve(list(names)) for fs, names in sorted(inputs.flavor.fs_modules.items())}
+
+    def guest_path(p: Path) -> str:
+        return f"/lib/modules/{release}/{p.relative_to(tree.root)}"
+
+    module_files = {guest_path(p): p for r in (boot, *per_fs.values()) for p in r.order}
+    fs_lists = {fs: [guest_path(p) for p in r.order if p not in boot.order] for fs, r in per_fs.items()}
+
+    entries = [cpio.directory(d) for d in ("bin", "sbin", "usr/bin", "usr/sbin", "lib", "lib64", "etc",
+                                           "dev", "proc", "sys", "run", "tmp", "mnt", "root")]
+    entries += [cpio.chardev("dev/console", 5, 1), cpio.chardev("dev/null", 1, 3, 0o666)]
+    entries.append(cpio.regular("init", (GUEST_DIR / "init.sh").read_bytes(), 0o755))
+    entries.append(cpio.regular("usr/lib/crust/agent.sh", (GUEST_DIR / "agent.sh").read_bytes(), 0o755))
+    entries.append(cpio.regular("etc/crust/modules", "".join(guest_path(p) + "\n" for p in boot.order).encode()))
+    for fs, paths in fs_lists.items():
+        if paths:
+            entries.append(cpio.regular(f"etc/crust/modules.d/{fs}", "".join(p + "\n" for p in paths).encode()))
+    entries.append(cpio.regular("etc/crust/image", (
+        f"CRUST_IMAGE_HASH={inputs.digest[:16]}\nCRUST_IMAGE_FLAVOR={inputs.flavor.name}\n"
+        f"CRUST_KERNEL_PACKAGE={inputs.kernel_package}\n").encode()))
+    entries.append(cpio.symlink("etc/mtab", "/proc/self/mounts"))
+    entries.append(cpio.regular("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n"))
+    entries.append(cpio.regular("etc/group", b"root:x:0:\n"))
+    for path, p in sorted(module_files.items()):
+        entries.append(cpio.regular(path.lstrip("/"), p.read_bytes()))
+    tools = {os.path.basename(f.dest) for f in inputs.host_files if f.dest.startswith("/sbin/")}
+    for f in inputs.host_files:
+        entries.append(cpio.regular(f.dest.lstrip("/"), Path(f.source).read_bytes(), f.mode))
+    for link, target in TOOL_LINKS.items():
+        entries.append(cpio.symlink(f"sbin/{link}", target))
+    entries += _busybox_entries(bb_dir / "bin" / "busybox", tools | set(TOOL_LINKS))
+
+    initrd = gzip.compress(cpio.archive(entries), compresslevel=9, mtime=0)
+    manifest = {
+        "hash": inputs.digest, "inputs": inputs.as_dict(), "kernel_release": release,
+        "boot_modules": [p.stem for p in boot.order],
+        "fs_modules": {fs: [Path(p).stem for p in paths] for fs, paths in fs_lists.items()},
+        "builtin_modules": sorted({m for r in (boot, *per_fs.values()) for m in r.builtin}),
+        "unresolved_softdeps": sorted({m for r in (boot, *per_fs.values()) for m in r.unresolved}),
+        "sizes": {"vmlinuz": len(vmlinuz), "initramfs.gz": len(initrd)},
+    }
+    return vmlinuz, initrd, manifest
+
+
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def build(cache: Path = DEFAULT_CACHE, flavor: str = "cloud", force: bool = False) -> BuildResult:
+    """The image for flavor, rebuilt only when its inputs changed."""
+    started = time.monotonic()
+    fl = FLAVORS[flavor]
+    cache.mkdir(parents=True, exist_ok=True)
+    out = _output_dir(cache, fl)
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # one builder at a time per cache
+        inputs = collect_inputs(fl)
+        manifest = None if force else _current(out, inputs.digest)
+        rebuilt = manifest is None
+        if rebuilt:
+            vmlinuz, initrd, manifest = assemble(cache, inputs)
+            out.mkdir(parents=True, exist_ok=True)
+            _write(out / "vmlinuz", vmlinuz)
+            _write(out / "initramfs.gz", initrd)
+            _write(out / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True).encode())
+    return BuildResult(fl.name, inputs.digest, rebuilt, out / "vmlinuz", out / "initramfs.gz",
+                       manifest, time.monotonic() - started)
+
+
+def image_paths(cache: Path = DEFAULT_CACHE, flavor: str = "cloud") -> tuple[Path, Path]:
+    """(vmlinuz, initramfs.gz) of the last build, without checking inputs."""
+    out = _output_dir(cache, FLAVORS[flavor])
+    if not (out / "manifest.json").exists():
+        raise FileNotFoundError(f"no {flavor} image in {cache}: run python -m crust.kata.image build")
+    return out / "vmlinuz", out / "initramfs.gz"
+
+
+def report(result: BuildResult) -> str:
+    m = result.manifest
+    inputs = m["inputs"]
+    state = "built" if result.rebuilt else "up to date"
+    lines = [f"crust kata image ({result.flavor}): {state} in {result.seconds:.1f}s, hash {result.digest[:16]}",
+             f"  kernel   {result.kernel} ({m['sizes']['vmlinuz'] / 2**20:.1f} MiB, {m['kernel_release']})",
+             f"  initrd   {result.initrd} ({m['sizes']['initramfs.gz'] / 2**20:.1f} MiB)",
+             f"  modules  boot: {' '.join(m['boot_modules'])}; on first mount: "
+             + "; ".join(f"{fs}: {' '.join(mods) or '-'}" for fs, mods in m["fs_modules"].items())
+             + (f" (built in: {' '.join(m['builtin_modules'])})" if m["builtin_modules"] else ""),
+             "  downloaded  " + ", ".join(f"{p} {v}" for p, v in inputs["downloads"].items()),
+             "  from host   " + ", ".join(f"{p} {v}" for p, v in inputs["host_packages"].items())]
+    if m.get("unresolved_softdeps"):
+        lines.append(f"  warning: soft dependencies not found: {' '.join(m['unresolved_softdeps'])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m crust.kata.image",
+                                     description="Build the crust microVM guest image from Debian packages.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build (or confirm up to date) the kernel and initramfs")
+    b.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"cache directory (default {DEFAULT_CACHE})")
+    b.add_argument("--flavor", choices=sorted(FLAVORS), default="cloud",
+                   help="cloud: Debian's cloud kernel (default); generic: the full kernel, with 9p")
+    b.add_argument("--force", action="store_true", help="rebuild even if the inputs did not change")
+    b.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    args = parser.parse_args(argv)
+    try:
+        result = build(args.cache, args.flavor, args.force)
+    except (CommandError, LookupError, RuntimeError, OSError) as exc:
+        print(f"crust-kata: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"rebuilt": result.rebuilt, "kernel": str(result.kernel), "initrd": str(result.initrd),
+                          "seconds": round(result.seconds, 2), **result.manifest}, indent=2, sort_keys=True))
+    else:
+        print(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""One QEMU microVM per sandbox: start, hot-plug disks, resize, stop.
+
+The guest is the image from image.py: a Debian kernel and a busybox
+initramfs whose agent answers on the second serial port. Volumes reach the
+guest as virtio-blk disks backed by a host block device (a loop device); the
+host never mounts them. QMP adds and removes disks while the guest runs and
+tells the guest when a disk grew (block_resize), so the agent can grow the
+mounted file system online with the guest's own kernel.
+
+Choices worth knowing:
+- `-nodefaults -display none` instead of `-nographic`: no monitor or serial
+  port on QEMU's stdio, every channel is explicit (console to a file, agent
+  and QMP on unix sockets in the VM's work directory).
+- `-machine pc`: its ACPI PCI hotplug works with Debian's kernels out of
+  the box (device_add / device_del of virtio-blk-pci).
+- The accelerator is a setting. KVM is the one to use where it works; on the
+  development machines `-accel kvm` aborts ("failed to set MSR 0x10a") or
+  hangs, so the default is tcg (software emulation, a few seconds to boot).
+- QEMU runs in its own session: a sandbox outlives a restarted handler, as
+  containers outlive a restarted runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from crust.kata.agent import AgentClient, AgentError, GuestGone
+from crust.kata.qmp import QmpClient, QmpError, QmpGone
+
+log = logging.getLogger(__name__)
+
+ACCELERATORS = ("tcg", "kvm")
+# virtio-blk serials are at most 20 bytes; the same word names the QMP nodes.
+SERIAL = re.compile(r"^[A-Za-z0-9_.-]{1,20}$")
+# sun_path is 108 bytes, NUL included.
+MAX_SOCKET_PATH = 107
+
+
+class VmError(Exception):
+    pass
+
+
+@dataclass
+class VmConfig:
+    kernel: Path
+    initrd: Path
+    accel: str = "tcg"
+    memory_mib: int = 256
+    cpus: int = 1
+    cmdline: str = "console=ttyS0 quiet panic=-1"
+    qemu_binary: str = "qemu-system-x86_64"
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass
+class Disk:
+    serial: str
+    host_device: str
+    node: str          # QMP block node (blockdev-add)
+    device_id: str     # QMP device (device_add)
+    readonly: bool
+
+
+class Vm:
+    def __init__(self, name: str, workdir: Path, config: VmConfig):
+        if config.accel not in ACCELERATORS:
+            raise ValueError(f"accelerator {config.accel!r}: one of {', '.join(ACCELERATORS)}")
+        self.name = name
+        self.workdir = workdir
+        self.config = config
+        self.console_log = workdir / "console.log"
+        self.qemu_log = workdir / "qemu.log"
+        self.agent_socket = workdir / "agent.sock"
+        self.qmp_socket = workdir / "qmp.sock"
+        self.pidfile = workdir / "qemu.pid"
+        self.disks: dict[str, Disk] = {}
+        self.boot_seconds: float | None = None
+        self.agent = AgentClient(str(self.agent_socket))
+        self.qmp = QmpClient(str(self.qmp_socket))
+        self._proc: asyncio.subprocess.Process | None = None
+        self._exited: asyncio.Task | None = None
+
+    # -------------------------------------------------------------- process
+
+    def argv(self) -> list[str]:
+        c = self.config
+        accel = ["-accel", "kvm", "-cpu", "host"] if c.accel == "kvm" else ["-accel", "tcg"]
+        return [
+            c.qemu_binary, "-name", self.name, "-machine", "pc", *accel,
+            "-m", str(c.memory_mib), "-smp", str(c.cpus),
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            "-kernel", str(c.kernel), "-initrd", str(c.initrd), "-append", c.cmdline,
+            "-serial", f"file:{self.console_log}",                        # ttyS0: console
+            "-chardev", f"socket,id=agent,path={self.agent_socket},server=on,wait=off",
+            "-serial", "chardev:agent",                                  # ttyS1: agent
+            "-qmp", f"unix:{self.qmp_socket},server=on,wait=off",
+            "-pidfile", str(self.pidfile),
+            *c.extra_args,
+        ]
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid if self._proc is not None else 0
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    def console_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.console_log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    async def _watch(self) -> int:
+        code = await self._proc.wait()
+        reason = f"QEMU exited with code {code}"
+        log.info("vm %s: %s", self.name, reason)
+        self.agent.mark_dead(reason)
+        return code
+
+    async def _guarded(self, coro, what: str):
+        """Await coro, but fail at once (with QEMU's and the guest's last
+        words) if QEMU exits meanwhile."""
+        task = asyncio.ensure_future(coro)
+        done, _ = await asyncio.wait({task, self._exited}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            exc = task.exception()
+            if exc is None:
+                return task.result()
+            if not isinstance(exc, (QmpGone, GuestGone)):
+                raise exc
+            # A closed socket usually means QEMU is exiting: say why.
+            try:
+                await asyncio.wait_for(asyncio.shield(self._exited), 2)
+            except asyncio.TimeoutError:
+                raise exc from None
+        else:
+            task.cancel()
+            try:
+                await task
+            except BaseException:
+                pass
+        qemu_log = self.qemu_log.read_text(errors="replace").strip() if self.qemu_log.exists() else ""
+        raise VmError(f"vm {self.name}: QEMU exited ({self._exited.result()}) during {what}; "
+                      f"qemu: {qemu_log or '-'}; console: {self.console_tail(8) or '-'}")
+
+    async def start(self, ready_timeout: float = 120.0) -> float:
+        """Boot and wait until the agent answers; returns the boot time (s)."""
+        for sock in (self.agent_socket, self.qmp_socket):
+            if len(str(sock)) > MAX_SOCKET_PATH:
+                raise VmError(f"socket path too long for a unix socket: {sock}")
+        self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for stale in (self.agent_socket, self.qmp_socket, self.pidfile, self.console_log):
+            stale.unlink(missing_ok=True)
+        started = time.monotonic()
+        with open(self.qemu_log, "wb") as out:
+            try:
+                self._proc = await asyncio.create_subprocess_exec(
+                    *self.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+                    start_new_session=True)
+            except FileNotFoundError:
+                raise VmError(f"{self.config.qemu_binary} not found: apt-get install qemu-system-x86") from None
+        self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")
+        try:
+            await self._guarded(self.qmp.connect(), "QMP connect")
+            await self._guarded(self.agent.connect(), "agent connect")
+            await self._guarded(self.agent.wait_ready(ready_timeout), "boot")
+        except BaseException:
+            await self.kill()
+            raise
+        self.boot_seconds = time.monotonic() - started
+        log.info("vm %s: agent ready %.2fs after start (pid %d, %s)", self.name, self.boot_seconds,
+                 self.pid, self.config.accel)
+        return self.boot_seconds
+
+    async def status(self) -> str:
+        return (await self.qmp.execute("query-status"))["status"]
+
+    async def stop(self, timeout: float = 60.0) -> int | None:
+        """Power off through the agent (it unmounts first); QMP quit, then
+        SIGKILL, if the guest does not go. Returns QEMU's exit code."""
+        if self.alive() and not self.agent.dead:
+            try:
+                await self.agent.poweroff(timeout=timeout)
+            except AgentError as exc:
+                log.warning("vm %s: poweroff through the agent failed: %s", self.name, exc)
+        for attempt in ("wait", "quit"):
+            if not self.alive():
+                break
+            if attempt == "quit":
+                try:
+                    await self.qmp.execute("quit", timeout=5)
+                except Exception as exc:  # noqa: BLE001 - any failure leads to SIGKILL
+                    log.warning("vm %s: QMP quit failed: %s", self.name, exc)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._exited), timeout if attempt == "wait" else 5)
+            except asyncio.TimeoutError:
+                pass
+        if self.alive():
+            await self.kill()
+        await self._close_clients()
+        return self._proc.returncode if self._proc else None
+
+    async def kill(self) -> None:
+        if self.alive():
+            self._proc.send_signal(signal.SIGKILL)
+        if self._exited is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._exited), 10)
+            except asyncio.TimeoutError:
+                log.error("vm %s: QEMU pid %d survived SIGKILL", self.name, self.pid)
+        await self._close_clients()
+
+    async def _close_clients(self) -> None:
+        await self.agent.close()
+        await self.qmp.close()
+
+    # ---------------------------------------------------------------- disks
+
+    async def attach_disk(self, host_device: str, serial: str, readonly: bool = False,
+                          direct: bool = False) -> Disk:
+        """Hot-plug a host block device as virtio-blk with this serial (the
+        agent finds the guest disk by it). direct: O_DIRECT on the host."""
+        if not SERIAL.match(serial):
+            raise ValueError(f"serial {serial!r}: 1-20 of [A-Za-z0-9_.-]")
+        if serial in self.disks:
+            raise VmError(f"vm {self.name}: a disk with serial {serial} is attached already")
+        disk = Disk(serial, host_device, node=f"disk-{serial}", device_id=f"vblk-{serial}", readonly=readonly)
+        await self.qmp.execute("blockdev-add", {
+            "driver": "host_device", "filename": host_device, "node-name": disk.node,
+            "read-only": readonly, "cache": {"direct": direct}})
+        try:
+            await self.qmp.execute("device_add", {
+                "driver": "virtio-blk-pci", "id": disk.device_id, "drive": disk.node, "serial": serial})
+        except BaseException:
+            await self.qmp.execute("blockdev-del", {"node-name": disk.node})
+            raise
+        self.disks[serial] = disk
+        return disk
+
+    async def resize_disk(self, serial: str, size: int | None = None) -> int:
+        """Tell the guest its disk grew (after the host device grew, e.g.
+        losetup -c). size defaults to the host device's current size."""
+        disk = self.disks[serial]
+        if size is None:
+            fd = os.open(disk.host_device, os.O_RDONLY)
+            try:
+                size = os.lseek(fd, 0, os.SEEK_END)
+            finally:
+                os.close(fd)
+        await self.qmp.execute("block_resize", {"node-name": disk.node, "size": size})
+        return size
+
+    async def detach_disk(self, serial: str, timeout: float = 30.0) -> None:
+        """Unplug (the guest must let go: unmount first), then drop the node."""
+        disk = self.disks[serial]
+        mark = self.qmp.mark()
+        try:
+            await self.qmp.execute("device_del", {"id": disk.device_id})
+            await self.qmp.wait_event("DEVICE_DELETED", mark, lambda d: d.get("device") == disk.device_id,
+                                      timeout=timeout)
+        except QmpError as exc:
+            if exc.error_class != "DeviceNotFound":
+                raise
+        except asyncio.TimeoutError:
+            raise VmError(f"vm {self.name}: the guest did not release disk {serial} within {timeout:.0f}s") from None
+        await self.qmp.execute("blockdev-del", {"node-name": disk.node})
+        del self.disks[serial]

@@ -1,0 +1,166 @@
+"""A pod sandbox that is a microVM: the Sandbox interface on QEMU + the guest agent.
+
+Volumes are hot-plugged as virtio-blk disks (a serial names each one, so the
+guest finds it), mounted, measured and grown by the guest kernel; the host
+kernel never parses the file system. The bundle's process runs in the guest,
+seeing its volumes at their destinations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import shlex
+from pathlib import Path
+
+from crust.api import csi_pb2
+from crust.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from crust.kata.agent import AgentError, AgentRefused
+from crust.kata.qemu import Vm, VmConfig
+from crust.runtime_handler.sandbox import Sandbox, VolumeStats
+
+log = logging.getLogger(__name__)
+
+Usage = csi_pb2.VolumeUsage
+
+
+def serial_of(device: str) -> str:
+    """A stable virtio serial for a host device (at most 20 characters)."""
+    return "c" + hashlib.sha256(device.encode()).hexdigest()[:19]
+
+
+class KataSandbox(Sandbox):
+    def __init__(self, sandbox_id: str, workdir: Path, config: VmConfig, pid: int = 0):
+        self.id = sandbox_id
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.vm = Vm(f"crust-{sandbox_id}", workdir, config)
+        self._recorded_pid = pid
+        self._process_pid = 0
+        self._exit_code: int | None = None
+        self._poller: asyncio.Task | None = None
+
+    # -- errors: the guest's answers become CSI-style errors ---------------------------
+
+    async def _agent(self, call):
+        if not self.alive():
+            raise Unavailable(f"sandbox {self.id}: its VM is not running")
+        try:
+            return await call
+        except AgentRefused as exc:
+            raise FailedPrecondition(f"sandbox {self.id}: the guest refused: {exc}") from None
+        except AgentError as exc:
+            raise Unavailable(f"sandbox {self.id}: the guest agent did not answer: {exc}") from None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        return self.vm.pid or self._recorded_pid
+
+    def alive(self) -> bool:
+        if self.vm.alive():
+            return True
+        if self._recorded_pid:
+            # A VM started before a handler restart: alive while its QEMU runs.
+            try:
+                return f"crust-{self.id}".encode() in Path(f"/proc/{self._recorded_pid}/cmdline").read_bytes()
+            except FileNotFoundError:
+                return False
+        return False
+
+    async def start(self) -> None:
+        seconds = await self.vm.start()
+        log.info("vm up", extra={"fields": {"sandbox": self.id, "boot_s": round(seconds, 2), "pid": self.vm.pid}})
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        if self.vm.alive():
+            await self.vm.stop()
+        elif self._recorded_pid and self.alive():
+            os.kill(self._recorded_pid, 9)
+
+    # -- volumes -----------------------------------------------------------------------
+
+    async def attach(self, device: str) -> str:
+        serial = serial_of(device)
+        if serial not in self.vm.disks:
+            await self._agent(self.vm.attach_disk(device, serial))
+        return serial
+
+    async def mount(self, device, fs_type, options, readonly, mount_point) -> None:
+        opts = list(options) + (["nouuid"] if fs_type == "xfs" and "nouuid" not in options else [])
+        await self._agent(self.vm.agent.mount(device, fs_type, opts, readonly, mount_point))
+
+    async def apply_fs_group(self, mount_point: str, gid: int, policy: str) -> None:
+        await self._agent(self.vm.agent.fsgroup(mount_point, gid, policy))
+
+    async def bind(self, source: str, destination: str, readonly: bool) -> None:
+        await self._agent(self.vm.agent.bind(source, destination, readonly))
+
+    async def check_subpath(self, mount_point: str, subpath: str) -> None:
+        try:
+            await self._agent(self.vm.agent.checkpath(mount_point, subpath))
+        except FailedPrecondition as exc:
+            raise InvalidArgument(exc.message) from None
+
+    async def stats(self, mount_point: str, readonly: bool) -> VolumeStats:
+        if not self.alive():
+            return VolumeStats([], csi_pb2.VolumeCondition(abnormal=True, message=f"the VM of sandbox {self.id} is gone"))
+        s = await self._agent(self.vm.agent.stats(mount_point))
+        usage = [Usage(unit=Usage.BYTES, total=s["total"], available=s["avail"], used=s["total"] - s["free"]),
+                 Usage(unit=Usage.INODES, total=s["inodes"], available=s["ifree"], used=s["inodes"] - s["ifree"])]
+        condition = csi_pb2.VolumeCondition(abnormal=False, message="mounted and healthy in the guest")
+        if s.get("mode") == "ro" and not readonly:
+            condition = csi_pb2.VolumeCondition(abnormal=True, message="the file system went read-only in the guest")
+        elif int(s.get("errors", 0) or 0) > 0:
+            condition = csi_pb2.VolumeCondition(abnormal=True, message=f"the guest's ext4 reports {s['errors']} errors")
+        return VolumeStats(usage, condition)
+
+    async def grow(self, fs_type: str, device: str, mount_point: str) -> None:
+        # The host device already grew (the shim asked the backend); QEMU
+        # tells the guest, then the guest grows its mounted file system.
+        await self._agent(self.vm.resize_disk(serial_of(device)))
+        await self._agent(self.vm.agent.grow(mount_point))
+
+    async def unmount(self, mount_point: str) -> None:
+        if self.alive():
+            await self._agent(self.vm.agent.umount(mount_point))
+
+    async def detach(self, device: str) -> None:
+        if self.vm.alive() and serial_of(device) in self.vm.disks:
+            await self._agent(self.vm.detach_disk(serial_of(device)))
+
+    # -- the process ---------------------------------------------------------------------
+
+    async def run_process(self, args, env, cwd, log_path: Path) -> int:
+        # Output goes to the guest console (the VM's console.log in workdir).
+        command = f"mkdir -p {shlex.quote(cwd)} && cd {shlex.quote(cwd)} && exec env -i " + \
+            " ".join(shlex.quote(e) for e in env) + " " + " ".join(shlex.quote(a) for a in args)
+        self._process_pid = await self._agent(self.vm.agent.exec(command))
+        self._poller = asyncio.create_task(self._poll_exit())
+        return self._process_pid
+
+    async def _poll_exit(self) -> None:
+        while self.vm.alive():
+            try:
+                code = await self.vm.agent.wait(self._process_pid)
+            except AgentError:
+                return
+            if code is not None:
+                self._exit_code = code
+                return
+            await asyncio.sleep(0.2)
+
+    def process_exit_code(self) -> int | None:
+        return self._exit_code
+
+    async def stop_process(self) -> None:
+        if self._process_pid and self._exit_code is None and self.alive():
+            try:
+                await self.vm.agent.kill(self._process_pid)
+            except AgentError:
+                pass
