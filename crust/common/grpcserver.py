@@ -61,6 +61,11 @@ def _volume_fields(request: Message) -> dict:
 class CrustInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, component: str):
         self.component = component
+        # Calls being served right now: a graceful stop waits for these, not
+        # for idle client connections (gRPC's own grace would).
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -81,6 +86,8 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
                     extra={"fields": {"request": redacted(request)}})
             started = time.monotonic()
             code, message = grpc.StatusCode.OK, ""
+            self.in_flight += 1
+            self.idle.clear()
             try:
                 response = await inner(request, context)
             except CrustError as exc:
@@ -95,6 +102,9 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
                 log.exception("unexpected error")
                 code, message = grpc.StatusCode.INTERNAL, f"internal error: {exc}"
             finally:
+                self.in_flight -= 1
+                if self.in_flight == 0:
+                    self.idle.set()
                 elapsed = time.monotonic() - started
                 RPC_LATENCY.labels(self.component, method, code.name).observe(elapsed)
             if code is grpc.StatusCode.OK:
@@ -139,7 +149,8 @@ class Daemon:
         self.socket_mode = socket_mode
         self.socket_group = socket_group
         options = [("grpc.max_receive_message_length", max_request_bytes)] if max_request_bytes else []
-        self.server = grpc.aio.server(interceptors=[CrustInterceptor(component)], options=options)
+        self.interceptor = CrustInterceptor(component)
+        self.server = grpc.aio.server(interceptors=[self.interceptor], options=options)
         # Handlers consulted after every registered service (the shim's
         # passthrough): they would otherwise shadow health and reflection.
         self.fallback_handlers: list[grpc.GenericRpcHandler] = []
@@ -167,7 +178,13 @@ class Daemon:
 
     async def stop(self, grace: float = 5.0) -> None:
         await _maybe_await(self.health.enter_graceful_shutdown())
-        await self.server.stop(grace)
+        # Let the calls in flight finish (up to grace), then stop at once:
+        # waiting on idle client connections would only delay every restart.
+        try:
+            await asyncio.wait_for(self.interceptor.idle.wait(), grace)
+        except asyncio.TimeoutError:
+            log.warning("stopping with calls still in flight", extra={"fields": {"calls": self.interceptor.in_flight}})
+        await self.server.stop(0.2)
         if self.socket_path:
             try:
                 os.unlink(self.socket_path)
