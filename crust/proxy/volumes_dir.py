@@ -37,7 +37,7 @@ class MirrorError(Exception):
 
 
 @contextmanager
-def _open_dir(parent_fd: int | None, name: str, create: bool) -> Iterator[int]:
+def open_dir(parent_fd: int | None, name: str, create: bool) -> Iterator[int]:
     """Open (and optionally create, 0700) a directory without following a symlink."""
     if create:
         try:
@@ -56,7 +56,7 @@ def _open_dir(parent_fd: int | None, name: str, create: bool) -> Iterator[int]:
         os.close(fd)
 
 
-def _write_atomic_at(dir_fd: int, name: str, data: bytes) -> None:
+def write_atomic_at(dir_fd: int, name: str, data: bytes) -> None:
     tmp = f".{name}.{secrets.token_hex(6)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     try:
@@ -74,10 +74,10 @@ def _write_atomic_at(dir_fd: int, name: str, data: bytes) -> None:
     os.fsync(dir_fd)
 
 
-def _clear_dir(parent_fd: int, name: str) -> bool:
+def clear_dir(parent_fd: int, name: str) -> bool:
     """Remove directory `name` and the plain files in it (no recursion, no symlink following)."""
     try:
-        with _open_dir(parent_fd, name, create=False) as fd:
+        with open_dir(parent_fd, name, create=False) as fd:
             for entry in os.listdir(fd):
                 os.unlink(entry, dir_fd=fd)
     except FileNotFoundError:
@@ -112,8 +112,8 @@ class VolumesDir:
     def write(self, info: MountInfo) -> None:
         """Write the canonical entry, then the Kata mirror (MirrorError if only it failed)."""
         data = info.to_json()
-        with self._root(self.root) as root_fd, _open_dir(root_fd, digest(info.target_path), create=True) as fd:
-            _write_atomic_at(fd, MOUNT_INFO, data)
+        with self._root(self.root) as root_fd, open_dir(root_fd, digest(info.target_path), create=True) as fd:
+            write_atomic_at(fd, MOUNT_INFO, data)
             os.fsync(root_fd)
         if self.kata_root is not None:
             name = kata_name(info.target_path)
@@ -121,13 +121,13 @@ class VolumesDir:
                 raise MirrorError(
                     f"the Kata mirror name of {info.target_path!r} would be {len(name)} bytes, over the "
                     f"{NAME_MAX}-byte file name limit; Kata cannot use this volume, the crust entry is written")
-            with self._root(self.kata_root) as root_fd, _open_dir(root_fd, name, create=True) as fd:
-                _write_atomic_at(fd, MOUNT_INFO, data)
+            with self._root(self.kata_root) as root_fd, open_dir(root_fd, name, create=True) as fd:
+                write_atomic_at(fd, MOUNT_INFO, data)
                 os.fsync(root_fd)
 
     def read(self, target_path: str) -> MountInfo | None:
         try:
-            with self._root(self.root) as root_fd, _open_dir(root_fd, digest(target_path), create=False) as fd:
+            with self._root(self.root) as root_fd, open_dir(root_fd, digest(target_path), create=False) as fd:
                 f = os.open(MOUNT_INFO, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
                 with os.fdopen(f, "rb") as fh:
                     return MountInfo.model_validate_json(fh.read())
@@ -137,7 +137,7 @@ class VolumesDir:
     def runtime_cli(self, target_path: str) -> str | None:
         """The CLI a KEP-style runtime recorded for this volume, if any."""
         try:
-            with self._root(self.root) as root_fd, _open_dir(root_fd, digest(target_path), create=False) as fd:
+            with self._root(self.root) as root_fd, open_dir(root_fd, digest(target_path), create=False) as fd:
                 f = os.open(RUNTIME_CLI, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
                 with os.fdopen(f, "rb") as fh:
                     text = fh.read(4096).decode(errors="replace").strip()
@@ -152,12 +152,12 @@ class VolumesDir:
 
     def remove(self, target_path: str) -> None:
         with self._root(self.root) as root_fd:
-            _clear_dir(root_fd, digest(target_path))
+            clear_dir(root_fd, digest(target_path))
         if self.kata_root is not None:
             name = kata_name(target_path)
             if len(name.encode()) <= NAME_MAX:
                 with self._root(self.kata_root) as root_fd:
-                    _clear_dir(root_fd, name)
+                    clear_dir(root_fd, name)
 
     def mark_sandbox(self, target_path: str, sandbox_id: str | None) -> None:
         """Kata's claim marker: exactly one empty file named by the sandbox id
@@ -169,7 +169,7 @@ class VolumesDir:
             return
         with self._root(self.kata_root) as root_fd:
             try:
-                with _open_dir(root_fd, name, create=False) as fd:
+                with open_dir(root_fd, name, create=False) as fd:
                     for entry in os.listdir(fd):
                         if entry != MOUNT_INFO and not entry.startswith(".") and entry != sandbox_id:
                             os.unlink(entry, dir_fd=fd)
@@ -190,7 +190,7 @@ class VolumesDir:
         for root, name in roots:
             with self._root(root) as root_fd:
                 try:
-                    with _open_dir(root_fd, name, create=False) as fd:
+                    with open_dir(root_fd, name, create=False) as fd:
                         for entry in os.listdir(fd):
                             if entry.startswith(".") and entry.endswith(".tmp"):
                                 os.unlink(entry, dir_fd=fd)
@@ -207,4 +207,4 @@ class VolumesDir:
 
     def remove_digest(self, name: str) -> None:
         with self._root(self.root) as root_fd:
-            _clear_dir(root_fd, name)
+            clear_dir(root_fd, name)

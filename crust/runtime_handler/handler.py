@@ -11,6 +11,10 @@ Running a sandbox from an OCI bundle:
 4. attach and mount each volume once, apply fsGroup, then give each
    container destination its view (whole volume or subpath);
 5. start the process. Deleting the sandbox undoes it all and releases.
+
+A handler may also take volumes from a second, registry-less source (the
+microVM handler reads Kata's direct-volume layout): such a volume is claimed
+and released through that source instead of the proxy's registry.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -50,6 +54,14 @@ class VolumeView(BaseModel):
     readonly: bool = False
 
 
+class DirectSource(Protocol):
+    """Volumes described outside the proxy (Kata's direct-volume layout)."""
+
+    def resolve(self, source: str): ...
+    def claim(self, volume_path: str, sandbox_id: str) -> None: ...
+    def release(self, volume_path: str, sandbox_id: str) -> None: ...
+
+
 class MountedVolume(BaseModel):
     target_path: str
     device: str
@@ -57,6 +69,7 @@ class MountedVolume(BaseModel):
     mount_point: str
     readonly: bool = False
     views: list[VolumeView] = Field(default_factory=list)
+    direct: bool = False  # from the DirectSource, not the proxy's registry
 
 
 class SandboxRecord(BaseModel):
@@ -87,8 +100,10 @@ def check_device(info: MountInfo) -> None:
 
 class RuntimeHandler:
     def __init__(self, *, name: str, volumes_dir: Path, state_dir: Path, registration: Registration,
-                 make_sandbox: Callable[[str, Path, Path | None, int], Sandbox]):
+                 make_sandbox: Callable[[str, Path, Path | None, int], Sandbox],
+                 direct_source: DirectSource | None = None):
         self.name = name
+        self.direct_source = direct_source
         self.index = VolumeIndex(volumes_dir)
         self.state_dir = state_dir
         self.records = RecordStore(state_dir / "sandboxes", SandboxRecord)
@@ -157,7 +172,7 @@ class RuntimeHandler:
         for sandbox, record in list(self.sandboxes.values()):
             for volume in record.volumes.values():
                 try:
-                    await self.registration.claim(volume.target_path, record.sandbox_id, sandbox.pid)
+                    await self._claim(volume.target_path, volume.direct, record.sandbox_id, sandbox.pid)
                 except CrustError as exc:
                     log.error("lost a claim", extra={"fields": {"sandbox": record.sandbox_id,
                                                                 "target_path": volume.target_path,
@@ -189,14 +204,14 @@ class RuntimeHandler:
                 return self.sandboxes[sandbox_id][1]
             await asyncio.wait_for(self.registration.registered.wait(), 10)
             # Resolve every mount before touching anything.
-            plan: dict[str, tuple[MountInfo, list[VolumeView]]] = {}
+            plan: dict[str, tuple[MountInfo, list[VolumeView], bool]] = {}
             others = []
             for m in spec.mounts:
                 try:
-                    resolved = resolve(m.source, self.index)
+                    resolved, direct = self._resolve(m.source)
                     if resolved is None and CSI_DIR in m.source.split("/"):
                         # kubelet published just now: give the entry a moment.
-                        resolved = await asyncio.to_thread(self._wait_resolve, m.source)
+                        resolved, direct = await asyncio.to_thread(self._wait_resolve, m.source)
                 except SubpathEscapes as exc:
                     raise InvalidArgument(str(exc)) from None
                 if resolved is None:
@@ -204,7 +219,7 @@ class RuntimeHandler:
                     continue
                 view = VolumeView(destination=m.destination, subpath=resolved.subpath,
                                   readonly="ro" in m.options)
-                plan.setdefault(resolved.digest, (resolved.info, []))[1].append(view)
+                plan.setdefault(resolved.digest, (resolved.info, [], direct))[1].append(view)
             rootfs = (Path(bundle) / spec.root.path) if spec.root else None
             sandbox = self.make_sandbox(sandbox_id, self._workdir(sandbox_id), rootfs, 0)
             record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
@@ -212,8 +227,8 @@ class RuntimeHandler:
             record.pid = sandbox.pid
             self.sandboxes[sandbox_id] = (sandbox, record)
             try:
-                for key, (info, views) in plan.items():
-                    await self._mount_volume(sandbox, record, key, info, views)
+                for key, (info, views, direct) in plan.items():
+                    await self._mount_volume(sandbox, record, key, info, views, direct)
                 for m in others:
                     if m.type == "bind" or "bind" in m.options or "rbind" in m.options:
                         await sandbox.bind(m.source, m.destination, readonly="ro" in m.options)
@@ -226,24 +241,45 @@ class RuntimeHandler:
             log.info("sandbox running", extra={"fields": {"sandbox": sandbox_id, "volumes": len(record.volumes)}})
             return record
 
+    def _resolve(self, source: str):
+        """(Resolved, direct?): the proxy's entry first, then the direct source's."""
+        resolved = resolve(source, self.index)
+        if resolved is not None or self.direct_source is None:
+            return resolved, False
+        resolved = self.direct_source.resolve(source)
+        return resolved, resolved is not None
+
     def _wait_resolve(self, source: str):
         deadline = time.monotonic() + ENTRY_WAIT
         while time.monotonic() < deadline:
-            resolved = resolve(source, self.index)
+            resolved, direct = self._resolve(source)
             if resolved is not None:
-                return resolved
+                return resolved, direct
             time.sleep(0.02)
-        return None
+        return None, False
+
+    async def _claim(self, target_path: str, direct: bool, sandbox_id: str, pid: int) -> None:
+        if direct:
+            await asyncio.to_thread(self.direct_source.claim, target_path, sandbox_id)
+        else:
+            await self.registration.claim(target_path, sandbox_id, pid)
+
+    async def _release(self, volume: MountedVolume, sandbox_id: str, abnormal_reason: str) -> None:
+        if volume.direct:
+            if self.direct_source is not None:
+                await asyncio.to_thread(self.direct_source.release, volume.target_path, sandbox_id)
+        else:
+            await self.registration.release(volume.target_path, sandbox_id, abnormal_reason)
 
     async def _mount_volume(self, sandbox: Sandbox, record: SandboxRecord, key: str, info: MountInfo,
-                            views: list[VolumeView]) -> None:
+                            views: list[VolumeView], direct: bool = False) -> None:
         if info.fstype not in self.registration.filesystems:
             raise FailedPrecondition(f"handler {self.name} cannot mount {info.fstype}")
         # Claim first: a second sandbox is refused before it touches the device.
-        await self.registration.claim(info.target_path, record.sandbox_id, sandbox.pid)
+        await self._claim(info.target_path, direct, record.sandbox_id, sandbox.pid)
         mounted = MountedVolume(target_path=info.target_path, device=info.device, fs_type=info.fstype,
                                 mount_point=str(self._workdir(record.sandbox_id) / "volumes" / key),
-                                readonly=info.readonly, views=views)
+                                readonly=info.readonly, views=views, direct=direct)
         record.volumes[key] = mounted  # recorded before mounting: teardown knows what to undo
         check_device(info)
         inside = await sandbox.attach(info.device)
@@ -270,7 +306,7 @@ class RuntimeHandler:
         await sandbox.stop()
         for volume in record.volumes.values():
             try:
-                await self.registration.release(volume.target_path, record.sandbox_id, abnormal_reason)
+                await self._release(volume, record.sandbox_id, abnormal_reason)
             except CrustError as exc:
                 errors.append(exc.message)
         self.sandboxes.pop(record.sandbox_id, None)

@@ -32,13 +32,13 @@ def mount_namespace_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None,
 
 
 class HandlerDaemon:
-    def __init__(self, config: HandlerConfig, make_sandbox=mount_namespace_sandbox):
+    def __init__(self, config: HandlerConfig, make_sandbox=mount_namespace_sandbox, direct_source=None):
         self.config = config
         registration = Registration(config.proxy_endpoint, config.name, config.endpoint, config.filesystems,
                                     ["stats", "expand", "fsgroup", "subpath"])
         self.handler = RuntimeHandler(name=config.name, volumes_dir=config.volumes_dir,
                                       state_dir=config.state_dir, registration=registration,
-                                      make_sandbox=make_sandbox)
+                                      make_sandbox=make_sandbox, direct_source=direct_source)
         self.daemon = Daemon("handler", config.endpoint, [
             handler_pb2.DESCRIPTOR.services_by_name["Handler"].full_name,
             handler_pb2.DESCRIPTOR.services_by_name["SandboxControl"].full_name,

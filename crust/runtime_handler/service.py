@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common import csi_input
+from crust.common.errors import FailedPrecondition
 from crust.runtime_handler.handler import RuntimeHandler, State
 from crust.sys import blockdev
 
@@ -22,6 +23,13 @@ class HandlerService(handler_pb2_grpc.HandlerServicer):
     async def ExpandVolume(self, request: handler_pb2.ExpandVolumeRequest, context):
         sandbox, volume = self.handler.find(csi_input.required(request.target_path, "target_path"),
                                             csi_input.required(request.sandbox_id, "sandbox_id"))
+        wanted = request.capacity_range.required_bytes if request.HasField("capacity_range") else 0
+        size = blockdev.size_bytes(volume.device)
+        if wanted > size:
+            # The file system can only grow to what the device holds: the
+            # device is grown first (by the driver), then the handler is asked.
+            raise FailedPrecondition(f"capacity_range.required_bytes {wanted} is more than the {size} bytes of "
+                                     f"{volume.device}: grow the device first")
         with self.handler.inflight.hold(request.target_path):
             await sandbox.grow(volume.fs_type, volume.device, volume.mount_point)
         return handler_pb2.ExpandVolumeResponse(capacity_bytes=blockdev.size_bytes(volume.device))
