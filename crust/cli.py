@@ -173,7 +173,29 @@ def build_parser() -> argparse.ArgumentParser:
                       help="QEMU accelerator: kvm where it works, tcg (software) otherwise (default: tcg)")
     kt_h.add_argument("--memory", type=int, default=256, help="guest memory in MiB (default: 256)")
     kt_h.add_argument("--cache", type=Path, default=Path("/var/cache/crust/kata"), help="guest image cache")
+    kt_h.add_argument("--kata-dir", type=Path, default=Path("/run/kata-containers/shared/direct-volumes"),
+                      help="Kata's direct-volume directory, where a Kata-style CSI driver describes volumes "
+                           "(default: /run/kata-containers/shared/direct-volumes)")
     _add_logging(kt_h)
+    kt_dv = kt_sub.add_parser(
+        "direct-volume",
+        help="Kata's direct-assigned volume verbs (add, remove, stats, resize), answered by this handler",
+        description="The verbs and flags of `kata-runtime direct-volume`, on Kata's directory layout: a CSI "
+                    "driver written for Kata's direct-assigned volumes can call this instead (or through a "
+                    "`kata-runtime` wrapper, see deploy/). stats and resize ask the microVM handler whose "
+                    "sandbox uses the volume. Exit 0 on success, 1 with a message on stderr otherwise.",
+    )
+    kt_dv.add_argument("verb", choices=["add", "remove", "stats", "resize"])
+    kt_dv.add_argument("--volume-path", required=True, help="the volume's path (the CSI target path)")
+    kt_dv.add_argument("--mount-info", default="",
+                       help="add: the JSON description (volume-type, device, fstype, metadata, options)")
+    kt_dv.add_argument("--size", type=int, default=0, help="resize: the new size in bytes (device already grown)")
+    kt_dv.add_argument("--kata-dir", type=Path, default=None,
+                       help="the direct-volume directory (default: $CRUST_KATA_DIR or "
+                            "/run/kata-containers/shared/direct-volumes)")
+    kt_dv.add_argument("--handler-endpoint", default="",
+                       help="the microVM handler's socket (default: $CRUST_KATA_HANDLER_ENDPOINT or "
+                            "unix:///run/crust/kata-handler.sock)")
 
     demo = sub.add_parser(
         "demo",
@@ -281,13 +303,22 @@ def main(argv: list[str] | None = None) -> int:
 
             return image_main(["build", "--cache", str(args.cache), "--flavor", args.flavor]
                               + (["--force"] if args.force else []))
+        if args.kata_command == "direct-volume":
+            from crust.kata.direct_volume_cli import main as direct_volume_main
+
+            if args.verb == "resize" and args.size <= 0:
+                print("direct-volume resize: --size must be a positive number of bytes", file=sys.stderr)
+                return 1
+            return direct_volume_main(args.verb, args.volume_path, mount_info=args.mount_info, size=args.size,
+                                      kata_dir=args.kata_dir.absolute() if args.kata_dir else None,
+                                      endpoint=args.handler_endpoint)
         from crust.kata.handler import serve as serve_kata
         from crust.runtime_handler.server import HandlerConfig
 
         logs.setup(args.log_level, args.log_format == "json")
         serve_kata(HandlerConfig(name=args.name, endpoint=args.endpoint, proxy_endpoint=args.proxy_endpoint,
                                  volumes_dir=args.volumes_dir.absolute(), state_dir=args.state_dir.absolute()),
-                   cache=args.cache, accel=args.accel, memory_mib=args.memory)
+                   cache=args.cache, accel=args.accel, memory_mib=args.memory, kata_dir=args.kata_dir.absolute())
         return 0
     if args.command == "demo":
         from crust.demo import run_demo

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from crust.kata.direct_volume import DEFAULT_ROOT, DirectVolumes
 from crust.kata.image import DEFAULT_CACHE, build
 from crust.kata.qemu import VmConfig
 from crust.kata.sandbox import KataSandbox
 from crust.runtime_handler.server import HandlerConfig, HandlerDaemon
 
 
-def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "tcg", memory_mib: int = 256) -> None:
+def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "tcg", memory_mib: int = 256,
+          kata_dir: Path | None = DEFAULT_ROOT) -> None:
     # The image is checked (and rebuilt if its inputs changed) before the
     # handler registers: a sandbox must never wait for a kernel build.
     image = build(cache, "cloud")
@@ -21,7 +23,11 @@ def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "t
         # The guest has its own root file system; the bundle's rootfs is not used.
         return KataSandbox(sandbox_id, workdir, vm_config, pid)
 
+    # Volumes a Kata-style CSI driver described with `direct-volume add`
+    # are found next to the proxy's deferred ones.
+    direct = DirectVolumes(kata_dir) if kata_dir is not None else None
+
     async def main() -> None:
-        await HandlerDaemon(config, make_sandbox=make_sandbox).run()
+        await HandlerDaemon(config, make_sandbox=make_sandbox, direct_source=direct).run()
 
     asyncio.run(main())

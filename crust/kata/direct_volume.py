@@ -1,0 +1,249 @@
+"""Kata's direct-assigned volumes, answered by the crust microVM handler.
+
+A CSI driver written for Kata Containers does not return a deferred mount:
+its NodePublishVolume runs `kata-runtime direct-volume add --volume-path
+<target path> --mount-info <json>`, its NodeGetVolumeStats runs `... stats`,
+its NodeExpandVolume `... resize --size <bytes>`, its NodeUnpublishVolume
+`... remove`. `crust kata direct-volume` takes the same verbs and flags, on
+Kata's directory layout:
+
+    <root>/<base64url(volume path), padded>/mountInfo.json   (0600, in a 0700 directory)
+    <root>/<base64url(volume path), padded>/<sandbox id>     (empty: the sandbox using it)
+
+so such a driver works unchanged with crust's microVM handler: the handler
+finds these entries as it finds the proxy's (a bundle mount whose source is
+the volume path), claims one by writing the sandbox-id file (one sandbox per
+volume, as Kata has it), and answers stats and resize for it on its socket.
+
+The entry is written the way the proxy writes its own: a temporary file,
+fsync, rename, never following a symlink below the root.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import json
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from crust.common.errors import FailedPrecondition, InvalidArgument
+from crust.proxy.mountinfo import MountInfo, digest
+from crust.proxy.paths import check_sandbox_id
+from crust.proxy.volumes_dir import NAME_MAX, clear_dir, open_dir, write_atomic_at
+from crust.runtime_handler.resolve import Resolved, SubpathEscapes, candidates
+
+DEFAULT_ROOT = Path("/run/kata-containers/shared/direct-volumes")
+MOUNT_INFO = "mountInfo.json"
+MAX_MOUNT_INFO_BYTES = 64 * 1024
+PROXY_KEY = "crust-schema-version"  # present in the entries the proxy mirrors here
+
+
+class KataMountInfo(BaseModel):
+    """The keys Kata reads; other keys are kept on disk and ignored, as Kata does."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+    volume_type: str = Field(alias="volume-type")
+    device: str
+    fstype: str
+    metadata: dict[str, str] = Field(default_factory=dict)
+    options: list[str] = Field(default_factory=list)
+
+
+def entry_name(volume_path: str) -> str:
+    """Kata's name for a volume's directory: URL-safe base64 of the path, padded."""
+    return base64.urlsafe_b64encode(volume_path.encode()).decode()
+
+
+def check_volume_path(volume_path: str) -> str:
+    if not volume_path:
+        raise InvalidArgument("--volume-path is required")
+    if not volume_path.startswith("/") or "\x00" in volume_path:
+        raise InvalidArgument(f"--volume-path {volume_path!r} must be an absolute path")
+    if len(entry_name(volume_path).encode()) > NAME_MAX:
+        raise InvalidArgument(f"--volume-path is too long: its entry name in Kata's layout would exceed "
+                              f"{NAME_MAX} bytes")
+    return volume_path
+
+
+def parse_mount_info(text: str) -> KataMountInfo:
+    """Validate --mount-info; every message names the key at fault."""
+    if len(text.encode()) > MAX_MOUNT_INFO_BYTES:
+        raise InvalidArgument(f"--mount-info is larger than {MAX_MOUNT_INFO_BYTES} bytes")
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"--mount-info is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise InvalidArgument("--mount-info must be a JSON object")
+    try:
+        info = KataMountInfo.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise InvalidArgument(f"--mount-info: {where!r}: {first['msg']}") from None
+    if info.volume_type != "block":
+        raise InvalidArgument(f"--mount-info: 'volume-type' {info.volume_type!r}: only \"block\" is supported")
+    if not info.device.startswith("/"):
+        raise InvalidArgument(f"--mount-info: 'device' {info.device!r} must be an absolute path")
+    if not info.fstype:
+        raise InvalidArgument("--mount-info: 'fstype' must not be empty")
+    return info
+
+
+class DirectVolumes:
+    """Kata's direct-volume directory: add, remove, read, and the sandbox marker."""
+
+    def __init__(self, root: Path = DEFAULT_ROOT):
+        self.root = root
+
+    def _root_fd(self, create: bool = False) -> int:
+        """The root, opened; created (0700) only by a writer: readers of a
+        missing root raise FileNotFoundError, which they treat as "no entry"."""
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+
+    def _read_file(self, volume_path: str) -> bytes | None:
+        try:
+            root_fd = self._root_fd()
+        except FileNotFoundError:
+            return None
+        try:
+            with open_dir(root_fd, entry_name(volume_path), create=False) as fd:
+                f = os.open(MOUNT_INFO, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+                with os.fdopen(f, "rb") as fh:
+                    return fh.read(MAX_MOUNT_INFO_BYTES + 1)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a planted symlink is no entry
+                return None
+            raise
+        finally:
+            os.close(root_fd)
+
+    # -- the verbs ---------------------------------------------------------------------
+
+    def add(self, volume_path: str, mount_info: str) -> bool:
+        """Write the entry; True if it changed. The same description again is
+        a no-op (kubelet retries); a different one is refused while a
+        sandbox uses the volume."""
+        check_volume_path(volume_path)
+        parse_mount_info(mount_info)
+        data = mount_info.encode()
+        current = self._read_file(volume_path)
+        if current == data:
+            return False
+        holder = self.sandbox_of(volume_path)
+        if current is not None and holder is not None:
+            raise FailedPrecondition(f"{volume_path} is in use by sandbox {holder}; its description cannot change "
+                                     "until the sandbox stops")
+        root_fd = self._root_fd(create=True)
+        try:
+            with open_dir(root_fd, entry_name(volume_path), create=True) as fd:
+                write_atomic_at(fd, MOUNT_INFO, data)
+            os.fsync(root_fd)
+        finally:
+            os.close(root_fd)
+        return True
+
+    def remove(self, volume_path: str) -> bool:
+        """Remove the entry and its marker; True if there was one."""
+        check_volume_path(volume_path)
+        try:
+            root_fd = self._root_fd()
+        except FileNotFoundError:
+            return False
+        try:
+            return clear_dir(root_fd, entry_name(volume_path))
+        finally:
+            os.close(root_fd)
+
+    def read(self, volume_path: str) -> MountInfo | None:
+        """The entry as the handler mounts it (None if absent or unreadable)."""
+        data = self._read_file(volume_path)
+        if data is None:
+            return None
+        try:
+            info = parse_mount_info(data.decode(errors="replace"))
+        except InvalidArgument:
+            return None
+        if PROXY_KEY in json.loads(data):
+            # The proxy's mirror of one of its own entries: claimed through
+            # the registry, never as a direct volume (even while the proxy
+            # removes the canonical entry first).
+            return None
+        return MountInfo(volume_type="block", device=info.device, fstype=info.fstype, metadata=info.metadata,
+                         options=info.options, target_path=volume_path)
+
+    def resolve(self, source: str) -> Resolved | None:
+        """A bundle mount source (or a parent, below a CSI volume) that is a direct volume."""
+        if not source.startswith("/"):
+            return None
+        if ".." in source.split("/"):
+            raise SubpathEscapes(f"mount source {source!r} contains '..'")
+        for probe in candidates(source):
+            if len(entry_name(probe).encode()) > NAME_MAX:
+                continue
+            info = self.read(probe)
+            if info is not None:
+                subpath = os.path.relpath(os.path.normpath(source), probe)
+                return Resolved(info, digest(probe), "" if subpath == "." else subpath)
+        return None
+
+    # -- the sandbox marker --------------------------------------------------------------
+
+    def sandbox_of(self, volume_path: str) -> str | None:
+        try:
+            root_fd = self._root_fd()
+        except FileNotFoundError:
+            return None
+        try:
+            with open_dir(root_fd, entry_name(volume_path), create=False) as fd:
+                names = sorted(n for n in os.listdir(fd) if n != MOUNT_INFO and not n.startswith("."))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return None
+            raise
+        finally:
+            os.close(root_fd)
+        return names[0] if names else None
+
+    def claim(self, volume_path: str, sandbox_id: str) -> None:
+        """Record the sandbox using the volume; refused if another one does."""
+        check_sandbox_id(sandbox_id)
+        holder = self.sandbox_of(volume_path)
+        if holder is not None and holder != sandbox_id:
+            raise FailedPrecondition(f"{volume_path} is already used by sandbox {holder}")
+        try:
+            root_fd = self._root_fd()
+        except FileNotFoundError:
+            raise FailedPrecondition(f"{volume_path} is no longer a direct volume (removed)") from None
+        try:
+            with open_dir(root_fd, entry_name(volume_path), create=False) as fd:
+                os.close(os.open(sandbox_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=fd))
+                os.fsync(fd)
+        except FileNotFoundError:
+            raise FailedPrecondition(f"{volume_path} is no longer a direct volume (removed)") from None
+        finally:
+            os.close(root_fd)
+
+    def release(self, volume_path: str, sandbox_id: str) -> None:
+        try:
+            root_fd = self._root_fd()
+        except FileNotFoundError:
+            return
+        try:
+            with open_dir(root_fd, entry_name(volume_path), create=False) as fd:
+                os.unlink(sandbox_id, dir_fd=fd)
+                os.fsync(fd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(root_fd)
