@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 30.0
+# A statfs answers in milliseconds; kubelet polls stats, a hung guest must not hold it long.
+STATS_TIMEOUT = 5.0  # under the proxy's 10 s per handler call, so the answer is a condition, not a timeout
 _WORD = re.compile(r"^[A-Za-z0-9_.,=:/+@-]+$")
 
 
@@ -224,10 +226,10 @@ class AgentClient:
         answer = await self.request("fsgroup", target, str(gid), policy, timeout=timeout)
         return answer.fields.get("walked") == "1"
 
-    async def stats(self, target: str) -> dict[str, int | str]:
+    async def stats(self, target: str, timeout: float = STATS_TIMEOUT) -> dict[str, int | str]:
         """total/free/avail bytes, inodes/ifree, mode (ro|rw), fstype, device,
         errors (ext4 errors_count), devsize (bytes)."""
-        answer = await self.request("stats", target)
+        answer = await self.request("stats", target, timeout=timeout)
         return {k: (int(v) if v.isdigit() else v) for k, v in answer.fields.items()}
 
     async def grow(self, target: str, timeout: float = 120.0) -> dict[str, int]:

@@ -110,7 +110,12 @@ class KataSandbox(Sandbox):
     async def stats(self, mount_point: str, readonly: bool) -> VolumeStats:
         if not self.alive():
             return VolumeStats([], csi_pb2.VolumeCondition(abnormal=True, message=f"the VM of sandbox {self.id} is gone"))
-        s = await self._agent(self.vm.agent.stats(mount_point))
+        try:
+            s = await self._agent(self.vm.agent.stats(mount_point))
+        except Unavailable as exc:
+            # QEMU runs but its guest does not answer (hung, overloaded):
+            # a volume condition kubelet reports, not a failed call.
+            return VolumeStats([], csi_pb2.VolumeCondition(abnormal=True, message=exc.message))
         usage = [Usage(unit=Usage.BYTES, total=s["total"], available=s["avail"], used=s["total"] - s["free"]),
                  Usage(unit=Usage.INODES, total=s["inodes"], available=s["ifree"], used=s["inodes"] - s["ifree"])]
         condition = csi_pb2.VolumeCondition(abnormal=False, message="mounted and healthy in the guest")
