@@ -139,7 +139,8 @@ class Demo:
                    sock["kubelet-csi"], root),
             Daemon("handler", (["kata", "handler"] if runtime == "kata" else ["handler"]) + [
                 "--endpoint", f"unix://{sock['handler']}", "--proxy-endpoint", f"unix://{proxy_sock}",
-                "--volumes-dir", str(self.run_dir / "volumes"), "--state-dir", str(root / "handler")],
+                "--volumes-dir", str(self.run_dir / "volumes"), "--state-dir", str(root / "handler")]
+                + (["--kata-dir", str(self.run_dir / "kata-direct-volumes")] if runtime == "kata" else []),
                 sock["handler"], root),
         ]
         self.kubelet_socket = sock["kubelet-csi"]
@@ -155,6 +156,9 @@ class Demo:
         self.size_after = 0
         self.data_verified = False
         self.host_mounted_during_sandbox = False
+        self.guest_df: dict[str, int] = {}
+        self.stats_seen: dict[str, int] = {}
+        self.stats_match_df = False
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -183,19 +187,48 @@ class Demo:
         if self.host_mounts_of_device():
             self.host_mounted_during_sandbox = True
 
-    def stats_total(self) -> int:
+    def stats(self) -> dict[str, int]:
         rsp = self.node.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(
             volume_id=self.volume_id, volume_path=str(self.target)), timeout=30)
         _check(not rsp.volume_condition.abnormal, f"condition abnormal: {rsp.volume_condition.message}")
         by_unit = {u.unit: u for u in rsp.usage}
-        _check(csi_pb2.VolumeUsage.BYTES in by_unit, "no byte usage in the answer")
-        return by_unit[csi_pb2.VolumeUsage.BYTES].total
+        _check(csi_pb2.VolumeUsage.BYTES in by_unit and csi_pb2.VolumeUsage.INODES in by_unit,
+               "no byte or inode usage in the answer")
+        b, i = by_unit[csi_pb2.VolumeUsage.BYTES], by_unit[csi_pb2.VolumeUsage.INODES]
+        return {"bytes_total": b.total, "bytes_used": b.used, "bytes_available": b.available,
+                "inodes_total": i.total, "inodes_used": i.used, "inodes_available": i.available}
+
+    def stats_total(self) -> int:
+        return self.stats()["bytes_total"]
+
+    def process_output(self) -> str:
+        """What the pod's process printed: the guest console of a microVM,
+        the process log of a mount-namespace sandbox."""
+        workdir = self.root / "handler" / "run" / "pod-1"
+        path = workdir / ("console.log" if self.runtime == "kata" else "process.log")
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def df_in_sandbox(self) -> dict[str, int]:
+        """The last `df` lines the pod's process printed about /data."""
+        found: dict[str, int] = {}
+        for line in self.process_output().splitlines():
+            for tag, keys in (("df-bytes:", ("bytes_total", "bytes_used", "bytes_available")),
+                              ("df-inodes:", ("inodes_total", "inodes_used", "inodes_available"))):
+                if tag in line:
+                    fields = line.split(tag, 1)[1].split()
+                    if len(fields) >= 4 and all(f.isdigit() for f in fields[1:4]):
+                        found.update(zip(keys, map(int, fields[1:4])))
+        return found
 
     def write_bundle(self) -> Path:
         bundle = self.root / "bundle"
         (bundle / "rootfs").mkdir(parents=True, exist_ok=True)
+        # The last lines are df's view from inside the sandbox, printed after
+        # the last write, for the comparison with NodeGetVolumeStats.
         script = ("head -c 1048576 /dev/urandom > /data/payload.bin && "
-                  "sha256sum /data/payload.bin | cut -d' ' -f1 > /data/payload.sha256 && sync")
+                  "sha256sum /data/payload.bin | cut -d' ' -f1 > /data/payload.sha256 && sync && "
+                  "echo \"df-bytes: $(df -P -B1 /data | tail -n 1)\" && "
+                  "echo \"df-inodes: $(df -P -i /data | tail -n 1)\"")
         (bundle / "config.json").write_text(json.dumps({
             "ociVersion": "1.0.2", "root": {"path": "rootfs"},
             "process": {"args": ["/bin/sh", "-c", script], "env": ["PATH=/usr/bin:/bin"], "cwd": "/"},
@@ -273,8 +306,16 @@ class Demo:
 
         def stats_before():
             self.watch_host()
-            self.size_before = self.stats_total()
-            return f"{format_size(self.size_before)} ({self.size_before} bytes), measured inside the sandbox"
+            self.stats_seen = self.stats()
+            self.size_before = self.stats_seen["bytes_total"]
+            self.guest_df = self.df_in_sandbox()
+            _check(len(self.guest_df) == 6, f"the pod's process printed no df of /data: {self.guest_df}")
+            # Nothing writes between the process's df and this call: the
+            # numbers must be the same, field by field.
+            self.stats_match_df = self.stats_seen == self.guest_df
+            _check(self.stats_match_df, f"stats {self.stats_seen} differ from df in the sandbox {self.guest_df}")
+            return (f"{format_size(self.size_before)} ({self.size_before} bytes), measured inside the sandbox; "
+                    "bytes and inodes equal df's there")
         t.run("NodeGetVolumeStats", stats_before)
 
         t.run("ControllerExpandVolume", lambda: "device grown to " + format_size(self.ctl.ControllerExpandVolume(
@@ -289,7 +330,9 @@ class Demo:
                     volume_id=self.volume_id, volume_path=str(self.target),
                     capacity_range=csi_pb2.CapacityRange(required_bytes=grown)), timeout=120)
             except grpc.RpcError as exc:
-                if self.fs_type == "ext4" and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                # The host's kernel here refuses ext4 online growth; a guest's does not.
+                if self.fs_type == "ext4" and self.runtime == "mountns" \
+                        and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     return "ext4 online growth refused on this host (grows when next mounted)"
                 raise
             return f"grown online inside the sandbox to {format_size(rsp.capacity_bytes)}"
@@ -298,7 +341,7 @@ class Demo:
         def stats_after():
             self.watch_host()
             self.size_after = self.stats_total()
-            if self.fs_type == "xfs":
+            if self.fs_type == "xfs" or self.runtime == "kata":
                 _check(self.size_after > self.size_before, "the file system did not grow in the sandbox")
             return f"{format_size(self.size_after)} ({self.size_after} bytes)"
         t.run("NodeGetVolumeStats (after expand)", stats_after)
@@ -328,7 +371,7 @@ class Demo:
             want = (self.target / "payload.sha256").read_text().strip()
             self.data_verified = hashlib.sha256(data).hexdigest() == want and len(data) == MIB
             _check(self.data_verified, "the data written in the sandbox does not read back on the host")
-            if self.fs_type == "ext4":
+            if self.fs_type == "ext4" and self.runtime == "mountns":
                 self.size_after = os.statvfs(self.target).f_blocks * os.statvfs(self.target).f_frsize
                 _check(self.size_after > self.size_before, "the ext4 file system did not grow offline")
             return f"host mount (no deferral) reads the 1 MiB back, sha256 {want[:12]} matches"
@@ -390,7 +433,8 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
         print(f"crust demo: a deferred {fs_type} volume, mounted only inside a {runtime} sandbox, in {root}\n")
     try:
         demo.play()
-        ok = all(s.ok for s in timeline.steps) and demo.data_verified and not demo.host_mounted_during_sandbox
+        ok = all(s.ok for s in timeline.steps) and demo.data_verified and demo.stats_match_df \
+            and not demo.host_mounted_during_sandbox
     except StepFailed:
         ok = False
     except KeyboardInterrupt:
@@ -411,6 +455,9 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
             "data_verified": demo.data_verified,
             "size_before": demo.size_before,
             "size_after": demo.size_after,
+            "guest_df": demo.guest_df,
+            "stats": demo.stats_seen,
+            "stats_match_df": demo.stats_match_df,
             "leftovers_cleaned": leftovers,
             "ok": ok,
         }, indent=1))
