@@ -281,12 +281,15 @@ class ProxyProcess(CsiProcess):
 
 @dataclass
 class HandlerProcess:
-    """`crust handler` (mount-namespace sandboxes) registered with a ProxyProcess."""
+    """`crust handler` (mount-namespace sandboxes), or with command=("kata",
+    "handler") the microVM handler, registered with a ProxyProcess."""
 
     root: Path
     proxy: ProxyProcess
     name: str = "mountns"
     endpoint_name: str = "handler.sock"
+    command: tuple[str, ...] = ("handler",)
+    extra: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
 
     @property
@@ -302,9 +305,9 @@ class HandlerProcess:
         return self.root / f"{self.endpoint_name}.log"
 
     def start(self, timeout: float = 15.0) -> "HandlerProcess":
-        argv = [sys.executable, "-m", "crust", "handler", "--endpoint", f"unix://{self.socket}",
+        argv = [sys.executable, "-m", "crust", *self.command, "--endpoint", f"unix://{self.socket}",
                 "--proxy-endpoint", f"unix://{self.proxy.runtime_socket}", "--volumes-dir",
-                str(self.proxy.volumes_dir), "--state-dir", str(self.state_dir), "--name", self.name]
+                str(self.proxy.volumes_dir), "--state-dir", str(self.state_dir), "--name", self.name, *self.extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))
         deadline = time.monotonic() + timeout
         from crust.api import registry_pb2, registry_pb2_grpc
@@ -351,17 +354,34 @@ def kill_sandbox_holders(root: Path) -> None:
     namespace (host mounts propagate into every namespace, so merely
     mentioning the root would also match other roots' sandboxes)."""
     own = re.compile(re.escape(str(root.resolve())) + r"/[^/ ]+-state/run/")
+    killed: list[Path] = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if (entry / "cmdline").read_bytes().split(b"\0")[:2] != [b"sleep", b"infinity"]:
-                continue
-            if not own.search((entry / "mountinfo").read_text()):
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if argv[0].endswith(b"qemu-system-x86_64"):
+                # A microVM sandbox: its sockets and logs live under the state dir.
+                if not own.search(b" ".join(argv).decode(errors="replace")):
+                    continue
+            elif argv[:2] != [b"sleep", b"infinity"] or not own.search((entry / "mountinfo").read_text()):
                 continue
             os.kill(int(entry.name), signal.SIGKILL)
+            killed.append(entry)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
+    # Gone before the caller detaches loop devices they held open.
+    deadline = time.monotonic() + 10
+    while killed and time.monotonic() < deadline:
+        killed = [e for e in killed if e.exists() and "Z" not in _state(e)]
+        time.sleep(0.05)
+
+
+def _state(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"
 
 
 class Root:

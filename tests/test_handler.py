@@ -134,10 +134,10 @@ class Vol:
 
 
 class Env:
-    def __init__(self, root, proxy_extra=(), start_handler: bool = True):
+    def __init__(self, root, proxy_extra=(), start_handler: bool = True, **handler_kw):
         self.root = root
         self.driver, self.shim, self.proxy = root.stack(proxy_extra=list(proxy_extra))
-        self.handler = root.handler(self.proxy)
+        self.handler = root.handler(self.proxy, **handler_kw)
         if start_handler:
             self.handler.start()
 

@@ -1,0 +1,456 @@
+"""The microVM handler (`crust kata handler`) end to end, on real parts.
+
+Real driver -> shim -> proxy processes, a real `crust kata handler`
+registered with the proxy, real QEMU microVMs (software emulation where KVM
+does not work) booting the guest image built from Debian packages, real loop
+devices hot-plugged as virtio-blk. kubelet is played over the proxy's CSI
+socket; sandboxes are started with `crust sandbox run` on OCI bundles.
+
+What is checked is what the host kernel, the disks and the daemons say: no
+process on the host has the volume's file system in its mount table, the
+QEMU process holds the device open, bytes read back on the host after the
+sandbox stopped, the guest's own `df` (printed on its console) against
+NodeGetVolumeStats, gRPC status codes, the registry's claims, Kata's
+direct-volume layout on disk and the exit codes and JSON of
+`crust kata direct-volume`.
+
+The guest image must exist (`./run tests` builds it first); a handler that
+finds it missing or stale builds it before registering.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
+from crust.common.errors import FailedPrecondition, InvalidArgument
+from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
+from crust.sys import loop as sysloop
+from crust.sys import mount as sysmount
+from tests.harness import MIB
+from tests.test_handler import Env, namespaces_mounting, wait_until
+
+Code = grpc.StatusCode
+Usage = csi_pb2.VolumeUsage
+PROJECT = Path(__file__).resolve().parent.parent
+QEMU = b"qemu-system-x86_64"
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def qemu_pids(under: Path) -> list[int]:
+    """QEMU processes whose command line names a path below `under`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(QEMU) and (str(under) + "/").encode() in b" ".join(argv):
+            found.append(int(entry.name))
+    return found
+
+
+def holds_device(pid: int, majmin: tuple[int, int]) -> bool:
+    """Whether the process has the block device open (QEMU's virtio-blk backend)."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            st = os.stat(fd)
+        except OSError:
+            continue
+        if stat.S_ISBLK(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == majmin:
+            return True
+    return False
+
+
+def anyone_mounts(majmin: tuple[int, int]) -> list[int]:
+    """Every process on the host whose mount table has this device: none may."""
+    return namespaces_mounting(majmin)
+
+
+DF_SCRIPT = ('echo "df-bytes: $(df -P -B1 {path} | tail -n 1)" && '
+             'echo "df-inodes: $(df -P -i {path} | tail -n 1)"')
+
+
+def guest_df(console: str, tag: str = "") -> dict[str, int]:
+    """The last df lines a guest process printed on the console."""
+    found: dict[str, int] = {}
+    for line in console.splitlines():
+        for key, names in ((f"{tag}df-bytes:", ("bytes_total", "bytes_used", "bytes_available")),
+                           (f"{tag}df-inodes:", ("inodes_total", "inodes_used", "inodes_available"))):
+            if key in line:
+                fields = line.split(key, 1)[1].split()
+                found.update(zip(names, map(int, fields[1:4])))
+    return found
+
+
+def usage_dict(usage) -> dict[str, int]:
+    by_unit = {u.unit: u for u in usage}
+    b, i = by_unit[Usage.BYTES], by_unit[Usage.INODES]
+    return {"bytes_total": b.total, "bytes_used": b.used, "bytes_available": b.available,
+            "inodes_total": i.total, "inodes_used": i.used, "inodes_available": i.available}
+
+
+class KataEnv(Env):
+    """Env (tests/test_handler.py) with the microVM handler in place of the
+    mount-namespace one; Kata's direct-volume directory is the proxy's
+    mirror directory, as on a node where both are in use."""
+
+    def console(self, sandbox_id: str) -> str:
+        path = self.handler.state_dir / "run" / sandbox_id / "console.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_console(self, sandbox_id: str, text: str, timeout: float = 60) -> str:
+        return wait_until(lambda: text in self.console(sandbox_id) and self.console(sandbox_id), timeout=timeout,
+                          interval=0.1, what=f"{text!r} on the console of {sandbox_id}")
+
+    def stats(self, v) -> csi_pb2.NodeGetVolumeStatsResponse:
+        return self.proxy.node.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(
+            volume_id=v.volume_id, volume_path=str(v.target)), timeout=60)
+
+    def expand(self, v, size: int) -> int:
+        self.proxy.controller.ControllerExpandVolume(csi_pb2.ControllerExpandVolumeRequest(
+            volume_id=v.volume_id, capacity_range=csi_pb2.CapacityRange(required_bytes=size)), timeout=60)
+        return self.proxy.node.NodeExpandVolume(csi_pb2.NodeExpandVolumeRequest(
+            volume_id=v.volume_id, volume_path=str(v.target),
+            capacity_range=csi_pb2.CapacityRange(required_bytes=size)), timeout=180).capacity_bytes
+
+    def handler_stub(self) -> tuple[grpc.Channel, handler_pb2_grpc.HandlerStub]:
+        channel = grpc.insecure_channel(f"unix://{self.handler.socket}")
+        return channel, handler_pb2_grpc.HandlerStub(channel)
+
+    def direct_volume(self, verb: str, *args: str, cli: list[str] | None = None,
+                      env: dict | None = None) -> subprocess.CompletedProcess:
+        argv = cli or [sys.executable, "-m", "crust", "kata", "direct-volume"]
+        extra = [] if env else ["--kata-dir", str(self.kata_dir), "--handler-endpoint",
+                                f"unix://{self.handler.socket}"]
+        return subprocess.run([*argv, verb, *args, *extra], capture_output=True, text=True, timeout=240,
+                              env={**os.environ, **(env or {})})
+
+    @property
+    def kata_dir(self) -> Path:
+        return self.proxy.kata_dir
+
+
+@pytest.fixture
+def kenv(root):
+    """driver -> shim -> proxy, and `crust kata handler` registered with it.
+    Root.close() stops the daemons, then kills this root's QEMU processes."""
+    e = KataEnv(root, start_handler=False, name="kata", endpoint_name="kata.sock", command=("kata", "handler"),
+                extra=["--kata-dir", str(root.path / "kata")])
+    e.handler.start(timeout=900)  # builds the guest image if it is missing
+    try:
+        yield e
+    finally:
+        if e.handler.proc is not None and e.handler.proc.poll() is None:
+            for sandbox_id in e.sandboxes():
+                e.handler.sandbox("delete", sandbox_id)
+
+
+# -- the demo --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fs", ["ext4", "xfs"])
+def test_kata_demo_runs_every_step_and_leaves_nothing(root, fs):
+    tmp = root.path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "crust", "demo", "--runtime", "kata", "--fs", fs, "--json"],
+                          cwd=PROJECT, env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    result = json.loads(proc.stdout)
+    assert result["ok"] is True and result["runtime"] == "kata" and result["fs_type"] == fs
+    assert [s["name"] for s in result["steps"] if not s["ok"]] == []
+    # The data written in the guest read back on the host after the sandbox stopped.
+    assert result["data_verified"] is True
+    # At no moment did the host mount the file system.
+    assert result["host_mounted_during_sandbox"] is False
+    # NodeGetVolumeStats equals what df said inside the guest, field by field.
+    assert result["stats_match_df"] is True
+    assert len(result["guest_df"]) == 6 and result["stats"] == result["guest_df"]
+    # Online expansion: the guest saw the new size (ext4 too, which this
+    # host's kernel refuses to grow online).
+    expand = next(s for s in result["steps"] if s["name"] == "NodeExpandVolume")
+    assert "grown online inside the sandbox" in expand["detail"]
+    assert result["size_after"] > result["size_before"] > 0
+    assert list(tmp.iterdir()) == [] and qemu_pids(tmp) == []
+
+
+# -- the handler, step by step -----------------------------------------------------------------
+
+
+def test_the_guest_mounts_measures_and_grows_and_the_host_never_mounts(kenv):
+    v = kenv.create("pv-k1", "ext4")
+    # A host publish lays the volume out: a subpath and a symlink out of it.
+    kenv.publish_on_host(v)
+    (v.target / "sub" / "dir").mkdir(parents=True)
+    (v.target / "sub" / "dir" / "inner").write_text("deep\n")
+    (v.target / "link").symlink_to("/etc")
+    kenv.unpublish(v)
+    kenv.publish_deferred(v)
+
+    script = ("echo written-in-the-guest > /data/hello && cat /sub/inner > /sub/copy && ls /sub > /data/ls && "
+              "sync && " + DF_SCRIPT.format(path="/data") + " && echo WRITTEN && exec sleep 600")
+    bundle = kenv.bundle("k1", script, [("/data", str(v.target)), ("/sub", f"{v.target}/sub/dir")])
+    info = kenv.run_ok(bundle, "sb-k1")
+    (volume,) = info["volumes"]
+    assert volume["destinations"] == ["/data", "/sub"] and volume["subpaths"] == ["", "sub/dir"]
+    qemu = info["pid"]
+    assert qemu in qemu_pids(kenv.handler.state_dir)
+    assert holds_device(qemu, v.majmin), "QEMU does not hold the volume's device"
+    console = kenv.wait_console("sb-k1", "WRITTEN")
+    assert anyone_mounts(v.majmin) == [], "a host process has the guest's file system mounted"
+
+    # Stats come from the guest and equal its df.
+    first = kenv.stats(v)
+    assert not first.volume_condition.abnormal, first.volume_condition.message
+    assert usage_dict(first.usage) == guest_df(console)
+
+    # Online growth of ext4 in the guest (this host's kernel refuses it).
+    before = usage_dict(first.usage)["bytes_total"]
+    assert kenv.expand(v, 96 * MIB) >= 96 * MIB
+    after = usage_dict(kenv.stats(v).usage)["bytes_total"]
+    assert after > before + 48 * MIB, (before, after)
+    assert anyone_mounts(v.majmin) == []
+
+    kenv.delete("sb-k1")
+    assert kenv.claims() == []
+    wait_until(lambda: qemu not in qemu_pids(kenv.handler.state_dir), what="QEMU to exit")
+    assert anyone_mounts(v.majmin) == []
+
+    # The bytes the guest wrote, read back on the host; the subpath view was
+    # the directory, not the volume's root.
+    kenv.unpublish(v)
+    kenv.publish_on_host(v)
+    assert (v.target / "hello").read_text() == "written-in-the-guest\n"
+    assert (v.target / "sub" / "dir" / "copy").read_text() == "deep\n"
+    assert (v.target / "ls").read_text().split() == ["copy", "inner"]  # the directory, not the root
+    assert os.statvfs(v.target).f_blocks * os.statvfs(v.target).f_frsize > before + 48 * MIB
+    kenv.unpublish(v)
+
+    # A subpath through a symlink is refused by the guest, and the refused
+    # sandbox is undone: no claim, no VM, nothing mounted.
+    kenv.publish_deferred(v)
+    out = kenv.run(kenv.bundle("k1-link", "exec sleep 600", [("/x", f"{v.target}/link")]), "sb-k1-link")
+    assert out.returncode != 0 and "INVALID_ARGUMENT" in out.stderr and "symlink" in out.stderr, out.stderr
+    assert kenv.claims() == [] and kenv.sandboxes() == {}
+    wait_until(lambda: qemu_pids(kenv.handler.state_dir) == [], what="the refused sandbox's QEMU to exit")
+    kenv.unpublish(v)
+
+
+def test_a_crashed_vm_gives_its_volumes_back_marked_abnormal(kenv):
+    v = kenv.volume("pv-k2", "xfs")
+    info = kenv.run_ok(kenv.bundle("k2", "exec sleep 600", [("/data", str(v.target))]), "sb-k2")
+    assert {c.sandbox_id for c in kenv.claims()} == {"sb-k2"}
+    os.kill(info["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: kenv.claims() == [], timeout=15, interval=0.05, what="the claim to be released")
+    detected = time.monotonic() - killed
+    assert detected < 5, f"a dead VM was noticed after {detected:.1f} s"
+
+    rsp = kenv.stats(v)
+    assert rsp.volume_condition.abnormal and "died" in rsp.volume_condition.message, rsp
+    channel, stub = kenv.handler_stub()
+    with channel:
+        state = stub.GetSandbox(handler_pb2.GetSandboxRequest(sandbox_id="sb-k2"), timeout=10).state
+    assert state == handler_pb2.GetSandboxResponse.State.GONE
+    assert kenv.sandboxes() == {}
+    assert anyone_mounts(v.majmin) == []
+    # kubelet can unpublish, and the volume is usable again.
+    kenv.unpublish(v)
+    kenv.publish_deferred(v)
+    kenv.run_ok(kenv.bundle("k2b", "exec sleep 600", [("/data", str(v.target))]), "sb-k2b")
+    rsp = kenv.stats(v)
+    assert not rsp.volume_condition.abnormal, rsp.volume_condition.message
+    kenv.delete("sb-k2b")
+    kenv.unpublish(v)
+
+
+def test_a_guest_that_stops_answering_is_reported_not_waited_for(kenv):
+    v = kenv.volume("pv-k3", "ext4")
+    info = kenv.run_ok(kenv.bundle("k3", "exec sleep 600", [("/data", str(v.target))]), "sb-k3")
+    os.kill(info["pid"], signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        rsp = kenv.stats(v)
+        took = time.monotonic() - started
+    finally:
+        os.kill(info["pid"], signal.SIGCONT)
+    assert rsp.volume_condition.abnormal and "did not answer" in rsp.volume_condition.message, rsp
+    assert took < 20, f"stats of a hung guest took {took:.1f} s"
+    # Once the guest runs again, it answers again (the late answer to the
+    # timed-out request is dropped, not taken for the next one).
+    wait_until(lambda: not kenv.stats(v).volume_condition.abnormal, timeout=30, interval=0.5,
+               what="stats to be normal again")
+    assert usage_dict(kenv.stats(v).usage)["bytes_total"] > 0
+    kenv.delete("sb-k3")
+    kenv.unpublish(v)
+
+
+# -- Kata's direct-volume verbs --------------------------------------------------------------
+
+
+def make_loop_volume(root: Path, name: str, size: int, fs: str) -> tuple[Path, str]:
+    """What a Kata-style CSI driver has at NodePublishVolume: a formatted device."""
+    backing = root / f"{name}.img"
+    with open(backing, "wb") as f:
+        f.truncate(size)
+    subprocess.run(["mkfs." + fs, "-q", str(backing)] if fs == "ext4" else ["mkfs.xfs", "-q", str(backing)],
+                   check=True, capture_output=True)
+    device = subprocess.run(["losetup", "--find", "--show", str(backing)], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    return backing, device
+
+
+def test_direct_volume_layout_and_input_checks(tmp_path):
+    volumes = DirectVolumes(tmp_path / "dv")
+    path = "/var/lib/kubelet/pods/p/volumes/kubernetes.io~csi/pv/mount"
+    info = '{"volume-type": "block", "device": "/dev/loop9", "fstype": "ext4", "metadata": {"fsGroup": "2000"}}'
+    assert volumes.add(path, info) is True
+    entry = tmp_path / "dv" / base64.urlsafe_b64encode(path.encode()).decode()
+    assert entry_name(path) == entry.name and entry.name.endswith("=")  # padded, as Kata names it
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o700
+    assert stat.S_IMODE((entry / "mountInfo.json").stat().st_mode) == 0o600
+    assert (entry / "mountInfo.json").read_text() == info
+    assert volumes.add(path, info) is False  # a retry changes nothing
+    read = volumes.read(path)
+    assert (read.device, read.fstype, read.metadata, read.target_path) == ("/dev/loop9", "ext4",
+                                                                         {"fsGroup": "2000"}, path)
+    # Below a CSI volume, a subpath source resolves to the volume.
+    resolved = volumes.resolve(path + "/a/b")
+    assert resolved.info.target_path == path and resolved.subpath == "a/b"
+    # One sandbox at a time; its marker sits next to mountInfo.json.
+    volumes.claim(path, "sb-1")
+    assert (entry / "sb-1").exists() and volumes.sandbox_of(path) == "sb-1"
+    with pytest.raises(FailedPrecondition, match="sb-1"):
+        volumes.claim(path, "sb-2")
+    with pytest.raises(FailedPrecondition, match="in use by sandbox sb-1"):
+        volumes.add(path, info.replace("loop9", "loop8"))
+    volumes.release(path, "sb-1")
+    assert volumes.sandbox_of(path) is None
+    assert volumes.remove(path) is True and not entry.exists() and volumes.remove(path) is False
+    # The proxy's mirror of its own entry (same layout, crust's keys) is not
+    # a direct volume: it is claimed through the proxy's registry.
+    volumes.add(path, json.dumps({**json.loads(info), "crust-schema-version": 1, "target-path": path}))
+    assert volumes.read(path) is None and volumes.resolve(path) is None
+    volumes.remove(path)
+
+    for bad, field in [("{", "not JSON"), ("[]", "JSON object"), ('{"device": "/dev/x", "fstype": "ext4"}',
+                                                                   "'volume-type'"),
+                       ('{"volume-type": "block", "fstype": "ext4"}', "'device'"),
+                       ('{"volume-type": "block", "device": "loop0", "fstype": "ext4"}', "'device'"),
+                       ('{"volume-type": "mountedblock", "device": "/dev/x", "fstype": "ext4"}', "'volume-type'"),
+                       ('{"volume-type": "block", "device": "/dev/x", "fstype": ""}', "'fstype'")]:
+        with pytest.raises(InvalidArgument, match=field):
+            parse_mount_info(bad)
+    for bad_path in ["", "relative/path", "/" + "x" * 300]:
+        with pytest.raises(InvalidArgument, match="--volume-path"):
+            volumes.add(bad_path, info)
+    assert list((tmp_path / "dv").iterdir()) == []
+
+
+def test_a_kata_style_driver_works_unchanged_through_direct_volume(kenv):
+    """A driver that publishes with `kata-runtime direct-volume add`, answers
+    stats and expansion with `... stats` and `... resize`, and unpublishes
+    with `... remove`, played with the shipped kata-runtime wrapper."""
+    backing, device = make_loop_volume(kenv.path, "kata-style", 64 * MIB, "ext4")
+    majmin = (os.major(os.stat(device).st_rdev), os.minor(os.stat(device).st_rdev))
+    target = kenv.proxy.target("pod-dv", "pv-dv")
+    wrapper_env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                   "CRUST_KATA_DIR": str(kenv.kata_dir),
+                   "CRUST_KATA_HANDLER_ENDPOINT": f"unix://{kenv.handler.socket}"}
+    wrapper = [str(PROJECT / "deploy" / "kata-runtime"), "direct-volume"]
+
+    def kata_runtime(verb: str, *args: str) -> subprocess.CompletedProcess:
+        return kenv.direct_volume(verb, *args, cli=wrapper, env=wrapper_env)
+
+    try:
+        info = json.dumps({"volume-type": "block", "device": device, "fstype": "ext4",
+                           "metadata": {"fsGroup": "3000", "fsGroupChangePolicy": "Always"}, "options": []})
+        out = kata_runtime("add", "--volume-path", str(target), "--mount-info", info)
+        assert out.returncode == 0, out.stderr
+        entry = kenv.kata_dir / entry_name(str(target))
+        assert json.loads((entry / "mountInfo.json").read_text())["device"] == device
+
+        script = ("echo from-a-kata-driver > /data/f && sync && " + DF_SCRIPT.format(path="/data")
+                  + " && echo GID=$(stat -c %g /data) && echo WRITTEN && exec sleep 600")
+        sandbox = kenv.run_ok(kenv.bundle("dv", script, [("/data", str(target))]), "sb-dv")
+        console = kenv.wait_console("sb-dv", "WRITTEN")
+        assert "GID=3000" in console  # fsGroup from Kata's metadata, applied in the guest
+        assert sorted(p.name for p in entry.iterdir()) == ["mountInfo.json", "sb-dv"]
+        assert kenv.claims() == []  # not the proxy's volume: the marker is the claim
+        assert holds_device(sandbox["pid"], majmin) and anyone_mounts(majmin) == []
+
+        # stats prints what Kata prints: the CSI response, proto field names.
+        out = kata_runtime("stats", "--volume-path", str(target))
+        assert out.returncode == 0, out.stderr
+        stats = json.loads(out.stdout)
+        units = {u["unit"]: u for u in stats["usage"]}
+        assert set(units) == {Usage.BYTES, Usage.INODES} and stats["volume_condition"]["abnormal"] is False
+        df = guest_df(console)
+        assert (units[Usage.BYTES]["total"], units[Usage.INODES]["total"]) == (df["bytes_total"],
+                                                                              df["inodes_total"])
+
+        # resize: refused while the device is smaller than asked; then the
+        # driver grows the device and the guest grows the file system online.
+        out = kata_runtime("resize", "--volume-path", str(target), "--size", str(128 * MIB))
+        assert out.returncode == 1 and "FAILED_PRECONDITION" in out.stderr and "grow the device" in out.stderr
+        with open(backing, "r+b") as f:
+            f.truncate(128 * MIB)
+        subprocess.run(["losetup", "--set-capacity", device], check=True)
+        out = kata_runtime("resize", "--volume-path", str(target), "--size", str(128 * MIB))
+        assert out.returncode == 0, out.stderr
+        grown = json.loads(kata_runtime("stats", "--volume-path", str(target)).stdout)
+        assert {u["unit"]: u for u in grown["usage"]}[Usage.BYTES]["total"] > units[Usage.BYTES]["total"] + 32 * MIB
+
+        # One sandbox at a time; remove is refused while the sandbox runs.
+        out = kenv.run(kenv.bundle("dv2", "exec sleep 600", [("/data", str(target))]), "sb-dv2")
+        assert out.returncode != 0 and "FAILED_PRECONDITION" in out.stderr and "sb-dv" in out.stderr, out.stderr
+        out = kata_runtime("remove", "--volume-path", str(target))
+        assert out.returncode == 1 and "in use by sandbox sb-dv" in out.stderr and entry.exists()
+
+        kenv.delete("sb-dv")
+        assert sorted(p.name for p in entry.iterdir()) == ["mountInfo.json"]
+        out = kata_runtime("stats", "--volume-path", str(target))
+        assert out.returncode == 1 and "not in use" in out.stderr
+        out = kata_runtime("remove", "--volume-path", str(target))
+        assert out.returncode == 0, out.stderr
+        assert not entry.exists()
+
+        # Bad input: exit 1, a message naming the flag or key, nothing on disk.
+        for args, words in [(["add", "--volume-path", str(target), "--mount-info", "{}"], "'volume-type'"),
+                            (["add", "--volume-path", "relative", "--mount-info", info], "--volume-path"),
+                            (["stats", "--volume-path", "/nowhere"], "not a direct volume")]:
+            out = kata_runtime(*args)
+            assert out.returncode == 1 and words in out.stderr, (args, out.stderr)
+        assert not entry.exists()
+
+        # The data the guest wrote, on the device.
+        mnt = kenv.path / "check"
+        mnt.mkdir()
+        subprocess.run(["mount", "-o", "ro", device, str(mnt)], check=True)
+        try:
+            assert (mnt / "f").read_text() == "from-a-kata-driver\n"
+        finally:
+            subprocess.run(["umount", str(mnt)], check=True)
+    finally:
+        for sb in list(kenv.sandboxes()):
+            kenv.handler.sandbox("delete", sb)
+        if sysmount.at(str(kenv.path / "check")) is not None:
+            subprocess.run(["umount", str(kenv.path / "check")])
+        wait_until(lambda: not qemu_pids(kenv.handler.state_dir), timeout=30, what="QEMU to exit")
+        sysloop.detach_sync(device)
