@@ -349,6 +349,17 @@ def test_direct_volume_layout_and_input_checks(tmp_path):
     assert volumes.read(path) is None and volumes.resolve(path) is None
     volumes.remove(path)
 
+    # A symlink planted where an entry would be is no entry, and is never followed.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "mountInfo.json").write_text(info)
+    (tmp_path / "dv" / entry_name(path)).symlink_to(elsewhere)
+    assert volumes.read(path) is None and volumes.sandbox_of(path) is None
+    with pytest.raises(FailedPrecondition, match="no longer a direct volume"):
+        volumes.claim(path, "sb-1")
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["mountInfo.json"]
+    assert volumes.remove(path) is True and elsewhere.exists()  # the link goes, not its target
+
     for bad, field in [("{", "not JSON"), ("[]", "JSON object"), ('{"device": "/dev/x", "fstype": "ext4"}',
                                                                    "'volume-type'"),
                        ('{"volume-type": "block", "fstype": "ext4"}', "'device'"),

@@ -25,7 +25,9 @@ import base64
 import errno
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -107,24 +109,42 @@ class DirectVolumes:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
 
-    def _read_file(self, volume_path: str) -> bytes | None:
+    @contextmanager
+    def _entry(self, volume_path: str) -> Iterator[int | None]:
+        """The volume's directory, opened without following a symlink; None
+        when there is none (no root, no entry, or a symlink planted there)."""
         try:
             root_fd = self._root_fd()
         except FileNotFoundError:
-            return None
+            yield None
+            return
         try:
-            with open_dir(root_fd, entry_name(volume_path), create=False) as fd:
-                f = os.open(MOUNT_INFO, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
-                with os.fdopen(f, "rb") as fh:
-                    return fh.read(MAX_MOUNT_INFO_BYTES + 1)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # a planted symlink is no entry
-                return None
-            raise
+            try:
+                fd = os.open(entry_name(volume_path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+            except (FileNotFoundError, NotADirectoryError):
+                fd = None
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                fd = None
+            try:
+                yield fd
+            finally:
+                if fd is not None:
+                    os.close(fd)
         finally:
             os.close(root_fd)
+
+    def _read_file(self, volume_path: str) -> bytes | None:
+        with self._entry(volume_path) as fd:
+            if fd is None:
+                return None
+            try:
+                f = os.open(MOUNT_INFO, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+            except OSError:  # no file, or a symlink planted in its place
+                return None
+            with os.fdopen(f, "rb") as fh:
+                return fh.read(MAX_MOUNT_INFO_BYTES + 1)
 
     # -- the verbs ---------------------------------------------------------------------
 
@@ -198,21 +218,10 @@ class DirectVolumes:
     # -- the sandbox marker --------------------------------------------------------------
 
     def sandbox_of(self, volume_path: str) -> str | None:
-        try:
-            root_fd = self._root_fd()
-        except FileNotFoundError:
-            return None
-        try:
-            with open_dir(root_fd, entry_name(volume_path), create=False) as fd:
-                names = sorted(n for n in os.listdir(fd) if n != MOUNT_INFO and not n.startswith("."))
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
+        with self._entry(volume_path) as fd:
+            if fd is None:
                 return None
-            raise
-        finally:
-            os.close(root_fd)
+            names = sorted(n for n in os.listdir(fd) if n != MOUNT_INFO and not n.startswith("."))
         return names[0] if names else None
 
     def claim(self, volume_path: str, sandbox_id: str) -> None:
@@ -221,29 +230,18 @@ class DirectVolumes:
         holder = self.sandbox_of(volume_path)
         if holder is not None and holder != sandbox_id:
             raise FailedPrecondition(f"{volume_path} is already used by sandbox {holder}")
-        try:
-            root_fd = self._root_fd()
-        except FileNotFoundError:
-            raise FailedPrecondition(f"{volume_path} is no longer a direct volume (removed)") from None
-        try:
-            with open_dir(root_fd, entry_name(volume_path), create=False) as fd:
-                os.close(os.open(sandbox_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=fd))
-                os.fsync(fd)
-        except FileNotFoundError:
-            raise FailedPrecondition(f"{volume_path} is no longer a direct volume (removed)") from None
-        finally:
-            os.close(root_fd)
+        with self._entry(volume_path) as fd:
+            if fd is None:
+                raise FailedPrecondition(f"{volume_path} is no longer a direct volume (removed)")
+            os.close(os.open(sandbox_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=fd))
+            os.fsync(fd)
 
     def release(self, volume_path: str, sandbox_id: str) -> None:
-        try:
-            root_fd = self._root_fd()
-        except FileNotFoundError:
-            return
-        try:
-            with open_dir(root_fd, entry_name(volume_path), create=False) as fd:
+        with self._entry(volume_path) as fd:
+            if fd is None:
+                return
+            try:
                 os.unlink(sandbox_id, dir_fd=fd)
-                os.fsync(fd)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(root_fd)
+            except FileNotFoundError:
+                return
+            os.fsync(fd)
