@@ -280,6 +280,23 @@ def test_a_crashed_vm_gives_its_volumes_back_marked_abnormal(kenv):
     kenv.unpublish(v)
 
 
+def test_errors_and_a_read_only_remount_in_the_guest_make_the_volume_abnormal(kenv):
+    """Kata says OK whatever happens; here the condition is the guest's."""
+    e, x = kenv.volume("pv-k4e", "ext4"), kenv.volume("pv-k4x", "xfs")
+    # ext4 records an error (the kernel's own test hook), xfs goes read-only.
+    script = ("for d in /sys/fs/ext4/vd*; do echo 1 > $d/trigger_fs_error; done && "
+              "mount -o remount,ro /x && echo BROKEN && exec sleep 600")
+    kenv.run_ok(kenv.bundle("k4", script, [("/e", str(e.target)), ("/x", str(x.target))]), "sb-k4")
+    kenv.wait_console("sb-k4", "BROKEN")
+    ext4, xfs = kenv.stats(e), kenv.stats(x)
+    assert ext4.volume_condition.abnormal and "errors" in ext4.volume_condition.message, ext4
+    assert xfs.volume_condition.abnormal and "read-only" in xfs.volume_condition.message, xfs
+    assert usage_dict(ext4.usage)["bytes_total"] > 0 and usage_dict(xfs.usage)["bytes_total"] > 0
+    kenv.delete("sb-k4")
+    kenv.unpublish(e)
+    kenv.unpublish(x)
+
+
 def test_a_guest_that_stops_answering_is_reported_not_waited_for(kenv):
     v = kenv.volume("pv-k3", "ext4")
     info = kenv.run_ok(kenv.bundle("k3", "exec sleep 600", [("/data", str(v.target))]), "sb-k3")
