@@ -106,13 +106,12 @@ if str(PROJECT) not in sys.path:
 
 import grpc  # noqa: E402
 
-from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc, registry_pb2, registry_pb2_grpc  # noqa: E402
+from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc  # noqa: E402
 from crust.kata.image import DEFAULT_CACHE, build  # noqa: E402
 from crust.kata.qemu import Vm, VmConfig  # noqa: E402
 from crust.sys import loop as sysloop  # noqa: E402
 from crust.sys import mount as sysmount  # noqa: E402
-import tests.harness as harness  # noqa: E402
-from tests.harness import MIB, HandlerProcess, Root, mount_cap  # noqa: E402
+from tests.harness import MIB, Root, mount_cap, qemu_pids_under  # noqa: E402
 
 VOLUME_MIB = 256
 GROW_MIB = 64
@@ -226,7 +225,7 @@ class CpuWatch:
         t = os.times()
         ours = round((t.user + t.system + t.children_user + t.children_system) * TICK)
         ours += sum(_ticks(p, True) for p in self.daemon_pids)
-        ours += sum(_ticks(p, False) for p in own_qemu_pids(*self.dirs) if p not in self.daemon_pids)
+        ours += sum(_ticks(p, False) for p in qemu_pids_under(*self.dirs) if p not in self.daemon_pids)
         return time.monotonic(), busy, ours
 
     def others_cores(self) -> float:
@@ -264,70 +263,12 @@ def own_session():
         subprocess.Popen = original
 
 
-def own_qemu_pids(*dirs: Path) -> list[int]:
-    """QEMU processes whose command line names one of these (private,
-    freshly made) directories: the VMs of this run, and only those."""
-    needles = [str(d.resolve()).encode() + b"/" for d in dirs]
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"qemu-system-x86_64") and any(n in a for a in argv for n in needles):
-            found.append(int(entry.name))
-    return found
-
-
 def kill_pids(pids: list[int]) -> None:
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-class KataHandlerProcess(HandlerProcess):
-    """`crust kata handler` registered with a ProxyProcess (the harness's
-    HandlerProcess starts the mount-namespace handler)."""
-
-    def start(self, timeout: float = 180.0, accel: str = "tcg") -> "KataHandlerProcess":
-        argv = [sys.executable, "-m", "crust", "kata", "handler", "--endpoint", f"unix://{self.socket}",
-                "--proxy-endpoint", f"unix://{self.proxy.runtime_socket}", "--volumes-dir",
-                str(self.proxy.volumes_dir), "--state-dir", str(self.state_dir), "--name", self.name,
-                "--accel", accel]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))
-        deadline = time.monotonic() + timeout   # the guest image is checked (maybe rebuilt) first
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kata handler exited with {self.proc.returncode}: "
-                                   f"{self.log_path.read_text()[-2000:]}")
-            with self.proxy.runtime_channel() as channel:
-                try:
-                    names = [h.name for h in registry_pb2_grpc.RegistryStub(channel).ListHandlers(
-                        registry_pb2.ListHandlersRequest(), timeout=2).handlers if not h.lease_expired]
-                except grpc.RpcError:
-                    names = []
-            if self.name in names and self.socket.exists():
-                return self
-            time.sleep(0.1)
-        raise TimeoutError(f"kata handler not registered: {self.log_path.read_text()[-2000:]}")
-
-
-def close_root(root: Root) -> None:
-    """Root.close() (stops the daemons in reverse order, unmounts and detaches
-    what is below the root, removes it), with its sandbox-process kill
-    replaced by a kill of this root's QEMU processes only: the harness's own
-    kill looks for mount-namespace holders whose mount table mentions the
-    root, which on a shared machine can match other people's sandboxes."""
-    original = harness.kill_sandbox_holders
-    harness.kill_sandbox_holders = lambda path: kill_pids(own_qemu_pids(path))
-    try:
-        root.close()
-    finally:
-        harness.kill_sandbox_holders = original
 
 
 # -- parts 1 to 3: the chain ----------------------------------------------------------------------------
@@ -350,10 +291,11 @@ class Chain:
     def up(self) -> None:
         with own_session():
             self.driver, self.shim, self.proxy = self.root.stack()
-            self.handler = KataHandlerProcess(root=self.root.path, proxy=self.proxy, name=HANDLER_NAME,
-                                              endpoint_name="kata.sock")
-            self.root.drivers.append(self.handler)
-            self.handler.start(accel=self.accel)
+            self.handler = self.root.handler(self.proxy, name=HANDLER_NAME, endpoint_name="kata.sock",
+                                             command=("kata", "handler"),
+                                             extra=["--accel", self.accel,
+                                                    "--kata-dir", str(self.root.path / "kata-direct")])
+            self.handler.start(timeout=900)  # the guest image is checked (maybe rebuilt) first
         self.handler_channel = grpc.insecure_channel(f"unix://{self.handler.socket}")
         self.control = handler_pb2_grpc.SandboxControlStub(self.handler_channel)
         self.handler_stub = handler_pb2_grpc.HandlerStub(self.handler_channel)
@@ -763,9 +705,9 @@ def cleanup_part4(live: dict) -> list[str]:
     if base is None:
         return problems
     # The VM's sockets live below base: its command line names it.
-    kill_pids(own_qemu_pids(base))
+    kill_pids(qemu_pids_under(base))
     for _ in range(50):
-        if not own_qemu_pids(base):
+        if not qemu_pids_under(base):
             break
         time.sleep(0.1)
     share = live.get("p4_mount")
@@ -871,7 +813,7 @@ def main(argv=None) -> int:
             if problems:
                 results["teardown_problems"] = problems
                 say(f"    teardown through the chain: {problems} (forced cleanup follows)")
-            close_root(root)
+            root.close()
             root = None
         if 4 in args.part_set:
             try:
@@ -901,12 +843,12 @@ def main(argv=None) -> int:
             problems = chain.teardown() if chain is not None else []
             prefix = str(root.path.resolve()) + "/"
             path = root.path
-            close_root(root)
+            root.close()
             left_mounts = [e.mount_point for e in sysmount.mounts() if (e.mount_point + "/").startswith(prefix)]
             left_loops = [dev for dev, backing in sysloop.attached().items() if backing.startswith(prefix)]
             if problems:
                 print(f"cleanup: teardown errors (forced cleanup followed): {problems[:3]}", file=sys.stderr)
-            if left_mounts or left_loops or own_qemu_pids(path) or path.exists():
+            if left_mounts or left_loops or qemu_pids_under(path) or path.exists():
                 print(f"cleanup INCOMPLETE: mounts {left_mounts[:5]}, loop devices {left_loops[:5]}, "
                       f"root {path}", file=sys.stderr)
                 status = status or 1

@@ -347,6 +347,24 @@ class HandlerProcess:
                                f"unix://{self.socket}", *args], capture_output=True, text=True, timeout=120)
 
 
+def qemu_pids_under(*dirs: Path) -> list[int]:
+    """QEMU processes whose command line names a path below one of dirs
+    (their sockets and logs live there): the microVMs made under a test's
+    or a benchmark's own directories, and only those."""
+    needles = [(str(Path(d).resolve()) + "/").encode() for d in dirs]
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"qemu-system-x86_64") and any(n in a for a in argv for n in needles):
+            found.append(int(entry.name))
+    return found
+
+
 def kill_sandbox_holders(root: Path) -> None:
     """Sandboxes outlive their handler by design; a test root kills the
     holders of its own handlers' sandboxes: processes with a mount under

@@ -38,31 +38,15 @@ from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB
+from tests.harness import MIB, qemu_pids_under
 from tests.test_handler import Env, namespaces_mounting, wait_until
 
 Code = grpc.StatusCode
 Usage = csi_pb2.VolumeUsage
 PROJECT = Path(__file__).resolve().parent.parent
-QEMU = b"qemu-system-x86_64"
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def qemu_pids(under: Path) -> list[int]:
-    """QEMU processes whose command line names a path below `under`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(QEMU) and (str(under) + "/").encode() in b" ".join(argv):
-            found.append(int(entry.name))
-    return found
 
 
 def holds_device(pid: int, majmin: tuple[int, int]) -> bool:
@@ -187,7 +171,7 @@ def test_kata_demo_runs_every_step_and_leaves_nothing(root, fs):
     expand = next(s for s in result["steps"] if s["name"] == "NodeExpandVolume")
     assert "grown online inside the sandbox" in expand["detail"]
     assert result["size_after"] > result["size_before"] > 0
-    assert list(tmp.iterdir()) == [] and qemu_pids(tmp) == []
+    assert list(tmp.iterdir()) == [] and qemu_pids_under(tmp) == []
 
 
 # -- the handler, step by step -----------------------------------------------------------------
@@ -210,7 +194,7 @@ def test_the_guest_mounts_measures_and_grows_and_the_host_never_mounts(kenv):
     (volume,) = info["volumes"]
     assert volume["destinations"] == ["/data", "/sub"] and volume["subpaths"] == ["", "sub/dir"]
     qemu = info["pid"]
-    assert qemu in qemu_pids(kenv.handler.state_dir)
+    assert qemu in qemu_pids_under(kenv.handler.state_dir)
     assert holds_device(qemu, v.majmin), "QEMU does not hold the volume's device"
     console = kenv.wait_console("sb-k1", "WRITTEN")
     assert anyone_mounts(v.majmin) == [], "a host process has the guest's file system mounted"
@@ -229,7 +213,7 @@ def test_the_guest_mounts_measures_and_grows_and_the_host_never_mounts(kenv):
 
     kenv.delete("sb-k1")
     assert kenv.claims() == []
-    wait_until(lambda: qemu not in qemu_pids(kenv.handler.state_dir), what="QEMU to exit")
+    wait_until(lambda: qemu not in qemu_pids_under(kenv.handler.state_dir), what="QEMU to exit")
     assert anyone_mounts(v.majmin) == []
 
     # The bytes the guest wrote, read back on the host; the subpath view was
@@ -248,7 +232,7 @@ def test_the_guest_mounts_measures_and_grows_and_the_host_never_mounts(kenv):
     out = kenv.run(kenv.bundle("k1-link", "exec sleep 600", [("/x", f"{v.target}/link")]), "sb-k1-link")
     assert out.returncode != 0 and "INVALID_ARGUMENT" in out.stderr and "symlink" in out.stderr, out.stderr
     assert kenv.claims() == [] and kenv.sandboxes() == {}
-    wait_until(lambda: qemu_pids(kenv.handler.state_dir) == [], what="the refused sandbox's QEMU to exit")
+    wait_until(lambda: qemu_pids_under(kenv.handler.state_dir) == [], what="the refused sandbox's QEMU to exit")
     kenv.unpublish(v)
 
 
@@ -480,5 +464,5 @@ def test_a_kata_style_driver_works_unchanged_through_direct_volume(kenv):
             kenv.handler.sandbox("delete", sb)
         if sysmount.at(str(kenv.path / "check")) is not None:
             subprocess.run(["umount", str(kenv.path / "check")])
-        wait_until(lambda: not qemu_pids(kenv.handler.state_dir), timeout=30, what="QEMU to exit")
+        wait_until(lambda: not qemu_pids_under(kenv.handler.state_dir), timeout=30, what="QEMU to exit")
         sysloop.detach_sync(device)
