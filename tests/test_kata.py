@@ -44,6 +44,7 @@ from tests.test_handler import Env, namespaces_mounting, wait_until
 Code = grpc.StatusCode
 Usage = csi_pb2.VolumeUsage
 PROJECT = Path(__file__).resolve().parent.parent
+SIZE_XFS_GROWN = 400 * MIB  # from the 300 MiB tests/test_handler.py gives an xfs volume
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -130,13 +131,30 @@ class KataEnv(Env):
         return self.proxy.kata_dir
 
 
+def start_kata_env(root, proxy_extra=()) -> KataEnv:
+    e = KataEnv(root, proxy_extra=proxy_extra, start_handler=False, name="kata", endpoint_name="kata.sock",
+                command=("kata", "handler"), extra=["--kata-dir", str(root.path / "kata")])
+    e.handler.start(timeout=900)  # builds the guest image if it is missing
+    return e
+
+
 @pytest.fixture
 def kenv(root):
     """driver -> shim -> proxy, and `crust kata handler` registered with it.
     Root.close() stops the daemons, then kills this root's QEMU processes."""
-    e = KataEnv(root, start_handler=False, name="kata", endpoint_name="kata.sock", command=("kata", "handler"),
-                extra=["--kata-dir", str(root.path / "kata")])
-    e.handler.start(timeout=900)  # builds the guest image if it is missing
+    e = start_kata_env(root)
+    try:
+        yield e
+    finally:
+        if e.handler.proc is not None and e.handler.proc.poll() is None:
+            for sandbox_id in e.sandboxes():
+                e.handler.sandbox("delete", sandbox_id)
+
+
+@pytest.fixture
+def kenv_short_lease(root):
+    """The same, with 3 s leases: a killed handler is seen gone quickly."""
+    e = start_kata_env(root, proxy_extra=["--lease-seconds", "3"])
     try:
         yield e
     finally:
@@ -279,6 +297,39 @@ def test_errors_and_a_read_only_remount_in_the_guest_make_the_volume_abnormal(ke
     kenv.delete("sb-k4")
     kenv.unpublish(e)
     kenv.unpublish(x)
+
+
+def test_a_vm_survives_a_handler_restart_and_is_taken_over(kenv_short_lease):
+    kenv = kenv_short_lease
+    v = kenv.volume("pv-k5", "xfs")
+    script = "echo before > /data/a && sync && echo WRITTEN && exec sleep 600"
+    info = kenv.run_ok(kenv.bundle("k5", script, [("/data", str(v.target))]), "sb-k5")
+    kenv.wait_console("sb-k5", "WRITTEN")
+    before = usage_dict(kenv.stats(v).usage)
+
+    kenv.handler.kill()
+    wait_until(lambda: kenv.handlers()["kata"].lease_expired, timeout=15, what="the lease to expire")
+    assert info["pid"] in qemu_pids_under(kenv.handler.state_dir)  # the VM runs on without its handler
+    kenv.handler.start(timeout=120)
+    listed = kenv.sandboxes()
+    assert list(listed) == ["sb-k5"] and listed["sb-k5"]["pid"] == info["pid"]
+    assert listed["sb-k5"]["state"] == "RUNNING"
+    assert [(c.target_path, c.sandbox_id) for c in kenv.claims()] == [(str(v.target), "sb-k5")]
+
+    # The new handler talks to the guest again: stats, growth, then a clean stop.
+    rsp = kenv.stats(v)
+    assert not rsp.volume_condition.abnormal, rsp.volume_condition.message
+    assert usage_dict(rsp.usage)["bytes_total"] == before["bytes_total"]
+    kenv.expand(v, SIZE_XFS_GROWN)
+    assert usage_dict(kenv.stats(v).usage)["bytes_total"] > before["bytes_total"] + 32 * MIB
+    kenv.delete("sb-k5")
+    assert kenv.claims() == [] and kenv.sandboxes() == {}
+    wait_until(lambda: info["pid"] not in qemu_pids_under(kenv.handler.state_dir), what="QEMU to exit")
+    assert "could not" not in kenv.handler.log_path.read_text()
+    kenv.unpublish(v)
+    kenv.publish_on_host(v)
+    assert (v.target / "a").read_text() == "before\n"
+    kenv.unpublish(v)
 
 
 def test_a_guest_that_stops_answering_is_reported_not_waited_for(kenv):

@@ -85,6 +85,7 @@ class Vm:
         self.agent = AgentClient(str(self.agent_socket))
         self.qmp = QmpClient(str(self.qmp_socket))
         self._proc: asyncio.subprocess.Process | None = None
+        self._adopted_pid = 0  # a VM started by an earlier handler process (adopt())
         self._exited: asyncio.Task | None = None
 
     # -------------------------------------------------------------- process
@@ -107,10 +108,20 @@ class Vm:
 
     @property
     def pid(self) -> int:
-        return self._proc.pid if self._proc is not None else 0
+        return self._proc.pid if self._proc is not None else self._adopted_pid
 
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.returncode is None
+        if self._proc is not None:
+            return self._proc.returncode is None
+        if self._adopted_pid:
+            # Not our child: alive while that pid runs this VM's QEMU (a
+            # zombie's command line is empty, a reused pid's is another).
+            try:
+                argv = Path(f"/proc/{self._adopted_pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                return False
+            return self.name.encode() in argv
+        return False
 
     def console_tail(self, lines: int = 20) -> str:
         try:
@@ -119,7 +130,12 @@ class Vm:
             return ""
 
     async def _watch(self) -> int:
-        code = await self._proc.wait()
+        if self._proc is None:  # adopted: not our child, poll for its end
+            while self.alive():
+                await asyncio.sleep(0.2)
+            code = -1
+        else:
+            code = await self._proc.wait()
         reason = f"QEMU exited with code {code}"
         log.info("vm %s: %s", self.name, reason)
         self.agent.mark_dead(reason)
@@ -180,6 +196,23 @@ class Vm:
                  self.pid, self.config.accel)
         return self.boot_seconds
 
+    async def adopt(self, pid: int, disks: list[tuple[str, str]], timeout: float = 30.0) -> None:
+        """Take over a VM that an earlier handler process started (QEMU runs
+        in its own session and outlived it): reconnect to its QMP and agent
+        sockets, whose servers accept a new client once the old one is
+        gone, and rebuild the disk table from (host device, serial) pairs
+        (node and device names derive from the serial)."""
+        self._adopted_pid = pid
+        if not self.alive():
+            raise VmError(f"vm {self.name}: pid {pid} is not this VM's QEMU")
+        self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")
+        await self._guarded(self.qmp.connect(), "QMP reconnect")
+        await self._guarded(self.agent.connect(), "agent reconnect")
+        await self._guarded(self.agent.wait_ready(timeout), "agent ping")
+        for host_device, serial in disks:
+            self.disks[serial] = self._disk(serial, host_device, readonly=False)
+        log.info("vm %s: adopted (pid %d, %d disks)", self.name, pid, len(disks))
+
     async def status(self) -> str:
         return (await self.qmp.execute("query-status"))["status"]
 
@@ -210,7 +243,10 @@ class Vm:
 
     async def kill(self) -> None:
         if self.alive():
-            self._proc.send_signal(signal.SIGKILL)
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if self._exited is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._exited), 10)
@@ -232,7 +268,7 @@ class Vm:
             raise ValueError(f"serial {serial!r}: 1-20 of [A-Za-z0-9_.-]")
         if serial in self.disks:
             raise VmError(f"vm {self.name}: a disk with serial {serial} is attached already")
-        disk = Disk(serial, host_device, node=f"disk-{serial}", device_id=f"vblk-{serial}", readonly=readonly)
+        disk = self._disk(serial, host_device, readonly)
         await self.qmp.execute("blockdev-add", {
             "driver": "host_device", "filename": host_device, "node-name": disk.node,
             "read-only": readonly, "cache": {"direct": direct}})
@@ -244,6 +280,10 @@ class Vm:
             raise
         self.disks[serial] = disk
         return disk
+
+    @staticmethod
+    def _disk(serial: str, host_device: str, readonly: bool) -> Disk:
+        return Disk(serial, host_device, node=f"disk-{serial}", device_id=f"vblk-{serial}", readonly=readonly)
 
     async def resize_disk(self, serial: str, size: int | None = None) -> int:
         """Tell the guest its disk grew (after the host device grew, e.g.

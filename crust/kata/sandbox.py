@@ -18,7 +18,7 @@ from pathlib import Path
 from crust.api import csi_pb2
 from crust.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from crust.kata.agent import AgentError, AgentRefused
-from crust.kata.qemu import Vm, VmConfig
+from crust.kata.qemu import Vm, VmConfig, VmError
 from crust.runtime_handler.sandbox import Sandbox, VolumeStats
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,15 @@ class KataSandbox(Sandbox):
     async def start(self) -> None:
         seconds = await self.vm.start()
         log.info("vm up", extra={"fields": {"sandbox": self.id, "boot_s": round(seconds, 2), "pid": self.vm.pid}})
+
+    async def adopt(self, devices: list[str], process_pid: int) -> None:
+        try:
+            await self.vm.adopt(self._recorded_pid, [(d, serial_of(d)) for d in devices])
+        except (VmError, AgentError) as exc:
+            raise Unavailable(f"sandbox {self.id}: could not reconnect to its VM: {exc}") from None
+        if process_pid:
+            self._process_pid = process_pid
+            self._poller = asyncio.create_task(self._poll_exit())
 
     async def stop(self) -> None:
         if self._poller is not None:

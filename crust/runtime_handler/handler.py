@@ -154,6 +154,12 @@ class RuntimeHandler:
             if sandbox.alive():
                 self.sandboxes[record.sandbox_id] = (sandbox, record)
                 log.info("sandbox survived the restart", extra={"fields": {"sandbox": record.sandbox_id}})
+                try:
+                    await sandbox.adopt([v.device for v in record.volumes.values()], record.process_pid)
+                except CrustError as exc:
+                    # Kept: its claims hold while it runs; stats say what is wrong.
+                    log.error("could not take over a surviving sandbox", extra={"fields": {
+                        "sandbox": record.sandbox_id, "error": exc.message}})
             else:
                 log.info("sandbox died while the handler was down", extra={"fields": {"sandbox": record.sandbox_id}})
                 self.sandboxes[record.sandbox_id] = (sandbox, record)

@@ -47,6 +47,10 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def start(self) -> None: ...
 
+    async def adopt(self, devices: list[str], process_pid: int) -> None:
+        """After a handler restart, take over a sandbox that survived it (its
+        attached devices and its process); nothing to do by default."""
+
     @abc.abstractmethod
     async def attach(self, device: str) -> str:
         """Make the host device reachable inside; returns its path inside."""
