@@ -4,6 +4,7 @@ the claiming handler over its socket, or a KEP-style runtime through the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -26,17 +27,29 @@ HANDLER_TIMEOUT = 10.0
 class Router:
     def __init__(self, state: ProxyState):
         self.state = state
-        self.channels: dict[str, grpc.aio.Channel] = {}
+        # One channel per handler endpoint and lease. A handler that
+        # registers again (restarted) gets a fresh channel: the old one may
+        # sit in gRPC's reconnect backoff (up to minutes) after failing to
+        # reach the dead handler, and would refuse calls meanwhile.
+        self.channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
+        self._closing: set[asyncio.Task] = set()
 
-    def _stub(self, endpoint: str) -> handler_pb2_grpc.HandlerStub:
-        channel = self.channels.get(endpoint)
-        if channel is None:
-            channel = self.channels[endpoint] = grpc.aio.insecure_channel(grpc_target(endpoint))
+    def _stub(self, handler) -> handler_pb2_grpc.HandlerStub:
+        lease, channel = self.channels.get(handler.endpoint, ("", None))
+        if channel is None or lease != handler.lease_id:
+            if channel is not None:
+                task = asyncio.get_running_loop().create_task(channel.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            channel = grpc.aio.insecure_channel(grpc_target(handler.endpoint))
+            self.channels[handler.endpoint] = (handler.lease_id, channel)
         return handler_pb2_grpc.HandlerStub(channel)
 
     async def close(self) -> None:
-        for channel in self.channels.values():
+        for _, channel in self.channels.values():
             await channel.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     def _timeout(self, context) -> float:
         remaining = context.time_remaining() if context is not None else None
@@ -55,7 +68,7 @@ class Router:
         return handler
 
     async def _call_handler(self, handler, method: str, request, context):
-        stub = self._stub(handler.endpoint)
+        stub = self._stub(handler)
         try:
             return await getattr(stub, method)(request, timeout=self._timeout(context))
         except grpc.aio.AioRpcError as exc:
@@ -128,7 +141,7 @@ class Router:
         if handler is None:
             return None
         try:
-            rsp = await self._stub(handler.endpoint).GetSandbox(
+            rsp = await self._stub(handler).GetSandbox(
                 handler_pb2.GetSandboxRequest(sandbox_id=sandbox_id), timeout=2.0)
         except grpc.aio.AioRpcError:
             return None
