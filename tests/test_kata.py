@@ -308,6 +308,11 @@ def test_a_vm_survives_a_handler_restart_and_is_taken_over(kenv_short_lease):
     before = usage_dict(kenv.stats(v).usage)
 
     kenv.handler.kill()
+    # Meanwhile kubelet's stats say who does not answer: the handler, not the proxy.
+    with pytest.raises(grpc.RpcError) as down:
+        kenv.stats(v)
+    assert down.value.code() == Code.UNAVAILABLE and "handler kata" in down.value.details(), down.value.details()
+    assert "proxy" not in down.value.details().split("handler")[0], down.value.details()
     wait_until(lambda: kenv.handlers()["kata"].lease_expired, timeout=15, what="the lease to expire")
     assert info["pid"] in qemu_pids_under(kenv.handler.state_dir)  # the VM runs on without its handler
     kenv.handler.start(timeout=120)

@@ -27,7 +27,10 @@ class RuntimeClient:
         try:
             return await method(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in _UNREACHABLE:
+            # A connected channel means the proxy itself answered UNAVAILABLE
+            # (the handler holding the volume did not answer): its words, not ours.
+            answered = self.channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+            if exc.code() in _UNREACHABLE and not answered:
                 raise Unavailable(f"the crust proxy at {self.endpoint} is unreachable ({exc.details()}); "
                                   "stats and expansion of a deferred volume need it") from None
             raise Forwarded.from_rpc_error(exc) from None
