@@ -416,6 +416,10 @@ def test_direct_volume_layout_and_input_checks(tmp_path):
         volumes.claim(path, "sb-1")
     assert sorted(p.name for p in elsewhere.iterdir()) == ["mountInfo.json"]
     assert volumes.remove(path) is True and elsewhere.exists()  # the link goes, not its target
+    (tmp_path / "dv" / entry_name(path) / "mountInfo.json").mkdir(parents=True)
+    assert volumes.read(path) is None
+    os.rmdir(tmp_path / "dv" / entry_name(path) / "mountInfo.json")
+    assert volumes.remove(path) is True
 
     for bad, field in [("{", "not JSON"), ("[]", "JSON object"), ('{"device": "/dev/x", "fstype": "ext4"}',
                                                                    "'volume-type'"),

@@ -25,6 +25,7 @@ import base64
 import errno
 import json
 import os
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -143,6 +144,9 @@ class DirectVolumes:
                 f = os.open(MOUNT_INFO, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
             except OSError:  # no file, or a symlink planted in its place
                 return None
+            if not stat.S_ISREG(os.fstat(f).st_mode):
+                os.close(f)
+                return None  # a FIFO or a directory planted there is no description
             with os.fdopen(f, "rb") as fh:
                 return fh.read(MAX_MOUNT_INFO_BYTES + 1)
 
