@@ -306,9 +306,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.kata_command == "direct-volume":
             from crust.kata.direct_volume_cli import main as direct_volume_main
 
-            if args.verb == "resize" and args.size <= 0:
-                print("direct-volume resize: --size must be a positive number of bytes", file=sys.stderr)
-                return 1
             return direct_volume_main(args.verb, args.volume_path, mount_info=args.mount_info, size=args.size,
                                       kata_dir=args.kata_dir.absolute() if args.kata_dir else None,
                                       endpoint=args.handler_endpoint)

@@ -83,7 +83,10 @@ class DirectVolumeClient:
             try:
                 state = stub.GetSandbox(handler_pb2.GetSandboxRequest(sandbox_id=holder), timeout=STATS_TIMEOUT).state
             except grpc.RpcError:
-                state = GONE  # no handler: nothing of ours runs the sandbox
+                # No handler answers: nothing of ours runs the sandbox now. Even
+                # if a VM outlived its handler, removing the description takes
+                # it nothing but stats and resize; it keeps its device.
+                state = GONE
             finally:
                 channel.close()
             if state != GONE:
