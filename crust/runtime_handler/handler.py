@@ -266,6 +266,8 @@ class RuntimeHandler:
 
     async def _claim(self, target_path: str, direct: bool, sandbox_id: str, pid: int) -> None:
         if direct:
+            if self.direct_source is None:
+                raise FailedPrecondition(f"{target_path} was a direct volume; this handler reads none")
             await asyncio.to_thread(self.direct_source.claim, target_path, sandbox_id)
         else:
             await self.registration.claim(target_path, sandbox_id, pid)
