@@ -41,16 +41,11 @@ so the next run starts from the same /sys/block.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import datetime as dt
 import fcntl
 import inspect
-import json
 import os
-import platform
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -61,12 +56,28 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-PROJECT = Path(__file__).resolve().parent.parent
-if str(PROJECT) not in sys.path:
-    sys.path.insert(0, str(PROJECT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: bench, crust, tests
 
 import grpc  # noqa: E402
 
+from bench.benchlib import (  # noqa: E402
+    PROJECT,
+    Interrupted,
+    cores,
+    die_with_parent,
+    file_text,
+    ignore_signals,
+    left_below,
+    machine,
+    machine_ticks,
+    own_ticks,
+    proc_ticks,
+    project_on_pythonpath,
+    raise_on_signals,
+    run_header,
+    stop_process,
+    write_json,
+)
 from crust.api import csi_pb2, csi_pb2_grpc  # noqa: E402
 from crust.sys import loop as sysloop  # noqa: E402
 from crust.sys import mount as sysmount  # noqa: E402
@@ -102,10 +113,6 @@ XFS_STEPS = [
 ]
 
 
-class Interrupted(Exception):
-    """SIGTERM/SIGHUP turned into an exception so that `finally` runs."""
-
-
 def mount_cap(fs_type: str) -> csi_pb2.VolumeCapability:
     return csi_pb2.VolumeCapability(
         mount=csi_pb2.VolumeCapability.MountVolume(fs_type=fs_type),
@@ -114,16 +121,6 @@ def mount_cap(fs_type: str) -> csi_pb2.VolumeCapability:
 
 
 # -- the driver process --------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    # The driver runs in its own session (a Ctrl-C at the terminal must not
-    # stop it before the cleanup RPCs), so make sure it ends if we are killed.
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
 
 
 # Run inside the driver's own mount namespace, before exec'ing the driver:
@@ -173,10 +170,12 @@ class Driver:
                 # volumes' ControllerPublishVolume; 4096 is the maximum.
                 "--max-volumes-per-node", "4096"]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT), env.get("PYTHONPATH", "")]))
+        project_on_pythonpath(env)
+        # In its own session (a Ctrl-C at the terminal must not stop it before
+        # the cleanup RPCs), and ending if we are killed.
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, cwd=PROJECT, env=env,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True, preexec_fn=die_with_parent)
         identity = None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -206,15 +205,7 @@ class Driver:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
         self.proc = None
 
 
@@ -404,7 +395,7 @@ def snapshot_env(root: Path, driver: Driver) -> dict:
         "loop_nodes_in_sys_block": len(loop_names()),
         "loop_devices_attached": len(sysloop.attached()),
         "node_records": len(list(records.glob("*.json"))) if records.exists() else 0,
-        "loadavg_before": _read("/proc/loadavg").split(" ")[0],
+        "loadavg_before": file_text("/proc/loadavg").split(" ")[0],
         "ms_read_mountinfo": cost(lambda: Path(driver.mountinfo).read_bytes()),
         "ms_loop_devices_for": cost(lambda: sysloop.devices_for(probe_file)),
     }
@@ -436,30 +427,18 @@ def loops_in_log(driver: Driver) -> set[str]:
 def cpu_sample(driver_pid: int | None) -> dict:
     """Clock ticks: whole machine busy/iowait, this process, the driver (with
     its reaped children: mkfs, mount, losetup...)."""
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    ticks = [int(x) for x in fields]
-    idle, iowait = ticks[3], ticks[4]
-    busy = sum(ticks[:8]) - idle - iowait  # user nice system idle iowait irq softirq steal
-    own = os.times()
-    hz = os.sysconf("SC_CLK_TCK")
-    driver = 0
-    if driver_pid:
-        try:
-            st = Path(f"/proc/{driver_pid}/stat").read_text().rsplit(")", 1)[1].split()
-            driver = sum(int(x) for x in st[11:15])  # utime stime cutime cstime
-        except (OSError, IndexError, ValueError):
-            pass
-    return {"t": time.monotonic(), "busy": busy, "iowait": iowait, "driver": driver,
-            "own": round((own.user + own.system + own.children_user + own.children_system) * hz)}
+    busy, iowait = machine_ticks()
+    own = own_ticks()
+    driver = proc_ticks(driver_pid, with_children=True) if driver_pid else 0
+    return {"t": time.monotonic(), "busy": busy, "iowait": iowait, "driver": driver, "own": own}
 
 
 def foreign_cpu(a: dict, b: dict) -> dict:
     """CPU the rest of the machine used between two samples, in cores."""
-    hz = os.sysconf("SC_CLK_TCK")
-    secs = max(1e-6, b["t"] - a["t"])
+    secs = b["t"] - a["t"]
     others = (b["busy"] - a["busy"]) - (b["driver"] - a["driver"]) - (b["own"] - a["own"])
-    return {"other_processes_cpu_cores": round(max(0, others) / hz / secs, 2),
-            "iowait_cores": round((b["iowait"] - a["iowait"]) / hz / secs, 2)}
+    return {"other_processes_cpu_cores": cores(max(0, others), secs),
+            "iowait_cores": cores(b["iowait"] - a["iowait"], secs)}
 
 
 def remove_loop_nodes(names: set[str]) -> int:
@@ -590,47 +569,6 @@ def render_table(result: dict) -> str:
     return "\n".join(out)
 
 
-def machine() -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem = f"{int(line.split()[1]) / 1024**2:.1f} GiB"
-    except OSError:
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "memory": mem, "kernel": platform.release(),
-            "python": platform.python_version(), "loop_max_loop": _read("/sys/module/loop/parameters/max_loop")}
-
-
-def code_version() -> str:
-    """HEAD and whether crust/ differs from it (read-only git; no index refresh)."""
-    try:
-        head = subprocess.run(["git", "--no-optional-locks", "-C", str(PROJECT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "--no-optional-locks", "-C", str(PROJECT), "status", "--porcelain",
-                                "--", "crust"], capture_output=True, text=True, timeout=10).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    if not head:
-        return "unknown"
-    return head + (f" + uncommitted changes in {len(dirty)} crust/ files" if dirty else "")
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
-
-
 # -- the benchmark ------------------------------------------------------------------------
 
 
@@ -698,14 +636,7 @@ def main(argv=None) -> int:
         print("driver_lifecycle.py needs root (loop devices, mkfs, mount)", file=sys.stderr)
         return 2
 
-    def on_signal(signum, frame):
-        raise Interrupted(signal.Signals(signum).name)
-
-    # Ctrl-C raises KeyboardInterrupt even when started with SIGINT ignored
-    # (as background jobs of a non-interactive shell are).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
+    raise_on_signals()
 
     # Short path: unix socket paths must stay under 108 bytes.
     root = Path(tempfile.mkdtemp(prefix="crust-bench-")).resolve()
@@ -715,11 +646,8 @@ def main(argv=None) -> int:
     co = CO(driver)
     pool = ThreadPoolExecutor(max_workers=max(1, args.jobs))
     result = {
-        "benchmark": "driver_lifecycle",
-        "command": " ".join(["bench/driver_lifecycle.py"] + (sys.argv[1:] if argv is None else list(argv))),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "code": code_version(),
+        **run_header("driver_lifecycle", argv, machine(
+            loop_max_loop=file_text("/sys/module/loop/parameters/max_loop"))),
         "config": {"volumes_per_scale": args.volumes, "background": args.scales, "ext4_mib": args.ext4_size,
                    "xfs_mib": args.xfs_size, "xfs_grown_mib": args.xfs_size + args.xfs_grow,
                    "access": "mount, SINGLE_NODE_WRITER", "jobs": args.jobs},
@@ -774,7 +702,7 @@ def main(argv=None) -> int:
             if env["retries_while_measuring"]:
                 print(f"  retried (FAILED_PRECONDITION): {env['retries_while_measuring']}; last reason: "
                       f"{co.last_retry_reason}", flush=True)
-            env["loadavg_after"] = _read("/proc/loadavg").split(" ")[0]
+            env["loadavg_after"] = file_text("/proc/loadavg").split(" ")[0]
             env.update(foreign_cpu(cpu0, cpu_sample(driver.proc.pid if driver.proc else None)))
             result["scales"].append({
                 "background": n, "build_seconds": round(built, 1),
@@ -800,9 +728,7 @@ def main(argv=None) -> int:
               flush=True)
         status = 1
     finally:
-        # The cleanup must finish: ignore further Ctrl-C/SIGTERM while it runs.
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_signals()
         pool.shutdown(wait=True, cancel_futures=True)
         try:
             seen_loops |= {d.removeprefix("/dev/") for d in ours(root)}
@@ -838,8 +764,7 @@ def main(argv=None) -> int:
                 removed_nodes = remove_loop_nodes(seen_loops - loops_before)
         except Exception as exc:  # noqa: BLE001
             problems.append(f"forced cleanup: {exc!r}")
-        left_mounts = [m.mount_point for m in sysmount.mounts() if (m.mount_point + "/").startswith(str(root) + "/")]
-        left_loops = ours(root)
+        left_mounts, left_loops = left_below(str(root) + "/")
         if not left_mounts and not left_loops:
             shutil.rmtree(root, ignore_errors=True)
         print(f"\ncleanup: {len(co.live)} volumes not deleted through the driver, {len(problems)} teardown errors, "
@@ -857,9 +782,7 @@ def main(argv=None) -> int:
             result["cleanup"] = {"teardown_errors": problems, "mounts_left_in_driver_namespace": ns_mounts,
                                  "forced_unmounts": unmounted,
                                  "forced_detaches": detached, "loop_nodes_removed": removed_nodes}
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=1) + "\n")
-            print(f"wrote {args.json}", file=sys.stderr)
+            write_json(args.json, result)
     return status
 
 

@@ -69,35 +69,49 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import datetime as dt
-import json
+import functools
 import os
-import platform
 import queue
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
-PROJECT = Path(__file__).resolve().parent.parent
-if str(PROJECT) not in sys.path:
-    sys.path.insert(0, str(PROJECT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: bench, crust, tests
 
 import grpc  # noqa: E402
 
+from bench.benchlib import (  # noqa: E402
+    TICK,
+    Interrupted,
+    attempt,
+    cores,
+    ignore_signals,
+    loadavg,
+    machine,
+    machine_ticks,
+    own_session,
+    own_ticks,
+    pct,
+    print_log_tails,
+    proc_ticks,
+    project_on_pythonpath,
+    raise_on_signals,
+    report_leftovers,
+    retry_failed_precondition,
+    run_header,
+    write_bundle,
+    write_json,
+)
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc, runtime_pb2, runtime_pb2_grpc  # noqa: E402
 from crust.proxy.mountinfo import MountInfo, digest  # noqa: E402
 from crust.proxy.volumes_dir import VolumesDir  # noqa: E402
 from crust.runtime_handler.index import VolumeIndex  # noqa: E402
 from crust.runtime_handler.sandbox import MountNamespaceSandbox  # noqa: E402
-from crust.sys import loop as sysloop  # noqa: E402
 from crust.sys import mount as sysmount  # noqa: E402
 import tests.harness as harness  # noqa: E402
 from tests.harness import MIB, Root, mount_cap  # noqa: E402
@@ -110,16 +124,7 @@ MAX_SANDBOX_RESTARTS = 10  # sandboxes killed under us in part 2 before giving u
 WARMUP_ROUNDS = 20
 
 
-class Interrupted(Exception):
-    """SIGTERM/SIGHUP turned into an exception so that `finally` runs."""
-
-
 # -- statistics and machine -------------------------------------------------------------------
-
-
-def pct(ordered: list[float], q: float) -> float:
-    """Nearest-rank quantile of sorted samples (the convention of the other benches)."""
-    return ordered[int(q * (len(ordered) - 1))]
 
 
 def summary(samples: list[float]) -> dict:
@@ -130,82 +135,28 @@ def summary(samples: list[float]) -> dict:
             "p99_ms": round(pct(ordered, 0.99), 3), "min_ms": round(ordered[0], 3), "max_ms": round(ordered[-1], 3)}
 
 
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), "")
-    mem = next((f"{int(line.split()[1]) / 1024**2:.1f} GiB" for line in _read("/proc/meminfo").splitlines()
-                if line.startswith("MemTotal")), "")
+def watchdog_version() -> str:
     try:
         import watchdog.version as wv
-        watchdog_version = wv.VERSION_STRING
+        return wv.VERSION_STRING
     except Exception:  # noqa: BLE001 - informative only
-        watchdog_version = "unknown"
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "memory": mem, "kernel": platform.release(),
-            "python": platform.python_version(), "grpc": grpc.__version__, "watchdog": watchdog_version}
-
-
-def code_version() -> str:
-    """HEAD and whether crust/ differs from it (read-only git; no index refresh)."""
-    try:
-        head = subprocess.run(["git", "--no-optional-locks", "-C", str(PROJECT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "--no-optional-locks", "-C", str(PROJECT), "status", "--porcelain",
-                                "--", "crust"], capture_output=True, text=True, timeout=10).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
         return "unknown"
-    if not head:
-        return "unknown"
-    return head + (f" + uncommitted changes in {len(dirty)} crust/ files" if dirty else "")
-
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_ticks(pid: int) -> int:
-    """utime + stime of one process, in clock ticks (0 if it is gone)."""
-    try:
-        return sum(int(x) for x in _read(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()[11:13])
-    except (IndexError, ValueError):
-        return 0
 
 
 def cpu_sample(pids: list[int]) -> dict:
     """The whole machine's busy ticks, this script's and the given processes'."""
-    ticks = [int(x) for x in _read("/proc/stat").splitlines()[0].split()[1:9]]
-    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
-    own = os.times()
-    mine = round((own.user + own.system) * TICK)
+    busy, mine = machine_ticks()[0], own_ticks(with_children=False)
     return {"t": time.monotonic(), "busy": busy, "mine": mine, "pids": {pid: proc_ticks(pid) for pid in pids}}
 
 
 def others_cores(a: dict, b: dict) -> float:
     """Cores the rest of the machine (other people's work) kept busy between two samples."""
-    secs = max(1e-6, b["t"] - a["t"])
     ours = (b["mine"] - a["mine"]) + sum(b["pids"].get(p, 0) - t for p, t in a["pids"].items())
-    return round(max(0, (b["busy"] - a["busy"]) - ours) / TICK / secs, 2)
+    return cores(max(0, (b["busy"] - a["busy"]) - ours), b["t"] - a["t"])
 
 
 def pid_cores(a: dict, b: dict, pid: int) -> float:
-    secs = max(1e-6, b["t"] - a["t"])
-    return round((b["pids"].get(pid, 0) - a["pids"].get(pid, 0)) / TICK / secs, 2)
-
-
-def loadavg() -> str:
-    """Load average, and the kernel's CPU and I/O pressure (share of the last
-    10 s in which some task waited for a CPU / for I/O), when available."""
-    text = " ".join(_read("/proc/loadavg").split()[:3])
-    for kind in ("cpu", "io"):
-        line = _read(f"/proc/pressure/{kind}").splitlines()[:1]
-        if line and "avg10=" in line[0]:
-            text += f", {kind} pressure {line[0].split('avg10=')[1].split()[0]}%"
-    return text
+    return cores(b["pids"].get(pid, 0) - a["pids"].get(pid, 0), b["t"] - a["t"])
 
 
 # -- part 1: the index --------------------------------------------------------------------------
@@ -386,11 +337,11 @@ def part1(args) -> dict:
             if label != "empty" and args.preload <= 0:
                 continue
             print(f"\n[1] index latency, {label}: {args.entries} creates, updates and removes, "
-                  f"{args.gap_ms:g} ms apart (load {loadavg()})", flush=True)
+                  f"{args.gap_ms:g} ms apart (load {loadavg(pressure=True)})", flush=True)
             before = cpu_sample([])
             r = index_run(base, label.split("-")[0], preload, args.entries, args.gap_ms / 1e3, args.timeout)
             r["other_processes_cpu_cores"] = others_cores(before, cpu_sample([]))
-            r["loadavg"] = loadavg()
+            r["loadavg"] = loadavg(pressure=True)
             runs[label] = r
             if preload:
                 print(f"    preloaded {preload} entries in {r['preload_seconds']:.1f}s")
@@ -415,33 +366,6 @@ def part1(args) -> dict:
 
 
 # -- part 2: stats through the chain ----------------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-
-
-@contextmanager
-def own_session():
-    """Make the daemons tests/harness.py starts run in their own session
-    (a Ctrl-C at the terminal must not stop them before the orderly
-    teardown) and end if this script is killed. The harness calls
-    subprocess.Popen; it is wrapped only while the daemons start."""
-    original = subprocess.Popen
-
-    def popen(*args, **kw):
-        kw.setdefault("start_new_session", True)
-        kw.setdefault("preexec_fn", _die_with_parent)
-        return original(*args, **kw)
-
-    subprocess.Popen = popen
-    try:
-        yield
-    finally:
-        subprocess.Popen = original
 
 
 def private_dirs(root: Path) -> tuple[str, ...]:
@@ -490,15 +414,6 @@ def close_root(root: Root) -> None:
         root.close()
     finally:
         harness.kill_sandbox_holders = original
-
-
-def write_bundle(bundle: Path, target: Path) -> None:
-    (bundle / "rootfs").mkdir(parents=True, exist_ok=True)
-    (bundle / "config.json").write_text(json.dumps({
-        "ociVersion": "1.0.2", "root": {"path": "rootfs"},
-        "process": {"args": ["sleep", "600"], "env": ["PATH=/usr/bin:/bin"], "cwd": "/"},
-        "mounts": [{"destination": "/data", "source": str(target), "type": "bind", "options": ["rbind"]}],
-    }))
 
 
 def mount_table_costs(handler_channel) -> dict:
@@ -582,7 +497,7 @@ def setup_chain(root: Root, fs: str, live: dict):
     if not rsp.HasField("deferred_mount"):
         raise RuntimeError("the proxy did not defer the publish")
     bundle = live["bundle"] = root.path / "bundle"
-    write_bundle(bundle, d["target"])
+    write_bundle(bundle, d["target"], 600)
     start_sandbox(handler, live)
 
     # The host-published volume, through the same proxy.
@@ -598,22 +513,6 @@ def setup_chain(root: Root, fs: str, live: dict):
     return driver, shim, proxy, handler, rsp.deferred_mount
 
 
-def delete_volume(proxy, volume_id: str, patience: float = 15.0) -> None:
-    """DeleteVolume, retried while the driver still sees the loop device
-    attached: `losetup --detach` of a device that a mount in another mount
-    namespace still holds (a namespace someone created while the volume was
-    mounted on the host) only marks it for autoclear."""
-    deadline = time.monotonic() + patience
-    while True:
-        try:
-            proxy.delete(volume_id)
-            return
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
-                raise
-        time.sleep(0.5)
-
-
 def teardown_chain(live: dict) -> list[str]:
     """Undo setup_chain in order; returns the errors (the forced cleanup of Root.close() follows)."""
     problems = []
@@ -622,15 +521,7 @@ def teardown_chain(live: dict) -> list[str]:
         return problems
     driver, shim, proxy, handler = stack
 
-    def step(what: str, call) -> bool:
-        try:
-            call()
-            return True
-        except Exception as exc:  # noqa: BLE001 - go on with the rest
-            details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-            problems.append(f"{what}: {details}")
-            return False
-
+    step = functools.partial(attempt, problems)
     if not live.get("sandbox") and "deferred" not in live and "host" not in live:
         return problems
     alive = all(p.proc is not None and p.proc.poll() is None for p in stack)
@@ -652,14 +543,15 @@ def teardown_chain(live: dict) -> list[str]:
         if v["staged"] and not v["published"] and \
                 step(f"{name} unstage", lambda: proxy.unstage(v["volume_id"], v["staging"])):
             v["staged"] = False
-        if not v["staged"] and step(f"{name} delete", lambda: delete_volume(proxy, v["volume_id"])):
+        if not v["staged"] and step(f"{name} delete",
+                                    lambda: retry_failed_precondition(lambda: proxy.delete(v["volume_id"]))):
             live.pop(name)
     return problems
 
 
 def part2(root: Root, args, live: dict) -> dict:
     print(f"\n[2] NodeGetVolumeStats through the chain ({args.fs}, {args.stats_rounds} rounds, "
-          f"load {loadavg()})\n    root {root.path}", flush=True)
+          f"load {loadavg(pressure=True)})\n    root {root.path}", flush=True)
     started = time.monotonic()
     driver, shim, proxy, handler, deferred_mount = setup_chain(root, args.fs, live)
     print(f"    stack up, sandbox running, both volumes published in {time.monotonic() - started:.1f}s "
@@ -739,7 +631,7 @@ def part2(root: Root, args, live: dict) -> dict:
                "daemon_cpu_cores_idle": idle, "daemon_cpu_cores_during_rounds": busy,
                "bench_client_cpu_cores_during_rounds": round((c["mine"] - b["mine"]) / TICK / (c["t"] - b["t"]), 2),
                "other_processes_cpu_cores": others_cores(b, c), "rounds_seconds": round(c["t"] - b["t"], 1),
-               "loadavg": loadavg(), "sandbox_restarts": lost, "mount_tables": mount_tables}
+               "loadavg": loadavg(pressure=True), "sandbox_restarts": lost, "mount_tables": mount_tables}
     finally:
         handler_channel.close()
         runtime_channel.close()
@@ -819,21 +711,12 @@ def main(argv=None) -> int:
         print("handler_bench.py part 2 needs root (the real stack makes loop devices and mounts)", file=sys.stderr)
         return 2
 
-    def on_signal(signum, frame):
-        raise Interrupted(signal.Signals(signum).name)
-
-    # Ctrl-C raises KeyboardInterrupt even when started with SIGINT ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
-    # The daemons import crust from this checkout.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH", "")]))
+    raise_on_signals()
+    project_on_pythonpath(os.environ)
 
     results: dict = {
-        "benchmark": "handler_bench",
-        "command": " ".join(["bench/handler_bench.py"] + (sys.argv[1:] if argv is None else list(argv))),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(), "code": code_version(), "loadavg_start": loadavg(),
+        **run_header("handler_bench", argv, machine(grpc=grpc.__version__, watchdog=watchdog_version())),
+        "loadavg_start": loadavg(pressure=True),
     }
     m = results["machine"]
     print(f"crust handler benchmark ({results['code']})\n"
@@ -850,7 +733,7 @@ def main(argv=None) -> int:
             root = Root()
             results["part2"] = part2(root, args, live)
         results["wall_seconds"] = round(time.monotonic() - started, 1)
-        results["loadavg_end"] = loadavg()
+        results["loadavg_end"] = loadavg(pressure=True)
         results["targets"] = [{"target": t, "met": ok, "value": v} for t, ok, v in verdicts(results)]
         print(f"\nTargets ({results['wall_seconds']:.0f}s run, load {results['loadavg_end']} at the end):")
         for t in results["targets"]:
@@ -862,31 +745,19 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - report, then clean up
         print(f"\nbenchmark failed: {exc!r}", file=sys.stderr, flush=True)
         if root is not None:
-            for log in sorted(root.path.glob("*.log")):
-                print(f"--- {log.name} (tail) ---\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
+            print_log_tails(root.path, "*.log")
         status = 1
     finally:
-        # The cleanup must finish: ignore further Ctrl-C/SIGTERM while it runs.
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_signals()
         if root is not None:
             problems = teardown_chain(live)
             prefix = str(root.path.resolve()) + "/"
             close_root(root)  # stops handler, proxy, shim, driver; kills our leftover sandbox processes;
             # unmounts, detaches, removes
-            left_mounts = [e.mount_point for e in sysmount.mounts() if (e.mount_point + "/").startswith(prefix)]
-            left_loops = [dev for dev, backing in sysloop.attached().items() if backing.startswith(prefix)]
-            if problems:
-                print(f"cleanup: {len(problems)} teardown errors (forced cleanup followed): {problems[:3]}",
-                      file=sys.stderr)
-            if left_mounts or left_loops or root.path.exists():
-                print(f"cleanup INCOMPLETE: mounts {left_mounts[:5]}, loop devices {left_loops[:5]}, "
-                      f"root {root.path} {'still there' if root.path.exists() else 'removed'}", file=sys.stderr)
+            if report_leftovers(prefix, root.path, problems):
                 status = status or 1
         if args.json and status == 0:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=1) + "\n")
-            print(f"wrote {args.json}", file=sys.stderr)
+            write_json(args.json, results)
     return status
 
 

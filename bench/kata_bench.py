@@ -82,12 +82,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import datetime as dt
 import fcntl
+import functools
 import json
 import os
-import platform
 import re
 import secrets
 import shutil
@@ -97,15 +95,35 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
-PROJECT = Path(__file__).resolve().parent.parent
-if str(PROJECT) not in sys.path:
-    sys.path.insert(0, str(PROJECT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: bench, crust, tests
 
 import grpc  # noqa: E402
 
+from bench.benchlib import (  # noqa: E402
+    SIGNALS,
+    Interrupted,
+    attempt,
+    cores,
+    file_text,
+    ignore_signals,
+    left_below,
+    loadavg,
+    machine,
+    machine_ticks,
+    own_session,
+    own_ticks,
+    pct,
+    print_log_tails,
+    proc_ticks,
+    project_on_pythonpath,
+    raise_on_signals,
+    retry_failed_precondition,
+    run_header,
+    write_bundle,
+    write_json,
+)
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc  # noqa: E402
 from crust.kata.image import DEFAULT_CACHE, build  # noqa: E402
 from crust.kata.qemu import Vm, VmConfig  # noqa: E402
@@ -124,10 +142,6 @@ PART4_FS_MIB = 640
 MODES = ("buffered", "direct")
 
 
-class Interrupted(Exception):
-    """SIGTERM/SIGHUP turned into an exception so that `finally` runs."""
-
-
 OUT = sys.stdout
 
 
@@ -136,11 +150,6 @@ def say(text: str = "") -> None:
 
 
 # -- statistics and machine ----------------------------------------------------------------------
-
-
-def pct(ordered: list[float], q: float) -> float:
-    """Nearest-rank quantile of sorted samples (the convention of the other benches)."""
-    return ordered[int(q * (len(ordered) - 1))]
 
 
 def summary(samples: list[float], digits: int = 1) -> dict:
@@ -157,56 +166,17 @@ def fmt(s: dict, unit: str = "ms") -> str:
     return f"median {s['median']:g} {unit} (min {s['min']:g}, max {s['max']:g}, n={s['n']})"
 
 
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), "")
-    mem = next((f"{int(line.split()[1]) / 1024**2:.1f} GiB" for line in _read("/proc/meminfo").splitlines()
-                if line.startswith("MemTotal")), "")
+def kata_machine() -> dict:
+    """The shared machine description with Debian's release (after the
+    kernel's), QEMU's version and whether /dev/kvm exists."""
     try:
         qemu = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True, text=True,
                               timeout=10).stdout.splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         qemu = "unknown"
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "memory": mem, "kernel": platform.release(),
-            "debian": _read("/etc/debian_version"), "python": platform.python_version(), "qemu": qemu,
-            "kvm_device": os.path.exists("/dev/kvm")}
-
-
-def code_version() -> str:
-    """HEAD and whether crust/ differs from it (read-only git)."""
-    try:
-        head = subprocess.run(["git", "--no-optional-locks", "-C", str(PROJECT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "--no-optional-locks", "-C", str(PROJECT), "status", "--porcelain",
-                                "--", "crust"], capture_output=True, text=True, timeout=10).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    if not head:
-        return "unknown"
-    return head + (f" + uncommitted changes in {len(dirty)} crust/ files" if dirty else "")
-
-
-def loadavg() -> str:
-    return " ".join(_read("/proc/loadavg").split()[:3])
-
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _ticks(pid: int, with_children: bool) -> int:
-    """utime + stime (+ cutime + cstime: children it reaped) of one process, 0 if gone."""
-    try:
-        fields = _read(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()
-        return sum(int(x) for x in fields[11:15 if with_children else 13])
-    except (IndexError, ValueError):
-        return 0
+    info = machine(debian=file_text("/etc/debian_version"))
+    info["python"] = info.pop("python")  # after "debian", where it stands in earlier results
+    return {**info, "qemu": qemu, "kvm_device": os.path.exists("/dev/kvm")}
 
 
 class CpuWatch:
@@ -220,47 +190,19 @@ class CpuWatch:
         self.first = self._sample()
 
     def _sample(self) -> tuple[float, int, int]:
-        ticks = [int(x) for x in _read("/proc/stat").splitlines()[0].split()[1:9]]
-        busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
-        t = os.times()
-        ours = round((t.user + t.system + t.children_user + t.children_system) * TICK)
-        ours += sum(_ticks(p, True) for p in self.daemon_pids)
-        ours += sum(_ticks(p, False) for p in qemu_pids_under(*self.dirs) if p not in self.daemon_pids)
+        busy = machine_ticks()[0]
+        ours = own_ticks()
+        ours += sum(proc_ticks(p, with_children=True) for p in self.daemon_pids)
+        ours += sum(proc_ticks(p) for p in qemu_pids_under(*self.dirs) if p not in self.daemon_pids)
         return time.monotonic(), busy, ours
 
     def others_cores(self) -> float:
         t1, busy1, ours1 = self._sample()
         t0, busy0, ours0 = self.first
-        return round(max(0, (busy1 - busy0) - (ours1 - ours0)) / TICK / max(1e-6, t1 - t0), 2)
+        return cores(max(0, (busy1 - busy0) - (ours1 - ours0)), t1 - t0)
 
 
 # -- processes of this run --------------------------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-
-
-@contextmanager
-def own_session():
-    """The daemons the harness starts run in their own session (a Ctrl-C at
-    the terminal reaches this script only, which tears down in order) and
-    get SIGTERM if this script dies."""
-    original = subprocess.Popen
-
-    def popen(*args, **kw):
-        kw.setdefault("start_new_session", True)
-        kw.setdefault("preexec_fn", _die_with_parent)
-        return original(*args, **kw)
-
-    subprocess.Popen = popen
-    try:
-        yield
-    finally:
-        subprocess.Popen = original
 
 
 def kill_pids(pids: list[int]) -> None:
@@ -314,13 +256,7 @@ class Chain:
             raise RuntimeError("the proxy did not defer the publish")
         self.device = rsp.deferred_mount.device
         self.bundle = self.root.path / "bundle"
-        (self.bundle / "rootfs").mkdir(parents=True, exist_ok=True)
-        (self.bundle / "config.json").write_text(json.dumps({
-            "ociVersion": "1.0.2", "root": {"path": "rootfs"},
-            "process": {"args": ["sleep", "3600"], "env": ["PATH=/usr/bin:/bin"], "cwd": "/"},
-            "mounts": [{"destination": "/data", "source": str(self.target), "type": "bind",
-                        "options": ["rbind"]}],
-        }))
+        write_bundle(self.bundle, self.target, 3600)
 
     def run_sandbox(self, sandbox_id: str) -> tuple[float, handler_pb2.SandboxInfo]:
         # Recorded first: if the call is interrupted, the handler may still
@@ -365,15 +301,7 @@ class Chain:
     def teardown(self) -> list[str]:
         """Undo up() through the chain; returns the errors (forced cleanup follows)."""
         problems = []
-
-        def step(what, call) -> bool:
-            try:
-                call()
-                return True
-            except Exception as exc:  # noqa: BLE001 - go on with the rest
-                problems.append(f"{what}: {exc.details() if isinstance(exc, grpc.RpcError) else exc}")
-                return False
-
+        step = functools.partial(attempt, problems)
         handler = getattr(self, "handler", None)
         if handler is None or handler.proc is None or handler.proc.poll() is not None:
             if self.sandbox_id or self.published:
@@ -386,24 +314,13 @@ class Chain:
         if self.staged and not self.published and \
                 step("unstage", lambda: self.proxy.unstage(self.volume_id, self.staging)):
             self.staged = False
-        if self.volume_id and not self.staged and step("delete", self._delete_volume):
+        if self.volume_id and not self.staged and \
+                step("delete", lambda: retry_failed_precondition(lambda: self.proxy.delete(self.volume_id))):
             self.volume_id = ""
         if self.handler_channel is not None:
             self.handler_channel.close()
             self.handler_channel = None
         return problems
-
-    def _delete_volume(self, patience: float = 15.0) -> None:
-        """DeleteVolume, retried while the driver still sees the loop device attached."""
-        deadline = time.monotonic() + patience
-        while True:
-            try:
-                self.proxy.delete(self.volume_id)
-                return
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
-                    raise
-            time.sleep(0.5)
 
 
 def part1(chain: Chain, runs: int) -> dict:
@@ -767,20 +684,11 @@ def main(argv=None) -> int:
     if args.json == "-":
         OUT = sys.stderr
 
-    def on_signal(signum, frame):
-        raise Interrupted(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
-    # The daemons import crust from this checkout.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH", "")]))
+    raise_on_signals()
+    project_on_pythonpath(os.environ)
 
     results: dict = {
-        "benchmark": "kata_bench",
-        "command": " ".join(["bench/kata_bench.py"] + (sys.argv[1:] if argv is None else list(argv))),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(), "code": code_version(), "accel": args.accel, "loadavg_start": loadavg(),
+        **run_header("kata_bench", argv, kata_machine()), "accel": args.accel, "loadavg_start": loadavg(),
     }
     m = results["machine"]
     say(f"crust microVM handler benchmark ({results['code']})\n"
@@ -833,19 +741,16 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - report, then clean up
         print(f"\nbenchmark failed: {exc!r}", file=sys.stderr, flush=True)
         if root is not None:
-            for log in sorted(root.path.glob("*.log")):
-                print(f"--- {log.name} (tail) ---\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
+            print_log_tails(root.path, "*.log")
         status = 1
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_signals()
         if root is not None:
             problems = chain.teardown() if chain is not None else []
             prefix = str(root.path.resolve()) + "/"
             path = root.path
             root.close()
-            left_mounts = [e.mount_point for e in sysmount.mounts() if (e.mount_point + "/").startswith(prefix)]
-            left_loops = [dev for dev, backing in sysloop.attached().items() if backing.startswith(prefix)]
+            left_mounts, left_loops = left_below(prefix)
             if problems:
                 print(f"cleanup: teardown errors (forced cleanup followed): {problems[:3]}", file=sys.stderr)
             if left_mounts or left_loops or qemu_pids_under(path) or path.exists():
@@ -858,13 +763,10 @@ def main(argv=None) -> int:
                 print(f"cleanup of part 4: {problems}", file=sys.stderr)
                 status = status or 1
         if args.json and status == 0:
-            text = json.dumps(results, indent=1) + "\n"
             if args.json == "-":
-                sys.stdout.write(text)
+                sys.stdout.write(json.dumps(results, indent=1) + "\n")
             else:
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(text)
-                print(f"wrote {args.json}", file=sys.stderr)
+                write_json(Path(args.json), results)
     return status
 
 
@@ -876,15 +778,14 @@ async def _part4_with_vm_stop(args, live: dict) -> dict:
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     received: list[str] = []
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.getsignal(sig) for sig in signals}
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
 
     def on_signal(name: str) -> None:
         if not received:
             received.append(name)
             task.cancel()
 
-    for sig in signals:
+    for sig in SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
         try:
@@ -895,7 +796,7 @@ async def _part4_with_vm_stop(args, live: dict) -> dict:
             raise
     finally:
         await stop_part4_vm(live)  # later signals are swallowed by on_signal
-        for sig in signals:
+        for sig in SIGNALS:
             loop.remove_signal_handler(sig)
             signal.signal(sig, previous[sig])
 

@@ -77,27 +77,44 @@ samples of the fill and the drain.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import datetime as dt
 import json
 import os
-import platform
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from concurrent import futures
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-PROJECT = Path(__file__).resolve().parent.parent
-if str(PROJECT) not in sys.path:
-    sys.path.insert(0, str(PROJECT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: bench, crust, tests
 
 import grpc  # noqa: E402
 
+from bench.benchlib import (  # noqa: E402
+    PROJECT,
+    TICK,
+    Interrupted,
+    cores,
+    die_with_parent,
+    file_text,
+    ignore_signals,
+    machine,
+    machine_ticks,
+    own_session,
+    own_ticks,
+    print_log_tails,
+    proc_ticks,
+    project_on_pythonpath,
+    quantiles,
+    raise_on_signals,
+    report_leftovers,
+    retry_failed_precondition,
+    run_header,
+    stop_process,
+    timed,
+    write_json,
+)
 from crust.api import (  # noqa: E402
     csi_pb2,
     csi_pb2_grpc,
@@ -110,7 +127,6 @@ from crust.api import (  # noqa: E402
 )
 from crust.proxy.mountinfo import digest  # noqa: E402
 from crust.sys import loop as sysloop  # noqa: E402
-from crust.sys import mount as sysmount  # noqa: E402
 from tests.harness import GIB, MIB, ProxyProcess, Root, mount_cap  # noqa: E402
 
 NodeRPC = csi_pb2.NodeServiceCapability.RPC
@@ -239,37 +255,6 @@ def serve(kind: str, socket: str) -> int:
 # -- processes ----------------------------------------------------------------------------
 
 
-class Interrupted(Exception):
-    """SIGTERM/SIGHUP turned into an exception so that `finally` runs."""
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-
-
-@contextmanager
-def own_session():
-    """Make the daemons tests/harness.py starts run in their own session
-    (a Ctrl-C at the terminal must not stop them before the orderly
-    teardown) and end if this script is killed. The harness calls
-    subprocess.Popen; it is wrapped only while the daemons start."""
-    original = subprocess.Popen
-
-    def popen(*args, **kw):
-        kw.setdefault("start_new_session", True)
-        kw.setdefault("preexec_fn", _die_with_parent)
-        return original(*args, **kw)
-
-    subprocess.Popen = popen
-    try:
-        yield
-    finally:
-        subprocess.Popen = original
-
-
 class ServerProcess:
     """This script run with --serve KIND: the fake plugin or the test handler."""
 
@@ -283,7 +268,7 @@ class ServerProcess:
         argv = [sys.executable, str(Path(__file__).resolve()), "--serve", self.kind, "--socket", str(self.socket)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, cwd=PROJECT,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -304,15 +289,7 @@ class ServerProcess:
         raise TimeoutError(f"{self.kind} server not ready")
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 10)
         self.proc = None
 
 
@@ -328,7 +305,7 @@ class PluginStandIn:
 def cpu_ms(pid: int) -> float:
     """CPU time (user + system) a process used so far, in ms."""
     st = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(st[11]) + int(st[12])) * 1e3 / os.sysconf("SC_CLK_TCK")
+    return (int(st[11]) + int(st[12])) * 1e3 / TICK
 
 
 def rss_mib(pid: int) -> float:
@@ -340,37 +317,17 @@ def rss_mib(pid: int) -> float:
 
 def cpu_sample(pids: list[int]) -> dict:
     """Clock ticks: the whole machine busy, and this script with the given processes."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
-    busy = sum(ticks) - ticks[3] - ticks[4]  # user nice system idle iowait irq softirq steal
-    own = os.times()
-    mine = round((own.user + own.system + own.children_user + own.children_system) * os.sysconf("SC_CLK_TCK"))
-    for pid in pids:
-        try:
-            st = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            mine += sum(int(x) for x in st[11:15])  # utime stime cutime cstime
-        except (OSError, IndexError, ValueError):
-            pass
+    busy = machine_ticks()[0]
+    mine = own_ticks() + sum(proc_ticks(pid, with_children=True) for pid in pids)
     return {"t": time.monotonic(), "busy": busy, "mine": mine}
 
 
 def others_cores(a: dict, b: dict) -> float:
     """Cores the rest of the machine (other people's work) kept busy between two samples."""
-    secs = max(1e-6, b["t"] - a["t"])
-    return round(max(0, (b["busy"] - a["busy"]) - (b["mine"] - a["mine"])) / os.sysconf("SC_CLK_TCK") / secs, 2)
+    return cores(max(0, (b["busy"] - a["busy"]) - (b["mine"] - a["mine"])), b["t"] - a["t"])
 
 
 # -- statistics -----------------------------------------------------------------------------
-
-
-def quantiles(samples: list[float]) -> tuple[float, float]:
-    ordered = sorted(samples)
-    return statistics.median(ordered), ordered[int(0.9 * (len(ordered) - 1))]
-
-
-def timed(call) -> float:
-    started = time.perf_counter()
-    call()
-    return (time.perf_counter() - started) * 1e3
 
 
 def summary(samples: list[float]) -> dict:
@@ -448,7 +405,7 @@ def holders(data_dir: Path) -> str:
         if not backing.startswith(prefix):
             continue
         name = device.removeprefix("/dev/")
-        autoclear = _read(f"/sys/block/{name}/loop/autoclear")
+        autoclear = file_text(f"/sys/block/{name}/loop/autoclear")
         try:
             rdev = os.stat(device).st_rdev
             numbers = f" {os.major(rdev)}:{os.minor(rdev)} "
@@ -461,13 +418,13 @@ def holders(data_dir: Path) -> str:
             try:
                 for fd in (proc / "fd").iterdir():
                     if os.readlink(fd) == device:
-                        users.append(f"{proc.name}:{_read(f'/proc/{proc.name}/comm')}")
+                        users.append(f"{proc.name}:{file_text(f'/proc/{proc.name}/comm')}")
                         break
                 # A mount of it in any mount namespace (a sandbox made with
                 # unshare -m while it was mounted here keeps a copy).
                 if numbers and numbers in (proc / "mountinfo").read_text():
                     namespaces.add(f"{os.readlink(proc / 'ns' / 'mnt')} (pid {proc.name} "
-                                   f"{_read(f'/proc/{proc.name}/comm')})")
+                                   f"{file_text(f'/proc/{proc.name}/comm')})")
             except OSError:
                 continue
         out.append(f"{device} autoclear={autoclear}, open by {users or 'nobody'}, mounted in "
@@ -490,18 +447,11 @@ def teardown_part1(driver, proxy: ProxyProcess, live: dict, timeout: float = 30)
             volume_id=vid, staging_target_path=str(live["staging"])), timeout=timeout)))
 
     def delete() -> None:
-        # `losetup --detach` of a loop device something else still has open
-        # (udev probing it after the unmount, say) only marks it for
-        # auto-clear, so DeleteVolume may find it attached for a moment.
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                driver.controller.DeleteVolume(csi_pb2.DeleteVolumeRequest(volume_id=vid), timeout=timeout)
-                return
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
-                    raise RuntimeError(f"{exc.details()} ({holders(driver.data_dir)})") from None
-            time.sleep(0.5)
+        try:
+            retry_failed_precondition(lambda: driver.controller.DeleteVolume(
+                csi_pb2.DeleteVolumeRequest(volume_id=vid), timeout=timeout), patience=20)
+        except grpc.RpcError as exc:
+            raise RuntimeError(f"{exc.details()} ({holders(driver.data_dir)})") from None
 
     steps.append(("delete", delete))
     for name, step in steps:
@@ -770,37 +720,7 @@ def part3(root: Root, scales: list[int], batch: int, churn: int, warmup: int) ->
     }
 
 
-# -- machine and output ----------------------------------------------------------------------
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), "")
-    mem = next((f"{int(line.split()[1]) / 1024**2:.1f} GiB" for line in _read("/proc/meminfo").splitlines()
-                if line.startswith("MemTotal")), "")
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "memory": mem, "kernel": platform.release(),
-            "python": platform.python_version(), "grpc": grpc.__version__}
-
-
-def code_version() -> str:
-    """HEAD and whether crust/ differs from it (read-only git; no index refresh)."""
-    try:
-        head = subprocess.run(["git", "--no-optional-locks", "-C", str(PROJECT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "--no-optional-locks", "-C", str(PROJECT), "status", "--porcelain",
-                                "--", "crust"], capture_output=True, text=True, timeout=10).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    if not head:
-        return "unknown"
-    return head + (f" + uncommitted changes in {len(dirty)} crust/ files" if dirty else "")
+# -- output ----------------------------------------------------------------------------------
 
 
 def verdicts(results: dict) -> list[tuple[str, bool, str]]:
@@ -870,21 +790,12 @@ def main(argv=None) -> int:
         print("proxy_bench.py needs root (the real driver makes loop devices and mounts)", file=sys.stderr)
         return 2
 
-    def on_signal(signum, frame):
-        raise Interrupted(signal.Signals(signum).name)
-
-    # Ctrl-C raises KeyboardInterrupt even when started with SIGINT ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
-    # The daemons import crust from this checkout.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH", "")]))
+    raise_on_signals()
+    project_on_pythonpath(os.environ)
 
     results: dict = {
-        "benchmark": "proxy_bench",
-        "command": " ".join(["bench/proxy_bench.py"] + (sys.argv[1:] if argv is None else list(argv))),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(), "code": code_version(), "loadavg_start": _read("/proc/loadavg"),
+        **run_header("proxy_bench", argv, machine(grpc=grpc.__version__)),
+        "loadavg_start": file_text("/proc/loadavg"),
         "setup": {"parts 1-2": "real crust driver -> crust shim -> crust proxy (tests/harness.py Root.stack())",
                   "part 3": "fake CSI plugin (this script) -> crust proxy, to isolate the proxy's own cost"},
     }
@@ -932,7 +843,7 @@ def main(argv=None) -> int:
         if 3 in args.part_set:
             measured("part3", lambda: part3(root, args.scales, args.batch, args.churn, args.warmup))
         results["wall_seconds"] = round(time.monotonic() - started, 1)
-        results["loadavg_end"] = _read("/proc/loadavg")
+        results["loadavg_end"] = file_text("/proc/loadavg")
         results["targets"] = [{"target": t, "met": ok, "value": v} for t, ok, v in verdicts(results)]
         print(f"\nTargets ({results['wall_seconds']:.0f}s run, load {results['loadavg_end'].split(' ')[0]} "
               "at the end):")
@@ -944,14 +855,10 @@ def main(argv=None) -> int:
         status = 130
     except Exception as exc:  # noqa: BLE001 - report, then clean up
         print(f"\nbenchmark failed: {exc!r}", file=sys.stderr, flush=True)
-        for log in sorted(root.path.glob("*.log")) + sorted(root.path.glob("p*/*.log")):
-            print(f"--- {log.relative_to(root.path)} (tail) ---\n{log.read_text(errors='replace')[-1500:]}",
-                  file=sys.stderr)
+        print_log_tails(root.path, "*.log", "p*/*.log")
         status = 1
     finally:
-        # The cleanup must finish: ignore further Ctrl-C/SIGTERM while it runs.
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_signals()
         problems = []
         if stack is not None and live:
             driver, shim, proxy = stack
@@ -959,19 +866,10 @@ def main(argv=None) -> int:
                 problems = teardown_part1(driver, proxy, live)
         prefix = str(root.path.resolve()) + "/"
         root.close()  # stops every process (proxies, servers, shim, driver), unmounts, detaches, removes
-        left_mounts = [e.mount_point for e in sysmount.mounts() if (e.mount_point + "/").startswith(prefix)]
-        left_loops = [d for d, backing in sysloop.attached().items() if backing.startswith(prefix)]
-        if problems:
-            print(f"cleanup: {len(problems)} teardown errors (forced cleanup followed): {problems[:3]}",
-                  file=sys.stderr)
-        if left_mounts or left_loops or root.path.exists():
-            print(f"cleanup INCOMPLETE: mounts {left_mounts[:5]}, loop devices {left_loops[:5]}, "
-                  f"root {root.path} {'still there' if root.path.exists() else 'removed'}", file=sys.stderr)
+        if report_leftovers(prefix, root.path, problems):
             status = status or 1
         if args.json and status == 0:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=1) + "\n")
-            print(f"wrote {args.json}", file=sys.stderr)
+            write_json(args.json, results)
     return status
 
 

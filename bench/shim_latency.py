@@ -23,28 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
-PROJECT = Path(__file__).resolve().parent.parent
-if str(PROJECT) not in sys.path:
-    sys.path.insert(0, str(PROJECT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: bench, crust, tests
 
+from bench.benchlib import quantiles, timed  # noqa: E402
 from crust.api import csi_pb2  # noqa: E402
 from tests.harness import MIB, Root, mount_cap  # noqa: E402
-
-
-def quantiles(samples: list[float]) -> tuple[float, float]:
-    ordered = sorted(samples)
-    return statistics.median(ordered), ordered[int(0.9 * (len(ordered) - 1))]
-
-
-def timed(call) -> float:
-    started = time.perf_counter()
-    call()
-    return (time.perf_counter() - started) * 1e3
 
 
 def main() -> int:
