@@ -131,36 +131,30 @@ class KataEnv(Env):
         return self.proxy.kata_dir
 
 
-def start_kata_env(root, proxy_extra=()) -> KataEnv:
+def kata_env(root, proxy_extra=()):
+    """driver -> shim -> proxy, and `crust kata handler` registered with it;
+    its sandboxes deleted at the end. Root.close() then stops the daemons and
+    kills this root's QEMU processes."""
     e = KataEnv(root, proxy_extra=proxy_extra, start_handler=False, name="kata", endpoint_name="kata.sock",
                 command=("kata", "handler"), extra=["--kata-dir", str(root.path / "kata")])
     e.handler.start(timeout=900)  # builds the guest image if it is missing
-    return e
+    try:
+        yield e
+    finally:
+        if e.handler.proc is not None and e.handler.proc.poll() is None:
+            for sandbox_id in e.sandboxes():
+                e.handler.sandbox("delete", sandbox_id)
 
 
 @pytest.fixture
 def kenv(root):
-    """driver -> shim -> proxy, and `crust kata handler` registered with it.
-    Root.close() stops the daemons, then kills this root's QEMU processes."""
-    e = start_kata_env(root)
-    try:
-        yield e
-    finally:
-        if e.handler.proc is not None and e.handler.proc.poll() is None:
-            for sandbox_id in e.sandboxes():
-                e.handler.sandbox("delete", sandbox_id)
+    yield from kata_env(root)
 
 
 @pytest.fixture
 def kenv_short_lease(root):
-    """The same, with 3 s leases: a killed handler is seen gone quickly."""
-    e = start_kata_env(root, proxy_extra=["--lease-seconds", "3"])
-    try:
-        yield e
-    finally:
-        if e.handler.proc is not None and e.handler.proc.poll() is None:
-            for sandbox_id in e.sandboxes():
-                e.handler.sandbox("delete", sandbox_id)
+    """With 3 s leases: a killed handler is seen gone quickly."""
+    yield from kata_env(root, proxy_extra=["--lease-seconds", "3"])
 
 
 # -- the demo --------------------------------------------------------------------------------
