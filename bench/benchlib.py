@@ -1,5 +1,6 @@
 """What the benchmarks in bench/ share: one copy of each helper.
 
+- the command line: add_parts_option();
 - the run's description: machine(), code_version(), run_header(), loadavg();
 - clock ticks, to tell this run's CPU from other people's work on the
   machine: TICK, machine_ticks(), own_ticks(), proc_ticks(), cores();
@@ -20,6 +21,7 @@ them. The benchmarks put the project root on sys.path before importing it
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import datetime as dt
 import json
@@ -39,6 +41,27 @@ from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 
 PROJECT = Path(__file__).resolve().parent.parent
+
+# -- the command line ----------------------------------------------------------------------
+
+
+def add_parts_option(parser: argparse.ArgumentParser, count: int, note: str = "") -> None:
+    """--parts N,M,...: which of the benchmark's numbered parts run (args.part_set)."""
+    allowed = set(range(1, count + 1))
+    names = ",".join(map(str, sorted(allowed)))
+
+    def parse(text: str) -> set[int]:
+        try:
+            chosen = {int(x) for x in text.split(",") if x.strip()}
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"comma-separated part numbers, e.g. {names}") from None
+        if not chosen or not chosen <= allowed:
+            raise argparse.ArgumentTypeError(f"a subset of {names}")
+        return chosen
+
+    parser.add_argument("--parts", dest="part_set", type=parse, default=allowed, metavar=names,
+                        help=f"which parts to run (default {names}{note})")
+
 
 # -- the run ----------------------------------------------------------------------------------
 

@@ -88,6 +88,7 @@ import grpc  # noqa: E402
 from bench.benchlib import (  # noqa: E402
     TICK,
     Interrupted,
+    add_parts_option,
     attempt,
     cores,
     ignore_signals,
@@ -691,15 +692,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stats-rounds", type=int, default=300, metavar="N",
                    help="rounds of NodeGetVolumeStats calls in part 2 (default 300)")
     p.add_argument("--fs", default="ext4", choices=["ext4", "xfs"], help="file system of part 2 (default ext4)")
-    p.add_argument("--parts", default="1,2", help="which parts to run (default 1,2)")
+    add_parts_option(p, 2)
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the results as JSON here")
     args = p.parse_args(argv)
-    try:
-        args.part_set = {int(x) for x in args.parts.split(",") if x.strip()}
-    except ValueError:
-        p.error("--parts takes comma-separated integers, e.g. 1,2")
-    if not args.part_set or not args.part_set <= {1, 2}:
-        p.error("--parts is a subset of 1,2")
     if args.entries < 1 or args.stats_rounds < 1 or args.preload < 0 or args.gap_ms < 0 or args.timeout <= 0:
         p.error("--entries and --stats-rounds must be at least 1, --preload and --gap-ms at least 0")
     return args

@@ -104,6 +104,7 @@ import grpc  # noqa: E402
 from bench.benchlib import (  # noqa: E402
     SIGNALS,
     Interrupted,
+    add_parts_option,
     attempt,
     cores,
     file_text,
@@ -658,16 +659,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fs", default="ext4", choices=["ext4", "xfs"], help="file system of the volume in parts 1-3")
     p.add_argument("--accel", default="tcg", choices=["tcg", "kvm"], help="QEMU accelerator (default tcg)")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"guest image cache (default {DEFAULT_CACHE})")
-    p.add_argument("--parts", default="1,2,3,4", help="which parts to run (default 1,2,3,4; 2 and 3 need 1)")
+    add_parts_option(p, 4, "; 2 and 3 need 1")
     p.add_argument("--json", nargs="?", const="-", metavar="OUT",
                    help="write the results as JSON to OUT, or to stdout (progress then goes to stderr)")
     args = p.parse_args(argv)
-    try:
-        args.part_set = {int(x) for x in args.parts.split(",") if x.strip()}
-    except ValueError:
-        p.error("--parts takes comma-separated integers, e.g. 1,2,3")
-    if not args.part_set or not args.part_set <= {1, 2, 3, 4}:
-        p.error("--parts is a subset of 1,2,3,4")
     if args.part_set & {2, 3} and 1 not in args.part_set:
         p.error("parts 2 and 3 use the sandbox part 1 starts: add 1")
     if args.runs < 1 or args.stats_rounds < 1 or not 1 <= args.mib <= 384:

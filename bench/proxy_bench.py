@@ -95,6 +95,7 @@ from bench.benchlib import (  # noqa: E402
     PROJECT,
     TICK,
     Interrupted,
+    add_parts_option,
     cores,
     die_with_parent,
     file_text,
@@ -761,7 +762,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="interleaved publish+unpublish rounds on every proxy of part 3 (default 200)")
     p.add_argument("--warmup", type=int, default=20, metavar="N",
                    help="untimed publish+unpublish cycles per proxy of part 3 before it fills (default 20)")
-    p.add_argument("--parts", default="1,2,3", help="which parts to run (default 1,2,3)")
+    add_parts_option(p, 3)
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the results as JSON here")
     p.add_argument("--serve", choices=["plugin", "handler"], help=argparse.SUPPRESS)
     p.add_argument("--socket", help=argparse.SUPPRESS)
@@ -770,11 +771,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         return args
     try:
         args.scales = sorted({int(x) for x in args.volumes.split(",") if x.strip()})
-        args.part_set = {int(x) for x in args.parts.split(",") if x.strip()}
     except ValueError:
-        p.error("--volumes and --parts take comma-separated integers, e.g. 10,1000")
-    if not args.part_set or not args.part_set <= {1, 2, 3}:
-        p.error("--parts is a subset of 1,2,3")
+        p.error("--volumes takes comma-separated integers, e.g. 10,1000")
     if args.rounds < 1 or args.churn < 1 or args.batch < 1 or args.warmup < 0:
         p.error("--rounds, --churn and --batch must be at least 1, --warmup at least 0")
     if len(args.scales) < 2 or args.scales[0] < args.batch:
