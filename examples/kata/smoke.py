@@ -3,7 +3,7 @@
     python examples/kata/smoke.py [--fs ext4 xfs] [--flavor cloud|generic] [--accel tcg|kvm]
 
 For each file system: a sparse file on a loop device, formatted on the host
-(the shim will format in the guest later), a VM booted, the loop device
+(as the shim does at stage time: mkfs only, no mount), a VM booted, the loop device
 hot-plugged as virtio-blk, mounted by the agent, a file written from inside,
 fsGroup, stats, an online grow (file, losetup -c, block_resize, agent grow),
 unmount, unplug, poweroff. Then, on the host and without mounting: the data
