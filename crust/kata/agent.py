@@ -196,7 +196,12 @@ class AgentClient:
             if remaining <= 0:
                 raise AgentTimeout(f"the guest agent did not answer within {timeout:.0f}s")
             ping = asyncio.ensure_future(self.request("ping", timeout=min(interval, remaining)))
-            done, _ = await asyncio.wait({ping, self._announced}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait({ping, self._announced}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                ping.cancel()
+                await asyncio.gather(ping, return_exceptions=True)
+                raise
             if ping in done:
                 try:
                     return ping.result()

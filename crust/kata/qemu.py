@@ -15,7 +15,8 @@ Choices worth knowing:
   the box (device_add / device_del of virtio-blk-pci).
 - The accelerator is a setting. KVM is the one to use where it works; on the
   development machines `-accel kvm` aborts ("failed to set MSR 0x10a") or
-  hangs, so the default is tcg (software emulation, a few seconds to boot).
+  hangs, so VmConfig's default is tcg (software emulation, a few seconds to
+  boot). The handler's `auto` (accel.py) probes KVM once and picks.
 - QEMU runs in its own session: a sandbox outlives a restarted handler, as
   containers outlive a restarted runtime.
 """
@@ -145,7 +146,14 @@ class Vm:
         """Await coro, but fail at once (with QEMU's and the guest's last
         words) if QEMU exits meanwhile."""
         task = asyncio.ensure_future(coro)
-        done, _ = await asyncio.wait({task, self._exited}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({task, self._exited}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # Our caller was cancelled (a handler stopping): the inner
+            # request goes too, instead of failing later with nobody to tell.
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
         if task in done:
             exc = task.exception()
             if exc is None:
