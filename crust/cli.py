@@ -169,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     kt_h.add_argument("--volumes-dir", required=True, type=Path, help="the proxy's watched directory")
     kt_h.add_argument("--state-dir", required=True, type=Path, help="sandbox records, VM sockets and logs")
     kt_h.add_argument("--name", default="kata", help="handler name in the registry (default: kata)")
-    kt_h.add_argument("--accel", default="tcg", choices=["tcg", "kvm"],
-                      help="QEMU accelerator: kvm where it works, tcg (software) otherwise (default: tcg)")
+    kt_h.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"],
+                      help="QEMU accelerator. auto (default): kvm if a probe VM boots under it (the verdict is "
+                           "kept next to the guest image), tcg (software emulation) otherwise")
     kt_h.add_argument("--memory", type=int, default=256, help="guest memory in MiB (default: 256)")
     kt_h.add_argument("--cache", type=Path, default=Path("/var/cache/crust/kata"), help="guest image cache")
     kt_h.add_argument("--kata-dir", type=Path, default=Path("/run/kata-containers/shared/direct-volumes"),

@@ -20,6 +20,7 @@ finds it missing or stale builds it before registering.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -35,7 +36,10 @@ import pytest
 
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.common.errors import FailedPrecondition, InvalidArgument
+from crust.kata import accel as kata_accel
+from crust.kata import image as kata_image
 from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
+from crust.kata.qemu import Vm, VmConfig
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests.harness import MIB, qemu_pids_under
@@ -520,3 +524,63 @@ def test_a_kata_style_driver_works_unchanged_through_direct_volume(kenv):
             subprocess.run(["umount", str(kenv.path / "check")])
         wait_until(lambda: not qemu_pids_under(kenv.handler.state_dir), timeout=30, what="QEMU to exit")
         sysloop.detach_sync(device)
+
+
+# -- the accelerator ----------------------------------------------------------------------------
+
+
+def test_auto_accelerator_picks_one_that_boots_and_keeps_the_verdict(tmp_path):
+    kernel, initrd = kata_image.image_paths()
+    config = VmConfig(kernel=kernel, initrd=initrd)
+    cache, workdir = tmp_path / "cache", tmp_path / "probe"
+    record_path = cache / kata_accel.RECORD_NAME
+
+    chosen, reason = asyncio.run(kata_accel.choose("auto", config, cache, workdir))
+    assert chosen in ("kvm", "tcg"), (chosen, reason)
+    assert not workdir.exists() and not qemu_pids_under(tmp_path)  # the probe VM is gone
+    if kata_accel.KVM_DEVICE.exists():
+        assert "probe VM" in reason, reason
+        record = json.loads(record_path.read_text())
+        assert (record["key"], record["accel"], record["reason"]) == (kata_accel.probe_key(config), chosen, reason)
+        assert stat.S_IMODE(record_path.stat().st_mode) == 0o644
+        # A restart on the same node takes the kept verdict: no probe.
+        again, again_reason = asyncio.run(kata_accel.choose("auto", config, cache, workdir))
+        assert again == chosen and again_reason.startswith(reason + " (probed "), again_reason
+        # A verdict about another kernel, QEMU or /dev/kvm is not taken.
+        record_path.write_text(json.dumps({**record, "key": "0" * 64, "accel": "nonsense"}))
+        third, third_reason = asyncio.run(kata_accel.choose("auto", config, cache, workdir))
+        assert third == chosen and "(probed " not in third_reason
+        assert json.loads(record_path.read_text())["key"] == kata_accel.probe_key(config)
+    else:
+        assert chosen == "tcg" and "does not exist" in reason and not record_path.exists()
+
+    # What auto chose really runs the guest.
+    async def boot() -> float:
+        vm = Vm("accel-check", tmp_path / "vm", VmConfig(kernel=kernel, initrd=initrd, accel=chosen))
+        try:
+            return await vm.start(ready_timeout=120)
+        finally:
+            await vm.kill()
+    assert asyncio.run(boot()) > 0
+    # Explicit choices are taken as given; anything else is refused.
+    assert asyncio.run(kata_accel.choose("tcg", config, cache, workdir)) == ("tcg", "chosen by --accel")
+    with pytest.raises(ValueError, match="'fast'"):
+        asyncio.run(kata_accel.choose("fast", config, cache, workdir))
+
+
+def test_probe_vms_left_by_a_killed_handler_are_reaped_and_nothing_else(tmp_path):
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    ours = subprocess.Popen([*sleeper, "crust-accel-probe-1", f"{tmp_path}/probe/agent.sock"])
+    other = subprocess.Popen([*sleeper, "crust-accel-probe-2", f"{tmp_path}/probe-of-another/agent.sock"])
+    try:
+        wait_until(lambda: b"crust-accel-probe-2" in Path(f"/proc/{other.pid}/cmdline").read_bytes()
+                   and b"crust-accel-probe-1" in Path(f"/proc/{ours.pid}/cmdline").read_bytes(),
+                   timeout=10, what="both processes to start")
+        assert kata_accel.reap_leftover_probes(tmp_path / "probe") == [ours.pid]
+        assert ours.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for proc in (ours, other):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

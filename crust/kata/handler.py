@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import signal
 from pathlib import Path
 
+from crust.kata.accel import choose as choose_accelerator
 from crust.kata.direct_volume import DEFAULT_ROOT, DirectVolumes
 from crust.kata.image import DEFAULT_CACHE, build
 from crust.kata.qemu import VmConfig
 from crust.kata.sandbox import KataSandbox
 from crust.runtime_handler.server import HandlerConfig, HandlerDaemon
 
+log = logging.getLogger(__name__)
 
-def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "tcg", memory_mib: int = 256,
+
+def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "auto", memory_mib: int = 256,
           kata_dir: Path | None = DEFAULT_ROOT) -> None:
     # The image is checked (and rebuilt if its inputs changed) before the
     # handler registers: a sandbox must never wait for a kernel build.
     image = build(cache, "cloud")
-    vm_config = VmConfig(kernel=image.kernel, initrd=image.initrd, accel=accel, memory_mib=memory_mib)
+    vm_config = VmConfig(kernel=image.kernel, initrd=image.initrd, memory_mib=memory_mib)
 
     def make_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None, pid: int) -> KataSandbox:
         # The guest has its own root file system; the bundle's rootfs is not used.
@@ -28,6 +33,22 @@ def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "t
     direct = DirectVolumes(kata_dir) if kata_dir is not None else None
 
     async def main() -> None:
+        # Decided before registering, like the image: no sandbox waits for a
+        # probe. SIGTERM meanwhile cancels the probe, which kills its VM.
+        loop = asyncio.get_running_loop()
+        choosing = asyncio.ensure_future(
+            choose_accelerator(accel, vm_config, cache, config.state_dir / "accel-probe"))
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, choosing.cancel)
+        try:
+            vm_config.accel, reason = await choosing
+        except asyncio.CancelledError:
+            log.info("stopped while choosing the accelerator")
+            return
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        log.info("accelerator", extra={"fields": {"accel": vm_config.accel, "requested": accel, "reason": reason}})
         await HandlerDaemon(config, make_sandbox=make_sandbox, direct_source=direct).run()
 
     asyncio.run(main())

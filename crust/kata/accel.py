@@ -1,0 +1,148 @@
+"""Which QEMU accelerator the microVM handler uses: `kvm`, `tcg` or `auto`.
+
+KVM is what a node should use: guests run at native speed. But a /dev/kvm
+that exists is no proof that KVM works. On nested or paravirtualised hosts
+the vCPU may abort, hang or triple-fault at boot (seen on our development
+machines). So `auto` boots one probe VM from the real guest image under KVM:
+if its agent answers, the handler uses kvm, otherwise tcg (software
+emulation), and it logs why.
+
+The verdict is kept in `<image cache>/accel-probe.json`, keyed by what
+decides it (the host kernel, the QEMU binary, the guest kernel, /dev/kvm).
+A handler restart on an unchanged node does not probe again. A probe that
+only timed out (KVM hangs on some hosts; a very busy one might just be slow)
+is kept for a few hours, then tried again. Delete the file to probe at the
+next start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ValidationError
+
+from crust.common.atomicfile import write_atomic
+from crust.kata.agent import AgentError, AgentTimeout
+from crust.kata.qemu import Vm, VmConfig, VmError
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("auto", "kvm", "tcg")
+KVM_DEVICE = Path("/dev/kvm")
+# A guest boots to its agent in about a second under KVM; far slower means
+# something is wrong, and the handler must not wait long to start.
+PROBE_TIMEOUT = 10.0
+TIMEOUT_VERDICT_SECONDS = 6 * 3600
+RECORD_NAME = "accel-probe.json"
+
+
+class ProbeRecord(BaseModel):
+    """The kept verdict of one probe (accel-probe.json)."""
+
+    key: str            # digest of what decides the verdict (probe_key)
+    accel: Literal["kvm", "tcg"]
+    reason: str
+    probed_at: float    # seconds since the epoch
+    expires_at: float | None = None   # set when the probe only timed out
+
+
+def probe_key(config: VmConfig) -> str:
+    """A digest of everything that decides whether KVM works here."""
+    qemu = shutil.which(config.qemu_binary) or config.qemu_binary
+    facts = [os.uname().release, os.uname().version, str(KVM_DEVICE.exists())]
+    for path in (qemu, str(config.kernel)):
+        try:
+            st = os.stat(path)
+            facts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            facts.append(f"{path}:missing")
+    return hashlib.sha256("\n".join(facts).encode()).hexdigest()
+
+
+def read_record(path: Path) -> ProbeRecord | None:
+    try:
+        return ProbeRecord.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError):
+        return None   # missing or unreadable: probe again
+
+
+async def probe_kvm(config: VmConfig, workdir: Path, timeout: float = PROBE_TIMEOUT) -> tuple[bool, str, bool]:
+    """Boot one VM under KVM. Returns (works, reason, definite): definite is
+    False when only the time ran out (worth trying again later)."""
+    vm = Vm(f"crust-accel-probe-{os.getpid()}", workdir, VmConfig(
+        kernel=config.kernel, initrd=config.initrd, accel="kvm", memory_mib=config.memory_mib,
+        cpus=1, cmdline=config.cmdline, qemu_binary=config.qemu_binary))
+    try:
+        seconds = await vm.start(ready_timeout=timeout)
+    except AgentTimeout:
+        await vm.kill()
+        return False, f"a probe VM under KVM did not answer within {timeout:.0f}s", False
+    except (VmError, AgentError) as exc:
+        await vm.kill()
+        return False, f"a probe VM under KVM failed: {exc}", True
+    try:
+        await vm.stop(timeout=10)
+    finally:
+        await vm.kill()
+    return True, f"a probe VM booted under KVM in {seconds:.2f}s", True
+
+
+def reap_leftover_probes(workdir: Path) -> list[int]:
+    """Kill probe VMs a killed handler left behind (QEMU runs in its own
+    session, so it outlives its handler). Only QEMUs whose command line
+    names this handler's probe directory: nothing else is touched."""
+    marker = str(workdir).encode() + b"/"
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.startswith(b"crust-accel-probe-") for a in argv) and any(marker in a for a in argv):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+async def choose(requested: str, config: VmConfig, cache: Path, workdir: Path) -> tuple[str, str]:
+    """The accelerator to use and why. `kvm` and `tcg` are taken as given."""
+    if requested not in CHOICES:
+        raise ValueError(f"accelerator {requested!r}: one of {', '.join(CHOICES)}")
+    leftovers = reap_leftover_probes(workdir)
+    if leftovers:
+        log.warning("killed probe VMs an earlier handler left", extra={"fields": {"pids": leftovers}})
+    if requested != "auto":
+        return requested, "chosen by --accel"
+    if not KVM_DEVICE.exists():
+        return "tcg", f"{KVM_DEVICE} does not exist"
+    record_path = cache / RECORD_NAME
+    key = probe_key(config)
+    kept = read_record(record_path)
+    if kept is not None and kept.key == key and (kept.expires_at is None or kept.expires_at > time.time()):
+        return kept.accel, f"{kept.reason} (probed {time.strftime('%Y-%m-%d %H:%M', time.gmtime(kept.probed_at))} UTC)"
+    started = time.monotonic()
+    try:
+        works, reason, definite = await probe_kvm(config, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    accel = "kvm" if works else "tcg"
+    log.info("accelerator probe", extra={"fields": {"accel": accel, "reason": reason,
+                                                      "probe_s": round(time.monotonic() - started, 2)}})
+    now = time.time()
+    record = ProbeRecord(key=key, accel=accel, reason=reason, probed_at=now,
+                         expires_at=None if definite else now + TIMEOUT_VERDICT_SECONDS)
+    cache.mkdir(parents=True, exist_ok=True)
+    write_atomic(record_path, record.model_dump_json().encode(), mode=0o644)
+    return accel, reason
