@@ -127,10 +127,10 @@ from bench.benchlib import (  # noqa: E402
 )
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc  # noqa: E402
 from crust.kata.image import DEFAULT_CACHE, build  # noqa: E402
-from crust.kata.qemu import Vm, VmConfig  # noqa: E402
+from crust.kata.qemu import Vm, VmConfig, qemu_pids_under  # noqa: E402
 from crust.sys import loop as sysloop  # noqa: E402
 from crust.sys import mount as sysmount  # noqa: E402
-from tests.harness import MIB, Root, mount_cap, qemu_pids_under  # noqa: E402
+from tests.harness import MIB, Root, mount_cap  # noqa: E402
 
 VOLUME_MIB = 256
 GROW_MIB = 64

@@ -347,31 +347,13 @@ class HandlerProcess:
                                f"unix://{self.socket}", *args], capture_output=True, text=True, timeout=120)
 
 
-def qemu_pids_under(*dirs: Path) -> list[int]:
-    """QEMU processes whose command line names a path below one of dirs
-    (their sockets and logs live there): the microVMs made under a test's
-    or a benchmark's own directories, and only those."""
-    needles = [(str(Path(d).resolve()) + "/").encode() for d in dirs]
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"qemu-system-x86_64") and any(n in a for a in argv for n in needles):
-            found.append(int(entry.name))
-    return found
-
-
 def kill_sandbox_holders(root: Path) -> None:
     """Sandboxes outlive their handler by design; a test root kills the
     holders of its own handlers' sandboxes: processes with a mount under
     <root>/<handler>-state/run/, which exists only inside such a sandbox's
     namespace (host mounts propagate into every namespace, so merely
     mentioning the root would also match other roots' sandboxes)."""
-    own = re.compile(re.escape(str(root.resolve())) + r"/[^/ ]+-state/run/")
+    own = re.compile(re.escape(str(root.resolve())) + r"/[^/ ]+-state/(run|accel-probe)/")
     killed: list[Path] = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -379,7 +361,8 @@ def kill_sandbox_holders(root: Path) -> None:
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
             if argv[0].endswith(b"qemu-system-x86_64"):
-                # A microVM sandbox: its sockets and logs live under the state dir.
+                # A microVM sandbox (or the handler's KVM probe VM): its
+                # sockets and logs live under the state dir.
                 if not own.search(b" ".join(argv).decode(errors="replace")):
                     continue
             elif argv[:2] != [b"sleep", b"infinity"] or not own.search((entry / "mountinfo").read_text()):

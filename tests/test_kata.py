@@ -39,10 +39,10 @@ from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.kata import accel as kata_accel
 from crust.kata import image as kata_image
 from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
-from crust.kata.qemu import Vm, VmConfig
+from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, qemu_pids_under
+from tests.harness import MIB
 from tests.test_handler import Env, namespaces_mounting, wait_until
 
 Code = grpc.StatusCode
@@ -569,12 +569,17 @@ def test_auto_accelerator_picks_one_that_boots_and_keeps_the_verdict(tmp_path):
 
 
 def test_probe_vms_left_by_a_killed_handler_are_reaped_and_nothing_else(tmp_path):
-    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
-    ours = subprocess.Popen([*sleeper, "crust-accel-probe-1", f"{tmp_path}/probe/agent.sock"])
-    other = subprocess.Popen([*sleeper, "crust-accel-probe-2", f"{tmp_path}/probe-of-another/agent.sock"])
+    # Stand-ins that look like QEMU to /proc (argv[0] and a socket path),
+    # one in this handler's probe directory and one in a neighbour's.
+    def qemu_lookalike(workdir: Path) -> subprocess.Popen:
+        return subprocess.Popen(["qemu-system-x86_64", "-c", "import time; time.sleep(120)", "-name",
+                                 "crust-accel-probe-1", f"{workdir}/agent.sock"], executable=sys.executable)
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe-of-another").mkdir()
+    ours = qemu_lookalike(tmp_path / "probe")
+    other = qemu_lookalike(tmp_path / "probe-of-another")
     try:
-        wait_until(lambda: b"crust-accel-probe-2" in Path(f"/proc/{other.pid}/cmdline").read_bytes()
-                   and b"crust-accel-probe-1" in Path(f"/proc/{ours.pid}/cmdline").read_bytes(),
+        wait_until(lambda: sorted(qemu_pids_under(tmp_path)) == sorted([ours.pid, other.pid]),
                    timeout=10, what="both processes to start")
         assert kata_accel.reap_leftover_probes(tmp_path / "probe") == [ours.pid]
         assert ours.wait(timeout=10) == -signal.SIGKILL

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from crust.common.atomicfile import write_atomic
 from crust.kata.agent import AgentError, AgentTimeout
-from crust.kata.qemu import Vm, VmConfig, VmError
+from crust.kata.qemu import Vm, VmConfig, VmError, qemu_pids_under
 
 log = logging.getLogger(__name__)
 
@@ -96,23 +96,15 @@ async def probe_kvm(config: VmConfig, workdir: Path, timeout: float = PROBE_TIME
 
 def reap_leftover_probes(workdir: Path) -> list[int]:
     """Kill probe VMs a killed handler left behind (QEMU runs in its own
-    session, so it outlives its handler). Only QEMUs whose command line
-    names this handler's probe directory: nothing else is touched."""
-    marker = str(workdir).encode() + b"/"
+    session, so it outlives its handler): the QEMUs whose command line
+    names this handler's probe directory, and nothing else."""
     killed = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in qemu_pids_under(workdir):
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(a.startswith(b"crust-accel-probe-") for a in argv) and any(marker in a for a in argv):
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-            except ProcessLookupError:
-                pass
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
     return killed
 
 

@@ -48,6 +48,24 @@ class VmError(Exception):
     pass
 
 
+def qemu_pids_under(*dirs: Path) -> list[int]:
+    """QEMU processes whose command line names a path below one of dirs
+    (a VM's sockets and logs live in its work directory): the microVMs made
+    under those directories, and only those."""
+    needles = [(str(Path(d).resolve()) + "/").encode() for d in dirs]
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"qemu-system-x86_64") and any(n in a for a in argv for n in needles):
+            found.append(int(entry.name))
+    return found
+
+
 @dataclass
 class VmConfig:
     kernel: Path
