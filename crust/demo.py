@@ -85,20 +85,36 @@ def _check(condition: bool, message: str) -> None:
 class Daemon:
     """One crust daemon of the demo, as a child process with its own log."""
 
-    def __init__(self, name: str, argv: list[str], socket: Path, root: Path):
+    def __init__(self, name: str, argv: list[str], socket: Path, root: Path, ready_seconds: float = 20):
         self.name, self.argv, self.socket, self.root = name, argv, socket, root
+        self.ready_seconds = ready_seconds
         self.proc: subprocess.Popen | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"{self.name}.log"
 
     def start(self) -> str:
         self.proc = subprocess.Popen([sys.executable, "-m", "crust", *self.argv], stdout=subprocess.DEVNULL,
-                                     stderr=open(self.root / f"{self.name}.log", "ab"))
-        deadline = time.monotonic() + 20
+                                     stderr=open(self.log_path, "ab"))
+        deadline = time.monotonic() + self.ready_seconds
         while time.monotonic() < deadline:
             _check(self.proc.poll() is None, f"{self.name} exited with {self.proc.returncode}; see {self.name}.log")
             if self.socket.exists():
-                return f"pid {self.proc.pid}, {self.socket.name}"
+                return f"pid {self.proc.pid}, {self.socket.name}" + self._accelerator()
             time.sleep(0.02)
-        raise StepFailed(f"{self.name} did not come up within 20 s")
+        raise StepFailed(f"{self.name} did not come up within {self.ready_seconds:g} s")
+
+    def _accelerator(self) -> str:
+        """The microVM handler logs the accelerator it chose, and why."""
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("msg") == "accelerator":
+                return f"; microVMs run with {entry.get('accel')} ({entry.get('reason')})"
+        return ""
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -141,7 +157,8 @@ class Demo:
                 "--endpoint", f"unix://{sock['handler']}", "--proxy-endpoint", f"unix://{proxy_sock}",
                 "--volumes-dir", str(self.run_dir / "volumes"), "--state-dir", str(root / "handler")]
                 + (["--kata-dir", str(self.run_dir / "kata-direct-volumes")] if runtime == "kata" else []),
-                sock["handler"], root),
+                # The microVM handler may first probe KVM (up to 10 s, once per node).
+                sock["handler"], root, ready_seconds=60 if runtime == "kata" else 20),
         ]
         self.kubelet_socket = sock["kubelet-csi"]
         self.handler_socket = sock["handler"]
