@@ -5,6 +5,7 @@ wire facts of specs/csi.proto. Nothing here touches a device or a mount.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import shutil
@@ -22,6 +23,7 @@ from pydantic import BaseModel
 
 from crust.api import csi_pb2
 from crust.common import atomicfile, csi_input, endpoint, units
+from crust.common.aio import first_done
 from crust.common.errors import Aborted, CrustError, InvalidArgument, OutOfRange
 from crust.common.recordstore import RecordStore
 from crust.common.redact import MASK, redacted
@@ -781,3 +783,18 @@ def test_upstream_services_are_complete():
             "ValidateVolumeCapabilities", "ListVolumes", "GetCapacity", "ControllerGetCapabilities",
             "CreateSnapshot", "DeleteSnapshot", "ListSnapshots", "GetSnapshot", "ControllerExpandVolume",
             "ControllerGetVolume", "ControllerModifyVolume", "ControllerGetNodeInfo"} == set(methods["Controller"])
+
+
+async def test_first_done_takes_its_own_task_down_with_a_cancelled_caller():
+    owned = asyncio.ensure_future(asyncio.sleep(60))
+    shared = asyncio.get_running_loop().create_future()
+    waiter = asyncio.ensure_future(first_done(owned, shared))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert owned.cancelled() and not shared.done()
+    # Not cancelled, it returns what completed first.
+    quick = asyncio.ensure_future(asyncio.sleep(0, "x"))
+    assert await first_done(quick, shared) == {quick} and quick.result() == "x"
+    shared.cancel()

@@ -24,6 +24,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from crust.common.aio import first_done
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 30.0
@@ -196,12 +198,7 @@ class AgentClient:
             if remaining <= 0:
                 raise AgentTimeout(f"the guest agent did not answer within {timeout:.0f}s")
             ping = asyncio.ensure_future(self.request("ping", timeout=min(interval, remaining)))
-            try:
-                done, _ = await asyncio.wait({ping, self._announced}, return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                ping.cancel()
-                await asyncio.gather(ping, return_exceptions=True)
-                raise
+            done = await first_done(ping, self._announced)
             if ping in done:
                 try:
                     return ping.result()

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from crust.common.aio import first_done
 from crust.kata.agent import AgentClient, AgentError, GuestGone
 from crust.kata.qmp import QmpClient, QmpError, QmpGone
 
@@ -164,14 +165,7 @@ class Vm:
         """Await coro, but fail at once (with QEMU's and the guest's last
         words) if QEMU exits meanwhile."""
         task = asyncio.ensure_future(coro)
-        try:
-            done, _ = await asyncio.wait({task, self._exited}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            # Our caller was cancelled (a handler stopping): the inner
-            # request goes too, instead of failing later with nobody to tell.
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise
+        done = await first_done(task, self._exited)
         if task in done:
             exc = task.exception()
             if exc is None:
