@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 
 from crust.api import csi_pb2, csi_pb2_grpc
+from crust.common.channel import local_channel
 from crust.common.units import format_size
 from crust.sys import mount as sysmount
 from crust.sys.sweep import release_under
@@ -266,7 +267,7 @@ class Demo:
         self.policy.write_text('deferral:\n  storageClassParameters:\n    crust.dev/defer: "true"\n')
         for daemon in self.daemons:
             t.run(f"start crust {daemon.name}", daemon.start)
-        self.channel = grpc.insecure_channel(f"unix://{self.kubelet_socket}")
+        self.channel = local_channel(str(self.kubelet_socket))
         time.sleep(0.3)  # the handler registers with the proxy
 
         def create():

@@ -910,6 +910,38 @@ def test_stats_and_expansion_are_answered_by_the_claiming_handler(env):
         assert exc.code() == Code.UNAVAILABLE and "kata" in exc.details(), exc.details()
 
 
+def test_a_restarted_handler_is_answered_at_once_after_a_long_outage(env):
+    """The proxy's channel to a dead handler backs off between connection
+    attempts; the restarted handler must not wait out that backoff."""
+    e = env()
+    target = e.target("outage")
+    e.stage(target)
+    h = e.register("kata", serve=True, default_stats=stats_response(GIB, 1))
+    e.claim(target, "kata", "sb-1")
+    assert e.stats(target).usage[0].total == GIB
+
+    h.stop()
+    outage = time.monotonic() + 8  # gRPC's stock backoff would be ~5 s by now
+    while time.monotonic() < outage:
+        assert failure(e.stats, target).code() == Code.UNAVAILABLE
+        time.sleep(0.2)
+    h.start()
+    h.register(e.channel)
+    assert e.stats(target).usage[0].total == GIB  # the first call, no retry
+    # Back without a new lease (the same handler's server came back): within a second.
+    h.stop()
+    assert failure(e.stats, target).code() == Code.UNAVAILABLE
+    h.start()
+    deadline = time.monotonic() + 3
+    while True:
+        try:
+            assert e.stats(target).usage[0].total == GIB
+            break
+        except grpc.RpcError:
+            assert time.monotonic() < deadline, "the proxy did not reconnect within 3 s"
+            time.sleep(0.1)
+
+
 def test_runtime_cli_answers_for_an_unclaimed_volume(env):
     e = env()
     target = e.target("cli")

@@ -11,7 +11,7 @@ import logging
 import grpc
 
 from crust.api import csi_pb2, csi_pb2_grpc
-from crust.common.endpoint import grpc_target
+from crust.common.channel import local_aio_channel
 from crust.common.errors import Forwarded
 from crust.csi_shim.passthrough import forward_timeout, forwardable_metadata
 
@@ -23,7 +23,7 @@ NodeRPC = csi_pb2.NodeServiceCapability.RPC
 class Backend:
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
-        self.channel = grpc.aio.insecure_channel(grpc_target(endpoint))
+        self.channel = local_aio_channel(endpoint)
         self.identity = csi_pb2_grpc.IdentityStub(self.channel)
         self.controller = csi_pb2_grpc.ControllerStub(self.channel)
         self.node = csi_pb2_grpc.NodeStub(self.channel)

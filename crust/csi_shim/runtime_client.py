@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 
 from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
-from crust.common.endpoint import grpc_target
+from crust.common.channel import local_aio_channel
 from crust.common.errors import Forwarded, Unavailable
 from crust.csi_shim.passthrough import forward_timeout
 
@@ -19,7 +19,7 @@ _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE}
 class RuntimeClient:
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
-        self.channel = grpc.aio.insecure_channel(grpc_target(endpoint))
+        self.channel = local_aio_channel(endpoint)
         self.stub = runtime_pb2_grpc.RuntimeStub(self.channel)
 
     async def _call(self, method, request, context):

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
-from crust.common.endpoint import grpc_target
+from crust.common.channel import local_channel
 from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument
 from crust.kata.direct_volume import DEFAULT_ROOT, DirectVolumes, check_volume_path
 
@@ -58,7 +58,7 @@ class DirectVolumeClient:
         self.endpoint = endpoint
 
     def _stub(self) -> tuple[grpc.Channel, handler_pb2_grpc.HandlerStub]:
-        channel = grpc.insecure_channel(grpc_target(self.endpoint))
+        channel = local_channel(self.endpoint)
         return channel, handler_pb2_grpc.HandlerStub(channel)
 
     def _holder(self, volume_path: str) -> str:

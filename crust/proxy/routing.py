@@ -13,7 +13,7 @@ import grpc
 from google.protobuf import json_format
 
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc, runtime_pb2
-from crust.common.endpoint import grpc_target
+from crust.common.channel import local_aio_channel
 from crust.common.errors import FailedPrecondition, Forwarded, Internal, Unavailable
 from crust.proxy.records import DeferredVolume
 from crust.proxy.state import ProxyState
@@ -41,7 +41,7 @@ class Router:
                 task = asyncio.get_running_loop().create_task(channel.close())
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-            channel = grpc.aio.insecure_channel(grpc_target(handler.endpoint))
+            channel = local_aio_channel(handler.endpoint)
             self.channels[handler.endpoint] = (handler.lease_id, channel)
         return handler_pb2_grpc.HandlerStub(channel)
 

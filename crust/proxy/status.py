@@ -10,12 +10,12 @@ import grpc
 from google.protobuf import json_format
 
 from crust.api import registry_pb2, registry_pb2_grpc
-from crust.common.endpoint import grpc_target
+from crust.common.channel import local_channel
 
 
 def status(endpoint: str, as_json: bool) -> int:
     try:
-        with grpc.insecure_channel(grpc_target(endpoint)) as channel:
+        with local_channel(endpoint) as channel:
             stub = registry_pb2_grpc.RegistryStub(channel)
             volumes = stub.ListVolumes(registry_pb2.ListVolumesRequest(), timeout=10).volumes
             handlers = stub.ListHandlers(registry_pb2.ListHandlersRequest(), timeout=10).handlers

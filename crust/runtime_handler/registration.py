@@ -10,7 +10,7 @@ import logging
 import grpc
 
 from crust.api import registry_pb2, registry_pb2_grpc
-from crust.common.endpoint import grpc_target
+from crust.common.channel import local_aio_channel
 from crust.common.errors import Forwarded
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ class Registration:
         self.endpoint = endpoint
         self.filesystems = filesystems
         self.features = features
-        self.channel = grpc.aio.insecure_channel(grpc_target(proxy_endpoint))
+        self.channel = local_aio_channel(proxy_endpoint)
         self.stub = registry_pb2_grpc.RegistryStub(self.channel)
         self.lease_id = ""
         self.lease_seconds = 15

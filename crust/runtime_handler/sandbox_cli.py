@@ -10,13 +10,13 @@ import grpc
 from google.protobuf import json_format
 
 from crust.api import handler_pb2, handler_pb2_grpc
-from crust.common.endpoint import grpc_target
+from crust.common.channel import local_channel
 
 State = handler_pb2.GetSandboxResponse.State
 
 
 def _stub(endpoint: str) -> tuple[grpc.Channel, handler_pb2_grpc.SandboxControlStub]:
-    channel = grpc.insecure_channel(grpc_target(endpoint))
+    channel = local_channel(endpoint)
     return channel, handler_pb2_grpc.SandboxControlStub(channel)
 
 

@@ -1,0 +1,32 @@
+"""Client channels to a neighbour daemon on this node's unix sockets.
+
+gRPC's defaults are made for remote servers: a channel that failed to
+connect backs off for up to two minutes, and channels to the same address
+share one connection (subchannel) process-wide, backoff included. Next door,
+a daemon that restarts is back within a second, and a fresh channel made for
+the restarted daemon must not inherit the backoff of the one that watched it
+die. So these channels keep their own connection and retry within a second.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from crust.common.endpoint import grpc_target
+
+LOCAL_CHANNEL_OPTIONS = (
+    # A private connection: a new channel starts afresh.
+    ("grpc.use_local_subchannel_pool", 1),
+    # Reconnect after 100 ms, backing off to at most 1 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+def local_aio_channel(endpoint: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(grpc_target(endpoint), options=LOCAL_CHANNEL_OPTIONS)
+
+
+def local_channel(endpoint: str) -> grpc.Channel:
+    return grpc.insecure_channel(grpc_target(endpoint), options=LOCAL_CHANNEL_OPTIONS)
