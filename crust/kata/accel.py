@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from crust.common.atomicfile import write_atomic
 from crust.kata.agent import AgentError, AgentTimeout
-from crust.kata.qemu import Vm, VmConfig, VmError, qemu_pids_under
+from crust.kata.qemu import Vm, VmConfig, VmError, VmHung, qemu_pids_under
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +81,16 @@ async def probe_kvm(config: VmConfig, workdir: Path, timeout: float = PROBE_TIME
         cpus=1, cmdline=config.cmdline, qemu_binary=config.qemu_binary))
     try:
         seconds = await vm.start(ready_timeout=timeout)
-    except AgentTimeout:
+    except (AgentTimeout, VmHung):
         await vm.kill()
         return False, f"a probe VM under KVM did not answer within {timeout:.0f}s", False
     except (VmError, AgentError) as exc:
         await vm.kill()
         return False, f"a probe VM under KVM failed: {exc}", True
+    except Exception as exc:  # noqa: BLE001 - a probe must never keep the handler from starting
+        await vm.kill()
+        log.exception("accelerator probe failed unexpectedly")
+        return False, f"the probe under KVM failed unexpectedly: {type(exc).__name__}: {exc}", False
     try:
         await vm.stop(timeout=10)
     finally:

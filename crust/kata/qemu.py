@@ -34,7 +34,7 @@ from pathlib import Path
 
 from crust.common.aio import first_done
 from crust.kata.agent import AgentClient, AgentError, GuestGone
-from crust.kata.qmp import QmpClient, QmpError, QmpGone
+from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,10 @@ MAX_SOCKET_PATH = 107
 
 class VmError(Exception):
     pass
+
+
+class VmHung(VmError):
+    """QEMU runs but does not answer on its monitor."""
 
 
 def qemu_pids_under(*dirs: Path) -> list[int]:
@@ -183,9 +187,20 @@ class Vm:
                 await task
             except BaseException:
                 pass
-        qemu_log = self.qemu_log.read_text(errors="replace").strip() if self.qemu_log.exists() else ""
         raise VmError(f"vm {self.name}: QEMU exited ({self._exited.result()}) during {what}; "
-                      f"qemu: {qemu_log or '-'}; console: {self.console_tail(8) or '-'}")
+                      f"qemu: {self._qemu_log_text() or '-'}; console: {self.console_tail(8) or '-'}")
+
+    async def _monitor(self, coro):
+        """A QMP step of start or adopt: its failures are the VM's (VmError)."""
+        try:
+            return await coro
+        except QmpTimeout as exc:
+            raise VmHung(f"vm {self.name}: {exc}; qemu: {self._qemu_log_text() or '-'}") from None
+        except (QmpGone, QmpError) as exc:
+            raise VmError(f"vm {self.name}: {exc}") from None
+
+    def _qemu_log_text(self) -> str:
+        return self.qemu_log.read_text(errors="replace").strip() if self.qemu_log.exists() else ""
 
     async def start(self, ready_timeout: float = 120.0) -> float:
         """Boot and wait until the agent answers; returns the boot time (s)."""
@@ -205,7 +220,7 @@ class Vm:
                 raise VmError(f"{self.config.qemu_binary} not found: apt-get install qemu-system-x86") from None
         self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")
         try:
-            await self._guarded(self.qmp.connect(), "QMP connect")
+            await self._monitor(self._guarded(self.qmp.connect(), "QMP connect"))
             await self._guarded(self.agent.connect(), "agent connect")
             await self._guarded(self.agent.wait_ready(ready_timeout), "boot")
         except BaseException:
@@ -226,7 +241,7 @@ class Vm:
         if not self.alive():
             raise VmError(f"vm {self.name}: pid {pid} is not this VM's QEMU")
         self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")
-        await self._guarded(self.qmp.connect(), "QMP reconnect")
+        await self._monitor(self._guarded(self.qmp.connect(), "QMP reconnect"))
         await self._guarded(self.agent.connect(), "agent reconnect")
         await self._guarded(self.agent.wait_ready(timeout), "agent ping")
         for host_device, serial in disks:

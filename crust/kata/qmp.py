@@ -31,6 +31,12 @@ class QmpGone(Exception):
     """The monitor socket closed: QEMU exited."""
 
 
+class QmpTimeout(QmpGone):
+    """QEMU took the connection but said nothing: it hangs (seen when KVM
+    misbehaves under nested virtualisation: the socket exists before the
+    accelerator is set up, the main loop that would greet never runs)."""
+
+
 class QmpClient:
     def __init__(self, socket_path: str):
         self.socket_path = socket_path
@@ -56,7 +62,14 @@ class QmpClient:
                 if time.monotonic() > deadline:
                     raise QmpGone(f"QMP socket {self.socket_path} did not come up") from None
                 await asyncio.sleep(0.02)
-        self.greeting = json.loads(await asyncio.wait_for(self._reader.readline(), timeout))
+        try:
+            greeting = await asyncio.wait_for(self._reader.readline(), max(deadline - time.monotonic(), 1.0))
+        except asyncio.TimeoutError:
+            raise QmpTimeout(f"QEMU sent no QMP greeting within {timeout:.0f}s") from None
+        try:
+            self.greeting = json.loads(greeting)
+        except ValueError:
+            raise QmpGone(f"QMP greeting unreadable: {greeting[:200]!r}") from None
         self._task = asyncio.create_task(self._read_loop(), name=f"qmp-reader {self.socket_path}")
         await self.execute("qmp_capabilities")
 
@@ -102,6 +115,8 @@ class QmpClient:
             self._writer.write(json.dumps(msg).encode() + b"\n")
             await self._writer.drain()
             answer = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise QmpTimeout(f"{command}: QEMU did not answer within {timeout:.0f}s") from None
         except (ConnectionError, OSError) as exc:
             self._gone(f"QMP socket error: {exc}")
             raise QmpGone(f"{command}: {self.closed}") from None
