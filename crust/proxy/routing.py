@@ -28,9 +28,10 @@ class Router:
     def __init__(self, state: ProxyState):
         self.state = state
         # One channel per handler endpoint and lease. A handler that
-        # registers again (restarted) gets a fresh channel: the old one may
-        # sit in gRPC's reconnect backoff (up to minutes) after failing to
-        # reach the dead handler, and would refuse calls meanwhile.
+        # registers again (restarted) gets a fresh channel with its own
+        # connection (crust.common.channel): the old one may sit in its
+        # reconnect backoff (up to a second) after failing to reach the dead
+        # handler, and would refuse the first calls meanwhile.
         self.channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
         self._closing: set[asyncio.Task] = set()
 
