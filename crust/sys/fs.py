@@ -74,7 +74,8 @@ class Usage:
     used_inodes: int
 
 
-def usage(path: str) -> Usage:
+def usage(path: str | int) -> Usage:
+    """statvfs of a path or an open descriptor (O_PATH descriptors work)."""
     st = os.statvfs(path)
     total = st.f_blocks * st.f_frsize
     avail = st.f_bavail * st.f_frsize

@@ -53,8 +53,10 @@ async def run(
     ok_codes: tuple[int, ...] = (0,),
     timeout: float | None = None,
     input: bytes | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> Result:
-    """Run argv; raise CommandError unless its exit code is in ok_codes."""
+    """Run argv; raise CommandError unless its exit code is in ok_codes.
+    pass_fds: descriptors the command inherits (at the same numbers)."""
     limit = _timeout(timeout)
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
@@ -63,6 +65,7 @@ async def run(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "LC_ALL": "C"},
+        pass_fds=pass_fds,
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(input), limit)
