@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from crust.api import csi_pb2
-from crust.common.errors import InvalidArgument, OutOfRange
+from crust.common.errors import InvalidArgument, NotFound, OutOfRange
 
 AccessMode = csi_pb2.VolumeCapability.AccessMode
 
@@ -21,7 +21,8 @@ SINGLE_NODE_MODES = {
 }
 READ_ONLY_MODES = {AccessMode.SINGLE_NODE_READER_ONLY, AccessMode.MULTI_NODE_READER_ONLY}
 
-MAX_PATH = 4096
+MAX_PATH = 4096  # PATH_MAX, with the terminating NUL counted as the kernel does
+MAX_COMPONENT = 255  # NAME_MAX: the longest file name Linux file systems take
 MAX_NAME = 128
 MAX_OPTION = 256
 
@@ -46,8 +47,13 @@ def path(value: str, field: str) -> str:
     required(value, field)
     if "\x00" in value:
         raise InvalidArgument(f"{field} contains a NUL character")
-    if len(value.encode("utf-8", "surrogatepass")) > MAX_PATH:
-        raise InvalidArgument(f"{field} is longer than {MAX_PATH} bytes")
+    if len(value.encode("utf-8", "surrogatepass")) >= MAX_PATH:
+        raise InvalidArgument(f"{field} is {len(value.encode('utf-8', 'surrogatepass'))} bytes; "
+                              f"paths must be shorter than {MAX_PATH} bytes")
+    for part in value.split("/"):
+        if len(part.encode("utf-8", "surrogatepass")) > MAX_COMPONENT:
+            raise InvalidArgument(f"{field} has a component of {len(part.encode('utf-8', 'surrogatepass'))} "
+                                  f"bytes ({part[:32]!r}...); at most {MAX_COMPONENT} are allowed")
     if not value.startswith("/"):
         raise InvalidArgument(f"{field} must be an absolute path, got {value!r}")
     # normpath keeps a leading "//" (POSIX leaves its meaning open), so a
@@ -55,6 +61,18 @@ def path(value: str, field: str) -> str:
     if (os.path.normpath(value) != value.rstrip("/") and value != "/") or "//" in value:
         raise InvalidArgument(f"{field} must be normalised (no '.', '..' or '//'), got {value!r}")
     return value.rstrip("/") or "/"
+
+
+def lookup_path(value: str, field: str) -> str:
+    """A path that only names something published before (volume_path of
+    NodeGetVolumeStats and NodeExpandVolume): bad text is INVALID_ARGUMENT,
+    but a relative or unnormalised path is NOT_FOUND: nothing was ever
+    published there (csi-sanity asks for exactly this)."""
+    required(value, field)
+    if not value.startswith("/") or "//" in value or os.path.normpath(value) != value.rstrip("/"):
+        path(value if value.startswith("/") else "/" + value, field)  # the text checks still apply
+        raise NotFound(f"nothing is published at {field} {value!r}")
+    return path(value, field)
 
 
 def access_type(cap: csi_pb2.VolumeCapability, field: str) -> str:
@@ -68,6 +86,8 @@ def access_mode(cap: csi_pb2.VolumeCapability, field: str, supported: set[int]) 
     mode = cap.access_mode.mode
     if not cap.HasField("access_mode") or mode == AccessMode.UNKNOWN:
         raise InvalidArgument(f"{field}.access_mode is required")
+    if mode not in AccessMode.Mode.values():
+        raise InvalidArgument(f"{field}.access_mode.mode {mode} is not an access mode")
     if mode not in supported:
         raise InvalidArgument(
             f"{field}.access_mode {AccessMode.Mode.Name(mode)} is not supported; "

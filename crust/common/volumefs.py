@@ -67,7 +67,9 @@ async def grow_online(fs_type: str, device: str, mount_point: str) -> None:
         raise FailedPrecondition(f"cannot grow a {fs_type} file system")
 
 
-def stats(path: str, *, went_readonly: bool) -> csi_pb2.NodeGetVolumeStatsResponse:
+def stats(path: str | int, *, went_readonly: bool) -> csi_pb2.NodeGetVolumeStatsResponse:
+    """Usage of the file system at a path, or at an open descriptor (how the
+    node services measure a CO path, see crust.common.copath)."""
     u = fs.usage(path)
     condition = csi_pb2.VolumeCondition(abnormal=False, message="healthy")
     if went_readonly:
