@@ -23,12 +23,12 @@ Raw block volumes pass through to the backend unchanged.
 from __future__ import annotations
 
 import logging
-import os
+import stat
 import re
 import shutil
 
 from crust.api import csi_pb2
-from crust.common import csi_input, volumefs
+from crust.common import copath, csi_input, volumefs
 from crust.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from crust.common.inflight import InFlight
 from crust.common.recordstore import RecordStore
@@ -107,6 +107,11 @@ class NodeShim:
             return entry.fs_type == "tmpfs" and entry.source == PLACEHOLDER_SOURCE
         return any(m.mount_point == target for m in self._host_mounts(rec))
 
+    def _is_host_mount(self, entry: mount.MountEntry, rec: ShimVolumeRecord) -> bool:
+        """Is this mount the volume's file system (a host publish)?"""
+        return any((m.mount_id, m.major, m.minor) == (entry.mount_id, entry.major, entry.minor)
+                   for m in self._host_mounts(rec))
+
     @staticmethod
     def _is_placeholder(entry: mount.MountEntry | None) -> bool:
         return entry is not None and entry.fs_type == "tmpfs" and entry.source == PLACEHOLDER_SOURCE
@@ -145,10 +150,12 @@ class NodeShim:
         if kind == "block":
             if not self.backend.stages:
                 return csi_pb2.NodeStageVolumeResponse()  # the CO stages because we advertise it
+            _refuse_links(staging, "staging_target_path")  # whatever the backend does with it
             return await self.backend.call(self.backend.node.NodeStageVolume, request, context)
         cap = request.volume_capability
         fs_type = self._fs_type(cap, request.volume_context)
         flags = list(cap.mount.mount_flags)
+        _refuse_links(staging, "staging_target_path")  # mounted on at a host publish
         with self.inflight.hold(volume_id):
             rec = self._record(volume_id)
             if rec is not None:
@@ -210,9 +217,10 @@ class NodeShim:
                 host = [m for m in self._host_mounts(rec) if m.mount_point != staging]
                 if host:
                     raise FailedPrecondition(f"volume {volume_id} is still mounted on the host at {host[0].mount_point}")
-                entry = mount.at(staging)
-                if entry is not None and any(m.mount_point == staging for m in self._host_mounts(rec)):
-                    await mount.unmount_all(staging)
+                with copath.reach(staging, "staging_target_path", checked=True) as staging_at:
+                    staging_at.refuse_symlink()
+                    if any(m.mount_point == staging for m in self._host_mounts(rec)):
+                        staging_at.unmount_all()
             await self._release_backend(volume_id, context)
             await self.records.delete(volume_key(volume_id))
             return csi_pb2.NodeUnstageVolumeResponse()
@@ -258,6 +266,7 @@ class NodeShim:
         if kind == "block":
             if request.defer_fs_ops:
                 raise InvalidArgument("defer_fs_ops: a raw block volume has no file system operations to defer")
+            _refuse_links(target, "target_path")  # whatever the backend does with it
             return await self.backend.call(self.backend.node.NodePublishVolume, request, context)
         staging = csi_input.path(request.staging_target_path, "staging_target_path")
         group, policy = self._groups(request)
@@ -265,7 +274,8 @@ class NodeShim:
         readonly = request.readonly or mode in csi_input.READ_ONLY_MODES
         wanted = ShimPublish(deferred=request.defer_fs_ops, readonly=readonly,
                              supplemental_group=group, supplemental_group_change_policy=policy)
-        with self.inflight.hold(volume_id):
+        with self.inflight.hold(volume_id), copath.reach(target, "target_path", checked=True) as target_at:
+            target_at.refuse_symlink()
             rec = self._record(volume_id)
             if rec is None or rec.staging_path != staging:
                 raise FailedPrecondition(f"volume {volume_id} is not staged at {staging}; call NodeStageVolume first")
@@ -276,18 +286,18 @@ class NodeShim:
                     raise AlreadyExists(f"volume {volume_id} is already published at {target} "
                                         f"(deferred={known.deferred}, readonly={known.readonly}); the request differs")
                 return self._response(rec, wanted, device, major, minor)
-            entry = mount.at(target)
+            entry = target_at.mount_entry()
             if entry is not None:
                 if wanted.deferred and self._is_placeholder(entry):
                     pass  # placed before a crash; adopted below
-                elif not wanted.deferred and self._target_is_ours(target, False, rec):
+                elif not wanted.deferred and self._is_host_mount(entry, rec):
                     pass
                 else:
                     raise FailedPrecondition(f"target_path {target} already has a mount ({entry.source})")
             if wanted.deferred:
-                await self._publish_deferred(rec, target, wanted, entry)
+                await self._publish_deferred(rec, target_at, wanted, entry)
             else:
-                await self._publish_on_host(rec, target, wanted, device, entry)
+                await self._publish_on_host(rec, target_at, wanted, device, entry)
             rec.published[target] = wanted
             await self._save(rec)
             return self._response(rec, wanted, device, major, minor)
@@ -301,7 +311,9 @@ class NodeShim:
             supplemental_group=publish.supplemental_group,
             change_policy=publish.supplemental_group_change_policy, volume_context=rec.volume_context))
 
-    async def _publish_deferred(self, rec: ShimVolumeRecord, target: str, wanted: ShimPublish, entry) -> None:
+    async def _publish_deferred(self, rec: ShimVolumeRecord, target_at: copath.CoPath, wanted: ShimPublish,
+                                entry) -> None:
+        target = target_at.path
         host = self._host_mounts(rec)
         if host:
             raise FailedPrecondition(
@@ -314,14 +326,15 @@ class NodeShim:
                 f"volume {rec.volume_id} is already deferred to a sandbox at {others[0]}; a single-writer "
                 "file system mounted by two sandboxes would be corrupted")
         if entry is None:
-            os.makedirs(target, exist_ok=True)
             # Fail closed: a runtime that ignores deferral sees an empty
             # read-only directory, never the host's disk.
-            await mount.mount(PLACEHOLDER_SOURCE, target, "tmpfs", ["ro", "size=4k", "nr_inodes=16", "mode=0555"])
+            await _made_then_mounted(target_at, lambda: target_at.mount(
+                PLACEHOLDER_SOURCE, "tmpfs", ["ro", "size=4k", "nr_inodes=16", "mode=0555"]))
         log.info("deferred publish", extra={"fields": {"target": target}})
 
-    async def _publish_on_host(self, rec: ShimVolumeRecord, target: str, wanted: ShimPublish, device: str,
-                               entry) -> None:
+    async def _publish_on_host(self, rec: ShimVolumeRecord, target_at: copath.CoPath, wanted: ShimPublish,
+                               device: str, entry) -> None:
+        target = target_at.path
         deferred = [t for t, p in rec.published.items() if p.deferred and self._target_is_ours(t, True, rec)]
         if deferred:
             raise FailedPrecondition(
@@ -331,46 +344,52 @@ class NodeShim:
             if others:
                 raise FailedPrecondition(
                     f"volume {rec.volume_id} has access mode SINGLE_NODE_SINGLE_WRITER and is published at {others[0]}")
-        staged = mount.at(rec.staging_path)
-        if staged is None or not any(m.mount_point == rec.staging_path for m in self._host_mounts(rec)):
-            if staged is not None:
-                raise FailedPrecondition(f"staging_target_path {rec.staging_path} has another mount ({staged.source})")
-            os.makedirs(rec.staging_path, exist_ok=True)
-            await volumefs.fill_device_offline(rec.fs_type, device)
-            await mount.mount(device, rec.staging_path, rec.fs_type, volumefs.mount_options(rec.fs_type, rec.mount_flags))
-            if rec.fs_type == "xfs":
-                await volumefs.grow_online("xfs", device, rec.staging_path)
-        if entry is None:
-            os.makedirs(target, exist_ok=True)
-            await mount.bind(rec.staging_path, target, readonly=wanted.readonly)
+        with copath.reach(rec.staging_path, "staging_target_path", create_parents=True,
+                          checked=True) as staging_at:
+            staging_at.refuse_symlink()
+            staged = mount.at(rec.staging_path)
+            if staged is None or not any(m.mount_point == rec.staging_path for m in self._host_mounts(rec)):
+                if staged is not None:
+                    raise FailedPrecondition(
+                        f"staging_target_path {rec.staging_path} has another mount ({staged.source})")
+                staging_at.mkdir()
+                await volumefs.fill_device_offline(rec.fs_type, device)
+                await staging_at.mount(device, rec.fs_type, volumefs.mount_options(rec.fs_type, rec.mount_flags))
+                if rec.fs_type == "xfs":
+                    await volumefs.grow_online("xfs", device, rec.staging_path)
+            if entry is None:
+                async def bind() -> None:
+                    target_at.bind_from(staging_at, readonly=wanted.readonly)
+                await _made_then_mounted(target_at, bind)
 
     async def NodeUnpublishVolume(self, request: csi_pb2.NodeUnpublishVolumeRequest, context):
         volume_id = csi_input.required(request.volume_id, "volume_id")
         target = csi_input.path(request.target_path, "target_path")
         rec = self._record(volume_id)
-        entry = mount.at(target)
-        if rec is None and not self._is_placeholder(entry):
-            return await self.backend.call(self.backend.node.NodeUnpublishVolume, request, context)
-        with self.inflight.hold(volume_id):
-            if entry is not None:
-                ours = self._is_placeholder(entry) or (rec is not None and self._target_is_ours(target, False, rec))
-                if not ours:
-                    raise FailedPrecondition(f"target_path {target} holds a mount that is not volume {volume_id}")
-                await mount.unmount_all(target)
-            if os.path.isdir(target) and not os.path.islink(target):
-                try:
-                    os.rmdir(target)
-                except OSError as exc:
-                    raise FailedPrecondition(f"target_path {target} is not empty after unmount: {exc}")
-            if rec is not None:
-                rec.published.pop(target, None)
-                if not rec.host_targets():
-                    # The last host publish is gone: unmount the shared host
-                    # mount so the volume can be deferred again.
-                    if any(m.mount_point == rec.staging_path for m in self._host_mounts(rec)):
-                        await mount.unmount_all(rec.staging_path)
-                await self._save(rec)
-            return csi_pb2.NodeUnpublishVolumeResponse()
+        with copath.reach(target, "target_path", checked=True) as target_at:
+            # A target reached through a link is refused, never "OK": the
+            # mount it may lead to stays until the CO names its real path.
+            entry = target_at.mount_entry()
+            if rec is None and not self._is_placeholder(entry):
+                return await self.backend.call(self.backend.node.NodeUnpublishVolume, request, context)
+            with self.inflight.hold(volume_id):
+                if entry is not None:
+                    ours = self._is_placeholder(entry) or (rec is not None and self._is_host_mount(entry, rec))
+                    if not ours:
+                        raise FailedPrecondition(f"target_path {target} holds a mount that is not volume {volume_id}")
+                    target_at.unmount_all()
+                if (st := target_at.lstat()) is not None and stat.S_ISDIR(st.st_mode):
+                    target_at.remove()
+                if rec is not None:
+                    rec.published.pop(target, None)
+                    if not rec.host_targets():
+                        # The last host publish is gone: unmount the shared host
+                        # mount so the volume can be deferred again.
+                        if any(m.mount_point == rec.staging_path for m in self._host_mounts(rec)):
+                            with copath.reach(rec.staging_path, "staging_target_path", checked=True) as staging_at:
+                                staging_at.unmount_all()
+                    await self._save(rec)
+                return csi_pb2.NodeUnpublishVolumeResponse()
 
     # -- stats / expand ---------------------------------------------------------------------
 
@@ -386,6 +405,7 @@ class NodeShim:
         rec = self._record(volume_id)
         if rec is None:
             return await self.backend.call(self.backend.node.NodeGetVolumeStats, request, context)
+        path = csi_input.lookup_path(path, "volume_path")
         if self._is_deferred(rec, path, request.defer_fs_ops):
             if path not in rec.published:
                 raise NotFound(f"volume {volume_id} is not published at volume_path {path!r}")
@@ -397,7 +417,8 @@ class NodeShim:
             raise NotFound(f"volume {volume_id} is not mounted at volume_path {path!r}")
         publish = rec.published.get(path)
         wanted_ro = publish.readonly if publish else False
-        return volumefs.stats(path, went_readonly="ro" in host[0].super_options and not wanted_ro)
+        with copath.reach(path, "volume_path", checked=True) as volume_at, volume_at.opened() as fd:
+            return volumefs.stats(fd, went_readonly="ro" in host[0].super_options and not wanted_ro)
 
     async def NodeExpandVolume(self, request: csi_pb2.NodeExpandVolumeRequest, context):
         volume_id = csi_input.required(request.volume_id, "volume_id")
@@ -405,6 +426,7 @@ class NodeShim:
         rec = self._record(volume_id)
         if rec is None:
             return await self.backend.call(self.backend.node.NodeExpandVolume, request, context)
+        path = csi_input.lookup_path(path, "volume_path")
         with self.inflight.hold(volume_id):
             deferred = self._is_deferred(rec, path, request.defer_fs_ops)
             if path not in rec.published and path != rec.staging_path:
@@ -439,3 +461,25 @@ METHODS = {
     "NodeGetVolumeStats": (csi_pb2.NodeGetVolumeStatsRequest, csi_pb2.NodeGetVolumeStatsResponse),
     "NodeExpandVolume": (csi_pb2.NodeExpandVolumeRequest, csi_pb2.NodeExpandVolumeResponse),
 }
+
+
+def _refuse_links(path: str, field: str) -> None:
+    """Refuse a path that is or crosses a symlink before a backend sees it."""
+    with copath.reach(path, field, checked=True) as at:
+        at.refuse_symlink()
+
+
+async def _made_then_mounted(target_at: copath.CoPath, mount_it) -> None:
+    """Make the target directory (and its parents, never through a link),
+    then mount; a failed mount removes the directory this call made."""
+    target_at.ensure_parents()
+    made = target_at.mkdir()
+    try:
+        await mount_it()
+    except BaseException:
+        if made:
+            try:
+                target_at.remove()
+            except Exception as exc:  # noqa: BLE001 - the mount's error is what the CO must see
+                log.warning("could not remove a target this publish made", extra={"fields": {"error": str(exc)}})
+        raise

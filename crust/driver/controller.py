@@ -328,7 +328,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             return csi_pb2.CreateVolumeResponse(volume=self._csi_volume(volume))
 
     async def DeleteVolume(self, request: csi_pb2.DeleteVolumeRequest, context):
-        volume_id = csi_input.required(request.volume_id, "volume_id")
+        volume_id = csi_input.name(request.volume_id, "volume_id")
         with self.inflight.hold(volume_id):
             volume = self.catalog.volumes.get(volume_id)
             if volume is None:
@@ -352,7 +352,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             return csi_pb2.DeleteVolumeResponse()
 
     async def ControllerPublishVolume(self, request: csi_pb2.ControllerPublishVolumeRequest, context):
-        volume_id = csi_input.required(request.volume_id, "volume_id")
+        volume_id = csi_input.name(request.volume_id, "volume_id")
         node_id = csi_input.required(request.node_id, "node_id")
         if not request.HasField("volume_capability"):
             raise InvalidArgument("volume_capability is required")
@@ -388,7 +388,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             return csi_pb2.ControllerPublishVolumeResponse(publish_context={"node": node_id})
 
     async def ControllerUnpublishVolume(self, request: csi_pb2.ControllerUnpublishVolumeRequest, context):
-        volume_id = csi_input.required(request.volume_id, "volume_id")
+        volume_id = csi_input.name(request.volume_id, "volume_id")
         with self.inflight.hold(volume_id):
             volume = self.catalog.volumes.get(volume_id)
             if volume is None:
@@ -405,7 +405,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             return csi_pb2.ControllerUnpublishVolumeResponse()
 
     async def ValidateVolumeCapabilities(self, request: csi_pb2.ValidateVolumeCapabilitiesRequest, context):
-        volume_id = csi_input.required(request.volume_id, "volume_id")
+        volume_id = csi_input.name(request.volume_id, "volume_id")
         if not request.volume_capabilities:
             raise InvalidArgument("volume_capabilities is required (at least one)")
         volume = self._volume(volume_id)
@@ -475,7 +475,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         )
 
     async def ControllerExpandVolume(self, request: csi_pb2.ControllerExpandVolumeRequest, context):
-        volume_id = csi_input.required(request.volume_id, "volume_id")
+        volume_id = csi_input.name(request.volume_id, "volume_id")
         if not request.HasField("capacity_range"):
             raise InvalidArgument("capacity_range is required")
         volume = self._volume(volume_id)
@@ -500,7 +500,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         return csi_pb2.ControllerExpandVolumeResponse(capacity_bytes=size, node_expansion_required=True)
 
     async def ControllerModifyVolume(self, request: csi_pb2.ControllerModifyVolumeRequest, context):
-        volume_id = csi_input.required(request.volume_id, "volume_id")
+        volume_id = csi_input.name(request.volume_id, "volume_id")
         volume = self._volume(volume_id)
         mutable = _check_parameters(dict(request.mutable_parameters), "mutable_parameters", MUTABLE_PARAMETERS)
         with self.inflight.hold(volume_id):
@@ -526,7 +526,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
     # -- snapshots ------------------------------------------------------------------
 
     async def CreateSnapshot(self, request: csi_pb2.CreateSnapshotRequest, context):
-        source_id = csi_input.required(request.source_volume_id, "source_volume_id")
+        source_id = csi_input.name(request.source_volume_id, "source_volume_id")
         name = csi_input.name(request.name)
         with self.inflight.hold(f"snapshot-name:{name}"):
             existing = self.catalog.snapshot_by_name(name)
@@ -570,7 +570,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         await self.catalog.forget_snapshot(snap)
 
     async def DeleteSnapshot(self, request: csi_pb2.DeleteSnapshotRequest, context):
-        snapshot_id = csi_input.required(request.snapshot_id, "snapshot_id")
+        snapshot_id = csi_input.name(request.snapshot_id, "snapshot_id")
         with self.inflight.hold(snapshot_id):
             snap = self.catalog.snapshots.get(snapshot_id)
             if snap is None:
@@ -596,7 +596,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         )
 
     async def GetSnapshot(self, request: csi_pb2.GetSnapshotRequest, context):
-        snapshot_id = csi_input.required(request.snapshot_id, "snapshot_id")
+        snapshot_id = csi_input.name(request.snapshot_id, "snapshot_id")
         snap = self.catalog.snapshots.get(snapshot_id)
         if snap is None:
             raise NotFound(f"snapshot {snapshot_id!r} does not exist")

@@ -87,7 +87,7 @@ class GroupControllerService(csi_pb2_grpc.GroupControllerServicer):
             return csi_pb2.CreateVolumeGroupSnapshotResponse(group_snapshot=self._message(group))
 
     async def DeleteVolumeGroupSnapshot(self, request: csi_pb2.DeleteVolumeGroupSnapshotRequest, context):
-        group_id = csi_input.required(request.group_snapshot_id, "group_snapshot_id")
+        group_id = csi_input.name(request.group_snapshot_id, "group_snapshot_id")
         with self.inflight.hold(group_id):
             group = self.catalog.groups.get(group_id)
             if group is None:
@@ -103,7 +103,7 @@ class GroupControllerService(csi_pb2_grpc.GroupControllerServicer):
             return csi_pb2.DeleteVolumeGroupSnapshotResponse()
 
     async def GetVolumeGroupSnapshot(self, request: csi_pb2.GetVolumeGroupSnapshotRequest, context):
-        group_id = csi_input.required(request.group_snapshot_id, "group_snapshot_id")
+        group_id = csi_input.name(request.group_snapshot_id, "group_snapshot_id")
         group = self.catalog.groups.get(group_id)
         if group is None:
             raise NotFound(f"group snapshot {group_id!r} does not exist")

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from crust.api import csi_pb2, csi_pb2_grpc
-from crust.common import csi_input, volumefs
+from crust.common import copath, csi_input, volumefs
 from crust.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -173,7 +173,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
     # -- stage / unstage ----------------------------------------------------------------
 
     async def NodeStageVolume(self, request: csi_pb2.NodeStageVolumeRequest, context):
-        volume_id = csi_input.required(request.volume_id, "volume_id")
+        volume_id = csi_input.name(request.volume_id, "volume_id")
         staging = csi_input.path(request.staging_target_path, "staging_target_path")
         kind = self._validate_capability(request)
         cap = request.volume_capability
@@ -193,28 +193,35 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                     raise FailedPrecondition(f"volume {volume_id} is already staged at {rec.staging_path}")
                 if rec.access_type != kind or (kind == "mount" and (rec.fs_type, rec.mount_flags) != (fs_type, flags)):
                     raise AlreadyExists(f"volume {volume_id} is staged at {staging} with a different volume_capability")
-            if kind == "mount":
-                os.makedirs(staging, exist_ok=True)
-            attached_here = self._device_of(backing) is None
-            device = await self._attach(backing)
-            try:
+            with copath.reach(staging, "staging_target_path", create_parents=kind == "mount",
+                              checked=True) as staging_at:
+                made = False
                 if kind == "mount":
-                    current = mount.at(staging)
-                    if current is not None and not self._is_our_mount(current, device):
-                        raise FailedPrecondition(
-                            f"staging_target_path {staging} has another file system mounted ({current.source})")
-                    if current is None:
-                        await volumefs.format_if_blank(device, fs_type, volume_id)
-                        await volumefs.fill_device_offline(fs_type, device)
-                        await mount.mount(device, staging, fs_type, volumefs.mount_options(fs_type, flags))
-                        if fs_type == "xfs" and cap.access_mode.mode not in csi_input.READ_ONLY_MODES:
-                            await volumefs.grow_online(fs_type, device, staging)
-            except Exception:
-                # A failed stage leaves no loop device behind: no NodeUnstageVolume
-                # follows a failed stage, and DeleteVolume would orphan the device.
-                if attached_here:
-                    await self._detach_if_unused(device)
-                raise
+                    made = staging_at.mkdir()
+                else:
+                    staging_at.refuse_symlink()  # unused for block, but never accepted through a link
+                attached_here = self._device_of(backing) is None
+                device = await self._attach(backing)
+                try:
+                    if kind == "mount":
+                        current = mount.at(staging)
+                        if current is not None and not self._is_our_mount(current, device):
+                            raise FailedPrecondition(
+                                f"staging_target_path {staging} has another file system mounted ({current.source})")
+                        if current is None:
+                            await volumefs.format_if_blank(device, fs_type, volume_id)
+                            await volumefs.fill_device_offline(fs_type, device)
+                            await staging_at.mount(device, fs_type, volumefs.mount_options(fs_type, flags))
+                            if fs_type == "xfs" and cap.access_mode.mode not in csi_input.READ_ONLY_MODES:
+                                await volumefs.grow_online(fs_type, device, staging)
+                except Exception:
+                    # A failed stage leaves no loop device behind: no NodeUnstageVolume
+                    # follows a failed stage, and DeleteVolume would orphan the device.
+                    if attached_here:
+                        await self._detach_if_unused(device)
+                    if made:
+                        _remove_quietly(staging_at)
+                    raise
             record = NodeVolumeRecord(volume_id=volume_id, staging_path=staging, access_type=kind,
                                       access_mode=cap.access_mode.mode, fs_type=fs_type, mount_flags=flags,
                                       published=rec.published if rec else {})
@@ -223,7 +230,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             return csi_pb2.NodeStageVolumeResponse()
 
     async def NodeUnstageVolume(self, request: csi_pb2.NodeUnstageVolumeRequest, context):
-        volume_id = csi_input.required(request.volume_id, "volume_id")
+        volume_id = csi_input.name(request.volume_id, "volume_id")
         staging = csi_input.path(request.staging_target_path, "staging_target_path")
         with self.inflight.hold(volume_id):
             rec = self.records.get(volume_id)
@@ -235,9 +242,14 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                     raise FailedPrecondition(f"volume {volume_id} is still published at {', '.join(live)}")
             backing = self.pool.volume_file(volume_id)
             device = self._device_of(backing)
-            current = mount.at(staging)
-            if current is not None and (self._is_our_mount(current, device) or rec is not None):
-                await mount.unmount_all(staging)
+            with copath.reach(staging, "staging_target_path", checked=True) as staging_at:
+                staging_at.refuse_symlink()
+                current = mount.at(staging)
+                if current is not None and (self._is_our_mount(current, device) or rec is not None):
+                    staging_at.unmount_all()
+            # Whatever was mounted where (also a mount made through a path
+            # that has changed since), the volume is unstaged only when no
+            # mount of it remains.
             devices = loop.devices_for(backing)  # read-only ones of raw block publishes too
             for dev in devices:
                 still = mount.of_device(*blockdev.major_minor(dev)) + mount.of_device_node(dev)
@@ -252,7 +264,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
     # -- publish / unpublish --------------------------------------------------------------
 
     async def NodePublishVolume(self, request: csi_pb2.NodePublishVolumeRequest, context):
-        volume_id = csi_input.required(request.volume_id, "volume_id")
+        volume_id = csi_input.name(request.volume_id, "volume_id")
         target = csi_input.path(request.target_path, "target_path")
         kind = self._validate_capability(request)
         staging = csi_input.path(request.staging_target_path, "staging_target_path")
@@ -261,7 +273,11 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 "defer_fs_ops: this driver mounts on the host and cannot defer; run it behind `crust shim`")
         mode = request.volume_capability.access_mode.mode
         readonly = request.readonly or mode in csi_input.READ_ONLY_MODES
-        with self.inflight.hold(volume_id):
+        with self.inflight.hold(volume_id), \
+                copath.reach(target, "target_path", checked=True) as target_at, \
+                copath.reach(staging, "staging_target_path", checked=True) as staging_at:
+            target_at.refuse_symlink()
+            staging_at.refuse_symlink()
             backing = self._backing_file(volume_id)
             rec = self.records.get(volume_id)
             if rec is None or rec.staging_path != staging:
@@ -272,7 +288,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             if device is None:
                 raise FailedPrecondition(f"volume {volume_id} is not attached; call NodeStageVolume again")
             wanted = NodePublish(readonly=readonly, access_type=kind)
-            current = mount.at(target)
+            current = target_at.mount_entry()
             if current is not None and self._is_our_mount(current, device, backing):
                 known = rec.published.get(target)
                 if known is not None and known != wanted:
@@ -296,52 +312,49 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                     raise FailedPrecondition(
                         f"volume {volume_id} is not mounted at staging_target_path {staging}; "
                         "call NodeStageVolume again")
-                os.makedirs(target, exist_ok=True)
-                source = staging
-            else:
-                Path(target).parent.mkdir(parents=True, exist_ok=True)
-                if not os.path.exists(target):
-                    Path(target).touch(mode=0o600)
-                source = device
-                if readonly:
-                    # A read-only bind mount does not stop writes through a
-                    # device node; a read-only loop device of its own does.
-                    source = await loop.attach(backing, read_only=True)
+            target_at.ensure_parents()  # now that nothing refuses the publish
+            made = target_at.mkdir() if kind == "mount" else target_at.make_file()
+            source: copath.CoPath | str = staging_at
             try:
-                await mount.bind(source, target, readonly=readonly)
+                if kind == "block":
+                    source = device
+                    if readonly:
+                        # A read-only bind mount does not stop writes through a
+                        # device node; a read-only loop device of its own does.
+                        source = await loop.attach(backing, read_only=True)
+                target_at.bind_from(source, readonly=readonly)
             except Exception:
-                if source not in (device, staging):
+                if isinstance(source, str) and source != device:
                     await self._detach_if_unused(source)
+                if made:
+                    _remove_quietly(target_at)
                 raise
             rec.published[target] = wanted
             await self.records.put(volume_id, rec)
             return csi_pb2.NodePublishVolumeResponse()
 
     async def NodeUnpublishVolume(self, request: csi_pb2.NodeUnpublishVolumeRequest, context):
-        volume_id = csi_input.required(request.volume_id, "volume_id")
+        volume_id = csi_input.name(request.volume_id, "volume_id")
         target = csi_input.path(request.target_path, "target_path")
-        with self.inflight.hold(volume_id):
+        with self.inflight.hold(volume_id), copath.reach(target, "target_path", checked=True) as target_at:
+            # A target reached through a link is refused, never "OK": the
+            # mount it may lead to stays until the CO names its real path.
+            target_at.refuse_symlink()
             rec = self.records.get(volume_id)
             if rec is None and not self._volume_exists(volume_id):
                 raise NotFound(f"volume {volume_id!r} does not exist on node {self.config.node_id}")
             backing = self.pool.volume_file(volume_id)
             device = self._device_of(backing)
-            current = mount.at(target)
+            current = target_at.mount_entry()
             if current is not None:
                 if not (self._is_our_mount(current, device, backing) or (rec and target in rec.published)):
                     raise FailedPrecondition(f"target_path {target} holds a mount that is not volume {volume_id}")
                 private = self._read_only_device(current, backing)
-                await mount.unmount_all(target)
+                target_at.unmount_all()
                 if private is not None:
                     await self._detach_if_unused(private)
             # The spec asks the plugin to remove what it created at target.
-            if os.path.isdir(target) and not os.path.islink(target):
-                try:
-                    os.rmdir(target)
-                except OSError as exc:
-                    raise FailedPrecondition(f"target_path {target} is not empty after unmount: {exc}")
-            elif os.path.lexists(target):
-                os.unlink(target)
+            target_at.remove()
             if rec is not None and target in rec.published:
                 del rec.published[target]
                 await self.records.put(volume_id, rec)
@@ -349,20 +362,26 @@ class NodeService(csi_pb2_grpc.NodeServicer):
 
     # -- stats / expand -------------------------------------------------------------------
 
-    def _mount_for(self, volume_id: str, path: str, device: str | None) -> mount.MountEntry:
-        entry = mount.at(path) if path.startswith("/") else None
+    def _mount_for(self, volume_id: str, path: copath.CoPath, device: str | None) -> mount.MountEntry:
+        path.refuse_symlink()
+        entry = mount.at(path.path)
         if entry is None or not self._is_our_mount(entry, device, self.pool.volume_file(volume_id)):
-            raise NotFound(f"volume {volume_id} is not mounted at volume_path {path!r}")
+            raise NotFound(f"volume {volume_id} is not mounted at volume_path {path.path!r}")
         return entry
 
     async def NodeGetVolumeStats(self, request: csi_pb2.NodeGetVolumeStatsRequest, context):
-        volume_id = csi_input.required(request.volume_id, "volume_id")
-        path = csi_input.required(request.volume_path, "volume_path")
+        volume_id = csi_input.name(request.volume_id, "volume_id")
+        path = csi_input.lookup_path(request.volume_path, "volume_path")
         if not self._volume_exists(volume_id):
             raise NotFound(f"volume {volume_id!r} does not exist on node {self.config.node_id}")
+        with copath.reach(path, "volume_path", checked=True) as volume_at:
+            return self._stats(volume_id, volume_at)
+
+    def _stats(self, volume_id: str, volume_at: copath.CoPath) -> csi_pb2.NodeGetVolumeStatsResponse:
+        path = volume_at.path
         backing = self.pool.volume_file(volume_id)
         device = self._device_of(backing)
-        entry = self._mount_for(volume_id, path, device)
+        entry = self._mount_for(volume_id, volume_at, device)
         Usage = csi_pb2.VolumeUsage
         condition = csi_pb2.VolumeCondition(abnormal=False, message="healthy")
         if not backing.exists():
@@ -373,24 +392,25 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 usage=[Usage(unit=Usage.BYTES, total=size)], volume_condition=condition)
         rec = self.records.get(volume_id)
         wanted_ro = rec is not None and rec.published.get(path, NodePublish()).readonly
-        response = volumefs.stats(path, went_readonly="ro" in entry.super_options and not wanted_ro)
+        with volume_at.opened() as fd:
+            response = volumefs.stats(fd, went_readonly="ro" in entry.super_options and not wanted_ro)
         if condition.abnormal:
             response.volume_condition.CopyFrom(condition)
         return response
 
     async def NodeExpandVolume(self, request: csi_pb2.NodeExpandVolumeRequest, context):
-        volume_id = csi_input.required(request.volume_id, "volume_id")
+        volume_id = csi_input.name(request.volume_id, "volume_id")
         if not self._volume_exists(volume_id):
             raise NotFound(f"volume {volume_id!r} does not exist on node {self.config.node_id}")
-        path = csi_input.required(request.volume_path, "volume_path")
+        path = csi_input.lookup_path(request.volume_path, "volume_path")
         if request.defer_fs_ops:
             raise FailedPrecondition("defer_fs_ops: this driver cannot defer; run it behind `crust shim`")
-        with self.inflight.hold(volume_id):
+        with self.inflight.hold(volume_id), copath.reach(path, "volume_path", checked=True) as volume_at:
             backing = self.pool.volume_file(volume_id)
             device = self._device_of(backing)
             if device is None:
                 raise FailedPrecondition(f"volume {volume_id} is not staged on node {self.config.node_id}")
-            entry = self._mount_for(volume_id, path, device)
+            entry = self._mount_for(volume_id, volume_at, device)
             for dev in loop.devices_for(backing):  # read-only publishes grow too
                 await loop.refresh_capacity(dev)
             size = blockdev.size_bytes(device)
@@ -423,3 +443,12 @@ class NodeService(csi_pb2_grpc.NodeServicer):
 
     async def NodeGetID(self, request, context):
         return csi_pb2.NodeGetIDResponse(node_id=self.config.node_id)
+
+
+def _remove_quietly(path: copath.CoPath) -> None:
+    """Undo a directory or file this request made, after it failed."""
+    try:
+        path.remove()
+    except Exception as exc:  # noqa: BLE001 - the original error is what the CO must see
+        log.warning("could not remove what a failed request made", extra={"fields": {"path": path.path,
+                                                                                     "error": str(exc)}})

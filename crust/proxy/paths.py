@@ -5,27 +5,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from crust.common import csi_input
+from crust.common import copath, csi_input
 from crust.common.errors import InvalidArgument
 
 
 def check_target(path: str, kubelet_root: Path, field: str = "target_path") -> str:
-    """An absolute, normalised path inside the kubelet root, reached without
-    a symlink that leads outside it."""
+    """An absolute, normalised path inside the kubelet root that leads
+    there: it is walked without following a symlink (crust.common.copath),
+    so a link planted on the way (to /etc, or to anywhere else outside the
+    root) is refused, not only a path whose text leaves the root."""
     path = csi_input.path(path, field)
     root = os.path.normpath(str(kubelet_root))
     if not (path + "/").startswith(root.rstrip("/") + "/") or path == root:
         raise InvalidArgument(f"{field} {path!r} is outside the kubelet root {root}")
-    # A symlink on the way must not lead out of the root. The parent exists
-    # when kubelet publishes; otherwise the deepest ancestor that exists (a
-    # dangling symlink included) is what the path would be reached through.
-    existing = os.path.dirname(path)
-    while existing != root and not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(existing)
-    if not (real + "/").startswith(real_root.rstrip("/") + "/") and real != real_root:
-        raise InvalidArgument(f"{field} {path!r} leads outside the kubelet root through a symlink")
+    with copath.reach(path, field, checked=True) as at:
+        at.refuse_symlink()
     return path
 
 

@@ -297,10 +297,8 @@ class RuntimeHandler:
             await sandbox.apply_fs_group(mounted.mount_point, int(group),
                                          info.metadata.get(FS_GROUP_CHANGE_POLICY, "Always"))
         for view in views:
-            source = mounted.mount_point + (f"/{view.subpath}" if view.subpath else "")
-            if view.subpath:
-                await sandbox.check_subpath(mounted.mount_point, view.subpath)
-            await sandbox.bind(source, view.destination, readonly=view.readonly or info.readonly)
+            await sandbox.bind_volume(mounted.mount_point, view.subpath, view.destination,
+                                      readonly=view.readonly or info.readonly)
 
     async def _teardown(self, sandbox: Sandbox, record: SandboxRecord, abnormal_reason: str = "") -> None:
         errors = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import os
 import signal
 import stat
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crust.api import csi_pb2
+from crust.common import copath
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.sys import mount as sysmount
 from crust.sys.run import CommandError, run
@@ -68,6 +70,16 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def check_subpath(self, mount_point: str, subpath: str) -> None:
         """Refuse a subpath that leaves the volume ('..', a symlink on the way)."""
+
+    async def bind_volume(self, mount_point: str, subpath: str, destination: str, readonly: bool) -> None:
+        """Give a container its view of a mounted volume, or of a subpath of
+        it. The subpath lives in the volume, which the workload writes: a
+        sandbox whose host could be reached through a link planted there
+        must bind what it checked, not check and then bind a path string
+        (the mount-namespace sandbox overrides this to do exactly that)."""
+        if subpath:
+            await self.check_subpath(mount_point, subpath)
+        await self.bind(mount_point + (f"/{subpath}" if subpath else ""), destination, readonly)
 
     @abc.abstractmethod
     async def stats(self, mount_point: str, readonly: bool) -> VolumeStats: ...
@@ -188,17 +200,78 @@ class MountNamespaceSandbox(Sandbox):
         await asyncio.to_thread(apply_fs_group, self.root_view(mount_point), gid, policy)
 
     async def bind(self, source: str, destination: str, readonly: bool) -> None:
+        # The source comes from the runtime's own bundle: it is trusted as
+        # written (links included). The destination is reached inside the
+        # container's root without following a link (an image may carry any).
+        with self._namespace_root() as ns_root:
+            try:
+                # Relative to the namespace's root: an absolute path would
+                # ignore dir_fd and name the handler's own (host) view.
+                source_fd = os.open(source.lstrip("/") or ".", os.O_PATH | os.O_CLOEXEC, dir_fd=ns_root)
+            except OSError as exc:
+                raise FailedPrecondition(f"sandbox {self.id}: bind source {source!r}: {exc.strerror}") from None
+            try:
+                await self._bind_fd(ns_root, source_fd, destination, readonly)
+            finally:
+                os.close(source_fd)
+
+    async def bind_volume(self, mount_point: str, subpath: str, destination: str, readonly: bool) -> None:
+        if subpath and (subpath.startswith("/") or ".." in subpath.split("/")):
+            raise InvalidArgument(f"subpath {subpath!r} escapes the volume")
+        path = os.path.join(mount_point, subpath) if subpath else mount_point
+        with self._namespace_root() as ns_root:
+            # Walked from inside the namespace (where the volume is mounted)
+            # without following a link, and bound through the descriptor
+            # the walk ended on: no swap between the check and the bind.
+            try:
+                with copath.reach(path, "subpath", root_fd=ns_root) as source:
+                    if source.lstat() is None:
+                        raise InvalidArgument(f"subpath {subpath!r} does not exist in the volume")
+                    with source.opened() as source_fd:
+                        await self._bind_fd(ns_root, source_fd, destination, readonly)
+            except InvalidArgument as exc:
+                if exc.message.startswith("subpath") and "symlink" in exc.message:
+                    raise InvalidArgument(f"subpath {subpath!r} goes through a symlink inside the volume") from None
+                raise
+
+    @contextlib.contextmanager
+    def _namespace_root(self):
+        """The sandbox's "/" as a descriptor the handler can walk from."""
+        fd = os.open(f"/proc/{self.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    async def _bind_fd(self, ns_root: int, source_fd: int, destination: str, readonly: bool) -> None:
         root = str(self.rootfs) if self.rootfs is not None else ""
-        target = root + destination
-        src_view = self.root_view(source)
-        if os.path.isdir(src_view):
-            os.makedirs(self.root_view(target), exist_ok=True)
-        else:
-            Path(self.root_view(target)).parent.mkdir(parents=True, exist_ok=True)
-            Path(self.root_view(target)).touch(exist_ok=True)
-        await self.ns("mount", "--bind", "--", source, target)
-        if readonly:
-            await self.ns("mount", "-o", "remount,bind,ro", "--", target)
+        rootfs_fd = os.open(root.lstrip("/"), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=ns_root) \
+            if root.strip("/") else os.dup(ns_root)
+        try:
+            with copath.reach(destination, "destination", create_parents=True, root_fd=rootfs_fd) as target:
+                if stat.S_ISDIR(os.fstat(source_fd).st_mode):
+                    target.mkdir(0o755)
+                else:
+                    target.make_file(0o644)
+                with target.opened() as target_fd:
+                    await self.ns("mount", "--no-canonicalize", "--bind", "--", sysmount.fd_path(source_fd),
+                                  sysmount.fd_path(target_fd), pass_fds=(source_fd, target_fd))
+                if readonly:
+                    await self._remount_readonly(target, source_fd)
+        finally:
+            os.close(rootfs_fd)
+
+    async def _remount_readonly(self, target: copath.CoPath, source_fd: int) -> None:
+        """Make the bind just made read-only. Its root is reopened through
+        the pinned parent; it must be the source we bound (same device and
+        inode), or the bind is undone."""
+        with target.opened() as top:
+            top_st, src_st = os.fstat(top), os.fstat(source_fd)
+            if (top_st.st_dev, top_st.st_ino) != (src_st.st_dev, src_st.st_ino):
+                await self.ns("umount", "--no-canonicalize", "--", sysmount.fd_path(top), pass_fds=(top,), check=False)
+                raise FailedPrecondition(f"sandbox {self.id}: {target.path} changed while it was bound; undone")
+            await self.ns("mount", "--no-canonicalize", "-o", "remount,bind,ro", "--", sysmount.fd_path(top),
+                          pass_fds=(top,))
 
     async def check_subpath(self, mount_point: str, subpath: str) -> None:
         await asyncio.to_thread(safe_subpath, self.root_view(mount_point), subpath)
