@@ -1,8 +1,9 @@
 """gRPC wiring shared by every crust daemon.
 
 - one interceptor: request id and structured log fields, the RPC deadline for
-  subprocesses, secrets stripped from logged requests, latency metrics, and the
-  single mapping of crust errors to gRPC status codes;
+  subprocesses, secrets stripped from logged requests, the bounds every
+  request keeps (crust.common.limits), latency metrics, and the single
+  mapping of crust errors to gRPC status codes;
 - a unix socket bound with a restrictive umask (no window where another user
   can connect) after a stale socket file is cleared;
 - the gRPC health service, reflection, and a graceful stop on SIGTERM/SIGINT:
@@ -26,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Histogram
 
-from crust.common import logs
+from crust.common import limits, logs
 from crust.common.endpoint import clear_stale_socket, prepare_socket_dir, socket_path
 from crust.common.errors import CrustError
 from crust.common.redact import redacted
@@ -89,6 +90,8 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
             self.in_flight += 1
             self.idle.clear()
             try:
+                if isinstance(request, Message):
+                    limits.check(request)  # before any servicer: see crust.common.limits
                 response = await inner(request, context)
             except CrustError as exc:
                 code, message = exc.code, exc.message
