@@ -138,34 +138,6 @@ def of_device_node(device_path: str) -> list[MountEntry]:
             or (e.fs_type == "devtmpfs" and e.root == name)]
 
 
-async def mount(source: str, target: str, fs_type: str, options: list[str] | None = None) -> None:
-    argv = ["mount", "-t", fs_type]
-    if options:
-        argv += ["-o", ",".join(options)]
-    await run(argv + ["--", source, target])
-
-
-async def bind(source: str, target: str, *, readonly: bool = False) -> None:
-    await run(["mount", "--bind", "--", source, target])
-    if readonly:
-        # A bind mount ignores "ro" on creation; the remount makes this view
-        # read-only without touching the other views of the filesystem.
-        await run(["mount", "-o", "remount,bind,ro", "--", target])
-
-
-async def unmount(target: str) -> None:
-    await run(["umount", "--", target])
-
-
-async def unmount_all(target: str) -> int:
-    """Unmount every mount stacked at target; returns how many were removed."""
-    count = 0
-    while at(target) is not None:
-        await unmount(target)
-        count += 1
-    return count
-
-
 # -- mounts onto open descriptors ------------------------------------------------------------
 #
 # The new mount API (Linux 5.12+ for mount_setattr) makes a read-only bind in
