@@ -17,6 +17,10 @@ def root():
         yield r
     finally:
         r.close()
+    # An unexpected exception in any daemon is a defect, whatever the test
+    # asserted: a request a daemon did not expect must get a definite code.
+    if r.unexpected:
+        pytest.fail("a daemon hit an unexpected error:\n" + "\n".join(r.unexpected[:20]), pytrace=False)
 
 
 @pytest.fixture

@@ -391,6 +391,7 @@ class Root:
     def __init__(self) -> None:
         self.path = Path(tempfile.mkdtemp(prefix="crust-t-"))
         self.drivers: list[DriverProcess] = []
+        self.unexpected: list[str] = []
 
     def driver(self, **kw) -> DriverProcess:
         d = DriverProcess(root=self.path, **kw)
@@ -427,9 +428,24 @@ class Root:
                 d.stop()
             except Exception:  # noqa: BLE001 - cleanup goes on
                 pass
+        self.unexpected = unexpected_errors(self.path)
         kill_sandbox_holders(self.path)
         cleanup_root(self.path)
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def unexpected_errors(root: Path) -> list[str]:
+    """Lines of the daemons' logs under root that show an unexpected
+    exception: a request that ended in INTERNAL through a bug (the
+    interceptor logs it as "unexpected error" with its traceback)."""
+    found = []
+    for log in sorted(root.glob("*.log")):
+        try:
+            text = log.read_text(errors="replace")
+        except OSError:
+            continue
+        found += [f"{log.name}: {line[:500]}" for line in text.splitlines() if "unexpected error" in line]
+    return found
 
 
 def code_of(call, *args, **kw) -> grpc.StatusCode:

@@ -85,7 +85,15 @@ def test_path_rejects_empty_nul_and_too_long():
     err = _raises(InvalidArgument, csi_input.path, wide, "target_path")
     assert "target_path" in err.message
     # Right at the limit is fine.
-    assert csi_input.path("/" + "x" * (csi_input.MAX_PATH - 1), "p") == "/" + "x" * (csi_input.MAX_PATH - 1)
+    # (PATH_MAX counts the terminating NUL: 4095 bytes of text, in
+    # components of at most NAME_MAX.)
+    longest = ("/" + "x" * 255) * 15 + "/" + "x" * 254
+    assert len(longest) == csi_input.MAX_PATH - 1
+    assert csi_input.path(longest, "p") == longest
+    err = _raises(InvalidArgument, csi_input.path, longest + "x", "p")
+    assert "4096 bytes" in err.message
+    err = _raises(InvalidArgument, csi_input.path, "/a/" + "x" * 256, "p")
+    assert "component of 256 bytes" in err.message
 
 
 # -- csi_input.mount_flags -------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""crust.common.copath (reaching CO paths) and crust.common.limits (the
+generic request bounds), on real directories, links and mounts."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from crust.api import csi_pb2, runtime_pb2
+from crust.common import copath, limits
+from crust.common.errors import FailedPrecondition, InvalidArgument
+from crust.sys import mount as sysmount
+
+
+@pytest.fixture
+def tree():
+    root = Path(tempfile.mkdtemp(prefix="crust-cp-"))
+    outside = Path(tempfile.mkdtemp(prefix="crust-cp-out-"))
+    try:
+        yield root, outside
+    finally:
+        for base in (root, outside):
+            for m in sorted(sysmount.mounts(), key=lambda m: -len(m.mount_point)):
+                if (m.mount_point + "/").startswith(str(base) + "/"):
+                    os.system(f"umount -l '{m.mount_point}'")
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def refused(fn, *args, **kw) -> str:
+    with pytest.raises(InvalidArgument) as info:
+        fn(*args, **kw)
+    return info.value.message
+
+
+def test_a_symlink_anywhere_on_the_way_is_refused_naming_the_field(tree):
+    root, outside = tree
+    (root / "a").mkdir()
+    (root / "a" / "link").symlink_to(outside)
+    (root / "a" / "last").symlink_to(outside)
+    message = refused(copath.reach, str(root / "a" / "link" / "x"), "target_path")
+    assert "target_path" in message and "symlink" in message and str(root / "a" / "link") in message
+    with copath.reach(str(root / "a" / "last"), "target_path") as at:
+        assert "symlink" in refused(at.refuse_symlink)
+        assert "symlink" in refused(at.mkdir)
+        assert "symlink" in refused(at.remove)
+    # Creating parents never goes through a link either, and makes nothing outside.
+    refused(copath.reach, str(root / "a" / "link" / "new" / "t"), "target_path", create_parents=True)
+    assert list(outside.iterdir()) == []
+
+
+def test_text_checks_come_first(tree):
+    root, _ = tree
+    assert "component" in refused(copath.reach, str(root / ("x" * 256)), "staging_target_path")
+    assert "4096" in refused(copath.reach, "/" + "/".join(["d" * 200] * 21), "target_path")
+    assert "NUL" in refused(copath.reach, str(root / "a\x00b"), "target_path")
+    assert "normalised" in refused(copath.reach, str(root) + "/a/../b", "target_path")
+
+
+def test_make_remove_and_missing_parents(tree):
+    root, _ = tree
+    with copath.reach(str(root / "p" / "q" / "t"), "target_path") as at:
+        assert at.parent_fd is None and at.lstat() is None
+        at.remove()  # absent: fine
+        at.ensure_parents()
+        assert at.mkdir() is True and at.mkdir() is False
+        assert (root / "p" / "q" / "t").is_dir()
+        at.remove()
+        assert at.make_file() is True and (root / "p" / "q" / "t").is_file()
+        with pytest.raises(FailedPrecondition):
+            at.mkdir()  # a file is there
+        at.remove()
+        assert not (root / "p" / "q" / "t").exists()
+
+
+def test_a_read_only_bind_is_read_only_and_found_by_mount_id(tree):
+    root, _ = tree
+    (root / "src").mkdir()
+    (root / "src" / "f").write_text("x")
+    with copath.reach(str(root / "src"), "staging_target_path") as src, \
+            copath.reach(str(root / "dst"), "target_path") as dst:
+        dst.mkdir()
+        assert dst.mount_entry() is None
+        dst.bind_from(src, readonly=True)
+        entry = dst.mount_entry()
+        assert entry is not None and entry.mount_point == str(root / "dst") and entry.readonly
+        assert sysmount.at(str(root / "dst")) == entry
+        with pytest.raises(OSError) as info:
+            (root / "dst" / "g").write_text("y")
+        assert info.value.errno == errno.EROFS
+        assert (root / "dst" / "f").read_text() == "x"
+        with pytest.raises(FailedPrecondition):
+            dst.remove()  # still a mount point
+        assert dst.unmount_all() == 1 and dst.unmount_all() == 0
+        assert sysmount.at(str(root / "dst")) is None
+        dst.remove()
+
+
+def test_a_directory_moved_between_the_walk_and_the_mount_gets_no_mount(tree):
+    root, outside = tree
+    (root / "pod").mkdir()
+    at = copath.reach(str(root / "pod" / "mount"), "target_path")
+    try:
+        at.mkdir()
+        # Someone renames the walked directory away and plants a link.
+        os.rename(root / "pod", root / "pod.moved")
+        (root / "pod").symlink_to(outside)
+        message = refused(asyncio.run, at.mount("crust-test", "tmpfs", ["size=4k"]))
+        assert "moved" in message and "undone" in message
+    finally:
+        at.close()
+    assert sysmount.at(str(root / "pod.moved" / "mount")) is None
+    assert sysmount.at(str(outside / "mount")) is None and list(outside.iterdir()) == []
+
+
+def test_limits_name_the_field():
+    cap = csi_pb2.VolumeCapability(mount=csi_pb2.VolumeCapability.MountVolume())
+    cap.access_mode.mode = 99
+    request = csi_pb2.CreateVolumeRequest(name="v", volume_capabilities=[cap])
+    assert "volume_capabilities[0].access_mode.mode is 99" in refused(limits.check, request)
+    assert "NUL" in refused(limits.check, csi_pb2.NodeUnpublishVolumeRequest(volume_id="a\x00"))
+    assert "volume_id" in refused(limits.check, csi_pb2.NodeUnpublishVolumeRequest(volume_id="v" * 4097))
+    many = csi_pb2.CreateVolumeRequest(name="v", parameters={f"k{i}": "v" for i in range(257)})
+    assert "parameters has 257 entries" in refused(limits.check, many)
+    big = csi_pb2.CreateVolumeRequest(name="v", parameters={f"k{i}": "v" * 4000 for i in range(17)})
+    assert "parameters holds" in refused(limits.check, big)
+    repeated = csi_pb2.CreateVolumeRequest(name="v", volume_capabilities=[csi_pb2.VolumeCapability()] * 257)
+    assert "volume_capabilities has 257" in refused(limits.check, repeated)
+    bad_type = runtime_pb2.RuntimeStageVolumeRequest()
+    bad_type.volume_type = 42
+    assert "volume_type is 42" in refused(limits.check, bad_type)
+    # Secrets are opaque: forwarded as they are, NUL and a long certificate included.
+    limits.check(csi_pb2.NodeStageVolumeRequest(secrets={"cert": "a\x00" + "b" * 10000}))
+    limits.check(csi_pb2.CreateVolumeRequest(name="v", volume_capabilities=[csi_pb2.VolumeCapability()]))
