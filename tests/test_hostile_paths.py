@@ -277,7 +277,9 @@ def test_a_directory_swapped_for_a_symlink_during_publishes_never_leaks_a_mount(
         if os.path.islink(real):
             os.unlink(real)
             os.rename(aside, real)
-    assert swaps > 0 and attempts > 0
+    print("outcomes", {c.name: n for c, n in outcomes.items()}, "swaps", swaps)
+    # Both sides of the race were hit: publishes that landed, publishes refused.
+    assert swaps > 0 and outcomes.get(Code.OK) and outcomes.get(Code.INVALID_ARGUMENT), outcomes
     assert seen_in_decoy == [] and mounts_under(decoy) == [], seen_in_decoy
     assert sorted(p.name for p in (decoy / "victim").iterdir()) == ["host-file"]
     # Whatever was refused left nothing behind at the real target either.
