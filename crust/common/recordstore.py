@@ -25,6 +25,12 @@ log = logging.getLogger(__name__)
 Record = TypeVar("Record", bound=BaseModel)
 
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+KEY_RULE = "letters, digits, '.', '_' and '-' (at most 201), starting with a letter or digit"
+
+
+def valid_key(key: str) -> bool:
+    """Whether a record can be stored under key (see KEY_RULE)."""
+    return _SAFE_KEY.fullmatch(key) is not None
 
 
 class RecordStore(Generic[Record]):
@@ -52,6 +58,10 @@ class RecordStore(Generic[Record]):
                 path.rename(path.with_suffix(".corrupt"))
 
     def get(self, key: str) -> Record | None:
+        """The record under key; None when there is none, also for a key that
+        could never have been stored (a CO may ask about any id)."""
+        if not _SAFE_KEY.fullmatch(key):
+            return None
         try:
             return self.model.model_validate_json(self._path(key).read_bytes())
         except FileNotFoundError:
@@ -61,6 +71,8 @@ class RecordStore(Generic[Record]):
         write_atomic(self._path(key), record.model_dump_json(indent=1).encode())
 
     def delete_sync(self, key: str) -> None:
+        if not _SAFE_KEY.fullmatch(key):
+            return  # never stored, so nothing to remove
         remove_durably(self._path(key))
 
     async def put(self, key: str, record: Record) -> None:

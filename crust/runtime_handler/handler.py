@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field
 from crust.api import handler_pb2
 from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument, NotFound
 from crust.common.inflight import InFlight
-from crust.common.recordstore import RecordStore
+from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.proxy.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
 from crust.proxy.paths import check_sandbox_id
 from crust.runtime_handler.index import VolumeIndex
@@ -199,6 +199,9 @@ class RuntimeHandler:
 
     async def run_sandbox(self, bundle: str, sandbox_id: str) -> SandboxRecord:
         sandbox_id = check_sandbox_id(sandbox_id)
+        if not valid_key(sandbox_id):
+            # The sandbox's record is stored under its id.
+            raise InvalidArgument(f"sandbox_id {sandbox_id!r} must be {KEY_RULE}")
         if not bundle.startswith("/"):
             raise InvalidArgument("bundle must be an absolute path")
         try:

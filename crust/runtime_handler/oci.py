@@ -48,8 +48,10 @@ def load_bundle(bundle: Path) -> Spec:
         spec = Spec.model_validate(json.loads(path.read_text()))
     except FileNotFoundError:
         raise BundleError(f"{path} does not exist") from None
-    except (json.JSONDecodeError, ValidationError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, ValidationError) as exc:
         raise BundleError(f"{path}: {exc}") from None
+    except OSError as exc:  # a directory, a FIFO, no permission, a name too long: not a bundle
+        raise BundleError(f"{path}: {exc.strerror or exc}") from None
     for m in spec.mounts:
         if not m.destination.startswith("/"):
             raise BundleError(f"{path}: mount destination {m.destination!r} must be absolute")

@@ -56,7 +56,10 @@ class MountEntry:
 
 def parse_mountinfo(text: str) -> list[MountEntry]:
     entries = []
-    for line in text.splitlines():
+    # Lines end at "\n" only: the kernel escapes "\n" in paths but not the
+    # other characters str.splitlines() breaks on (\x1c-\x1e, \x85,
+    # \u2028, \u2029), which a path may hold.
+    for line in text.split("\n"):
         left, _, right = line.partition(" - ")
         fields = left.split(" ")
         rest = right.split(" ")
@@ -86,10 +89,10 @@ def _escape(path: str) -> str:
 def mounts(table: str = MOUNTINFO, containing: str | None = None) -> list[MountEntry]:
     """Entries of a mount table; with `containing`, only lines that contain
     that text are parsed (a cheap filter: a node may have thousands of mounts)."""
-    with open(table) as f:
+    with open(table, errors="surrogateescape", newline="\n") as f:  # a path need not be UTF-8, nor free of \r
         text = f.read()
     if containing is not None:
-        text = "\n".join(line for line in text.splitlines() if containing in line)
+        text = "\n".join(line for line in text.split("\n") if containing in line)
     return parse_mountinfo(text)
 
 
@@ -115,10 +118,11 @@ def mount_id(fd: int) -> int:
 def by_id(mount_id_: int, table: str = MOUNTINFO) -> MountEntry | None:
     """The mount with this id, if it still exists."""
     prefix = f"{mount_id_} "
-    with open(table) as f:
+    with open(table, errors="surrogateescape", newline="\n") as f:
         for line in f:
             if line.startswith(prefix):
-                return parse_mountinfo(line)[0]
+                entries = parse_mountinfo(line)
+                return entries[0] if entries else None
     return None
 
 
