@@ -378,6 +378,21 @@ def kill_sandbox_holders(root: Path) -> None:
         time.sleep(0.05)
 
 
+def kill_processes_rooted_under(prefix: str) -> None:
+    """Container processes of a test's sandboxes: their root directory is a
+    bundle's rootfs below prefix. Root.close() kills sandbox holders only; a
+    test that failed before deleting its sandboxes (or with its handler
+    down) must not leave a process pinning a volume in a leftover namespace."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.readlink(entry / "root").startswith(prefix):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:
+            continue
+
+
 def _state(proc_dir: Path) -> str:
     try:
         return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -37,7 +37,7 @@ from crust.runtime_handler.index import VolumeIndex
 from crust.runtime_handler.resolve import SubpathEscapes, candidates, resolve
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, AccessMode
+from tests.harness import MIB, AccessMode, kill_processes_rooted_under
 
 Code = grpc.StatusCode
 Usage = csi_pb2.VolumeUsage
@@ -282,19 +282,7 @@ def rootfs_of(bundle: Path) -> str:
 
 
 def kill_container_processes(bundles: Path) -> None:
-    """The container processes of a test's sandboxes: their root directory is
-    one of its bundles' rootfs. Root.close() kills sandbox holders only; a
-    test that failed before deleting its sandboxes (or with its handler down)
-    must not leave a process pinning a volume in a leftover namespace."""
-    prefix = str(bundles) + "/"
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.readlink(entry / "root").startswith(prefix):
-                os.kill(int(entry.name), signal.SIGKILL)
-        except OSError:
-            continue
+    kill_processes_rooted_under(str(bundles) + "/")
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ links point to lives outside the test root, in a directory of its own.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import tempfile
@@ -102,6 +103,17 @@ def call(stub_method, request):
 def mounts_under(path: Path) -> list[sysmount.MountEntry]:
     prefix = str(path) + "/"
     return [m for m in sysmount.mounts() if (m.mount_point + "/").startswith(prefix)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: Path, b: Path) -> None:
+    """renameat2(RENAME_EXCHANGE): a and b swap places in one step."""
+    if _libc.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def pod_dir(chain: Chain, pod: str) -> Path:
@@ -214,8 +226,8 @@ def test_a_path_component_over_name_max_is_invalid_argument(root, endpoint):
 
 @pytest.mark.parametrize("endpoint", ["driver", "proxy"])
 def test_a_directory_swapped_for_a_symlink_during_publishes_never_leaks_a_mount(root, decoy, endpoint):
-    """A pod (or anyone who can write the pod's volume directory) swaps a
-    directory on the target's path for a symlink to a host directory and
+    """A pod (or anyone who can write the pod's volume directory) exchanges
+    a directory on the target's path with a symlink to a host directory and
     back, as fast as it can, while the CO publishes and unpublishes. Each
     publish either lands at the real target or is refused; the host
     directory never receives a mount."""
@@ -224,22 +236,28 @@ def test_a_directory_swapped_for_a_symlink_during_publishes_never_leaks_a_mount(
     base = pod_dir(chain, "pod-r")
     real = base / "pv"
     real.mkdir()
-    aside = base / "pv.aside"
+    link = base / "pv.link"
+    link.symlink_to(decoy / "victim")
     target = str(real / "mount")
     stop = threading.Event()
     swaps = 0
     seen_in_decoy: list[str] = []
+    swapper_errors: list[OSError] = []
 
     def swapper():
+        # The directory and the link trade places atomically (the way the
+        # kubelet subPath exploit did): the path always exists, as one or
+        # the other.
         nonlocal swaps
-        while not stop.is_set():
-            os.rename(real, aside)
-            os.symlink(decoy / "victim", real)
-            time.sleep(0.0005)
-            os.unlink(real)
-            os.rename(aside, real)
-            swaps += 1
-            time.sleep(0.0005)
+        try:
+            while not stop.is_set():
+                exchange(real, link)
+                time.sleep(0.0005)
+                exchange(real, link)
+                swaps += 1
+                time.sleep(0.0005)
+        except OSError as exc:  # the race must run the whole time: a dead swapper fails the test
+            swapper_errors.append(exc)
 
     def watcher():
         while not stop.is_set():
@@ -275,10 +293,10 @@ def test_a_directory_swapped_for_a_symlink_during_publishes_never_leaks_a_mount(
         for t in threads:
             t.join(10)
         if os.path.islink(real):
-            os.unlink(real)
-            os.rename(aside, real)
+            exchange(real, link)
     print("outcomes", {c.name: n for c, n in outcomes.items()}, "swaps", swaps)
     # Both sides of the race were hit: publishes that landed, publishes refused.
+    assert swapper_errors == []
     assert swaps > 0 and outcomes.get(Code.OK) and outcomes.get(Code.INVALID_ARGUMENT), outcomes
     assert seen_in_decoy == [] and mounts_under(decoy) == [], seen_in_decoy
     assert sorted(p.name for p in (decoy / "victim").iterdir()) == ["host-file"]
