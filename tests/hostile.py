@@ -504,7 +504,7 @@ def explicit_cases(template_messages: list, desc, place: Place) -> list:
 
 def foreign(path: str, root: Path, outside: Path) -> bool:
     """Is path in another crust test's directory (/tmp/crust-*: other
-    sessions' test roots and scratch directories)? Not this test's business."""
+    test runs' roots and scratch directories)? Not this test's business."""
     tmp_crust = str(root.parent) + "/crust-"
     return path.startswith(tmp_crust) and not (path + "/").startswith((str(root) + "/", str(outside) + "/"))
 

@@ -50,7 +50,7 @@ daemon's traceback. With -s, the last test prints the status codes each
 RPC's requests got (how deep they reached).
 
 Running:
-    cd /work/main && PATH=$PATH:/usr/sbin:/sbin .venv/bin/python -m pytest tests/test_hostile_input.py -q
+    ./run tests tests/test_hostile_input.py -q
 CRUST_HOSTILE_EXAMPLES=N multiplies the number of hypothesis examples per RPC
 (default 1: EXAMPLES_PER_RPC = 50 per RPC, about 2 minutes for the file on
 two cores; more while findings are shrunk), e.g. CRUST_HOSTILE_EXAMPLES=20
