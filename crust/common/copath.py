@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import stat
 
@@ -38,6 +39,8 @@ from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.sys import mount as sysmount
 
 _DIR_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+log = logging.getLogger(__name__)
+
 # Directories crust creates on the way to a target (kubelet makes its own
 # with 0750 too).
 DIR_MODE = 0o750
@@ -124,9 +127,6 @@ class CoPath:
             return None
         except OSError as exc:
             raise _os_error(exc, self.path, self.field)
-
-    def exists(self) -> bool:
-        return self.lstat() is not None
 
     def refuse_symlink(self) -> os.stat_result | None:
         """lstat(), refusing a last component that is a symlink."""
@@ -236,6 +236,16 @@ class CoPath:
                 raise FailedPrecondition(f"{self.field} {self.path!r} cannot be removed: {exc.strerror}") from None
             raise _os_error(exc, self.path, self.field)
 
+    def remove_after_failure(self) -> None:
+        """Undo the directory or file a failed request made here; the
+        request's own error is what the CO must see, so a failure to remove
+        is logged, not raised."""
+        try:
+            self.remove()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not remove what a failed request made",
+                        extra={"fields": {"path": self.path, "error": str(exc)}})
+
     # -- mounting ----------------------------------------------------------------------------
 
     async def mount(self, source: str, fs_type: str, options: list[str] | None = None) -> None:
@@ -294,6 +304,13 @@ class CoPath:
 def reach(path: str, field: str, **kw) -> CoPath:
     """CoPath.reach, for `with copath.reach(p, "target_path") as target:`."""
     return CoPath.reach(path, field, **kw)
+
+
+def refuse_links(path: str, field: str) -> None:
+    """Refuse a checked path that is or crosses a symlink, for a caller that
+    only hands it on (to a backend driver, into a record)."""
+    with CoPath.reach(path, field, checked=True) as at:
+        at.refuse_symlink()
 
 
 def _refuse_kind(fd: int, part: str, path: str, field: str, walked: str) -> None:

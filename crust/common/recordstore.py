@@ -30,7 +30,7 @@ KEY_RULE = "letters, digits, '.', '_' and '-' (at most 201), starting with a let
 
 def valid_key(key: str) -> bool:
     """Whether a record can be stored under key (see KEY_RULE)."""
-    return _SAFE_KEY.fullmatch(key) is not None
+    return _SAFE_KEY.fullmatch(key) is not None  # fullmatch: '$' alone lets a trailing newline in
 
 
 class RecordStore(Generic[Record]):
@@ -43,7 +43,7 @@ class RecordStore(Generic[Record]):
     def _path(self, key: str) -> Path:
         # Keys are ids we generated ourselves; refuse anything that could
         # step outside the directory.
-        if not _SAFE_KEY.fullmatch(key):  # fullmatch: '$' alone lets a trailing newline in
+        if not valid_key(key):
             raise ValueError(f"unsafe record key {key!r}")
         return self.directory / f"{key}.json"
 
@@ -60,7 +60,7 @@ class RecordStore(Generic[Record]):
     def get(self, key: str) -> Record | None:
         """The record under key; None when there is none, also for a key that
         could never have been stored (a CO may ask about any id)."""
-        if not _SAFE_KEY.fullmatch(key):
+        if not valid_key(key):
             return None
         try:
             return self.model.model_validate_json(self._path(key).read_bytes())
@@ -71,7 +71,7 @@ class RecordStore(Generic[Record]):
         write_atomic(self._path(key), record.model_dump_json(indent=1).encode())
 
     def delete_sync(self, key: str) -> None:
-        if not _SAFE_KEY.fullmatch(key):
+        if not valid_key(key):
             return  # never stored, so nothing to remove
         remove_durably(self._path(key))
 

@@ -150,12 +150,12 @@ class NodeShim:
         if kind == "block":
             if not self.backend.stages:
                 return csi_pb2.NodeStageVolumeResponse()  # the CO stages because we advertise it
-            _refuse_links(staging, "staging_target_path")  # whatever the backend does with it
+            copath.refuse_links(staging, "staging_target_path")  # whatever the backend does with it
             return await self.backend.call(self.backend.node.NodeStageVolume, request, context)
         cap = request.volume_capability
         fs_type = self._fs_type(cap, request.volume_context)
         flags = list(cap.mount.mount_flags)
-        _refuse_links(staging, "staging_target_path")  # mounted on at a host publish
+        copath.refuse_links(staging, "staging_target_path")  # mounted on at a host publish
         with self.inflight.hold(volume_id):
             rec = self._record(volume_id)
             if rec is not None:
@@ -266,7 +266,7 @@ class NodeShim:
         if kind == "block":
             if request.defer_fs_ops:
                 raise InvalidArgument("defer_fs_ops: a raw block volume has no file system operations to defer")
-            _refuse_links(target, "target_path")  # whatever the backend does with it
+            copath.refuse_links(target, "target_path")  # whatever the backend does with it
             return await self.backend.call(self.backend.node.NodePublishVolume, request, context)
         staging = csi_input.path(request.staging_target_path, "staging_target_path")
         group, policy = self._groups(request)
@@ -463,12 +463,6 @@ METHODS = {
 }
 
 
-def _refuse_links(path: str, field: str) -> None:
-    """Refuse a path that is or crosses a symlink before a backend sees it."""
-    with copath.reach(path, field, checked=True) as at:
-        at.refuse_symlink()
-
-
 async def _made_then_mounted(target_at: copath.CoPath, mount_it) -> None:
     """Make the target directory (and its parents, never through a link),
     then mount; a failed mount removes the directory this call made."""
@@ -478,8 +472,5 @@ async def _made_then_mounted(target_at: copath.CoPath, mount_it) -> None:
         await mount_it()
     except BaseException:
         if made:
-            try:
-                target_at.remove()
-            except Exception as exc:  # noqa: BLE001 - the mount's error is what the CO must see
-                log.warning("could not remove a target this publish made", extra={"fields": {"error": str(exc)}})
+            target_at.remove_after_failure()
         raise

@@ -220,7 +220,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                     if attached_here:
                         await self._detach_if_unused(device)
                     if made:
-                        _remove_quietly(staging_at)
+                        staging_at.remove_after_failure()
                     raise
             record = NodeVolumeRecord(volume_id=volume_id, staging_path=staging, access_type=kind,
                                       access_mode=cap.access_mode.mode, fs_type=fs_type, mount_flags=flags,
@@ -327,7 +327,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 if isinstance(source, str) and source != device:
                     await self._detach_if_unused(source)
                 if made:
-                    _remove_quietly(target_at)
+                    target_at.remove_after_failure()
                 raise
             rec.published[target] = wanted
             await self.records.put(volume_id, rec)
@@ -443,12 +443,3 @@ class NodeService(csi_pb2_grpc.NodeServicer):
 
     async def NodeGetID(self, request, context):
         return csi_pb2.NodeGetIDResponse(node_id=self.config.node_id)
-
-
-def _remove_quietly(path: copath.CoPath) -> None:
-    """Undo a directory or file this request made, after it failed."""
-    try:
-        path.remove()
-    except Exception as exc:  # noqa: BLE001 - the original error is what the CO must see
-        log.warning("could not remove what a failed request made", extra={"fields": {"path": path.path,
-                                                                                     "error": str(exc)}})

@@ -18,8 +18,7 @@ def check_target(path: str, kubelet_root: Path, field: str = "target_path") -> s
     root = os.path.normpath(str(kubelet_root))
     if not (path + "/").startswith(root.rstrip("/") + "/") or path == root:
         raise InvalidArgument(f"{field} {path!r} is outside the kubelet root {root}")
-    with copath.reach(path, field, checked=True) as at:
-        at.refuse_symlink()
+    copath.refuse_links(path, field)
     return path
 
 
