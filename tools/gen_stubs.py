@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
 API = ROOT / "crust" / "api"
-PROTOS = ["csi.proto", "runtime.proto", "registry.proto", "handler.proto"]
+PROTOS = ["csi.proto", "runtime.proto", "registry.proto", "handler.proto", "pluginregistration.proto"]
 HEADER = '"""Generated from specs/ by tools/gen_stubs.py; do not edit."""\n'
 
 
