@@ -167,3 +167,47 @@ class ListVolumesResponse(_message.Message):
     VOLUMES_FIELD_NUMBER: _ClassVar[int]
     volumes: _containers.RepeatedCompositeFieldContainer[DeferredVolume]
     def __init__(self, volumes: _Optional[_Iterable[_Union[DeferredVolume, _Mapping]]] = ...) -> None: ...
+
+class GetNodeStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KubeletRegistration(_message.Message):
+    __slots__ = ("socket", "driver_name", "endpoint", "state", "error", "info_age_seconds", "verdict_age_seconds", "socket_recreated")
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_NAME_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    INFO_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_RECREATED_FIELD_NUMBER: _ClassVar[int]
+    socket: str
+    driver_name: str
+    endpoint: str
+    state: str
+    error: str
+    info_age_seconds: float
+    verdict_age_seconds: float
+    socket_recreated: int
+    def __init__(self, socket: _Optional[str] = ..., driver_name: _Optional[str] = ..., endpoint: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., info_age_seconds: _Optional[float] = ..., verdict_age_seconds: _Optional[float] = ..., socket_recreated: _Optional[int] = ...) -> None: ...
+
+class ComponentHealth(_message.Message):
+    __slots__ = ("name", "endpoint", "status", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    endpoint: str
+    status: str
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., endpoint: _Optional[str] = ..., status: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class GetNodeStatusResponse(_message.Message):
+    __slots__ = ("kubelet_registration", "components")
+    KUBELET_REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    kubelet_registration: KubeletRegistration
+    components: _containers.RepeatedCompositeFieldContainer[ComponentHealth]
+    def __init__(self, kubelet_registration: _Optional[_Union[KubeletRegistration, _Mapping]] = ..., components: _Optional[_Iterable[_Union[ComponentHealth, _Mapping]]] = ...) -> None: ...

@@ -74,6 +74,11 @@ class RegistryStub(object):
                 request_serializer=registry__pb2.ListVolumesRequest.SerializeToString,
                 response_deserializer=registry__pb2.ListVolumesResponse.FromString,
                 _registered_method=True)
+        self.GetNodeStatus = channel.unary_unary(
+                '/crust.registry.v1.Registry/GetNodeStatus',
+                request_serializer=registry__pb2.GetNodeStatusRequest.SerializeToString,
+                response_deserializer=registry__pb2.GetNodeStatusResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer(object):
@@ -137,6 +142,14 @@ class RegistryServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetNodeStatus(self, request, context):
+        """The proxy's view of the node: kubelet's registration of the driver and
+        the health of the proxy and of the plugin behind it (for `crust status`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +192,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.ListVolumes,
                     request_deserializer=registry__pb2.ListVolumesRequest.FromString,
                     response_serializer=registry__pb2.ListVolumesResponse.SerializeToString,
+            ),
+            'GetNodeStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetNodeStatus,
+                    request_deserializer=registry__pb2.GetNodeStatusRequest.FromString,
+                    response_serializer=registry__pb2.GetNodeStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +415,33 @@ class Registry(object):
             '/crust.registry.v1.Registry/ListVolumes',
             registry__pb2.ListVolumesRequest.SerializeToString,
             registry__pb2.ListVolumesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetNodeStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.registry.v1.Registry/GetNodeStatus',
+            registry__pb2.GetNodeStatusRequest.SerializeToString,
+            registry__pb2.GetNodeStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

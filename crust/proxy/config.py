@@ -70,3 +70,11 @@ class ProxyConfig(BaseModel):
     sweep_interval_seconds: float = Field(60, gt=0)
     runtime_cli_timeout_seconds: float = Field(10, gt=0, le=300)
     metrics_port: int = Field(0, ge=0, le=65535)
+    # Kubelet's plugins_registry directory: serve kubelet's plugin
+    # registration there (<dir>/<driver>-reg.sock). None: do not register
+    # (a node-driver-registrar sidecar does, or nobody).
+    kubelet_registration_dir: Path | None = None
+    # The CSI socket's path as kubelet sees it (differs when the proxy runs
+    # in a container with the host's directory mounted elsewhere); default:
+    # the path of csi_endpoint.
+    kubelet_registration_path: str = ""

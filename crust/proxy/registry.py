@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Awaitable, Callable
+
 from crust.api import registry_pb2, registry_pb2_grpc
 from crust.common import csi_input
 from crust.common.endpoint import socket_path
@@ -17,8 +19,10 @@ def claim_message(target: str, volume_id: str, claim: Claim) -> registry_pb2.Cla
 
 
 class RegistryService(registry_pb2_grpc.RegistryServicer):
-    def __init__(self, state: ProxyState):
+    def __init__(self, state: ProxyState,
+                 node_status: Callable[[], Awaitable[registry_pb2.GetNodeStatusResponse]] | None = None):
         self.state = state
+        self.node_status = node_status
 
     def _target(self, value: str) -> str:
         return check_target(value, self.state.config.kubelet_root)
@@ -79,3 +83,8 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
                 claim=claim_message(v.target_path, v.info.volume_id, v.claim) if v.claim else None,
                 kata_mirror_error=v.kata_mirror_error))
         return registry_pb2.ListVolumesResponse(volumes=volumes)
+
+    async def GetNodeStatus(self, request, context):
+        if self.node_status is None:
+            return registry_pb2.GetNodeStatusResponse()
+        return await self.node_status()

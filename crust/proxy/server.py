@@ -16,9 +16,11 @@ import logging
 import os
 import stat
 
+import grpc
+
 from prometheus_client import start_http_server
 
-from crust.api import registry_pb2, registry_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc, runtime_pb2, runtime_pb2_grpc
 from crust.common.endpoint import socket_path
 from crust.common.grpcserver import Daemon, unary_handlers
 from crust.csi_shim.backend import Backend
@@ -26,6 +28,7 @@ from crust.csi_shim.passthrough import Passthrough
 from crust.proxy import csi_frontend
 from crust.proxy.config import ProxyConfig
 from crust.proxy.kube import PodLookup
+from crust.proxy.kubelet_registration import KubeletRegistration
 from crust.proxy.policy import Decider
 from crust.proxy.registry import RegistryService
 from crust.proxy.routing import Router
@@ -67,6 +70,26 @@ class Proxy:
         ], socket_mode=0o660 if config.runtime_socket_group is not None else 0o600,
             socket_group=config.runtime_socket_group)
         self.sweeper: asyncio.Task | None = None
+        self.registration: KubeletRegistration | None = None
+
+    async def node_status(self) -> registry_pb2.GetNodeStatusResponse:
+        """Kubelet's registration and the health of the proxy and its plugin."""
+        response = registry_pb2.GetNodeStatusResponse(components=[
+            registry_pb2.ComponentHealth(name="proxy", endpoint=self.config.csi_endpoint, status="SERVING")])
+        if self.registration is not None:
+            response.kubelet_registration.CopyFrom(self.registration.message())
+        plugin = registry_pb2.ComponentHealth(name=f"plugin ({self.plugin.plugin_name})",
+                                              endpoint=self.config.plugin_endpoint)
+        try:
+            # Probe passes through the shim to the driver: the whole chain answers.
+            probe = await self.plugin.identity.Probe(csi_pb2.ProbeRequest(), timeout=2)
+            ready = not probe.HasField("ready") or probe.ready.value
+            plugin.status = "SERVING" if ready else "NOT_SERVING"
+            plugin.detail = "" if ready else "Probe: not ready"
+        except grpc.aio.AioRpcError as exc:
+            plugin.status, plugin.detail = "UNREACHABLE", f"{exc.code().name}: {exc.details()}"
+        response.components.append(plugin)
+        return response
 
     async def start(self) -> None:
         self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -75,13 +98,21 @@ class Proxy:
         # The runtime side first: the shim may call it as soon as kubelet can
         # reach the CSI side.
         runtime_pb2_grpc.add_RuntimeServicer_to_server(RuntimeService(self.state, self.router), self.runtime.server)
-        registry_pb2_grpc.add_RegistryServicer_to_server(RegistryService(self.state), self.runtime.server)
+        registry_pb2_grpc.add_RegistryServicer_to_server(RegistryService(self.state, self.node_status),
+                                                         self.runtime.server)
         await self.runtime.start()
         await self.plugin.learn()
         self.csi.server.add_generic_rpc_handlers((
             unary_handlers("csi.v1.Node", self.frontend, csi_frontend.METHODS),))
         self.csi.fallback_handlers.append(Passthrough(self.plugin.channel))
         await self.csi.start()
+        if self.config.kubelet_registration_dir is not None:
+            # Last: kubelet may call CSI as soon as it has registered us.
+            self.registration = KubeletRegistration(
+                self.config.kubelet_registration_dir, self.plugin.plugin_name,
+                self.config.kubelet_registration_path or socket_path(self.config.csi_endpoint),
+                health=[self.csi.health, self.runtime.health])
+            await self.registration.start()
         if self.config.metrics_port:
             start_http_server(self.config.metrics_port, addr="127.0.0.1")
         self.sweeper = asyncio.create_task(self._sweep_forever())
@@ -99,6 +130,10 @@ class Proxy:
     async def stop(self, grace: float = 5.0) -> None:
         if self.sweeper is not None:
             self.sweeper.cancel()
+        if self.registration is not None:
+            # First: kubelet deregisters the driver instead of calling a
+            # socket that is about to go away.
+            await self.registration.stop()
         await self.csi.stop(grace)
         await self.runtime.stop(grace)
         await self.router.close()
