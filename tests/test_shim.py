@@ -961,7 +961,8 @@ def node_caps(channel_owner) -> set[int]:
 def test_node_capabilities(root):
     driver = root.driver().start()
     backend_caps = node_caps(driver)
-    own = {RPC.STAGE_UNSTAGE_VOLUME, RPC.GET_VOLUME_STATS, RPC.EXPAND_VOLUME}
+    # VOLUME_MOUNT_GROUP: kubelet delegates fsGroup to the shim.
+    own = {RPC.STAGE_UNSTAGE_VOLUME, RPC.GET_VOLUME_STATS, RPC.EXPAND_VOLUME, RPC.VOLUME_MOUNT_GROUP}
     deferral = {RPC.DEFER_FS_OPS, RPC.DEFER_FS_OPS_WITH_SUPPLEMENTAL_GROUP,
                 RPC.DEFER_FS_OPS_WITH_SUPPLEMENTAL_GROUP_CHANGE_POLICY}
     assert {int(c) for c in deferral} == {7, 8, 9}

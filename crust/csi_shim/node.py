@@ -22,10 +22,11 @@ Raw block volumes pass through to the backend unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import stat
 import re
 import shutil
+import stat
 
 from crust.api import csi_pb2
 from crust.common import copath, csi_input, volumefs
@@ -38,12 +39,15 @@ from crust.csi_shim.description import describe
 from crust.csi_shim.records import ShimPublish, ShimVolumeRecord, volume_key
 from crust.csi_shim.runtime_client import RuntimeClient
 from crust.csi_shim.translate import to_block
-from crust.sys import blockdev, fs, mount
+from crust.sys import blockdev, fs, mount, ownership
 
 log = logging.getLogger(__name__)
 
 RPC = csi_pb2.NodeServiceCapability.RPC
-SHIM_CAPABILITIES = [RPC.STAGE_UNSTAGE_VOLUME, RPC.GET_VOLUME_STATS, RPC.EXPAND_VOLUME]
+# VOLUME_MOUNT_GROUP: kubelet then hands the pod's fsGroup to the shim
+# (volume_mount_group) instead of walking and chowning the target itself,
+# which for a deferred volume is only the read-only placeholder.
+SHIM_CAPABILITIES = [RPC.STAGE_UNSTAGE_VOLUME, RPC.GET_VOLUME_STATS, RPC.EXPAND_VOLUME, RPC.VOLUME_MOUNT_GROUP]
 DEFERRAL_CAPABILITIES = [RPC.DEFER_FS_OPS, RPC.DEFER_FS_OPS_WITH_SUPPLEMENTAL_GROUP,
                          RPC.DEFER_FS_OPS_WITH_SUPPLEMENTAL_GROUP_CHANGE_POLICY]
 AccessMode = csi_pb2.VolumeCapability.AccessMode
@@ -244,20 +248,35 @@ class NodeShim:
 
     # -- publish / unpublish --------------------------------------------------------------
 
-    def _groups(self, request: csi_pb2.NodePublishVolumeRequest) -> tuple[str, str]:
+    def _groups(self, request: csi_pb2.NodePublishVolumeRequest) -> tuple[str, str, str]:
+        """(supplemental group, its change policy, mount group) of a publish.
+
+        volume_mount_group is the pod's fsGroup that kubelet delegates to
+        plugins advertising VOLUME_MOUNT_GROUP. Deferred, it becomes the
+        description's group (policy OnRootMismatch unless the CO names one):
+        the sandbox applies it. On the host the shim applies it itself."""
         mount_cap = request.volume_capability.mount
         group = mount_cap.volume_supplemental_group
         policy = mount_cap.volume_supplemental_group_change_policy
+        mount_group = mount_cap.volume_mount_group
         if (group or policy) and not request.defer_fs_ops:
             # Name the field that was actually set, so the CO operator knows which one.
             name = "volume_supplemental_group" if group else "volume_supplemental_group_change_policy"
             raise InvalidArgument(f"volume_capability.mount.{name} may only be set together with defer_fs_ops")
-        if group and not _GROUP.match(group):
-            raise InvalidArgument(f"volume_capability.mount.volume_supplemental_group must be a numeric group id, got {group!r}")
+        for name, value in (("volume_supplemental_group", group), ("volume_mount_group", mount_group)):
+            if value and not _GROUP.match(value):
+                raise InvalidArgument(f"volume_capability.mount.{name} must be a numeric group id, got {value!r}")
         if policy not in CHANGE_POLICIES:
             raise InvalidArgument("volume_capability.mount.volume_supplemental_group_change_policy must be "
                                   f"Always or OnRootMismatch, got {policy!r}")
-        return group, policy
+        if not request.defer_fs_ops:
+            return "", "", mount_group
+        if group and mount_group and group != mount_group:
+            raise InvalidArgument(f"volume_capability.mount.volume_mount_group {mount_group} differs from "
+                                  f"volume_supplemental_group {group}; a pod has one fsGroup")
+        if mount_group and not group:
+            group, policy = mount_group, policy or ownership.ON_ROOT_MISMATCH
+        return group, policy, ""
 
     async def NodePublishVolume(self, request: csi_pb2.NodePublishVolumeRequest, context):
         volume_id = csi_input.required(request.volume_id, "volume_id")
@@ -269,11 +288,11 @@ class NodeShim:
             copath.refuse_links(target, "target_path")  # whatever the backend does with it
             return await self.backend.call(self.backend.node.NodePublishVolume, request, context)
         staging = csi_input.path(request.staging_target_path, "staging_target_path")
-        group, policy = self._groups(request)
+        group, policy, mount_group = self._groups(request)
         mode = request.volume_capability.access_mode.mode
         readonly = request.readonly or mode in csi_input.READ_ONLY_MODES
-        wanted = ShimPublish(deferred=request.defer_fs_ops, readonly=readonly,
-                             supplemental_group=group, supplemental_group_change_policy=policy)
+        wanted = ShimPublish(deferred=request.defer_fs_ops, readonly=readonly, supplemental_group=group,
+                             supplemental_group_change_policy=policy, mount_group=mount_group)
         with self.inflight.hold(volume_id), copath.reach(target, "target_path", checked=True) as target_at:
             target_at.refuse_symlink()
             rec = self._record(volume_id)
@@ -361,6 +380,14 @@ class NodeShim:
                 async def bind() -> None:
                     target_at.bind_from(staging_at, readonly=wanted.readonly)
                 await _made_then_mounted(target_at, bind)
+            if wanted.mount_group and not wanted.readonly:
+                # What kubelet would have done after mounting, had it not
+                # delegated fsGroup to us: through the staging mount, which
+                # is writable whatever the target's bind says.
+                with staging_at.opened() as fd:
+                    walked = await asyncio.to_thread(ownership.apply_fs_group, fd, int(wanted.mount_group))
+                log.info("fsGroup applied on the host", extra={"fields": {"gid": wanted.mount_group,
+                                                                          "walked": walked}})
 
     async def NodeUnpublishVolume(self, request: csi_pb2.NodeUnpublishVolumeRequest, context):
         volume_id = csi_input.required(request.volume_id, "volume_id")

@@ -23,6 +23,9 @@ class ShimPublish(BaseModel):
     readonly: bool = False
     supplemental_group: str = ""
     supplemental_group_change_policy: str = ""
+    # volume_mount_group of a host publish: the pod's fsGroup, applied by the
+    # shim because kubelet delegated it (VOLUME_MOUNT_GROUP).
+    mount_group: str = ""
 
 
 class ShimVolumeRecord(BaseModel):

@@ -6,6 +6,10 @@ knows nothing of defer_fs_ops):
 3. a pod whose runtime class is listed in the policy's runtimeClasses defers
    (looked up through the Kubernetes API from the pod info kubelet passes).
 
+The fsGroup of a deferred volume comes from the request when kubelet passes
+it (volume_mount_group, because the plugin advertises VOLUME_MOUNT_GROUP),
+else from the pod (fsGroupFromPod).
+
 Raw block volumes are never deferred: there is no file system to defer.
 """
 
@@ -62,8 +66,17 @@ class Decider:
                 reason = f"runtime class {pod.runtime_class}"
         if not reason:
             return Verdict(False, "no deferral rule matched")
-        group = request.volume_capability.mount.volume_supplemental_group
-        change = request.volume_capability.mount.volume_supplemental_group_change_policy
+        mount = request.volume_capability.mount
+        group, change = mount.volume_supplemental_group, mount.volume_supplemental_group_change_policy
+        if not group and mount.volume_mount_group:
+            # Kubelet delegated the pod's fsGroup (the plugin advertises
+            # VOLUME_MOUNT_GROUP) but sends no change policy: take the pod's
+            # when the policy allows the lookup, else OnRootMismatch.
+            group = mount.volume_mount_group
+            if not change and self.policy.fs_group_from_pod:
+                pod = pod or await self._pod(request)
+                change = pod.fs_group_change_policy if pod is not None else ""
+            change = change or "OnRootMismatch"
         # A CO that sets defer_fs_ops passes the pod's fsGroup itself
         # (volume_supplemental_group): the pod is looked up only for today's
         # kubelet, which knows nothing of deferral.

@@ -25,6 +25,7 @@ from crust.api import csi_pb2
 from crust.common import copath
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.sys import mount as sysmount
+from crust.sys import ownership
 from crust.sys.run import CommandError, run
 
 Usage = csi_pb2.VolumeUsage
@@ -448,23 +449,11 @@ def _pid_is_sleeping_holder(pid: int) -> bool:
 
 
 def apply_fs_group(root: str, gid: int, policy: str) -> bool:
-    """Kubernetes fsGroup semantics: group ownership gid and group rw (rwx +
-    setgid on directories) on the whole tree. OnRootMismatch skips the walk
-    when the root already has the group and the permissions. Symlinks are
-    changed themselves, never followed. Returns whether it walked."""
-    st = os.lstat(root)
-    want_dir = stat.S_IRGRP | stat.S_IWGRP | stat.S_IXGRP | stat.S_ISGID
-    if policy == "OnRootMismatch" and st.st_gid == gid and (st.st_mode & want_dir) == want_dir:
-        return False
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for name in [dirpath] + [os.path.join(dirpath, n) for n in dirnames + filenames]:
-            s = os.lstat(name)
-            os.lchown(name, -1, gid)
-            if stat.S_ISLNK(s.st_mode):
-                continue
-            mode = stat.S_IMODE(s.st_mode)
-            if stat.S_ISDIR(s.st_mode):
-                os.chmod(name, mode | want_dir)
-            else:
-                os.chmod(name, mode | stat.S_IRGRP | stat.S_IWGRP)
-    return True
+    """Kubernetes fsGroup semantics on the volume mounted at root (a path
+    through the sandbox's namespace), walked on descriptors; see
+    crust.sys.ownership. Returns whether it walked."""
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return ownership.apply_fs_group(fd, gid, policy)
+    finally:
+        os.close(fd)
