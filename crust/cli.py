@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds between sweeps of entries whose target is gone (default: 60)")
     px.add_argument("--metrics-port", type=int, default=0,
                     help="serve Prometheus metrics on 127.0.0.1:PORT (default: off)")
+    px.add_argument("--kubelet-registration-dir", type=Path,
+                    help="register the driver with kubelet: serve kubelet's plugin registration on "
+                         "DIR/<driver>-reg.sock (kubelet's is /var/lib/kubelet/plugins_registry); "
+                         "default: off (use node-driver-registrar instead)")
+    px.add_argument("--kubelet-registration-path", default="",
+                    help="the CSI socket's path as kubelet sees it, when it differs from --csi-endpoint "
+                         "(the proxy in a container); default: the path of --csi-endpoint")
     _add_logging(px)
 
     st = sub.add_parser(
@@ -114,7 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ask a running `crust proxy` (over its runtime endpoint) for its deferred volumes "
                     "(target, device, fs, state, claim, handler) and its handlers with their lease age.",
     )
-    st.add_argument("--runtime-endpoint", required=True, help="the proxy's runtime endpoint")
+    st.add_argument("--runtime-endpoint", help="the proxy's runtime endpoint")
+    st.add_argument("--config", type=Path,
+                    help="a `crust node` configuration: also show each child of the supervisor, its restarts "
+                         "and the health of every socket (default runtime endpoint: the config's)")
     st.add_argument("--json", action="store_true", help="print JSON")
 
     hd = sub.add_parser(
@@ -198,6 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the microVM handler's socket (default: $CRUST_KATA_HANDLER_ENDPOINT or "
                             "unix:///run/crust/kata-handler.sock)")
 
+    nd = sub.add_parser(
+        "node",
+        help="run the whole node side (driver, shim, proxy, optional handler) from one config file",
+        description="Start crust driver, shim, proxy (registered with kubelet) and optionally a runtime handler "
+                    "as supervised children, all configured by one file (docs/install-node.md lists every key; "
+                    "unknown keys are refused). A child that dies is restarted with backoff; SIGTERM stops "
+                    "them all, last started first. Prints where each socket is.",
+    )
+    nd.add_argument("--config", type=Path, default=Path("/etc/crust/node.yaml"),
+                    help="the node configuration, YAML or JSON (default: /etc/crust/node.yaml)")
+    nd.add_argument("--check", action="store_true",
+                    help="validate the configuration, print the sockets and each child's command line, and exit")
+
     demo = sub.add_parser(
         "demo",
         help="a deferred volume end to end on the embedded defaults (as root)",
@@ -218,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from crust.node.supervised import die_with_supervisor
+
+    die_with_supervisor()
     args = build_parser().parse_args(argv)
     if args.command == "driver":
         from crust.driver.config import DriverConfig, Mode
@@ -268,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                 runtime_socket_group=args.runtime_socket_group, lease_seconds=args.lease_seconds,
                 claim_grace_seconds=args.claim_grace_seconds, sweep_interval_seconds=args.sweep_interval,
                 metrics_port=args.metrics_port,
+                kubelet_registration_dir=args.kubelet_registration_dir.absolute()
+                if args.kubelet_registration_dir else None,
+                kubelet_registration_path=args.kubelet_registration_path,
             )
         except (ValidationError, ValueError) as exc:
             print(f"crust proxy: invalid configuration:\n{exc}", file=sys.stderr)
@@ -277,7 +306,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         from crust.proxy.status import status
 
+        if args.config is None and not args.runtime_endpoint:
+            print("crust status: give --runtime-endpoint or --config", file=sys.stderr)
+            return 2
+        if args.config is not None:
+            from crust.node.config import NodeConfig
+            from crust.node.status import node_status
+
+            try:
+                node_config = NodeConfig.load(args.config)
+            except ValueError as exc:
+                print(f"crust status: {exc}", file=sys.stderr)
+                return 2
+            return node_status(node_config, args.json, args.runtime_endpoint)
         return status(args.runtime_endpoint, args.json)
+    if args.command == "node":
+        from crust.node.config import NodeConfig
+        from crust.node.supervisor import child_argvs
+        from crust.node.supervisor import serve as serve_node
+
+        try:
+            node_config = NodeConfig.load(args.config)
+        except ValueError as exc:
+            print(f"crust node: invalid configuration: {exc}", file=sys.stderr)
+            return 2
+        if args.check:
+            print(f"{args.config}: valid")
+            for name, argv, sock in child_argvs(node_config, node_config.supervisor_dir / "policy.json"):
+                print(f"  {name:<8} {sock}\n           crust {' '.join(argv)}")
+            return 0
+        logs.setup(node_config.log_level, node_config.log_format == "json")
+        return serve_node(node_config)
     if args.command == "handler":
         from crust.runtime_handler.server import HandlerConfig
         from crust.runtime_handler.server import serve as serve_handler

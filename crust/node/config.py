@@ -1,0 +1,204 @@
+"""The one configuration file of `crust node` (YAML or JSON).
+
+Every key is documented here and in docs/install-node.md; an unknown key is
+refused with its path (`driver.capcity: Extra inputs are not permitted`), so
+a typo never silently falls back to a default. Keys are camelCase, like
+Kubernetes objects; the whole file may be as short as `nodeId: node-a`.
+
+Sockets and directories follow from three roots:
+- kubeletRoot: where kubelet keeps pods and plugins (the CSI socket kubelet
+  dials lives under it, and so do the target and staging paths);
+- runDir: sockets between crust's own daemons and the watched directory
+  (tmpfs, gone at reboot like the mounts they describe);
+- stateDir: what must survive a reboot (volume pools, records).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from crust.common.units import parse_size
+from crust.driver.config import DRIVER_NAME
+from crust.proxy.config import PolicyFile
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+def _size(value: int | str) -> int:
+    return parse_size(value) if isinstance(value, str) else value
+
+
+class DriverSection(_Section):
+    # all: controller and node services in one process (a node that
+    # provisions its own local volumes); node: node services only.
+    mode: str = Field("all", pattern="^(all|node)$")
+    # The loop backend's pool; default <stateDir>/driver.
+    data_dir: Path | None = Field(None, alias="dataDir")
+    # Size of this node's pool ("100Gi"); 0: the size of the data dir's file system.
+    capacity: int = 0
+    max_volumes_per_node: int = Field(64, alias="maxVolumesPerNode", ge=1, le=4096)
+    default_fs_type: str = Field("ext4", alias="defaultFsType", pattern="^(ext4|xfs)$")
+
+    _capacity = field_validator("capacity", mode="before")(_size)
+
+
+class ShimSection(_Section):
+    default_fs_type: str = Field("ext4", alias="defaultFsType", pattern="^(ext4|xfs)$")
+    # false: hide DEFER_FS_OPS* (for conformance tools that reject them).
+    advertise_deferral: bool = Field(True, alias="advertiseDeferral")
+
+
+class KubeletRegistrationSection(_Section):
+    # Serve kubelet's plugin registration (<dir>/<driver>-reg.sock). Turn it
+    # off when a node-driver-registrar sidecar registers the driver instead.
+    enabled: bool = True
+    dir: Path | None = None  # default <kubeletRoot>/plugins_registry
+    # The CSI socket's path as kubelet sees it; default: the csiSocket key.
+    path: str = ""
+
+
+class ProxySection(_Section):
+    # Also mirror deferred volumes in Kata's direct-volume layout here
+    # (e.g. /run/kata-containers/shared/direct-volumes); default: off.
+    kata_dir: Path | None = Field(None, alias="kataDir")
+    # The deferral policy, inline (the format of `crust proxy --policy`).
+    policy: PolicyFile = Field(default_factory=PolicyFile)
+    # Numeric group allowed on the runtime socket (0660) instead of root only.
+    runtime_socket_group: int | None = Field(None, alias="runtimeSocketGroup")
+    lease_seconds: int = Field(15, alias="leaseSeconds", ge=2, le=3600)
+    claim_grace_seconds: float = Field(300, alias="claimGraceSeconds", ge=0)
+    sweep_interval_seconds: float = Field(60, alias="sweepIntervalSeconds", gt=0)
+    # Prometheus metrics on 127.0.0.1:PORT; 0: off.
+    metrics_port: int = Field(0, alias="metricsPort", ge=0, le=65535)
+
+
+class Runtime(str, Enum):
+    NONE = "none"
+    MOUNTNS = "mountns"
+    KATA = "kata"
+
+
+class KataSection(_Section):
+    accel: str = Field("auto", pattern="^(auto|kvm|tcg)$")
+    memory_mib: int = Field(256, alias="memoryMiB", ge=64, le=65536)
+    cache: Path = Path("/var/cache/crust/kata")
+    # Kata's direct-volume directory the handler also serves.
+    kata_dir: Path = Field(Path("/run/kata-containers/shared/direct-volumes"), alias="kataDir")
+
+
+class HandlerSection(_Section):
+    # none: runtime handlers run elsewhere (a Kata shim of its own, another
+    # service); mountns: the light mount-namespace handler; kata: the
+    # microVM handler.
+    runtime: Runtime = Runtime.NONE
+    # The name it registers under; default: the runtime's name.
+    name: str = ""
+    kata: KataSection = Field(default_factory=KataSection)
+
+
+class SupervisorSection(_Section):
+    # A child that dies is started again after this, doubling on every
+    # death within a minute of its start, up to restartBackoffMaxSeconds.
+    restart_backoff_seconds: float = Field(0.2, alias="restartBackoffSeconds", gt=0, le=60)
+    restart_backoff_max_seconds: float = Field(30, alias="restartBackoffMaxSeconds", gt=0, le=3600)
+    # How long a child gets to stop after SIGTERM before SIGKILL.
+    stop_timeout_seconds: float = Field(30, alias="stopTimeoutSeconds", gt=0, le=600)
+    # How long a child may take to serve its socket after a start.
+    ready_timeout_seconds: float = Field(60, alias="readyTimeoutSeconds", gt=0, le=600)
+
+
+class NodeConfig(_Section):
+    # This node's name as the cluster knows it (kubelet's node name; also the
+    # driver's topology segment).
+    node_id: str = Field(alias="nodeId", min_length=1, max_length=128)
+    kubelet_root: Path = Field(Path("/var/lib/kubelet"), alias="kubeletRoot")
+    # The CSI socket kubelet dials (the proxy serves it); default
+    # <kubeletRoot>/plugins/<driver>/csi.sock.
+    csi_socket: Path | None = Field(None, alias="csiSocket")
+    run_dir: Path = Field(Path("/run/crust"), alias="runDir")
+    state_dir: Path = Field(Path("/var/lib/crust"), alias="stateDir")
+    log_level: str = Field("info", alias="logLevel", pattern="^(debug|info|warning|error)$")
+    log_format: str = Field("json", alias="logFormat", pattern="^(json|text)$")
+    kubelet_registration: KubeletRegistrationSection = Field(default_factory=KubeletRegistrationSection,
+                                                             alias="kubeletRegistration")
+    driver: DriverSection = Field(default_factory=DriverSection)
+    shim: ShimSection = Field(default_factory=ShimSection)
+    proxy: ProxySection = Field(default_factory=ProxySection)
+    handler: HandlerSection = Field(default_factory=HandlerSection)
+    supervisor: SupervisorSection = Field(default_factory=SupervisorSection)
+
+    @field_validator("kubelet_root", "run_dir", "state_dir", "csi_socket")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError(f"{value} must be an absolute path")
+        return value
+
+    # -- where everything is ------------------------------------------------------
+
+    @property
+    def kubelet_csi_socket(self) -> Path:
+        return self.csi_socket or self.kubelet_root / "plugins" / DRIVER_NAME / "csi.sock"
+
+    @property
+    def registration_dir(self) -> Path | None:
+        if not self.kubelet_registration.enabled:
+            return None
+        return self.kubelet_registration.dir or self.kubelet_root / "plugins_registry"
+
+    @property
+    def driver_socket(self) -> Path:
+        return self.run_dir / "driver.sock"
+
+    @property
+    def shim_socket(self) -> Path:
+        return self.run_dir / "shim.sock"
+
+    @property
+    def runtime_socket(self) -> Path:
+        # In a directory of its own: the proxy insists on 0700 (or 0750).
+        return self.run_dir / "runtime" / "proxy.sock"
+
+    @property
+    def handler_socket(self) -> Path:
+        return self.run_dir / "handler.sock"
+
+    @property
+    def volumes_dir(self) -> Path:
+        return self.run_dir / "volumes"
+
+    @property
+    def supervisor_dir(self) -> Path:
+        return self.run_dir / "node"
+
+    @property
+    def status_file(self) -> Path:
+        return self.supervisor_dir / "status.json"
+
+    @property
+    def handler_name(self) -> str:
+        return self.handler.name or self.handler.runtime.value
+
+    @classmethod
+    def load(cls, path: Path) -> "NodeConfig":
+        """Read and validate; ValueError names the file and each bad key's path."""
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping of keys (at least nodeId), got {type(raw).__name__}")
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            lines = [f"{path}: {exc.error_count()} invalid key(s)"]
+            for err in exc.errors():
+                where = ".".join(str(p) for p in err["loc"]) or "(top)"
+                lines.append(f"  {where}: {err['msg']}")
+            raise ValueError("\n".join(lines)) from None
