@@ -16,6 +16,12 @@ socket by hand: the socket is checked once a second (one lstat; it also
 survives the removal of the directory itself, which an inotify watch on it
 would not) and bound again when it is gone. A clean stop removes it, so
 kubelet deregisters the driver instead of dialling a dead socket.
+
+Kubelet does not ask again after refusing a plugin (say, NodeGetInfo failed
+while the driver was still starting) until the socket changes; the upstream
+registrar exits so that its restart makes a new socket. The proxy makes a
+new socket itself after a refusal, with a backoff (5 s doubling to 5 min), so
+kubelet retries while the refusal stays visible in `crust status`.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ CSI_PLUGIN = "CSIPlugin"
 SUPPORTED_VERSIONS = ("1.0.0",)
 SERVICE_NAME = pluginregistration_pb2.DESCRIPTOR.services_by_name["Registration"].full_name
 CHECK_SECONDS = 1.0
+RETRY_FIRST_SECONDS = 5.0
+RETRY_MAX_SECONDS = 300.0
 
 
 def registration_socket(directory: Path, driver_name: str) -> Path:
@@ -53,8 +61,11 @@ class RegistrationState:
     info_at: float | None = None
     verdict_at: float | None = None
     registered: bool = False
+    # Kubelet's last refusal, kept until it registers the driver.
     error: str = ""
     recreated: int = 0
+    retry_at: float | None = None
+    retry_backoff: float = 0.0
 
     @property
     def state(self) -> str:
@@ -119,13 +130,21 @@ class KubeletRegistration:
     async def _keep_socket(self) -> None:
         while True:
             await asyncio.sleep(CHECK_SECONDS)
-            if self._socket_is_ours():
+            retry = self.state.retry_at is not None and time.monotonic() >= self.state.retry_at
+            if self._socket_is_ours() and not retry:
                 continue
-            log.warning("the registration socket is gone (kubelet restarted or it was deleted); binding it again",
-                        extra={"fields": {"socket": str(self.socket)}})
+            if retry:
+                log.info("making the registration socket again so kubelet retries after its refusal",
+                         extra={"fields": {"socket": str(self.socket)}})
+                self.state.retry_at = None
+            else:
+                log.warning("the registration socket is gone (kubelet restarted or it was deleted); binding it again",
+                            extra={"fields": {"socket": str(self.socket)}})
             old, self._server = self._server, None
             if old is not None:
                 await old.stop(0)
+            if self._socket_is_ours():
+                os.unlink(self.socket)
             try:
                 await self._bind()
             except (OSError, RuntimeError) as exc:
@@ -136,17 +155,21 @@ class KubeletRegistration:
             # A new socket means a new registration: kubelet's next verdict
             # is about it, not the one before.
             self.state.recreated += 1
-            self.state.verdict_at, self.state.registered, self.state.error = None, False, ""
-            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            self.state.verdict_at, self.state.registered = None, False
 
     async def verdict(self, registered: bool, error: str) -> None:
         s = self.state
-        s.verdict_at, s.registered, s.error = time.monotonic(), registered, "" if registered else error
+        s.verdict_at, s.registered = time.monotonic(), registered
         if registered:
+            s.error, s.retry_at, s.retry_backoff = "", None, 0.0
             log.info("kubelet registered the driver", extra={"fields": {"driver": self.driver_name}})
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         else:
-            log.error("kubelet refused the driver", extra={"fields": {"driver": self.driver_name, "error": error}})
+            s.error = error or "kubelet refused the plugin without a reason"
+            s.retry_backoff = min(s.retry_backoff * 2, RETRY_MAX_SECONDS) if s.retry_backoff else RETRY_FIRST_SECONDS
+            s.retry_at = time.monotonic() + s.retry_backoff
+            log.error("kubelet refused the driver", extra={"fields": {
+                "driver": self.driver_name, "error": error, "retry_in_seconds": s.retry_backoff}})
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def _set_health(self, status) -> None:
