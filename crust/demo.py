@@ -1,14 +1,18 @@
 """`crust demo`: a deferred volume, end to end, on the embedded defaults.
 
-Starts driver, shim, proxy and a runtime handler in a temporary root and
-plays kubelet over the proxy's CSI socket: create, stage, publish with
-deferral (decided by the proxy's policy from a StorageClass parameter),
-run a pod sandbox whose process writes data into the volume, stats and
-expansion answered from inside the sandbox, stop the sandbox, unpublish,
-publish again WITHOUT deferral and read the data back on the host. Every
-step checks what it claims (mounts in /proc/self/mountinfo, files on disk,
-sizes); the host's mount table is watched during the sandbox's life.
-Whatever happens, including Ctrl-C, everything under the root is released.
+Runs `crust node` (driver, shim, proxy and a runtime handler, from one
+config file) in a temporary root and plays kubelet with crust.kubelet_replay:
+kubelet finds the driver through the proxy's registration socket, and uses
+its paths, call order and retries. The story: create a volume, stage it,
+publish it for a pod with an fsGroup (deferred by the proxy's policy from a
+StorageClass parameter), run the pod sandbox whose process writes data into
+the volume, stats and expansion answered from inside the sandbox, a kubelet
+restart (its volumes reconstructed and published again, nothing changed),
+stop the sandbox, unpublish, publish again WITHOUT deferral and read the
+data back on the host. Every step checks what it claims (mounts in
+/proc/self/mountinfo, files on disk, sizes, groups); the host's mount table
+is watched during the sandbox's life. Whatever happens, including Ctrl-C,
+everything under the root is released.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ import grpc
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.common.channel import local_channel
 from crust.common.units import format_size
+from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
 from crust.sys import mount as sysmount
 from crust.sys.sweep import release_under
 
 MIB = 1024**2
+FS_GROUP = 2000
 AccessMode = csi_pb2.VolumeCapability.AccessMode
 
 
@@ -83,32 +89,30 @@ def _check(condition: bool, message: str) -> None:
         raise StepFailed(message)
 
 
-class Daemon:
-    """One crust daemon of the demo, as a child process with its own log."""
+class NodeProcess:
+    """`crust node` with the demo's config, as a child process with its own log."""
 
-    def __init__(self, name: str, argv: list[str], socket: Path, root: Path, ready_seconds: float = 20):
-        self.name, self.argv, self.socket, self.root = name, argv, socket, root
-        self.ready_seconds = ready_seconds
+    def __init__(self, root: Path, config: Path, ready_seconds: float):
+        self.root, self.config, self.ready_seconds = root, config, ready_seconds
         self.proc: subprocess.Popen | None = None
 
-    @property
-    def log_path(self) -> Path:
-        return self.root / f"{self.name}.log"
-
     def start(self) -> str:
-        self.proc = subprocess.Popen([sys.executable, "-m", "crust", *self.argv], stdout=subprocess.DEVNULL,
-                                     stderr=open(self.log_path, "ab"))
+        self.proc = subprocess.Popen([sys.executable, "-m", "crust", "node", "--config", str(self.config)],
+                                     stdout=open(self.root / "node.out", "wb"), stderr=open(self.root / "node.log", "ab"))
         deadline = time.monotonic() + self.ready_seconds
         while time.monotonic() < deadline:
-            _check(self.proc.poll() is None, f"{self.name} exited with {self.proc.returncode}; see {self.name}.log")
-            if self.socket.exists():
-                return f"pid {self.proc.pid}, {self.socket.name}" + self._accelerator()
-            time.sleep(0.02)
-        raise StepFailed(f"{self.name} did not come up within {self.ready_seconds:g} s")
+            _check(self.proc.poll() is None, f"crust node exited with {self.proc.returncode}; see node.log")
+            out = (self.root / "node.out").read_text(errors="replace")
+            if "every component is serving" in out:
+                status = json.loads((self.root / "run" / "node" / "status.json").read_text())
+                children = ", ".join(f"{c['name']} {c['pid']}" for c in status["children"])
+                return f"pid {self.proc.pid}; children: {children}" + self._accelerator()
+            time.sleep(0.05)
+        raise StepFailed(f"crust node did not come up within {self.ready_seconds:g} s")
 
     def _accelerator(self) -> str:
         """The microVM handler logs the accelerator it chose, and why."""
-        for line in self.log_path.read_text(errors="replace").splitlines():
+        for line in (self.root / "node.log").read_text(errors="replace").splitlines():
             try:
                 entry = json.loads(line)
             except ValueError:
@@ -117,53 +121,37 @@ class Daemon:
                 return f"; microVMs run with {entry.get('accel')} ({entry.get('reason')})"
         return ""
 
-    def stop(self) -> None:
+    def stop(self) -> int | None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(20)
+                self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        return self.proc.returncode if self.proc is not None else None
 
 
 class Demo:
-    """Plays kubelet against driver -> shim -> proxy, with a runtime handler."""
+    """Plays kubelet (crust.kubelet_replay) against `crust node`."""
 
     def __init__(self, root: Path, fs_type: str, runtime: str, timeline: Timeline):
         self.root = root
         self.fs_type = fs_type
         self.runtime = runtime
         self.t = timeline
-        self.kubelet = root / "kubelet"
-        self.staging = self.kubelet / "plugins" / "kubernetes.io" / "csi" / "pv-demo" / "globalmount"
-        self.target = self.kubelet / "pods" / "pod-1" / "volumes" / "kubernetes.io~csi" / "pv-demo" / "mount"
-        self.run_dir = root / "run"
         self.node_id = "demo-node"
-        sock = {n: root / f"{n}.sock" for n in ("driver", "shim", "kubelet-csi", "handler")}
-        proxy_sock = self.run_dir / "proxy.sock"
-        policy = root / "policy.yaml"
-        self.daemons = [
-            Daemon("driver", ["driver", "--endpoint", f"unix://{sock['driver']}", "--node-id", self.node_id,
-                              "--data-dir", str(root / "data"), "--capacity", "20Gi"], sock["driver"], root),
-            Daemon("shim", ["shim", "--endpoint", f"unix://{sock['shim']}",
-                            "--backend-endpoint", f"unix://{sock['driver']}", "--proxy-endpoint", f"unix://{proxy_sock}",
-                            "--state-dir", str(root / "shim")], sock["shim"], root),
-            Daemon("proxy", ["proxy", "--csi-endpoint", f"unix://{sock['kubelet-csi']}",
-                             "--plugin-endpoint", f"unix://{sock['shim']}", "--runtime-endpoint", f"unix://{proxy_sock}",
-                             "--volumes-dir", str(self.run_dir / "volumes"), "--state-dir", str(root / "proxy"),
-                             "--kubelet-root", str(self.kubelet), "--policy", str(policy)],
-                   sock["kubelet-csi"], root),
-            Daemon("handler", (["kata", "handler"] if runtime == "kata" else ["handler"]) + [
-                "--endpoint", f"unix://{sock['handler']}", "--proxy-endpoint", f"unix://{proxy_sock}",
-                "--volumes-dir", str(self.run_dir / "volumes"), "--state-dir", str(root / "handler")]
-                + (["--kata-dir", str(self.run_dir / "kata-direct-volumes")] if runtime == "kata" else []),
-                # The microVM handler may first probe KVM (up to 10 s, once per node).
-                sock["handler"], root, ready_seconds=60 if runtime == "kata" else 20),
-        ]
-        self.kubelet_socket = sock["kubelet-csi"]
-        self.handler_socket = sock["handler"]
-        self.policy = policy
+        self.run_dir = root / "run"
+        self.state_dir = root / "state"
+        self.kubelet = Kubelet(root / "kubelet", self.node_id, retry_seconds=30)
+        self.pod = Pod(uid="0d3c2b1a-demo-pod-1", name="pod-1", fs_group=FS_GROUP)
+        # After the sandbox stopped, a pod whose volume is mounted on the
+        # host reads the data back.
+        self.reader = Pod(uid="0d3c2b1a-demo-reader", name="reader")
+        self.pv: PersistentVolume | None = None
+        self.node = NodeProcess(root, self._write_config(), ready_seconds=120 if runtime == "kata" else 60)
+        self.handler_socket = self.run_dir / "handler.sock"
+        self.handler_state = self.state_dir / ("kata-handler" if runtime == "kata" else "handler")
         self.channel: grpc.Channel | None = None
         self.volume_id = ""
         self.device = ""
@@ -178,6 +166,25 @@ class Demo:
         self.stats_seen: dict[str, int] = {}
         self.stats_match_df = False
 
+    def _write_config(self) -> Path:
+        """The node config: everything under the demo's root; the StorageClass
+        parameter crust.dev/defer defers; kubelet passes the fsGroup itself."""
+        handler = {"runtime": self.runtime}
+        if self.runtime == "kata":
+            handler["kata"] = {"kataDir": str(self.run_dir / "kata-direct-volumes")}
+        config = {
+            "nodeId": self.node_id, "kubeletRoot": str(self.root / "kubelet"), "runDir": str(self.run_dir),
+            "stateDir": str(self.state_dir), "driver": {"capacity": "20Gi"},
+            "proxy": {"policy": {"deferral": {"storageClassParameters": {"crust.dev/defer": "true"},
+                                              "fsGroupFromPod": False}}},
+            "handler": handler,
+            # The microVM handler may first probe KVM (up to 10 s, once per node).
+            "supervisor": {"readyTimeoutSeconds": 90 if self.runtime == "kata" else 30},
+        }
+        path = self.root / "node.yaml"
+        path.write_text(json.dumps(config, indent=1))
+        return path
+
     # -- plumbing -----------------------------------------------------------------
 
     def cap(self) -> csi_pb2.VolumeCapability:
@@ -190,8 +197,8 @@ class Demo:
         return csi_pb2_grpc.ControllerStub(self.channel)
 
     @property
-    def node(self) -> csi_pb2_grpc.NodeStub:
-        return csi_pb2_grpc.NodeStub(self.channel)
+    def target(self) -> Path:
+        return self.kubelet.target_path(self.pod, self.pv)
 
     def sandbox(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "crust", "sandbox", "--handler-endpoint",
@@ -206,8 +213,7 @@ class Demo:
             self.host_mounted_during_sandbox = True
 
     def stats(self) -> dict[str, int]:
-        rsp = self.node.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(
-            volume_id=self.volume_id, volume_path=str(self.target)), timeout=30)
+        rsp = self.kubelet.volume_stats(self.pv, self.pod)
         _check(not rsp.volume_condition.abnormal, f"condition abnormal: {rsp.volume_condition.message}")
         by_unit = {u.unit: u for u in rsp.usage}
         _check(csi_pb2.VolumeUsage.BYTES in by_unit and csi_pb2.VolumeUsage.INODES in by_unit,
@@ -222,7 +228,7 @@ class Demo:
     def process_output(self) -> str:
         """What the pod's process printed: the guest console of a microVM,
         the process log of a mount-namespace sandbox."""
-        workdir = self.root / "handler" / "run" / "pod-1"
+        workdir = self.handler_state / "run" / "pod-1"
         path = workdir / ("console.log" if self.runtime == "kata" else "process.log")
         return path.read_text(errors="replace") if path.exists() else ""
 
@@ -238,6 +244,13 @@ class Demo:
                         found.update(zip(keys, map(int, fields[1:4])))
         return found
 
+    def group_in_sandbox(self) -> str:
+        """The group of the pod's file, as the pod's process saw it."""
+        for line in self.process_output().splitlines():
+            if "file-group:" in line:
+                return line.split("file-group:", 1)[1].strip()
+        return ""
+
     def write_bundle(self) -> Path:
         bundle = self.root / "bundle"
         (bundle / "rootfs").mkdir(parents=True, exist_ok=True)
@@ -245,6 +258,7 @@ class Demo:
         # the last write, for the comparison with NodeGetVolumeStats.
         script = ("head -c 1048576 /dev/urandom > /data/payload.bin && "
                   "sha256sum /data/payload.bin | cut -d' ' -f1 > /data/payload.sha256 && sync && "
+                  "echo \"file-group: $(ls -ln /data/payload.bin | awk '{print $4}')\" && "
                   "echo \"df-bytes: $(df -P -B1 /data | tail -n 1)\" && "
                   "echo \"df-inodes: $(df -P -i /data | tail -n 1)\"")
         (bundle / "config.json").write_text(json.dumps({
@@ -258,53 +272,61 @@ class Demo:
 
     def play(self) -> None:
         t = self.t
+        k = self.kubelet
         size = 320 * MIB if self.fs_type == "xfs" else 128 * MIB
         grown = size + 256 * MIB
-        self.kubelet.mkdir(parents=True)
-        self.run_dir.mkdir(mode=0o700)
-        # The StorageClass parameter crust.dev/defer reaches volume_context;
-        # the proxy's policy defers on it, as it would for today's kubelet.
-        self.policy.write_text('deferral:\n  storageClassParameters:\n    crust.dev/defer: "true"\n')
-        for daemon in self.daemons:
-            t.run(f"start crust {daemon.name}", daemon.start)
-        self.channel = local_channel(str(self.kubelet_socket))
-        time.sleep(0.3)  # the handler registers with the proxy
+        (self.root / "kubelet" / "plugins_registry").mkdir(parents=True)
+        t.run("start crust node", self.node.start)
+
+        def register():
+            name = k.register()
+            return f"GetInfo: {name} at {k.endpoint} (the proxy); NodeGetInfo; NotifyRegistrationStatus(registered)"
+        t.run("kubelet registers the driver", register)
+        self.channel = local_channel(k.endpoint)
 
         def create():
             vol = self.ctl.CreateVolume(csi_pb2.CreateVolumeRequest(
                 name="pvc-demo", capacity_range=csi_pb2.CapacityRange(required_bytes=size),
                 volume_capabilities=[self.cap()], parameters={"crust.dev/defer": "true"}), timeout=60).volume
             self.volume_id = vol.volume_id
-            self.volume_context = dict(vol.volume_context)
+            self.pv = PersistentVolume(name="pv-demo", volume_handle=vol.volume_id,
+                                       attributes=dict(vol.volume_context), fs_type=self.fs_type)
             return f"{vol.volume_id}, {format_size(vol.capacity_bytes)}, StorageClass parameter crust.dev/defer=true"
         t.run("CreateVolume", create)
 
-        t.run("ControllerPublishVolume", lambda: self.ctl.ControllerPublishVolume(
-            csi_pb2.ControllerPublishVolumeRequest(volume_id=self.volume_id, node_id=self.node_id,
-                                                   volume_capability=self.cap()), timeout=30) and f"to {self.node_id}")
+        def attach():
+            rsp = self.ctl.ControllerPublishVolume(csi_pb2.ControllerPublishVolumeRequest(
+                volume_id=self.volume_id, node_id=self.node_id, volume_capability=self.cap()), timeout=30)
+            self.pv.publish_context = dict(rsp.publish_context)
+            return f"to {self.node_id}"
+        t.run("ControllerPublishVolume", attach)
 
         def stage():
-            self.node.NodeStageVolume(csi_pb2.NodeStageVolumeRequest(
-                volume_id=self.volume_id, staging_target_path=str(self.staging), volume_capability=self.cap(),
-                volume_context=self.volume_context), timeout=120)
             self.staged = True
-            _check(sysmount.at(str(self.staging)) is None, "the staging path was mounted")
-            return f"block device staged and formatted {self.fs_type}; nothing mounted on the host"
+            k.retried(k.mount_device, self.pv, self.pod)
+            staging = k.staging_path(self.pv)
+            _check(sysmount.at(str(staging)) is None, "the staging path was mounted")
+            return (f"at {staging.relative_to(k.root)}: block device staged and formatted {self.fs_type}; "
+                    "nothing mounted on the host")
         t.run("NodeStageVolume", stage)
 
         def publish_deferred():
-            rsp = self.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
-                volume_id=self.volume_id, staging_target_path=str(self.staging), target_path=str(self.target),
-                volume_capability=self.cap(), volume_context=self.volume_context), timeout=60)
             self.published = True
-            _check(rsp.HasField("deferred_mount"), "the proxy did not defer")
-            d = rsp.deferred_mount
-            self.device, self.device_majmin = d.device, (d.device_major, d.device_minor)
-            entry = sysmount.at(str(self.target))
-            _check(entry is not None and entry.fs_type == "tmpfs" and entry.readonly,
+            k.retried(k.set_up, self.pv, self.pod)
+            entry = self.run_dir / "volumes" / hashlib.sha256(str(self.target).encode()).hexdigest() / "mountInfo.json"
+            _check(entry.exists(), "the proxy did not defer (no mountInfo.json)")
+            info = json.loads(entry.read_text())
+            self.device = info["device"]
+            st = os.stat(self.device)
+            self.device_majmin = (os.major(st.st_rdev), os.minor(st.st_rdev))
+            placeholder = sysmount.at(str(self.target))
+            _check(placeholder is not None and placeholder.fs_type == "tmpfs" and placeholder.readonly,
                    "the target is not the read-only placeholder")
             _check(not self.host_mounts_of_device(), "the file system is mounted on the host")
-            return f"deferred: {d.device} ({d.device_major}:{d.device_minor}) described in mountInfo.json"
+            _check(info.get("metadata", {}).get("fsGroup") == str(FS_GROUP), "the fsGroup is not in the description")
+            _check(not k.chowned, "kubelet had to change ownership itself")
+            return (f"deferred: {self.device} ({self.device_majmin[0]}:{self.device_majmin[1]}) described in "
+                    f"mountInfo.json with fsGroup {FS_GROUP} (volume_mount_group)")
         t.run("NodePublishVolume (deferred)", publish_deferred)
 
         def run_sandbox():
@@ -317,7 +339,10 @@ class Demo:
                 info = json.loads(self.sandbox("list", "--json").stdout)[0]
                 if info.get("exited"):
                     _check(info.get("exit_code", 0) == 0, f"the pod process exited with {info.get('exit_code')}")
-                    return f"pod process wrote 1 MiB + its sha256 to /data inside {self.runtime} sandbox pid {info['pid']}"
+                    group = self.group_in_sandbox()
+                    _check(group == str(FS_GROUP), f"the pod's file has group {group!r}, not the fsGroup {FS_GROUP}")
+                    return (f"pod process wrote 1 MiB + its sha256 to /data inside {self.runtime} sandbox pid "
+                            f"{info['pid']}; its file has the pod's fsGroup {group}")
                 time.sleep(0.05)
             raise StepFailed("the pod process did not finish within 30 s")
         t.run("run pod sandbox (writes data)", run_sandbox)
@@ -344,16 +369,14 @@ class Demo:
         def expand():
             self.watch_host()
             try:
-                rsp = self.node.NodeExpandVolume(csi_pb2.NodeExpandVolumeRequest(
-                    volume_id=self.volume_id, volume_path=str(self.target),
-                    capacity_range=csi_pb2.CapacityRange(required_bytes=grown)), timeout=120)
+                capacity = k.expand(self.pv, self.pod, grown)
             except grpc.RpcError as exc:
                 # The host's kernel here refuses ext4 online growth; a guest's does not.
                 if self.fs_type == "ext4" and self.runtime == "mountns" \
                         and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     return "ext4 online growth refused on this host (grows when next mounted)"
                 raise
-            return f"grown online inside the sandbox to {format_size(rsp.capacity_bytes)}"
+            return f"grown online inside the sandbox to {format_size(capacity)}"
         t.run("NodeExpandVolume", expand)
 
         def stats_after():
@@ -364,6 +387,22 @@ class Demo:
             return f"{format_size(self.size_after)} ({self.size_after} bytes)"
         t.run("NodeGetVolumeStats (after expand)", stats_after)
 
+        def kubelet_restart():
+            self.watch_host()
+            entry = self.run_dir / "volumes" / hashlib.sha256(str(self.target).encode()).hexdigest() / "mountInfo.json"
+            before = (entry.read_bytes(), sorted(m.mount_point for m in sysmount.mounts()
+                                                 if m.mount_point.startswith(str(k.root) + "/")))
+            found = k.restart({self.pod.uid: (self.pv, self.pod)})
+            _check([(uid, mounted) for uid, _, mounted in found] == [(self.pod.uid, True)],
+                   f"kubelet did not find its volume mounted: {found}")
+            after = (entry.read_bytes(), sorted(m.mount_point for m in sysmount.mounts()
+                                                if m.mount_point.startswith(str(k.root) + "/")))
+            _check(after[1] == before[1], f"the second stage and publish changed the mounts: {before[1]} -> {after[1]}")
+            _check(after[0] == before[0], "the second publish rewrote mountInfo.json: "
+                   f"{before[0].decode(errors='replace')} -> {after[0].decode(errors='replace')}")
+            return "volume found from vol_data.json, target still mounted (placeholder); stage + publish again: OK, nothing changed"
+        t.run("kubelet restart", kubelet_restart)
+
         def stop_sandbox():
             self.watch_host()
             out = self.sandbox("delete", "pod-1")
@@ -373,34 +412,37 @@ class Demo:
         t.run("stop pod sandbox", stop_sandbox)
 
         def unpublish():
-            self.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
-                volume_id=self.volume_id, target_path=str(self.target)), timeout=60)
+            k.retried(k.tear_down, self.pv, self.pod)
             self.published = False
             _check(not any((self.run_dir / "volumes").iterdir()), "the watched directory still has an entry")
-            return "placeholder and mountInfo.json removed"
+            _check(not self.target.parent.exists(), "kubelet's pod volume directory is still there")
+            return "placeholder, mountInfo.json and kubelet's pod directory removed"
         t.run("NodeUnpublishVolume", unpublish)
 
         def publish_host():
-            self.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
-                volume_id=self.volume_id, staging_target_path=str(self.staging), target_path=str(self.target),
-                volume_capability=self.cap()), timeout=60)
+            # Not a kubelet step: the same volume published without the
+            # deferral parameter, so the host mounts it and reads the data.
+            target = k.target_path(self.reader, self.pv)
+            target.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+            context = {key: v for key, v in self.pv.attributes.items() if key != "crust.dev/defer"}
+            k.node("NodePublishVolume", csi_pb2.NodePublishVolumeRequest(
+                volume_id=self.volume_id, staging_target_path=str(k.staging_path(self.pv)), target_path=str(target),
+                volume_capability=self.cap(), volume_context=context))
             self.published = self.host_published = True
-            data = (self.target / "payload.bin").read_bytes()
-            want = (self.target / "payload.sha256").read_text().strip()
+            data = (target / "payload.bin").read_bytes()
+            want = (target / "payload.sha256").read_text().strip()
             self.data_verified = hashlib.sha256(data).hexdigest() == want and len(data) == MIB
             _check(self.data_verified, "the data written in the sandbox does not read back on the host")
             if self.fs_type == "ext4" and self.runtime == "mountns":
-                self.size_after = os.statvfs(self.target).f_blocks * os.statvfs(self.target).f_frsize
+                self.size_after = os.statvfs(target).f_blocks * os.statvfs(target).f_frsize
                 _check(self.size_after > self.size_before, "the ext4 file system did not grow offline")
             return f"host mount (no deferral) reads the 1 MiB back, sha256 {want[:12]} matches"
         t.run("NodePublishVolume (on the host)", publish_host)
 
         def cleanup():
-            self.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
-                volume_id=self.volume_id, target_path=str(self.target)), timeout=60)
+            k.retried(k.tear_down, self.pv, self.reader)
             self.published = False
-            self.node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(
-                volume_id=self.volume_id, staging_target_path=str(self.staging)), timeout=60)
+            k.retried(k.unmount_device, self.pv)
             self.staged = False
             self.ctl.ControllerUnpublishVolume(csi_pb2.ControllerUnpublishVolumeRequest(
                 volume_id=self.volume_id, node_id=self.node_id), timeout=30)
@@ -409,34 +451,35 @@ class Demo:
             return "unpublished, unstaged, detached, deleted"
         t.run("NodeUnpublish + NodeUnstage + DeleteVolume", cleanup)
 
-        def stop_all():
+        def stop_node():
             if self.channel is not None:
                 self.channel.close()
                 self.channel = None
-            for daemon in reversed(self.daemons):
-                daemon.stop()
-                _check(daemon.proc.returncode == 0, f"{daemon.name} exited with {daemon.proc.returncode}")
-            return "SIGTERM to handler, proxy, shim, driver: all exited 0"
-        t.run("stop daemons", stop_all)
+            code = self.node.stop()
+            _check(code == 0, f"crust node exited with {code}")
+            leftover = list((k.root / "plugins_registry").iterdir())
+            _check(not leftover, f"the registration socket is still there: {leftover}")
+            return "SIGTERM to crust node: handler, proxy, shim, driver stopped; exit 0; registration socket removed"
+        t.run("stop crust node", stop_node)
 
     def abort(self) -> None:
         """Best-effort release after a failure or Ctrl-C, through the daemons."""
+        k = self.kubelet
         try:
             if self.sandbox_started:
                 self.sandbox("delete", "pod-1")
-            if self.channel is not None and self.volume_id:
+            if k.endpoint and self.pv is not None:
                 if self.published:
-                    self.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
-                        volume_id=self.volume_id, target_path=str(self.target)), timeout=30)
+                    for pod in (self.pod, self.reader):
+                        if k.target_path(pod, self.pv).exists():
+                            k.tear_down(self.pv, pod)
                 if self.staged:
-                    self.node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(
-                        volume_id=self.volume_id, staging_target_path=str(self.staging)), timeout=30)
-        except (grpc.RpcError, subprocess.TimeoutExpired, OSError):
+                    k.unmount_device(self.pv)
+        except (grpc.RpcError, subprocess.TimeoutExpired, OSError, ValueError):
             pass
         if self.channel is not None:
             self.channel.close()
-        for daemon in reversed(self.daemons):
-            daemon.stop()
+        self.node.stop()
 
 
 def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = False, keep: bool = False) -> int:
@@ -492,7 +535,7 @@ def _kill_sandboxes(root: Path) -> None:
     """Sandboxes of this demo that outlived their handler: mount-namespace
     holders with mounts under the demo's handler state, and QEMU processes
     whose sockets live under the root."""
-    own = str(root) + "/handler/"
+    own = str(root) + "/state/"
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue

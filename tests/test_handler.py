@@ -346,8 +346,9 @@ def test_demo_runs_every_step_and_leaves_nothing(root, fs):
     assert result["steps"], "no steps reported"
     assert [s["name"] for s in result["steps"] if not s["ok"]] == []
     names = [s["name"] for s in result["steps"]]
-    for step in ("NodePublishVolume (deferred)", "run pod sandbox (writes data)", "NodeExpandVolume",
-                 "stop pod sandbox", "NodePublishVolume (on the host)", "stop daemons"):
+    for step in ("start crust node", "kubelet registers the driver", "NodePublishVolume (deferred)",
+                 "run pod sandbox (writes data)", "NodeExpandVolume", "kubelet restart", "stop pod sandbox",
+                 "NodePublishVolume (on the host)", "stop crust node"):
         assert step in names
     assert result["host_mounted_during_sandbox"] is False
     assert result["data_verified"] is True
@@ -361,7 +362,7 @@ def test_demo_runs_every_step_and_leaves_nothing(root, fs):
     prefix = str(demo_root) + "/"
     assert [d for d, backing in sysloop.attached().items() if backing.startswith(prefix)] == []
     assert [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(prefix)] == []
-    assert holders_under(demo_root / "handler", demo_root / "bundle") == []
+    assert holders_under(demo_root / "state", demo_root / "bundle") == []
 
 
 def test_the_demo_cleanup_kills_only_its_own_sandbox_holders(root):
@@ -372,7 +373,7 @@ def test_the_demo_cleanup_kills_only_its_own_sandbox_holders(root):
 
     demo_root = root.path / "crust-demo-x"
     on_host = demo_root / "kubelet" / "target"
-    private = demo_root / "handler" / "run" / "pod-1" / "volumes" / "v"
+    private = demo_root / "state" / "handler" / "run" / "pod-1" / "volumes" / "v"
     on_host.mkdir(parents=True)
     private.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "crust-test", str(on_host)], check=True)

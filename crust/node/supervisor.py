@@ -253,9 +253,9 @@ class Supervisor:
             loop.add_signal_handler(sig, self.stopping.set)
         ok = await self.start()
         if ok:
-            print(f"crust node {self.config.node_id}: every component is serving", flush=True)
-            for what, where in self.sockets():
-                print(f"  {what:<32} {where}", flush=True)
+            # One write: a reader of the first line finds the sockets too.
+            print("\n".join([f"crust node {self.config.node_id}: every component is serving"]
+                            + [f"  {what:<32} {where}" for what, where in self.sockets()]), flush=True)
             log.info("node serving", extra={"fields": {"sockets": dict(self.sockets())}})
             await self.stopping.wait()
         await self.stop()

@@ -111,12 +111,19 @@ class CsiFrontend:
         return await self.plugin.call(self.plugin.node.NodeGetVolumeStats, request, context)
 
     async def NodeExpandVolume(self, request: csi_pb2.NodeExpandVolumeRequest, context):
-        if self._deferred(request.volume_path) and not request.defer_fs_ops:
+        deferred = self._deferred(request.volume_path)
+        if deferred and not request.defer_fs_ops:
             forwarded = csi_pb2.NodeExpandVolumeRequest()
             forwarded.CopyFrom(request)
             forwarded.defer_fs_ops = True
             request = forwarded
-        return await self.plugin.call(self.plugin.node.NodeExpandVolume, request, context)
+        try:
+            return await self.plugin.call(self.plugin.node.NodeExpandVolume, request, context)
+        finally:
+            if deferred:
+                # The device may have grown even when the file system could
+                # not (yet): the entry follows the device either way.
+                await self.state.refresh_capacity(request.volume_path)
 
 
 METHODS = {

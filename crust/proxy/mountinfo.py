@@ -51,7 +51,7 @@ class MountInfo(BaseModel):
     readonly: bool = Field(False, description="Mount read-only.")
     volume_id: str = Field("", alias="volume-id", description="CSI volume id.")
     target_path: str = Field(alias="target-path", description="The CSI target path: the key of this entry.")
-    capacity_bytes: int = Field(0, alias="capacity-bytes", description="Device size at publish time.")
+    capacity_bytes: int = Field(0, alias="capacity-bytes", description="Device size at publish time, refreshed after each expansion.")
     device_major: int = Field(0, alias="device-major", description="Major number of the device.")
     device_minor: int = Field(0, alias="device-minor", description="Minor number of the device.")
     volume_context: dict[str, str] = Field(default_factory=dict, alias="volume-context",

@@ -22,6 +22,7 @@ from crust.proxy.config import ProxyConfig
 from crust.proxy.mountinfo import MountInfo, digest
 from crust.proxy.records import Claim, Decision, DeferredVolume
 from crust.proxy.volumes_dir import MirrorError, VolumesDir
+from crust.sys import blockdev
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,12 @@ class ProxyState:
 
     async def _stage(self, key: str, info: MountInfo) -> DeferredVolume:
         volume = self.by_digest.get(key)
+        if volume is not None and volume.info == info and not volume.kata_mirror_error \
+                and self.dir.read(info.target_path) == info:
+            # A retried publish, or kubelet publishing again after its
+            # restart: the same description is already on disk; writing it
+            # again would only wake every watcher for nothing.
+            return volume
         if volume is not None and volume.info.device != info.device and volume.claim is not None \
                 and self.holder_alive(volume.claim):
             raise FailedPrecondition(
@@ -173,6 +180,21 @@ class ProxyState:
             await self.volumes.put(key, volume)
         self.by_digest[key] = volume
         return volume
+
+    async def refresh_capacity(self, target_path: str) -> None:
+        """After an expansion: the entry's capacity-bytes follows the grown
+        device (a publish after a kubelet restart then finds it unchanged)."""
+        key = digest(target_path)
+        async with self._lock(key):
+            volume = self.by_digest.get(key)
+            if volume is None:
+                return
+            try:
+                size = blockdev.size_of(volume.info.device_major, volume.info.device_minor)
+            except (OSError, ValueError):
+                return  # the device is gone: nothing truthful to write
+            if size != volume.info.capacity_bytes:
+                await self._stage(key, volume.info.model_copy(update={"capacity_bytes": size}))
 
     async def unstage(self, target_path: str) -> None:
         key = digest(target_path)

@@ -17,6 +17,13 @@ def size_bytes(device: str) -> int:
         os.close(fd)
 
 
+def size_of(major: int, minor: int) -> int:
+    """Size in bytes of the block device major:minor, from one sysfs read
+    (in 512-byte sectors whatever the device's block size)."""
+    with open(f"/sys/dev/block/{major}:{minor}/size") as f:
+        return int(f.read()) * 512
+
+
 def major_minor(device: str) -> tuple[int, int]:
     st = os.stat(device)
     if not stat.S_ISBLK(st.st_mode):

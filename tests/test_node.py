@@ -1,0 +1,194 @@
+"""`crust node`: one config file brings up driver, shim, proxy (registered
+with kubelet) and a handler; a SIGKILLed child comes back; SIGTERM stops
+everything and leaves nothing mounted or attached."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
+from crust.node.config import NodeConfig, Runtime
+from crust.sys import loop as sysloop
+from crust.sys import mount as sysmount
+from tests.harness import MIB, mount_cap
+from tests.test_handler import wait_until
+from tests.test_kubelet import DRIVER
+
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+
+
+def write_config(root: Path, **extra) -> Path:
+    config = {
+        "nodeId": "node-a", "kubeletRoot": str(root / "kubelet"), "runDir": str(root / "run"),
+        "stateDir": str(root / "state"), "driver": {"capacity": "10Gi"},
+        "proxy": {"policy": {"deferral": {"storageClassParameters": {"crust.dev/defer": "true"},
+                                          "fsGroupFromPod": False}}},
+        "handler": {"runtime": "mountns"},
+        **extra,
+    }
+    path = root / "node.yaml"
+    path.write_text(json.dumps(config))
+    return path
+
+
+class NodeRun:
+    def __init__(self, root: Path, config: Path):
+        self.root = root
+        self.config = NodeConfig.load(config)
+        (root / "kubelet" / "plugins_registry").mkdir(parents=True, exist_ok=True)
+        self.out = root / "node.out"
+        self.proc = subprocess.Popen([sys.executable, "-m", "crust", "node", "--config", str(config)], env=ENV,
+                                     stdout=open(self.out, "wb"), stderr=open(root / "node.log", "wb"))
+
+    def wait_serving(self, timeout: float = 60) -> str:
+        return wait_until(lambda: "every component is serving" in self.out.read_text() and self.out.read_text(),
+                          timeout=timeout, what="crust node to serve")
+
+    def status(self) -> dict:
+        return json.loads(self.config.status_file.read_text())
+
+    def child(self, name: str) -> dict:
+        return next(c for c in self.status()["children"] if c["name"] == name)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def node_run(root):
+    runs: list[NodeRun] = []
+
+    def start(**extra) -> NodeRun:
+        runs.append(NodeRun(root.path, write_config(root.path, **extra)))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.stop()
+
+
+def test_one_config_runs_the_node_restarts_a_killed_child_and_stops_cleanly(root, node_run):
+    run = node_run()
+    printed = run.wait_serving()
+    cfg = run.config
+    for where in (cfg.kubelet_csi_socket, cfg.driver_socket, cfg.shim_socket, cfg.runtime_socket,
+                  cfg.handler_socket, cfg.registration_dir / f"{DRIVER}-reg.sock"):
+        assert str(where) in printed, f"{where} is not printed"
+        assert where.is_socket()
+
+    # Kubelet finds the driver by itself and publishes a deferred volume.
+    kubelet = Kubelet(cfg.kubelet_root, "node-a", retry_seconds=10)
+    assert kubelet.register() == DRIVER
+    from crust.api import csi_pb2, csi_pb2_grpc
+    import grpc
+    with grpc.insecure_channel(f"unix://{kubelet.endpoint}") as channel:
+        vol = csi_pb2_grpc.ControllerStub(channel).CreateVolume(csi_pb2.CreateVolumeRequest(
+            name="pv-node", capacity_range=csi_pb2.CapacityRange(required_bytes=64 * MIB),
+            volume_capabilities=[mount_cap("ext4")], parameters={"crust.dev/defer": "true"}), timeout=60).volume
+    pv = PersistentVolume(name="pv-node", volume_handle=vol.volume_id, attributes=dict(vol.volume_context))
+    pod = Pod(uid="uid-node", name="node-pod", fs_group=1000)
+    target = kubelet.start_pod(pv, pod)
+    assert sysmount.at(str(target)).fs_type == "tmpfs"
+
+    # `crust status --config` sees every child, socket and the registration.
+    status = subprocess.run([sys.executable, "-m", "crust", "status", "--config", str(run.root / "node.yaml"),
+                             "--json"], capture_output=True, text=True, timeout=60, env=ENV)
+    assert status.returncode == 0, status.stdout + status.stderr
+    report = json.loads(status.stdout)
+    assert [c["name"] for c in report["supervisor"]["children"]] == ["driver", "shim", "proxy", "handler"]
+    assert {s["health"] for s in report["sockets"].values()} == {"SERVING"}
+    assert report["proxy"]["kubelet_registration"]["state"] == "registered"
+    assert len(report["proxy"]["volumes"]) == 1
+
+    # SIGKILL each of shim and driver: back within 2 s, serving.
+    for name, sock in (("shim", cfg.shim_socket), ("driver", cfg.driver_socket)):
+        old = run.child(name)["pid"]
+        os.kill(old, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(lambda: run.child(name)["pid"] != old and run.child(name)["running"], timeout=5,
+                   what=f"the {name} to be restarted")
+        wait_until(lambda: subprocess.run([sys.executable, "-c", f"import socket; s=socket.socket(socket.AF_UNIX); "
+                                           f"s.connect({str(sock)!r})"], capture_output=True).returncode == 0,
+                   timeout=5, what=f"the {name} to serve again")
+        assert time.monotonic() - killed < 2.0, f"the {name} took {time.monotonic() - killed:.2f} s to come back"
+        child = run.child(name)
+        assert child["restarts"] == 1 and child["last_exit"] == "signal SIGKILL"
+    # The chain works through the restarted children.
+    usage = kubelet.retried(kubelet.volume_stats, pv, pod)
+    assert usage is not None
+    kubelet.stop_pod(pv, pod)
+
+    # SIGTERM: every child stops, nothing of the node stays mounted or attached.
+    assert run.stop() == 0
+    assert all(not c["running"] for c in run.status()["children"])
+    prefix = str(run.root) + "/"
+    assert [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(prefix)] == []
+    # The volume still exists (it was not deleted): its file stays, detached.
+    assert [d for d, b in sysloop.attached().items() if b.startswith(prefix)] == []
+    assert not (cfg.registration_dir / f"{DRIVER}-reg.sock").exists()
+    for c in run.status()["children"]:
+        assert not Path(f"/proc/{c['pid']}").exists() or "Z" in Path(f"/proc/{c['pid']}/stat").read_text().split()[2]
+
+
+def test_a_killed_supervisor_takes_its_children_down(root, node_run):
+    run = node_run()
+    run.wait_serving()
+    pids = [c["pid"] for c in run.status()["children"]]
+    run.proc.kill()
+    run.proc.wait()
+    for pid in pids:
+        wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=20, what=f"child {pid} to exit")
+
+
+def test_unknown_and_bad_keys_are_refused_with_their_path(tmp_path):
+    path = tmp_path / "node.yaml"
+    path.write_text("nodeId: n1\ndriver:\n  capcity: 10Gi\nhandler:\n  runtime: docker\nrunDir: relative/run\n")
+    result = subprocess.run([sys.executable, "-m", "crust", "node", "--config", str(path)], capture_output=True,
+                            text=True, timeout=30, env=ENV)
+    assert result.returncode == 2
+    assert "driver.capcity: Extra inputs are not permitted" in result.stderr
+    assert "handler.runtime" in result.stderr and "runDir" in result.stderr
+    path.write_text("driver: {}\n")
+    result = subprocess.run([sys.executable, "-m", "crust", "node", "--config", str(path)], capture_output=True,
+                            text=True, timeout=30, env=ENV)
+    assert result.returncode == 2 and "nodeId: Field required" in result.stderr
+    path.write_text("nodeId: n1\ndriver:\n  capacity: 2Gi\n")
+    check = subprocess.run([sys.executable, "-m", "crust", "node", "--config", str(path), "--check"],
+                           capture_output=True, text=True, timeout=30, env=ENV)
+    assert check.returncode == 0 and "--capacity 2147483648" in check.stdout
+    assert "--kubelet-registration-dir /var/lib/kubelet/plugins_registry" in check.stdout
+
+
+def test_the_example_config_and_the_cli_agree():
+    """deploy/node.yaml validates, and every flag the supervisor passes is one
+    its child's --help knows."""
+    from crust.cli import build_parser
+    from crust.node.supervisor import child_argvs
+
+    repo = Path(__file__).resolve().parent.parent
+    config = NodeConfig.load(repo / "deploy" / "node.yaml")
+    parser = build_parser()
+    for runtime in Runtime:
+        variant = config.model_copy(update={"handler": config.handler.model_copy(update={"runtime": runtime})})
+        children = child_argvs(variant, Path("/run/crust/node/policy.json"))
+        assert [name for name, _, _ in children] == ["driver", "shim", "proxy"] + ([] if runtime == "none"
+                                                                                   else ["handler"])
+        for _, argv, _ in children:
+            parser.parse_args(argv)  # exits (SystemExit) on an unknown flag
+    unit = (repo / "deploy" / "systemd" / "crust-node.service").read_text()
+    assert "crust node --config /etc/crust/node.yaml" in unit
