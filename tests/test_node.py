@@ -192,3 +192,26 @@ def test_the_example_config_and_the_cli_agree():
             parser.parse_args(argv)  # exits (SystemExit) on an unknown flag
     unit = (repo / "deploy" / "systemd" / "crust-node.service").read_text()
     assert "crust node --config /etc/crust/node.yaml" in unit
+
+
+def test_a_registration_socket_held_by_another_server_stops_the_start(root):
+    """A node-driver-registrar already registers the driver: crust node says
+    so and exits, instead of restarting the proxy forever."""
+    import socket
+
+    config = write_config(root.path, supervisor={"readyTimeoutSeconds": 30})
+    registry = root.path / "kubelet" / "plugins_registry"
+    registry.mkdir(parents=True)
+    holder = socket.socket(socket.AF_UNIX)
+    try:
+        holder.bind(str(registry / f"{DRIVER}-reg.sock"))
+        holder.listen()
+        result = subprocess.run([sys.executable, "-m", "crust", "node", "--config", str(config)],
+                                capture_output=True, text=True, timeout=60, env=ENV)
+    finally:
+        holder.close()
+    assert result.returncode == 1
+    assert "another server is listening there. Is a node-driver-registrar registering this driver?" in result.stderr
+    assert (registry / f"{DRIVER}-reg.sock").exists(), "the other server's socket was taken away"
+    prefix = str(root.path) + "/"
+    assert [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(prefix)] == []

@@ -21,14 +21,14 @@ import grpc
 from prometheus_client import start_http_server
 
 from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc, runtime_pb2, runtime_pb2_grpc
-from crust.common.endpoint import socket_path
+from crust.common.endpoint import clear_stale_socket, socket_path
 from crust.common.grpcserver import Daemon, unary_handlers
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.passthrough import Passthrough
 from crust.proxy import csi_frontend
 from crust.proxy.config import ProxyConfig
 from crust.proxy.kube import PodLookup
-from crust.proxy.kubelet_registration import KubeletRegistration
+from crust.proxy.kubelet_registration import KubeletRegistration, registration_socket
 from crust.proxy.policy import Decider
 from crust.proxy.registry import RegistryService
 from crust.proxy.routing import Router
@@ -102,6 +102,8 @@ class Proxy:
                                                          self.runtime.server)
         await self.runtime.start()
         await self.plugin.learn()
+        if self.config.kubelet_registration_dir is not None:
+            await self._check_registration_free()
         self.csi.server.add_generic_rpc_handlers((
             unary_handlers("csi.v1.Node", self.frontend, csi_frontend.METHODS),))
         self.csi.fallback_handlers.append(Passthrough(self.plugin.channel))
@@ -116,6 +118,18 @@ class Proxy:
         if self.config.metrics_port:
             start_http_server(self.config.metrics_port, addr="127.0.0.1")
         self.sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def _check_registration_free(self) -> None:
+        """Refuse to start, with a clear message, when another server (a
+        node-driver-registrar) already serves this driver's registration."""
+        path = registration_socket(self.config.kubelet_registration_dir, self.plugin.plugin_name)
+        try:
+            clear_stale_socket(str(path))
+        except RuntimeError as exc:
+            await self.runtime.stop(0)
+            raise SystemExit(f"crust proxy: cannot serve kubelet's registration: {exc}. Is a "
+                             "node-driver-registrar registering this driver? Use one or the other: drop "
+                             "--kubelet-registration-dir (kubeletRegistration.enabled: false) to keep it") from None
 
     async def _sweep_forever(self) -> None:
         while True:
