@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from crust.demo import NodeProcess
 from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
 from crust.node.config import NodeConfig, Runtime
 from crust.sys import loop as sysloop
@@ -40,17 +41,22 @@ def write_config(root: Path, **extra) -> Path:
 
 
 class NodeRun:
+    """`crust node` as the demo runs it (crust.demo.NodeProcess)."""
+
     def __init__(self, root: Path, config: Path):
         self.root = root
         self.config = NodeConfig.load(config)
         (root / "kubelet" / "plugins_registry").mkdir(parents=True, exist_ok=True)
         self.out = root / "node.out"
-        self.proc = subprocess.Popen([sys.executable, "-m", "crust", "node", "--config", str(config)], env=ENV,
-                                     stdout=open(self.out, "wb"), stderr=open(root / "node.log", "wb"))
+        self.process = NodeProcess(root, config, ready_seconds=60)
 
-    def wait_serving(self, timeout: float = 60) -> str:
-        return wait_until(lambda: "every component is serving" in self.out.read_text() and self.out.read_text(),
-                          timeout=timeout, what="crust node to serve")
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.process.proc
+
+    def wait_serving(self) -> str:
+        self.process.start()
+        return self.out.read_text()
 
     def status(self) -> dict:
         return json.loads(self.config.status_file.read_text())
@@ -58,15 +64,8 @@ class NodeRun:
     def child(self, name: str) -> dict:
         return next(c for c in self.status()["children"] if c["name"] == name)
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+    def stop(self) -> int | None:
+        return self.process.stop()
 
 
 @pytest.fixture
