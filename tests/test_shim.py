@@ -810,7 +810,7 @@ def test_sigkill_mid_lifecycle_then_restart(env):
     assert_placeholder(target)
     assert env.record(vid)["published"] == {str(target): {
         "deferred": True, "readonly": False, "supplemental_group": "",
-        "supplemental_group_change_policy": ""}}
+        "supplemental_group_change_policy": "", "mount_group": ""}}
     assert fs_mounts(device) == []
 
     env.shim.kill()
