@@ -7,7 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 DRIVER_NAME = "loop.csi.crust.dev"
 # The one topology segment of the loop backend: the node whose pool holds the
@@ -49,6 +49,16 @@ class DriverConfig(BaseModel):
     # off by default because today's COs and conformance tools reject
     # capability values they do not know.
     advertise_alpha: bool = False
+    # Distributed provisioning (mode all only): this process is the
+    # controller of this node's pool alone, as each node runs its own next to
+    # a node-deployed external-provisioner. No attach step is advertised
+    # (the CSIDriver sets attachRequired: false) and volumes grow at the node
+    # (NodeExpandVolume grows the backing file): the attacher and resizer
+    # sidecars have no per-node mode, so no request may need another node.
+    distributed: bool = False
+    # Prometheus metrics on metrics_address:metrics_port; 0: off.
+    metrics_port: int = Field(0, ge=0, le=65535)
+    metrics_address: str = "127.0.0.1"
 
     @field_validator("node_id")
     @classmethod
@@ -70,6 +80,12 @@ class DriverConfig(BaseModel):
         if value not in ("ext4", "xfs"):
             raise ValueError("default fs type must be ext4 or xfs")
         return value
+
+    @model_validator(mode="after")
+    def _distributed_needs_all(self) -> "DriverConfig":
+        if self.distributed and self.mode is not Mode.ALL:
+            raise ValueError("distributed provisioning needs mode all: each node is its own controller")
+        return self
 
     def effective_capacity(self) -> int:
         if self.capacity_bytes:

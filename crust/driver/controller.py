@@ -73,6 +73,8 @@ CAPABILITIES = [
     RPC.GET_SNAPSHOT,
 ]
 ALPHA_CAPABILITIES = [RPC.GET_NODE_INFO]
+DISTRIBUTED_WITHOUT = {RPC.PUBLISH_UNPUBLISH_VOLUME, RPC.PUBLISH_READONLY, RPC.LIST_VOLUMES_PUBLISHED_NODES,
+                       RPC.EXPAND_VOLUME}
 
 TOKEN_PREFIX = "after:"
 
@@ -213,7 +215,8 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             if self.catalog.available(pool) >= size:
                 return pool
         if not candidates:
-            raise ResourceExhausted("no node matches accessibility_requirements.requisite")
+            raise ResourceExhausted("no node matches accessibility_requirements.requisite (this controller "
+                                    f"provisions on {', '.join(sorted(pools))})")
         raise ResourceExhausted(
             f"no node in the accessible topology has {size} bytes free "
             f"(most free: {max(self.catalog.available(p) for p in candidates)})")
@@ -221,9 +224,15 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
     # -- capabilities -----------------------------------------------------------
 
     async def ControllerGetCapabilities(self, request, context):
+        caps = CAPABILITIES + (ALPHA_CAPABILITIES if self.config.advertise_alpha else [])
+        if self.config.distributed:
+            # No attach step (the CSIDriver says attachRequired: false) and
+            # growth at the node: the external-attacher and -resizer have no
+            # per-node mode, so a sidecar on another node must never need
+            # this controller.
+            caps = [c for c in caps if c not in DISTRIBUTED_WITHOUT]
         return csi_pb2.ControllerGetCapabilitiesResponse(capabilities=[
-            csi_pb2.ControllerServiceCapability(rpc=csi_pb2.ControllerServiceCapability.RPC(type=c))
-            for c in CAPABILITIES + (ALPHA_CAPABILITIES if self.config.advertise_alpha else [])
+            csi_pb2.ControllerServiceCapability(rpc=csi_pb2.ControllerServiceCapability.RPC(type=c)) for c in caps
         ])
 
     # -- volumes ------------------------------------------------------------------
@@ -478,14 +487,18 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         volume_id = csi_input.name(request.volume_id, "volume_id")
         if not request.HasField("capacity_range"):
             raise InvalidArgument("capacity_range is required")
+        size = await self.grow_volume(volume_id, request.capacity_range)
+        # The node must refresh the loop device and grow the file system.
+        return csi_pb2.ControllerExpandVolumeResponse(capacity_bytes=size, node_expansion_required=True)
+
+    async def grow_volume(self, volume_id: str, rng: csi_pb2.CapacityRange) -> int:
+        """Grow the backing file to what rng asks (idempotent); the new size.
+        Also the node's way to grow a volume in distributed mode."""
         volume = self._volume(volume_id)
         pool = self.catalog.pools().get(volume.node)
         headroom = volume.capacity_bytes + (self.catalog.available(pool) if pool else 0)
-        rng = request.capacity_range
         if rng.required_bytes <= volume.capacity_bytes and (not rng.limit_bytes or rng.limit_bytes >= volume.capacity_bytes):
-            # Already as large as asked: nothing to do (idempotent retry).
-            return csi_pb2.ControllerExpandVolumeResponse(capacity_bytes=volume.capacity_bytes,
-                                                          node_expansion_required=True)
+            return volume.capacity_bytes  # already as large as asked: nothing to do (idempotent retry)
         size = csi_input.capacity(rng, default=volume.capacity_bytes, minimum=volume.capacity_bytes,
                                   maximum=2**62, align=ALIGN)
         if size > headroom:
@@ -496,8 +509,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
                                preallocate=self._provisioning(volume) == "thick")
             volume.capacity_bytes = size
             await self.catalog.save_volume(volume)
-        # The node must refresh the loop device and grow the file system.
-        return csi_pb2.ControllerExpandVolumeResponse(capacity_bytes=size, node_expansion_required=True)
+        return size
 
     async def ControllerModifyVolume(self, request: csi_pb2.ControllerModifyVolumeRequest, context):
         volume_id = csi_input.name(request.volume_id, "volume_id")

@@ -55,6 +55,9 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         self.records = RecordStore(config.data_dir / "node" / config.node_id / "volumes", NodeVolumeRecord)
         self.inflight = InFlight()
         self.supported_modes = set(csi_input.SINGLE_NODE_MODES)
+        # Distributed provisioning: the controller's growth of a volume,
+        # called by NodeExpandVolume (no ControllerExpandVolume comes).
+        self.grow_volume = None
 
     # -- start-up -------------------------------------------------------------------
 
@@ -411,6 +414,8 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             if device is None:
                 raise FailedPrecondition(f"volume {volume_id} is not staged on node {self.config.node_id}")
             entry = self._mount_for(volume_id, volume_at, device)
+            if self.grow_volume is not None and request.HasField("capacity_range"):
+                await self.grow_volume(volume_id, request.capacity_range)
             for dev in loop.devices_for(backing):  # read-only publishes grow too
                 await loop.refresh_capacity(dev)
             size = blockdev.size_bytes(device)
