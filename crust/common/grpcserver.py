@@ -70,6 +70,8 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
+        if handler is not None and handler.unary_unary is None and handler.stream_stream is not None:
+            return self._measured_stream(handler, details.method)
         if handler is None or handler.unary_unary is None:
             return handler
         inner = handler.unary_unary
@@ -123,6 +125,34 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+    def _measured_stream(self, handler, method: str):
+        """A forwarded call (the shim's and the proxy's passthrough): its
+        latency and final code are counted like those of a served one."""
+        inner = handler.stream_stream
+
+        async def serve_stream(request_iterator, context: grpc.aio.ServicerContext):
+            started = time.monotonic()
+            code = grpc.StatusCode.OK
+            try:
+                async for response in inner(request_iterator, context):
+                    yield response
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception:
+                code = grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                RPC_LATENCY.labels(self.component, method, code.name).observe(time.monotonic() - started)
+
+        return grpc.stream_stream_rpc_method_handler(
+            serve_stream, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
 
 
 def bind_unix(server: grpc.aio.Server, endpoint: str, mode: int = 0o600, group: int | None = None) -> str:

@@ -21,6 +21,9 @@ class ShimConfig(BaseModel):
     # Largest request the shim accepts; CSI requests are small, a huge one is
     # an attack or a bug.
     max_request_bytes: int = Field(default=1024 * 1024, ge=64 * 1024)
+    # Prometheus metrics on metrics_address:metrics_port; 0: off.
+    metrics_port: int = Field(0, ge=0, le=65535)
+    metrics_address: str = "127.0.0.1"
 
     @field_validator("endpoint", "backend_endpoint", "proxy_endpoint")
     @classmethod

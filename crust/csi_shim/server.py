@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from crust.common import metrics
 from crust.common.grpcserver import Daemon, unary_handlers
 from crust.csi_shim import controller, node
 from crust.csi_shim.backend import Backend
@@ -41,6 +42,7 @@ class Shim:
         ))
         self.daemon.fallback_handlers.append(Passthrough(self.backend.channel))
         await self.daemon.start()
+        metrics.serve(self.config.metrics_port, self.config.metrics_address)
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.daemon.stop(grace)

@@ -12,11 +12,13 @@ import logging
 
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.common.endpoint import clear_stale_socket, socket_path
+from crust.common import metrics
 from crust.common.grpcserver import Daemon
 from crust.driver.catalog import Catalog
 from crust.driver.config import DriverConfig
 from crust.driver.controller import ControllerService
 from crust.driver.group_controller import GroupControllerService
+from crust.driver import metrics as pool_metrics
 from crust.driver.identity import IdentityService
 from crust.driver.node import NodeService
 
@@ -57,6 +59,12 @@ class Driver:
             self.controller = ControllerService(self.config, self.catalog)
             csi_pb2_grpc.add_ControllerServicer_to_server(self.controller, server)
             csi_pb2_grpc.add_GroupControllerServicer_to_server(GroupControllerService(self.controller), server)
+        if self.config.distributed:
+            self.node.grow_volume = self.controller.grow_volume
+        if self.config.metrics_port:
+            if self.catalog is not None:
+                pool_metrics.register(self.catalog)
+            metrics.serve(self.config.metrics_port, self.config.metrics_address)
 
     async def start(self) -> None:
         # Refuse a socket another server is listening on before any state is

@@ -70,6 +70,7 @@ class ProxyConfig(BaseModel):
     sweep_interval_seconds: float = Field(60, gt=0)
     runtime_cli_timeout_seconds: float = Field(10, gt=0, le=300)
     metrics_port: int = Field(0, ge=0, le=65535)
+    metrics_address: str = "127.0.0.1"
     # Kubelet's plugins_registry directory: serve kubelet's plugin
     # registration there (<dir>/<driver>-reg.sock). None: do not register
     # (a node-driver-registrar sidecar does, or nobody).

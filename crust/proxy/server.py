@@ -18,9 +18,11 @@ import stat
 
 import grpc
 
-from prometheus_client import start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import REGISTRY
 
 from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from crust.common import metrics
 from crust.common.endpoint import clear_stale_socket, socket_path
 from crust.common.grpcserver import Daemon, unary_handlers
 from crust.csi_shim.backend import Backend
@@ -52,6 +54,20 @@ def prepare_runtime_socket_dir(config: ProxyConfig) -> None:
     if mode & ~allowed:
         raise SystemExit(f"crust proxy: the directory of the runtime socket, {parent}, is mode {mode:o}; it must "
                          f"be {allowed:o} or stricter so no other user can reach the registry")
+
+
+class HandlerLeaseCollector:
+    """Seconds since each registered handler's last heartbeat, at each scrape."""
+
+    def __init__(self, state: ProxyState):
+        self.state = state
+
+    def collect(self):
+        age = GaugeMetricFamily("crust_proxy_handler_lease_age_seconds",
+                                "Seconds since a runtime handler's last heartbeat", labels=["handler"])
+        for handler in sorted(self.state.handlers.values(), key=lambda h: h.name):
+            age.add_metric([handler.name], handler.lease_age())
+        yield age
 
 
 class Proxy:
@@ -116,7 +132,8 @@ class Proxy:
                 health=[self.csi.health, self.runtime.health])
             await self.registration.start()
         if self.config.metrics_port:
-            start_http_server(self.config.metrics_port, addr="127.0.0.1")
+            REGISTRY.register(HandlerLeaseCollector(self.state))
+            metrics.serve(self.config.metrics_port, self.config.metrics_address)
         self.sweeper = asyncio.create_task(self._sweep_forever())
 
     async def _check_registration_free(self) -> None:
