@@ -27,6 +27,13 @@ def _add_logging(p: argparse.ArgumentParser) -> None:
                    help="json: one structured object per line (default); text: for humans")
 
 
+def _add_metrics(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics on --metrics-address:PORT (default: off)")
+    p.add_argument("--metrics-address", default="127.0.0.1",
+                   help="address the metrics are served on (default: 127.0.0.1; 0.0.0.0 in a pod for Prometheus)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="crust",
@@ -55,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attach limit reported to the CO (default: 64)")
     d.add_argument("--default-fs-type", default="ext4", choices=["ext4", "xfs"],
                    help="file system when a mount capability names none (default: ext4)")
+    d.add_argument("--distributed", action="store_true",
+                   help="distributed provisioning (mode all): this node's own controller, no attach step "
+                        "(attachRequired: false), volumes grow at NodeExpandVolume (the resizer's node-only mode)")
+    _add_metrics(d)
     d.add_argument("--advertise-alpha", action="store_true",
                    help="advertise the alpha GET_ID and GET_NODE_INFO capabilities (the RPCs are served anyway)")
     _add_logging(d)
@@ -77,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not advertise DEFER_FS_OPS* (for conformance tools that reject unknown capabilities)")
     sh.add_argument("--max-request-bytes", type=_size, default=1024 * 1024,
                     help="largest request accepted (default: 1Mi)")
+    _add_metrics(sh)
     _add_logging(sh)
 
     px = sub.add_parser(
@@ -104,8 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how long an unclaimed deferred volume counts as 'sandbox starting' (default: 300)")
     px.add_argument("--sweep-interval", type=float, default=60,
                     help="seconds between sweeps of entries whose target is gone (default: 60)")
-    px.add_argument("--metrics-port", type=int, default=0,
-                    help="serve Prometheus metrics on 127.0.0.1:PORT (default: off)")
+    _add_metrics(px)
     px.add_argument("--kubelet-registration-dir", type=Path,
                     help="register the driver with kubelet: serve kubelet's plugin registration on "
                          "DIR/<driver>-reg.sock (kubelet's is /var/lib/kubelet/plugins_registry); "
@@ -218,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     nd.add_argument("--config", type=Path, default=Path("/etc/crust/node.yaml"),
                     help="the node configuration, YAML or JSON (default: /etc/crust/node.yaml)")
+    nd.add_argument("--node-id", default="",
+                    help="this node's name, overriding the file's nodeId (in a DaemonSet: $(NODE_NAME) from the "
+                         "downward API, so one ConfigMap serves every node)")
     nd.add_argument("--check", action="store_true",
                     help="validate the configuration, print the sockets and each child's command line, and exit")
 
@@ -255,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                 endpoint=args.endpoint, node_id=args.node_id, data_dir=args.data_dir.absolute(),
                 mode=Mode(args.mode), backend=args.backend, capacity_bytes=args.capacity,
                 max_volumes_per_node=args.max_volumes_per_node, default_fs_type=args.default_fs_type,
-                advertise_alpha=args.advertise_alpha,
+                advertise_alpha=args.advertise_alpha, distributed=args.distributed,
+                metrics_port=args.metrics_port, metrics_address=args.metrics_address,
             )
         except ValidationError as exc:
             print(f"crust driver: invalid configuration:\n{exc}", file=sys.stderr)
@@ -273,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 proxy_endpoint=args.proxy_endpoint, state_dir=args.state_dir.absolute(),
                 default_fs_type=args.default_fs_type, advertise_deferral=not args.no_advertise_deferral,
                 max_request_bytes=args.max_request_bytes,
+                metrics_port=args.metrics_port, metrics_address=args.metrics_address,
             )
         except ValidationError as exc:
             print(f"crust shim: invalid configuration:\n{exc}", file=sys.stderr)
@@ -293,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 kubelet_root=args.kubelet_root.absolute(), policy=policy,
                 runtime_socket_group=args.runtime_socket_group, lease_seconds=args.lease_seconds,
                 claim_grace_seconds=args.claim_grace_seconds, sweep_interval_seconds=args.sweep_interval,
-                metrics_port=args.metrics_port,
+                metrics_port=args.metrics_port, metrics_address=args.metrics_address,
                 kubelet_registration_dir=args.kubelet_registration_dir.absolute()
                 if args.kubelet_registration_dir else None,
                 kubelet_registration_path=args.kubelet_registration_path,
@@ -326,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         from crust.node.supervisor import serve as serve_node
 
         try:
-            node_config = NodeConfig.load(args.config)
+            node_config = NodeConfig.load(args.config, node_id=args.node_id)
         except ValueError as exc:
             print(f"crust node: invalid configuration: {exc}", file=sys.stderr)
             return 2

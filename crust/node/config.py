@@ -44,6 +44,12 @@ class DriverSection(_Section):
     capacity: int = 0
     max_volumes_per_node: int = Field(64, alias="maxVolumesPerNode", ge=1, le=4096)
     default_fs_type: str = Field("ext4", alias="defaultFsType", pattern="^(ext4|xfs)$")
+    # Distributed provisioning (mode all): this node provisions its own
+    # volumes (a node-deployed external-provisioner next to it); no attach
+    # step, volumes grow at the node. See docs/install.md.
+    distributed: bool = False
+    # Prometheus metrics of the driver (pool capacity and free bytes); 0: off.
+    metrics_port: int = Field(0, alias="metricsPort", ge=0, le=65535)
 
     _capacity = field_validator("capacity", mode="before")(_size)
 
@@ -52,6 +58,7 @@ class ShimSection(_Section):
     default_fs_type: str = Field("ext4", alias="defaultFsType", pattern="^(ext4|xfs)$")
     # false: hide DEFER_FS_OPS* (for conformance tools that reject them).
     advertise_deferral: bool = Field(True, alias="advertiseDeferral")
+    metrics_port: int = Field(0, alias="metricsPort", ge=0, le=65535)
 
 
 class KubeletRegistrationSection(_Section):
@@ -116,7 +123,7 @@ class SupervisorSection(_Section):
 class NodeConfig(_Section):
     # This node's name as the cluster knows it (kubelet's node name; also the
     # driver's topology segment).
-    node_id: str = Field(alias="nodeId", min_length=1, max_length=128)
+    node_id: str = Field(alias="nodeId", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     kubelet_root: Path = Field(Path("/var/lib/kubelet"), alias="kubeletRoot")
     # The CSI socket kubelet dials (the proxy serves it); default
     # <kubeletRoot>/plugins/<driver>/csi.sock.
@@ -125,6 +132,8 @@ class NodeConfig(_Section):
     state_dir: Path = Field(Path("/var/lib/crust"), alias="stateDir")
     log_level: str = Field("info", alias="logLevel", pattern="^(debug|info|warning|error)$")
     log_format: str = Field("json", alias="logFormat", pattern="^(json|text)$")
+    # Where every daemon's metrics port listens (127.0.0.1; 0.0.0.0 in a pod).
+    metrics_address: str = Field("127.0.0.1", alias="metricsAddress", min_length=1)
     kubelet_registration: KubeletRegistrationSection = Field(default_factory=KubeletRegistrationSection,
                                                              alias="kubeletRegistration")
     driver: DriverSection = Field(default_factory=DriverSection)
@@ -186,14 +195,17 @@ class NodeConfig(_Section):
         return self.handler.name or self.handler.runtime.value
 
     @classmethod
-    def load(cls, path: Path) -> "NodeConfig":
-        """Read and validate; ValueError names the file and each bad key's path."""
+    def load(cls, path: Path, node_id: str = "") -> "NodeConfig":
+        """Read and validate; ValueError names the file and each bad key's path.
+        node_id, when given, replaces the file's nodeId (one file for every node)."""
         try:
             raw = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError) as exc:
             raise ValueError(f"{path}: {exc}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping of keys (at least nodeId), got {type(raw).__name__}")
+        if node_id:
+            raw["nodeId"] = node_id
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:

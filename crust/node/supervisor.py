@@ -65,17 +65,23 @@ class NodeStatus(BaseModel):
 def child_argvs(config: NodeConfig, policy_file: Path) -> list[tuple[str, list[str], Path]]:
     """(name, argv after `crust`, socket) of each child, in start order."""
     logging_args = ["--log-level", config.log_level, "--log-format", config.log_format]
+
+    def metrics(port: int) -> list[str]:
+        return ["--metrics-port", str(port), "--metrics-address", config.metrics_address] if port else []
+
     d = config.driver
     children = [
         ("driver", ["driver", "--endpoint", f"unix://{config.driver_socket}", "--node-id", config.node_id,
                     "--data-dir", str(d.data_dir or config.state_dir / "driver"), "--mode", d.mode,
                     "--capacity", str(d.capacity), "--max-volumes-per-node", str(d.max_volumes_per_node),
-                    "--default-fs-type", d.default_fs_type, *logging_args], config.driver_socket),
+                    "--default-fs-type", d.default_fs_type, *(["--distributed"] if d.distributed else []),
+                    *metrics(d.metrics_port), *logging_args], config.driver_socket),
         ("shim", ["shim", "--endpoint", f"unix://{config.shim_socket}",
                   "--backend-endpoint", f"unix://{config.driver_socket}",
                   "--proxy-endpoint", f"unix://{config.runtime_socket}", "--state-dir", str(config.state_dir / "shim"),
                   "--default-fs-type", config.shim.default_fs_type,
-                  *([] if config.shim.advertise_deferral else ["--no-advertise-deferral"]), *logging_args],
+                  *([] if config.shim.advertise_deferral else ["--no-advertise-deferral"]),
+                  *metrics(config.shim.metrics_port), *logging_args],
          config.shim_socket),
     ]
     p = config.proxy
@@ -84,7 +90,7 @@ def child_argvs(config: NodeConfig, policy_file: Path) -> list[tuple[str, list[s
              "--volumes-dir", str(config.volumes_dir), "--state-dir", str(config.state_dir / "proxy"),
              "--kubelet-root", str(config.kubelet_root), "--policy", str(policy_file),
              "--lease-seconds", str(p.lease_seconds), "--claim-grace-seconds", str(p.claim_grace_seconds),
-             "--sweep-interval", str(p.sweep_interval_seconds), "--metrics-port", str(p.metrics_port)]
+             "--sweep-interval", str(p.sweep_interval_seconds), *metrics(p.metrics_port)]
     if p.kata_dir is not None:
         proxy += ["--kata-dir", str(p.kata_dir)]
     if p.runtime_socket_group is not None:
