@@ -32,7 +32,7 @@ import grpc
 import pytest
 
 from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc
-from crust.proxy.mountinfo import MountInfo, digest
+from crust.contract.mountinfo import MountInfo, digest
 from crust.runtime_handler.index import VolumeIndex
 from crust.runtime_handler.resolve import SubpathEscapes, candidates, resolve
 from crust.sys import loop as sysloop

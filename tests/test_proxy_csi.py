@@ -38,7 +38,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc
-from crust.proxy.mountinfo import kata_name
+from crust.contract.mountinfo import kata_name
 from crust.sys import blockdev as sysblock
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from crust.proxy.mountinfo import MountInfo, digest, json_schema, kata_name
+from crust.contract.mountinfo import MountInfo, digest, json_schema, kata_name
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write specs/mountinfo.schema.json from crust.proxy.mountinfo.MountInfo.
+"""Write specs/mountinfo.schema.json from crust.contract.mountinfo.MountInfo.
 
     python tools/gen_schema.py           # write
     python tools/gen_schema.py --check   # exit 1 when stale
@@ -18,7 +18,7 @@ TARGET = ROOT / "specs" / "mountinfo.schema.json"
 
 
 def render() -> str:
-    from crust.proxy.mountinfo import json_schema
+    from crust.contract.mountinfo import json_schema
 
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
 

@@ -33,9 +33,9 @@ from typing import Iterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from crust.common.errors import FailedPrecondition, InvalidArgument
-from crust.proxy.mountinfo import MountInfo, digest
-from crust.proxy.paths import check_sandbox_id
-from crust.proxy.volumes_dir import NAME_MAX, clear_dir, open_dir, write_atomic_at
+from crust.contract.mountinfo import MountInfo, digest
+from crust.contract.volumes_dir import check_sandbox_id
+from crust.contract.volumes_dir import NAME_MAX, clear_dir, open_dir, write_atomic_at
 from crust.runtime_handler.resolve import Resolved, SubpathEscapes, candidates
 
 DEFAULT_ROOT = Path("/run/kata-containers/shared/direct-volumes")

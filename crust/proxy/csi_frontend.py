@@ -15,7 +15,7 @@ import logging
 from crust.api import csi_pb2
 from crust.common.errors import FailedPrecondition, Unavailable
 from crust.csi_shim.backend import Backend
-from crust.proxy.mountinfo import MountInfo
+from crust.contract.mountinfo import MountInfo
 from crust.proxy.paths import check_target
 from crust.proxy.policy import Decider
 from crust.proxy.records import Decision

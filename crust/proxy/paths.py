@@ -20,11 +20,3 @@ def check_target(path: str, kubelet_root: Path, field: str = "target_path") -> s
         raise InvalidArgument(f"{field} {path!r} is outside the kubelet root {root}")
     copath.refuse_links(path, field)
     return path
-
-
-def check_sandbox_id(value: str, field: str = "sandbox_id") -> str:
-    csi_input.required(value, field)
-    if "/" in value or value in (".", "..") or "\x00" in value or len(value.encode()) > 255 \
-            or value.startswith(".") or value == "mountInfo.json":
-        raise InvalidArgument(f"{field} {value!r} must be a plain file name (no '/', no leading '.', <= 255 bytes)")
-    return value

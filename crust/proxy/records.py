@@ -11,7 +11,7 @@ import time
 
 from pydantic import BaseModel, Field
 
-from crust.proxy.mountinfo import MountInfo
+from crust.contract.mountinfo import MountInfo
 
 
 class Claim(BaseModel):

@@ -8,7 +8,8 @@ from crust.api import registry_pb2, registry_pb2_grpc
 from crust.common import csi_input
 from crust.common.endpoint import socket_path
 from crust.common.errors import InvalidArgument
-from crust.proxy.paths import check_sandbox_id, check_target
+from crust.contract.volumes_dir import check_sandbox_id
+from crust.proxy.paths import check_target
 from crust.proxy.records import Claim
 from crust.proxy.state import ProxyState, check_handler_name
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
 from crust.common import csi_input
 from crust.common.errors import InvalidArgument, NotFound
-from crust.proxy.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo
+from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo
 from crust.proxy.paths import check_target
 from crust.proxy.routing import Router
 from crust.proxy.state import ProxyState

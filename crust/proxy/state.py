@@ -19,9 +19,9 @@ from prometheus_client import Counter, Gauge
 from crust.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from crust.common.recordstore import RecordStore
 from crust.proxy.config import ProxyConfig
-from crust.proxy.mountinfo import MountInfo, digest
+from crust.contract.mountinfo import MountInfo, digest
 from crust.proxy.records import Claim, Decision, DeferredVolume
-from crust.proxy.volumes_dir import MirrorError, VolumesDir
+from crust.contract.volumes_dir import MirrorError, VolumesDir
 from crust.sys import blockdev
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,8 @@ from crust.api import handler_pb2
 from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument, NotFound
 from crust.common.inflight import InFlight
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
-from crust.proxy.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
-from crust.proxy.paths import check_sandbox_id
+from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
+from crust.contract.volumes_dir import check_sandbox_id
 from crust.runtime_handler.index import VolumeIndex
 from crust.runtime_handler.oci import BundleError, load_bundle
 from crust.runtime_handler.registration import Registration

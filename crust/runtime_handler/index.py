@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from crust.proxy.mountinfo import MountInfo, is_digest
+from crust.contract.mountinfo import MountInfo, is_digest
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class VolumeIndex(FileSystemEventHandler):
             self.skipped += 1
             log.warning("skipping a bad entry", extra={"fields": {"digest": digest, "error": str(exc)[:200]}})
             return
-        from crust.proxy.mountinfo import digest as digest_of
+        from crust.contract.mountinfo import digest as digest_of
 
         if digest_of(info.target_path) != digest:
             self.skipped += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from crust.proxy.mountinfo import MountInfo, digest
+from crust.contract.mountinfo import MountInfo, digest
 from crust.runtime_handler.index import VolumeIndex
 
 CSI_DIR = "kubernetes.io~csi"

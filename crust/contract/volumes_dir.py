@@ -23,13 +23,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from crust.proxy.mountinfo import MountInfo, digest, is_digest, kata_name
+from crust.common import csi_input
+from crust.common.errors import InvalidArgument
+from crust.contract.mountinfo import MountInfo, digest, is_digest, kata_name
 
 log = logging.getLogger(__name__)
 
 MOUNT_INFO = "mountInfo.json"
 RUNTIME_CLI = "runtime-cli"
 NAME_MAX = 255
+
+
+def check_sandbox_id(value: str, field: str = "sandbox_id") -> str:
+    """A sandbox id names a file in an entry's directory (Kata's claim
+    marker): a plain file name that can never be an entry's own file."""
+    csi_input.required(value, field)
+    if "/" in value or value in (".", "..") or "\x00" in value or len(value.encode()) > NAME_MAX \
+            or value.startswith(".") or value == MOUNT_INFO:
+        raise InvalidArgument(f"{field} {value!r} must be a plain file name (no '/', no leading '.', <= 255 bytes)")
+    return value
 
 
 class MirrorError(Exception):
