@@ -36,6 +36,7 @@ from crust.common.channel import local_channel
 from crust.common.units import format_size
 from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
 from crust.sys import mount as sysmount
+from crust.sys import netns
 from crust.sys.sweep import release_under
 
 MIB = 1024**2
@@ -504,6 +505,7 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
         if not ok:
             demo.abort()
         _kill_sandboxes(root)
+        netns.sweep(demo.handler_state / "run", keep=set())
         leftovers = release_under(root)
         if not keep:
             shutil.rmtree(root, ignore_errors=True)

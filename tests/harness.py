@@ -22,6 +22,7 @@ import grpc
 
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.sys import loop as sysloop
+from crust.sys import netns
 from crust.sys import mount as sysmount
 
 AccessMode = csi_pb2.VolumeCapability.AccessMode
@@ -393,6 +394,13 @@ def kill_processes_rooted_under(prefix: str) -> None:
             continue
 
 
+def remove_network_namespaces(root: Path) -> None:
+    """The network namespaces of the sandboxes of this root's handlers (a
+    test that left its sandboxes running leaves theirs too)."""
+    for run_dir in root.resolve().glob("**/run"):
+        netns.sweep(run_dir, keep=set())
+
+
 def _state(proc_dir: Path) -> str:
     try:
         return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -445,6 +453,7 @@ class Root:
                 pass
         self.unexpected = unexpected_errors(self.path)
         kill_sandbox_holders(self.path)
+        remove_network_namespaces(self.path)
         cleanup_root(self.path)
         shutil.rmtree(self.path, ignore_errors=True)
 

@@ -18,6 +18,7 @@ the sandbox holders of that root and unmounts and detaches what is below it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -30,12 +31,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+from pyroute2.netns import listnetns
 
 from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc
 from crust.contract.mountinfo import MountInfo, digest
+from crust.contract.volumes_dir import VolumesDir
 from crust.runtime_handler.index import VolumeIndex
 from crust.runtime_handler.resolve import SubpathEscapes, candidates, resolve
 from crust.sys import loop as sysloop
+from crust.sys import netns
 from crust.sys import mount as sysmount
 from tests.harness import MIB, AccessMode, kill_processes_rooted_under
 
@@ -532,6 +536,119 @@ def test_two_containers_share_one_mount_of_the_volume(env):
     assert entries_of("self", v.majmin) == []
     env.delete("sb-shared")
     assert env.mounting(v) == [] and env.claims() == []
+    env.unpublish(v)
+
+
+def test_a_sandbox_started_before_its_entry_waits_for_the_index(env):
+    """The runtime may be asked to start the sandbox while the proxy is still
+    publishing: the start waits for the index's update (an event, not a
+    poll) and mounts the volume as soon as the entry is there."""
+    v = env.create("pv-late")
+    v.target.mkdir(parents=True)
+    bundle = env.bundle("late", "exec sleep 600", [("/data", str(v.target))])
+    started = subprocess.Popen([sys.executable, "-m", "crust", "sandbox", "--handler-endpoint",
+                                f"unix://{env.handler.socket}", "run", "--bundle", str(bundle), "--id", "sb-late",
+                                "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)  # the run is waiting: no entry yet
+        assert started.poll() is None, started.communicate()
+        v.target.rmdir()
+        env.publish_deferred(v)
+        out, err = started.communicate(timeout=30)
+    finally:
+        if started.poll() is None:
+            started.kill()
+            started.wait()
+    assert started.returncode == 0, err
+    (info,) = json.loads(out)
+    (volume,) = info["volumes"]
+    assert volume["target_path"] == str(v.target) and volume["destinations"] == ["/data"]
+    assert entries_of(int(info["pid"]), v.majmin), "the volume is not mounted in the sandbox"
+    env.delete("sb-late")
+    env.unpublish(v)
+
+
+def test_the_index_wakes_an_awaiting_caller(tmp_path):
+    async def scenario():
+        index = VolumeIndex(tmp_path / "volumes").start()
+        writer = VolumesDir(tmp_path / "volumes")
+        target = "/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/pv/mount"
+        other = digest(target + "-other")
+        try:
+            woken = index.awaiting([digest(target)])
+            untouched = index.awaiting([other])
+            assert not woken.done()
+            await asyncio.to_thread(writer.write, MountInfo(device="/dev/loop9", fstype="ext4",
+                                                            target_path=target))
+            await asyncio.wait_for(woken, 5)
+            assert index.get(digest(target)).device == "/dev/loop9"
+            assert not untouched.done(), "a write wakes only the callers awaiting that entry"
+            index.forget([digest(target)], woken)
+            index.forget([other], untouched)
+            assert index._awaited == {}
+        finally:
+            index.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_sandbox_has_its_own_network_with_only_loopback(env):
+    v = env.volume("pv-net")
+    bundle = env.bundle("net", "cat /proc/net/dev && exec sleep 600", [("/data", str(v.target))])
+    info = env.run_ok(bundle, "sb-net")
+    name = netns.name_for(env.handler.state_dir / "run" / "sb-net")
+    assert name in listnetns()
+    assert netns.interfaces(name) == {"lo": True}, "only the loopback, and it is up"
+    # The pod's process is in that namespace and sees only lo.
+    named = os.stat(f"/run/netns/{name}")
+    process_ns = os.stat(f"/proc/{info['process_pid']}/ns/net")
+    assert (process_ns.st_dev, process_ns.st_ino) == (named.st_dev, named.st_ino)
+    assert os.readlink(f"/proc/{info['process_pid']}/ns/net") != os.readlink("/proc/self/ns/net")
+    seen = wait_until(lambda: "lo:" in env.process_log("sb-net") and env.process_log("sb-net"),
+                      what="the process's /proc/net/dev")
+    assert [line.split(":")[0].strip() for line in seen.splitlines() if ":" in line] == ["lo"]
+    env.delete("sb-net")
+    assert name not in listnetns(), "the sandbox's network namespace outlived it"
+    env.unpublish(v)
+
+
+def test_network_namespaces_are_reconciled_after_the_handler_was_killed(short_lease):
+    env = short_lease
+    v = env.volume("pv-netgone")
+    info = env.run_ok(env.bundle("netgone", "exec sleep 600", [("/data", str(v.target))]), "sb-netgone")
+    name = netns.name_for(env.handler.state_dir / "run" / "sb-netgone")
+    # A namespace of this handler whose sandbox was never recorded (killed
+    # between making it and recording the sandbox).
+    stray = subprocess.Popen(["unshare", "--net", "--", "sleep", "infinity"])
+    try:
+        wait_until(lambda: os.readlink(f"/proc/{stray.pid}/ns/net") != os.readlink("/proc/self/ns/net"),
+                   what="the stray namespace")
+        orphan = netns.prefix_for(env.handler.state_dir / "run") + "orphan"
+        netns.attach(orphan, stray.pid)
+    finally:
+        stray.kill()
+        stray.wait()
+    foreign = "crust-00000000-notours"
+    stray = subprocess.Popen(["unshare", "--net", "--", "sleep", "infinity"])
+    try:
+        wait_until(lambda: os.readlink(f"/proc/{stray.pid}/ns/net") != os.readlink("/proc/self/ns/net"),
+                   what="the foreign namespace")
+        netns.attach(foreign, stray.pid)
+    finally:
+        stray.kill()
+        stray.wait()
+    try:
+        assert {name, orphan, foreign} <= set(listnetns())
+        env.kill_handler_until_expired()
+        # The sandbox dies while its handler is down.
+        os.kill(info["pid"], signal.SIGKILL)
+        kill_container_processes(env.path / "bundles")
+        env.restart_handler()
+        wait_until(lambda: name not in listnetns() and orphan not in listnetns(), timeout=15,
+                   what="the dead sandbox's and the orphan's namespaces to be removed")
+        assert foreign in listnetns(), "the handler removed a namespace that is not its own"
+    finally:
+        netns.remove(foreign)
     env.unpublish(v)
 
 

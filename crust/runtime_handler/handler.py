@@ -38,7 +38,7 @@ from crust.contract.volumes_dir import check_sandbox_id
 from crust.runtime_handler.index import VolumeIndex
 from crust.runtime_handler.oci import BundleError, load_bundle
 from crust.runtime_handler.registration import Registration
-from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, resolve
+from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, candidates, resolve
 from crust.runtime_handler.sandbox import Sandbox
 from crust.sys import blockdev
 
@@ -220,7 +220,7 @@ class RuntimeHandler:
                     resolved, direct = self._resolve(m.source)
                     if resolved is None and CSI_DIR in m.source.split("/"):
                         # kubelet published just now: give the entry a moment.
-                        resolved, direct = await asyncio.to_thread(self._wait_resolve, m.source)
+                        resolved, direct = await self._wait_resolve(m.source)
                 except SubpathEscapes as exc:
                     raise InvalidArgument(str(exc)) from None
                 if resolved is None:
@@ -258,14 +258,27 @@ class RuntimeHandler:
         resolved = self.direct_source.resolve(source)
         return resolved, resolved is not None
 
-    def _wait_resolve(self, source: str):
+    async def _wait_resolve(self, source: str):
+        """Wait (up to ENTRY_WAIT) for an entry for source or a parent to be
+        indexed: woken by the index's own update, never polling. A direct
+        volume is read from its file when asked (Kata's drivers add it before
+        the pod starts), so it is looked for again at each wake-up and at the
+        end."""
+        names = [digest(probe) for probe in candidates(source)]
         deadline = time.monotonic() + ENTRY_WAIT
-        while time.monotonic() < deadline:
-            resolved, direct = self._resolve(source)
-            if resolved is not None:
-                return resolved, direct
-            time.sleep(0.02)
-        return None, False
+        while True:
+            woken = self.index.awaiting(names)
+            try:
+                resolved, direct = self._resolve(source)
+                left = deadline - time.monotonic()
+                if resolved is not None or left <= 0:
+                    return resolved, direct
+                try:
+                    await asyncio.wait_for(woken, left)
+                except asyncio.TimeoutError:
+                    pass
+            finally:
+                self.index.forget(names, woken)
 
     async def _claim(self, target_path: str, direct: bool, sandbox_id: str, pid: int) -> None:
         if direct:

@@ -4,11 +4,15 @@ An initial scan plus file system events keep a map digest -> MountInfo. A
 bad entry (partial, garbage, vanished between event and read) is logged and
 skipped; it never crashes the handler. Readers may wait for an entry that is
 about to appear (the proxy answers kubelet only after writing it, but the
-runtime may be asked to start the sandbox at the same moment).
+runtime may be asked to start the sandbox at the same moment): an asyncio
+caller registers a future for the names it awaits, and the watcher thread
+completes it on the caller's loop the moment one of them is loaded; no one
+polls.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -16,6 +20,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Iterable
 
 from pydantic import ValidationError
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
@@ -40,6 +45,9 @@ class VolumeIndex(FileSystemEventHandler):
         self.lock = threading.Condition()
         self.observer: Observer | None = None
         self.skipped = 0
+        # digest -> futures of asyncio callers waiting for that entry, each
+        # with the loop it belongs to (completed from the watcher thread).
+        self._awaited: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -122,6 +130,9 @@ class VolumeIndex(FileSystemEventHandler):
             self.entries[digest] = info
             self.updated_at[digest] = time.monotonic()
             self.lock.notify_all()
+            waiting = self._awaited.pop(digest, ())
+        for loop, future in waiting:
+            loop.call_soon_threadsafe(_complete, future)
 
     def _drop(self, digest: str) -> None:
         if self.entries.pop(digest, None) is not None:
@@ -141,6 +152,28 @@ class VolumeIndex(FileSystemEventHandler):
                     return None
                 self.lock.wait(left)
             return self.entries[digest]
+
+    def awaiting(self, digests: Iterable[str]) -> asyncio.Future:
+        """A future of the running loop, done as soon as one of these
+        entries is loaded (created or changed). Call forget() with it when
+        done waiting; check the index after this call, not before, so that an
+        entry loaded in between is not missed."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self.lock:
+            for name in digests:
+                self._awaited.setdefault(name, set()).add((loop, future))
+        return future
+
+    def forget(self, digests: Iterable[str], future: asyncio.Future) -> None:
+        loop = asyncio.get_running_loop()
+        with self.lock:
+            for name in digests:
+                waiting = self._awaited.get(name)
+                if waiting is not None:
+                    waiting.discard((loop, future))
+                    if not waiting:
+                        del self._awaited[name]
 
     # -- watchdog events -------------------------------------------------------------
 
@@ -168,3 +201,8 @@ class VolumeIndex(FileSystemEventHandler):
                     self._load(digest)
         except Exception:  # noqa: BLE001 - the watcher thread must survive anything
             log.exception("index update failed")
+
+
+def _complete(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -25,7 +25,7 @@ from crust.api import csi_pb2
 from crust.common import copath
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.sys import mount as sysmount
-from crust.sys import ownership
+from crust.sys import netns, ownership
 from crust.sys.run import CommandError, run
 
 Usage = csi_pb2.VolumeUsage
@@ -117,7 +117,8 @@ IMAGE_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "usr", "etc")
 
 
 class MountNamespaceSandbox(Sandbox):
-    """A private mount namespace, held open by a `sleep` process.
+    """A private mount namespace and its own network namespace (loopback
+    only, crust.sys.netns), held open by a `sleep` process.
 
     Volumes are mounted inside the namespace only: the host's mount table
     never shows them. The container's root is the bundle's rootfs with the
@@ -132,6 +133,7 @@ class MountNamespaceSandbox(Sandbox):
         self._holder: subprocess.Popen | None = None
         self._holder_pid = holder_pid
         self._process: subprocess.Popen | None = None
+        self.netns = netns.name_for(workdir)
 
     @property
     def pid(self) -> int:
@@ -147,7 +149,7 @@ class MountNamespaceSandbox(Sandbox):
     async def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._holder = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "slave", "--", "sleep", "infinity"],
+            ["unshare", "--mount", "--net", "--propagation", "slave", "--", "sleep", "infinity"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
         mine = os.readlink("/proc/self/ns/mnt")
@@ -160,6 +162,8 @@ class MountNamespaceSandbox(Sandbox):
             await asyncio.sleep(0.005)
         else:
             raise FailedPrecondition(f"sandbox {self.id}: the mount namespace did not come up")
+        # Named (and its loopback up) once the holder is in it: nothing forks here.
+        await asyncio.to_thread(netns.attach, self.netns, self.pid)
         if self.rootfs is not None:
             await self._prepare_rootfs()
 
@@ -322,7 +326,7 @@ class MountNamespaceSandbox(Sandbox):
             raise InvalidArgument("the bundle has no root: the mount-namespace sandbox needs one")
         log = open(log_path, "ab")
         self._process = subprocess.Popen(
-            ["nsenter", f"--target={self.pid}", "--mount", "--", "chroot", str(self.rootfs),
+            ["nsenter", f"--target={self.pid}", "--mount", "--net", "--", "chroot", str(self.rootfs),
              "/usr/bin/env", "-i", "-C", cwd, *env, *args],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
@@ -404,6 +408,7 @@ class MountNamespaceSandbox(Sandbox):
         elif self._holder_pid and _pid_is_sleeping_holder(self._holder_pid):
             os.kill(self._holder_pid, signal.SIGKILL)
         (self.workdir / "process").unlink(missing_ok=True)
+        await asyncio.to_thread(netns.remove, self.netns)
 
 
 def safe_subpath(root_view: str, subpath: str) -> None:

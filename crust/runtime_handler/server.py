@@ -14,6 +14,7 @@ from crust.runtime_handler.handler import RuntimeHandler
 from crust.runtime_handler.registration import Registration
 from crust.runtime_handler.sandbox import MountNamespaceSandbox
 from crust.runtime_handler.service import HandlerService, SandboxControlService
+from crust.sys import netns
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ def mount_namespace_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None,
 class HandlerDaemon:
     def __init__(self, config: HandlerConfig, make_sandbox=mount_namespace_sandbox, direct_source=None):
         self.config = config
+        self.make_sandbox = make_sandbox
         registration = Registration(config.proxy_endpoint, config.name, config.endpoint, config.filesystems,
                                     ["stats", "expand", "fsgroup", "subpath"])
         self.handler = RuntimeHandler(name=config.name, volumes_dir=config.volumes_dir,
@@ -50,6 +52,12 @@ class HandlerDaemon:
         handler_pb2_grpc.add_SandboxControlServicer_to_server(SandboxControlService(self.handler), self.daemon.server)
         await self.daemon.start()
         await self.handler.start()
+        if self.make_sandbox is mount_namespace_sandbox:
+            # Network namespaces of sandboxes this handler has no record of
+            # (killed between making one and recording its sandbox).
+            removed = await asyncio.to_thread(netns.sweep, self.config.state_dir / "run", set(self.handler.sandboxes))
+            if removed:
+                log.info("removed network namespaces of gone sandboxes", extra={"fields": {"netns": removed}})
         self.daemon.install_signal_handlers()
         await self.daemon.stopping.wait()
         # Sandboxes outlive the handler daemon (as containers outlive a
