@@ -578,8 +578,7 @@ def test_the_index_wakes_an_awaiting_caller(tmp_path):
             woken = index.awaiting([digest(target)])
             untouched = index.awaiting([other])
             assert not woken.done()
-            await asyncio.to_thread(writer.write, MountInfo(device="/dev/loop9", fstype="ext4",
-                                                            target_path=target))
+            await writer.write(MountInfo(device="/dev/loop9", fstype="ext4", target_path=target))
             await asyncio.wait_for(woken, 5)
             assert index.get(digest(target)).device == "/dev/loop9"
             assert not untouched.done(), "a write wakes only the callers awaiting that entry"

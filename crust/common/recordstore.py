@@ -3,13 +3,13 @@
 Each record is written atomically (crust.common.atomicfile), so a SIGKILL at
 any point leaves every record either old or new. One file per record keeps a
 write O(1) whatever the number of volumes, and a reload is one directory scan.
-The blocking file system calls run in a worker thread so that an fsync never
-stalls the daemon's event loop.
+The async writes go through aiofiles (crust.common.atomicfile), so an
+fsync never stalls the daemon's event loop; reads are synchronous (a small
+record reads in microseconds).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
@@ -18,7 +18,8 @@ from typing import Generic, Iterator, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from crust.common.atomicfile import clean_temporaries, remove_durably, write_atomic
+from crust.common.atomicfile import (clean_temporaries, remove_durably, remove_durably_async, write_atomic,
+                                    write_atomic_async)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ class RecordStore(Generic[Record]):
         remove_durably(self._path(key))
 
     async def put(self, key: str, record: Record) -> None:
-        await asyncio.to_thread(self.put_sync, key, record)
+        await write_atomic_async(self._path(key), record.model_dump_json(indent=1).encode())
 
     async def delete(self, key: str) -> None:
-        await asyncio.to_thread(self.delete_sync, key)
+        if valid_key(key):
+            await remove_durably_async(self._path(key))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 from crust.common import csi_input
+from crust.common.atomicfile import fsync_async, write_atomic_in
 from crust.common.errors import InvalidArgument
 from crust.contract.mountinfo import MountInfo, digest, is_digest, kata_name
 
@@ -66,6 +67,11 @@ def open_dir(parent_fd: int | None, name: str, create: bool) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+def _opener_in(dir_fd: int):
+    """Opens a new temporary in dir_fd, never through a symlink."""
+    return lambda name, flags: os.open(name, flags | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
 
 
 def write_atomic_at(dir_fd: int, name: str, data: bytes) -> None:
@@ -121,12 +127,14 @@ class VolumesDir:
         finally:
             os.close(fd)
 
-    def write(self, info: MountInfo) -> None:
-        """Write the canonical entry, then the Kata mirror (MirrorError if only it failed)."""
+    async def write(self, info: MountInfo) -> None:
+        """Write the canonical entry, then the Kata mirror (MirrorError if
+        only it failed). The loop stays free while the file system works
+        (crust.common.atomicfile)."""
         data = info.to_json()
         with self._root(self.root) as root_fd, open_dir(root_fd, digest(info.target_path), create=True) as fd:
-            write_atomic_at(fd, MOUNT_INFO, data)
-            os.fsync(root_fd)
+            await write_atomic_in(fd, MOUNT_INFO, data, _opener_in(fd))
+            await fsync_async(root_fd)
         if self.kata_root is not None:
             name = kata_name(info.target_path)
             if len(name.encode()) > NAME_MAX:
@@ -134,8 +142,8 @@ class VolumesDir:
                     f"the Kata mirror name of {info.target_path!r} would be {len(name)} bytes, over the "
                     f"{NAME_MAX}-byte file name limit; Kata cannot use this volume, the crust entry is written")
             with self._root(self.kata_root) as root_fd, open_dir(root_fd, name, create=True) as fd:
-                write_atomic_at(fd, MOUNT_INFO, data)
-                os.fsync(root_fd)
+                await write_atomic_in(fd, MOUNT_INFO, data, _opener_in(fd))
+                await fsync_async(root_fd)
 
     def read(self, target_path: str) -> MountInfo | None:
         try:

@@ -110,7 +110,7 @@ class Proxy:
     async def start(self) -> None:
         self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         prepare_runtime_socket_dir(self.config)
-        self.state.reconcile()
+        await self.state.reconcile()
         # The runtime side first: the shim may call it as soon as kubelet can
         # reach the CSI side.
         runtime_pb2_grpc.add_RuntimeServicer_to_server(RuntimeService(self.state, self.router), self.runtime.server)

@@ -83,7 +83,7 @@ class ProxyState:
 
     # -- start-up and sweep -----------------------------------------------------
 
-    def reconcile(self) -> None:
+    async def reconcile(self) -> None:
         """Rebuild the volumes directory from the records for every target
         kubelet still has, drop the rest, and remove stray entries."""
         for key, volume in self.volumes.load_all():
@@ -94,7 +94,7 @@ class ProxyState:
                          extra={"fields": {"target_path": volume.target_path}})
                 continue
             self.dir.clean_temporaries(volume.target_path)
-            self._write_entry(volume)
+            await self._write_entry(volume)
             if volume.claim is not None:
                 self.dir.mark_sandbox(volume.target_path, volume.claim.sandbox_id)
             self.by_digest[key] = volume
@@ -142,9 +142,9 @@ class ProxyState:
     def get(self, target_path: str) -> DeferredVolume | None:
         return self.by_digest.get(digest(target_path))
 
-    def _write_entry(self, volume: DeferredVolume) -> None:
+    async def _write_entry(self, volume: DeferredVolume) -> None:
         try:
-            self.dir.write(volume.info)
+            await self.dir.write(volume.info)
             volume.kata_mirror_error = ""
         except MirrorError as exc:
             volume.kata_mirror_error = str(exc)
@@ -175,7 +175,7 @@ class ProxyState:
         # The record first: a crash after it leaves a record whose entry the
         # next start rewrites; a crash before it leaves nothing.
         await self.volumes.put(key, volume)
-        self._write_entry(volume)
+        await self._write_entry(volume)
         if volume.kata_mirror_error:
             await self.volumes.put(key, volume)
         self.by_digest[key] = volume
