@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import ssl
 import shutil
 import socket
 import stat
@@ -79,11 +80,15 @@ def status_json(code: int, reason: str, message: str) -> dict:
 
 class KubeAPI:
     """GET /api/v1/namespaces/<ns>/pods/<name> like the API server: the pod's
-    JSON, a 404 Status for an unknown pod, or the HTTP error set for it."""
+    JSON, a 404 Status for an unknown pod, or the HTTP error set for it.
+    With tls, HTTPS (tls may require a client certificate); with token, a 401
+    for any other bearer token."""
 
     PATH = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/?]+)$")
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None, token: str = "") -> None:
+        self.tls = tls
+        self.token = token
         self.pods: dict[tuple[str, str], dict] = {}
         self.errors: dict[tuple[str, str], int] = {}
         self.requests: list[str] = []
@@ -92,7 +97,7 @@ class KubeAPI:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.server.server_address[1]}"
 
     def add(self, namespace: str, name: str, runtime_class: str | None, fs_group: int | None = None,
             change_policy: str | None = None) -> None:
@@ -115,6 +120,8 @@ class KubeAPI:
 
             def do_GET(self):
                 api.requests.append(self.path)
+                if api.token and self.headers.get("Authorization") != f"Bearer {api.token}":
+                    return self._answer(401, status_json(401, "Unauthorized", "Unauthorized"))
                 match = KubeAPI.PATH.match(self.path.split("?", 1)[0])
                 if match is None:
                     return self._answer(404, status_json(404, "NotFound", "the server could not find the resource"))
@@ -127,6 +134,8 @@ class KubeAPI:
                 return self._answer(200, api.pods[key])
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if self.tls is not None:
+            self.server.socket = self.tls.wrap_socket(self.server.socket, server_side=True)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
         return self
