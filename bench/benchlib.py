@@ -1,28 +1,31 @@
 """What the benchmarks in bench/ share: one copy of each helper.
 
 - the command line: add_parts_option();
-- the run's description: machine(), code_version(), run_header(), loadavg();
+- the run's description: machine(), machine_summary(), code_version(),
+  run_header(), loadavg();
 - clock ticks, to tell this run's CPU from other people's work on the
-  machine: TICK, machine_ticks(), own_ticks(), proc_ticks(), cores();
-- statistics: pct() (nearest rank), quantiles() (median and p90), timed();
-- daemons: die_with_parent(), own_session(), stop_process(), and
-  project_on_pythonpath() so that they import crust from this checkout;
-- signals: Interrupted, raise_on_signals(), ignore_signals();
-- the volume and sandbox steps the real-stack benchmarks repeat: attempt(),
-  retry_failed_precondition(), write_bundle();
-- the end of a run: left_below(), report_leftovers(), print_log_tails(),
-  write_json().
+  machine: TICK, machine_ticks(), own_ticks(), proc_ticks(), cores(), and
+  cpu_sample() with others_cores(), pid_cores(), iowait_cores() between two
+  samples, with_others_cores() around a part;
+- statistics: pct() (nearest rank), quantiles() (median and p90),
+  summary(), timed(), median_ms(), rotated() (the order of interleaved
+  calls);
+- signals and the run itself: SIGNALS, Interrupted, raise_on_signals(),
+  ignore_signals(), guarded_run(), report_failure();
+- the end of a run: left_below(), close_and_report(), print_log_tails(),
+  report_targets(), write_json().
 
-Each benchmark keeps what is its own (its summaries, its CPU accounting, its
-extra machine keys); this module only holds what behaves the same in all of
-them. The benchmarks put the project root on sys.path before importing it
-(they run as scripts, `.venv/bin/python bench/NAME.py`).
+Each benchmark keeps what is its own (its tables, its extra machine keys);
+this module only holds what behaves the same in all of them. Starting
+daemons and the real stack the benchmarks share are in harness_stack.py,
+each benchmark's own machinery in its harness_*.py modules. The
+benchmarks put the project root on sys.path before importing it (they run
+as scripts, `.venv/bin/python bench/NAME.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime as dt
 import json
 import os
@@ -32,10 +35,8 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from pathlib import Path
-
-import grpc
 
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
@@ -82,6 +83,12 @@ def machine(**extra) -> dict:
                 if line.startswith("MemTotal")), "")
     return {"cpus": os.cpu_count(), "cpu_model": cpu, "memory": mem, "kernel": platform.release(),
             "python": platform.python_version(), **extra}
+
+
+def machine_summary(info: dict) -> str:
+    """How the benchmarks' first lines name the machine machine() described."""
+    return (f"{info['cpus']} CPUs {info['cpu_model']}, {info['memory']}, kernel {info['kernel']}, "
+            f"Python {info['python']}")
 
 
 def code_version() -> str:
@@ -156,6 +163,44 @@ def cores(ticks: float, seconds: float) -> float:
     return round(ticks / TICK / max(1e-6, seconds), 2)
 
 
+def cpu_sample(pids: Iterable[int] = (), children: bool = True,
+               strays: Callable[[], Iterable[int]] = tuple) -> dict:
+    """One reading of the clock ticks: the machine's busy and iowait ticks,
+    this process's ("own"), each of pids' ("pids"), and all of this run's
+    ("ours": own, pids, and strays(), further processes of this run that are
+    not pids, such as QEMU). With children, this process and pids count the
+    children they reaped too; strays never do."""
+    busy, iowait = machine_ticks()
+    own = own_ticks(with_children=children)
+    ticks = {pid: proc_ticks(pid, with_children=children) for pid in pids}
+    ours = own + sum(ticks.values()) + sum(proc_ticks(pid) for pid in strays() if pid not in ticks)
+    return {"t": time.monotonic(), "busy": busy, "iowait": iowait, "own": own, "ours": ours, "pids": ticks}
+
+
+def others_cores(a: dict, b: dict) -> float:
+    """Cores the rest of the machine (other people's work) kept busy between two samples."""
+    return cores(max(0, (b["busy"] - a["busy"]) - (b["ours"] - a["ours"])), b["t"] - a["t"])
+
+
+def pid_cores(a: dict, b: dict, pid: int) -> float:
+    """Cores one of the sampled processes kept busy between two samples."""
+    return cores(b["pids"].get(pid, 0) - a["pids"].get(pid, 0), b["t"] - a["t"])
+
+
+def iowait_cores(a: dict, b: dict) -> float:
+    """Cores the machine spent waiting for I/O between two samples."""
+    return cores(b["iowait"] - a["iowait"], b["t"] - a["t"])
+
+
+def with_others_cores(run: Callable[[], dict], sample: Callable[[], dict]) -> dict:
+    """run()'s results, with the cores other processes kept busy meanwhile
+    ("other_processes_cpu_cores", between a sample() before and one after)."""
+    before = sample()
+    out = run()
+    out["other_processes_cpu_cores"] = others_cores(before, sample())
+    return out
+
+
 # -- statistics -------------------------------------------------------------------------------------
 
 
@@ -170,6 +215,19 @@ def quantiles(samples: list[float]) -> tuple[float, float]:
     return statistics.median(ordered), pct(ordered, 0.9)
 
 
+def summary(samples: list[float], digits: int, names: Iterable[str] = ("median", "p90", "min", "max"),
+            unit: str = "") -> dict:
+    """{"n": how many samples, then each of names (median or p50, p90, p99:
+    nearest rank, min, max) with unit after it, rounded to digits}."""
+    if not samples:
+        return {"n": 0}
+    ordered = sorted(samples)
+    median = statistics.median(ordered)
+    values = {"median": median, "p50": median, "p90": pct(ordered, 0.9), "p99": pct(ordered, 0.99),
+              "min": ordered[0], "max": ordered[-1]}
+    return {"n": len(ordered), **{name + unit: round(values[name], digits) for name in names}}
+
+
 def timed(call) -> float:
     """How long call() took, in ms."""
     started = time.perf_counter()
@@ -177,54 +235,16 @@ def timed(call) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-# -- daemons ----------------------------------------------------------------------------------------
+def median_ms(call, times: int, digits: int = 3) -> float:
+    """The median of `times` timed calls, in ms."""
+    return round(statistics.median(timed(call) for _ in range(times)), digits)
 
 
-def die_with_parent() -> None:
-    """preexec_fn of a daemon started in its own session (a Ctrl-C at the
-    terminal must not stop it before the orderly teardown): it gets SIGTERM
-    if the benchmark is killed."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-
-
-@contextmanager
-def own_session():
-    """Make the daemons tests/harness.py starts run in their own session
-    (a Ctrl-C at the terminal reaches the benchmark only, which then tears
-    down in order) and end if the benchmark is killed. The harness calls
-    subprocess.Popen; it is wrapped only while the daemons start."""
-    original = subprocess.Popen
-
-    def popen(*args, **kw):
-        kw.setdefault("start_new_session", True)
-        kw.setdefault("preexec_fn", die_with_parent)
-        return original(*args, **kw)
-
-    subprocess.Popen = popen
-    try:
-        yield
-    finally:
-        subprocess.Popen = original
-
-
-def stop_process(proc: subprocess.Popen | None, timeout: float) -> None:
-    """SIGTERM, and SIGKILL if it has not ended within timeout seconds (None: nothing to stop)."""
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def project_on_pythonpath(env) -> None:
-    """Put this checkout first on env's PYTHONPATH (os.environ or a copy):
-    the daemons import crust from it."""
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT), env.get("PYTHONPATH", "")]))
+def rotated(items: list, turn: int) -> list:
+    """items starting at turn (modulo their number): interleaved calls take
+    turns at going first, so that none always sees the state another left."""
+    k = turn % len(items)
+    return items[k:] + items[:k]
 
 
 # -- signals ----------------------------------------------------------------------------------------
@@ -255,44 +275,32 @@ def ignore_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-# -- volume and sandbox steps ---------------------------------------------------------------------------
+def report_failure(exc: Exception, cause: str = "") -> None:
+    """How a failed benchmark says why (cause: what it found out, before the exception), before its cleanup."""
+    print(f"\nbenchmark failed: {cause}{exc!r}", file=sys.stderr, flush=True)
 
 
-def attempt(problems: list[str], what: str, call) -> bool:
-    """call(); on failure add "what: why" to problems and go on (False)."""
+def guarded_run(body: Callable[[], None], cleanup: Callable[[], bool],
+                on_failure: Callable[[Exception], None] = report_failure) -> int:
+    """body(), then cleanup() whatever happened, with further signals
+    ignored; the exit status: 0 if body() returned, 130 if it was
+    interrupted, 1 if it failed (after on_failure(exc) said why) or if
+    cleanup() returned False (it left something behind)."""
+    status = 1
     try:
-        call()
-        return True
-    except Exception as exc:  # noqa: BLE001 - go on with the rest
-        problems.append(f"{what}: {exc.details() if isinstance(exc, grpc.RpcError) else exc}")
-        return False
-
-
-def retry_failed_precondition(call, patience: float = 15.0):
-    """call() (a DeleteVolume), retried every 0.5 s for up to patience
-    seconds while it fails with FAILED_PRECONDITION: the driver still sees
-    the volume's loop device attached (`losetup --detach` of a device that
-    something else still holds, a mount in another mount namespace or udev
-    probing it, only marks it for autoclear)."""
-    deadline = time.monotonic() + patience
-    while True:
-        try:
-            return call()
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
-                raise
-        time.sleep(0.5)
-
-
-def write_bundle(bundle: Path, target: Path, seconds: int) -> None:
-    """An OCI bundle: an empty rootfs, process `sleep SECONDS`, the volume's
-    CSI target path bind-mounted at /data."""
-    (bundle / "rootfs").mkdir(parents=True, exist_ok=True)
-    (bundle / "config.json").write_text(json.dumps({
-        "ociVersion": "1.0.2", "root": {"path": "rootfs"},
-        "process": {"args": ["sleep", str(seconds)], "env": ["PATH=/usr/bin:/bin"], "cwd": "/"},
-        "mounts": [{"destination": "/data", "source": str(target), "type": "bind", "options": ["rbind"]}],
-    }))
+        body()
+        status = 0
+    except (KeyboardInterrupt, Interrupted) as exc:
+        print(f"\ninterrupted ({str(exc) or 'SIGINT'}); cleaning up", file=sys.stderr, flush=True)
+        status = 130
+    except Exception as exc:  # noqa: BLE001 - report, then clean up
+        on_failure(exc)
+        status = 1
+    finally:
+        ignore_signals()
+        if not cleanup():
+            status = status or 1
+    return status
 
 
 # -- the end of a run -----------------------------------------------------------------------------------
@@ -306,18 +314,20 @@ def left_below(prefix: str) -> tuple[list[str], list[str]]:
     return mounts, loops
 
 
-def report_leftovers(prefix: str, root: Path, problems: list[str]) -> bool:
-    """After the forced cleanup of a root: print the teardown errors and what
-    is left below prefix (the resolved root with a "/"), on stderr; True if
-    the cleanup is incomplete."""
+def close_and_report(root, problems: list[str], close: Callable[[], None]) -> bool:
+    """close() a tests/harness.py Root (its daemons stopped, what is below it
+    unmounted and detached, the directory removed), then print the teardown
+    errors and what is left below it, on stderr; True if nothing is left."""
+    prefix = str(root.path.resolve()) + "/"
+    close()
     left_mounts, left_loops = left_below(prefix)
     if problems:
         print(f"cleanup: {len(problems)} teardown errors (forced cleanup followed): {problems[:3]}", file=sys.stderr)
-    if left_mounts or left_loops or root.exists():
+    if left_mounts or left_loops or root.path.exists():
         print(f"cleanup INCOMPLETE: mounts {left_mounts[:5]}, loop devices {left_loops[:5]}, "
-              f"root {root} {'still there' if root.exists() else 'removed'}", file=sys.stderr)
-        return True
-    return False
+              f"root {root.path} {'still there' if root.path.exists() else 'removed'}", file=sys.stderr)
+        return False
+    return True
 
 
 def print_log_tails(base: Path, *patterns: str) -> None:
@@ -328,7 +338,29 @@ def print_log_tails(base: Path, *patterns: str) -> None:
                   file=sys.stderr)
 
 
+def report_targets(results: dict, verdicts: list[tuple[str, bool, str]], load: str, met: str) -> None:
+    """Keep the verdicts (target, met or not, value) as results["targets"]
+    and print them under the run's wall time and the load at its end; met
+    is how a met target is marked (each benchmark pads it its own way)."""
+    results["targets"] = [{"target": t, "met": ok, "value": v} for t, ok, v in verdicts]
+    print(f"\nTargets ({results['wall_seconds']:.0f}s run, load {load} at the end):")
+    for target in results["targets"]:
+        print(f"  {met if target['met'] else 'MISSED'}  {target['target']}: {target['value']}")
+
+
+def print_rows(rows: dict[str, dict], indent: str = "") -> None:
+    """One line per row of summary() values: its name, then `key value` pairs."""
+    width = max(map(len, rows), default=0) + 2
+    for name, row in rows.items():
+        print(f"{indent}{name:<{width}}" + "  ".join(f"{k} {v}" for k, v in row.items() if k != "n"))
+
+
 def write_json(path: Path, results: dict) -> None:
+    """The results as indented JSON, in path (its directory made if needed)
+    or, if path is "-", on stdout."""
+    if str(path) == "-":
+        sys.stdout.write(json.dumps(results, indent=1) + "\n")
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {path}", file=sys.stderr)

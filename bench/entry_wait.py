@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.benchlib import machine, run_header, summary, write_json  # noqa: E402
+from bench.benchlib import machine, print_rows, run_header, summary, write_json  # noqa: E402
 from crust.contract.mountinfo import MountInfo, digest  # noqa: E402
 from crust.contract.volumes_dir import VolumesDir  # noqa: E402
 from crust.runtime_handler.index import VolumeIndex  # noqa: E402
@@ -76,8 +76,7 @@ def main() -> int:
     results = run_header("entry_wait", None, machine())
     with tempfile.TemporaryDirectory(prefix="crust-wait-") as directory:
         results.update(asyncio.run(measure(Path(directory), args.rounds)))
-    for way, row in results["from_write_to_start_ms"].items():
-        print(f"{way:<14} " + "  ".join(f"{k} {v}" for k, v in row.items() if k != "n"))
+    print_rows(results["from_write_to_start_ms"])
     if args.json:
         write_json(args.json, results)
     return 0

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiofiles  # noqa: E402
 
-from bench.benchlib import machine, run_header, summary, write_json  # noqa: E402
+from bench.benchlib import machine, print_rows, run_header, summary, write_json  # noqa: E402
 from crust.common.atomicfile import write_atomic, write_atomic_async  # noqa: E402
 
 WAYS = {
@@ -99,8 +99,7 @@ def main() -> int:
         results.update(asyncio.run(measure(Path(directory), args.rounds, args.size)))
     for table in ("write_ms", "loop_held_ms", "read_us"):
         print(table)
-        for way, row in results[table].items():
-            print(f"  {way:<16} " + "  ".join(f"{k} {v}" for k, v in row.items() if k != "n"))
+        print_rows(results[table], indent="  ")
     if args.json:
         write_json(args.json, results)
     return 0

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
-from tests.harness import MIB, mount_cap
+from tests.harness import MIB, code_of, mount_cap
 from tests.test_node import NodeRun
 
 TOPOLOGY_KEY = "topology.loop.csi.crust.dev/node"
@@ -95,14 +95,6 @@ def two_nodes(root):
             n.close()
 
 
-def code(call, *args, **kw) -> grpc.StatusCode:
-    try:
-        call(*args, **kw)
-    except grpc.RpcError as exc:
-        return exc.code()
-    raise AssertionError("the call succeeded")
-
-
 def test_two_nodes_each_serve_only_their_own_volumes(two_nodes):
     a, b = two_nodes
     assert not set(os.listdir(a.root)) & {str(b.root)}, "the nodes share no directory"
@@ -123,7 +115,7 @@ def test_two_nodes_each_serve_only_their_own_volumes(two_nodes):
     # Create: each only on itself; the other's topology cannot be satisfied here.
     va = a.create("pvc-a")
     assert dict(va.accessible_topology[0].segments) == {TOPOLOGY_KEY: "node-a"}
-    assert code(a.create, "pvc-a-on-b", on="node-b") == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert code_of(a.create, "pvc-a-on-b", on="node-b") == grpc.StatusCode.RESOURCE_EXHAUSTED
     vb = b.create("pvc-b")
     assert a.capacity("node-a") == 2 * 1024**3 - 320 * MIB
 
@@ -136,10 +128,10 @@ def test_two_nodes_each_serve_only_their_own_volumes(two_nodes):
     with pytest.raises(grpc.RpcError) as other:
         b.kubelet.mount_device(pv_a, pod)
     assert other.value.code() == grpc.StatusCode.NOT_FOUND
-    assert code(b.ctl.ControllerPublishVolume, csi_pb2.ControllerPublishVolumeRequest(
+    assert code_of(b.ctl.ControllerPublishVolume, csi_pb2.ControllerPublishVolumeRequest(
         volume_id=va.volume_id, node_id="node-b", volume_capability=mount_cap("xfs")), timeout=10) \
         == grpc.StatusCode.NOT_FOUND
-    assert code(b.ctl.CreateSnapshot, csi_pb2.CreateSnapshotRequest(
+    assert code_of(b.ctl.CreateSnapshot, csi_pb2.CreateSnapshotRequest(
         name="snap-of-a", source_volume_id=va.volume_id), timeout=10) == grpc.StatusCode.NOT_FOUND
 
     # Growth at the node (the external-resizer's node-only mode): kubelet's

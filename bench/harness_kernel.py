@@ -1,0 +1,130 @@
+"""The kernel state bench/driver_lifecycle.py builds up, and releases.
+
+- snapshot_env(): what the driver's calls walk over at a scale (mount
+  table, loop devices, records) and what one such walk costs;
+- the run attaches hundreds of loop devices, and loop device nodes stay in
+  /sys/block after a detach: LoopNodes remembers which nodes the run made
+  the kernel create and removes them at the end;
+- force_cleanup() releases whatever the driver left below the run's root.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bench.benchlib import file_text, median_ms
+from crust.sys import loop as sysloop
+from crust.sys import mount as sysmount
+
+if TYPE_CHECKING:
+    from bench.harness_driver import Driver
+
+SYS_BLOCK = Path("/sys/block")
+LOOP_CTL_REMOVE = 0x4C81
+
+
+def loop_names() -> set[str]:
+    """The loop device nodes in /sys/block (attached or not)."""
+    return {p.name for p in SYS_BLOCK.glob("loop*")}
+
+
+def loops_below(root: Path) -> dict[str, str]:
+    """The attached loop devices whose backing file is below root, with that file."""
+    prefix = str(root) + "/"
+    return {dev: b for dev, b in sysloop.attached().items() if b.startswith(prefix)}
+
+
+def snapshot_env(root: Path, driver: Driver) -> dict:
+    """What the driver's per-RPC scans walk over at this scale, and what one
+    such scan costs (the same crust.sys functions, called here against the
+    driver's mount namespace)."""
+    text = Path(driver.mountinfo).read_text()
+    mounts = sysmount.parse_mountinfo(text)
+    prefix = str(root) + "/"
+    records = driver.data_dir / "node" / driver.node_id / "volumes"
+    probe_file = driver.data_dir / "pools" / driver.node_id / "volumes" / "vol-0000000000000000deadbeef.img"
+    env = {
+        "mountinfo_lines": len(mounts),
+        "mountinfo_bytes": len(text),
+        "mounts_under_root": sum(1 for m in mounts if (m.mount_point + "/").startswith(prefix)),
+        "loop_nodes_in_sys_block": len(loop_names()),
+        "loop_devices_attached": len(sysloop.attached()),
+        "node_records": len(list(records.glob("*.json"))) if records.exists() else 0,
+        "loadavg_before": file_text("/proc/loadavg").split(" ")[0],
+        "ms_read_mountinfo": median_ms(lambda: Path(driver.mountinfo).read_bytes(), 30),
+        "ms_loop_devices_for": median_ms(lambda: sysloop.devices_for(probe_file), 30),
+    }
+    # crust.sys.mount timed against the driver's namespace, whose mount table it is given.
+    nowhere = str(root / "nowhere")
+    env["ms_mount_mounts"] = median_ms(lambda: sysmount.mounts(driver.mountinfo), 30)
+    env["ms_mount_at"] = median_ms(lambda: sysmount.at(nowhere, driver.mountinfo), 30)
+    return env
+
+
+class LoopNodes:
+    """The loop device nodes a run made the kernel create: those it saw
+    attached below its root or named in its driver's log, less those that
+    existed when it started."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.before = loop_names()
+        self.seen: set[str] = set()
+
+    def note(self) -> None:
+        """Remember the loop devices attached below the root now."""
+        self.seen |= {d.removeprefix("/dev/") for d in loops_below(self.root)}
+
+    def note_logged(self, log_path: Path) -> None:
+        """Remember every loop device the driver logged (it logs the device it attaches and stages)."""
+        try:
+            text = log_path.read_text(errors="replace")
+        except OSError:
+            return
+        self.seen |= set(re.findall(r'"/dev/(loop[0-9]+)"', text))
+
+    def remove(self) -> int:
+        """Remove the free ones again (LOOP_CTL_REMOVE), so that the next run
+        starts from the same /sys/block; busy ones stay. Returns how many went."""
+        removed = 0
+        try:
+            fd = os.open("/dev/loop-control", os.O_RDWR)
+        except OSError:
+            return 0
+        try:
+            for name in sorted(self.seen - self.before):
+                if not name.startswith("loop") or not name[4:].isdigit():
+                    continue
+                if (SYS_BLOCK / name / "loop" / "backing_file").exists():
+                    continue  # attached again (by someone else): leave it
+                try:
+                    fcntl.ioctl(fd, LOOP_CTL_REMOVE, int(name[4:]))
+                    removed += 1
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+        return removed
+
+
+def force_cleanup(root: Path) -> tuple[int, int]:
+    """Unmount whatever is mounted below root (deepest first), detach every
+    loop device whose backing file is below root; returns how many of each."""
+    prefix = str(root) + "/"
+    unmounted = detached = 0
+    for _ in range(5):
+        found = [m for m in sysmount.mounts() if (m.mount_point + "/").startswith(prefix)]
+        if not found:
+            break
+        for m in sorted(found, key=lambda m: -len(m.mount_point)):
+            if subprocess.run(["umount", "-l", "--", m.mount_point], capture_output=True).returncode == 0:
+                unmounted += 1
+    for dev in loops_below(root):
+        if subprocess.run(["losetup", "--detach", dev], capture_output=True).returncode == 0:
+            detached += 1
+    return unmounted, detached
