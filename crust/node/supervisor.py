@@ -26,16 +26,19 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel
 
 from crust.common.atomicfile import write_atomic
+from crust.driver.config import DRIVER_NAME
 from crust.node.config import NodeConfig, Runtime
 from crust.node.supervised import SUPERVISOR_ENV
+from crust.proxy.kubelet_registration import registration_socket
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +126,6 @@ class Child:
     proc: asyncio.subprocess.Process | None = None
     started_at: float = 0.0
     backoff: float = 0.0
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Supervisor:
@@ -148,8 +150,6 @@ class Supervisor:
         c = self.config
         rows = [("kubelet CSI endpoint (proxy)", str(c.kubelet_csi_socket))]
         if c.registration_dir is not None:
-            from crust.driver.config import DRIVER_NAME
-            from crust.proxy.kubelet_registration import registration_socket
             rows.append(("kubelet registration", str(registration_socket(c.registration_dir, DRIVER_NAME))))
         rows += [("driver", str(c.driver_socket)), ("shim", str(c.shim_socket)),
                  ("runtime API + handler registry", str(c.runtime_socket)), ("watched directory", str(c.volumes_dir))]
@@ -162,7 +162,6 @@ class Supervisor:
 
     async def _spawn(self, child: Child) -> None:
         env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})
-        child.ready.clear()
         child.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "crust", *child.argv, stdin=asyncio.subprocess.DEVNULL, env=env)
         child.started_at = time.monotonic()
@@ -178,7 +177,6 @@ class Supervisor:
             if child.proc is None or child.proc.returncode is not None:
                 return False
             if await asyncio.to_thread(_accepts, child.socket):
-                child.ready.set()
                 return True
             await asyncio.sleep(0.05)
         return False
@@ -271,8 +269,6 @@ class Supervisor:
 
 def _accepts(path: Path) -> bool:
     """Does a server accept connections on the unix socket at path?"""
-    import socket
-
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.settimeout(1)
