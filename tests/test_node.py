@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from crust.common.endpoint import accepts_connections
 from crust.demo import NodeProcess
 from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
 from crust.node.config import NodeConfig, Runtime
@@ -121,9 +122,7 @@ def test_one_config_runs_the_node_restarts_a_killed_child_and_stops_cleanly(root
         killed = time.monotonic()
         wait_until(lambda: run.child(name)["pid"] != old and run.child(name)["running"], timeout=5,
                    what=f"the {name} to be restarted")
-        wait_until(lambda: subprocess.run([sys.executable, "-c", f"import socket; s=socket.socket(socket.AF_UNIX); "
-                                           f"s.connect({str(sock)!r})"], capture_output=True).returncode == 0,
-                   timeout=5, what=f"the {name} to serve again")
+        wait_until(lambda: accepts_connections(sock), timeout=5, what=f"the {name} to serve again")
         assert time.monotonic() - killed < 2.0, f"the {name} took {time.monotonic() - killed:.2f} s to come back"
         child = run.child(name)
         assert child["restarts"] == 1 and child["last_exit"] == "signal SIGKILL"

@@ -46,6 +46,19 @@ def clear_stale_socket(path: str) -> None:
     raise RuntimeError(f"{path}: another server is listening there")
 
 
+def accepts_connections(path: str | os.PathLike, timeout: float = 1.0) -> bool:
+    """Does a server accept connections on the unix socket at path now?"""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(timeout)
+        probe.connect(os.fspath(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
 def prepare_socket_dir(path: str) -> None:
     """Create the socket's directory (0700) when it does not exist yet.
 

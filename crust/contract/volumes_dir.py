@@ -17,14 +17,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
 import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from crust.common import csi_input
-from crust.common.atomicfile import fsync_async, write_atomic_in
+from crust.common.atomicfile import fsync_async, temporary_name, write_atomic_in
 from crust.common.errors import InvalidArgument
 from crust.contract.mountinfo import MountInfo, digest, is_digest, kata_name
 
@@ -75,7 +74,7 @@ def _opener_in(dir_fd: int):
 
 
 def write_atomic_at(dir_fd: int, name: str, data: bytes) -> None:
-    tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+    tmp = temporary_name(name)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from crust.common.atomicfile import write_atomic
+from crust.common.endpoint import accepts_connections
 from crust.driver.config import DRIVER_NAME
 from crust.node.config import NodeConfig, Runtime
 from crust.node.supervised import SUPERVISOR_ENV
@@ -176,7 +176,7 @@ class Supervisor:
         while time.monotonic() < deadline and not self.stopping.is_set():
             if child.proc is None or child.proc.returncode is not None:
                 return False
-            if await asyncio.to_thread(_accepts, child.socket):
+            if await asyncio.to_thread(accepts_connections, child.socket):
                 return True
             await asyncio.sleep(0.05)
         return False
@@ -265,19 +265,6 @@ class Supervisor:
         await self.stop()
         log.info("node stopped")
         return 0 if ok else 1
-
-
-def _accepts(path: Path) -> bool:
-    """Does a server accept connections on the unix socket at path?"""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.settimeout(1)
-        s.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 def serve(config: NodeConfig) -> int:
