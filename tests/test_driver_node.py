@@ -345,9 +345,10 @@ def test_publish_bind_mounts_and_read_only_views(driver, root):
     fails(driver.node.NodePublishVolume, publish_req(vid, staging, ro, readonly=False),
           Code.ALREADY_EXISTS, str(ro))
     assert record(driver, vid)["published"] == {
-        str(rw): {"readonly": False, "access_type": "mount"},
-        str(ro): {"readonly": True, "access_type": "mount"},
+        str(rw): {"readonly": False, "access_type": "mount", "device": ""},
+        str(ro): {"readonly": True, "access_type": "mount", "device": ""},
     }
+    assert record(driver, vid)["device"] == device  # the hint the node RPCs check with one sysfs read
 
 
 def test_publish_reader_only_mode_is_read_only(driver, root):

@@ -162,10 +162,9 @@ class CoPath:
         if st is None:
             return None
         with self.opened() as fd:
-            mine = sysmount.mount_id(fd)
-        if mine == sysmount.mount_id(self.parent_fd):
-            return None
-        return sysmount.by_id(mine)
+            if sysmount.mount_id(fd) == sysmount.mount_id(self.parent_fd):
+                return None
+            return sysmount.entry_of(fd)
 
     def statvfs(self) -> os.statvfs_result:
         with self.opened() as fd:
@@ -304,6 +303,18 @@ class CoPath:
 def reach(path: str, field: str, **kw) -> CoPath:
     """CoPath.reach, for `with copath.reach(p, "target_path") as target:`."""
     return CoPath.reach(path, field, **kw)
+
+
+def mounted_at(path: str, field: str) -> sysmount.MountEntry | None:
+    """The top mount at a path crust recorded earlier (a target it
+    published), found as CoPath.mount_entry finds it: for that one place,
+    whatever else is mounted. None when nothing is mounted there, or when
+    the path no longer leads there without crossing a symlink."""
+    try:
+        with CoPath.reach(path, field, checked=True) as at:
+            return at.mount_entry()
+    except (InvalidArgument, FailedPrecondition):
+        return None
 
 
 def refuse_links(path: str, field: str) -> None:

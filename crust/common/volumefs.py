@@ -47,9 +47,10 @@ def mount_options(fs_type: str, flags: list[str]) -> list[str]:
     return flags + (["nouuid"] if fs_type == "xfs" and "nouuid" not in flags else [])
 
 
-async def grow_online(fs_type: str, device: str, mount_point: str) -> None:
+async def grow_online(fs_type: str, device: str, mount_point: str | int) -> None:
     """Grow a mounted file system to its device; FAILED_PRECONDITION where
-    this host kernel refuses (online ext4 on some kernels)."""
+    this host kernel refuses (online ext4 on some kernels). mount_point:
+    the mount's path, or a descriptor of it (crust.common.copath)."""
     if fs_type == "xfs":
         await fs.grow_mounted("xfs", device, mount_point)
     elif fs_type == "ext4":

@@ -31,9 +31,11 @@ from crust.driver.records import (
     ContentSource,
     ControllerPublish,
     Lifecycle,
+    NodeVolumeRecord,
     PoolRecord,
     SnapshotRecord,
     VolumeRecord,
+    node_records_dir,
 )
 from crust.sys import fs, loop
 
@@ -347,18 +349,41 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
                 raise FailedPrecondition(
                     f"volume {volume_id} is still published to node(s) {', '.join(sorted(volume.published))}")
             # A CO that skipped ControllerPublish (or lost track) may still
-            # have the volume staged. Reading /sys touches no device; it sees
-            # only this machine's loop devices, which is where `all` mode and a
-            # node sharing the machine would hold it.
-            attached = loop.devices_for(self.catalog.volume_file(volume))
+            # have the volume staged. Only this machine's loop devices are
+            # seen, which is where `all` mode and a node sharing the
+            # machine would hold it.
+            attached = self._attached_device(volume)
             if attached:
                 raise FailedPrecondition(
-                    f"volume {volume_id} is still attached as {attached[0]} on node {volume.node}; unstage it first")
+                    f"volume {volume_id} is still attached as {attached} on node {volume.node}; unstage it first")
             volume.state = Lifecycle.DELETING
             await self.catalog.volume_store.put(volume_id, volume)
             backend.remove(self.catalog.volume_file(volume))
             await self.catalog.forget_volume(volume)
             return csi_pb2.DeleteVolumeResponse()
+
+    def _attached_device(self, volume: VolumeRecord) -> str | None:
+        """A loop device attached over the volume's file, if any.
+
+        The node that holds the volume's pool records the devices it
+        attaches, and attaches none without its record (it detaches the
+        unrecorded ones at start): its record, checked with one sysfs read
+        per device, answers without walking every loop device. Only when
+        that record cannot be read are all devices walked."""
+        backing = self.catalog.volume_file(volume)
+        records = node_records_dir(self.config.data_dir, volume.node)
+        try:
+            rec = NodeVolumeRecord.model_validate_json((records / f"{volume.volume_id}.json").read_bytes())
+        except FileNotFoundError:
+            if not (records / f"{volume.volume_id}.corrupt").exists():
+                return None
+            rec = None
+        except (ValueError, OSError):
+            rec = None
+        if rec is None or not rec.device:  # unreadable, or written before devices were recorded
+            found = loop.devices_for(backing)
+            return found[0] if found else None
+        return next((d for d in rec.devices() if loop.serves(d, backing)), None)
 
     async def ControllerPublishVolume(self, request: csi_pb2.ControllerPublishVolumeRequest, context):
         volume_id = csi_input.name(request.volume_id, "volume_id")

@@ -5,9 +5,17 @@ mount access type, formats a blank device and mounts it at the staging
 path); publish bind-mounts the staged file system, or the device node for
 raw block, to the target. What is attached and mounted is always read back
 from the kernel (crust.sys.loop, crust.sys.mount), so every RPC converges
-when retried and after a restart; the node's records only keep what the
-kernel cannot tell (which staging path and targets belong to which volume,
-with which capability).
+when retried and after a restart; the node's records keep what the kernel
+cannot tell (which staging path and targets belong to which volume, with
+which capability) and which loop device was attached, as a hint.
+
+Every RPC costs the same whatever the number of volumes on the node: the
+recorded device is checked with one sysfs read, a mount is looked up for
+its one place (crust.common.copath), and a device's file system is known
+unmounted when an exclusive open of the device succeeds. The whole mount
+table is read only where nothing cheaper can answer (a raw block device's
+binds claim nothing; a device someone holds may be mounted anywhere), and
+the list of every loop device only once, at start.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from crust.common.inflight import InFlight
 from crust.common.recordstore import RecordStore
 from crust.driver.backend import loop as backend
 from crust.driver.config import TOPOLOGY_KEY, DriverConfig
-from crust.driver.records import NodePublish, NodeVolumeRecord, PoolRecord
+from crust.driver.records import NodePublish, NodeVolumeRecord, PoolRecord, node_records_dir
 from crust.sys import blockdev, fs, loop, mount
 from crust.sys.run import CommandError
 
@@ -52,7 +60,12 @@ class NodeService(csi_pb2_grpc.NodeServicer):
     def __init__(self, config: DriverConfig):
         self.config = config
         self.pool = backend.Pool(config.data_dir, config.node_id)
-        self.records = RecordStore(config.data_dir / "node" / config.node_id / "volumes", NodeVolumeRecord)
+        self.records = RecordStore(node_records_dir(config.data_dir, config.node_id), NodeVolumeRecord)
+        # Loop devices over a volume's file that its record does not name,
+        # found by the one walk over /sys/block at start (a record written
+        # before devices were recorded, an unreadable record, a read-only
+        # device whose detach failed): the RPCs take them into account.
+        self.unrecorded: dict[str, list[str]] = {}
         self.inflight = InFlight()
         self.supported_modes = set(csi_input.SINGLE_NODE_MODES)
         # Distributed provisioning: the controller's growth of a volume,
@@ -82,24 +95,32 @@ class NodeService(csi_pb2_grpc.NodeServicer):
           nothing mounts are detached (a crash between attach and record).
         """
         known = {}
+        table = mount.mounts()  # read once: this runs before anything is served
+        mounted = {e.mount_point for e in table}
         for key, rec in self.records.load_all():
             known[rec.volume_id] = rec
-            gone = [t for t in rec.published if mount.at(t) is None]
+            gone = [t for t in rec.published if t not in mounted]
             for target in gone:
                 del rec.published[target]
             if gone:
                 self.records.put_sync(rec.volume_id, rec)
                 log.info("dropped vanished publishes", extra={"fields": {"volume_id": rec.volume_id, "targets": gone}})
         pool_dir = str(self.pool.volumes.resolve()) + "/"
+        self.unrecorded = {}
         for device, backing in loop.attached().items():
             if not backing.startswith(pool_dir):
                 continue  # not ours: never touch it
             volume_id = Path(backing.split(" (deleted)")[0]).stem
-            if volume_id in known:
+            rec = known.get(volume_id)
+            if rec is not None:
+                if device not in rec.devices():
+                    self.unrecorded.setdefault(volume_id, []).append(device)
                 continue
             majmin = blockdev.major_minor(device)
-            if mount.of_device(*majmin) or mount.of_device_node(device):
+            node_name = "/" + os.path.basename(device)
+            if any((e.major, e.minor) == majmin or (e.fs_type == "devtmpfs" and e.root == node_name) for e in table):
                 log.warning("unrecorded loop device is mounted; leaving it", extra={"fields": {"device": device}})
+                self.unrecorded.setdefault(volume_id, []).append(device)
                 continue
             loop.detach_sync(device)
             log.info("detached orphan loop device", extra={"fields": {"device": device, "volume_id": volume_id}})
@@ -118,22 +139,47 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         return backend.valid_id(volume_id) and (
             self.pool.volume_file(volume_id).exists() or self.records.get(volume_id) is not None)
 
-    @staticmethod
-    def _device_of(backing: Path) -> str | None:
+    def _devices(self, volume_id: str, backing: Path, rec: NodeVolumeRecord | None) -> list[str]:
+        """Every loop device over the volume's file that this node attached:
+        the recorded ones and those found at start, each checked against
+        the kernel with one sysfs read."""
+        candidates = (rec.devices() if rec else []) + self.unrecorded.get(volume_id, [])
+        return [d for d in dict.fromkeys(candidates) if loop.serves(d, backing)]
+
+    def _device_of(self, volume_id: str, backing: Path, rec: NodeVolumeRecord | None) -> str | None:
         """The writable loop device of the volume (read-only ones serve
         read-only raw block publishes, see NodePublishVolume)."""
-        devices = [d for d in loop.devices_for(backing) if not loop.read_only(d)]
-        return devices[0] if devices else None
+        writable = [d for d in self._devices(volume_id, backing, rec) if not loop.read_only(d)]
+        return writable[0] if writable else None
 
     @staticmethod
-    async def _detach_if_unused(device: str) -> None:
-        """Detach a loop device this driver attached, unless something mounts it."""
+    def _mounted_anywhere(devices: list[str], *, block: bool) -> mount.MountEntry | None:
+        """A mount of these devices' file systems or of their nodes, if any.
+
+        A file system that is not mounted anywhere leaves its device free
+        for an exclusive open: that answers in O(1). The table is read only
+        when someone holds a device (the answer is then where) or for raw
+        block, whose binds of a device node hold nothing. A device held only
+        by another mount namespace (a sandbox that copied the mount) shows
+        no entry here and, as before, does not keep the volume staged."""
+        if not devices:
+            return None
+        if not block and not any(blockdev.claimed(d) for d in devices):
+            return None
+        found = mount.of_devices({d: blockdev.major_minor(d) for d in devices})
+        return found[0] if found else None
+
+    async def _detach_if_unused(self, device: str, *, block: bool) -> bool:
+        """Detach a loop device this driver attached, unless something mounts
+        it; True when detached."""
         try:
-            if mount.of_device(*blockdev.major_minor(device)) or mount.of_device_node(device):
-                return
+            if self._mounted_anywhere([device], block=block) is not None:
+                return False
             await loop.detach(device)
+            return True
         except (OSError, ValueError, CommandError) as exc:
             log.warning("could not detach", extra={"fields": {"device": device, "error": str(exc)}})
+            return False
 
     @staticmethod
     def _read_only_device(entry: mount.MountEntry, backing: Path) -> str | None:
@@ -141,20 +187,12 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         if entry.fs_type != "devtmpfs":
             return None
         device = "/dev" + entry.root
-        return device if device in loop.devices_for(backing) and loop.read_only(device) else None
-
-    async def _attach(self, backing: Path) -> str:
-        device = self._device_of(backing)
-        if device is None:
-            device = await loop.attach(backing)
-            log.info("attached", extra={"fields": {"device": device}})
-        return device
+        return device if loop.serves(device, backing) and loop.read_only(device) else None
 
     @staticmethod
-    def _is_our_mount(entry: mount.MountEntry, device: str | None, backing: Path | None = None) -> bool:
-        """Is this mount entry the file system or the device node of `device`
-        (or, given backing, of any loop device over the volume's file)?"""
-        devices = loop.devices_for(backing) if backing is not None else [device] if device else []
+    def _is_our_mount(entry: mount.MountEntry, devices: list[str]) -> bool:
+        """Is this mount entry the file system or the device node of one of
+        the volume's loop devices?"""
         for dev in devices:
             try:
                 majmin = blockdev.major_minor(dev)
@@ -203,12 +241,15 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                     made = staging_at.mkdir()
                 else:
                     staging_at.refuse_symlink()  # unused for block, but never accepted through a link
-                attached_here = self._device_of(backing) is None
-                device = await self._attach(backing)
+                device = self._device_of(volume_id, backing, rec)
+                attached_here = device is None
+                if device is None:
+                    device = await loop.attach(backing)
+                    log.info("attached", extra={"fields": {"device": device}})
                 try:
                     if kind == "mount":
-                        current = mount.at(staging)
-                        if current is not None and not self._is_our_mount(current, device):
+                        current = staging_at.mount_entry()
+                        if current is not None and not self._is_our_mount(current, [device]):
                             raise FailedPrecondition(
                                 f"staging_target_path {staging} has another file system mounted ({current.source})")
                         if current is None:
@@ -216,18 +257,21 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                             await volumefs.fill_device_offline(fs_type, device)
                             await staging_at.mount(device, fs_type, volumefs.mount_options(fs_type, flags))
                             if fs_type == "xfs" and cap.access_mode.mode not in csi_input.READ_ONLY_MODES:
-                                await volumefs.grow_online(fs_type, device, staging)
+                                with staging_at.opened() as staging_fd:
+                                    await volumefs.grow_online(fs_type, device, staging_fd)
                 except Exception:
                     # A failed stage leaves no loop device behind: no NodeUnstageVolume
                     # follows a failed stage, and DeleteVolume would orphan the device.
                     if attached_here:
-                        await self._detach_if_unused(device)
+                        await self._detach_if_unused(device, block=kind == "block")
                     if made:
                         staging_at.remove_after_failure()
                     raise
             record = NodeVolumeRecord(volume_id=volume_id, staging_path=staging, access_type=kind,
                                       access_mode=cap.access_mode.mode, fs_type=fs_type, mount_flags=flags,
-                                      published=rec.published if rec else {})
+                                      published=rec.published if rec else {}, device=device)
+            if device in self.unrecorded.get(volume_id, []):
+                self.unrecorded[volume_id].remove(device)  # recorded now
             await self.records.put(volume_id, record)
             log.info("staged", extra={"fields": {"device": device, "fs_type": fs_type}})
             return csi_pb2.NodeStageVolumeResponse()
@@ -240,27 +284,26 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             if rec is None and not self._volume_exists(volume_id):
                 raise NotFound(f"volume {volume_id!r} does not exist on node {self.config.node_id}")
             if rec is not None:
-                live = [t for t in rec.published if mount.at(t) is not None]
+                live = [t for t in rec.published if copath.mounted_at(t, "target_path") is not None]
                 if live:
                     raise FailedPrecondition(f"volume {volume_id} is still published at {', '.join(live)}")
             backing = self.pool.volume_file(volume_id)
-            device = self._device_of(backing)
+            devices = self._devices(volume_id, backing, rec)  # read-only ones of raw block publishes too
             with copath.reach(staging, "staging_target_path", checked=True) as staging_at:
                 staging_at.refuse_symlink()
-                current = mount.at(staging)
-                if current is not None and (self._is_our_mount(current, device) or rec is not None):
+                current = staging_at.mount_entry()
+                if current is not None and (self._is_our_mount(current, devices) or rec is not None):
                     staging_at.unmount_all()
             # Whatever was mounted where (also a mount made through a path
             # that has changed since), the volume is unstaged only when no
             # mount of it remains.
-            devices = loop.devices_for(backing)  # read-only ones of raw block publishes too
-            for dev in devices:
-                still = mount.of_device(*blockdev.major_minor(dev)) + mount.of_device_node(dev)
-                if still:
-                    raise FailedPrecondition(
-                        f"volume {volume_id} ({dev}) is still mounted at {still[0].mount_point}")
+            raw = rec is None or rec.access_type == "block" or any(loop.read_only(d) for d in devices)
+            still = self._mounted_anywhere(devices, block=raw)
+            if still is not None:
+                raise FailedPrecondition(f"volume {volume_id} is still mounted at {still.mount_point}")
             for dev in devices:
                 await loop.detach(dev)
+            self.unrecorded.pop(volume_id, None)
             await self.records.delete(volume_id)
             return csi_pb2.NodeUnstageVolumeResponse()
 
@@ -287,29 +330,33 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 raise FailedPrecondition(f"volume {volume_id} is not staged at {staging}; call NodeStageVolume first")
             if rec.access_type != kind:
                 raise InvalidArgument(f"volume_capability: the volume was staged as {rec.access_type}, not {kind}")
-            device = self._device_of(backing)
+            devices = self._devices(volume_id, backing, rec)
+            device = self._device_of(volume_id, backing, rec)
             if device is None:
                 raise FailedPrecondition(f"volume {volume_id} is not attached; call NodeStageVolume again")
             wanted = NodePublish(readonly=readonly, access_type=kind)
             current = target_at.mount_entry()
-            if current is not None and self._is_our_mount(current, device, backing):
+            if current is not None and self._is_our_mount(current, devices):
                 known = rec.published.get(target)
-                if known is not None and known != wanted:
+                if known is not None and not known.same_request(wanted):
                     raise AlreadyExists(f"volume {volume_id} is published at {target} with readonly={known.readonly}")
                 if known is None:
-                    rec.published[target] = wanted  # mounted before a crash; adopt it
+                    # Mounted before a crash; adopt it.
+                    wanted.device = self._read_only_device(current, backing) or ""
+                    rec.published[target] = wanted
                     await self.records.put(volume_id, rec)
                 return csi_pb2.NodePublishVolumeResponse()
             if current is not None:
                 raise FailedPrecondition(f"target_path {target} has another file system mounted ({current.source})")
             if mode == AccessMode.SINGLE_NODE_SINGLE_WRITER:
-                others = [t for t in rec.published if t != target and mount.at(t) is not None]
+                others = [t for t in rec.published
+                          if t != target and copath.mounted_at(t, "target_path") is not None]
                 if others:
                     raise FailedPrecondition(
                         f"volume {volume_id} has access mode SINGLE_NODE_SINGLE_WRITER and is published at {others[0]}")
             if kind == "mount":
-                staged = mount.at(staging)
-                if staged is None or not self._is_our_mount(staged, device):
+                staged = staging_at.mount_entry()
+                if staged is None or not self._is_our_mount(staged, [device]):
                     # Binding the bare directory would hand the workload the
                     # host's file system instead of the volume.
                     raise FailedPrecondition(
@@ -325,10 +372,11 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                         # A read-only bind mount does not stop writes through a
                         # device node; a read-only loop device of its own does.
                         source = await loop.attach(backing, read_only=True)
+                        wanted.device = source
                 target_at.bind_from(source, readonly=readonly)
             except Exception:
                 if isinstance(source, str) and source != device:
-                    await self._detach_if_unused(source)
+                    await self._detach_if_unused(source, block=True)
                 if made:
                     target_at.remove_after_failure()
                 raise
@@ -347,15 +395,16 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             if rec is None and not self._volume_exists(volume_id):
                 raise NotFound(f"volume {volume_id!r} does not exist on node {self.config.node_id}")
             backing = self.pool.volume_file(volume_id)
-            device = self._device_of(backing)
             current = target_at.mount_entry()
             if current is not None:
-                if not (self._is_our_mount(current, device, backing) or (rec and target in rec.published)):
+                if not (self._is_our_mount(current, self._devices(volume_id, backing, rec))
+                        or (rec and target in rec.published)):
                     raise FailedPrecondition(f"target_path {target} holds a mount that is not volume {volume_id}")
                 private = self._read_only_device(current, backing)
                 target_at.unmount_all()
-                if private is not None:
-                    await self._detach_if_unused(private)
+                if private is not None and not await self._detach_if_unused(private, block=True):
+                    # Still bound elsewhere: NodeUnstageVolume detaches it later.
+                    self.unrecorded.setdefault(volume_id, []).append(private)
             # The spec asks the plugin to remove what it created at target.
             target_at.remove()
             if rec is not None and target in rec.published:
@@ -365,10 +414,9 @@ class NodeService(csi_pb2_grpc.NodeServicer):
 
     # -- stats / expand -------------------------------------------------------------------
 
-    def _mount_for(self, volume_id: str, path: copath.CoPath, device: str | None) -> mount.MountEntry:
-        path.refuse_symlink()
-        entry = mount.at(path.path)
-        if entry is None or not self._is_our_mount(entry, device, self.pool.volume_file(volume_id)):
+    def _mount_for(self, volume_id: str, path: copath.CoPath, devices: list[str]) -> mount.MountEntry:
+        entry = path.mount_entry()
+        if entry is None or not self._is_our_mount(entry, devices):
             raise NotFound(f"volume {volume_id} is not mounted at volume_path {path.path!r}")
         return entry
 
@@ -383,8 +431,8 @@ class NodeService(csi_pb2_grpc.NodeServicer):
     def _stats(self, volume_id: str, volume_at: copath.CoPath) -> csi_pb2.NodeGetVolumeStatsResponse:
         path = volume_at.path
         backing = self.pool.volume_file(volume_id)
-        device = self._device_of(backing)
-        entry = self._mount_for(volume_id, volume_at, device)
+        rec = self.records.get(volume_id)
+        entry = self._mount_for(volume_id, volume_at, self._devices(volume_id, backing, rec))
         Usage = csi_pb2.VolumeUsage
         condition = csi_pb2.VolumeCondition(abnormal=False, message="healthy")
         if not backing.exists():
@@ -393,7 +441,6 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             size = blockdev.size_bytes("/dev" + entry.root)
             return csi_pb2.NodeGetVolumeStatsResponse(
                 usage=[Usage(unit=Usage.BYTES, total=size)], volume_condition=condition)
-        rec = self.records.get(volume_id)
         wanted_ro = rec is not None and rec.published.get(path, NodePublish()).readonly
         with volume_at.opened() as fd:
             response = volumefs.stats(fd, went_readonly="ro" in entry.super_options and not wanted_ro)
@@ -410,13 +457,15 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             raise FailedPrecondition("defer_fs_ops: this driver cannot defer; run it behind `crust shim`")
         with self.inflight.hold(volume_id), copath.reach(path, "volume_path", checked=True) as volume_at:
             backing = self.pool.volume_file(volume_id)
-            device = self._device_of(backing)
+            rec = self.records.get(volume_id)
+            devices = self._devices(volume_id, backing, rec)
+            device = self._device_of(volume_id, backing, rec)
             if device is None:
                 raise FailedPrecondition(f"volume {volume_id} is not staged on node {self.config.node_id}")
-            entry = self._mount_for(volume_id, volume_at, device)
+            entry = self._mount_for(volume_id, volume_at, devices)
             if self.grow_volume is not None and request.HasField("capacity_range"):
                 await self.grow_volume(volume_id, request.capacity_range)
-            for dev in loop.devices_for(backing):  # read-only publishes grow too
+            for dev in devices:  # read-only publishes grow too
                 await loop.refresh_capacity(dev)
             size = blockdev.size_bytes(device)
             required = request.capacity_range.required_bytes if request.HasField("capacity_range") else 0
@@ -426,9 +475,15 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                     "call ControllerExpandVolume first")
             if entry.fs_type == "devtmpfs":
                 return csi_pb2.NodeExpandVolumeResponse(capacity_bytes=size)
-            rec = self.records.get(volume_id)
-            mount_point = rec.staging_path if rec else path
-            await volumefs.grow_online(entry.fs_type, device, mount_point)
+            if rec is None:
+                with volume_at.opened() as fd:
+                    await volumefs.grow_online(entry.fs_type, device, fd)
+                return csi_pb2.NodeExpandVolumeResponse(capacity_bytes=size)
+            # Through the staging mount, which is writable whatever the
+            # target's bind says (xfs grows only through a writable mount).
+            with copath.reach(rec.staging_path, "staging_target_path", checked=True) as staging_at, \
+                    staging_at.opened() as fd:
+                await volumefs.grow_online(entry.fs_type, device, fd)
             return csi_pb2.NodeExpandVolumeResponse(capacity_bytes=size)
 
     # -- info ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import time
+from pathlib import Path
 
 from pydantic import BaseModel, Field
 
@@ -89,6 +90,12 @@ class PoolRecord(BaseModel):
 class NodePublish(BaseModel):
     readonly: bool = False
     access_type: str = "mount"
+    # The read-only loop device a read-only raw block publish binds (its
+    # own device: a read-only bind of a node does not stop writes).
+    device: str = ""
+
+    def same_request(self, other: "NodePublish") -> bool:
+        return (self.readonly, self.access_type) == (other.readonly, other.access_type)
 
 
 class NodeVolumeRecord(BaseModel):
@@ -99,3 +106,16 @@ class NodeVolumeRecord(BaseModel):
     fs_type: str = ""
     mount_flags: list[str] = Field(default_factory=list)
     published: dict[str, NodePublish] = Field(default_factory=dict)
+    # The writable loop device attached at stage. A hint, never the truth:
+    # each use checks with one sysfs read that it still serves the volume's
+    # file (a reboot or an operator may have detached or reused it).
+    device: str = ""
+
+    def devices(self) -> list[str]:
+        """Every loop device this node attached for the volume."""
+        return [d for d in [self.device, *(p.device for p in self.published.values())] if d]
+
+
+def node_records_dir(data_dir: Path, node_id: str) -> Path:
+    """Where a node keeps its NodeVolumeRecords (see the layout above)."""
+    return data_dir / "node" / node_id / "volumes"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -22,6 +23,21 @@ def size_of(major: int, minor: int) -> int:
     (in 512-byte sectors whatever the device's block size)."""
     with open(f"/sys/dev/block/{major}:{minor}/size") as f:
         return int(f.read()) * 512
+
+
+def claimed(device: str) -> bool:
+    """Is the block device held exclusively: a file system on it is mounted
+    (in any mount namespace), or a tool such as mkfs holds it? One open with
+    O_EXCL, released at once. False is certain (nothing mounts it anywhere);
+    True says only that someone holds it."""
+    try:
+        fd = os.open(device, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            return True
+        raise
+    os.close(fd)
+    return False
 
 
 def major_minor(device: str) -> tuple[int, int]:

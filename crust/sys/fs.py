@@ -8,7 +8,9 @@ that reads without error. Every other outcome means "do not format".
 from __future__ import annotations
 
 import enum
+import fcntl
 import os
+import struct
 from dataclasses import dataclass
 
 from crust.sys import blockdev
@@ -90,10 +92,49 @@ def usage(path: str | int) -> Usage:
     )
 
 
-async def grow_mounted(fs_type: str, device: str, mount_point: str) -> None:
-    """Grow a mounted filesystem to fill its (already grown) device."""
+# XFS_IOC_FSGEOMETRY_V1 and XFS_IOC_FSGROWFSDATA (xfs_fs.h): the two ioctls
+# xfs_growfs makes. struct xfs_fsop_geom_v1 is 112 bytes: blocksize, ...,
+# imaxpct (eight u32), then datablocks (u64); struct xfs_growfs_data is
+# newblocks (u64), imaxpct (u32).
+_XFS_IOC_FSGEOMETRY_V1 = 0x80705864
+_XFS_IOC_FSGROWFSDATA = 0x4010586E
+_XFS_GEOMETRY = struct.Struct("=8I Q")
+
+
+def grow_xfs(mounted_fd: int, device: str) -> bool:
+    """Grow the xfs file system open at mounted_fd (any descriptor inside
+    it, O_PATH too) to fill its device; False when it already does.
+
+    The ioctls themselves rather than xfs_growfs, which would cost a child
+    process and a read of the whole mount table to find the mount point
+    again."""
+    fd = os.open(f"/proc/self/fd/{mounted_fd}", os.O_RDONLY | os.O_CLOEXEC)  # the same file, readable
+    try:
+        geometry = bytearray(112)
+        fcntl.ioctl(fd, _XFS_IOC_FSGEOMETRY_V1, geometry)
+        fields = _XFS_GEOMETRY.unpack_from(geometry)
+        block_size, imaxpct, data_blocks = fields[0], fields[7], fields[8]
+        wanted = blockdev.size_bytes(device) // block_size
+        if wanted <= data_blocks:
+            return False  # never shrink: xfs cannot, and the device did not grow
+        try:
+            fcntl.ioctl(fd, _XFS_IOC_FSGROWFSDATA, struct.pack("=QI4x", wanted, imaxpct))
+        except OSError as exc:
+            raise OSError(exc.errno, f"growing the xfs file system on {device} to {wanted} blocks: "
+                                     f"{exc.strerror}") from None
+        return True
+    finally:
+        os.close(fd)
+
+
+async def grow_mounted(fs_type: str, device: str, mount_point: str | int) -> None:
+    """Grow a mounted filesystem to fill its (already grown) device.
+    mount_point: a path, or (xfs) an open descriptor inside the mount."""
     if fs_type == "xfs":
-        await run(["xfs_growfs", "--", mount_point])
+        if isinstance(mount_point, int):
+            grow_xfs(mount_point, device)
+        else:
+            await run(["xfs_growfs", "--", mount_point])
     elif fs_type == "ext4":
         await run(["resize2fs", "--", device])
     else:

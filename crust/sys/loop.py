@@ -1,15 +1,22 @@
-"""Loop devices over backing files (losetup and /sys/block/loopN).
+"""Loop devices over backing files (the loop driver's ioctls and /sys/block/loopN).
 
-Which loop device serves a backing file is always read back from the kernel,
-never remembered, so a daemon killed between attach and its next record write
-finds the device again on restart instead of attaching a second one.
+Attach, detach and capacity changes are ioctls on /dev/loop-control and
+/dev/loopN (what losetup does, without a child process and without
+losetup's walk over every loop device for --nooverlap). Whether a given
+device still serves a given file is one sysfs read (serves()), so a caller
+that recorded the device at attach time verifies it in O(1). The walk over
+every device (devices_for, attached) is kept for start-up reconciliation
+and for callers that have no record to start from.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
-import subprocess
+import stat
+import struct
 from pathlib import Path
 
 from crust.sys.run import run
@@ -54,32 +61,106 @@ def read_only(device: str) -> bool:
         return False
 
 
-async def attach(backing_file: str | os.PathLike, *, direct_io: bool = False, read_only: bool = False) -> str:
+def serves(device: str, backing_file: str | os.PathLike) -> bool:
+    """Is `device` (/dev/loopN) attached to backing_file right now? One sysfs read."""
+    name = os.path.basename(device)
+    return name.startswith("loop") and _backing_file(name) == os.path.realpath(backing_file)
+
+
+# ioctl numbers and flags of the loop driver (linux/loop.h).
+_LOOP_CLR_FD = 0x4C01
+_LOOP_SET_CAPACITY = 0x4C07
+_LOOP_CONFIGURE = 0x4C0A
+_LOOP_CTL_GET_FREE = 0x4C82
+_LO_FLAGS_READ_ONLY = 1
+_LO_FLAGS_DIRECT_IO = 16
+_LOOP_MAJOR = 7
+_NAME_SIZE = 64
+# struct loop_config: fd, block_size, struct loop_info64 (lo_device, lo_inode,
+# lo_rdevice, lo_offset, lo_sizelimit, lo_number, lo_encrypt_type,
+# lo_encrypt_key_size, lo_flags, lo_file_name[64], lo_crypt_name[64],
+# lo_encrypt_key[32], lo_init[2]), __reserved[8].
+_LOOP_CONFIG = struct.Struct("=II QQQQQ IIII 64s 64s 32s 2Q 8Q")
+
+
+def _device_node(number: int) -> str:
+    """/dev/loopN, made when /dev does not get it by itself (a /dev that is
+    not devtmpfs, as in some containers)."""
+    path = f"/dev/loop{number}"
+    try:
+        os.mknod(path, 0o660 | stat.S_IFBLK, os.makedev(_LOOP_MAJOR, number))
+    except FileExistsError:
+        pass
+    return path
+
+
+def attach_sync(backing_file: str | os.PathLike, *, direct_io: bool = False, read_only: bool = False) -> str:
     """Attach backing_file to a free loop device and return its path.
 
-    read_only attaches a second, read-only device beside the writable one
-    (--nooverlap would hand back the writable device instead).
-    """
-    argv = ["losetup", "--find", "--show", "--read-only" if read_only else "--nooverlap"]
-    if direct_io:
-        argv.append("--direct-io=on")
-    argv.append(os.path.realpath(backing_file))
-    result = await run(argv)
-    return result.stdout.strip()
+    A free device is asked of /dev/loop-control; another process may take
+    it first (EBUSY), then the next free one is asked for."""
+    path = os.path.realpath(backing_file)
+    flags = (_LO_FLAGS_READ_ONLY if read_only else 0) | (_LO_FLAGS_DIRECT_IO if direct_io else 0)
+    backing = os.open(path, (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC)
+    try:
+        control = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            for _ in range(64):
+                number = fcntl.ioctl(control, _LOOP_CTL_GET_FREE)
+                device = _device_node(number)
+                fd = os.open(device, (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC)
+                try:
+                    config = _LOOP_CONFIG.pack(backing, 0, 0, 0, 0, 0, 0, 0, 0, 0, flags,
+                                               path.encode()[:_NAME_SIZE - 1], b"", b"", 0, 0, *([0] * 8))
+                    fcntl.ioctl(fd, _LOOP_CONFIGURE, config)
+                    return device
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY:
+                        raise OSError(exc.errno, f"attach {path} to {device}: {exc.strerror}") from None
+                finally:
+                    os.close(fd)
+            raise OSError(errno.EBUSY, f"attach {path}: every free loop device was taken by others meanwhile")
+        finally:
+            os.close(control)
+    finally:
+        os.close(backing)  # the loop device holds its own reference
+
+
+async def attach(backing_file: str | os.PathLike, *, direct_io: bool = False, read_only: bool = False) -> str:
+    """attach_sync for the daemons (a few syscalls: done in place).
+
+    read_only attaches a read-only device, also beside a writable one of
+    the same file (read-only raw block publishes)."""
+    return attach_sync(backing_file, direct_io=direct_io, read_only=read_only)
+
+
+def _device_ioctl(device: str, request: int, what: str) -> None:
+    fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, request, 0)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{what} {device}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 async def refresh_capacity(device: str) -> None:
     """Make the loop device pick up the new size of its grown backing file."""
-    await run(["losetup", "--set-capacity", device])
-
-
-async def detach(device: str) -> None:
-    await run(["losetup", "--detach", device])
+    _device_ioctl(device, _LOOP_SET_CAPACITY, "set capacity of")
 
 
 def detach_sync(device: str) -> None:
-    """Detach at start-up, before the event loop serves anything."""
-    subprocess.run(["losetup", "--detach", device], check=True, capture_output=True, timeout=30)
+    """Detach a loop device. A device still open elsewhere (mounted, or held
+    by a process) is detached by the kernel when its last user lets go."""
+    try:
+        _device_ioctl(device, _LOOP_CLR_FD, "detach")
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:  # not attached (any more): nothing to do
+            raise
+
+
+async def detach(device: str) -> None:
+    detach_sync(device)
 
 
 async def list_json() -> list[dict]:

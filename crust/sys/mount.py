@@ -8,6 +8,12 @@ Paths a CO gave us are never handed to these calls as strings: the callers
 descriptors, and the calls below mount onto exactly those descriptors
 (/proc/self/fd/N, the new mount API), so nothing can swap a path between the
 check and the mount.
+
+Cost: the whole table is read only where nothing cheaper answers (start-up
+reconciliation, a mount that must be found wherever it went). A question
+about one place is answered for that place alone: statx() gives the mount
+id of an open descriptor, and statmount() (Linux 6.8) gives that mount's
+entry; a node with thousands of mounts pays the same as one with ten.
 """
 
 from __future__ import annotations
@@ -16,8 +22,6 @@ import ctypes
 import errno
 import os
 from dataclasses import dataclass
-
-from crust.sys.run import run
 
 MOUNTINFO = "/proc/self/mountinfo"
 
@@ -108,11 +112,25 @@ def at(path: str, table: str = MOUNTINFO) -> MountEntry | None:
 
 def mount_id(fd: int) -> int:
     """The id of the mount an open descriptor lies on (mountinfo's first field)."""
+    ids = _statx_mount_ids(fd)
+    if ids is not None:
+        return ids[0]
     with open(f"/proc/self/fdinfo/{fd}") as f:
         for line in f:
             if line.startswith("mnt_id:"):
                 return int(line.split()[1])
     raise OSError(errno.ENOTSUP, "no mnt_id in fdinfo")
+
+
+def entry_of(fd: int, table: str = MOUNTINFO) -> MountEntry | None:
+    """The entry of the mount an open descriptor lies on: from statmount()
+    for this one mount where the kernel has it, else from the table."""
+    ids = _statx_mount_ids(fd)
+    if ids is not None and ids[1] is not None and table == MOUNTINFO:
+        entry = _statmount(ids[1])
+        if entry is not None:
+            return entry
+    return by_id(mount_id(fd), table)
 
 
 def by_id(mount_id_: int, table: str = MOUNTINFO) -> MountEntry | None:
@@ -127,8 +145,20 @@ def by_id(mount_id_: int, table: str = MOUNTINFO) -> MountEntry | None:
 
 
 def of_device(major: int, minor: int) -> list[MountEntry]:
-    """Every mount (including bind mounts) of the filesystem on this device."""
+    """Every mount (including bind mounts) of the filesystem on this device.
+    A whole-table read: callers ask it only when a cheaper test
+    (crust.sys.blockdev.claimed) says the device may be mounted."""
     return [e for e in mounts(containing=f" {major}:{minor} ") if (e.major, e.minor) == (major, minor)]
+
+
+def of_devices(devices: dict[str, tuple[int, int]]) -> list[MountEntry]:
+    """Every mount of the file systems on these devices and every bind of
+    their device nodes (raw block publishes), in one read of the table.
+    devices maps a device path to its major:minor."""
+    majmins = set(devices.values())
+    roots = {"/" + os.path.basename(d) for d in devices}
+    return [e for e in mounts() if (e.major, e.minor) in majmins or e.source in devices
+            or e.mount_point in devices or (e.fs_type == "devtmpfs" and e.root in roots)]
 
 
 def of_device_node(device_path: str) -> list[MountEntry]:
@@ -173,6 +203,107 @@ def _check(result: int, what: str) -> int:
     return result
 
 
+# -- one mount, asked by its id ---------------------------------------------------------------
+#
+# statx(STATX_MNT_ID_UNIQUE) names the mount a descriptor lies on with the
+# 64-bit id that statmount() takes; statmount() returns that mount's device,
+# flags, root, mount point, type and source. Both answer for one mount, so
+# their cost does not depend on how many mounts the namespace holds. Kernels
+# without them (before 6.8) fall back to reading the table.
+
+_STATX_MNT_ID = 0x1000
+_STATX_MNT_ID_UNIQUE = 0x4000
+_STATX_SIZE = 256
+_STATX_MNT_ID_OFFSET = 144
+_SYS_STATMOUNT = 457
+_STATMOUNT_SB_BASIC = 0x1
+_STATMOUNT_MNT_BASIC = 0x2
+_STATMOUNT_MNT_ROOT = 0x8
+_STATMOUNT_MNT_POINT = 0x10
+_STATMOUNT_FS_TYPE = 0x20
+_STATMOUNT_MNT_OPTS = 0x80
+_STATMOUNT_SB_SOURCE = 0x200
+_STATMOUNT_WANT = (_STATMOUNT_SB_BASIC | _STATMOUNT_MNT_BASIC | _STATMOUNT_MNT_ROOT | _STATMOUNT_MNT_POINT
+                   | _STATMOUNT_FS_TYPE | _STATMOUNT_MNT_OPTS | _STATMOUNT_SB_SOURCE)
+_STATMOUNT_STRINGS = 512  # where the strings begin: the fixed part of struct statmount
+# Per-mount attributes (MOUNT_ATTR_*) as mountinfo's fifth field shows them,
+# in its order; the atime mode is a 3-bit field where 0 means relatime.
+_MOUNT_ATTR_OPTIONS = ((0x2, "nosuid"), (0x4, "nodev"), (0x8, "noexec"), (0x10, "noatime"),
+                       (0x80, "nodiratime"))
+_MOUNT_ATTR_ATIME = 0x70
+_MOUNT_ATTR_NOSYMFOLLOW = 0x200000
+# Super block flags mountinfo shows before the file system's own options.
+_SB_RDONLY = 0x1
+_SB_OPTIONS = ((0x10, "sync"), (0x80, "dirsync"), (0x40, "mand"), (1 << 25, "lazytime"))
+_statx_works: bool | None = None
+_statmount_works = True
+_STATMOUNT_BUFFER = _STATMOUNT_STRINGS + 3 * 4096  # three paths of PATH_MAX
+
+
+def _statx_mount_ids(fd: int) -> tuple[int, int | None] | None:
+    """(mountinfo id, unique id or None) of the mount fd lies on; None when
+    this kernel's statx cannot tell."""
+    global _statx_works
+    if _statx_works is False:
+        return None
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    if _libc.statx(fd, b"", _AT_EMPTY_PATH, _STATX_MNT_ID, buf) != 0:
+        _statx_works = False
+        return None
+    mask = int.from_bytes(buf.raw[0:4], "little")
+    if not mask & _STATX_MNT_ID:
+        _statx_works = False
+        return None
+    old = int.from_bytes(buf.raw[_STATX_MNT_ID_OFFSET:_STATX_MNT_ID_OFFSET + 8], "little")
+    unique = None
+    if _statmount_works and _libc.statx(fd, b"", _AT_EMPTY_PATH, _STATX_MNT_ID_UNIQUE, buf) == 0 \
+            and int.from_bytes(buf.raw[0:4], "little") & _STATX_MNT_ID_UNIQUE:
+        unique = int.from_bytes(buf.raw[_STATX_MNT_ID_OFFSET:_STATX_MNT_ID_OFFSET + 8], "little")
+    _statx_works = True
+    return old, unique
+
+
+def _statmount(unique_id: int) -> MountEntry | None:
+    """The entry of one mount from statmount(); None when the kernel cannot
+    give all of it (the caller then reads the table)."""
+    global _statmount_works
+    # struct mnt_id_req, first version: size, spare, mnt_id, param
+    request = (24).to_bytes(4, "little") + bytes(4) + unique_id.to_bytes(8, "little") \
+        + _STATMOUNT_WANT.to_bytes(8, "little")
+    buf = ctypes.create_string_buffer(_STATMOUNT_BUFFER)  # per call: callers may be threads
+    if _libc.syscall(_SYS_STATMOUNT, request, buf, len(buf), 0) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+            _statmount_works = False
+        return None  # gone meanwhile (ENOENT), or strings too long (EOVERFLOW): read the table
+    raw = buf.raw
+    u32 = lambda at: int.from_bytes(raw[at:at + 4], "little")  # noqa: E731
+    u64 = lambda at: int.from_bytes(raw[at:at + 8], "little")  # noqa: E731
+    if u64(8) & _STATMOUNT_WANT != _STATMOUNT_WANT:
+        _statmount_works = False  # an older kernel without the source string
+        return None
+
+    def string(at: int) -> str:
+        start = _STATMOUNT_STRINGS + u32(at)
+        return raw[start:raw.index(b"\0", start)].decode(errors="surrogateescape")
+
+    attr, sb_flags = u64(64), u32(32)
+    options = ["ro" if attr & 0x1 else "rw"] + [name for bit, name in _MOUNT_ATTR_OPTIONS if attr & bit]
+    if attr & _MOUNT_ATTR_ATIME == 0:
+        options.append("relatime")
+    if attr & _MOUNT_ATTR_NOSYMFOLLOW:
+        options.append("nosymfollow")
+    super_options = ["ro" if sb_flags & _SB_RDONLY else "rw"] + [name for bit, name in _SB_OPTIONS if sb_flags & bit]
+    fs_options = string(4)
+    if fs_options:
+        super_options += fs_options.split(",")
+    # The strings come escaped as in mountinfo (\040 for a space...).
+    return MountEntry(
+        mount_id=u32(56), major=u32(16), minor=u32(20), root=_unescape(string(104)),
+        mount_point=_unescape(string(108)), options=tuple(options), fs_type=string(36),
+        source=_unescape(string(124)), super_options=tuple(super_options))
+
+
 def fd_path(fd: int) -> str:
     """The path through which the kernel reaches an open descriptor."""
     return f"/proc/self/fd/{fd}"
@@ -194,15 +325,56 @@ def bind_fd(source_fd: int, target_fd: int, *, readonly: bool = False) -> None:
         os.close(tree)  # a tree never moved is dissolved here
 
 
+# mount(8)'s generic options as mount(2) flags: (flag, set it?). Everything
+# else is the file system's own and goes to it as data; the few options only
+# mount(8) and fstab understand are dropped, as mount(8) drops them.
+_MS_FLAGS = {
+    "ro": (0x1, True), "rw": (0x1, False),
+    "nosuid": (0x2, True), "suid": (0x2, False),
+    "nodev": (0x4, True), "dev": (0x4, False),
+    "noexec": (0x8, True), "exec": (0x8, False),
+    "sync": (0x10, True), "async": (0x10, False),
+    "mand": (0x40, True), "nomand": (0x40, False),
+    "dirsync": (0x80, True),
+    "nosymfollow": (0x100, True), "symfollow": (0x100, False),
+    "noatime": (0x400, True), "atime": (0x400, False),
+    "nodiratime": (0x800, True), "diratime": (0x800, False),
+    "silent": (0x8000, True), "loud": (0x8000, False),
+    "relatime": (1 << 21, True), "norelatime": (1 << 21, False),
+    "strictatime": (1 << 24, True), "nostrictatime": (1 << 24, False),
+    "lazytime": (1 << 25, True), "nolazytime": (1 << 25, False),
+}
+_USERSPACE_ONLY = {"defaults", "auto", "noauto", "user", "nouser", "users", "owner", "group", "nofail",
+                   "_netdev", "comment"}
+
+
+def mount_flags(options: list[str]) -> tuple[int, str]:
+    """(mount(2) flags, data string) of mount(8)-style options."""
+    flags, data = 0, []
+    for option in options:
+        if option in _MS_FLAGS:
+            bit, on = _MS_FLAGS[option]
+            flags = flags | bit if on else flags & ~bit
+        elif option in _USERSPACE_ONLY or option.startswith(("x-", "comment=")):
+            continue
+        elif option:
+            data.append(option)
+    return flags, ",".join(data)
+
+
 async def mount_fd(source: str, target_fd: int, fs_type: str, options: list[str] | None = None) -> None:
     """Mount a file system (device or pseudo source) onto an open descriptor.
 
-    mount(8) does the option parsing; --no-canonicalize keeps it from turning
-    /proc/self/fd/N back into a path string."""
-    argv = ["mount", "--no-canonicalize", "-t", fs_type]
-    if options:
-        argv += ["-o", ",".join(options)]
-    await run(argv + ["--", source, fd_path(target_fd)], pass_fds=(target_fd,))
+    One mount(2) onto /proc/self/fd/N: the kernel reaches the descriptor's
+    file, never a path string. (mount(8) would cost a child process and a
+    read of the whole mount table per call.)"""
+    flags, data = mount_flags(options or [])
+    result = _libc.mount(source.encode(), fd_path(target_fd).encode(), fs_type.encode(), ctypes.c_ulong(flags),
+                         data.encode() or None)
+    if result != 0:
+        err = ctypes.get_errno()
+        detail = f" with options {','.join(options)}" if options else ""
+        raise OSError(err, f"mount {source} ({fs_type}){detail}: {os.strerror(err)}")
 
 
 def unmount_beneath(parent_fd: int, name: str) -> bool:
