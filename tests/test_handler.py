@@ -734,6 +734,33 @@ def test_a_second_sandbox_on_a_single_writer_volume_is_refused(env):
 # -- handler restarts ------------------------------------------------------------------------------
 
 
+def test_stats_follow_the_kernel_when_the_mount_changes_behind_the_handler(env):
+    """The condition is asked of the kernel on every call: a volume remounted
+    read-only, or unmounted, inside the sandbox by someone else shows at once
+    through the proxy, and so does its recovery."""
+    v = env.volume("pv-cond")
+    a = env.run_ok(env.bundle("cond", "exec sleep 600", [("/data", str(v.target))]), "sb-cond")
+    mount_point = a["volumes"][0]["mount_point"]
+    inside = ["nsenter", f"--target={a['pid']}", "--mount", "--"]
+
+    def condition() -> csi_pb2.VolumeCondition:
+        return env.proxy.node.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(
+            volume_id=v.volume_id, volume_path=str(v.target)), timeout=30).volume_condition
+
+    assert not condition().abnormal
+    subprocess.run(inside + ["mount", "-o", "remount,ro", mount_point], check=True)
+    c = condition()
+    assert c.abnormal and "read-only" in c.message
+    subprocess.run(inside + ["mount", "-o", "remount,rw", mount_point], check=True)
+    assert not condition().abnormal
+    subprocess.run(inside + ["umount", mount_point], check=True)
+    c = condition()
+    assert c.abnormal and "not mounted" in c.message
+    env.delete("sb-cond")
+    assert env.mounting(v) == []
+    env.unpublish(v)
+
+
 def test_a_sandbox_survives_a_handler_restart(short_lease):
     env = short_lease
     v = env.volume("pv-keep")

@@ -282,24 +282,15 @@ class MountNamespaceSandbox(Sandbox):
         await asyncio.to_thread(safe_subpath, self.root_view(mount_point), subpath)
 
     async def stats(self, mount_point: str, readonly: bool) -> VolumeStats:
-        view = self.root_view(mount_point)
-        st = os.statvfs(view)
-        total, free, avail = st.f_blocks * st.f_frsize, st.f_bfree * st.f_frsize, st.f_bavail * st.f_frsize
-        usage = [Usage(unit=Usage.BYTES, total=total, available=avail, used=total - free),
-                 Usage(unit=Usage.INODES, total=st.f_files, available=st.f_ffree, used=st.f_files - st.f_ffree)]
-        return VolumeStats(usage, self._condition(mount_point, readonly))
-
-    def _condition(self, mount_point: str, readonly: bool) -> csi_pb2.VolumeCondition:
-        entry = sysmount.at(mount_point, table=f"/proc/{self.pid}/mountinfo")
-        if entry is None:
-            return csi_pb2.VolumeCondition(abnormal=True, message="the volume is not mounted in the sandbox")
-        if "ro" in entry.super_options and not readonly:
-            return csi_pb2.VolumeCondition(abnormal=True, message="the file system went read-only in the sandbox")
-        errors = Path(f"/sys/fs/ext4/{os.path.basename(entry.source)}/errors_count")
-        if entry.fs_type == "ext4" and errors.exists() and int(errors.read_text().strip() or 0) > 0:
-            return csi_pb2.VolumeCondition(abnormal=True,
-                                           message=f"ext4 reports {errors.read_text().strip()} errors")
-        return csi_pb2.VolumeCondition(abnormal=False, message="mounted and healthy in the sandbox")
+        # Reached from the namespace's root without following a link, and
+        # measured on the descriptor the walk ended on.
+        with self._namespace_root() as ns_root, \
+                copath.reach(mount_point, "mount_point", root_fd=ns_root) as at, at.opened() as fd:
+            st = os.statvfs(fd)
+            total, free, avail = st.f_blocks * st.f_frsize, st.f_bfree * st.f_frsize, st.f_bavail * st.f_frsize
+            usage = [Usage(unit=Usage.BYTES, total=total, available=avail, used=total - free),
+                     Usage(unit=Usage.INODES, total=st.f_files, available=st.f_ffree, used=st.f_files - st.f_ffree)]
+            return VolumeStats(usage, volume_condition(at.parent_fd, fd, st, readonly))
 
     async def grow(self, fs_type: str, device: str, mount_point: str) -> None:
         try:
@@ -433,6 +424,37 @@ def safe_subpath(root_view: str, subpath: str) -> None:
             fd = nxt
     finally:
         os.close(fd)
+
+
+def volume_condition(parent_fd: int, fd: int, st: os.statvfs_result, readonly: bool) -> csi_pb2.VolumeCondition:
+    """The condition of the volume whose mount point is fd (reached from
+    parent_fd), asked of the kernel at a cost that does not depend on how
+    many mounts there are: a sandbox made with `unshare --mount` inherits
+    every host mount, so its mountinfo grows with the node's volumes, and
+    reading it on every stats call made stats O(volumes)."""
+    if sysmount.mount_id(fd) == sysmount.mount_id(parent_fd):
+        # The same mount as the directory holding it: nothing is mounted
+        # there (someone unmounted it, or it never was).
+        return csi_pb2.VolumeCondition(abnormal=True, message="the volume is not mounted in the sandbox")
+    # ST_RDONLY is also set for a read-only super block, which is how the
+    # kernel reacts to errors (errors=remount-ro).
+    if st.f_flag & os.ST_RDONLY and not readonly:
+        return csi_pb2.VolumeCondition(abnormal=True, message="the file system went read-only in the sandbox")
+    errors = ext4_errors(os.fstat(fd).st_dev)
+    if errors:
+        return csi_pb2.VolumeCondition(abnormal=True, message=f"ext4 reports {errors} errors")
+    return csi_pb2.VolumeCondition(abnormal=False, message="mounted and healthy in the sandbox")
+
+
+def ext4_errors(dev: int) -> int:
+    """The error count ext4 keeps for the file system on this block device
+    (0 for any other file system, or one without a block device)."""
+    try:
+        name = os.path.basename(os.readlink(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"))
+        with open(f"/sys/fs/ext4/{name}/errors_count") as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def _start_time(pid: int) -> str:
