@@ -1067,6 +1067,51 @@ def test_the_sweep_removes_only_entries_nobody_needs(env):
     assert sorted(os.listdir(e.mirror(held))) == ["mountInfo.json", "sb-1"]
 
 
+def test_the_sweep_goes_through_many_volumes(env):
+    """More volumes than one sweep batch: every gone target is swept, every
+    other one kept."""
+    e = env("--sweep-interval", "1")
+    targets = [e.target(f"many{i:03d}") for i in range(150)]
+    for t in targets:
+        e.stage(t)
+    for t in targets[::2]:
+        os.rmdir(t)
+    assert wait_for(lambda: len(e.volumes()) == 75, 10), len(e.volumes())
+    assert sorted(e.volumes()) == sorted(targets[1::2])
+    assert sorted(os.listdir(e.proxy.volumes_dir)) == sorted(sha(t) for t in targets[1::2])
+    assert sorted(os.listdir(e.proxy.kata_dir)) == sorted(b64(t) for t in targets[1::2])
+
+
+def test_a_restart_rewrites_only_the_entries_that_are_missing_or_differ(env):
+    """An entry that already holds its description is left as it is (no
+    write, so no watcher wakes up for nothing); one that is gone or differs
+    is written again from the record."""
+    e = env()
+    same, lost, changed = e.target("same"), e.target("lost"), e.target("changed")
+    for t in (same, lost, changed):
+        e.stage(t)
+    e.register("kata")
+    e.claim(same, "kata", "sb-1")
+    files = {t: [e.entry(t) / "mountInfo.json", e.mirror(t) / "mountInfo.json"] for t in (same, lost, changed)}
+    content = {t: [f.read_bytes() for f in files[t]] for t in files}
+    inodes = [f.stat().st_ino for f in files[same]]
+    e.stop()
+
+    for d in (e.entry(lost), e.mirror(lost)):  # the volumes directory was on /run, and the node rebooted
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+    files[changed][0].write_bytes(json.dumps({**e.info(changed), "device": "/dev/crust-stale"}).encode())
+    (e.mirror(same) / "sb-1").unlink()
+
+    e.start()
+    assert [f.stat().st_ino for f in files[same]] == inodes, "an entry that was right was written again"
+    for t in (same, lost, changed):
+        assert [f.read_bytes() for f in files[t]] == content[t]
+    assert sorted(os.listdir(e.mirror(same))) == ["mountInfo.json", "sb-1"]
+    assert sorted(os.listdir(e.proxy.volumes_dir)) == sorted(sha(t) for t in (same, lost, changed))
+
+
 # -- the runtime socket ---------------------------------------------------------------------
 
 

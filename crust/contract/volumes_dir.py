@@ -110,6 +110,30 @@ def clear_dir(parent_fd: int, name: str) -> bool:
     return True
 
 
+def _read_description(root: Path, name: str) -> bytes | None:
+    """name/mountInfo.json below root, if it is a regular file reached
+    without following a symlink; None otherwise."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            dir_fd = os.open(name, flags | os.O_DIRECTORY, dir_fd=root_fd)
+        finally:
+            os.close(root_fd)
+        try:
+            fd = os.open(MOUNT_INFO, flags, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read(1 << 20)
+
+
 class VolumesDir:
     def __init__(self, root: Path, kata_root: Path | None = None):
         self.root = root
@@ -153,6 +177,16 @@ class VolumesDir:
         except (FileNotFoundError, NotADirectoryError):
             return None
 
+    def holds(self, info: MountInfo) -> bool:
+        """Whether the entry, and the Kata mirror where there can be one,
+        already hold exactly this description (a start that finds them so
+        has nothing to write)."""
+        data = info.to_json()
+        places = [(self.root, digest(info.target_path))]
+        if self.kata_root is not None and len(kata_name(info.target_path).encode()) <= NAME_MAX:
+            places.append((self.kata_root, kata_name(info.target_path)))
+        return all(_read_description(root, name) == data for root, name in places)
+
     def runtime_cli(self, target_path: str) -> str | None:
         """The CLI a KEP-style runtime recorded for this volume, if any."""
         try:
@@ -189,13 +223,20 @@ class VolumesDir:
         with self._root(self.kata_root) as root_fd:
             try:
                 with open_dir(root_fd, name, create=False) as fd:
-                    for entry in os.listdir(fd):
+                    present = os.listdir(fd)
+                    changed = False
+                    for entry in present:
                         if entry != MOUNT_INFO and not entry.startswith(".") and entry != sandbox_id:
                             os.unlink(entry, dir_fd=fd)
-                    if sandbox_id:
+                            changed = True
+                    if sandbox_id and sandbox_id not in present:
                         f = os.open(sandbox_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=fd)
                         os.close(f)
-                    os.fsync(fd)
+                        changed = True
+                    if changed:
+                        # Only then: a start re-marks every claimed volume,
+                        # and an fsync each for nothing adds up.
+                        os.fsync(fd)
             except FileNotFoundError:
                 return
 

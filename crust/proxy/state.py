@@ -30,6 +30,7 @@ DEFERRED_PUBLISHED = Counter("volumes_published_with_deferred_ops",
                              "NodePublishVolume calls answered with a deferred-mount description")
 VOLUMES = Gauge("crust_proxy_deferred_volumes", "Deferred volumes by state", ["state"])
 HANDLERS = Gauge("crust_proxy_handlers", "Registered runtime handlers", ["lease"])
+SWEEP_BATCH = 64
 
 
 @dataclass
@@ -94,7 +95,11 @@ class ProxyState:
                          extra={"fields": {"target_path": volume.target_path}})
                 continue
             self.dir.clean_temporaries(volume.target_path)
-            await self._write_entry(volume)
+            if not self.dir.holds(volume.info):
+                # Only what is missing or differs (the directory was on /run
+                # and the node rebooted): rewriting every entry would cost a
+                # few fsyncs per volume at each start and wake every watcher.
+                await self._write_entry(volume)
             if volume.claim is not None:
                 self.dir.mark_sandbox(volume.target_path, volume.claim.sandbox_id)
             self.by_digest[key] = volume
@@ -109,7 +114,14 @@ class ProxyState:
     async def sweep(self) -> int:
         """Remove entries whose target path is gone and that no live sandbox holds."""
         removed = 0
-        for key in list(self.by_digest):
+        for i, key in enumerate(list(self.by_digest)):
+            if i % SWEEP_BATCH == SWEEP_BATCH - 1:
+                # Thousands of volumes: calls are served between batches
+                # instead of waiting for the whole pass.
+                await asyncio.sleep(0)
+            volume = self.by_digest.get(key)
+            if volume is None or os.path.lexists(volume.target_path):
+                continue  # the common case, decided without a lock of its own
             async with self._lock(key):
                 volume = self.by_digest.get(key)
                 if volume is None or os.path.lexists(volume.target_path):
