@@ -22,10 +22,10 @@ ratio largest/smallest.
 
 Run from the project root as root (loop devices and mounts):
 
-    .venv/bin/python bench/driver_lifecycle.py [--volumes 30] [--background 10,500] [--json OUT]
+    .venv/bin/python bench/driver_lifecycle.py [--volumes 30] [--background 10,1000] [--json OUT]
 
 The driver runs in a private mount namespace of its own (as a node plugin
-does in its container): the benchmark's 1,000 mounts stay out of the host's
+does in its container): the benchmark's 2,000 mounts stay out of the host's
 mount table, so mount namespaces other programs create meanwhile cannot copy
 and pin them, and the host's mounts do not inflate the driver's mountinfo.
 
@@ -65,7 +65,7 @@ from bench.benchlib import (  # noqa: E402
     write_json,
 )
 from bench.harness_driver import CO, Driver, Volume, tear_down  # noqa: E402
-from bench.harness_kernel import LoopNodes, snapshot_env  # noqa: E402
+from bench.harness_kernel import LoopNodes, rss_mib, snapshot_env  # noqa: E402
 
 MIB = 1024**2
 
@@ -166,6 +166,8 @@ def measure_scale(co: CO, pool: ThreadPoolExecutor, background: list[Volume], n:
         print(f"  retried (FAILED_PRECONDITION): {env['retries_while_measuring']}; last reason: "
               f"{co.last_retry_reason}", flush=True)
     env["loadavg_after"] = file_text("/proc/loadavg").split(" ")[0]
+    if driver.proc is not None:
+        env["driver_rss_mib"] = rss_mib(driver.proc.pid)
     cpu1 = cpu_sample(driver_pids)
     env.update({"other_processes_cpu_cores": others_cores(cpu0, cpu1), "iowait_cores": iowait_cores(cpu0, cpu1)})
     return {
@@ -257,6 +259,7 @@ def render_table(result: dict) -> str:
                 ("ms_mount_mounts", "one crust.sys.mount.mounts() (read + parse), ms"),
                 ("ms_mount_at", "one crust.sys.mount.at(), ms"),
                 ("ms_loop_devices_for", "one crust.sys.loop.devices_for() scan, ms"),
+                ("driver_rss_mib", "the driver's resident memory (VmRSS) after measuring, MiB"),
                 ("other_processes_cpu_cores", "CPU used by other processes while measuring, cores"),
                 ("iowait_cores", "iowait while measuring, cores")]
     out.append("")
@@ -277,9 +280,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "with N pre-existing staged and published volumes, at several N. Needs root.")
     p.add_argument("--volumes", type=int, default=30, metavar="N",
                    help="measured volumes per scale (each goes through the whole lifecycle; default 30)")
-    p.add_argument("--background", default="10,500", metavar="N,M,...",
+    p.add_argument("--background", default="10,1000", metavar="N,M,...",
                    help="pre-existing (created, controller-published, staged, published) volume counts, "
-                        "ascending; default 10,500")
+                        "ascending; default 10,1000")
     p.add_argument("--json", type=Path, metavar="OUT", help="also write every sample and the environment as JSON")
     p.add_argument("--jobs", type=int, default=4,
                    help="parallel CO calls while building/removing background volumes (never while measuring; "

@@ -66,6 +66,17 @@ def snapshot_env(root: Path, driver: Driver) -> dict:
     return env
 
 
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of a process (VmRSS), MiB; None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 class LoopNodes:
     """The loop device nodes a run made the kernel create: those it saw
     attached below its root or named in its driver's log, less those that

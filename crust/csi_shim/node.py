@@ -18,6 +18,12 @@ Safety rules, each a FAILED_PRECONDITION naming the holder: never defer a
 volume whose file system is mounted on the host, never host-mount a volume
 deferred to a sandbox, never defer a single-writer volume to a second target.
 Raw block volumes pass through to the backend unchanged.
+
+The checks cost the same whatever the number of volumes: a mount is looked
+up for its one place (crust.common.copath), and "mounted anywhere on the
+host" is first asked of the device itself (an exclusive open fails while a
+file system on it is mounted); only a device someone holds makes the shim
+read the whole mount table, to find where.
 """
 
 from __future__ import annotations
@@ -95,26 +101,46 @@ class NodeShim:
                 f"volume {rec.volume_id}: the backend no longer publishes its device ({exc}); "
                 "call NodeStageVolume again")
 
-    def _host_mounts(self, rec: ShimVolumeRecord) -> list[mount.MountEntry]:
-        """Mounts of the volume's file system on the host (not the device node)."""
+    def _host_mounts(self, rec: ShimVolumeRecord, *, probe: bool = True) -> list[mount.MountEntry]:
+        """Mounts of the volume's file system on the host (not the device node).
+
+        probe: first ask the device whether anyone holds it (O(1)); a free
+        device has no mount anywhere. Not while a sandbox may be mounting
+        the volume for another deferred target: the probe's brief exclusive
+        open would make that mount fail."""
         try:
-            _, major, minor = blockdev.resolve(rec.backend_target)
+            device, major, minor = blockdev.resolve(rec.backend_target)
+            if probe and not blockdev.claimed(device):
+                return []
         except (FileNotFoundError, ValueError):
             return []
         return mount.of_device(major, minor)
 
+    def _has_live_deferral(self, rec: ShimVolumeRecord, but: str = "") -> bool:
+        return any(p.deferred and t != but for t, p in rec.published.items())
+
     def _target_is_ours(self, target: str, deferred: bool, rec: ShimVolumeRecord) -> bool:
-        entry = mount.at(target)
+        entry = copath.mounted_at(target, "target_path")
         if entry is None:
             return False
         if deferred:
-            return entry.fs_type == "tmpfs" and entry.source == PLACEHOLDER_SOURCE
-        return any(m.mount_point == target for m in self._host_mounts(rec))
+            return self._is_placeholder(entry)
+        return self._is_host_mount(entry, rec)
 
-    def _is_host_mount(self, entry: mount.MountEntry, rec: ShimVolumeRecord) -> bool:
-        """Is this mount the volume's file system (a host publish)?"""
-        return any((m.mount_id, m.major, m.minor) == (entry.mount_id, entry.major, entry.minor)
-                   for m in self._host_mounts(rec))
+    def _is_host_mount(self, entry: mount.MountEntry | None, rec: ShimVolumeRecord) -> bool:
+        """Is this mount the volume's file system (a host publish, or the
+        shared mount at the staging path)?"""
+        if entry is None:
+            return False
+        try:
+            _, major, minor = blockdev.resolve(rec.backend_target)
+        except (FileNotFoundError, ValueError):
+            return False
+        return (entry.major, entry.minor) == (major, minor)
+
+    def _staged_on_host(self, rec: ShimVolumeRecord) -> bool:
+        """Is the volume's file system mounted at its staging path?"""
+        return self._is_host_mount(copath.mounted_at(rec.staging_path, "staging_target_path"), rec)
 
     @staticmethod
     def _is_placeholder(entry: mount.MountEntry | None) -> bool:
@@ -190,7 +216,7 @@ class NodeShim:
                     backend_target=str(backend_target), publish_context=dict(request.publish_context),
                     volume_context=dict(request.volume_context))
                 device, _, _ = self._device(record)
-                if not self._host_mounts(record):
+                if not self._host_mounts(record, probe=not self._has_live_deferral(record)):
                     await volumefs.format_if_blank(device, fs_type, volume_id)
             except Exception:
                 if rec is None:
@@ -223,7 +249,7 @@ class NodeShim:
                     raise FailedPrecondition(f"volume {volume_id} is still mounted on the host at {host[0].mount_point}")
                 with copath.reach(staging, "staging_target_path", checked=True) as staging_at:
                     staging_at.refuse_symlink()
-                    if any(m.mount_point == staging for m in self._host_mounts(rec)):
+                    if self._is_host_mount(staging_at.mount_entry(), rec):
                         staging_at.unmount_all()
             await self._release_backend(volume_id, context)
             await self.records.delete(volume_key(volume_id))
@@ -333,7 +359,7 @@ class NodeShim:
     async def _publish_deferred(self, rec: ShimVolumeRecord, target_at: copath.CoPath, wanted: ShimPublish,
                                 entry) -> None:
         target = target_at.path
-        host = self._host_mounts(rec)
+        host = self._host_mounts(rec, probe=not self._has_live_deferral(rec, but=target))
         if host:
             raise FailedPrecondition(
                 f"volume {rec.volume_id}: its file system is mounted on the host at {host[0].mount_point}; "
@@ -365,9 +391,8 @@ class NodeShim:
                     f"volume {rec.volume_id} has access mode SINGLE_NODE_SINGLE_WRITER and is published at {others[0]}")
         with copath.reach(rec.staging_path, "staging_target_path", create_parents=True,
                           checked=True) as staging_at:
-            staging_at.refuse_symlink()
-            staged = mount.at(rec.staging_path)
-            if staged is None or not any(m.mount_point == rec.staging_path for m in self._host_mounts(rec)):
+            staged = staging_at.mount_entry()
+            if not self._is_host_mount(staged, rec):
                 if staged is not None:
                     raise FailedPrecondition(
                         f"staging_target_path {rec.staging_path} has another mount ({staged.source})")
@@ -375,7 +400,8 @@ class NodeShim:
                 await volumefs.fill_device_offline(rec.fs_type, device)
                 await staging_at.mount(device, rec.fs_type, volumefs.mount_options(rec.fs_type, rec.mount_flags))
                 if rec.fs_type == "xfs":
-                    await volumefs.grow_online("xfs", device, rec.staging_path)
+                    with staging_at.opened() as staging_fd:
+                        await volumefs.grow_online("xfs", device, staging_fd)
             if entry is None:
                 async def bind() -> None:
                     target_at.bind_from(staging_at, readonly=wanted.readonly)
@@ -412,8 +438,8 @@ class NodeShim:
                     if not rec.host_targets():
                         # The last host publish is gone: unmount the shared host
                         # mount so the volume can be deferred again.
-                        if any(m.mount_point == rec.staging_path for m in self._host_mounts(rec)):
-                            with copath.reach(rec.staging_path, "staging_target_path", checked=True) as staging_at:
+                        with copath.reach(rec.staging_path, "staging_target_path", checked=True) as staging_at:
+                            if self._is_host_mount(staging_at.mount_entry(), rec):
                                 staging_at.unmount_all()
                     await self._save(rec)
                 return csi_pb2.NodeUnpublishVolumeResponse()
@@ -439,13 +465,14 @@ class NodeShim:
             response = await self.runtime.stats(path, context)
             return csi_pb2.NodeGetVolumeStatsResponse(usage=response.usage,
                                                       volume_condition=response.volume_condition)
-        host = [m for m in self._host_mounts(rec) if m.mount_point == path]
-        if not host:
-            raise NotFound(f"volume {volume_id} is not mounted at volume_path {path!r}")
         publish = rec.published.get(path)
         wanted_ro = publish.readonly if publish else False
-        with copath.reach(path, "volume_path", checked=True) as volume_at, volume_at.opened() as fd:
-            return volumefs.stats(fd, went_readonly="ro" in host[0].super_options and not wanted_ro)
+        with copath.reach(path, "volume_path", checked=True) as volume_at:
+            entry = volume_at.mount_entry()
+            if not self._is_host_mount(entry, rec):
+                raise NotFound(f"volume {volume_id} is not mounted at volume_path {path!r}")
+            with volume_at.opened() as fd:
+                return volumefs.stats(fd, went_readonly="ro" in entry.super_options and not wanted_ro)
 
     async def NodeExpandVolume(self, request: csi_pb2.NodeExpandVolumeRequest, context):
         volume_id = csi_input.required(request.volume_id, "volume_id")
@@ -474,8 +501,10 @@ class NodeShim:
                 rng = request.capacity_range if request.HasField("capacity_range") else None
                 capacity = await self.runtime.expand(path, rng, context)
                 return csi_pb2.NodeExpandVolumeResponse(capacity_bytes=capacity or size)
-            if any(m.mount_point == rec.staging_path for m in self._host_mounts(rec)):
-                await volumefs.grow_online(rec.fs_type, device, rec.staging_path)
+            with copath.reach(rec.staging_path, "staging_target_path", checked=True) as staging_at:
+                if self._is_host_mount(staging_at.mount_entry(), rec):
+                    with staging_at.opened() as staging_fd:
+                        await volumefs.grow_online(rec.fs_type, device, staging_fd)
             return csi_pb2.NodeExpandVolumeResponse(capacity_bytes=size)
 
 
