@@ -101,6 +101,45 @@ def test_a_read_only_bind_is_read_only_and_found_by_mount_id(tree):
         dst.remove()
 
 
+def test_the_entry_of_one_mount_is_its_mount_table_line(tree):
+    """entry_of() asks the kernel about one mount (statmount) instead of
+    reading the table; what it answers must be what the table says, for
+    odd names, options, read-only binds and stacked mounts alike."""
+    root, _ = tree
+    odd = root / "a b\\134c"
+    for path in (root / "plain", odd, root / "ro", root / "stacked"):
+        path.mkdir()
+    made = [
+        (root / "plain", "tmpfs", ["size=1m", "mode=0700", "noexec", "nosuid"]),
+        (odd, "tmpfs", ["size=2m"]),
+        (root / "stacked", "tmpfs", ["size=1m"]),
+        (root / "stacked", "tmpfs", ["ro", "size=3m", "noatime"]),
+    ]
+    for path, fs_type, options in made:
+        fd = os.open(path, os.O_PATH)
+        try:
+            asyncio.run(sysmount.mount_fd("src with space", fd, fs_type, options))
+        finally:
+            os.close(fd)
+    with copath.reach(str(root / "plain"), "staging_target_path") as src, \
+            copath.reach(str(root / "ro"), "target_path") as dst:
+        dst.bind_from(src, readonly=True)
+    answered_in_place = 0
+    for path in (root / "plain", odd, root / "ro", root / "stacked"):
+        fd = os.open(path, os.O_PATH)
+        try:
+            from_table = sysmount.by_id(sysmount.mount_id(fd))
+            assert sysmount.entry_of(fd) == from_table
+            ids = sysmount._statx_mount_ids(fd)
+            if ids is not None and ids[1] is not None and sysmount._statmount(ids[1]) == from_table:
+                answered_in_place += 1
+        finally:
+            os.close(fd)
+    assert sysmount.entry_of(os.open(root / "stacked", os.O_PATH)).super_options[0] == "ro"
+    if os.uname().release.split(".")[:2] >= ["6", "15"]:  # statmount with the source string
+        assert answered_in_place == 4
+
+
 def test_a_directory_moved_between_the_walk_and_the_mount_gets_no_mount(tree):
     root, outside = tree
     (root / "pod").mkdir()

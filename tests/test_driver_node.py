@@ -255,6 +255,39 @@ def test_stage_never_reformats_an_existing_file_system(driver, root):
     assert (target / "data.bin").read_bytes() == payload
 
 
+def fsck_clean(backing: Path) -> None:
+    result = subprocess.run(["e2fsck", "-f", "-n", str(backing)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_stage_formats_a_fresh_volume_thin_and_a_written_one_in_full(driver, root):
+    """A volume whose backing file holds no data reads as zeros: mkfs leaves
+    its inode tables and journal to those zeros and the file stays thin. A
+    volume with data in it but no signature is formatted in full: its old
+    bytes must not survive in the new file system's metadata."""
+    size = 256 * MIB
+    fresh = driver.create("thin", size, cap=mount_cap("ext4")).volume_id
+    written = driver.create("dirty", size, cap=mount_cap("ext4")).volume_id
+    with open(backing_file(driver, written), "r+b") as f:  # junk where inode tables go, no signature
+        for offset in range(0, size, 8 * MIB):
+            f.seek(offset + 4096 * 3)
+            f.write(b"\xa5" * 65536)
+        os.fsync(f.fileno())
+    assert blkid_type(backing_file(driver, written)) == ""
+    thin_before = backing_file(driver, fresh).stat().st_blocks * 512
+    for vid in (fresh, written):
+        staging = root.path / f"staging-{vid}"
+        driver.stage(vid, staging, mount_cap("ext4"))
+        write_synced(staging / "f", b"payload")
+        driver.unstage(vid, staging)
+        fsck_clean(backing_file(driver, vid))
+    thin_after = backing_file(driver, fresh).stat().st_blocks * 512
+    full_after = backing_file(driver, written).stat().st_blocks * 512
+    # ext4's tables and journal for 256 MiB are about 16 MiB of zeros.
+    assert thin_after - thin_before < 4 * MIB, thin_after
+    assert full_after > 12 * MIB, full_after
+
+
 def test_stage_and_publish_raw_block(driver, root):
     size = SIZE["block"]
     vid = driver.create("raw", size, cap=block_cap()).volume_id

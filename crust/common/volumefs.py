@@ -16,8 +16,9 @@ log = logging.getLogger(__name__)
 Usage = csi_pb2.VolumeUsage
 
 
-async def format_if_blank(device: str, fs_type: str, volume_id: str) -> bool:
-    """mkfs only a device blkid positively reports blank; True if formatted."""
+async def format_if_blank(device: str, fs_type: str, volume_id: str, *, zeroed: bool = False) -> bool:
+    """mkfs only a device blkid positively reports blank; True if formatted.
+    zeroed: the caller knows every block reads as zeros (see fs.make)."""
     try:
         probe = await fs.probe(device)
     except (OSError, CommandError) as exc:
@@ -25,7 +26,7 @@ async def format_if_blank(device: str, fs_type: str, volume_id: str) -> bool:
         raise Internal(f"cannot tell whether volume {volume_id} is blank, refusing to format it: {exc}")
     if probe.state is fs.ProbeState.BLANK:
         log.info("formatting blank volume", extra={"fields": {"fs_type": fs_type, "device": device}})
-        await fs.make(device, fs_type)
+        await fs.make(device, fs_type, zeroed=zeroed)
         return True
     if probe.fs_type != fs_type:
         raise FailedPrecondition(

@@ -216,7 +216,9 @@ class NodeShim:
                     backend_target=str(backend_target), publish_context=dict(request.publish_context),
                     volume_context=dict(request.volume_context))
                 device, _, _ = self._device(record)
-                if not self._host_mounts(record, probe=not self._has_live_deferral(record)):
+                # A repeated stage (rec found) formatted, or found formatted,
+                # the volume the first time: no second probe.
+                if rec is None and not self._host_mounts(record):
                     await volumefs.format_if_blank(device, fs_type, volume_id)
             except Exception:
                 if rec is None:

@@ -279,8 +279,10 @@ def _statmount(unique_id: int) -> MountEntry | None:
     raw = buf.raw
     u32 = lambda at: int.from_bytes(raw[at:at + 4], "little")  # noqa: E731
     u64 = lambda at: int.from_bytes(raw[at:at + 8], "little")  # noqa: E731
-    if u64(8) & _STATMOUNT_WANT != _STATMOUNT_WANT:
-        _statmount_works = False  # an older kernel without the source string
+    got = u64(8)
+    # The options' bit stays clear when a file system has none to show.
+    if got | _STATMOUNT_MNT_OPTS != _STATMOUNT_WANT:
+        _statmount_works = False  # an older kernel, without the source string
         return None
 
     def string(at: int) -> str:
@@ -294,14 +296,14 @@ def _statmount(unique_id: int) -> MountEntry | None:
     if attr & _MOUNT_ATTR_NOSYMFOLLOW:
         options.append("nosymfollow")
     super_options = ["ro" if sb_flags & _SB_RDONLY else "rw"] + [name for bit, name in _SB_OPTIONS if sb_flags & bit]
-    fs_options = string(4)
+    fs_options = string(4) if got & _STATMOUNT_MNT_OPTS else ""
     if fs_options:
         super_options += fs_options.split(",")
-    # The strings come escaped as in mountinfo (\040 for a space...).
+    # Paths and source come as they are (mountinfo escapes them); the file
+    # system's options come escaped by the file system, as in mountinfo.
     return MountEntry(
-        mount_id=u32(56), major=u32(16), minor=u32(20), root=_unescape(string(104)),
-        mount_point=_unescape(string(108)), options=tuple(options), fs_type=string(36),
-        source=_unescape(string(124)), super_options=tuple(super_options))
+        mount_id=u32(56), major=u32(16), minor=u32(20), root=string(104), mount_point=string(108),
+        options=tuple(options), fs_type=string(36), source=string(124), super_options=tuple(super_options))
 
 
 def fd_path(fd: int) -> str:
