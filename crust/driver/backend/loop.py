@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 from crust.common.atomicfile import fsync_dir
-from crust.sys.run import run
 
 ID_PATTERN = re.compile(r"^[a-z]{1,4}-[0-9a-f]{24}$")
 
@@ -96,14 +95,57 @@ async def copy_into(source: Path, final: Path, size: int, *, preallocate: bool =
     """Make `final` a copy of `source` (holes preserved), then grow it to size."""
     tmp = final.with_name(f".{final.name}.partial")
     tmp.unlink(missing_ok=True)
-    # cp keeps holes (and shares extents where the file system can), so a
-    # mostly empty 10 GiB volume copies in milliseconds.
-    await run(["cp", "--sparse=always", "--reflink=auto", "--", str(source), str(tmp)])
+    await asyncio.to_thread(_copy_data, source, tmp)
     await asyncio.to_thread(_grow_and_sync, tmp, size)
     if preallocate:
         await asyncio.to_thread(allocate, tmp, size)
     os.rename(tmp, final)
     fsync_dir(final.parent)
+
+
+def _copy_data(source: Path, dest: Path) -> None:
+    """Copy source into a new file dest, its data only: holes stay holes
+    (SEEK_DATA/SEEK_HOLE), so a mostly empty 10 GiB volume copies in
+    milliseconds, and copy_file_range lets the file system share extents
+    where it can (reflinks on xfs, btrfs). No child process (cp) per copy."""
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(src).st_size
+        dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(dst, size)
+            offset = 0
+            while offset < size:
+                try:
+                    start = os.lseek(src, offset, os.SEEK_DATA)
+                except OSError as exc:
+                    if exc.errno == errno.ENXIO:
+                        break  # only a hole from here to the end
+                    raise
+                end = os.lseek(src, start, os.SEEK_HOLE)
+                _copy_range(src, dst, start, end)
+                offset = end
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def _copy_range(src: int, dst: int, start: int, end: int) -> None:
+    position = start
+    while position < end:
+        try:
+            copied = os.copy_file_range(src, dst, end - position, position, position)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            copied = 0
+        if copied == 0:  # a file system that cannot: copy through memory
+            chunk = os.pread(src, min(end - position, 8 * 1024 * 1024), position)
+            if not chunk:
+                raise OSError(errno.EIO, "the source ended before its size")
+            copied = os.pwrite(dst, chunk, position)
+        position += copied
 
 
 def _grow_and_sync(path: Path, size: int) -> None:
