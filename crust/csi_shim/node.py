@@ -45,7 +45,7 @@ from crust.csi_shim.description import describe
 from crust.csi_shim.records import ShimPublish, ShimVolumeRecord, volume_key
 from crust.csi_shim.runtime_client import RuntimeClient
 from crust.csi_shim.translate import to_block
-from crust.sys import blockdev, fs, mount, ownership
+from crust.sys import blockdev, fs, loop, mount, ownership
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,10 @@ class NodeShim:
                 # A repeated stage (rec found) formatted, or found formatted,
                 # the volume the first time: no second probe.
                 if rec is None and not self._host_mounts(record):
-                    await volumefs.format_if_blank(device, fs_type, volume_id)
+                    # A loop device over a file with no data reads as zeros
+                    # whoever the backend is: mkfs need not write zeros.
+                    await volumefs.format_if_blank(device, fs_type, volume_id,
+                                                   zeroed=loop.reads_as_zeros(device))
             except Exception:
                 if rec is None:
                     # A failed first stage leaves no backend publish behind:

@@ -253,10 +253,8 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                             raise FailedPrecondition(
                                 f"staging_target_path {staging} has another file system mounted ({current.source})")
                         if current is None:
-                            # A device attached just now has no cache of its own
-                            # yet: its backing file tells what it reads.
-                            zeroed = attached_here and backend.reads_as_zeros(backing)
-                            await volumefs.format_if_blank(device, fs_type, volume_id, zeroed=zeroed)
+                            await volumefs.format_if_blank(device, fs_type, volume_id,
+                                                           zeroed=loop.reads_as_zeros(device))
                             await volumefs.fill_device_offline(fs_type, device)
                             await staging_at.mount(device, fs_type, volumefs.mount_options(fs_type, flags))
                             if fs_type == "xfs" and cap.access_mode.mode not in csi_input.READ_ONLY_MODES:

@@ -67,6 +67,40 @@ def serves(device: str, backing_file: str | os.PathLike) -> bool:
     return name.startswith("loop") and _backing_file(name) == os.path.realpath(backing_file)
 
 
+_BLKFLSBUF = 0x1261
+
+
+def reads_as_zeros(device: str) -> bool:
+    """Does every block of this loop device read as zeros? True when its
+    backing file holds no data at all (only holes, or blocks reserved and
+    never written), which one lseek(SEEK_DATA) tells, after the device's own
+    cache is written back to that file (BLKFLSBUF) so nothing written
+    through the device is missed. False for any other device, an offset or
+    size limit, a backing file this process cannot reach, and any doubt."""
+    name = os.path.basename(device)
+    try:
+        if not name.startswith("loop") or int((SYS_BLOCK / name / "loop" / "offset").read_text()) != 0:
+            return False
+        backing = _backing_file(name)
+        if not backing or backing.endswith(" (deleted)"):
+            return False
+        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, _BLKFLSBUF, 0)
+        finally:
+            os.close(fd)
+        fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except (OSError, ValueError):
+        return False
+    try:
+        os.lseek(fd, 0, os.SEEK_DATA)
+        return False  # some data (maybe zeros, but nobody reads it to know)
+    except OSError as exc:
+        return exc.errno == errno.ENXIO  # no data from the start to the end
+    finally:
+        os.close(fd)
+
+
 # ioctl numbers and flags of the loop driver (linux/loop.h).
 _LOOP_CLR_FD = 0x4C01
 _LOOP_SET_CAPACITY = 0x4C07

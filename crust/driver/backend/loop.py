@@ -172,23 +172,6 @@ def allocate(path: Path, size: int) -> None:
         os.close(fd)
 
 
-def reads_as_zeros(path: Path) -> bool:
-    """Does every byte of the file read as zero? True when the file holds no
-    data at all (only holes, or blocks reserved and never written), which
-    one lseek(SEEK_DATA) tells; False on any doubt."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        os.lseek(fd, 0, os.SEEK_DATA)
-        return False  # some data (maybe zeros, but no one checks)
-    except OSError as exc:
-        return exc.errno == errno.ENXIO  # no data from offset 0 to the end
-    finally:
-        os.close(fd)
-
-
 def allocated_bytes(path: Path) -> int:
     return os.stat(path).st_blocks * 512
 
