@@ -59,6 +59,12 @@ def _volume_fields(request: Message) -> dict:
     return fields
 
 
+# Wrapped handlers kept per method (see CrustInterceptor.intercept_service);
+# a bound, since a client may name any number of methods the passthrough
+# forwards.
+_MAX_CACHED_METHODS = 1024
+
+
 class CrustInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, component: str):
         self.component = component
@@ -67,26 +73,58 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._latency: dict[tuple[str, grpc.StatusCode], object] = {}
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is not None and handler.unary_unary is None and handler.stream_stream is not None:
-            return self._measured_stream(handler, details.method)
-        if handler is None or handler.unary_unary is None:
+        if handler is None:
             return handler
-        inner = handler.unary_unary
+        # A method's handler is the same object call after call (registered
+        # services, the passthrough's known methods), and so is its wrapper:
+        # built once instead of a closure and a handler per call.
         method = details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler, method)
+        if method in self._wrapped or len(self._wrapped) < _MAX_CACHED_METHODS:
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        """One call into crust_rpc_duration_seconds (its labelled child looked up once)."""
+        child = self._latency.get((method, code))
+        if child is None:
+            child = self._latency[(method, code)] = RPC_LATENCY.labels(self.component, method, code.name)
+        child.observe(seconds)
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        if handler.unary_unary is None:
+            if handler.stream_stream is not None:
+                return self._measured_stream(handler, method)
+            return handler
+        if handler.request_deserializer is None and handler.response_serializer is None:
+            # Raw bytes: a forwarded call, nothing here can read it.
+            return self._measured_forward(handler, method)
+        inner = handler.unary_unary
+        rpc = method.rsplit("/", 1)[-1]
+        level = logging.DEBUG if method in QUIET_METHODS else logging.INFO
 
         async def serve_one(request, context: grpc.aio.ServicerContext):
-            metadata = dict(context.invocation_metadata() or ())
-            request_id = metadata.get("x-request-id") or uuid.uuid4().hex[:12]
-            logs.log_fields.set({"component": self.component, "rpc": method.rsplit("/", 1)[-1],
-                                 "request_id": request_id, **_volume_fields(request)})
+            request_id = None
+            for key, value in context.invocation_metadata() or ():
+                if key == "x-request-id":
+                    request_id = value
+            logs.log_fields.set({"component": self.component, "rpc": rpc,
+                                 "request_id": request_id or uuid.uuid4().hex[:12], **_volume_fields(request)})
             remaining = context.time_remaining()
             rpc_deadline.set(time.monotonic() + remaining if remaining is not None else None)
-            quiet = method in QUIET_METHODS
-            log.log(logging.DEBUG if quiet else logging.INFO, "request",
-                    extra={"fields": {"request": redacted(request)}})
+            # The redacted copy of the request is the costly part of a log
+            # line: made only when the line is written.
+            logged = log.isEnabledFor(level)
+            if logged:
+                log.log(level, "request", extra={"fields": {"request": redacted(request)}})
             started = time.monotonic()
             code, message = grpc.StatusCode.OK, ""
             self.in_flight += 1
@@ -111,10 +149,10 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
                 if self.in_flight == 0:
                     self.idle.set()
                 elapsed = time.monotonic() - started
-                RPC_LATENCY.labels(self.component, method, code.name).observe(elapsed)
+                self._observe(method, code, elapsed)
             if code is grpc.StatusCode.OK:
-                log.log(logging.DEBUG if quiet else logging.INFO, "ok",
-                        extra={"fields": {"ms": round(elapsed * 1e3, 2)}})
+                if logged:
+                    log.log(level, "ok", extra={"fields": {"ms": round(elapsed * 1e3, 2)}})
                 return response
             log.warning("failed", extra={"fields": {"code": code.name, "error": message,
                                                     "ms": round(elapsed * 1e3, 2)}})
@@ -126,10 +164,41 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
             response_serializer=handler.response_serializer,
         )
 
+    def _measured_forward(self, handler, method: str):
+        """A forwarded unary call (the shim's and the proxy's passthrough of
+        known CSI methods): counted like a served one, latency and final
+        code, and waited for by a graceful stop; its bytes are not read, so
+        there is nothing to log."""
+        inner = handler.unary_unary
+
+        async def forward_one(request, context: grpc.aio.ServicerContext):
+            started = time.monotonic()
+            code = grpc.StatusCode.OK
+            self.in_flight += 1
+            self.idle.clear()
+            try:
+                return await inner(request, context)
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception:
+                code = grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                self.in_flight -= 1
+                if self.in_flight == 0:
+                    self.idle.set()
+                self._observe(method, code, time.monotonic() - started)
+
+        return grpc.unary_unary_rpc_method_handler(forward_one, request_deserializer=None, response_serializer=None)
 
     def _measured_stream(self, handler, method: str):
-        """A forwarded call (the shim's and the proxy's passthrough): its
-        latency and final code are counted like those of a served one."""
+        """A forwarded call of a method the passthrough cannot take for
+        unary (not in the CSI proto, or streaming): its latency and final
+        code are counted like those of a served one."""
         inner = handler.stream_stream
 
         async def serve_stream(request_iterator, context: grpc.aio.ServicerContext):
@@ -148,7 +217,7 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
                 code = grpc.StatusCode.UNKNOWN
                 raise
             finally:
-                RPC_LATENCY.labels(self.component, method, code.name).observe(time.monotonic() - started)
+                self._observe(method, code, time.monotonic() - started)
 
         return grpc.stream_stream_rpc_method_handler(
             serve_stream, request_deserializer=handler.request_deserializer,

@@ -1,14 +1,20 @@
-"""Byte-level forwarding of every RPC the shim does not change.
+"""Byte-level forwarding of every RPC the shim (or the proxy) does not change.
 
-The handler is registered last, so it only sees methods no servicer of the
-shim claims, including methods of a newer CSI the shim has never heard of.
-Requests and responses are forwarded as raw bytes (no deserialisation), with
-the caller's metadata and remaining deadline; the backend's initial and
-trailing metadata, status code and message come back unchanged. The shim
-cannot know whether an unknown method streams, so it looks at the caller: a
-unary caller (every CSI RPC) sends its one message and its half-close
-together, and is forwarded as a unary request; any other caller is forwarded
-as a bidirectional stream. Both forward any number of responses.
+The handler is registered last, so it only sees methods no servicer claims,
+including methods of a newer CSI than this one. Requests and responses are
+forwarded as raw bytes (no deserialisation), with the caller's metadata and
+remaining deadline; the backend's initial and trailing metadata, status code
+and message come back unchanged.
+
+Methods the CSI proto declares unary (all but SnapshotMetadata's two) are
+served as unary calls on both sides, from handlers and client stubs built
+once: one batch of operations each way per call, which is what a hop costs
+least (a stream handler costs several more completion-queue round trips per
+call; measured in docs/benchmarks.md). For any other method the handler
+cannot know whether it streams, so it looks at the caller: a unary caller
+sends its one message and its half-close together, and is forwarded as a
+unary request; any other caller is forwarded as a bidirectional stream. Both
+forward any number of responses.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import asyncio
 import logging
 
 import grpc
+
+from crust.api import csi_pb2
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +72,51 @@ def forwardable_metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, s
             if not k.startswith(":") and k not in _HOP_BY_HOP]
 
 
+def unary_methods() -> list[str]:
+    """Full names (/csi.v1.Service/Method) of the CSI methods that are unary both ways."""
+    return [f"/{service.full_name}/{method.name}"
+            for service in csi_pb2.DESCRIPTOR.services_by_name.values()
+            for method in service.methods
+            if not method.client_streaming and not method.server_streaming]
+
+
+def unary_forwarder(channel: grpc.aio.Channel, method: str) -> grpc.RpcMethodHandler:
+    """A raw unary handler forwarding `method` to `channel`."""
+    # Made once per method, not per call.
+    backend = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+
+    async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        call = backend(request, timeout=forward_timeout(context), metadata=forwardable_metadata(context))
+        try:
+            response = await call
+        except grpc.aio.AioRpcError as exc:
+            log.debug("backend answered %s for %s", exc.code().name, method)
+            # abort() takes trailing metadata as a tuple only: grpc.aio's
+            # Metadata object made a backend's error with trailers UNKNOWN.
+            await context.abort(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
+        # Both arrived with the answer (one batch): awaiting them does not
+        # wait. Only a backend that sends metadata costs an extra operation.
+        initial = await call.initial_metadata()
+        if initial:
+            await context.send_initial_metadata(initial)
+        trailing = await call.trailing_metadata()
+        if trailing:
+            context.set_trailing_metadata(trailing)
+        return response
+
+    return grpc.unary_unary_rpc_method_handler(forward, request_deserializer=None, response_serializer=None)
+
+
 class Passthrough(grpc.GenericRpcHandler):
     def __init__(self, channel: grpc.aio.Channel):
         self.channel = channel
+        self.unary = {method: unary_forwarder(channel, method) for method in unary_methods()}
 
     def service(self, details: grpc.HandlerCallDetails):
         method = details.method
+        known = self.unary.get(method)
+        if known is not None:
+            return known
         channel = self.channel
 
         async def forward(request_iterator, context: grpc.aio.ServicerContext):
@@ -111,7 +158,7 @@ class Passthrough(grpc.GenericRpcHandler):
                     context.set_trailing_metadata(trailing)
             except grpc.aio.AioRpcError as exc:
                 log.debug("backend answered %s for %s", exc.code().name, method)
-                await context.abort(exc.code(), exc.details() or "", exc.trailing_metadata() or ())
+                await context.abort(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
             finally:
                 if following is not None and not following.done():
                     following.cancel()

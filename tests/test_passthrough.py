@@ -1,0 +1,186 @@
+"""The CSI calls the shim and the proxy forward unchanged, through real
+`crust shim` and `crust proxy` processes in front of a small gRPC backend
+that shows what reached it: bytes, metadata both ways, deadline, status,
+metrics, and a graceful stop that lets a forwarded call finish.
+
+(Unknown methods and streams, which take the passthrough's other path, are
+covered in tests/test_shim.py.)
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+import urllib.request
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from crust.api import csi_pb2
+from crust.csi_shim.passthrough import unary_methods
+
+Code = grpc.StatusCode
+RPC = csi_pb2.NodeServiceCapability.RPC
+LIST = "/csi.v1.Controller/ListVolumes"
+GET = "/csi.v1.Controller/ControllerGetVolume"
+INFO = "/csi.v1.Node/NodeGetInfo"
+
+
+@dataclass
+class Backend:
+    """A CSI backend whose ListVolumes, ControllerGetVolume and NodeGetInfo
+    are raw (bytes in, bytes out) and record what they were sent."""
+
+    socket: Path
+    info_delay: float = 0.0
+    seen: list[dict] = field(default_factory=list)
+    started: threading.Event = field(default_factory=threading.Event)
+    server: grpc.Server | None = None
+
+    def start(self) -> Backend:
+        def plugin_info(request, context):
+            return csi_pb2.GetPluginInfoResponse(name="raw.csi.example", vendor_version="1.2.3")
+
+        def node_caps(request, context):
+            return csi_pb2.NodeGetCapabilitiesResponse(capabilities=[
+                csi_pb2.NodeServiceCapability(rpc=csi_pb2.NodeServiceCapability.RPC(type=RPC.STAGE_UNSTAGE_VOLUME))])
+
+        def record(request: bytes, context) -> None:
+            self.seen.append({"request": request, "metadata": list(context.invocation_metadata()),
+                              "time_remaining": context.time_remaining()})
+
+        def list_volumes(request: bytes, context):
+            record(request, context)
+            context.send_initial_metadata((("x-initial", "i"),))
+            context.set_trailing_metadata((("x-trailer", "t"), ("x-bin-bin", b"\x00\xff")))
+            return b"\x12\x04next" + request  # any bytes: nobody between parses them
+
+        def get_volume(request: bytes, context):
+            record(request, context)
+            context.set_trailing_metadata((("x-why", "gone"),))
+            context.abort(Code.NOT_FOUND, "volume vol-x: not here")
+
+        def node_info(request: bytes, context):
+            record(request, context)
+            self.started.set()
+            time.sleep(self.info_delay)
+            return csi_pb2.NodeGetInfoResponse(node_id="slow-node").SerializeToString()
+
+        raw = {"request_deserializer": None, "response_serializer": None}
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server.add_generic_rpc_handlers((
+            grpc.method_handlers_generic_handler("csi.v1.Identity", {
+                "GetPluginInfo": grpc.unary_unary_rpc_method_handler(
+                    plugin_info, request_deserializer=csi_pb2.GetPluginInfoRequest.FromString,
+                    response_serializer=csi_pb2.GetPluginInfoResponse.SerializeToString)}),
+            grpc.method_handlers_generic_handler("csi.v1.Node", {
+                "NodeGetCapabilities": grpc.unary_unary_rpc_method_handler(
+                    node_caps, request_deserializer=csi_pb2.NodeGetCapabilitiesRequest.FromString,
+                    response_serializer=csi_pb2.NodeGetCapabilitiesResponse.SerializeToString),
+                "NodeGetInfo": grpc.unary_unary_rpc_method_handler(node_info, **raw)}),
+            grpc.method_handlers_generic_handler("csi.v1.Controller", {
+                "ListVolumes": grpc.unary_unary_rpc_method_handler(list_volumes, **raw),
+                "ControllerGetVolume": grpc.unary_unary_rpc_method_handler(get_volume, **raw)}),
+        ))
+        self.server.add_insecure_port(f"unix://{self.socket}")
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(0).wait()
+            self.server = None
+
+
+@pytest.fixture
+def backend(root):
+    b = Backend(socket=root.path / "raw.sock").start()
+    yield b
+    b.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            text = opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def calls(metrics: dict, component: str, method: str, code: str) -> float:
+    return metrics.get(("crust_rpc_duration_seconds_count",
+                        (("code", code), ("component", component), ("method", method))), 0)
+
+
+def test_the_csi_methods_forwarded_as_unary_calls_are_all_but_the_streaming_ones():
+    methods = unary_methods()
+    assert LIST in methods and GET in methods and "/csi.v1.Node/NodePublishVolume" in methods
+    assert "/csi.v1.SnapshotMetadata/GetMetadataAllocated" not in methods
+    assert "/csi.v1.SnapshotMetadata/GetMetadataDelta" not in methods
+    declared = sum(len(s.methods) for s in csi_pb2.DESCRIPTOR.services_by_name.values())
+    assert len(methods) == len(set(methods)) == declared - 2
+
+
+def test_known_methods_cross_both_hops_unchanged_and_are_counted(root, backend):
+    shim_port, proxy_port = free_port(), free_port()
+    shim = root.shim(backend, extra=["--metrics-port", str(shim_port)]).start()
+    proxy = root.proxy(shim, extra=["--metrics-port", str(proxy_port)]).start()
+    payload = b"\x08\x05\x12\x03abc"  # ListVolumesRequest(max_entries=5, starting_token="abc")
+
+    for door in (shim, proxy):
+        before = len(backend.seen)
+        response, call = door.channel.unary_unary(LIST).with_call(
+            payload, metadata=(("x-test", door.endpoint_name),), timeout=5)
+        assert response == b"\x12\x04next" + payload
+        seen = backend.seen[before]
+        assert seen["request"] == payload
+        assert ("x-test", door.endpoint_name) in seen["metadata"]
+        # Each hop forwards a little less than what it had left, never more.
+        assert 3 < seen["time_remaining"] < 5
+        assert ("x-initial", "i") in call.initial_metadata()
+        trailing = tuple(call.trailing_metadata())
+        assert ("x-trailer", "t") in trailing and ("x-bin-bin", b"\x00\xff") in trailing
+
+        with pytest.raises(grpc.RpcError) as info:
+            door.channel.unary_unary(GET)(b"\x0a\x05vol-x", timeout=5)
+        assert (info.value.code(), info.value.details()) == (Code.NOT_FOUND, "volume vol-x: not here")
+        assert ("x-why", "gone") in tuple(info.value.trailing_metadata())
+
+    # Identity passes through both: the backend's name, unchanged.
+    assert proxy.identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest(), timeout=5).name == "raw.csi.example"
+
+    # Counted like served calls, by method and final code (the shim saw
+    # each call twice: once directly, once from the proxy).
+    at_shim, at_proxy = scrape(shim_port), scrape(proxy_port)
+    assert calls(at_shim, "shim", LIST, "OK") == 2 and calls(at_shim, "shim", GET, "NOT_FOUND") == 2
+    assert calls(at_proxy, "proxy-csi", LIST, "OK") == 1 and calls(at_proxy, "proxy-csi", GET, "NOT_FOUND") == 1
+
+
+def test_a_stopping_shim_lets_a_forwarded_call_finish(root, backend):
+    backend.info_delay = 1.0
+    shim = root.shim(backend).start()
+    pending = shim.channel.unary_unary(INFO).future(b"", timeout=10)
+    assert backend.started.wait(5)
+    shim.proc.send_signal(signal.SIGTERM)
+    answer = csi_pb2.NodeGetInfoResponse.FromString(pending.result(timeout=10))
+    assert answer.node_id == "slow-node"
+    assert shim.proc.wait(15) == 0
