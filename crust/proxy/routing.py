@@ -27,27 +27,29 @@ HANDLER_TIMEOUT = 10.0
 class Router:
     def __init__(self, state: ProxyState):
         self.state = state
-        # One channel per handler endpoint and lease. A handler that
-        # registers again (restarted) gets a fresh channel with its own
-        # connection (crust.common.channel): the old one may sit in its
-        # reconnect backoff (up to a second) after failing to reach the dead
-        # handler, and would refuse the first calls meanwhile.
-        self.channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
+        # One channel per handler endpoint and lease, with its stub (made
+        # once: a stub builds a callable per method of the service). A
+        # handler that registers again (restarted) gets a fresh channel with
+        # its own connection (crust.common.channel): the old one may sit in
+        # its reconnect backoff (up to a second) after failing to reach the
+        # dead handler, and would refuse the first calls meanwhile.
+        self.channels: dict[str, tuple[str, grpc.aio.Channel, handler_pb2_grpc.HandlerStub]] = {}
         self._closing: set[asyncio.Task] = set()
 
     def _stub(self, handler) -> handler_pb2_grpc.HandlerStub:
-        lease, channel = self.channels.get(handler.endpoint, ("", None))
+        lease, channel, stub = self.channels.get(handler.endpoint, ("", None, None))
         if channel is None or lease != handler.lease_id:
             if channel is not None:
                 task = asyncio.get_running_loop().create_task(channel.close())
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
             channel = local_aio_channel(handler.endpoint)
-            self.channels[handler.endpoint] = (handler.lease_id, channel)
-        return handler_pb2_grpc.HandlerStub(channel)
+            stub = handler_pb2_grpc.HandlerStub(channel)
+            self.channels[handler.endpoint] = (handler.lease_id, channel, stub)
+        return stub
 
     async def close(self) -> None:
-        for _, channel in self.channels.values():
+        for _, channel, _ in self.channels.values():
             await channel.close()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
