@@ -16,9 +16,11 @@ the client sees it:
 
 It does so at several scales: with N "background" volumes already present
 in the driver, each created, controller-published, staged and published (so
-mountinfo, the loop devices and the records all grow). Each scale reports
-median and p90 per step; the table shows the scales side by side with the
-ratio largest/smallest.
+mountinfo, the loop devices and the records all grow). Each scale has a
+driver of its own, and the measured lifecycles alternate between the
+drivers (the order rotating every round), so that every scale meets the
+same load on the machine. Each scale reports median and p90 per step; the
+table shows the scales side by side with the ratio largest/smallest.
 
 Run from the project root as root (loop devices and mounts):
 
@@ -122,60 +124,58 @@ def measure_one(co: CO, root: Path, tag: str, args) -> tuple[dict, dict]:
     return te, tx
 
 
-def measure_scale(co: CO, pool: ThreadPoolExecutor, background: list[Volume], n: int, args,
-                  loop_nodes: LoopNodes) -> dict:
-    """Bring the background volumes up to n, then measure args.volumes lifecycles."""
-    driver, root = co.d, co.d.root
+def build_scale(co: CO, pool: ThreadPoolExecutor, n: int, args, loop_nodes: LoopNodes) -> dict:
+    """Bring a driver's background volumes up to n; what it walks over then."""
+    root = co.d.root
     t0 = time.monotonic()
     todo = [Volume(f"bg-{i:05d}", "ext4", args.ext4_size * MIB, str(root / "bg" / f"{i:05d}" / "staging"),
-                   str(root / "bg" / f"{i:05d}" / "target")) for i in range(len(background), n)]
-    background.extend(todo)
+                   str(root / "bg" / f"{i:05d}" / "target")) for i in range(n)]
     for fut in [pool.submit(co.bring_up, v) for v in todo]:
         fut.result()
     loop_nodes.note()
     built = time.monotonic() - t0
-    # Start each measurement from a clean page cache: writeback of what
-    # building the background dirtied would otherwise slow every fsync.
-    t_sync = time.monotonic()
+    print(f"[{n} background volumes] ready in {built:.1f}s", flush=True)
+    return {"background": n, "build_seconds": round(built, 1), "driver": co.d}
+
+
+def measure_interleaved(cos: dict[int, CO], scales: dict[int, dict], args) -> None:
+    """args.volumes lifecycles on each driver, alternating between them (the
+    order rotating every round), so every scale meets the same machine."""
+    # Start from a clean page cache: writeback of what building the
+    # background dirtied would otherwise slow every fsync.
     os.sync()
-    synced = time.monotonic() - t_sync
-    env = snapshot_env(root, driver)
-    env["sync_seconds_after_build"] = round(synced, 1)
-    print(f"\n[{n} background volumes] ready (+{len(todo)} in {built:.1f}s); mountinfo {env['mountinfo_lines']} "
-          f"lines, {env['loop_nodes_in_sys_block']} loop nodes; measuring {args.volumes} volumes",
-          flush=True)
-    ext4 = {s: [] for s in EXT4_STEPS + ["total", "NodeGetCapabilities"]}
-    xfs = {s: [] for s in XFS_STEPS}
-    t1 = time.monotonic()
-    retries0 = dict(co.retries)
-    driver_pids = [driver.proc.pid] if driver.proc else []
-    cpu0 = cpu_sample(driver_pids)
+    for n, scale in scales.items():
+        scale["env"] = snapshot_env(cos[n].d.root, cos[n].d)
+        scale["samples"] = ({s: [] for s in EXT4_STEPS + ["total", "NodeGetCapabilities"]},
+                            {s: [] for s in XFS_STEPS})
+    pids = [co.d.proc.pid for co in cos.values() if co.d.proc]
+    cpu0, retries0, t1 = cpu_sample(pids), {n: dict(co.retries) for n, co in cos.items()}, time.monotonic()
+    order = list(scales)
     for i in range(args.volumes):
-        te, tx = measure_one(co, root, f"{n}-{i:03d}", args)
-        for k, v in te.items():
-            ext4[k].append(v)
-        for k, v in tx.items():
-            xfs[k].append(v)
+        for n in order[i % len(order):] + order[:i % len(order)]:
+            te, tx = measure_one(cos[n], cos[n].d.root, f"{n}-{i:03d}", args)
+            for k, v in te.items():
+                scales[n]["samples"][0][k].append(v)
+            for k, v in tx.items():
+                scales[n]["samples"][1][k].append(v)
         if (i + 1) % 10 == 0:
-            print(f"  {i + 1}/{args.volumes} (lifecycle median so far "
-                  f"{statistics.median(ext4['total']):.0f} ms)", flush=True)
-    loop_nodes.note()
-    env["retries_while_measuring"] = {k: v - retries0.get(k, 0) for k, v in co.retries.items()
-                                      if v - retries0.get(k, 0)}
-    if env["retries_while_measuring"]:
-        print(f"  retried (FAILED_PRECONDITION): {env['retries_while_measuring']}; last reason: "
-              f"{co.last_retry_reason}", flush=True)
-    env["loadavg_after"] = file_text("/proc/loadavg").split(" ")[0]
-    if driver.proc is not None:
-        env["driver_rss_mib"] = rss_mib(driver.proc.pid)
-    cpu1 = cpu_sample(driver_pids)
-    env.update({"other_processes_cpu_cores": others_cores(cpu0, cpu1), "iowait_cores": iowait_cores(cpu0, cpu1)})
-    return {
-        "background": n, "build_seconds": round(built, 1),
-        "measure_seconds": round(time.monotonic() - t1, 1), "env": env,
-        "steps": {"ext4": {k: summarize(v) for k, v in ext4.items()},
-                  "xfs": {k: summarize(v) for k, v in xfs.items()}},
-    }
+            print(f"  {i + 1}/{args.volumes} rounds (lifecycle medians so far: " + ", ".join(
+                f"{n} bg {statistics.median(scales[n]['samples'][0]['total']):.0f} ms" for n in order) + ")",
+                flush=True)
+    cpu1 = cpu_sample(pids)
+    for n, scale in scales.items():
+        co, env = cos[n], scale["env"]
+        env["retries_while_measuring"] = {k: v - retries0[n].get(k, 0) for k, v in co.retries.items()
+                                          if v - retries0[n].get(k, 0)}
+        env["loadavg_after"] = file_text("/proc/loadavg").split(" ")[0]
+        if co.d.proc is not None:
+            env["driver_rss_mib"] = rss_mib(co.d.proc.pid)
+        env.update({"other_processes_cpu_cores": others_cores(cpu0, cpu1), "iowait_cores": iowait_cores(cpu0, cpu1)})
+        ext4, xfs = scale.pop("samples")
+        scale.pop("driver")
+        scale["measure_seconds"] = round(time.monotonic() - t1, 1)
+        scale["steps"] = {"ext4": {k: summarize(v) for k, v in ext4.items()},
+                          "xfs": {k: summarize(v) for k, v in xfs.items()}}
 
 
 # -- statistics and output ------------------------------------------------------------
@@ -315,55 +315,59 @@ def main(argv=None) -> int:
 
     raise_on_signals()
 
-    # Short path: unix socket paths must stay under 108 bytes.
-    root = Path(tempfile.mkdtemp(prefix="crust-bench-")).resolve()
-    loop_nodes = LoopNodes(root)
-    driver = Driver(root)
-    co = CO(driver)
+    # One driver per scale, each in its own root and mount namespace. Short
+    # paths: unix socket paths must stay under 108 bytes.
+    roots = {n: Path(tempfile.mkdtemp(prefix="crust-bench-")).resolve() for n in args.scales}
+    loop_nodes = {n: LoopNodes(r) for n, r in roots.items()}
+    cos = {n: CO(Driver(r)) for n, r in roots.items()}
     pool = ThreadPoolExecutor(max_workers=max(1, args.jobs))
     result = {
         **run_header("driver_lifecycle", argv, machine(
             loop_max_loop=file_text("/sys/module/loop/parameters/max_loop"))),
         "config": {"volumes_per_scale": args.volumes, "background": args.scales, "ext4_mib": args.ext4_size,
                    "xfs_mib": args.xfs_size, "xfs_grown_mib": args.xfs_size + args.xfs_grow,
-                   "access": "mount, SINGLE_NODE_WRITER", "jobs": args.jobs},
+                   "access": "mount, SINGLE_NODE_WRITER", "jobs": args.jobs, "interleaved": True},
         "scales": [],
     }
     started = time.monotonic()
 
     def run() -> None:
-        driver.start()
-        print(f"crust driver ({result['code']}) up in {root} ({result['machine']['cpus']} CPUs, "
-              f"kernel {result['machine']['kernel']})", flush=True)
-        # One warm-up lifecycle (imports, first subprocesses, page cache), not counted.
-        measure_one(co, root, "warmup", args)
-        background: list[Volume] = []
-        for n in args.scales:
-            result["scales"].append(measure_scale(co, pool, background, n, args, loop_nodes))
+        for n, co in cos.items():
+            co.d.start()
+            print(f"crust driver for {n} background volumes ({result['code']}) up in {co.d.root} "
+                  f"({result['machine']['cpus']} CPUs, kernel {result['machine']['kernel']})", flush=True)
+            # One warm-up lifecycle (imports, first subprocesses, page cache), not counted.
+            measure_one(co, co.d.root, "warmup", args)
+        scales = {n: build_scale(co, pool, n, args, loop_nodes[n]) for n, co in cos.items()}
+        print(f"measuring {args.volumes} lifecycles on each driver, interleaved", flush=True)
+        measure_interleaved(cos, scales, args)
+        result["scales"] = [scales[n] for n in args.scales]
         result["wall_seconds"] = round(time.monotonic() - started, 1)
         print()
         print(render_table(result))
 
     def failed(exc: Exception) -> None:
-        why = ""
-        if driver.proc is not None and driver.proc.poll() is not None:
-            why = f"the driver exited (code {driver.proc.returncode}); "
-        elif driver.proc is not None and not driver.socket.exists():
-            why = "the driver's socket disappeared (something removed files under the root?); "
-        report_failure(exc, why)
-        print(f"--- driver log tail ---\n{driver.log_tail()}", file=sys.stderr, flush=True)
+        report_failure(exc, "")
+        for co in cos.values():
+            d = co.d
+            if d.proc is not None and d.proc.poll() is not None:
+                print(f"the driver in {d.root} exited (code {d.proc.returncode})", file=sys.stderr)
+            print(f"--- driver log tail ({d.root}) ---\n{d.log_tail()}", file=sys.stderr, flush=True)
 
     cleanup: dict = {}
 
     def clean_up() -> bool:
         pool.shutdown(wait=True, cancel_futures=True)
-        report, complete = tear_down(driver, co, root, args.jobs, loop_nodes, args.keep_loop_nodes)
-        cleanup.update(report)
+        complete = True
+        for n, co in cos.items():
+            report, done = tear_down(co.d, co, roots[n], args.jobs, loop_nodes[n], args.keep_loop_nodes)
+            cleanup[str(n)] = report
+            complete = complete and done
         return complete
 
     status = guarded_run(run, clean_up, failed)
     if args.json and result["scales"]:
-        result["retries_total"] = co.retries
+        result["retries_total"] = {str(n): co.retries for n, co in cos.items()}
         result["cleanup"] = cleanup
         write_json(args.json, result)
     return status
