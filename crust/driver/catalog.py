@@ -29,6 +29,14 @@ class Catalog:
         self.snapshots: dict[str, SnapshotRecord] = {}
         self.volume_names: dict[str, str] = {}
         self.snapshot_names: dict[str, str] = {}
+        # Per-node sums, kept as records are indexed and forgotten, so that
+        # placing a volume and checking an attach limit cost the same with a
+        # thousand volumes as with ten. What each record last added is kept
+        # to take it out again when the record changes.
+        self._promised: dict[str, int] = {}  # node -> bytes of its volumes and snapshots
+        self._attached: dict[str, set[str]] = {}  # node -> volumes published to it
+        self._volume_marks: dict[str, tuple[str, int, tuple[str, ...]]] = {}
+        self._snapshot_marks: dict[str, tuple[str, int]] = {}
 
     # -- pools (the node registry of the loop backend) ----------------------
 
@@ -48,9 +56,11 @@ class Catalog:
 
     def provisioned(self, node_id: str) -> int:
         """Bytes promised on a pool: volumes plus snapshots."""
-        total = sum(v.capacity_bytes for v in self.volumes.values() if v.node == node_id)
-        total += sum(s.size_bytes for s in self.snapshots.values() if s.node == node_id)
-        return total
+        return self._promised.get(node_id, 0)
+
+    def attached_count(self, node_id: str) -> int:
+        """How many volumes are published to a node."""
+        return len(self._attached.get(node_id, ()))
 
     def available(self, pool: PoolRecord) -> int:
         return max(0, pool.capacity_bytes - self.provisioned(pool.node_id))
@@ -80,6 +90,7 @@ class Catalog:
                     snap = self.snapshots.pop(sid, None)
                     if snap is not None:
                         self.snapshot_names.pop(snap.name, None)
+                        self._unmark_snapshot(sid)
                         self._finish_snapshot(snap)
                 self.group_store.delete_sync(group.group_snapshot_id)
                 continue
@@ -113,10 +124,31 @@ class Catalog:
     def _index_volume(self, volume: VolumeRecord) -> None:
         self.volumes[volume.volume_id] = volume
         self.volume_names[volume.name] = volume.volume_id
+        self._unmark_volume(volume.volume_id)
+        mark = (volume.node, volume.capacity_bytes, tuple(volume.published))
+        self._volume_marks[volume.volume_id] = mark
+        self._promised[volume.node] = self._promised.get(volume.node, 0) + volume.capacity_bytes
+        for node in mark[2]:
+            self._attached.setdefault(node, set()).add(volume.volume_id)
+
+    def _unmark_volume(self, volume_id: str) -> None:
+        mark = self._volume_marks.pop(volume_id, None)
+        if mark is not None:
+            self._promised[mark[0]] -= mark[1]
+            for node in mark[2]:
+                self._attached[node].discard(volume_id)
 
     def _index_snapshot(self, snap: SnapshotRecord) -> None:
         self.snapshots[snap.snapshot_id] = snap
         self.snapshot_names[snap.name] = snap.snapshot_id
+        self._unmark_snapshot(snap.snapshot_id)
+        self._snapshot_marks[snap.snapshot_id] = (snap.node, snap.size_bytes)
+        self._promised[snap.node] = self._promised.get(snap.node, 0) + snap.size_bytes
+
+    def _unmark_snapshot(self, snapshot_id: str) -> None:
+        mark = self._snapshot_marks.pop(snapshot_id, None)
+        if mark is not None:
+            self._promised[mark[0]] -= mark[1]
 
     async def save_volume(self, volume: VolumeRecord) -> None:
         await self.volume_store.put(volume.volume_id, volume)
@@ -125,6 +157,7 @@ class Catalog:
     async def forget_volume(self, volume: VolumeRecord) -> None:
         await self.volume_store.delete(volume.volume_id)
         self.volumes.pop(volume.volume_id, None)
+        self._unmark_volume(volume.volume_id)
         if self.volume_names.get(volume.name) == volume.volume_id:
             del self.volume_names[volume.name]
 
@@ -135,6 +168,7 @@ class Catalog:
     async def forget_snapshot(self, snap: SnapshotRecord) -> None:
         await self.snapshot_store.delete(snap.snapshot_id)
         self.snapshots.pop(snap.snapshot_id, None)
+        self._unmark_snapshot(snap.snapshot_id)
         if self.snapshot_names.get(snap.name) == snap.snapshot_id:
             del self.snapshot_names[snap.name]
 

@@ -413,7 +413,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             if others:
                 raise FailedPrecondition(f"volume {volume_id} is published to node {others[0]}; "
                                          "single-node access modes allow one node")
-            attached = sum(1 for v in self.catalog.volumes.values() if node_id in v.published)
+            attached = self.catalog.attached_count(node_id)
             limit = pools[node_id].max_volumes_per_node
             if attached >= limit:
                 raise ResourceExhausted(f"node {node_id} already has {attached} volumes attached (limit {limit})")
