@@ -36,9 +36,10 @@
    Runtime API -> handler), proxy RuntimeGetVolumeStats (proxy -> handler)
    and handler GetVolumeStats. Median, p90 and p99. Also the CPU each
    daemon uses while idle and during the rounds, the size of the host's and
-   the sandbox's mount tables, and what the handler's own stats code
-   (MountNamespaceSandbox.stats(): statvfs, then the sandbox's mount table
-   parsed with crust.sys.mount.parse_mountinfo) costs run in this process. If the sandbox dies under
+   the sandbox's mount tables, and what parsing each of those tables with
+   crust.sys.mount.parse_mountinfo costs in this process (the handler's
+   stats no longer read the table: they ask about the one mount point,
+   see docs/handlers.md; the table's size is shown for scale). If the sandbox dies under
    the benchmark (on a shared machine another test's cleanup may kill
    sandbox holders whose mount table mentions its root), it is run again
    and the round redone (at most 10 times; reported). Target: deferred
