@@ -36,7 +36,12 @@ import stat
 
 from crust.api import csi_pb2
 from crust.common import copath, csi_input, volumefs
-from crust.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from crust.common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+)
 from crust.common.inflight import InFlight
 from crust.common.recordstore import RecordStore
 from crust.csi_shim.backend import Backend

@@ -12,7 +12,13 @@ from pathlib import Path
 
 from crust.common.recordstore import RecordStore
 from crust.driver.backend import loop as backend
-from crust.driver.records import GroupSnapshotRecord, Lifecycle, PoolRecord, SnapshotRecord, VolumeRecord
+from crust.driver.records import (
+    GroupSnapshotRecord,
+    Lifecycle,
+    PoolRecord,
+    SnapshotRecord,
+    VolumeRecord,
+)
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.common import copath, csi_input, volumefs
+from crust.common.atomicfile import write_atomic
 from crust.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -33,12 +34,16 @@ from crust.common.errors import (
     NotFound,
     OutOfRange,
 )
-from crust.common.atomicfile import write_atomic
 from crust.common.inflight import InFlight
 from crust.common.recordstore import RecordStore
 from crust.driver.backend import loop as backend
 from crust.driver.config import TOPOLOGY_KEY, DriverConfig
-from crust.driver.records import NodePublish, NodeVolumeRecord, PoolRecord, node_records_dir
+from crust.driver.records import (
+    NodePublish,
+    NodeVolumeRecord,
+    PoolRecord,
+    node_records_dir,
+)
 from crust.sys import blockdev, fs, loop, mount
 from crust.sys.run import CommandError
 

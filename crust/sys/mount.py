@@ -277,8 +277,13 @@ def _statmount(unique_id: int) -> MountEntry | None:
             _statmount_works = False
         return None  # gone meanwhile (ENOENT), or strings too long (EOVERFLOW): read the table
     raw = buf.raw
-    u32 = lambda at: int.from_bytes(raw[at:at + 4], "little")  # noqa: E731
-    u64 = lambda at: int.from_bytes(raw[at:at + 8], "little")  # noqa: E731
+
+    def u32(at: int) -> int:
+        return int.from_bytes(raw[at:at + 4], "little")
+
+    def u64(at: int) -> int:
+        return int.from_bytes(raw[at:at + 8], "little")
+
     got = u64(8)
     # The options' bit stays clear when a file system has none to show.
     if got | _STATMOUNT_MNT_OPTS != _STATMOUNT_WANT:
