@@ -9,7 +9,8 @@ file, fsync, rename, fsync of the directory). Three ways, interleaved round
 by round:
 - on the loop: the whole write runs on the event loop;
 - one thread hop: asyncio.to_thread of the whole write;
-- aiofiles: every step in aiofiles' threads (crust.common.atomicfile).
+- aiofiles: the whole write in one trip to aiofiles' threads, what the
+  daemons use (crust.common.atomicfile).
 For each: the write's latency, and the loop's lag, measured by a task that
 yields to the loop in a tight cycle while the writes run (the longest time
 the loop could not serve anything else). Reads: a synchronous read on the
