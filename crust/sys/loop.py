@@ -75,8 +75,9 @@ def reads_as_zeros(device: str) -> bool:
     backing file holds no data at all (only holes, or blocks reserved and
     never written), which one lseek(SEEK_DATA) tells, after the device's own
     cache is written back to that file (BLKFLSBUF) so nothing written
-    through the device is missed. False for any other device, an offset or
-    size limit, a backing file this process cannot reach, and any doubt."""
+    through the device is missed. False for any other device, a device
+    that starts at an offset into its file, a backing file this process
+    cannot reach, and any doubt."""
     name = os.path.basename(device)
     try:
         if not name.startswith("loop") or int((SYS_BLOCK / name / "loop" / "offset").read_text()) != 0:
