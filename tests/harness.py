@@ -488,3 +488,24 @@ def mounted_at(path: Path) -> sysmount.MountEntry | None:
 def device_mounts(device: str) -> list[sysmount.MountEntry]:
     st = os.stat(device)
     return sysmount.of_device(os.major(st.st_rdev), os.minor(st.st_rdev))
+
+
+def scrape_metrics(port: int) -> dict[tuple[str, tuple], float]:
+    """A daemon's Prometheus samples on 127.0.0.1:port, by (name, sorted
+    labels); waits up to 10 s for the endpoint to answer."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            text = opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

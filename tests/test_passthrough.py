@@ -13,17 +13,16 @@ import signal
 import socket
 import threading
 import time
-import urllib.request
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from crust.api import csi_pb2
 from crust.csi_shim.passthrough import unary_methods
+from tests.harness import scrape_metrics
 
 Code = grpc.StatusCode
 RPC = csi_pb2.NodeServiceCapability.RPC
@@ -111,21 +110,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            text = opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def calls(metrics: dict, component: str, method: str, code: str) -> float:
     return metrics.get(("crust_rpc_duration_seconds_count",
                         (("code", code), ("component", component), ("method", method))), 0)
@@ -170,7 +154,7 @@ def test_known_methods_cross_both_hops_unchanged_and_are_counted(root, backend):
 
     # Counted like served calls, by method and final code (the shim saw
     # each call twice: once directly, once from the proxy).
-    at_shim, at_proxy = scrape(shim_port), scrape(proxy_port)
+    at_shim, at_proxy = scrape_metrics(shim_port), scrape_metrics(proxy_port)
     assert calls(at_shim, "shim", LIST, "OK") == 2 and calls(at_shim, "shim", GET, "NOT_FOUND") == 2
     assert calls(at_proxy, "proxy-csi", LIST, "OK") == 1 and calls(at_proxy, "proxy-csi", GET, "NOT_FOUND") == 1
 

@@ -29,14 +29,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc
 from crust.contract.mountinfo import kata_name
@@ -44,7 +42,7 @@ from crust.sys import blockdev as sysblock
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests.handler_server import HandlerServer, stats_response
-from tests.harness import MIB, block_cap, mount_cap
+from tests.harness import MIB, block_cap, mount_cap, scrape_metrics
 
 Code = grpc.StatusCode
 RPC = csi_pb2.NodeServiceCapability.RPC
@@ -654,31 +652,17 @@ def test_metrics_count_deferred_publishes(root):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     driver, shim, proxy = start_stack(root, DEFER_POLICY, proxy_extra=["--metrics-port", str(port)])
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-    def scrape() -> dict[tuple[str, tuple], float]:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                text = opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
 
     counter = ("volumes_published_with_deferred_ops_total", ())
-    assert scrape()[counter] == 0
+    assert scrape_metrics(port)[counter] == 0
     b = new_volume(proxy, "pv-b")
     publish(proxy, b, target_of(proxy, b, "pod-b"), ctx={DEFER_PARAM: "false"})
-    after_host = scrape()
+    after_host = scrape_metrics(port)
     assert after_host[counter] == 0  # a host publish is not counted
 
     a = new_volume(proxy, "pv-a")
     publish(proxy, a, target_of(proxy, a, "pod-a"), ctx={DEFER_PARAM: "true"})
-    after = scrape()
+    after = scrape_metrics(port)
     assert after[counter] == 1
     publish_ok = ("crust_rpc_duration_seconds_count", (("code", "OK"), ("component", "proxy-csi"),
                                                        ("method", "/csi.v1.Node/NodePublishVolume")))
