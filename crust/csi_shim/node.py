@@ -143,10 +143,6 @@ class NodeShim:
             return False
         return (entry.major, entry.minor) == (major, minor)
 
-    def _staged_on_host(self, rec: ShimVolumeRecord) -> bool:
-        """Is the volume's file system mounted at its staging path?"""
-        return self._is_host_mount(copath.mounted_at(rec.staging_path, "staging_target_path"), rec)
-
     @staticmethod
     def _is_placeholder(entry: mount.MountEntry | None) -> bool:
         return entry is not None and entry.fs_type == "tmpfs" and entry.source == PLACEHOLDER_SOURCE
