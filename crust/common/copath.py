@@ -162,9 +162,7 @@ class CoPath:
         if st is None:
             return None
         with self.opened() as fd:
-            if sysmount.mount_id(fd) == sysmount.mount_id(self.parent_fd):
-                return None
-            return sysmount.entry_of(fd)
+            return sysmount.entry_if_not_on(fd, self.parent_fd)
 
     def statvfs(self) -> os.statvfs_result:
         with self.opened() as fd:

@@ -151,11 +151,11 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         candidates = (rec.devices() if rec else []) + self.unrecorded.get(volume_id, [])
         return [d for d in dict.fromkeys(candidates) if loop.serves(d, backing)]
 
-    def _device_of(self, volume_id: str, backing: Path, rec: NodeVolumeRecord | None) -> str | None:
-        """The writable loop device of the volume (read-only ones serve
+    @staticmethod
+    def _writable(devices: list[str]) -> str | None:
+        """The writable one of the volume's loop devices (read-only ones serve
         read-only raw block publishes, see NodePublishVolume)."""
-        writable = [d for d in self._devices(volume_id, backing, rec) if not loop.read_only(d)]
-        return writable[0] if writable else None
+        return next((d for d in devices if not loop.read_only(d)), None)
 
     @staticmethod
     def _mounted_anywhere(devices: list[str], *, block: bool) -> mount.MountEntry | None:
@@ -246,7 +246,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                     made = staging_at.mkdir()
                 else:
                     staging_at.refuse_symlink()  # unused for block, but never accepted through a link
-                device = self._device_of(volume_id, backing, rec)
+                device = self._writable(self._devices(volume_id, backing, rec))
                 attached_here = device is None
                 if device is None:
                     device = await loop.attach(backing)
@@ -337,7 +337,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             if rec.access_type != kind:
                 raise InvalidArgument(f"volume_capability: the volume was staged as {rec.access_type}, not {kind}")
             devices = self._devices(volume_id, backing, rec)
-            device = self._device_of(volume_id, backing, rec)
+            device = self._writable(devices)
             if device is None:
                 raise FailedPrecondition(f"volume {volume_id} is not attached; call NodeStageVolume again")
             wanted = NodePublish(readonly=readonly, access_type=kind)
@@ -465,7 +465,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             backing = self.pool.volume_file(volume_id)
             rec = self.records.get(volume_id)
             devices = self._devices(volume_id, backing, rec)
-            device = self._device_of(volume_id, backing, rec)
+            device = self._writable(devices)
             if device is None:
                 raise FailedPrecondition(f"volume {volume_id} is not staged on node {self.config.node_id}")
             entry = self._mount_for(volume_id, volume_at, devices)

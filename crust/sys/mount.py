@@ -125,12 +125,21 @@ def mount_id(fd: int) -> int:
 def entry_of(fd: int, table: str = MOUNTINFO) -> MountEntry | None:
     """The entry of the mount an open descriptor lies on: from statmount()
     for this one mount where the kernel has it, else from the table."""
+    return entry_if_not_on(fd, None, table)
+
+
+def entry_if_not_on(fd: int, parent_fd: int | None, table: str = MOUNTINFO) -> MountEntry | None:
+    """entry_of(fd), or None when fd lies on the same mount as parent_fd
+    (nothing is mounted on fd's place): the descriptor's ids asked once."""
     ids = _statx_mount_ids(fd)
+    mine = ids[0] if ids is not None else mount_id(fd)
+    if parent_fd is not None and mine == mount_id(parent_fd):
+        return None
     if ids is not None and ids[1] is not None and table == MOUNTINFO:
         entry = _statmount(ids[1])
         if entry is not None:
             return entry
-    return by_id(mount_id(fd), table)
+    return by_id(mine, table)
 
 
 def by_id(mount_id_: int, table: str = MOUNTINFO) -> MountEntry | None:
