@@ -46,6 +46,15 @@ RPC_LATENCY = Histogram(
 QUIET_METHODS = {"/csi.v1.Identity/Probe", "/grpc.health.v1.Health/Check"}
 
 
+def _forwarded_code(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status a forwarded call ended with, from what it raised."""
+    if isinstance(exc, grpc.aio.AbortError):
+        return context.code() or grpc.StatusCode.UNKNOWN  # the backend's own status, passed on
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN
+
+
 def _volume_fields(request: Message) -> dict:
     fields = {}
     for name in ("volume_id", "name", "snapshot_id", "target_path", "staging_target_path", "volume_path"):
@@ -92,6 +101,16 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
             self._wrapped[method] = (handler, wrapped)
         return wrapped
 
+    def _enter(self) -> None:
+        """A call starts: a graceful stop waits for it."""
+        self.in_flight += 1
+        self.idle.clear()
+
+    def _leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
     def _observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         """One call into crust_rpc_duration_seconds (its labelled child looked up once)."""
         child = self._latency.get((method, code))
@@ -127,8 +146,7 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
                 log.log(level, "request", extra={"fields": {"request": redacted(request)}})
             started = time.monotonic()
             code, message = grpc.StatusCode.OK, ""
-            self.in_flight += 1
-            self.idle.clear()
+            self._enter()
             try:
                 if isinstance(request, Message):
                     limits.check(request)  # before any servicer: see crust.common.limits
@@ -145,9 +163,7 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
                 log.exception("unexpected error")
                 code, message = grpc.StatusCode.INTERNAL, f"internal error: {exc}"
             finally:
-                self.in_flight -= 1
-                if self.in_flight == 0:
-                    self.idle.set()
+                self._leave()
                 elapsed = time.monotonic() - started
                 self._observe(method, code, elapsed)
             if code is grpc.StatusCode.OK:
@@ -174,23 +190,14 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
         async def forward_one(request, context: grpc.aio.ServicerContext):
             started = time.monotonic()
             code = grpc.StatusCode.OK
-            self.in_flight += 1
-            self.idle.clear()
+            self._enter()
             try:
                 return await inner(request, context)
-            except grpc.aio.AbortError:
-                code = context.code() or grpc.StatusCode.UNKNOWN
-                raise
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except Exception:
-                code = grpc.StatusCode.UNKNOWN
+            except (Exception, asyncio.CancelledError) as exc:
+                code = _forwarded_code(exc, context)
                 raise
             finally:
-                self.in_flight -= 1
-                if self.in_flight == 0:
-                    self.idle.set()
+                self._leave()
                 self._observe(method, code, time.monotonic() - started)
 
         return grpc.unary_unary_rpc_method_handler(forward_one, request_deserializer=None, response_serializer=None)
@@ -207,14 +214,8 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
             try:
                 async for response in inner(request_iterator, context):
                     yield response
-            except grpc.aio.AbortError:
-                code = context.code() or grpc.StatusCode.UNKNOWN
-                raise
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except Exception:
-                code = grpc.StatusCode.UNKNOWN
+            except (Exception, asyncio.CancelledError) as exc:
+                code = _forwarded_code(exc, context)
                 raise
             finally:
                 self._observe(method, code, time.monotonic() - started)
