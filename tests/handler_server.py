@@ -10,13 +10,13 @@ to the proxy's registry like a real handler would.
 from __future__ import annotations
 
 import threading
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc, registry_pb2, registry_pb2_grpc
+from tests.harness import UnixGrpcServer
 
 Usage = csi_pb2.VolumeUsage
 SandboxState = handler_pb2.GetSandboxResponse
@@ -32,7 +32,7 @@ def stats_response(total: int, used: int, inodes: int = 0, inodes_used: int = 0,
 
 
 @dataclass
-class HandlerServer(handler_pb2_grpc.HandlerServicer):
+class HandlerServer(handler_pb2_grpc.HandlerServicer, UnixGrpcServer):
     socket: Path
     name: str = "test-handler"
     filesystems: list[str] = field(default_factory=lambda: ["ext4", "xfs"])
@@ -55,16 +55,9 @@ class HandlerServer(handler_pb2_grpc.HandlerServicer):
         return f"unix://{self.socket}"
 
     def start(self) -> "HandlerServer":
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        handler_pb2_grpc.add_HandlerServicer_to_server(self, self.server)
-        self.server.add_insecure_port(self.endpoint)
-        self.server.start()
+        self.serve(lambda server: handler_pb2_grpc.add_HandlerServicer_to_server(self, server))
         return self
 
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop(0).wait()
-            self.server = None
 
     def __enter__(self) -> "HandlerServer":
         return self.start() if self.server is None else self

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -509,3 +510,24 @@ def scrape_metrics(port: int) -> dict[tuple[str, tuple], float]:
             time.sleep(0.1)
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+class UnixGrpcServer:
+    """Start and stop of a test's threaded gRPC server on a unix socket; the
+    class using it has `socket` (a Path) and `server` (None when stopped)."""
+
+    socket: Path
+    server: grpc.Server | None
+
+    def serve(self, register: Callable[[grpc.Server], None]) -> None:
+        from concurrent import futures
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        register(self.server)
+        self.server.add_insecure_port(f"unix://{self.socket}")
+        self.server.start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(0).wait()
+            self.server = None

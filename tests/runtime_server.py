@@ -8,17 +8,17 @@ and records every call, so tests can assert what the shim asked for.
 from __future__ import annotations
 
 import threading
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
+from tests.harness import UnixGrpcServer
 
 
 @dataclass
-class RuntimeServer(runtime_pb2_grpc.RuntimeServicer):
+class RuntimeServer(runtime_pb2_grpc.RuntimeServicer, UnixGrpcServer):
     socket: Path
     stats: dict[str, runtime_pb2.RuntimeGetVolumeStatsResponse] = field(default_factory=dict)
     expanded_to: dict[str, int] = field(default_factory=dict)
@@ -27,16 +27,9 @@ class RuntimeServer(runtime_pb2_grpc.RuntimeServicer):
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> "RuntimeServer":
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        runtime_pb2_grpc.add_RuntimeServicer_to_server(self, self.server)
-        self.server.add_insecure_port(f"unix://{self.socket}")
-        self.server.start()
+        self.serve(lambda server: runtime_pb2_grpc.add_RuntimeServicer_to_server(self, server))
         return self
 
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop(0).wait()
-            self.server = None
 
     def RuntimeGetVolumeStats(self, request, context):
         with self.lock:

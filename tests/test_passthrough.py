@@ -13,7 +13,6 @@ import signal
 import socket
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 
 from crust.api import csi_pb2
 from crust.csi_shim.passthrough import unary_methods
-from tests.harness import scrape_metrics
+from tests.harness import UnixGrpcServer, scrape_metrics
 
 Code = grpc.StatusCode
 RPC = csi_pb2.NodeServiceCapability.RPC
@@ -32,7 +31,7 @@ INFO = "/csi.v1.Node/NodeGetInfo"
 
 
 @dataclass
-class Backend:
+class Backend(UnixGrpcServer):
     """A CSI backend whose ListVolumes, ControllerGetVolume and NodeGetInfo
     are raw (bytes in, bytes out) and record what they were sent."""
 
@@ -72,8 +71,7 @@ class Backend:
             return csi_pb2.NodeGetInfoResponse(node_id="slow-node").SerializeToString()
 
         raw = {"request_deserializer": None, "response_serializer": None}
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        self.server.add_generic_rpc_handlers((
+        self.serve(lambda server: server.add_generic_rpc_handlers((
             grpc.method_handlers_generic_handler("csi.v1.Identity", {
                 "GetPluginInfo": grpc.unary_unary_rpc_method_handler(
                     plugin_info, request_deserializer=csi_pb2.GetPluginInfoRequest.FromString,
@@ -86,15 +84,9 @@ class Backend:
             grpc.method_handlers_generic_handler("csi.v1.Controller", {
                 "ListVolumes": grpc.unary_unary_rpc_method_handler(list_volumes, **raw),
                 "ControllerGetVolume": grpc.unary_unary_rpc_method_handler(get_volume, **raw)}),
-        ))
-        self.server.add_insecure_port(f"unix://{self.socket}")
-        self.server.start()
+        )))
         return self
 
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop(0).wait()
-            self.server = None
 
 
 @pytest.fixture

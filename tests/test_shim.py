@@ -20,7 +20,6 @@ import stat
 import subprocess
 import time
 import uuid
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from crust.csi_shim.records import volume_key
 from crust.sys import blockdev as sysblock
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, AccessMode, block_cap, mount_cap
+from tests.harness import MIB, AccessMode, UnixGrpcServer, block_cap, mount_cap
 from tests.runtime_server import RuntimeServer, usage_response
 
 Code = grpc.StatusCode
@@ -653,7 +652,7 @@ def test_raw_block_volumes_pass_through(env):
 
 
 @dataclass
-class FakeBackend:
+class FakeBackend(UnixGrpcServer):
     """A minimal CSI backend (sync gRPC server) with a method no CSI version has."""
 
     socket: Path
@@ -688,8 +687,7 @@ class FakeBackend:
             yield str(count).encode()
 
         raw = {"request_deserializer": None, "response_serializer": None}
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        self.server.add_generic_rpc_handlers((
+        self.serve(lambda server: server.add_generic_rpc_handlers((
             grpc.method_handlers_generic_handler("csi.v1.Identity", {
                 "GetPluginInfo": grpc.unary_unary_rpc_method_handler(
                     plugin_info, request_deserializer=csi_pb2.GetPluginInfoRequest.FromString,
@@ -702,15 +700,9 @@ class FakeBackend:
                 "Echo": grpc.unary_unary_rpc_method_handler(echo, **raw),
                 "Fail": grpc.unary_unary_rpc_method_handler(fail, **raw),
                 "Chat": grpc.stream_stream_rpc_method_handler(chat, **raw)}),
-        ))
-        self.server.add_insecure_port(f"unix://{self.socket}")
-        self.server.start()
+        )))
         return self
 
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop(0).wait()
-            self.server = None
 
 
 def test_unknown_methods_pass_through_byte_for_byte(root):
