@@ -531,3 +531,12 @@ class UnixGrpcServer:
         if self.server is not None:
             self.server.stop(0).wait()
             self.server = None
+
+
+def csi_unary_handler(fn, method: str) -> grpc.RpcMethodHandler:
+    """A typed unary handler of a CSI method, for a test's fake plugin (the
+    message types named as the CSI spec names them: <method>Request and
+    <method>Response)."""
+    return grpc.unary_unary_rpc_method_handler(
+        fn, request_deserializer=getattr(csi_pb2, f"{method}Request").FromString,
+        response_serializer=getattr(csi_pb2, f"{method}Response").SerializeToString)

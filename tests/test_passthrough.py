@@ -21,7 +21,7 @@ import pytest
 
 from crust.api import csi_pb2
 from crust.csi_shim.passthrough import unary_methods
-from tests.harness import UnixGrpcServer, scrape_metrics
+from tests.harness import UnixGrpcServer, csi_unary_handler, scrape_metrics
 
 Code = grpc.StatusCode
 RPC = csi_pb2.NodeServiceCapability.RPC
@@ -73,13 +73,9 @@ class Backend(UnixGrpcServer):
         raw = {"request_deserializer": None, "response_serializer": None}
         self.serve(lambda server: server.add_generic_rpc_handlers((
             grpc.method_handlers_generic_handler("csi.v1.Identity", {
-                "GetPluginInfo": grpc.unary_unary_rpc_method_handler(
-                    plugin_info, request_deserializer=csi_pb2.GetPluginInfoRequest.FromString,
-                    response_serializer=csi_pb2.GetPluginInfoResponse.SerializeToString)}),
+                "GetPluginInfo": csi_unary_handler(plugin_info, "GetPluginInfo")}),
             grpc.method_handlers_generic_handler("csi.v1.Node", {
-                "NodeGetCapabilities": grpc.unary_unary_rpc_method_handler(
-                    node_caps, request_deserializer=csi_pb2.NodeGetCapabilitiesRequest.FromString,
-                    response_serializer=csi_pb2.NodeGetCapabilitiesResponse.SerializeToString),
+                "NodeGetCapabilities": csi_unary_handler(node_caps, "NodeGetCapabilities"),
                 "NodeGetInfo": grpc.unary_unary_rpc_method_handler(node_info, **raw)}),
             grpc.method_handlers_generic_handler("csi.v1.Controller", {
                 "ListVolumes": grpc.unary_unary_rpc_method_handler(list_volumes, **raw),

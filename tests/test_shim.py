@@ -31,7 +31,7 @@ from crust.csi_shim.records import volume_key
 from crust.sys import blockdev as sysblock
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, AccessMode, UnixGrpcServer, block_cap, mount_cap
+from tests.harness import MIB, AccessMode, UnixGrpcServer, block_cap, csi_unary_handler, mount_cap
 from tests.runtime_server import RuntimeServer, usage_response
 
 Code = grpc.StatusCode
@@ -689,13 +689,9 @@ class FakeBackend(UnixGrpcServer):
         raw = {"request_deserializer": None, "response_serializer": None}
         self.serve(lambda server: server.add_generic_rpc_handlers((
             grpc.method_handlers_generic_handler("csi.v1.Identity", {
-                "GetPluginInfo": grpc.unary_unary_rpc_method_handler(
-                    plugin_info, request_deserializer=csi_pb2.GetPluginInfoRequest.FromString,
-                    response_serializer=csi_pb2.GetPluginInfoResponse.SerializeToString)}),
+                "GetPluginInfo": csi_unary_handler(plugin_info, "GetPluginInfo")}),
             grpc.method_handlers_generic_handler("csi.v1.Node", {
-                "NodeGetCapabilities": grpc.unary_unary_rpc_method_handler(
-                    node_caps, request_deserializer=csi_pb2.NodeGetCapabilitiesRequest.FromString,
-                    response_serializer=csi_pb2.NodeGetCapabilitiesResponse.SerializeToString)}),
+                "NodeGetCapabilities": csi_unary_handler(node_caps, "NodeGetCapabilities")}),
             grpc.method_handlers_generic_handler("csi.v1.Future", {
                 "Echo": grpc.unary_unary_rpc_method_handler(echo, **raw),
                 "Fail": grpc.unary_unary_rpc_method_handler(fail, **raw),
