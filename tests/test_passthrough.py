@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from crust.api import csi_pb2
-from crust.csi_shim.passthrough import unary_methods
+from crust.csi_shim.passthrough import PLUGIN_ANSWER_SECONDS, unary_methods
 from tests.harness import UnixGrpcServer, csi_unary_handler, scrape_metrics
 
 Code = grpc.StatusCode
@@ -156,3 +156,115 @@ def test_a_stopping_shim_lets_a_forwarded_call_finish(root, backend):
     answer = csi_pb2.NodeGetInfoResponse.FromString(pending.result(timeout=10))
     assert answer.node_id == "slow-node"
     assert shim.proc.wait(15) == 0
+
+
+CTRL_CAPS = "/csi.v1.Controller/ControllerGetCapabilities"
+PROBE = "/csi.v1.Identity/Probe"
+CtrlRPC = csi_pb2.ControllerServiceCapability.RPC
+
+
+@dataclass
+class PluginBackend(UnixGrpcServer):
+    """A CSI backend that counts the calls reaching it and answers
+    ControllerGetCapabilities with the capabilities it is started with."""
+
+    socket: Path
+    controller_caps: tuple[int, ...]
+    reached: dict[str, int] = field(default_factory=dict)
+    server: grpc.Server | None = None
+
+    def start(self) -> PluginBackend:
+        def counted(name, answer):
+            def handler(request, context):
+                self.reached[name] = self.reached.get(name, 0) + 1
+                return answer()
+            return csi_unary_handler(handler, name)
+
+        self.serve(lambda server: server.add_generic_rpc_handlers((
+            grpc.method_handlers_generic_handler("csi.v1.Identity", {
+                "GetPluginInfo": counted("GetPluginInfo", lambda: csi_pb2.GetPluginInfoResponse(
+                    name="counted.csi.example", vendor_version="1")),
+                "Probe": counted("Probe", csi_pb2.ProbeResponse)}),
+            grpc.method_handlers_generic_handler("csi.v1.Node", {
+                "NodeGetCapabilities": counted("NodeGetCapabilities", csi_pb2.NodeGetCapabilitiesResponse)}),
+            grpc.method_handlers_generic_handler("csi.v1.Controller", {
+                "ControllerGetCapabilities": counted("ControllerGetCapabilities", lambda: (
+                    csi_pb2.ControllerGetCapabilitiesResponse(capabilities=[
+                        csi_pb2.ControllerServiceCapability(rpc=CtrlRPC(type=cap))
+                        for cap in self.controller_caps])))}),
+        )))
+        return self
+
+
+def controller_caps(door) -> set[int]:
+    answer = door.controller.ControllerGetCapabilities(csi_pb2.ControllerGetCapabilitiesRequest(), timeout=5)
+    return {c.rpc.type for c in answer.capabilities}
+
+
+def wait_for(predicate, timeout: float) -> float:
+    """Seconds until predicate() held; fails after timeout."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, "condition not reached in time"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_the_plugins_own_answers_are_kept_per_connection_and_renewed_after_a_restart(root):
+    """ControllerGetCapabilities (asked before nearly every call by
+    csi-sanity, like NodeGetCapabilities by kubelet) is answered by the hop in
+    front of the plugin while its connection lasts: a restarted plugin's new
+    answer is served at once by the shim, whose connection it broke, and
+    within PLUGIN_ANSWER_SECONDS by the proxy, whose connection to the shim
+    did not break. Probe and errors are never kept."""
+    old_caps, new_caps = (CtrlRPC.CREATE_DELETE_VOLUME,), (CtrlRPC.CREATE_DELETE_VOLUME, CtrlRPC.EXPAND_VOLUME)
+    backend = PluginBackend(socket=root.path / "plugin.sock", controller_caps=old_caps).start()
+    restarted = None
+    try:
+        shim = root.shim(backend).start()
+        proxy = root.proxy(shim).start()
+        for _ in range(20):
+            assert controller_caps(proxy) == set(old_caps)
+            assert controller_caps(shim) == set(old_caps)
+            proxy.identity.Probe(csi_pb2.ProbeRequest(), timeout=5)
+        # The first answers over each hop are asked for while the watch on
+        # the connection is being set up; from then on they are kept.
+        assert 1 <= backend.reached["ControllerGetCapabilities"] <= 4
+        # Probe asks the plugin every time (the proxy's own start probes once more).
+        assert backend.reached["Probe"] >= 20
+
+        backend.stop()
+        wait_for(lambda: shim.channel is not None and not shim_reaches(shim), 10)
+        restarted = PluginBackend(socket=backend.socket, controller_caps=new_caps).start()
+        # The shim's connection to the plugin broke: its first answer once it
+        # reconnects (gRPC's backoff) is the new one.
+        answers = []
+        wait_for(lambda: answers.append(caps_or_none(shim)) or answers[-1] is not None, 10)
+        assert answers[-1] == set(new_caps)
+        assert restarted.reached["ControllerGetCapabilities"] == 1
+        # The proxy's connection to the shim did not: the new answer reaches
+        # it once its kept one is older than PLUGIN_ANSWER_SECONDS.
+        waited = wait_for(lambda: controller_caps(proxy) == set(new_caps), 10)
+        assert waited <= PLUGIN_ANSWER_SECONDS + 1
+    finally:
+        for server in (backend, restarted):
+            if server is not None:
+                server.stop()
+
+
+def caps_or_none(door) -> set[int] | None:
+    """The controller capabilities, or None while the plugin is unreachable."""
+    try:
+        return controller_caps(door)
+    except grpc.RpcError as exc:
+        assert exc.code() == Code.UNAVAILABLE
+        return None
+
+
+def shim_reaches(shim) -> bool:
+    """Whether the shim still reaches a plugin (its Probe is forwarded)."""
+    try:
+        shim.identity.Probe(csi_pb2.ProbeRequest(), timeout=2)
+        return True
+    except grpc.RpcError:
+        return False

@@ -15,12 +15,18 @@ cannot know whether it streams, so it looks at the caller: a unary caller
 sends its one message and its half-close together, and is forwarded as a
 unary request; any other caller is forwarded as a bidirectional stream. Both
 forward any number of responses.
+
+The answers that describe the plugin rather than a volume (its name and
+capabilities, the node's id and topology) are kept once the backend has
+given them, for as long as the connection that carried them lasts; see
+PluginAnswers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -80,12 +86,119 @@ def unary_methods() -> list[str]:
             if not method.client_streaming and not method.server_streaming]
 
 
-def unary_forwarder(channel: grpc.aio.Channel, method: str) -> grpc.RpcMethodHandler:
-    """A raw unary handler forwarding `method` to `channel`."""
+# The methods whose answer describes the plugin, not a volume: a plugin gives
+# the same answer for as long as it runs (the CSI sidecars read them once per
+# connection), and a plugin that is restarted, perhaps as a newer version, is
+# reached over a new connection. kubelet asks NodeGetCapabilities before
+# every stage, publish, stats and expansion call.
+PLUGIN_METHODS = frozenset({
+    "/csi.v1.Identity/GetPluginInfo",
+    "/csi.v1.Identity/GetPluginCapabilities",
+    "/csi.v1.Controller/ControllerGetCapabilities",
+    "/csi.v1.Node/NodeGetCapabilities",
+    "/csi.v1.Node/NodeGetInfo",
+    "/csi.v1.GroupController/GroupControllerGetCapabilities",
+})
+
+_READY = grpc.ChannelConnectivity.READY
+
+# The longest a kept answer is served. The connection only says that the
+# next hop did not change: behind a shim, the plugin it wraps may restart
+# while the proxy's connection to the shim lasts. An answer kept at most
+# this long is no older than kubelet's own use of one (it asks, then acts).
+PLUGIN_ANSWER_SECONDS = 2.0
+
+
+class PluginAnswers:
+    """The backend's successful answers to PLUGIN_METHODS, each kept for as
+    long as the connection it came over lasts, and PLUGIN_ANSWER_SECONDS at
+    most.
+
+    A watch on the channel's connectivity ends the current connection's
+    answers at any change of state: a backend that stops, restarts or is
+    replaced leaves READY first, so its next answer is asked for again. An
+    answer is only kept when the state was READY and unchanged from before
+    the call was sent until its answer arrived, and only served while the
+    state is READY. Errors and answers that carry metadata are never kept
+    (the caller gets exactly what the backend sent). Probe is not a plugin
+    method: it always reaches the backend.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self.channel = channel
+        self.epoch = 0  # the connection's generation; +1 at every change of state
+        # (method, request bytes) -> (epoch, monotonic expiry, answer bytes)
+        self.answers: dict[tuple[str, bytes], tuple[int, float, bytes]] = {}
+        self._watching = False
+        self._watcher: asyncio.Task | None = None
+
+    def _watch_started(self) -> bool:
+        """Whether changes of state are being watched (starting the watch if
+        not): nothing is kept or served before the watch is in place."""
+        if self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch())
+        return self._watching
+
+    async def _watch(self) -> None:
+        try:
+            state = self.channel.get_state()
+            while True:
+                # The watch is registered before this coroutine first
+                # suspends, so no change after the state read above is missed.
+                self._watching = True
+                await self.channel.wait_for_state_change(state)
+                self.epoch += 1
+                self.answers.clear()
+                state = self.channel.get_state()
+        except Exception as exc:  # noqa: BLE001 - a closed channel ends the watch
+            log.debug("stopped watching the backend's connection: %r", exc)
+        finally:
+            # Without a watch nothing is kept or served any more.
+            self._watching = False
+            self.answers.clear()
+            self.epoch += 1
+
+    def kept(self, method: str, request: bytes) -> bytes | None:
+        """The answer kept for this request on the current connection, if any."""
+        if not self._watch_started():
+            return None
+        entry = self.answers.get((method, request))
+        if entry is None:
+            return None
+        epoch, expiry, answer = entry
+        if epoch != self.epoch or time.monotonic() >= expiry or self.channel.get_state() is not _READY:
+            return None
+        return answer
+
+    def ticket(self) -> int | None:
+        """Taken before a call is sent: the connection it may be kept for."""
+        if not self._watch_started() or self.channel.get_state() is not _READY:
+            return None
+        return self.epoch
+
+    def keep(self, ticket: int | None, method: str, request: bytes, response: bytes) -> None:
+        if ticket is not None and ticket == self.epoch and self.channel.get_state() is _READY:
+            self.answers[(method, request)] = (ticket, time.monotonic() + PLUGIN_ANSWER_SECONDS, response)
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+
+def unary_forwarder(channel: grpc.aio.Channel, method: str,
+                    plugin_answers: PluginAnswers | None = None) -> grpc.RpcMethodHandler:
+    """A raw unary handler forwarding `method` to `channel`; answers taken
+    from and kept in `plugin_answers` when given."""
     # Made once per method, not per call.
     backend = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
 
     async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        ticket = None
+        if plugin_answers is not None:
+            answer = plugin_answers.kept(method, request)
+            if answer is not None:
+                return answer
+            ticket = plugin_answers.ticket()
         call = backend(request, timeout=forward_timeout(context), metadata=forwardable_metadata(context))
         try:
             response = await call
@@ -102,6 +215,8 @@ def unary_forwarder(channel: grpc.aio.Channel, method: str) -> grpc.RpcMethodHan
         trailing = await call.trailing_metadata()
         if trailing:
             context.set_trailing_metadata(trailing)
+        if plugin_answers is not None and not initial and not trailing:
+            plugin_answers.keep(ticket, method, request, response)
         return response
 
     return grpc.unary_unary_rpc_method_handler(forward, request_deserializer=None, response_serializer=None)
@@ -110,7 +225,14 @@ def unary_forwarder(channel: grpc.aio.Channel, method: str) -> grpc.RpcMethodHan
 class Passthrough(grpc.GenericRpcHandler):
     def __init__(self, channel: grpc.aio.Channel):
         self.channel = channel
-        self.unary = {method: unary_forwarder(channel, method) for method in unary_methods()}
+        self.plugin_answers = PluginAnswers(channel)
+        self.unary = {method: unary_forwarder(channel, method,
+                                              self.plugin_answers if method in PLUGIN_METHODS else None)
+                      for method in unary_methods()}
+
+    def close(self) -> None:
+        """Stop watching the channel (before it is closed)."""
+        self.plugin_answers.close()
 
     def service(self, details: grpc.HandlerCallDetails):
         method = details.method

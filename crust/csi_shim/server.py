@@ -30,6 +30,7 @@ class Shim:
         self.node = node.NodeShim(config, self.backend, self.runtime)
         self.controller = controller.ControllerShim(self.backend)
         self.daemon = Daemon("shim", config.endpoint, [], max_request_bytes=config.max_request_bytes)
+        self.passthrough: Passthrough | None = None
 
     async def start(self) -> None:
         self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -40,12 +41,15 @@ class Shim:
             unary_handlers("csi.v1.Node", self.node, node.METHODS),
             unary_handlers("csi.v1.Controller", self.controller, controller.METHODS),
         ))
-        self.daemon.fallback_handlers.append(Passthrough(self.backend.channel))
+        self.passthrough = Passthrough(self.backend.channel)
+        self.daemon.fallback_handlers.append(self.passthrough)
         await self.daemon.start()
         metrics.serve(self.config.metrics_port, self.config.metrics_address)
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.daemon.stop(grace)
+        if self.passthrough is not None:
+            self.passthrough.close()
         await self.backend.close()
         await self.runtime.close()
 

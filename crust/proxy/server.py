@@ -80,6 +80,7 @@ class Proxy:
             config.policy.deferral.fs_group_from_pod else None
         self.frontend = csi_frontend.CsiFrontend(self.state, self.plugin, Decider(config.policy.deferral, pods))
         self.csi = Daemon("proxy-csi", config.csi_endpoint, [])
+        self.passthrough: Passthrough | None = None
         self.runtime = Daemon("proxy-runtime", config.runtime_endpoint, [
             runtime_pb2.DESCRIPTOR.services_by_name["Runtime"].full_name,
             registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
@@ -122,7 +123,8 @@ class Proxy:
             await self._check_registration_free()
         self.csi.server.add_generic_rpc_handlers((
             unary_handlers("csi.v1.Node", self.frontend, csi_frontend.METHODS),))
-        self.csi.fallback_handlers.append(Passthrough(self.plugin.channel))
+        self.passthrough = Passthrough(self.plugin.channel)
+        self.csi.fallback_handlers.append(self.passthrough)
         await self.csi.start()
         if self.config.kubelet_registration_dir is not None:
             # Last: kubelet may call CSI as soon as it has registered us.
@@ -168,6 +170,8 @@ class Proxy:
         await self.csi.stop(grace)
         await self.runtime.stop(grace)
         await self.router.close()
+        if self.passthrough is not None:
+            self.passthrough.close()
         await self.plugin.close()
 
     async def run(self) -> None:
