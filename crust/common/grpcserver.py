@@ -42,8 +42,22 @@ RPC_LATENCY = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 
-# Probe is called every few seconds by liveness sidecars: log it at debug only.
-QUIET_METHODS = {"/csi.v1.Identity/Probe", "/grpc.health.v1.Health/Check"}
+# The CSI methods whose answer describes the plugin, not a volume: its name,
+# capabilities and node. They change nothing, a plugin gives the same answers
+# for as long as it runs, and kubelet asks NodeGetCapabilities before every
+# stage, publish, stats and expansion call.
+PLUGIN_METHODS = frozenset({
+    "/csi.v1.Identity/GetPluginInfo",
+    "/csi.v1.Identity/GetPluginCapabilities",
+    "/csi.v1.Controller/ControllerGetCapabilities",
+    "/csi.v1.Node/NodeGetCapabilities",
+    "/csi.v1.Node/NodeGetInfo",
+    "/csi.v1.GroupController/GroupControllerGetCapabilities",
+})
+
+# Logged at debug only: the health checks liveness sidecars make every few
+# seconds, and the plugin's description.
+QUIET_METHODS = PLUGIN_METHODS | {"/csi.v1.Identity/Probe", "/grpc.health.v1.Health/Check"}
 
 
 def _forwarded_code(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:

@@ -31,6 +31,7 @@ import time
 import grpc
 
 from crust.api import csi_pb2
+from crust.common.grpcserver import PLUGIN_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -86,20 +87,6 @@ def unary_methods() -> list[str]:
             if not method.client_streaming and not method.server_streaming]
 
 
-# The methods whose answer describes the plugin, not a volume: a plugin gives
-# the same answer for as long as it runs (the CSI sidecars read them once per
-# connection), and a plugin that is restarted, perhaps as a newer version, is
-# reached over a new connection. kubelet asks NodeGetCapabilities before
-# every stage, publish, stats and expansion call.
-PLUGIN_METHODS = frozenset({
-    "/csi.v1.Identity/GetPluginInfo",
-    "/csi.v1.Identity/GetPluginCapabilities",
-    "/csi.v1.Controller/ControllerGetCapabilities",
-    "/csi.v1.Node/NodeGetCapabilities",
-    "/csi.v1.Node/NodeGetInfo",
-    "/csi.v1.GroupController/GroupControllerGetCapabilities",
-})
-
 _READY = grpc.ChannelConnectivity.READY
 
 # The longest a kept answer is served. The connection only says that the
@@ -112,7 +99,9 @@ PLUGIN_ANSWER_SECONDS = 2.0
 class PluginAnswers:
     """The backend's successful answers to PLUGIN_METHODS, each kept for as
     long as the connection it came over lasts, and PLUGIN_ANSWER_SECONDS at
-    most.
+    most. A plugin gives these answers for as long as it runs (the CSI
+    sidecars read them once per connection), and a plugin restarted, perhaps
+    as a newer version, is reached over a new connection.
 
     A watch on the channel's connectivity ends the current connection's
     answers at any change of state: a backend that stops, restarts or is
