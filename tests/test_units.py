@@ -13,6 +13,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -23,7 +24,7 @@ from pydantic import BaseModel
 
 from crust.api import csi_pb2
 from crust.common import atomicfile, csi_input, endpoint, units
-from crust.common.aio import first_done
+from crust.common.aio import first_done, in_thread
 from crust.common.errors import Aborted, CrustError, InvalidArgument, OutOfRange
 from crust.common.recordstore import RecordStore
 from crust.common.redact import MASK, redacted
@@ -794,6 +795,32 @@ def test_upstream_services_are_complete():
             "ValidateVolumeCapabilities", "ListVolumes", "GetCapacity", "ControllerGetCapabilities",
             "CreateSnapshot", "DeleteSnapshot", "ListSnapshots", "GetSnapshot", "ControllerExpandVolume",
             "ControllerGetVolume", "ControllerModifyVolume", "ControllerGetNodeInfo"} == set(methods["Controller"])
+
+
+async def test_in_thread_outlives_a_cancelled_caller():
+    # A cancelled caller goes on only once the thread has ended, and its
+    # then() has run: memory matches the disk before any cleanup or retry.
+    release, steps = threading.Event(), []
+
+    def work():
+        release.wait(10)
+        steps.append("thread")
+
+    waiter = asyncio.ensure_future(in_thread(work, then=lambda: steps.append("then")))
+    await asyncio.sleep(0.05)
+    waiter.cancel()
+    await asyncio.sleep(0.05)
+    waiter.cancel()  # a second cancellation does not cut the wait short either
+    await asyncio.sleep(0.05)
+    assert not waiter.done() and steps == []
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert steps == ["thread", "then"]
+    # A failing thread skips then() and raises its own error.
+    with pytest.raises(ZeroDivisionError):
+        await in_thread(lambda: 1 / 0, then=lambda: steps.append("no"))
+    assert await in_thread(sum, [1, 2]) == 3 and steps == ["thread", "then"]
 
 
 async def test_first_done_takes_its_own_task_down_with_a_cancelled_caller():
