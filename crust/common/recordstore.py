@@ -5,7 +5,9 @@ any point leaves every record either old or new. One file per record keeps a
 write O(1) whatever the number of volumes, and a reload is one directory scan.
 The async writes go through aiofiles (crust.common.atomicfile), so an
 fsync never stalls the daemon's event loop; reads are synchronous (a small
-record reads in microseconds).
+record reads in microseconds). The _sync forms also serve a caller that runs
+several steps of one call (records and the files they describe) in a single
+worker trip.
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@ reconciles records with the backing files they describe.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+from crust.common.aio import in_thread
 from crust.common.recordstore import RecordStore
 from crust.driver.backend import loop as backend
 from crust.driver.records import (
@@ -112,11 +115,15 @@ class Catalog:
         # A create that did not reach READY is rolled back: the CO retries
         # CreateVolume with the same name and gets a complete volume. A
         # delete that did not finish is finished.
-        path = self.pool(volume.node).volume_file(volume.volume_id)
+        self._remove_volume(volume)
+        log.info("finished interrupted %s of volume %s", volume.state.value, volume.volume_id)
+
+    def _remove_volume(self, volume: VolumeRecord) -> None:
+        """The backing file (complete or partial) and the record, durably."""
+        path = self.volume_file(volume)
         backend.remove(path)
         backend.remove(self.pool(volume.node).temp_file(path))
         self.volume_store.delete_sync(volume.volume_id)
-        log.info("finished interrupted %s of volume %s", volume.state.value, volume.volume_id)
 
     def _finish_snapshot(self, snap: SnapshotRecord) -> None:
         path = self.pool(snap.node).snapshot_file(snap.snapshot_id)
@@ -160,8 +167,39 @@ class Catalog:
         await self.volume_store.put(volume.volume_id, volume)
         self._index_volume(volume)
 
-    async def forget_volume(self, volume: VolumeRecord) -> None:
-        await self.volume_store.delete(volume.volume_id)
+    async def create_volume(self, volume: VolumeRecord, make_backing: Callable[[Path], None]) -> None:
+        """Make a CREATING volume READY: its record and make_backing(path) of
+        its backing file, in one worker trip, then the volume indexed."""
+        await in_thread(self._create_volume_files, volume, make_backing, then=partial(self._index_volume, volume))
+
+    def _create_volume_files(self, volume: VolumeRecord, make_backing: Callable[[Path], None]) -> None:
+        # (worker thread) The CREATING record reaches the disk before the
+        # backing file and the READY record after it, so a restart rolls back
+        # whatever a crash interrupts; a failure is rolled back here the same way.
+        self.volume_store.put_sync(volume.volume_id, volume)
+        try:
+            make_backing(self.volume_file(volume))
+            volume.state = Lifecycle.READY  # not indexed yet: no other call sees it
+            self.volume_store.put_sync(volume.volume_id, volume)
+        except BaseException:
+            self._remove_volume(volume)
+            raise
+
+    async def delete_volume(self, volume: VolumeRecord, check: Callable[[], None]) -> None:
+        """check() (it raises to refuse), then the volume's files and record
+        removed, in one worker trip; then the volume forgotten."""
+        await in_thread(self._delete_volume_files, volume, check, then=partial(self._drop_volume, volume))
+
+    def _delete_volume_files(self, volume: VolumeRecord, check: Callable[[], None]) -> None:
+        # (worker thread) The DELETING record goes first, so a restart
+        # finishes a delete that a crash interrupts.
+        check()
+        volume.state = Lifecycle.DELETING  # the calls that write this record wait on the volume's in-flight key
+        self.volume_store.put_sync(volume.volume_id, volume)
+        backend.remove(self.volume_file(volume))
+        self.volume_store.delete_sync(volume.volume_id)
+
+    def _drop_volume(self, volume: VolumeRecord) -> None:
         self.volumes.pop(volume.volume_id, None)
         self._unmark_volume(volume.volume_id)
         if self.volume_names.get(volume.name) == volume.volume_id:

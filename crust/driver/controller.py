@@ -189,14 +189,14 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             group_snapshot_id=s.group_snapshot_id,
         )
 
-    def _place(self, req: csi_pb2.CreateVolumeRequest, size: int, near: str | None) -> PoolRecord:
+    def _place(self, req: csi_pb2.CreateVolumeRequest, size: int, near: str | None,
+               pools: dict[str, PoolRecord]) -> PoolRecord:
         """Pick the pool (node) for a new volume.
 
         Requisite topologies restrict the candidates; preferred ones order
         them (first match wins); without preferences the source's node comes
         first, then the pool with the most room.
         """
-        pools = self.catalog.pools()
         if not pools:
             raise ResourceExhausted("no node has registered a storage pool yet (start `crust driver --mode node`)")
         reqs = req.accessibility_requirements
@@ -301,7 +301,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
                                         "accessibility_requirements.requisite")
                 return csi_pb2.CreateVolumeResponse(volume=self._csi_volume(existing))
 
-            pool = self._place(request, size, near)
+            pool = self._place(request, size, near, pools)
             volume = VolumeRecord(
                 volume_id=backend.new_id("vol"),
                 name=name,
@@ -314,26 +314,18 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
                 content_source=source,
                 state=Lifecycle.CREATING,
             )
-            path = self.catalog.pool(pool.node_id).volume_file(volume.volume_id)
             thick = self._provisioning(volume) == "thick"
-            # The CREATING record goes to disk first, so a crash at any later
-            # point is found and rolled back on restart.
-            await self.catalog.volume_store.put(volume.volume_id, volume)
-            try:
+
+            def make_backing(path):
                 self.catalog.pool(pool.node_id).ensure()
-                if source_file is not None:
-                    if not source_file.exists():
-                        raise FailedPrecondition(f"volume_content_source: the data of the source is missing ({source_file.name})")
-                    await backend.copy_into(source_file, path, size, preallocate=thick)
+                if source_file is None:
+                    backend.make_blank(path, size, preallocate=thick)
+                elif not source_file.exists():
+                    raise FailedPrecondition(f"volume_content_source: the data of the source is missing ({source_file.name})")
                 else:
-                    await backend.create_blank(path, size, preallocate=thick)
-                volume.state = Lifecycle.READY
-                await self.catalog.save_volume(volume)
-            except BaseException:
-                backend.remove(path)
-                backend.remove(self.catalog.pool(pool.node_id).temp_file(path))
-                await self.catalog.volume_store.delete(volume.volume_id)
-                raise
+                    backend.make_copy(source_file, path, size, preallocate=thick)
+
+            await self.catalog.create_volume(volume, make_backing)
             log.info("volume created", extra={"fields": {"volume_id": volume.volume_id, "node": pool.node_id,
                                                          "bytes": size}})
             return csi_pb2.CreateVolumeResponse(volume=self._csi_volume(volume))
@@ -348,18 +340,18 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             if volume.published:
                 raise FailedPrecondition(
                     f"volume {volume_id} is still published to node(s) {', '.join(sorted(volume.published))}")
-            # A CO that skipped ControllerPublish (or lost track) may still
-            # have the volume staged. Only this machine's loop devices are
-            # seen, which is where `all` mode and a node sharing the
-            # machine would hold it.
-            attached = self._attached_device(volume)
-            if attached:
-                raise FailedPrecondition(
-                    f"volume {volume_id} is still attached as {attached} on node {volume.node}; unstage it first")
-            volume.state = Lifecycle.DELETING
-            await self.catalog.volume_store.put(volume_id, volume)
-            backend.remove(self.catalog.volume_file(volume))
-            await self.catalog.forget_volume(volume)
+
+            def check_detached():
+                # A CO that skipped ControllerPublish (or lost track) may still
+                # have the volume staged. Only this machine's loop devices are
+                # seen, which is where `all` mode and a node sharing the
+                # machine would hold it.
+                attached = self._attached_device(volume)
+                if attached:
+                    raise FailedPrecondition(
+                        f"volume {volume_id} is still attached as {attached} on node {volume.node}; unstage it first")
+
+            await self.catalog.delete_volume(volume, check_detached)
             return csi_pb2.DeleteVolumeResponse()
 
     def _attached_device(self, volume: VolumeRecord) -> str | None:

@@ -23,6 +23,7 @@ import secrets
 import time
 from pathlib import Path
 
+from crust.common.aio import in_thread
 from crust.common.atomicfile import fsync_dir
 
 ID_PATTERN = re.compile(r"^[a-z]{1,4}-[0-9a-f]{24}$")
@@ -80,25 +81,41 @@ def _create_sparse(path: Path, size: int) -> None:
         os.fsync(f.fileno())
 
 
-async def create_blank(final: Path, size: int, *, preallocate: bool = False) -> None:
-    """Make a new backing file of `size` bytes, all at once or not at all."""
-    tmp = final.with_name(f".{final.name}.partial")
-    tmp.unlink(missing_ok=True)
-    await asyncio.to_thread(_create_sparse, tmp, size)
-    if preallocate:
-        await asyncio.to_thread(allocate, tmp, size)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
+def make_blank(final: Path, size: int, *, preallocate: bool = False) -> None:
+    """Make a new backing file of `size` bytes, all at once or not at all.
+
+    Blocking (run it in a worker thread): every step, down to the rename and
+    the directory's fsync, belongs off the event loop."""
+    tmp = _fresh_partial(final)
+    _create_sparse(tmp, size)
+    _install(tmp, final, size, preallocate)
+
+
+def make_copy(source: Path, final: Path, size: int, *, preallocate: bool = False) -> None:
+    """Make `final` a copy of `source` (holes preserved), then grow it to
+    size; blocking, like make_blank."""
+    tmp = _fresh_partial(final)
+    _copy_data(source, tmp)
+    _grow_and_sync(tmp, size)
+    _install(tmp, final, size, preallocate)
 
 
 async def copy_into(source: Path, final: Path, size: int, *, preallocate: bool = False) -> None:
-    """Make `final` a copy of `source` (holes preserved), then grow it to size."""
+    """make_copy in one trip to a worker thread."""
+    await in_thread(lambda: make_copy(source, final, size, preallocate=preallocate))
+
+
+def _fresh_partial(final: Path) -> Path:
+    """The temporary of final, with any left over by a killed writer removed."""
     tmp = final.with_name(f".{final.name}.partial")
     tmp.unlink(missing_ok=True)
-    await asyncio.to_thread(_copy_data, source, tmp)
-    await asyncio.to_thread(_grow_and_sync, tmp, size)
+    return tmp
+
+
+def _install(tmp: Path, final: Path, size: int, preallocate: bool) -> None:
+    """Reserve the blocks if asked, then put the complete file in place durably."""
     if preallocate:
-        await asyncio.to_thread(allocate, tmp, size)
+        allocate(tmp, size)
     os.rename(tmp, final)
     fsync_dir(final.parent)
 
