@@ -364,7 +364,7 @@ def shim_requests(shim, rpc: str) -> list[dict]:
             entry = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if entry.get("rpc") == rpc and entry.get("msg") == "request":
+        if entry.get("rpc") == rpc and entry.get("msg") in ("ok", "failed"):
             found.append(entry["request"])
     return found
 

@@ -69,6 +69,29 @@ def _forwarded_code(exc: BaseException, context: grpc.aio.ServicerContext) -> gr
     return grpc.StatusCode.UNKNOWN
 
 
+# A served call still running after this long is logged with its request
+# (its line at the end follows when it ends).
+SLOW_CALL_SECONDS = 2.0
+
+
+def _log_still_running(level: int, request: Message, started: float) -> None:
+    # Runs in the call's context (call_later copies it): the line names the
+    # request id, RPC and volume like the call's own lines.
+    log.log(level, "still running", extra={"fields": {
+        "request": redacted(request), "s": round(time.monotonic() - started, 1)}})
+
+
+def _log_end(level: int | None, request: Message, code: grpc.StatusCode, message: str, elapsed: float) -> None:
+    """The one line of a served call: at `level` when it succeeded (None: not
+    written), as a warning when it failed; both name the request."""
+    if code is grpc.StatusCode.OK:
+        if level is not None:
+            log.log(level, "ok", extra={"fields": {"request": redacted(request), "ms": round(elapsed * 1e3, 2)}})
+        return
+    log.warning("failed", extra={"fields": {"code": code.name, "error": message, "request": redacted(request),
+                                            "ms": round(elapsed * 1e3, 2)}})
+
+
 def _volume_fields(request: Message) -> dict:
     fields = {}
     for name in ("volume_id", "name", "snapshot_id", "target_path", "staging_target_path", "volume_path"):
@@ -153,12 +176,14 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
                                  "request_id": request_id or uuid.uuid4().hex[:12], **_volume_fields(request)})
             remaining = context.time_remaining()
             rpc_deadline.set(time.monotonic() + remaining if remaining is not None else None)
-            # The redacted copy of the request is the costly part of a log
-            # line: made only when the line is written.
+            # One log line per call, when it ends, naming its request (and
+            # one more, while it runs, for a call slower than
+            # SLOW_CALL_SECONDS). The redacted copy of the request, the costly
+            # part of a line, is made only for a line that is written.
             logged = log.isEnabledFor(level)
-            if logged:
-                log.log(level, "request", extra={"fields": {"request": redacted(request)}})
             started = time.monotonic()
+            slow = asyncio.get_running_loop().call_later(
+                SLOW_CALL_SECONDS, _log_still_running, level, request, started) if logged else None
             code, message = grpc.StatusCode.OK, ""
             self._enter()
             try:
@@ -173,19 +198,19 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:  # noqa: BLE001 - the one catch-all boundary
                 if isinstance(exc, grpc.aio.AbortError):
                     code = context.code() or grpc.StatusCode.UNKNOWN
+                    message = context.details() or ""
                     raise
                 log.exception("unexpected error")
                 code, message = grpc.StatusCode.INTERNAL, f"internal error: {exc}"
             finally:
+                if slow is not None:
+                    slow.cancel()
                 self._leave()
                 elapsed = time.monotonic() - started
                 self._observe(method, code, elapsed)
+                _log_end(level if logged else None, request, code, message, elapsed)
             if code is grpc.StatusCode.OK:
-                if logged:
-                    log.log(level, "ok", extra={"fields": {"ms": round(elapsed * 1e3, 2)}})
                 return response
-            log.warning("failed", extra={"fields": {"code": code.name, "error": message,
-                                                    "ms": round(elapsed * 1e3, 2)}})
             await context.abort(code, message)
 
         return grpc.unary_unary_rpc_method_handler(
