@@ -18,12 +18,16 @@ Usage = csi_pb2.VolumeUsage
 
 async def format_if_blank(device: str, fs_type: str, volume_id: str, *, zeroed: bool = False) -> bool:
     """mkfs only a device blkid positively reports blank; True if formatted.
-    zeroed: the caller knows every block reads as zeros (see fs.make)."""
-    try:
-        probe = await fs.probe(device)
-    except (OSError, CommandError) as exc:
-        # Any doubt about the content means no mkfs: data is never risked.
-        raise Internal(f"cannot tell whether volume {volume_id} is blank, refusing to format it: {exc}")
+    zeroed: the caller knows every block reads as zeros (see fs.make), so no
+    signature can be on it and blkid is not asked."""
+    if zeroed:
+        probe = fs.Probe(fs.ProbeState.BLANK)
+    else:
+        try:
+            probe = await fs.probe(device)
+        except (OSError, CommandError) as exc:
+            # Any doubt about the content means no mkfs: data is never risked.
+            raise Internal(f"cannot tell whether volume {volume_id} is blank, refusing to format it: {exc}")
     if probe.state is fs.ProbeState.BLANK:
         log.info("formatting blank volume", extra={"fields": {"fs_type": fs_type, "device": device}})
         await fs.make(device, fs_type, zeroed=zeroed)
