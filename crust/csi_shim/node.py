@@ -232,7 +232,8 @@ class NodeShim:
                     # an ext4 volume staged asking for xfs).
                     await self._release_backend(volume_id, context, quiet=True)
                 raise
-            await self._save(record)
+            if rec is None:  # a repeated stage found its record as it is
+                await self._save(record)
             log.info("staged without mounting", extra={"fields": {"device": device, "fs_type": fs_type}})
             return csi_pb2.NodeStageVolumeResponse()
 

@@ -278,7 +278,8 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                                       published=rec.published if rec else {}, device=device)
             if device in self.unrecorded.get(volume_id, []):
                 self.unrecorded[volume_id].remove(device)  # recorded now
-            await self.records.put(volume_id, record)
+            if record != rec:  # a repeated stage of the same device has nothing new to record
+                await self.records.put(volume_id, record)
             log.info("staged", extra={"fields": {"device": device, "fs_type": fs_type}})
             return csi_pb2.NodeStageVolumeResponse()
 
