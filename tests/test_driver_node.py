@@ -21,8 +21,10 @@ import pytest
 
 from crust.api import csi_pb2
 from crust.sys import blockdev as sysblock
+from crust.sys import fs as sysfs
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
+from crust.sys.run import CommandError
 from tests.harness import GIB, MIB, AccessMode, block_cap, mount_cap
 
 Code = grpc.StatusCode
@@ -286,6 +288,73 @@ def test_stage_formats_a_fresh_volume_thin_and_a_written_one_in_full(driver, roo
     # ext4's tables and journal for 256 MiB are about 16 MiB of zeros.
     assert thin_after - thin_before < 4 * MIB, thin_after
     assert full_after > 12 * MIB, full_after
+
+
+async def test_xfs_is_made_through_the_backing_file_and_read_fresh_through_the_device(root):
+    """mkfs.xfs scans the whole mount table when it is given a block device,
+    so the driver has it format the loop device's backing file instead,
+    holding the device exclusively meanwhile. Blocks the device had cached
+    (a probe read them) are dropped: a read through the device sees the new
+    file system. A device someone holds is not formatted through its file."""
+    images = [root.path / "xfs-a.img", root.path / "xfs-b.img"]
+    devices = []
+    try:
+        for image in images:
+            with open(image, "wb") as f:
+                f.truncate(320 * MIB)
+            devices.append(sysloop.attach_sync(image))
+        free, held = devices
+        # A reader that keeps the device open (as udev's probe may) keeps its
+        # cached blocks: a last close would drop them anyway.
+        reader = os.open(free, os.O_RDONLY)
+        try:
+            assert os.pread(reader, 4096, 0) == bytes(4096)  # cached by the device now
+            await sysfs.make(free, "xfs", image=str(images[0]))
+            assert os.pread(reader, 4, 0) == b"XFSB"
+        finally:
+            os.close(reader)
+        assert (await sysfs.probe(free)).fs_type == "xfs"
+
+        holder = os.open(held, os.O_RDONLY | os.O_EXCL)  # as a mount would
+        try:
+            with pytest.raises(CommandError):
+                await sysfs.make(held, "xfs", image=str(images[1]))  # mkfs.xfs on the device refuses it
+        finally:
+            os.close(holder)
+        with open(images[1], "rb") as f:
+            assert f.read(4096) == bytes(4096)
+    finally:
+        for device in devices:
+            sysloop.detach_sync(device)
+
+
+def test_the_image_of_a_loop_device_is_its_file_only_where_the_path_names_that_file(root):
+    """mkfs goes through a loop device's backing file only when the path
+    sysfs gives names the very file the device reads, here, whole."""
+    here, elsewhere = root.path / "here", root.path / "elsewhere"
+    for directory in (here, elsewhere):
+        directory.mkdir()
+        with open(directory / "vol.img", "wb") as f:
+            f.truncate(64 * MIB)
+    whole = sysloop.attach_sync(here / "vol.img")
+    offset = subprocess.run(["losetup", "--find", "--show", "--offset", "4096", str(here / "vol.img")],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    covered = False
+    try:
+        assert sysloop.image_of(whole) == str(here / "vol.img")
+        assert sysloop.image_of(offset) is None  # not from its first byte
+        assert sysloop.image_of("/dev/null") is None
+        # The same path naming another file (as another mount namespace's
+        # path may): the device's file system and inode tell them apart.
+        subprocess.run(["mount", "--bind", str(elsewhere), str(here)], check=True)
+        covered = True
+        assert sysloop._backing_file(os.path.basename(whole)) == str(here / "vol.img")
+        assert sysloop.image_of(whole) is None
+    finally:
+        if covered:
+            subprocess.run(["umount", str(here)], check=True)
+        for device in (whole, offset):
+            sysloop.detach_sync(device)
 
 
 def test_stage_and_publish_raw_block(driver, root):

@@ -16,10 +16,12 @@ log = logging.getLogger(__name__)
 Usage = csi_pb2.VolumeUsage
 
 
-async def format_if_blank(device: str, fs_type: str, volume_id: str, *, zeroed: bool = False) -> bool:
+async def format_if_blank(device: str, fs_type: str, volume_id: str, *, zeroed: bool = False,
+                          image: str | None = None) -> bool:
     """mkfs only a device blkid positively reports blank; True if formatted.
     zeroed: the caller knows every block reads as zeros (see fs.make), so no
-    signature can be on it and blkid is not asked."""
+    signature can be on it and blkid is not asked. image: the file the
+    device shows (see fs.make)."""
     if zeroed:
         probe = fs.Probe(fs.ProbeState.BLANK)
     else:
@@ -30,7 +32,7 @@ async def format_if_blank(device: str, fs_type: str, volume_id: str, *, zeroed: 
             raise Internal(f"cannot tell whether volume {volume_id} is blank, refusing to format it: {exc}")
     if probe.state is fs.ProbeState.BLANK:
         log.info("formatting blank volume", extra={"fields": {"fs_type": fs_type, "device": device}})
-        await fs.make(device, fs_type, zeroed=zeroed)
+        await fs.make(device, fs_type, zeroed=zeroed, image=image)
         return True
     if probe.fs_type != fs_type:
         raise FailedPrecondition(

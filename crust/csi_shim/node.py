@@ -221,9 +221,12 @@ class NodeShim:
                 # the volume the first time: no second probe.
                 if rec is None and not self._host_mounts(record):
                     # A loop device over a file with no data reads as zeros
-                    # whoever the backend is: mkfs need not write zeros.
+                    # whoever the backend is: mkfs need not write zeros; and
+                    # one over a file this shim reaches can be formatted
+                    # through the file.
                     await volumefs.format_if_blank(device, fs_type, volume_id,
-                                                   zeroed=loop.reads_as_zeros(device))
+                                                   zeroed=loop.reads_as_zeros(device),
+                                                   image=loop.image_of(device))
             except Exception:
                 if rec is None:
                     # A failed first stage leaves no backend publish behind:

@@ -259,7 +259,8 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                                 f"staging_target_path {staging} has another file system mounted ({current.source})")
                         if current is None:
                             await volumefs.format_if_blank(device, fs_type, volume_id,
-                                                           zeroed=loop.reads_as_zeros(device))
+                                                           zeroed=loop.reads_as_zeros(device),
+                                                           image=loop.image_of(device))
                             await volumefs.fill_device_offline(fs_type, device)
                             await staging_at.mount(device, fs_type, volumefs.mount_options(fs_type, flags))
                             if fs_type == "xfs" and cap.access_mode.mode not in csi_input.READ_ONLY_MODES:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import stat
+from collections.abc import Iterator
 
 from crust.sys.run import run
 
@@ -38,6 +41,27 @@ def claimed(device: str) -> bool:
         raise
     os.close(fd)
     return False
+
+
+@contextlib.contextmanager
+def held_exclusively(device: str) -> Iterator[int]:
+    """The device open with O_EXCL for the block (its descriptor): nothing
+    mounts it or holds it exclusively meanwhile. OSError EBUSY when someone
+    holds it already."""
+    fd = os.open(device, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+# BLKFLSBUF (linux/fs.h): write the device's dirty buffers back and drop its
+# cached blocks, so the next read comes from what the device serves.
+BLKFLSBUF = 0x1261
+
+
+def drop_cached_blocks(fd: int) -> None:
+    fcntl.ioctl(fd, BLKFLSBUF, 0)
 
 
 def major_minor(device: str) -> tuple[int, int]:

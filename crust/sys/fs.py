@@ -7,7 +7,9 @@ that reads without error. Every other outcome means "do not format".
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import errno
 import fcntl
 import os
 import struct
@@ -55,9 +57,11 @@ async def probe(device: str) -> Probe:
     return Probe(ProbeState.FORMATTED, kind)
 
 
-async def make(device: str, fs_type: str, *, zeroed: bool = False) -> None:
+async def make(device: str, fs_type: str, *, zeroed: bool = False, image: str | None = None) -> None:
     """Make a file system. zeroed: the caller knows every block of the
-    device reads as zeros (a backing file with no data in it)."""
+    device reads as zeros (a backing file with no data in it). image: the
+    file the device shows from its first byte (a loop device's backing file
+    at offset 0), which xfs is made through (see _make_xfs_through)."""
     if fs_type == "ext4":
         # No lazy init: the volume is complete when mkfs returns, so a host
         # crash right after cannot leave half-initialised inode tables. On a
@@ -69,9 +73,40 @@ async def make(device: str, fs_type: str, *, zeroed: bool = False) -> None:
             extended += ",assume_storage_prezeroed=1"
         await run(["mkfs.ext4", "-q", "-F", "-E", extended, "--", device])
     elif fs_type == "xfs":
-        await run(["mkfs.xfs", "-q", "--", device])
+        if image is None or not await _make_xfs_through(image, device):
+            await run(["mkfs.xfs", "-q", "--", device])
     else:
         raise ValueError(f"unsupported filesystem {fs_type!r}")
+
+
+async def _make_xfs_through(image: str, device: str) -> bool:
+    """mkfs.xfs on the file the device shows; False (nothing done) when the
+    device is held by someone or does not show the whole file.
+
+    Given a block device, mkfs.xfs refuses a mounted one by stat-ing every
+    mount point in /proc/mounts: 16 ms more at 2,000 mounts than at 40, on
+    every first stage. Given a file it has no device to look for. The
+    exclusive open held meanwhile is that same check, and more: nothing can
+    mount the device until the file system is complete.
+    """
+    with contextlib.ExitStack() as held:
+        try:
+            fd = held.enter_context(blockdev.held_exclusively(device))
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            return False  # held: mkfs.xfs on the device refuses it in its own words
+        if os.lseek(fd, 0, os.SEEK_END) != os.stat(image).st_size:
+            # Not all of the file (an offset, or a capacity not refreshed
+            # yet): format what the device shows.
+            return False
+        # Before: what was written through the device reaches the file first
+        # (not over mkfs's blocks later). After: the device's cached blocks
+        # give way to what mkfs wrote.
+        blockdev.drop_cached_blocks(fd)
+        await run(["mkfs.xfs", "-q", "--", image])
+        blockdev.drop_cached_blocks(fd)
+        return True
 
 
 _prezeroed_known: bool | None = None

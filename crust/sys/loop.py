@@ -19,6 +19,7 @@ import stat
 import struct
 from pathlib import Path
 
+from crust.sys import blockdev
 from crust.sys.run import run
 
 SYS_BLOCK = Path("/sys/block")
@@ -67,8 +68,6 @@ def serves(device: str, backing_file: str | os.PathLike) -> bool:
     return name.startswith("loop") and _backing_file(name) == os.path.realpath(backing_file)
 
 
-_BLKFLSBUF = 0x1261
-
 
 def reads_as_zeros(device: str) -> bool:
     """Does every block of this loop device read as zeros? True when its
@@ -87,7 +86,7 @@ def reads_as_zeros(device: str) -> bool:
             return False
         fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            fcntl.ioctl(fd, _BLKFLSBUF, 0)
+            blockdev.drop_cached_blocks(fd)
         finally:
             os.close(fd)
         fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -116,6 +115,36 @@ _NAME_SIZE = 64
 # lo_encrypt_key_size, lo_flags, lo_file_name[64], lo_crypt_name[64],
 # lo_encrypt_key[32], lo_init[2]), __reserved[8].
 _LOOP_CONFIG = struct.Struct("=II QQQQQ IIII 64s 64s 32s 2Q 8Q")
+_LOOP_GET_STATUS64 = 0x4C05
+_LOOP_INFO64 = struct.Struct("=QQQQQ IIII 64s 64s 32s 2Q")
+
+
+def image_of(device: str) -> str | None:
+    """The file this loop device shows whole, from its first byte, by the
+    path this process reaches it at: its backing file, when that path names
+    the very file the device reads (the same file system and inode, from
+    LOOP_GET_STATUS64) and the device has no offset and no size limit. None
+    for anything else: not a loop device, a path that names another file
+    here (another mount namespace attached it), a partial view, any doubt."""
+    name = os.path.basename(device)
+    backing = _backing_file(name) if name.startswith("loop") else None
+    if not backing or backing.endswith(" (deleted)"):
+        return None
+    try:
+        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            info = fcntl.ioctl(fd, _LOOP_GET_STATUS64, bytes(_LOOP_INFO64.size))
+        finally:
+            os.close(fd)
+        st = os.stat(backing)
+    except OSError:
+        return None
+    lo_device, lo_inode, _, lo_offset, lo_sizelimit = _LOOP_INFO64.unpack(info)[:5]
+    # lo_device is the kernel's encoding of a dev_t (new_encode_dev).
+    file_system = ((lo_device & 0xFFF00) >> 8, (lo_device & 0xFF) | ((lo_device >> 12) & 0xFFF00))
+    if (lo_offset, lo_sizelimit, lo_inode, file_system) != (0, 0, st.st_ino, (os.major(st.st_dev), os.minor(st.st_dev))):
+        return None
+    return backing
 
 
 def _device_node(number: int) -> str:
