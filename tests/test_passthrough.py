@@ -235,6 +235,13 @@ def test_the_plugins_own_answers_are_kept_per_connection_and_renewed_after_a_res
         assert 1 <= backend.reached["ControllerGetCapabilities"] <= 3 + 2 * renewals  # of 40 asked
         # Probe asks the plugin every time (the proxy's own start probes once more).
         assert backend.reached["Probe"] >= 20
+        # A request with fields (none of these methods has any: a newer CSI,
+        # or junk) is forwarded every time, never kept: nothing grows with
+        # what callers send.
+        before = backend.reached["ControllerGetCapabilities"]
+        for junk in (b"\x08\x01", b"\x08\x02", b"\x08\x02"):
+            shim.channel.unary_unary(CTRL_CAPS)(junk, timeout=5)
+        assert backend.reached["ControllerGetCapabilities"] == before + 3
 
         backend.stop()
         wait_for(lambda: shim.channel is not None and not shim_reaches(shim), 10)

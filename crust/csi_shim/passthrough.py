@@ -91,8 +91,8 @@ _READY = grpc.ChannelConnectivity.READY
 
 # The longest a kept answer is served. The connection only says that the
 # next hop did not change: behind a shim, the plugin it wraps may restart
-# while the proxy's connection to the shim lasts. An answer kept at most
-# this long is no older than kubelet's own use of one (it asks, then acts).
+# while the proxy's connection to the shim lasts, and its new answers reach
+# the proxy's callers within this time.
 PLUGIN_ANSWER_SECONDS = 2.0
 
 
@@ -108,16 +108,18 @@ class PluginAnswers:
     replaced leaves READY first, so its next answer is asked for again. An
     answer is only kept when the state was READY and unchanged from before
     the call was sent until its answer arrived, and only served while the
-    state is READY. Errors and answers that carry metadata are never kept
-    (the caller gets exactly what the backend sent). Probe is not a plugin
-    method: it always reaches the backend.
+    state is READY. Only answers to empty requests (these methods' requests
+    have no fields) are kept: at most one per method, whatever a caller
+    sends. Errors and answers that carry metadata are never kept (the caller
+    gets exactly what the backend sent). Probe is not a plugin method: it
+    always reaches the backend.
     """
 
     def __init__(self, channel: grpc.aio.Channel):
         self.channel = channel
         self.epoch = 0  # the connection's generation; +1 at every change of state
-        # (method, request bytes) -> (epoch, monotonic expiry, answer bytes)
-        self.answers: dict[tuple[str, bytes], tuple[int, float, bytes]] = {}
+        # method -> (epoch, monotonic expiry, answer bytes)
+        self.answers: dict[str, tuple[int, float, bytes]] = {}
         self._watching = False
         self._watcher: asyncio.Task | None = None
 
@@ -149,9 +151,9 @@ class PluginAnswers:
 
     def kept(self, method: str, request: bytes) -> bytes | None:
         """The answer kept for this request on the current connection, if any."""
-        if not self._watch_started():
+        if request or not self._watch_started():
             return None
-        entry = self.answers.get((method, request))
+        entry = self.answers.get(method)
         if entry is None:
             return None
         epoch, expiry, answer = entry
@@ -166,8 +168,8 @@ class PluginAnswers:
         return self.epoch
 
     def keep(self, ticket: int | None, method: str, request: bytes, response: bytes) -> None:
-        if ticket is not None and ticket == self.epoch and self.channel.get_state() is _READY:
-            self.answers[(method, request)] = (ticket, time.monotonic() + PLUGIN_ANSWER_SECONDS, response)
+        if not request and ticket is not None and ticket == self.epoch and self.channel.get_state() is _READY:
+            self.answers[method] = (ticket, time.monotonic() + PLUGIN_ANSWER_SECONDS, response)
 
     def close(self) -> None:
         if self._watcher is not None:
