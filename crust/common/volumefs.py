@@ -18,10 +18,10 @@ Usage = csi_pb2.VolumeUsage
 
 async def format_if_blank(device: str, fs_type: str, volume_id: str, *, zeroed: bool = False,
                           image: str | None = None) -> bool:
-    """mkfs only a device blkid positively reports blank; True if formatted.
-    zeroed: the caller knows every block reads as zeros (see fs.make), so no
-    signature can be on it and blkid is not asked. image: the file the
-    device shows (see fs.make)."""
+    """mkfs only a device known to be blank; True if formatted. zeroed: the
+    caller knows every block reads as zeros (see fs.make), so no signature
+    can be on it and blkid is not asked; otherwise blkid must positively
+    report it blank. image: the file the device shows (see fs.make)."""
     if zeroed:
         probe = fs.Probe(fs.ProbeState.BLANK)
     else:
