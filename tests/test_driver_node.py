@@ -295,15 +295,16 @@ async def test_xfs_is_made_through_the_backing_file_and_read_fresh_through_the_d
     so the driver has it format the loop device's backing file instead,
     holding the device exclusively meanwhile. Blocks the device had cached
     (a probe read them) are dropped: a read through the device sees the new
-    file system. A device someone holds is not formatted through its file."""
-    images = [root.path / "xfs-a.img", root.path / "xfs-b.img"]
+    file system. A device someone holds, or a read-only one, is not
+    formatted through its file."""
+    images = [root.path / "xfs-a.img", root.path / "xfs-b.img", root.path / "xfs-c.img"]
     devices = []
     try:
         for image in images:
             with open(image, "wb") as f:
                 f.truncate(320 * MIB)
-            devices.append(sysloop.attach_sync(image))
-        free, held = devices
+            devices.append(sysloop.attach_sync(image, read_only=image is images[2]))
+        free, held, read_only = devices
         # A reader that keeps the device open (as udev's probe may) keeps its
         # cached blocks: a last close would drop them anyway.
         reader = os.open(free, os.O_RDONLY)
@@ -321,8 +322,12 @@ async def test_xfs_is_made_through_the_backing_file_and_read_fresh_through_the_d
                 await sysfs.make(held, "xfs", image=str(images[1]))  # mkfs.xfs on the device refuses it
         finally:
             os.close(holder)
-        with open(images[1], "rb") as f:
-            assert f.read(4096) == bytes(4096)
+        # Nor is a read-only device (its file is writable, its volume is not).
+        with pytest.raises(CommandError):
+            await sysfs.make(read_only, "xfs", image=str(images[2]))
+        for untouched in images[1:]:
+            with open(untouched, "rb") as f:
+                assert f.read(4096) == bytes(4096)
     finally:
         for device in devices:
             sysloop.detach_sync(device)

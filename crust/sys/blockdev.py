@@ -7,6 +7,7 @@ import errno
 import fcntl
 import os
 import stat
+import struct
 from collections.abc import Iterator
 
 from crust.sys.run import run
@@ -62,6 +63,15 @@ BLKFLSBUF = 0x1261
 
 def drop_cached_blocks(fd: int) -> None:
     fcntl.ioctl(fd, BLKFLSBUF, 0)
+
+
+# BLKROGET (linux/fs.h): is the device read-only? (Opening it for writing
+# succeeds regardless on current kernels; only the writes fail.)
+BLKROGET = 0x125E
+
+
+def is_read_only(fd: int) -> bool:
+    return struct.unpack("i", fcntl.ioctl(fd, BLKROGET, struct.pack("i", 0)))[0] != 0
 
 
 def major_minor(device: str) -> tuple[int, int]:

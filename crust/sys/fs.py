@@ -81,7 +81,7 @@ async def make(device: str, fs_type: str, *, zeroed: bool = False, image: str | 
 
 async def _make_xfs_through(image: str, device: str) -> bool:
     """mkfs.xfs on the file the device shows; False (nothing done) when the
-    device is held by someone or does not show the whole file.
+    device is held by someone, is read-only or does not show the whole file.
 
     Given a block device, mkfs.xfs refuses a mounted one by stat-ing every
     mount point in /proc/mounts: 16 ms more at 2,000 mounts than at 40, on
@@ -96,6 +96,10 @@ async def _make_xfs_through(image: str, device: str) -> bool:
             if exc.errno != errno.EBUSY:
                 raise
             return False  # held: mkfs.xfs on the device refuses it in its own words
+        if blockdev.is_read_only(fd):
+            # Its file must not be written behind its back: mkfs.xfs on the
+            # device fails as it always did.
+            return False
         if os.lseek(fd, 0, os.SEEK_END) != os.stat(image).st_size:
             # Not all of the file (an offset, or a capacity not refreshed
             # yet): format what the device shows.
