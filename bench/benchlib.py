@@ -303,6 +303,24 @@ def guarded_run(body: Callable[[], None], cleanup: Callable[[], bool],
     return status
 
 
+def guarded_run_then_write(body: Callable[[], None], cleanup: Callable[[], bool],
+                           on_failure: Callable[[Exception], None], json_out, results: dict) -> int:
+    """guarded_run(), then the results written to json_out (a path, "-" for
+    stdout, or None for nowhere) when the run succeeded; its exit status."""
+    status = guarded_run(body, cleanup, on_failure)
+    if json_out and status == 0:
+        write_json(Path(json_out), results)
+    return status
+
+
+def not_root(script: str, why: str) -> bool:
+    """True, after saying so on stderr, when this benchmark does not run as root."""
+    if os.geteuid() == 0:
+        return False
+    print(f"{script} needs root ({why})", file=sys.stderr)
+    return True
+
+
 # -- the end of a run -----------------------------------------------------------------------------------
 
 

@@ -53,6 +53,7 @@ from bench.benchlib import (  # noqa: E402
     loadavg,
     machine,
     machine_summary,
+    not_root,
     others_cores,
     raise_on_signals,
     rotated,
@@ -315,8 +316,7 @@ def main(argv=None) -> int:
                               "the Go reference driver, kubernetes-csi/csi-driver-host-path")
     if args.csi_sanity is None or args.hostpath is None:
         return 2
-    if os.geteuid() != 0:
-        print("conformance_ratio.py needs root (loop devices, mkfs, mount)", file=sys.stderr)
+    if not_root("conformance_ratio.py", "loop devices, mkfs, mount"):
         return 2
     raise_on_signals()
     project_on_pythonpath(os.environ)

@@ -60,6 +60,7 @@ from bench.benchlib import (  # noqa: E402
     guarded_run,
     iowait_cores,
     machine,
+    not_root,
     others_cores,
     raise_on_signals,
     report_failure,
@@ -309,8 +310,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if os.geteuid() != 0:
-        print("driver_lifecycle.py needs root (loop devices, mkfs, mount)", file=sys.stderr)
+    if not_root("driver_lifecycle.py", "loop devices, mkfs, mount"):
         return 2
 
     raise_on_signals()

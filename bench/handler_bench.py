@@ -86,10 +86,11 @@ from bench.benchlib import (  # noqa: E402
     close_and_report,
     cores,
     cpu_sample,
-    guarded_run,
+    guarded_run_then_write,
     loadavg,
     machine,
     machine_summary,
+    not_root,
     others_cores,
     pid_cores,
     print_log_tails,
@@ -98,7 +99,6 @@ from bench.benchlib import (  # noqa: E402
     report_targets,
     run_header,
     summary,
-    write_json,
 )
 from bench.harness_index import (  # noqa: E402
     EntryWriter,
@@ -341,8 +341,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if 2 in args.part_set and os.geteuid() != 0:
-        print("handler_bench.py part 2 needs root (the real stack makes loop devices and mounts)", file=sys.stderr)
+    if 2 in args.part_set and not_root("handler_bench.py part 2", "the real stack makes loop devices and mounts"):
         return 2
 
     raise_on_signals()
@@ -381,10 +380,7 @@ def main(argv=None) -> int:
         # sandbox processes, unmounts, detaches, removes.
         return close_and_report(chain.root, chain.tear_down(), lambda: close_root(chain.root))
 
-    status = guarded_run(run, clean_up, failed)
-    if args.json and status == 0:
-        write_json(args.json, results)
-    return status
+    return guarded_run_then_write(run, clean_up, failed, args.json, results)
 
 
 if __name__ == "__main__":

@@ -63,10 +63,11 @@ from bench.benchlib import (  # noqa: E402
     close_and_report,
     cpu_sample,
     file_text,
-    guarded_run,
+    guarded_run_then_write,
     loadavg,
     machine,
     machine_summary,
+    not_root,
     others_cores,
     print_log_tails,
     quantiles,
@@ -74,7 +75,6 @@ from bench.benchlib import (  # noqa: E402
     rotated,
     run_header,
     timed,
-    write_json,
 )
 from bench.harness_proxy import StatsVolume  # noqa: E402
 from bench.harness_stack import die_with_parent  # noqa: E402
@@ -278,8 +278,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if os.geteuid() != 0:
-        print("hop_cost.py needs root (its stats volume is a loop device and a mount)", file=sys.stderr)
+    if not_root("hop_cost.py", "its stats volume is a loop device and a mount"):
         return 2
     raise_on_signals()
     results: dict = {**run_header("hop_cost", argv, machine(grpc=grpc.__version__)), "load_start": loadavg()}
@@ -321,10 +320,7 @@ def main(argv=None) -> int:
         closed = [v.close() for v in variants]  # every one, even after a failure
         return all(closed)
 
-    status = guarded_run(run, clean_up, failed)
-    if args.json and status == 0:
-        write_json(args.json, results)
-    return status
+    return guarded_run_then_write(run, clean_up, failed, args.json, results)
 
 
 if __name__ == "__main__":

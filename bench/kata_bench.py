@@ -91,8 +91,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project r
 
 from bench.benchlib import (  # noqa: E402
     add_parts_option,
-    guarded_run,
+    guarded_run_then_write,
     loadavg,
+    not_root,
     others_cores,
     print_log_tails,
     raise_on_signals,
@@ -102,7 +103,6 @@ from bench.benchlib import (  # noqa: E402
     summary,
     timed,
     with_others_cores,
-    write_json,
 )
 from bench.harness_guest_io import FS_MIB, MEMORY_MIB, IoVm, run_then  # noqa: E402
 from bench.harness_kata import VOLUME_MIB, Chain, kata_machine, run_sample  # noqa: E402
@@ -323,8 +323,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     global OUT
     args = parse_args(argv)
-    if os.geteuid() != 0:
-        print("kata_bench.py needs root (loop devices, mounts, QEMU)", file=sys.stderr)
+    if not_root("kata_bench.py", "loop devices, mounts, QEMU"):
         return 2
     if args.json == "-":
         OUT = sys.stderr
@@ -390,10 +389,7 @@ def main(argv=None) -> int:
                 complete = False
         return complete
 
-    status = guarded_run(run, clean_up, failed)
-    if args.json and status == 0:
-        write_json(Path(args.json), results)
-    return status
+    return guarded_run_then_write(run, clean_up, failed, args.json, results)
 
 
 if __name__ == "__main__":

@@ -92,9 +92,10 @@ from bench.benchlib import (  # noqa: E402
     close_and_report,
     cpu_sample,
     file_text,
-    guarded_run,
+    guarded_run_then_write,
     machine,
     machine_summary,
+    not_root,
     print_log_tails,
     quantiles,
     raise_on_signals,
@@ -105,7 +106,6 @@ from bench.benchlib import (  # noqa: E402
     summary,
     timed,
     with_others_cores,
-    write_json,
 )
 from bench.harness_fakes import ServerProcess, serve  # noqa: E402
 from bench.harness_fleet import churn_rounds, drain_all, fill_up, rss_mib, start_fleets  # noqa: E402
@@ -327,8 +327,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.serve:
         return serve(args.serve, args.socket)
-    if os.geteuid() != 0:
-        print("proxy_bench.py needs root (the real driver makes loop devices and mounts)", file=sys.stderr)
+    if not_root("proxy_bench.py", "the real driver makes loop devices and mounts"):
         return 2
 
     raise_on_signals()
@@ -382,10 +381,7 @@ def main(argv=None) -> int:
         # Root.close() stops every process (proxies, servers, shim, driver), unmounts, detaches, removes.
         return close_and_report(root, stack.tear_down(), root.close)
 
-    status = guarded_run(run, clean_up, failed)
-    if args.json and status == 0:
-        write_json(args.json, results)
-    return status
+    return guarded_run_then_write(run, clean_up, failed, args.json, results)
 
 
 if __name__ == "__main__":

@@ -52,8 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project r
 
 import grpc  # noqa: E402
 
-from bench.benchlib import (close_and_report, file_text, guarded_run, loadavg, machine, machine_summary,  # noqa: E402
-                            print_log_tails, raise_on_signals, report_failure, run_header, summary, write_json)
+from bench.benchlib import (close_and_report, file_text, guarded_run_then_write, loadavg, machine,  # noqa: E402
+                            machine_summary, not_root, print_log_tails, raise_on_signals, report_failure,
+                            run_header, summary)
 from bench.harness_fleet import rss_mib  # noqa: E402
 from bench.harness_mountns import close_root  # noqa: E402
 from bench.harness_stack import ProxyVolume, project_on_pythonpath, start_stack  # noqa: E402
@@ -340,8 +341,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if os.geteuid() != 0:
-        print("scale_deferred.py needs root (loop devices, mounts, namespaces)", file=sys.stderr)
+    if not_root("scale_deferred.py", "loop devices, mounts, namespaces"):
         return 2
     raise_on_signals()
     project_on_pythonpath(os.environ)
@@ -390,10 +390,7 @@ def main(argv=None) -> int:
             ok = close_and_report(s.root, s.tear_down(), lambda s=s: close_root(s.root)) and ok
         return ok
 
-    status = guarded_run(run, clean_up, failed)
-    if args.json and status == 0:
-        write_json(args.json, results)
-    return status
+    return guarded_run_then_write(run, clean_up, failed, args.json, results)
 
 
 if __name__ == "__main__":
