@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import signal
@@ -105,6 +106,41 @@ def _volume_fields(request: Message) -> dict:
     return fields
 
 
+class Undecodable:
+    """What a request whose bytes do not parse as its message becomes (bad
+    varints, invalid UTF-8 in a string, nesting past the parser's limit).
+
+    gRPC parses a request before any interceptor sees it and answers a parse
+    failure UNKNOWN with a traceback in the log; the interceptor wraps each
+    method's parser so that such bytes reach it as this instead, and refuses
+    them with INVALID_ARGUMENT (crust.common.grpcserver.CrustInterceptor)."""
+
+    __slots__ = ("type_name", "size", "error")
+
+    def __init__(self, type_name: str, size: int, error: str):
+        self.type_name, self.size, self.error = type_name, size, error
+
+    @property
+    def message(self) -> str:
+        return (f"the request ({self.size} bytes) does not decode as {self.type_name}: {self.error} "
+                "(a malformed field, a string that is not UTF-8, or nesting deeper than the parser allows)")
+
+
+def _tolerant(deserialize: Callable[[bytes], object] | None) -> Callable[[bytes], object] | None:
+    """A method's request parser that returns Undecodable instead of raising."""
+    if deserialize is None:
+        return None
+    type_name = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+    type_name = type_name.full_name if type_name is not None else "the method's request message"
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, RecursionError: the sender's bytes, not our bug
+            return Undecodable(type_name, len(data), type(exc).__name__)
+    return parse
+
+
 # Wrapped handlers kept per method (see CrustInterceptor.intercept_service);
 # a bound, since a client may name any number of methods the passthrough
 # forwards.
@@ -155,11 +191,20 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
             child = self._latency[(method, code)] = RPC_LATENCY.labels(self.component, method, code.name)
         child.observe(seconds)
 
+    async def _refuse_undecodable(self, request: Undecodable, method: str,
+                                  context: grpc.aio.ServicerContext) -> None:
+        """INVALID_ARGUMENT for bytes that are not the method's message: one
+        warning line, no traceback (the sender's fault, not ours)."""
+        self._observe(method, grpc.StatusCode.INVALID_ARGUMENT, 0.0)
+        log.warning("failed", extra={"fields": {"component": self.component, "rpc": method.rsplit("/", 1)[-1],
+                                                "code": "INVALID_ARGUMENT", "error": request.message}})
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         if handler.unary_unary is None:
             if handler.stream_stream is not None:
                 return self._measured_stream(handler, method)
-            return handler
+            return self._guarded_other(handler, method)
         if handler.request_deserializer is None and handler.response_serializer is None:
             # Raw bytes: a forwarded call, nothing here can read it.
             return self._measured_forward(handler, method)
@@ -168,6 +213,8 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
         level = logging.DEBUG if method in QUIET_METHODS else logging.INFO
 
         async def serve_one(request, context: grpc.aio.ServicerContext):
+            if isinstance(request, Undecodable):
+                await self._refuse_undecodable(request, method, context)
             request_id = None
             for key, value in context.invocation_metadata() or ():
                 if key == "x-request-id":
@@ -215,9 +262,47 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
 
         return grpc.unary_unary_rpc_method_handler(
             serve_one,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+
+    def _guarded_other(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """A unary-stream or stream-unary method (health's Watch): only its
+        undecodable requests are refused here."""
+        if handler.request_deserializer is None:
+            return handler
+        if handler.unary_stream is not None:
+            inner = handler.unary_stream
+            if inspect.isasyncgenfunction(inner):
+                async def watch(request, context):
+                    if isinstance(request, Undecodable):
+                        await self._refuse_undecodable(request, method, context)
+                    async for response in inner(request, context):
+                        yield response
+            else:
+                async def watch(request, context):
+                    if isinstance(request, Undecodable):
+                        await self._refuse_undecodable(request, method, context)
+                    return await inner(request, context)
+            return grpc.unary_stream_rpc_method_handler(
+                watch, request_deserializer=_tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
+        if handler.stream_unary is not None:
+            inner = handler.stream_unary
+
+            async def collect(request_iterator, context):
+                return await inner(self._decoded(request_iterator, method, context), context)
+            return grpc.stream_unary_rpc_method_handler(
+                collect, request_deserializer=_tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
+        return handler
+
+    async def _decoded(self, request_iterator, method: str, context: grpc.aio.ServicerContext):
+        """The requests of a stream, the first undecodable one refused."""
+        async for request in request_iterator:
+            if isinstance(request, Undecodable):
+                await self._refuse_undecodable(request, method, context)
+            yield request
 
     def _measured_forward(self, handler, method: str):
         """A forwarded unary call (the shim's and the proxy's passthrough of
@@ -251,7 +336,7 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
             started = time.monotonic()
             code = grpc.StatusCode.OK
             try:
-                async for response in inner(request_iterator, context):
+                async for response in inner(self._decoded(request_iterator, method, context), context):
                     yield response
             except (Exception, asyncio.CancelledError) as exc:
                 code = _forwarded_code(exc, context)
@@ -260,7 +345,7 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
                 self._observe(method, code, time.monotonic() - started)
 
         return grpc.stream_stream_rpc_method_handler(
-            serve_stream, request_deserializer=handler.request_deserializer,
+            serve_stream, request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer)
 
 
