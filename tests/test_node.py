@@ -213,3 +213,77 @@ def test_a_registration_socket_held_by_another_server_stops_the_start(root):
     assert (registry / f"{DRIVER}-reg.sock").exists(), "the other server's socket was taken away"
     prefix = str(root.path) + "/"
     assert [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(prefix)] == []
+
+
+def _refused(config: Path) -> subprocess.CompletedProcess:
+    """`crust node` on config: it must exit 2 before starting anything."""
+    result = subprocess.run([sys.executable, "-m", "crust", "node", "--config", str(config)], capture_output=True,
+                            text=True, timeout=60, env=ENV)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def test_a_socket_path_or_a_metrics_port_used_twice_is_refused_naming_the_key(root):
+    run = root.path / "run"
+    result = _refused(write_config(root.path, csiSocket=str(run / "driver.sock")))
+    assert "csiSocket" in result.stderr and "driver" in result.stderr
+    assert not (run / "driver.sock").exists()
+    result = _refused(write_config(root.path, csiSocket=str(run / "runtime" / "proxy.sock")))
+    assert "csiSocket" in result.stderr and "runtime" in result.stderr
+    result = _refused(write_config(root.path, kubeletRegistration={"dir": str(run)},
+                                   csiSocket=str(run / f"{DRIVER}-reg.sock")))
+    assert "csiSocket" in result.stderr and "kubeletRegistration" in result.stderr
+    result = _refused(write_config(root.path, driver={"capacity": "10Gi", "metricsPort": 19321},
+                                   proxy={"metricsPort": 19321}))
+    assert "proxy.metricsPort" in result.stderr and "driver.metricsPort" in result.stderr
+
+
+def test_a_state_or_kubelet_root_that_is_not_a_real_directory_is_refused_naming_the_key(root):
+    plain = root.path / "a-file"
+    plain.write_text("not a directory\n")
+    elsewhere = root.path / "elsewhere"
+    elsewhere.mkdir()
+    link = root.path / "a-link"
+    link.symlink_to(elsewhere)
+    for key, value in (("stateDir", plain), ("stateDir", link), ("stateDir", plain / "below"),
+                       ("runDir", plain), ("kubeletRoot", link), ("kubeletRoot", link / "kubelet"),
+                       ("kubeletRoot", plain)):
+        result = _refused(write_config(root.path, **{key: str(value)}))
+        assert f"{key}: " in result.stderr, (key, value, result.stderr)
+        assert plain.read_text() == "not a directory\n"
+        assert list(elsewhere.iterdir()) == [], f"{key}={value} created {list(elsewhere.iterdir())}"
+    result = _refused(write_config(root.path, driver={"capacity": "10Gi", "dataDir": str(link)}))
+    assert "driver.dataDir: " in result.stderr
+
+
+def test_an_invalid_handler_name_is_refused_naming_the_key(root):
+    for name in ("has space", "x" * 64, "slash/name", "a:b"):
+        result = _refused(write_config(root.path, handler={"runtime": "mountns", "name": name}))
+        assert "handler.name" in result.stderr, (name, result.stderr)
+
+
+def test_readiness_is_the_childs_own_listener_not_any_listener_on_its_socket(root):
+    """A foreign server already listening at the shim's socket: the shim
+    cannot bind and exits; the supervisor must not take that server for
+    the shim (it reported "serving" while the shim crash-looped)."""
+    import socket
+
+    config = write_config(root.path, supervisor={"readyTimeoutSeconds": 20})
+    run = root.path / "run"
+    run.mkdir(mode=0o700)
+    holder = socket.socket(socket.AF_UNIX)
+    try:
+        holder.bind(str(run / "shim.sock"))
+        holder.listen()
+        result = subprocess.run([sys.executable, "-m", "crust", "node", "--config", str(config)],
+                                capture_output=True, text=True, timeout=90, env=ENV)
+    finally:
+        holder.close()
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "every component is serving" not in result.stdout
+    failed = [json.loads(line) for line in result.stderr.splitlines()
+              if line.startswith("{") and "child failed to start" in line]
+    assert [f["child"] for f in failed] == ["shim"], result.stderr[-3000:]
+    prefix = str(root.path) + "/"
+    assert [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(prefix)] == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import struct
 from pathlib import Path
 
 
@@ -55,6 +56,24 @@ def accepts_connections(path: str | os.PathLike, timeout: float = 1.0) -> bool:
         return True
     except OSError:
         return False
+    finally:
+        probe.close()
+
+
+def listener_pid(path: str | os.PathLike, timeout: float = 1.0) -> int | None:
+    """The process listening on the unix socket at path (the one that called
+    listen(), as the kernel recorded it: SO_PEERCRED), or None when nothing
+    accepts there. Whoever accepts is not proof enough of who serves: a
+    stale or foreign server may hold the path."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(timeout)
+        probe.connect(os.fspath(path))
+        pid, _uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                             struct.calcsize("3i")))
+        return pid
+    except OSError:
+        return None
     finally:
         probe.close()
 

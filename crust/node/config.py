@@ -15,15 +15,20 @@ Sockets and directories follow from three roots:
 
 from __future__ import annotations
 
+import os
+import stat
 from enum import Enum
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from crust.common.errors import InvalidArgument
 from crust.common.units import parse_size
 from crust.driver.config import DRIVER_NAME
 from crust.proxy.config import PolicyFile
+from crust.proxy.kubelet_registration import registration_socket
+from crust.proxy.state import check_handler_name
 
 
 class _Section(BaseModel):
@@ -107,6 +112,18 @@ class HandlerSection(_Section):
     # The name it registers under; default: the runtime's name.
     name: str = ""
     kata: KataSection = Field(default_factory=KataSection)
+
+    @field_validator("name")
+    @classmethod
+    def _registrable(cls, value: str) -> str:
+        # The proxy's registry refuses any other name: the handler would
+        # never register, and no volume would ever reach a sandbox.
+        if value:
+            try:
+                check_handler_name(value)
+            except InvalidArgument as exc:
+                raise ValueError(exc.message) from None
+        return value
 
 
 class SupervisorSection(_Section):
@@ -194,6 +211,51 @@ class NodeConfig(_Section):
     def handler_name(self) -> str:
         return self.handler.name or self.handler.runtime.value
 
+    # -- what one key alone cannot tell ---------------------------------------------
+
+    def sockets_by_key(self) -> dict[str, Path]:
+        """Every unix socket the node's daemons bind, by the key it follows from."""
+        found = {"csiSocket": self.kubelet_csi_socket, "runDir (driver.sock)": self.driver_socket,
+                 "runDir (shim.sock)": self.shim_socket, "runDir (runtime/proxy.sock)": self.runtime_socket}
+        if self.registration_dir is not None:
+            found["kubeletRegistration.dir"] = registration_socket(self.registration_dir, DRIVER_NAME)
+        if self.handler.runtime is not Runtime.NONE:
+            found["runDir (handler.sock)"] = self.handler_socket
+        return found
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(key, why) for what no single key shows: a socket path or a
+        metrics port used twice (the second daemon could not bind it, and a
+        readiness check could take the first for it), and roots that are
+        not real directories (a regular file, a symlink), so a daemon would
+        fail on its first write or write elsewhere than configured."""
+        found: list[tuple[str, str]] = []
+        seen: dict[str, str] = {}
+        for key, path in self.sockets_by_key().items():
+            where = os.path.normpath(str(path))
+            if where in seen:
+                found.append((key.split(" ")[0], f"{where} is also the socket of {seen[where]}; "
+                                                 "each daemon needs a socket of its own"))
+            else:
+                seen[where] = key
+        ports: dict[int, str] = {}
+        for key, port in (("driver.metricsPort", self.driver.metrics_port),
+                          ("shim.metricsPort", self.shim.metrics_port),
+                          ("proxy.metricsPort", self.proxy.metrics_port)):
+            if port and port in ports:
+                found.append((key, f"port {port} is also {ports[port]}; each daemon needs a port of its own"))
+            elif port:
+                ports[port] = key
+        roots = [("stateDir", self.state_dir, False), ("runDir", self.run_dir, False),
+                 ("kubeletRoot", self.kubelet_root, True)]
+        if self.driver.data_dir is not None:
+            roots.append(("driver.dataDir", self.driver.data_dir, False))
+        for key, path, whole_path in roots:
+            why = not_a_real_directory(path, whole_path)
+            if why:
+                found.append((key, why))
+        return found
+
     @classmethod
     def load(cls, path: Path, node_id: str = "") -> "NodeConfig":
         """Read and validate; ValueError names the file and each bad key's path.
@@ -207,10 +269,45 @@ class NodeConfig(_Section):
         if node_id:
             raw["nodeId"] = node_id
         try:
-            return cls.model_validate(raw)
+            config = cls.model_validate(raw)
         except ValidationError as exc:
             lines = [f"{path}: {exc.error_count()} invalid key(s)"]
             for err in exc.errors():
                 where = ".".join(str(p) for p in err["loc"]) or "(top)"
                 lines.append(f"  {where}: {err['msg']}")
             raise ValueError("\n".join(lines)) from None
+        problems = config.problems()
+        if problems:
+            raise ValueError("\n".join([f"{path}: {len(problems)} invalid key(s)"]
+                                       + [f"  {key}: {why}" for key, why in problems]))
+        return config
+
+
+def not_a_real_directory(path: Path, whole_path: bool) -> str:
+    """Why path cannot serve as a root directory ("" when it can): it, or
+    the nearest part of it that exists, must be a directory and no symlink
+    (whole_path: no part of it may be a symlink, as for kubelet's root,
+    which the daemons walk without following links). A missing directory
+    is fine: the daemons create it."""
+    parts = Path(os.path.normpath(path)).parts
+    for depth in range(len(parts), 0, -1):
+        current = Path(*parts[:depth])
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"{current}: {exc.strerror}"
+        if stat.S_ISLNK(st.st_mode):
+            if depth == len(parts) or whole_path:
+                return (f"{current} is a symlink; give the real path"
+                        + (" (the daemons reach it without following links)" if whole_path else ""))
+            try:
+                st = os.stat(current)  # a link above the root (/var/run -> /run) is fine if it leads to a directory
+            except OSError as exc:
+                return f"{current}: {exc.strerror}"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{current} exists and is not a directory"
+        if not whole_path:
+            return ""
+    return ""

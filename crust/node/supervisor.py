@@ -34,7 +34,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from crust.common.atomicfile import write_atomic
-from crust.common.endpoint import accepts_connections
+from crust.common.endpoint import listener_pid
 from crust.driver.config import DRIVER_NAME
 from crust.node.config import NodeConfig, Runtime
 from crust.node.supervised import SUPERVISOR_ENV
@@ -171,12 +171,14 @@ class Supervisor:
         log.info("child started", extra={"fields": {"child": child.name, "pid": child.proc.pid}})
 
     async def _wait_ready(self, child: Child) -> bool:
-        """Until the child serves its socket (or dies, or the timeout)."""
+        """Until the child serves its socket (or dies, or the timeout). The
+        listener must be the child itself: another server on the same path
+        (a leftover, a second daemon configured there) is not the child."""
         deadline = time.monotonic() + self.config.supervisor.ready_timeout_seconds
         while time.monotonic() < deadline and not self.stopping.is_set():
             if child.proc is None or child.proc.returncode is not None:
                 return False
-            if await asyncio.to_thread(accepts_connections, child.socket):
+            if await asyncio.to_thread(listener_pid, child.socket) == child.proc.pid:
                 return True
             await asyncio.sleep(0.05)
         return False
