@@ -27,6 +27,7 @@ from bench.harness_stack import ProxyVolume, attempt, start_stack, write_bundle
 from crust.api import handler_pb2, handler_pb2_grpc
 from crust.runtime_handler.sandbox import MountNamespaceSandbox
 from crust.sys import mount as sysmount
+from crust.sys import proc
 from tests import harness
 from tests.harness import MIB, Root, mount_cap
 
@@ -212,7 +213,7 @@ def mount_table_costs(handler_channel) -> dict:
         # The handler's own MountNamespaceSandbox.stats() (statvfs through
         # /proc/<holder>/root, then the volume condition from the sandbox's
         # mount table), run here against the live sandbox: reads only.
-        sandbox = MountNamespaceSandbox(SANDBOX_ID, Path("/nonexistent"), None, info.pid)
+        sandbox = MountNamespaceSandbox(SANDBOX_ID, Path("/nonexistent"), None, proc.identify(info.pid))
         mount_point = info.volumes[0].mount_point
         loop = asyncio.new_event_loop()
         try:

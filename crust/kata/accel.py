@@ -30,7 +30,8 @@ from pydantic import BaseModel, ValidationError
 
 from crust.common.atomicfile import write_atomic
 from crust.kata.agent import AgentError, AgentTimeout
-from crust.kata.qemu import Vm, VmConfig, VmError, VmHung, qemu_pids_under
+from crust.kata.qemu import Vm, VmConfig, VmError, VmHung, is_qemu_under, qemu_pids_under
+from crust.sys import proc
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +103,10 @@ def reap_leftover_probes(workdir: Path) -> list[int]:
     """Kill probe VMs a killed handler left behind (QEMU runs in its own
     session, so it outlives its handler): the QEMUs whose command line
     names this handler's probe directory, and nothing else."""
-    killed = []
-    for pid in qemu_pids_under(workdir):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-        except ProcessLookupError:
-            pass
-    return killed
+    # Checked again once each one's pidfd is open: a probe that exited
+    # since the scan, its pid reused, is not the process signalled.
+    return [pid for pid in qemu_pids_under(workdir)
+            if proc.signal_if(pid, lambda pid=pid: is_qemu_under(pid, workdir), signal.SIGKILL)]
 
 
 async def choose(requested: str, config: VmConfig, cache: Path, workdir: Path) -> tuple[str, str]:

@@ -13,6 +13,7 @@ from crust.kata.image import DEFAULT_CACHE, build
 from crust.kata.qemu import VmConfig
 from crust.kata.sandbox import KataSandbox
 from crust.runtime_handler.server import HandlerConfig, HandlerDaemon
+from crust.sys.proc import ProcessId
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +25,9 @@ def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "a
     image = build(cache, "cloud")
     vm_config = VmConfig(kernel=image.kernel, initrd=image.initrd, memory_mib=memory_mib)
 
-    def make_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None, pid: int) -> KataSandbox:
+    def make_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None, qemu: ProcessId | None) -> KataSandbox:
         # The guest has its own root file system; the bundle's rootfs is not used.
-        return KataSandbox(sandbox_id, workdir, vm_config, pid)
+        return KataSandbox(sandbox_id, workdir, vm_config, qemu)
 
     # Volumes a Kata-style CSI driver described with `direct-volume add`
     # are found next to the proxy's deferred ones.

@@ -27,7 +27,6 @@ import asyncio
 import logging
 import os
 import re
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 from crust.common.aio import first_done
 from crust.kata.agent import AgentClient, AgentError, GuestGone
 from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
+from crust.sys import proc
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +57,19 @@ def qemu_pids_under(*dirs: Path) -> list[int]:
     """QEMU processes whose command line names a path below one of dirs
     (a VM's sockets and logs live in its work directory): the microVMs made
     under those directories, and only those."""
+    return [int(entry.name) for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and is_qemu_under(int(entry.name), *dirs)]
+
+
+def is_qemu_under(pid: int, *dirs: Path) -> bool:
+    """Whether the process under pid is a QEMU whose command line names a
+    path below one of dirs (see qemu_pids_under)."""
     needles = [(str(Path(d).resolve()) + "/").encode() for d in dirs]
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"qemu-system-x86_64") and any(n in a for a in argv for n in needles):
-            found.append(int(entry.name))
-    return found
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(argv) and argv[0].endswith(b"qemu-system-x86_64") and any(n in a for a in argv for n in needles)
 
 
 @dataclass
@@ -109,7 +110,7 @@ class Vm:
         self.agent = AgentClient(str(self.agent_socket))
         self.qmp = QmpClient(str(self.qmp_socket))
         self._proc: asyncio.subprocess.Process | None = None
-        self._adopted_pid = 0  # a VM started by an earlier handler process (adopt())
+        self._adopted: proc.ProcessId | None = None  # a VM started by an earlier handler process (adopt())
         self._exited: asyncio.Task | None = None
 
     # -------------------------------------------------------------- process
@@ -132,20 +133,32 @@ class Vm:
 
     @property
     def pid(self) -> int:
-        return self._proc.pid if self._proc is not None else self._adopted_pid
+        if self._proc is not None:
+            return self._proc.pid
+        return self._adopted.pid if self._adopted is not None else 0
+
+    @property
+    def identity(self) -> proc.ProcessId | None:
+        """QEMU's pid and start time (None before it starts)."""
+        if self._proc is not None:
+            return proc.identify(self._proc.pid) if self._proc.returncode is None else None
+        return self._adopted
+
+    def is_this_vm(self, qemu: proc.ProcessId) -> bool:
+        """Whether that process is alive and runs this VM's QEMU: the same
+        process (pid and start time) and this VM's name on its command line."""
+        if not proc.alive(qemu):
+            return False
+        try:
+            argv = Path(f"/proc/{qemu.pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return self.name.encode() in argv
 
     def alive(self) -> bool:
         if self._proc is not None:
             return self._proc.returncode is None
-        if self._adopted_pid:
-            # Not our child: alive while that pid runs this VM's QEMU (a
-            # zombie's command line is empty, a reused pid's is another).
-            try:
-                argv = Path(f"/proc/{self._adopted_pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                return False
-            return self.name.encode() in argv
-        return False
+        return self._adopted is not None and self.is_this_vm(self._adopted)
 
     def console_tail(self, lines: int = 20) -> str:
         try:
@@ -231,22 +244,22 @@ class Vm:
                  self.pid, self.config.accel)
         return self.boot_seconds
 
-    async def adopt(self, pid: int, disks: list[tuple[str, str]], timeout: float = 30.0) -> None:
+    async def adopt(self, qemu: proc.ProcessId, disks: list[tuple[str, str]], timeout: float = 30.0) -> None:
         """Take over a VM that an earlier handler process started (QEMU runs
         in its own session and outlived it): reconnect to its QMP and agent
         sockets, whose servers accept a new client once the old one is
         gone, and rebuild the disk table from (host device, serial) pairs
         (node and device names derive from the serial)."""
-        self._adopted_pid = pid
+        self._adopted = qemu
         if not self.alive():
-            raise VmError(f"vm {self.name}: pid {pid} is not this VM's QEMU")
+            raise VmError(f"vm {self.name}: {qemu} is not this VM's QEMU (gone, or its pid was reused)")
         self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")
         await self._monitor(self._guarded(self.qmp.connect(), "QMP reconnect"))
         await self._guarded(self.agent.connect(), "agent reconnect")
         await self._guarded(self.agent.wait_ready(timeout), "agent ping")
         for host_device, serial in disks:
             self.disks[serial] = self._disk(serial, host_device, readonly=False)
-        log.info("vm %s: adopted (pid %d, %d disks)", self.name, pid, len(disks))
+        log.info("vm %s: adopted (pid %d, %d disks)", self.name, qemu.pid, len(disks))
 
     async def status(self) -> str:
         return (await self.qmp.execute("query-status"))["status"]
@@ -277,11 +290,14 @@ class Vm:
         return self._proc.returncode if self._proc else None
 
     async def kill(self) -> None:
-        if self.alive():
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if self._proc is not None:
+            if self._proc.returncode is None:
+                try:
+                    self._proc.kill()  # our child: its pid is its own until it is reaped
+                except ProcessLookupError:
+                    pass
+        elif self._adopted is not None:
+            proc.signal_if(self._adopted.pid, lambda: self.is_this_vm(self._adopted))
         if self._exited is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._exited), 10)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import shlex
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from crust.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from crust.kata.agent import AgentError, AgentRefused
 from crust.kata.qemu import Vm, VmConfig, VmError
 from crust.runtime_handler.sandbox import Sandbox, VolumeStats
+from crust.sys import proc
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +32,13 @@ def serial_of(device: str) -> str:
 
 
 class KataSandbox(Sandbox):
-    def __init__(self, sandbox_id: str, workdir: Path, config: VmConfig, pid: int = 0):
+    def __init__(self, sandbox_id: str, workdir: Path, config: VmConfig, qemu: proc.ProcessId | None = None):
         self.id = sandbox_id
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.vm = Vm(f"crust-{sandbox_id}", workdir, config)
-        self._recorded_pid = pid
+        # The QEMU an earlier handler process started (from the record).
+        self._recorded = qemu
         self._process_pid = 0
         self._exit_code: int | None = None
         self._poller: asyncio.Task | None = None
@@ -58,18 +59,18 @@ class KataSandbox(Sandbox):
 
     @property
     def pid(self) -> int:
-        return self.vm.pid or self._recorded_pid
+        return self.vm.pid or (self._recorded.pid if self._recorded is not None else 0)
+
+    @property
+    def identity(self) -> proc.ProcessId | None:
+        return self.vm.identity or self._recorded
 
     def alive(self) -> bool:
         if self.vm.alive():
             return True
-        if self._recorded_pid:
-            # A VM started before a handler restart: alive while its QEMU runs.
-            try:
-                return f"crust-{self.id}".encode() in Path(f"/proc/{self._recorded_pid}/cmdline").read_bytes()
-            except FileNotFoundError:
-                return False
-        return False
+        # A VM started before a handler restart: alive while that very QEMU
+        # runs (pid and start time; a reused pid is another process).
+        return self._recorded is not None and self.vm.is_this_vm(self._recorded)
 
     async def start(self) -> None:
         seconds = await self.vm.start()
@@ -77,7 +78,9 @@ class KataSandbox(Sandbox):
 
     async def adopt(self, devices: list[str], process_pid: int) -> None:
         try:
-            await self.vm.adopt(self._recorded_pid, [(d, serial_of(d)) for d in devices])
+            if self._recorded is None:
+                raise VmError("no QEMU process is recorded for it")
+            await self.vm.adopt(self._recorded, [(d, serial_of(d)) for d in devices])
         except (VmError, AgentError) as exc:
             raise Unavailable(f"sandbox {self.id}: could not reconnect to its VM: {exc}") from None
         if process_pid:
@@ -89,8 +92,8 @@ class KataSandbox(Sandbox):
             self._poller.cancel()
         if self.vm.alive():
             await self.vm.stop()
-        elif self._recorded_pid and self.alive():
-            os.kill(self._recorded_pid, 9)
+        elif self._recorded is not None:
+            proc.signal_if(self._recorded.pid, lambda: self.vm.is_this_vm(self._recorded))
 
     # -- volumes -----------------------------------------------------------------------
 

@@ -124,8 +124,25 @@ class Child:
     socket: Path
     status: ChildStatus
     proc: asyncio.subprocess.Process | None = None
+    # A pidfd of proc, opened while it is our unreaped child: signals go
+    # through it, so they reach this child and never a process that got its
+    # pid after it was reaped.
+    pidfd: int | None = None
     started_at: float = 0.0
     backoff: float = 0.0
+
+    def signal(self, sig: int) -> None:
+        if self.pidfd is None:
+            return
+        try:
+            signal.pidfd_send_signal(self.pidfd, sig)
+        except ProcessLookupError:
+            pass  # it exited meanwhile
+
+    def forget_process(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 class Supervisor:
@@ -162,8 +179,13 @@ class Supervisor:
 
     async def _spawn(self, child: Child) -> None:
         env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})
+        child.forget_process()
         child.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "crust", *child.argv, stdin=asyncio.subprocess.DEVNULL, env=env)
+        try:
+            child.pidfd = os.pidfd_open(child.proc.pid)
+        except ProcessLookupError:
+            child.pidfd = None  # already exited and reaped: nothing to signal
         child.started_at = time.monotonic()
         child.status.pid, child.status.running = child.proc.pid, True
         child.status.starts += 1
@@ -217,13 +239,14 @@ class Supervisor:
         if proc is None or proc.returncode is not None:
             child.status.running = False
             return
-        proc.send_signal(signal.SIGTERM)
+        child.signal(signal.SIGTERM)
         try:
             code = await asyncio.wait_for(proc.wait(), self.config.supervisor.stop_timeout_seconds)
         except asyncio.TimeoutError:
             log.error("child did not stop in time; killing it", extra={"fields": {"child": child.name}})
-            proc.kill()
+            child.signal(signal.SIGKILL)
             code = await proc.wait()
+        child.forget_process()
         child.status.running = False
         child.status.last_exit = "stopped" if code == 0 else f"stopped with {code}"
         log.info("child stopped", extra={"fields": {"child": child.name, "code": code}})

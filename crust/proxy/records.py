@@ -12,13 +12,22 @@ import time
 from pydantic import BaseModel, Field
 
 from crust.contract.mountinfo import MountInfo
+from crust.sys.proc import ProcessId, recorded
 
 
 class Claim(BaseModel):
     handler: str
     sandbox_id: str
     sandbox_pid: int = 0
+    # When that process started (ticks since boot, read at the claim): with
+    # the pid, the sandbox's process for good, so a reused pid never holds
+    # the claim. 0 in records written before it was kept.
+    sandbox_pid_start: int = 0
     claimed_at: float = Field(default_factory=time.time)
+
+    def sandbox_process(self) -> ProcessId | None:
+        """The sandbox's process this claim names (None: none to trust)."""
+        return recorded(self.sandbox_pid, self.sandbox_pid_start, self.claimed_at)
 
 
 class DeferredVolume(BaseModel):

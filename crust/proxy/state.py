@@ -22,7 +22,7 @@ from crust.proxy.config import ProxyConfig
 from crust.contract.mountinfo import MountInfo, digest
 from crust.proxy.records import Claim, Decision, DeferredVolume
 from crust.contract.volumes_dir import MirrorError, VolumesDir
-from crust.sys import blockdev
+from crust.sys import blockdev, proc
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +45,6 @@ class Handler:
 
     def lease_age(self) -> float:
         return time.monotonic() - self.last_seen
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ProxyState:
@@ -236,7 +224,7 @@ class ProxyState:
         re-registering)."""
         if self.lease_fresh(claim.handler):
             return True
-        if claim.sandbox_pid and pid_alive(claim.sandbox_pid):
+        if claim.sandbox_pid and proc.alive(claim.sandbox_process()):
             return True
         if claim.handler not in self.handlers:
             return time.monotonic() - self.started <= self.config.lease_seconds
@@ -290,7 +278,10 @@ class ProxyState:
                     f"{current.handler}; a single-writer file system mounted by two sandboxes would be corrupted")
             log.info("taking over a claim whose holder is gone",
                      extra={"fields": {"target_path": target_path, "old_sandbox": current.sandbox_id}})
-        volume.claim = Claim(handler=handler, sandbox_id=sandbox_id, sandbox_pid=sandbox_pid)
+        # The process is identified now, while the claimant vouches for it.
+        process = proc.identify(sandbox_pid)
+        volume.claim = Claim(handler=handler, sandbox_id=sandbox_id, sandbox_pid=sandbox_pid,
+                             sandbox_pid_start=process.start if process is not None else 0)
         volume.abnormal_reason = ""
         await self.volumes.put(digest(target_path), volume)
         self.dir.mark_sandbox(target_path, sandbox_id)

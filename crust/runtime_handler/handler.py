@@ -40,7 +40,7 @@ from crust.runtime_handler.oci import BundleError, load_bundle
 from crust.runtime_handler.registration import Registration
 from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, candidates, resolve
 from crust.runtime_handler.sandbox import Sandbox
-from crust.sys import blockdev
+from crust.sys import blockdev, proc
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,9 @@ class SandboxRecord(BaseModel):
     sandbox_id: str
     bundle: str
     pid: int = 0
+    # When that process started (ticks since boot, crust.sys.proc): with
+    # the pid, the holder for good. 0 in records written before it was kept.
+    pid_start: int = 0
     process_pid: int = 0
     volumes: dict[str, MountedVolume] = Field(default_factory=dict)  # by digest
     created_at: float = Field(default_factory=time.time)
@@ -100,7 +103,7 @@ def check_device(info: MountInfo) -> None:
 
 class RuntimeHandler:
     def __init__(self, *, name: str, volumes_dir: Path, state_dir: Path, registration: Registration,
-                 make_sandbox: Callable[[str, Path, Path | None, int], Sandbox],
+                 make_sandbox: Callable[[str, Path, Path | None, proc.ProcessId | None], Sandbox],
                  direct_source: DirectSource | None = None):
         self.name = name
         self.direct_source = direct_source
@@ -149,8 +152,15 @@ class RuntimeHandler:
         """After a restart: keep sandboxes whose holder process lives, clean
         up (and release) the others."""
         for key, record in self.records.load_all():
+            # The recorded holder, and no other process: a pid reused since
+            # is neither adopted nor, when the sandbox is cleaned up, signalled.
+            holder = proc.recorded(record.pid, record.pid_start, record.created_at)
+            if holder is None and record.pid:
+                log.warning("the sandbox's record has no start time for its process, and pid %d names a "
+                            "process started after the record: not the sandbox's", record.pid,
+                            extra={"fields": {"sandbox": record.sandbox_id}})
             sandbox = self.make_sandbox(record.sandbox_id, self._workdir(record.sandbox_id),
-                                        self._rootfs(record), record.pid)
+                                        self._rootfs(record), holder)
             if sandbox.alive():
                 self.sandboxes[record.sandbox_id] = (sandbox, record)
                 log.info("sandbox survived the restart", extra={"fields": {"sandbox": record.sandbox_id}})
@@ -230,10 +240,12 @@ class RuntimeHandler:
                                   readonly="ro" in m.options)
                 plan.setdefault(resolved.digest, (resolved.info, [], direct))[1].append(view)
             rootfs = (Path(bundle) / spec.root.path) if spec.root else None
-            sandbox = self.make_sandbox(sandbox_id, self._workdir(sandbox_id), rootfs, 0)
+            sandbox = self.make_sandbox(sandbox_id, self._workdir(sandbox_id), rootfs, None)
             record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
             await sandbox.start()
             record.pid = sandbox.pid
+            identity = sandbox.identity
+            record.pid_start = identity.start if identity is not None else 0
             self.sandboxes[sandbox_id] = (sandbox, record)
             try:
                 for key, (info, views, direct) in plan.items():

@@ -25,7 +25,7 @@ from crust.api import csi_pb2
 from crust.common import copath
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.sys import mount as sysmount
-from crust.sys import netns, ownership
+from crust.sys import netns, ownership, proc
 from crust.sys.run import CommandError, run
 
 Usage = csi_pb2.VolumeUsage
@@ -46,6 +46,13 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     def pid(self) -> int:
         """A process that lives exactly as long as the sandbox."""
+
+    @property
+    def identity(self) -> proc.ProcessId | None:
+        """That process named for good (pid and start time), recorded with
+        the sandbox: after a restart the handler adopts and signals only
+        this very process, never whatever reuses its pid."""
+        return proc.identify(self.pid)
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -126,18 +133,28 @@ class MountNamespaceSandbox(Sandbox):
     mounts; the process runs chrooted there.
     """
 
-    def __init__(self, sandbox_id: str, workdir: Path, rootfs: Path | None = None, holder_pid: int = 0):
+    def __init__(self, sandbox_id: str, workdir: Path, rootfs: Path | None = None,
+                 holder: proc.ProcessId | None = None):
         self.id = sandbox_id
         self.workdir = workdir
         self.rootfs = rootfs
         self._holder: subprocess.Popen | None = None
-        self._holder_pid = holder_pid
+        # The holder an earlier handler process started (from the record).
+        self._recorded_holder = holder
         self._process: subprocess.Popen | None = None
         self.netns = netns.name_for(workdir)
 
     @property
     def pid(self) -> int:
-        return self._holder.pid if self._holder is not None else self._holder_pid
+        if self._holder is not None:
+            return self._holder.pid
+        return self._recorded_holder.pid if self._recorded_holder is not None else 0
+
+    @property
+    def identity(self) -> proc.ProcessId | None:
+        if self._holder is not None:
+            return proc.identify(self._holder.pid)  # our child, not reaped: its pid is its own
+        return self._recorded_holder
 
     def root_view(self, path: str) -> str:
         """A sandbox path as reachable from the host, through the namespace."""
@@ -322,7 +339,8 @@ class MountNamespaceSandbox(Sandbox):
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
         # Our child, not reaped yet: its pid cannot have been reused.
-        (self.workdir / "process").write_text(f"{self._process.pid} {_start_time(self._process.pid)}")
+        started = proc.start_time(self._process.pid)
+        (self.workdir / "process").write_text(f"{self._process.pid} {started}")
         return self._process.pid
 
     def process_exit_code(self) -> int | None:
@@ -331,7 +349,7 @@ class MountNamespaceSandbox(Sandbox):
     def alive(self) -> bool:
         if self._holder is not None:
             return self._holder.poll() is None
-        return _pid_is_sleeping_holder(self._holder_pid)
+        return proc.alive(self._recorded_holder)
 
     async def stop_process(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -350,7 +368,7 @@ class MountNamespaceSandbox(Sandbox):
         candidates = [self.pid] if self.alive() else []
         try:
             pid, started = (self.workdir / "process").read_text().split()
-            if _start_time(int(pid)) == started:
+            if proc.alive(proc.ProcessId(int(pid), int(started))):
                 candidates.append(int(pid))
         except (OSError, ValueError):
             pass
@@ -363,8 +381,8 @@ class MountNamespaceSandbox(Sandbox):
                 return ns
         return None
 
-    def _members(self) -> list[int]:
-        ns = self._namespace()
+    def _members(self, ns: str | None) -> list[int]:
+        """The processes in mount namespace ns but the holder."""
         if ns is None:
             return []
         found = []
@@ -380,14 +398,15 @@ class MountNamespaceSandbox(Sandbox):
 
     def _kill_members(self) -> None:
         for _ in range(100):
-            members = self._members()
+            ns = self._namespace()
+            members = self._members(ns)
             if not members:
                 return
             for pid in members:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                # Checked again once its pidfd is open: a member that exited
+                # since the scan and whose pid went to another process
+                # outside the sandbox is not signalled.
+                proc.signal_if(pid, lambda pid=pid: _mount_namespace(pid) == ns)
             time.sleep(0.02)
         raise FailedPrecondition(f"sandbox {self.id}: processes {members} would not die")
 
@@ -396,8 +415,9 @@ class MountNamespaceSandbox(Sandbox):
         if self._holder is not None:
             self._holder.kill()
             self._holder.wait()
-        elif self._holder_pid and _pid_is_sleeping_holder(self._holder_pid):
-            os.kill(self._holder_pid, signal.SIGKILL)
+        else:
+            # Only the very holder recorded: its pid may name another process by now.
+            proc.signal_process(self._recorded_holder, signal.SIGKILL)
         (self.workdir / "process").unlink(missing_ok=True)
         await asyncio.to_thread(netns.remove, self.netns)
 
@@ -457,22 +477,11 @@ def ext4_errors(dev: int) -> int:
         return 0
 
 
-def _start_time(pid: int) -> str:
-    """When the process started (clock ticks since boot): with the pid, an
-    identity that is never reused."""
+def _mount_namespace(pid: int) -> str | None:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
-
-
-def _pid_is_sleeping_holder(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().split(b"\0")[:2] == [b"sleep", b"infinity"]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
 
 
 def apply_fs_group(root: str, gid: int, policy: str) -> bool:

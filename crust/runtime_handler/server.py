@@ -15,6 +15,7 @@ from crust.runtime_handler.registration import Registration
 from crust.runtime_handler.sandbox import MountNamespaceSandbox
 from crust.runtime_handler.service import HandlerService, SandboxControlService
 from crust.sys import netns
+from crust.sys.proc import ProcessId
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,8 @@ class HandlerConfig(BaseModel):
     filesystems: list[str] = ["ext4", "xfs"]
 
 
-def mount_namespace_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None, pid: int):
-    return MountNamespaceSandbox(sandbox_id, workdir, rootfs, pid)
+def mount_namespace_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None, holder: ProcessId | None):
+    return MountNamespaceSandbox(sandbox_id, workdir, rootfs, holder)
 
 
 class HandlerDaemon:
