@@ -110,7 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="target paths must lie below it (default: /var/lib/kubelet)")
     px.add_argument("--policy", type=Path, help="deferral policy file (YAML or JSON)")
     px.add_argument("--runtime-socket-group", type=int,
-                    help="numeric group allowed on the runtime socket (0660) instead of root only (0600)")
+                    help="numeric group allowed on the runtime socket (0660) instead of root only (0600); "
+                         "callers whose effective gid it is may call")
+    px.add_argument("--runtime-allowed-uid", type=int, action="append", dest="runtime_allowed_uids",
+                    help="a uid allowed to call the registry and the Runtime API, as the kernel names the "
+                         "caller (repeatable; default: 0 only); others get PERMISSION_DENIED")
     px.add_argument("--lease-seconds", type=int, default=15, help="handler lease (default: 15)")
     px.add_argument("--claim-grace-seconds", type=float, default=300,
                     help="how long an unclaimed deferred volume counts as 'sandbox starting' (default: 300)")
@@ -307,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                 runtime_endpoint=args.runtime_endpoint, volumes_dir=args.volumes_dir.absolute(),
                 state_dir=args.state_dir.absolute(), kata_dir=args.kata_dir.absolute() if args.kata_dir else None,
                 kubelet_root=args.kubelet_root.absolute(), policy=policy,
-                runtime_socket_group=args.runtime_socket_group, lease_seconds=args.lease_seconds,
+                runtime_socket_group=args.runtime_socket_group,
+                runtime_allowed_uids=args.runtime_allowed_uids or [0], lease_seconds=args.lease_seconds,
                 claim_grace_seconds=args.claim_grace_seconds, sweep_interval_seconds=args.sweep_interval,
                 metrics_port=args.metrics_port, metrics_address=args.metrics_address,
                 kubelet_registration_dir=args.kubelet_registration_dir.absolute()

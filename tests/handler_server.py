@@ -89,10 +89,12 @@ class HandlerServer(handler_pb2_grpc.HandlerServicer, UnixGrpcServer):
 
     # -- talking to the proxy's registry ------------------------------------------------
 
-    def register(self, channel: grpc.Channel) -> registry_pb2.RegisterHandlerResponse:
+    def register(self, channel: grpc.Channel, keep_lease: bool = False) -> registry_pb2.RegisterHandlerResponse:
+        """Register; with keep_lease, present the lease of the last
+        registration (a restarted handler coming back)."""
         rsp = registry_pb2_grpc.RegistryStub(channel).RegisterHandler(registry_pb2.RegisterHandlerRequest(
-            name=self.name, endpoint=self.endpoint, filesystems=self.filesystems, features=self.features),
-            timeout=10)
+            name=self.name, endpoint=self.endpoint, filesystems=self.filesystems, features=self.features,
+            lease_id=self.lease_id if keep_lease else ""), timeout=10)
         self.lease_id = rsp.lease_id
         return rsp
 
@@ -103,9 +105,10 @@ class HandlerServer(handler_pb2_grpc.HandlerServicer, UnixGrpcServer):
     def claim(self, channel: grpc.Channel, target: str | Path, sandbox_id: str,
               sandbox_pid: int = 0) -> registry_pb2.ClaimVolumeResponse:
         return registry_pb2_grpc.RegistryStub(channel).ClaimVolume(registry_pb2.ClaimVolumeRequest(
-            target_path=str(target), handler=self.name, sandbox_id=sandbox_id, sandbox_pid=sandbox_pid),
-            timeout=10)
+            target_path=str(target), handler=self.name, sandbox_id=sandbox_id, sandbox_pid=sandbox_pid,
+            lease_id=self.lease_id), timeout=10)
 
     def release(self, channel: grpc.Channel, target: str | Path, sandbox_id: str) -> None:
         registry_pb2_grpc.RegistryStub(channel).ReleaseVolume(registry_pb2.ReleaseVolumeRequest(
-            target_path=str(target), handler=self.name, sandbox_id=sandbox_id), timeout=10)
+            target_path=str(target), handler=self.name, sandbox_id=sandbox_id, lease_id=self.lease_id),
+            timeout=10)

@@ -240,13 +240,20 @@ class Env:
         h.register(self.channel)
         return h
 
-    def claim(self, target: str, handler: str, sandbox: str, pid: int = 0) -> registry_pb2.ClaimVolumeResponse:
-        return self.registry.ClaimVolume(registry_pb2.ClaimVolumeRequest(
-            target_path=target, handler=handler, sandbox_id=sandbox, sandbox_pid=pid), timeout=10)
+    def lease(self, handler: str) -> str:
+        """The lease of the last handler registered here under that name ('' if none)."""
+        return next((h.lease_id for h in reversed(self.handlers) if h.name == handler), "")
 
-    def release(self, target: str, handler: str, sandbox: str) -> None:
+    def claim(self, target: str, handler: str, sandbox: str, pid: int = 0,
+              lease: str | None = None) -> registry_pb2.ClaimVolumeResponse:
+        return self.registry.ClaimVolume(registry_pb2.ClaimVolumeRequest(
+            target_path=target, handler=handler, sandbox_id=sandbox, sandbox_pid=pid,
+            lease_id=self.lease(handler) if lease is None else lease), timeout=10)
+
+    def release(self, target: str, handler: str, sandbox: str, lease: str | None = None) -> None:
         self.registry.ReleaseVolume(registry_pb2.ReleaseVolumeRequest(
-            target_path=target, handler=handler, sandbox_id=sandbox), timeout=10)
+            target_path=target, handler=handler, sandbox_id=sandbox,
+            lease_id=self.lease(handler) if lease is None else lease), timeout=10)
 
     def volumes(self) -> dict[str, registry_pb2.DeferredVolume]:
         return {v.target_path: v for v in self.registry.ListVolumes(registry_pb2.ListVolumesRequest(),
@@ -660,7 +667,7 @@ def test_register_heartbeat_and_lease_expiry(env):
     assert list(h.filesystems) == ["ext4"] and h.endpoint == f"unix://{e.path}/mountns.sock"
 
     wrong = failure(e.registry.Heartbeat, registry_pb2.HeartbeatRequest(name="mountns", lease_id="nope"), timeout=10)
-    assert wrong.code() == Code.NOT_FOUND
+    assert wrong.code() == Code.PERMISSION_DENIED and "lease" in wrong.details()
     unknown = failure(e.registry.Heartbeat, registry_pb2.HeartbeatRequest(name="other", lease_id=rsp.lease_id),
                       timeout=10)
     assert unknown.code() == Code.NOT_FOUND and "register again" in unknown.details()
@@ -683,7 +690,9 @@ def test_register_heartbeat_and_lease_expiry(env):
         assert exc.code() == Code.INVALID_ARGUMENT and field in exc.details(), exc.details()
 
 
-def test_a_restart_forgets_leases_but_keeps_claims(env):
+def test_a_restart_keeps_leases_and_claims(env):
+    """The lease is the handler's identity and outlives the proxy: after a
+    restart the holder goes on with it, and nobody else takes the name."""
     e = env()
     target, other = e.target("keep"), e.target("other")
     e.stage(target)
@@ -691,20 +700,27 @@ def test_a_restart_forgets_leases_but_keeps_claims(env):
     h = e.register("kata")
     e.claim(target, "kata", "sb-1", pid=0)
     (before,) = e.claims()
+    records = sorted(os.listdir(e.proxy.state_dir / "handlers"))
+    assert records == ["kata.json"]
+    assert h.lease_id not in (e.proxy.state_dir / "handlers" / "kata.json").read_text(), "only a hash is kept"
 
     e.restart()
-    exc = failure(h.heartbeat, e.channel)
-    assert exc.code() == Code.NOT_FOUND and "register again" in exc.details()
-    assert e.handlers_listed() == {}
+    h.heartbeat(e.channel)
+    assert list(e.handlers_listed()) == ["kata"]
     (after,) = e.claims()
     assert after == before and after.target_path == target and after.sandbox_id == "sb-1"
-    assert e.volumes()[target].state == "claimed", "a claim holds while its handler may be re-registering"
+    assert e.volumes()[target].state == "claimed"
     assert sorted(os.listdir(e.mirror(target))) == ["mountInfo.json", "sb-1"]
 
+    # Someone else asking for the name while its holder lives is refused.
+    impostor = HandlerServer(socket=e.path / "impostor.sock", name="kata", filesystems=["ext4"])
+    exc = failure(impostor.register, e.channel)
+    assert exc.code() == Code.ALREADY_EXISTS and "kata" in exc.details()
+    assert e.handlers_listed()["kata"].endpoint == h.endpoint
+
     old_lease = h.lease_id
-    rsp = h.register(e.channel)
-    assert rsp.lease_id and rsp.lease_id != old_lease
-    h.heartbeat(e.channel)
+    rsp = h.register(e.channel, keep_lease=True)
+    assert rsp.lease_id == old_lease
     e.claim(target, "kata", "sb-1")  # the same sandbox again: fine
     exc = failure(e.claim, target, "kata", "sb-2")
     assert exc.code() == Code.FAILED_PRECONDITION and "sb-1" in exc.details()
@@ -719,7 +735,7 @@ def test_claims_are_single_sandbox_and_marked_for_kata(env):
     e.stage(target, fs_type="ext4")
 
     exc = failure(e.claim, target, "ghost", "sb-1")
-    assert exc.code() == Code.FAILED_PRECONDITION and "ghost" in exc.details() and "register" in exc.details()
+    assert exc.code() == Code.NOT_FOUND and "ghost" in exc.details() and "register" in exc.details()
     e.register("xfs-only", filesystems=["xfs"])
     exc = failure(e.claim, target, "xfs-only", "sb-1")
     assert exc.code() == Code.FAILED_PRECONDITION and "ext4" in exc.details()
@@ -926,7 +942,7 @@ def test_a_restarted_handler_is_answered_at_once_after_a_long_outage(env):
         assert failure(e.stats, target).code() == Code.UNAVAILABLE
         time.sleep(0.2)
     h.start()
-    h.register(e.channel)
+    h.register(e.channel, keep_lease=True)  # the restarted handler, with its lease
     assert e.stats(target).usage[0].total == GIB  # the first call, no retry
     # Back without a new lease (the same handler's server came back): within a second.
     h.stop()

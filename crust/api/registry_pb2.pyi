@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterHandlerRequest(_message.Message):
-    __slots__ = ("name", "endpoint", "filesystems", "features")
+    __slots__ = ("name", "endpoint", "filesystems", "features", "lease_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     FILESYSTEMS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     endpoint: str
     filesystems: _containers.RepeatedScalarFieldContainer[str]
     features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., endpoint: _Optional[str] = ..., filesystems: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, name: _Optional[str] = ..., endpoint: _Optional[str] = ..., filesystems: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class RegisterHandlerResponse(_message.Message):
     __slots__ = ("lease_id", "lease_seconds")
@@ -53,16 +55,18 @@ class UnregisterHandlerResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ClaimVolumeRequest(_message.Message):
-    __slots__ = ("target_path", "handler", "sandbox_id", "sandbox_pid")
+    __slots__ = ("target_path", "handler", "sandbox_id", "sandbox_pid", "lease_id")
     TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
     HANDLER_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_PID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     target_path: str
     handler: str
     sandbox_id: str
     sandbox_pid: int
-    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., sandbox_pid: _Optional[int] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., sandbox_pid: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class ClaimVolumeResponse(_message.Message):
     __slots__ = ("mount_info_json",)
@@ -71,16 +75,18 @@ class ClaimVolumeResponse(_message.Message):
     def __init__(self, mount_info_json: _Optional[str] = ...) -> None: ...
 
 class ReleaseVolumeRequest(_message.Message):
-    __slots__ = ("target_path", "handler", "sandbox_id", "abnormal_reason")
+    __slots__ = ("target_path", "handler", "sandbox_id", "abnormal_reason", "lease_id")
     TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
     HANDLER_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     ABNORMAL_REASON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     target_path: str
     handler: str
     sandbox_id: str
     abnormal_reason: str
-    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., abnormal_reason: _Optional[str] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., abnormal_reason: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseVolumeResponse(_message.Message):
     __slots__ = ()
@@ -119,20 +125,24 @@ class ListHandlersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Handler(_message.Message):
-    __slots__ = ("name", "endpoint", "filesystems", "features", "lease_age_seconds", "lease_expired")
+    __slots__ = ("name", "endpoint", "filesystems", "features", "lease_age_seconds", "lease_expired", "registered_by_uid", "registered_by_pid")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     FILESYSTEMS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     LEASE_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BY_UID_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BY_PID_FIELD_NUMBER: _ClassVar[int]
     name: str
     endpoint: str
     filesystems: _containers.RepeatedScalarFieldContainer[str]
     features: _containers.RepeatedScalarFieldContainer[str]
     lease_age_seconds: float
     lease_expired: bool
-    def __init__(self, name: _Optional[str] = ..., endpoint: _Optional[str] = ..., filesystems: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[str]] = ..., lease_age_seconds: _Optional[float] = ..., lease_expired: bool = ...) -> None: ...
+    registered_by_uid: int
+    registered_by_pid: int
+    def __init__(self, name: _Optional[str] = ..., endpoint: _Optional[str] = ..., filesystems: _Optional[_Iterable[str]] = ..., features: _Optional[_Iterable[str]] = ..., lease_age_seconds: _Optional[float] = ..., lease_expired: bool = ..., registered_by_uid: _Optional[int] = ..., registered_by_pid: _Optional[int] = ...) -> None: ...
 
 class ListHandlersResponse(_message.Message):
     __slots__ = ("handlers",)

@@ -85,14 +85,18 @@ class RegistryServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def RegisterHandler(self, request, context):
-        """Register (or re-register after a proxy restart). Idempotent by name.
+        """Register, or register again with the lease of an earlier registration
+        (after a restart). ALREADY_EXISTS when another holder of the name is
+        alive (its lease renewed within lease_seconds); a holder whose lease
+        expired is replaced.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Renew the lease. NOT_FOUND tells the handler to register again.
+        """Renew the lease. NOT_FOUND tells the handler to register again;
+        PERMISSION_DENIED: the name is held under another lease.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

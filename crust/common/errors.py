@@ -32,6 +32,10 @@ class AlreadyExists(CrustError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class PermissionDenied(CrustError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class FailedPrecondition(CrustError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 

@@ -5,7 +5,10 @@
   request keeps (crust.common.limits), latency metrics, and the single
   mapping of crust errors to gRPC status codes;
 - a unix socket bound with a restrictive umask (no window where another user
-  can connect) after a stale socket file is cleared;
+  can connect) after a stale socket file is cleared; where a daemon must know
+  its callers, the socket is a gate that reads each connection's credentials
+  from the kernel (crust.common.peergate) and every call is checked against
+  the daemon's PeerPolicy before anything else;
 - the gRPC health service, reflection, and a graceful stop on SIGTERM/SIGINT:
   the signal only sets an event, health turns NOT_SERVING, in-flight RPCs get
   a grace period, the socket file is removed.
@@ -18,6 +21,7 @@ import inspect
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 from typing import Awaitable, Callable, Iterable
@@ -31,6 +35,7 @@ from prometheus_client import Histogram
 from crust.common import limits, logs
 from crust.common.endpoint import clear_stale_socket, prepare_socket_dir, socket_path
 from crust.common.errors import CrustError
+from crust.common.peergate import PeerGate, PeerPolicy, caller, inner_socket_path
 from crust.common.redact import redacted
 from crust.sys.run import rpc_deadline
 
@@ -148,8 +153,11 @@ _MAX_CACHED_METHODS = 1024
 
 
 class CrustInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, component: str):
+    def __init__(self, component: str, peer_policy: PeerPolicy | None = None):
         self.component = component
+        # Set on a socket behind a peer gate: every call's caller is checked
+        # first, whatever the method.
+        self.peer_policy = peer_policy
         # Calls being served right now: a graceful stop waits for these, not
         # for idle client connections (gRPC's own grace would).
         self.in_flight = 0
@@ -213,6 +221,8 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
         level = logging.DEBUG if method in QUIET_METHODS else logging.INFO
 
         async def serve_one(request, context: grpc.aio.ServicerContext):
+            if self.peer_policy is not None:
+                await self._check_peer(context)  # first: a stranger learns nothing, not even a parse error
             if isinstance(request, Undecodable):
                 await self._refuse_undecodable(request, method, context)
             request_id = None
@@ -275,12 +285,14 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_stream
             if inspect.isasyncgenfunction(inner):
                 async def watch(request, context):
+                    await self._check_peer(context)
                     if isinstance(request, Undecodable):
                         await self._refuse_undecodable(request, method, context)
                     async for response in inner(request, context):
                         yield response
             else:
                 async def watch(request, context):
+                    await self._check_peer(context)
                     if isinstance(request, Undecodable):
                         await self._refuse_undecodable(request, method, context)
                     return await inner(request, context)
@@ -291,6 +303,7 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.stream_unary
 
             async def collect(request_iterator, context):
+                await self._check_peer(context)
                 return await inner(self._decoded(request_iterator, method, context), context)
             return grpc.stream_unary_rpc_method_handler(
                 collect, request_deserializer=_tolerant(handler.request_deserializer),
@@ -336,6 +349,7 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
             started = time.monotonic()
             code = grpc.StatusCode.OK
             try:
+                await self._check_peer(context)
                 async for response in inner(self._decoded(request_iterator, method, context), context):
                     yield response
             except (Exception, asyncio.CancelledError) as exc:
@@ -347,6 +361,19 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(
             serve_stream, request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer)
+
+    async def _check_peer(self, context: grpc.aio.ServicerContext) -> None:
+        """On a socket behind a peer gate: the caller, as the kernel named
+        it, must be allowed (crust.common.peergate); it is then known to the
+        servicer as `caller`. A refusal is one warning line."""
+        if self.peer_policy is None:
+            return
+        try:
+            caller.set(self.peer_policy.check(context.peer()))
+        except CrustError as exc:
+            log.warning("failed", extra={"fields": {"component": self.component, "code": exc.code.name,
+                                                    "error": exc.message}})
+            await context.abort(exc.code, exc.message)
 
 
 def bind_unix(server: grpc.aio.Server, endpoint: str, mode: int = 0o600, group: int | None = None) -> str:
@@ -366,17 +393,42 @@ def bind_unix(server: grpc.aio.Server, endpoint: str, mode: int = 0o600, group: 
     return path
 
 
+def listen_unix(path: str, mode: int = 0o600, group: int | None = None) -> socket.socket:
+    """A listening unix socket at path, never looser than mode (see bind_unix)."""
+    prepare_socket_dir(path)
+    clear_stale_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o777 & ~mode)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old)
+    if group is not None:
+        os.chown(path, -1, group)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
 class Daemon:
     """A gRPC server on a unix socket with health, reflection and graceful stop."""
 
     def __init__(self, component: str, endpoint: str, service_names: Iterable[str], *,
-                 max_request_bytes: int | None = None, socket_mode: int = 0o600, socket_group: int | None = None):
+                 max_request_bytes: int | None = None, socket_mode: int = 0o600, socket_group: int | None = None,
+                 peer_policy: PeerPolicy | None = None):
         self.component = component
         self.endpoint = endpoint
         self.socket_mode = socket_mode
         self.socket_group = socket_group
         options = [("grpc.max_receive_message_length", max_request_bytes)] if max_request_bytes else []
-        self.interceptor = CrustInterceptor(component)
+        # With a peer policy the endpoint is a gate (crust.common.peergate)
+        # and gRPC listens behind it on a root-only inner socket.
+        self.peer_policy = peer_policy
+        self.gate: PeerGate | None = None
+        self.interceptor = CrustInterceptor(component, peer_policy)
         self.server = grpc.aio.server(interceptors=[self.interceptor], options=options)
         # Handlers consulted after every registered service (the shim's
         # passthrough): they would otherwise shadow health and reflection.
@@ -392,8 +444,18 @@ class Daemon:
         reflection.enable_server_reflection(names, self.server)
         if self.fallback_handlers:
             self.server.add_generic_rpc_handlers(tuple(self.fallback_handlers))
-        self.socket_path = bind_unix(self.server, self.endpoint, self.socket_mode, self.socket_group)
-        await self.server.start()
+        if self.peer_policy is None:
+            self.socket_path = bind_unix(self.server, self.endpoint, self.socket_mode, self.socket_group)
+            await self.server.start()
+        else:
+            public = socket_path(self.endpoint)
+            prepare_socket_dir(public)
+            inner = inner_socket_path(public)
+            bind_unix(self.server, inner, 0o600)
+            await self.server.start()
+            self.gate = PeerGate(public, inner)
+            await self.gate.start(listen_unix(public, self.socket_mode, self.socket_group))
+            self.socket_path = public
         for name in self.service_names + [""]:
             await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
         log.info("serving", extra={"fields": {"component": self.component, "socket": self.socket_path}})
@@ -411,10 +473,15 @@ class Daemon:
             await asyncio.wait_for(self.interceptor.idle.wait(), grace)
         except asyncio.TimeoutError:
             log.warning("stopping with calls still in flight", extra={"fields": {"calls": self.interceptor.in_flight}})
+        if self.gate is not None:
+            await self.gate.stop()
         await self.server.stop(0.2)
-        if self.socket_path:
+        paths = [self.socket_path] if self.socket_path else []
+        if self.gate is not None:
+            paths.append(self.gate.inner_path)
+        for path in paths:
             try:
-                os.unlink(self.socket_path)
+                os.unlink(path)
             except FileNotFoundError:
                 pass
         log.info("stopped", extra={"fields": {"component": self.component}})

@@ -1,8 +1,9 @@
 """Strip secrets from protobuf messages before they are logged.
 
 The CSI proto marks every secret field with the (csi.v1.csi_secret) option;
-this walks a message and replaces the values of such fields, at any depth, so
-a secret can never reach a log line.
+the registry's lease (a handler's bearer secret) is a secret too. This walks
+a message and replaces the values of such fields, at any depth, so a secret
+can never reach a log line.
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from crust.api import csi_pb2
+from crust.api import csi_pb2, registry_pb2
 
 MASK = "***stripped***"
 
+# Every lease_id of the registry's messages.
+_LEASE_FIELDS = frozenset(
+    f.full_name for m in registry_pb2.DESCRIPTOR.message_types_by_name.values() for f in m.fields
+    if f.name == "lease_id")
+
 
 def _is_secret(field: FieldDescriptor) -> bool:
-    return field.GetOptions().Extensions[csi_pb2.csi_secret]
+    return field.full_name in _LEASE_FIELDS or field.GetOptions().Extensions[csi_pb2.csi_secret]
 
 
 def _scrub(message: Message) -> None:

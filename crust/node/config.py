@@ -83,6 +83,9 @@ class ProxySection(_Section):
     policy: PolicyFile = Field(default_factory=PolicyFile)
     # Numeric group allowed on the runtime socket (0660) instead of root only.
     runtime_socket_group: int | None = Field(None, alias="runtimeSocketGroup")
+    # Uids allowed to call the registry and the Runtime API (the kernel names
+    # each caller); callers whose effective gid is runtimeSocketGroup too.
+    runtime_allowed_uids: list[int] = Field(default_factory=lambda: [0], alias="runtimeAllowedUids")
     lease_seconds: int = Field(15, alias="leaseSeconds", ge=2, le=3600)
     claim_grace_seconds: float = Field(300, alias="claimGraceSeconds", ge=0)
     sweep_interval_seconds: float = Field(60, alias="sweepIntervalSeconds", gt=0)

@@ -98,6 +98,8 @@ def child_argvs(config: NodeConfig, policy_file: Path) -> list[tuple[str, list[s
         proxy += ["--kata-dir", str(p.kata_dir)]
     if p.runtime_socket_group is not None:
         proxy += ["--runtime-socket-group", str(p.runtime_socket_group)]
+    for uid in p.runtime_allowed_uids:
+        proxy += ["--runtime-allowed-uid", str(uid)]
     if config.registration_dir is not None:
         proxy += ["--kubelet-registration-dir", str(config.registration_dir)]
         if config.kubelet_registration.path:

@@ -63,6 +63,10 @@ class ProxyConfig(BaseModel):
     policy: PolicyFile = Field(default_factory=PolicyFile)
     # Group allowed on the runtime socket (socket 0660, directory 0750); none: 0600/0700.
     runtime_socket_group: int | None = None
+    # Who may call the registry and the Runtime API, as the kernel names the
+    # caller (SO_PEERCRED): these uids, and callers whose effective gid is
+    # runtime_socket_group.
+    runtime_allowed_uids: list[int] = Field(default_factory=lambda: [0])
     lease_seconds: int = Field(15, ge=2, le=3600)
     # A deferred volume nobody claimed within this time is reported as such;
     # before that its sandbox is "starting", not abnormal.

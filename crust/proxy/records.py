@@ -24,6 +24,24 @@ class Claim(BaseModel):
     # the claim. 0 in records written before it was kept.
     sandbox_pid_start: int = 0
     claimed_at: float = Field(default_factory=time.time)
+    # SHA-256 (hex) of the lease the claim was made under; empty in a claim
+    # written before leases were identities (adopted by its handler's next
+    # claim of the same sandbox).
+    lease_sha256: str = ""
+
+
+class HandlerRecord(BaseModel):
+    """A registered runtime handler, kept so that its lease (its identity)
+    survives a restart of the proxy. The lease itself is never stored."""
+
+    name: str
+    endpoint: str
+    filesystems: list[str] = Field(default_factory=list)
+    features: list[str] = Field(default_factory=list)
+    lease_sha256: str
+    registered_at: float = Field(default_factory=time.time)
+    registered_by_uid: int = -1
+    registered_by_pid: int = 0
 
     def sandbox_process(self) -> ProcessId | None:
         """The sandbox's process this claim names (None: none to trust)."""

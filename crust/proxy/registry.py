@@ -8,6 +8,7 @@ from crust.api import registry_pb2, registry_pb2_grpc
 from crust.common import csi_input
 from crust.common.endpoint import socket_path
 from crust.common.errors import InvalidArgument
+from crust.common.peergate import caller
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.proxy.paths import check_target
 from crust.proxy.records import Claim
@@ -35,16 +36,16 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
             socket_path(request.endpoint)
         except ValueError as exc:
             raise InvalidArgument(f"endpoint: {exc}")
-        handler = self.state.register(name, request.endpoint, list(request.filesystems), list(request.features))
-        return registry_pb2.RegisterHandlerResponse(lease_id=handler.lease_id,
-                                                    lease_seconds=self.state.config.lease_seconds)
+        _, lease = await self.state.register(name, request.endpoint, list(request.filesystems),
+                                             list(request.features), request.lease_id, caller.get())
+        return registry_pb2.RegisterHandlerResponse(lease_id=lease, lease_seconds=self.state.config.lease_seconds)
 
     async def Heartbeat(self, request, context):
         self.state.heartbeat(check_handler_name(request.name), request.lease_id)
         return registry_pb2.HeartbeatResponse(lease_seconds=self.state.config.lease_seconds)
 
     async def UnregisterHandler(self, request, context):
-        self.state.unregister(check_handler_name(request.name), request.lease_id)
+        await self.state.unregister(check_handler_name(request.name), request.lease_id)
         return registry_pb2.UnregisterHandlerResponse()
 
     async def ClaimVolume(self, request: registry_pb2.ClaimVolumeRequest, context):
@@ -53,13 +54,13 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         sandbox = check_sandbox_id(request.sandbox_id)
         if request.sandbox_pid < 0:
             raise InvalidArgument("sandbox_pid must not be negative")
-        volume = await self.state.claim(target, handler, sandbox, request.sandbox_pid)
+        volume = await self.state.claim(target, handler, sandbox, request.sandbox_pid, request.lease_id)
         return registry_pb2.ClaimVolumeResponse(mount_info_json=volume.info.to_json().decode())
 
     async def ReleaseVolume(self, request, context):
         target = self._target(request.target_path)
         await self.state.release(target, check_handler_name(request.handler), check_sandbox_id(request.sandbox_id),
-                                 request.abnormal_reason[:500])
+                                 request.abnormal_reason[:500], request.lease_id)
         return registry_pb2.ReleaseVolumeResponse()
 
     async def ListClaims(self, request, context):
@@ -71,7 +72,9 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         return registry_pb2.ListHandlersResponse(handlers=[
             registry_pb2.Handler(name=h.name, endpoint=h.endpoint, filesystems=h.filesystems, features=h.features,
                                  lease_age_seconds=h.lease_age(),
-                                 lease_expired=not self.state.lease_fresh(h.name))
+                                 lease_expired=not self.state.lease_fresh(h.name),
+                                 registered_by_uid=h.registered_by.uid if h.registered_by else -1,
+                                 registered_by_pid=h.registered_by.pid if h.registered_by else 0)
             for h in sorted(self.state.handlers.values(), key=lambda h: h.name)
         ])
 

@@ -27,25 +27,26 @@ HANDLER_TIMEOUT = 10.0
 class Router:
     def __init__(self, state: ProxyState):
         self.state = state
-        # One channel per handler endpoint and lease, with its stub (made
-        # once: a stub builds a callable per method of the service). A
+        # One channel per handler endpoint and registration, with its stub
+        # (made once: a stub builds a callable per method of the service). A
         # handler that registers again (restarted) gets a fresh channel with
         # its own connection (crust.common.channel): the old one may sit in
         # its reconnect backoff (up to a second) after failing to reach the
         # dead handler, and would refuse the first calls meanwhile.
-        self.channels: dict[str, tuple[str, grpc.aio.Channel, handler_pb2_grpc.HandlerStub]] = {}
+        self.channels: dict[str, tuple[tuple[str, int], grpc.aio.Channel, handler_pb2_grpc.HandlerStub]] = {}
         self._closing: set[asyncio.Task] = set()
 
     def _stub(self, handler) -> handler_pb2_grpc.HandlerStub:
-        lease, channel, stub = self.channels.get(handler.endpoint, ("", None, None))
-        if channel is None or lease != handler.lease_id:
+        registration = (handler.lease_sha256, handler.generation)
+        known, channel, stub = self.channels.get(handler.endpoint, (None, None, None))
+        if channel is None or known != registration:
             if channel is not None:
                 task = asyncio.get_running_loop().create_task(channel.close())
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
             channel = local_aio_channel(handler.endpoint)
             stub = handler_pb2_grpc.HandlerStub(channel)
-            self.channels[handler.endpoint] = (handler.lease_id, channel, stub)
+            self.channels[handler.endpoint] = (registration, channel, stub)
         return stub
 
     async def close(self) -> None:
@@ -68,6 +69,12 @@ class Router:
             raise Unavailable(
                 f"{volume.target_path} is claimed by sandbox {claim.sandbox_id} of handler {claim.handler}, "
                 "whose lease expired or who is not registered; it cannot be asked")
+        if not self.state.claim_current(claim):
+            # The name is held by another lease now: whoever holds it did
+            # not mount this volume and must not answer for it.
+            raise Unavailable(
+                f"{volume.target_path} was claimed by sandbox {claim.sandbox_id} under an earlier lease of "
+                f"handler {claim.handler}; its current holder did not mount it")
         return handler
 
     async def _call_handler(self, handler, method: str, request, context):

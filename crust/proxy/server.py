@@ -5,7 +5,9 @@ Two unix sockets in one process:
   recording deferral, staging returned descriptions);
 - the runtime endpoint: the KEP's Runtime API (called by the shim) and the
   handler registry (called by runtime handlers), created 0600 inside a
-  0700 directory (or 0660/0750 for a configured group).
+  0700 directory (or 0660/0750 for a configured group); every caller is
+  named by the kernel (crust.common.peergate) and must be an allowed uid,
+  or have the configured group as its effective gid.
 Plus a periodic sweep and Prometheus metrics on a loopback port.
 """
 
@@ -25,6 +27,7 @@ from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc, runtime_pb2, run
 from crust.common import metrics
 from crust.common.endpoint import clear_stale_socket, socket_path
 from crust.common.grpcserver import Daemon, unary_handlers
+from crust.common.peergate import PeerPolicy
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.passthrough import Passthrough
 from crust.proxy import csi_frontend
@@ -85,7 +88,9 @@ class Proxy:
             runtime_pb2.DESCRIPTOR.services_by_name["Runtime"].full_name,
             registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
         ], socket_mode=0o660 if config.runtime_socket_group is not None else 0o600,
-            socket_group=config.runtime_socket_group)
+            socket_group=config.runtime_socket_group,
+            peer_policy=PeerPolicy(config.runtime_allowed_uids,
+                                   [config.runtime_socket_group] if config.runtime_socket_group is not None else []))
         self.sweeper: asyncio.Task | None = None
         self.registration: KubeletRegistration | None = None
 

@@ -7,6 +7,8 @@ so that "stage a description" is one code path whichever door it came in by.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import os
 import secrets
@@ -16,11 +18,13 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
 
-from crust.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from crust.common.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
+                                 ResourceExhausted, Unavailable)
+from crust.common.peergate import PeerCredentials
 from crust.common.recordstore import RecordStore
 from crust.proxy.config import ProxyConfig
 from crust.contract.mountinfo import MountInfo, digest
-from crust.proxy.records import Claim, Decision, DeferredVolume
+from crust.proxy.records import Claim, Decision, DeferredVolume, HandlerRecord
 from crust.contract.volumes_dir import MirrorError, VolumesDir
 from crust.sys import blockdev, proc
 
@@ -32,6 +36,20 @@ VOLUMES = Gauge("crust_proxy_deferred_volumes", "Deferred volumes by state", ["s
 HANDLERS = Gauge("crust_proxy_handlers", "Registered runtime handlers", ["lease"])
 SWEEP_BATCH = 64
 
+# Bounds of the registry: a caller (even an allowed one) cannot grow the
+# proxy's memory, its records or ListHandlers' answer without limit.
+MAX_HANDLERS = 64
+MAX_ENDPOINT_BYTES = 107  # a unix socket path (sun_path holds 108 bytes with its NUL)
+MAX_LIST_ENTRIES = 16  # filesystems, features
+MAX_LIST_ITEM = 32
+# A handler whose lease expired this many lease periods ago, and that holds
+# no claim, is forgotten (its record removed).
+FORGET_AFTER_LEASES = 20
+
+
+def lease_hash(lease_id: str) -> str:
+    return hashlib.sha256(lease_id.encode()).hexdigest()
+
 
 @dataclass
 class Handler:
@@ -39,12 +57,26 @@ class Handler:
     endpoint: str
     filesystems: list[str]
     features: list[str]
-    lease_id: str
+    # SHA-256 of the lease: the lease itself is known only to its holder.
+    lease_sha256: str
+    registered_by: PeerCredentials | None = None
+    # Bumped by each registration, also one that keeps the lease (a
+    # restarted handler): the router then connects afresh.
+    generation: int = 0
     registered_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
 
     def lease_age(self) -> float:
         return time.monotonic() - self.last_seen
+
+    def holds(self, lease_id: str) -> bool:
+        return bool(lease_id) and hmac.compare_digest(lease_hash(lease_id), self.lease_sha256)
+
+    def record(self) -> HandlerRecord:
+        by = self.registered_by
+        return HandlerRecord(name=self.name, endpoint=self.endpoint, filesystems=self.filesystems,
+                             features=self.features, lease_sha256=self.lease_sha256,
+                             registered_by_uid=by.uid if by else -1, registered_by_pid=by.pid if by else 0)
 
 
 class ProxyState:
@@ -53,6 +85,7 @@ class ProxyState:
         self.dir = VolumesDir(config.volumes_dir, config.kata_dir)
         self.volumes = RecordStore(config.state_dir / "volumes", DeferredVolume)
         self.decisions = RecordStore(config.state_dir / "decisions", Decision)
+        self.handler_records = RecordStore(config.state_dir / "handlers", HandlerRecord)
         self.handlers: dict[str, Handler] = {}
         self.started = time.monotonic()
         # Volumes in memory, by digest of the target path: 1000 volumes are
@@ -94,6 +127,17 @@ class ProxyState:
         for key, decision in self.decisions.load_all():
             if not os.path.lexists(decision.target_path):
                 self.decisions.delete_sync(key)
+        for key, record in self.handler_records.load_all():
+            if key != record.name or len(self.handlers) >= MAX_HANDLERS:
+                log.warning("ignoring a handler record", extra={"fields": {"record": key}})
+                continue
+            # Its lease counts from this start: the handler has one lease
+            # period to come back with it before the name is free again.
+            by = PeerCredentials(pid=record.registered_by_pid, uid=record.registered_by_uid, gid=-1) \
+                if record.registered_by_uid >= 0 else None
+            self.handlers[record.name] = Handler(
+                name=record.name, endpoint=record.endpoint, filesystems=record.filesystems,
+                features=record.features, lease_sha256=record.lease_sha256, registered_by=by)
         for name in self.dir.digests():
             if name not in self.by_digest:
                 log.info("removing an entry no record explains", extra={"fields": {"digest": name}})
@@ -119,7 +163,20 @@ class ProxyState:
                 await asyncio.to_thread(self._drop, key, volume.target_path)
                 del self.by_digest[key]
                 removed += 1
+        await self.forget_gone_handlers()
         return removed
+
+    async def forget_gone_handlers(self) -> None:
+        """Handlers whose lease expired long ago and that hold no claim are
+        dropped, records and all (the registry stays bounded)."""
+        holding = {v.claim.handler for v in self.by_digest.values() if v.claim is not None}
+        limit = FORGET_AFTER_LEASES * self.config.lease_seconds
+        for name, handler in list(self.handlers.items()):
+            if name not in holding and handler.lease_age() > limit:
+                del self.handlers[name]
+                await self.handler_records.delete(name)
+                log.info("forgot a handler gone for long", extra={"fields": {
+                    "handler": name, "s": round(handler.lease_age())}})
 
     def _drop(self, key: str, target_path: str) -> None:
         self.dir.remove(target_path)
@@ -217,12 +274,18 @@ class ProxyState:
         handler = self.handlers.get(name)
         return handler is not None and handler.lease_age() <= self.config.lease_seconds
 
+    def claim_current(self, claim: Claim) -> bool:
+        """The claim was made under the lease its handler holds now (or before
+        leases were recorded in claims)."""
+        handler = self.handlers.get(claim.handler)
+        return handler is not None and (not claim.lease_sha256 or claim.lease_sha256 == handler.lease_sha256)
+
     def holder_alive(self, claim: Claim) -> bool:
-        """A claim holds while its handler's lease is fresh, or, once it is
-        not, while the sandbox's process still runs. A claim of a handler not
-        seen since this proxy started holds for one lease period (it may be
-        re-registering)."""
-        if self.lease_fresh(claim.handler):
+        """A claim holds while its handler's lease is fresh and is the one it
+        was made under, or, once it is not, while the sandbox's process still
+        runs. A claim of a handler not seen since this proxy started holds
+        for one lease period (it may be re-registering)."""
+        if self.lease_fresh(claim.handler) and self.claim_current(claim):
             return True
         if claim.sandbox_pid and proc.alive(claim.sandbox_process()):
             return True
@@ -235,63 +298,134 @@ class ProxyState:
             return "unclaimed"
         return "claimed" if self.holder_alive(volume.claim) else "holder-gone"
 
-    def register(self, name: str, endpoint: str, filesystems: list[str], features: list[str]) -> Handler:
-        handler = Handler(name=name, endpoint=endpoint, filesystems=filesystems, features=features,
-                          lease_id=secrets.token_hex(12))
-        self.handlers[name] = handler
-        log.info("handler registered", extra={"fields": {"handler": name, "endpoint": endpoint}})
-        return handler
-
-    def heartbeat(self, name: str, lease_id: str) -> Handler:
+    def _holder(self, name: str, lease_id: str) -> Handler:
+        """The handler registered as name, if lease_id is its lease: the
+        lease, not the name, says who is calling. A call that proves its
+        lease renews it."""
         handler = self.handlers.get(name)
-        if handler is None or handler.lease_id != lease_id:
-            raise NotFound(f"handler {name!r} is not registered (the proxy may have restarted); register again")
+        if handler is None:
+            raise NotFound(f"handler {name!r} is not registered (its registration was forgotten); register again")
+        if not handler.holds(lease_id):
+            raise PermissionDenied(f"lease_id is not the lease of handler {name!r}"
+                                   if lease_id else f"lease_id is required to act as handler {name!r}")
         handler.last_seen = time.monotonic()
         return handler
 
-    def unregister(self, name: str, lease_id: str) -> None:
-        handler = self.handlers.get(name)
-        if handler is not None and handler.lease_id == lease_id:
+    async def register(self, name: str, endpoint: str, filesystems: list[str], features: list[str],
+                       lease_id: str = "", peer: PeerCredentials | None = None) -> tuple[Handler, str]:
+        """Register name; returns the handler and its lease. With the lease of
+        the current holder: the same handler again (a restart), lease kept.
+        Without it: refused while the holder is alive, a new holder with a
+        new lease once it is gone."""
+        if len(endpoint.encode()) > MAX_ENDPOINT_BYTES:
+            raise InvalidArgument(f"endpoint is longer than a unix socket path can be ({MAX_ENDPOINT_BYTES} bytes)")
+        for field_name, values in (("filesystems", filesystems), ("features", features)):
+            if len(values) > MAX_LIST_ENTRIES:
+                raise InvalidArgument(f"{field_name} has {len(values)} entries; at most {MAX_LIST_ENTRIES}")
+            for value in values:
+                if not value or len(value) > MAX_LIST_ITEM or not value.isascii() or not value.isprintable():
+                    raise InvalidArgument(f"{field_name} entries must be 1-{MAX_LIST_ITEM} printable ASCII "
+                                          f"characters")
+        async with self._lock("handler/" + name):
+            current = self.handlers.get(name)
+            if current is not None and current.holds(lease_id):
+                changed = (current.endpoint, current.filesystems, current.features) != (endpoint, filesystems,
+                                                                                        features)
+                current.endpoint, current.filesystems, current.features = endpoint, filesystems, features
+                current.last_seen = time.monotonic()
+                current.generation += 1
+                if changed:
+                    await self.handler_records.put(name, current.record())
+                log.info("handler registered again with its lease", extra={"fields": {
+                    "handler": name, "endpoint": endpoint, "peer": str(peer) if peer else ""}})
+                return current, lease_id
+            if current is not None and self.lease_fresh(name):
+                by = f" by {current.registered_by}" if current.registered_by else ""
+                raise AlreadyExists(
+                    f"handler name {name!r} is held by a live handler (registered{by}, last renewed "
+                    f"{current.lease_age():.0f}s ago); register with its lease_id, or after its lease expires "
+                    f"({self.config.lease_seconds}s without a heartbeat)")
+            if current is None and len(self.handlers) >= MAX_HANDLERS:
+                await self.forget_gone_handlers()
+                if len(self.handlers) >= MAX_HANDLERS:
+                    raise ResourceExhausted(f"the registry holds {MAX_HANDLERS} handlers, its limit; "
+                                            "unregister one first")
+            lease = secrets.token_hex(32)
+            handler = Handler(name=name, endpoint=endpoint, filesystems=filesystems, features=features,
+                              lease_sha256=lease_hash(lease), registered_by=peer)
+            await self.handler_records.put(name, handler.record())
+            self.handlers[name] = handler
+            if current is not None:
+                log.warning("replaced a handler whose lease expired", extra={"fields": {
+                    "handler": name, "lease_age_s": round(current.lease_age(), 1), "peer": str(peer) if peer else ""}})
+            log.info("handler registered", extra={"fields": {"handler": name, "endpoint": endpoint,
+                                                             "peer": str(peer) if peer else ""}})
+            return handler, lease
+
+    def heartbeat(self, name: str, lease_id: str) -> Handler:
+        return self._holder(name, lease_id)
+
+    async def unregister(self, name: str, lease_id: str) -> None:
+        async with self._lock("handler/" + name):
+            handler = self.handlers.get(name)
+            if handler is None:
+                return  # idempotent
+            self._holder(name, lease_id)
+            await self.handler_records.delete(name)
             del self.handlers[name]
+            log.info("handler unregistered", extra={"fields": {"handler": name}})
 
-    async def claim(self, target_path: str, handler: str, sandbox_id: str, sandbox_pid: int) -> DeferredVolume:
+    async def claim(self, target_path: str, handler: str, sandbox_id: str, sandbox_pid: int,
+                    lease_id: str) -> DeferredVolume:
         async with self._lock(digest(target_path)):
-            return await self._claim(target_path, handler, sandbox_id, sandbox_pid)
+            return await self._claim(target_path, handler, sandbox_id, sandbox_pid, lease_id)
 
-    async def _claim(self, target_path: str, handler: str, sandbox_id: str, sandbox_pid: int) -> DeferredVolume:
+    async def _claim(self, target_path: str, handler: str, sandbox_id: str, sandbox_pid: int,
+                     lease_id: str) -> DeferredVolume:
+        holder = self._holder(handler, lease_id)
         volume = self.get(target_path)
         if volume is None:
             raise NotFound(f"no deferred volume is published at {target_path}")
-        if handler not in self.handlers:
-            raise FailedPrecondition(f"handler {handler!r} is not registered; register before claiming")
-        if volume.info.fstype not in self.handlers[handler].filesystems:
+        if volume.info.fstype not in holder.filesystems:
             raise FailedPrecondition(
                 f"handler {handler!r} did not register file system {volume.info.fstype!r} "
-                f"(it supports {', '.join(self.handlers[handler].filesystems) or 'none'})")
+                f"(it supports {', '.join(holder.filesystems) or 'none'})")
         current = volume.claim
         if current is not None:
             if (current.handler, current.sandbox_id) == (handler, sandbox_id):
-                return volume  # the same sandbox claiming again: fine
-            if self.holder_alive(current):
+                if current.lease_sha256 == holder.lease_sha256 and current.sandbox_pid == sandbox_pid:
+                    return volume  # the same sandbox claiming again: fine
+                if current.lease_sha256 and current.lease_sha256 != holder.lease_sha256:
+                    raise PermissionDenied(
+                        f"{target_path} was claimed for sandbox {sandbox_id} under another lease of handler "
+                        f"{handler!r}; a claim is renewed only under the lease it was made with")
+                # A claim written before leases (adopted now) or a new pid.
+            elif self.holder_alive(current):
                 raise FailedPrecondition(
                     f"{target_path} is already claimed by sandbox {current.sandbox_id} of handler "
                     f"{current.handler}; a single-writer file system mounted by two sandboxes would be corrupted")
-            log.info("taking over a claim whose holder is gone",
-                     extra={"fields": {"target_path": target_path, "old_sandbox": current.sandbox_id}})
+            else:
+                log.info("taking over a claim whose holder is gone",
+                         extra={"fields": {"target_path": target_path, "old_sandbox": current.sandbox_id}})
         # The process is identified now, while the claimant vouches for it.
         process = proc.identify(sandbox_pid)
-        volume.claim = Claim(handler=handler, sandbox_id=sandbox_id, sandbox_pid=sandbox_pid,
-                             sandbox_pid_start=process.start if process is not None else 0)
-        volume.abnormal_reason = ""
-        await self.volumes.put(digest(target_path), volume)
+        claim = Claim(handler=handler, sandbox_id=sandbox_id, sandbox_pid=sandbox_pid,
+                      sandbox_pid_start=process.start if process is not None else 0,
+                      lease_sha256=holder.lease_sha256)
+        updated = volume.model_copy(update={"claim": claim, "abnormal_reason": ""})
+        await self.volumes.put(digest(target_path), updated)
+        self.by_digest[digest(target_path)] = updated
         self.dir.mark_sandbox(target_path, sandbox_id)
-        return volume
+        return updated
 
-    async def release(self, target_path: str, handler: str, sandbox_id: str, abnormal_reason: str = "") -> None:
+    async def release(self, target_path: str, handler: str, sandbox_id: str, abnormal_reason: str = "",
+                      lease_id: str = "") -> None:
         async with self._lock(digest(target_path)):
-            await self._release(target_path, handler, sandbox_id, abnormal_reason)
+            await self._release(target_path, handler, sandbox_id, abnormal_reason, lease_id)
 
-    async def _release(self, target_path: str, handler: str, sandbox_id: str, abnormal_reason: str = "") -> None:
+    async def _release(self, target_path: str, handler: str, sandbox_id: str, abnormal_reason: str,
+                       lease_id: str) -> None:
+        holder = self._holder(handler, lease_id)
         volume = self.get(target_path)
         if volume is None or volume.claim is None:
             return
@@ -299,9 +433,12 @@ class ProxyState:
             raise FailedPrecondition(
                 f"{target_path} is claimed by sandbox {volume.claim.sandbox_id} of handler "
                 f"{volume.claim.handler}, not by {sandbox_id} of {handler}")
-        volume.claim = None
-        volume.abnormal_reason = abnormal_reason
-        await self.volumes.put(digest(target_path), volume)
+        if volume.claim.lease_sha256 and volume.claim.lease_sha256 != holder.lease_sha256:
+            raise PermissionDenied(f"{target_path} was claimed under another lease of handler {handler!r}; "
+                                   "only that lease releases it")
+        updated = volume.model_copy(update={"claim": None, "abnormal_reason": abnormal_reason})
+        await self.volumes.put(digest(target_path), updated)
+        self.by_digest[digest(target_path)] = updated
         self.dir.mark_sandbox(target_path, None)
 
     # -- deferral decisions ------------------------------------------------------------
@@ -317,6 +454,7 @@ class ProxyState:
 
 
 def check_handler_name(name: str) -> str:
-    if not name or len(name) > 63 or not all(c.isalnum() or c in "-_." for c in name):
+    if not name or len(name) > 63 or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in name) \
+            or name in (".", ".."):
         raise InvalidArgument("name must be 1-63 characters of letters, digits, '-', '_' or '.'")
     return name

@@ -145,7 +145,9 @@ class RuntimeHandler:
         reaper = getattr(self, "reaper", None)
         if reaper is not None:
             reaper.cancel()
-        await self.registration.stop()
+        # Sandboxes still running keep their claims, and so the lease they
+        # were made under: the name is given up only when none is left.
+        await self.registration.stop(unregister=not self.sandboxes)
         self.index.stop()
 
     async def recover(self) -> None:
