@@ -202,7 +202,8 @@ class StatsEntries:
                 capacity_bytes=STATS_TOTAL), timeout=10)
             if script is None:
                 self.registry.ClaimVolume(registry_pb2.ClaimVolumeRequest(
-                    target_path=str(target), handler=self.HANDLER, sandbox_id="bench-sandbox"), timeout=10)
+                    target_path=str(target), handler=self.HANDLER, sandbox_id="bench-sandbox",
+                    lease_id=self.lease.lease_id), timeout=10)
             else:
                 cli = self.root / f"runtime-cli-{target.parent.name}"
                 cli.write_text(script)
@@ -239,7 +240,8 @@ class StatsEntries:
         for _label, target, script in self.paths:
             if script is None:
                 self.registry.ReleaseVolume(registry_pb2.ReleaseVolumeRequest(
-                    target_path=str(target), handler=self.HANDLER, sandbox_id="bench-sandbox"), timeout=10)
+                    target_path=str(target), handler=self.HANDLER, sandbox_id="bench-sandbox",
+                    lease_id=self.lease.lease_id), timeout=10)
             self.runtime.RuntimeUnstageVolume(runtime_pb2.RuntimeUnstageVolumeRequest(
                 volume_target_path=str(target)), timeout=10)
         self.registry.UnregisterHandler(registry_pb2.UnregisterHandlerRequest(

@@ -440,9 +440,16 @@ class Stack:
             "UnregisterHandler": [lambda: registry_pb2.UnregisterHandlerRequest(name="hostile-h",
                                                                                 lease_id=self.lease_id)],
             "ClaimVolume": [lambda: registry_pb2.ClaimVolumeRequest(
-                target_path=self.runtime_target, handler="hostile-h", sandbox_id="hs1", sandbox_pid=os.getpid())],
+                target_path=self.runtime_target, handler="hostile-h", sandbox_id="hs1", sandbox_pid=os.getpid(),
+                lease_id=self.lease_id),
+                # The set-up's sandbox's volume, in its handler's name, without its lease.
+                lambda: registry_pb2.ClaimVolumeRequest(
+                    target_path=str(D.target), handler="mountns", sandbox_id="hs1", lease_id=self.lease_id)],
             "ReleaseVolume": [lambda: registry_pb2.ReleaseVolumeRequest(
-                target_path=self.runtime_target, handler="hostile-h", sandbox_id="hs1")],
+                target_path=self.runtime_target, handler="hostile-h", sandbox_id="hs1", lease_id=self.lease_id),
+                lambda: registry_pb2.ReleaseVolumeRequest(
+                    target_path=str(D.target), handler="mountns", sandbox_id=self.sandbox_id,
+                    lease_id=self.lease_id)],
             "ListClaims": [lambda: registry_pb2.ListClaimsRequest(handler="mountns")],
             "GetVolumeStats": [lambda: handler_pb2.GetVolumeStatsRequest(target_path=str(D.target),
                                                                          sandbox_id=self.sandbox_id)],
@@ -473,6 +480,15 @@ class Stack:
 
     # -- the invariants -------------------------------------------------------------------------------
 
+    def deferred_claim(self) -> tuple[str, str] | None:
+        """(handler, sandbox) holding the set-up's deferred volume, if any."""
+        target = str(self.vols["deferred"].target)
+        code, _, rsp = self.call("runtime", "crust.registry.v1.Registry", "ListClaims",
+                                 registry_pb2.ListClaimsRequest(), timeout=10)
+        if code != grpc.StatusCode.OK:
+            return None
+        return next(((c.handler, c.sandbox_id) for c in rsp.claims if c.target_path == target), None)
+
     def inverse(self, method_name: str, r):
         """The call that undoes a successful state-changing request that is
         not the set-up's own, so the next example starts from the same state."""
@@ -494,6 +510,7 @@ class Stack:
         """Send one request; the problems it caused as (kind, text). What it
         made outside the root is undone, a daemon it killed is restarted, and
         a successful state change of it is reversed."""
+        held = self.deferred_claim()
         started = time.monotonic()
         code, details, _ = self.call(endpoint, service_name, method_name, request)
         elapsed = time.monotonic() - started
@@ -530,6 +547,12 @@ class Stack:
                 if d.proc is not None and d.proc.poll() is not None}
         if dead:
             problems.append(("daemon died", f"daemons exited: {dead}"))
+        # Only the handler itself (its SandboxControl API) lets go of the
+        # set-up sandbox's claim: no name, lease or sandbox id a caller
+        # sends to the registry or the Runtime API takes it over.
+        if held is not None and endpoint != "handler" and not dead and self.deferred_claim() != held:
+            problems.append(("claim taken over", f"the claim {held} on the deferred volume became "
+                             f"{self.deferred_claim()} after {method_name}"))
         # Undo what the example made outside the root before the next one.
         if mounts or listing != self.outside_baseline or etc:
             self.undo_outside(listing)

@@ -454,7 +454,9 @@ class ProxyState:
 
 
 def check_handler_name(name: str) -> str:
-    if not name or len(name) > 63 or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in name) \
-            or name in (".", ".."):
-        raise InvalidArgument("name must be 1-63 characters of letters, digits, '-', '_' or '.'")
+    """A handler's name: it names the handler's record file too."""
+    if not name or len(name) > 63 or not name[0].isascii() or not name[0].isalnum() \
+            or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in name):
+        raise InvalidArgument("name must be 1-63 characters of letters, digits, '-', '_' or '.', "
+                              "starting with a letter or digit")
     return name

@@ -63,8 +63,10 @@ def print_report(report: dict) -> None:
     print(f"handlers: {len(report['handlers'])}")
     for h in report["handlers"]:
         lease = "expired" if h["lease_expired"] else "fresh"
+        by = f"  (uid {h['registered_by_uid']}, pid {h['registered_by_pid']})" \
+            if int(h["registered_by_uid"]) >= 0 else ""
         print(f"  {h['name']:<16} lease {lease} ({h['lease_age_seconds']:.1f}s)  "
-              f"{','.join(h['filesystems']):<10} {h['endpoint']}")
+              f"{','.join(h['filesystems']):<10} {h['endpoint']}{by}")
 
 
 def unhealthy(report: dict) -> bool:
