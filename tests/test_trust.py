@@ -30,6 +30,7 @@ GROUP = 64123
 CALLER = r"""
 import json, os, sys
 import grpc
+import grpc._channel  # imported now: the unprivileged caller may not read the interpreter's files
 from google.protobuf import json_format, message_factory
 from crust.api import registry_pb2, runtime_pb2
 
@@ -287,3 +288,80 @@ def test_stats_of_a_claim_go_only_to_the_lease_that_made_it(env):
     assert exc.code() == Code.FAILED_PRECONDITION and "sb-1" in exc.details()
     exc = failure(e.claim, target, "kata", "sb-1")
     assert exc.code() == Code.PERMISSION_DENIED and "another lease" in exc.details()
+
+
+# -- hostile input from a caller that is not allowed ---------------------------------------------
+
+RAW_CALLER = r"""
+import json, os, sys
+import grpc
+import grpc._channel  # imported now: the unprivileged caller may not read the interpreter's files
+import grpc._channel  # imported now: the unprivileged caller may not read the interpreter's files
+
+uid, gid, sock, calls = sys.argv[1], sys.argv[2], sys.argv[3], sys.stdin.read()
+os.setgroups([])
+os.setgid(int(gid))
+os.setuid(int(uid))
+answers = []
+with grpc.insecure_channel("unix://" + sock) as channel:
+    for path, payload in json.loads(calls):
+        call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+        try:
+            call(bytes.fromhex(payload), timeout=10)
+            answers.append(["OK", ""])
+        except grpc.RpcError as exc:
+            answers.append([exc.code().name, exc.details()])
+print(json.dumps(answers))
+"""
+
+
+def test_hostile_requests_of_a_denied_caller_change_nothing(env, tmp_path):
+    """Property: whatever a caller the kernel names as not allowed sends
+    (hostile values in every field, the holder's real lease, names and
+    sandboxes included, or bytes that do not decode), every method answers
+    PERMISSION_DENIED and the registry, the claims and the records stay as
+    they were."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tests import hostile
+
+    e = env()
+    target = e.target("prop")
+    e.stage(target)
+    holder = e.register("mountns")
+    e.claim(target, "mountns", "sb-1")
+    before = state_of(e)
+    sock = e.proxy.runtime_socket
+    sock.chmod(0o666)
+    sock.parent.chmod(0o711)
+    place = hostile.Place(root=e.path.resolve(), outside=tmp_path / "outside")
+    place.real_paths = [target]
+    place.real_ids = {"name": ["mountns"], "sandbox": ["sb-1"], "lease": [holder.lease_id],
+                      "volume": [], "snapshot": [], "group_snapshot": []}
+    methods = [(f"/{s.full_name}/{m.name}", m.input_type) for module in (registry_pb2, runtime_pb2)
+               for s in module.DESCRIPTOR.services_by_name.values() for m in s.methods]
+    one_call = st.one_of(*[
+        st.tuples(st.just(path), hostile.message(desc, place).map(lambda m: m.SerializeToString().hex()))
+        for path, desc in methods]) | st.tuples(st.sampled_from([p for p, _ in methods]),
+                                                st.binary(max_size=64).map(bytes.hex))
+
+    @settings(max_examples=8, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                     HealthCheck.data_too_large])
+    @given(st.lists(one_call, min_size=20, max_size=40))
+    def denied(calls):
+        done = subprocess.run([sys.executable, "-c", RAW_CALLER, str(NOBODY), str(NOBODY), str(sock)],
+                              input=json.dumps(calls), capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert done.returncode == 0, done.stderr
+        answers = json.loads(done.stdout)
+        assert len(answers) == len(calls)
+        for (path, _), (code, details) in zip(calls, answers):
+            assert code == "PERMISSION_DENIED" and f"uid {NOBODY}" in details, (path, code, details)
+        assert state_of(e) == before
+
+    try:
+        denied()
+    finally:
+        sock.parent.chmod(0o700)
+    holder.heartbeat(e.channel)
