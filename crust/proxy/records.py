@@ -29,6 +29,10 @@ class Claim(BaseModel):
     # claim of the same sandbox).
     lease_sha256: str = ""
 
+    def sandbox_process(self) -> ProcessId | None:
+        """The sandbox's process this claim names (None: none to trust)."""
+        return recorded(self.sandbox_pid, self.sandbox_pid_start, self.claimed_at)
+
 
 class HandlerRecord(BaseModel):
     """A registered runtime handler, kept so that its lease (its identity)
