@@ -826,6 +826,37 @@ def test_a_sandbox_survives_a_handler_restart(short_lease):
     env.unpublish(v)
 
 
+def test_a_handler_killed_and_started_at_once_comes_back_under_its_lease(env):
+    """The lease is the handler's identity: kept in its state directory
+    (0600), it lets the restarted handler take its name and its sandbox's
+    claim back at once, while its old lease is still alive (without it the
+    proxy refuses the name until the lease expires)."""
+    v = env.volume("pv-again")
+    a = env.run_ok(env.bundle("again", "exec sleep 600", [("/data", str(v.target))]), "sb-again")
+    lease_file = env.handler.state_dir / "lease"
+    assert stat.S_IMODE(os.lstat(lease_file).st_mode) == 0o600
+    lease = lease_file.read_text()
+    record = env.proxy.state_dir / "handlers" / "mountns.json"
+    assert lease not in record.read_text(), "the proxy keeps a hash, not the lease"
+
+    env.handler.kill()
+    assert not env.handlers()["mountns"].lease_expired
+    env.handler.start()
+    wait_until(lambda: env.handler.sandbox("list").returncode == 0, what="the handler's socket")
+    wait_until(lambda: env.handlers()["mountns"].lease_age_seconds < 2, timeout=10, what="a renewed lease")
+    assert lease_file.read_text() == lease
+    log = env.handler.log_path.read_text()
+    assert "our name is held by another live handler" not in log and lease not in log
+    (claim,) = env.claims()
+    assert (claim.target_path, claim.sandbox_id, claim.sandbox_pid) == (str(v.target), "sb-again", a["pid"])
+    stats = env.proxy.node.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(
+        volume_id=v.volume_id, volume_path=str(v.target)), timeout=30)
+    assert not stats.volume_condition.abnormal
+    env.delete("sb-again")
+    assert env.claims() == []
+    env.unpublish(v)
+
+
 def test_a_sandbox_that_died_while_the_handler_was_down_is_released(short_lease):
     env = short_lease
     v = env.volume("pv-dead")

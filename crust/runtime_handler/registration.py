@@ -23,6 +23,7 @@ from crust.api import registry_pb2, registry_pb2_grpc
 from crust.common.atomicfile import write_atomic
 from crust.common.channel import local_aio_channel
 from crust.common.errors import Forwarded
+from crust.common.saferead import read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -30,23 +31,20 @@ MAX_LEASE_BYTES = 256
 
 
 def read_lease(path: Path | None) -> str:
-    """The lease kept at path ('' when there is none or it is not a small
-    regular file only its owner can read)."""
+    """The lease kept at path ('' when there is none, or it is not a small
+    regular file that only its owner can read)."""
     if path is None:
         return ""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return ""
-    try:
-        st = os.fstat(fd)
-        if not (st.st_mode & 0o170000 == 0o100000) or st.st_mode & 0o077 or st.st_size > MAX_LEASE_BYTES:
-            log.warning("ignoring a lease file that is not a private regular file", extra={"fields": {
-                "path": str(path)}})
+        if os.lstat(path).st_mode & 0o077:
+            log.warning("ignoring a lease file others can read", extra={"fields": {"path": str(path)}})
             return ""
-        lease = os.read(fd, MAX_LEASE_BYTES).decode("ascii", "replace").strip()
-    finally:
-        os.close(fd)
+        lease = read_bounded(path, MAX_LEASE_BYTES).decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        return ""
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring an unreadable lease file", extra={"fields": {"path": str(path), "error": str(exc)}})
+        return ""
     return lease if lease.isalnum() else ""
 
 
