@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 
 import grpc
-import pytest
 
 from crust.api import registry_pb2, registry_pb2_grpc, runtime_pb2
 from tests.handler_server import HandlerServer, stats_response
-from tests.test_proxy_runtime import REPO, Env, failure
+from tests.test_proxy_runtime import REPO, Env, env, failure  # noqa: F401 - env: the stack fixture
 
 Code = grpc.StatusCode
 NOBODY = 65534
@@ -75,20 +74,19 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
-@pytest.fixture
-def env(root):
-    made: list[Env] = []
-
-    def make(*proxy_extra: str) -> Env:
-        e = Env(root, list(proxy_extra))
-        made.append(e)
-        return e
-
-    try:
-        yield make
-    finally:
-        for e in made:
-            e.close()
+def held_volume_open_to_all(e: Env, name: str) -> tuple[str, HandlerServer, tuple, Path]:
+    """A deferred volume claimed by handler mountns, then the runtime socket
+    opened to every uid on purpose (as a pod given the host path might find
+    it): the file fence broken, only the kernel's answer decides. Returns
+    the target, the holder, the state before and the socket."""
+    target = e.target(name)
+    e.stage(target)
+    holder = e.register("mountns")
+    e.claim(target, "mountns", "sb-1")
+    sock = e.proxy.runtime_socket
+    sock.chmod(0o666)
+    sock.parent.chmod(0o711)
+    return target, holder, state_of(e), sock
 
 
 def state_of(e: Env) -> tuple:
@@ -137,17 +135,9 @@ def test_a_group_writable_socket_directory_is_refused_at_start(root, tmp_path):
 
 
 def test_a_caller_whose_uid_is_not_allowed_is_refused_on_every_method(env):
-    """The file fence broken on purpose (the socket opened to everyone, as a
-    pod given the host path might find it): the kernel's answer still decides."""
+    """The file fence broken on purpose: the kernel's answer still decides."""
     e = env()
-    target = e.target("kept")
-    e.stage(target)
-    h = e.register("mountns")
-    e.claim(target, "mountns", "sb-1")
-    before = state_of(e)
-    sock = e.proxy.runtime_socket
-    sock.chmod(0o666)
-    sock.parent.chmod(0o711)
+    target, h, before, sock = held_volume_open_to_all(e, "kept")
 
     hostile = {
         "RegisterHandler": {"name": "mountns", "endpoint": f"unix://{e.path}/evil.sock", "filesystems": ["ext4"]},
@@ -327,14 +317,7 @@ def test_hostile_requests_of_a_denied_caller_change_nothing(env, tmp_path):
     from tests import hostile
 
     e = env()
-    target = e.target("prop")
-    e.stage(target)
-    holder = e.register("mountns")
-    e.claim(target, "mountns", "sb-1")
-    before = state_of(e)
-    sock = e.proxy.runtime_socket
-    sock.chmod(0o666)
-    sock.parent.chmod(0o711)
+    target, holder, before, sock = held_volume_open_to_all(e, "prop")
     place = hostile.Place(root=e.path.resolve(), outside=tmp_path / "outside")
     place.real_paths = [target]
     place.real_ids = {"name": ["mountns"], "sandbox": ["sb-1"], "lease": [holder.lease_id],
