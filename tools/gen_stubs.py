@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
 API = ROOT / "crust" / "api"
-PROTOS = ["csi.proto", "runtime.proto", "registry.proto", "handler.proto", "pluginregistration.proto"]
+# Every proto in specs/: a new one gets its stubs without touching this list.
+PROTOS = sorted(p.name for p in SPECS.glob("*.proto"))
 HEADER = '"""Generated from specs/ by tools/gen_stubs.py; do not edit."""\n'
 
 
