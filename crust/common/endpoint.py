@@ -8,6 +8,8 @@ import stat
 import struct
 from pathlib import Path
 
+from crust.common.private import make_dirs
+
 
 def socket_path(endpoint: str) -> str:
     """unix:///run/x.sock, unix:/run/x.sock or /run/x.sock -> /run/x.sock."""
@@ -86,4 +88,4 @@ def prepare_socket_dir(path: str) -> None:
     """
     parent = Path(path).parent
     if not parent.exists():
-        parent.mkdir(parents=True, mode=0o700)
+        make_dirs(parent)

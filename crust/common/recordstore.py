@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from crust.common.atomicfile import (clean_temporaries, remove_durably, remove_durably_async, write_atomic,
                                     write_atomic_async)
+from crust.common.private import make_dirs
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class RecordStore(Generic[Record]):
     def __init__(self, directory: str | os.PathLike, model: type[Record]):
         self.directory = Path(directory)
         self.model = model
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(self.directory)
         clean_temporaries(self.directory)
 
     def _path(self, key: str) -> Path:

@@ -25,6 +25,7 @@ from typing import Iterator
 from crust.common import csi_input
 from crust.common.atomicfile import fsync_async, temporary_name, write_atomic_in
 from crust.common.errors import InvalidArgument
+from crust.common.private import make_dirs
 from crust.contract.mountinfo import MountInfo, digest, is_digest, kata_name
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ class VolumesDir:
         self.kata_root = kata_root
         for d in (root, kata_root):
             if d is not None:
-                d.mkdir(parents=True, exist_ok=True, mode=0o700)
+                make_dirs(d)
 
     @contextmanager
     def _root(self, root: Path) -> Iterator[int]:

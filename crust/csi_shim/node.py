@@ -43,6 +43,7 @@ from crust.common.errors import (
     NotFound,
 )
 from crust.common.inflight import InFlight
+from crust.common.private import make_dirs
 from crust.common.recordstore import RecordStore
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.config import ShimConfig
@@ -197,7 +198,7 @@ class NodeShim:
             private = self.private / volume_key(volume_id)
             backend_staging = private / "staging"
             backend_target = private / "device"
-            backend_staging.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_dirs(backend_staging)
             block_cap = to_block(cap)
             try:
                 if self.backend.stages:

@@ -13,6 +13,7 @@ import logging
 
 from crust.common import metrics
 from crust.common.grpcserver import Daemon, unary_handlers
+from crust.common.private import make_dirs
 from crust.csi_shim import controller, node
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.config import ShimConfig
@@ -33,7 +34,7 @@ class Shim:
         self.passthrough: Passthrough | None = None
 
     async def start(self) -> None:
-        self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(self.config.state_dir)
         await self.backend.learn()
         self.node.reconcile()
         server = self.daemon.server

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from crust.common.private import make_dirs
+
 DRIVER_NAME = "loop.csi.crust.dev"
 # The one topology segment of the loop backend: the node whose pool holds the
 # volume's backing file.
@@ -90,5 +92,5 @@ class DriverConfig(BaseModel):
     def effective_capacity(self) -> int:
         if self.capacity_bytes:
             return self.capacity_bytes
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.data_dir)
         return shutil.disk_usage(self.data_dir).total

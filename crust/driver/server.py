@@ -14,6 +14,7 @@ from crust.api import csi_pb2, csi_pb2_grpc
 from crust.common.endpoint import clear_stale_socket, socket_path
 from crust.common import metrics
 from crust.common.grpcserver import Daemon
+from crust.common.private import make_dirs
 from crust.driver.catalog import Catalog
 from crust.driver.config import DriverConfig
 from crust.driver.controller import ControllerService
@@ -42,7 +43,7 @@ class Driver:
 
     def prepare(self) -> None:
         """Load and reconcile state before the socket accepts calls."""
-        self.config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(self.config.data_dir)
         server = self.daemon.server
         identity = IdentityService(controller=self.config.mode.controller, ready=lambda: self.ready)
         csi_pb2_grpc.add_IdentityServicer_to_server(identity, server)

@@ -29,6 +29,7 @@ from typing import Literal
 from pydantic import BaseModel, ValidationError
 
 from crust.common.atomicfile import write_atomic
+from crust.common.private import make_dirs
 from crust.kata.agent import AgentError, AgentTimeout
 from crust.kata.qemu import Vm, VmConfig, VmError, VmHung, is_qemu_under, qemu_pids_under
 from crust.sys import proc
@@ -136,6 +137,6 @@ async def choose(requested: str, config: VmConfig, cache: Path, workdir: Path) -
     now = time.time()
     record = ProbeRecord(key=key, accel=accel, reason=reason, probed_at=now,
                          expires_at=None if definite else now + TIMEOUT_VERDICT_SECONDS)
-    cache.mkdir(parents=True, exist_ok=True)
+    make_dirs(cache)
     write_atomic(record_path, record.model_dump_json().encode(), mode=0o644)
     return accel, reason

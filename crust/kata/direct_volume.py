@@ -33,6 +33,7 @@ from typing import Iterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from crust.common.errors import FailedPrecondition, InvalidArgument
+from crust.common.private import make_dirs
 from crust.contract.mountinfo import MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.contract.volumes_dir import NAME_MAX, clear_dir, open_dir, write_atomic_at
@@ -107,7 +108,7 @@ class DirectVolumes:
         """The root, opened; created (0700) only by a writer: readers of a
         missing root raise FileNotFoundError, which they treat as "no entry"."""
         if create:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_dirs(self.root)
         return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
 
     @contextmanager

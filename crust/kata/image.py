@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crust.common.atomicfile import write_atomic
+from crust.common.private import make_dirs, open_new
 from crust.kata import cpio
 from crust.kata.kmod import ModuleTree
 from crust.sys.run import CommandError
@@ -243,7 +245,7 @@ def collect_inputs(flavor: Flavor) -> Inputs:
 def fetch(cache: Path, package: str, version: str) -> Path:
     """The .deb of package=version, downloaded once into cache/debs."""
     debs = cache / "debs"
-    debs.mkdir(parents=True, exist_ok=True)
+    make_dirs(debs)
     name = f"{package}_{version.replace(':', '%3a')}_"
     for existing in debs.glob(f"{glob_escape(name)}*.deb"):
         return existing
@@ -270,7 +272,7 @@ def extract(cache: Path, deb: Path, package: str, version: str) -> Path:
     dest = cache / "extract" / f"{package}_{re.sub(r'[^A-Za-z0-9.+-]', '_', version)}"
     if (dest / ".complete").exists():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(dest.parent)
     shutil.rmtree(dest, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".x-"))
     try:
@@ -381,25 +383,23 @@ def assemble(cache: Path, inputs: Inputs) -> tuple[bytes, bytes, dict]:
 
 
 def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_atomic(path, data, mode=0o600)
 
 
 def build(cache: Path = DEFAULT_CACHE, flavor: str = "cloud", force: bool = False) -> BuildResult:
     """The image for flavor, rebuilt only when its inputs changed."""
     started = time.monotonic()
     fl = FLAVORS[flavor]
-    cache.mkdir(parents=True, exist_ok=True)
+    make_dirs(cache)
     out = _output_dir(cache, fl)
-    with open(cache / ".lock", "w") as lock:
+    with os.fdopen(open_new(cache / ".lock", os.O_WRONLY | os.O_CREAT), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # one builder at a time per cache
         inputs = collect_inputs(fl)
         manifest = None if force else _current(out, inputs.digest)
         rebuilt = manifest is None
         if rebuilt:
             vmlinuz, initrd, manifest = assemble(cache, inputs)
-            out.mkdir(parents=True, exist_ok=True)
+            make_dirs(out)
             _write(out / "vmlinuz", vmlinuz)
             _write(out / "initramfs.gz", initrd)
             _write(out / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True).encode())

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crust.common.aio import first_done
+from crust.common.private import make_dirs, open_new
 from crust.kata.agent import AgentClient, AgentError, GuestGone
 from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
 from crust.sys import proc
@@ -220,15 +221,17 @@ class Vm:
         for sock in (self.agent_socket, self.qmp_socket):
             if len(str(sock)) > MAX_SOCKET_PATH:
                 raise VmError(f"socket path too long for a unix socket: {sock}")
-        self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(self.workdir)
         for stale in (self.agent_socket, self.qmp_socket, self.pidfile, self.console_log):
             stale.unlink(missing_ok=True)
         started = time.monotonic()
-        with open(self.qemu_log, "wb") as out:
+        with os.fdopen(open_new(self.qemu_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
             try:
+                # QEMU makes its console log, pid file and sockets in the
+                # work directory: they are 0600, whatever our umask.
                 self._proc = await asyncio.create_subprocess_exec(
                     *self.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
-                    start_new_session=True)
+                    start_new_session=True, umask=0o077)
             except FileNotFoundError:
                 raise VmError(f"{self.config.qemu_binary} not found: apt-get install qemu-system-x86") from None
         self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from crust.api import csi_pb2
 from crust.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from crust.common.private import make_dirs
 from crust.kata.agent import AgentError, AgentRefused
 from crust.kata.qemu import Vm, VmConfig, VmError
 from crust.runtime_handler.sandbox import Sandbox, VolumeStats
@@ -35,7 +36,7 @@ class KataSandbox(Sandbox):
     def __init__(self, sandbox_id: str, workdir: Path, config: VmConfig, qemu: proc.ProcessId | None = None):
         self.id = sandbox_id
         self.workdir = workdir
-        workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(workdir)
         self.vm = Vm(f"crust-{sandbox_id}", workdir, config)
         # The QEMU an earlier handler process started (from the record).
         self._recorded = qemu

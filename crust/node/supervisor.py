@@ -35,6 +35,7 @@ from pydantic import BaseModel
 
 from crust.common.atomicfile import write_atomic
 from crust.common.endpoint import listener_pid
+from crust.common.private import make_dirs
 from crust.driver.config import DRIVER_NAME
 from crust.node.config import NodeConfig, Runtime
 from crust.node.supervised import SUPERVISOR_ENV
@@ -152,7 +153,7 @@ class Supervisor:
         self.config = config
         self.stopping = asyncio.Event()
         self.started_at = time.time()
-        config.supervisor_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(config.supervisor_dir)
         self.policy_file = config.supervisor_dir / "policy.json"
         self.children = [Child(name, argv, sock, ChildStatus(name=name, socket=str(sock)))
                          for name, argv, sock in child_argvs(config, self.policy_file)]

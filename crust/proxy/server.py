@@ -28,6 +28,7 @@ from crust.common import metrics
 from crust.common.endpoint import clear_stale_socket, socket_path
 from crust.common.grpcserver import Daemon, unary_handlers
 from crust.common.peergate import PeerPolicy
+from crust.common.private import make_dirs
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.passthrough import Passthrough
 from crust.proxy import csi_frontend
@@ -49,7 +50,7 @@ def prepare_runtime_socket_dir(config: ProxyConfig) -> None:
     parent = os.path.dirname(path)
     allowed = 0o750 if config.runtime_socket_group is not None else 0o700
     if not os.path.exists(parent):
-        os.makedirs(parent, mode=0o700)
+        make_dirs(parent)
     if config.runtime_socket_group is not None:
         os.chown(parent, 0, config.runtime_socket_group)
         os.chmod(parent, 0o750)
@@ -114,7 +115,7 @@ class Proxy:
         return response
 
     async def start(self) -> None:
-        self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(self.config.state_dir)
         prepare_runtime_socket_dir(self.config)
         await self.state.reconcile()
         # The runtime side first: the shim may call it as soon as kubelet can

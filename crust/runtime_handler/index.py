@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from crust.common.private import make_dirs
 from crust.contract.mountinfo import MountInfo, is_digest
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class VolumeIndex(FileSystemEventHandler):
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> "VolumeIndex":
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(self.root)
         self.observer = Observer()
         self.observer.schedule(self, str(self.root), recursive=True)
         self.observer.start()

@@ -23,7 +23,9 @@ from pathlib import Path
 
 from crust.api import csi_pb2
 from crust.common import copath
+from crust.common.atomicfile import write_atomic
 from crust.common.errors import FailedPrecondition, InvalidArgument
+from crust.common.private import make_dirs, open_new
 from crust.sys import mount as sysmount
 from crust.sys import netns, ownership, proc
 from crust.sys.run import CommandError, run
@@ -164,7 +166,7 @@ class MountNamespaceSandbox(Sandbox):
         return await run(["nsenter", f"--target={self.pid}", "--mount", "--", *argv], **kw)
 
     async def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(self.workdir)
         self._holder = subprocess.Popen(
             ["unshare", "--mount", "--net", "--propagation", "slave", "--", "sleep", "infinity"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -186,7 +188,8 @@ class MountNamespaceSandbox(Sandbox):
 
     async def _prepare_rootfs(self) -> None:
         root = self.rootfs
-        root.mkdir(parents=True, exist_ok=True)
+        # Mount points in the runtime's bundle, seen by the container: 0755.
+        make_dirs(root, 0o755)
         for name in IMAGE_DIRS:
             host = Path("/") / name
             if host.is_symlink():
@@ -196,11 +199,11 @@ class MountNamespaceSandbox(Sandbox):
                     link.symlink_to(os.readlink(host))
                 continue
             if host.is_dir():
-                (root / name).mkdir(exist_ok=True)
+                make_dirs(root / name, 0o755)
                 await self.ns("mount", "--bind", str(host), str(root / name))
                 await self.ns("mount", "-o", "remount,bind,ro", str(root / name))
         for name, fstype in (("dev", None), ("tmp", "tmpfs"), ("proc", None)):
-            (root / name).mkdir(exist_ok=True)
+            make_dirs(root / name, 0o755)
             if fstype:
                 await self.ns("mount", "-t", fstype, "-o", "mode=1777", fstype, str(root / name))
             else:
@@ -211,7 +214,7 @@ class MountNamespaceSandbox(Sandbox):
         return device
 
     async def mount(self, device, fs_type, options, readonly, mount_point) -> None:
-        Path(mount_point).mkdir(parents=True, exist_ok=True, mode=0o700)  # empty on the host
+        make_dirs(mount_point)  # empty on the host
         opts = list(options) + (["ro"] if readonly else [])
         if fs_type == "xfs" and "nouuid" not in opts:
             opts.append("nouuid")
@@ -332,7 +335,7 @@ class MountNamespaceSandbox(Sandbox):
     async def run_process(self, args, env, cwd, log_path: Path) -> int:
         if self.rootfs is None:
             raise InvalidArgument("the bundle has no root: the mount-namespace sandbox needs one")
-        log = open(log_path, "ab")
+        log = os.fdopen(open_new(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab")
         self._process = subprocess.Popen(
             ["nsenter", f"--target={self.pid}", "--mount", "--net", "--", "chroot", str(self.rootfs),
              "/usr/bin/env", "-i", "-C", cwd, *env, *args],
@@ -340,7 +343,7 @@ class MountNamespaceSandbox(Sandbox):
         log.close()
         # Our child, not reaped yet: its pid cannot have been reused.
         started = proc.start_time(self._process.pid)
-        (self.workdir / "process").write_text(f"{self._process.pid} {started}")
+        write_atomic(self.workdir / "process", f"{self._process.pid} {started}".encode())
         return self._process.pid
 
     def process_exit_code(self) -> int | None:

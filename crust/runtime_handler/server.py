@@ -10,6 +10,7 @@ from pydantic import BaseModel
 
 from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common.grpcserver import Daemon
+from crust.common.private import make_dirs
 from crust.runtime_handler.handler import RuntimeHandler
 from crust.runtime_handler.registration import Registration
 from crust.runtime_handler.sandbox import MountNamespaceSandbox
@@ -50,7 +51,7 @@ class HandlerDaemon:
         ])
 
     async def run(self) -> None:
-        self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(self.config.state_dir)
         handler_pb2_grpc.add_HandlerServicer_to_server(HandlerService(self.handler), self.daemon.server)
         handler_pb2_grpc.add_SandboxControlServicer_to_server(SandboxControlService(self.handler), self.daemon.server)
         await self.daemon.start()

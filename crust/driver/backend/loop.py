@@ -25,6 +25,7 @@ from pathlib import Path
 
 from crust.common.aio import in_thread
 from crust.common.atomicfile import fsync_dir
+from crust.common.private import make_dirs, open_new
 
 ID_PATTERN = re.compile(r"^[a-z]{1,4}-[0-9a-f]{24}$")
 
@@ -51,7 +52,7 @@ class Pool:
 
     def ensure(self) -> None:
         for d in (self.root, self.volumes, self.snapshots):
-            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_dirs(d)
 
     def volume_file(self, volume_id: str) -> Path:
         if not valid_id(volume_id):
@@ -76,9 +77,12 @@ class Pool:
 
 
 def _create_sparse(path: Path, size: int) -> None:
-    with open(path, "xb") as f:
-        f.truncate(size)
-        os.fsync(f.fileno())
+    fd = open_new(path)  # 0600: the volume's bytes are for the loop device only
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def make_blank(final: Path, size: int, *, preallocate: bool = False) -> None:
@@ -128,7 +132,7 @@ def _copy_data(source: Path, dest: Path) -> None:
     src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(src).st_size
-        dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        dst = open_new(dest)
         try:
             os.ftruncate(dst, size)
             offset = 0
