@@ -61,45 +61,23 @@ from bench.benchlib import (  # noqa: E402
     write_json,
 )
 from bench.harness_kernel import LoopNodes, loop_names  # noqa: E402
-from bench.harness_stack import (  # noqa: E402
-    die_with_parent,
-    own_session,
-    project_on_pythonpath,
-    start_daemon,
-    stop_process,
-    wait_until,
-)
+from bench.harness_stack import die_with_parent, own_session, project_on_pythonpath, stop_process  # noqa: E402
 from crust.sys import loop as sysloop  # noqa: E402
 from crust.sys import mount as sysmount  # noqa: E402
+from tests.csi_sanity import (  # noqa: E402 - the flags, targets and invocation tests/test_conformance.py runs
+    DRIVER_FLAGS,
+    MUTABLE_YAML,
+    REFERENCE_FLAGS,
+    SHIM_FLAGS,
+    sanity_argv,
+    start_target,
+)
 from tests.harness import Root  # noqa: E402
 
 TARGETS = ("reference", "driver", "shim", "proxy")
 LABELS = {"reference": "csi-driver-host-path (Go reference)", "driver": "crust driver",
           "shim": "crust shim -> crust driver", "proxy": "crust proxy -> crust shim -> crust driver"}
-NODE_ID = "n1"
 COUNTS = ("ran", "passed", "failed", "skipped", "pending")
-
-# Every optional feature of the reference on, with the limits crust runs
-# with (docs/conformance.md: 200Gi, 8 volumes per node) and the one mutable
-# parameter the suite's mutable.yaml names, so that it runs the specs crust
-# runs; -v=5 as its own deployment runs it.
-REFERENCE_FLAGS = ["-enable-attach", "-capacity=fast=200Gi", "-maxvolumespernode=8", "-attach-limit=8",
-                   "-enable-controller-modify-volume", "-accepted-mutable-parameter-names=provisioning",
-                   "-check-volume-lifecycle", "-enable-snapshot-metadata", "-v=5"]
-# docs/conformance.md's crust command lines.
-DRIVER_FLAGS = ["--capacity", "200Gi", "--max-volumes-per-node", "8"]
-SHIM_FLAGS = ["--no-advertise-deferral"]
-MUTABLE_YAML = "provisioning: thick\n"
-
-
-def sanity_argv(tool: str, socket: Path, kube: Path, mutable: Path, junit: Path, seed: int) -> list[str]:
-    """docs/conformance.md's invocation, mount access; the mount and staging
-    directories lie below the kubelet root, where the proxy accepts paths."""
-    return [tool, f"--csi.endpoint=unix://{socket}", f"--csi.mountdir={kube}/mount",
-            f"--csi.stagingdir={kube}/staging", "--csi.testvolumesize=1073741824",
-            "--csi.testvolumeexpandsize=2147483648", "--csi.testnodevolumeattachlimit",
-            f"--csi.testvolumemutableparameters={mutable}", "--csi.testvolumeaccesstype=mount",
-            f"--ginkgo.junit-report={junit}", f"--ginkgo.seed={seed}", "--ginkgo.no-color"]
 
 
 def crust_digest() -> str:
@@ -150,28 +128,13 @@ class Run:
         self.target, self.args = target, args
         self.root = Root()
         self.loop_nodes = LoopNodes(self.root.path)
-        self.procs: list[subprocess.Popen] = []  # the reference and csi-sanity; the harness owns crust's
+        self.procs: list[subprocess.Popen] = []  # csi-sanity; the harness owns the daemons
 
     def start(self) -> tuple[Path, list[int]]:
         """The target up; its socket and the daemons' pids."""
-        path = self.root.path
-        if self.target == "reference":
-            socket = path / "ref.sock"
-            proc = start_daemon([self.args.hostpath, f"-endpoint=unix://{socket}", f"-nodeid={NODE_ID}",
-                                 f"-statedir={path / 'ref-state'}", *REFERENCE_FLAGS], path / "ref.log")
-            self.procs.append(proc)
-            # It creates its socket when it listens on it.
-            wait_until(proc, socket.exists, 20,
-                       lambda: RuntimeError(f"hostpathplugin exited: {self.log_tail('ref.log')}"),
-                       lambda: TimeoutError(f"hostpathplugin not ready: {self.log_tail('ref.log')}"))
-            return socket, [proc.pid]
-        fs = ["--default-fs-type", self.args.fs]
         with own_session():  # a Ctrl-C reaches this script only, which then tears down in order
-            chain = [self.root.driver(node_id=NODE_ID, extra=DRIVER_FLAGS + fs).start()]
-            if self.target in ("shim", "proxy"):
-                chain.append(self.root.shim(chain[0], extra=SHIM_FLAGS + fs).start())
-            if self.target == "proxy":
-                chain.append(self.root.proxy(chain[1]).start())
+            chain = start_target(self.root, self.target, hostpath=self.args.hostpath,
+                                 crust_extra=("--default-fs-type", self.args.fs))
         return chain[-1].socket, [d.proc.pid for d in chain]
 
     def sanity(self, seed: int) -> dict:
@@ -181,7 +144,8 @@ class Run:
         path, kube, junit = self.root.path, self.root.path / "kubelet", self.root.path / "junit.xml"
         kube.mkdir(exist_ok=True)
         (path / "mutable.yaml").write_text(MUTABLE_YAML)
-        argv = sanity_argv(self.args.csi_sanity, socket, kube, path / "mutable.yaml", junit, seed)
+        argv = sanity_argv(self.args.csi_sanity, socket, kube, path / "mutable.yaml", "mount",
+                           extra=(f"--ginkgo.junit-report={junit}", f"--ginkgo.seed={seed}"))
         # The host's mount table and loop devices, which the drivers' node
         # calls and their tools read, hold everyone's: keep their size.
         walked = {"loadavg_before": loadavg(), "mountinfo_lines": len(sysmount.mounts()),

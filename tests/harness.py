@@ -63,11 +63,12 @@ class CsiProcess:
     proc: subprocess.Popen | None = None
     channel: grpc.Channel | None = None
 
-    def _launch(self, what: str, argv: list[str], ready, timeout: float) -> None:
-        """Start `python -m crust ARGV` and wait until ready(channel) holds
-        on its socket; the process's stderr goes to log_path."""
-        self.proc = subprocess.Popen([sys.executable, "-m", "crust", *argv], stdout=subprocess.DEVNULL,
-                                     stderr=open(self.log_path, "ab"))
+    def _launch(self, what: str, argv: list[str], ready, timeout: float, program: tuple[str, ...] = ()) -> None:
+        """Start `python -m crust ARGV` (or PROGRAM ARGV, a plugin that is not
+        crust's) and wait until ready(channel) holds on its socket; the
+        process's stderr goes to log_path."""
+        command = list(program) or [sys.executable, "-m", "crust"]
+        self.proc = subprocess.Popen([*command, *argv], stdout=subprocess.DEVNULL, stderr=open(self.log_path, "ab"))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,167 @@
+"""The upstream conformance suite and kubelet's upstream registrar, on every run.
+
+- csi-sanity (kubernetes-csi/csi-test), in mount and block access, against
+  `crust driver`, `crust shim` in front of it, the whole `crust proxy` ->
+  shim -> driver chain, and the shim in front of the reference driver
+  (hostpathplugin, a driver crust did not write): every run ends with 0
+  failures and exactly the pass, pending and skip counts docs/conformance.md
+  states, so a spec that stops running is seen as surely as one that fails;
+  and what the run made (mounts, loop devices) is gone once csi-sanity has
+  cleaned up through the plugin, before any forced cleanup.
+- the upstream node-driver-registrar in front of `crust proxy`: kubelet's
+  plugin watcher (crust.kubelet_replay) registers the driver through it, at
+  the proxy's socket, and the registrar's /healthz answers.
+
+The tools are not part of crust: ../shared/bin/NAME beside the repository,
+or CSI_SANITY, HOSTPATHPLUGIN, NODE_DRIVER_REGISTRAR naming one's own
+builds. Without them the module is skipped, saying which is missing; with
+CI=true a missing tool fails the run instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from crust.api import csi_pb2
+from crust.kubelet_replay import Kubelet
+from crust.sys import loop as sysloop
+from crust.sys import mount as sysmount
+from tests.csi_sanity import (CSI_SANITY, HOSTPATHPLUGIN, MUTABLE_YAML, NODE_DRIVER_REGISTRAR, TARGETS,
+                              failed_specs, locate_tools, sanity_argv, skipped_specs, start_target,
+                              stated_counts, summary_counts, volume_size)
+
+DRIVER = "loop.csi.crust.dev"
+RUNS = [(target, access) for target in ("driver", "shim", "proxy", "shim-hostpath") for access in ("mount", "block")]
+# One suite takes 2 to 6 s here; a wedged daemon must not hold CI for long.
+SANITY_TIMEOUT = 90
+
+TOOL_PATHS, TOOL_PROBLEMS = locate_tools()
+IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
+if TOOL_PROBLEMS and not IN_CI:
+    pytest.skip("; ".join(TOOL_PROBLEMS), allow_module_level=True)
+
+
+@pytest.fixture
+def tools():
+    if TOOL_PROBLEMS:
+        pytest.fail(f"CI=true and an upstream tool is missing: {'; '.join(TOOL_PROBLEMS)}", pytrace=False)
+    return TOOL_PATHS
+
+
+@functools.cache
+def stated():
+    return stated_counts()
+
+
+def left_below(root) -> tuple[list[str], list[str]]:
+    """Mount points below root and loop devices over a file below it."""
+    prefix = str(root.path.resolve()) + "/"
+    mounts = [m.mount_point for m in sysmount.mounts() if (m.mount_point + "/").startswith(prefix)]
+    loops = [dev for dev, backing in sysloop.attached().items() if backing.startswith(prefix)]
+    return mounts, loops
+
+
+def log_tails(root) -> str:
+    return "\n".join(f"--- {log.name} ---\n{log.read_text(errors='replace')[-1500:]}"
+                     for log in sorted(root.path.glob("*.sock.log")))
+
+
+def test_the_doc_states_counts_for_exactly_these_runs():
+    assert sorted(stated()) == sorted(RUNS)
+
+
+@pytest.mark.parametrize(("target", "access"), RUNS, ids=[f"{t}-{a}" for t, a in RUNS])
+def test_csi_sanity(tools, root, target, access):
+    expected = stated()[(target, access)]
+    chain = start_target(root, target, hostpath=tools[HOSTPATHPLUGIN.name])
+    kube = root.path / "kubelet"
+    kube.mkdir(exist_ok=True)
+    mutable = root.path / "mutable.yaml"
+    mutable.write_text(MUTABLE_YAML)
+    junit = root.path / "junit.xml"
+    argv = sanity_argv(tools[CSI_SANITY.name], chain[-1].socket, kube, mutable, access, volume_size(target),
+                       extra=(f"--ginkgo.junit-report={junit}",))
+    what = f"csi-sanity against {TARGETS[target]}, {access} access"
+    try:
+        run = subprocess.run(argv, capture_output=True, text=True, cwd=root.path, timeout=SANITY_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:  # csi-sanity was killed
+        pytest.fail(f"{what} ran past {SANITY_TIMEOUT} s:\n{(exc.stdout or b'')[-3000:]!r}\n{log_tails(root)}",
+                    pytrace=False)
+    # The report is on stdout (stderr holds the suite's own klog lines).
+    counts = summary_counts(run.stdout)
+    if counts is None:
+        pytest.fail(f"{what} printed no summary (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-2000:]}",
+                    pytrace=False)
+    if counts.get("failed", 0) or run.returncode != 0:
+        pytest.fail(f"{what}: {counts.get('failed', 0)} failed (exit {run.returncode}):\n  "
+                    + "\n  ".join(failed_specs(run.stdout)) + f"\n{run.stdout[-3000:]}\n{log_tails(root)}",
+                    pytrace=False)
+    got = {k: counts.get(k, 0) for k in expected}
+    if got != expected:
+        pytest.fail(f"{what}: {got}, but docs/conformance.md states {expected}: a spec stopped running, or a new "
+                    f"one runs (change the doc's table only if that is meant); skipped: "
+                    f"{skipped_specs(junit) or 'none'}", pytrace=False)
+    # csi-sanity deleted every volume it made through the plugin: nothing it
+    # mounted or attached is left (a detach may complete a moment later,
+    # while udev still holds the device).
+    deadline = time.monotonic() + 10
+    while any(left := left_below(root)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == ([], []), f"{what}: left behind mounts {left[0]} and loop devices {left[1]}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthz(port: int) -> tuple[int, bytes]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an HTTP proxy
+    with opener.open(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+        return response.status, response.read()
+
+
+def test_node_driver_registrar_registers_the_proxy_with_kubelet(tools, root):
+    """The registrar, not the proxy, serves kubelet's plugin registration
+    (no --kubelet-registration-dir): kubelet reaches the driver at the
+    proxy's socket through it."""
+    driver, shim, proxy = root.stack()
+    registry = proxy.kubelet_root / "plugins_registry"
+    registry.mkdir()
+    port = free_port()
+    log = root.path / "registrar.log"
+    registrar = subprocess.Popen(
+        [str(tools[NODE_DRIVER_REGISTRAR.name]), f"--csi-address={proxy.socket}",
+         f"--kubelet-registration-path={proxy.socket}", f"--plugin-registration-path={registry}",
+         f"--http-endpoint=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
+    try:
+        reg_socket = registry / f"{DRIVER}-reg.sock"
+        deadline = time.monotonic() + 15
+        while not reg_socket.is_socket():
+            assert registrar.poll() is None, f"the registrar exited {registrar.returncode}: {log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"no {reg_socket.name} from the registrar: {log.read_text()[-2000:]}"
+            time.sleep(0.05)
+
+        kubelet = Kubelet(proxy.kubelet_root, driver.node_id)
+        assert kubelet.register() == DRIVER
+        assert kubelet.endpoint == str(proxy.socket)
+        assert kubelet.log.names() == ["NodeGetInfo"]  # answered through the proxy, shim and driver
+        assert kubelet.node("NodeGetInfo", csi_pb2.NodeGetInfoRequest()).node_id == driver.node_id
+        assert healthz(port) == (200, b"ok")
+        time.sleep(0.2)
+        assert registrar.poll() is None, f"kubelet's verdict stopped the registrar: {log.read_text()[-2000:]}"
+    finally:
+        registrar.terminate()
+        try:
+            registrar.wait(15)
+        except subprocess.TimeoutExpired:
+            registrar.kill()
+            registrar.wait()
