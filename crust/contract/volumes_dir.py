@@ -9,7 +9,12 @@ Directories are 0700 and files 0600. Files are written atomically
 (temporary file, fsync, rename, fsync of the directory), so a reader never
 sees a partial file, even if the proxy is killed mid-write. Every path below
 the roots is opened relative to a directory file descriptor with O_NOFOLLOW:
-a symlink planted inside these directories is never followed.
+a symlink planted inside these directories is never followed, and a file is
+read through crust.common.saferead (no blocking open of a FIFO, regular files
+only, bounded). Whatever another root process left in an entry (a
+directory, a FIFO, a symlink, garbage) is damage: the proxy writes the entry
+again from its own record, and removing an entry removes whatever is in it
+(never following a link, never crossing into another mounted file system).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from crust.common import csi_input
+from crust.common import csi_input, saferead
 from crust.common.atomicfile import fsync_async, temporary_name, write_atomic_in
 from crust.common.errors import InvalidArgument
 from crust.common.private import make_dirs
@@ -69,6 +74,19 @@ def open_dir(parent_fd: int | None, name: str, create: bool) -> Iterator[int]:
         os.close(fd)
 
 
+def _make_room(dir_fd: int) -> None:
+    """A directory planted at mountInfo.json's name would fail the rename
+    of the new file over it: it goes first (a symlink, FIFO or file is
+    simply replaced by the rename)."""
+    try:
+        st = os.stat(MOUNT_INFO, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        log.warning("removing a directory planted at an entry's mountInfo.json")
+        remove_planted(dir_fd, MOUNT_INFO)
+
+
 def _opener_in(dir_fd: int):
     """Opens a new temporary in dir_fd, never through a symlink."""
     return lambda name, flags: os.open(name, flags | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
@@ -92,12 +110,60 @@ def write_atomic_at(dir_fd: int, name: str, data: bytes) -> None:
     os.fsync(dir_fd)
 
 
+MAX_CLEAR_DEPTH = 16
+
+
+def _clear_inside(dir_fd: int, depth: int = 0) -> bool:
+    """Remove everything inside the open directory dir_fd: files, links,
+    FIFOs, and directories with what they hold (never following a link,
+    never into another mounted file system, at most MAX_CLEAR_DEPTH deep).
+    What cannot be removed is logged and left; True when nothing is left."""
+    clear = True
+    parent_dev = os.fstat(dir_fd).st_dev
+    for name in os.listdir(dir_fd):
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                if st.st_dev == parent_dev and depth < MAX_CLEAR_DEPTH:
+                    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                    try:
+                        _clear_inside(fd, depth + 1)
+                    finally:
+                        os.close(fd)
+                os.rmdir(name, dir_fd=dir_fd)
+            else:
+                os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            clear = False
+            log.warning("could not remove something planted in an entry", extra={"fields": {
+                "name": name, "error": exc.strerror or str(exc)}})
+    return clear
+
+
+def remove_planted(dir_fd: int, name: str) -> None:
+    """Remove name in dir_fd, whatever it is (a directory with its content)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    with open_dir(dir_fd, name, create=False) as fd:
+        _clear_inside(fd)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
 def clear_dir(parent_fd: int, name: str) -> bool:
-    """Remove directory `name` and the plain files in it (no recursion, no symlink following)."""
+    """Remove directory `name` and whatever is in it (no symlink followed,
+    no other file system entered); a symlink or file in its place is
+    removed instead. Anything that cannot be removed (a mount point someone
+    made inside) is logged and left. True when something was there."""
     try:
         with open_dir(parent_fd, name, create=False) as fd:
-            for entry in os.listdir(fd):
-                os.unlink(entry, dir_fd=fd)
+            _clear_inside(fd)
     except FileNotFoundError:
         return False
     except OSError as exc:
@@ -106,33 +172,36 @@ def clear_dir(parent_fd: int, name: str) -> bool:
         os.unlink(name, dir_fd=parent_fd)  # a symlink or file where the entry should be
         os.fsync(parent_fd)
         return True
-    os.rmdir(name, dir_fd=parent_fd)
+    try:
+        os.rmdir(name, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EBUSY, errno.EEXIST):
+            raise
+        log.warning("an entry could not be removed entirely", extra={"fields": {
+            "name": name, "error": exc.strerror}})
     os.fsync(parent_fd)
     return True
 
 
 def _read_description(root: Path, name: str) -> bytes | None:
     """name/mountInfo.json below root, if it is a regular file reached
-    without following a symlink; None otherwise."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    without following a symlink; None otherwise (missing or damaged)."""
     try:
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            dir_fd = os.open(name, flags | os.O_DIRECTORY, dir_fd=root_fd)
+            dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
         finally:
             os.close(root_fd)
         try:
-            fd = os.open(MOUNT_INFO, flags, dir_fd=dir_fd)
+            return saferead.read_bounded(MOUNT_INFO, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)
+    except saferead.Refused:
+        return None
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
             return None
         raise
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return None
-        return f.read(1 << 20)
 
 
 class VolumesDir:
@@ -157,6 +226,7 @@ class VolumesDir:
         (crust.common.atomicfile)."""
         data = info.to_json()
         with self._root(self.root) as root_fd, open_dir(root_fd, digest(info.target_path), create=True) as fd:
+            _make_room(fd)
             await write_atomic_in(fd, MOUNT_INFO, data, _opener_in(fd))
             await fsync_async(root_fd)
         if self.kata_root is not None:
@@ -166,17 +236,27 @@ class VolumesDir:
                     f"the Kata mirror name of {info.target_path!r} would be {len(name)} bytes, over the "
                     f"{NAME_MAX}-byte file name limit; Kata cannot use this volume, the crust entry is written")
             with self._root(self.kata_root) as root_fd, open_dir(root_fd, name, create=True) as fd:
+                _make_room(fd)
                 await write_atomic_in(fd, MOUNT_INFO, data, _opener_in(fd))
                 await fsync_async(root_fd)
 
     def read(self, target_path: str) -> MountInfo | None:
+        """The entry's description; None when there is none, or when it is
+        damaged (not a regular file, not a description): its writer, the
+        proxy, then writes it again from its own record."""
         try:
             with self._root(self.root) as root_fd, open_dir(root_fd, digest(target_path), create=False) as fd:
-                f = os.open(MOUNT_INFO, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
-                with os.fdopen(f, "rb") as fh:
-                    return MountInfo.model_validate_json(fh.read())
+                return saferead.read_model(MountInfo, MOUNT_INFO, dir_fd=fd)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except saferead.Refused as exc:
+            log.warning("a damaged entry is written again", extra={"fields": {
+                "target_path": target_path, "error": exc.reason}})
+            return None
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            return None  # a symlink where the entry's directory should be
 
     def holds(self, info: MountInfo) -> bool:
         """Whether the entry, and the Kata mirror where there can be one,
@@ -192,16 +272,18 @@ class VolumesDir:
         """The CLI a KEP-style runtime recorded for this volume, if any."""
         try:
             with self._root(self.root) as root_fd, open_dir(root_fd, digest(target_path), create=False) as fd:
-                f = os.open(RUNTIME_CLI, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
-                with os.fdopen(f, "rb") as fh:
-                    text = fh.read(4096).decode(errors="replace").strip()
+                data = saferead.read_bounded(RUNTIME_CLI, 4096, dir_fd=fd)
         except (FileNotFoundError, NotADirectoryError):
+            return None
+        except saferead.Refused as exc:
+            log.warning("ignoring a runtime-cli that is not a small regular file", extra={"fields": {
+                "target_path": target_path, "error": exc.reason}})
             return None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                log.warning("ignoring a symlinked runtime-cli", extra={"fields": {"target_path": target_path}})
-                return None
+                return None  # the entry's directory is a symlink
             raise
+        text = data.decode(errors="replace").strip()
         return text if text.startswith("/") else None
 
     def remove(self, target_path: str) -> None:
@@ -215,7 +297,9 @@ class VolumesDir:
 
     def mark_sandbox(self, target_path: str, sandbox_id: str | None) -> None:
         """Kata's claim marker: exactly one empty file named by the sandbox id
-        (or none when sandbox_id is None)."""
+        (or none when sandbox_id is None). Anything else planted in the
+        mirror entry goes; MirrorError when the entry cannot be marked (the
+        mirror is Kata's, crust's own entry does not depend on it)."""
         if self.kata_root is None:
             return
         name = kata_name(target_path)
@@ -224,14 +308,19 @@ class VolumesDir:
         with self._root(self.kata_root) as root_fd:
             try:
                 with open_dir(root_fd, name, create=False) as fd:
-                    present = os.listdir(fd)
-                    changed = False
-                    for entry in present:
-                        if entry != MOUNT_INFO and not entry.startswith(".") and entry != sandbox_id:
-                            os.unlink(entry, dir_fd=fd)
-                            changed = True
-                    if sandbox_id and sandbox_id not in present:
-                        f = os.open(sandbox_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=fd)
+                    marked = changed = False
+                    for entry in os.listdir(fd):
+                        if entry == MOUNT_INFO or entry.startswith("."):
+                            continue
+                        if entry == sandbox_id and stat.S_ISREG(os.stat(entry, dir_fd=fd,
+                                                                        follow_symlinks=False).st_mode):
+                            marked = True
+                            continue
+                        remove_planted(fd, entry)  # another sandbox's marker, or something planted
+                        changed = True
+                    if sandbox_id and not marked:
+                        f = os.open(sandbox_id, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK,
+                                    0o600, dir_fd=fd)
                         os.close(f)
                         changed = True
                     if changed:
@@ -240,6 +329,9 @@ class VolumesDir:
                         os.fsync(fd)
             except FileNotFoundError:
                 return
+            except OSError as exc:
+                raise MirrorError(f"the Kata mirror of {target_path} cannot be marked: {exc.strerror or exc}") \
+                    from None
 
     def clean_temporaries(self, target_path: str) -> int:
         """Remove temporaries a killed writer left in this volume's entry and
@@ -254,7 +346,7 @@ class VolumesDir:
                     with open_dir(root_fd, name, create=False) as fd:
                         for entry in os.listdir(fd):
                             if entry.startswith(".") and entry.endswith(".tmp"):
-                                os.unlink(entry, dir_fd=fd)
+                                remove_planted(fd, entry)
                                 removed += 1
                         if removed:
                             os.fsync(fd)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import errno
 import json
+import logging
 import os
 import stat
 from contextlib import contextmanager
@@ -32,12 +33,15 @@ from typing import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from crust.common import saferead
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.common.private import make_dirs
 from crust.contract.mountinfo import MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
-from crust.contract.volumes_dir import NAME_MAX, clear_dir, open_dir, write_atomic_at
+from crust.contract.volumes_dir import NAME_MAX, clear_dir, open_dir, remove_planted, write_atomic_at
 from crust.runtime_handler.resolve import Resolved, SubpathEscapes, candidates
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = Path("/run/kata-containers/shared/direct-volumes")
 MOUNT_INFO = "mountInfo.json"
@@ -138,18 +142,19 @@ class DirectVolumes:
             os.close(root_fd)
 
     def _read_file(self, volume_path: str) -> bytes | None:
+        """The entry's mountInfo.json; None when there is none, or when what
+        is there is no small regular file (crust.common.saferead)."""
         with self._entry(volume_path) as fd:
             if fd is None:
                 return None
             try:
-                f = os.open(MOUNT_INFO, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
-            except OSError:  # no file, or a symlink planted in its place
+                return saferead.read_bounded(MOUNT_INFO, MAX_MOUNT_INFO_BYTES, dir_fd=fd)
+            except FileNotFoundError:
                 return None
-            if not stat.S_ISREG(os.fstat(f).st_mode):
-                os.close(f)
-                return None  # a FIFO or a directory planted there is no description
-            with os.fdopen(f, "rb") as fh:
-                return fh.read(MAX_MOUNT_INFO_BYTES + 1)
+            except saferead.Refused as exc:
+                log.warning("ignoring a direct volume's mountInfo.json", extra={"fields": {
+                    "volume_path": volume_path, "error": exc.reason}})
+                return None
 
     # -- the verbs ---------------------------------------------------------------------
 
@@ -238,7 +243,13 @@ class DirectVolumes:
         with self._entry(volume_path) as fd:
             if fd is None:
                 raise FailedPrecondition(f"{volume_path} is no longer a direct volume (removed)")
-            os.close(os.open(sandbox_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=fd))
+            try:
+                st = os.stat(sandbox_id, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    remove_planted(fd, sandbox_id)  # a FIFO would block the open below, a link lead elsewhere
+            except FileNotFoundError:
+                pass
+            os.close(os.open(sandbox_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600, dir_fd=fd))
             os.fsync(fd)
 
     def release(self, volume_path: str, sandbox_id: str) -> None:
@@ -246,7 +257,7 @@ class DirectVolumes:
             if fd is None:
                 return
             try:
-                os.unlink(sandbox_id, dir_fd=fd)
+                remove_planted(fd, sandbox_id)
             except FileNotFoundError:
                 return
             os.fsync(fd)

@@ -122,7 +122,7 @@ class ProxyState:
                 # few fsyncs per volume at each start and wake every watcher.
                 await self._write_entry(volume)
             if volume.claim is not None:
-                self.dir.mark_sandbox(volume.target_path, volume.claim.sandbox_id)
+                self._mark(volume, volume.claim.sandbox_id)
             self.by_digest[key] = volume
         for key, decision in self.decisions.load_all():
             if not os.path.lexists(decision.target_path):
@@ -208,6 +208,16 @@ class ProxyState:
             log.warning("kata mirror not written", extra={"fields": {"target_path": volume.target_path,
                                                                     "error": str(exc)}})
 
+    def _mark(self, volume: DeferredVolume, sandbox_id: str | None) -> None:
+        """Kata's claim marker in the mirror; a mirror that cannot be marked
+        is reported like one that cannot be written (it is Kata's view only)."""
+        try:
+            self.dir.mark_sandbox(volume.target_path, sandbox_id)
+        except MirrorError as exc:
+            volume.kata_mirror_error = str(exc)
+            log.warning("kata mirror not marked", extra={"fields": {"target_path": volume.target_path,
+                                                                   "error": str(exc)}})
+
     async def stage(self, info: MountInfo) -> DeferredVolume:
         """Publish a description into the volumes directory (idempotent)."""
         key = digest(info.target_path)
@@ -217,7 +227,7 @@ class ProxyState:
     async def _stage(self, key: str, info: MountInfo) -> DeferredVolume:
         volume = self.by_digest.get(key)
         if volume is not None and volume.info == info and not volume.kata_mirror_error \
-                and self.dir.read(info.target_path) == info:
+                and self.dir.holds(info):
             # A retried publish, or kubelet publishing again after its
             # restart: the same description is already on disk; writing it
             # again would only wake every watcher for nothing.
@@ -407,15 +417,25 @@ class ProxyState:
             else:
                 log.info("taking over a claim whose holder is gone",
                          extra={"fields": {"target_path": target_path, "old_sandbox": current.sandbox_id}})
+        # Everything the claim needs first (the entry and its mirror as the
+        # record says, Kata's marker), the record last: a claim that failed
+        # half-way is never recorded.
+        if not self.dir.holds(volume.info):
+            log.warning("rewriting a damaged entry before a claim", extra={"fields": {"target_path": target_path}})
+            await self._write_entry(volume)
+        self._mark(volume, sandbox_id)
         # The process is identified now, while the claimant vouches for it.
         process = proc.identify(sandbox_pid)
         claim = Claim(handler=handler, sandbox_id=sandbox_id, sandbox_pid=sandbox_pid,
                       sandbox_pid_start=process.start if process is not None else 0,
                       lease_sha256=holder.lease_sha256)
         updated = volume.model_copy(update={"claim": claim, "abnormal_reason": ""})
-        await self.volumes.put(digest(target_path), updated)
+        try:
+            await self.volumes.put(digest(target_path), updated)
+        except BaseException:
+            self._mark(volume, current.sandbox_id if current is not None else None)
+            raise
         self.by_digest[digest(target_path)] = updated
-        self.dir.mark_sandbox(target_path, sandbox_id)
         return updated
 
     async def release(self, target_path: str, handler: str, sandbox_id: str, abnormal_reason: str = "",
@@ -439,7 +459,7 @@ class ProxyState:
         updated = volume.model_copy(update={"claim": None, "abnormal_reason": abnormal_reason})
         await self.volumes.put(digest(target_path), updated)
         self.by_digest[digest(target_path)] = updated
-        self.dir.mark_sandbox(target_path, None)
+        self._mark(updated, None)
 
     # -- deferral decisions ------------------------------------------------------------
 

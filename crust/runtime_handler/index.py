@@ -16,7 +16,6 @@ import asyncio
 import errno
 import logging
 import os
-import stat
 import threading
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from pydantic import ValidationError
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from crust.common import saferead
 from crust.common.private import make_dirs
 from crust.contract.mountinfo import MountInfo, is_digest
 
@@ -81,33 +81,18 @@ class VolumeIndex(FileSystemEventHandler):
     def _read_entry(self, digest: str) -> bytes:
         """An entry's mountInfo.json: a regular file reached without following
         a symlink (neither the entry directory nor the file), and read without
-        blocking (a FIFO planted there must not hang the handler)."""
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        blocking (a FIFO planted there must not hang the handler), through
+        crust.common.saferead."""
         try:
-            dir_fd = os.open(self.root / digest, flags | os.O_DIRECTORY)
-            try:
-                fd = os.open(MOUNT_INFO, flags, dir_fd=dir_fd)
-            finally:
-                os.close(dir_fd)
+            dir_fd = os.open(self.root / digest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise ValueError(f"{digest}/{MOUNT_INFO} is reached through a symlink or is not in a directory")
+                raise ValueError(f"{digest} is a symlink or not a directory") from None
             raise
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"{MOUNT_INFO} is not a regular file")
-            data = b""
-            while len(data) <= MAX_ENTRY_BYTES:
-                chunk = os.read(fd, MAX_ENTRY_BYTES + 1 - len(data))
-                if not chunk:
-                    break
-                data += chunk
-            if len(data) > MAX_ENTRY_BYTES:
-                raise ValueError(f"{MOUNT_INFO} is larger than {MAX_ENTRY_BYTES} bytes")
-            return data
+            return saferead.read_bounded(MOUNT_INFO, MAX_ENTRY_BYTES, dir_fd=dir_fd)
         finally:
-            os.close(fd)
+            os.close(dir_fd)
 
     def _load(self, digest: str) -> None:
         try:

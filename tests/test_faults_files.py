@@ -1,0 +1,291 @@
+"""Damaged and planted files in the directories crust shares, device
+identity at every hand-over, and a lost watcher: end to end, on real parts.
+
+Real `crust driver` -> `crust shim` -> `crust proxy` and a `crust handler`
+(tests.test_handler's Env), real loop devices and mount namespaces. Each
+test damages what a buggy root component could (a mountInfo.json that is
+not JSON, cut short, of wrong types, empty, 8 MiB, a directory, a symlink,
+a FIFO; a subdirectory inside an entry; a record that names a path outside
+its daemon's directories; an entry naming another device), then plays
+kubelet and the runtime, and checks what the daemons answer (never
+INTERNAL, UNKNOWN or a traceback), what is on disk afterwards (the entry
+rewritten from the proxy's record) and what is mounted (nothing crust was
+not given, in any mount namespace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from crust.contract.mountinfo import MountInfo, digest, kata_name
+from tests import hostile
+from tests.harness import MIB
+from tests.test_handler import Env, make_env, namespaces_mounting, wait_until  # noqa: F401 - make_env is a fixture
+
+Code = grpc.StatusCode
+BAD = {Code.INTERNAL, Code.UNKNOWN, Code.DEADLINE_EXCEEDED}
+
+
+def publish_request(v, defer: bool = True) -> csi_pb2.NodePublishVolumeRequest:
+    return csi_pb2.NodePublishVolumeRequest(
+        volume_id=v.volume_id, staging_target_path=str(v.staging), target_path=str(v.target),
+        volume_capability=Env.cap(v.fs), defer_fs_ops=defer)
+
+
+def code_of(call, request, timeout: float = 30) -> tuple[Code, str]:
+    try:
+        call(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""
+    return Code.OK, ""
+
+
+def entry_file(env: Env, target: Path) -> Path:
+    return env.proxy.volumes_dir / digest(str(target)) / "mountInfo.json"
+
+
+def mirror_file(env: Env, target: Path) -> Path:
+    return env.proxy.kata_dir / kata_name(str(target)) / "mountInfo.json"
+
+
+def record_of(env: Env, target: Path) -> dict:
+    return json.loads((env.proxy.state_dir / "volumes" / f"{digest(str(target))}.json").read_text())
+
+
+def tracebacks(env: Env) -> list[str]:
+    text = "".join(p.read_text(errors="replace") for p in env.path.glob("*.log"))
+    return hostile.tracebacks(text)
+
+
+def remove_any(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+def damage(path: Path, kind: str, outside: Path, lie: bytes) -> None:
+    """Replace the file at path by a damaged or planted one of this kind."""
+    good = path.read_bytes() if path.is_file() and not path.is_symlink() else lie
+    remove_any(path)
+    if kind == "not-json":
+        path.write_bytes(b"{not json at all")
+    elif kind == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    elif kind == "wrong-types":
+        path.write_text(json.dumps({"device": 7, "fstype": ["ext4"], "target-path": 1, "options": "ro"}))
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "oversized":
+        with open(path, "wb") as f:
+            f.write(good[:-1] + b" " * (8 * MIB))
+            f.write(b"}")
+    elif kind == "directory":
+        path.mkdir()
+        (path / "inner").mkdir()
+        (path / "inner" / "file").write_text("x")
+    elif kind == "symlink":
+        planted = outside / f"planted-{path.parent.name[:16]}.json"
+        planted.write_bytes(lie)
+        path.symlink_to(planted)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        raise ValueError(kind)
+
+
+DAMAGE = ["not-json", "truncated", "wrong-types", "empty", "oversized", "directory", "symlink", "fifo"]
+
+
+def probe_time(env: Env) -> float:
+    started = time.monotonic()
+    env.proxy.identity.Probe(csi_pb2.ProbeRequest(), timeout=5)
+    return time.monotonic() - started
+
+
+# -- a damaged entry or mirror, and kubelet's retried publish --------------------------------------
+
+
+def test_a_damaged_entry_is_rewritten_from_the_record_by_the_retried_publish(make_env):
+    env = make_env(start_handler=False)
+    v = env.volume("pv-dmg")
+    other = env.volume("pv-other")  # the device a planted description names
+    outside = env.path / "outside"
+    outside.mkdir()
+    good = entry_file(env, v.target).read_bytes()
+    lie = MountInfo.model_validate_json(good).model_copy(update={
+        "device": other.device, "device_major": other.majmin[0], "device_minor": other.majmin[1]}).to_json()
+    request = publish_request(v)
+    expected = env.proxy.node.NodePublishVolume(request, timeout=60)
+    for kind in DAMAGE:
+        for path in (entry_file(env, v.target), mirror_file(env, v.target)):
+            damage(path, kind, outside, lie)
+        # kubelet retries the publish (it lost the answer); meanwhile the
+        # proxy's loop serves other calls.
+        answer: dict = {}
+        worker = threading.Thread(target=lambda: answer.update(
+            zip(("code", "details"), code_of(env.proxy.node.NodePublishVolume, request))))
+        worker.start()
+        assert probe_time(env) < 2, f"{kind}: the proxy's event loop is blocked"
+        worker.join(60)
+        assert answer.get("code") == Code.OK, (kind, answer)
+        assert env.proxy.node.NodePublishVolume(request, timeout=60) == expected
+        for path in (entry_file(env, v.target), mirror_file(env, v.target)):
+            assert path.is_file() and not path.is_symlink(), (kind, path)
+            assert path.read_bytes() == good, (kind, path)
+        for planted in outside.iterdir():
+            assert planted.read_bytes() == lie  # never written through the link
+    assert not tracebacks(env)
+    env.unpublish(v)
+    env.unpublish(other)
+    assert not entry_file(env, v.target).parent.exists() and not mirror_file(env, v.target).parent.exists()
+
+
+# -- whatever is planted inside an entry ---------------------------------------------------------
+
+
+def plant_inside(entry: Path, outside: Path) -> None:
+    """A subdirectory tree, a link out, a FIFO and a directory named like a
+    temporary, inside an entry (or its mirror)."""
+    (entry / "sub" / "deep" / "deeper").mkdir(parents=True)
+    (entry / "sub" / "deep" / "deeper" / "file").write_text("planted")
+    (entry / "sub" / "out-link").symlink_to(outside)
+    os.mkfifo(entry / "a-fifo")
+    (entry / ".mountInfo.json.0123456789ab.tmp").mkdir()
+    (entry / ".mountInfo.json.0123456789ab.tmp" / "x").write_text("x")
+
+
+def test_anything_inside_an_entry_is_cleared_by_unpublish_sweep_and_start(make_env):
+    env = make_env(start_handler=False, proxy_extra=["--sweep-interval", "0.3"])
+    outside = env.path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("outside, must survive")
+    unpublished, swept, kept = env.volume("pv-unpub"), env.volume("pv-swept"), env.volume("pv-kept")
+    for v in (unpublished, swept, kept):
+        for path in (entry_file(env, v.target), mirror_file(env, v.target)):
+            plant_inside(path.parent, outside)
+
+    # kubelet's unpublish: OK, the entry and its mirror are gone.
+    code, details = code_of(env.proxy.node.NodeUnpublishVolume, csi_pb2.NodeUnpublishVolumeRequest(
+        volume_id=unpublished.volume_id, target_path=str(unpublished.target)))
+    assert code == Code.OK, details
+    assert not entry_file(env, unpublished.target).parent.exists()
+    assert not mirror_file(env, unpublished.target).parent.exists()
+
+    # A target gone behind kubelet's back: the periodic sweep removes its entry.
+    os.system(f"umount '{swept.target}'")
+    swept.target.rmdir()
+    wait_until(lambda: not entry_file(env, swept.target).parent.exists()
+               and not mirror_file(env, swept.target).parent.exists(), timeout=10, what="the sweep")
+
+    # A restart finds an entry no record explains, full of planted things,
+    # and a live entry with them: it starts, removes the first and keeps
+    # the second as its record says.
+    stray = env.proxy.volumes_dir / digest("/nowhere/stray")
+    stray.mkdir()
+    plant_inside(stray, outside)
+    env.proxy.restart()
+    assert not stray.exists()
+    assert MountInfo.model_validate_json(entry_file(env, kept.target).read_bytes()).device == kept.device
+    assert sorted(p.name for p in outside.iterdir()) == ["keep"]
+    assert (outside / "keep").read_text() == "outside, must survive"
+    log = env.proxy.log_path.read_text()
+    assert "sweep failed" not in log
+    assert not tracebacks(env)
+    env.unpublish(kept)
+
+
+# -- a damaged Kata mirror and the claim --------------------------------------------------------
+
+
+MIRROR_DAMAGE = DAMAGE + ["entry-is-a-file", "entry-is-a-link", "marker-is-a-fifo", "marker-is-a-directory"]
+
+
+def test_a_damaged_kata_mirror_is_rewritten_and_the_claim_recorded_once_all_is_done(make_env):
+    env = make_env()
+    outside = env.path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("outside, must survive")
+    for n, kind in enumerate(MIRROR_DAMAGE):
+        v = env.volume(f"pv-m{n}")
+        good = entry_file(env, v.target).read_bytes()
+        mirror = mirror_file(env, v.target)
+        sandbox_id = f"sb-m{n}"
+        if kind == "entry-is-a-file":
+            shutil.rmtree(mirror.parent)
+            mirror.parent.write_text("planted")
+        elif kind == "entry-is-a-link":
+            shutil.rmtree(mirror.parent)
+            mirror.parent.symlink_to(outside)
+        elif kind == "marker-is-a-fifo":
+            os.mkfifo(mirror.parent / sandbox_id)  # an open for writing would block
+        elif kind == "marker-is-a-directory":
+            (mirror.parent / sandbox_id / "x").mkdir(parents=True)
+            (mirror.parent / "sb-other").mkdir()
+        else:
+            damage(mirror, kind, outside, good)
+        bundle = env.bundle(f"m{n}", "exec sleep 600", [("/data", str(v.target))])
+        out = env.run(bundle, sandbox_id)
+        assert out.returncode == 0, (kind, out.stderr)
+        assert (str(v.target), "mountns", sandbox_id) in env.claim_set(), kind
+        assert mirror.read_bytes() == good, kind
+        assert sorted(os.listdir(mirror.parent)) == ["mountInfo.json", sandbox_id], kind
+        assert os.path.isfile(mirror.parent / sandbox_id) and not os.path.islink(mirror.parent / sandbox_id)
+        assert record_of(env, v.target)["claim"]["sandbox_id"] == sandbox_id
+        env.delete(sandbox_id)
+        assert sorted(os.listdir(mirror.parent)) == ["mountInfo.json"], kind
+        env.unpublish(v)
+    assert (outside / "keep").read_text() == "outside, must survive"
+    for planted in outside.glob("planted-*"):
+        assert MountInfo.model_validate_json(planted.read_bytes())  # never written through the link
+    assert not tracebacks(env)
+
+
+def test_kata_direct_volumes_take_planted_files_without_blocking(tmp_path):
+    """Kata's layout, read by the microVM handler: a FIFO where the marker
+    or the description goes never blocks, and removal takes anything."""
+    from crust.kata.direct_volume import DirectVolumes, entry_name
+
+    volumes = DirectVolumes(tmp_path / "dv")
+    path = "/var/lib/kubelet/pods/p/volumes/kubernetes.io~csi/pv/mount"
+    info = '{"volume-type": "block", "device": "/dev/loop9", "fstype": "ext4"}'
+    volumes.add(path, info)
+    entry = tmp_path / "dv" / entry_name(path)
+    os.mkfifo(entry / "sb-1")  # the marker's name, planted as a FIFO
+
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(volumes.claim(path, "sb-1")), daemon=True)
+    worker.start()
+    worker.join(5)
+    assert done == [None], "claiming blocked on a FIFO"
+    assert (entry / "sb-1").is_file() and volumes.sandbox_of(path) == "sb-1"
+    volumes.release(path, "sb-1")
+    assert volumes.sandbox_of(path) is None
+
+    for planted in ("fifo", "big", "directory"):
+        (entry / "mountInfo.json").unlink() if not (entry / "mountInfo.json").is_dir() else \
+            shutil.rmtree(entry / "mountInfo.json")
+        if planted == "fifo":
+            os.mkfifo(entry / "mountInfo.json")
+        elif planted == "big":
+            (entry / "mountInfo.json").write_bytes(info.encode()[:-1] + b" " * (8 * MIB) + b"}")
+        else:
+            (entry / "mountInfo.json" / "x").mkdir(parents=True)
+        done.clear()
+        worker = threading.Thread(target=lambda: done.append(volumes.read(path)), daemon=True)
+        worker.start()
+        worker.join(5)
+        assert done == [None], planted
+    (entry / "sub" / "deep").mkdir(parents=True)
+    (entry / "sub" / "link").symlink_to(tmp_path)
+    assert volumes.remove(path) is True and not entry.exists() and tmp_path.exists()
