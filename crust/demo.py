@@ -1,7 +1,7 @@
 """`crust demo`: a deferred volume, end to end, on the embedded defaults.
 
 Runs `crust node` (driver, shim, proxy and a runtime handler, from one
-config file) in a temporary root and plays kubelet with crust.kubelet_replay:
+config file) in a temporary root and plays kubelet with crust.kubelet:
 kubelet finds the driver through the proxy's registration socket, and uses
 its paths, call order and retries. The story: create a volume, stage it,
 publish it for a pod with an fsGroup (deferred by the proxy's policy from a
@@ -34,7 +34,7 @@ import grpc
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.common.channel import local_channel
 from crust.common.units import format_size
-from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
+from crust.kubelet import Kubelet, PersistentVolume, Pod
 from crust.sys import mount as sysmount
 from crust.sys import netns
 from crust.sys.sweep import release_under
@@ -134,7 +134,7 @@ class NodeProcess:
 
 
 class Demo:
-    """Plays kubelet (crust.kubelet_replay) against `crust node`."""
+    """Plays kubelet (crust.kubelet) against `crust node`."""
 
     def __init__(self, root: Path, fs_type: str, runtime: str, timeline: Timeline):
         self.root = root

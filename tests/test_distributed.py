@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from crust.api import csi_pb2, csi_pb2_grpc
-from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
+from crust.kubelet import Kubelet, PersistentVolume, Pod
 from tests.harness import MIB, code_of, mount_cap
 from tests.test_node import NodeRun
 

@@ -1,6 +1,6 @@
 """Next to a kubelet: plugin registration, fsGroup delegation, and kubelet's
 own call sequences (pod start, kubelet restart, pod stop) replayed by
-crust.kubelet_replay against driver -> shim -> proxy on real sockets, with
+crust.kubelet against driver -> shim -> proxy on real sockets, with
 real loop devices, mounts and sandboxes."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from crust.api import csi_pb2, pluginregistration_pb2, pluginregistration_pb2_grpc, registry_pb2, registry_pb2_grpc
-from crust.kubelet_replay import (Kubelet, PersistentVolume, Pod, RegistrationRefused, highest_supported_version,
-                                  is_mount_point)
+from crust.kubelet import (Kubelet, PersistentVolume, Pod, RegistrationRefused, highest_supported_version,
+                           is_mount_point)
 from crust.proxy.kubelet_registration import SERVICE_NAME
 from crust.sys import mount as sysmount
 from crust.sys import ownership

@@ -16,7 +16,7 @@ import pytest
 
 from crust.common.endpoint import accepts_connections
 from crust.demo import NodeProcess
-from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
+from crust.kubelet import Kubelet, PersistentVolume, Pod
 from crust.node.config import NodeConfig, Runtime
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount

@@ -1,0 +1,597 @@
+"""Kubelet's side of the CRI, replayed call for call (the demo and the tests).
+
+No kubelet runs here, so this module does what kubelet's runtime manager
+(pkg/kubelet/kuberuntime) does against a CRI runtime, taken from its public
+source:
+
+- at start: Version("v1") (the runtime must speak CRI v1), RuntimeConfig
+  (the cgroup driver; a runtime that does not implement it leaves kubelet's
+  own setting, cgroupfs here), Status (RuntimeReady must hold; without
+  NetworkReady only host-network pods run, as kubelet's syncPod refuses the
+  others with "network is not ready");
+- SyncPod (kuberuntime_manager.go), for a pod whose volumes the volume
+  manager has set up (crust.kubelet.csi): compute the actions from the pod's
+  status (ListPodSandbox and PodSandboxStatus, ListContainers and
+  ContainerStatus, by the pod-uid label); kill the pod when its sandbox must
+  be made again; RunPodSandbox with generatePodSandboxConfig's config and the
+  RuntimeClass's handler, after making the pod's log directory;
+  PodSandboxStatus; generatePodSandboxConfig again; then for each container
+  startContainer: EnsureImageExists (ImageStatus; PullImage only when the
+  pull policy asks), the restart count, generateContainerConfig, then
+  CreateContainer and StartContainer;
+- generatePodSandboxConfig (kuberuntime_sandbox.go, _linux.go): metadata
+  with the attempt, the pod's labels plus kubelet's pod labels, its
+  annotations, the DNS config (a host-network pod gets the node's
+  resolv.conf), no hostname for a host-network pod, the log directory
+  <logs>/<namespace>_<name>_<uid>, the pod's cgroup (cgroupfs naming:
+  <cgroup root>/kubepods/besteffort/pod<uid> for a pod without resources),
+  the sandbox security context (runtime/default seccomp, the namespace
+  options of NamespacesForPod, run-as user and group, the fsGroup then the
+  supplemental groups), the sandbox's resources (2 CPU shares, a 100 ms CFS
+  period, no quota, no memory limit for a pod without resources) and an
+  empty overhead;
+- generateContainerConfig (kuberuntime_container.go, _linux.go,
+  security_context.go, kubelet_pods.go makeMounts): metadata with the
+  restart count as attempt, the image's id and the image as written,
+  command and args with $(VAR) expanded, the container's environment,
+  kubelet's container labels and annotations (hash, restart count,
+  termination message path and policy, grace period), the log path
+  <name>/<restart count>.log, the mounts: each volume mount with the
+  volume's path as host_path (a CSI volume: kubelet's target path),
+  read-only when the mount or the PV says so, no SELinux relabel (not
+  enabled here), its propagation; /etc/hosts from the pod's directory (a
+  host-network pod's copy of the node's); the termination-message file; the
+  Linux resources (BestEffort: OOM score adjustment 1000, a zero limit for
+  every huge page size) and the security context (the run-as user from the
+  image when the pod sets none, the namespace options, the pod's fsGroup as
+  the first supplemental group, no_new_privs from allowPrivilegeEscalation,
+  the default masked and read-only /proc paths, seccomp unconfined without
+  a profile);
+- killPod (killPodWithSyncResult): StopContainer for every running
+  container, concurrently, with the pod's termination grace period (at
+  least 2 s), then StopPodSandbox for every sandbox of the pod;
+- garbage collection of a deleted pod: the container's log file, then
+  RemoveContainer for each container, then RemovePodSandbox, then the pod's
+  cgroup (the pod container manager's cleanup);
+- exec probes: ExecSync with the probe's timeout;
+- retries: no CRI call is retried in place; a failed SyncPod runs again
+  after the pod worker's backoff (10 s), until it succeeds (here: until
+  retry_seconds pass).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from crust.api import cri_pb2 as cri
+from crust.api import cri_pb2_grpc
+from crust.common.channel import local_channel
+from crust.kubelet.csi import Kubelet
+from crust.kubelet.pod import Container, Pod
+
+# Kubelet's --runtime-request-timeout (2 min) bounds every CRI call.
+RUNTIME_REQUEST_TIMEOUT = 120.0
+# The pod worker retries a failed sync after 10 s (workerBackOffPeriod).
+SYNC_BACKOFF = 10.0
+# killContainer never gives less than 2 s (minimumGracePeriodInSeconds).
+MINIMUM_GRACE_PERIOD = 2
+# qos: a BestEffort container's OOM score adjustment.
+BESTEFFORT_OOM_SCORE_ADJ = 1000
+# cm: MilliCPUToShares(0) and the default CFS period (100 ms, in us).
+MIN_SHARES = 2
+QUOTA_PERIOD = 100_000
+CGROUP_FS = Path("/sys/fs/cgroup")
+HUGEPAGES = Path("/sys/kernel/mm/hugepages")
+
+POD_NAME_LABEL = "io.kubernetes.pod.name"
+POD_NAMESPACE_LABEL = "io.kubernetes.pod.namespace"
+POD_UID_LABEL = "io.kubernetes.pod.uid"
+CONTAINER_NAME_LABEL = "io.kubernetes.container.name"
+CONTAINER_HASH = "io.kubernetes.container.hash"
+CONTAINER_RESTART_COUNT = "io.kubernetes.container.restartCount"
+TERMINATION_MESSAGE_PATH = "io.kubernetes.container.terminationMessagePath"
+TERMINATION_MESSAGE_POLICY = "io.kubernetes.container.terminationMessagePolicy"
+POD_TERMINATION_GRACE_PERIOD = "io.kubernetes.pod.terminationGracePeriod"
+# securitycontext: what a container's /proc hides by default (ProcMount Default).
+DEFAULT_MASKED_PATHS = ["/proc/asound", "/proc/acpi", "/proc/kcore", "/proc/keys",
+                        "/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug",
+                        "/proc/scsi", "/sys/firmware", "/sys/devices/virtual/powercap"]
+DEFAULT_READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+HOST_NETWORK_HOSTS_HEADER = "# Kubernetes-managed hosts file (host network).\n"
+PROPAGATION = {None: cri.PROPAGATION_PRIVATE, "None": cri.PROPAGATION_PRIVATE,
+               "HostToContainer": cri.PROPAGATION_HOST_TO_CONTAINER,
+               "Bidirectional": cri.PROPAGATION_BIDIRECTIONAL}
+
+
+class SyncError(Exception):
+    """A SyncPod step failed: kubelet's step name, and the runtime's message."""
+
+    def __init__(self, step: str, message: str, code: grpc.StatusCode | None = None):
+        self.step, self.message, self.code = step, message, code
+        super().__init__(f"{step}: {message}")
+
+
+@dataclass
+class PodStatus:
+    """kubecontainer.PodStatus: the pod's sandboxes (newest first) and containers."""
+
+    sandboxes: list[cri.PodSandboxStatus] = field(default_factory=list)
+    containers: list[cri.ContainerStatus] = field(default_factory=list)
+
+    def latest(self, name: str) -> cri.ContainerStatus | None:
+        """The newest container of this name (kubelet's FindContainerStatusByName)."""
+        found = [c for c in self.containers if c.metadata.name == name]
+        return max(found, key=lambda c: c.created_at) if found else None
+
+    def ready_sandbox(self) -> cri.PodSandboxStatus | None:
+        return self.sandboxes[0] if self.sandboxes and self.sandboxes[0].state == cri.SANDBOX_READY else None
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """$(VAR) references as kubelet expands them; $$ is a literal $, an
+    unknown reference stays as written."""
+    def one(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", one, text)
+
+
+def container_hash(container: Container) -> str:
+    """Kubelet hashes the container's JSON with FNV-1a (32 bit), in hex."""
+    value = 0x811C9DC5
+    for byte in json.dumps(asdict(container), sort_keys=True).encode():
+        value = ((value ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return format(value, "x")
+
+
+def read_resolv_conf(path: Path) -> cri.DNSConfig:
+    servers, searches, options = [], [], []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if fields[0] == "nameserver":
+            servers += fields[1:2]
+        elif fields[0] in ("search", "domain"):
+            searches = fields[1:]
+        elif fields[0] == "options":
+            options += fields[1:]
+    return cri.DNSConfig(servers=servers, searches=searches, options=options)
+
+
+def hugepage_sizes() -> list[str]:
+    """Every huge page size of this machine, as kubelet names them ("2MB")."""
+    sizes = []
+    for entry in sorted(HUGEPAGES.glob("hugepages-*kB")) if HUGEPAGES.is_dir() else []:
+        kib = int(entry.name.removeprefix("hugepages-").removesuffix("kB"))
+        for unit, factor in (("GB", 1024 * 1024), ("MB", 1024), ("KB", 1)):
+            if kib % factor == 0:
+                sizes.append(f"{kib // factor}{unit}")
+                break
+    return sizes
+
+
+class KubeletRuntime:
+    """Kubelet's runtime manager against one CRI endpoint.
+
+    `kubelet` (crust.kubelet.csi.Kubelet) owns the node's root directory:
+    pod directories and the volumes' target paths come from it."""
+
+    def __init__(self, kubelet: Kubelet, endpoint: str, *, runtime_classes: dict[str, str] | None = None,
+                 cgroup_root: str = "/", pod_logs_dir: Path | None = None,
+                 resolv_conf: Path = Path("/etc/resolv.conf"), sync_backoff: float = SYNC_BACKOFF,
+                 retry_seconds: float = 60.0):
+        self.kubelet = kubelet
+        self.endpoint = endpoint
+        # RuntimeClass name -> its handler, as kubelet's runtimeClassManager reads them.
+        self.runtime_classes = dict(runtime_classes or {})
+        self.cgroup_root = "/" + cgroup_root.strip("/") if cgroup_root.strip("/") else ""
+        self.pod_logs_dir = pod_logs_dir or kubelet.root.parent / "pod-logs"
+        self.resolv_conf = resolv_conf
+        self.sync_backoff = sync_backoff
+        self.retry_seconds = retry_seconds
+        self.channel = local_channel(endpoint)
+        self.runtime = cri_pb2_grpc.RuntimeServiceStub(self.channel)
+        self.images = cri_pb2_grpc.ImageServiceStub(self.channel)
+        self.calls: list[str] = []
+        self.runtime_version: cri.VersionResponse | None = None
+        self.network_ready = False
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _call(self, method: str, request, timeout: float = RUNTIME_REQUEST_TIMEOUT):
+        self.calls.append(method)
+        stub = self.images if method in ("ImageStatus", "PullImage") else self.runtime
+        return getattr(stub, method)(request, timeout=timeout)
+
+    # -- kubelet's start ------------------------------------------------------------------
+
+    def connect(self) -> cri.VersionResponse:
+        version = self._call("Version", cri.VersionRequest(version="v1"))
+        if version.runtime_api_version != "v1":
+            raise SyncError("Version", f"the runtime speaks CRI {version.runtime_api_version!r}, kubelet needs v1")
+        try:
+            self._call("RuntimeConfig", cri.RuntimeConfigRequest())
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        self.runtime_status()
+        self.runtime_version = version
+        return version
+
+    def runtime_status(self) -> cri.StatusResponse:
+        status = self._call("Status", cri.StatusRequest())
+        conditions = {c.type: c for c in status.status.conditions}
+        ready = conditions.get("RuntimeReady")
+        if ready is None or not ready.status:
+            raise SyncError("Status", f"container runtime is down: {ready.message if ready else 'no RuntimeReady'}")
+        network = conditions.get("NetworkReady")
+        self.network_ready = bool(network and network.status)
+        return status
+
+    # -- paths and names ---------------------------------------------------------------------
+
+    def pod_dir(self, pod: Pod) -> Path:
+        return self.kubelet.root / "pods" / pod.uid
+
+    def pod_log_dir(self, pod: Pod) -> Path:
+        return self.pod_logs_dir / f"{pod.namespace}_{pod.name}_{pod.uid}"
+
+    def pod_cgroup(self, pod: Pod) -> str:
+        """The pod's cgroup with the cgroupfs driver; BestEffort (no resources)."""
+        return f"{self.cgroup_root}/kubepods/besteffort/pod{pod.uid}"
+
+    def handler_of(self, pod: Pod) -> str:
+        if pod.runtime_class_name is None:
+            return ""
+        if pod.runtime_class_name not in self.runtime_classes:
+            raise SyncError("RunPodSandbox", f'RuntimeClass "{pod.runtime_class_name}" not found')
+        return self.runtime_classes[pod.runtime_class_name]
+
+    # -- generated configs ---------------------------------------------------------------------
+
+    def namespace_options(self, pod: Pod) -> cri.NamespaceOption:
+        """runtimeutil.NamespacesForPod (no user namespace: the node's)."""
+        pid = cri.NODE if pod.host_pid else (cri.POD if pod.share_process_namespace else cri.CONTAINER)
+        return cri.NamespaceOption(network=cri.NODE if pod.host_network else cri.POD, pid=pid,
+                                   ipc=cri.NODE if pod.host_ipc else cri.POD,
+                                   userns_options=cri.UserNamespace(mode=cri.NODE))
+
+    def supplemental_groups(self, pod: Pod) -> list[int]:
+        """The pod's fsGroup first, then its supplementalGroups."""
+        return ([pod.fs_group] if pod.fs_group is not None else []) + list(pod.supplemental_groups)
+
+    @staticmethod
+    def _best_effort_resources() -> cri.LinuxContainerResources:
+        """calculateLinuxResources for no requests and no limits."""
+        return cri.LinuxContainerResources(cpu_shares=MIN_SHARES, cpu_period=QUOTA_PERIOD, cpu_quota=0)
+
+    def sandbox_config(self, pod: Pod, attempt: int) -> cri.PodSandboxConfig:
+        labels = dict(pod.labels)
+        labels.update({POD_NAME_LABEL: pod.name, POD_NAMESPACE_LABEL: pod.namespace, POD_UID_LABEL: pod.uid})
+        security = cri.LinuxSandboxSecurityContext(
+            privileged=any(c.privileged for c in pod.containers),
+            seccomp=cri.SecurityProfile(profile_type=cri.SecurityProfile.RuntimeDefault),
+            namespace_options=self.namespace_options(pod),
+            supplemental_groups=self.supplemental_groups(pod))
+        if pod.run_as_user is not None:
+            security.run_as_user.value = pod.run_as_user
+        if pod.run_as_group is not None:
+            security.run_as_group.value = pod.run_as_group
+        config = cri.PodSandboxConfig(
+            metadata=cri.PodSandboxMetadata(name=pod.name, namespace=pod.namespace, uid=pod.uid, attempt=attempt),
+            labels=labels, annotations=dict(pod.annotations), log_directory=str(self.pod_log_dir(pod)),
+            linux=cri.LinuxPodSandboxConfig(cgroup_parent=self.pod_cgroup(pod), security_context=security,
+                                            resources=self._best_effort_resources(),
+                                            overhead=cri.LinuxContainerResources()))
+        # ClusterFirst on a host-network pod falls back to the node's resolv.conf.
+        config.dns_config.CopyFrom(read_resolv_conf(self.resolv_conf) if pod.host_network else cri.DNSConfig())
+        if not pod.host_network:
+            config.hostname = pod.name
+        return config
+
+    def make_mounts(self, pod: Pod, container: Container) -> list[cri.Mount]:
+        mounts = []
+        for volume_mount in container.volume_mounts:
+            pv = pod.volumes.get(volume_mount.name)
+            if pv is None:
+                raise SyncError("GenerateContainerConfig", f'cannot find volume "{volume_mount.name}" to mount '
+                                f'into container "{container.name}"')
+            if volume_mount.sub_path:
+                raise SyncError("GenerateContainerConfig", "subPath is not replayed (kubelet binds it from the "
+                                "volume on the host, which a deferred volume never is)")
+            if volume_mount.mount_propagation not in PROPAGATION:
+                raise SyncError("GenerateContainerConfig",
+                                f"invalid MountPropagation mode: {volume_mount.mount_propagation!r}")
+            mounts.append(cri.Mount(
+                container_path=volume_mount.mount_path, host_path=str(self.kubelet.target_path(pod, pv)),
+                readonly=volume_mount.read_only or pv.read_only, selinux_relabel=False,
+                propagation=PROPAGATION[volume_mount.mount_propagation]))
+        if not any(m.mount_path == "/etc/hosts" for m in container.volume_mounts):
+            mounts.append(cri.Mount(container_path="/etc/hosts", host_path=str(self._hosts_file(pod))))
+        if container.termination_message_path:
+            mounts.append(cri.Mount(container_path=container.termination_message_path,
+                                    host_path=str(self._termination_log(pod, container))))
+        return mounts
+
+    def _hosts_file(self, pod: Pod) -> Path:
+        path = self.pod_dir(pod) / "etc-hosts"
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+        if pod.host_network:
+            content = HOST_NETWORK_HOSTS_HEADER + Path("/etc/hosts").read_text()
+        else:
+            content = "# Kubernetes-managed hosts file.\n127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+        path.write_text(content)
+        os.chmod(path, 0o644)
+        return path
+
+    def _termination_log(self, pod: Pod, container: Container) -> Path:
+        directory = self.pod_dir(pod) / "containers" / container.name
+        directory.mkdir(parents=True, exist_ok=True, mode=0o750)
+        path = directory / secrets.token_hex(4)
+        path.touch()
+        os.chmod(path, 0o666)
+        return path
+
+    def container_config(self, pod: Pod, container: Container, restart_count: int, image_ref: str,
+                         image_uid: int | None, image_username: str) -> cri.ContainerConfig:
+        env = dict(container.env)
+        log_dir = self.pod_log_dir(pod) / container.name
+        log_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        annotations = {CONTAINER_HASH: container_hash(container), CONTAINER_RESTART_COUNT: str(restart_count),
+                       TERMINATION_MESSAGE_PATH: container.termination_message_path,
+                       TERMINATION_MESSAGE_POLICY: container.termination_message_policy,
+                       POD_TERMINATION_GRACE_PERIOD: str(pod.termination_grace_period_seconds)}
+        labels = {POD_NAME_LABEL: pod.name, POD_NAMESPACE_LABEL: pod.namespace, POD_UID_LABEL: pod.uid,
+                  CONTAINER_NAME_LABEL: container.name}
+        security = cri.LinuxContainerSecurityContext(
+            privileged=container.privileged, readonly_rootfs=container.read_only_root_filesystem,
+            namespace_options=self.namespace_options(pod), supplemental_groups=self.supplemental_groups(pod),
+            no_new_privs=False, masked_paths=[] if container.privileged else DEFAULT_MASKED_PATHS,
+            readonly_paths=[] if container.privileged else DEFAULT_READONLY_PATHS,
+            seccomp=cri.SecurityProfile(profile_type=cri.SecurityProfile.Unconfined))
+        run_as_user = container.run_as_user if container.run_as_user is not None else pod.run_as_user
+        run_as_group = container.run_as_group if container.run_as_group is not None else pod.run_as_group
+        if run_as_user is not None:
+            security.run_as_user.value = run_as_user
+        elif image_uid is not None:
+            security.run_as_user.value = image_uid
+        else:
+            security.run_as_username = image_username
+        if run_as_group is not None:
+            security.run_as_group.value = run_as_group
+        resources = self._best_effort_resources()
+        resources.oom_score_adj = BESTEFFORT_OOM_SCORE_ADJ
+        resources.hugepage_limits.extend(cri.HugepageLimit(page_size=size, limit=0) for size in hugepage_sizes())
+        return cri.ContainerConfig(
+            metadata=cri.ContainerMetadata(name=container.name, attempt=restart_count),
+            image=cri.ImageSpec(image=image_ref, user_specified_image=container.image),
+            command=[expand(a, env) for a in container.command], args=[expand(a, env) for a in container.args],
+            working_dir=container.working_dir, labels=labels, annotations=annotations,
+            envs=[cri.KeyValue(key=k, value=v.encode()) for k, v in env.items()],
+            mounts=self.make_mounts(pod, container), log_path=f"{container.name}/{restart_count}.log",
+            linux=cri.LinuxContainerConfig(resources=resources, security_context=security))
+
+    # -- images ---------------------------------------------------------------------------------
+
+    def ensure_image(self, pod: Pod, container: Container, sandbox_config: cri.PodSandboxConfig) -> str:
+        """EnsureImageExists: the image's id (pulled only if the policy asks)."""
+        image = container.image if ":" in container.image.rsplit("/", 1)[-1] or "@" in container.image \
+            else container.image + ":latest"
+        present = self._call("ImageStatus", cri.ImageStatusRequest(image=cri.ImageSpec(image=image))).image
+        if present.id and container.image_pull_policy != "Always":
+            return present.id
+        if container.image_pull_policy == "Never":
+            raise SyncError("EnsureImageExists", f'Container image "{image}" is not present with pull policy of Never')
+        try:
+            return self._call("PullImage", cri.PullImageRequest(image=cri.ImageSpec(image=image),
+                                                                sandbox_config=sandbox_config)).image_ref
+        except grpc.RpcError as exc:
+            raise SyncError("PullImage", exc.details() or "", exc.code()) from None
+
+    def _image_user(self, image: str) -> tuple[int | None, str]:
+        """getImageUser: the image's uid, or its user name; root when neither."""
+        status = self._call("ImageStatus", cri.ImageStatusRequest(image=cri.ImageSpec(image=image))).image
+        if status.HasField("uid"):
+            return status.uid.value, ""
+        if status.username:
+            return None, status.username
+        return 0, ""
+
+    # -- status -----------------------------------------------------------------------------------
+
+    def pod_status(self, pod: Pod) -> PodStatus:
+        """GetPodStatus: the pod's sandboxes and containers, by its uid label."""
+        selector = {POD_UID_LABEL: pod.uid}
+        items = self._call("ListPodSandbox", cri.ListPodSandboxRequest(
+            filter=cri.PodSandboxFilter(label_selector=selector))).items
+        status = PodStatus()
+        for item in sorted(items, key=lambda s: (s.created_at, s.id), reverse=True):
+            status.sandboxes.append(self._call("PodSandboxStatus", cri.PodSandboxStatusRequest(
+                pod_sandbox_id=item.id)).status)
+        for item in self._call("ListContainers", cri.ListContainersRequest(
+                filter=cri.ContainerFilter(label_selector=selector))).containers:
+            try:
+                status.containers.append(self._call("ContainerStatus", cri.ContainerStatusRequest(
+                    container_id=item.id)).status)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # removed in between: normal
+                    raise
+        return status
+
+    def container_status(self, container_id: str) -> cri.ContainerStatus:
+        return self._call("ContainerStatus", cri.ContainerStatusRequest(container_id=container_id)).status
+
+    # -- SyncPod ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _should_start(pod: Pod, status: cri.ContainerStatus | None) -> bool:
+        """ShouldContainerBeRestarted for a container that is not running."""
+        if status is None or status.state in (cri.CONTAINER_CREATED, cri.CONTAINER_UNKNOWN):
+            return True
+        if pod.restart_policy == "Never":
+            return False
+        if pod.restart_policy == "OnFailure":
+            return status.exit_code != 0
+        return True
+
+    def sync_pod(self, pod: Pod) -> str:
+        """One SyncPod; returns the pod's sandbox id. Raises SyncError on the
+        first failed step, as kubelet ends a sync."""
+        if not pod.host_network and not self.network_ready:
+            raise SyncError("SyncPod", "network is not ready: the runtime reports NetworkReady false")
+        status = self.pod_status(pod)
+        sandbox = status.ready_sandbox()
+        create_sandbox = sandbox is None
+        attempt = status.sandboxes[0].metadata.attempt + 1 if status.sandboxes else 0
+        if create_sandbox:
+            to_start = list(pod.containers)
+            if status.sandboxes:
+                # The sandbox changed: kill the pod before making a new one.
+                self.kill_pod(pod, status)
+        else:
+            to_start = [c for c in pod.containers if (s := status.latest(c.name)) is None
+                        or (s.state != cri.CONTAINER_RUNNING and self._should_start(pod, s))]
+        if create_sandbox:
+            handler = self.handler_of(pod)
+            config = self.sandbox_config(pod, attempt)
+            Path(config.log_directory).mkdir(parents=True, exist_ok=True, mode=0o755)
+            try:
+                sandbox_id = self._call("RunPodSandbox", cri.RunPodSandboxRequest(
+                    config=config, runtime_handler=handler)).pod_sandbox_id
+                self._call("PodSandboxStatus", cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id))
+            except grpc.RpcError as exc:
+                raise SyncError("RunPodSandbox", exc.details() or "", exc.code()) from None
+        else:
+            sandbox_id = sandbox.id
+        config = self.sandbox_config(pod, attempt if create_sandbox else sandbox.metadata.attempt)
+        for container in to_start:
+            self.start_container(sandbox_id, config, pod, container, status)
+        return sandbox_id
+
+    def start_container(self, sandbox_id: str, sandbox_config: cri.PodSandboxConfig, pod: Pod,
+                        container: Container, status: PodStatus) -> str:
+        image_ref = self.ensure_image(pod, container, sandbox_config)
+        previous = status.latest(container.name)
+        restart_count = int(previous.annotations.get(CONTAINER_RESTART_COUNT, "0")) + 1 if previous else \
+            self._restart_count_from_logs(pod, container)
+        uid, username = self._image_user(container.image)
+        config = self.container_config(pod, container, restart_count, image_ref, uid, username)
+        try:
+            container_id = self._call("CreateContainer", cri.CreateContainerRequest(
+                pod_sandbox_id=sandbox_id, config=config, sandbox_config=sandbox_config)).container_id
+        except grpc.RpcError as exc:
+            raise SyncError("CreateContainer", exc.details() or "", exc.code()) from None
+        try:
+            self._call("StartContainer", cri.StartContainerRequest(container_id=container_id))
+        except grpc.RpcError as exc:
+            raise SyncError("StartContainer", exc.details() or "", exc.code()) from None
+        return container_id
+
+    def _restart_count_from_logs(self, pod: Pod, container: Container) -> int:
+        """calcRestartCountByLogDir: one more than the newest <n>.log left."""
+        counts = [int(m.group(1)) + 1 for p in (self.pod_log_dir(pod) / container.name).glob("*.log*")
+                  if (m := re.match(r"^(\d+)\.log", p.name))]
+        return max(counts, default=0)
+
+    def run_pod(self, pod: Pod, sleep: Callable[[float], None] = time.sleep) -> str:
+        """The pod worker: SyncPod until it succeeds, waiting the worker's
+        backoff between tries, at most retry_seconds; the last error otherwise."""
+        deadline = time.monotonic() + self.retry_seconds
+        while True:
+            try:
+                return self.sync_pod(pod)
+            except SyncError:
+                if time.monotonic() + self.sync_backoff > deadline:
+                    raise
+                sleep(self.sync_backoff)
+
+    # -- stopping and removing ---------------------------------------------------------------------
+
+    def kill_pod(self, pod: Pod, status: PodStatus | None = None) -> None:
+        """killPodWithSyncResult: stop every running container (concurrently,
+        each with the grace period), then every sandbox of the pod."""
+        status = status or self.pod_status(pod)
+        running = [c for c in status.containers if c.state in (cri.CONTAINER_RUNNING, cri.CONTAINER_UNKNOWN)]
+        grace = max(pod.termination_grace_period_seconds, MINIMUM_GRACE_PERIOD)
+        errors = []
+        with ThreadPoolExecutor(max_workers=max(1, len(running))) as pool:
+            for future in [pool.submit(self._stop_container, c.id, grace) for c in running]:
+                error = future.result()
+                if error:
+                    errors.append(error)
+        for sandbox in status.sandboxes:
+            try:
+                self._call("StopPodSandbox", cri.StopPodSandboxRequest(pod_sandbox_id=sandbox.id))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    errors.append(f"StopPodSandbox: {exc.details()}")
+        if errors:
+            raise SyncError("KillPod", "; ".join(errors))
+
+    def _stop_container(self, container_id: str, grace: int) -> str:
+        try:
+            self._call("StopContainer", cri.StopContainerRequest(container_id=container_id, timeout=grace),
+                       timeout=RUNTIME_REQUEST_TIMEOUT + grace)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                return f"StopContainer {container_id[:13]}: {exc.details()}"
+        return ""
+
+    def remove_pod(self, pod: Pod) -> None:
+        """Garbage collection of a deleted pod: each container's log, the
+        container, then the sandboxes, then the pod's cgroup."""
+        status = self.pod_status(pod)
+        for container in status.containers:
+            if container.log_path:
+                Path(container.log_path).unlink(missing_ok=True)
+            self._call("RemoveContainer", cri.RemoveContainerRequest(container_id=container.id))
+        for sandbox in status.sandboxes:
+            self._call("RemovePodSandbox", cri.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id))
+        self.remove_pod_cgroup(pod)
+        shutil.rmtree(self.pod_log_dir(pod), ignore_errors=True)
+
+    def remove_pod_cgroup(self, pod: Pod) -> None:
+        relative = self.pod_cgroup(pod).strip("/")
+        for hierarchy in sorted(CGROUP_FS.iterdir()) if CGROUP_FS.is_dir() else []:
+            path = hierarchy / relative
+            if path.is_dir():
+                for dirpath, _, _ in sorted(os.walk(path), key=lambda entry: -len(entry[0])):
+                    try:
+                        os.rmdir(dirpath)
+                    except OSError:
+                        pass
+
+    # -- probes -------------------------------------------------------------------------------------
+
+    def exec_sync(self, container_id: str, cmd: list[str], timeout: int = 10) -> cri.ExecSyncResponse:
+        return self._call("ExecSync", cri.ExecSyncRequest(container_id=container_id, cmd=cmd, timeout=timeout),
+                          timeout=RUNTIME_REQUEST_TIMEOUT + timeout)
+
+    def wait_container(self, container_id: str, state: int = cri.CONTAINER_EXITED,
+                       timeout: float = 30.0) -> cri.ContainerStatus:
+        """Poll ContainerStatus (kubelet's PLEG relists every second; here
+        every 50 ms) until the container reaches state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.container_status(container_id)
+            if status.state == state or time.monotonic() > deadline:
+                return status
+            time.sleep(0.05)
