@@ -135,6 +135,8 @@ def test_the_daemonset_passes_what_crust_accepts(rendered):
     for needed in (config.kubelet_root, config.run_dir, config.state_dir, Path("/dev")):
         assert str(needed) in mounts and host[mounts[str(needed)]["name"]] == str(needed)
     assert mounts[str(config.kubelet_root)]["mountPropagation"] == "Bidirectional"
+    # The shim's private mounts under the state dir outlive a container restart.
+    assert mounts[str(config.state_dir)]["mountPropagation"] == "Bidirectional"
     assert config.kubelet_csi_socket.is_relative_to(config.kubelet_root)
     if config.proxy.kata_dir is not None:
         assert any(config.proxy.kata_dir.is_relative_to(m) for m in mounts)
