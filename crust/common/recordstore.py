@@ -16,13 +16,14 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Generic, Iterator, TypeVar
+from typing import Callable, Generic, Iterator, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from crust.common.atomicfile import (clean_temporaries, remove_durably, remove_durably_async, write_atomic,
                                     write_atomic_async)
 from crust.common.private import make_dirs
+from crust.common.saferead import Refused, read_model
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,21 @@ def valid_key(key: str) -> bool:
 
 
 class RecordStore(Generic[Record]):
-    def __init__(self, directory: str | os.PathLike, model: type[Record]):
+    """belongs(key, record) says why a record that parsed is not one this
+    store may hold ("" when it is): its id is not its file's name, a path in
+    it leaves the directories it must live in. Such a record, and one that
+    does not parse or is no regular file (a FIFO, a directory, a symlink:
+    crust.common.saferead), is set aside: logged, renamed *.corrupt for a
+    human (or, when that fails, left and ignored), never followed; then
+    on_damaged(key) tells the owner that what it named is unknown now."""
+
+    def __init__(self, directory: str | os.PathLike, model: type[Record],
+                 belongs: Callable[[str, Record], str] | None = None,
+                 on_damaged: Callable[[str], None] | None = None):
         self.directory = Path(directory)
         self.model = model
+        self.belongs = belongs
+        self.on_damaged = on_damaged
         make_dirs(self.directory)
         clean_temporaries(self.directory)
 
@@ -53,23 +66,47 @@ class RecordStore(Generic[Record]):
 
     def load_all(self) -> Iterator[tuple[str, Record]]:
         for path in sorted(self.directory.glob("*.json")):
-            try:
-                yield path.stem, self.model.model_validate_json(path.read_bytes())
-            except (ValidationError, ValueError, OSError) as exc:
-                # A record we cannot read is kept aside for a human, never
-                # silently dropped or overwritten.
-                log.error("unreadable record %s kept aside: %s", path, exc)
-                path.rename(path.with_suffix(".corrupt"))
+            if not valid_key(path.stem):
+                self._set_aside(path.stem, path, "its name is not a record key")
+                continue
+            record = self._read(path.stem)
+            if record is not None:
+                yield path.stem, record
 
     def get(self, key: str) -> Record | None:
         """The record under key; None when there is none, also for a key that
-        could never have been stored (a CO may ask about any id)."""
+        could never have been stored (a CO may ask about any id), and for a
+        record set aside as damaged."""
         if not valid_key(key):
             return None
+        return self._read(key)
+
+    def _read(self, key: str) -> Record | None:
+        path = self._path(key)
         try:
-            return self.model.model_validate_json(self._path(key).read_bytes())
+            record = read_model(self.model, path)
         except FileNotFoundError:
             return None
+        except (Refused, OSError) as exc:
+            self._set_aside(key, path, str(exc))
+            return None
+        why = self.belongs(key, record) if self.belongs is not None else ""
+        if why:
+            self._set_aside(key, path, why)
+            return None
+        return record
+
+    def _set_aside(self, key: str, path: Path, why: str) -> None:
+        # Kept for a human, never silently dropped or overwritten.
+        aside = path.with_suffix(".corrupt")
+        try:
+            os.rename(path, aside)
+            where = f"kept aside as {aside.name}"
+        except OSError as exc:
+            where = f"left in place and ignored ({exc.strerror})"
+        log.error("unreadable record %s %s: %s", path, where, why)
+        if self.on_damaged is not None:
+            self.on_damaged(key)
 
     def put_sync(self, key: str, record: Record) -> None:
         write_atomic(self._path(key), record.model_dump_json(indent=1).encode())

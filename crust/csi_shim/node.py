@@ -74,8 +74,8 @@ class NodeShim:
         self.config = config
         self.backend = backend
         self.runtime = runtime
-        self.records = RecordStore(config.state_dir / "volumes", ShimVolumeRecord)
         self.private = config.state_dir / "backend"
+        self.records = RecordStore(config.state_dir / "volumes", ShimVolumeRecord, self._belongs)
         self.inflight = InFlight()
 
     # -- start-up ------------------------------------------------------------------
@@ -90,6 +90,16 @@ class NodeShim:
             if gone:
                 self.records.put_sync(key, rec)
                 log.info("dropped vanished publishes", extra={"fields": {"volume_id": rec.volume_id, "targets": gone}})
+
+    def _belongs(self, key: str, rec: ShimVolumeRecord) -> str:
+        """A record must be its volume's, and name the backend's paths the
+        shim made for that volume inside its state dir."""
+        if volume_key(rec.volume_id) != key:
+            return f"it describes volume {rec.volume_id!r}, whose record is not {key!r}"
+        private = self.private / key
+        if rec.backend_target != str(private / "device") or rec.backend_staging not in ("", str(private / "staging")):
+            return f"its backend paths are not the shim's own for this volume ({private})"
+        return ""
 
     # -- helpers -------------------------------------------------------------------
 

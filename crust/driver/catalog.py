@@ -14,6 +14,7 @@ from pathlib import Path
 
 from crust.common.aio import in_thread
 from crust.common.recordstore import RecordStore
+from crust.common.saferead import Refused, read_model
 from crust.driver.backend import loop as backend
 from crust.driver.records import (
     GroupSnapshotRecord,
@@ -29,9 +30,9 @@ log = logging.getLogger(__name__)
 class Catalog:
     def __init__(self, data_dir: Path):
         self.data_dir = data_dir
-        self.volume_store = RecordStore(data_dir / "controller" / "volumes", VolumeRecord)
-        self.snapshot_store = RecordStore(data_dir / "controller" / "snapshots", SnapshotRecord)
-        self.group_store = RecordStore(data_dir / "controller" / "groups", GroupSnapshotRecord)
+        self.volume_store = RecordStore(data_dir / "controller" / "volumes", VolumeRecord, _volume_belongs)
+        self.snapshot_store = RecordStore(data_dir / "controller" / "snapshots", SnapshotRecord, _snapshot_belongs)
+        self.group_store = RecordStore(data_dir / "controller" / "groups", GroupSnapshotRecord, _group_belongs)
         self.groups: dict[str, GroupSnapshotRecord] = {}
         self.group_names: dict[str, str] = {}
         self.volumes: dict[str, VolumeRecord] = {}
@@ -56,9 +57,13 @@ class Catalog:
         found = {}
         for path in sorted((self.data_dir / "pools").glob("*/pool.json")):
             try:
-                record = PoolRecord.model_validate_json(path.read_bytes())
+                record = read_model(PoolRecord, path)
+                if record.node_id != path.parent.name or not backend.valid_node(record.node_id):
+                    # Backing files would be made in the pool the record
+                    # names, wherever that leads.
+                    raise Refused(str(path), f"names node {record.node_id!r}, not its directory's")
             except (OSError, ValueError) as exc:
-                log.error("unreadable pool record %s: %s", path, exc)
+                log.error("unreadable pool record %s, ignored: %s", path, exc)
                 continue
             found[record.node_id] = record
         return found
@@ -240,3 +245,31 @@ class Catalog:
 
     def snapshot_file(self, snap: SnapshotRecord) -> Path:
         return self.pool(snap.node).snapshot_file(snap.snapshot_id)
+
+
+# -- what a record must be to be loaded (crust.common.recordstore) -----------------
+
+
+def _ids(key: str, own_id: str, node: str | None) -> str:
+    if own_id != key:
+        return f"it describes {own_id!r}, not {key!r}, the name of its file"
+    if not backend.valid_id(own_id):
+        return f"{own_id!r} is not an id this driver makes"
+    if node is not None and not backend.valid_node(node):
+        return f"its pool {node!r} is not a node id (a directory under pools/)"
+    return ""
+
+
+def _volume_belongs(key: str, volume: VolumeRecord) -> str:
+    return _ids(key, volume.volume_id, volume.node)
+
+
+def _snapshot_belongs(key: str, snap: SnapshotRecord) -> str:
+    return _ids(key, snap.snapshot_id, snap.node)
+
+
+def _group_belongs(key: str, group: GroupSnapshotRecord) -> str:
+    bad = [sid for sid in group.snapshot_ids if not backend.valid_id(sid)]
+    if bad:
+        return f"it names snapshot {bad[0]!r}, not an id this driver makes"
+    return _ids(key, group.group_snapshot_id, None)

@@ -65,7 +65,8 @@ class NodeService(csi_pb2_grpc.NodeServicer):
     def __init__(self, config: DriverConfig):
         self.config = config
         self.pool = backend.Pool(config.data_dir, config.node_id)
-        self.records = RecordStore(node_records_dir(config.data_dir, config.node_id), NodeVolumeRecord)
+        self.records = RecordStore(node_records_dir(config.data_dir, config.node_id), NodeVolumeRecord,
+                                   _node_record_belongs, on_damaged=self._record_damaged)
         # Loop devices over a volume's file that its record does not name,
         # found by the one walk over /sys/block at start (a record written
         # before devices were recorded, an unreadable record, a read-only
@@ -129,6 +130,21 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 continue
             loop.detach_sync(device)
             log.info("detached orphan loop device", extra={"fields": {"device": device, "volume_id": volume_id}})
+
+    def _record_damaged(self, volume_id: str) -> None:
+        """A volume's record was found damaged and set aside: the loop
+        devices it named are found again by their backing file (one walk
+        over the loop devices, only in this case), so that stats, unpublish
+        and unstage still know the volume's devices and mounts."""
+        if not backend.valid_id(volume_id):
+            return
+        backing = str(self.pool.volume_file(volume_id).resolve())
+        found = self.unrecorded.setdefault(volume_id, [])
+        for device, file in loop.attached().items():
+            if file.split(" (deleted)")[0] == backing and device not in found:
+                found.append(device)
+        log.warning("a damaged record's loop devices found again", extra={"fields": {
+            "volume_id": volume_id, "devices": found}})
 
     # -- helpers --------------------------------------------------------------------
 
@@ -511,3 +527,11 @@ class NodeService(csi_pb2_grpc.NodeServicer):
 
     async def NodeGetID(self, request, context):
         return csi_pb2.NodeGetIDResponse(node_id=self.config.node_id)
+
+
+def _node_record_belongs(key: str, record: NodeVolumeRecord) -> str:
+    if record.volume_id != key:
+        return f"it describes {record.volume_id!r}, not {key!r}, the name of its file"
+    if not backend.valid_id(key):
+        return f"{key!r} is not an id this driver makes"
+    return ""

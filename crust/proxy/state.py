@@ -83,9 +83,10 @@ class ProxyState:
     def __init__(self, config: ProxyConfig):
         self.config = config
         self.dir = VolumesDir(config.volumes_dir, config.kata_dir)
-        self.volumes = RecordStore(config.state_dir / "volumes", DeferredVolume)
-        self.decisions = RecordStore(config.state_dir / "decisions", Decision)
-        self.handler_records = RecordStore(config.state_dir / "handlers", HandlerRecord)
+        self.volumes = RecordStore(config.state_dir / "volumes", DeferredVolume, _target_belongs)
+        self.decisions = RecordStore(config.state_dir / "decisions", Decision, _target_belongs)
+        self.handler_records = RecordStore(config.state_dir / "handlers", HandlerRecord,
+                                           lambda key, r: "" if r.name == key else f"it describes handler {r.name!r}")
         self.handlers: dict[str, Handler] = {}
         self.started = time.monotonic()
         # Volumes in memory, by digest of the target path: 1000 volumes are
@@ -480,3 +481,10 @@ def check_handler_name(name: str) -> str:
         raise InvalidArgument("name must be 1-63 characters of letters, digits, '-', '_' or '.', "
                               "starting with a letter or digit")
     return name
+
+
+def _target_belongs(key: str, record: DeferredVolume | Decision) -> str:
+    """A volume's or decision's record is stored under its target's digest."""
+    if digest(record.target_path) != key:
+        return f"it describes {record.target_path!r}, whose record is not {key!r}"
+    return ""

@@ -109,7 +109,7 @@ class RuntimeHandler:
         self.direct_source = direct_source
         self.index = VolumeIndex(volumes_dir)
         self.state_dir = state_dir
-        self.records = RecordStore(state_dir / "sandboxes", SandboxRecord)
+        self.records = RecordStore(state_dir / "sandboxes", SandboxRecord, self._belongs)
         self.registration = registration
         self.make_sandbox = make_sandbox
         self.sandboxes: dict[str, tuple[Sandbox, SandboxRecord]] = {}
@@ -195,6 +195,17 @@ class RuntimeHandler:
                     log.error("lost a claim", extra={"fields": {"sandbox": record.sandbox_id,
                                                                 "target_path": volume.target_path,
                                                                 "error": exc.message}})
+
+    def _belongs(self, key: str, record: SandboxRecord) -> str:
+        """A sandbox's record is stored under its id, and its volumes are
+        mounted in its own run directory, each under its target's digest."""
+        if record.sandbox_id != key:
+            return f"it describes sandbox {record.sandbox_id!r}, not {key!r}"
+        for name, volume in record.volumes.items():
+            expected = str(self._workdir(key) / "volumes" / name)
+            if digest(volume.target_path) != name or volume.mount_point != expected:
+                return f"its volume {volume.target_path!r} is not mounted at {expected}"
+        return ""
 
     def _workdir(self, sandbox_id: str) -> Path:
         return self.state_dir / "run" / sandbox_id

@@ -28,6 +28,8 @@ from crust.common.atomicfile import fsync_dir
 from crust.common.private import make_dirs, open_new
 
 ID_PATTERN = re.compile(r"^[a-z]{1,4}-[0-9a-f]{24}$")
+# A node id names its pool directory (the same rule as --node-id).
+NODE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 MIB = 1024 * 1024
 
@@ -41,10 +43,19 @@ def valid_id(value: str) -> bool:
     return bool(ID_PATTERN.fullmatch(value))
 
 
+def valid_node(value: str) -> bool:
+    """A node id that names a directory under pools/ (never '..' or a path)."""
+    return bool(NODE_PATTERN.fullmatch(value))
+
+
 class Pool:
     """Backing files of one node."""
 
     def __init__(self, data_dir: Path, node_id: str):
+        if not valid_node(node_id):
+            # A pool is a directory under pools/: a node id from a record
+            # that lies must never lead elsewhere.
+            raise ValueError(f"malformed node id {node_id!r}")
         self.root = data_dir / "pools" / node_id
         self.node_id = node_id
         self.volumes = self.root / "volumes"
