@@ -11,7 +11,8 @@ From the host, kubelet's replay registers the driver the container serves
 and drives two volumes: one staged and published on the host (the staging
 mount made inside the container is seen by the host, and a runc pod that
 bind-mounts the target reads and writes it) and one deferred (a fail-closed
-placeholder at the target, mountInfo.json in the host's watched directory).
+placeholder at the target, mountInfo.json in the host's watched directory;
+xfs, so the image's xfsprogs formats it).
 Mid-life the node container is killed and a new one started (a DaemonSet
 rollout): nothing is lost. Uninstalling (the container stopped as kubelet
 stops it) leaves no mount and no loop device behind.
@@ -295,9 +296,9 @@ def test_the_daemonset_runs_the_image_through_a_volume_life_a_rollout_and_an_uni
     # A deferred volume: the placeholder on the target, the description in
     # the host's watched directory.
     deferred = ctl.CreateVolume(csi_pb2.CreateVolumeRequest(
-        name="pv-deferred", capacity_range=csi_pb2.CapacityRange(required_bytes=64 * MIB),
-        volume_capabilities=[mount_cap("ext4")], parameters={"crust.dev/defer": "true"}), timeout=60).volume
-    pv_def = PersistentVolume(name="pv-deferred", volume_handle=deferred.volume_id,
+        name="pv-deferred", capacity_range=csi_pb2.CapacityRange(required_bytes=320 * MIB),  # xfs' least
+        volume_capabilities=[mount_cap("xfs")], parameters={"crust.dev/defer": "true"}), timeout=60).volume
+    pv_def = PersistentVolume(name="pv-deferred", volume_handle=deferred.volume_id, fs_type="xfs",
                               attributes=dict(deferred.volume_context))
     pod_def = Pod(uid="uid-deferred", name="app-deferred", fs_group=2000)
     cluster.api.add("default", "app-deferred", None, fs_group=2000)
@@ -309,6 +310,10 @@ def test_the_daemonset_runs_the_image_through_a_volume_life_a_rollout_and_an_uni
     description = json.loads(descriptions[0].read_text())
     assert description["metadata"].get("fsGroup") == "2000", description
     assert Path(description["device"]).is_block_device(), description  # the container's /dev is the host's
+    # Formatted at staging inside the container (mkfs.xfs of the image's xfsprogs).
+    assert description["fstype"] == "xfs"
+    assert subprocess.run(["blkid", "-o", "value", "-s", "TYPE", description["device"]],
+                          capture_output=True, text=True).stdout.strip() == "xfs"
     assert cluster.api.asked("default", "app-deferred") >= 1, "the proxy did not read the pod from the API"
 
     # A DaemonSet rollout mid-life: the container is killed, a new one starts.
