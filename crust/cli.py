@@ -174,6 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
     sb_list = sb_sub.add_parser("list", help="list sandboxes")
     sb_list.add_argument("--json", action="store_true")
 
+    rt = sub.add_parser(
+        "runtime",
+        help="an OCI runtime with runc's command line that mounts deferred volumes inside the container "
+             "(also installed as crust-oci-runtime)",
+        description="runc's command line (create, start, state, kill, delete, exec, ...), for containerd's runc "
+                    "shim (BinaryName) and CRI-O (runtime_path). At create, a bind mount of a kubelet CSI target "
+                    "path holding a deferred volume is claimed through the light handler (`crust handler`) and "
+                    "replaced by a mount of the volume's device, made by runc inside the container's mount "
+                    "namespace; delete releases it. Everything else is runc's. Settings: CRUST_RUNC, "
+                    "CRUST_HANDLER_ENDPOINT, CRUST_OCI_RUNTIME_STATE, CRUST_OCI_RUNTIME_CONFIG (a JSON file, "
+                    "default /etc/crust/oci-runtime.json).",
+    )
+    rt.add_argument("runc_args", nargs=argparse.REMAINDER, help="runc's global flags, command and arguments")
+
     kt = sub.add_parser(
         "kata",
         help="the microVM runtime handler: guest image and handler daemon",
@@ -262,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     from crust.node.supervised import die_with_supervisor
 
     die_with_supervisor()
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] == ["runtime"] and words[1:2] not in (["-h"], ["--help"]):
+        # runc's own flags (--root, --log, ...) are not ours to parse.
+        from crust.oci_runtime.main import main as runtime_main
+
+        return runtime_main(words[1:])
     args = build_parser().parse_args(argv)
     if args.command == "driver":
         from crust.driver.config import DriverConfig, Mode

@@ -4,14 +4,23 @@ with the tiny busybox image imported, and checks that it left nothing behind."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+
+from crust.api import cri_pb2 as cri
+from crust.api import handler_pb2, handler_pb2_grpc
+from crust.contract.mountinfo import digest
+from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, VolumeMount
 from crust.kubelet import image as images
 from crust.kubelet.containerd import CGROUP_FS, SHIM_SOCKETS, Containerd
+from crust.kubelet.cri import KubeletRuntime
 from crust.sys import mount as sysmount
 
 
@@ -51,6 +60,20 @@ def processes_naming(text: str) -> list[str]:
     return found
 
 
+def shim_pids(containerd: Containerd) -> list[int]:
+    """The runc shims serving this containerd."""
+    ours = str(containerd.socket).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"containerd-shim-runc-v2") and ours in argv:
+            found.append(int(entry.name))
+    return found
+
+
 def leftovers_of(containerd: Containerd) -> list[str]:
     """What a closed containerd left: its directory, processes naming it,
     mounts below it, cgroups below its cgroup root, its shim sockets."""
@@ -67,3 +90,93 @@ def leftovers_of(containerd: Containerd) -> list[str]:
         if not sockets:
             found.append(f"{SHIM_SOCKETS} (made for our shims, left empty)")
     return found
+
+
+OCI_RUNTIME = Path(sys.executable).parent / "crust-oci-runtime"
+
+
+class CriNode:
+    """A node as kubelet sees it: the crust stack (driver, shim, proxy
+    serving kubelet's registration, the mount-namespace handler), kubelet's
+    CSI side registered with it, a private containerd whose `crust-runc`
+    handler is crust's OCI runtime, and kubelet's CRI side against it."""
+
+    def __init__(self, root, containerd: Containerd, image: images.Image):
+        from tests.test_handler import Env
+        from tests.test_kubelet import policy_file
+
+        self.root = root
+        kubelet_root = root.path / "kubelet"
+        (kubelet_root / "plugins_registry").mkdir(parents=True)
+        self.env = Env(root, proxy_extra=["--kubelet-registration-dir", str(kubelet_root / "plugins_registry"),
+                                          "--policy", str(policy_file(root.path))])
+        self.proxy = self.env.proxy
+        self.kubelet = Kubelet(kubelet_root, "node-a", retry_seconds=10)
+        self.kubelet.register()
+        self.containerd, self.image = containerd, image
+        self.runtime = KubeletRuntime(self.kubelet, containerd.endpoint, cgroup_root=containerd.cgroup_root,
+                                      runtime_classes={"crust-runc": "crust-runc", "runc": "runc"},
+                                      pod_logs_dir=root.path / "pod-logs", retry_seconds=0)
+        self.runtime.connect()
+
+    def pv(self, name: str, fs: str = "xfs", size: int = 320 * 1024**2, defer: bool = True) -> PersistentVolume:
+        from tests.harness import mount_cap
+
+        vol = self.proxy.create(name, size, mount_cap(fs), parameters={"crust.dev/defer": "true"} if defer else {})
+        return PersistentVolume(name=name, volume_handle=vol.volume_id, attributes=dict(vol.volume_context), fs_type=fs)
+
+    def pod(self, name: str, pv: PersistentVolume, script: str, runtime_class: str = "crust-runc",
+            fs_group: int | None = 2000, **kw) -> Pod:
+        return Pod(uid=f"uid-{name}", name=name, fs_group=fs_group, host_network=True,
+                   runtime_class_name=runtime_class, volumes={"data": pv}, restart_policy="Never",
+                   termination_grace_period_seconds=2,
+                   containers=[Container("app", self.image.name, command=["/bin/sh", "-c", script],
+                                         volume_mounts=[VolumeMount("data", "/data")])], **kw)
+
+    def handler_containers(self) -> list[handler_pb2.ContainerInfo] | None:
+        """The containers the handler holds volumes for (None: it does not answer)."""
+        with grpc.insecure_channel(f"unix://{self.env.handler.socket}") as channel:
+            try:
+                return list(handler_pb2_grpc.ContainerVolumesStub(channel).ListContainers(
+                    handler_pb2.ListContainersRequest(), timeout=2).containers)
+            except grpc.RpcError:
+                return None
+
+    def restart_handler(self) -> None:
+        """SIGKILL the handler and start it again; back once it answers."""
+        from tests.test_handler import wait_until
+
+        self.env.handler.kill()
+        self.env.handler.start()
+        wait_until(lambda: self.handler_containers() is not None, what="the restarted handler's socket")
+
+    def claims(self) -> set[tuple[str, str, str]]:
+        return self.env.claim_set()
+
+    def container(self, pod: Pod) -> cri.ContainerStatus:
+        return self.runtime.pod_status(pod).latest("app")
+
+    def entry(self, pod: Pod, pv: PersistentVolume) -> dict:
+        return json.loads((self.proxy.volumes_dir / digest(str(self.kubelet.target_path(pod, pv)))
+                           / "mountInfo.json").read_text())
+
+    def host_mounts_of(self, entry: dict) -> list[str]:
+        """Where the host's mount table has the volume's file system."""
+        return [m.mount_point for m in sysmount.of_device(entry["device-major"], entry["device-minor"])]
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+@contextlib.contextmanager
+def cri_node(root) -> Iterator[CriNode]:
+    """The node, its containerd running crust's OCI runtime against the
+    node's handler; everything closed (pods first) whatever happens."""
+    env = {"CRUST_HANDLER_ENDPOINT": f"unix://{root.path / 'handler.sock'}",
+           "CRUST_OCI_RUNTIME_STATE": str(root.path / "oci-runtime")}
+    with private_containerd(runtimes={"runc": "", "crust-runc": str(OCI_RUNTIME)}, env=env) as (containerd, image):
+        node = CriNode(root, containerd, image)
+        try:
+            yield node
+        finally:
+            node.close()

@@ -5,19 +5,26 @@ from its public source."""
 from __future__ import annotations
 
 import hashlib
+import json
 import io
+import os
+import shutil
 import signal
 import tarfile
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from crust.api import cri_pb2 as cri
+from crust.api import csi_pb2
+from crust.contract.mountinfo import digest
 from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, VolumeMount
 from crust.kubelet import image as images
 from crust.kubelet.cri import KubeletRuntime, SyncError
-from tests.cri_harness import leftovers_of, private_containerd, processes_naming
+from tests.cri_harness import cri_node, leftovers_of, private_containerd, processes_naming, shim_pids
+from tests.test_handler import wait_until
 
 
 def _host_network_pod(containerd, name: str, uid: str) -> cri.PodSandboxConfig:
@@ -179,3 +186,238 @@ def test_kubelet_runs_stops_and_removes_a_pod_through_cri_in_its_order():
         runtime.remove_pod(pod)
         assert not containerd.runtime_service.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=10).items
         runtime.close()
+
+
+# -- crust's OCI runtime under containerd ------------------------------------------------------------
+
+# The pod's process: write into the volume, print what it sees, then wait
+# for kubelet's SIGTERM and exit with a code of its own.
+WORKLOAD = ("head -c 1048576 /dev/urandom > /data/payload && sync && ls -ln /data/payload && "
+            "trap 'exit 42' TERM; sleep infinity & wait")
+
+
+def _stats(node, pv, pod) -> dict[str, int]:
+    rsp = node.kubelet.volume_stats(pv, pod)
+    assert not rsp.volume_condition.abnormal, rsp.volume_condition.message
+    usage = {u.unit: u for u in rsp.usage}
+    b = usage[csi_pb2.VolumeUsage.BYTES]
+    return {"total": b.total, "used": b.used, "available": b.available}
+
+
+def _df(node, container_id: str) -> dict[str, int]:
+    """df of /data, run in the container through CRI's ExecSync."""
+    out = node.runtime.exec_sync(container_id, ["/bin/df", "-P", "-B1", "/data"])
+    assert out.exit_code == 0, out.stderr
+    fields = out.stdout.decode().splitlines()[-1].split()
+    return {"total": int(fields[1]), "used": int(fields[2]), "available": int(fields[3])}
+
+
+def _running_pod(node, pv, name: str, script: str = WORKLOAD):
+    pod = node.pod(name, pv, script)
+    node.kubelet.start_pod(pv, pod)
+    node.runtime.run_pod(pod)
+    container = node.container(pod)
+    wait_until(lambda: "payload" in Path(container.log_path).read_text(errors="replace"),
+               what="the pod's first write in its volume")
+    return pod, container
+
+
+def test_a_pod_through_cri_mounts_its_deferred_volume_only_inside_its_container(root):
+    """Kubelet -> containerd -> runc shim -> crust's OCI runtime -> runc, with
+    a deferred xfs volume: written by the container with the pod's fsGroup,
+    measured (ExecSync df = NodeGetVolumeStats) and grown online while it
+    runs, never on the host, a second pod refused, containerd restarted
+    under it, and the exit code and the claim's release when kubelet stops
+    and removes it."""
+    with cri_node(root) as node:
+        pv = node.pv("pv-cri", "xfs")
+        pod = node.pod("cri", pv, WORKLOAD)
+        node.kubelet.start_pod(pv, pod)
+        entry = node.entry(pod, pv)
+        node.runtime.calls.clear()
+        sandbox_id = node.runtime.run_pod(pod)
+        assert node.runtime.calls == ["ListPodSandbox", "ListContainers", "RunPodSandbox", "PodSandboxStatus",
+                                      "ImageStatus", "ImageStatus", "CreateContainer", "StartContainer"]
+        container = node.container(pod)
+        assert container.state == cri.CONTAINER_RUNNING
+        wait_until(lambda: "payload" in Path(container.log_path).read_text(errors="replace"), what="the write")
+        # The file the container wrote carries the pod's fsGroup (2000).
+        assert " 0        2000 " in Path(container.log_path).read_text(), Path(container.log_path).read_text()
+        target = str(node.kubelet.target_path(pod, pv))
+        assert node.claims() == {(target, "mountns", sandbox_id)}
+        assert node.host_mounts_of(entry) == [], "the host mounted the deferred file system"
+
+        # Stats through the Runtime API equal df inside the container.
+        assert _stats(node, pv, pod) == _df(node, container.id)
+
+        # Online growth of the mounted xfs while the container runs.
+        before = _df(node, container.id)["total"]
+        grown = 640 * 1024**2
+        node.proxy.controller.ControllerExpandVolume(csi_pb2.ControllerExpandVolumeRequest(
+            volume_id=pv.volume_handle, capacity_range=csi_pb2.CapacityRange(required_bytes=grown)), timeout=60)
+        node.kubelet.expand(pv, pod, grown)
+        after = _df(node, container.id)
+        assert after["total"] > before + 256 * 1024**2 and _stats(node, pv, pod) == after
+        assert node.host_mounts_of(entry) == []
+
+        # A second pod with the same single-writer volume is refused, clearly:
+        # its volume cannot be set up (kubelet never gets to start it).
+        second = node.pod("cri-second", pv, "sleep 600")
+        node.kubelet.retry_seconds = 0
+        with pytest.raises(grpc.RpcError) as refused:
+            node.kubelet.start_pod(pv, second)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"already deferred to a sandbox at {target}" in refused.value.details(), refused.value.details()
+        assert node.claims() == {(target, "mountns", sandbox_id)}
+        assert not node.runtime.pod_status(second).sandboxes
+        node.kubelet.tear_down(pv, second)
+
+        # containerd restarts under the running pod: nothing is lost.
+        node.containerd.restart(signal.SIGKILL)
+        assert node.container(pod).state == cri.CONTAINER_RUNNING
+        assert _stats(node, pv, pod) == _df(node, container.id) == after
+        assert node.claims() == {(target, "mountns", sandbox_id)}
+
+        # Kubelet stops the pod: SIGTERM, the workload's own exit code, the claim released.
+        node.runtime.kill_pod(pod)
+        stopped = node.container(pod)
+        assert (stopped.state, stopped.exit_code) == (cri.CONTAINER_EXITED, 42)
+        assert node.claims() == set()
+        node.runtime.remove_pod(pod)
+        node.kubelet.stop_pod(pv, pod)
+        assert node.host_mounts_of(entry) == []
+
+
+def test_a_killed_runtime_process_is_reported_exited_and_its_claim_released(root):
+    """SIGKILL the runc shim that runs the pod (the runtime process under
+    containerd): containerd reports the container exited, and the claim is
+    released (the shim's cleanup runs crust's runtime's delete). Before
+    that, a handler killed and restarted under the running container keeps
+    answering for its volume."""
+    with cri_node(root) as node:
+        pv = node.pv("pv-kill", "ext4", size=128 * 1024**2)
+        pod, container = _running_pod(node, pv, "kill")
+        sandbox = node.runtime.pod_status(pod).sandboxes[0].id
+        # The handler restarts under the running container: back under its
+        # lease, it still answers for the container's volume.
+        node.restart_handler()
+        (held,) = node.handler_containers()
+        assert (held.container_id, held.state, held.alive) == (container.id, "created", True)
+        assert _stats(node, pv, pod) == _df(node, container.id)
+        assert {c[2] for c in node.claims()} == {sandbox}
+        shims = [pid for pid in shim_pids(node.containerd) if sandbox.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(shims) == 1
+        os.kill(shims[0], signal.SIGKILL)
+        status = wait_until(lambda: (s := node.container(pod)).state == cri.CONTAINER_EXITED and s,
+                            timeout=30, what="containerd to report the container exited")
+        assert status.exit_code != 0
+        wait_until(lambda: node.claims() == set(), timeout=30, what="the claim's release")
+        entry = node.entry(pod, pv)
+        assert node.host_mounts_of(entry) == []
+        node.runtime.kill_pod(pod)
+        node.runtime.remove_pod(pod)
+        node.kubelet.stop_pod(pv, pod)
+
+        # No delete comes at all: containerd and the shim are killed, then the
+        # container's process dies. The handler's reaper releases the claim
+        # once nothing of the container is left.
+        pv2 = node.pv("pv-orphan", "ext4", size=128 * 1024**2)
+        orphan, orphan_container = _running_pod(node, pv2, "orphan")
+        (held,) = node.handler_containers()
+        node.containerd.stop(signal.SIGKILL)
+        for pid in shim_pids(node.containerd):
+            os.kill(pid, signal.SIGKILL)
+        assert len(node.claims()) == 1, "a container still running keeps its claim"
+        os.kill(held.pid, signal.SIGKILL)
+        wait_until(lambda: node.claims() == set(), timeout=30, what="the reaper's release")
+        assert node.handler_containers() == []
+        node.containerd.start()
+        node.runtime.kill_pod(orphan)
+        node.runtime.remove_pod(orphan)
+        node.kubelet.stop_pod(pv2, orphan)
+
+
+def test_create_fails_clearly_for_a_deferred_target_without_a_usable_entry(root):
+    """No entry, or an unreadable one, behind the shim's placeholder:
+    CreateContainer fails naming the reason, nothing is claimed, and the
+    container never sees the empty placeholder. A volume published on the
+    host (no deferral) goes to runc unchanged."""
+    with cri_node(root) as node:
+        pv = node.pv("pv-noentry", "ext4", size=128 * 1024**2)
+        pod = node.pod("noentry", pv, "ls /data; sleep 600")
+        pod.restart_policy = "OnFailure"  # kubelet tries again
+        node.runtime.crash_backoff = 0.0
+        node.kubelet.start_pod(pv, pod)
+        entry_dir = node.proxy.volumes_dir / digest(str(node.kubelet.target_path(pod, pv)))
+        saved = (entry_dir / "mountInfo.json").read_bytes()
+        # Damaged while the handler was down, so it never read a good copy
+        # (a running handler keeps the last good one, the proxy's own).
+        node.env.handler.stop()
+        (entry_dir / "mountInfo.json").write_text("{not json")
+        node.env.handler.start()
+        with pytest.raises(SyncError) as failed:
+            node.runtime.run_pod(pod)
+        # containerd makes the task (runc create) at StartContainer.
+        assert failed.value.step == "StartContainer", failed.value
+        assert "OCI runtime create failed" in failed.value.message
+        assert "unreadable" in failed.value.message and "placeholder" in failed.value.message, failed.value.message
+        shutil.rmtree(entry_dir)
+        with pytest.raises(SyncError) as failed:
+            node.runtime.run_pod(pod)
+        assert "has no entry for it" in failed.value.message, failed.value.message
+        assert node.claims() == set()
+        assert not [c for c in node.runtime.pod_status(pod).containers if c.state == cri.CONTAINER_RUNNING]
+        entry_dir.mkdir(mode=0o700)
+        (entry_dir / "mountInfo.json").write_bytes(saved)
+        node.runtime.kill_pod(pod)
+        node.runtime.remove_pod(pod)
+        node.kubelet.stop_pod(pv, pod)
+
+        host = node.pv("pv-host", "ext4", size=128 * 1024**2, defer=False)
+        plain = node.pod("host", host, "echo on-the-host > /data/note && cat /data/note")
+        node.kubelet.start_pod(host, plain)
+        node.runtime.run_pod(plain)
+        status = node.runtime.wait_container(node.container(plain).id)
+        assert status.exit_code == 0 and "on-the-host" in Path(status.log_path).read_text()
+        assert (node.kubelet.target_path(plain, host) / "note").read_text() == "on-the-host\n"
+        node.runtime.kill_pod(plain)
+        node.runtime.remove_pod(plain)
+        node.kubelet.stop_pod(host, plain)
+
+
+# -- the runtime's command line (no runc needed) ------------------------------------------------------
+
+
+def test_runc_command_lines_are_split_as_runc_does():
+    from crust.oci_runtime.main import CREATE_VALUE_FLAGS, command_options, split_command_line
+
+    args = ["--root", "/run/x", "--log=/b/log.json", "--log-format", "json", "--systemd-cgroup", "create",
+            "--bundle", "/b", "--pid-file=/b/init.pid", "--no-pivot", "cid"]
+    flags, command, rest = split_command_line(args)
+    assert flags == {"--root": "/run/x", "--log": "/b/log.json", "--log-format": "json", "--systemd-cgroup": "true"}
+    assert command == "create"
+    assert command_options(rest, CREATE_VALUE_FLAGS) == (
+        {"--bundle": "/b", "--pid-file": "/b/init.pid", "--no-pivot": "true"}, "cid")
+    assert split_command_line(["delete", "--force", "cid"])[1:] == ("delete", ["--force", "cid"])
+    assert command_options(["--force", "cid"], set()) == ({"--force": "true"}, "cid")
+
+
+def test_the_bundle_is_rewritten_in_place_for_deferred_mounts_only():
+    from crust.api import handler_pb2
+    from crust.oci_runtime.main import deferred_candidates, rewrite
+
+    target = "/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/pv/mount"
+    spec = {"mounts": [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/data", "type": "bind", "source": target, "options": ["rbind", "rprivate", "rw"]},
+        {"destination": "/etc/hosts", "type": "bind", "source": "/var/lib/kubelet/pods/u/etc-hosts",
+         "options": ["rbind", "rprivate", "rw"]}]}
+    assert deferred_candidates(spec) == [spec["mounts"][1]]
+    device = handler_pb2.DeferredContainerMount(destination="/data", target_path=target, device="/dev/loop7",
+                                                fs_type="xfs", options=["rw", "nouuid"])
+    out = rewrite(spec, [device])
+    assert out["mounts"][0] == spec["mounts"][0] and out["mounts"][2] == spec["mounts"][2]
+    assert out["mounts"][1] == {"destination": "/data", "type": "xfs", "source": "/dev/loop7",
+                                "options": ["rw", "nouuid"]}
+    assert json.loads(out["annotations"]["dev.crust.deferred-volumes"])[0]["target"] == target
+    assert spec["mounts"][1]["source"] == target, "the original spec is left as it was"

@@ -133,3 +133,99 @@ class ListSandboxesResponse(_message.Message):
     SANDBOXES_FIELD_NUMBER: _ClassVar[int]
     sandboxes: _containers.RepeatedCompositeFieldContainer[SandboxInfo]
     def __init__(self, sandboxes: _Optional[_Iterable[_Union[SandboxInfo, _Mapping]]] = ...) -> None: ...
+
+class ContainerMount(_message.Message):
+    __slots__ = ("destination", "type", "source", "options")
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    destination: str
+    type: str
+    source: str
+    options: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, destination: _Optional[str] = ..., type: _Optional[str] = ..., source: _Optional[str] = ..., options: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrepareContainerRequest(_message.Message):
+    __slots__ = ("container_id", "sandbox_id", "bundle", "mounts", "runtime_pid")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_PID_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    sandbox_id: str
+    bundle: str
+    mounts: _containers.RepeatedCompositeFieldContainer[ContainerMount]
+    runtime_pid: int
+    def __init__(self, container_id: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., bundle: _Optional[str] = ..., mounts: _Optional[_Iterable[_Union[ContainerMount, _Mapping]]] = ..., runtime_pid: _Optional[int] = ...) -> None: ...
+
+class DeferredContainerMount(_message.Message):
+    __slots__ = ("destination", "target_path", "device", "fs_type", "options", "readonly")
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FS_TYPE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    READONLY_FIELD_NUMBER: _ClassVar[int]
+    destination: str
+    target_path: str
+    device: str
+    fs_type: str
+    options: _containers.RepeatedScalarFieldContainer[str]
+    readonly: bool
+    def __init__(self, destination: _Optional[str] = ..., target_path: _Optional[str] = ..., device: _Optional[str] = ..., fs_type: _Optional[str] = ..., options: _Optional[_Iterable[str]] = ..., readonly: bool = ...) -> None: ...
+
+class PrepareContainerResponse(_message.Message):
+    __slots__ = ("mounts",)
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    mounts: _containers.RepeatedCompositeFieldContainer[DeferredContainerMount]
+    def __init__(self, mounts: _Optional[_Iterable[_Union[DeferredContainerMount, _Mapping]]] = ...) -> None: ...
+
+class ContainerCreatedRequest(_message.Message):
+    __slots__ = ("container_id", "pid")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    pid: int
+    def __init__(self, container_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class ContainerCreatedResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseContainerRequest(_message.Message):
+    __slots__ = ("container_id",)
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    def __init__(self, container_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseContainerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListContainersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ContainerInfo(_message.Message):
+    __slots__ = ("container_id", "sandbox_id", "state", "pid", "alive", "mounts")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    sandbox_id: str
+    state: str
+    pid: int
+    alive: bool
+    mounts: _containers.RepeatedCompositeFieldContainer[DeferredContainerMount]
+    def __init__(self, container_id: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., alive: bool = ..., mounts: _Optional[_Iterable[_Union[DeferredContainerMount, _Mapping]]] = ...) -> None: ...
+
+class ListContainersResponse(_message.Message):
+    __slots__ = ("containers",)
+    CONTAINERS_FIELD_NUMBER: _ClassVar[int]
+    containers: _containers.RepeatedCompositeFieldContainer[ContainerInfo]
+    def __init__(self, containers: _Optional[_Iterable[_Union[ContainerInfo, _Mapping]]] = ...) -> None: ...

@@ -354,3 +354,234 @@ class SandboxControl(object):
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ContainerVolumesStub(object):
+    """What crust's OCI runtime (`crust runtime`, runc's command line, called by
+    containerd's runc shim or CRI-O) asks of the mount-namespace handler,
+    served on the same socket. The handler holds the registry lease and the
+    per-container records, so a volume claimed at `create` is answered for
+    (stats, expansion) while the container runs, and released at `delete`
+    or, should no `delete` come, once the container is gone.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PrepareContainer = channel.unary_unary(
+                '/crust.handler.v1.ContainerVolumes/PrepareContainer',
+                request_serializer=handler__pb2.PrepareContainerRequest.SerializeToString,
+                response_deserializer=handler__pb2.PrepareContainerResponse.FromString,
+                _registered_method=True)
+        self.ContainerCreated = channel.unary_unary(
+                '/crust.handler.v1.ContainerVolumes/ContainerCreated',
+                request_serializer=handler__pb2.ContainerCreatedRequest.SerializeToString,
+                response_deserializer=handler__pb2.ContainerCreatedResponse.FromString,
+                _registered_method=True)
+        self.ReleaseContainer = channel.unary_unary(
+                '/crust.handler.v1.ContainerVolumes/ReleaseContainer',
+                request_serializer=handler__pb2.ReleaseContainerRequest.SerializeToString,
+                response_deserializer=handler__pb2.ReleaseContainerResponse.FromString,
+                _registered_method=True)
+        self.ListContainers = channel.unary_unary(
+                '/crust.handler.v1.ContainerVolumes/ListContainers',
+                request_serializer=handler__pb2.ListContainersRequest.SerializeToString,
+                response_deserializer=handler__pb2.ListContainersResponse.FromString,
+                _registered_method=True)
+
+
+class ContainerVolumesServicer(object):
+    """What crust's OCI runtime (`crust runtime`, runc's command line, called by
+    containerd's runc shim or CRI-O) asks of the mount-namespace handler,
+    served on the same socket. The handler holds the registry lease and the
+    per-container records, so a volume claimed at `create` is answered for
+    (stats, expansion) while the container runs, and released at `delete`
+    or, should no `delete` come, once the container is gone.
+    """
+
+    def PrepareContainer(self, request, context):
+        """The bind mounts of a container about to be created: each whose source
+        is a deferred volume's target path is claimed for the pod and
+        described so runc mounts the device itself, at the same destination,
+        inside the container's mount namespace. A deferred target without a
+        usable entry, or claimed by another pod, fails the call (nothing stays
+        claimed). Idempotent per container.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ContainerCreated(self, request, context):
+        """runc created the container (its init process waits for `start`): the
+        handler records the process, makes it the claims' holder and applies
+        the pod's fsGroup inside the container's mount namespace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseContainer(self, request, context):
+        """The container is gone (`delete`, or a failed `create`): its claims are
+        released unless another container of the same pod still uses the
+        volume. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListContainers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ContainerVolumesServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PrepareContainer': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareContainer,
+                    request_deserializer=handler__pb2.PrepareContainerRequest.FromString,
+                    response_serializer=handler__pb2.PrepareContainerResponse.SerializeToString,
+            ),
+            'ContainerCreated': grpc.unary_unary_rpc_method_handler(
+                    servicer.ContainerCreated,
+                    request_deserializer=handler__pb2.ContainerCreatedRequest.FromString,
+                    response_serializer=handler__pb2.ContainerCreatedResponse.SerializeToString,
+            ),
+            'ReleaseContainer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseContainer,
+                    request_deserializer=handler__pb2.ReleaseContainerRequest.FromString,
+                    response_serializer=handler__pb2.ReleaseContainerResponse.SerializeToString,
+            ),
+            'ListContainers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListContainers,
+                    request_deserializer=handler__pb2.ListContainersRequest.FromString,
+                    response_serializer=handler__pb2.ListContainersResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'crust.handler.v1.ContainerVolumes', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('crust.handler.v1.ContainerVolumes', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ContainerVolumes(object):
+    """What crust's OCI runtime (`crust runtime`, runc's command line, called by
+    containerd's runc shim or CRI-O) asks of the mount-namespace handler,
+    served on the same socket. The handler holds the registry lease and the
+    per-container records, so a volume claimed at `create` is answered for
+    (stats, expansion) while the container runs, and released at `delete`
+    or, should no `delete` come, once the container is gone.
+    """
+
+    @staticmethod
+    def PrepareContainer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.ContainerVolumes/PrepareContainer',
+            handler__pb2.PrepareContainerRequest.SerializeToString,
+            handler__pb2.PrepareContainerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContainerCreated(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.ContainerVolumes/ContainerCreated',
+            handler__pb2.ContainerCreatedRequest.SerializeToString,
+            handler__pb2.ContainerCreatedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseContainer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.ContainerVolumes/ReleaseContainer',
+            handler__pb2.ReleaseContainerRequest.SerializeToString,
+            handler__pb2.ReleaseContainerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListContainers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.ContainerVolumes/ListContainers',
+            handler__pb2.ListContainersRequest.SerializeToString,
+            handler__pb2.ListContainersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -44,7 +44,7 @@ import grpc
 from crust.api import cri_pb2, cri_pb2_grpc
 from crust.common.channel import local_channel
 from crust.kubelet.image import Image
-from crust.sys import proc
+from crust.sys import caps, proc
 from crust.sys.sweep import release_under
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,6 @@ log = logging.getLogger(__name__)
 NAMESPACE = "k8s.io"
 SHIM_SOCKETS = Path("/run/containerd")
 CGROUP_FS = Path("/sys/fs/cgroup")
-CAP_SYS_RESOURCE = 24
 # Kubelet's CRI client gives an ordinary call two minutes.
 CALL_TIMEOUT = 120.0
 
@@ -67,11 +66,7 @@ def can_lower_oom_score() -> bool:
     "failed to update /proc/self/oom_score_adj: Permission denied", so
     containerd must then keep scores at or above its own
     (restrict_oom_score_adj)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> CAP_SYS_RESOURCE & 1)
-    return False
+    return caps.effective(caps.CAP_SYS_RESOURCE)
 
 
 def _toml(value) -> str:

@@ -56,7 +56,9 @@ source:
 - exec probes: ExecSync with the probe's timeout;
 - retries: no CRI call is retried in place; a failed SyncPod runs again
   after the pod worker's backoff (10 s), until it succeeds (here: until
-  retry_seconds pass).
+  retry_seconds pass); an exited container the restart policy restarts
+  waits out the crash-loop back-off (10 s after it finished, doubling up to
+  5 min).
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ from crust.kubelet.pod import Container, Pod
 RUNTIME_REQUEST_TIMEOUT = 120.0
 # The pod worker retries a failed sync after 10 s (workerBackOffPeriod).
 SYNC_BACKOFF = 10.0
+# An exited container is restarted after 10 s, doubling to 5 min
+# (the kubelet's crash-loop back-off).
+CRASH_BACKOFF = 10.0
+CRASH_BACKOFF_MAX = 300.0
 # killContainer never gives less than 2 s (minimumGracePeriodInSeconds).
 MINIMUM_GRACE_PERIOD = 2
 # qos: a BestEffort container's OOM score adjustment.
@@ -196,7 +202,7 @@ class KubeletRuntime:
     def __init__(self, kubelet: Kubelet, endpoint: str, *, runtime_classes: dict[str, str] | None = None,
                  cgroup_root: str = "/", pod_logs_dir: Path | None = None,
                  resolv_conf: Path = Path("/etc/resolv.conf"), sync_backoff: float = SYNC_BACKOFF,
-                 retry_seconds: float = 60.0):
+                 crash_backoff: float = CRASH_BACKOFF, retry_seconds: float = 60.0):
         self.kubelet = kubelet
         self.endpoint = endpoint
         # RuntimeClass name -> its handler, as kubelet's runtimeClassManager reads them.
@@ -205,6 +211,9 @@ class KubeletRuntime:
         self.pod_logs_dir = pod_logs_dir or kubelet.root.parent / "pod-logs"
         self.resolv_conf = resolv_conf
         self.sync_backoff = sync_backoff
+        self.crash_backoff = crash_backoff
+        # (pod uid, container name) -> the back-off before its next restart.
+        self.backoff: dict[tuple[str, str], float] = {}
         self.retry_seconds = retry_seconds
         self.channel = local_channel(endpoint)
         self.runtime = cri_pb2_grpc.RuntimeServiceStub(self.channel)
@@ -486,10 +495,23 @@ class KubeletRuntime:
             self.start_container(sandbox_id, config, pod, container, status)
         return sandbox_id
 
+    def _back_off(self, pod: Pod, container: Container, previous: cri.ContainerStatus | None) -> None:
+        """doBackOff: an exited container is started again only once its
+        back-off (10 s, doubling) has passed since it finished."""
+        if previous is None or previous.state != cri.CONTAINER_EXITED:
+            return
+        key = (pod.uid, container.name)
+        delay = self.backoff.get(key, self.crash_backoff)
+        if time.time() - previous.finished_at / 1e9 < delay:
+            raise SyncError("StartContainer", f"back-off {delay:g}s restarting failed container={container.name} "
+                            f"pod={pod.name}_{pod.namespace}({pod.uid})")
+        self.backoff[key] = min(max(delay, self.crash_backoff) * 2, CRASH_BACKOFF_MAX)
+
     def start_container(self, sandbox_id: str, sandbox_config: cri.PodSandboxConfig, pod: Pod,
                         container: Container, status: PodStatus) -> str:
-        image_ref = self.ensure_image(pod, container, sandbox_config)
         previous = status.latest(container.name)
+        self._back_off(pod, container, previous)
+        image_ref = self.ensure_image(pod, container, sandbox_config)
         restart_count = int(previous.annotations.get(CONTAINER_RESTART_COUNT, "0")) + 1 if previous else \
             self._restart_count_from_logs(pod, container)
         uid, username = self._image_user(container.image)

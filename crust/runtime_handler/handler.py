@@ -114,6 +114,9 @@ class RuntimeHandler:
         self.make_sandbox = make_sandbox
         self.sandboxes: dict[str, tuple[Sandbox, SandboxRecord]] = {}
         self.inflight = InFlight()
+        # Volumes of containers runc runs (crust.runtime_handler.containers),
+        # when this handler serves crust's OCI runtime.
+        self.containers = None
         registration.on_register = self.reclaim
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -147,7 +150,8 @@ class RuntimeHandler:
             reaper.cancel()
         # Sandboxes still running keep their claims, and so the lease they
         # were made under: the name is given up only when none is left.
-        await self.registration.stop(unregister=not self.sandboxes)
+        held = self.sandboxes or (self.containers is not None and self.containers.containers)
+        await self.registration.stop(unregister=not held)
         self.index.stop()
 
     async def recover(self) -> None:
@@ -195,6 +199,8 @@ class RuntimeHandler:
                     log.error("lost a claim", extra={"fields": {"sandbox": record.sandbox_id,
                                                                 "target_path": volume.target_path,
                                                                 "error": exc.message}})
+        if self.containers is not None:
+            await self.containers.reclaim()
 
     def _belongs(self, key: str, record: SandboxRecord) -> str:
         """A sandbox's record is stored under its id, and its volumes are

@@ -125,6 +125,23 @@ class VolumeIndex(FileSystemEventHandler):
             self.updated_at[digest] = time.monotonic()
             self.lock.notify_all()
 
+    def problem(self, digest: str) -> str | None:
+        """Why the entry named digest is not indexed, read afresh (None: it
+        reads fine, or there is no such entry)."""
+        if not os.path.lexists(self.root / digest):
+            return None
+        from crust.contract.mountinfo import digest as digest_of
+
+        try:
+            info = MountInfo.model_validate_json(self._read_entry(digest))
+        except FileNotFoundError:
+            return f"{digest}/{MOUNT_INFO} is missing"
+        except (OSError, ValueError, ValidationError) as exc:
+            return " ".join(line.strip() for line in str(exc).splitlines()[:2])[:300]
+        if digest_of(info.target_path) != digest:
+            return "its target path does not match its directory"
+        return None
+
     def get(self, digest: str) -> MountInfo | None:
         with self.lock:
             return self.entries.get(digest)

@@ -14,7 +14,8 @@ from crust.common.private import make_dirs
 from crust.runtime_handler.handler import RuntimeHandler
 from crust.runtime_handler.registration import Registration
 from crust.runtime_handler.sandbox import MountNamespaceSandbox
-from crust.runtime_handler.service import HandlerService, SandboxControlService
+from crust.runtime_handler.containers import ContainerVolumes
+from crust.runtime_handler.service import ContainerVolumesService, HandlerService, SandboxControlService
 from crust.sys import netns
 from crust.sys.proc import ProcessId
 
@@ -45,17 +46,25 @@ class HandlerDaemon:
         self.handler = RuntimeHandler(name=config.name, volumes_dir=config.volumes_dir,
                                       state_dir=config.state_dir, registration=registration,
                                       make_sandbox=make_sandbox, direct_source=direct_source)
+        services = ["Handler", "SandboxControl"]
+        if make_sandbox is mount_namespace_sandbox:
+            # The light handler also serves crust's OCI runtime (containers runc runs).
+            self.handler.containers = ContainerVolumes(self.handler, config.state_dir)
+            services.append("ContainerVolumes")
         self.daemon = Daemon("handler", config.endpoint, [
-            handler_pb2.DESCRIPTOR.services_by_name["Handler"].full_name,
-            handler_pb2.DESCRIPTOR.services_by_name["SandboxControl"].full_name,
-        ])
+            handler_pb2.DESCRIPTOR.services_by_name[name].full_name for name in services])
 
     async def run(self) -> None:
         make_dirs(self.config.state_dir)
         handler_pb2_grpc.add_HandlerServicer_to_server(HandlerService(self.handler), self.daemon.server)
         handler_pb2_grpc.add_SandboxControlServicer_to_server(SandboxControlService(self.handler), self.daemon.server)
+        if self.handler.containers is not None:
+            handler_pb2_grpc.add_ContainerVolumesServicer_to_server(
+                ContainerVolumesService(self.handler.containers), self.daemon.server)
         await self.daemon.start()
         await self.handler.start()
+        if self.handler.containers is not None:
+            self.handler.containers.start()
         if self.make_sandbox is mount_namespace_sandbox:
             # Network namespaces of sandboxes this handler has no record of
             # (killed between making one and recording its sandbox).
@@ -66,6 +75,8 @@ class HandlerDaemon:
         await self.daemon.stopping.wait()
         # Sandboxes outlive the handler daemon (as containers outlive a
         # restarted runtime daemon); their claims stay with them.
+        if self.handler.containers is not None:
+            self.handler.containers.stop()
         await self.handler.stop()
         await self.daemon.stop()
 

@@ -6,37 +6,63 @@ from __future__ import annotations
 from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common import csi_input
 from crust.common.errors import FailedPrecondition
+from crust.runtime_handler.containers import ContainerVolumes
 from crust.runtime_handler.handler import RuntimeHandler, State
 from crust.sys import blockdev
 
 
 class HandlerService(handler_pb2_grpc.HandlerServicer):
+    """Sandboxes are the handler's own, or (with crust's OCI runtime) pods
+    whose containers runc runs: a sandbox id the handler did not make names
+    a pod, answered from its containers' records."""
+
     def __init__(self, handler: RuntimeHandler):
         self.handler = handler
 
+    def _container(self, target_path: str, sandbox_id: str):
+        containers = self.handler.containers
+        if sandbox_id in self.handler.sandboxes or containers is None:
+            return None
+        return containers.find(target_path, sandbox_id)
+
     async def GetVolumeStats(self, request: handler_pb2.GetVolumeStatsRequest, context):
-        sandbox, volume = self.handler.find(csi_input.required(request.target_path, "target_path"),
-                                            csi_input.required(request.sandbox_id, "sandbox_id"))
-        stats = await sandbox.stats(volume.mount_point, volume.readonly)
+        target_path = csi_input.required(request.target_path, "target_path")
+        sandbox_id = csi_input.required(request.sandbox_id, "sandbox_id")
+        in_container = self._container(target_path, sandbox_id)
+        if in_container is not None:
+            stats = await self.handler.containers.stats(*in_container)
+        else:
+            sandbox, volume = self.handler.find(target_path, sandbox_id)
+            stats = await sandbox.stats(volume.mount_point, volume.readonly)
         return handler_pb2.GetVolumeStatsResponse(usage=stats.usage, volume_condition=stats.condition)
 
     async def ExpandVolume(self, request: handler_pb2.ExpandVolumeRequest, context):
-        sandbox, volume = self.handler.find(csi_input.required(request.target_path, "target_path"),
-                                            csi_input.required(request.sandbox_id, "sandbox_id"))
+        target_path = csi_input.required(request.target_path, "target_path")
+        sandbox_id = csi_input.required(request.sandbox_id, "sandbox_id")
+        in_container = self._container(target_path, sandbox_id)
+        if in_container is None:
+            sandbox, volume = self.handler.find(target_path, sandbox_id)
+        device = in_container[1].device if in_container is not None else volume.device
         wanted = request.capacity_range.required_bytes if request.HasField("capacity_range") else 0
-        size = blockdev.size_bytes(volume.device)
+        size = blockdev.size_bytes(device)
         if wanted > size:
             # The file system can only grow to what the device holds: the
             # device is grown first (by the driver), then the handler is asked.
             raise FailedPrecondition(f"capacity_range.required_bytes {wanted} is more than the {size} bytes of "
-                                     f"{volume.device}: grow the device first")
-        with self.handler.inflight.hold(request.target_path):
-            await sandbox.grow(volume.fs_type, volume.device, volume.mount_point)
-        return handler_pb2.ExpandVolumeResponse(capacity_bytes=blockdev.size_bytes(volume.device))
+                                     f"{device}: grow the device first")
+        with self.handler.inflight.hold(target_path):
+            if in_container is not None:
+                await self.handler.containers.expand(*in_container)
+            else:
+                await sandbox.grow(volume.fs_type, volume.device, volume.mount_point)
+        return handler_pb2.ExpandVolumeResponse(capacity_bytes=blockdev.size_bytes(device))
 
     async def GetSandbox(self, request, context):
         entry = self.handler.sandboxes.get(request.sandbox_id)
         if entry is None:
+            containers = self.handler.containers
+            if containers is not None and containers.alive(request.sandbox_id):
+                return handler_pb2.GetSandboxResponse(state=State.RUNNING)
             return handler_pb2.GetSandboxResponse(state=State.GONE)
         return handler_pb2.GetSandboxResponse(state=State.RUNNING if entry[0].alive() else State.STOPPED)
 
@@ -59,3 +85,30 @@ class SandboxControlService(handler_pb2_grpc.SandboxControlServicer):
         return handler_pb2.ListSandboxesResponse(sandboxes=[
             self.handler.info(s, r) for s, r in sorted(self.handler.sandboxes.values(), key=lambda e: e[1].sandbox_id)
         ])
+
+
+class ContainerVolumesService(handler_pb2_grpc.ContainerVolumesServicer):
+    """What crust's OCI runtime asks (crust.runtime_handler.containers)."""
+
+    def __init__(self, containers: ContainerVolumes):
+        self.containers = containers
+
+    async def PrepareContainer(self, request: handler_pb2.PrepareContainerRequest, context):
+        mounts = await self.containers.prepare(
+            csi_input.required(request.container_id, "container_id"),
+            csi_input.required(request.sandbox_id, "sandbox_id"), request.bundle, list(request.mounts),
+            request.runtime_pid)
+        return handler_pb2.PrepareContainerResponse(mounts=[self.containers.describe(m) for m in mounts])
+
+    async def ContainerCreated(self, request: handler_pb2.ContainerCreatedRequest, context):
+        await self.containers.created(csi_input.required(request.container_id, "container_id"), request.pid)
+        return handler_pb2.ContainerCreatedResponse()
+
+    async def ReleaseContainer(self, request: handler_pb2.ReleaseContainerRequest, context):
+        await self.containers.release(csi_input.required(request.container_id, "container_id"))
+        return handler_pb2.ReleaseContainerResponse()
+
+    async def ListContainers(self, request, context):
+        return handler_pb2.ListContainersResponse(containers=[
+            self.containers.info(r) for r in sorted(self.containers.containers.values(),
+                                                    key=lambda r: r.container_id)])

@@ -1,0 +1,449 @@
+"""Deferred volumes of containers that runc runs (crust's OCI runtime).
+
+The light handler's own sandboxes are mount namespaces it makes itself.
+Under a CRI runtime, containerd (or CRI-O) makes the containers with runc;
+crust's OCI runtime (crust.oci_runtime) sits where runc is called and asks
+this part of the handler, over the handler's socket:
+
+1. PrepareContainer, before `runc create`: every bind mount whose source is
+   a deferred volume's target path is resolved through the watched
+   directory, claimed through the registry under the handler's lease (the
+   claim's sandbox is the pod, so two containers of one pod share it and a
+   second pod is refused), its device checked, and described back: the
+   runtime replaces the bind by a mount of the device at the same
+   destination, which runc makes inside the container's mount namespace
+   (the host's mount table never has it). A deferred target without a
+   readable entry fails here, so the empty placeholder is never bound.
+2. ContainerCreated, after `runc create`: the container's init process is
+   recorded (pid and start time) and becomes the claims' holder; the pod's
+   fsGroup is applied on the mounted file system, reached through
+   /proc/PID/root, before the workload starts.
+3. Stats and expansion, while the container runs: the file system is
+   reached the same way, measured with statvfs and grown with the file
+   system's ioctl (crust.sys.growfs).
+4. ReleaseContainer, after `runc delete`: the claims go, unless another
+   container of the pod still uses the volume. Should no delete come (the
+   shim was killed and nothing cleaned up), the reaper releases the claims
+   once the container's processes are all gone, or once the runtime that
+   prepared them died without reporting the container created.
+
+Records (one per container) survive a handler restart; the claims are
+re-asserted after each registration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from crust.api import csi_pb2, handler_pb2
+from crust.common import copath
+from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument, NotFound
+from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
+from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
+from crust.contract.volumes_dir import check_sandbox_id
+from crust.runtime_handler.handler import check_device
+from crust.runtime_handler.resolve import CSI_DIR, Resolved, SubpathEscapes, candidates, resolve
+from crust.runtime_handler.sandbox import VolumeStats, Usage, volume_condition
+from crust.sys import blockdev, growfs, ownership, proc
+from crust.sys import mount as sysmount
+
+log = logging.getLogger(__name__)
+
+# The shim's fail-closed placeholder at a deferred target (crust.csi_shim.node).
+PLACEHOLDER_SOURCE = "crust-deferred"
+# How long a container whose processes are all gone, or whose preparing
+# runtime died, keeps its claims before the reaper releases them: the
+# runtime's own `delete` normally comes first.
+REAP_GRACE = 5.0
+PREPARED, CREATED = "prepared", "created"
+BIND_OPTIONS = {"bind", "rbind"}
+SHARED_PROPAGATION = {"shared", "rshared"}
+# Propagation flags of the bind that mean nothing for a mounted device.
+DROPPED_OPTIONS = BIND_OPTIONS | {"private", "rprivate", "slave", "rslave", "unbindable", "runbindable"}
+
+
+class ContainerMount(BaseModel):
+    destination: str
+    target_path: str
+    device: str
+    fs_type: str
+    options: list[str] = Field(default_factory=list)
+    readonly: bool = False
+    device_major: int = 0
+    device_minor: int = 0
+    fs_group: str = ""
+    fs_group_change_policy: str = ""
+
+
+class ContainerRecord(BaseModel):
+    container_id: str
+    sandbox_id: str
+    bundle: str = ""
+    state: str = PREPARED
+    runtime_pid: int = 0
+    runtime_pid_start: int = 0
+    pid: int = 0
+    pid_start: int = 0
+    # The container's mount namespace ("mnt:[inode]"), read from its init.
+    mount_namespace: str = ""
+    mounts: list[ContainerMount] = Field(default_factory=list)
+    created_at: float = Field(default_factory=time.time)
+
+    def init(self) -> proc.ProcessId | None:
+        return proc.ProcessId(self.pid, self.pid_start) if self.pid and self.pid_start else None
+
+    def runtime(self) -> proc.ProcessId | None:
+        return proc.ProcessId(self.runtime_pid, self.runtime_pid_start) if self.runtime_pid_start else None
+
+    def targets(self) -> list[str]:
+        return sorted({m.target_path for m in self.mounts})
+
+
+def is_placeholder(target: str) -> bool:
+    entry = sysmount.at(target)
+    return entry is not None and entry.fs_type == "tmpfs" and entry.source == PLACEHOLDER_SOURCE
+
+
+def volume_target(source: str) -> str | None:
+    """The .../kubernetes.io~csi/<pv>/mount directory a source lies in."""
+    found = candidates(source)
+    parts = found[-1].split("/")
+    return found[-1] if len(parts) >= 3 and parts[-3] == CSI_DIR and parts[-1] == "mount" else None
+
+
+def device_options(info: MountInfo, readonly: bool) -> list[str]:
+    options = [o for o in info.options if o not in DROPPED_OPTIONS and o not in ("ro", "rw")]
+    if info.fstype == "xfs" and "nouuid" not in options:
+        options.append("nouuid")  # a clone carries its source's UUID
+    return (["ro"] if readonly else ["rw"]) + options
+
+
+def mount_namespace(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return ""
+
+
+def namespace_has_members(namespace: str) -> bool:
+    if not namespace:
+        return False
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and mount_namespace(int(entry.name)) == namespace:
+            return True
+    return False
+
+
+class ContainerVolumes:
+    def __init__(self, handler, state_dir: Path, reap_grace: float = REAP_GRACE):
+        self.handler = handler
+        self.reap_grace = reap_grace
+        self.records = RecordStore(state_dir / "containers", ContainerRecord)
+        self.containers: dict[str, ContainerRecord] = dict(self.records.load_all())
+        self.lock = asyncio.Lock()
+        self.gone_since: dict[str, float] = {}
+        self.reaper: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.reaper = asyncio.create_task(self._reap_forever())
+
+    def stop(self) -> None:
+        if self.reaper is not None:
+            self.reaper.cancel()
+
+    # -- 1. before runc create ---------------------------------------------------------------
+
+    async def prepare(self, container_id: str, sandbox_id: str, bundle: str, mounts, runtime_pid: int,
+                      ) -> list[ContainerMount]:
+        if not valid_key(container_id):
+            raise InvalidArgument(f"container_id {container_id!r} must be {KEY_RULE}")
+        check_sandbox_id(sandbox_id)
+        async with self.lock:
+            existing = self.containers.get(container_id)
+            if existing is not None:
+                if existing.sandbox_id != sandbox_id:
+                    raise FailedPrecondition(f"container {container_id} was prepared for sandbox "
+                                             f"{existing.sandbox_id}, not {sandbox_id}")
+                return existing.mounts
+            plan: list[tuple[object, MountInfo]] = []
+            for mount in mounts:
+                if not (mount.type == "bind" or BIND_OPTIONS & set(mount.options)) or not mount.source.startswith("/"):
+                    continue
+                resolved = await self._resolve(mount.source)
+                if resolved is None:
+                    continue
+                if resolved.subpath:
+                    raise FailedPrecondition(
+                        f"{mount.source} is a subpath of the deferred volume {resolved.info.target_path}: runc "
+                        "mounts a device whole, so a subpath of a deferred volume cannot be given to a container")
+                if SHARED_PROPAGATION & set(mount.options):
+                    raise FailedPrecondition(
+                        f"the mount of {resolved.info.target_path} at {mount.destination} asks for shared "
+                        "(Bidirectional) propagation: its file system would show up on the host")
+                plan.append((mount, resolved.info))
+            if not plan:
+                return []
+            await asyncio.wait_for(self.handler.registration.registered.wait(), 10)
+            runtime = proc.identify(runtime_pid) if runtime_pid > 0 else None
+            record = ContainerRecord(container_id=container_id, sandbox_id=sandbox_id, bundle=bundle,
+                                     runtime_pid=runtime.pid if runtime else 0,
+                                     runtime_pid_start=runtime.start if runtime else 0)
+            claimed: list[str] = []
+            try:
+                for mount, info in plan:
+                    if info.fstype not in self.handler.registration.filesystems:
+                        raise FailedPrecondition(f"handler {self.handler.name} cannot mount {info.fstype}")
+                    if info.target_path not in claimed:
+                        # Claim first: a second pod is refused before anything touches the device.
+                        await self.handler.registration.claim(info.target_path, sandbox_id,
+                                                              self._holder_pid(info.target_path, sandbox_id))
+                        claimed.append(info.target_path)
+                    check_device(info)
+                    readonly = info.readonly or "ro" in mount.options
+                    record.mounts.append(ContainerMount(
+                        destination=mount.destination, target_path=info.target_path, device=info.device,
+                        fs_type=info.fstype, options=device_options(info, readonly), readonly=readonly,
+                        device_major=info.device_major, device_minor=info.device_minor,
+                        fs_group=info.metadata.get(FS_GROUP, ""),
+                        fs_group_change_policy=info.metadata.get(FS_GROUP_CHANGE_POLICY, "")))
+                await self.records.put(container_id, record)
+                self.containers[container_id] = record
+            except BaseException:
+                for target in claimed:
+                    await self._release_target(target, sandbox_id, container_id, "")
+                raise
+            log.info("container volumes claimed", extra={"fields": {
+                "container": container_id, "sandbox": sandbox_id, "volumes": record.targets()}})
+            return record.mounts
+
+    async def _resolve(self, source: str) -> Resolved | None:
+        """The deferred volume a bind source is (None: not a deferred
+        volume); FailedPrecondition for a deferred target whose entry is
+        missing or unreadable, so its placeholder is never bound."""
+        try:
+            resolved = resolve(source, self.handler.index)
+        except SubpathEscapes as exc:
+            raise InvalidArgument(str(exc)) from None
+        if resolved is not None or CSI_DIR not in source.split("/"):
+            return resolved
+        target = volume_target(source)
+        if target is None:
+            return None
+        name = digest(target)
+        entry_dir = os.path.lexists(self.handler.index.root / name)
+        if not entry_dir and not is_placeholder(target):
+            return None  # a volume mounted on the host: not deferred
+        # Published just now: give the entry a moment to be indexed.
+        resolved, _ = await self.handler._wait_resolve(source)
+        if resolved is not None:
+            return resolved
+        problem = self.handler.index.problem(name)
+        if problem:
+            raise FailedPrecondition(f"the deferred-mount entry of {target} is unreadable ({problem}); "
+                                     "refusing to give the container the empty placeholder")
+        raise FailedPrecondition(f"{target} is a deferred volume (the shim's placeholder is mounted there) but "
+                                 f"{self.handler.index.root} has no entry for it; refusing to give the container "
+                                 "the empty placeholder")
+
+    def _holder_pid(self, target_path: str, sandbox_id: str, excluding: str = "") -> int:
+        """The init of a live container of the pod that uses target_path (0
+        if none): the claim's process while it runs."""
+        for record in self.containers.values():
+            if record.container_id != excluding and record.sandbox_id == sandbox_id \
+                    and target_path in record.targets() and proc.alive(record.init()):
+                return record.pid
+        return 0
+
+    # -- 2. after runc create ---------------------------------------------------------------------
+
+    async def created(self, container_id: str, pid: int) -> None:
+        async with self.lock:
+            record = self.containers.get(container_id)
+            if record is None:
+                raise NotFound(f"container {container_id} was not prepared by this handler")
+            init = proc.identify(pid)
+            if pid <= 0 or init is None:
+                raise InvalidArgument(f"pid {pid} of container {container_id} is not a running process")
+            record.pid, record.pid_start = init.pid, init.start
+            record.mount_namespace = mount_namespace(pid)
+            record.state = CREATED
+            for target in record.targets():
+                if self._holder_pid(target, record.sandbox_id, excluding=container_id) == 0:
+                    await self.handler.registration.claim(target, record.sandbox_id, pid)
+            for mount in record.mounts:
+                if mount.fs_group and not mount.readonly:
+                    await asyncio.to_thread(self._apply_fs_group, record, mount)
+            await self.records.put(container_id, record)
+        log.info("container created", extra={"fields": {"container": container_id, "pid": pid}})
+
+    def _apply_fs_group(self, record: ContainerRecord, mount: ContainerMount) -> None:
+        with self._reach(record, mount) as (_, fd):
+            ownership.apply_fs_group(fd, int(mount.fs_group), mount.fs_group_change_policy or ownership.ALWAYS)
+
+    @contextlib.contextmanager
+    def _reach(self, record: ContainerRecord, mount: ContainerMount):
+        """The container's mount of the volume, as (CoPath, O_PATH fd),
+        reached from the container's root without following a link; refused
+        unless the container's init still runs and it is the volume there."""
+        init = record.init()
+        if not proc.alive(init):
+            raise FailedPrecondition(f"container {record.container_id} is not running")
+        root_fd = os.open(f"/proc/{init.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if not proc.alive(init):  # the root opened is that process's, not a reused pid's
+                raise FailedPrecondition(f"container {record.container_id} is not running")
+            with copath.reach(mount.destination, "destination", root_fd=root_fd) as at, at.opened() as fd:
+                st = os.fstat(fd)
+                if mount.device_major and (os.major(st.st_dev), os.minor(st.st_dev)) != (mount.device_major,
+                                                                                         mount.device_minor):
+                    raise FailedPrecondition(f"{mount.destination} in container {record.container_id} is not "
+                                             f"the volume {mount.target_path}")
+                yield at, fd
+        finally:
+            os.close(root_fd)
+
+    # -- 3. while it runs -------------------------------------------------------------------------
+
+    def find(self, target_path: str, sandbox_id: str) -> tuple[ContainerRecord, ContainerMount]:
+        """A running container of the sandbox with target_path mounted."""
+        for record in self.containers.values():
+            if record.sandbox_id != sandbox_id or record.state != CREATED or not proc.alive(record.init()):
+                continue
+            for mount in record.mounts:
+                if mount.target_path == target_path:
+                    return record, mount
+        raise NotFound(f"no running container of sandbox {sandbox_id} holds {target_path}")
+
+    def alive(self, sandbox_id: str) -> bool:
+        return any(r.sandbox_id == sandbox_id and (proc.alive(r.init()) or proc.alive(r.runtime()))
+                   for r in self.containers.values())
+
+    async def stats(self, record: ContainerRecord, mount: ContainerMount) -> VolumeStats:
+        def measure() -> VolumeStats:
+            try:
+                with self._reach(record, mount) as (at, fd):
+                    st = os.statvfs(fd)
+                    total, free, avail = st.f_blocks * st.f_frsize, st.f_bfree * st.f_frsize, st.f_bavail * st.f_frsize
+                    usage = [Usage(unit=Usage.BYTES, total=total, available=avail, used=total - free),
+                             Usage(unit=Usage.INODES, total=st.f_files, available=st.f_ffree,
+                                   used=st.f_files - st.f_ffree)]
+                    return VolumeStats(usage, volume_condition(at.parent_fd, fd, st, mount.readonly))
+            except FailedPrecondition as exc:
+                return VolumeStats([], csi_pb2.VolumeCondition(abnormal=True, message=exc.message))
+        return await asyncio.to_thread(measure)
+
+    async def expand(self, record: ContainerRecord, mount: ContainerMount) -> int:
+        def grow() -> None:
+            with self._reach(record, mount) as (_, path_fd):
+                fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    growfs.grow(fd, mount.fs_type, blockdev.size_bytes(mount.device))
+                finally:
+                    os.close(fd)
+        try:
+            await asyncio.to_thread(grow)
+        except growfs.GrowError as exc:
+            raise FailedPrecondition(f"growing the {mount.fs_type} file system of {mount.target_path} in "
+                                     f"container {record.container_id}: {exc}") from None
+        return blockdev.size_bytes(mount.device)
+
+    # -- 4. after runc delete ---------------------------------------------------------------------
+
+    async def release(self, container_id: str, abnormal_reason: str = "") -> None:
+        async with self.lock:
+            record = self.containers.get(container_id)
+            if record is None:
+                return
+            errors = []
+            for target in record.targets():
+                try:
+                    await self._release_target(target, record.sandbox_id, container_id, abnormal_reason)
+                except CrustError as exc:
+                    errors.append(exc.message)
+            if errors:
+                raise FailedPrecondition(f"container {container_id}: {'; '.join(errors)}")
+            await self.records.delete(container_id)
+            self.containers.pop(container_id, None)
+            self.gone_since.pop(container_id, None)
+        log.info("container volumes released", extra={"fields": {
+            "container": container_id, "sandbox": record.sandbox_id, "volumes": record.targets(),
+            "abnormal": abnormal_reason}})
+
+    async def _release_target(self, target: str, sandbox_id: str, container_id: str, abnormal_reason: str) -> None:
+        """Release the pod's claim on target unless another container of the
+        pod uses it (then that container's init becomes its process)."""
+        others = [r for r in self.containers.values() if r.container_id != container_id
+                  and r.sandbox_id == sandbox_id and target in r.targets()]
+        if others:
+            pid = self._holder_pid(target, sandbox_id, excluding=container_id)
+            if pid:
+                await self.handler.registration.claim(target, sandbox_id, pid)
+            return
+        await self.handler.registration.release(target, sandbox_id, abnormal_reason)
+
+    # -- restarts and the reaper ---------------------------------------------------------------------
+
+    async def reclaim(self) -> None:
+        """After each (re-)registration: the claims of the recorded containers."""
+        for record in list(self.containers.values()):
+            for target in record.targets():
+                try:
+                    await self.handler.registration.claim(
+                        target, record.sandbox_id, self._holder_pid(target, record.sandbox_id))
+                except CrustError as exc:
+                    log.error("lost a container's claim", extra={"fields": {
+                        "container": record.container_id, "target_path": target, "error": exc.message}})
+
+    def gone(self, record: ContainerRecord) -> str:
+        """Why a container's claims are no longer held ("" while they are)."""
+        if record.state == CREATED:
+            if proc.alive(record.init()) or namespace_has_members(record.mount_namespace):
+                return ""
+            return f"container {record.container_id} exited and no runtime deleted it"
+        if proc.alive(record.runtime()):
+            return ""
+        return f"the runtime preparing container {record.container_id} died before runc created it"
+
+    async def reap_once(self) -> list[str]:
+        released = []
+        now = time.monotonic()
+        for container_id, record in list(self.containers.items()):
+            reason = await asyncio.to_thread(self.gone, record)
+            if not reason:
+                self.gone_since.pop(container_id, None)
+                continue
+            since = self.gone_since.setdefault(container_id, now)
+            if now - since < self.reap_grace:
+                continue
+            log.warning("releasing the claims of a gone container", extra={"fields": {
+                "container": container_id, "reason": reason}})
+            try:
+                await self.release(container_id, reason)
+                released.append(container_id)
+            except CrustError as exc:
+                log.warning("could not release a gone container's claims", extra={"fields": {
+                    "container": container_id, "error": exc.message}})
+        return released
+
+    async def _reap_forever(self, interval: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.reap_once()
+
+    def info(self, record: ContainerRecord) -> handler_pb2.ContainerInfo:
+        return handler_pb2.ContainerInfo(
+            container_id=record.container_id, sandbox_id=record.sandbox_id, state=record.state, pid=record.pid,
+            alive=proc.alive(record.init()), mounts=[self.describe(m) for m in record.mounts])
+
+    @staticmethod
+    def describe(mount: ContainerMount) -> handler_pb2.DeferredContainerMount:
+        return handler_pb2.DeferredContainerMount(
+            destination=mount.destination, target_path=mount.target_path, device=mount.device,
+            fs_type=mount.fs_type, options=mount.options, readonly=mount.readonly)
