@@ -9,6 +9,7 @@ import json
 import io
 import os
 import shutil
+import subprocess
 import signal
 import tarfile
 import time
@@ -421,3 +422,40 @@ def test_the_bundle_is_rewritten_in_place_for_deferred_mounts_only():
                                 "options": ["rw", "nouuid"]}
     assert json.loads(out["annotations"]["dev.crust.deferred-volumes"])[0]["target"] == target
     assert spec["mounts"][1]["source"] == target, "the original spec is left as it was"
+
+
+# -- deploy/: the runtime's configuration for containerd, CRI-O and Kubernetes -----------------------------
+
+
+def test_deploy_configures_crust_runc_for_containerd_cri_o_and_kubernetes(tmp_path):
+    import tomllib
+
+    import yaml
+
+    from crust.oci_runtime.main import settings
+    from tests.test_deploy import validate
+
+    deploy = Path(__file__).resolve().parent.parent / "deploy"
+    drop_in = deploy / "containerd" / "crust-runc.toml"
+    # containerd itself merges the drop-in (config dump reads, starts nothing).
+    config = tmp_path / "config.toml"
+    config.write_text(f'version = 2\nroot = "{tmp_path}/root"\nstate = "{tmp_path}/state"\n'
+                      f'imports = ["{drop_in}"]\n[grpc]\n  address = "{tmp_path}/c.sock"\n')
+    dump = subprocess.run(["containerd", "--config", str(config), "config", "dump"], capture_output=True,
+                          text=True, timeout=30, check=True).stdout
+    merged = tomllib.loads(dump)
+    runtime = merged["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["crust-runc"]
+    assert runtime["runtime_type"] == "io.containerd.runc.v2"
+    binary = runtime["options"]["BinaryName"]
+    assert binary.endswith("/crust-oci-runtime")
+    crio = tomllib.loads((deploy / "crio" / "crust-runc.conf").read_text())["crio"]["runtime"]["runtimes"]
+    assert crio["crust-runc"]["runtime_path"] == binary and crio["crust-runc"]["runtime_type"] == "oci"
+    runtime_class = yaml.safe_load((deploy / "kubernetes" / "runtimeclass-crust-runc.yaml").read_text())
+    validate(runtime_class)
+    assert runtime_class["metadata"]["name"] == runtime_class["handler"] == "crust-runc"
+    # The runtime's own file is read as the runtime reads it.
+    values = settings({"CRUST_OCI_RUNTIME_CONFIG": str(deploy / "oci-runtime.json")})
+    assert values["handlerEndpoint"] == "unix:///run/crust/handler.sock" and values["runc"] == "/usr/sbin/runc"
+    (tmp_path / "bad.json").write_text('{"handlerEndpont": "x"}')
+    with pytest.raises(Exception, match="unknown key"):
+        settings({"CRUST_OCI_RUNTIME_CONFIG": str(tmp_path / "bad.json")})
