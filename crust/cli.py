@@ -267,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "kata, a QEMU microVM whose kernel mounts the volume")
     demo.add_argument("--fs", default="xfs", choices=["ext4", "xfs"],
                       help="file system of the demo volume (default: xfs, which grows online here)")
+    demo.add_argument("--cri", action="store_true",
+                      help="the pod is a real pod: a private containerd starts it through CRI with the RuntimeClass "
+                           "crust-runc (crust's OCI runtime, which mounts the volume inside the container); kubelet's "
+                           "CRI side replayed")
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
     demo.add_argument("--keep", action="store_true", help="keep the temporary root for inspection")
     return parser
@@ -421,5 +425,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from crust.demo import run_demo
 
-        return run_demo(fs_type=args.fs, runtime=args.runtime, as_json=args.json, keep=args.keep)
+        return run_demo(fs_type=args.fs, runtime=args.runtime, as_json=args.json, keep=args.keep, cri=args.cri)
     return 2

@@ -41,6 +41,20 @@ from crust.sys.sweep import release_under
 
 MIB = 1024**2
 FS_GROUP = 2000
+RUNTIME_CLASS = "crust-runc"
+# The pod's process writes 1 MiB and its sha256 into the volume and says
+# which group the file got.
+WRITE_SCRIPT = ("head -c 1048576 /dev/urandom > /data/payload.bin && "
+                "sha256sum /data/payload.bin | cut -d' ' -f1 > /data/payload.sha256 && sync && "
+                "echo \"file-group: $(ls -ln /data/payload.bin | awk '{print $4}')\"")
+# df's view of the volume from inside the sandbox, for the comparison with
+# NodeGetVolumeStats (the last lines a sandbox prints; run through ExecSync
+# under CRI).
+DF_SCRIPT = ("echo \"df-bytes: $(df -P -B1 /data | tail -n 1)\" && "
+             "echo \"df-inodes: $(df -P -i /data | tail -n 1)\"")
+# Under CRI the container stays up (stats and expansion while it runs)
+# until kubelet stops it: SIGTERM, and it exits 0.
+CRI_SCRIPT = WRITE_SCRIPT + " && echo written && trap 'echo stopping; exit 0' TERM; sleep infinity & wait"
 AccessMode = csi_pb2.VolumeCapability.AccessMode
 
 
@@ -136,16 +150,27 @@ class NodeProcess:
 class Demo:
     """Plays kubelet (crust.kubelet) against `crust node`."""
 
-    def __init__(self, root: Path, fs_type: str, runtime: str, timeline: Timeline):
+    def __init__(self, root: Path, fs_type: str, runtime: str, timeline: Timeline, cri: bool = False):
         self.root = root
         self.fs_type = fs_type
         self.runtime = runtime
+        # --cri: the pod is a real pod, started by containerd through CRI
+        # with the RuntimeClass crust-runc (crust's OCI runtime).
+        self.cri = cri
+        self.containerd = None
+        self.cri_runtime = None
+        self.cri_image = None
+        self.pod_sandbox_id = ""
+        self.container_id = ""
+        self.container_exit_code: int | None = None
+        self.containerd_version = ""
         self.t = timeline
         self.node_id = "demo-node"
         self.run_dir = root / "run"
         self.state_dir = root / "state"
         self.kubelet = Kubelet(root / "kubelet", self.node_id, retry_seconds=30)
-        self.pod = Pod(uid="0d3c2b1a-demo-pod-1", name="pod-1", fs_group=FS_GROUP)
+        self.pod = Pod(uid="0d3c2b1a-demo-pod-1", name="pod-1", fs_group=FS_GROUP, host_network=True,
+                       runtime_class_name=RUNTIME_CLASS, termination_grace_period_seconds=10)
         # After the sandbox stopped, a pod whose volume is mounted on the
         # host reads the data back.
         self.reader = Pod(uid="0d3c2b1a-demo-reader", name="reader")
@@ -228,15 +253,27 @@ class Demo:
 
     def process_output(self) -> str:
         """What the pod's process printed: the guest console of a microVM,
-        the process log of a mount-namespace sandbox."""
+        the process log of a mount-namespace sandbox, the container's log
+        under CRI."""
+        if self.cri:
+            if not self.container_id:
+                return ""
+            log_path = self.cri_runtime.container_status(self.container_id).log_path
+            return Path(log_path).read_text(errors="replace") if log_path and Path(log_path).exists() else ""
         workdir = self.handler_state / "run" / "pod-1"
         path = workdir / ("console.log" if self.runtime == "kata" else "process.log")
         return path.read_text(errors="replace") if path.exists() else ""
 
     def df_in_sandbox(self) -> dict[str, int]:
-        """The last `df` lines the pod's process printed about /data."""
+        """The last `df` lines the pod's process printed about /data; under
+        CRI, df run in the container now, through ExecSync."""
         found: dict[str, int] = {}
-        for line in self.process_output().splitlines():
+        output = self.process_output()
+        if self.cri:
+            out = self.cri_runtime.exec_sync(self.container_id, ["/bin/sh", "-c", DF_SCRIPT])
+            _check(out.exit_code == 0, f"df through ExecSync exited with {out.exit_code}: {out.stderr!r}")
+            output = out.stdout.decode(errors="replace")
+        for line in output.splitlines():
             for tag, keys in (("df-bytes:", ("bytes_total", "bytes_used", "bytes_available")),
                               ("df-inodes:", ("inodes_total", "inodes_used", "inodes_available"))):
                 if tag in line:
@@ -255,19 +292,109 @@ class Demo:
     def write_bundle(self) -> Path:
         bundle = self.root / "bundle"
         (bundle / "rootfs").mkdir(parents=True, exist_ok=True)
-        # The last lines are df's view from inside the sandbox, printed after
-        # the last write, for the comparison with NodeGetVolumeStats.
-        script = ("head -c 1048576 /dev/urandom > /data/payload.bin && "
-                  "sha256sum /data/payload.bin | cut -d' ' -f1 > /data/payload.sha256 && sync && "
-                  "echo \"file-group: $(ls -ln /data/payload.bin | awk '{print $4}')\" && "
-                  "echo \"df-bytes: $(df -P -B1 /data | tail -n 1)\" && "
-                  "echo \"df-inodes: $(df -P -i /data | tail -n 1)\"")
+        script = WRITE_SCRIPT + " && " + DF_SCRIPT
         (bundle / "config.json").write_text(json.dumps({
             "ociVersion": "1.0.2", "root": {"path": "rootfs"},
             "process": {"args": ["/bin/sh", "-c", script], "env": ["PATH=/usr/bin:/bin"], "cwd": "/"},
             "mounts": [{"destination": "/data", "source": str(self.target), "type": "bind", "options": ["rbind"]}],
         }, indent=1))
         return bundle
+
+    # -- a real pod through CRI (--cri) -------------------------------------------------
+
+    def start_containerd(self) -> str:
+        """A private containerd (crust.kubelet.containerd) whose runtime
+        crust-runc is crust's OCI runtime against this node's handler, and
+        kubelet's CRI side connected to it."""
+        from crust.kubelet import image as images
+        from crust.kubelet.containerd import Containerd
+        from crust.kubelet.cri import KubeletRuntime
+
+        runtime = Path(sys.executable).parent / "crust-oci-runtime"
+        runtime = runtime if runtime.exists() else Path(shutil.which("crust-oci-runtime") or runtime)
+        self.cri_image = images.build(self.root / "images")
+        self.containerd = Containerd(
+            self.root / "containerd", sandbox_image=self.cri_image.name,
+            runtimes={"runc": "", RUNTIME_CLASS: str(runtime)},
+            env={"CRUST_HANDLER_ENDPOINT": f"unix://{self.handler_socket}",
+                 "CRUST_OCI_RUNTIME_STATE": str(self.root / "oci-runtime")})
+        self.containerd.start()
+        self.containerd.import_image(self.cri_image)
+        self.cri_runtime = KubeletRuntime(self.kubelet, self.containerd.endpoint,
+                                          runtime_classes={RUNTIME_CLASS: RUNTIME_CLASS},
+                                          cgroup_root=self.containerd.cgroup_root,
+                                          pod_logs_dir=self.root / "pod-logs", retry_seconds=0)
+        version = self.cri_runtime.connect()
+        self.containerd_version = version.runtime_version
+        return (f"containerd {version.runtime_version} (CRI {version.runtime_api_version}), runtime {RUNTIME_CLASS}: "
+                f"runc shim with BinaryName {runtime.name}; image {self.cri_image.name} from busybox-static")
+
+    def start_pod_cri(self) -> str:
+        from crust.api import cri_pb2 as cri
+        from crust.kubelet import Container, VolumeMount
+        from crust.kubelet.cri import SyncError
+
+        self.pod.volumes = {"data": self.pv}
+        self.pod.containers = [Container("app", self.cri_image.name, command=["/bin/sh", "-c", CRI_SCRIPT],
+                                         volume_mounts=[VolumeMount("data", "/data")])]
+        try:
+            self.pod_sandbox_id = self.cri_runtime.run_pod(self.pod)
+        except SyncError as exc:
+            raise StepFailed(str(exc)) from None
+        calls = [c for c in self.cri_runtime.calls if c in ("RunPodSandbox", "ImageStatus", "CreateContainer",
+                                                            "StartContainer")]
+        self.sandbox_started = True
+        self.container_id = self.cri_runtime.pod_status(self.pod).latest("app").id
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            self.watch_host()
+            status = self.cri_runtime.container_status(self.container_id)
+            _check(status.state != cri.CONTAINER_EXITED, f"the container exited with {status.exit_code}: "
+                   f"{self.process_output()[-500:]}")
+            if "written" in self.process_output():
+                group = self.group_in_sandbox()
+                _check(group == str(FS_GROUP), f"the pod's file has group {group!r}, not the fsGroup {FS_GROUP}")
+                return (f"{', '.join(calls)}; sandbox {self.pod_sandbox_id[:13]}, container {self.container_id[:13]} wrote "
+                        f"1 MiB + its sha256 to /data (mounted by runc in the container only); group {group}")
+            time.sleep(0.05)
+        raise StepFailed("the container did not write within 30 s")
+
+    def restart_containerd(self) -> str:
+        from crust.api import cri_pb2 as cri
+
+        self.watch_host()
+        self.containerd.restart()
+        status = self.cri_runtime.container_status(self.container_id)
+        _check(status.state == cri.CONTAINER_RUNNING, "the container does not run after containerd's restart")
+        df = self.df_in_sandbox()
+        _check(df == self.stats(), f"after the restart, df {df} differs from NodeGetVolumeStats")
+        return "containerd stopped and started again; the container runs on, df through ExecSync = stats"
+
+    def stop_pod_cri(self) -> str:
+        from crust.api import cri_pb2 as cri
+        from crust.api import registry_pb2, registry_pb2_grpc
+
+        self.watch_host()
+        self.cri_runtime.kill_pod(self.pod)
+        status = self.cri_runtime.container_status(self.container_id)
+        _check(status.state == cri.CONTAINER_EXITED, "the container did not exit")
+        self.container_exit_code = status.exit_code
+        _check(status.exit_code == 0, f"the container exited with {status.exit_code}")
+        with local_channel(f"unix://{self.run_dir / 'runtime' / 'proxy.sock'}") as channel:
+            claims = registry_pb2_grpc.RegistryStub(channel).ListClaims(registry_pb2.ListClaimsRequest(), timeout=10)
+        _check(not claims.claims, f"the claim was not released: {claims.claims}")
+        self.cri_runtime.remove_pod(self.pod)
+        self.sandbox_started = False
+        return (f"StopContainer (SIGTERM): exit code {status.exit_code} in ContainerStatus; StopPodSandbox; the "
+                "runtime's delete released the claim; RemoveContainer, RemovePodSandbox")
+
+    def stop_containerd(self) -> None:
+        if self.cri_runtime is not None:
+            self.cri_runtime.close()
+            self.cri_runtime = None
+        if self.containerd is not None:
+            self.containerd.close()
+            self.containerd = None
 
     # -- the story ---------------------------------------------------------------------
 
@@ -278,6 +405,8 @@ class Demo:
         grown = size + 256 * MIB
         (self.root / "kubelet" / "plugins_registry").mkdir(parents=True)
         t.run("start crust node", self.node.start)
+        if self.cri:
+            t.run("start containerd (CRI, runtime crust-runc)", self.start_containerd)
 
         def register():
             name = k.register()
@@ -346,7 +475,10 @@ class Demo:
                             f"{info['pid']}; its file has the pod's fsGroup {group}")
                 time.sleep(0.05)
             raise StepFailed("the pod process did not finish within 30 s")
-        t.run("run pod sandbox (writes data)", run_sandbox)
+        if self.cri:
+            t.run("kubelet starts the pod through CRI (writes data)", self.start_pod_cri)
+        else:
+            t.run("run pod sandbox (writes data)", run_sandbox)
 
         def stats_before():
             self.watch_host()
@@ -375,7 +507,8 @@ class Demo:
                 # The host's kernel here refuses ext4 online growth; a guest's does not.
                 if self.fs_type == "ext4" and self.runtime == "mountns" \
                         and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    return "ext4 online growth refused on this host (grows when next mounted)"
+                    return ("ext4 online growth refused on this host (grows when next mounted): "
+                            + (exc.details() or "").rsplit(": ", 1)[-1])
                 raise
             return f"grown online inside the sandbox to {format_size(capacity)}"
         t.run("NodeExpandVolume", expand)
@@ -410,7 +543,11 @@ class Demo:
             _check(out.returncode == 0, out.stderr.strip())
             self.sandbox_started = False
             return "process stopped, volume unmounted in the sandbox, claim released"
-        t.run("stop pod sandbox", stop_sandbox)
+        if self.cri:
+            t.run("containerd restarts under the pod", self.restart_containerd)
+            t.run("kubelet stops and removes the pod", self.stop_pod_cri)
+        else:
+            t.run("stop pod sandbox", stop_sandbox)
 
         def unpublish():
             k.retried(k.tear_down, self.pv, self.pod)
@@ -452,6 +589,16 @@ class Demo:
             return "unpublished, unstaged, detached, deleted"
         t.run("NodeUnpublish + NodeUnstage + DeleteVolume", cleanup)
 
+        if self.cri:
+            def stop_containerd():
+                forced = self.containerd.close()
+                self.containerd = None
+                self.cri_runtime.close()
+                self.cri_runtime = None
+                _check(not forced, f"containerd's close had to clean up: {forced}")
+                return "containerd stopped; its directory, shims, mounts and cgroups removed"
+            t.run("stop containerd", stop_containerd)
+
         def stop_node():
             if self.channel is not None:
                 self.channel.close()
@@ -466,6 +613,10 @@ class Demo:
     def abort(self) -> None:
         """Best-effort release after a failure or Ctrl-C, through the daemons."""
         k = self.kubelet
+        if self.cri:
+            # Its pods go first: their delete releases the claims through the handler.
+            self.stop_containerd()
+            self.sandbox_started = False
         try:
             if self.sandbox_started:
                 self.sandbox("delete", "pod-1")
@@ -483,16 +634,23 @@ class Demo:
         self.node.stop()
 
 
-def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = False, keep: bool = False) -> int:
+def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = False, keep: bool = False,
+             cri: bool = False) -> int:
     if os.geteuid() != 0:
         print("crust demo: needs root (loop devices, mounts, namespaces)", file=sys.stderr)
         return 2
+    if cri and runtime != "mountns":
+        print("crust demo: --cri runs the pod with runc through crust's OCI runtime (the mountns handler); "
+              "--runtime kata under CRI is not built yet", file=sys.stderr)
+        return 2
     root = Path(tempfile.mkdtemp(prefix="crust-demo-"))
     timeline = Timeline(as_json)
-    demo = Demo(root, fs_type, runtime, timeline)
+    demo = Demo(root, fs_type, runtime, timeline, cri=cri)
     ok = False
     if not as_json:
-        print(f"crust demo: a deferred {fs_type} volume, mounted only inside a {runtime} sandbox, in {root}\n")
+        where = (f"a real pod started by containerd through CRI (RuntimeClass {RUNTIME_CLASS})" if cri
+                 else f"a {runtime} sandbox")
+        print(f"crust demo: a deferred {fs_type} volume, mounted only inside {where}, in {root}\n")
     try:
         demo.play()
         ok = all(s.ok for s in timeline.steps) and demo.data_verified and demo.stats_match_df \
@@ -504,6 +662,8 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
     finally:
         if not ok:
             demo.abort()
+        containerd_version = demo.containerd_version
+        demo.stop_containerd()
         _kill_sandboxes(root)
         netns.sweep(demo.handler_state / "run", keep=set())
         leftovers = release_under(root)
@@ -523,6 +683,9 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
             "stats_match_df": demo.stats_match_df,
             "leftovers_cleaned": leftovers,
             "ok": ok,
+            **({"cri": {"containerd": containerd_version, "runtime_handler": RUNTIME_CLASS,
+                        "pod_sandbox_id": demo.pod_sandbox_id,
+                        "container_exit_code": demo.container_exit_code}} if cri else {}),
         }, indent=1))
     else:
         total = sum(s.ms for s in timeline.steps)

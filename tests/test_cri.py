@@ -10,6 +10,7 @@ import io
 import os
 import shutil
 import subprocess
+import sys
 import signal
 import tarfile
 import time
@@ -459,3 +460,26 @@ def test_deploy_configures_crust_runc_for_containerd_cri_o_and_kubernetes(tmp_pa
     (tmp_path / "bad.json").write_text('{"handlerEndpont": "x"}')
     with pytest.raises(Exception, match="unknown key"):
         settings({"CRUST_OCI_RUNTIME_CONFIG": str(tmp_path / "bad.json")})
+
+
+# -- the demo -------------------------------------------------------------------------------------------
+
+
+def test_cri_demo_runs_every_step_and_leaves_nothing(root):
+    """`crust demo --cri --json` as a user runs it: a real pod started by
+    containerd with crust-runc, every step held, the CRI facts reported, and
+    nothing of it left (its root, containerd, shims, mounts)."""
+    tmp = root.path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "crust", "demo", "--cri", "--json"], cwd=Path(__file__).parent.parent,
+                          env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    result = json.loads(proc.stdout)
+    assert result["ok"] is True and [s["name"] for s in result["steps"] if not s["ok"]] == []
+    assert "kubelet starts the pod through CRI (writes data)" in [s["name"] for s in result["steps"]]
+    assert result["stats_match_df"] and result["data_verified"] and not result["host_mounted_during_sandbox"]
+    assert result["size_after"] > result["size_before"]  # xfs grew online inside the container
+    facts = result["cri"]
+    assert facts["containerd"].startswith("1.") and facts["runtime_handler"] == "crust-runc"
+    assert len(facts["pod_sandbox_id"]) == 64 and facts["container_exit_code"] == 0
+    assert list(tmp.iterdir()) == [] and processes_naming(str(tmp)) == []
