@@ -365,6 +365,36 @@ def test_the_image_of_a_loop_device_is_its_file_only_where_the_path_names_that_f
             sysloop.detach_sync(device)
 
 
+def test_a_device_attached_through_another_path_still_serves_its_file(root):
+    """sysfs names a backing file as the attaching process reached it: from a
+    container restarted since, a path that no longer leads there. The
+    device is still known as the file's by file system and inode, and only
+    as that file's."""
+    real, alias, other = root.path / "real", root.path / "alias", root.path / "other"
+    for directory in (real, alias, other):
+        directory.mkdir()
+    for directory in (real, other):
+        with open(directory / "vol.img", "wb") as f:
+            f.truncate(16 * MIB)
+    subprocess.run(["mount", "--bind", str(real), str(alias)], check=True)
+    aliased = True
+    device = sysloop.attach_sync(alias / "vol.img")
+    try:
+        # The device holds the file: the mount goes lazily, as a dead
+        # container's mount namespace goes.
+        subprocess.run(["umount", "--lazy", str(alias)], check=True)
+        aliased = False
+        assert sysloop._backing_file(os.path.basename(device)) not in (str(real / "vol.img"), None)
+        assert sysloop.serves(device, real / "vol.img")
+        assert sysloop.devices_for(real / "vol.img") == [device]
+        assert not sysloop.serves(device, other / "vol.img")
+        assert sysloop.devices_for(other / "vol.img") == []
+    finally:
+        if aliased:
+            subprocess.run(["umount", str(alias)], check=True)
+        sysloop.detach_sync(device)
+
+
 def test_stage_and_publish_raw_block(driver, root):
     size = SIZE["block"]
     vid = driver.create("raw", size, cap=block_cap()).volume_id

@@ -46,6 +46,7 @@ import pytest
 
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
+from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests import podspec
 from tests.containerd import Containerd, available, image_config
@@ -62,7 +63,10 @@ pytestmark = pytest.mark.slow
 
 MANIFESTS = REPO / "deploy" / "kubernetes" / "overlays" / "host-handler"
 KUBELET_ROOT = "/var/lib/kubelet"
-NODE = "node-image"
+# The node's name is its pool's directory (pools/<node>/): unique per run, so
+# the loop devices of this run are known by their backing file's path even
+# where the kernel names it from a mount namespace that is gone.
+NODE = f"node-image-{os.getpid()}"
 TOKEN = "service-account-token"
 CLONE_NEWNET = 0x40000000
 DRIVER = "loop.csi.crust.dev"
@@ -81,19 +85,13 @@ def relocated(docs: list[dict], kubelet_root: Path) -> list[dict]:
     return json.loads(text)
 
 
-def our_loop_devices(state_dir: Path) -> list[str]:
-    """Loop devices whose backing file is a file under state_dir (compared
-    by device and inode: the container names it by its own path)."""
-    files = {(os.major(s.st_dev), os.minor(s.st_dev), s.st_ino) for s in
-             (p.stat() for p in state_dir.rglob("*") if p.is_file())}
-    listing = json.loads(subprocess.run(["losetup", "--list", "--json", "-O", "NAME,BACK-INO,BACK-MAJ:MIN"],
-                                        capture_output=True, text=True, check=True).stdout or '{"loopdevices": []}')
-    found = []
-    for dev in listing.get("loopdevices", []):
-        major, minor = (int(x) for x in str(dev["back-maj:min"]).split(":"))
-        if (major, minor, int(dev["back-ino"])) in files:
-            found.append(dev["name"])
-    return found
+def our_loop_devices() -> list[str]:
+    """Loop devices backed by a file of this run's pool. The kernel names the
+    file as the process that attached it saw it (the container's
+    /var/lib/crust/..., or relative to the bind mount once that namespace is
+    gone), so the pool's directory is what is matched."""
+    marker = f"/pools/{NODE}/volumes/"
+    return sorted(device for device, backing in sysloop.attached().items() if marker in backing)
 
 
 def in_netns(netns: Path, work):
@@ -237,9 +235,9 @@ class Cluster:
             if self.netns_holder is not None:
                 self.netns_holder.kill()
                 self.netns_holder.wait()
-            for device in our_loop_devices(self.host):
+            cleanup_root(self.root)     # the mounts first: a mounted loop device is busy
+            for device in our_loop_devices():
                 subprocess.run(["losetup", "-d", device], capture_output=True)
-            cleanup_root(self.root)
 
 
 @pytest.fixture
@@ -349,7 +347,7 @@ def test_the_daemonset_runs_the_image_through_a_volume_life_a_rollout_and_an_uni
             and not m.mount_point.startswith(str(cluster.containerd.directory) + "/")
             and m.mount_point != str(cluster.host)]
     assert left == [], f"mounts left after uninstall: {left}"
-    assert our_loop_devices(cluster.host) == [], "loop devices left after uninstall"
+    assert our_loop_devices() == [], "loop devices left after uninstall"
 
 
 def _registered(kubelet: Kubelet) -> str:

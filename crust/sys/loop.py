@@ -35,11 +35,16 @@ def _backing_file(dev_name: str) -> str | None:
 
 
 def devices_for(backing_file: str | os.PathLike) -> list[str]:
-    """Every loop device currently attached to backing_file (normally 0 or 1)."""
+    """Every loop device currently attached to backing_file (normally 0 or 1):
+    named by this path in sysfs, or, for a device another mount namespace
+    attached (sysfs shows its path, ending in the same file name), reading
+    the same file by file system and inode."""
     wanted = os.path.realpath(backing_file)
     found = []
     for entry in SYS_BLOCK.glob("loop*"):
-        if _backing_file(entry.name) == wanted:
+        shown = _backing_file(entry.name)
+        if shown == wanted or (shown and os.path.basename(shown) == os.path.basename(wanted)
+                               and _reads(f"/dev/{entry.name}", wanted)):
             found.append(f"/dev/{entry.name}")
     return sorted(found)
 
@@ -63,9 +68,49 @@ def read_only(device: str) -> bool:
 
 
 def serves(device: str, backing_file: str | os.PathLike) -> bool:
-    """Is `device` (/dev/loopN) attached to backing_file right now? One sysfs read."""
+    """Is `device` (/dev/loopN) attached to backing_file right now? One sysfs
+    read when sysfs names the file by this path. sysfs names it as the
+    process that attached it reached it (in a container restarted since, a
+    path in a mount namespace that is gone): when the path differs, the
+    device's file system and inode (LOOP_GET_STATUS64) decide."""
     name = os.path.basename(device)
-    return name.startswith("loop") and _backing_file(name) == os.path.realpath(backing_file)
+    if not name.startswith("loop"):
+        return False
+    shown = _backing_file(name)
+    if shown is None:
+        return False
+    if shown == os.path.realpath(backing_file):
+        return True
+    return _reads(device, backing_file)
+
+
+def _reads(device: str, backing_file: str | os.PathLike) -> bool:
+    """Does the loop device read this very file (the same file system and
+    inode), whatever path sysfs shows for it?"""
+    identity = _identity(device)
+    try:
+        st = os.stat(backing_file)
+    except OSError:
+        return False
+    return identity is not None and identity[:3] == (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+
+
+def _identity(device: str) -> tuple[int, int, int, int, int] | None:
+    """(file system major, minor, inode, offset, size limit) of the file a
+    loop device reads, from LOOP_GET_STATUS64; None when it is no attached
+    loop device."""
+    try:
+        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            info = fcntl.ioctl(fd, _LOOP_GET_STATUS64, bytes(_LOOP_INFO64.size))
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    lo_device, lo_inode, _, lo_offset, lo_sizelimit = _LOOP_INFO64.unpack(info)[:5]
+    # lo_device is the kernel's encoding of a dev_t (new_encode_dev).
+    major, minor = (lo_device & 0xFFF00) >> 8, (lo_device & 0xFF) | ((lo_device >> 12) & 0xFFF00)
+    return major, minor, lo_inode, lo_offset, lo_sizelimit
 
 
 
@@ -130,19 +175,12 @@ def image_of(device: str) -> str | None:
     backing = _backing_file(name) if name.startswith("loop") else None
     if not backing or backing.endswith(" (deleted)"):
         return None
+    identity = _identity(device)
     try:
-        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            info = fcntl.ioctl(fd, _LOOP_GET_STATUS64, bytes(_LOOP_INFO64.size))
-        finally:
-            os.close(fd)
         st = os.stat(backing)
     except OSError:
         return None
-    lo_device, lo_inode, _, lo_offset, lo_sizelimit = _LOOP_INFO64.unpack(info)[:5]
-    # lo_device is the kernel's encoding of a dev_t (new_encode_dev).
-    file_system = ((lo_device & 0xFFF00) >> 8, (lo_device & 0xFF) | ((lo_device >> 12) & 0xFFF00))
-    if (lo_offset, lo_sizelimit, lo_inode, file_system) != (0, 0, st.st_ino, (os.major(st.st_dev), os.minor(st.st_dev))):
+    if identity != (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino, 0, 0):
         return None
     return backing
 
