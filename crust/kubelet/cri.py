@@ -219,6 +219,8 @@ class KubeletRuntime:
         self.runtime = cri_pb2_grpc.RuntimeServiceStub(self.channel)
         self.images = cri_pb2_grpc.ImageServiceStub(self.channel)
         self.calls: list[str] = []
+        # (method, milliseconds) of every call, in order.
+        self.timings: list[tuple[str, float]] = []
         self.runtime_version: cri.VersionResponse | None = None
         self.network_ready = False
 
@@ -228,7 +230,11 @@ class KubeletRuntime:
     def _call(self, method: str, request, timeout: float = RUNTIME_REQUEST_TIMEOUT):
         self.calls.append(method)
         stub = self.images if method in ("ImageStatus", "PullImage") else self.runtime
-        return getattr(stub, method)(request, timeout=timeout)
+        started = time.perf_counter()
+        try:
+            return getattr(stub, method)(request, timeout=timeout)
+        finally:
+            self.timings.append((method, (time.perf_counter() - started) * 1e3))
 
     # -- kubelet's start ------------------------------------------------------------------
 

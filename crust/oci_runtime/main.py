@@ -10,6 +10,8 @@ It is runc, except where a container's deferred volumes are concerned:
   the bind is replaced, at the same destination, by a mount of the
   volume's block device with its file system and options; config.json is
   rewritten (the original is kept beside it as config.crust-original.json);
+  runc's log gets a line per deferred mount and one with the time each
+  step of `create` took;
   runc creates the container, mounting the device inside the container's
   own mount namespace; then the handler records the container's init
   process and applies the pod's fsGroup, before `start`. Any failure fails
@@ -211,14 +213,28 @@ def rewrite(spec: dict, deferred) -> dict:
 
 
 def write_file(path: str, data: bytes, mode: int) -> None:
+    """Replace path atomically (rename). No fsync: a bundle and the markers
+    are run-time state (under /run on a node), gone after a reboot anyway."""
     temporary = f"{path}.crust-{os.getpid()}.tmp"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
         os.write(fd, data)
-        os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(temporary, path)
+
+
+def process_age_ms() -> float:
+    """How long ago this process started (interpreter and imports
+    included), to the clock tick."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, (uptime - ticks / os.sysconf("SC_CLK_TCK")) * 1e3)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 # -- commands ----------------------------------------------------------------------------------------
@@ -240,6 +256,8 @@ def create(values: dict[str, str], flags: dict[str, str], args: list[str], rest:
 
     from crust.oci_runtime.client import HandlerClient
 
+    startup_ms = process_age_ms()
+    began = time.perf_counter()
     annotations = spec.get("annotations") or {}
     sandbox_id = next((annotations[a] for a in SANDBOX_ID_ANNOTATIONS if annotations.get(a)), container_id)
     client = HandlerClient(values["handlerEndpoint"])
@@ -260,13 +278,20 @@ def create(values: dict[str, str], flags: dict[str, str], args: list[str], rest:
         for m in deferred:
             log_line(flags, "info", f"crust: {m.destination}: {m.fs_type} on {m.device}, the deferred volume "
                                     f"{m.target_path}, mounted in the container only")
+        prepared = time.perf_counter()
         code = subprocess.call([values["runc"], *args], close_fds=False)
         if code != 0:
             client.release(container_id)
             os.unlink(marker)
             return code
+        created = time.perf_counter()
         try:
             client.created(container_id, container_pid(values["runc"], flags, options, container_id))
+            done = time.perf_counter()
+            log_line(flags, "info", f"crust: create took {startup_ms + (done - began) * 1e3:.0f} ms: start and "
+                                    f"imports {startup_ms:.0f}, handler prepare {(prepared - began) * 1e3:.0f}, "
+                                    f"runc create {(created - prepared) * 1e3:.0f}, handler created "
+                                    f"{(done - created) * 1e3:.0f}")
         except BaseException:
             subprocess.call([values["runc"], *global_args(flags), "delete", "--force", container_id],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
