@@ -483,3 +483,37 @@ def test_cri_demo_runs_every_step_and_leaves_nothing(root):
     assert facts["containerd"].startswith("1.") and facts["runtime_handler"] == "crust-runc"
     assert len(facts["pod_sandbox_id"]) == 64 and facts["container_exit_code"] == 0
     assert list(tmp.iterdir()) == [] and processes_naming(str(tmp)) == []
+
+
+def test_two_containers_of_one_pod_share_the_claim(root):
+    """Both containers of a pod mount the volume (each in its own mount
+    namespace): one claim, the pod's; when one stops the other keeps it and
+    still answers stats; the claim goes with the last."""
+    with cri_node(root) as node:
+        pv = node.pv("pv-two", "ext4", size=128 * 1024**2)
+        pod = node.pod("two", pv, "")
+        pod.containers = [Container(name, node.image.name, volume_mounts=[VolumeMount("data", "/data")],
+                                    command=["/bin/sh", "-c", f"echo {name} > /data/{name} && echo written && "
+                                             "trap 'exit 0' TERM; sleep infinity & wait"])
+                          for name in ("first", "second")]
+        node.kubelet.start_pod(pv, pod)
+        sandbox_id = node.runtime.run_pod(pod)
+        status = node.runtime.pod_status(pod)
+        first, second = status.latest("first"), status.latest("second")
+        for c in (first, second):
+            wait_until(lambda c=c: "written" in Path(c.log_path).read_text(errors="replace"), what="the writes")
+        target = str(node.kubelet.target_path(pod, pv))
+        assert node.claims() == {(target, "mountns", sandbox_id)}
+        assert sorted(c.container_id for c in node.handler_containers()) == sorted([first.id, second.id])
+        # Each sees the other's file: one file system, mounted in each container.
+        out = node.runtime.exec_sync(second.id, ["/bin/cat", "/data/first"])
+        assert out.stdout == b"first\n"
+        node.runtime._stop_container(first.id, 2)
+        wait_until(lambda: [c.container_id for c in node.handler_containers()] == [second.id],
+                   what="the first container's record to go")
+        assert node.claims() == {(target, "mountns", sandbox_id)}
+        assert _stats(node, pv, pod) == _df(node, second.id)
+        node.runtime.kill_pod(pod)
+        assert node.claims() == set()
+        node.runtime.remove_pod(pod)
+        node.kubelet.stop_pod(pv, pod)
