@@ -214,29 +214,43 @@ def build(with_qemu: bool, host_ca: bool = True) -> dict:
     log(f"buildah bud {name}")
     build_started = time.monotonic()
     trust = ["--volume", f"{HOST_CA_BUNDLE}:{HOST_CA_BUNDLE}:ro"] if host_ca and HOST_CA_BUNDLE.exists() else []
-    # No --layers: buildah 1.28 cannot bind-mount from a stage it took from
-    # its layer cache (RUN --mount=type=bind,from=build finds no /wheels).
-    run(["buildah", "bud", "--isolation", "chroot", "--pull=false", *trust,
-         "--build-arg", f"WITH_QEMU={'true' if with_qemu else 'false'}",
-         "-f", str(CONTAINERFILE), "-t", name, str(REPO)], stdout=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="crust-image-") as tmp:
+        iidfile = Path(tmp) / "iid"
+        # No --layers: buildah 1.28 cannot bind-mount from a stage it took
+        # from its layer cache (RUN --mount=type=bind,from=build finds no
+        # /wheels). The image ID, not the tag, names what this build made:
+        # another build on the machine may move the tag meanwhile.
+        run(["buildah", "bud", "--isolation", "chroot", "--pull=false", *trust, "--iidfile", str(iidfile),
+             "--build-arg", f"WITH_QEMU={'true' if with_qemu else 'false'}",
+             "-f", str(CONTAINERFILE), "-t", name, str(REPO)], stdout=sys.stderr)
+        image_id = iidfile.read_text().strip()
     build_seconds = time.monotonic() - build_started
-    size = json.loads(output(["buildah", "images", "--json", name]))[0]["size"]
-    return {"image": name, "base": base_state, "base_seconds": round(base_seconds, 1),
+    size = json.loads(output(["buildah", "images", "--json", image_id]))[0]["size"]
+    return {"image": name, "id": image_id, "base": base_state, "base_seconds": round(base_seconds, 1),
             "build_seconds": round(build_seconds, 1), "size": size,
             "buildah": output(["buildah", "--version"])}
 
 
-def write_archive(with_qemu: bool) -> Path:
-    archive = archive_path(with_qemu)
+# Archives of other trees are removed once this old (a run of another tree
+# on the same machine may be importing a newer one).
+STALE_SECONDS = 24 * 3600
+
+
+def write_archive(with_qemu: bool, image_id: str, archive: Path) -> Path:
+    """The built image (by ID) as an OCI archive named for its tree."""
     if archive.exists():
         return archive
     for stale in CACHE.glob(f"crust-{'microvm' if with_qemu else 'plain'}-*.oci.tar"):
-        stale.unlink()
-    partial = archive.with_suffix(".partial")
+        if time.time() - stale.stat().st_mtime > STALE_SECONDS:
+            stale.unlink(missing_ok=True)
+    partial = archive.with_name(f"{archive.name}.{os.getpid()}.partial")
     partial.unlink(missing_ok=True)
-    run(["buildah", "push", "--quiet", tag(with_qemu), f"oci-archive:{partial}:{tag(with_qemu)}"],
-        stdout=subprocess.DEVNULL)
-    partial.rename(archive)
+    try:
+        run(["buildah", "push", "--quiet", image_id, f"oci-archive:{partial}:{tag(with_qemu)}"],
+            stdout=subprocess.DEVNULL)
+        partial.rename(archive)
+    finally:
+        partial.unlink(missing_ok=True)
     return archive
 
 
@@ -245,8 +259,8 @@ def ensure_archive(with_qemu: bool) -> Path:
     archive = archive_path(with_qemu)
     if archive.exists():
         return archive
-    build(with_qemu)
-    return write_archive(with_qemu)
+    result = build(with_qemu)
+    return write_archive(with_qemu, result["id"], archive)
 
 
 def main() -> int:
@@ -259,9 +273,10 @@ def main() -> int:
     args = parser.parse_args()
     if os.geteuid() != 0:
         parser.error("buildah builds with --isolation chroot as root; run as root")
+    archive = archive_path(args.with_qemu)   # the tree as the build reads it
     result = build(args.with_qemu, host_ca=not args.no_host_ca)
     if args.archive:
-        result["archive"] = str(write_archive(args.with_qemu))
+        result["archive"] = str(write_archive(args.with_qemu, result["id"], archive))
     print(json.dumps(result, indent=2))
     return 0
 
