@@ -921,3 +921,26 @@ def test_read_model_refuses_what_does_not_parse(tmp_path, data, words):
         saferead.read_model(_Small, tmp_path / "f")
     assert words in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def test_a_kvm_probe_whose_vm_breaks_its_agent_connection_is_a_definite_no(monkeypatch, tmp_path):
+    """A KVM that aborts on start can show as a reset agent connection
+    rather than as an exit seen first (on a busy machine): that is the probe
+    VM failing, not an unexpected error."""
+    from crust.kata import accel
+    from crust.kata.qemu import Vm, VmConfig
+
+    killed = []
+
+    async def start(self, ready_timeout):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    async def kill(self):
+        killed.append(self.name)
+
+    monkeypatch.setattr(Vm, "start", start)
+    monkeypatch.setattr(Vm, "kill", kill)
+    config = VmConfig(kernel=tmp_path / "vmlinuz", initrd=tmp_path / "initrd")
+    works, reason, definite = asyncio.run(accel.probe_kvm(config, tmp_path / "probe"))
+    assert (works, definite) == (False, True) and "probe VM" in reason and "reset" in reason, reason
+    assert killed, "the probe VM is killed"

@@ -89,6 +89,12 @@ async def probe_kvm(config: VmConfig, workdir: Path, timeout: float = PROBE_TIME
     except (VmError, AgentError) as exc:
         await vm.kill()
         return False, f"a probe VM under KVM failed: {exc}", True
+    except ConnectionError as exc:
+        # The VM died while its agent's socket was being read (how a KVM
+        # that aborts on start shows on a busy machine, rather than as an
+        # exit seen first).
+        await vm.kill()
+        return False, f"a probe VM under KVM failed: its agent's connection broke ({exc.strerror or exc})", True
     except Exception as exc:  # noqa: BLE001 - a probe must never keep the handler from starting
         await vm.kill()
         log.exception("accelerator probe failed unexpectedly")
