@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -276,6 +277,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_NEWER_FORMAT = 3
+
+
+def _serve(what: str, serve, *args, **kwargs) -> int:
+    """Run a daemon; one that finds a file of a newer format than it reads
+    stops with one clear message (the file and both versions) and exit
+    code 3, before it has changed anything."""
+    from crust.common.formats import NewerFormat
+
+    try:
+        serve(*args, **kwargs)
+    except NewerFormat as exc:
+        logging.getLogger(__name__).error("refusing to start: a file of a newer format",
+                                              extra={"fields": {"error": str(exc)}})
+        print(f"crust {what}: {exc}", file=sys.stderr)
+        return EXIT_NEWER_FORMAT
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from crust.node.supervised import die_with_supervisor
 
@@ -303,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValidationError as exc:
             print(f"crust driver: invalid configuration:\n{exc}", file=sys.stderr)
             return 2
-        serve(config)
-        return 0
+        return _serve("driver", serve, config)
     if args.command == "shim":
         from crust.csi_shim.config import ShimConfig
         from crust.csi_shim.server import serve as serve_shim
@@ -321,8 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValidationError as exc:
             print(f"crust shim: invalid configuration:\n{exc}", file=sys.stderr)
             return 2
-        serve_shim(shim_config)
-        return 0
+        return _serve("shim", serve_shim, shim_config)
     if args.command == "proxy":
         from crust.proxy.config import PolicyFile, ProxyConfig
         from crust.proxy.server import serve as serve_proxy
@@ -346,8 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValidationError, ValueError) as exc:
             print(f"crust proxy: invalid configuration:\n{exc}", file=sys.stderr)
             return 2
-        serve_proxy(proxy_config)
-        return 0
+        return _serve("proxy", serve_proxy, proxy_config)
     if args.command == "status":
         from crust.proxy.status import status
 
@@ -395,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValidationError as exc:
             print(f"crust handler: invalid configuration:\n{exc}", file=sys.stderr)
             return 2
-        serve_handler(handler_config)
-        return 0
+        return _serve("handler", serve_handler, handler_config)
     if args.command == "sandbox":
         from crust.runtime_handler import sandbox_cli
 
@@ -418,10 +434,10 @@ def main(argv: list[str] | None = None) -> int:
         from crust.runtime_handler.server import HandlerConfig
 
         logs.setup(args.log_level, args.log_format == "json")
-        serve_kata(HandlerConfig(name=args.name, endpoint=args.endpoint, proxy_endpoint=args.proxy_endpoint,
-                                 volumes_dir=args.volumes_dir.absolute(), state_dir=args.state_dir.absolute()),
-                   cache=args.cache, accel=args.accel, memory_mib=args.memory, kata_dir=args.kata_dir.absolute())
-        return 0
+        return _serve("kata handler", serve_kata,
+                      HandlerConfig(name=args.name, endpoint=args.endpoint, proxy_endpoint=args.proxy_endpoint,
+                                    volumes_dir=args.volumes_dir.absolute(), state_dir=args.state_dir.absolute()),
+                      cache=args.cache, accel=args.accel, memory_mib=args.memory, kata_dir=args.kata_dir.absolute())
     if args.command == "demo":
         from crust.demo import run_demo
 

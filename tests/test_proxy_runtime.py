@@ -61,7 +61,7 @@ def mode(path: Path) -> int:
 
 
 _ANNOTATIONS = {"title", "description", "default", "$id", "$schema"}
-_KNOWN = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "items", "const"}
+_KNOWN = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "items", "const", "minimum"}
 _TYPES = {"object": dict, "string": str, "array": list, "boolean": bool, "integer": int}
 
 
@@ -76,6 +76,8 @@ def validate(value, schema: dict, where: str = "$") -> None:
         assert ok, f"{where}: {value!r} is not of type {kind}"
     if "const" in schema:
         assert value == schema["const"], f"{where}: {value!r} != const {schema['const']!r}"
+    if "minimum" in schema:
+        assert value >= schema["minimum"], f"{where}: {value!r} < minimum {schema['minimum']!r}"
     if kind == "object":
         for key in schema.get("required", ()):
             assert key in value, f"{where}: required key {key!r} missing"

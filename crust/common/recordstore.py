@@ -8,6 +8,11 @@ fsync never stalls the daemon's event loop; reads are synchronous (a small
 record reads in microseconds). The _sync forms also serve a caller that runs
 several steps of one call (records and the files they describe) in a single
 worker trip.
+
+Every record names its format version (crust.common.formats): a store
+opened over a directory that holds a record of a newer format refuses at
+once (NewerFormat), before its daemon has acted on any record, and
+load_all reads every record before it yields the first.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pydantic import BaseModel
 
 from crust.common.atomicfile import (clean_temporaries, remove_durably, remove_durably_async, write_atomic,
                                     write_atomic_async)
+from crust.common.formats import check_newest, encode
 from crust.common.private import make_dirs
 from crust.common.saferead import Refused, read_model
 
@@ -50,12 +56,20 @@ class RecordStore(Generic[Record]):
     def __init__(self, directory: str | os.PathLike, model: type[Record],
                  belongs: Callable[[str, Record], str] | None = None,
                  on_damaged: Callable[[str], None] | None = None):
+        if model.model_config.get("extra") == "forbid":
+            raise TypeError(f"{model.__name__}: a record model must let unknown keys pass (its format "
+                            "version is one, and an older crust reads a newer key as absent)")
         self.directory = Path(directory)
         self.model = model
         self.belongs = belongs
         self.on_damaged = on_damaged
         make_dirs(self.directory)
         clean_temporaries(self.directory)
+        for path in self.directory.glob("*.json"):
+            try:
+                check_newest(path, model)
+            except OSError:
+                pass  # gone, or unreadable: load_all says so
 
     def _path(self, key: str) -> Path:
         # Keys are ids we generated ourselves; refuse anything that could
@@ -65,13 +79,18 @@ class RecordStore(Generic[Record]):
         return self.directory / f"{key}.json"
 
     def load_all(self) -> Iterator[tuple[str, Record]]:
+        """Every record, by key. All are read before the first is yielded:
+        one of a newer format (NewerFormat) stops the caller before it has
+        acted on any."""
+        loaded = []
         for path in sorted(self.directory.glob("*.json")):
             if not valid_key(path.stem):
                 self._set_aside(path.stem, path, "its name is not a record key")
                 continue
             record = self._read(path.stem)
             if record is not None:
-                yield path.stem, record
+                loaded.append((path.stem, record))
+        yield from loaded
 
     def get(self, key: str) -> Record | None:
         """The record under key; None when there is none, also for a key that
@@ -84,7 +103,7 @@ class RecordStore(Generic[Record]):
     def _read(self, key: str) -> Record | None:
         path = self._path(key)
         try:
-            record = read_model(self.model, path)
+            record = read_model(self.model, path)  # any format version it reads (crust.common.formats)
         except FileNotFoundError:
             return None
         except (Refused, OSError) as exc:
@@ -109,7 +128,7 @@ class RecordStore(Generic[Record]):
             self.on_damaged(key)
 
     def put_sync(self, key: str, record: Record) -> None:
-        write_atomic(self._path(key), record.model_dump_json(indent=1).encode())
+        write_atomic(self._path(key), encode(record))
 
     def delete_sync(self, key: str) -> None:
         if not valid_key(key):
@@ -117,7 +136,7 @@ class RecordStore(Generic[Record]):
         remove_durably(self._path(key))
 
     async def put(self, key: str, record: Record) -> None:
-        await write_atomic_async(self._path(key), record.model_dump_json(indent=1).encode())
+        await write_atomic_async(self._path(key), encode(record))
 
     async def delete(self, key: str) -> None:
         if valid_key(key):

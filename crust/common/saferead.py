@@ -13,7 +13,9 @@ Anything that is not a small regular file is a Refused (a ValueError, so a
 caller that already treats unparsable bytes as damage treats this the same
 way) whose message says what was found. A missing file stays
 FileNotFoundError: "not there" and "there but damaged" call for different
-answers. read_model parses the bytes into a pydantic model, or refuses.
+answers. read_model parses the bytes into a pydantic model, or refuses; a
+file of a newer format than the model's is no damage, and raises
+crust.common.formats.NewerFormat instead.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import stat
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
+
+from crust.common.formats import decode
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -85,13 +89,16 @@ def read_bounded(path: str | os.PathLike, limit: int = DEFAULT_LIMIT, *, dir_fd:
 
 def read_model(model: type[Model], path: str | os.PathLike, limit: int = DEFAULT_LIMIT, *,
                dir_fd: int | None = None) -> Model:
-    """read_bounded, parsed into model; Refused naming the first problem
-    when the bytes are not one (not JSON, cut short, wrong types, empty)."""
+    """read_bounded, parsed into model (any format version it reads:
+    crust.common.formats); Refused naming the first problem when the bytes
+    are not one (not JSON, cut short, wrong types, empty)."""
     data = read_bounded(path, limit, dir_fd=dir_fd)
     try:
-        return model.model_validate_json(data)
+        return decode(model, data, path)
     except ValidationError as exc:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())) or "the file"
         what = "is empty" if not data.strip() else f"is not a {model.__name__}: {where}: {first.get('msg', exc)}"
         raise Refused(os.fspath(path), what) from None
+    except ValueError as exc:  # a format_version that is no version
+        raise Refused(os.fspath(path), str(exc)) from None

@@ -7,6 +7,12 @@ keys it does not know). crust's own keys follow. The JSON schema generated
 from this model is published as specs/mountinfo.schema.json.
 
 Never a secret in here: the file sits on disk where runtimes read it.
+
+"crust-schema-version" names the file's format (absent: 1). A reader takes
+its own version and every older one, and refuses a newer one
+(crust.common.formats.NewerFormat) instead of misreading it; the check is
+in the model, so every reader of the file, and every record that embeds a
+description, refuses the same way.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from crust.api import csi_pb2
+from crust.common.formats import NewerFormat
 
+# The format of mountInfo.json this crust writes; it reads 1 to this.
 SCHEMA_VERSION = 1
+SCHEMA_VERSION_KEY = "crust-schema-version"
 
 # Kata's metadata keys.
 FS_GROUP = "fsGroup"
@@ -47,7 +56,9 @@ class MountInfo(BaseModel):
                                            "\"ro\" when read-only, as Kata reads it.")
 
     # crust's keys.
-    schema_version: int = Field(SCHEMA_VERSION, alias="crust-schema-version")
+    schema_version: int = Field(SCHEMA_VERSION, alias=SCHEMA_VERSION_KEY, ge=1,
+                                description="Format of this file (absent: 1). A reader refuses a version newer "
+                                            "than it knows rather than misread it.")
     readonly: bool = Field(False, description="Mount read-only.")
     volume_id: str = Field("", alias="volume-id", description="CSI volume id.")
     target_path: str = Field(alias="target-path", description="The CSI target path: the key of this entry.")
@@ -56,6 +67,17 @@ class MountInfo(BaseModel):
     device_minor: int = Field(0, alias="device-minor", description="Minor number of the device.")
     volume_context: dict[str, str] = Field(default_factory=dict, alias="volume-context",
                                            description="Non-secret CSI volume context.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_format(cls, data):
+        """Refuse a newer format before any key is read with today's meaning;
+        an older one is read as this version (none differs yet)."""
+        if isinstance(data, dict):
+            version = data.get(SCHEMA_VERSION_KEY, data.get("schema_version", 1))
+            if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+                raise NewerFormat(None, "mountInfo.json (crust-schema-version)", version, SCHEMA_VERSION)
+        return data
 
     @field_validator("volume_context")
     @classmethod

@@ -30,6 +30,7 @@ from typing import Iterator
 from crust.common import csi_input, saferead
 from crust.common.atomicfile import fsync_async, temporary_name, write_atomic_in
 from crust.common.errors import InvalidArgument
+from crust.common.formats import NewerFormat
 from crust.common.private import make_dirs
 from crust.contract.mountinfo import MountInfo, digest, is_digest, kata_name
 
@@ -242,8 +243,9 @@ class VolumesDir:
 
     def read(self, target_path: str) -> MountInfo | None:
         """The entry's description; None when there is none, or when it is
-        damaged (not a regular file, not a description): its writer, the
-        proxy, then writes it again from its own record."""
+        damaged (not a regular file, not a description) or in a newer format
+        than this crust writes: its writer, the proxy, then writes it again
+        from its own record."""
         try:
             with self._root(self.root) as root_fd, open_dir(root_fd, digest(target_path), create=False) as fd:
                 return saferead.read_model(MountInfo, MOUNT_INFO, dir_fd=fd)
@@ -252,6 +254,10 @@ class VolumesDir:
         except saferead.Refused as exc:
             log.warning("a damaged entry is written again", extra={"fields": {
                 "target_path": target_path, "error": exc.reason}})
+            return None
+        except NewerFormat as exc:
+            log.warning("an entry of a newer format is written again", extra={"fields": {
+                "target_path": target_path, "found": exc.found, "known": exc.known}})
             return None
         except OSError as exc:
             if exc.errno != errno.ELOOP:

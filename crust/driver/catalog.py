@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 
 from crust.common.aio import in_thread
+from crust.common.formats import NewerFormat
 from crust.common.recordstore import RecordStore
 from crust.common.saferead import Refused, read_model
 from crust.driver.backend import loop as backend
@@ -62,6 +63,11 @@ class Catalog:
                     # Backing files would be made in the pool the record
                     # names, wherever that leads.
                     raise Refused(str(path), f"names node {record.node_id!r}, not its directory's")
+            except NewerFormat as exc:
+                # A node running a newer crust: its pool is not placed on
+                # by a controller that would misread it.
+                log.error("pool record of a newer format not used: %s", exc)
+                continue
             except (OSError, ValueError) as exc:
                 log.error("unreadable pool record %s, ignored: %s", path, exc)
                 continue

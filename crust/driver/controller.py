@@ -23,6 +23,7 @@ from crust.common.errors import (
     OutOfRange,
     ResourceExhausted,
 )
+from crust.common.formats import NewerFormat, decode
 from crust.common.inflight import InFlight
 from crust.driver.backend import loop as backend
 from crust.driver.catalog import Catalog
@@ -364,13 +365,14 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         that record cannot be read are all devices walked."""
         backing = self.catalog.volume_file(volume)
         records = node_records_dir(self.config.data_dir, volume.node)
+        path = records / f"{volume.volume_id}.json"
         try:
-            rec = NodeVolumeRecord.model_validate_json((records / f"{volume.volume_id}.json").read_bytes())
+            rec = decode(NodeVolumeRecord, path.read_bytes(), path)
         except FileNotFoundError:
             if not (records / f"{volume.volume_id}.corrupt").exists():
                 return None
             rec = None
-        except (ValueError, OSError):
+        except (ValueError, OSError, NewerFormat):  # a newer node's record is read as unreadable: walked
             rec = None
         if rec is None or not rec.device:  # unreadable, or written before devices were recorded
             found = loop.devices_for(backing)

@@ -35,6 +35,7 @@ from crust.common.errors import (
     OutOfRange,
 )
 from crust.common.inflight import InFlight
+from crust.common.formats import encode
 from crust.common.recordstore import RecordStore
 from crust.driver.backend import loop as backend
 from crust.driver.config import TOPOLOGY_KEY, DriverConfig
@@ -89,7 +90,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             max_volumes_per_node=self.config.max_volumes_per_node,
             topology={TOPOLOGY_KEY: self.config.node_id},
         )
-        write_atomic(self.pool.root / "pool.json", record.model_dump_json(indent=1).encode(), mode=0o644)
+        write_atomic(self.pool.root / "pool.json", encode(record), mode=0o644)
         return record
 
     def reconcile(self) -> None:

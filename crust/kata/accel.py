@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from crust.common.atomicfile import write_atomic
+from crust.common.formats import NewerFormat, decode, encode
 from crust.common.private import make_dirs
 from crust.kata.agent import AgentError, AgentTimeout
 from crust.kata.qemu import Vm, VmConfig, VmError, VmHung, is_qemu_under, qemu_pids_under
@@ -70,9 +71,13 @@ def probe_key(config: VmConfig) -> str:
 
 def read_record(path: Path) -> ProbeRecord | None:
     try:
-        return ProbeRecord.model_validate_json(path.read_bytes())
-    except (OSError, ValidationError):
+        return decode(ProbeRecord, path.read_bytes(), path)
+    except (OSError, ValueError):
         return None   # missing or unreadable: probe again
+    except NewerFormat as exc:
+        # A verdict kept by a newer crust: probe again rather than guess.
+        log.warning("accelerator verdict of a newer format not used", extra={"fields": {"error": str(exc)}})
+        return None
 
 
 async def probe_kvm(config: VmConfig, workdir: Path, timeout: float = PROBE_TIMEOUT) -> tuple[bool, str, bool]:
@@ -144,5 +149,5 @@ async def choose(requested: str, config: VmConfig, cache: Path, workdir: Path) -
     record = ProbeRecord(key=key, accel=accel, reason=reason, probed_at=now,
                          expires_at=None if definite else now + TIMEOUT_VERDICT_SECONDS)
     make_dirs(cache)
-    write_atomic(record_path, record.model_dump_json().encode(), mode=0o644)
+    write_atomic(record_path, encode(record, indent=None), mode=0o644)
     return accel, reason

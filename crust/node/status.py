@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from crust.common.channel import local_channel
+from crust.common.formats import NewerFormat, decode
 from crust.node.config import NodeConfig
 from crust.node.supervisor import NodeStatus
 from crust.proxy.status import collect, print_report, unhealthy
@@ -34,8 +35,10 @@ def node_status(config: NodeConfig, as_json: bool, runtime_endpoint: str | None)
     """Exit 0 when every child runs, every socket serves and the proxy
     reports nothing unhealthy (a refusal by kubelet included)."""
     try:
-        supervisor = NodeStatus.model_validate_json(config.status_file.read_bytes())
+        supervisor = decode(NodeStatus, config.status_file.read_bytes(), config.status_file)
         supervisor_error = ""
+    except NewerFormat as exc:
+        supervisor, supervisor_error = None, str(exc)
     except (OSError, ValueError) as exc:
         supervisor, supervisor_error = None, f"no status from `crust node` ({config.status_file}: {exc})"
     sockets = {"proxy (kubelet CSI)": str(config.kubelet_csi_socket), "driver": str(config.driver_socket),

@@ -34,6 +34,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from crust.common.atomicfile import write_atomic
+from crust.common.formats import encode
 from crust.common.endpoint import listener_pid
 from crust.common.private import make_dirs
 from crust.driver.config import DRIVER_NAME
@@ -164,7 +165,7 @@ class Supervisor:
     def write_status(self) -> None:
         status = NodeStatus(node_id=self.config.node_id, supervisor_pid=os.getpid(), started_at=self.started_at,
                             children=[c.status for c in self.children])
-        write_atomic(self.config.status_file, status.model_dump_json(indent=1).encode(), mode=0o644)
+        write_atomic(self.config.status_file, encode(status), mode=0o644)
 
     def sockets(self) -> list[tuple[str, str]]:
         c = self.config

@@ -2,7 +2,10 @@
 
 An initial scan plus file system events keep a map digest -> MountInfo. A
 bad entry (partial, garbage, vanished between event and read) is logged and
-skipped; it never crashes the handler. Readers may wait for an entry that is
+skipped; it never crashes the handler. An entry of a newer format than this
+handler reads is refused: logged as an error naming the file and both
+versions, and kept out of the map with its reason, which a sandbox asking
+for the volume gets back instead of a guess at what the file means. Readers may wait for an entry that is
 about to appear (the proxy answers kubelet only after writing it, but the
 runtime may be asked to start the sandbox at the same moment): an asyncio
 caller registers a future for the names it awaits, and the watcher thread
@@ -26,6 +29,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from crust.common import saferead
+from crust.common.formats import NewerFormat
 from crust.common.private import make_dirs
 from crust.contract.mountinfo import MountInfo, is_digest
 
@@ -42,6 +46,7 @@ class VolumeIndex(FileSystemEventHandler):
     def __init__(self, root: Path):
         self.root = root
         self.entries: dict[str, MountInfo] = {}
+        self.refused: dict[str, str] = {}  # digest -> why (a newer format)
         self.updated_at: dict[str, float] = {}
         self.lock = threading.Condition()
         self.observer: Observer | None = None
@@ -77,6 +82,8 @@ class VolumeIndex(FileSystemEventHandler):
         with self.lock:
             for gone in set(self.entries) - seen:
                 self._drop(gone)
+            for gone in set(self.refused) - seen:
+                del self.refused[gone]
 
     def _read_entry(self, digest: str) -> bytes:
         """An entry's mountInfo.json: a regular file reached without following
@@ -100,6 +107,15 @@ class VolumeIndex(FileSystemEventHandler):
         except FileNotFoundError:
             with self.lock:
                 self._drop(digest)
+                self.refused.pop(digest, None)
+            return
+        except NewerFormat as exc:
+            refusal = exc.at(self.root / digest / MOUNT_INFO)
+            with self.lock:
+                self._drop(digest)
+                self.refused[digest] = str(refusal)
+            log.error("refusing an entry of a newer format", extra={"fields": {
+                "digest": digest, "found": refusal.found, "known": refusal.known, "error": str(refusal)}})
             return
         except (OSError, ValueError, ValidationError) as exc:
             self.skipped += 1
@@ -113,6 +129,7 @@ class VolumeIndex(FileSystemEventHandler):
                         extra={"fields": {"digest": digest}})
             return
         with self.lock:
+            self.refused.pop(digest, None)
             self.entries[digest] = info
             self.updated_at[digest] = time.monotonic()
             self.lock.notify_all()
@@ -136,6 +153,8 @@ class VolumeIndex(FileSystemEventHandler):
             info = MountInfo.model_validate_json(self._read_entry(digest))
         except FileNotFoundError:
             return f"{digest}/{MOUNT_INFO} is missing"
+        except NewerFormat as exc:
+            return str(exc.at(self.root / digest / MOUNT_INFO))
         except (OSError, ValueError, ValidationError) as exc:
             return " ".join(line.strip() for line in str(exc).splitlines()[:2])[:300]
         if digest_of(info.target_path) != digest:
@@ -145,6 +164,11 @@ class VolumeIndex(FileSystemEventHandler):
     def get(self, digest: str) -> MountInfo | None:
         with self.lock:
             return self.entries.get(digest)
+
+    def refusal(self, digest: str) -> str | None:
+        """Why the entry is not used, when its format is newer than ours."""
+        with self.lock:
+            return self.refused.get(digest)
 
     def wait_for(self, digest: str, timeout: float) -> MountInfo | None:
         deadline = time.monotonic() + timeout

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from crust.common.errors import FailedPrecondition
 from crust.contract.mountinfo import MountInfo, digest
 from crust.runtime_handler.index import VolumeIndex
 
@@ -19,6 +20,11 @@ CSI_DIR = "kubernetes.io~csi"
 
 class SubpathEscapes(ValueError):
     pass
+
+
+class EntryRefused(FailedPrecondition):
+    """The volume's entry is there, in a format this handler does not read
+    (FAILED_PRECONDITION wherever it reaches a caller)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,8 @@ def resolve(source: str, index: VolumeIndex) -> Resolved | None:
     for probe in candidates(source):
         name = digest(probe)
         info = index.get(name)
+        if info is None and (why := index.refusal(name)) is not None:
+            raise EntryRefused(why)
         if info is not None:
             subpath = os.path.relpath(os.path.normpath(source), probe)
             return Resolved(info, name, "" if subpath == "." else subpath)
