@@ -47,10 +47,6 @@ class HandlerRecord(BaseModel):
     registered_by_uid: int = -1
     registered_by_pid: int = 0
 
-    def sandbox_process(self) -> ProcessId | None:
-        """The sandbox's process this claim names (None: none to trust)."""
-        return recorded(self.sandbox_pid, self.sandbox_pid_start, self.claimed_at)
-
 
 class DeferredVolume(BaseModel):
     """A deferred volume the proxy published into the volumes directory."""
