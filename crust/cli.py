@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -141,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--config", type=Path,
                     help="a `crust node` configuration: also show each child of the supervisor, its restarts "
                          "and the health of every socket (default runtime endpoint: the config's)")
+    st.add_argument("--node-id", default=os.environ.get("NODE_NAME", ""),
+                    help="with --config: this node's name when the file has no nodeId, as `crust node --node-id` "
+                         "was given it (default: $NODE_NAME, which the DaemonSet sets, so `kubectl exec ... crust "
+                         "status --config /etc/crust/node.yaml` works in the pod)")
     st.add_argument("--json", action="store_true", help="print JSON")
 
     hd = sub.add_parser(
@@ -376,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             from crust.node.status import node_status
 
             try:
-                node_config = NodeConfig.load(args.config)
+                node_config = NodeConfig.load(args.config, node_id=args.node_id)
             except ValueError as exc:
                 print(f"crust status: {exc}", file=sys.stderr)
                 return 2

@@ -153,6 +153,24 @@ def test_a_killed_supervisor_takes_its_children_down(root, node_run):
         wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=20, what=f"child {pid} to exit")
 
 
+def test_status_of_a_node_whose_file_has_no_node_id_takes_it_as_the_node_did(root):
+    """In the DaemonSet the ConfigMap has no nodeId (`crust node --node-id
+    $(NODE_NAME)`): `crust status --config` in the pod takes $NODE_NAME, or
+    --node-id, instead of refusing the file."""
+    config = json.loads(write_config(root.path).read_text())
+    del config["nodeId"]
+    path = root.path / "shared.yaml"
+    path.write_text(json.dumps(config))
+    argv = [sys.executable, "-m", "crust", "status", "--config", str(path), "--json"]
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                             env={k: v for k, v in ENV.items() if k != "NODE_NAME"})
+    assert refused.returncode == 2 and "nodeId: Field required" in refused.stderr
+    for extra, env in (([], {**ENV, "NODE_NAME": "node-b"}), (["--node-id", "node-b"], ENV)):
+        shown = subprocess.run(argv + extra, capture_output=True, text=True, timeout=60, env=env)
+        assert "Field required" not in shown.stderr, shown.stderr
+        assert json.loads(shown.stdout)["node_id"] == "node-b"
+
+
 def test_unknown_and_bad_keys_are_refused_with_their_path(tmp_path):
     path = tmp_path / "node.yaml"
     path.write_text("nodeId: n1\ndriver:\n  capcity: 10Gi\nhandler:\n  runtime: docker\nrunDir: relative/run\n")
