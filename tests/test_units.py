@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from crust.api import csi_pb2
 from crust.common import atomicfile, csi_input, endpoint, units
 from crust.common.aio import first_done, in_thread
-from crust.common.errors import Aborted, CrustError, InvalidArgument, OutOfRange
+from crust.common.errors import Aborted, CrustError, InvalidArgument, NoSpace, OutOfRange
 from crust.common.recordstore import RecordStore
 from crust.common.redact import MASK, redacted
 from crust.driver.controller import TOKEN_PREFIX, _page
@@ -406,7 +406,8 @@ def test_write_atomic_failure_keeps_old_content(tmp_path, monkeypatch, failing):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, failing, boom)
-    with pytest.raises(OSError):
+    # A full disk is the caller's RESOURCE_EXHAUSTED, naming the directory.
+    with pytest.raises(NoSpace, match=str(tmp_path)):
         atomicfile.write_atomic(target, b"new content that must not appear")
     monkeypatch.setattr(os, failing, real)
     assert calls, f"os.{failing} was never called: the failure was not simulated"

@@ -24,6 +24,8 @@ from typing import Callable
 import aiofiles
 import aiofiles.os
 
+from crust.common.errors import space_in
+
 fsync_async = aiofiles.os.wrap(os.fsync)
 
 
@@ -74,6 +76,14 @@ async def write_atomic_in(directory: str | os.PathLike | int, name: str, data: b
 
 def _write_in(directory: str | os.PathLike | int, name: str, data: bytes,
               opener: Callable[[str, int], int]) -> None:
+    # A full file system (or a spent quota) is the caller's to answer with
+    # RESOURCE_EXHAUSTED naming the directory; the temporary is gone then.
+    with space_in(directory):
+        _write_through_temporary(directory, name, data, opener)
+
+
+def _write_through_temporary(directory: str | os.PathLike | int, name: str, data: bytes,
+                             opener: Callable[[str, int], int]) -> None:
     tmp = temporary_name(name)
     at = {"src_dir_fd": directory, "dst_dir_fd": directory} if isinstance(directory, int) else {}
     tmp_path = tmp if isinstance(directory, int) else os.path.join(directory, tmp)

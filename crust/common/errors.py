@@ -7,6 +7,11 @@ escapes a servicer becomes INTERNAL with its traceback logged.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+
 import grpc
 
 
@@ -46,6 +51,42 @@ class OutOfRange(CrustError):
 
 class ResourceExhausted(CrustError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# A write refused for want of room: no space left, or the quota spent.
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class NoSpace(ResourceExhausted):
+    """A write crust needed failed for want of space (ENOSPC) or quota
+    (EDQUOT) where it writes: the message names that directory, and the
+    call, once its own steps are undone, can be retried when there is room."""
+
+    def __init__(self, directory: str | os.PathLike | int, exc: OSError):
+        self.directory = directory_name(directory)
+        why = "no space left" if exc.errno == errno.ENOSPC else "the disk quota is spent"
+        super().__init__(f"{why} on the file system of {self.directory}; retry once there is room")
+
+
+def directory_name(directory: str | os.PathLike | int) -> str:
+    """A directory given as a path or an open descriptor, as a path."""
+    if isinstance(directory, int):
+        try:
+            return os.readlink(f"/proc/self/fd/{directory}")
+        except OSError:
+            return f"descriptor {directory}"
+    return os.fspath(directory)
+
+
+@contextlib.contextmanager
+def space_in(directory: str | os.PathLike | int) -> Iterator[None]:
+    """Writes in directory: ENOSPC and EDQUOT become NoSpace naming it."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in NO_SPACE:
+            raise NoSpace(directory, exc) from None
+        raise
 
 
 class Aborted(CrustError):

@@ -34,7 +34,7 @@ from prometheus_client import Histogram
 
 from crust.common import limits, logs
 from crust.common.endpoint import clear_stale_socket, prepare_socket_dir, socket_path
-from crust.common.errors import CrustError
+from crust.common.errors import NO_SPACE, CrustError
 from crust.common.peergate import PeerGate, PeerPolicy, caller, inner_socket_path
 from crust.common.redact import redacted
 from crust.sys.run import rpc_deadline
@@ -257,8 +257,14 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
                     code = context.code() or grpc.StatusCode.UNKNOWN
                     message = context.details() or ""
                     raise
-                log.exception("unexpected error")
-                code, message = grpc.StatusCode.INTERNAL, f"internal error: {exc}"
+                if isinstance(exc, OSError) and exc.errno in NO_SPACE:
+                    # A full disk where no step named its directory (crust's
+                    # own writes say NoSpace): the condition, not a bug.
+                    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                    message = f"{exc.strerror}: {exc.filename or 'a write of this call'}; retry once there is room"
+                else:
+                    log.exception("unexpected error")
+                    code, message = grpc.StatusCode.INTERNAL, f"internal error: {exc}"
             finally:
                 if slow is not None:
                     slow.cancel()

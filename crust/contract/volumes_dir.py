@@ -29,7 +29,7 @@ from typing import Iterator
 
 from crust.common import csi_input, saferead
 from crust.common.atomicfile import fsync_async, temporary_name, write_atomic_in
-from crust.common.errors import InvalidArgument
+from crust.common.errors import InvalidArgument, space_in
 from crust.common.formats import NewerFormat
 from crust.common.private import make_dirs
 from crust.contract.mountinfo import MountInfo, digest, is_digest, kata_name
@@ -94,6 +94,11 @@ def _opener_in(dir_fd: int):
 
 
 def write_atomic_at(dir_fd: int, name: str, data: bytes) -> None:
+    with space_in(dir_fd):  # a full directory: RESOURCE_EXHAUSTED naming it, no temporary left
+        _write_atomic_at(dir_fd, name, data)
+
+
+def _write_atomic_at(dir_fd: int, name: str, data: bytes) -> None:
     tmp = temporary_name(name)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     try:

@@ -238,16 +238,17 @@ class NodeShim:
                     await volumefs.format_if_blank(device, fs_type, volume_id,
                                                    zeroed=loop.reads_as_zeros(device),
                                                    image=loop.image_of(device))
+                if rec is None:  # a repeated stage found its record as it is
+                    await self._save(record)
             except Exception:
                 if rec is None:
-                    # A failed first stage leaves no backend publish behind:
-                    # no NodeUnstageVolume follows a failed stage, so the
-                    # backend would keep the device attached for good (e.g.
-                    # an ext4 volume staged asking for xfs).
+                    # A failed first stage (a full state dir included) leaves
+                    # no backend publish behind: no NodeUnstageVolume follows
+                    # a failed stage, so the backend would keep the device
+                    # attached for good (e.g. an ext4 volume staged asking
+                    # for xfs).
                     await self._release_backend(volume_id, context, quiet=True)
                 raise
-            if rec is None:  # a repeated stage found its record as it is
-                await self._save(record)
             log.info("staged without mounting", extra={"fields": {"device": device, "fs_type": fs_type}})
             return csi_pb2.NodeStageVolumeResponse()
 
@@ -360,13 +361,37 @@ class NodeShim:
                     pass
                 else:
                     raise FailedPrecondition(f"target_path {target} already has a mount ({entry.source})")
-            if wanted.deferred:
-                await self._publish_deferred(rec, target_at, wanted, entry)
-            else:
-                await self._publish_on_host(rec, target_at, wanted, device, entry)
-            rec.published[target] = wanted
-            await self._save(rec)
+            try:
+                if wanted.deferred:
+                    await self._publish_deferred(rec, target_at, wanted, entry)
+                else:
+                    await self._publish_on_host(rec, target_at, wanted, device, entry)
+                # Recorded before it is answered; one that cannot be (a full
+                # state dir) is undone.
+                await self._save(rec.model_copy(update={"published": {**rec.published, target: wanted}}))
+            except Exception:
+                self._undo_publish(rec, target_at, entry)
+                raise
             return self._response(rec, wanted, device, major, minor)
+
+    def _undo_publish(self, rec: ShimVolumeRecord, target_at: copath.CoPath, entry_before) -> None:
+        """After a failed publish: the mount it put on the target (when there
+        was none before), and the host mount at the staging path when no
+        recorded host publish needs it."""
+        try:
+            if entry_before is None:
+                current = target_at.mount_entry()
+                if current is not None and (self._is_placeholder(current) or self._is_host_mount(current, rec)):
+                    target_at.unmount_all()
+                    if (st := target_at.lstat()) is not None and stat.S_ISDIR(st.st_mode):
+                        target_at.remove()
+            if not [t for t in rec.host_targets() if self._target_is_ours(t, False, rec)]:
+                with copath.reach(rec.staging_path, "staging_target_path", checked=True) as staging_at:
+                    if self._is_host_mount(staging_at.mount_entry(), rec):
+                        staging_at.unmount_all()
+        except Exception as exc:  # noqa: BLE001 - the failure answered is the publish's own
+            log.warning("could not undo a failed publish", extra={"fields": {
+                "target_path": target_at.path, "error": getattr(exc, "message", str(exc))}})
 
     def _response(self, rec, publish: ShimPublish, device, major, minor) -> csi_pb2.NodePublishVolumeResponse:
         if not publish.deferred:

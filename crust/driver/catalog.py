@@ -205,8 +205,9 @@ class Catalog:
         # (worker thread) The DELETING record goes first, so a restart
         # finishes a delete that a crash interrupts.
         check()
-        volume.state = Lifecycle.DELETING  # the calls that write this record wait on the volume's in-flight key
-        self.volume_store.put_sync(volume.volume_id, volume)
+        # The calls that write this record wait on the volume's in-flight key;
+        # the indexed one stays READY unless the delete goes through.
+        self.volume_store.put_sync(volume.volume_id, volume.model_copy(update={"state": Lifecycle.DELETING}))
         backend.remove(self.volume_file(volume))
         self.volume_store.delete_sync(volume.volume_id)
 

@@ -411,8 +411,10 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             limit = pools[node_id].max_volumes_per_node
             if attached >= limit:
                 raise ResourceExhausted(f"node {node_id} already has {attached} volumes attached (limit {limit})")
-            volume.published[node_id] = wanted
-            await self.catalog.save_volume(volume)
+            # Changed in a copy: the indexed record changes only once the
+            # new one is on disk (a full disk leaves both as they were).
+            await self.catalog.save_volume(volume.model_copy(
+                update={"published": {**volume.published, node_id: wanted}}))
             return csi_pb2.ControllerPublishVolumeResponse(publish_context={"node": node_id})
 
     async def ControllerUnpublishVolume(self, request: csi_pb2.ControllerUnpublishVolumeRequest, context):
@@ -426,10 +428,10 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             if request.node_id:
                 if request.node_id not in volume.published:
                     return csi_pb2.ControllerUnpublishVolumeResponse()
-                del volume.published[request.node_id]
+                published = {n: p for n, p in volume.published.items() if n != request.node_id}
             else:
-                volume.published.clear()
-            await self.catalog.save_volume(volume)
+                published = {}
+            await self.catalog.save_volume(volume.model_copy(update={"published": published}))
             return csi_pb2.ControllerUnpublishVolumeResponse()
 
     async def ValidateVolumeCapabilities(self, request: csi_pb2.ValidateVolumeCapabilitiesRequest, context):
@@ -526,8 +528,9 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         with self.inflight.hold(volume_id):
             await backend.grow(self.catalog.volume_file(volume), size,
                                preallocate=self._provisioning(volume) == "thick")
-            volume.capacity_bytes = size
-            await self.catalog.save_volume(volume)
+            # A file grown whose record could not say so (a full disk) is
+            # grown again by the retry, which then records it.
+            await self.catalog.save_volume(volume.model_copy(update={"capacity_bytes": size}))
         return size
 
     async def ControllerModifyVolume(self, request: csi_pb2.ControllerModifyVolumeRequest, context):
@@ -540,8 +543,8 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
                 # now; switching back to thin keeps what is reserved and only
                 # stops reserving on later growth.
                 await backend.grow(self.catalog.volume_file(volume), volume.capacity_bytes, preallocate=True)
-            volume.mutable_parameters.update(mutable)
-            await self.catalog.save_volume(volume)
+            await self.catalog.save_volume(volume.model_copy(
+                update={"mutable_parameters": {**volume.mutable_parameters, **mutable}}))
         return csi_pb2.ControllerModifyVolumeResponse()
 
     async def ControllerGetNodeInfo(self, request: csi_pb2.ControllerGetNodeInfoRequest, context):

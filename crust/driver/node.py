@@ -268,6 +268,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 if device is None:
                     device = await loop.attach(backing)
                     log.info("attached", extra={"fields": {"device": device}})
+                mounted_here = False
                 try:
                     if kind == "mount":
                         current = staging_at.mount_entry()
@@ -280,24 +281,32 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                                                            image=loop.image_of(device))
                             await volumefs.fill_device_offline(fs_type, device)
                             await staging_at.mount(device, fs_type, volumefs.mount_options(fs_type, flags))
+                            mounted_here = True
                             if fs_type == "xfs" and cap.access_mode.mode not in csi_input.READ_ONLY_MODES:
                                 with staging_at.opened() as staging_fd:
                                     await volumefs.grow_online(fs_type, device, staging_fd)
+                    record = NodeVolumeRecord(volume_id=volume_id, staging_path=staging, access_type=kind,
+                                              access_mode=cap.access_mode.mode, fs_type=fs_type, mount_flags=flags,
+                                              published=rec.published if rec else {}, device=device)
+                    if record != rec:  # a repeated stage of the same device has nothing new to record
+                        # Before anything is answered: a stage that cannot be
+                        # recorded (a full disk) is undone below, so a retry
+                        # finds nothing of it.
+                        await self.records.put(volume_id, record)
                 except Exception:
-                    # A failed stage leaves no loop device behind: no NodeUnstageVolume
-                    # follows a failed stage, and DeleteVolume would orphan the device.
+                    # A failed stage leaves no mount and no loop device behind:
+                    # no NodeUnstageVolume follows a failed stage, a retry
+                    # would find the staging path taken, and DeleteVolume would
+                    # orphan the device.
+                    if mounted_here:
+                        staging_at.unmount_all()
                     if attached_here:
                         await self._detach_if_unused(device, block=kind == "block")
                     if made:
                         staging_at.remove_after_failure()
                     raise
-            record = NodeVolumeRecord(volume_id=volume_id, staging_path=staging, access_type=kind,
-                                      access_mode=cap.access_mode.mode, fs_type=fs_type, mount_flags=flags,
-                                      published=rec.published if rec else {}, device=device)
             if device in self.unrecorded.get(volume_id, []):
                 self.unrecorded[volume_id].remove(device)  # recorded now
-            if record != rec:  # a repeated stage of the same device has nothing new to record
-                await self.records.put(volume_id, record)
             log.info("staged", extra={"fields": {"device": device, "fs_type": fs_type}})
             return csi_pb2.NodeStageVolumeResponse()
 
@@ -390,6 +399,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             target_at.ensure_parents()  # now that nothing refuses the publish
             made = target_at.mkdir() if kind == "mount" else target_at.make_file()
             source: copath.CoPath | str = staging_at
+            bound = False
             try:
                 if kind == "block":
                     source = device
@@ -399,14 +409,19 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                         source = await loop.attach(backing, read_only=True)
                         wanted.device = source
                 target_at.bind_from(source, readonly=readonly)
+                bound = True
+                # Recorded before it is answered; a publish that cannot be
+                # recorded (a full disk) is undone below.
+                await self.records.put(volume_id, rec.model_copy(
+                    update={"published": {**rec.published, target: wanted}}))
             except Exception:
+                if bound:
+                    target_at.unmount_all()
                 if isinstance(source, str) and source != device:
                     await self._detach_if_unused(source, block=True)
                 if made:
                     target_at.remove_after_failure()
                 raise
-            rec.published[target] = wanted
-            await self.records.put(volume_id, rec)
             return csi_pb2.NodePublishVolumeResponse()
 
     async def NodeUnpublishVolume(self, request: csi_pb2.NodeUnpublishVolumeRequest, context):

@@ -76,11 +76,27 @@ class CsiFrontend:
                 volume_id=request.volume_id, target_path=target, defer_fs_ops=True), context)
             raise FailedPrecondition(f"the plugin {self.plugin.plugin_name} did not return a deferred-mount "
                                      "description; the publish was undone")
-        await self.state.stage(MountInfo.from_deferred(target, response.deferred_mount))
+        try:
+            await self.state.stage(MountInfo.from_deferred(target, response.deferred_mount))
+        except BaseException:
+            # Not staged (a full state or watched directory): kubelet gets no
+            # OK, so nothing of the publish may stay either.
+            await self._undo_publish(request.volume_id, target, earlier is None, context)
+            raise
         DEFERRED_PUBLISHED.inc()
         log.info("deferred publish staged", extra={"fields": {"reason": verdict.reason,
                                                               "device": response.deferred_mount.device}})
         return response
+
+    async def _undo_publish(self, volume_id: str, target: str, forget: bool, context) -> None:
+        try:
+            await self.plugin.call(self.plugin.node.NodeUnpublishVolume, csi_pb2.NodeUnpublishVolumeRequest(
+                volume_id=volume_id, target_path=target, defer_fs_ops=True), context)
+            if forget:
+                await self.state.forget_decision(target)
+        except Exception as exc:  # noqa: BLE001 - the failure answered is the first one
+            log.warning("could not undo a deferred publish that was not staged",
+                        extra={"fields": {"error": getattr(exc, "message", str(exc))}})
 
     def _deferred(self, path: str) -> bool:
         decision = self.state.decision(path) if path.startswith("/") else None

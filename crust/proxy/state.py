@@ -238,16 +238,37 @@ class ProxyState:
             raise FailedPrecondition(
                 f"{info.target_path} is held by sandbox {volume.claim.sandbox_id} of handler "
                 f"{volume.claim.handler} with device {volume.info.device}; it cannot change to {info.device}")
+        previous = volume
         volume = DeferredVolume(target_path=info.target_path, info=info,
                                 claim=volume.claim if volume is not None else None)
         # The record first: a crash after it leaves a record whose entry the
         # next start rewrites; a crash before it leaves nothing.
         await self.volumes.put(key, volume)
-        await self._write_entry(volume)
-        if volume.kata_mirror_error:
-            await self.volumes.put(key, volume)
+        try:
+            await self._write_entry(volume)
+            if volume.kata_mirror_error:
+                await self.volumes.put(key, volume)
+        except BaseException:
+            # The entry could not be written (a full watched directory): the
+            # record goes back to what it was, so no record describes an
+            # entry that is not there.
+            await self._restore(key, info.target_path, previous)
+            raise
         self.by_digest[key] = volume
         return volume
+
+    async def _restore(self, key: str, target_path: str, previous: DeferredVolume | None) -> None:
+        try:
+            if previous is None:
+                await asyncio.to_thread(self.dir.remove, target_path)
+                await self.volumes.delete(key)
+                log.info("a deferred volume whose entry could not be written was not kept",
+                         extra={"fields": {"target_path": target_path}})
+            else:
+                await self.volumes.put(key, previous)
+        except Exception as exc:  # noqa: BLE001 - the first failure is the one answered
+            log.warning("could not put a deferred volume back as it was", extra={"fields": {
+                "digest": key, "error": str(exc)}})
 
     async def refresh_capacity(self, target_path: str) -> None:
         """After an expansion: the entry's capacity-bytes follows the grown

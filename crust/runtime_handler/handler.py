@@ -113,6 +113,9 @@ class RuntimeHandler:
         self.registration = registration
         self.make_sandbox = make_sandbox
         self.sandboxes: dict[str, tuple[Sandbox, SandboxRecord]] = {}
+        # Stopped sandboxes whose claims are still to be released, with the
+        # reason to release them with.
+        self._releasing: dict[str, str] = {}
         self.inflight = InFlight()
         # Volumes of containers runc runs (crust.runtime_handler.containers),
         # when this handler serves crust's OCI runtime.
@@ -135,11 +138,15 @@ class RuntimeHandler:
             for sandbox_id, (sandbox, record) in list(self.sandboxes.items()):
                 if sandbox.alive() or self.inflight.busy(sandbox_id):
                     continue
-                log.warning("sandbox died", extra={"fields": {"sandbox": sandbox_id}})
+                reason = self._releasing.get(sandbox_id)
+                if reason is None:
+                    log.warning("sandbox died", extra={"fields": {"sandbox": sandbox_id}})
+                    reason = f"sandbox {sandbox_id} died unexpectedly (its VM or holder process exited)"
                 try:
                     with self.inflight.hold(sandbox_id):
-                        await self._teardown(sandbox, record, f"sandbox {sandbox_id} died unexpectedly "
-                                                              "(its VM or holder process exited)")
+                        # Also a stopped sandbox whose claims could not be
+                        # released yet (the proxy's disk was full): again.
+                        await self._teardown(sandbox, record, reason)
                 except CrustError as exc:
                     log.warning("cleanup of a dead sandbox failed", extra={"fields": {"sandbox": sandbox_id,
                                                                                       "error": exc.message}})
@@ -348,24 +355,40 @@ class RuntimeHandler:
                                       readonly=view.readonly or info.readonly)
 
     async def _teardown(self, sandbox: Sandbox, record: SandboxRecord, abnormal_reason: str = "") -> None:
-        errors = []
+        """Stop the sandbox, unmount and release its volumes. Every step may
+        be run again: a sandbox whose claims could not all be released (the
+        proxy refused, its disk full) stays, stopped, with its record, so the
+        next DeleteSandbox, the reaper or a restarted handler releases them."""
+        errors: list[CrustError] = []
         await sandbox.stop_process()
         for volume in record.volumes.values():
             try:
                 await sandbox.unmount(volume.mount_point)
                 await sandbox.detach(volume.device)
             except CrustError as exc:
-                errors.append(exc.message)
+                errors.append(exc)
         await sandbox.stop()
+        unreleased = False
         for volume in record.volumes.values():
             try:
                 await self._release(volume, record.sandbox_id, abnormal_reason)
             except CrustError as exc:
-                errors.append(exc.message)
-        self.sandboxes.pop(record.sandbox_id, None)
-        await self.records.delete(record.sandbox_id)
+                errors.append(exc)
+                unreleased = True
+        if unreleased:
+            self._releasing[record.sandbox_id] = abnormal_reason
+        else:
+            self._releasing.pop(record.sandbox_id, None)
+            self.sandboxes.pop(record.sandbox_id, None)
+            await self.records.delete(record.sandbox_id)
         if errors:
-            raise FailedPrecondition(f"sandbox {record.sandbox_id} cleaned up with errors: {'; '.join(errors)}")
+            error = CrustError(f"sandbox {record.sandbox_id} cleaned up with errors: "
+                               f"{'; '.join(e.message for e in errors)}"
+                               + ("; its claims are released when retried" if unreleased else ""))
+            # One cause, one code (a full disk stays RESOURCE_EXHAUSTED, which a caller retries).
+            codes = {e.code for e in errors}
+            error.code = codes.pop() if len(codes) == 1 else FailedPrecondition.code
+            raise error
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
         with self.inflight.hold(sandbox_id):

@@ -22,7 +22,7 @@ import grpc
 from crust.api import registry_pb2, registry_pb2_grpc
 from crust.common.atomicfile import write_atomic
 from crust.common.channel import local_aio_channel
-from crust.common.errors import Forwarded
+from crust.common.errors import Forwarded, NoSpace
 from crust.common.saferead import read_bounded
 
 log = logging.getLogger(__name__)
@@ -63,11 +63,19 @@ class Registration:
         self.registered = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.on_register = None  # async callback after each (re-)registration
+        self._lease_unsaved = False
 
     def _keep_lease(self, lease: str) -> None:
         if self.lease_file is None or lease == read_lease(self.lease_file):
             return
-        write_atomic(self.lease_file, lease.encode(), mode=0o600)
+        try:
+            write_atomic(self.lease_file, lease.encode(), mode=0o600)
+            self._lease_unsaved = False
+        except NoSpace as exc:
+            # Registered all the same (the lease is held in memory and kept
+            # alive); written at a later heartbeat once there is room.
+            self._lease_unsaved = True
+            log.warning("the lease could not be kept on disk yet", extra={"fields": {"error": exc.message}})
 
     async def register(self) -> None:
         rsp = await self.stub.RegisterHandler(registry_pb2.RegisterHandlerRequest(
@@ -90,6 +98,8 @@ class Registration:
                 else:
                     await self.stub.Heartbeat(registry_pb2.HeartbeatRequest(
                         name=self.name, lease_id=self.lease_id), timeout=5)
+                    if self._lease_unsaved:  # a full disk refused it at the registration
+                        await asyncio.to_thread(self._keep_lease, self.lease_id)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.NOT_FOUND:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from crust.common.aio import in_thread
 from crust.common.atomicfile import fsync_dir
+from crust.common.errors import space_in
 from crust.common.private import make_dirs, open_new
 
 ID_PATTERN = re.compile(r"^[a-z]{1,4}-[0-9a-f]{24}$")
@@ -102,17 +103,27 @@ def make_blank(final: Path, size: int, *, preallocate: bool = False) -> None:
     Blocking (run it in a worker thread): every step, down to the rename and
     the directory's fsync, belongs off the event loop."""
     tmp = _fresh_partial(final)
-    _create_sparse(tmp, size)
-    _install(tmp, final, size, preallocate)
+    try:
+        with space_in(final.parent):
+            _create_sparse(tmp, size)
+            _install(tmp, final, size, preallocate)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def make_copy(source: Path, final: Path, size: int, *, preallocate: bool = False) -> None:
     """Make `final` a copy of `source` (holes preserved), then grow it to
     size; blocking, like make_blank."""
     tmp = _fresh_partial(final)
-    _copy_data(source, tmp)
-    _grow_and_sync(tmp, size)
-    _install(tmp, final, size, preallocate)
+    try:
+        with space_in(final.parent):
+            _copy_data(source, tmp)
+            _grow_and_sync(tmp, size)
+            _install(tmp, final, size, preallocate)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a copy cut short by a full disk is no use to anyone
+        raise
 
 
 async def copy_into(source: Path, final: Path, size: int, *, preallocate: bool = False) -> None:
@@ -189,9 +200,10 @@ def _grow_and_sync(path: Path, size: int) -> None:
 
 async def grow(path: Path, size: int, *, preallocate: bool = False) -> None:
     """Grow a backing file in place (never shrinks)."""
-    await asyncio.to_thread(_grow_and_sync, path, size)
-    if preallocate:
-        await asyncio.to_thread(allocate, path, size)
+    with space_in(path.parent):
+        await asyncio.to_thread(_grow_and_sync, path, size)
+        if preallocate:
+            await asyncio.to_thread(allocate, path, size)
 
 
 def allocate(path: Path, size: int) -> None:
