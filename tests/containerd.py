@@ -16,6 +16,7 @@ container.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ from pathlib import Path
 from crust.sys import mount as sysmount
 
 NAMESPACE = "crust-test"
+SHIM_SOCKETS = Path("/run/containerd/s")
 CONFIG = """\
 version = 2
 root = "{root}"
@@ -64,6 +66,7 @@ class Containerd:
         self.proc: subprocess.Popen | None = None
         self.rootfs_mounts: list[Path] = []
         self.running: list[str] = []
+        self.started: list[str] = []
 
     # -- the daemon ----------------------------------------------------------
     def start(self, timeout: float = 20.0) -> "Containerd":
@@ -107,11 +110,34 @@ class Containerd:
                 except subprocess.TimeoutExpired:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                     self.proc.wait()
+            self._remove_shims()
             # The snapshotter's own mounts, if the daemon left any.
             prefix = str(self.directory) + "/"
             for entry in sorted(sysmount.mounts(), key=lambda m: -len(m.mount_point)):
                 if entry.mount_point.startswith(prefix):
                     subprocess.run(["umount", "-l", entry.mount_point], capture_output=True)
+
+    def _remove_shims(self) -> None:
+        """The runc shims of our containers outlive containerd by design:
+        those still serving our socket are killed, and the sockets
+        containerd 1.6 gives them in /run/containerd/s (named by the hash of
+        our address, namespace and container id) are removed."""
+        ours = str(self.address).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv and argv[0].endswith(b"containerd-shim-runc-v2") and ours in argv:
+                try:
+                    os.kill(int(entry.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for container in self.started:
+            name = hashlib.sha256(f"{self.address}/{NAMESPACE}/{container}".encode()).hexdigest()
+            (SHIM_SOCKETS / name).unlink(missing_ok=True)
 
     # -- images --------------------------------------------------------------
     def import_image(self, archive: Path) -> str:
@@ -143,6 +169,7 @@ class Containerd:
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(json.dumps(spec, indent=1))
         self.running.append(container)
+        self.started.append(container)
         self.ctr("run", "--detach", "--log-uri", f"file://{log}", "--config", str(spec_path), container)
         return self.pid(container)
 
