@@ -45,6 +45,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from pyroute2 import IPRoute
 
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
@@ -121,6 +122,12 @@ def in_netns(netns: Path, work):
     return result.get("value")
 
 
+def loopback_up() -> None:
+    with IPRoute() as ipr:
+        (lo,) = ipr.link_lookup(ifname="lo")
+        ipr.link("set", index=lo, state="up")
+
+
 def wait_for(check, timeout: float, what: str, log: Path | None = None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -187,7 +194,7 @@ class Cluster:
         self.netns_holder = subprocess.Popen(["unshare", "--net", "sleep", "infinity"])
         self.netns = Path(f"/proc/{self.netns_holder.pid}/ns/net")
         wait_for(lambda: os.readlink(self.netns) != os.readlink("/proc/self/ns/net"), 5, "the pod network")
-        subprocess.run(["nsenter", f"--net={self.netns}", "ip", "link", "set", "lo", "up"], check=True)
+        in_netns(self.netns, loopback_up)
         self.api = in_netns(self.netns, lambda: KubeAPI(tls=serving(self.pki), token=TOKEN).start())
         account = self.root / "sa"
         account.mkdir()
