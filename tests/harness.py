@@ -22,9 +22,9 @@ from pathlib import Path
 import grpc
 
 from crust.api import csi_pb2, csi_pb2_grpc
-from crust.sys import loop as sysloop
-from crust.sys import netns
 from crust.sys import mount as sysmount
+from crust.sys import netns
+from crust.sys.sweep import release_under
 
 AccessMode = csi_pb2.VolumeCapability.AccessMode
 MIB = 1024**2
@@ -43,17 +43,8 @@ def block_cap(mode: int = AccessMode.SINGLE_NODE_WRITER) -> csi_pb2.VolumeCapabi
 
 
 def cleanup_root(root: Path) -> None:
-    """Unmount and detach what lives under root (deepest mounts first)."""
-    prefix = str(root.resolve()) + "/"
-    for _ in range(3):
-        mounts = [m for m in sysmount.mounts() if (m.mount_point + "/").startswith(prefix)]
-        if not mounts:
-            break
-        for m in sorted(mounts, key=lambda m: -len(m.mount_point)):
-            subprocess.run(["umount", "-l", m.mount_point], capture_output=True)
-    for device, backing in sysloop.attached().items():
-        if backing.startswith(prefix):
-            subprocess.run(["losetup", "-d", device], capture_output=True)
+    """Detach and unmount what lives under root (deepest mounts first)."""
+    release_under(root)
 
 
 class CsiProcess:

@@ -945,3 +945,34 @@ def test_a_kvm_probe_whose_vm_breaks_its_agent_connection_is_a_definite_no(monke
     works, reason, definite = asyncio.run(accel.probe_kvm(config, tmp_path / "probe"))
     assert (works, definite) == (False, True) and "probe VM" in reason and "reset" in reason, reason
     assert killed, "the probe VM is killed"
+
+
+def test_release_under_detaches_a_loop_device_over_a_file_system_it_unmounts(tmp_path):
+    """A loop device whose file lives on a file system mounted under the
+    root is detached too: after the unmount sysfs would name its file from
+    that file system's own root, outside the root."""
+    import subprocess
+
+    from crust.sys import loop as sysloop
+    from crust.sys.sweep import release_under
+
+    data = tmp_path / "data"
+    data.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(data)], check=True)
+    device = None
+    try:
+        backing = data / "pools" / "vol.img"
+        backing.parent.mkdir(parents=True)
+        with open(backing, "wb") as f:
+            f.truncate(4 << 20)
+        device = subprocess.run(["losetup", "-f", "--show", str(backing)], check=True, capture_output=True,
+                                text=True).stdout.strip()
+        released = release_under(tmp_path)
+        assert device in released and str(data) in released
+        assert device not in sysloop.attached(), "the device went with its file system"
+        assert not os.path.ismount(data)
+    finally:
+        if device is not None and device in sysloop.attached():
+            subprocess.run(["losetup", "-d", device], capture_output=True)
+        if os.path.ismount(data):
+            subprocess.run(["umount", "-l", str(data)], capture_output=True)
