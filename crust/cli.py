@@ -290,7 +290,9 @@ def _serve(what: str, serve, *args, **kwargs) -> int:
     stops with one clear message (the file and both versions) and exit
     code 3, before it has changed anything."""
     from crust.common.formats import NewerFormat
+    from crust.sys.memory import give_back_large_buffers
 
+    give_back_large_buffers()  # large requests' buffers leave the RSS when freed (crust.sys.memory)
     try:
         serve(*args, **kwargs)
     except NewerFormat as exc:

@@ -37,6 +37,7 @@ from crust.common.endpoint import clear_stale_socket, prepare_socket_dir, socket
 from crust.common.errors import NO_SPACE, CrustError
 from crust.common.peergate import PeerGate, PeerPolicy, caller, inner_socket_path
 from crust.common.redact import redacted
+from crust.sys import memory
 from crust.sys.run import rpc_deadline
 
 log = logging.getLogger("crust.rpc")
@@ -139,11 +140,27 @@ def _tolerant(deserialize: Callable[[bytes], object] | None) -> Callable[[bytes]
     type_name = type_name.full_name if type_name is not None else "the method's request message"
 
     def parse(data: bytes):
+        memory.note_request_size(len(data))
         try:
             return deserialize(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, RecursionError: the sender's bytes, not our bug
             return Undecodable(type_name, len(data), type(exc).__name__)
     return parse
+
+
+def fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str, trailing=()) -> None:
+    """End a unary call with this status: set, not raised. context.abort()
+    raises an exception whose traceback and gRPC's call state refer to each
+    other, so every aborted call, its request included (forwarded ones are up
+    to 4 MiB), stayed in memory until Python's cyclic garbage collector ran:
+    the proxy's CSI socket grew by hundreds of MiB under large forwarded
+    requests (docs/benchmarks.md, "Memory under large requests")."""
+    context.set_code(code)
+    context.set_details(details)
+    if trailing:
+        # A tuple: grpc.aio's Metadata object made a backend's error with
+        # trailers UNKNOWN.
+        context.set_trailing_metadata(tuple(trailing))
 
 
 # Wrapped handlers kept per method (see CrustInterceptor.intercept_service);
@@ -274,7 +291,8 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
                 _log_end(level if logged else None, request, code, message, elapsed)
             if code is grpc.StatusCode.OK:
                 return response
-            await context.abort(code, message)
+            fail(context, code, message)
+            return None
 
         return grpc.unary_unary_rpc_method_handler(
             serve_one,
@@ -321,6 +339,8 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
         async for request in request_iterator:
             if isinstance(request, Undecodable):
                 await self._refuse_undecodable(request, method, context)
+            if isinstance(request, bytes):  # forwarded as it came (typed ones are noted as parsed)
+                memory.note_request_size(len(request))
             yield request
 
     def _measured_forward(self, handler, method: str):
@@ -331,11 +351,14 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
         inner = handler.unary_unary
 
         async def forward_one(request, context: grpc.aio.ServicerContext):
+            memory.note_request_size(len(request))
             started = time.monotonic()
             code = grpc.StatusCode.OK
             self._enter()
             try:
-                return await inner(request, context)
+                response = await inner(request, context)
+                code = context.code() or grpc.StatusCode.OK  # a backend's error is set, not raised (fail())
+                return response
             except (Exception, asyncio.CancelledError) as exc:
                 code = _forwarded_code(exc, context)
                 raise
@@ -358,6 +381,7 @@ class CrustInterceptor(grpc.aio.ServerInterceptor):
                 await self._check_peer(context)
                 async for response in inner(self._decoded(request_iterator, method, context), context):
                     yield response
+                code = context.code() or grpc.StatusCode.OK  # a backend's error is set, not raised (fail())
             except (Exception, asyncio.CancelledError) as exc:
                 code = _forwarded_code(exc, context)
                 raise
@@ -445,6 +469,7 @@ class Daemon:
         self.socket_path: str | None = None
 
     async def start(self) -> None:
+        memory.start_trimming()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = self.service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)

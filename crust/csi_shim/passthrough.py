@@ -31,7 +31,7 @@ import time
 import grpc
 
 from crust.api import csi_pb2
-from crust.common.grpcserver import PLUGIN_METHODS
+from crust.common.grpcserver import PLUGIN_METHODS, fail
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +195,8 @@ def unary_forwarder(channel: grpc.aio.Channel, method: str,
             response = await call
         except grpc.aio.AioRpcError as exc:
             log.debug("backend answered %s for %s", exc.code().name, method)
-            # abort() takes trailing metadata as a tuple only: grpc.aio's
-            # Metadata object made a backend's error with trailers UNKNOWN.
-            await context.abort(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
+            fail(context, exc.code(), exc.details() or "", exc.trailing_metadata())
+            return b""
         # Both arrived with the answer (one batch): awaiting them does not
         # wait. Only a backend that sends metadata costs an extra operation.
         initial = await call.initial_metadata()
@@ -271,7 +270,7 @@ class Passthrough(grpc.GenericRpcHandler):
                     context.set_trailing_metadata(trailing)
             except grpc.aio.AioRpcError as exc:
                 log.debug("backend answered %s for %s", exc.code().name, method)
-                await context.abort(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
+                fail(context, exc.code(), exc.details() or "", exc.trailing_metadata())
             finally:
                 if following is not None and not following.done():
                     following.cancel()
