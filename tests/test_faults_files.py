@@ -289,3 +289,108 @@ def test_kata_direct_volumes_take_planted_files_without_blocking(tmp_path):
     (entry / "sub" / "deep").mkdir(parents=True)
     (entry / "sub" / "link").symlink_to(tmp_path)
     assert volumes.remove(path) is True and not entry.exists() and tmp_path.exists()
+
+
+# -- device identity -----------------------------------------------------------------------------------
+
+
+def mounted_anywhere(env: Env, v) -> list[int]:
+    """Processes (any mount namespace) with v's file system mounted as a sandbox mounts it."""
+    return env.mounting(v)
+
+
+def write_entry(path: Path, data: bytes) -> None:
+    """Rewrite an entry as another root component would (atomically)."""
+    tmp = path.parent / ".planted.tmp"
+    tmp.write_bytes(data)
+    os.rename(tmp, path)
+
+
+def test_the_handler_mounts_the_claimed_device_never_the_one_an_entry_names(make_env):
+    env = make_env()
+    v, other = env.volume("pv-id"), env.volume("pv-victim")
+    truth = entry_file(env, v.target).read_bytes()
+    lie = MountInfo.model_validate_json(truth).model_copy(update={
+        "device": other.device, "device_major": other.majmin[0], "device_minor": other.majmin[1]}).to_json()
+    write_entry(entry_file(env, v.target), lie)
+    time.sleep(0.5)  # the handler's watcher has read the rewritten entry
+    bundle = env.bundle("identity", "exec sleep 600", [("/data", str(v.target))])
+    out = env.run(bundle, "sb-identity")
+    assert out.returncode != 0 and "FAILED_PRECONDITION" in out.stderr, out.stderr
+    assert other.device in out.stderr and v.device in out.stderr, out.stderr
+    assert mounted_anywhere(env, other) == [] and mounted_anywhere(env, v) == []
+    assert env.sandboxes() == {} and env.claim_set() == set()
+    assert "device identity refused" in env.handler.log_path.read_text()
+    # The claim made the proxy write the entry again from its record: the
+    # next start finds the truth and mounts the volume's own device.
+    wait_until(lambda: entry_file(env, v.target).read_bytes() == truth, what="the entry rewritten")
+    time.sleep(0.3)
+    info = env.run_ok(bundle, "sb-identity")
+    assert info["pid"] in env.mounting(v) and mounted_anywhere(env, other) == []
+    env.delete("sb-identity")
+    assert not tracebacks(env)
+    env.unpublish(v)
+    env.unpublish(other)
+
+
+def test_the_runtime_api_cannot_repoint_a_volume_kubelet_published(make_env):
+    env = make_env(start_handler=False)
+    v, other = env.volume("pv-kubelet"), env.volume("pv-elsewhere")
+    truth = entry_file(env, v.target).read_bytes()
+    Req = runtime_pb2.RuntimeStageVolumeRequest
+    with env.proxy.runtime_channel() as channel:
+        runtime = runtime_pb2_grpc.RuntimeStub(channel)
+
+        def stage(device: str, majmin: tuple[int, int]) -> tuple[Code, str]:
+            return code_of(runtime.RuntimeStageVolume, Req(
+                volume_type=Req.BLOCK, volume_target_path=str(v.target), volume_backing_path=device,
+                fs_type="ext4", volume_id=v.volume_id, capacity_bytes=32 * MIB, device_major=majmin[0],
+                device_minor=majmin[1]))
+
+        for device, majmin, words in ((other.device, other.majmin, "published by kubelet"),
+                                      (other.device, (0, 0), "published by kubelet"),
+                                      (other.device, v.majmin, "not the"),
+                                      ("/dev/null", (1, 3), "not a block device")):
+            code, details = stage(device, majmin)
+            assert code == Code.FAILED_PRECONDITION and words in details, (device, majmin, code, details)
+            assert entry_file(env, v.target).read_bytes() == truth
+            assert mirror_file(env, v.target).read_bytes() == truth
+        # The same device again is no change: accepted.
+        code, details = stage(v.device, v.majmin)
+        assert code == Code.OK, details
+    assert "device identity refused" in env.proxy.log_path.read_text()
+    assert not tracebacks(env)
+    env.unpublish(v)
+    env.unpublish(other)
+
+
+def test_a_device_handed_over_is_refused_unless_its_numbers_are_the_paths(tmp_path):
+    """crust.contract.device: the rule every hand-over applies."""
+    from crust.common.errors import FailedPrecondition
+    from crust.contract import device
+
+    found = None
+    for name in sorted(os.listdir("/sys/dev/block")):
+        path = f"/dev/{(Path('/sys/dev/block') / name / 'uevent').read_text().split('DEVNAME=')[1].split()[0]}"
+        if os.path.exists(path):
+            found = (path, tuple(int(n) for n in name.split(":")))
+            break
+    assert found is not None, "no block device node on this host"
+    path, numbers = found
+    assert device.handed_over(path, *numbers, target_path="/t", source="test") == numbers
+    assert device.handed_over(path, 0, 0, target_path="/t", source="test") == numbers  # filled in
+    assert device.handed_over(str(tmp_path / "absent"), 7, 3, target_path="/t", source="test") == (7, 3)
+    with pytest.raises(FailedPrecondition, match=f"is {numbers[0]}:{numbers[1]}, not the"):
+        device.handed_over(path, numbers[0], numbers[1] + 1000, target_path="/t", source="test")
+    (tmp_path / "file").write_text("x")
+    for not_block in ("/dev/null", str(tmp_path / "file"), str(tmp_path)):
+        with pytest.raises(FailedPrecondition, match="not a block device"):
+            device.handed_over(not_block, 1, 3, target_path="/t", source="test")
+    entry = MountInfo(device=path, fstype="ext4", target_path="/t", device_major=numbers[0],
+                      device_minor=numbers[1])
+    assert device.agree(entry, entry) == entry
+    for claimed, words in ((entry.model_copy(update={"device_minor": numbers[1] + 1}), "names device"),
+                           (entry.model_copy(update={"target_path": "/u"}), "answered for /u"),
+                           (entry.model_copy(update={"device_major": 0, "device_minor": 0}), "no device number")):
+        with pytest.raises(FailedPrecondition, match=words):
+            device.agree(entry, claimed)

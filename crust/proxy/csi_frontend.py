@@ -15,6 +15,7 @@ import logging
 from crust.api import csi_pb2
 from crust.common.errors import FailedPrecondition, Unavailable
 from crust.csi_shim.backend import Backend
+from crust.contract import device as device_identity
 from crust.contract.mountinfo import MountInfo
 from crust.proxy.paths import check_target
 from crust.proxy.policy import Decider
@@ -76,11 +77,17 @@ class CsiFrontend:
                 volume_id=request.volume_id, target_path=target, defer_fs_ops=True), context)
             raise FailedPrecondition(f"the plugin {self.plugin.plugin_name} did not return a deferred-mount "
                                      "description; the publish was undone")
+        described = response.deferred_mount
         try:
-            await self.state.stage(MountInfo.from_deferred(target, response.deferred_mount))
+            major, minor = device_identity.handed_over(
+                described.device, described.device_major, described.device_minor, target_path=target,
+                source=f"the plugin {self.plugin.plugin_name}")
+            info = MountInfo.from_deferred(target, described)
+            await self.state.stage(info.model_copy(update={"device_major": major, "device_minor": minor}))
         except BaseException:
-            # Not staged (a full state or watched directory): kubelet gets no
-            # OK, so nothing of the publish may stay either.
+            # Another device than described, or not staged (a full state or
+            # watched directory): kubelet gets no OK, so nothing of the
+            # publish may stay either.
             await self._undo_publish(request.volume_id, target, earlier is None, context)
             raise
         DEFERRED_PUBLISHED.inc()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
 from crust.common import csi_input
 from crust.common.errors import InvalidArgument, NotFound
+from crust.contract import device as device_identity
 from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo
 from crust.proxy.paths import check_target
 from crust.proxy.routing import Router
@@ -44,10 +45,23 @@ class RuntimeService(runtime_pb2_grpc.RuntimeServicer):
             metadata[FS_GROUP] = request.volume_supplemental_group
         if request.volume_supplemental_group_change_policy in POLICY_NAMES:
             metadata[FS_GROUP_CHANGE_POLICY] = POLICY_NAMES[request.volume_supplemental_group_change_policy]
+        major, minor = device_identity.handed_over(device, request.device_major, request.device_minor,
+                                                   target_path=target, source="RuntimeStageVolume")
+        published = self.state.get(target)
+        decision = self.state.decision(target)
+        if published is not None and decision is not None and decision.deferred and \
+                (published.info.device, published.info.device_major, published.info.device_minor) != \
+                (device, major, minor):
+            # kubelet published this target through the proxy: its device is
+            # the one the CSI plugin returned, and only kubelet changes it.
+            raise device_identity.refuse(
+                f"volume_target_path {target} was published by kubelet with device {published.info.device} "
+                f"({published.info.device_major}:{published.info.device_minor}); the Runtime API cannot point "
+                f"it at {device} ({major}:{minor})", target_path=target, device=device)
         info = MountInfo(device=device, fstype=request.fs_type, metadata=metadata,
                          options=list(request.mount_flags), readonly=request.readonly,
                          volume_id=request.volume_id, target_path=target, capacity_bytes=request.capacity_bytes,
-                         device_major=request.device_major, device_minor=request.device_minor,
+                         device_major=major, device_minor=minor,
                          volume_context=dict(request.volume_context))
         await self.state.stage(info)
         return runtime_pb2.RuntimeStageVolumeResponse()

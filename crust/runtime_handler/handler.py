@@ -33,6 +33,7 @@ from crust.api import handler_pb2
 from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument, NotFound
 from crust.common.inflight import InFlight
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
+from crust.contract import device as device_identity
 from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.runtime_handler.index import VolumeIndex
@@ -94,8 +95,9 @@ def check_device(info: MountInfo) -> None:
         raise FailedPrecondition(f"{info.device} is not a block device")
     found = (os.major(st.st_rdev), os.minor(st.st_rdev))
     if info.device_major and found != (info.device_major, info.device_minor):
-        raise FailedPrecondition(f"{info.device} is {found[0]}:{found[1]}, the volume was "
-                                 f"{info.device_major}:{info.device_minor}: the name was reused")
+        raise device_identity.refuse(f"{info.device} is {found[0]}:{found[1]}, the volume was "
+                                     f"{info.device_major}:{info.device_minor}: the name was reused",
+                                     target_path=info.target_path, device=info.device)
     size = blockdev.size_bytes(info.device)
     if size < info.capacity_bytes:
         raise FailedPrecondition(f"{info.device} has {size} bytes, the volume has {info.capacity_bytes}")
@@ -318,13 +320,15 @@ class RuntimeHandler:
             finally:
                 self.index.forget(names, woken)
 
-    async def _claim(self, target_path: str, direct: bool, sandbox_id: str, pid: int) -> None:
+    async def _claim(self, target_path: str, direct: bool, sandbox_id: str, pid: int) -> str:
+        """Claim the volume; the proxy's description of it (its record) for
+        a volume of the registry, "" for a direct one."""
         if direct:
             if self.direct_source is None:
                 raise FailedPrecondition(f"{target_path} was a direct volume; this handler reads none")
             await asyncio.to_thread(self.direct_source.claim, target_path, sandbox_id)
-        else:
-            await self.registration.claim(target_path, sandbox_id, pid)
+            return ""
+        return await self.registration.claim(target_path, sandbox_id, pid)
 
     async def _release(self, volume: MountedVolume, sandbox_id: str, abnormal_reason: str) -> None:
         if volume.direct:
@@ -338,11 +342,24 @@ class RuntimeHandler:
         if info.fstype not in self.registration.filesystems:
             raise FailedPrecondition(f"handler {self.name} cannot mount {info.fstype}")
         # Claim first: a second sandbox is refused before it touches the device.
-        await self._claim(info.target_path, direct, record.sandbox_id, sandbox.pid)
+        answer = await self._claim(info.target_path, direct, record.sandbox_id, sandbox.pid)
         mounted = MountedVolume(target_path=info.target_path, device=info.device, fs_type=info.fstype,
                                 mount_point=str(self._workdir(record.sandbox_id) / "volumes" / key),
                                 readonly=info.readonly, views=views, direct=direct)
         record.volumes[key] = mounted  # recorded before mounting: teardown knows what to undo
+        if not direct:
+            # What is mounted is what the proxy answered the claim with (its
+            # record of what the plugin returned), never the entry alone: a
+            # file in a shared directory can be rewritten.
+            try:
+                claimed = MountInfo.model_validate_json(answer)
+            except ValueError as exc:
+                raise FailedPrecondition(f"the proxy's answer to the claim of {info.target_path} is no "
+                                         f"description: {str(exc)[:200]}") from None
+            info = device_identity.agree(info, claimed)
+            mounted.device, mounted.fs_type, mounted.readonly = info.device, info.fstype, info.readonly
+            if info.fstype not in self.registration.filesystems:
+                raise FailedPrecondition(f"handler {self.name} cannot mount {info.fstype}")
         check_device(info)
         inside = await sandbox.attach(info.device)
         await sandbox.mount(inside, info.fstype, info.options, info.readonly, mounted.mount_point)
