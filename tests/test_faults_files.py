@@ -394,3 +394,92 @@ def test_a_device_handed_over_is_refused_unless_its_numbers_are_the_paths(tmp_pa
                            (entry.model_copy(update={"device_major": 0, "device_minor": 0}), "no device number")):
         with pytest.raises(FailedPrecondition, match=words):
             device.agree(entry, claimed)
+
+
+# -- the handler's directory watcher ------------------------------------------------------------------
+
+
+def handler_health(env: Env) -> int:
+    with grpc.insecure_channel(f"unix://{env.handler.socket}") as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def start_in_sandbox(env: Env, v, sandbox_id: str) -> dict:
+    info = env.run_ok(env.bundle(sandbox_id, "exec sleep 600", [("/data", str(v.target))]), sandbox_id)
+    assert info["pid"] in env.mounting(v), "the volume is not mounted in the sandbox"
+    return info
+
+
+def test_a_dead_watcher_is_noticed_and_rebuilt_and_new_volumes_reach_their_sandbox(make_env):
+    env = make_env()
+    before = env.volume("pv-before")
+    # Entry directories swapped and removed under the watcher, as a proxy
+    # being restarted and a cleanup could: watchdog's inotify thread dies
+    # of a KeyError in its book-keeping.
+    churn = env.proxy.volumes_dir / digest("/churn")
+    deadline = time.monotonic() + 30
+    while not any(words in env.handler.log_path.read_text() for words in ("lost a thread", "KeyError")):
+        assert time.monotonic() < deadline, "the watcher never died: the fault was not reproduced"
+        for _ in range(50):
+            churn.mkdir()
+            (churn / "mountInfo.json").write_text("{}")
+            os.rename(churn, churn.with_name(churn.name + ".old"))
+            churn.mkdir()
+            shutil.rmtree(churn.with_name(churn.name + ".old"))
+            shutil.rmtree(churn)
+    # A volume published after the death is seen: its sandbox mounts it
+    # (not the placeholder), and so does one published before.
+    after = env.volume("pv-after")
+    start_in_sandbox(env, after, "sb-after")
+    start_in_sandbox(env, before, "sb-before")
+    log = env.handler.log_path.read_text()
+    assert "the watcher of the volumes directory is lost" in log and "the watcher is rebuilt" in log
+    assert handler_health(env) == SERVING
+    for sandbox_id in ("sb-after", "sb-before"):
+        env.delete(sandbox_id)
+    assert not tracebacks(env), tracebacks(env)
+    env.unpublish(before)
+    env.unpublish(after)
+
+
+def test_health_says_the_watcher_is_lost_until_the_directory_can_be_watched_again(make_env):
+    env = make_env()
+    vdir = env.proxy.volumes_dir
+    assert handler_health(env) == SERVING
+    # The watched directory replaced (by a file): the watch is on a gone
+    # directory and cannot be made again until a directory is back.
+    os.rename(vdir, vdir.with_name("volumes.away"))
+    vdir.write_text("not a directory")
+    wait_until(lambda: handler_health(env) == NOT_SERVING, timeout=5, what="NOT_SERVING")
+    time.sleep(1.5)
+    assert handler_health(env) == NOT_SERVING  # and it stays so while it cannot watch
+    vdir.unlink()
+    os.rename(vdir.with_name("volumes.away"), vdir)
+    wait_until(lambda: handler_health(env) == SERVING, timeout=5, what="SERVING again")
+    log = env.handler.log_path.read_text()
+    assert "the watcher of the volumes directory is lost" in log and "the watcher is rebuilt" in log
+    v = env.volume("pv-back")
+    start_in_sandbox(env, v, "sb-back")
+    env.delete("sb-back")
+    assert not tracebacks(env)
+    env.unpublish(v)
+
+
+def test_a_deferred_target_whose_entry_is_not_seen_fails_the_start_never_binds_the_placeholder(make_env):
+    env = make_env()
+    v = env.volume("pv-unseen")
+    shutil.rmtree(entry_file(env, v.target).parent)  # removed behind the proxy's back
+    bundle = env.bundle("unseen", "exec sleep 600", [("/data", str(v.target))])
+    out = env.run(bundle, "sb-unseen")
+    assert out.returncode != 0 and "FAILED_PRECONDITION" in out.stderr and "deferred" in out.stderr, out.stderr
+    assert env.sandboxes() == {} and env.mounting(v) == [] and env.claim_set() == set()
+    # kubelet's retried publish writes the entry again; then the sandbox starts with its volume.
+    env.proxy.node.NodePublishVolume(publish_request(v), timeout=60)
+    assert entry_file(env, v.target).is_file()
+    start_in_sandbox(env, v, "sb-unseen")
+    env.delete("sb-unseen")
+    assert not tracebacks(env)
+    env.unpublish(v)

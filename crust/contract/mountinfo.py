@@ -35,6 +35,11 @@ SCHEMA_VERSION_KEY = "crust-schema-version"
 FS_GROUP = "fsGroup"
 FS_GROUP_CHANGE_POLICY = "fsGroupChangePolicy"
 
+# The mount source of the empty read-only tmpfs the shim puts on a target it
+# deferred: a runtime that finds it there (and no entry) knows the volume is
+# deferred to a sandbox and was not seen, rather than an empty directory.
+PLACEHOLDER_SOURCE = "crust-deferred"
+
 # Volume context keys that carry secrets: kubelet puts the pod's service
 # account tokens there for a CSIDriver with tokenRequests.
 SECRET_CONTEXT_KEYS = frozenset({"csi.storage.k8s.io/serviceAccount.tokens"})

@@ -45,6 +45,7 @@ from crust.common.errors import (
 from crust.common.inflight import InFlight
 from crust.common.private import make_dirs
 from crust.common.recordstore import RecordStore
+from crust.contract.mountinfo import PLACEHOLDER_SOURCE
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.config import ShimConfig
 from crust.csi_shim.description import describe
@@ -64,7 +65,6 @@ DEFERRAL_CAPABILITIES = [RPC.DEFER_FS_OPS, RPC.DEFER_FS_OPS_WITH_SUPPLEMENTAL_GR
                          RPC.DEFER_FS_OPS_WITH_SUPPLEMENTAL_GROUP_CHANGE_POLICY]
 AccessMode = csi_pb2.VolumeCapability.AccessMode
 
-PLACEHOLDER_SOURCE = "crust-deferred"
 CHANGE_POLICIES = ("", "Always", "OnRootMismatch")
 _GROUP = re.compile(r"^[0-9]{1,10}$")
 

@@ -25,7 +25,7 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -34,7 +34,7 @@ from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument,
 from crust.common.inflight import InFlight
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract import device as device_identity
-from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
+from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, PLACEHOLDER_SOURCE, MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.runtime_handler.index import VolumeIndex
 from crust.runtime_handler.oci import BundleError, load_bundle
@@ -42,6 +42,7 @@ from crust.runtime_handler.registration import Registration
 from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, candidates, resolve
 from crust.runtime_handler.sandbox import Sandbox
 from crust.sys import blockdev, proc
+from crust.sys import mount as sysmount
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,9 @@ class RuntimeHandler:
         # when this handler serves crust's OCI runtime.
         self.containers = None
         registration.on_register = self.reclaim
+        # Told when the directory watcher stops working and when it works
+        # again (the daemon turns it into its health).
+        self.on_watcher: Callable[[bool], Awaitable[None]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -131,6 +135,26 @@ class RuntimeHandler:
         await self.recover()
         self.registration.start()
         self.reaper = asyncio.create_task(self._reap_forever())
+        self.watch_keeper = asyncio.create_task(self._keep_watching())
+
+    async def _keep_watching(self, interval: float = 1.0) -> None:
+        """A watcher that stopped working is rebuilt (and the directory
+        rescanned); on_watcher(False) meanwhile, so health says it."""
+        while True:
+            await asyncio.sleep(interval)
+            why = self.index.watching()
+            if not why:
+                continue
+            log.error("the watcher of the volumes directory is lost; rebuilding it", extra={"fields": {
+                "error": why[:500]}})
+            await self._report_watcher(False)
+            while not await asyncio.to_thread(self.index.rebuild):
+                await asyncio.sleep(interval)
+            await self._report_watcher(True)
+
+    async def _report_watcher(self, working: bool) -> None:
+        if self.on_watcher is not None:
+            await self.on_watcher(working)
 
     async def _reap_forever(self, interval: float = 1.0) -> None:
         """A sandbox that died on its own (a crashed VM, a killed holder)
@@ -154,9 +178,9 @@ class RuntimeHandler:
                                                                                       "error": exc.message}})
 
     async def stop(self) -> None:
-        reaper = getattr(self, "reaper", None)
-        if reaper is not None:
-            reaper.cancel()
+        for task in (getattr(self, "reaper", None), getattr(self, "watch_keeper", None)):
+            if task is not None:
+                task.cancel()
         # Sandboxes still running keep their claims, and so the lease they
         # were made under: the name is given up only when none is left.
         held = self.sandboxes or (self.containers is not None and self.containers.containers)
@@ -262,6 +286,8 @@ class RuntimeHandler:
                 except SubpathEscapes as exc:
                     raise InvalidArgument(str(exc)) from None
                 if resolved is None:
+                    if CSI_DIR in m.source.split("/"):
+                        self._refuse_unseen_deferred(m.source)
                     others.append(m)
                     continue
                 view = VolumeView(destination=m.destination, subpath=resolved.subpath,
@@ -289,6 +315,21 @@ class RuntimeHandler:
                 raise
             log.info("sandbox running", extra={"fields": {"sandbox": sandbox_id, "volumes": len(record.volumes)}})
             return record
+
+    def _refuse_unseen_deferred(self, source: str) -> None:
+        """A CSI target that holds the shim's placeholder was deferred to a
+        sandbox: without its entry there is nothing to mount, and binding
+        the placeholder would start the pod on an empty read-only directory
+        instead of its volume."""
+        for probe in candidates(source):
+            entry = sysmount.at(probe)
+            if entry is not None and entry.fs_type == "tmpfs" and entry.source == PLACEHOLDER_SOURCE:
+                lost = self.index.watching()
+                raise FailedPrecondition(
+                    f"mount source {source}: {probe} was published deferred to a sandbox, but this handler sees no "
+                    f"entry for it in {self.index.root}"
+                    + (f" (its directory watcher is not working: {lost})" if lost else "")
+                    + "; the placeholder is never bound in its place")
 
     def _resolve(self, source: str):
         """(Resolved, direct?): the proxy's entry first, then the direct source's."""

@@ -11,6 +11,17 @@ runtime may be asked to start the sandbox at the same moment): an asyncio
 caller registers a future for the names it awaits, and the watcher thread
 completes it on the caller's loop the moment one of them is loaded; no one
 polls.
+
+The watcher is supervised. watchdog reads inotify in threads of its own,
+and one that dies on an exception (watchdog 7 raised KeyError in its shared
+inotify thread after an entry directory was swapped and removed) leaves the
+observer reporting itself alive while no event arrives any more. A death is
+noticed three ways: a hook on uncaught exceptions of watchdog's threads, a
+look at whether its threads still run, and whether the watched path is
+still the directory being watched (it may have been removed and made
+again). supervise() then rebuilds the watch and rescans the directory; the
+handler asks it every second and reports NOT_SERVING on its health until it
+succeeds.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Iterable
 
@@ -41,6 +53,64 @@ MAX_ENTRY_BYTES = 1 << 20
 # would read the entry again, forever.
 READ_EVENTS = frozenset({"opened", "closed_no_write"})
 
+# Indexes that want to hear of a watchdog thread's death.
+_WATCHING: "weakref.WeakSet[VolumeIndex]" = weakref.WeakSet()
+_previous_excepthook = None
+
+
+def _install_death_hook() -> None:
+    """Uncaught exceptions of watchdog's threads end here, logged in one
+    line each and told to every index (not printed as a raw traceback);
+    other threads' go on to the previous hook."""
+    global _previous_excepthook
+    if _previous_excepthook is not None:
+        return
+    _previous_excepthook = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        thread = args.thread
+        if thread is None or not type(thread).__module__.startswith("watchdog."):
+            _previous_excepthook(args)
+            return
+        reason = f"watchdog's thread {type(thread).__name__} died: {args.exc_type.__name__}: {args.exc_value}"
+        log.error("the directory watcher lost a thread", extra={"fields": {"error": reason[:500]}})
+        for index in list(_WATCHING):
+            index.lose(reason)
+
+    threading.excepthook = hook
+
+
+def _shared_reader():
+    """watchdog's inotify reader thread shared by the process (watchdog 7),
+    or None (older versions read per emitter)."""
+    try:
+        from watchdog.observers.inotify_c import InotifyFD
+    except ImportError:
+        return None
+    return getattr(InotifyFD, "_instance", None)
+
+
+def _forget_dead_reader() -> None:
+    """A dead shared reader stays watchdog's singleton: every new watch
+    would go to it, deaf. Forget it (and release its descriptors) so the
+    next watch starts a new one."""
+    try:
+        from watchdog.observers.inotify_c import InotifyFD
+    except ImportError:
+        return
+    lock = getattr(InotifyFD, "_global_lock", None)
+    if lock is None:
+        return
+    with lock:
+        reader = getattr(InotifyFD, "_instance", None)
+        if reader is None or reader.is_alive():
+            return
+        InotifyFD._instance = None
+    try:
+        reader.close()
+    except Exception as exc:  # noqa: BLE001 - its book-keeping is what broke
+        log.debug("closing the dead inotify reader", extra={"fields": {"error": str(exc)[:200]}})
+
 
 class VolumeIndex(FileSystemEventHandler):
     def __init__(self, root: Path):
@@ -50,6 +120,8 @@ class VolumeIndex(FileSystemEventHandler):
         self.updated_at: dict[str, float] = {}
         self.lock = threading.Condition()
         self.observer: Observer | None = None
+        self._watched: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the directory watched
+        self.lost = ""  # why the watcher stopped working, until it is rebuilt
         self.skipped = 0
         # digest -> futures of asyncio callers waiting for that entry, each
         # with the loop it belongs to (completed from the watcher thread).
@@ -59,17 +131,82 @@ class VolumeIndex(FileSystemEventHandler):
 
     def start(self) -> "VolumeIndex":
         make_dirs(self.root)
-        self.observer = Observer()
-        self.observer.schedule(self, str(self.root), recursive=True)
-        self.observer.start()
+        _install_death_hook()
+        _WATCHING.add(self)
+        self._watch()
         self.rescan()  # after the watch starts, so nothing falls between the two
         return self
 
+    def _watch(self) -> None:
+        watched = os.stat(self.root)
+        observer = Observer()
+        observer.schedule(self, str(self.root), recursive=True)
+        observer.start()
+        with self.lock:
+            self.observer, self._watched, self.lost = observer, (watched.st_dev, watched.st_ino), ""
+
     def stop(self) -> None:
-        if self.observer is not None:
-            self.observer.stop()
-            self.observer.join(5)
-            self.observer = None
+        _WATCHING.discard(self)
+        self._stop_observer()
+
+    def _stop_observer(self) -> None:
+        observer, self.observer = self.observer, None
+        if observer is None:
+            return
+        try:
+            observer.stop()
+            observer.join(5)
+        except Exception as exc:  # noqa: BLE001 - a broken watcher may fail to stop; it is dropped anyway
+            log.warning("stopping the old watcher", extra={"fields": {"error": str(exc)[:200]}})
+
+    # -- supervision -----------------------------------------------------------------
+
+    def lose(self, reason: str) -> None:
+        """Called (from any thread) when a thread of the watcher died."""
+        with self.lock:
+            if not self.lost:
+                self.lost = reason
+
+    def watching(self) -> str:
+        """"" while the watcher works; otherwise why it does not."""
+        observer = self.observer
+        if self.lost:
+            return self.lost
+        if observer is None or not observer.is_alive():
+            return "the watcher's observer thread is not running"
+        if not all(emitter.is_alive() for emitter in observer.emitters):
+            return "a thread of the watcher stopped"
+        reader = _shared_reader()
+        if reader is not None and not reader.is_alive():
+            return "watchdog's inotify reader thread is not running"
+        try:
+            st = os.stat(self.root)
+        except OSError as exc:
+            return f"{self.root}: {exc.strerror}"
+        if (st.st_dev, st.st_ino) != self._watched:
+            return f"{self.root} is no longer the directory being watched (removed and made again?)"
+        return ""
+
+    def rebuild(self) -> bool:
+        """A new watch on the directory, then a rescan (entries that came,
+        changed or went meanwhile are caught up). False when that is not
+        possible yet (the directory is gone): the caller tries again."""
+        self._stop_observer()
+        _forget_dead_reader()
+        try:
+            if not self.root.is_dir() or self.root.is_symlink():
+                raise NotADirectoryError(f"{self.root} is not a directory")
+            self._watch()
+            self.rescan()
+        except OSError as exc:
+            self._stop_observer()
+            with self.lock:
+                self.lost = self.lost or f"cannot watch {self.root}: {exc}"
+            log.warning("the watcher cannot be rebuilt yet", extra={"fields": {"error": str(exc)[:300]}})
+            return False
+        log.info("the watcher is rebuilt and the directory rescanned", extra={"fields": {
+            "entries": len(self.entries)}})
+        return True
 
     # -- reading -------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from grpc_health.v1 import health_pb2
 from pydantic import BaseModel
 
 from crust.api import handler_pb2, handler_pb2_grpc
@@ -51,8 +52,18 @@ class HandlerDaemon:
             # The light handler also serves crust's OCI runtime (containers runc runs).
             self.handler.containers = ContainerVolumes(self.handler, config.state_dir)
             services.append("ContainerVolumes")
+        self.handler.on_watcher = self._watcher_health
         self.daemon = Daemon("handler", config.endpoint, [
             handler_pb2.DESCRIPTOR.services_by_name[name].full_name for name in services])
+
+    async def _watcher_health(self, working: bool) -> None:
+        """Health follows the directory watcher: a handler that cannot see
+        new volumes is not serving."""
+        status = health_pb2.HealthCheckResponse.SERVING if working else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.daemon.service_names + [""]:
+            result = self.daemon.health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
 
     async def run(self) -> None:
         make_dirs(self.config.state_dir)
