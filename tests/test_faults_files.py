@@ -483,3 +483,68 @@ def test_a_deferred_target_whose_entry_is_not_seen_fails_the_start_never_binds_t
     env.delete("sb-unseen")
     assert not tracebacks(env)
     env.unpublish(v)
+
+
+# -- records that name another place or device -------------------------------------------------------
+
+
+def test_records_naming_a_target_outside_the_kubelet_root_or_another_device_never_become_entries(make_env):
+    env = make_env(start_handler=False)
+    v, other = env.volume("pv-rec"), env.volume("pv-rec-other")
+    records = env.proxy.state_dir / "volumes"
+    real = json.loads((records / f"{digest(str(v.target))}.json").read_text())
+    # A target outside the kubelet root (it exists, so a start would keep it).
+    outside = env.path / "elsewhere" / "mount"
+    outside.mkdir(parents=True)
+    lying = json.loads(json.dumps(real))
+    lying["target_path"] = str(outside)
+    lying["info"]["target-path"] = str(outside)
+    (records / f"{digest(str(outside))}.json").write_text(json.dumps(lying))
+    # A record whose description is of another target than its own.
+    inside = env.proxy.target("pod-x", "pv-x")
+    inside.mkdir(parents=True)
+    mismatched = json.loads(json.dumps(real))
+    mismatched["target_path"] = str(inside)
+    (records / f"{digest(str(inside))}.json").write_text(json.dumps(mismatched))
+    # The shim's record of v names another volume's device node as its backend target.
+    shim_record = env.shim.state_dir / "volumes"
+    (path,) = [p for p in shim_record.glob("*.json") if json.loads(p.read_text())["volume_id"] == v.volume_id]
+    shim = json.loads(path.read_text())
+    shim["backend_target"] = other.device
+    path.write_text(json.dumps(shim))
+
+    env.shim.restart()
+    env.proxy.restart()
+    for target in (outside, inside):
+        assert not (env.proxy.volumes_dir / digest(str(target))).exists()
+        assert not (env.proxy.kata_dir / kata_name(str(target))).exists()
+        assert not (records / f"{digest(str(target))}.json").exists()  # set aside for a human
+    assert "not inside the kubelet root" in env.proxy.log_path.read_text()
+    # kubelet's retried publish of v: never a description of the other device.
+    code, details = code_of(env.proxy.node.NodePublishVolume, publish_request(v))
+    assert code not in BAD, details
+    entry = MountInfo.model_validate_json(entry_file(env, v.target).read_bytes())
+    assert (entry.device, entry.device_major, entry.device_minor) == (v.device, *v.majmin)
+    assert not tracebacks(env)
+    env.unpublish(other)
+
+
+def test_a_record_set_aside_twice_keeps_both_and_frees_its_name(tmp_path):
+    """A directory planted at a record's name, set aside, planted again: the
+    second is set aside under a name of its own (a directory cannot be
+    renamed over the first), so the record's name is free for the next write."""
+    from pydantic import BaseModel
+
+    from crust.common.recordstore import RecordStore
+
+    class Rec(BaseModel):
+        name: str
+
+    store = RecordStore(tmp_path / "records", Rec)
+    for round_ in range(3):
+        (tmp_path / "records" / "k.json" / "inside").mkdir(parents=True)
+        assert store.get("k") is None
+        store.put_sync("k", Rec(name=f"r{round_}"))
+        assert store.get("k") == Rec(name=f"r{round_}")
+        store.delete_sync("k")
+    assert sorted(p.name for p in (tmp_path / "records").iterdir()) == ["k.1.corrupt", "k.2.corrupt", "k.corrupt"]

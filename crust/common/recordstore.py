@@ -116,8 +116,14 @@ class RecordStore(Generic[Record]):
         return record
 
     def _set_aside(self, key: str, path: Path, why: str) -> None:
-        # Kept for a human, never silently dropped or overwritten.
+        # Kept for a human, never silently dropped or overwritten: a name no
+        # earlier record set aside holds (a directory cannot be renamed over
+        # one, and would be left in the record's place).
         aside = path.with_suffix(".corrupt")
+        for n in range(1, 1000):
+            if not os.path.lexists(aside):
+                break
+            aside = path.with_suffix(f".{n}.corrupt")
         try:
             os.rename(path, aside)
             where = f"kept aside as {aside.name}"

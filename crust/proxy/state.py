@@ -83,8 +83,9 @@ class ProxyState:
     def __init__(self, config: ProxyConfig):
         self.config = config
         self.dir = VolumesDir(config.volumes_dir, config.kata_dir)
-        self.volumes = RecordStore(config.state_dir / "volumes", DeferredVolume, _target_belongs)
-        self.decisions = RecordStore(config.state_dir / "decisions", Decision, _target_belongs)
+        belongs = lambda key, record: _target_belongs(key, record, config.kubelet_root)  # noqa: E731
+        self.volumes = RecordStore(config.state_dir / "volumes", DeferredVolume, belongs)
+        self.decisions = RecordStore(config.state_dir / "decisions", Decision, belongs)
         self.handler_records = RecordStore(config.state_dir / "handlers", HandlerRecord,
                                            lambda key, r: "" if r.name == key else f"it describes handler {r.name!r}")
         self.handlers: dict[str, Handler] = {}
@@ -233,8 +234,9 @@ class ProxyState:
             # restart: the same description is already on disk; writing it
             # again would only wake every watcher for nothing.
             return volume
-        if volume is not None and volume.info.device != info.device and volume.claim is not None \
-                and self.holder_alive(volume.claim):
+        if volume is not None and volume.claim is not None and self.holder_alive(volume.claim) and \
+                (volume.info.device, volume.info.device_major, volume.info.device_minor) != \
+                (info.device, info.device_major, info.device_minor):
             raise FailedPrecondition(
                 f"{info.target_path} is held by sandbox {volume.claim.sandbox_id} of handler "
                 f"{volume.claim.handler} with device {volume.info.device}; it cannot change to {info.device}")
@@ -246,6 +248,8 @@ class ProxyState:
         await self.volumes.put(key, volume)
         try:
             await self._write_entry(volume)
+            if volume.claim is not None:
+                self._mark(volume, volume.claim.sandbox_id)  # a mirror written again lost Kata's marker
             if volume.kata_mirror_error:
                 await self.volumes.put(key, volume)
         except BaseException:
@@ -504,8 +508,17 @@ def check_handler_name(name: str) -> str:
     return name
 
 
-def _target_belongs(key: str, record: DeferredVolume | Decision) -> str:
-    """A volume's or decision's record is stored under its target's digest."""
+def _target_belongs(key: str, record: DeferredVolume | Decision, kubelet_root) -> str:
+    """A volume's or decision's record is stored under its target's digest,
+    and its target is a normalised path inside the kubelet root (where every
+    target the proxy accepts lies): a record that names another place never
+    becomes an entry of the watched directory."""
     if digest(record.target_path) != key:
         return f"it describes {record.target_path!r}, whose record is not {key!r}"
+    root = os.path.normpath(str(kubelet_root))
+    if os.path.normpath(record.target_path) != record.target_path or \
+            not record.target_path.startswith(root.rstrip("/") + "/"):
+        return f"its target {record.target_path!r} is not inside the kubelet root {root}"
+    if isinstance(record, DeferredVolume) and record.info.target_path != record.target_path:
+        return f"its description is of {record.info.target_path!r}, not of its target {record.target_path!r}"
     return ""
