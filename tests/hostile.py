@@ -686,3 +686,85 @@ def scratch_outside(next_to: Path) -> Path:
     """The directory the outside symlinks point to: next to the test root
     (so root/../<name> reaches it too), removed by the test."""
     return Path(tempfile.mkdtemp(prefix="crust-hostile-out-", dir=next_to.parent))
+
+
+# -- file-level faults -------------------------------------------------------------------------------
+
+# What a buggy root component can leave where crust reads a file.
+FILE_FAULTS = ("not-json", "truncated", "wrong-types", "empty", "oversized", "directory", "symlink-to-file",
+               "symlink-to-dir", "dangling-symlink", "fifo", "socket")
+# And around an entry's directory.
+ENTRY_FAULTS = ("subdirectory", "entry-is-a-file", "entry-is-a-link")
+
+
+def remove_any(path: Path) -> None:
+    """Remove whatever is at path (a directory with its content; never
+    following a link)."""
+    if path.is_symlink() or not path.exists():
+        if os.path.lexists(path):
+            path.unlink()
+        return
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def plant_file_fault(path: Path, fault: str, outside: Path) -> list:
+    """Replace the file at path (or, for ENTRY_FAULTS, its directory) by a
+    damaged or planted one. Links lead to `outside`'s baseline file and
+    directory, which must never change. Returns sockets to close after."""
+    good = path.read_bytes() if path.is_file() and not path.is_symlink() else b'{"device": "/dev/null"}'
+    keep: list = []
+    if fault in ENTRY_FAULTS:
+        entry = path.parent
+        if fault == "subdirectory":
+            entry.mkdir(parents=True, exist_ok=True)
+            (entry / "sub" / "deeper").mkdir(parents=True, exist_ok=True)
+            (entry / "sub" / "deeper" / "file").write_text("planted")
+            (entry / "sub" / "out").symlink_to(outside / "dir")
+            os.mkfifo(entry / "sub" / "fifo")
+            return keep
+        remove_any(entry)
+        if fault == "entry-is-a-file":
+            entry.write_text("planted")
+        else:
+            entry.symlink_to(outside / "dir")
+        return keep
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_any(path)
+    if fault == "not-json":
+        path.write_bytes(b"{not json \xff")
+    elif fault == "truncated":
+        path.write_bytes(good[: max(1, len(good) // 2)])
+    elif fault == "wrong-types":
+        path.write_text(json.dumps({"device": 7, "fstype": ["ext4"], "target-path": 1, "options": "ro",
+                                    "volume_id": [], "target_path": {}, "info": 3}))
+    elif fault == "empty":
+        path.write_bytes(b"")
+    elif fault == "oversized":
+        with open(path, "wb") as f:
+            f.truncate(8 * 1024 * 1024)
+    elif fault == "directory":
+        (path / "inner").mkdir(parents=True)
+        (path / "inner" / "file").write_text("planted")
+    elif fault == "symlink-to-file":
+        path.symlink_to(outside / "file")
+    elif fault == "symlink-to-dir":
+        path.symlink_to(outside / "dir")
+    elif fault == "dangling-symlink":
+        path.symlink_to(outside / "gone")
+    elif fault == "fifo":
+        os.mkfifo(path)
+    elif fault == "socket":
+        import socket
+        sock = socket.socket(socket.AF_UNIX)
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            sock.bind(f"/proc/self/fd/{dir_fd}/{path.name}")  # a short name for a long path
+        finally:
+            os.close(dir_fd)
+        keep.append(sock)
+    else:
+        raise ValueError(fault)
+    return keep

@@ -43,6 +43,19 @@ must answer: csi Identity/Probe on the three CSI sockets, grpc.health and a
 listing on the runtime and handler sockets. The mount table is read with the
 test's own parser (tests/hostile.py), not crust's.
 
+File-level faults (test_hostile_files): hypothesis plants, where crust
+reads a file, a mountInfo.json that is not JSON, cut short, of wrong types,
+empty, 8 MiB, a directory, a symlink (to the scratch directory's file or
+directory, or dangling), a FIFO or a socket; an entry holding a
+subdirectory tree, a link and a FIFO, or an entry that is a file or a
+symlink. The places: the entries of the volume deferred to the set-up's
+sandbox and of the Runtime API's volume, their Kata mirrors, an entry no
+record explains, a runtime-cli file, Kata's claim marker, and the proxy's
+record of a volume (then the proxy restarts). Then the calls that read them
+(kubelet's retried publish, stats, claim and release, the Runtime API's
+unstage and stage, a sandbox start) must meet the invariants above, and the
+proxy must have written its entry and mirror again from its record.
+
 Distinct problems of one RPC are reported separately (hypothesis' multiple
 bugs report; "[explicit]" for the fixed attacks), each with its request in
 protobuf text format (invisible characters escaped) and the end of the
@@ -762,6 +775,155 @@ def test_hostile_request(stack: Stack, endpoint: str, service: str, method: str)
         raise AssertionError("\n\n".join(report)) from failure
     if failure is not None:
         raise failure
+
+
+# -- file-level faults in the directories crust shares ------------------------------------------------
+
+# Where a fault is planted: the watched directory's entries (of the volume
+# deferred to the set-up's sandbox, of the Runtime API's volume, of no
+# volume at all), their Kata mirrors, the runtime-cli a KEP runtime leaves in
+# an entry, Kata's claim marker, and the proxy's record of a volume.
+FILE_PLACES = ("entry:deferred", "mirror:deferred", "entry:runtime", "mirror:runtime", "runtime-cli:runtime",
+               "marker:runtime", "entry:stray", "record:runtime")
+FILE_EXAMPLES = 40
+MARKER = "hs1"
+
+
+def stray_target(stack: Stack) -> str:
+    return str(stack.target("stray", "pv-stray"))
+
+
+def fault_path(stack: Stack, where: str) -> Path:
+    from crust.contract.mountinfo import digest, kata_name
+
+    kind, which = where.split(":")
+    target = {"deferred": str(stack.vols["deferred"].target), "runtime": stack.runtime_target,
+              "stray": stray_target(stack)}[which]
+    return {"entry": stack.proxy.volumes_dir / digest(target) / "mountInfo.json",
+            "mirror": stack.proxy.kata_dir / kata_name(target) / "mountInfo.json",
+            "runtime-cli": stack.proxy.volumes_dir / digest(target) / "runtime-cli",
+            "marker": stack.proxy.kata_dir / kata_name(target) / MARKER,
+            "record": stack.proxy.state_dir / "volumes" / f"{digest(target)}.json"}[kind]
+
+
+def file_triggers(stack: Stack, where: str) -> list[tuple[str, str, str, object]]:
+    """The calls that read what was damaged, in the order a node makes them."""
+    D = stack.vols["deferred"]
+    N, RT, R = "csi.v1.Node", "crust.runtime.v1.Runtime", "crust.registry.v1.Registry"
+    publish = ("proxy", N, "NodePublishVolume", csi_pb2.NodePublishVolumeRequest(
+        volume_id=D.volume_id, staging_target_path=str(D.staging), target_path=str(D.target),
+        volume_capability=mount_cap("ext4"), defer_fs_ops=True))
+    deferred_stats = ("runtime", RT, "RuntimeGetVolumeStats",
+                      runtime_pb2.RuntimeGetVolumeStatsRequest(volume_target_path=str(D.target)))
+    claim = ("runtime", R, "ClaimVolume", registry_pb2.ClaimVolumeRequest(
+        target_path=stack.runtime_target, handler="hostile-h", sandbox_id=MARKER, sandbox_pid=os.getpid(),
+        lease_id=stack.lease_id))
+    release = ("runtime", R, "ReleaseVolume", registry_pb2.ReleaseVolumeRequest(
+        target_path=stack.runtime_target, handler="hostile-h", sandbox_id=MARKER, lease_id=stack.lease_id))
+    runtime_stats = ("runtime", RT, "RuntimeGetVolumeStats",
+                     runtime_pb2.RuntimeGetVolumeStatsRequest(volume_target_path=stack.runtime_target))
+    unstage = ("runtime", RT, "RuntimeUnstageVolume",
+               runtime_pb2.RuntimeUnstageVolumeRequest(volume_target_path=stack.runtime_target))
+    stage = ("runtime", RT, "RuntimeStageVolume", stack.runtime_stage())
+    run = ("handler", "crust.handler.v1.SandboxControl", "RunSandbox", handler_pb2.RunSandboxRequest(
+        bundle=str(stack.path / "bundles" / "plain"), sandbox_id="hostile-files"))
+    kind, which = where.split(":")
+    if which == "deferred":
+        return [publish, deferred_stats]
+    if kind in ("entry", "mirror"):
+        return [claim, release, runtime_stats, stage, unstage, stage] if which == "runtime" else [run]
+    if kind == "runtime-cli":
+        return [runtime_stats, unstage, stage]
+    if kind == "marker":
+        return [claim, release]
+    return [stage]  # the record, after the proxy's restart
+
+
+def file_truth(stack: Stack, where: str, codes: list[grpc.StatusCode]) -> list[tuple[str, str]]:
+    """What must hold once the calls answered OK: the proxy wrote its entry
+    and mirror again from its record, Kata's marker is a plain file only
+    while claimed, a stray entry is gone after a start."""
+    from crust.contract.mountinfo import MountInfo
+
+    problems = []
+    kind, which = where.split(":")
+    if which in ("deferred", "runtime") and kind in ("entry", "mirror", "record") and \
+            all(c == grpc.StatusCode.OK for c in codes[-1:]):
+        D = stack.vols["deferred"]
+        for name in ("entry", "mirror"):
+            path = fault_path(stack, f"{name}:{which}")
+            if not path.is_file() or path.is_symlink():
+                problems.append(("file not repaired", f"{where}: {path} is not a regular file after the calls"))
+                continue
+            info = MountInfo.model_validate_json(path.read_bytes())
+            if (info.device, info.device_major, info.device_minor) != (D.device, D.major, D.minor):
+                problems.append(("file not repaired", f"{where}: {path} names {info.device}"))
+    if which == "deferred" and kind == "mirror":
+        marker = fault_path(stack, "mirror:deferred").parent / stack.sandbox_id
+        if not marker.is_file():
+            problems.append(("marker lost", f"{where}: Kata's marker of the set-up's sandbox is gone"))
+    if kind == "marker" and codes and codes[0] == grpc.StatusCode.OK:
+        if os.path.lexists(fault_path(stack, where)):
+            problems.append(("marker left", f"{where}: the marker is still there after the release"))
+    if which == "stray" and fault_path(stack, where).parent.exists() and \
+            fault_path(stack, where).parent.is_dir():
+        problems.append(("stray entry left", f"{where}: a start left an entry no record explains"))
+    return problems
+
+
+def test_hostile_files(stack: Stack):
+    """Damaged, planted, FIFO, symlinked and oversized files (and entries)
+    where crust reads them, then the calls that read them: never UNKNOWN,
+    INTERNAL or a deadline (a blocked event loop), no traceback, nothing
+    mounted or written outside the root, the daemons answer, and the proxy
+    writes its entries again from its records."""
+    outside_file = (stack.place.outside / "file").read_bytes()
+
+    def faults_at(where: str) -> tuple[str, ...]:
+        # Around a record only its file: its directory is the daemon's own.
+        return hostile.FILE_FAULTS if where.startswith("record") else hostile.FILE_FAULTS + hostile.ENTRY_FAULTS
+
+    @settings(SETTINGS, max_examples=max(1, int(FILE_EXAMPLES * MULTIPLIER)))
+    @given(case=st.sampled_from(FILE_PLACES).flatmap(
+        lambda where: st.tuples(st.just(where), st.sampled_from(faults_at(where)))))
+    def one_fault(case: tuple[str, str]):
+        __tracebackhide__ = True
+        where, fault = case
+        if stack.dirty:
+            stack.ensure()
+        path = fault_path(stack, where)
+        note(f"{fault} at {where} ({path})")
+        kept = hostile.plant_file_fault(path, fault, stack.place.outside)
+        stack.dirty = True
+        problems: list[tuple[str, str]] = []
+        try:
+            if where in ("record:runtime", "entry:stray"):
+                stack.proxy.restart()  # the proxy reads these at its start
+                stack.open_channels()
+                problems += [("daemon", p) for p in stack.answers()]
+            codes = []
+            for endpoint, service, method, request in file_triggers(stack, where):
+                problems += stack.observe(endpoint, service, method, request)
+                codes.append(stack.last_code)
+            problems += file_truth(stack, where, codes)
+            problems += [("daemon", p) for p in stack.answers()]
+            if (stack.place.outside / "file").read_bytes() != outside_file:
+                problems.append(("file outside root", "a file outside the root was written through a link"))
+        finally:
+            for sock in kept:
+                sock.close()
+            # What no call was meant to repair goes before the next example.
+            if where.startswith(("runtime-cli", "marker")) or fault == "socket" or \
+                    (os.path.lexists(path) and not (path.is_file() and not path.is_symlink())):
+                hostile.remove_any(path)
+            if where == "entry:stray" and os.path.lexists(path.parent):
+                hostile.remove_any(path.parent)
+        event(f"{where} {fault}")
+        if problems:
+            kinds = sorted({k for k, _ in problems})
+            raise finding(f"file {kinds[0]}")(f"{fault} at {where}: " + "\n".join(t for _, t in problems))
+
+    one_fault()
 
 
 def test_stack_survived(stack: Stack):
