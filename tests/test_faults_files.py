@@ -333,6 +333,38 @@ def test_the_handler_mounts_the_claimed_device_never_the_one_an_entry_names(make
     env.unpublish(other)
 
 
+def test_a_container_gets_the_claimed_device_never_the_one_an_entry_names(make_env):
+    """The same rule for crust's OCI runtime (runc mounts the device the
+    handler describes): the description comes from the claim's answer."""
+    from crust.api import handler_pb2, handler_pb2_grpc
+
+    env = make_env()
+    v, other = env.volume("pv-ctr"), env.volume("pv-ctr-victim")
+    truth = entry_file(env, v.target).read_bytes()
+    lie = MountInfo.model_validate_json(truth).model_copy(update={
+        "device": other.device, "device_major": other.majmin[0], "device_minor": other.majmin[1]}).to_json()
+    write_entry(entry_file(env, v.target), lie)
+    time.sleep(0.5)  # the handler's watcher has read the rewritten entry
+    request = handler_pb2.PrepareContainerRequest(
+        container_id="ctr-identity", sandbox_id="pod-identity", bundle=str(env.path / "bundles" / "ctr"),
+        mounts=[handler_pb2.ContainerMount(destination="/data", type="bind", source=str(v.target),
+                                           options=["rbind"])])
+    with grpc.insecure_channel(f"unix://{env.handler.socket}") as channel:
+        containers = handler_pb2_grpc.ContainerVolumesStub(channel)
+        code, details = code_of(containers.PrepareContainer, request)
+        assert code == Code.FAILED_PRECONDITION and other.device in details, (code, details)
+        assert env.claim_set() == set()
+        wait_until(lambda: entry_file(env, v.target).read_bytes() == truth, what="the entry rewritten")
+        time.sleep(0.3)
+        (described,) = containers.PrepareContainer(request, timeout=30).mounts
+        assert described.device == v.device
+        containers.ReleaseContainer(handler_pb2.ReleaseContainerRequest(container_id="ctr-identity"), timeout=30)
+    assert env.claim_set() == set()
+    assert not tracebacks(env)
+    env.unpublish(v)
+    env.unpublish(other)
+
+
 def test_the_runtime_api_cannot_repoint_a_volume_kubelet_published(make_env):
     env = make_env(start_handler=False)
     v, other = env.volume("pv-kubelet"), env.volume("pv-elsewhere")

@@ -48,7 +48,7 @@ from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument,
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
-from crust.runtime_handler.handler import check_device
+from crust.runtime_handler.handler import check_device, claimed_description
 from crust.runtime_handler.resolve import CSI_DIR, Resolved, SubpathEscapes, candidates, resolve
 from crust.runtime_handler.sandbox import VolumeStats, Usage, volume_condition
 from crust.sys import blockdev, growfs, ownership, proc
@@ -196,15 +196,20 @@ class ContainerVolumes:
                                      runtime_pid=runtime.pid if runtime else 0,
                                      runtime_pid_start=runtime.start if runtime else 0)
             claimed: list[str] = []
+            described: dict[str, MountInfo] = {}  # by target: the claim's description
             try:
                 for mount, info in plan:
                     if info.fstype not in self.handler.registration.filesystems:
                         raise FailedPrecondition(f"handler {self.handler.name} cannot mount {info.fstype}")
                     if info.target_path not in claimed:
                         # Claim first: a second pod is refused before anything touches the device.
-                        await self.handler.registration.claim(info.target_path, sandbox_id,
-                                                              self._holder_pid(info.target_path, sandbox_id))
+                        answer = await self.handler.registration.claim(
+                            info.target_path, sandbox_id, self._holder_pid(info.target_path, sandbox_id))
                         claimed.append(info.target_path)
+                        described[info.target_path] = claimed_description(info, answer)
+                    info = described[info.target_path]
+                    if info.fstype not in self.handler.registration.filesystems:
+                        raise FailedPrecondition(f"handler {self.handler.name} cannot mount {info.fstype}")
                     check_device(info)
                     readonly = info.readonly or "ro" in mount.options
                     record.mounts.append(ContainerMount(

@@ -86,6 +86,19 @@ class SandboxRecord(BaseModel):
     created_at: float = Field(default_factory=time.time)
 
 
+def claimed_description(entry: MountInfo, answer: str) -> MountInfo:
+    """What is mounted: the description the proxy answered the claim with
+    (its record of what the plugin returned), which must be the volume of
+    the entry found in the watched directory; never the entry alone (a file
+    in a shared directory can be rewritten)."""
+    try:
+        claimed = MountInfo.model_validate_json(answer)
+    except ValueError as exc:
+        raise FailedPrecondition(f"the proxy's answer to the claim of {entry.target_path} is no "
+                                 f"description: {str(exc)[:200]}") from None
+    return device_identity.agree(entry, claimed)
+
+
 def check_device(info: MountInfo) -> None:
     """The described device, and no other, before anything touches it."""
     try:
@@ -389,15 +402,7 @@ class RuntimeHandler:
                                 readonly=info.readonly, views=views, direct=direct)
         record.volumes[key] = mounted  # recorded before mounting: teardown knows what to undo
         if not direct:
-            # What is mounted is what the proxy answered the claim with (its
-            # record of what the plugin returned), never the entry alone: a
-            # file in a shared directory can be rewritten.
-            try:
-                claimed = MountInfo.model_validate_json(answer)
-            except ValueError as exc:
-                raise FailedPrecondition(f"the proxy's answer to the claim of {info.target_path} is no "
-                                         f"description: {str(exc)[:200]}") from None
-            info = device_identity.agree(info, claimed)
+            info = claimed_description(info, answer)
             mounted.device, mounted.fs_type, mounted.readonly = info.device, info.fstype, info.readonly
             if info.fstype not in self.registration.filesystems:
                 raise FailedPrecondition(f"handler {self.name} cannot mount {info.fstype}")
