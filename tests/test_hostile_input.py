@@ -56,6 +56,15 @@ record of a volume (then the proxy restarts). Then the calls that read them
 unstage and stage, a sandbox start) must meet the invariants above, and the
 proxy must have written its entry and mirror again from its record.
 
+Full disk (test_hostile_request_on_a_full_disk): every RPC gets
+FULL_EXAMPLES_PER_RPC more requests with every state directory full: the
+driver's record directories, the shim's, the proxy's and the handler's state
+dirs, the watched directory and the Kata mirror are small tmpfs mounts the
+module makes, each filled to the last byte for that pass (ENOSPC). The same
+checks hold (RESOURCE_EXHAUSTED is a right answer there, UNKNOWN, INTERNAL
+and tracebacks are not), and once the space is freed the set-up is put back
+in place through the same daemons, which must answer as before.
+
 Distinct problems of one RPC are reported separately (hypothesis' multiple
 bugs report; "[explicit]" for the fixed attacks), each with its request in
 protobuf text format (invisible characters escaped) and the end of the
@@ -75,9 +84,12 @@ request and a @reproduce_failure blob.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -105,6 +117,7 @@ atexit.register(shutil.rmtree, _HYPOTHESIS_HOME, ignore_errors=True)
 set_hypothesis_home_dir(_HYPOTHESIS_HOME)
 
 EXAMPLES_PER_RPC = 50
+FULL_EXAMPLES_PER_RPC = 10
 MULTIPLIER = float(os.environ.get("CRUST_HOSTILE_EXAMPLES", "1") or 1)
 CALL_TIMEOUT = 20.0
 BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -121,6 +134,13 @@ SETTINGS = settings(
     report_multiple_bugs=True,
     suppress_health_check=list(HealthCheck),
 )
+FULL_SETTINGS = settings(SETTINGS, max_examples=max(1, int(FULL_EXAMPLES_PER_RPC * MULTIPLIER)))
+
+# Directories under the root that are small tmpfs mounts of their own, so
+# that the full-disk pass can fill each one (ENOSPC); the driver's pools
+# stay on the disk (a full pool is an I/O error inside a volume).
+FULL_DISKS = ("data/controller", "data/node", "shim-state", "proxy-state", "volumes", "kata", "mountns-state")
+FULL_DISK_SIZE = "16M"
 
 # -- what each socket serves ------------------------------------------------------------------
 
@@ -651,6 +671,20 @@ class Stack:
                 problems.append(f"{endpoint} {method}: {code.name} {details}")
         return problems
 
+    # -- a full disk ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def disks_full(self):
+        """Every FULL_DISKS directory filled until ENOSPC, then emptied again."""
+        fillers = []
+        try:
+            for name in FULL_DISKS:
+                fillers.append(fill_until_full(self.path / name))
+            yield
+        finally:
+            for filler in fillers:
+                filler.unlink(missing_ok=True)
+
     # -- teardown -------------------------------------------------------------------------------------
 
     def delete_sandboxes(self) -> None:
@@ -663,6 +697,31 @@ class Stack:
         for info in rsp.sandboxes:
             self.call("handler", "crust.handler.v1.SandboxControl", "DeleteSandbox",
                       handler_pb2.DeleteSandboxRequest(sandbox_id=info.sandbox_id), timeout=60)
+
+
+def fill_until_full(directory: Path) -> Path:
+    """A file in directory grown until its file system refuses (ENOSPC)."""
+    path = directory / ".hostile-filler"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for chunk in (1 << 20, 1 << 16, 4096, 512):
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+    finally:
+        os.close(fd)
+    return path
+
+
+def mount_small_disks(root: Path) -> None:
+    for name in FULL_DISKS:
+        where = root / name
+        where.mkdir(parents=True, mode=0o700)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FULL_DISK_SIZE},mode=0700", "tmpfs", str(where)],
+                       check=True)
 
 
 @pytest.fixture(scope="module")
@@ -680,6 +739,7 @@ def stack():
     try:
         place.plant()
         s.outside_baseline = place.outside_listing()
+        mount_small_disks(root.path)
         # A small pool: thick provisioning of hostile sizes must not fill the disk.
         s.driver, s.shim, s.proxy = root.stack(driver_extra=["--capacity", "2Gi"])
         s.handler = root.handler(s.proxy).start()
@@ -924,6 +984,49 @@ def test_hostile_files(stack: Stack):
             raise finding(f"file {kinds[0]}")(f"{fault} at {where}: " + "\n".join(t for _, t in problems))
 
     one_fault()
+
+@pytest.mark.parametrize("endpoint,service,method", TARGETS, ids=[f"{e}-{s.split('.')[-1]}.{m}" for e, s, m in TARGETS])
+def test_hostile_request_on_a_full_disk(stack: Stack, endpoint: str, service: str, method: str):
+    """Hypothesis' requests with every state directory full; then, with
+    room again, the set-up is put back and every daemon answers."""
+    if stack.dirty:
+        stack.ensure()
+    stack.setup_problems.clear()
+    strategy = stack.strategy(service, method)
+    if any(w in method for w in CHANGES_STATE):
+        stack.dirty = True
+
+    @FULL_SETTINGS
+    @given(request=strategy)
+    def one_request(request):
+        __tracebackhide__ = True
+        note(f"request ({type(request).DESCRIPTOR.full_name}), disks full: {one_line(request)}")
+        stack.check(endpoint, service, method, request)
+
+    failure = None
+    with stack.disks_full():
+        try:
+            one_request()
+        except Exception as exc:  # noqa: BLE001 - reported below, after the recovery check
+            failure = exc
+    problems = stack.answers()
+    if problems:
+        stack.revive()
+        stack.open_channels()
+    if stack.dirty:
+        stack.ensure()  # with room again: what the full disk refused now succeeds
+    report = [f"after {endpoint} {method} on a full disk, daemons do not answer: {problems}"] if problems else []
+    # With room again nothing may still answer RESOURCE_EXHAUSTED: a daemon
+    # that did not recover (other refusals of the idempotent set-up, such as
+    # a live handler's name, are the normal pass's business).
+    report += [f"[set-up, with room again] {d}" for d in stack.setup_defects]
+    report += [f"[set-up, with room again] {p}" for p in stack.setup_problems if "RESOURCE_EXHAUSTED" in p]
+    stack.setup_problems.clear()
+    stack.setup_defects.clear()
+    if report:
+        raise AssertionError("\n\n".join(report)) from failure
+    if failure is not None:
+        raise failure
 
 
 def test_stack_survived(stack: Stack):
