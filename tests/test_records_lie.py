@@ -30,6 +30,7 @@ import grpc
 from crust.api import csi_pb2
 from crust.sys import loop as sysloop
 from tests.harness import MIB, mount_cap, mounted_at
+from tests.test_handler import wait_until
 
 Code = grpc.StatusCode
 VOL_A = "vol-00000000000000000000000a"
@@ -169,7 +170,9 @@ def test_a_node_record_damaged_while_the_driver_runs(root):
         driver.unstage(vol.volume_id, staging)
         assert mounted_at(staging) is None
         backing = str(driver.data_dir / "pools" / "node-a" / "volumes" / f"{vol.volume_id}.img")
-        assert [d for d, b in sysloop.attached().items() if b == backing] == []
+        # (A detach is finished by the kernel once the last opener lets go.)
+        wait_until(lambda: [d for d, b in sysloop.attached().items() if b == backing] == [],
+                   what="the volume's loop device to be detached")
         # Staged again, the data is there.
         driver.stage(vol.volume_id, staging)
         driver.publish(vol.volume_id, staging, target)
@@ -206,4 +209,36 @@ def test_records_that_are_not_where_they_must_live_are_set_aside(root):
                             f"proxy-state/decisions/{digest('/elsewhere')}.corrupt",
                             "mountns-state/sandboxes/sb-lie.corrupt", "mountns-state/sandboxes/sb-other.corrupt"])
     assert handler.sandbox("list", "--json").stdout.strip() in ("[]", "")
+    assert no_tracebacks(root) == []
+
+
+def test_shim_and_proxy_records_damaged_while_they_run(root):
+    """Kubelet's unpublish and unstage still go through, leaving nothing
+    mounted, when the shim's record or the proxy's decision is damaged."""
+    from crust.contract.mountinfo import digest
+    from crust.csi_shim.records import volume_key
+    from tests.test_handler import Env
+
+    env = Env(root, start_handler=False)
+    for what in ("shim, deferred", "shim, on the host", "proxy's decision"):
+        pv = "pv-" + "".join(c for c in what if c.isalpha())
+        v = env.create(pv)
+        if what == "shim, on the host":
+            env.publish_on_host(v)
+        else:
+            env.publish_deferred(v)
+        if what.startswith("shim"):
+            record = env.shim.state_dir / "volumes" / f"{volume_key(v.volume_id)}.json"
+        else:
+            record = env.proxy.state_dir / "decisions" / f"{digest(str(v.target))}.json"
+        record.write_text("{damaged")
+        try:
+            env.proxy.node.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(
+                volume_id=v.volume_id, volume_path=str(v.target)), timeout=30)
+        except grpc.RpcError as exc:  # what the shim no longer knows it may not find
+            assert exc.code() == Code.NOT_FOUND, (what, exc.details())
+        env.unpublish(v)
+        env.proxy.unstage(v.volume_id, v.staging)
+        assert mounted_at(v.target) is None and mounted_at(v.staging) is None, what
+        assert list(record.parent.glob("*.corrupt")), what
     assert no_tracebacks(root) == []

@@ -273,6 +273,17 @@ class NodeShim:
                     staging_at.refuse_symlink()
                     if self._is_host_mount(staging_at.mount_entry(), rec):
                         staging_at.unmount_all()
+            else:
+                # No record (it was found damaged and set aside), but the
+                # backend's device is still published in our private dir: the
+                # volume's host mount at the staging path is known by that
+                # device, and goes, or the backend could never unstage it.
+                with copath.reach(staging, "staging_target_path", checked=True) as staging_at:
+                    staging_at.refuse_symlink()
+                    if self._is_host_mount(staging_at.mount_entry(), ShimVolumeRecord(
+                            volume_id=volume_id, staging_path=staging, fs_type="",
+                            backend_target=str(private / "device"))):
+                        staging_at.unmount_all()
             await self._release_backend(volume_id, context)
             await self.records.delete(volume_key(volume_id))
             return csi_pb2.NodeUnstageVolumeResponse()
