@@ -202,12 +202,15 @@ def test_records_that_are_not_where_they_must_live_are_set_aside(root):
               "target_path": target, "device": "/dev/loop0", "fs_type": "ext4", "mount_point": "/"}}})
     plant(root.path / "mountns-state" / "sandboxes" / "sb-other.json",
           {"sandbox_id": "sb-renamed", "bundle": "/nonexistent"})
+    plant(root.path / "mountns-state" / "containers" / "c-one.json",
+          {"container_id": "c-two", "sandbox_id": "sb-x"})
     driver, shim, proxy = root.stack()
     handler = root.handler(proxy).start()
     aside = sorted(p.relative_to(root.path).as_posix() for p in root.path.rglob("*.corrupt"))
     assert aside == sorted([f"shim-state/volumes/{'0' * 32}.corrupt", f"shim-state/volumes/{volume_key(VOL_B)}.corrupt",
                             f"proxy-state/decisions/{digest('/elsewhere')}.corrupt",
-                            "mountns-state/sandboxes/sb-lie.corrupt", "mountns-state/sandboxes/sb-other.corrupt"])
+                            "mountns-state/sandboxes/sb-lie.corrupt", "mountns-state/sandboxes/sb-other.corrupt",
+                            "mountns-state/containers/c-one.corrupt"])
     assert handler.sandbox("list", "--json").stdout.strip() in ("[]", "")
     assert no_tracebacks(root) == []
 

@@ -145,7 +145,8 @@ class ContainerVolumes:
     def __init__(self, handler, state_dir: Path, reap_grace: float = REAP_GRACE):
         self.handler = handler
         self.reap_grace = reap_grace
-        self.records = RecordStore(state_dir / "containers", ContainerRecord)
+        self.records = RecordStore(state_dir / "containers", ContainerRecord, lambda key, record: "" if (
+            record.container_id == key) else f"it describes container {record.container_id!r}, not {key!r}")
         self.containers: dict[str, ContainerRecord] = dict(self.records.load_all())
         self.lock = asyncio.Lock()
         self.gone_since: dict[str, float] = {}
