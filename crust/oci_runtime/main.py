@@ -267,7 +267,9 @@ def create(values: dict[str, str], flags: dict[str, str], args: list[str], rest:
         if not deferred:
             client.close()
             exec_runc(values["runc"], args)
-        os.makedirs(values["stateDir"], mode=0o700, exist_ok=True)
+        from crust.common.private import make_dirs  # (os and pathlib only: no start-up cost)
+
+        make_dirs(values["stateDir"])  # 0700, its parents too, whatever containerd's umask
         write_file(marker, json.dumps({"sandbox_id": sandbox_id, "bundle": bundle}).encode(), 0o600)
         original = os.path.join(bundle, ORIGINAL_CONFIG)
         config = os.path.join(bundle, "config.json")
