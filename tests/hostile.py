@@ -584,8 +584,11 @@ def unmount_ours_outside(place: Place) -> list[str]:
 
 
 def unmount_under(root: Path) -> None:
-    """Unmount (lazily, deepest first) every mount below root."""
+    """Unmount (lazily, deepest first) every mount below root, its loop
+    devices detached first (after the unmount of a tmpfs below root, sysfs
+    names their files from that tmpfs's own root, outside root)."""
     prefix = str(root) + "/"
+    detach_loops_of(prefix)
     for _ in range(5):
         mine = [m for m in host_mounts() if m.mount_point.startswith(prefix)]
         if not mine:
