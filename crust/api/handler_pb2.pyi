@@ -229,3 +229,189 @@ class ListContainersResponse(_message.Message):
     CONTAINERS_FIELD_NUMBER: _ClassVar[int]
     containers: _containers.RepeatedCompositeFieldContainer[ContainerInfo]
     def __init__(self, containers: _Optional[_Iterable[_Union[ContainerInfo, _Mapping]]] = ...) -> None: ...
+
+class CreatePodRequest(_message.Message):
+    __slots__ = ("sandbox_id", "bundle")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    bundle: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., bundle: _Optional[str] = ...) -> None: ...
+
+class CreatePodResponse(_message.Message):
+    __slots__ = ("pid",)
+    PID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    def __init__(self, pid: _Optional[int] = ...) -> None: ...
+
+class CreateContainerRequest(_message.Message):
+    __slots__ = ("sandbox_id", "container_id", "bundle")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    container_id: str
+    bundle: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., container_id: _Optional[str] = ..., bundle: _Optional[str] = ...) -> None: ...
+
+class CreateContainerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProcessSpec(_message.Message):
+    __slots__ = ("args", "env", "cwd", "uid", "gid", "additional_gids")
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    ADDITIONAL_GIDS_FIELD_NUMBER: _ClassVar[int]
+    args: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.RepeatedScalarFieldContainer[str]
+    cwd: str
+    uid: int
+    gid: int
+    additional_gids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, args: _Optional[_Iterable[str]] = ..., env: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., additional_gids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StartProcessRequest(_message.Message):
+    __slots__ = ("container_id", "exec_id", "process")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXEC_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    exec_id: str
+    process: ProcessSpec
+    def __init__(self, container_id: _Optional[str] = ..., exec_id: _Optional[str] = ..., process: _Optional[_Union[ProcessSpec, _Mapping]] = ...) -> None: ...
+
+class StartProcessResponse(_message.Message):
+    __slots__ = ("pid",)
+    PID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    def __init__(self, pid: _Optional[int] = ...) -> None: ...
+
+class ReadOutputRequest(_message.Message):
+    __slots__ = ("container_id", "exec_id", "stdout_offset", "stderr_offset")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXEC_ID_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STDERR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    exec_id: str
+    stdout_offset: int
+    stderr_offset: int
+    def __init__(self, container_id: _Optional[str] = ..., exec_id: _Optional[str] = ..., stdout_offset: _Optional[int] = ..., stderr_offset: _Optional[int] = ...) -> None: ...
+
+class OutputChunk(_message.Message):
+    __slots__ = ("stream", "offset", "data")
+    class Stream(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STREAM_UNKNOWN: _ClassVar[OutputChunk.Stream]
+        STDOUT: _ClassVar[OutputChunk.Stream]
+        STDERR: _ClassVar[OutputChunk.Stream]
+    STREAM_UNKNOWN: OutputChunk.Stream
+    STDOUT: OutputChunk.Stream
+    STDERR: OutputChunk.Stream
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    stream: OutputChunk.Stream
+    offset: int
+    data: bytes
+    def __init__(self, stream: _Optional[_Union[OutputChunk.Stream, str]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetProcessRequest(_message.Message):
+    __slots__ = ("container_id", "exec_id", "wait")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXEC_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    exec_id: str
+    wait: bool
+    def __init__(self, container_id: _Optional[str] = ..., exec_id: _Optional[str] = ..., wait: bool = ...) -> None: ...
+
+class ProcessState(_message.Message):
+    __slots__ = ("status", "pid", "exit_code", "exited_at_ns", "reason")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNKNOWN: _ClassVar[ProcessState.Status]
+        CREATED: _ClassVar[ProcessState.Status]
+        RUNNING: _ClassVar[ProcessState.Status]
+        STOPPED: _ClassVar[ProcessState.Status]
+    STATUS_UNKNOWN: ProcessState.Status
+    CREATED: ProcessState.Status
+    RUNNING: ProcessState.Status
+    STOPPED: ProcessState.Status
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    EXITED_AT_NS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    status: ProcessState.Status
+    pid: int
+    exit_code: int
+    exited_at_ns: int
+    reason: str
+    def __init__(self, status: _Optional[_Union[ProcessState.Status, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., exited_at_ns: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SignalProcessRequest(_message.Message):
+    __slots__ = ("container_id", "exec_id", "signal", "all")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXEC_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    exec_id: str
+    signal: int
+    all: bool
+    def __init__(self, container_id: _Optional[str] = ..., exec_id: _Optional[str] = ..., signal: _Optional[int] = ..., all: bool = ...) -> None: ...
+
+class SignalProcessResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeleteContainerRequest(_message.Message):
+    __slots__ = ("container_id",)
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    def __init__(self, container_id: _Optional[str] = ...) -> None: ...
+
+class DeleteContainerResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: ProcessState
+    def __init__(self, state: _Optional[_Union[ProcessState, _Mapping]] = ...) -> None: ...
+
+class DeletePodRequest(_message.Message):
+    __slots__ = ("sandbox_id",)
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
+
+class DeletePodResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPodsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PodInfo(_message.Message):
+    __slots__ = ("sandbox_id", "pid", "alive", "container_ids", "target_paths")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_IDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PATHS_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    pid: int
+    alive: bool
+    container_ids: _containers.RepeatedScalarFieldContainer[str]
+    target_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sandbox_id: _Optional[str] = ..., pid: _Optional[int] = ..., alive: bool = ..., container_ids: _Optional[_Iterable[str]] = ..., target_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListPodsResponse(_message.Message):
+    __slots__ = ("pods",)
+    PODS_FIELD_NUMBER: _ClassVar[int]
+    pods: _containers.RepeatedCompositeFieldContainer[PodInfo]
+    def __init__(self, pods: _Optional[_Iterable[_Union[PodInfo, _Mapping]]] = ...) -> None: ...

@@ -585,3 +585,472 @@ class ContainerVolumes(object):
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PodRuntimeStub(object):
+    """What containerd-shim-crust-v2 (containerd's runtime `io.containerd.crust.v2`,
+    one shim process per pod) asks of the microVM handler (`crust kata handler`),
+    served on the handler's socket. The handler owns what outlives a shim call:
+    the pod's VM, the registry lease and the claims, the records a restarted
+    handler adopts; the shim owns containerd's side (task states as containerd
+    sees them, the stdio fifos, the events).
+
+    One VM per pod: CreatePod starts it (at the sandbox container's create),
+    every container of the pod runs inside it, DeletePod stops it. Ids are
+    containerd's: the CRI sandbox id for the pod, the container id for a
+    container, the exec id for an exec ("" = the container's own process).
+    Every call is idempotent; an unknown id is NOT_FOUND.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.CreatePod = channel.unary_unary(
+                '/crust.handler.v1.PodRuntime/CreatePod',
+                request_serializer=handler__pb2.CreatePodRequest.SerializeToString,
+                response_deserializer=handler__pb2.CreatePodResponse.FromString,
+                _registered_method=True)
+        self.CreateContainer = channel.unary_unary(
+                '/crust.handler.v1.PodRuntime/CreateContainer',
+                request_serializer=handler__pb2.CreateContainerRequest.SerializeToString,
+                response_deserializer=handler__pb2.CreateContainerResponse.FromString,
+                _registered_method=True)
+        self.StartProcess = channel.unary_unary(
+                '/crust.handler.v1.PodRuntime/StartProcess',
+                request_serializer=handler__pb2.StartProcessRequest.SerializeToString,
+                response_deserializer=handler__pb2.StartProcessResponse.FromString,
+                _registered_method=True)
+        self.ReadOutput = channel.unary_stream(
+                '/crust.handler.v1.PodRuntime/ReadOutput',
+                request_serializer=handler__pb2.ReadOutputRequest.SerializeToString,
+                response_deserializer=handler__pb2.OutputChunk.FromString,
+                _registered_method=True)
+        self.GetProcess = channel.unary_unary(
+                '/crust.handler.v1.PodRuntime/GetProcess',
+                request_serializer=handler__pb2.GetProcessRequest.SerializeToString,
+                response_deserializer=handler__pb2.ProcessState.FromString,
+                _registered_method=True)
+        self.SignalProcess = channel.unary_unary(
+                '/crust.handler.v1.PodRuntime/SignalProcess',
+                request_serializer=handler__pb2.SignalProcessRequest.SerializeToString,
+                response_deserializer=handler__pb2.SignalProcessResponse.FromString,
+                _registered_method=True)
+        self.DeleteContainer = channel.unary_unary(
+                '/crust.handler.v1.PodRuntime/DeleteContainer',
+                request_serializer=handler__pb2.DeleteContainerRequest.SerializeToString,
+                response_deserializer=handler__pb2.DeleteContainerResponse.FromString,
+                _registered_method=True)
+        self.DeletePod = channel.unary_unary(
+                '/crust.handler.v1.PodRuntime/DeletePod',
+                request_serializer=handler__pb2.DeletePodRequest.SerializeToString,
+                response_deserializer=handler__pb2.DeletePodResponse.FromString,
+                _registered_method=True)
+        self.ListPods = channel.unary_unary(
+                '/crust.handler.v1.PodRuntime/ListPods',
+                request_serializer=handler__pb2.ListPodsRequest.SerializeToString,
+                response_deserializer=handler__pb2.ListPodsResponse.FromString,
+                _registered_method=True)
+
+
+class PodRuntimeServicer(object):
+    """What containerd-shim-crust-v2 (containerd's runtime `io.containerd.crust.v2`,
+    one shim process per pod) asks of the microVM handler (`crust kata handler`),
+    served on the handler's socket. The handler owns what outlives a shim call:
+    the pod's VM, the registry lease and the claims, the records a restarted
+    handler adopts; the shim owns containerd's side (task states as containerd
+    sees them, the stdio fifos, the events).
+
+    One VM per pod: CreatePod starts it (at the sandbox container's create),
+    every container of the pod runs inside it, DeletePod stops it. Ids are
+    containerd's: the CRI sandbox id for the pod, the container id for a
+    container, the exec id for an exec ("" = the container's own process).
+    Every call is idempotent; an unknown id is NOT_FOUND.
+    """
+
+    def CreatePod(self, request, context):
+        """Start the pod's VM. The sandbox container itself runs no process in the
+        guest: it is the VM (its pid is QEMU's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateContainer(self, request, context):
+        """Make a container of a running pod ready to start, from its OCI bundle:
+        the root file system (the shim mounted containerd's rootfs mounts at
+        <bundle>/rootfs) reaches the guest; each bind whose source is a deferred
+        volume's target path is claimed for the pod, hot-plugged and mounted by
+        the guest (fsGroup applied); other host paths reach the guest with their
+        read-only flag. A deferred target without a usable entry, or held by
+        another sandbox, fails the call with FAILED_PRECONDITION and leaves
+        nothing claimed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartProcess(self, request, context):
+        """Start the container's process (exec_id "") or an exec's (process given).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadOutput(self, request, context):
+        """The process's stdout and stderr from the given offsets, as they are
+        written; the stream ends once the process exited and all was sent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetProcess(self, request, context):
+        """The process's state; with wait = true, answers only once it exited.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SignalProcess(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteContainer(self, request, context):
+        """Unmount the container's volumes in the guest, detach its disks, release
+        the claims no other container of the pod uses. Kills its processes first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeletePod(self, request, context):
+        """Stop the VM and release every claim of the pod.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPods(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PodRuntimeServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'CreatePod': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreatePod,
+                    request_deserializer=handler__pb2.CreatePodRequest.FromString,
+                    response_serializer=handler__pb2.CreatePodResponse.SerializeToString,
+            ),
+            'CreateContainer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateContainer,
+                    request_deserializer=handler__pb2.CreateContainerRequest.FromString,
+                    response_serializer=handler__pb2.CreateContainerResponse.SerializeToString,
+            ),
+            'StartProcess': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProcess,
+                    request_deserializer=handler__pb2.StartProcessRequest.FromString,
+                    response_serializer=handler__pb2.StartProcessResponse.SerializeToString,
+            ),
+            'ReadOutput': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadOutput,
+                    request_deserializer=handler__pb2.ReadOutputRequest.FromString,
+                    response_serializer=handler__pb2.OutputChunk.SerializeToString,
+            ),
+            'GetProcess': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetProcess,
+                    request_deserializer=handler__pb2.GetProcessRequest.FromString,
+                    response_serializer=handler__pb2.ProcessState.SerializeToString,
+            ),
+            'SignalProcess': grpc.unary_unary_rpc_method_handler(
+                    servicer.SignalProcess,
+                    request_deserializer=handler__pb2.SignalProcessRequest.FromString,
+                    response_serializer=handler__pb2.SignalProcessResponse.SerializeToString,
+            ),
+            'DeleteContainer': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteContainer,
+                    request_deserializer=handler__pb2.DeleteContainerRequest.FromString,
+                    response_serializer=handler__pb2.DeleteContainerResponse.SerializeToString,
+            ),
+            'DeletePod': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeletePod,
+                    request_deserializer=handler__pb2.DeletePodRequest.FromString,
+                    response_serializer=handler__pb2.DeletePodResponse.SerializeToString,
+            ),
+            'ListPods': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPods,
+                    request_deserializer=handler__pb2.ListPodsRequest.FromString,
+                    response_serializer=handler__pb2.ListPodsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'crust.handler.v1.PodRuntime', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('crust.handler.v1.PodRuntime', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PodRuntime(object):
+    """What containerd-shim-crust-v2 (containerd's runtime `io.containerd.crust.v2`,
+    one shim process per pod) asks of the microVM handler (`crust kata handler`),
+    served on the handler's socket. The handler owns what outlives a shim call:
+    the pod's VM, the registry lease and the claims, the records a restarted
+    handler adopts; the shim owns containerd's side (task states as containerd
+    sees them, the stdio fifos, the events).
+
+    One VM per pod: CreatePod starts it (at the sandbox container's create),
+    every container of the pod runs inside it, DeletePod stops it. Ids are
+    containerd's: the CRI sandbox id for the pod, the container id for a
+    container, the exec id for an exec ("" = the container's own process).
+    Every call is idempotent; an unknown id is NOT_FOUND.
+    """
+
+    @staticmethod
+    def CreatePod(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/CreatePod',
+            handler__pb2.CreatePodRequest.SerializeToString,
+            handler__pb2.CreatePodResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateContainer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/CreateContainer',
+            handler__pb2.CreateContainerRequest.SerializeToString,
+            handler__pb2.CreateContainerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProcess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/StartProcess',
+            handler__pb2.StartProcessRequest.SerializeToString,
+            handler__pb2.StartProcessResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/ReadOutput',
+            handler__pb2.ReadOutputRequest.SerializeToString,
+            handler__pb2.OutputChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetProcess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/GetProcess',
+            handler__pb2.GetProcessRequest.SerializeToString,
+            handler__pb2.ProcessState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SignalProcess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/SignalProcess',
+            handler__pb2.SignalProcessRequest.SerializeToString,
+            handler__pb2.SignalProcessResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteContainer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/DeleteContainer',
+            handler__pb2.DeleteContainerRequest.SerializeToString,
+            handler__pb2.DeleteContainerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeletePod(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/DeletePod',
+            handler__pb2.DeletePodRequest.SerializeToString,
+            handler__pb2.DeletePodResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPods(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/ListPods',
+            handler__pb2.ListPodsRequest.SerializeToString,
+            handler__pb2.ListPodsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
