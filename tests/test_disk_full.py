@@ -236,6 +236,34 @@ def test_the_proxy_with_its_state_dir_or_the_watched_dir_full(disk, where):
     assert sysmount.at(str(target)) is None
 
 
+def test_a_failed_republish_leaves_the_delivered_publish_standing(disk):
+    """kubelet publishes a held target again (its restart), the entry in the
+    watched directory was lost meanwhile, and the proxy cannot write it
+    again: the call fails, and the publish the sandbox uses stays whole (the
+    plugin's side, the placeholder, the claim, stats through the proxy); a
+    retry with room writes the entry back."""
+    env = disk.env
+    v = env.volume("pv-again")
+    env.run_ok(env.bundle("again", "exec sleep 600", [("/data", str(v.target))]), "sb-again")
+    entry = env.entry(v)
+    entry_file = env.proxy.volumes_dir / digest(str(v.target)) / "mountInfo.json"
+    entry_file.unlink()
+    with disk.full("volumes") as full:
+        disk.exhausted(full, deferred_publish, env, v, v.target)
+    placeholder = sysmount.at(str(v.target))
+    assert placeholder is not None and placeholder.fs_type == "tmpfs", "the plugin's publish was undone"
+    assert env.claim_set() == {(str(v.target), "mountns", "sb-again")}
+    stats = env.proxy.node.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(
+        volume_id=v.volume_id, volume_path=str(v.target)), timeout=30)
+    assert stats.usage[0].total > 0 and not stats.volume_condition.abnormal, stats
+    deferred_publish(env, v, v.target)
+    assert env.entry(v) == entry
+    env.delete("sb-again")
+    wait_until(lambda: env.claims() == [], what="the claim to be released")
+    env.unpublish(v)
+    assert sysmount.at(str(v.target)) is None
+
+
 def test_claims_and_releases_with_the_proxy_state_full(disk):
     env = disk.env
     v = env.volume("pv-claim")

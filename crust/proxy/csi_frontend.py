@@ -61,6 +61,10 @@ class CsiFrontend:
         # Recorded before the plugin acts, so every later call for this target
         # carries the flag even if the proxy dies right after the plugin.
         earlier = self.state.decision(target)
+        # A republish of a target whose description is already delivered
+        # (kubelet's retry, its restart): that earlier publish stands
+        # whatever becomes of this call; a sandbox may be using it.
+        delivered = self.state.get(target) is not None
         await self.state.record_decision(Decision(target_path=target, volume_id=request.volume_id,
                                                   deferred=True, reason=verdict.reason))
         try:
@@ -88,7 +92,8 @@ class CsiFrontend:
             # Another device than described, or not staged (a full state or
             # watched directory): kubelet gets no OK, so nothing of the
             # publish may stay either.
-            await self._undo_publish(request.volume_id, target, earlier is None, context)
+            if not delivered:
+                await self._undo_publish(request.volume_id, target, earlier is None, context)
             raise
         DEFERRED_PUBLISHED.inc()
         log.info("deferred publish staged", extra={"fields": {"reason": verdict.reason,
