@@ -405,3 +405,45 @@ def unmount_beneath(parent_fd: int, name: str) -> bool:
     if err in (errno.EINVAL, errno.ENOENT):
         return False  # not a mount point (or nothing there)
     raise OSError(err, f"umount {name}: {os.strerror(err)}")
+
+
+_MS_BIND = 0x1000
+_MS_REC = 0x4000
+_MS_REMOUNT = 0x20
+_MNT_DETACH = 0x2
+
+
+def mount_path(source: str, target: str, fs_type: str, options: list[str] | None = None) -> None:
+    """mount(2) as containerd's Mount describes it: a type, a source and
+    mount(8)-style options, where `bind`/`rbind` make a (recursive) bind and a
+    read-only bind is remounted read-only, as mount(8) does."""
+    options = list(options or [])
+    bind = fs_type == "bind" or "bind" in options or "rbind" in options
+    flags, data = mount_flags([o for o in options if o not in ("bind", "rbind")])
+    if bind:
+        flags |= _MS_BIND | (_MS_REC if "rbind" in options else 0)
+        fs_type, data = "", ""
+    if _libc.mount(source.encode(), target.encode(), fs_type.encode(), ctypes.c_ulong(flags),
+                   data.encode() or None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} ({fs_type or 'bind'}) at {target}: {os.strerror(err)}")
+    if bind and flags & 0x1:
+        if _libc.mount(b"", target.encode(), b"", ctypes.c_ulong(flags | _MS_REMOUNT), None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"remount {target} read-only: {os.strerror(err)}")
+
+
+def unmount_all(target: str) -> int:
+    """Unmount every mount stacked at target (a busy one lazily); how many."""
+    count = 0
+    while True:
+        if _libc.umount2(target.encode(), _UMOUNT_NOFOLLOW) == 0:
+            count += 1
+            continue
+        err = ctypes.get_errno()
+        if err == errno.EBUSY and _libc.umount2(target.encode(), _MNT_DETACH | _UMOUNT_NOFOLLOW) == 0:
+            count += 1
+            continue
+        if err in (errno.EINVAL, errno.ENOENT):
+            return count
+        raise OSError(err, f"umount {target}: {os.strerror(err)}")

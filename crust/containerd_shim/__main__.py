@@ -1,0 +1,5 @@
+import sys
+
+from crust.containerd_shim.main import main
+
+sys.exit(main())

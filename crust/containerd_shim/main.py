@@ -1,0 +1,256 @@
+"""containerd-shim-crust-v2: containerd's runtime `io.containerd.crust.v2`,
+crust's microVM handler (`crust kata handler`) as a containerd shim v2.
+
+containerd runs it with its working directory in the container's bundle:
+
+  containerd-shim-crust-v2 -namespace NS -address SOCK -publish-binary BIN -id ID [-debug] start
+      prints the ttrpc address of the shim serving ID's pod and writes it to
+      the bundle's `address` file; starts that shim (a daemon) unless the
+      pod's shim already answers. Every container of a pod goes to one shim:
+      the pod is CRI's io.kubernetes.cri.sandbox-id annotation.
+  containerd-shim-crust-v2 -namespace NS -address SOCK -id ID -bundle DIR delete
+      cleans up after a shim that died: the container (or the pod) is
+      deleted in the handler, the root file system unmounted; prints a
+      DeleteResponse.
+
+Settings:
+  the handler's socket: `handler_endpoint` in the TOML file named by the
+  runtime's `ConfigPath` option in containerd's configuration, else
+  $CRUST_KATA_HANDLER_ENDPOINT, else unix:///run/crust/kata-handler.sock
+  (the handler's default).
+  containerd's event socket: $TTRPC_ADDRESS (containerd sets it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from crust.api import containerd_runtimeoptions_pb2 as runtimeoptions
+from crust.api import containerd_task_pb2 as task_pb
+from google.protobuf import any_pb2, timestamp_pb2
+
+log = logging.getLogger("crust.containerd_shim")
+
+DEFAULT_HANDLER_ENDPOINT = "unix:///run/crust/kata-handler.sock"
+ENV_HANDLER_ENDPOINT = "CRUST_KATA_HANDLER_ENDPOINT"
+# containerd 1.6 keeps its own shims' sockets here; ours share the directory
+# with names of their own (a hash with a crust prefix in its input).
+SOCKET_DIR = Path("/run/containerd/s")
+SHIM_MODULE = "crust.containerd_shim"
+
+
+def socket_path(containerd_address: str, namespace: str, group: str) -> Path:
+    digest = hashlib.sha256(f"crust\0{containerd_address}\0{namespace}\0{group}".encode()).hexdigest()
+    return SOCKET_DIR / digest
+
+
+def group_of(bundle: Path, container_id: str) -> str:
+    """The pod whose shim serves this container: CRI's sandbox id annotation
+    (the sandbox's own id for the sandbox), else the container itself."""
+    try:
+        annotations = json.loads((bundle / "config.json").read_text()).get("annotations") or {}
+    except (OSError, ValueError, AttributeError):
+        return container_id
+    return annotations.get("io.kubernetes.cri.sandbox-id") or container_id
+
+
+def handler_endpoint(options: bytes = b"") -> str:
+    """The handler's socket: the runtime's ConfigPath file, the environment, the default."""
+    if options:
+        wrapped = any_pb2.Any()
+        try:
+            wrapped.ParseFromString(options)
+            if wrapped.type_url.endswith("runtimeoptions.v1.Options"):
+                parsed = runtimeoptions.Options()
+                parsed.ParseFromString(wrapped.value)
+                if parsed.config_path:
+                    with open(parsed.config_path, "rb") as handle:
+                        endpoint = tomllib.load(handle).get("handler_endpoint")
+                    if endpoint:
+                        return str(endpoint)
+        except Exception as exc:  # a broken option must not hide the default
+            print(f"crust shim: runtime options not used: {exc}", file=sys.stderr)
+    return os.environ.get(ENV_HANDLER_ENDPOINT) or DEFAULT_HANDLER_ENDPOINT
+
+
+def read_options() -> bytes:
+    """containerd writes the runtime's options to `start`'s standard input."""
+    try:
+        if sys.stdin is None or sys.stdin.isatty():
+            return b""
+        return sys.stdin.buffer.read()
+    except (OSError, ValueError):
+        return b""
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="containerd-shim-crust-v2", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-namespace", default="default", help="containerd's namespace")
+    parser.add_argument("-address", default="", help="containerd's gRPC socket")
+    parser.add_argument("-publish-binary", dest="publish_binary", default="", help="containerd's binary (unused)")
+    parser.add_argument("-id", default="", help="the container (task) id")
+    parser.add_argument("-bundle", default="", help="the bundle (delete); else the working directory")
+    parser.add_argument("-debug", action="store_true", help="debug logging")
+    parser.add_argument("-socket", default="", help=argparse.SUPPRESS)  # serve: the pod's socket
+    parser.add_argument("-handler-endpoint", dest="handler_endpoint", default="", help=argparse.SUPPRESS)
+    parser.add_argument("-log", default="", help=argparse.SUPPRESS)
+    parser.add_argument("action", choices=["start", "delete", "serve"], help="what containerd asks")
+    args, _unknown = parser.parse_known_args(argv)
+    return args
+
+
+# -- start ---------------------------------------------------------------------------
+
+
+def start(args: argparse.Namespace) -> int:
+    bundle = Path.cwd()
+    group = group_of(bundle, args.id)
+    path = socket_path(args.address, args.namespace, group)
+    address = f"unix://{path}"
+    from crust.containerd_shim.ttrpc import socket_alive
+
+    if not socket_alive(str(path)):
+        endpoint = handler_endpoint(read_options())
+        SOCKET_DIR.mkdir(parents=True, exist_ok=True, mode=0o711)
+        path.unlink(missing_ok=True)  # a dead shim's
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        os.chmod(path, 0o600)
+        listener.listen(128)
+        # The daemon serves on the socket bound here, so the address printed
+        # answers as soon as containerd connects. Its output goes to the
+        # bundle's `log` fifo (containerd copies it to its own log), never to
+        # ours: containerd reads our output to its end.
+        command = [sys.executable, "-m", SHIM_MODULE, "-namespace", args.namespace, "-address", args.address,
+                   "-id", group, "-socket", str(path), "-handler-endpoint", endpoint,
+                   "-log", str(bundle / "log"), *(["-debug"] if args.debug else []), "serve"]
+        env = {**os.environ, "CRUST_SHIM_LISTEN_FD": str(listener.fileno())}
+        subprocess.Popen(command, cwd="/", env=env, pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        listener.close()
+    (bundle / "address").write_text(address)
+    sys.stdout.write(address)
+    sys.stdout.flush()
+    return 0
+
+
+# -- delete --------------------------------------------------------------------------
+
+
+def delete(args: argparse.Namespace) -> int:
+    """After a dead shim: the handler forgets the container (or pod), the
+    rootfs is unmounted, and containerd gets the exit it could not hear."""
+    import grpc
+
+    from crust.api import handler_pb2, handler_pb2_grpc
+    from crust.common.channel import local_channel
+    from crust.sys import mount as sysmount
+
+    bundle = Path(args.bundle) if args.bundle else Path.cwd()
+    try:
+        annotations = json.loads((bundle / "config.json").read_text()).get("annotations") or {}
+    except (OSError, ValueError, AttributeError):
+        annotations = {}
+    sandbox = annotations.get("io.kubernetes.cri.container-type", "sandbox") == "sandbox"
+    endpoint = handler_endpoint()
+    try:
+        with local_channel(endpoint) as channel:
+            pods = handler_pb2_grpc.PodRuntimeStub(channel)
+            if sandbox:
+                pods.DeletePod(handler_pb2.DeletePodRequest(sandbox_id=args.id), timeout=120)
+            else:
+                pods.DeleteContainer(handler_pb2.DeleteContainerRequest(container_id=args.id), timeout=120)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:
+            print(f"crust shim delete {args.id}: the handler at {endpoint}: {exc.details()}", file=sys.stderr)
+    try:
+        sysmount.unmount_all(str(bundle / "rootfs"))
+    except OSError as exc:
+        print(f"crust shim delete {args.id}: {exc}", file=sys.stderr)
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(time.time_ns())
+    sys.stdout.buffer.write(task_pb.DeleteResponse(exit_status=128 + signal.SIGKILL, exited_at=stamp)
+                            .SerializeToString())
+    sys.stdout.flush()
+    return 0
+
+
+# -- serve (the daemon) -----------------------------------------------------------------
+
+
+def _log_to(path: str, debug: bool) -> None:
+    from crust.common import logs
+
+    try:
+        # containerd holds the fifo's read end while it runs; opened for
+        # reading too, the open never blocks and a restart loses no line.
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC) if path else None
+    except OSError:
+        fd = None
+    if fd is not None:
+        os.dup2(fd, 2)
+        os.close(fd)
+    logs.setup("debug" if debug else "info")
+
+
+def serve(args: argparse.Namespace) -> int:
+    _log_to(args.log, args.debug)
+    from crust.containerd_shim.events import Publisher
+    from crust.containerd_shim.task import TaskService
+    from crust.containerd_shim.ttrpc import Server
+    from crust.api import containerd_task_pb2
+
+    listen_fd = int(os.environ.pop("CRUST_SHIM_LISTEN_FD", "-1"))
+
+    async def main() -> None:
+        done = asyncio.Event()
+        publisher = Publisher(os.environ.get("TTRPC_ADDRESS", ""), args.namespace)
+        service = TaskService(args.handler_endpoint or handler_endpoint(), publisher, on_empty=done.set)
+        server = Server()
+        server.register_service(containerd_task_pb2.DESCRIPTOR.services_by_name["Task"], service)
+        if listen_fd >= 0:
+            await server.serve_socket(socket.socket(fileno=listen_fd))
+        else:
+            await server.serve_path(args.socket)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, done.set)
+        loop.add_signal_handler(signal.SIGINT, done.set)
+        log.info("shim serving", extra={"fields": {"pod": args.id, "socket": args.socket,
+                                                   "handler": service.handler_endpoint}})
+        await done.wait()
+        await asyncio.sleep(0.05)  # Shutdown's answer leaves first
+        await publisher.drain(5.0)
+        await server.close()
+        await service.close()
+        await publisher.close()
+        Path(args.socket).unlink(missing_ok=True)
+        log.info("shim exits", extra={"fields": {"pod": args.id}})
+
+    asyncio.run(main())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.action == "start":
+        return start(args)
+    if args.action == "delete":
+        return delete(args)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""A process's stdout and stderr, copied to the fifos containerd gave.
+
+containerd (CRI's container log, ExecSync's output) made the fifos and reads
+them. The shim opens each for reading and writing: that open never blocks,
+whether containerd has its end open or not (it has not while containerd
+restarts), and the pipe keeps what was written until a reader comes back.
+Writes are non-blocking and wait for room through the event loop, so a
+reader that stops reading holds up only its own process's copy, never the
+shim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+class FifoWriter:
+    def __init__(self, path: str):
+        self.path = path
+        self.fd: int | None = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+
+    async def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            if self.fd is None:
+                return
+            try:
+                written = os.write(self.fd, view)
+                view = view[written:]
+                continue
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:
+                    return
+                raise
+            await self._writable()
+
+    async def _writable(self) -> None:
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        loop.add_writer(self.fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            if self.fd is not None:
+                loop.remove_writer(self.fd)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def open_fifo(path: str) -> FifoWriter | None:
+    """The writer for a fifo path containerd gave ("" = none wanted)."""
+    if not path:
+        return None
+    try:
+        return FifoWriter(path.removeprefix("fifo://") if path.startswith("fifo://") else path)
+    except OSError as exc:
+        log.warning("cannot open a stdio fifo", extra={"fields": {"path": path, "error": str(exc)}})
+        return None

@@ -1,0 +1,551 @@
+"""containerd's task service (containerd.task.v2.Task) for one pod, over the
+microVM handler's PodRuntime (specs/handler.proto).
+
+One shim serves every container of a pod (CRI groups them by the sandbox id
+annotation). The sandbox container is the pod's VM: its Create asks the
+handler for the pod (CreatePod), its pid is QEMU's, killing it stops the pod.
+Every other container has its root file system mounted by the shim at
+<bundle>/rootfs on the host (containerd hands the snapshot's mounts to the
+shim, as to runc's), then the handler makes the container (CreateContainer)
+and runs its processes in the guest.
+
+The shim keeps containerd's view of each process (created, running, stopped;
+the exit status and time; the stdio fifos) and copies the handler's output
+stream into the fifos. A process's exit is published (TaskExit) only after
+its output was copied, so the container log is complete when CRI sees the
+exit. Every task's pid is QEMU's: a guest pid means nothing on the host and a
+host tool that follows a task pid must find the pod's VM (Pids lists the
+guest pids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from google.protobuf import empty_pb2
+
+from crust.api import containerd_events_pb2 as events
+from crust.api import containerd_task_pb2 as task_pb
+from crust.api import containerd_task_types_pb2 as task_types
+from crust.api import handler_pb2, handler_pb2_grpc
+from crust.common.channel import local_aio_channel
+from crust.containerd_shim import ttrpc
+from crust.containerd_shim.events import Publisher, timestamp
+from crust.containerd_shim.stdio import FifoWriter, open_fifo
+from crust.containerd_shim.ttrpc import TtrpcError
+from crust.sys import mount as sysmount
+from crust.sys import proc
+
+log = logging.getLogger(__name__)
+
+CONTAINER_TYPE = "io.kubernetes.cri.container-type"
+SANDBOX_ID = "io.kubernetes.cri.sandbox-id"
+PROCESS_SPEC_TYPE = "types.containerd.io/opencontainers/runtime-spec/1/Process"
+VERSION = "crust-shim-v2"
+# The handler's calls that start or stop a VM take seconds under TCG.
+HANDLER_TIMEOUT = 300.0
+# How long a process's exit waits for its output to reach the fifos.
+OUTPUT_DRAIN_SECONDS = 10.0
+# The VM is gone, and the handler did not say how a process ended.
+VM_GONE_STATUS = 128 + signal.SIGKILL
+
+CREATED, RUNNING, STOPPED = task_types.CREATED, task_types.RUNNING, task_types.STOPPED
+
+
+def bad(message: str) -> TtrpcError:
+    return TtrpcError(ttrpc.INVALID_ARGUMENT, message)
+
+
+def read_config(bundle: str) -> dict:
+    try:
+        with open(Path(bundle) / "config.json") as handle:
+            config = json.load(handle)
+    except FileNotFoundError:
+        raise bad(f"bundle {bundle} has no config.json") from None
+    except (OSError, ValueError) as exc:
+        raise bad(f"bundle {bundle}: config.json does not read as JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise bad(f"bundle {bundle}: config.json is not an object")
+    return config
+
+
+def is_sandbox(config: dict) -> bool:
+    annotations = config.get("annotations") or {}
+    # Without CRI's annotations (ctr run) a container is a pod of its own.
+    return annotations.get(CONTAINER_TYPE, "sandbox") == "sandbox"
+
+
+def process_spec(spec: dict) -> handler_pb2.ProcessSpec:
+    """An OCI process (config.json's "process", an exec's spec) as PodRuntime's ProcessSpec."""
+    if not isinstance(spec, dict):
+        raise bad("spec: the process is not a JSON object")
+    args = spec.get("args")
+    if not isinstance(args, list) or not args or not all(isinstance(a, str) for a in args):
+        raise bad("spec.args: a process needs a non-empty list of strings")
+    env = spec.get("env") or []
+    if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
+        raise bad("spec.env: a list of KEY=value strings")
+    user = spec.get("user") or {}
+    if not isinstance(user, dict):
+        raise bad("spec.user: not an object")
+    try:
+        uid, gid = int(user.get("uid", 0)), int(user.get("gid", 0))
+        groups = [int(g) for g in user.get("additionalGids") or []]
+    except (TypeError, ValueError):
+        raise bad("spec.user: uid, gid and additionalGids are numbers") from None
+    if spec.get("terminal"):
+        raise bad("spec.terminal: crust's microVM runtime has no terminals")
+    return handler_pb2.ProcessSpec(args=args, env=env, cwd=str(spec.get("cwd") or "/"), uid=uid, gid=gid,
+                                   additional_gids=groups)
+
+
+def grpc_to_ttrpc(exc: grpc.RpcError, what: str) -> TtrpcError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    number = code.value[0] if isinstance(code, grpc.StatusCode) else ttrpc.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return TtrpcError(number, f"{what}: {details}")
+
+
+@dataclass
+class Process:
+    container_id: str
+    exec_id: str
+    stdin: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    terminal: bool = False
+    spec: handler_pb2.ProcessSpec | None = None
+    status: int = CREATED
+    guest_pid: int = 0
+    exit_status: int = 0
+    exited_at_ns: int = 0
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    watcher: asyncio.Task | None = None
+
+    @property
+    def id(self) -> str:
+        """The id events name the process by: the exec's, or the container's."""
+        return self.exec_id or self.container_id
+
+    def stop(self, exit_status: int, exited_at_ns: int | None = None) -> bool:
+        if self.status == STOPPED:
+            return False
+        self.status = STOPPED
+        self.exit_status = exit_status
+        self.exited_at_ns = exited_at_ns or time.time_ns()
+        self.exited.set()
+        return True
+
+
+@dataclass
+class Container:
+    id: str
+    bundle: str
+    sandbox: bool
+    init: Process
+    rootfs_mounted: bool = False
+    execs: dict[str, Process] = field(default_factory=dict)
+
+    def process(self, exec_id: str) -> Process:
+        if not exec_id:
+            return self.init
+        try:
+            return self.execs[exec_id]
+        except KeyError:
+            raise TtrpcError(ttrpc.NOT_FOUND, f"container {self.id} has no exec {exec_id}") from None
+
+
+class TaskService:
+    """The Task service for one pod's shim."""
+
+    def __init__(self, handler_endpoint: str, publisher: Publisher, on_empty=None):
+        self.handler_endpoint = handler_endpoint
+        self.publisher = publisher
+        self.containers: dict[str, Container] = {}
+        self.sandbox_id: str | None = None
+        self.vm_pid = 0
+        self._vm_watch: asyncio.Task | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._on_empty = on_empty  # called by Shutdown once no task remains
+        self._lock = asyncio.Lock()
+
+    # -- the handler ------------------------------------------------------------------
+
+    @property
+    def pods(self) -> handler_pb2_grpc.PodRuntimeStub:
+        if self._channel is None:
+            self._channel = local_aio_channel(self.handler_endpoint)
+        return handler_pb2_grpc.PodRuntimeStub(self._channel)
+
+    async def _handler(self, method: str, request, what: str, timeout: float = HANDLER_TIMEOUT):
+        try:
+            return await getattr(self.pods, method)(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise grpc_to_ttrpc(exc, f"{what} ({method} at {self.handler_endpoint})") from None
+
+    async def close(self) -> None:
+        for container in self.containers.values():
+            for process in [container.init, *container.execs.values()]:
+                if process.watcher is not None:
+                    process.watcher.cancel()
+        if self._vm_watch is not None:
+            self._vm_watch.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+    # -- lookups ------------------------------------------------------------------------
+
+    def container(self, container_id: str) -> Container:
+        if not container_id:
+            raise bad("id: the container id is empty")
+        try:
+            return self.containers[container_id]
+        except KeyError:
+            raise TtrpcError(ttrpc.NOT_FOUND, f"container {container_id} is not served by this shim") from None
+
+    # -- Create / Start ---------------------------------------------------------------
+
+    async def Create(self, request: task_pb.CreateTaskRequest, call) -> task_pb.CreateTaskResponse:
+        if not request.id:
+            raise bad("id: the container id is empty")
+        if not request.bundle or not os.path.isabs(request.bundle):
+            raise bad(f"bundle: an absolute path is needed, not {request.bundle!r}")
+        if request.terminal:
+            raise bad("terminal: crust's microVM runtime has no terminals")
+        if request.checkpoint:
+            raise TtrpcError(ttrpc.UNIMPLEMENTED, "checkpoint: restoring a checkpoint is not implemented")
+        async with self._lock:
+            if request.id in self.containers:
+                raise TtrpcError(ttrpc.ALREADY_EXISTS, f"container {request.id} already exists")
+            config = read_config(request.bundle)
+            sandbox = is_sandbox(config)
+            init = Process(request.id, "", request.stdin, request.stdout, request.stderr)
+            container = Container(request.id, request.bundle, sandbox, init)
+            if sandbox:
+                if self.sandbox_id is not None:
+                    raise TtrpcError(ttrpc.FAILED_PRECONDITION,
+                                     f"this shim already serves pod {self.sandbox_id}; {request.id} is another sandbox")
+                response = await self._handler("CreatePod", handler_pb2.CreatePodRequest(
+                    sandbox_id=request.id, bundle=request.bundle), f"pod {request.id}")
+                self.sandbox_id, self.vm_pid = request.id, int(response.pid)
+                self._vm_watch = asyncio.ensure_future(self._watch_vm(self.vm_pid))
+            else:
+                annotations = config.get("annotations") or {}
+                wanted = annotations.get(SANDBOX_ID, "")
+                if self.sandbox_id is None or (wanted and wanted != self.sandbox_id):
+                    raise TtrpcError(ttrpc.FAILED_PRECONDITION,
+                                     f"container {request.id} belongs to pod {wanted or '?'}, "
+                                     f"which this shim does not run")
+                self._mount_rootfs(container, list(request.rootfs))
+                try:
+                    await self._handler("CreateContainer", handler_pb2.CreateContainerRequest(
+                        sandbox_id=self.sandbox_id, container_id=request.id, bundle=request.bundle),
+                        f"container {request.id}")
+                except TtrpcError:
+                    self._unmount_rootfs(container)
+                    raise
+            self.containers[request.id] = container
+        log.info("task created", extra={"fields": {"container": request.id, "sandbox": sandbox, "pid": self.vm_pid}})
+        self.publisher.publish(events.TaskCreate(
+            container_id=request.id, bundle=request.bundle, rootfs=request.rootfs, pid=self.vm_pid,
+            io=events.TaskIO(stdin=request.stdin, stdout=request.stdout, stderr=request.stderr)))
+        return task_pb.CreateTaskResponse(pid=self.vm_pid)
+
+    def _mount_rootfs(self, container: Container, mounts: list) -> None:
+        if not mounts:
+            return  # containerd left the bundle's rootfs as it is (ctr run --rootfs)
+        target = os.path.join(container.bundle, "rootfs")
+        os.makedirs(target, mode=0o711, exist_ok=True)
+        try:
+            for mount in mounts:
+                sysmount.mount_path(mount.source, target, mount.type, list(mount.options))
+                container.rootfs_mounted = True
+        except OSError as exc:
+            self._unmount_rootfs(container)
+            raise TtrpcError(ttrpc.INTERNAL, f"rootfs of container {container.id}: {exc}") from None
+
+    def _unmount_rootfs(self, container: Container) -> None:
+        if container.rootfs_mounted:
+            try:
+                sysmount.unmount_all(os.path.join(container.bundle, "rootfs"))
+                container.rootfs_mounted = False
+            except OSError as exc:
+                log.error("rootfs not unmounted", extra={"fields": {"container": container.id, "error": str(exc)}})
+
+    async def Start(self, request: task_pb.StartRequest, call) -> task_pb.StartResponse:
+        container = self.container(request.id)
+        process = container.process(request.exec_id)
+        if process.status != CREATED:
+            raise TtrpcError(ttrpc.FAILED_PRECONDITION,
+                             f"process {process.id} of container {container.id} was already started")
+        if container.sandbox and not request.exec_id:
+            process.status = RUNNING  # the VM runs since CreatePod
+        else:
+            response = await self._handler("StartProcess", handler_pb2.StartProcessRequest(
+                container_id=container.id, exec_id=request.exec_id, process=process.spec),
+                f"process {process.id} of container {container.id}")
+            process.guest_pid = int(response.pid)
+            if process.status == CREATED:
+                process.status = RUNNING
+            process.watcher = asyncio.ensure_future(self._watch_process(process))
+        log.info("process started", extra={"fields": {"container": container.id, "exec": request.exec_id,
+                                                      "guest_pid": process.guest_pid}})
+        if request.exec_id:
+            self.publisher.publish(events.TaskExecStarted(container_id=container.id, exec_id=request.exec_id,
+                                                          pid=self.vm_pid))
+        else:
+            self.publisher.publish(events.TaskStart(container_id=container.id, pid=self.vm_pid))
+        return task_pb.StartResponse(pid=self.vm_pid)
+
+    # -- exits --------------------------------------------------------------------------
+
+    async def _watch_process(self, process: Process) -> None:
+        """Copy the output, wait for the exit, publish it once the output is out."""
+        pump = asyncio.ensure_future(self._copy_output(process))
+        state = None
+        while state is None:
+            try:
+                state = await self.pods.GetProcess(handler_pb2.GetProcessRequest(
+                    container_id=process.container_id, exec_id=process.exec_id, wait=True))
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND or process.status == STOPPED:
+                    break  # gone from the handler (its pod was stopped)
+                await asyncio.sleep(0.5)  # the handler restarts; ask again
+        try:
+            await asyncio.wait_for(asyncio.shield(pump), OUTPUT_DRAIN_SECONDS)
+        except asyncio.TimeoutError:
+            log.warning("output still being copied at the exit", extra={"fields": {
+                "container": process.container_id, "exec": process.exec_id}})
+            pump.cancel()
+        except Exception:
+            pass
+        if state is not None and state.status == handler_pb2.ProcessState.STOPPED:
+            self._exited(process, state.exit_code, state.exited_at_ns or None)
+        else:
+            self._exited(process, VM_GONE_STATUS)
+
+    async def _copy_output(self, process: Process) -> None:
+        writers: dict[int, FifoWriter | None] = {
+            handler_pb2.OutputChunk.STDOUT: open_fifo(process.stdout),
+            handler_pb2.OutputChunk.STDERR: open_fifo(process.stderr),
+        }
+        offsets = {handler_pb2.OutputChunk.STDOUT: 0, handler_pb2.OutputChunk.STDERR: 0}
+        try:
+            while True:
+                try:
+                    stream = self.pods.ReadOutput(handler_pb2.ReadOutputRequest(
+                        container_id=process.container_id, exec_id=process.exec_id,
+                        stdout_offset=offsets[handler_pb2.OutputChunk.STDOUT],
+                        stderr_offset=offsets[handler_pb2.OutputChunk.STDERR]))
+                    async for chunk in stream:
+                        if chunk.stream not in offsets:
+                            continue
+                        # A resumed stream may repeat what was written already.
+                        skip = offsets[chunk.stream] - chunk.offset
+                        data = chunk.data[skip:] if skip > 0 else chunk.data
+                        if not data:
+                            continue
+                        offsets[chunk.stream] += len(data)
+                        writer = writers[chunk.stream]
+                        if writer is not None:
+                            await writer.write(data)
+                    return  # the process exited and everything was sent
+                except grpc.RpcError as exc:
+                    if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED) \
+                            or process.status == STOPPED:
+                        return
+                    await asyncio.sleep(0.5)  # the handler restarts: resume at our offsets
+        finally:
+            for writer in writers.values():
+                if writer is not None:
+                    writer.close()
+
+    def _exited(self, process: Process, exit_status: int, exited_at_ns: int | None = None) -> None:
+        if not process.stop(exit_status, exited_at_ns):
+            return
+        log.info("process exited", extra={"fields": {"container": process.container_id, "exec": process.exec_id,
+                                                     "exit_status": exit_status}})
+        self.publisher.publish(events.TaskExit(container_id=process.container_id, id=process.id, pid=self.vm_pid,
+                                               exit_status=exit_status,
+                                               exited_at=timestamp(process.exited_at_ns)))
+
+    async def _watch_vm(self, pid: int) -> None:
+        """The pod's VM ending (stopped or killed) ends the sandbox task and,
+        when the handler does not report them first, every process in it."""
+        identity = proc.identify(pid)
+        while proc.alive(identity):
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)  # the handler's own reports of the processes come first
+        sandbox = self.containers.get(self.sandbox_id or "")
+        for container in list(self.containers.values()):
+            for process in [container.init, *container.execs.values()]:
+                if process.status == RUNNING and not (container.sandbox and process is container.init):
+                    self._exited(process, VM_GONE_STATUS)
+        if sandbox is not None and sandbox.init.status != STOPPED:
+            log.warning("the pod's VM is gone", extra={"fields": {"sandbox": sandbox.id, "pid": pid}})
+            self._exited(sandbox.init, VM_GONE_STATUS)
+
+    # -- Wait / State / Pids ------------------------------------------------------------
+
+    async def Wait(self, request: task_pb.WaitRequest, call) -> task_pb.WaitResponse:
+        process = self.container(request.id).process(request.exec_id)
+        await process.exited.wait()
+        return task_pb.WaitResponse(exit_status=process.exit_status, exited_at=timestamp(process.exited_at_ns))
+
+    async def State(self, request: task_pb.StateRequest, call) -> task_pb.StateResponse:
+        container = self.container(request.id)
+        process = container.process(request.exec_id)
+        response = task_pb.StateResponse(
+            id=container.id, bundle=container.bundle, pid=self.vm_pid, status=process.status,
+            stdin=process.stdin, stdout=process.stdout, stderr=process.stderr, terminal=process.terminal,
+            exit_status=process.exit_status, exec_id=request.exec_id)
+        if process.status == STOPPED:
+            response.exited_at.CopyFrom(timestamp(process.exited_at_ns))
+        return response
+
+    async def Pids(self, request: task_pb.PidsRequest, call) -> task_pb.PidsResponse:
+        container = self.container(request.id)
+        processes = [p for p in [container.init, *container.execs.values()] if p.status == RUNNING]
+        pids = [self.vm_pid] if container.sandbox else [p.guest_pid for p in processes if p.guest_pid]
+        return task_pb.PidsResponse(processes=[task_types.ProcessInfo(pid=pid) for pid in pids])
+
+    # -- Kill / Delete ------------------------------------------------------------------
+
+    async def Kill(self, request: task_pb.KillRequest, call) -> empty_pb2.Empty:
+        container = self.container(request.id)
+        process = container.process(request.exec_id)
+        if not 0 < request.signal < 65:
+            raise bad(f"signal: {request.signal} is not a signal")
+        if process.status == STOPPED:
+            raise TtrpcError(ttrpc.NOT_FOUND, f"process {process.id} of container {container.id} already finished")
+        if container.sandbox and not request.exec_id:
+            # The sandbox's process is the VM: any signal that ends a pause
+            # process ends the pod.
+            await self._handler("DeletePod", handler_pb2.DeletePodRequest(sandbox_id=container.id),
+                                f"pod {container.id}")
+            self._exited(process, 128 + request.signal)
+            return empty_pb2.Empty()
+        if process.status == CREATED:
+            # Never started: nothing runs in the guest; it ends here.
+            self._exited(process, 128 + request.signal)
+            return empty_pb2.Empty()
+        await self._handler("SignalProcess", handler_pb2.SignalProcessRequest(
+            container_id=container.id, exec_id=request.exec_id, signal=request.signal, all=request.all),
+            f"process {process.id} of container {container.id}")
+        return empty_pb2.Empty()
+
+    async def Delete(self, request: task_pb.DeleteRequest, call) -> task_pb.DeleteResponse:
+        container = self.container(request.id)
+        process = container.process(request.exec_id)
+        if process.status == RUNNING:
+            raise TtrpcError(ttrpc.FAILED_PRECONDITION,
+                             f"process {process.id} of container {container.id} is running; kill it first")
+        if request.exec_id:
+            container.execs.pop(request.exec_id, None)
+        else:
+            if container.execs and any(p.status == RUNNING for p in container.execs.values()):
+                raise TtrpcError(ttrpc.FAILED_PRECONDITION, f"container {container.id} still has running execs")
+            if container.sandbox:
+                if any(not c.sandbox for c in self.containers.values()):
+                    log.info("the pod is deleted before its containers", extra={"fields": {"sandbox": container.id}})
+                await self._handler("DeletePod", handler_pb2.DeletePodRequest(sandbox_id=container.id),
+                                    f"pod {container.id}")
+                if self._vm_watch is not None:
+                    self._vm_watch.cancel()
+            else:
+                try:
+                    await self._handler("DeleteContainer", handler_pb2.DeleteContainerRequest(
+                        container_id=container.id), f"container {container.id}")
+                except TtrpcError as exc:
+                    if exc.code != ttrpc.NOT_FOUND:  # a pod already gone took its containers along
+                        raise
+                self._unmount_rootfs(container)
+            if process.status == CREATED:
+                process.stop(0)
+            if process.watcher is not None:
+                process.watcher.cancel()
+            self.containers.pop(container.id, None)
+        stamp = timestamp(process.exited_at_ns or None)
+        self.publisher.publish(events.TaskDelete(container_id=container.id, id=process.id, pid=self.vm_pid,
+                                                 exit_status=process.exit_status, exited_at=stamp))
+        log.info("deleted", extra={"fields": {"container": container.id, "exec": request.exec_id}})
+        return task_pb.DeleteResponse(pid=self.vm_pid, exit_status=process.exit_status, exited_at=stamp)
+
+    # -- Exec ---------------------------------------------------------------------------
+
+    async def Exec(self, request: task_pb.ExecProcessRequest, call) -> empty_pb2.Empty:
+        container = self.container(request.id)
+        if not request.exec_id:
+            raise bad("exec_id: an exec needs an id")
+        if request.exec_id in container.execs:
+            raise TtrpcError(ttrpc.ALREADY_EXISTS, f"container {container.id} already has exec {request.exec_id}")
+        if request.terminal:
+            raise bad("terminal: crust's microVM runtime has no terminals")
+        if container.init.status != RUNNING or container.sandbox:
+            raise TtrpcError(ttrpc.FAILED_PRECONDITION, f"container {container.id} is not running a process")
+        if not request.spec.value:
+            raise bad("spec: an exec needs its process spec")
+        try:
+            spec = json.loads(request.spec.value)
+        except ValueError as exc:
+            raise bad(f"spec: the process spec is not JSON ({request.spec.type_url}): {exc}") from None
+        container.execs[request.exec_id] = Process(container.id, request.exec_id, request.stdin, request.stdout,
+                                                   request.stderr, spec=process_spec(spec))
+        self.publisher.publish(events.TaskExecAdded(container_id=container.id, exec_id=request.exec_id))
+        return empty_pb2.Empty()
+
+    async def ResizePty(self, request: task_pb.ResizePtyRequest, call) -> empty_pb2.Empty:
+        self.container(request.id).process(request.exec_id)
+        return empty_pb2.Empty()  # no terminals: nothing to resize
+
+    async def CloseIO(self, request: task_pb.CloseIORequest, call) -> empty_pb2.Empty:
+        # Processes get no stdin in the guest (an empty one): nothing to close.
+        self.container(request.id).process(request.exec_id)
+        return empty_pb2.Empty()
+
+    # -- the shim itself ------------------------------------------------------------------
+
+    async def Connect(self, request: task_pb.ConnectRequest, call) -> task_pb.ConnectResponse:
+        if request.id:
+            self.container(request.id)
+        return task_pb.ConnectResponse(shim_pid=os.getpid(), task_pid=self.vm_pid, version=VERSION)
+
+    async def Shutdown(self, request: task_pb.ShutdownRequest, call) -> empty_pb2.Empty:
+        if self.containers and not request.now:
+            return empty_pb2.Empty()
+        if self._on_empty is not None:
+            self._on_empty()
+        return empty_pb2.Empty()
+
+    # -- not offered ----------------------------------------------------------------------
+
+    async def _unimplemented(self, what: str):
+        raise TtrpcError(ttrpc.UNIMPLEMENTED, f"{what} is not implemented by crust's microVM runtime")
+
+    async def Stats(self, request, call):
+        self.container(request.id)
+        await self._unimplemented("Stats (cgroup metrics of a task)")
+
+    async def Update(self, request, call):
+        self.container(request.id)
+        await self._unimplemented("Update (changing a running task's resources)")
+
+    async def Pause(self, request, call):
+        self.container(request.id)
+        await self._unimplemented("Pause")
+
+    async def Resume(self, request, call):
+        self.container(request.id)
+        await self._unimplemented("Resume")
+
+    async def Checkpoint(self, request, call):
+        self.container(request.id)
+        await self._unimplemented("Checkpoint")

@@ -1,0 +1,342 @@
+"""ttrpc on asyncio: the framing, a server and a client (specs/ttrpc.proto).
+
+containerd talks to its shims, and shims to containerd's event service, in
+ttrpc: gRPC's status codes and protobuf messages without HTTP/2. Every frame
+is a 10-byte big-endian header (payload length, stream id, type, flags) and
+the payload; a request's payload is a ttrpc.Request naming the service and
+method and carrying the method's message, the answer is a ttrpc.Response on
+the same stream id. Only unary calls are used by the task API and the event
+service, so data frames (type 3, streams) are refused.
+
+The server runs each request as its own task (containerd keeps a Wait call
+open for as long as a container runs, next to its other calls on the same
+connection) and cancels a connection's calls when it closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from google.protobuf import message as pb_message
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+
+from crust.api import ttrpc_pb2
+
+log = logging.getLogger(__name__)
+
+HEADER = struct.Struct(">IIBB")
+HEADER_LENGTH = HEADER.size  # 10
+# ttrpc refuses a message longer than this (either way).
+MESSAGE_LENGTH_MAX = 4 << 20
+TYPE_REQUEST = 1
+TYPE_RESPONSE = 2
+TYPE_DATA = 3
+
+# gRPC status codes (ttrpc carries them in google.rpc.Status).
+OK = 0
+CANCELLED = 1
+UNKNOWN = 2
+INVALID_ARGUMENT = 3
+DEADLINE_EXCEEDED = 4
+NOT_FOUND = 5
+ALREADY_EXISTS = 6
+FAILED_PRECONDITION = 9
+UNIMPLEMENTED = 12
+INTERNAL = 13
+UNAVAILABLE = 14
+RESOURCE_EXHAUSTED = 8
+
+# Where containerd puts its namespace in a call's metadata.
+NAMESPACE_KEY = "containerd-namespace-ttrpc"
+
+
+class TtrpcError(Exception):
+    """A call that failed with a status code (raised by handlers, returned to callers)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"ttrpc status {self.code}: {self.message}"
+
+
+class FrameError(Exception):
+    """The peer broke the framing; the connection cannot go on."""
+
+
+def encode_header(length: int, stream_id: int, message_type: int, flags: int = 0) -> bytes:
+    return HEADER.pack(length, stream_id, message_type, flags)
+
+
+def decode_header(data: bytes) -> tuple[int, int, int, int]:
+    """(length, stream_id, type, flags) of a 10-byte header."""
+    if len(data) != HEADER_LENGTH:
+        raise FrameError(f"a ttrpc header has {HEADER_LENGTH} bytes, not {len(data)}")
+    return HEADER.unpack(data)
+
+
+def frame(stream_id: int, message_type: int, payload: bytes, flags: int = 0) -> bytes:
+    if len(payload) > MESSAGE_LENGTH_MAX:
+        raise TtrpcError(RESOURCE_EXHAUSTED,
+                         f"message of {len(payload)} bytes exceeds ttrpc's maximum of {MESSAGE_LENGTH_MAX}")
+    return encode_header(len(payload), stream_id, message_type, flags) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, int, int, bytes | None]:
+    """(stream_id, type, flags, payload); payload is None when the frame was
+    over the limit (its bytes are skipped so the connection stays usable).
+    IncompleteReadError at a clean end of stream."""
+    length, stream_id, message_type, flags = decode_header(await reader.readexactly(HEADER_LENGTH))
+    if length > MESSAGE_LENGTH_MAX:
+        remaining = length
+        while remaining:
+            chunk = await reader.read(min(remaining, 1 << 16))
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"", remaining)
+            remaining -= len(chunk)
+        return stream_id, message_type, flags, None
+    return stream_id, message_type, flags, await reader.readexactly(length) if length else b""
+
+
+def error_response(code: int, message: str) -> bytes:
+    return ttrpc_pb2.Response(status=ttrpc_pb2.Status(code=code, message=message)).SerializeToString()
+
+
+@dataclass
+class Call:
+    """What a handler knows of the call besides its message."""
+
+    service: str
+    method: str
+    metadata: dict[str, list[str]]
+    timeout: float | None
+
+    @property
+    def namespace(self) -> str:
+        return (self.metadata.get(NAMESPACE_KEY) or [""])[0]
+
+
+Handler = Callable[[pb_message.Message, Call], Awaitable[pb_message.Message]]
+
+
+@dataclass
+class _Method:
+    request_type: type
+    handler: Handler
+
+
+class Server:
+    """A ttrpc server on a unix socket; handlers are coroutines taking the
+    request message and the Call, returning the response message or raising
+    TtrpcError."""
+
+    def __init__(self) -> None:
+        self._methods: dict[tuple[str, str], _Method] = {}
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    def register(self, service: str, method: str, request_type: type, handler: Handler) -> None:
+        self._methods[(service, method)] = _Method(request_type, handler)
+
+    def register_service(self, descriptor: ServiceDescriptor, implementation: object) -> None:
+        """Every method of the service, answered by the implementation's
+        method of the same name (a missing one answers UNIMPLEMENTED)."""
+        for method in descriptor.methods:
+            handler = getattr(implementation, method.name, None)
+            if handler is not None:
+                self.register(descriptor.full_name, method.name,
+                              message_factory.GetMessageClass(method.input_type), handler)
+
+    async def serve_socket(self, listener: socket.socket) -> None:
+        """Start accepting on a bound, listening unix socket."""
+        listener.setblocking(False)
+        self._server = await asyncio.start_unix_server(self._connection, sock=listener)
+
+    async def serve_path(self, path: str) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(128)
+        await self.serve_socket(listener)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.gather(*self._connections, return_exceptions=True)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        self._connections.add(me)
+        calls: set[asyncio.Task] = set()
+        try:
+            while True:
+                try:
+                    stream_id, message_type, _flags, payload = await read_frame(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                except FrameError as exc:
+                    log.warning("ttrpc connection dropped", extra={"fields": {"error": str(exc)}})
+                    return
+                if payload is None:
+                    writer.write(frame(stream_id, TYPE_RESPONSE, error_response(
+                        RESOURCE_EXHAUSTED, f"message exceeds ttrpc's maximum of {MESSAGE_LENGTH_MAX} bytes")))
+                    continue
+                if message_type != TYPE_REQUEST:
+                    writer.write(frame(stream_id, TYPE_RESPONSE, error_response(
+                        UNIMPLEMENTED, f"ttrpc message type {message_type} is not served here (unary calls only)")))
+                    continue
+                task = asyncio.ensure_future(self._call(stream_id, payload, writer))
+                calls.add(task)
+                task.add_done_callback(calls.discard)
+        finally:
+            for task in list(calls):
+                task.cancel()
+            writer.close()
+            self._connections.discard(me)
+
+    async def _call(self, stream_id: int, payload: bytes, writer: asyncio.StreamWriter) -> None:
+        try:
+            response = await self._dispatch(payload)
+        except asyncio.CancelledError:
+            raise
+        if writer.is_closing():
+            return
+        try:
+            writer.write(frame(stream_id, TYPE_RESPONSE, response))
+        except TtrpcError as exc:
+            writer.write(frame(stream_id, TYPE_RESPONSE, error_response(exc.code, exc.message)))
+
+    async def _dispatch(self, payload: bytes) -> bytes:
+        request = ttrpc_pb2.Request()
+        try:
+            request.ParseFromString(payload)
+        except pb_message.DecodeError as exc:
+            return error_response(INVALID_ARGUMENT, f"not a ttrpc Request: {exc}")
+        method = self._methods.get((request.service, request.method))
+        if method is None:
+            return error_response(UNIMPLEMENTED, f"{request.service}/{request.method} is not implemented")
+        message = method.request_type()
+        try:
+            message.ParseFromString(request.payload)
+        except pb_message.DecodeError as exc:
+            return error_response(INVALID_ARGUMENT, f"{request.method}: the request does not decode: {exc}")
+        metadata: dict[str, list[str]] = {}
+        for pair in request.metadata:
+            metadata.setdefault(pair.key, []).append(pair.value)
+        timeout = request.timeout_nano / 1e9 if request.timeout_nano > 0 else None
+        call = Call(request.service, request.method, metadata, timeout)
+        try:
+            if timeout is None:
+                result = await method.handler(message, call)
+            else:
+                result = await asyncio.wait_for(method.handler(message, call), timeout)
+        except TtrpcError as exc:
+            return error_response(exc.code, exc.message)
+        except asyncio.TimeoutError:
+            return error_response(DEADLINE_EXCEEDED, f"{request.method}: the caller's deadline passed")
+        except Exception as exc:  # a bug must not take the shim down
+            log.exception("ttrpc handler failed", extra={"fields": {"method": request.method}})
+            return error_response(INTERNAL, f"{request.method}: {exc}")
+        return ttrpc_pb2.Response(payload=result.SerializeToString()).SerializeToString()
+
+
+class Client:
+    """A ttrpc client on one unix socket connection; calls may overlap."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 metadata: dict[str, str] | None = None):
+        self._reader, self._writer = reader, writer
+        self._metadata = dict(metadata or {})
+        self._next_stream = 1
+        self._pending: dict[int, asyncio.Future] = {}
+        self._receiver = asyncio.ensure_future(self._receive())
+
+    @classmethod
+    async def connect(cls, path: str, metadata: dict[str, str] | None = None) -> "Client":
+        reader, writer = await asyncio.open_unix_connection(path, limit=MESSAGE_LENGTH_MAX + HEADER_LENGTH)
+        return cls(reader, writer, metadata)
+
+    @property
+    def closed(self) -> bool:
+        return self._receiver.done()
+
+    async def call(self, service: str, method: str, request: pb_message.Message, response_type: type,
+                   timeout: float | None = None, metadata: dict[str, str] | None = None) -> pb_message.Message:
+        if self.closed:
+            raise TtrpcError(UNAVAILABLE, "the ttrpc connection is closed")
+        stream_id = self._next_stream
+        self._next_stream += 2  # client streams are odd
+        pairs = [ttrpc_pb2.KeyValue(key=k, value=v) for k, v in {**self._metadata, **(metadata or {})}.items()]
+        envelope = ttrpc_pb2.Request(service=service, method=method, payload=request.SerializeToString(),
+                                     timeout_nano=int(timeout * 1e9) if timeout else 0, metadata=pairs)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[stream_id] = future
+        try:
+            self._writer.write(frame(stream_id, TYPE_REQUEST, envelope.SerializeToString()))
+            await self._writer.drain()
+            payload = await asyncio.wait_for(future, timeout) if timeout else await future
+        except asyncio.TimeoutError:
+            raise TtrpcError(DEADLINE_EXCEEDED, f"{service}/{method}: no answer within {timeout:g} s") from None
+        finally:
+            self._pending.pop(stream_id, None)
+        response = ttrpc_pb2.Response()
+        response.ParseFromString(payload)
+        if response.HasField("status") and response.status.code != OK:
+            raise TtrpcError(response.status.code, response.status.message)
+        result = response_type()
+        result.ParseFromString(response.payload)
+        return result
+
+    async def _receive(self) -> None:
+        try:
+            while True:
+                stream_id, message_type, _flags, payload = await read_frame(self._reader)
+                future = self._pending.get(stream_id)
+                if future is None or future.done() or message_type != TYPE_RESPONSE:
+                    continue
+                if payload is None:
+                    future.set_exception(TtrpcError(RESOURCE_EXHAUSTED, "the response exceeds ttrpc's maximum"))
+                else:
+                    future.set_result(payload)
+        except (asyncio.IncompleteReadError, ConnectionError, FrameError):
+            pass
+        finally:
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(TtrpcError(UNAVAILABLE, "the ttrpc connection closed"))
+
+    async def close(self) -> None:
+        self._writer.close()
+        self._receiver.cancel()
+        try:
+            await self._receiver
+        except asyncio.CancelledError:
+            pass
+        try:
+            await self._writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+
+def socket_alive(path: str) -> bool:
+    """Whether a server accepts on the unix socket at path."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
