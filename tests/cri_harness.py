@@ -19,20 +19,22 @@ from crust.api import handler_pb2, handler_pb2_grpc
 from crust.contract.mountinfo import digest
 from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, VolumeMount
 from crust.kubelet import image as images
-from crust.kubelet.containerd import CGROUP_FS, SHIM_SOCKETS, Containerd
+from crust.kubelet.containerd import CGROUP_FS, SHIM_SOCKETS, Containerd, is_shim
 from crust.kubelet.cri import KubeletRuntime
 from crust.sys import mount as sysmount
 
 
 @contextlib.contextmanager
 def private_containerd(runtimes: dict[str, str] | None = None, env: dict[str, str] | None = None,
+                       shim_runtimes: dict[str, str] | None = None, shim_options: dict[str, dict] | None = None,
                        ) -> Iterator[tuple[Containerd, images.Image]]:
     """A started containerd with the busybox image (also its pause image);
     closed and checked clean afterwards, whatever the test did."""
     directory = Path(tempfile.mkdtemp(prefix="crust-cri-"))
     image = images.build(directory / "images")
     containerd = Containerd(directory / "containerd", sandbox_image=image.name,
-                            runtimes=runtimes or {"runc": ""}, env=env or {})
+                            runtimes=runtimes or {"runc": ""}, env=env or {}, shim_runtimes=shim_runtimes or {},
+                            shim_options=shim_options or {})
     try:
         containerd.start()
         containerd.import_image(image)
@@ -61,7 +63,7 @@ def processes_naming(text: str) -> list[str]:
 
 
 def shim_pids(containerd: Containerd) -> list[int]:
-    """The runc shims serving this containerd."""
+    """The shims (runc's, crust's) serving this containerd."""
     ours = str(containerd.socket).encode()
     found = []
     for entry in Path("/proc").iterdir():
@@ -69,7 +71,7 @@ def shim_pids(containerd: Containerd) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
         except OSError:
             continue
-        if argv and argv[0].endswith(b"containerd-shim-runc-v2") and ours in argv:
+        if argv and is_shim(argv) and ours in argv:
             found.append(int(entry.name))
     return found
 

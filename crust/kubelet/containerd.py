@@ -8,12 +8,15 @@ owns. The CRI plugin is on, with no CNI configuration (pods use the host's
 network), and a sandbox (pause) image built here (crust.kubelet.image).
 Runtime handlers are named as in a node's config: `runc` is containerd's runc
 shim with the stock runc, and each extra handler is the same shim with
-another `BinaryName` (crust's OCI runtime).
+another `BinaryName` (crust's OCI runtime). Shim runtimes of their own
+(`crust`: runtime_type io.containerd.crust.v2, crust's microVM shim) are
+found by containerd on its PATH, which starts with this interpreter's bin
+directory (the venv holding containerd-shim-crust-v2).
 
 close() leaves nothing behind, also when a test failed half-way or
 containerd died: it removes the pods through CRI while containerd answers,
 stops containerd, kills the shims this containerd started (processes whose
-command line is a runc shim serving our socket),
+command line is a runc or crust shim serving our socket),
 force-deletes containers left in its runc root, unmounts everything below
 its directory, removes the shims' sockets it can name, the cgroups below
 its cgroup root, and the directory. Nothing is touched that another
@@ -35,6 +38,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +62,13 @@ CALL_TIMEOUT = 120.0
 
 class ContainerdError(Exception):
     pass
+
+
+def is_shim(argv: list[bytes]) -> bool:
+    """A runc shim, or crust's (its daemon runs as `python -m crust.containerd_shim`)."""
+    return argv[0].endswith(b"containerd-shim-runc-v2") or (
+        len(argv) > 2 and argv[1:3] == [b"-m", b"crust.containerd_shim"]) or (
+        len(argv) > 1 and argv[1].endswith(b"containerd-shim-crust-v2"))
 
 
 def can_lower_oom_score() -> bool:
@@ -87,6 +98,10 @@ class Containerd:
     sandbox_image: str
     # handler name -> BinaryName for io.containerd.runc.v2 ("" = stock runc)
     runtimes: dict[str, str] = field(default_factory=lambda: {"runc": ""})
+    # handler name -> runtime_type of a shim of its own (containerd-shim-NAME-v2 on PATH)
+    shim_runtimes: dict[str, str] = field(default_factory=dict)
+    # handler name -> its `options` table (e.g. ConfigPath)
+    shim_options: dict[str, dict[str, str]] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     binary: str = "containerd"
     cgroup_root: str = field(default_factory=lambda: f"/crust-cri-{secrets.token_hex(4)}")
@@ -150,6 +165,12 @@ class Containerd:
                       f"  Root = {_toml(self.runc_root)}"]
             if binary:
                 lines.append(f"  BinaryName = {_toml(binary)}")
+        for name, runtime_type in sorted(self.shim_runtimes.items()):
+            lines += [f"[{cri}.containerd.runtimes.{_toml(name)}]",
+                      f"  runtime_type = {_toml(runtime_type)}"]
+            if self.shim_options.get(name):
+                lines.append(f"[{cri}.containerd.runtimes.{_toml(name)}.options]")
+                lines += [f"  {key} = {_toml(value)}" for key, value in sorted(self.shim_options[name].items())]
         return "\n".join(lines) + "\n"
 
     # -- lifecycle --------------------------------------------------------------------
@@ -164,7 +185,8 @@ class Containerd:
         if not SHIM_SOCKETS.exists():
             self._made_shim_dir = True
         self.config_path.write_text(self.config())
-        env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), **self.env}
+        path = os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        env = {"PATH": f"{Path(sys.executable).parent}:{path}", **self.env}
         self.process = subprocess.Popen(
             [self.binary, "--config", str(self.config_path)], stdin=subprocess.DEVNULL,
             stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -293,9 +315,9 @@ class Containerd:
 
     def _kill_shims(self) -> list[str]:
         """SIGKILL the shims this containerd started (they outlive it by
-        design): processes whose command line is a runc shim's with our
-        socket as its -address; then remove their sockets, named in the
-        bundles of our state directory."""
+        design): processes whose command line is a runc shim's or crust's
+        with our socket as its -address; then remove their sockets, named in
+        the bundles of our state directory."""
         killed = []
         ours = str(self.socket).encode()
 
@@ -304,7 +326,7 @@ class Containerd:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 return False
-            return bool(argv) and argv[0].endswith(b"containerd-shim-runc-v2") and any(
+            return bool(argv) and is_shim(argv) and any(
                 flag == b"-address" and value == ours for flag, value in zip(argv, argv[1:]))
 
         for entry in Path("/proc").iterdir():
