@@ -908,3 +908,20 @@ def test_concurrent_stage_is_aborted_or_converges(driver, root):
     assert len(mounts_at(staging)) == 1
     assert_fs_mount_of(staging, device, "xfs")
     assert record(driver, vid)["staging_path"] == str(staging)
+
+
+@pytest.mark.parametrize("fs_type", ["ext4", "xfs"])
+def test_stage_keeps_a_thick_volume_fully_allocated(driver, root, fs_type):
+    """mkfs discards by default, which on a loop device punches holes in the
+    backing file: the blocks a thick volume reserved must stay reserved
+    after its first stage formats it."""
+    vid = driver.create(f"thick-{fs_type}", SIZE[fs_type], cap=mount_cap(fs_type),
+                        parameters={"provisioning": "thick"}).volume_id
+    path = backing_file(driver, vid)
+    assert path.stat().st_blocks * 512 >= SIZE[fs_type]
+    staging = root.path / "staging"
+    driver.stage(vid, staging, mount_cap(fs_type))
+    assert blkid_type(only_device(driver, vid)) == fs_type
+    assert path.stat().st_blocks * 512 >= SIZE[fs_type], "the format gave the thick volume's blocks back"
+    driver.node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(volume_id=vid, staging_target_path=str(staging)),
+                                  timeout=60)

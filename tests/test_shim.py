@@ -833,6 +833,20 @@ def test_restart_drops_a_publish_whose_placeholder_vanished(env):
 # -- concurrency ----------------------------------------------------------------------------------
 
 
+def test_stage_keeps_a_thick_volume_fully_allocated(env):
+    """The shim formats what the backend staged as a raw block device; a
+    discard would punch holes in a thick volume's reserved blocks."""
+    vid = env.shim.create("thick", SIZE["ext4"], cap=mount_cap("ext4"),
+                          parameters={"provisioning": "thick"}).volume_id
+    backing = env.backing(vid)
+    assert backing.stat().st_blocks * 512 >= SIZE["ext4"]
+    env.stage(vid, "ext4")
+    assert blkid(backing) == "ext4"
+    assert backing.stat().st_blocks * 512 >= SIZE["ext4"], "the format gave the thick volume's blocks back"
+    env.unstage(vid)
+    env.assert_released(vid)
+
+
 def test_overlapping_stages(env):
     """Stages of one volume that overlap: each is OK or ABORTED, the backend
     publishes once. Calls are spread over the probe/mkfs window (xfs: the

@@ -21,7 +21,8 @@ async def format_if_blank(device: str, fs_type: str, volume_id: str, *, zeroed: 
     """mkfs only a device known to be blank; True if formatted. zeroed: the
     caller knows every block reads as zeros (see fs.make), so no signature
     can be on it and blkid is not asked; otherwise blkid must positively
-    report it blank. image: the file the device shows (see fs.make)."""
+    report it blank. image: the file the device shows (see fs.make); when
+    every block of it is reserved (a thick volume), the format keeps them."""
     if zeroed:
         probe = fs.Probe(fs.ProbeState.BLANK)
     else:
@@ -32,7 +33,8 @@ async def format_if_blank(device: str, fs_type: str, volume_id: str, *, zeroed: 
             raise Internal(f"cannot tell whether volume {volume_id} is blank, refusing to format it: {exc}")
     if probe.state is fs.ProbeState.BLANK:
         log.info("formatting blank volume", extra={"fields": {"fs_type": fs_type, "device": device}})
-        await fs.make(device, fs_type, zeroed=zeroed, image=image)
+        await fs.make(device, fs_type, zeroed=zeroed, image=image,
+                      keep_blocks=image is not None and fs.fully_allocated(image))
         return True
     if probe.fs_type != fs_type:
         raise FailedPrecondition(

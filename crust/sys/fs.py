@@ -57,11 +57,14 @@ async def probe(device: str) -> Probe:
     return Probe(ProbeState.FORMATTED, kind)
 
 
-async def make(device: str, fs_type: str, *, zeroed: bool = False, image: str | None = None) -> None:
+async def make(device: str, fs_type: str, *, zeroed: bool = False, image: str | None = None,
+               keep_blocks: bool = False) -> None:
     """Make a file system. zeroed: the caller knows every block of the
     device reads as zeros (a backing file with no data in it). image: the
     file the device shows from its first byte (a loop device's backing file
-    at offset 0), which xfs is made through (see _make_xfs_through)."""
+    at offset 0), which xfs is made through (see _make_xfs_through).
+    keep_blocks: no discard, which on a loop device would punch holes in a
+    backing file whose blocks were reserved on purpose (thick volumes)."""
     if fs_type == "ext4":
         # No lazy init: the volume is complete when mkfs returns, so a host
         # crash right after cannot leave half-initialised inode tables. On a
@@ -71,10 +74,12 @@ async def make(device: str, fs_type: str, *, zeroed: bool = False, image: str | 
         extended = "lazy_itable_init=0,lazy_journal_init=0"
         if zeroed and await _mke2fs_knows_prezeroed():
             extended += ",assume_storage_prezeroed=1"
+        if keep_blocks:
+            extended += ",nodiscard"
         await run(["mkfs.ext4", "-q", "-F", "-E", extended, "--", device])
     elif fs_type == "xfs":
         if image is None or not await _make_xfs_through(image, device):
-            await run(["mkfs.xfs", "-q", "--", device])
+            await run(["mkfs.xfs", "-q", *(["-K"] if keep_blocks else []), "--", device])
     else:
         raise ValueError(f"unsupported filesystem {fs_type!r}")
 
@@ -111,6 +116,15 @@ async def _make_xfs_through(image: str, device: str) -> bool:
         await run(["mkfs.xfs", "-q", "--", image])
         blockdev.drop_cached_blocks(fd)
         return True
+
+
+def fully_allocated(path: str) -> bool:
+    """Every block of the file reserved; False when it cannot be told."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return st.st_size > 0 and st.st_blocks * 512 >= st.st_size
 
 
 _prezeroed_known: bool | None = None
