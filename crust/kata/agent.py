@@ -275,3 +275,40 @@ class AgentClient:
     async def poweroff(self, timeout: float = 60.0) -> Answer:
         """Kill the guest's processes, unmount everything, power off."""
         return await self.request("poweroff", timeout=timeout)
+
+    # ------------------------------------------------ containers of a pod (agent 2)
+
+    async def spawn(self, name: str, command_line: str) -> int:
+        """Start `sh -c command_line` in the guest with its stdout and stderr
+        written to the guest files named by name (a plain word, used once);
+        returns its pid for wait(), signal() and readout()."""
+        return (await self.request("spawn", name, b64(command_line))).int("pid")
+
+    async def readout(self, name: str, stream: str, offset: int, limit: int) -> tuple[bytes, int]:
+        """Up to limit bytes of a spawned process's stdout ("out") or stderr
+        ("err") from offset, and the file's size when read."""
+        answer = await self.request("readout", name, stream, str(offset), str(limit))
+        data = answer.fields.get("data", "-")
+        return (b"" if data == "-" else base64.urlsafe_b64decode(data)), answer.int("size")
+
+    async def signal(self, pid: int, signal: int) -> int:
+        """Signal the process a spawn runs; returns how many were signalled
+        (0 once it exited)."""
+        return (await self.request("signal", str(pid), str(signal))).int("signalled")
+
+    async def signal_root(self, root: str, signal: int) -> int:
+        """Signal every guest process whose root directory is root."""
+        return (await self.request("signalroot", root, str(signal))).int("signalled")
+
+    async def container_setup(self, root: str) -> None:
+        """/proc, a small /dev (null, zero, full, random, urandom, tty, shm)
+        and a /tmp in a container's mounted root."""
+        await self.request("ctrsetup", root)
+
+    async def umount_all(self, root: str, timeout: float = 60.0) -> int:
+        """Unmount root and everything below it, the last mounted first."""
+        return (await self.request("umountall", root, timeout=timeout)).int("unmounted")
+
+    async def forget_output(self, name: str) -> None:
+        """Remove a spawned process's output files from the guest."""
+        await self.request("forget", name)

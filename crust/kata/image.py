@@ -86,7 +86,9 @@ FLAVORS = {
 HOST_TOOLS = {
     "e2fsprogs": ("resize2fs", "e2fsck", "mke2fs", "tune2fs"),
     "xfsprogs": ("xfs_growfs", "xfs_repair", "mkfs.xfs"),
-    "util-linux": ("blkid",),
+    # unshare: a container's process starts chrooted with its user and
+    # working directory (--root, --wd, --setuid, --setgid; busybox's lacks them).
+    "util-linux": ("blkid", "unshare"),
 }
 TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
 HOST_CONFIG = ("/etc/mke2fs.conf",)

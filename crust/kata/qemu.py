@@ -315,16 +315,20 @@ class Vm:
     # ---------------------------------------------------------------- disks
 
     async def attach_disk(self, host_device: str, serial: str, readonly: bool = False,
-                          direct: bool = False) -> Disk:
+                          direct: bool = False, kind: str = "host_device") -> Disk:
         """Hot-plug a host block device as virtio-blk with this serial (the
-        agent finds the guest disk by it). direct: O_DIRECT on the host."""
+        agent finds the guest disk by it). direct: O_DIRECT on the host.
+        kind "file": a regular file holds the disk (a container's root
+        file system image), not a block device."""
+        if kind not in ("host_device", "file"):
+            raise ValueError(f"disk kind {kind!r}: host_device or file")
         if not SERIAL.match(serial):
             raise ValueError(f"serial {serial!r}: 1-20 of [A-Za-z0-9_.-]")
         if serial in self.disks:
             raise VmError(f"vm {self.name}: a disk with serial {serial} is attached already")
         disk = self._disk(serial, host_device, readonly)
         await self.qmp.execute("blockdev-add", {
-            "driver": "host_device", "filename": host_device, "node-name": disk.node,
+            "driver": kind, "filename": host_device, "node-name": disk.node,
             "read-only": readonly, "cache": {"direct": direct}})
         try:
             await self.qmp.execute("device_add", {

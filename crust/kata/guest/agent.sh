@@ -21,7 +21,7 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=1
+AGENT_VERSION=2
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin
@@ -50,7 +50,9 @@ reply() {  # id ok|err text
   text=$(one_line "$3")
   if [ -n "$text" ]; then printf '%s %s %s\n' "$1" "$2" "$text" >&3
   else printf '%s %s\n' "$1" "$2" >&3; fi
-  log "$1 $2${text:+ $text}"
+  # The console is a slow emulated UART: a long answer (readout's data) is
+  # logged cut short.
+  if [ ${#text} -gt 200 ]; then log "$1 $2 ${text:0:200}..."; else log "$1 $2${text:+ $text}"; fi
 }
 
 b64() {  # URL-safe base64 (padded) -> bytes; "-" is the empty string
@@ -267,11 +269,124 @@ cmd_kill() {  # pid: kill a process started by exec, and its children
   [ $# -eq 1 ] || fail "usage: kill <pid>"
   case $1 in ''|*[!0-9]*) fail "bad pid: $1" ;; esac
   [ -e "$RUN/exec/$1.started" ] || fail "no process $1 was started by exec"
+  set +f   # the /proc glob (this runs in a subshell)
   for child in $(cat /proc/[0-9]*/stat 2>/dev/null | awk -v p="$1" '$4 == p {print $1}'); do
     kill -KILL "$child" 2>/dev/null
   done
   kill -KILL "$1" 2>/dev/null
   echo "killed=1"
+}
+
+check_name() {  # a host-chosen word naming a process's output files
+  case $1 in ''|*[!A-Za-z0-9_.-]*) fail "bad name: $1" ;; esac
+}
+
+cmd_spawn() {  # name command-b64: sh -c in the background, stdout and stderr to files
+  [ $# -eq 2 ] || fail "usage: spawn <name> <command-b64>"
+  check_name "$1"
+  line=$(b64 "$2") || exit 1
+  [ -n "$line" ] || fail "empty command"
+  mkdir -p "$RUN/exec" "$RUN/out"
+  out=$RUN/out/$1.out err=$RUN/out/$1.err
+  # One process per name: its output files are never reused or truncated.
+  [ -e "$out" ] && fail "a process named $1 was spawned already"
+  : > "$out" && : > "$err" || fail "cannot create the output files of $1"
+  # As exec: the wrapper's pid is returned; its one child runs the command
+  # (and becomes the command's process, sh -c exec'ing it).
+  sh -c 'sh -c "$1" >"$2" 2>"$3"; echo $? > '"$RUN"'/exec/$$.tmp; mv '"$RUN"'/exec/$$.tmp '"$RUN"'/exec/$$.exit' \
+    crust-spawn "$line" "$out" "$err" </dev/null >/dev/null 2>&1 &
+  pid=$!
+  : > "$RUN/exec/$pid.started"
+  echo "pid=$pid"
+}
+
+cmd_readout() {  # name out|err offset max: up to max bytes from offset, URL-safe base64
+  [ $# -eq 4 ] || fail "usage: readout <name> <out|err> <offset> <max>"
+  check_name "$1"
+  case $2 in out|err) ;; *) fail "stream must be out or err, not $2" ;; esac
+  case $3 in ''|*[!0-9]*) fail "bad offset: $3" ;; esac
+  case $4 in ''|*[!0-9]*) fail "bad max: $4" ;; esac
+  f=$RUN/out/$1.$2
+  [ -e "$f" ] || fail "no output $1.$2"
+  size=$(stat -c %s "$f")
+  if [ "$3" -ge "$size" ] || [ "$4" -eq 0 ]; then echo "size=$size data=-"; return 0; fi
+  data=$(tail -c +$(($3 + 1)) "$f" | head -c "$4" | base64 | tr -d '\n' | tr '+/' '-_')
+  echo "size=$size data=${data:--}"
+}
+
+children_of() {  # pid -> its direct children
+  cat /proc/[0-9]*/stat 2>/dev/null | awk -v p="$1" '$4 == p {print $1}'
+}
+
+cmd_signal() {  # pid signal: signal the process a spawn (or exec) runs
+  [ $# -eq 2 ] || fail "usage: signal <pid> <signal>"
+  case $1 in ''|*[!0-9]*) fail "bad pid: $1" ;; esac
+  case $2 in ''|*[!0-9]*) fail "bad signal: $2" ;; esac
+  [ -e "$RUN/exec/$1.started" ] || fail "no process $1 was started by spawn or exec"
+  n=0
+  set +f
+  for child in $(children_of "$1"); do
+    kill -"$2" "$child" 2>/dev/null && n=$((n + 1))
+  done
+  echo "signalled=$n"
+}
+
+cmd_signalroot() {  # root signal: signal every process whose root directory is root
+  [ $# -eq 2 ] || fail "usage: signalroot <root> <signal>"
+  check_path "$1"
+  case $2 in ''|*[!0-9]*) fail "bad signal: $2" ;; esac
+  n=0
+  set +f
+  for d in /proc/[0-9]*; do
+    [ "$(readlink "$d/root" 2>/dev/null)" = "$1" ] || continue
+    kill -"$2" "${d#/proc/}" 2>/dev/null && n=$((n + 1))
+  done
+  echo "signalled=$n"
+}
+
+cmd_ctrsetup() {  # root: /proc, a small /dev and /tmp in a container's root
+  [ $# -eq 1 ] || fail "usage: ctrsetup <root>"
+  check_path "$1"
+  r=$1
+  [ -n "$(mount_line "$r")" ] || fail "not mounted: $r"
+  mkdir -p "$r/proc" "$r/dev" "$r/tmp" || fail "cannot make /proc, /dev, /tmp in $r"
+  if [ -z "$(mount_line "$r/proc")" ]; then
+    mount -t proc -o nosuid,nodev,noexec proc "$r/proc" || fail "mount of proc in $r failed"
+  fi
+  if [ -z "$(mount_line "$r/dev")" ]; then
+    mount -t tmpfs -o nosuid,noexec,mode=0755,size=1m tmpfs "$r/dev" || fail "mount of /dev in $r failed"
+    for node in "null 1 3" "zero 1 5" "full 1 7" "random 1 8" "urandom 1 9" "tty 5 0"; do
+      set -- $node
+      mknod -m 666 "$r/dev/$1" c "$2" "$3" || fail "mknod $r/dev/$1 failed"
+    done
+    ln -s /proc/self/fd "$r/dev/fd" && ln -s /proc/self/fd/0 "$r/dev/stdin" &&
+      ln -s /proc/self/fd/1 "$r/dev/stdout" && ln -s /proc/self/fd/2 "$r/dev/stderr" ||
+      fail "cannot link /dev/fd in $r"
+    mkdir -p "$r/dev/shm" "$r/dev/pts"
+    mount -t tmpfs -o nosuid,nodev,mode=1777 shm "$r/dev/shm" || fail "mount of /dev/shm in $r failed"
+  fi
+  if [ -z "$(mount_line "$r/tmp")" ]; then
+    mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs "$r/tmp" || fail "mount of /tmp in $r failed"
+  fi
+  echo "ok=1"
+}
+
+cmd_forget() {  # name: remove a spawned process's output files (they live in the guest's memory)
+  [ $# -eq 1 ] || fail "usage: forget <name>"
+  check_name "$1"
+  rm -f "$RUN/out/$1.out" "$RUN/out/$1.err"
+  echo "forgotten=1"
+}
+
+cmd_umountall() {  # root: unmount root and every mount below it, the last mounted first
+  [ $# -eq 1 ] || fail "usage: umountall <root>"
+  check_path "$1"
+  n=0
+  for m in $(awk -v p="$1" '$2 == p || index($2, p "/") == 1 { print $2 }' /proc/mounts | tac); do
+    umount "$m" 2>/dev/null || { usleep 200000; umount "$m"; } || fail "umount $m failed"
+    n=$((n + 1))
+  done
+  echo "unmounted=$n"
 }
 
 dispatch() {
@@ -289,6 +404,13 @@ dispatch() {
     bind) cmd_bind "$@" ;;
     checkpath) cmd_checkpath "$@" ;;
     kill) cmd_kill "$@" ;;
+    spawn) cmd_spawn "$@" ;;
+    readout) cmd_readout "$@" ;;
+    signal) cmd_signal "$@" ;;
+    signalroot) cmd_signalroot "$@" ;;
+    ctrsetup) cmd_ctrsetup "$@" ;;
+    umountall) cmd_umountall "$@" ;;
+    forget) cmd_forget "$@" ;;
     *) fail "unknown command: ${cmd:-(none)}" ;;
   esac
 }
