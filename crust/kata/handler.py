@@ -10,6 +10,7 @@ from pathlib import Path
 from crust.kata.accel import choose as choose_accelerator
 from crust.kata.direct_volume import DEFAULT_ROOT, DirectVolumes
 from crust.kata.image import DEFAULT_CACHE, build
+from crust.kata.pod_service import PodRuntimeExtension
 from crust.kata.qemu import VmConfig
 from crust.kata.sandbox import KataSandbox
 from crust.runtime_handler.server import HandlerConfig, HandlerDaemon
@@ -50,6 +51,8 @@ def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "a
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
         log.info("accelerator", extra={"fields": {"accel": vm_config.accel, "requested": accel, "reason": reason}})
-        await HandlerDaemon(config, make_sandbox=make_sandbox, direct_source=direct).run()
+        # PodRuntime (containerd's crust shim): one VM per pod, its containers inside.
+        await HandlerDaemon(config, make_sandbox=make_sandbox, direct_source=direct,
+                            extensions=[PodRuntimeExtension]).run()
 
     asyncio.run(main())

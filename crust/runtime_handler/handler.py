@@ -140,6 +140,9 @@ class RuntimeHandler:
         # Told when the directory watcher stops working and when it works
         # again (the daemon turns it into its health).
         self.on_watcher: Callable[[bool], Awaitable[None]] | None = None
+        # Told a sandbox's id before the sandbox is stopped and its volumes
+        # released (the microVM handler's pods unmount their containers first).
+        self.before_teardown: Callable[[str], Awaitable[None]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -423,6 +426,8 @@ class RuntimeHandler:
         proxy refused, its disk full) stays, stopped, with its record, so the
         next DeleteSandbox, the reaper or a restarted handler releases them."""
         errors: list[CrustError] = []
+        if self.before_teardown is not None:
+            await self.before_teardown(record.sandbox_id)
         await sandbox.stop_process()
         for volume in record.volumes.values():
             try:

@@ -1,5 +1,5 @@
 """The part of an OCI runtime bundle (config.json, runtime-spec) a sandbox honours:
-process args, env and cwd; root path; mounts."""
+process args, env, cwd and user; root path; mounts."""
 
 from __future__ import annotations
 
@@ -9,11 +9,19 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
+class User(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    uid: int = Field(default=0, ge=0, le=2**32 - 1)
+    gid: int = Field(default=0, ge=0, le=2**32 - 1)
+    additionalGids: list[int] = Field(default_factory=list)
+
+
 class Process(BaseModel):
     model_config = ConfigDict(extra="ignore")
     args: list[str] = Field(min_length=1)
     env: list[str] = Field(default_factory=list)
     cwd: str = "/"
+    user: User | None = None
 
 
 class Root(BaseModel):

@@ -37,7 +37,8 @@ def mount_namespace_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None,
 
 
 class HandlerDaemon:
-    def __init__(self, config: HandlerConfig, make_sandbox=mount_namespace_sandbox, direct_source=None):
+    def __init__(self, config: HandlerConfig, make_sandbox=mount_namespace_sandbox, direct_source=None,
+                 extensions=()):
         self.config = config
         self.make_sandbox = make_sandbox
         # The lease is kept beside the sandbox records: a restarted handler
@@ -53,8 +54,13 @@ class HandlerDaemon:
             self.handler.containers = ContainerVolumes(self.handler, config.state_dir)
             services.append("ContainerVolumes")
         self.handler.on_watcher = self._watcher_health
+        # More services on the same socket, over the same handler (the
+        # microVM handler's PodRuntime): each made from the handler, with
+        # its full service name, add_to(server), start() and stop().
+        self.extensions = [make(self.handler) for make in extensions]
         self.daemon = Daemon("handler", config.endpoint, [
-            handler_pb2.DESCRIPTOR.services_by_name[name].full_name for name in services])
+            handler_pb2.DESCRIPTOR.services_by_name[name].full_name for name in services]
+            + [e.service for e in self.extensions])
 
     async def _watcher_health(self, working: bool) -> None:
         """Health follows the directory watcher: a handler that cannot see
@@ -72,8 +78,12 @@ class HandlerDaemon:
         if self.handler.containers is not None:
             handler_pb2_grpc.add_ContainerVolumesServicer_to_server(
                 ContainerVolumesService(self.handler.containers), self.daemon.server)
+        for extension in self.extensions:
+            extension.add_to(self.daemon.server)
         await self.daemon.start()
         await self.handler.start()
+        for extension in self.extensions:
+            await extension.start()
         if self.handler.containers is not None:
             self.handler.containers.start()
         if self.make_sandbox is mount_namespace_sandbox:
@@ -88,6 +98,8 @@ class HandlerDaemon:
         # restarted runtime daemon); their claims stay with them.
         if self.handler.containers is not None:
             self.handler.containers.stop()
+        for extension in self.extensions:
+            await extension.stop()
         await self.handler.stop()
         await self.daemon.stop()
 

@@ -1,0 +1,654 @@
+"""Pods in one microVM: what PodRuntime (specs/handler.proto) asks of the
+microVM handler, for containerd's crust shim.
+
+One VM per pod (a KataSandbox without a process of its own: the sandbox
+container is the VM), every container of the pod inside it:
+
+- a container's root file system is an ext4 image made on the host from the
+  bundle's rootfs with `mkfs.ext4 -d` (the host writes the image, never
+  mounts it), hot-plugged as a virtio-blk disk and mounted by the guest at
+  /run/crust/containers/<id>/rootfs, with /proc, a small /dev and /tmp;
+- a bind whose source is a deferred volume (or a Kata direct volume) is
+  resolved, claimed for the pod, device-checked, hot-plugged and mounted by
+  the guest once per pod (the handler's own machinery), then bound into the
+  container's root; other host paths are copied into the image at create
+  and bound read-only when the mount says so;
+- a process runs as `env -i <env> unshare --root=<root> --wd=<cwd>
+  --setuid U --setgid G -- <args>`, its stdout and stderr written to files
+  in the guest, read back by offset (ReadOutput); its exit code is the
+  agent's.
+
+A pod is a sandbox of the RuntimeHandler (its record, its volumes, stats,
+expansion, the reaper, adoption after a restart are the handler's); what
+only pods have (containers, processes) is in a PodRecord beside it. When
+the VM dies, every process that had not exited is STOPPED with exit code
+255 and a reason; the handler's reaper releases the claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import secrets
+import shlex
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import AsyncIterator, ClassVar
+
+from pydantic import BaseModel, Field
+
+from crust.api import handler_pb2
+from crust.common.errors import (AlreadyExists, CrustError, FailedPrecondition, InvalidArgument, NotFound,
+                                 Unavailable)
+from crust.common.private import make_dirs
+from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
+from crust.contract.volumes_dir import check_sandbox_id
+from crust.kata.agent import AgentError, AgentRefused
+from crust.kata.qemu import Vm, VmError
+from crust.kata.sandbox import KataSandbox
+from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
+from crust.runtime_handler.oci import BundleError, load_bundle
+from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes
+from crust.sys import fsimage
+from crust.sys.run import CommandError
+
+log = logging.getLogger(__name__)
+
+Status = handler_pb2.ProcessState.Status
+Stream = handler_pb2.OutputChunk.Stream
+
+GUEST_CONTAINERS = "/run/crust/containers"
+UNSHARE = "/sbin/unshare"     # util-linux's, in the guest image (crust.kata.image)
+# Mounts the OCI spec lists that the guest gives the container itself
+# (/proc, /dev, /tmp) or that a VM has no use for.
+PSEUDO_TYPES = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2", "shm"}
+READ_CHUNK = 8192             # bytes per readout answer (a serial line carries them)
+POLL = 0.2                    # seconds between looks at a running process
+VM_GONE_EXIT_CODE = 255
+
+
+class ProcessRecord(BaseModel):
+    exec_id: str = ""
+    args: list[str] = Field(default_factory=list)
+    env: list[str] = Field(default_factory=list)
+    cwd: str = "/"
+    uid: int = 0
+    gid: int = 0
+    name: str = ""              # its output files in the guest (set when started)
+    pid: int = 0                # the agent's pid for it; 0 until started
+    exit_code: int | None = None
+    exited_at_ns: int = 0
+    reason: str = ""            # why it stopped, when not by itself
+
+
+class ContainerRecord(BaseModel):
+    container_id: str
+    bundle: str
+    image: str                  # the root file system image on the host
+    serial: str                 # its virtio serial
+    # Deferred volumes (the pod record's keys) -> this container's views.
+    volumes: dict[str, list[VolumeView]] = Field(default_factory=dict)
+    processes: dict[str, ProcessRecord] = Field(default_factory=dict)  # by exec id, "" the container's own
+    readonly_root: bool = False
+
+    @property
+    def root(self) -> str:
+        return f"{GUEST_CONTAINERS}/{self.container_id}/rootfs"
+
+
+class PodRecord(BaseModel):
+    FORMAT_VERSION: ClassVar[int] = 1
+    sandbox_id: str
+    bundle: str = ""
+    containers: dict[str, ContainerRecord] = Field(default_factory=dict)
+    # Why the VM is gone, once it is (the pod stays listed until DeletePod).
+    gone: str = ""
+    created_at: float = Field(default_factory=time.time)
+
+
+def output_name(sandbox_id: str, container_id: str, exec_id: str) -> str:
+    """A plain word naming a process's output files in the guest, new at
+    each start (the agent never reuses a name)."""
+    digest = hashlib.sha256(f"{sandbox_id}\0{container_id}\0{exec_id}".encode()).hexdigest()[:16]
+    return f"{digest}-{secrets.token_hex(4)}"
+
+
+def rootfs_serial(sandbox_id: str, container_id: str) -> str:
+    return "r" + hashlib.sha256(f"{sandbox_id}\0{container_id}".encode()).hexdigest()[:19]
+
+
+def command_line(root: str, process: ProcessRecord) -> str:
+    """The guest's shell line: the working directory made (as runc makes
+    it), then a clean environment, chrooted, the user's ids, the args."""
+    env = [e for e in process.env if "=" in e and not e.startswith("=")]
+    cwd = process.cwd or "/"
+    return (f"mkdir -p {shlex.quote(root + cwd)} && exec env -i "
+            + " ".join(shlex.quote(e) for e in env)
+            + f" {UNSHARE} --root={shlex.quote(root)} --wd={shlex.quote(cwd)}"
+            + f" --setuid {process.uid} --setgid {process.gid} -- "
+            + " ".join(shlex.quote(a) for a in process.args))
+
+
+def _is_bind(m) -> bool:
+    return m.type == "bind" or "bind" in m.options or "rbind" in m.options
+
+
+class Pods:
+    def __init__(self, handler: RuntimeHandler):
+        self.handler = handler
+        self.records = RecordStore(handler.state_dir / "pods", PodRecord, self._belongs)
+        self.pods: dict[str, PodRecord] = dict(self.records.load_all())
+        self.locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        handler.before_teardown = self._before_teardown
+        self._watcher: asyncio.Task | None = None
+
+    @staticmethod
+    def _belongs(key: str, record: PodRecord) -> str:
+        if record.sandbox_id != key:
+            return f"it describes pod {record.sandbox_id!r}, not {key!r}"
+        for cid, c in record.containers.items():
+            if c.container_id != cid:
+                return f"its container {c.container_id!r} is stored as {cid!r}"
+        return ""
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """After the handler recovered its sandboxes: a pod whose VM was
+        adopted gets its containers' disks back in the VM's table."""
+        for pod_id, pod in self.pods.items():
+            sandbox = self._sandbox(pod_id)
+            if sandbox is not None and sandbox.alive():
+                for c in pod.containers.values():
+                    sandbox.vm.disks[c.serial] = Vm._disk(c.serial, c.image, readonly=False)
+        self._watcher = asyncio.create_task(self._watch_forever())
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    async def _watch_forever(self, interval: float = 1.0) -> None:
+        """A pod whose VM died: its processes are stopped (the handler's
+        reaper releases its claims)."""
+        while True:
+            await asyncio.sleep(interval)
+            for pod_id in list(self.pods):
+                sandbox = self._sandbox(pod_id)
+                if (sandbox is None or not sandbox.alive()) and not self.handler.inflight.busy(pod_id):
+                    await self._mark_gone(pod_id, self._death_reason(pod_id, sandbox))
+
+    def _death_reason(self, pod_id: str, sandbox: KataSandbox | None) -> str:
+        if sandbox is None:
+            return f"the VM of pod {pod_id} was stopped"
+        return f"the VM of pod {pod_id} is gone (QEMU exited{': ' + sandbox.vm.agent.dead if sandbox.vm.agent.dead else ''})"
+
+    async def _mark_gone(self, pod_id: str, reason: str) -> None:
+        pod = self.pods.get(pod_id)
+        if pod is None or pod.gone:
+            return
+        pod.gone = reason
+        now = time.time_ns()
+        for c in pod.containers.values():
+            for p in c.processes.values():
+                if p.pid and p.exit_code is None:
+                    p.exit_code, p.exited_at_ns, p.reason = VM_GONE_EXIT_CODE, now, reason
+        log.warning("pod stopped", extra={"fields": {"sandbox": pod_id, "reason": reason}})
+        await self.records.put(pod_id, pod)
+
+    async def _before_teardown(self, sandbox_id: str) -> None:
+        """The handler is about to stop a pod's VM and release its volumes
+        (DeletePod, DeleteSandbox, the reaper): the containers' processes and
+        mounts go first, so the guest can let the volumes' disks go."""
+        pod = self.pods.get(sandbox_id)
+        if pod is None:
+            return
+        sandbox = self._sandbox(sandbox_id)
+        if sandbox is not None and sandbox.alive():
+            for c in pod.containers.values():
+                try:
+                    await self._stop_processes(sandbox, pod, c)
+                    await sandbox.vm.agent.umount_all(c.root)
+                except (AgentError, CrustError) as exc:
+                    log.warning("could not unmount a container before stopping its pod", extra={"fields": {
+                        "sandbox": sandbox_id, "container": c.container_id, "error": str(exc)}})
+        alive = sandbox is not None and sandbox.alive()
+        await self._mark_gone(sandbox_id, f"the pod {sandbox_id} was stopped" if alive
+                              else self._death_reason(sandbox_id, sandbox))
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def _sandbox(self, pod_id: str) -> KataSandbox | None:
+        entry = self.handler.sandboxes.get(pod_id)
+        return entry[0] if entry is not None else None
+
+    def _live(self, pod_id: str) -> tuple[KataSandbox, SandboxRecord, PodRecord]:
+        pod = self.pods.get(pod_id)
+        if pod is None:
+            raise NotFound(f"sandbox_id {pod_id!r}: no such pod")
+        entry = self.handler.sandboxes.get(pod_id)
+        if entry is None or not entry[0].alive() or pod.gone:
+            raise FailedPrecondition(f"pod {pod_id}: {pod.gone or 'its VM is not running'}")
+        return entry[0], entry[1], pod
+
+    def _find(self, container_id: str) -> tuple[PodRecord, ContainerRecord]:
+        for pod in self.pods.values():
+            c = pod.containers.get(container_id)
+            if c is not None:
+                return pod, c
+        raise NotFound(f"container_id {container_id!r}: no such container")
+
+    def _process(self, container_id: str, exec_id: str) -> tuple[PodRecord, ContainerRecord, ProcessRecord]:
+        pod, c = self._find(container_id)
+        p = c.processes.get(exec_id)
+        if p is None:
+            raise NotFound(f"exec_id {exec_id!r}: no such process in container {container_id}")
+        return pod, c, p
+
+    def _workdir(self, pod_id: str) -> Path:
+        return self.handler._workdir(pod_id)
+
+    # -- pods --------------------------------------------------------------------------------
+
+    async def create_pod(self, sandbox_id: str, bundle: str) -> int:
+        sandbox_id = check_sandbox_id(sandbox_id)
+        if not valid_key(sandbox_id):
+            raise InvalidArgument(f"sandbox_id {sandbox_id!r} must be {KEY_RULE}")
+        if bundle and not bundle.startswith("/"):
+            raise InvalidArgument("bundle must be an absolute path")
+        async with self.locks[sandbox_id]:
+            with self.handler.inflight.hold(sandbox_id):
+                pod = self.pods.get(sandbox_id)
+                if pod is not None:
+                    if pod.gone:
+                        raise FailedPrecondition(f"pod {sandbox_id} exists and {pod.gone}: delete it first")
+                    return self.handler.sandboxes[sandbox_id][0].pid
+                if sandbox_id in self.handler.sandboxes:
+                    raise AlreadyExists(f"sandbox_id {sandbox_id!r} is a sandbox of this handler, not a pod")
+                await asyncio.wait_for(self.handler.registration.registered.wait(), 10)
+                sandbox = self.handler.make_sandbox(sandbox_id, self._workdir(sandbox_id), None, None)
+                record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
+                pod = PodRecord(sandbox_id=sandbox_id, bundle=bundle)
+                await sandbox.start()
+                record.pid = sandbox.pid
+                identity = sandbox.identity
+                record.pid_start = identity.start if identity is not None else 0
+                try:
+                    await self.records.put(sandbox_id, pod)
+                    self.pods[sandbox_id] = pod
+                    self.handler.sandboxes[sandbox_id] = (sandbox, record)
+                    await self.handler.records.put(sandbox_id, record)
+                except BaseException:
+                    self.pods.pop(sandbox_id, None)
+                    self.handler.sandboxes.pop(sandbox_id, None)
+                    await sandbox.stop()
+                    await self.records.delete(sandbox_id)
+                    await self.handler.records.delete(sandbox_id)
+                    raise
+        log.info("pod running", extra={"fields": {"sandbox": sandbox_id, "pid": record.pid}})
+        return record.pid
+
+    async def delete_pod(self, sandbox_id: str) -> None:
+        async with self.locks[sandbox_id]:
+            pod = self.pods.get(sandbox_id)
+            if sandbox_id in self.handler.sandboxes:
+                await self.handler.delete_sandbox(sandbox_id)   # before_teardown, VM stopped, claims released
+            if pod is None:
+                return
+            await self._mark_gone(sandbox_id, f"the pod {sandbox_id} was deleted")
+            await asyncio.to_thread(shutil.rmtree, self._workdir(sandbox_id) / "containers", True)
+            self.pods.pop(sandbox_id, None)
+            await self.records.delete(sandbox_id)
+        self.locks.pop(sandbox_id, None)
+        log.info("pod deleted", extra={"fields": {"sandbox": sandbox_id}})
+
+    def list_pods(self) -> list[handler_pb2.PodInfo]:
+        out = []
+        for pod_id, pod in sorted(self.pods.items()):
+            entry = self.handler.sandboxes.get(pod_id)
+            out.append(handler_pb2.PodInfo(
+                sandbox_id=pod_id, pid=entry[1].pid if entry else 0,
+                alive=bool(entry and entry[0].alive() and not pod.gone),
+                container_ids=sorted(pod.containers),
+                target_paths=sorted(v.target_path for v in entry[1].volumes.values()) if entry else []))
+        return out
+
+    # -- containers --------------------------------------------------------------------------
+
+    async def create_container(self, sandbox_id: str, container_id: str, bundle: str) -> None:
+        if not valid_key(container_id):
+            raise InvalidArgument(f"container_id {container_id!r} must be {KEY_RULE}")
+        if not bundle.startswith("/"):
+            raise InvalidArgument("bundle must be an absolute path")
+        try:
+            spec = load_bundle(Path(bundle))
+        except BundleError as exc:
+            raise InvalidArgument(str(exc)) from None
+        rootfs = Path(bundle) / (spec.root.path if spec.root else "rootfs")
+        if not rootfs.is_dir():
+            raise InvalidArgument(f"bundle {bundle}: its root file system {rootfs} is no directory")
+        async with self.locks[sandbox_id]:
+            try:
+                pod, existing = self._find(container_id)
+            except NotFound:
+                existing = None
+            if existing is not None:
+                if pod.sandbox_id == sandbox_id and existing.bundle == bundle:
+                    return  # made already (a retried call)
+                raise AlreadyExists(f"container_id {container_id!r} exists in pod {pod.sandbox_id}")
+            sandbox, record, pod = self._live(sandbox_id)
+            with self.handler.inflight.hold(sandbox_id, container_id):
+                await self._create_container(sandbox, record, pod, container_id, bundle, spec, rootfs)
+
+    async def _plan(self, spec) -> tuple[list[tuple], list]:
+        """(volume mounts, host-path binds) in the spec's order; refuses a
+        deferred target that has no entry before anything is touched."""
+        volumes, copies = [], []
+        for m in spec.mounts:
+            if not _is_bind(m):
+                if m.type not in PSEUDO_TYPES:
+                    log.info("mount type not given to a guest container", extra={"fields": {
+                        "destination": m.destination, "type": m.type}})
+                continue
+            if not m.source.startswith("/"):
+                raise InvalidArgument(f"mount {m.destination}: source {m.source!r} must be an absolute path")
+            try:
+                resolved, direct = self.handler._resolve(m.source)
+                if resolved is None and CSI_DIR in m.source.split("/"):
+                    resolved, direct = await self.handler._wait_resolve(m.source)
+            except SubpathEscapes as exc:
+                raise InvalidArgument(str(exc)) from None
+            if resolved is None:
+                if CSI_DIR in m.source.split("/"):
+                    self.handler._refuse_unseen_deferred(m.source)
+                if not os.path.lexists(m.source):
+                    raise FailedPrecondition(f"mount {m.destination}: source {m.source} does not exist")
+                copies.append(m)
+            else:
+                volumes.append((m, resolved, direct))
+        return volumes, copies
+
+    async def _create_container(self, sandbox: KataSandbox, record: SandboxRecord, pod: PodRecord,
+                                container_id: str, bundle: str, spec, rootfs: Path) -> None:
+        volumes, copies = await self._plan(spec)
+        user = spec.process.user
+        c = ContainerRecord(
+            container_id=container_id, bundle=bundle, serial=rootfs_serial(pod.sandbox_id, container_id),
+            image=str(self._workdir(pod.sandbox_id) / "containers" / container_id / "rootfs.img"),
+            readonly_root=bool(spec.root and spec.root.readonly),
+            processes={"": ProcessRecord(args=spec.process.args, env=spec.process.env, cwd=spec.process.cwd,
+                                         uid=user.uid if user else 0, gid=user.gid if user else 0)})
+        started = time.monotonic()
+        await self._make_image(c, rootfs, copies)
+        made = time.monotonic() - started
+        pod.containers[container_id] = c   # recorded before the guest sees it: a delete knows what to undo
+        await self.records.put(pod.sandbox_id, pod)
+        new_volumes: list[str] = []
+        try:
+            await sandbox._agent(sandbox.vm.attach_disk(c.image, c.serial, kind="file"))
+            await sandbox._agent(sandbox.vm.agent.mount(c.serial, "ext4", [], False, c.root))
+            await sandbox._agent(sandbox.vm.agent.container_setup(c.root))
+            for n, m in enumerate(copies):
+                await sandbox.bind(f"{c.root}/.crust/binds/{n}", c.root + m.destination, readonly="ro" in m.options)
+            for m, resolved, direct in volumes:
+                key = resolved.digest
+                view = VolumeView(destination=c.root + m.destination, subpath=resolved.subpath,
+                                  readonly="ro" in m.options)
+                if key not in record.volumes:
+                    new_volumes.append(key)
+                    await self.handler._mount_volume(sandbox, record, key, resolved.info, [], direct)
+                    await self.handler.records.put(pod.sandbox_id, record)
+                volume = record.volumes[key]
+                await sandbox.bind_volume(volume.mount_point, view.subpath, view.destination,
+                                          readonly=view.readonly or volume.readonly)
+                volume.views.append(view)
+                c.volumes.setdefault(key, []).append(view)
+            await self.handler.records.put(pod.sandbox_id, record)
+            await self.records.put(pod.sandbox_id, pod)
+        except BaseException as exc:
+            log.warning("container create failed; undoing it", extra={"fields": {
+                "sandbox": pod.sandbox_id, "container": container_id, "error": str(exc)[:500]}})
+            for key in new_volumes:   # also those that failed half way (claimed, not mounted)
+                c.volumes.setdefault(key, [])
+            try:
+                await self._remove_container(sandbox, record, pod, c)
+            except CrustError as undo:
+                log.error("could not undo a failed container create", extra={"fields": {
+                    "sandbox": pod.sandbox_id, "container": container_id, "error": undo.message}})
+            raise
+        log.info("container created", extra={"fields": {
+            "sandbox": pod.sandbox_id, "container": container_id, "image_s": round(made, 3),
+            "volumes": len(c.volumes), "copies": len(copies)}})
+
+    async def _make_image(self, c: ContainerRecord, rootfs: Path, copies: list) -> None:
+        """The container's root file system image: the rootfs tree, and each
+        host-path bind's source copied under /.crust/binds/<n>."""
+        image = Path(c.image)
+        make_dirs(image.parent)
+        content = fsimage.Content()
+        content.add(rootfs)
+        for m in copies:
+            content.add(Path(m.source))
+        try:
+            await fsimage.make_ext4(image, rootfs, content, label=c.container_id)
+            if copies:
+                commands = ["mkdir /.crust", "sif /.crust mode 040700", "mkdir /.crust/binds"]
+                for n, m in enumerate(copies):
+                    commands += fsimage.debugfs_copy_commands(Path(m.source), f"/.crust/binds/{n}")
+                await fsimage.debugfs_write(image, commands, image.parent / "copies.debugfs")
+        except (CommandError, OSError, ValueError) as exc:
+            shutil.rmtree(image.parent, ignore_errors=True)
+            raise FailedPrecondition(f"container {c.container_id}: could not make its root file system image: "
+                                     f"{exc}") from None
+
+    async def _remove_container(self, sandbox: KataSandbox | None, record: SandboxRecord | None, pod: PodRecord,
+                                c: ContainerRecord) -> None:
+        """Unmount the container's root and binds in the guest, give back the
+        volumes no other container of the pod uses, detach and delete its image.
+        Every step may run again."""
+        errors: list[str] = []
+        alive = sandbox is not None and sandbox.alive()
+        if alive:
+            try:
+                await sandbox._agent(sandbox.vm.agent.umount_all(c.root))
+            except CrustError as exc:
+                errors.append(exc.message)
+        if record is not None:
+            for key in list(c.volumes):
+                volume = record.volumes.get(key)
+                if volume is not None:
+                    volume.views = [v for v in volume.views if not v.destination.startswith(c.root + "/")]
+                others = any(key in o.volumes for o in pod.containers.values() if o is not c)
+                if volume is not None and not others:
+                    try:
+                        if alive:
+                            await sandbox.unmount(volume.mount_point)
+                            await sandbox.detach(volume.device)
+                        await self.handler._release(volume, pod.sandbox_id, "")
+                        record.volumes.pop(key, None)
+                    except CrustError as exc:
+                        errors.append(exc.message)
+                        continue
+                c.volumes.pop(key, None)
+            if pod.sandbox_id in self.handler.sandboxes:
+                await self.handler.records.put(pod.sandbox_id, record)
+        if alive and c.serial in sandbox.vm.disks:
+            try:
+                await sandbox._agent(sandbox.vm.detach_disk(c.serial))
+            except (CrustError, VmError) as exc:
+                errors.append(getattr(exc, "message", str(exc)))
+        if errors:
+            await self.records.put(pod.sandbox_id, pod)
+            raise FailedPrecondition(f"container {c.container_id} cleaned up with errors: {'; '.join(errors)}")
+        await asyncio.to_thread(shutil.rmtree, Path(c.image).parent, True)
+        if alive:
+            for p in c.processes.values():
+                if p.name:
+                    try:
+                        await sandbox.vm.agent.forget_output(p.name)
+                    except AgentError:
+                        pass
+        pod.containers.pop(c.container_id, None)
+        await self.records.put(pod.sandbox_id, pod)
+
+    async def delete_container(self, container_id: str) -> handler_pb2.ProcessState:
+        try:
+            pod, c = self._find(container_id)
+        except NotFound:
+            return handler_pb2.ProcessState(status=Status.STOPPED, reason="no such container (deleted already)")
+        async with self.locks[pod.sandbox_id]:
+            if container_id not in pod.containers:
+                return handler_pb2.ProcessState(status=Status.STOPPED, reason="deleted already")
+            entry = self.handler.sandboxes.get(pod.sandbox_id)
+            sandbox, record = entry if entry is not None else (None, None)
+            with self.handler.inflight.hold(pod.sandbox_id, container_id):
+                if sandbox is not None and sandbox.alive():
+                    await self._stop_processes(sandbox, pod, c)
+                state = await self.state(pod, c, c.processes[""])
+                await self._remove_container(sandbox, record, pod, c)
+        log.info("container deleted", extra={"fields": {"sandbox": pod.sandbox_id, "container": container_id}})
+        return state
+
+    async def _stop_processes(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
+                              timeout: float = 10.0) -> None:
+        """SIGKILL every process of the container (all whose root is its
+        root), then wait for their exit codes."""
+        if not any(p.pid and p.exit_code is None for p in c.processes.values()):
+            return
+        await sandbox._agent(sandbox.vm.agent.signal_root(c.root, 9))
+        deadline = time.monotonic() + timeout
+        for p in c.processes.values():
+            while p.pid and p.exit_code is None and time.monotonic() < deadline:
+                await self._refresh(pod, c, p)
+                if p.exit_code is None:
+                    await asyncio.sleep(POLL)
+
+    # -- processes ---------------------------------------------------------------------------
+
+    async def start_process(self, container_id: str, exec_id: str, spec: handler_pb2.ProcessSpec | None) -> int:
+        pod, c = self._find(container_id)
+        async with self.locks[pod.sandbox_id]:
+            sandbox, _, pod = self._live(pod.sandbox_id)
+            if container_id not in pod.containers:
+                raise NotFound(f"container_id {container_id!r}: no such container")
+            p = c.processes.get(exec_id)
+            if exec_id:
+                if not valid_key(exec_id):
+                    raise InvalidArgument(f"exec_id {exec_id!r} must be {KEY_RULE}")
+                if spec is None or not spec.args:
+                    raise InvalidArgument("process.args: an exec needs its command")
+                if p is None:
+                    p = ProcessRecord(exec_id=exec_id, args=list(spec.args), env=list(spec.env),
+                                      cwd=spec.cwd or c.processes[""].cwd, uid=spec.uid, gid=spec.gid)
+                    c.processes[exec_id] = p
+            if p.pid:
+                return p.pid   # started already (a retried call)
+            if c.processes[""].pid == 0 and exec_id:
+                raise FailedPrecondition(f"container {container_id} was not started: no exec in it yet")
+            for word in p.args:
+                if "\0" in word:
+                    raise InvalidArgument("process.args: a NUL byte")
+            p.name = output_name(pod.sandbox_id, container_id, exec_id)
+            await self.records.put(pod.sandbox_id, pod)
+            p.pid = await sandbox._agent(sandbox.vm.agent.spawn(p.name, command_line(c.root, p)))
+            await self.records.put(pod.sandbox_id, pod)
+        log.info("process started", extra={"fields": {"sandbox": pod.sandbox_id, "container": container_id,
+                                                      "exec": exec_id, "pid": p.pid}})
+        return p.pid
+
+    async def _refresh(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord) -> None:
+        """Learn the exit code of a started process from the guest."""
+        if not p.pid or p.exit_code is not None:
+            return
+        sandbox = self._sandbox(pod.sandbox_id)
+        if sandbox is None or not sandbox.alive() or pod.gone:
+            await self._mark_gone(pod.sandbox_id, pod.gone or self._death_reason(pod.sandbox_id, sandbox))
+            return
+        try:
+            code = await sandbox.vm.agent.wait(p.pid)
+        except AgentRefused as exc:
+            code, p.reason = VM_GONE_EXIT_CODE, f"ended without an exit code: {exc.message}"
+        except AgentError:
+            return  # no answer now; the watcher marks a dead VM
+        if code is not None and p.exit_code is None:
+            p.exit_code, p.exited_at_ns = code, time.time_ns()
+            await self.records.put(pod.sandbox_id, pod)
+
+    async def state(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord) -> handler_pb2.ProcessState:
+        await self._refresh(pod, c, p)
+        if not p.pid:
+            return handler_pb2.ProcessState(status=Status.CREATED)
+        if p.exit_code is None:
+            return handler_pb2.ProcessState(status=Status.RUNNING, pid=p.pid)
+        return handler_pb2.ProcessState(status=Status.STOPPED, pid=p.pid, exit_code=p.exit_code,
+                                        exited_at_ns=p.exited_at_ns, reason=p.reason)
+
+    async def get_process(self, container_id: str, exec_id: str, wait: bool) -> handler_pb2.ProcessState:
+        pod, c, p = self._process(container_id, exec_id)
+        state = await self.state(pod, c, p)
+        while wait and state.status != Status.STOPPED:
+            await asyncio.sleep(POLL)
+            if container_id not in pod.containers or self.pods.get(pod.sandbox_id) is not pod:
+                raise NotFound(f"container {container_id} was deleted while waiting")
+            state = await self.state(pod, c, p)
+        return state
+
+    async def signal_process(self, container_id: str, exec_id: str, signal: int, all_processes: bool) -> None:
+        pod, c, p = self._process(container_id, exec_id)
+        if not 0 < signal < 65:
+            raise InvalidArgument(f"signal {signal}: 1 to 64")
+        sandbox = self._sandbox(pod.sandbox_id)
+        await self._refresh(pod, c, p)
+        if sandbox is None or not sandbox.alive() or pod.gone:
+            return   # nothing runs any more: a signal has nothing to reach
+        if all_processes:
+            await sandbox._agent(sandbox.vm.agent.signal_root(c.root, signal))
+        elif not p.pid:
+            raise FailedPrecondition(f"process {exec_id or container_id} was not started")
+        elif p.exit_code is None:
+            await sandbox._agent(sandbox.vm.agent.signal(p.pid, signal))
+
+    async def read_output(self, container_id: str, exec_id: str, stdout_offset: int,
+                          stderr_offset: int) -> AsyncIterator[handler_pb2.OutputChunk]:
+        """Chunks from the offsets as the guest's files grow; ends once the
+        process stopped and everything was sent (or the VM is gone)."""
+        if stdout_offset < 0 or stderr_offset < 0:
+            raise InvalidArgument("stdout_offset and stderr_offset must not be negative")
+        pod, c, p = self._process(container_id, exec_id)
+        offsets = {"out": stdout_offset, "err": stderr_offset}
+        streams = {"out": Stream.STDOUT, "err": Stream.STDERR}
+        while not p.name:   # not started yet: its output will come
+            if container_id not in pod.containers or p.exit_code is not None:
+                return
+            await asyncio.sleep(POLL)
+        finished = False
+        while True:
+            sandbox = self._sandbox(pod.sandbox_id)
+            if sandbox is None or not sandbox.alive():
+                return   # what the guest held is gone with it
+            got = False
+            for key in ("out", "err"):
+                try:
+                    data, _ = await sandbox.vm.agent.readout(p.name, key, offsets[key], READ_CHUNK)
+                except AgentRefused as exc:
+                    raise FailedPrecondition(f"output of {exec_id or container_id}: {exc.message}") from None
+                except AgentError:
+                    data = b""
+                    if not sandbox.alive():
+                        return
+                if data:
+                    yield handler_pb2.OutputChunk(stream=streams[key], offset=offsets[key], data=data)
+                    offsets[key] += len(data)
+                    got = True
+            if got:
+                continue
+            if finished:
+                return
+            await self._refresh(pod, c, p)
+            if p.exit_code is not None:
+                finished = True   # one more round: what it wrote before it exited
+                continue
+            await asyncio.sleep(POLL)

@@ -1,0 +1,359 @@
+"""PodRuntime on the microVM handler: one VM per pod, its containers inside.
+
+Driven over the handler's socket exactly as containerd's crust shim drives
+it, on real parts: driver -> shim -> proxy processes, `crust kata handler`
+registered with the proxy, a real QEMU microVM (software emulation here),
+real loop devices hot-plugged as virtio-blk, a container root file system
+made from a busybox-static tree. What is checked is what the guest wrote
+(stdout and stderr bytes, exit codes, files read back on the host), what
+the Handler service and the registry answer, Kata's direct-volume layout,
+and the host's mount tables (never the volume's device).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from crust.api import handler_pb2, handler_pb2_grpc
+from crust.contract.mountinfo import digest
+from crust.kata.direct_volume import entry_name
+from crust.kata.qemu import qemu_pids_under
+from tests.harness import MIB
+from tests.test_handler import wait_until
+from tests.test_kata import anyone_mounts, holds_device, kata_env, usage_dict
+
+Code = grpc.StatusCode
+Status = handler_pb2.ProcessState.Status
+Stream = handler_pb2.OutputChunk.Stream
+BUSYBOX = shutil.which("busybox") or "/bin/busybox"
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def busybox_rootfs(path: Path) -> Path:
+    """A container root file system: Debian's static busybox and a link per applet."""
+    (path / "bin").mkdir(parents=True)
+    shutil.copy2(BUSYBOX, path / "bin" / "busybox")
+    for applet in ("sh", "echo", "cat", "df", "id", "pwd", "sleep", "ls", "touch", "stat", "mkdir", "test"):
+        os.symlink("busybox", path / "bin" / applet)
+    (path / "etc").mkdir()
+    (path / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    return path
+
+
+def container_bundle(root: Path, name: str, args: list[str], mounts: list[dict], *, cwd: str = "/",
+                     uid: int = 0, gid: int = 0) -> Path:
+    """An OCI bundle as containerd's shim hands it over: config.json and the
+    container's root file system at rootfs (containerd's mounts; a tree here)."""
+    bundle = root / "bundles" / name
+    busybox_rootfs(bundle / "rootfs")
+    (bundle / "config.json").write_text(json.dumps({
+        "ociVersion": "1.0.2", "root": {"path": "rootfs"},
+        "process": {"args": args, "env": ["PATH=/bin", "HOME=/root"], "cwd": cwd,
+                    "user": {"uid": uid, "gid": gid}},
+        # As containerd lists them: pseudo file systems first (the guest
+        # gives the container its own /proc, /dev and /tmp), then binds.
+        "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"},
+                   {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid"]},
+                   {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["ro"]},
+                   *mounts],
+    }, indent=1))
+    return bundle
+
+
+def bind(destination: str, source, *options: str) -> dict:
+    return {"destination": destination, "source": str(source), "type": "bind", "options": ["rbind", *options]}
+
+
+class PodClient:
+    """PodRuntime as the shim calls it."""
+
+    def __init__(self, socket: Path):
+        self.channel = grpc.insecure_channel(f"unix://{socket}")
+        self.stub = handler_pb2_grpc.PodRuntimeStub(self.channel)
+        self.handler = handler_pb2_grpc.HandlerStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def create_pod(self, sandbox_id: str, bundle: Path) -> int:
+        return self.stub.CreatePod(handler_pb2.CreatePodRequest(sandbox_id=sandbox_id, bundle=str(bundle)),
+                                   timeout=240).pid
+
+    def create_container(self, sandbox_id: str, container_id: str, bundle: Path) -> None:
+        self.stub.CreateContainer(handler_pb2.CreateContainerRequest(
+            sandbox_id=sandbox_id, container_id=container_id, bundle=str(bundle)), timeout=120)
+
+    def start(self, container_id: str, exec_id: str = "", **process) -> int:
+        spec = handler_pb2.ProcessSpec(**process) if process else None
+        return self.stub.StartProcess(handler_pb2.StartProcessRequest(
+            container_id=container_id, exec_id=exec_id, process=spec), timeout=60).pid
+
+    def wait(self, container_id: str, exec_id: str = "", timeout: float = 60) -> handler_pb2.ProcessState:
+        return self.stub.GetProcess(handler_pb2.GetProcessRequest(
+            container_id=container_id, exec_id=exec_id, wait=True), timeout=timeout)
+
+    def state(self, container_id: str, exec_id: str = "") -> handler_pb2.ProcessState:
+        return self.stub.GetProcess(handler_pb2.GetProcessRequest(container_id=container_id, exec_id=exec_id),
+                                    timeout=30)
+
+    def output(self, container_id: str, exec_id: str = "", stdout_offset: int = 0, stderr_offset: int = 0,
+               timeout: float = 60) -> tuple[bytes, bytes]:
+        """Everything ReadOutput streams until it ends (the process exited),
+        checking each chunk starts where the last one of its stream ended."""
+        got = {Stream.STDOUT: b"", Stream.STDERR: b""}
+        start = {Stream.STDOUT: stdout_offset, Stream.STDERR: stderr_offset}
+        for chunk in self.stub.ReadOutput(handler_pb2.ReadOutputRequest(
+                container_id=container_id, exec_id=exec_id, stdout_offset=stdout_offset,
+                stderr_offset=stderr_offset), timeout=timeout):
+            assert chunk.offset == start[chunk.stream] + len(got[chunk.stream]), chunk
+            got[chunk.stream] += chunk.data
+        return got[Stream.STDOUT], got[Stream.STDERR]
+
+    def output_until(self, container_id: str, text: bytes, timeout: float = 60) -> bytes:
+        """Stdout of a process that keeps running, read until text appears."""
+        call = self.stub.ReadOutput(handler_pb2.ReadOutputRequest(container_id=container_id), timeout=timeout)
+        out = b""
+        try:
+            for chunk in call:
+                if chunk.stream == Stream.STDOUT:
+                    out += chunk.data
+                if text in out:
+                    return out
+        finally:
+            call.cancel()
+        raise AssertionError(f"{text!r} never came; stdout was {out!r}")
+
+    def exec(self, container_id: str, exec_id: str, args: list[str], **process) -> tuple[int, bytes, bytes]:
+        self.start(container_id, exec_id, args=args, env=["PATH=/bin"], **process)
+        state = self.wait(container_id, exec_id)
+        out, err = self.output(container_id, exec_id)
+        return state.exit_code, out, err
+
+    def delete_container(self, container_id: str) -> handler_pb2.ProcessState:
+        return self.stub.DeleteContainer(handler_pb2.DeleteContainerRequest(container_id=container_id),
+                                         timeout=120).state
+
+    def delete_pod(self, sandbox_id: str) -> None:
+        self.stub.DeletePod(handler_pb2.DeletePodRequest(sandbox_id=sandbox_id), timeout=180)
+
+    def pods(self) -> dict[str, handler_pb2.PodInfo]:
+        return {p.sandbox_id: p for p in self.stub.ListPods(handler_pb2.ListPodsRequest(), timeout=30).pods}
+
+
+class MountWatch:
+    """Reads the host's /proc/self/mountinfo every 20 ms while the test runs,
+    noting any line naming one of the devices."""
+
+    def __init__(self):
+        self.devices: set[str] = set()
+        self.seen: list[str] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def watch(self, majmin: tuple[int, int]) -> None:
+        self.devices.add(f"{majmin[0]}:{majmin[1]}")
+
+    def _run(self) -> None:
+        while not self.stopped.wait(0.02):
+            for line in Path("/proc/self/mountinfo").read_text().splitlines():
+                if line.split()[2] in self.devices:
+                    self.seen.append(line)
+
+    def stop(self) -> list[str]:
+        self.stopped.set()
+        self.thread.join()
+        return self.seen
+
+
+@pytest.fixture
+def pod_env(root):
+    """The microVM handler on the real stack, a PodRuntime client on its
+    socket, a watch of the host's mount table; every pod deleted at the end."""
+    for kenv in kata_env(root):
+        client = PodClient(kenv.handler.socket)
+        watch = MountWatch()
+        try:
+            yield kenv, client, watch
+        finally:
+            watch.stop()
+            try:
+                for pod_id in client.pods():
+                    client.delete_pod(pod_id)
+            finally:
+                client.close()
+
+
+def df_numbers(out: bytes) -> dict[str, int]:
+    """`df -P -B1 PATH; df -P -i PATH` output as usage_dict's keys."""
+    lines = [line.split() for line in out.decode().splitlines() if line.startswith("/")]
+    (b, i) = lines
+    return {"bytes_total": int(b[1]), "bytes_used": int(b[2]), "bytes_available": int(b[3]),
+            "inodes_total": int(i[1]), "inodes_used": int(i[2]), "inodes_available": int(i[3])}
+
+
+DF = ["sh", "-c", "df -P -B1 /vol | tail -n 1 && df -P -i /vol | tail -n 1"]
+
+
+# -- the tests ---------------------------------------------------------------------------------
+
+
+def test_a_pod_runs_two_containers_in_one_vm_with_deferred_volumes(pod_env):
+    kenv, client, watch = pod_env
+    ext4, xfs = kenv.volume("pv-pod-e", "ext4"), kenv.volume("pv-pod-x", "xfs")
+    for v in (ext4, xfs):
+        watch.watch(v.majmin)
+    hosts = kenv.path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n10.0.0.7 pod-one\n")
+    sandbox_bundle = kenv.path / "bundles" / "pod-one-sandbox"
+    sandbox_bundle.mkdir(parents=True)
+    (sandbox_bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2",
+                                                            "process": {"args": ["/pause"]}}))
+
+    qemu = client.create_pod("pod-one", sandbox_bundle)
+    assert qemu in qemu_pids_under(kenv.handler.state_dir)
+    assert client.create_pod("pod-one", sandbox_bundle) == qemu   # idempotent
+
+    # Container 1: its image's command writes into both volumes and prints.
+    script = ("echo marker-ext4 > /data/marker && echo marker-xfs > /x/marker && "
+              "echo out-line-1 && echo err-line-1 >&2 && cat /etc/hosts && "
+              "{ echo changed > /etc/hosts; } 2>/dev/null || echo hosts-read-only; "
+              "test -c /dev/null && test -c /dev/zero && test -c /dev/urandom && echo devices; "
+              "touch /tmp/t && echo tmp-writable; ls /proc/self/ >/dev/null && echo proc; "
+              "pwd; id -u; sync; exit 7")
+    one = container_bundle(kenv.path, "one", ["/bin/sh", "-c", script], [
+        bind("/data", ext4.target), bind("/x", xfs.target), bind("/etc/hosts", hosts, "ro")], cwd="/work")
+    client.create_container("pod-one", "one", one)
+    client.create_container("pod-one", "one", one)   # idempotent
+    assert client.state("one").status == Status.CREATED
+    pid = client.start("one")
+    assert pid > 0 and client.start("one") == pid
+    state = client.wait("one")
+    assert state.status == Status.STOPPED and state.exit_code == 7 and state.exited_at_ns > 0, state
+    out, err = client.output("one")
+    assert out == (b"out-line-1\n127.0.0.1 localhost\n10.0.0.7 pod-one\nhosts-read-only\ndevices\n"
+                   b"tmp-writable\nproc\n/work\n0\n"), out
+    assert err == b"err-line-1\n", err
+    # A reader that reconnects resumes at its offsets.
+    assert client.output("one", stdout_offset=11, stderr_offset=4) == (out[11:], err[4:])
+
+    # Both volumes are the pod's, claimed under its id (Kata's marker too).
+    assert kenv.claim_set() == {(str(ext4.target), "kata", "pod-one"), (str(xfs.target), "kata", "pod-one")}
+    for v in (ext4, xfs):
+        assert (kenv.kata_dir / entry_name(str(v.target)) / "pod-one").exists()
+        assert holds_device(qemu, v.majmin)
+
+    # Container 2 shares the VM and the ext4 volume; runs as 1000:1000.
+    two = container_bundle(kenv.path, "two", ["/bin/sh", "-c", "id; cat /vol/marker; echo READY; exec sleep 600"],
+                           [bind("/vol", ext4.target)], uid=1000, gid=1000)
+    client.create_container("pod-one", "two", two)
+    client.start("two")
+    first = client.output_until("two", b"READY")
+    assert first == b"uid=1000 gid=1000\nmarker-ext4\nREADY\n", first  # no supplementary groups
+    pods = client.pods()
+    assert pods["pod-one"].alive and pods["pod-one"].pid == qemu
+    assert list(pods["pod-one"].container_ids) == ["one", "two"]
+    assert set(pods["pod-one"].target_paths) == {str(ext4.target), str(xfs.target)}
+    assert qemu_pids_under(kenv.handler.state_dir) == [qemu]   # one VM for the pod
+
+    # An exec's df of the volume equals the stats the Handler service answers.
+    code, out, err = client.exec("two", "df-1", DF)
+    assert code == 0, err
+    stats = client.handler.GetVolumeStats(handler_pb2.GetVolumeStatsRequest(
+        target_path=str(ext4.target), sandbox_id="pod-one"), timeout=30)
+    assert not stats.volume_condition.abnormal, stats.volume_condition.message
+    assert usage_dict(stats.usage) == df_numbers(out)
+    assert usage_dict(kenv.stats(ext4).usage) == df_numbers(out)   # and through the proxy (kubelet's way)
+    # An exec's own user.
+    assert client.exec("two", "id-1", ["id", "-u"], uid=4242, gid=4242)[1] == b"4242\n"
+
+    # Online expansion of ext4 in the guest while the containers run.
+    before = df_numbers(out)["bytes_total"]
+    assert kenv.expand(ext4, 96 * MIB) >= 96 * MIB
+    code, out, _ = client.exec("two", "df-2", DF)
+    assert df_numbers(out)["bytes_total"] > before + 48 * MIB, (before, out)
+    assert usage_dict(kenv.stats(ext4).usage) == df_numbers(out)
+
+    # Signals reach the container's process; its exit code is the shell's.
+    client.stub.SignalProcess(handler_pb2.SignalProcessRequest(container_id="two", signal=signal.SIGTERM),
+                              timeout=30)
+    assert client.wait("two").exit_code == 128 + signal.SIGTERM
+
+    # Deleting container 1 gives back the volume only it used.
+    assert client.delete_container("one").exit_code == 7
+    assert kenv.claim_set() == {(str(ext4.target), "kata", "pod-one")}
+    assert not (kenv.handler.state_dir / "run" / "pod-one" / "containers" / "one").exists()
+    assert client.delete_container("two").status == Status.STOPPED
+    assert kenv.claims() == []
+    assert client.pods()["pod-one"].container_ids == []
+    client.delete_pod("pod-one")
+    assert client.pods() == {} and kenv.claims() == []
+    wait_until(lambda: qemu not in qemu_pids_under(kenv.handler.state_dir), what="QEMU to exit")
+    assert not (kenv.kata_dir / entry_name(str(ext4.target)) / "pod-one").exists()
+
+    # The host never mounted either volume, at any moment.
+    assert watch.stop() == []
+    assert anyone_mounts(ext4.majmin) == [] and anyone_mounts(xfs.majmin) == []
+    # The bytes the guest wrote, read back on the host once the pod is gone.
+    kenv.unpublish(ext4)
+    kenv.publish_on_host(ext4)
+    assert (ext4.target / "marker").read_text() == "marker-ext4\n"
+    kenv.unpublish(ext4)
+
+
+def test_a_killed_vm_stops_its_processes_and_a_missing_entry_fails_create(pod_env):
+    kenv, client, watch = pod_env
+    v, lost = kenv.volume("pv-pod-k", "ext4"), kenv.volume("pv-pod-lost", "ext4")
+    watch.watch(v.majmin)
+    qemu = client.create_pod("pod-two", kenv.path)
+    client.create_container("pod-two", "runs", container_bundle(
+        kenv.path, "runs", ["/bin/sh", "-c", "echo up > /data/up && exec sleep 600"], [bind("/data", v.target)]))
+    client.start("runs")
+
+    # A deferred target whose entry the handler cannot see: refused, nothing
+    # claimed, attached or left on disk for it.
+    entry_dir = kenv.proxy.volumes_dir / digest(str(lost.target))
+    saved = (entry_dir / "mountInfo.json").read_bytes()
+    shutil.rmtree(entry_dir)
+    try:
+        time.sleep(1.0)   # the handler's watcher drops the entry
+        with pytest.raises(grpc.RpcError) as failed:
+            client.create_container("pod-two", "lost", container_bundle(
+                kenv.path, "lost", ["/bin/true"], [bind("/data", v.target), bind("/lost", lost.target)]))
+        assert failed.value.code() == Code.FAILED_PRECONDITION, failed.value
+        assert "no entry" in failed.value.details(), failed.value.details()
+    finally:
+        entry_dir.mkdir(mode=0o700)
+        (entry_dir / "mountInfo.json").write_bytes(saved)
+    assert kenv.claim_set() == {(str(v.target), "kata", "pod-two")}
+    assert list(client.pods()["pod-two"].container_ids) == ["runs"]
+    assert not (kenv.handler.state_dir / "run" / "pod-two" / "containers" / "lost").exists()
+
+    # The VM is SIGKILLed: every process reports STOPPED, 255, with the reason.
+    assert client.state("runs").status == Status.RUNNING
+    os.kill(qemu, signal.SIGKILL)
+    state = client.wait("runs", timeout=30)
+    assert state.status == Status.STOPPED and state.exit_code == 255, state
+    assert "gone" in state.reason and "pod-two" in state.reason, state.reason
+    wait_until(lambda: kenv.claims() == [], timeout=15, what="the claims to be released")
+    assert not client.pods()["pod-two"].alive
+    with pytest.raises(grpc.RpcError) as failed:
+        client.start("runs", "after", args=["true"])
+    assert failed.value.code() == Code.FAILED_PRECONDITION
+    assert client.delete_container("runs").exit_code == 255
+    client.delete_pod("pod-two")
+    assert client.pods() == {} and kenv.claims() == []
+    assert watch.stop() == [] and anyone_mounts(v.majmin) == []
+    for x in (v, lost):
+        kenv.unpublish(x)
