@@ -357,3 +357,52 @@ def test_a_killed_vm_stops_its_processes_and_a_missing_entry_fails_create(pod_en
     assert watch.stop() == [] and anyone_mounts(v.majmin) == []
     for x in (v, lost):
         kenv.unpublish(x)
+
+
+@pytest.fixture
+def pod_env_short_lease(root):
+    """pod_env with 3 s leases: a killed handler is seen gone quickly."""
+    for kenv in kata_env(root, proxy_extra=["--lease-seconds", "3"]):
+        client = PodClient(kenv.handler.socket)
+        try:
+            yield kenv, client
+        finally:
+            try:
+                for pod_id in client.pods():
+                    client.delete_pod(pod_id)
+            finally:
+                client.close()
+
+
+def test_a_restarted_handler_adopts_a_running_pod(pod_env_short_lease):
+    kenv, client = pod_env_short_lease
+    v = kenv.volume("pv-pod-r", "ext4")
+    qemu = client.create_pod("pod-three", kenv.path)
+    client.create_container("pod-three", "keeps", container_bundle(
+        kenv.path, "keeps", ["/bin/sh", "-c", "echo before; exec sleep 600"],
+        [bind("/vol", v.target)]))
+    pid = client.start("keeps")
+    assert client.output_until("keeps", b"before\n") == b"before\n"
+
+    kenv.handler.kill()
+    wait_until(lambda: kenv.handlers()["kata"].lease_expired, timeout=15, what="the lease to expire")
+    kenv.handler.start(timeout=120)
+    client.close()
+    client.__init__(kenv.handler.socket)
+
+    pods = client.pods()
+    assert pods["pod-three"].alive and pods["pod-three"].pid == qemu and list(pods["pod-three"].container_ids) == ["keeps"]
+    state = client.state("keeps")
+    assert state.status == Status.RUNNING and state.pid == pid
+    assert kenv.claim_set() == {(str(v.target), "kata", "pod-three")}
+    # The new handler reads the guest again: an exec, its df against the stats.
+    code, out, err = client.exec("keeps", "df-after", DF)
+    assert code == 0, err
+    assert usage_dict(kenv.stats(v).usage) == df_numbers(out)
+    # The container's disk is in the adopted VM's table: its delete detaches it.
+    assert client.delete_container("keeps").exit_code == 128 + signal.SIGKILL
+    assert kenv.claims() == []
+    client.delete_pod("pod-three")
+    wait_until(lambda: qemu not in qemu_pids_under(kenv.handler.state_dir), what="QEMU to exit")
+    assert "could not" not in kenv.handler.log_path.read_text()
+    kenv.unpublish(v)
