@@ -290,9 +290,11 @@ def _serve(what: str, serve, *args, **kwargs) -> int:
     stops with one clear message (the file and both versions) and exit
     code 3, before it has changed anything."""
     from crust.common.formats import NewerFormat
-    from crust.sys.memory import give_back_large_buffers
+    from crust.sys.memory import give_back_large_buffers, no_core_dumps
 
     give_back_large_buffers()  # large requests' buffers leave the RSS when freed (crust.sys.memory)
+    for failure in no_core_dumps():  # passphrases of encrypted volumes pass through the daemons' memory
+        logging.getLogger(__name__).warning("core dumps not disabled", extra={"fields": {"error": failure}})
     try:
         serve(*args, **kwargs)
     except NewerFormat as exc:

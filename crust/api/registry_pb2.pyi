@@ -69,10 +69,12 @@ class ClaimVolumeRequest(_message.Message):
     def __init__(self, target_path: _Optional[str] = ..., handler: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., sandbox_pid: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class ClaimVolumeResponse(_message.Message):
-    __slots__ = ("mount_info_json",)
+    __slots__ = ("mount_info_json", "volume_passphrase")
     MOUNT_INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_PASSPHRASE_FIELD_NUMBER: _ClassVar[int]
     mount_info_json: str
-    def __init__(self, mount_info_json: _Optional[str] = ...) -> None: ...
+    volume_passphrase: bytes
+    def __init__(self, mount_info_json: _Optional[str] = ..., volume_passphrase: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseVolumeRequest(_message.Message):
     __slots__ = ("target_path", "handler", "sandbox_id", "abnormal_reason", "lease_id")

@@ -16,10 +16,11 @@ from crust.api import csi_pb2, registry_pb2
 
 MASK = "***stripped***"
 
-# Every lease_id of the registry's messages.
+# Every lease_id of the registry's messages, and the passphrase of an
+# encrypted volume in a claim's answer.
 _LEASE_FIELDS = frozenset(
     f.full_name for m in registry_pb2.DESCRIPTOR.message_types_by_name.values() for f in m.fields
-    if f.name == "lease_id")
+    if f.name in ("lease_id", "volume_passphrase"))
 
 
 def _is_secret(field: FieldDescriptor) -> bool:

@@ -72,6 +72,9 @@ class MountInfo(BaseModel):
     device_minor: int = Field(0, alias="device-minor", description="Minor number of the device.")
     volume_context: dict[str, str] = Field(default_factory=dict, alias="volume-context",
                                            description="Non-secret CSI volume context.")
+    encryption: str = Field("", description="\"luks2\": the device holds (or, blank, will hold) a LUKS2 volume "
+                                            "that only a sandbox opens, with the key the proxy hands the claiming "
+                                            "handler; never the key itself. Empty: a plain file system.")
 
     @model_validator(mode="before")
     @classmethod
@@ -112,7 +115,7 @@ class MountInfo(BaseModel):
             device=d.device, fstype=d.fs_type, metadata=metadata, options=list(d.mount_options),
             readonly=d.readonly, volume_id=d.volume_id, target_path=target_path,
             capacity_bytes=d.capacity_bytes, device_major=d.device_major, device_minor=d.device_minor,
-            volume_context=dict(d.volume_context),
+            volume_context=dict(d.volume_context), encryption=d.encryption,
         )
 
     def to_json(self) -> bytes:

@@ -237,6 +237,15 @@ class VolumesDir:
             await fsync_async(root_fd)
         if self.kata_root is not None:
             name = kata_name(info.target_path)
+            if info.encryption:
+                # A stock Kata would mount the raw LUKS device (or worse,
+                # find it blank): an encrypted volume has no mirror.
+                if len(name.encode()) <= NAME_MAX:
+                    with self._root(self.kata_root) as root_fd:
+                        clear_dir(root_fd, name)
+                raise MirrorError(
+                    f"{info.target_path} is an encrypted volume ({info.encryption}): not mirrored for Kata, which "
+                    "cannot open it; only a crust microVM handler that claims it through the registry gets its key")
             if len(name.encode()) > NAME_MAX:
                 raise MirrorError(
                     f"the Kata mirror name of {info.target_path!r} would be {len(name)} bytes, over the "
@@ -275,7 +284,8 @@ class VolumesDir:
         has nothing to write)."""
         data = info.to_json()
         places = [(self.root, digest(info.target_path))]
-        if self.kata_root is not None and len(kata_name(info.target_path).encode()) <= NAME_MAX:
+        if self.kata_root is not None and len(kata_name(info.target_path).encode()) <= NAME_MAX \
+                and not info.encryption:
             places.append((self.kata_root, kata_name(info.target_path)))
         return all(_read_description(root, name) == data for root, name in places)
 

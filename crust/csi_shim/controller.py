@@ -9,6 +9,7 @@ Every other Controller RPC passes through untouched (crust.csi_shim.passthrough)
 from __future__ import annotations
 
 from crust.api import csi_pb2
+from crust.contract import encryption
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.translate import caps_to_block, to_block
 
@@ -29,6 +30,7 @@ class ControllerShim:
         del forwarded.volume_capabilities[:]
         forwarded.volume_capabilities.extend(caps_to_block(request.volume_capabilities))
         ours = {k: v for k, v in request.parameters.items() if k.startswith(CRUST_PARAMETER_PREFIX)}
+        encryption.of_context(ours, "parameters")  # refused before the backend makes anything
         for key in ours:
             del forwarded.parameters[key]
         response = await self.backend.call(self.backend.controller.CreateVolume, forwarded, context)

@@ -9,6 +9,7 @@ secret never go in: the description ends up in a file on disk.
 from __future__ import annotations
 
 from crust.api import csi_pb2
+from crust.contract import encryption
 
 # Options that only make sense on the host that performs the mount.
 HOST_ONLY = {"bind", "rbind", "remount", "defaults", "_netdev", "nofail", "auto", "noauto", "user", "users",
@@ -50,4 +51,7 @@ def describe(*, volume_id: str, device: str, major: int, minor: int, fs_type: st
         # volume_context comes from the CO and holds no secrets (those travel
         # in the separate secrets field, which is never copied here).
         volume_context=volume_context,
+        # That the volume is encrypted, never with what: the key travels
+        # from the proxy's memory to the claiming handler only.
+        encryption=encryption.of_context(volume_context),
     )

@@ -45,6 +45,7 @@ from crust.common.errors import (
 from crust.common.inflight import InFlight
 from crust.common.private import make_dirs
 from crust.common.recordstore import RecordStore
+from crust.contract import encryption
 from crust.contract.mountinfo import PLACEHOLDER_SOURCE
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.config import ShimConfig
@@ -196,6 +197,7 @@ class NodeShim:
             return await self.backend.call(self.backend.node.NodeStageVolume, request, context)
         cap = request.volume_capability
         fs_type = self._fs_type(cap, request.volume_context)
+        encrypted = encryption.of_context(request.volume_context)
         flags = list(cap.mount.mount_flags)
         copath.refuse_links(staging, "staging_target_path")  # mounted on at a host publish
         with self.inflight.hold(volume_id):
@@ -230,7 +232,9 @@ class NodeShim:
                 device, _, _ = self._device(record)
                 # A repeated stage (rec found) formatted, or found formatted,
                 # the volume the first time: no second probe.
-                if rec is None and not self._host_mounts(record):
+                # An encrypted volume stays raw: only the guest that holds
+                # its key formats it (LUKS2, then the file system inside).
+                if rec is None and not encrypted and not self._host_mounts(record):
                     # A loop device over a file with no data reads as zeros
                     # whoever the backend is: mkfs need not write zeros; and
                     # one over a file this shim reaches can be formatted
@@ -357,6 +361,11 @@ class NodeShim:
             rec = self._record(volume_id)
             if rec is None or rec.staging_path != staging:
                 raise FailedPrecondition(f"volume {volume_id} is not staged at {staging}; call NodeStageVolume first")
+            if not wanted.deferred and encryption.of_context(rec.volume_context):
+                raise FailedPrecondition(
+                    f"volume {volume_id} is encrypted ({encryption.PARAMETER}="
+                    f"{rec.volume_context[encryption.PARAMETER]}): it is opened only inside a microVM sandbox, "
+                    "never mounted on the host; publish it with defer_fs_ops to a runtime handler that opens it")
             device, major, minor = self._device(rec)
             known = rec.published.get(target)
             if known is not None and self._target_is_ours(target, known.deferred, rec):

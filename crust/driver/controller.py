@@ -25,6 +25,7 @@ from crust.common.errors import (
 )
 from crust.common.formats import NewerFormat, decode
 from crust.common.inflight import InFlight
+from crust.contract import encryption
 from crust.driver.backend import loop as backend
 from crust.driver.catalog import Catalog
 from crust.driver.config import TOPOLOGY_KEY, DriverConfig
@@ -54,6 +55,10 @@ MIN_SIZE = 16 * MIB
 # csi.storage.k8s.io/ prefix are the external-provisioner's own and ignored.
 PARAM_PROVISIONING = "provisioning"  # thin (default) | thick
 PARAM_FS_TYPE = "fsType"
+# luks2: the volume is encrypted, opened only inside a microVM guest
+# (crust.contract.encryption); kept in the volume context for the node side.
+PARAM_ENCRYPTION = encryption.PARAMETER
+PARAMETERS = {PARAM_PROVISIONING, PARAM_FS_TYPE, PARAM_ENCRYPTION}
 MUTABLE_PARAMETERS = {PARAM_PROVISIONING}
 PROVISIONING_VALUES = ("thin", "thick")
 
@@ -92,6 +97,8 @@ def _check_parameters(params: dict[str, str], field: str, allowed: set[str]) -> 
             raise InvalidArgument(f"{field}[{key!r}] must be one of {', '.join(PROVISIONING_VALUES)}, got {value!r}")
         if key == PARAM_FS_TYPE and value not in fs.SUPPORTED:
             raise InvalidArgument(f"{field}[{key!r}] must be one of {', '.join(fs.SUPPORTED)}, got {value!r}")
+        if key == PARAM_ENCRYPTION:
+            encryption.of_context(params, field)
     return {k: v for k, v in params.items() if not k.startswith("csi.storage.k8s.io/")}
 
 
@@ -157,6 +164,8 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         context = {PARAM_PROVISIONING: self._provisioning(v)}
         if PARAM_FS_TYPE in v.parameters:
             context[PARAM_FS_TYPE] = v.parameters[PARAM_FS_TYPE]
+        if v.parameters.get(PARAM_ENCRYPTION):
+            context[PARAM_ENCRYPTION] = v.parameters[PARAM_ENCRYPTION]
         return csi_pb2.Volume(
             volume_id=v.volume_id,
             capacity_bytes=v.capacity_bytes,
@@ -243,7 +252,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
     async def CreateVolume(self, request: csi_pb2.CreateVolumeRequest, context):
         name = csi_input.name(request.name)
         kinds = self._capabilities(request.volume_capabilities, "volume_capabilities")
-        params = _check_parameters(dict(request.parameters), "parameters", {PARAM_PROVISIONING, PARAM_FS_TYPE})
+        params = _check_parameters(dict(request.parameters), "parameters", PARAMETERS)
         mutable = _check_parameters(dict(request.mutable_parameters), "mutable_parameters", MUTABLE_PARAMETERS)
         fs_types = {c.mount.fs_type for c in request.volume_capabilities if c.HasField("mount") and c.mount.fs_type}
         fs_types.add(params.get(PARAM_FS_TYPE, self.config.default_fs_type) if "mount" in kinds else "")
@@ -441,7 +450,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         volume = self._volume(volume_id)
         try:
             self._capabilities(request.volume_capabilities, "volume_capabilities")
-            _check_parameters(dict(request.parameters), "parameters", {PARAM_PROVISIONING, PARAM_FS_TYPE})
+            _check_parameters(dict(request.parameters), "parameters", PARAMETERS)
         except InvalidArgument as exc:
             # Unsupported capabilities are an answer here, not an error.
             return csi_pb2.ValidateVolumeCapabilitiesResponse(message=exc.message)
@@ -453,7 +462,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
                     message=f"volume_capabilities: a {fs_type} file system needs at least "
                             f"{fs.MIN_SIZE[fs_type]} bytes; the volume has {volume.capacity_bytes}")
         if dict(request.parameters) and _check_parameters(dict(request.parameters), "parameters",
-                                                            {PARAM_PROVISIONING, PARAM_FS_TYPE}) != volume.parameters:
+                                                            PARAMETERS) != volume.parameters:
             return csi_pb2.ValidateVolumeCapabilitiesResponse(message="parameters differ from the volume's")
         return csi_pb2.ValidateVolumeCapabilitiesResponse(
             confirmed=csi_pb2.ValidateVolumeCapabilitiesResponse.Confirmed(
@@ -491,7 +500,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             except InvalidArgument:
                 # A capability this driver cannot serve has no capacity.
                 return csi_pb2.GetCapacityResponse(available_capacity=0)
-        _check_parameters(dict(request.parameters), "parameters", {PARAM_PROVISIONING, PARAM_FS_TYPE})
+        _check_parameters(dict(request.parameters), "parameters", PARAMETERS)
         pools = list(self.catalog.pools().values())
         if request.HasField("accessible_topology"):
             node = request.accessible_topology.segments.get(TOPOLOGY_KEY)

@@ -93,6 +93,12 @@ def parse_mount_info(text: str) -> KataMountInfo:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise InvalidArgument(f"--mount-info: {where!r}: {first['msg']}") from None
+    if raw.get("encryption"):
+        # The layout has no way to carry a key, and a stock Kata would mount
+        # the raw LUKS device: such volumes go through the proxy's registry.
+        raise FailedPrecondition(f"--mount-info: 'encryption' {raw['encryption']!r}: an encrypted volume cannot be "
+                                 "a Kata direct volume (no key reaches it this way); publish it through crust's "
+                                 "proxy to a crust microVM handler")
     if info.volume_type != "block":
         raise InvalidArgument(f"--mount-info: 'volume-type' {info.volume_type!r}: only \"block\" is supported")
     if not info.device.startswith("/"):

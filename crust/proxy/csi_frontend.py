@@ -16,6 +16,7 @@ from crust.api import csi_pb2
 from crust.common.errors import FailedPrecondition, Unavailable
 from crust.csi_shim.backend import Backend
 from crust.contract import device as device_identity
+from crust.contract import encryption
 from crust.contract.mountinfo import MountInfo
 from crust.proxy.paths import check_target
 from crust.proxy.policy import Decider
@@ -51,6 +52,17 @@ class CsiFrontend:
             return await self.plugin.call(self.plugin.node.NodePublishVolume, request, context)
         target = check_target(request.target_path, self.state.config.kubelet_root)
         self._require_deferral(verdict)
+        # An encrypted volume's passphrase, from the node-publish secret:
+        # refused before anything is done without it; kept in memory only
+        # once the publish is staged (a copy the proxy wipes).
+        passphrase = encryption.passphrase_of(request.secrets) \
+            if encryption.of_context(request.volume_context) else None
+        try:
+            return await self._publish_deferred(request, context, verdict, target, passphrase)
+        finally:
+            encryption.wipe(passphrase)
+
+    async def _publish_deferred(self, request, context, verdict, target: str, passphrase: bytearray | None):
         forwarded = csi_pb2.NodePublishVolumeRequest()
         forwarded.CopyFrom(request)
         forwarded.defer_fs_ops = True
@@ -95,6 +107,14 @@ class CsiFrontend:
             if not delivered:
                 await self._undo_publish(request.volume_id, target, earlier is None, context)
             raise
+        if described.encryption:
+            if passphrase is None:
+                # The plugin says encrypted where the volume context did not.
+                await self._undo_publish(request.volume_id, target, earlier is None, context)
+                raise FailedPrecondition(f"the plugin {self.plugin.plugin_name} described {target} as encrypted "
+                                         f"({described.encryption}) but its volume_context has no "
+                                         f"{encryption.PARAMETER}; the publish was undone")
+            self.state.keep_passphrase(target, passphrase)
         DEFERRED_PUBLISHED.inc()
         log.info("deferred publish staged", extra={"fields": {"reason": verdict.reason,
                                                               "device": response.deferred_mount.device}})

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from crust.api import csi_pb2
 from crust.common.errors import Unavailable
+from crust.contract import encryption
 from crust.proxy.config import DeferralPolicy
 from crust.proxy.kube import POD_NAME, POD_NAMESPACE, PodFacts, PodLookup, PodLookupError
 
@@ -54,6 +55,10 @@ class Decider:
         reason = ""
         if request.defer_fs_ops:
             reason = "requested by the CO"
+        elif request.volume_context.get(encryption.PARAMETER):
+            # Never mounted on the host (the shim refuses): only a sandbox
+            # that claims it gets its key.
+            reason = f"encrypted volume ({encryption.PARAMETER}={request.volume_context[encryption.PARAMETER]})"
         else:
             for key, value in self.policy.storage_class_parameters.items():
                 if request.volume_context.get(key) == value:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
 from crust.common import csi_input
-from crust.common.errors import InvalidArgument, NotFound
+from crust.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from crust.contract import device as device_identity
+from crust.contract import encryption
 from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo
 from crust.proxy.paths import check_target
 from crust.proxy.routing import Router
@@ -58,6 +59,10 @@ class RuntimeService(runtime_pb2_grpc.RuntimeServicer):
                 f"volume_target_path {target} was published by kubelet with device {published.info.device} "
                 f"({published.info.device_major}:{published.info.device_minor}); the Runtime API cannot point "
                 f"it at {device} ({major}:{minor})", target_path=target, device=device)
+        if encryption.of_context(request.volume_context):
+            raise FailedPrecondition(
+                f"{target} is an encrypted volume ({encryption.PARAMETER}): RuntimeStageVolume carries no secret, "
+                "so its key would never reach a sandbox; publish it through the proxy's CSI endpoint")
         info = MountInfo(device=device, fstype=request.fs_type, metadata=metadata,
                          options=list(request.mount_flags), readonly=request.readonly,
                          volume_id=request.volume_id, target_path=target, capacity_bytes=request.capacity_bytes,

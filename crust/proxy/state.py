@@ -22,6 +22,7 @@ from crust.common.errors import (AlreadyExists, FailedPrecondition, InvalidArgum
                                  ResourceExhausted, Unavailable)
 from crust.common.peergate import PeerCredentials
 from crust.common.recordstore import RecordStore
+from crust.contract import encryption
 from crust.proxy.config import ProxyConfig
 from crust.contract.mountinfo import MountInfo, digest
 from crust.proxy.records import Claim, Decision, DeferredVolume, HandlerRecord
@@ -98,6 +99,10 @@ class ProxyState:
         # read a volume, await a record write, then replace the volume; two of
         # them interleaved on one target would lose (or bring back) a claim.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        # Passphrases of encrypted volumes, by target path: in this process's
+        # memory only (never a record, the entry, a log line or a metric);
+        # lost with the process, brought again by kubelet's next publish.
+        self._passphrases: dict[str, bytearray] = {}
 
     def _lock(self, key: str) -> asyncio.Lock:
         lock = self._locks.get(key)
@@ -181,6 +186,7 @@ class ProxyState:
                     "handler": name, "s": round(handler.lease_age())}})
 
     def _drop(self, key: str, target_path: str) -> None:
+        self.drop_passphrase(target_path)
         self.dir.remove(target_path)
         self.volumes.delete_sync(key)
         self.decisions.delete_sync(key)
@@ -300,9 +306,23 @@ class ProxyState:
             raise Unavailable(
                 f"{target_path} is still held by sandbox {volume.claim.sandbox_id} of handler "
                 f"{volume.claim.handler}; retry after the sandbox stops")
+        self.drop_passphrase(target_path)
         self.dir.remove(target_path)
         await self.volumes.delete(key)
         self.by_digest.pop(key, None)
+
+    # -- passphrases of encrypted volumes ------------------------------------------------
+
+    def keep_passphrase(self, target_path: str, passphrase: bytearray) -> None:
+        """Keep a copy (the caller wipes its own); an older one is wiped."""
+        encryption.wipe(self._passphrases.get(target_path))
+        self._passphrases[target_path] = bytearray(passphrase)
+
+    def drop_passphrase(self, target_path: str) -> None:
+        encryption.wipe(self._passphrases.pop(target_path, None))
+
+    def passphrase(self, target_path: str) -> bytearray | None:
+        return self._passphrases.get(target_path)
 
     # -- handlers and claims ----------------------------------------------------------
 
@@ -426,7 +446,19 @@ class ProxyState:
             raise FailedPrecondition(
                 f"handler {handler!r} did not register file system {volume.info.fstype!r} "
                 f"(it supports {', '.join(holder.filesystems) or 'none'})")
+        if volume.info.encryption and volume.info.encryption not in holder.features:
+            # Its key goes only to a handler that opens it inside a VM guest.
+            raise FailedPrecondition(
+                f"{target_path} is an encrypted volume ({volume.info.encryption}): handler {handler!r} did not "
+                f"register the feature {volume.info.encryption!r} (it opens no encrypted volume); only a microVM "
+                "handler opens it, inside its guest")
         current = volume.claim
+        again = current is not None and (current.handler, current.sandbox_id) == (handler, sandbox_id)
+        if volume.info.encryption and not again and target_path not in self._passphrases:
+            raise Unavailable(
+                f"{target_path} is an encrypted volume and the proxy holds no passphrase for it: it keeps "
+                "passphrases in memory only and was restarted since kubelet published the volume; kubelet's "
+                "next NodePublishVolume of it brings the node-publish secret again")
         if current is not None:
             if (current.handler, current.sandbox_id) == (handler, sandbox_id):
                 if current.lease_sha256 == holder.lease_sha256 and current.sandbox_pid == sandbox_pid:

@@ -48,7 +48,7 @@ from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument,
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
-from crust.runtime_handler.handler import check_device, claimed_description
+from crust.runtime_handler.handler import check_device, claimed_description, refuse_encrypted
 from crust.runtime_handler.resolve import CSI_DIR, Resolved, SubpathEscapes, candidates, resolve
 from crust.runtime_handler.sandbox import VolumeStats, Usage, volume_condition
 from crust.sys import blockdev, growfs, ownership, proc
@@ -188,6 +188,8 @@ class ContainerVolumes:
                     raise FailedPrecondition(
                         f"the mount of {resolved.info.target_path} at {mount.destination} asks for shared "
                         "(Bidirectional) propagation: its file system would show up on the host")
+                if resolved.info.encryption:
+                    raise refuse_encrypted(resolved.info, f"crust's OCI runtime (container {container_id})")
                 plan.append((mount, resolved.info))
             if not plan:
                 return []
@@ -209,6 +211,8 @@ class ContainerVolumes:
                         claimed.append(info.target_path)
                         described[info.target_path] = claimed_description(info, answer)
                     info = described[info.target_path]
+                    if info.encryption:
+                        raise refuse_encrypted(info, f"crust's OCI runtime (container {container_id})")
                     if info.fstype not in self.handler.registration.filesystems:
                         raise FailedPrecondition(f"handler {self.handler.name} cannot mount {info.fstype}")
                     check_device(info)

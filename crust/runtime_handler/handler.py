@@ -30,10 +30,11 @@ from typing import Awaitable, Callable, Protocol
 from pydantic import BaseModel, Field
 
 from crust.api import handler_pb2
-from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument, NotFound
+from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from crust.common.inflight import InFlight
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract import device as device_identity
+from crust.contract import encryption
 from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, PLACEHOLDER_SOURCE, MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.runtime_handler.index import VolumeIndex
@@ -72,6 +73,8 @@ class MountedVolume(BaseModel):
     readonly: bool = False
     views: list[VolumeView] = Field(default_factory=list)
     direct: bool = False  # from the DirectSource, not the proxy's registry
+    # The sandbox's name of the opened encrypted volume ("" for a plain one).
+    encrypted_name: str = ""
 
 
 class SandboxRecord(BaseModel):
@@ -97,6 +100,17 @@ def claimed_description(entry: MountInfo, answer: str) -> MountInfo:
         raise FailedPrecondition(f"the proxy's answer to the claim of {entry.target_path} is no "
                                  f"description: {str(exc)[:200]}") from None
     return device_identity.agree(entry, claimed)
+
+
+def encryption_feature(scheme: str) -> str:
+    """The registry feature of a handler that opens volumes encrypted so."""
+    return scheme
+
+
+def refuse_encrypted(info: MountInfo, who: str) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"{info.target_path} is an encrypted volume ({info.encryption}): {who} does not open encrypted volumes; "
+        "it is opened only inside a microVM guest (crust kata), never by the host or a mount namespace")
 
 
 def check_device(info: MountInfo) -> None:
@@ -380,12 +394,18 @@ class RuntimeHandler:
     async def _claim(self, target_path: str, direct: bool, sandbox_id: str, pid: int) -> str:
         """Claim the volume; the proxy's description of it (its record) for
         a volume of the registry, "" for a direct one."""
+        answer, passphrase = await self._claim_keyed(target_path, direct, sandbox_id, pid)
+        encryption.wipe(passphrase)
+        return answer
+
+    async def _claim_keyed(self, target_path: str, direct: bool, sandbox_id: str,
+                           pid: int) -> tuple[str, bytearray | None]:
         if direct:
             if self.direct_source is None:
                 raise FailedPrecondition(f"{target_path} was a direct volume; this handler reads none")
             await asyncio.to_thread(self.direct_source.claim, target_path, sandbox_id)
-            return ""
-        return await self.registration.claim(target_path, sandbox_id, pid)
+            return "", None
+        return await self.registration.claim_keyed(target_path, sandbox_id, pid)
 
     async def _release(self, volume: MountedVolume, sandbox_id: str, abnormal_reason: str) -> None:
         if volume.direct:
@@ -398,8 +418,17 @@ class RuntimeHandler:
                             views: list[VolumeView], direct: bool = False) -> None:
         if info.fstype not in self.registration.filesystems:
             raise FailedPrecondition(f"handler {self.name} cannot mount {info.fstype}")
+        self._refuse_encrypted(info)
         # Claim first: a second sandbox is refused before it touches the device.
-        answer = await self._claim(info.target_path, direct, record.sandbox_id, sandbox.pid)
+        answer, passphrase = await self._claim_keyed(info.target_path, direct, record.sandbox_id, sandbox.pid)
+        try:
+            await self._attach_volume(sandbox, record, key, info, views, direct, answer, passphrase)
+        finally:
+            encryption.wipe(passphrase)
+
+    async def _attach_volume(self, sandbox: Sandbox, record: SandboxRecord, key: str, info: MountInfo,
+                             views: list[VolumeView], direct: bool, answer: str,
+                             passphrase: bytearray | None) -> None:
         mounted = MountedVolume(target_path=info.target_path, device=info.device, fs_type=info.fstype,
                                 mount_point=str(self._workdir(record.sandbox_id) / "volumes" / key),
                                 readonly=info.readonly, views=views, direct=direct)
@@ -409,8 +438,17 @@ class RuntimeHandler:
             mounted.device, mounted.fs_type, mounted.readonly = info.device, info.fstype, info.readonly
             if info.fstype not in self.registration.filesystems:
                 raise FailedPrecondition(f"handler {self.name} cannot mount {info.fstype}")
+            self._refuse_encrypted(info)
         check_device(info)
         inside = await sandbox.attach(info.device)
+        if info.encryption:
+            if passphrase is None:
+                raise Unavailable(f"{info.target_path} is an encrypted volume and its claim brought no passphrase "
+                                  f"(sandbox {record.sandbox_id} claimed it before); delete the sandbox and run it "
+                                  "again")
+            mounted.encrypted_name = "crypt-" + key[:32]
+            inside = await sandbox.open_encrypted(inside, info.encryption, info.fstype, passphrase,
+                                                  mounted.encrypted_name)
         await sandbox.mount(inside, info.fstype, info.options, info.readonly, mounted.mount_point)
         group = info.metadata.get(FS_GROUP)
         if group and not info.readonly:
@@ -419,6 +457,12 @@ class RuntimeHandler:
         for view in views:
             await sandbox.bind_volume(mounted.mount_point, view.subpath, view.destination,
                                       readonly=view.readonly or info.readonly)
+
+    def _refuse_encrypted(self, info: MountInfo) -> None:
+        """An encrypted volume is opened only inside a VM guest, by a handler
+        that registered the feature (and so gets the key with its claim)."""
+        if info.encryption and encryption_feature(info.encryption) not in self.registration.features:
+            raise refuse_encrypted(info, f"handler {self.name}")
 
     async def _teardown(self, sandbox: Sandbox, record: SandboxRecord, abnormal_reason: str = "") -> None:
         """Stop the sandbox, unmount and release its volumes. Every step may
@@ -432,6 +476,8 @@ class RuntimeHandler:
         for volume in record.volumes.values():
             try:
                 await sandbox.unmount(volume.mount_point)
+                if volume.encrypted_name:
+                    await sandbox.close_encrypted(volume.encrypted_name)
                 await sandbox.detach(volume.device)
             except CrustError as exc:
                 errors.append(exc)

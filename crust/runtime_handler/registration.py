@@ -24,6 +24,7 @@ from crust.common.atomicfile import write_atomic
 from crust.common.channel import local_aio_channel
 from crust.common.errors import Forwarded, NoSpace
 from crust.common.saferead import read_bounded
+from crust.contract import encryption
 
 log = logging.getLogger(__name__)
 
@@ -141,13 +142,24 @@ class Registration:
         await self.channel.close()
 
     async def claim(self, target_path: str, sandbox_id: str, sandbox_pid: int) -> str:
+        answer, passphrase = await self.claim_keyed(target_path, sandbox_id, sandbox_pid)
+        encryption.wipe(passphrase)
+        return answer
+
+    async def claim_keyed(self, target_path: str, sandbox_id: str,
+                          sandbox_pid: int) -> tuple[str, bytearray | None]:
+        """The claim's description, and an encrypted volume's passphrase
+        when the proxy handed it (the caller wipes it once used)."""
         try:
             rsp = await self.stub.ClaimVolume(registry_pb2.ClaimVolumeRequest(
                 target_path=target_path, handler=self.name, sandbox_id=sandbox_id, sandbox_pid=sandbox_pid,
                 lease_id=self.lease_id), timeout=10)
         except grpc.aio.AioRpcError as exc:
             raise Forwarded.from_rpc_error(exc) from None
-        return rsp.mount_info_json
+        answer = rsp.mount_info_json
+        passphrase = bytearray(rsp.volume_passphrase) if rsp.volume_passphrase else None
+        rsp.Clear()  # the message's own copy is freed now, not with the call's frame
+        return answer, passphrase
 
     async def release(self, target_path: str, sandbox_id: str, abnormal_reason: str = "") -> None:
         try:

@@ -70,6 +70,16 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def mount(self, device: str, fs_type: str, options: list[str], readonly: bool, mount_point: str) -> None: ...
 
+    async def open_encrypted(self, device: str, scheme: str, fs_type: str, passphrase: bytearray,
+                             name: str) -> str:
+        """Open an encrypted volume inside the sandbox (formatting a blank
+        one); returns what mount() takes for it. Only a sandbox with its own
+        kernel (a VM guest) can: the host's kernel must never see the key."""
+        raise FailedPrecondition(f"{type(self).__name__} does not open encrypted volumes ({scheme})")
+
+    async def close_encrypted(self, name: str) -> None:
+        """Close what open_encrypted opened (after unmount; idempotent)."""
+
     @abc.abstractmethod
     async def apply_fs_group(self, mount_point: str, gid: int, policy: str) -> None: ...
 

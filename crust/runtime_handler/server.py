@@ -38,13 +38,14 @@ def mount_namespace_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None,
 
 class HandlerDaemon:
     def __init__(self, config: HandlerConfig, make_sandbox=mount_namespace_sandbox, direct_source=None,
-                 extensions=()):
+                 extensions=(), extra_features: tuple[str, ...] = ()):
         self.config = config
         self.make_sandbox = make_sandbox
         # The lease is kept beside the sandbox records: a restarted handler
         # takes back its name and its live sandboxes' claims with it.
         registration = Registration(config.proxy_endpoint, config.name, config.endpoint, config.filesystems,
-                                    ["stats", "expand", "fsgroup", "subpath"], lease_file=config.state_dir / "lease")
+                                    ["stats", "expand", "fsgroup", "subpath", *extra_features],
+                                    lease_file=config.state_dir / "lease")
         self.handler = RuntimeHandler(name=config.name, volumes_dir=config.volumes_dir,
                                       state_dir=config.state_dir, registration=registration,
                                       make_sandbox=make_sandbox, direct_source=direct_source)

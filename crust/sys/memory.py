@@ -56,6 +56,28 @@ def give_back_large_buffers(threshold: int = LARGE_BUFFER) -> bool:
     return done
 
 
+PR_SET_DUMPABLE = 4
+
+
+def no_core_dumps() -> list[str]:
+    """A daemon may hold an encrypted volume's passphrase in its memory: no
+    core dump of it, ever. RLIMIT_CORE 0 (soft and hard: the daemon and what
+    it starts write none) and PR_SET_DUMPABLE 0 (no core even through a
+    core_pattern pipe, and no ptrace or /proc/<pid>/mem for anyone without
+    CAP_SYS_PTRACE). Returns what could not be done (logged by the caller)."""
+    import resource
+
+    failed = []
+    try:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    except (ValueError, OSError) as exc:
+        failed.append(f"RLIMIT_CORE: {exc}")
+    libc = _libc()
+    if libc is None or libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        failed.append(f"prctl(PR_SET_DUMPABLE): errno {ctypes.get_errno() if libc else 'no libc'}")
+    return failed
+
+
 def note_request_size(nbytes: int) -> None:
     """A request of nbytes arrived; one of LARGE_BUFFER or more asks for a trim."""
     global _large_seen

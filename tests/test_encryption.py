@@ -1,0 +1,268 @@
+"""Encrypted volumes (crust.dev/encryption: luks2), opened only inside the microVM guest.
+
+Real driver -> shim -> proxy processes; kubelet is played over the proxy's
+CSI socket with the node-publish secret in NodePublishVolumeRequest.secrets.
+The host-side tests need no VM: the driver keeps the parameter, the shim
+never formats or mounts the volume on the host, the proxy keeps the
+passphrase out of every file, and every host-side path (host publish, the
+mount-namespace handler, crust's OCI runtime, Kata's layouts, a handler
+without the feature) refuses with FAILED_PRECONDITION. The microVM tests
+run real QEMU guests (tcg here) on real loop devices: what is checked is
+the bytes on the host's disks, the guest's own output on its console and
+the gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from crust.api import (
+    csi_pb2,
+    handler_pb2,
+    handler_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
+)
+from crust.common.errors import FailedPrecondition
+from crust.contract import encryption
+from crust.contract.mountinfo import digest, kata_name
+from crust.kata.direct_volume import DirectVolumes
+from crust.sys import mount as sysmount
+from tests.harness import MIB
+from tests.test_handler import Env, Vol
+
+Code = grpc.StatusCode
+AccessMode = csi_pb2.VolumeCapability.AccessMode
+PASSPHRASE = "7f3a-luks-test-passphrase-c0ffee-91d2"
+WRONG = "not-the-passphrase-of-this-volume"
+MARKER = b"crust-encrypted-marker-5b8e1d"
+LUKS2_MAGIC = b"LUKS\xba\xbe"
+EXT4_MAGIC_OFFSET = 1080  # s_magic 0xEF53 in the superblock at 1024
+XFS_MAGIC = b"XFSB"
+SIZE = 64 * MIB
+
+
+def cap(fs: str = "ext4") -> csi_pb2.VolumeCapability:
+    return csi_pb2.VolumeCapability(mount=csi_pb2.VolumeCapability.MountVolume(fs_type=fs),
+                                    access_mode=AccessMode(mode=AccessMode.SINGLE_NODE_WRITER))
+
+
+class Encrypted:
+    """kubelet's side for encrypted volumes: the PV's volume_context on
+    every node call, the Secret's passphrase on every publish."""
+
+    def __init__(self, env: Env):
+        self.env = env
+        self.proxy = env.proxy
+        self.context: dict[str, dict[str, str]] = {}
+
+    def create(self, pv: str, fs: str = "ext4", source: csi_pb2.VolumeContentSource | None = None,
+               size: int = SIZE) -> Vol:
+        request = csi_pb2.CreateVolumeRequest(
+            name=pv, capacity_range=csi_pb2.CapacityRange(required_bytes=size), volume_capabilities=[cap(fs)],
+            parameters={encryption.PARAMETER: encryption.LUKS2})
+        if source is not None:
+            request.volume_content_source.CopyFrom(source)
+        volume = self.proxy.controller.CreateVolume(request, timeout=60).volume
+        assert volume.volume_context[encryption.PARAMETER] == "luks2"
+        v = Vol(volume.volume_id, pv, fs, self.proxy.staging(pv), self.proxy.target(f"pod-{pv}", pv))
+        self.context[v.volume_id] = dict(volume.volume_context)
+        self.proxy.node.NodeStageVolume(csi_pb2.NodeStageVolumeRequest(
+            volume_id=v.volume_id, staging_target_path=str(v.staging), volume_capability=cap(fs),
+            volume_context=self.context[v.volume_id]), timeout=60)
+        return v
+
+    def publish_request(self, v: Vol, passphrase: str | None = PASSPHRASE) -> csi_pb2.NodePublishVolumeRequest:
+        return csi_pb2.NodePublishVolumeRequest(
+            volume_id=v.volume_id, staging_target_path=str(v.staging), target_path=str(v.target),
+            volume_capability=cap(v.fs), volume_context=self.context[v.volume_id],
+            secrets={encryption.PASSPHRASE_KEY: passphrase} if passphrase is not None else {})
+
+    def publish(self, v: Vol, passphrase: str = PASSPHRASE) -> csi_pb2.DeferredMount:
+        """What today's kubelet sends (no defer_fs_ops): the proxy defers an
+        encrypted volume by itself."""
+        rsp = self.proxy.node.NodePublishVolume(self.publish_request(v, passphrase), timeout=60)
+        assert rsp.HasField("deferred_mount"), "an encrypted volume was not deferred"
+        d = rsp.deferred_mount
+        v.device, v.majmin = d.device, (d.device_major, d.device_minor)
+        assert not sysmount.of_device(*v.majmin), "the host mounted an encrypted volume"
+        return d
+
+    def backing_file(self, v: Vol) -> Path:
+        name = Path(v.device).name
+        return Path(Path(f"/sys/block/{name}/loop/backing_file").read_text().strip())
+
+
+def head(path: Path | str, n: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(n)
+
+
+def holds(path: Path | str, needle: bytes) -> bool:
+    """Whether the file holds needle anywhere (read in overlapping chunks)."""
+    with open(path, "rb") as f:
+        tail = b""
+        while chunk := f.read(8 * MIB):
+            if needle in tail + chunk:
+                return True
+            tail = chunk[-len(needle):]
+    return False
+
+
+def sha256_of(path: Path | str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 * MIB):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def files_holding(top: Path, needle: bytes) -> list[str]:
+    """Every regular file below top holding needle (never following links)."""
+    found = []
+    for dirpath, _, names in os.walk(top):
+        for name in names:
+            path = Path(dirpath) / name
+            try:
+                if path.is_symlink() or not path.is_file():
+                    continue
+                if holds(path, needle):
+                    found.append(str(path))
+            except OSError:
+                continue
+    return found
+
+
+def assert_ciphertext_only(paths: list[Path | str], fs: str) -> None:
+    """A LUKS2 header at 0; nowhere the marker; no file system magic where
+    a plain volume (or the inside of the LUKS2 volume, at its 16 MiB data
+    offset) would have it."""
+    for path in paths:
+        assert head(path, 6) == LUKS2_MAGIC, f"{path} has no LUKS2 header"
+        assert not holds(path, MARKER), f"{path} holds the marker in clear"
+        with open(path, "rb") as f:
+            for base in (0, 16 * MIB):
+                f.seek(base + EXT4_MAGIC_OFFSET)
+                assert f.read(2) != b"\x53\xef", f"{path}: ext4 magic at {base}"
+                f.seek(base)
+                assert f.read(4) != XFS_MAGIC, f"{path}: xfs magic at {base}"
+
+
+# -- host side: no VM ---------------------------------------------------------------------------
+
+
+def test_the_parameter_is_kept_in_the_volume_context_and_an_unknown_value_is_refused(root):
+    driver = root.driver().start()
+    shim = root.shim(driver).start()
+    for plugin in (driver, shim):
+        request = csi_pb2.CreateVolumeRequest(
+            name=f"enc-{plugin.socket.stem}", capacity_range=csi_pb2.CapacityRange(required_bytes=SIZE),
+            volume_capabilities=[cap()], parameters={encryption.PARAMETER: "luks2"})
+        assert plugin.controller.CreateVolume(request, timeout=60).volume.volume_context[
+            encryption.PARAMETER] == "luks2"
+        request.name += "-bad"
+        request.parameters[encryption.PARAMETER] = "aes-cbc"
+        with pytest.raises(grpc.RpcError) as err:
+            plugin.controller.CreateVolume(request, timeout=60)
+        assert err.value.code() == Code.INVALID_ARGUMENT and encryption.PARAMETER in err.value.details()
+    # Nothing was made for the refused one.
+    names = {e.volume.volume_id for e in driver.controller.ListVolumes(csi_pb2.ListVolumesRequest()).entries}
+    assert len(names) == 2
+
+
+@pytest.fixture
+def env(root):
+    """driver -> shim -> proxy with the mount-namespace handler."""
+    return Env(root)
+
+
+def test_the_host_never_formats_mounts_or_writes_down_an_encrypted_volume(env):
+    enc = Encrypted(env)
+    v = enc.create("pv-enc-host")
+    # A host publish straight to the shim (no deferral) is refused, naming why.
+    with pytest.raises(grpc.RpcError) as err:
+        env.shim.node.NodePublishVolume(enc.publish_request(v), timeout=60)
+    assert err.value.code() == Code.FAILED_PRECONDITION and "encrypted" in err.value.details()
+    assert not v.target.exists() or sysmount.at(str(v.target)) is None
+
+    # Through the proxy without the node-publish secret: INVALID_ARGUMENT
+    # naming the secret's key, and nothing published.
+    with pytest.raises(grpc.RpcError) as err:
+        env.proxy.node.NodePublishVolume(enc.publish_request(v, passphrase=None), timeout=60)
+    assert err.value.code() == Code.INVALID_ARGUMENT and "passphrase" in err.value.details()
+    assert not (env.proxy.volumes_dir / digest(str(v.target))).exists()
+
+    # With it: deferred; the description says encrypted, never with what.
+    d = enc.publish(v)
+    assert d.encryption == "luks2"
+    entry = (env.proxy.volumes_dir / digest(str(v.target)) / "mountInfo.json").read_bytes()
+    assert json.loads(entry)["encryption"] == "luks2"
+    assert PASSPHRASE.encode() not in entry
+    # NodeStage left the device raw: no mkfs on the host, nothing written.
+    assert head(v.device, 4096) == bytes(4096), "the host wrote to an encrypted volume's device"
+    probe = subprocess.run(["blkid", "-p", v.device], capture_output=True, text=True, check=False)
+    assert probe.returncode == 2, probe.stdout
+    # No Kata mirror: a stock Kata would mount the raw device.
+    assert not (env.proxy.kata_dir / kata_name(str(v.target))).exists()
+    with env.proxy.runtime_channel() as channel:
+        (listed,) = registry_pb2_grpc.RegistryStub(channel).ListVolumes(registry_pb2.ListVolumesRequest()).volumes
+    assert "encrypted" in listed.kata_mirror_error
+
+    # The mount-namespace handler refuses it before claiming it.
+    out = env.run(env.bundle("enc-mountns", "exec sleep 60", [("/data", str(v.target))]), "sb-enc-mountns")
+    assert out.returncode != 0 and "FAILED_PRECONDITION" in out.stderr and "encrypted" in out.stderr, out.stderr
+    assert env.claims() == [] and env.sandboxes() == {}
+    # So does crust's OCI runtime (runc's containers, through the same handler).
+    with grpc.insecure_channel(f"unix://{env.handler.socket}") as channel, pytest.raises(grpc.RpcError) as err:
+        handler_pb2_grpc.ContainerVolumesStub(channel).PrepareContainer(handler_pb2.PrepareContainerRequest(
+            container_id="ctr-enc", sandbox_id="pod-enc", bundle=str(env.path / "bundles" / "enc-mountns"),
+            mounts=[handler_pb2.ContainerMount(destination="/data", type="bind", source=str(v.target),
+                                               options=["rbind"])]), timeout=30)
+    assert err.value.code() == Code.FAILED_PRECONDITION and "encrypted" in err.value.details()
+    assert env.claims() == []
+
+    # The proxy refuses a claim by a handler that did not register the
+    # feature (the key would go to it), whatever the handler itself checks.
+    lease = (env.handler.state_dir / "lease").read_text().strip()
+    with env.proxy.runtime_channel() as channel, pytest.raises(grpc.RpcError) as err:
+        registry_pb2_grpc.RegistryStub(channel).ClaimVolume(registry_pb2.ClaimVolumeRequest(
+            target_path=str(v.target), handler="mountns", sandbox_id="sb-x", lease_id=lease), timeout=10)
+    assert err.value.code() == Code.FAILED_PRECONDITION and "luks2" in err.value.details()
+
+    # Kata's direct-volume layout has no path for a key.
+    with pytest.raises(FailedPrecondition, match="encrypted"):
+        DirectVolumes(env.path / "direct").add(str(v.target), json.dumps({
+            "volume-type": "block", "device": v.device, "fstype": "ext4", "encryption": "luks2"}))
+
+    # The proxy restarted: the passphrase (memory only) is gone until the
+    # next publish; a claim by a new sandbox is UNAVAILABLE, saying so.
+    env.proxy.restart()
+    with env.proxy.runtime_channel() as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        lease = stub.RegisterHandler(registry_pb2.RegisterHandlerRequest(
+            name="vm-test2", endpoint=f"unix://{env.path}/vm-test2.sock", filesystems=["ext4"],
+            features=["luks2"])).lease_id
+        claim = registry_pb2.ClaimVolumeRequest(target_path=str(v.target), handler="vm-test2", sandbox_id="sb-vm",
+                                                lease_id=lease)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ClaimVolume(claim, timeout=10)
+        assert err.value.code() == Code.UNAVAILABLE and "NodePublishVolume" in err.value.details()
+        # kubelet publishes again (as after its own restart): the key is back.
+        enc.publish(v)
+        answer = stub.ClaimVolume(claim, timeout=10)
+        assert answer.volume_passphrase == PASSPHRASE.encode()
+        # The same sandbox claiming again gets no key: it opened the volume.
+        assert stub.ClaimVolume(claim, timeout=10).volume_passphrase == b""
+        stub.ReleaseVolume(registry_pb2.ReleaseVolumeRequest(target_path=str(v.target), handler="vm-test2",
+                                                             sandbox_id="sb-vm", lease_id=lease), timeout=10)
+    env.unpublish(v)
+    for daemon in (env.handler, env.proxy, env.shim, env.driver):
+        daemon.stop()
+    assert files_holding(env.path, PASSPHRASE.encode()) == []
