@@ -46,19 +46,21 @@ def busybox_rootfs(path: Path) -> Path:
     shutil.copy2(BUSYBOX, path / "bin" / "busybox")
     for applet in ("sh", "echo", "cat", "df", "id", "pwd", "sleep", "ls", "touch", "stat", "mkdir", "test"):
         os.symlink("busybox", path / "bin" / applet)
+    (path / "shared").mkdir()
+    os.chmod(path / "shared", 0o1777)   # writable by any user, where the root is
     (path / "etc").mkdir()
     (path / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
     return path
 
 
 def container_bundle(root: Path, name: str, args: list[str], mounts: list[dict], *, cwd: str = "/",
-                     uid: int = 0, gid: int = 0) -> Path:
+                     uid: int = 0, gid: int = 0, readonly: bool = False) -> Path:
     """An OCI bundle as containerd's shim hands it over: config.json and the
     container's root file system at rootfs (containerd's mounts; a tree here)."""
     bundle = root / "bundles" / name
     busybox_rootfs(bundle / "rootfs")
     (bundle / "config.json").write_text(json.dumps({
-        "ociVersion": "1.0.2", "root": {"path": "rootfs"},
+        "ociVersion": "1.0.2", "root": {"path": "rootfs", "readonly": readonly},
         "process": {"args": args, "env": ["PATH=/bin", "HOME=/root"], "cwd": cwd,
                     "user": {"uid": uid, "gid": gid}},
         # As containerd lists them: pseudo file systems first (the guest
@@ -231,9 +233,12 @@ def test_a_pod_runs_two_containers_in_one_vm_with_deferred_volumes(pod_env):
               "{ echo changed > /etc/hosts; } 2>/dev/null || echo hosts-read-only; "
               "test -c /dev/null && test -c /dev/zero && test -c /dev/urandom && echo devices; "
               "touch /tmp/t && echo tmp-writable; ls /proc/self/ >/dev/null && echo proc; "
-              "pwd; id -u; sync; exit 7")
+              "touch /shared/x && echo root-writable; cat /data/conf; pwd; id -u; sync; exit 7")
+    conf = kenv.path / "conf"
+    conf.write_text("a file bound inside the volume\n")
     one = container_bundle(kenv.path, "one", ["/bin/sh", "-c", script], [
-        bind("/data", ext4.target), bind("/x", xfs.target), bind("/etc/hosts", hosts, "ro")], cwd="/work")
+        bind("/data", ext4.target), bind("/x", xfs.target), bind("/etc/hosts", hosts, "ro"),
+        bind("/data/conf", conf, "ro")], cwd="/work")
     client.create_container("pod-one", "one", one)
     client.create_container("pod-one", "one", one)   # idempotent
     assert client.state("one").status == Status.CREATED
@@ -243,7 +248,7 @@ def test_a_pod_runs_two_containers_in_one_vm_with_deferred_volumes(pod_env):
     assert state.status == Status.STOPPED and state.exit_code == 7 and state.exited_at_ns > 0, state
     out, err = client.output("one")
     assert out == (b"out-line-1\n127.0.0.1 localhost\n10.0.0.7 pod-one\nhosts-read-only\ndevices\n"
-                   b"tmp-writable\nproc\n/work\n0\n"), out
+                   b"tmp-writable\nproc\nroot-writable\na file bound inside the volume\n/work\n0\n"), out
     assert err == b"err-line-1\n", err
     # A reader that reconnects resumes at its offsets.
     assert client.output("one", stdout_offset=11, stderr_offset=4) == (out[11:], err[4:])
@@ -254,13 +259,17 @@ def test_a_pod_runs_two_containers_in_one_vm_with_deferred_volumes(pod_env):
         assert (kenv.kata_dir / entry_name(str(v.target)) / "pod-one").exists()
         assert holds_device(qemu, v.majmin)
 
-    # Container 2 shares the VM and the ext4 volume; runs as 1000:1000.
-    two = container_bundle(kenv.path, "two", ["/bin/sh", "-c", "id; cat /vol/marker; echo READY; exec sleep 600"],
-                           [bind("/vol", ext4.target)], uid=1000, gid=1000)
+    # Container 2 shares the VM and the ext4 volume; runs as 1000:1000, on
+    # a read-only root (its volume, /tmp and /dev stay writable).
+    script = ("id; cat /vol/marker; { touch /shared/x; } 2>/dev/null || echo root-read-only; "
+              "touch /tmp/t /dev/shm/t && echo tmp-and-shm; echo READY; exec sleep 600")
+    two = container_bundle(kenv.path, "two", ["/bin/sh", "-c", script], [bind("/vol", ext4.target)],
+                           uid=1000, gid=1000, readonly=True)
     client.create_container("pod-one", "two", two)
     client.start("two")
     first = client.output_until("two", b"READY")
-    assert first == b"uid=1000 gid=1000\nmarker-ext4\nREADY\n", first  # no supplementary groups
+    # No supplementary groups (unshare --setgid clears them).
+    assert first == b"uid=1000 gid=1000\nmarker-ext4\nroot-read-only\ntmp-and-shm\nREADY\n", first
     pods = client.pods()
     assert pods["pod-one"].alive and pods["pod-one"].pid == qemu
     assert list(pods["pod-one"].container_ids) == ["one", "two"]
@@ -338,6 +347,18 @@ def test_a_killed_vm_stops_its_processes_and_a_missing_entry_fails_create(pod_en
         (entry_dir / "mountInfo.json").write_bytes(saved)
     assert kenv.claim_set() == {(str(v.target), "kata", "pod-two")}
     assert list(client.pods()["pod-two"].container_ids) == ["runs"]
+
+    # A volume another pod holds: refused, and that pod keeps it.
+    client.create_pod("pod-other", kenv.path)
+    with pytest.raises(grpc.RpcError) as failed:
+        client.create_container("pod-other", "steals", container_bundle(
+            kenv.path, "steals", ["/bin/true"], [bind("/data", v.target)]))
+    assert failed.value.code() == Code.FAILED_PRECONDITION, failed.value
+    assert "pod-two" in failed.value.details(), failed.value.details()
+    assert list(client.pods()["pod-other"].container_ids) == []
+    assert not (kenv.handler.state_dir / "run" / "pod-other" / "containers" / "steals").exists()
+    client.delete_pod("pod-other")
+    assert kenv.claim_set() == {(str(v.target), "kata", "pod-two")}
     assert not (kenv.handler.state_dir / "run" / "pod-two" / "containers" / "lost").exists()
 
     # The VM is SIGKILLed: every process reports STOPPED, 255, with the reason.

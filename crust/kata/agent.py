@@ -312,3 +312,7 @@ class AgentClient:
     async def forget_output(self, name: str) -> None:
         """Remove a spawned process's output files from the guest."""
         await self.request("forget", name)
+
+    async def remount_readonly(self, target: str) -> None:
+        """Make this one mount read-only (a container's read-only root)."""
+        await self.request("readonly", target)

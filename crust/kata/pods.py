@@ -123,10 +123,11 @@ def rootfs_serial(sandbox_id: str, container_id: str) -> str:
 
 def command_line(root: str, process: ProcessRecord) -> str:
     """The guest's shell line: the working directory made (as runc makes
-    it), then a clean environment, chrooted, the user's ids, the args."""
+    it; unshare --wd refuses one that is still missing, a read-only root),
+    then a clean environment, chrooted, the user's ids, the args."""
     env = [e for e in process.env if "=" in e and not e.startswith("=")]
     cwd = process.cwd or "/"
-    return (f"mkdir -p {shlex.quote(root + cwd)} && exec env -i "
+    return (f"mkdir -p {shlex.quote(root + cwd)} 2>/dev/null; exec env -i "
             + " ".join(shlex.quote(e) for e in env)
             + f" {UNSHARE} --root={shlex.quote(root)} --wd={shlex.quote(cwd)}"
             + f" --setuid {process.uid} --setgid {process.gid} -- "
@@ -344,9 +345,11 @@ class Pods:
                 await self._create_container(sandbox, record, pod, container_id, bundle, spec, rootfs)
 
     async def _plan(self, spec) -> tuple[list[tuple], list]:
-        """(volume mounts, host-path binds) in the spec's order; refuses a
-        deferred target that has no entry before anything is touched."""
-        volumes, copies = [], []
+        """The binds in the spec's order, each (mount, resolved volume or
+        None, direct?), and the host-path ones among them (copied into the
+        image); refuses a deferred target that has no entry before anything
+        is touched."""
+        binds, copies = [], []
         for m in spec.mounts:
             if not _is_bind(m):
                 if m.type not in PSEUDO_TYPES:
@@ -367,13 +370,12 @@ class Pods:
                 if not os.path.lexists(m.source):
                     raise FailedPrecondition(f"mount {m.destination}: source {m.source} does not exist")
                 copies.append(m)
-            else:
-                volumes.append((m, resolved, direct))
-        return volumes, copies
+            binds.append((m, resolved, direct))
+        return binds, copies
 
     async def _create_container(self, sandbox: KataSandbox, record: SandboxRecord, pod: PodRecord,
                                 container_id: str, bundle: str, spec, rootfs: Path) -> None:
-        volumes, copies = await self._plan(spec)
+        binds, copies = await self._plan(spec)
         user = spec.process.user
         c = ContainerRecord(
             container_id=container_id, bundle=bundle, serial=rootfs_serial(pod.sandbox_id, container_id),
@@ -391,9 +393,12 @@ class Pods:
             await sandbox._agent(sandbox.vm.attach_disk(c.image, c.serial, kind="file"))
             await sandbox._agent(sandbox.vm.agent.mount(c.serial, "ext4", [], False, c.root))
             await sandbox._agent(sandbox.vm.agent.container_setup(c.root))
-            for n, m in enumerate(copies):
-                await sandbox.bind(f"{c.root}/.crust/binds/{n}", c.root + m.destination, readonly="ro" in m.options)
-            for m, resolved, direct in volumes:
+            # In the spec's order: a later bind may land inside an earlier one.
+            for m, resolved, direct in binds:
+                if resolved is None:
+                    await sandbox.bind(f"{c.root}/.crust/binds/{copies.index(m)}", c.root + m.destination,
+                                       readonly="ro" in m.options)
+                    continue
                 key = resolved.digest
                 view = VolumeView(destination=c.root + m.destination, subpath=resolved.subpath,
                                   readonly="ro" in m.options)
@@ -406,6 +411,10 @@ class Pods:
                                           readonly=view.readonly or volume.readonly)
                 volume.views.append(view)
                 c.volumes.setdefault(key, []).append(view)
+            if c.readonly_root:
+                # This mount of the image only, once every mount point below
+                # it was made: the binds and /proc, /dev, /tmp keep their modes.
+                await sandbox._agent(sandbox.vm.agent.remount_readonly(c.root))
             await self.handler.records.put(pod.sandbox_id, record)
             await self.records.put(pod.sandbox_id, pod)
         except BaseException as exc:
@@ -634,6 +643,8 @@ class Pods:
                 try:
                     data, _ = await sandbox.vm.agent.readout(p.name, key, offsets[key], READ_CHUNK)
                 except AgentRefused as exc:
+                    if container_id not in pod.containers:
+                        return   # deleted meanwhile: its output went with it
                     raise FailedPrecondition(f"output of {exec_id or container_id}: {exc.message}") from None
                 except AgentError:
                     data = b""

@@ -371,6 +371,14 @@ cmd_ctrsetup() {  # root: /proc, a small /dev and /tmp in a container's root
   echo "ok=1"
 }
 
+cmd_readonly() {  # target: make this mount read-only (a bind remount: the file system and its other mounts keep their mode)
+  [ $# -eq 1 ] || fail "usage: readonly <target>"
+  check_path "$1"
+  [ -n "$(mount_line "$1")" ] || fail "not mounted: $1"
+  mount -o remount,bind,ro "$1" || fail "read-only remount of $1 failed"
+  echo "readonly=1"
+}
+
 cmd_forget() {  # name: remove a spawned process's output files (they live in the guest's memory)
   [ $# -eq 1 ] || fail "usage: forget <name>"
   check_name "$1"
@@ -411,6 +419,7 @@ dispatch() {
     ctrsetup) cmd_ctrsetup "$@" ;;
     umountall) cmd_umountall "$@" ;;
     forget) cmd_forget "$@" ;;
+    readonly) cmd_readonly "$@" ;;
     *) fail "unknown command: ${cmd:-(none)}" ;;
   esac
 }
