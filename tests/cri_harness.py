@@ -103,21 +103,27 @@ class CriNode:
     CSI side registered with it, a private containerd whose `crust-runc`
     handler is crust's OCI runtime, and kubelet's CRI side against it."""
 
-    def __init__(self, root, containerd: Containerd, image: images.Image):
+    def __init__(self, root, containerd: Containerd, image: images.Image, handler_kw: dict | None = None,
+                 runtime_classes: dict[str, str] | None = None):
         from tests.test_handler import Env
         from tests.test_kubelet import policy_file
 
         self.root = root
         kubelet_root = root.path / "kubelet"
         (kubelet_root / "plugins_registry").mkdir(parents=True)
+        # handler_kw: another handler than the mount-namespace one (the
+        # microVM handler, whose start may build its guest image first).
         self.env = Env(root, proxy_extra=["--kubelet-registration-dir", str(kubelet_root / "plugins_registry"),
-                                          "--policy", str(policy_file(root.path))])
+                                          "--policy", str(policy_file(root.path))],
+                       start_handler=handler_kw is None, **(handler_kw or {}))
+        if handler_kw is not None:
+            self.env.handler.start(timeout=900)
         self.proxy = self.env.proxy
         self.kubelet = Kubelet(kubelet_root, "node-a", retry_seconds=10)
         self.kubelet.register()
         self.containerd, self.image = containerd, image
         self.runtime = KubeletRuntime(self.kubelet, containerd.endpoint, cgroup_root=containerd.cgroup_root,
-                                      runtime_classes={"crust-runc": "crust-runc", "runc": "runc"},
+                                      runtime_classes=runtime_classes or {"crust-runc": "crust-runc", "runc": "runc"},
                                       pod_logs_dir=root.path / "pod-logs", retry_seconds=0)
         self.runtime.connect()
 
@@ -178,6 +184,24 @@ def cri_node(root) -> Iterator[CriNode]:
            "CRUST_OCI_RUNTIME_STATE": str(root.path / "oci-runtime")}
     with private_containerd(runtimes={"runc": "", "crust-runc": str(OCI_RUNTIME)}, env=env) as (containerd, image):
         node = CriNode(root, containerd, image)
+        try:
+            yield node
+        finally:
+            node.close()
+
+
+KATA_HANDLER = dict(name="kata", endpoint_name="kata.sock", command=("kata", "handler"))
+
+
+@contextlib.contextmanager
+def cri_microvm_node(root) -> Iterator[CriNode]:
+    """The node with the microVM handler, its containerd's runtime `crust`
+    being crust's shim v2 in front of it (RuntimeClass crust-microvm)."""
+    env = {"CRUST_KATA_HANDLER_ENDPOINT": f"unix://{root.path / KATA_HANDLER['endpoint_name']}"}
+    with private_containerd(shim_runtimes={"crust": "io.containerd.crust.v2"}, env=env) as (containerd, image):
+        node = CriNode(root, containerd, image,
+                       handler_kw={**KATA_HANDLER, "extra": ["--kata-dir", str(root.path / "kata")]},
+                       runtime_classes={"crust-microvm": "crust"})
         try:
             yield node
         finally:

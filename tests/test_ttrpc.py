@@ -341,3 +341,41 @@ def test_socket_alive(tmp_path):
     finally:
         listener.close()
     assert not ttrpc.socket_alive(path)
+
+
+# -- the shim's stdio fifos (real fifos) ---------------------------------------------------------
+
+
+async def test_a_finished_fifo_keeps_its_last_words_until_a_reader_comes(tmp_path):
+    """Output written while nobody reads (containerd away) stays in the pipe;
+    the shim closes its end only once a reader is back, who then reads it
+    all and an end of file."""
+    import errno
+    import os
+
+    from crust.containerd_shim.stdio import open_fifo
+
+    path = tmp_path / "stdout"
+    os.mkfifo(path)
+    writer = open_fifo(str(path))  # no reader: the open does not block
+    await writer.write(b"last words\n")
+    deleted = asyncio.Event()
+    closing = asyncio.ensure_future(writer.close_once_read(deleted, bound=30, interval=0.05))
+    await asyncio.sleep(0.5)
+    assert not closing.done(), "closed with nobody reading: the bytes would be lost"
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        await asyncio.wait_for(closing, 5)
+        assert os.read(reader, 100) == b"last words\n"
+        assert os.read(reader, 100) == b""  # the shim's end is closed: end of file
+    finally:
+        os.close(reader)
+    # A deleted process's fifo is let go at once, reader or not.
+    second = open_fifo(str(path))
+    deleted.set()
+    await asyncio.wait_for(second.close_once_read(deleted, bound=30), 5)
+    assert second.fd is None
+    with pytest.raises(OSError) as caught:
+        os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    assert caught.value.errno == errno.ENXIO  # nobody holds it any more
+    assert open_fifo("") is None

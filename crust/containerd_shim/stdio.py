@@ -7,6 +7,12 @@ restarts), and the pipe keeps what was written until a reader comes back.
 Writes are non-blocking and wait for room through the event loop, so a
 reader that stops reading holds up only its own process's copy, never the
 shim.
+
+Closing is what tells containerd the output ended, and closing the last
+open end of a pipe throws away what it still holds: a process that ended
+while containerd was away would lose its last words. So a finished copy is
+closed only once a reader has the fifo open (containerd, back, reattached
+its log to it), or the task was deleted, or after a bound.
 """
 
 from __future__ import annotations
@@ -50,6 +56,40 @@ class FifoWriter:
         finally:
             if self.fd is not None:
                 loop.remove_writer(self.fd)
+
+    def has_reader(self) -> bool:
+        """Whether someone else has the fifo open for reading: a write-only,
+        non-blocking open fails with ENXIO when no reader is there (so this
+        holds only once our own read-write descriptor is gone)."""
+        try:
+            os.close(os.open(f"/proc/self/fd/{self.fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+            return True
+        except OSError as exc:
+            return exc.errno != errno.ENXIO
+
+    async def close_once_read(self, give_up: asyncio.Event, bound: float, interval: float = 0.25) -> None:
+        """Close once a reader has the fifo open, give_up is set, or bound
+        seconds passed. Meanwhile only a write-only descriptor is held: it
+        keeps what the pipe holds (a pipe's buffer lives while any end is
+        open) without counting as a reader."""
+        if self.fd is None:
+            return
+        try:
+            # Our read-write descriptor is a reader, so this open succeeds.
+            write_only = os.open(f"/proc/self/fd/{self.fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            self.close()
+            return
+        os.close(self.fd)
+        self.fd = write_only
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + bound
+        while not self.has_reader() and not give_up.is_set() and loop.time() < deadline:
+            try:
+                await asyncio.wait_for(give_up.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+        self.close()
 
     def close(self) -> None:
         if self.fd is not None:

@@ -54,6 +54,8 @@ VERSION = "crust-shim-v2"
 HANDLER_TIMEOUT = 300.0
 # How long a process's exit waits for its output to reach the fifos.
 OUTPUT_DRAIN_SECONDS = 10.0
+# How long a finished process's fifos stay open for a containerd that is away.
+FIFO_HOLD_SECONDS = 600.0
 # The VM is gone, and the handler did not say how a process ended.
 VM_GONE_STATUS = 128 + signal.SIGKILL
 
@@ -128,6 +130,8 @@ class Process:
     exit_status: int = 0
     exited_at_ns: int = 0
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when containerd deleted the process: its fifos need no reader any more.
+    deleted: asyncio.Event = field(default_factory=asyncio.Event)
     watcher: asyncio.Task | None = None
 
     @property
@@ -364,9 +368,10 @@ class TaskService:
                         return
                     await asyncio.sleep(0.5)  # the handler restarts: resume at our offsets
         finally:
+            # Closing ends containerd's copy; what the pipe holds must be read first.
             for writer in writers.values():
                 if writer is not None:
-                    writer.close()
+                    asyncio.ensure_future(writer.close_once_read(process.deleted, FIFO_HOLD_SECONDS))
 
     def _exited(self, process: Process, exit_status: int, exited_at_ns: int | None = None) -> None:
         if not process.stop(exit_status, exited_at_ns):
@@ -448,6 +453,7 @@ class TaskService:
         if process.status == RUNNING:
             raise TtrpcError(ttrpc.FAILED_PRECONDITION,
                              f"process {process.id} of container {container.id} is running; kill it first")
+        process.deleted.set()
         if request.exec_id:
             container.execs.pop(request.exec_id, None)
         else:
