@@ -5,7 +5,10 @@ microVM handler; kubelet's CRI side replayed from its public source."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -13,7 +16,11 @@ import grpc
 import pytest
 
 from crust.api import cri_pb2 as cri
-from tests.cri_harness import leftovers_of, private_containerd, processes_naming, shim_pids
+from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
+from crust.kata.qemu import qemu_pids_under
+from crust.kubelet import Container, Pod, VolumeMount
+from tests.cri_harness import KATA_HANDLER, cri_microvm_node, leftovers_of, private_containerd, processes_naming, shim_pids
+from tests.test_handler import wait_until
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 SHIM_RUNTIME = {"crust": "io.containerd.crust.v2"}
@@ -90,3 +97,187 @@ def test_a_pod_fails_clearly_without_the_handler_and_leaves_no_shim(tmp_path):
         assert not shim_pids(containerd), "the shim stays after its only task failed"
         assert not processes_naming(str(containerd.socket))
     assert not leftovers_of(containerd)
+
+
+# -- pods in the microVM -----------------------------------------------------------------------
+
+# The first container writes into both volumes, then runs until a file
+# appears (ExecSync makes it) and exits with a code of its own.
+APP = ("echo hello-from-the-guest; echo ext4 > /ext4/written && echo xfs > /xfs/written && sync && "
+       "ls -n /ext4/written /xfs/written; "
+       "while [ ! -e /ext4/stop ]; do sleep 1; done; echo stopping; exit 7")
+# The second reads what the first wrote, in the same VM and volume.
+READER = "while [ ! -e /ext4/written ]; do sleep 1; done; echo second-sees-$(cat /ext4/written); exit 3"
+
+
+class MountWatch:
+    """An independent watch of the host's mount table: a thread reading
+    /proc/self/mountinfo over and over, noting every line whose device is
+    one of the volumes'."""
+
+    def __init__(self, devices: set[tuple[int, int]]):
+        self.devices = {f"{major}:{minor}" for major, minor in devices}
+        self.seen: list[str] = []
+        self.reads = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with open("/proc/self/mountinfo") as table:
+                for line in table:
+                    if line.split(" ", 3)[2] in self.devices:
+                        self.seen.append(line.strip())
+            self.reads += 1
+            time.sleep(0.005)
+
+    def __enter__(self) -> "MountWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _stats(node, pv, pod) -> dict[str, int]:
+    rsp = node.kubelet.volume_stats(pv, pod)
+    assert not rsp.volume_condition.abnormal, rsp.volume_condition.message
+    b = {u.unit: u for u in rsp.usage}[csi_pb2.VolumeUsage.BYTES]
+    return {"total": b.total, "used": b.used, "available": b.available}
+
+
+def _df(node, container_id: str, path: str) -> dict[str, int]:
+    out = node.runtime.exec_sync(container_id, ["/bin/df", "-P", "-B1", path], timeout=60)
+    assert out.exit_code == 0, out.stderr
+    fields = out.stdout.decode().splitlines()[-1].split()
+    return {"total": int(fields[1]), "used": int(fields[2]), "available": int(fields[3])}
+
+
+def _log(status: cri.ContainerStatus) -> str:
+    try:
+        return Path(status.log_path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _handler_wait(root, container_id: str) -> handler_pb2.ProcessState:
+    """The container's process as the handler sees it, once it exited."""
+    with grpc.insecure_channel(f"unix://{root.path / KATA_HANDLER['endpoint_name']}") as channel:
+        return handler_pb2_grpc.PodRuntimeStub(channel).GetProcess(
+            handler_pb2.GetProcessRequest(container_id=container_id, wait=True), timeout=60)
+
+
+def _pod(node, name: str, volumes: dict, containers: list[Container]) -> Pod:
+    return Pod(uid=f"uid-{name}", name=name, fs_group=2000, host_network=True, runtime_class_name="crust-microvm",
+               volumes=volumes, restart_policy="Never", termination_grace_period_seconds=2, containers=containers)
+
+
+def test_a_pod_runs_in_the_microvm_through_containerd(root):
+    """kubelet -> containerd -> containerd-shim-crust-v2 -> microVM handler ->
+    guest: the image's command runs in the guest and writes into a deferred
+    ext4 and xfs volume (with the pod's fsGroup), ExecSync's df equals
+    NodeGetVolumeStats, ext4 grows online in the guest, a second container
+    shares the VM, containerd restarts under the pod, output and exit codes
+    reach the container log and ContainerStatus, StopPodSandbox stops the VM
+    and releases every claim, and the host's mount table never shows either
+    volume."""
+    with cri_microvm_node(root) as node:
+        ext4, xfs = node.pv("pv-m-ext4", "ext4", size=256 * 1024**2), node.pv("pv-m-xfs", "xfs")
+        image = node.image.name
+        pod = _pod(node, "micro", {"ext4": ext4, "xfs": xfs}, [
+            Container("app", image, command=["/bin/sh", "-c", APP],
+                      volume_mounts=[VolumeMount("ext4", "/ext4"), VolumeMount("xfs", "/xfs")]),
+            Container("reader", image, command=["/bin/sh", "-c", READER],
+                      volume_mounts=[VolumeMount("ext4", "/ext4")])])
+        targets = {str(node.kubelet.start_pod(pv, pod)) for pv in (ext4, xfs)}
+        entries = [node.entry(pod, pv) for pv in (ext4, xfs)]
+        devices = {(e["device-major"], e["device-minor"]) for e in entries}
+        with MountWatch(devices) as watch:
+            sandbox_id = node.runtime.run_pod(pod)
+            status = node.runtime.pod_status(pod)
+            app, reader = status.latest("app"), status.latest("reader")
+            wait_until(lambda: "written" in _log(app), timeout=180, what="the app's writes in the guest")
+            log = _log(app)
+            assert "hello-from-the-guest" in log
+            # Written by the guest with the pod's fsGroup as the file's group.
+            assert " 0 2000 " in " ".join(log.split()) + " ", log
+            # It ran in the guest: no process on the host runs the script.
+            assert not processes_naming("/ext4/written")
+            # One VM and one shim for the pod; the second container ran in it.
+            (vm_pid,) = qemu_pids_under(root.path)
+            assert len(shim_pids(node.containerd)) == 1
+            done = node.runtime.wait_container(reader.id, timeout=120)
+            assert (done.state, done.exit_code) == (cri.CONTAINER_EXITED, 3)
+            assert "second-sees-ext4" in _log(done)
+            assert {(c[0], c[2]) for c in node.claims()} == {(t, sandbox_id) for t in targets}
+
+            # Stats through the Runtime API equal df inside the guest.
+            for pv, path in ((ext4, "/ext4"), (xfs, "/xfs")):
+                assert _stats(node, pv, pod) == _df(node, app.id, path), path
+            # ext4 grows online in the guest while the container runs.
+            before = _df(node, app.id, "/ext4")["total"]
+            grown = 512 * 1024**2
+            node.proxy.controller.ControllerExpandVolume(csi_pb2.ControllerExpandVolumeRequest(
+                volume_id=ext4.volume_handle, capacity_range=csi_pb2.CapacityRange(required_bytes=grown)),
+                timeout=60)
+            node.kubelet.expand(ext4, pod, grown)
+            after = _df(node, app.id, "/ext4")
+            assert after["total"] > before + 200 * 1024**2 and _stats(node, ext4, pod) == after
+
+            # containerd restarts under the running pod: it finds the shim
+            # again and loses nothing.
+            node.containerd.restart(signal.SIGKILL)
+            assert node.runtime.container_status(app.id).state == cri.CONTAINER_RUNNING
+            assert _stats(node, ext4, pod) == _df(node, app.id, "/ext4") == after
+            assert qemu_pids_under(root.path) == [vm_pid] and len(shim_pids(node.containerd)) == 1
+            # The container ends by itself while containerd is away again:
+            # its exit code and its last words still arrive.
+            assert node.runtime.exec_sync(app.id, ["/bin/touch", "/ext4/stop"], timeout=60).exit_code == 0
+            node.containerd.stop(signal.SIGKILL)
+            exited = _handler_wait(root, app.id)
+            assert (exited.status, exited.exit_code) == (handler_pb2.ProcessState.STOPPED, 7)
+            node.containerd.start()
+            ended = node.runtime.wait_container(app.id, timeout=120)
+            assert (ended.state, ended.exit_code) == (cri.CONTAINER_EXITED, 7)
+            wait_until(lambda: "stopping" in _log(ended), timeout=30, what="the app's last line in its log")
+
+            # Kubelet stops the pod: the VM stops and every claim goes.
+            node.runtime.kill_pod(pod)
+            wait_until(lambda: qemu_pids_under(root.path) == [], timeout=120, what="the VM to stop")
+            assert node.claims() == set()
+            node.runtime.remove_pod(pod)
+            for pv in (ext4, xfs):
+                node.kubelet.stop_pod(pv, pod)
+            wait_until(lambda: not shim_pids(node.containerd), timeout=30, what="the pod's shim to exit")
+        assert watch.reads > 100 and watch.seen == [], watch.seen
+
+
+def test_a_killed_vm_is_reported_exited_and_its_claims_released(root):
+    """SIGKILL the pod's QEMU: CRI reports the container exited and the
+    sandbox not ready, and the claim is released; kubelet's stop and
+    removal then end the shim."""
+    with cri_microvm_node(root) as node:
+        pv = node.pv("pv-m-kill", "ext4", size=128 * 1024**2)
+        pod = _pod(node, "killed", {"data": pv}, [
+            Container("app", node.image.name, command=["/bin/sh", "-c", "echo up > /data/up && echo up; sleep 600"],
+                      volume_mounts=[VolumeMount("data", "/data")])])
+        target = str(node.kubelet.start_pod(pv, pod))
+        entry = node.entry(pod, pv)
+        sandbox_id = node.runtime.run_pod(pod)
+        app = node.runtime.pod_status(pod).latest("app")
+        wait_until(lambda: "up" in _log(app), timeout=180, what="the container to run")
+        assert {(c[0], c[2]) for c in node.claims()} == {(target, sandbox_id)}
+        (vm_pid,) = qemu_pids_under(root.path)
+        os.kill(vm_pid, signal.SIGKILL)
+        status = wait_until(lambda: (s := node.runtime.container_status(app.id)).state == cri.CONTAINER_EXITED and s,
+                            timeout=60, what="CRI to report the container exited")
+        assert status.exit_code != 0
+        wait_until(lambda: node.runtime.pod_status(pod).sandboxes[0].state == cri.SANDBOX_NOTREADY, timeout=60,
+                   what="CRI to report the sandbox not ready")
+        wait_until(lambda: node.claims() == set(), timeout=60, what="the claim's release")
+        node.runtime.kill_pod(pod)
+        node.runtime.remove_pod(pod)
+        node.kubelet.stop_pod(pv, pod)
+        wait_until(lambda: not shim_pids(node.containerd), timeout=30, what="the pod's shim to exit")
+        assert node.host_mounts_of(entry) == []

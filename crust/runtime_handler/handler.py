@@ -20,6 +20,7 @@ and released through that source instead of the proxy's registry.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import stat
@@ -49,6 +50,19 @@ log = logging.getLogger(__name__)
 
 State = handler_pb2.GetSandboxResponse.State
 ENTRY_WAIT = 5.0  # how long a CSI mount source may take to appear in the index
+
+
+# A sandbox's work directory holds its VM's unix sockets, whose paths fit in
+# 107 bytes; CRI's sandbox ids have 64 characters. A longer id gets a name
+# derived from it, short enough for the sockets below the default state
+# directories.
+WORKDIR_NAME_MAX = 32
+
+
+def workdir_name(sandbox_id: str) -> str:
+    if len(sandbox_id) <= WORKDIR_NAME_MAX:
+        return sandbox_id
+    return "h-" + hashlib.sha256(sandbox_id.encode()).hexdigest()[:WORKDIR_NAME_MAX - 2]
 
 
 class VolumeView(BaseModel):
@@ -277,7 +291,7 @@ class RuntimeHandler:
         return ""
 
     def _workdir(self, sandbox_id: str) -> Path:
-        return self.state_dir / "run" / sandbox_id
+        return self.state_dir / "run" / workdir_name(sandbox_id)
 
     @staticmethod
     def _rootfs(record: SandboxRecord) -> Path | None:

@@ -90,7 +90,8 @@ class HandlerDaemon:
         if self.make_sandbox is mount_namespace_sandbox:
             # Network namespaces of sandboxes this handler has no record of
             # (killed between making one and recording its sandbox).
-            removed = await asyncio.to_thread(netns.sweep, self.config.state_dir / "run", set(self.handler.sandboxes))
+            removed = await asyncio.to_thread(netns.sweep, self.config.state_dir / "run",
+                                              {self.handler._workdir(s).name for s in self.handler.sandboxes})
             if removed:
                 log.info("removed network namespaces of gone sandboxes", extra={"fields": {"netns": removed}})
         self.daemon.install_signal_handlers()
