@@ -12,14 +12,18 @@ four targets, each started afresh in a temporary root for every run:
 A round runs the four in turn (the order rotating from round to round),
 all with the same ginkgo seed, hence the same order of specs. From
 csi-sanity's JUnit report: the specs run, passed, failed, skipped, pending,
-and each spec's time. Reported: per target, medians over the rounds of the
-time per run spec and each crust target's ratio to the reference; the 10
-specs with the largest crust driver minus reference time.
+and each spec's time; from /proc/PID/stat, before and after csi-sanity,
+the CPU each daemon of the target used (utime + stime of its threads, plus
+cutime + cstime of the commands it ran and reaped: mkfs, mount, ...).
+Reported: per target, medians over the rounds of the time per run spec and
+of each daemon's CPU per suite, each crust target's ratio to the reference
+for both; the 10 specs with the largest crust driver minus reference time.
+--targets runs some of the targets only.
 
 csi-sanity and hostpathplugin (not part of crust) come from $PATH unless
 given. Run from the project root as root (loop devices, mkfs, mount):
 
-    .venv/bin/python bench/conformance_ratio.py [--rounds 3] [--fs ext4] [--json OUT]
+    .venv/bin/python bench/conformance_ratio.py [--rounds 3] [--fs ext4] [--targets T,T] [--json OUT]
 
 What a run makes lives below its temporary root and is removed when the
 run ends, also on Ctrl-C, SIGTERM or failure: processes stopped, mounts
@@ -55,6 +59,7 @@ from bench.benchlib import (  # noqa: E402
     machine_summary,
     not_root,
     others_cores,
+    proc_ticks,
     raise_on_signals,
     rotated,
     run_header,
@@ -75,6 +80,7 @@ from tests.csi_sanity import (  # noqa: E402 - the flags, targets and invocation
 from tests.harness import Root  # noqa: E402
 
 TARGETS = ("reference", "driver", "shim", "proxy")
+DAEMONS = ("driver", "shim", "proxy")
 LABELS = {"reference": "csi-driver-host-path (Go reference)", "driver": "crust driver",
           "shim": "crust shim -> crust driver", "proxy": "crust proxy -> crust shim -> crust driver"}
 COUNTS = ("ran", "passed", "failed", "skipped", "pending")
@@ -137,6 +143,10 @@ class Run:
                                  crust_extra=("--default-fs-type", self.args.fs))
         return chain[-1].socket, [d.proc.pid for d in chain]
 
+    def daemon_names(self, pids: list[int]) -> list[str]:
+        """Each daemon's name, in start_target's order (backend first)."""
+        return ["reference"] if self.target == "reference" else list(DAEMONS[:len(pids)])
+
     def sanity(self, seed: int) -> dict:
         """csi-sanity against the target; its report and what the run cost."""
         code = crust_digest()
@@ -151,6 +161,7 @@ class Run:
         walked = {"loadavg_before": loadavg(), "mountinfo_lines": len(sysmount.mounts()),
                   "loop_nodes": len(loop_names()), "loop_devices_attached": len(sysloop.attached())}
         before = cpu_sample(pids)
+        before_own = {p: proc_ticks(p) for p in pids}
         started = time.monotonic()
         with open(path / "csi-sanity.log", "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=path,
@@ -163,6 +174,10 @@ class Run:
                                f" s (a daemon wedged?): {self.log_tail('csi-sanity.log')}") from None
         wall = time.monotonic() - started
         after = cpu_sample(pids)
+        # Per daemon: its own threads (utime + stime) and the commands it
+        # ran and reaped meanwhile (cutime + cstime: mkfs, blkid, ...).
+        own = {n: (proc_ticks(p) - before_own[p]) / TICK for n, p in zip(self.daemon_names(pids), pids)}
+        whole = {n: (after["pids"][p] - before["pids"][p]) / TICK for n, p in zip(self.daemon_names(pids), pids)}
         if not junit.exists():
             raise RuntimeError(f"csi-sanity wrote no report (exit {proc.returncode}): "
                                f"{self.log_tail('csi-sanity.log')}")
@@ -172,6 +187,8 @@ class Run:
                 "sanity_exit": proc.returncode, "ms_per_spec": round(1e3 * spent / max(1, report["ran"]), 2),
                 "spec_seconds": round(spent, 3), "sanity_wall_seconds": round(wall, 3),
                 "daemons_cpu_seconds": round(sum(after["pids"][p] - before["pids"][p] for p in pids) / TICK, 2),
+                "daemon_cpu_seconds": {n: round(v, 2) for n, v in whole.items()},
+                "daemon_own_cpu_seconds": {n: round(v, 2) for n, v in own.items()},
                 "sanity_cpu_seconds": round((after["own"] - before["own"]) / TICK, 2),
                 "other_processes_cpu_cores": others_cores(before, after), **walked,
                 "spec_ms": {k: round(v * 1e3, 2) for k, v in report["specs"].items()}}
@@ -208,10 +225,15 @@ def summarize(runs: list[dict]) -> dict:
                              **{k: median([r[k] for r in rs]) for k in ("ms_per_spec", "spec_seconds",
                                 "sanity_wall_seconds", "daemons_cpu_seconds", "other_processes_cpu_cores")},
                              "rounds": len(rs)}
+    for t, rs in ((t, rs) for t, rs in by.items() if rs):
+        row = out["targets"][t]
+        for key in ("daemon_cpu_seconds", "daemon_own_cpu_seconds"):
+            row[key] = {n: median([r[key][n] for r in rs]) for n in rs[0][key]}
     ref = out["targets"].get("reference")
     for t, row in out["targets"].items():
         if ref and t != "reference":
-            row["ratio_to_reference"] = round(row["ms_per_spec"] / ref["ms_per_spec"], 1)
+            row["ratio_to_reference"] = round(row["ms_per_spec"] / ref["ms_per_spec"], 2)
+            row["cpu_ratio_to_reference"] = round(row["daemons_cpu_seconds"] / ref["daemons_cpu_seconds"], 2)
     # Per spec, the median over the rounds of the specs every round of a target ran.
     spec_medians = {t: {n: median([r["spec_ms"][n] for r in rs])
                         for n in (set.intersection(*(set(r["spec_ms"]) for r in rs)) if rs else ())}
@@ -235,6 +257,14 @@ def render(summary: dict) -> str:
         ratio = f"{row['ratio_to_reference']}x" if "ratio_to_reference" in row else "(base)"
         lines.append(f"| {LABELS[t]} | " + " | ".join(counts) + f" | {row['ms_per_spec']} | {ratio} "
                      f"| {row['spec_seconds']} | {row['daemons_cpu_seconds']} |")
+    lines += ["", "| target | daemons' CPU per suite, median (s) | / reference | driver | shim | proxy "
+              "| of which their own threads: driver / shim / proxy |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for t, row in summary["targets"].items():
+        ratio = f"{row['cpu_ratio_to_reference']}x" if "cpu_ratio_to_reference" in row else "(base)"
+        each = [str(row["daemon_cpu_seconds"].get(n, "-")) for n in DAEMONS]
+        own = " / ".join(str(row["daemon_own_cpu_seconds"][n]) for n in DAEMONS if n in row["daemon_own_cpu_seconds"])
+        lines.append(f"| {LABELS[t]} | {row['daemons_cpu_seconds']} | {ratio} | " + " | ".join(each)
+                     + f" | {own or row['daemon_own_cpu_seconds'].get('reference')} |")
     lines += ["", ("| spec (10 largest crust driver minus reference, medians) | reference (ms) | driver | shim "
                    "| proxy | driver - reference |"), "|---|---:|---:|---:|---:|---:|"]
     for s in summary["slowest_specs"]:
@@ -253,12 +283,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fs", default="ext4", choices=["ext4", "xfs"],
                    help="crust's file system for mount volumes (csi-sanity names none; default ext4, "
                         "as in docs/conformance.md)")
+    p.add_argument("--targets", default=",".join(TARGETS), metavar="T,T",
+                   help=f"which targets run (default {','.join(TARGETS)}; ratios need the reference)")
     p.add_argument("--timeout", type=float, default=300, metavar="S",
                    help="longest one csi-sanity run may take (default 300)")
     p.add_argument("--json", type=Path, metavar="OUT", help="also write every run's numbers as JSON ('-': stdout)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    args.targets = [t for t in TARGETS if t in args.targets.split(",")]
+    if not args.targets:
+        p.error(f"--targets: some of {','.join(TARGETS)}")
     return args
 
 
@@ -295,7 +330,7 @@ def main(argv=None) -> int:
     def body() -> None:
         print(f"{machine_summary(results['machine'])}; code {results['code']}; load {loadavg(True)}", flush=True)
         for rnd in range(args.rounds):
-            for target in rotated(list(TARGETS), rnd):
+            for target in rotated(args.targets, rnd):
                 current.append(Run(target, args))
                 run = current[-1].sanity(seed=rnd + 1)
                 run["round"] = rnd + 1
@@ -308,7 +343,8 @@ def main(argv=None) -> int:
                 results["runs"].append(run)
                 counts = ", ".join(f"{k} {run[k]}" for k in COUNTS)
                 print(f"round {rnd + 1}/{args.rounds} {LABELS[target]}: {counts}; {run['ms_per_spec']} ms/spec "
-                      f"(csi-sanity {run['sanity_wall_seconds']} s); others {run['other_processes_cpu_cores']} cores, "
+                      f"(csi-sanity {run['sanity_wall_seconds']} s); CPU {run['daemon_cpu_seconds']}; "
+                      f"load {run['loadavg_before']}; others {run['other_processes_cpu_cores']} cores, "
                       f"{run['mountinfo_lines']} mounts, {run['loop_devices_attached']} loop devices"
                       + (f"; FAILED: {run['failed_specs']}" if run["failed"] else ""), flush=True)
         results["summary"] = summarize(results["runs"])
