@@ -1,7 +1,9 @@
 """A directory of pydantic records, one JSON file per record.
 
 Each record is written atomically (crust.common.atomicfile), so a SIGKILL at
-any point leaves every record either old or new. One file per record keeps a
+any point leaves every record either old or new. A rewrite fills the inode
+the previous write replaced (kept as `.KEY.json.spare.tmp`) instead of
+creating one, and a delete removes that spare too. One file per record keeps a
 write O(1) whatever the number of volumes, and a reload is one directory scan.
 The async writes go through aiofiles (crust.common.atomicfile), so an
 fsync never stalls the daemon's event loop; reads are synchronous (a small
@@ -134,16 +136,16 @@ class RecordStore(Generic[Record]):
             self.on_damaged(key)
 
     def put_sync(self, key: str, record: Record) -> None:
-        write_atomic(self._path(key), encode(record))
+        write_atomic(self._path(key), encode(record), reuse=True)
 
     def delete_sync(self, key: str) -> None:
         if not valid_key(key):
             return  # never stored, so nothing to remove
-        remove_durably(self._path(key))
+        remove_durably(self._path(key), spare=True)
 
     async def put(self, key: str, record: Record) -> None:
-        await write_atomic_async(self._path(key), encode(record))
+        await write_atomic_async(self._path(key), encode(record), reuse=True)
 
     async def delete(self, key: str) -> None:
         if valid_key(key):
-            await remove_durably_async(self._path(key))
+            await remove_durably_async(self._path(key), spare=True)
