@@ -176,7 +176,7 @@ def main(argv=None) -> int:
         started = time.monotonic()
         if args.workload == "sanity":
             kube = root.path / "kubelet"
-            kube.mkdir()
+            kube.mkdir(exist_ok=True)
             (root.path / "mutable.yaml").write_text(MUTABLE_YAML)
             with open(root.path / "csi-sanity.log", "ab") as log:
                 subprocess.run(sanity_argv(sanity, chain[-1].socket, kube, root.path / "mutable.yaml"),
