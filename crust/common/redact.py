@@ -23,14 +23,32 @@ _LEASE_FIELDS = frozenset(
     if f.name in ("lease_id", "volume_passphrase"))
 
 
+# What a field is, by its full name: reading a descriptor's options costs
+# more than the rest of the walk, and a daemon logs the same few messages.
+_SECRET: dict[str, bool] = {}
+_MAP_ENTRY: dict[str, bool] = {}
+
+
 def _is_secret(field: FieldDescriptor) -> bool:
-    return field.full_name in _LEASE_FIELDS or field.GetOptions().Extensions[csi_pb2.csi_secret]
+    secret = _SECRET.get(field.full_name)
+    if secret is None:
+        secret = _SECRET[field.full_name] = (field.full_name in _LEASE_FIELDS
+                                             or bool(field.GetOptions().Extensions[csi_pb2.csi_secret]))
+    return secret
+
+
+def _is_map(field: FieldDescriptor) -> bool:
+    """A map field (its message type is a map entry)."""
+    is_map = _MAP_ENTRY.get(field.full_name)
+    if is_map is None:
+        is_map = _MAP_ENTRY[field.full_name] = field.message_type.GetOptions().map_entry
+    return is_map
 
 
 def _scrub(message: Message) -> None:
     for field, value in message.ListFields():
         if _is_secret(field):
-            if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            if field.message_type is not None and _is_map(field):
                 for key in list(value.keys()):
                     value[key] = MASK
             elif field.type == FieldDescriptor.TYPE_STRING:
@@ -40,7 +58,7 @@ def _scrub(message: Message) -> None:
             continue
         if field.type != FieldDescriptor.TYPE_MESSAGE:
             continue
-        if field.message_type.GetOptions().map_entry:
+        if _is_map(field):
             if field.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
                 for item in value.values():
                     _scrub(item)
