@@ -254,19 +254,29 @@ def test_a_pod_runs_in_the_microvm_through_containerd(root):
 
 
 def test_a_killed_vm_is_reported_exited_and_its_claims_released(root):
-    """SIGKILL the pod's QEMU: CRI reports the container exited and the
-    sandbox not ready, and the claim is released; kubelet's stop and
-    removal then end the shim."""
+    """StopContainer's SIGTERM reaches a process in the guest (its own exit
+    code comes back); then SIGKILL the pod's QEMU: CRI reports the other
+    container exited and the sandbox not ready, and the claim is released;
+    kubelet's stop and removal then end the shim."""
     with cri_microvm_node(root) as node:
         pv = node.pv("pv-m-kill", "ext4", size=128 * 1024**2)
         pod = _pod(node, "killed", {"data": pv}, [
             Container("app", node.image.name, command=["/bin/sh", "-c", "echo up > /data/up && echo up; sleep 600"],
-                      volume_mounts=[VolumeMount("data", "/data")])])
+                      volume_mounts=[VolumeMount("data", "/data")]),
+            Container("graceful", node.image.name, command=[
+                "/bin/sh", "-c", "trap 'echo got-term; exit 42' TERM; echo ready; while true; do sleep 1; done"])])
         target = str(node.kubelet.start_pod(pv, pod))
         entry = node.entry(pod, pv)
         sandbox_id = node.runtime.run_pod(pod)
-        app = node.runtime.pod_status(pod).latest("app")
-        wait_until(lambda: "up" in _log(app), timeout=180, what="the container to run")
+        status = node.runtime.pod_status(pod)
+        app, graceful = status.latest("app"), status.latest("graceful")
+        wait_until(lambda: "up" in _log(app) and "ready" in _log(graceful), timeout=180,
+                   what="the containers to run")
+        # Kubelet stops one container: SIGTERM in the guest, its own exit code.
+        assert node.runtime._stop_container(graceful.id, 10) == ""
+        stopped = node.runtime.container_status(graceful.id)
+        assert (stopped.state, stopped.exit_code) == (cri.CONTAINER_EXITED, 42)
+        wait_until(lambda: "got-term" in _log(stopped), timeout=30, what="the trap's line in the log")
         assert {(c[0], c[2]) for c in node.claims()} == {(target, sandbox_id)}
         (vm_pid,) = qemu_pids_under(root.path)
         os.kill(vm_pid, signal.SIGKILL)
