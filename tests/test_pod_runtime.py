@@ -23,13 +23,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from crust.api import handler_pb2, handler_pb2_grpc
+from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.contract.mountinfo import digest
 from crust.kata.direct_volume import entry_name
 from crust.kata.qemu import qemu_pids_under
+from crust.sys import loop as sysloop
 from tests.harness import MIB
 from tests.test_handler import wait_until
-from tests.test_kata import anyone_mounts, holds_device, kata_env, usage_dict
+from tests.test_kata import anyone_mounts, holds_device, kata_env, make_loop_volume, usage_dict
 
 Code = grpc.StatusCode
 Status = handler_pb2.ProcessState.Status
@@ -293,7 +294,6 @@ def test_a_pod_runs_two_containers_in_one_vm_with_deferred_volumes(pod_env):
     code, out, _ = client.exec("two", "df-2", DF)
     assert df_numbers(out)["bytes_total"] > before + 48 * MIB, (before, out)
     assert usage_dict(kenv.stats(ext4).usage) == df_numbers(out)
-
     # Signals reach the container's process; its exit code is the shell's.
     client.stub.SignalProcess(handler_pb2.SignalProcessRequest(container_id="two", signal=signal.SIGTERM),
                               timeout=30)
@@ -396,14 +396,32 @@ def pod_env_short_lease(root):
 
 
 def test_a_restarted_handler_adopts_a_running_pod(pod_env_short_lease):
+    """Also a Kata-style driver's direct volume in a pod: the pod's id is its
+    marker, and `direct-volume stats` answers through the adopted pod."""
     kenv, client = pod_env_short_lease
     v = kenv.volume("pv-pod-r", "ext4")
+    _, device = make_loop_volume(kenv.path, "direct", 64 * MIB, "ext4")
+    try:
+        _adopted_pod(kenv, client, v, device)
+    finally:
+        for pod_id in client.pods():
+            client.delete_pod(pod_id)
+        sysloop.detach_sync(device)
+
+
+def _adopted_pod(kenv, client, v, device: str) -> None:
+    direct = kenv.proxy.target("pod-direct", "pv-direct")
+    entry = kenv.kata_dir / entry_name(str(direct))
+    added = kenv.direct_volume("add", "--volume-path", str(direct), "--mount-info", json.dumps(
+        {"volume-type": "block", "device": device, "fstype": "ext4", "metadata": {}, "options": []}))
+    assert added.returncode == 0, added.stderr
     qemu = client.create_pod("pod-three", kenv.path)
     client.create_container("pod-three", "keeps", container_bundle(
         kenv.path, "keeps", ["/bin/sh", "-c", "echo before; exec sleep 600"],
-        [bind("/vol", v.target)]))
+        [bind("/vol", v.target), bind("/direct", direct)]))
     pid = client.start("keeps")
     assert client.output_until("keeps", b"before\n") == b"before\n"
+    assert sorted(p.name for p in entry.iterdir()) == ["mountInfo.json", "pod-three"]
 
     kenv.handler.kill()
     wait_until(lambda: kenv.handlers()["kata"].lease_expired, timeout=15, what="the lease to expire")
@@ -420,10 +438,18 @@ def test_a_restarted_handler_adopts_a_running_pod(pod_env_short_lease):
     code, out, err = client.exec("keeps", "df-after", DF)
     assert code == 0, err
     assert usage_dict(kenv.stats(v).usage) == df_numbers(out)
+    code, out, err = client.exec("keeps", "df-direct", ["sh", "-c", DF[2].replace("/vol", "/direct")])
+    assert code == 0, err
+    stats = kenv.direct_volume("stats", "--volume-path", str(direct))
+    assert stats.returncode == 0, stats.stderr
+    by_unit = {u["unit"]: u for u in json.loads(stats.stdout)["usage"]}
+    assert int(by_unit[csi_pb2.VolumeUsage.BYTES]["total"]) == df_numbers(out)["bytes_total"], (stats.stdout, out)
     # The container's disk is in the adopted VM's table: its delete detaches it.
     assert client.delete_container("keeps").exit_code == 128 + signal.SIGKILL
     assert kenv.claims() == []
+    assert sorted(p.name for p in entry.iterdir()) == ["mountInfo.json"]   # the marker went with it
     client.delete_pod("pod-three")
     wait_until(lambda: qemu not in qemu_pids_under(kenv.handler.state_dir), what="QEMU to exit")
     assert "could not" not in kenv.handler.log_path.read_text()
     kenv.unpublish(v)
+    assert kenv.direct_volume("remove", "--volume-path", str(direct)).returncode == 0
