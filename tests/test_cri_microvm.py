@@ -291,3 +291,51 @@ def test_a_killed_vm_is_reported_exited_and_its_claims_released(root):
         node.kubelet.stop_pod(pv, pod)
         wait_until(lambda: not shim_pids(node.containerd), timeout=30, what="the pod's shim to exit")
         assert node.host_mounts_of(entry) == []
+
+
+def test_a_restarted_handler_and_a_killed_shim(root):
+    """The handler is killed and started again under a running pod: the
+    shim's output copy and exit wait resume, so the container's last line
+    and exit code still arrive. Then the pod's shim is SIGKILLed: containerd
+    cleans up with `containerd-shim-crust-v2 delete`, which stops the pod in
+    the handler: the container is reported exited, the VM stops, the claim
+    goes."""
+    with cri_microvm_node(root) as node:
+        pv = node.pv("pv-m-restart", "ext4", size=128 * 1024**2)
+        script = "echo up; while [ ! -e /data/stop ]; do sleep 1; done; echo bye; exit 9"
+        first = _pod(node, "restarted", {"data": pv}, [
+            Container("app", node.image.name, command=["/bin/sh", "-c", script],
+                      volume_mounts=[VolumeMount("data", "/data")])])
+        node.kubelet.start_pod(pv, first)
+        node.runtime.run_pod(first)
+        app = node.runtime.pod_status(first).latest("app")
+        wait_until(lambda: "up" in _log(app), timeout=180, what="the container to run")
+        node.env.handler.kill()
+        node.env.handler.start(timeout=120)
+        assert node.runtime.exec_sync(app.id, ["/bin/touch", "/data/stop"], timeout=60).exit_code == 0
+        ended = node.runtime.wait_container(app.id, timeout=120)
+        assert (ended.state, ended.exit_code) == (cri.CONTAINER_EXITED, 9)
+        wait_until(lambda: "bye" in _log(ended), timeout=30, what="the last line after the handler's restart")
+        node.runtime.kill_pod(first)
+        node.runtime.remove_pod(first)
+        node.kubelet.stop_pod(pv, first)
+        assert node.claims() == set()
+
+        second = _pod(node, "orphaned", {"data": pv}, [
+            Container("app", node.image.name, command=["/bin/sh", "-c", "echo up; sleep 600"],
+                      volume_mounts=[VolumeMount("data", "/data")])])
+        target = str(node.kubelet.start_pod(pv, second))
+        sandbox_id = node.runtime.run_pod(second)
+        app = node.runtime.pod_status(second).latest("app")
+        wait_until(lambda: "up" in _log(app), timeout=180, what="the second pod's container to run")
+        assert {(c[0], c[2]) for c in node.claims()} == {(target, sandbox_id)}
+        (shim,) = shim_pids(node.containerd)
+        os.kill(shim, signal.SIGKILL)
+        status = wait_until(lambda: (s := node.runtime.container_status(app.id)).state == cri.CONTAINER_EXITED and s,
+                            timeout=60, what="CRI to report the container exited")
+        assert status.exit_code != 0
+        wait_until(lambda: node.claims() == set(), timeout=120, what="the claim's release by the shim's delete")
+        wait_until(lambda: qemu_pids_under(root.path) == [], timeout=120, what="the VM to stop")
+        node.runtime.kill_pod(second)
+        node.runtime.remove_pod(second)
+        node.kubelet.stop_pod(pv, second)

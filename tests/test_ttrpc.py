@@ -262,9 +262,12 @@ async def test_publisher_waits_for_containerd(tmp_path):
 # -- the task service's answers without a pod --------------------------------------------------
 
 
-async def test_task_service_status_codes(sock, tmp_path):
+async def test_task_service_status_codes(sock, tmp_path, monkeypatch):
     """Unknown ids are NOT_FOUND, bad input INVALID_ARGUMENT, what crust
     does not offer UNIMPLEMENTED: the codes containerd's errdefs map."""
+    from crust.containerd_shim import task
+
+    monkeypatch.setattr(task, "HANDLER_RESTART_SECONDS", 0.5)  # no handler ever comes here
     service = TaskService("unix:///nonexistent/handler.sock", Publisher("", "k8s.io"))
     server = Server()
     server.register_service(task_pb.DESCRIPTOR.services_by_name["Task"], service)

@@ -52,6 +52,8 @@ PROCESS_SPEC_TYPE = "types.containerd.io/opencontainers/runtime-spec/1/Process"
 VERSION = "crust-shim-v2"
 # The handler's calls that start or stop a VM take seconds under TCG.
 HANDLER_TIMEOUT = 300.0
+# How long a call waits for a handler that does not answer (restarting).
+HANDLER_RESTART_SECONDS = 10.0
 # How long a process's exit waits for its output to reach the fifos.
 OUTPUT_DRAIN_SECONDS = 10.0
 # How long a finished process's fifos stay open for a containerd that is away.
@@ -190,10 +192,21 @@ class TaskService:
         return handler_pb2_grpc.PodRuntimeStub(self._channel)
 
     async def _handler(self, method: str, request, what: str, timeout: float = HANDLER_TIMEOUT):
-        try:
-            return await getattr(self.pods, method)(request, timeout=timeout)
-        except grpc.RpcError as exc:
-            raise grpc_to_ttrpc(exc, f"{what} ({method} at {self.handler_endpoint})") from None
+        """One PodRuntime call. A handler that restarts is away for a moment
+        (and the channel backs off after it saw it go): UNAVAILABLE is asked
+        again for a while, which PodRuntime's idempotent calls allow."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + HANDLER_RESTART_SECONDS
+        delay = 0.1
+        while True:
+            try:
+                return await getattr(self.pods, method)(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and loop.time() + delay < give_up:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                raise grpc_to_ttrpc(exc, f"{what} ({method} at {self.handler_endpoint})") from None
 
     async def close(self) -> None:
         for container in self.containers.values():
