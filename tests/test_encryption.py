@@ -37,6 +37,7 @@ from crust.kata.direct_volume import DirectVolumes
 from crust.sys import mount as sysmount
 from tests.harness import MIB
 from tests.test_handler import Env, Vol
+from tests.test_kata import DF_SCRIPT, anyone_mounts, guest_df, kata_env, usage_dict
 
 Code = grpc.StatusCode
 AccessMode = csi_pb2.VolumeCapability.AccessMode
@@ -175,6 +176,12 @@ def test_the_parameter_is_kept_in_the_volume_context_and_an_unknown_value_is_ref
     # Nothing was made for the refused one.
     names = {e.volume.volume_id for e in driver.controller.ListVolumes(csi_pb2.ListVolumesRequest()).entries}
     assert len(names) == 2
+    # The file system is made inside, after the LUKS2 header: xfs's 300 MiB
+    # minimum is the inside's, so the volume is 16 MiB larger.
+    xfs = driver.controller.CreateVolume(csi_pb2.CreateVolumeRequest(
+        name="enc-xfs", capacity_range=csi_pb2.CapacityRange(required_bytes=300 * MIB),
+        volume_capabilities=[cap("xfs")], parameters={encryption.PARAMETER: "luks2"}), timeout=60).volume
+    assert xfs.capacity_bytes >= 300 * MIB + encryption.HEADER_BYTES
 
 
 @pytest.fixture
@@ -266,3 +273,93 @@ def test_the_host_never_formats_mounts_or_writes_down_an_encrypted_volume(env):
     for daemon in (env.handler, env.proxy, env.shim, env.driver):
         daemon.stop()
     assert files_holding(env.path, PASSPHRASE.encode()) == []
+
+
+# -- in the microVM guest ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def kenv(root):
+    yield from kata_env(root)
+
+
+def guest_script(*steps: str) -> str:
+    return " && ".join(steps)
+
+
+def test_an_encrypted_volume_is_opened_formatted_grown_and_restored_in_the_guest_only(kenv):
+    enc = Encrypted(kenv)
+    v = enc.create("pv-luks")
+    enc.publish(v)
+    backing = enc.backing_file(v)
+
+    # A blank volume: the guest luksFormats it, makes ext4 inside, the pod writes.
+    write = kenv.bundle("luks-w", guest_script(
+        f"printf {MARKER.decode()} > /data/marker", "sync", DF_SCRIPT.format(path="/data"), "echo WRITTEN",
+        "exec sleep 600"), [("/data", str(v.target))])
+    kenv.run_ok(write, "sb-luks-w")
+    console = kenv.wait_console("sb-luks-w", "WRITTEN", timeout=120)
+    assert anyone_mounts(v.majmin) == [], "a host process has the guest's file system mounted"
+    first = kenv.stats(v)
+    assert not first.volume_condition.abnormal, first.volume_condition.message
+    assert usage_dict(first.usage) == guest_df(console)
+
+    # Online expansion: the disk, then the LUKS2 mapping, then ext4, in the guest.
+    before = usage_dict(first.usage)["bytes_total"]
+    assert kenv.expand(v, 96 * MIB) >= 96 * MIB
+    after = usage_dict(kenv.stats(v).usage)["bytes_total"]
+    assert after > before + 24 * MIB, (before, after)
+    kenv.delete("sb-luks-w")
+    assert kenv.claims() == []
+
+    # The host's disks hold ciphertext only: a LUKS2 header, no marker, no
+    # file system magic, on the backing file and on the loop device.
+    assert_ciphertext_only([backing, v.device], "ext4")
+    probe = subprocess.run(["blkid", "-p", "-o", "value", "-s", "TYPE", v.device], capture_output=True, text=True,
+                           check=False)
+    assert probe.stdout.strip() == "crypto_LUKS"
+
+    # A wrong passphrase: the sandbox fails, saying why, and nothing changed.
+    kenv.unpublish(v)
+    enc.publish(v, passphrase=WRONG)
+    written = sha256_of(backing)
+    out = kenv.run(kenv.bundle("luks-bad", "exec sleep 600", [("/data", str(v.target))]), "sb-luks-bad")
+    assert out.returncode != 0 and "FAILED_PRECONDITION" in out.stderr and "passphrase" in out.stderr, out.stderr
+    assert kenv.claims() == [] and kenv.sandboxes() == {}
+    assert sha256_of(backing) == written, "a refused passphrase changed the volume"
+
+    # The right one again, in a new sandbox: the data reads back, in the grown file system.
+    kenv.unpublish(v)
+    enc.publish(v)
+    read = kenv.bundle("luks-r", guest_script(
+        "echo read-back: $(cat /data/marker)", DF_SCRIPT.format(path="/data"), "echo READ", "exec sleep 600"),
+        [("/data", str(v.target))])
+    kenv.run_ok(read, "sb-luks-r")
+    console = kenv.wait_console("sb-luks-r", "READ", timeout=120)
+    assert f"read-back: {MARKER.decode()}" in console
+    assert guest_df(console)["bytes_total"] == after
+    kenv.delete("sb-luks-r")
+
+    # A snapshot restored into a new volume is the same ciphertext: the same key opens it.
+    snap = kenv.proxy.controller.CreateSnapshot(csi_pb2.CreateSnapshotRequest(
+        name="snap-luks", source_volume_id=v.volume_id), timeout=60).snapshot
+    source = csi_pb2.VolumeContentSource(snapshot=csi_pb2.VolumeContentSource.SnapshotSource(
+        snapshot_id=snap.snapshot_id))
+    restored = enc.create("pv-luks-restored", source=source, size=96 * MIB)
+    enc.publish(restored)
+    assert head(restored.device, 6) == LUKS2_MAGIC
+    kenv.run_ok(kenv.bundle("luks-snap", guest_script("echo restored: $(cat /data/marker)", "echo RESTORED",
+                                                      "exec sleep 600"), [("/data", str(restored.target))]),
+                "sb-luks-snap")
+    assert f"restored: {MARKER.decode()}" in kenv.wait_console("sb-luks-snap", "RESTORED", timeout=120)
+    kenv.delete("sb-luks-snap")
+    assert_ciphertext_only([enc.backing_file(restored)], "ext4")
+
+    # After a whole life, the passphrase is nowhere on the host's disks: no
+    # state, record, entry, backing file, console or log of any daemon.
+    kenv.unpublish(restored)
+    kenv.unpublish(v)
+    for daemon in (kenv.handler, kenv.proxy, kenv.shim, kenv.driver):
+        daemon.stop()
+    assert files_holding(kenv.path, PASSPHRASE.encode()) == []
+    assert files_holding(kenv.path, WRONG.encode()) == []

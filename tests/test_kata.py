@@ -139,9 +139,13 @@ class KataEnv(Env):
 def kata_env(root, proxy_extra=()):
     """driver -> shim -> proxy, and `crust kata handler` registered with it;
     its sandboxes deleted at the end. Root.close() then stops the daemons and
-    kills this root's QEMU processes."""
+    kills this root's QEMU processes. CRUST_TEST_KATA_CACHE names another
+    guest image cache than the default (a tree whose guest agent differs
+    from the one other trees build into the shared cache)."""
+    cache = os.environ.get("CRUST_TEST_KATA_CACHE")
     e = KataEnv(root, proxy_extra=proxy_extra, start_handler=False, name="kata", endpoint_name="kata.sock",
-                command=("kata", "handler"), extra=["--kata-dir", str(root.path / "kata")])
+                command=("kata", "handler"),
+                extra=["--kata-dir", str(root.path / "kata"), *(["--cache", cache] if cache else [])])
     e.handler.start(timeout=900)  # builds the guest image if it is missing
     try:
         yield e

@@ -18,6 +18,9 @@ SUPPORTED = (LUKS2,)
 # The key of the passphrase in NodePublishVolumeRequest.secrets (the
 # Secret named by csi.storage.k8s.io/node-publish-secret-name/-namespace).
 PASSPHRASE_KEY = "passphrase"
+# LUKS2's default data offset: the file system inside is this much smaller
+# than the device (an xfs volume needs 300 MiB inside).
+HEADER_BYTES = 16 * 1024 * 1024
 # A LUKS2 passphrase is read by cryptsetup up to 8 MiB; a secret that large
 # is a mistake, and it would sit in every claim answer.
 MAX_PASSPHRASE_BYTES = 512

@@ -257,6 +257,9 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         fs_types = {c.mount.fs_type for c in request.volume_capabilities if c.HasField("mount") and c.mount.fs_type}
         fs_types.add(params.get(PARAM_FS_TYPE, self.config.default_fs_type) if "mount" in kinds else "")
         minimum = max([MIN_SIZE] + [fs.MIN_SIZE.get(t, 0) for t in fs_types])
+        if params.get(PARAM_ENCRYPTION):
+            # The file system is made inside the LUKS2 volume, after its header.
+            minimum += encryption.HEADER_BYTES
 
         source = ContentSource()
         source_file = None

@@ -269,6 +269,29 @@ class AgentClient:
         """Refused (AgentRefused) when the subpath leaves the volume: '..' or a symlink."""
         await self.request("checkpath", root, b64(subpath))
 
+    async def luksopen(self, serial: str, fs_type: str, name: str, passphrase: bytearray,
+                       timeout: float = 180.0) -> bool:
+        """Open the LUKS2 volume on the disk with this serial as /dev/mapper/name;
+        a blank disk is luksFormatted and formatted with fs_type inside first
+        (returns True then). The passphrase is one word of this request on the
+        VM's private serial line, nowhere else; the encoded copy is wiped."""
+        encoded = bytearray(base64.urlsafe_b64encode(passphrase))
+        try:
+            # The request line is built from str words: its copies are freed, not wiped.
+            answer = await self.request("luksopen", serial, fs_type, name, encoded.decode(), timeout=timeout)
+        finally:
+            for i in range(len(encoded)):
+                encoded[i] = 0
+        return answer.fields.get("formatted") == "1"
+
+    async def luksresize(self, target: str, timeout: float = 60.0) -> bool:
+        """Grow the opened LUKS2 volume mounted at target to its grown disk
+        (False: target is no encrypted volume, nothing to do)."""
+        return (await self.request("luksresize", target, timeout=timeout)).fields.get("resized") == "1"
+
+    async def luksclose(self, name: str, timeout: float = 60.0) -> None:
+        await self.request("luksclose", name, timeout=timeout)
+
     async def kill(self, pid: int) -> None:
         await self.request("kill", str(pid))
 

@@ -52,7 +52,8 @@ def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "a
                 loop.remove_signal_handler(sig)
         log.info("accelerator", extra={"fields": {"accel": vm_config.accel, "requested": accel, "reason": reason}})
         # PodRuntime (containerd's crust shim): one VM per pod, its containers inside.
+        # The guest opens LUKS2 volumes: the proxy hands this handler their keys.
         await HandlerDaemon(config, make_sandbox=make_sandbox, direct_source=direct,
-                            extensions=[PodRuntimeExtension]).run()
+                            extensions=[PodRuntimeExtension], extra_features=("luks2",)).run()
 
     asyncio.run(main())

@@ -59,7 +59,12 @@ SBIN_PATH = "/usr/sbin:/sbin:/usr/bin:/bin"
 # alone costs about half a second of boot under software emulation). The
 # serial ports (8250) are built into both kernels: no virtio-serial needed.
 BOOT_MODULES = ("virtio_pci", "virtio_blk")
-FS_MODULES = {"ext4": ("ext4",), "xfs": ("xfs",)}
+FS_MODULES = {"ext4": ("ext4",), "xfs": ("xfs",),
+              # LUKS2 volumes (agent's luksopen): dm-crypt, the xts mode over
+              # the built-in aes (ecb is what xts asks for by name, which no
+              # modprobe in the guest could load), and the kernel crypto API
+              # for user space that cryptsetup uses for key slots.
+              "crypt": ("dm_crypt", "xts", "ecb", "algif_skcipher")}
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ HOST_TOOLS = {
     # unshare: a container's process starts chrooted with its user and
     # working directory (--root, --wd, --setuid, --setgid; busybox's lacks them).
     "util-linux": ("blkid", "unshare"),
+    "cryptsetup-bin": ("cryptsetup",),
 }
 TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
 HOST_CONFIG = ("/etc/mke2fs.conf",)

@@ -475,6 +475,8 @@ class Pods:
                     try:
                         if alive:
                             await sandbox.unmount(volume.mount_point)
+                            if volume.encrypted_name:
+                                await sandbox.close_encrypted(volume.encrypted_name)
                             await sandbox.detach(volume.device)
                         await self.handler._release(volume, pod.sandbox_id, "")
                         record.volumes.pop(key, None)

@@ -104,6 +104,21 @@ class KataSandbox(Sandbox):
             await self._agent(self.vm.attach_disk(device, serial))
         return serial
 
+    async def open_encrypted(self, device: str, scheme: str, fs_type: str, passphrase: bytearray,
+                             name: str) -> str:
+        """The guest opens it (luksFormat and mkfs first when blank): the
+        key goes over the VM's private serial line only."""
+        if scheme != "luks2":
+            raise FailedPrecondition(f"sandbox {self.id}: encryption {scheme!r} is not supported (luks2 is)")
+        formatted = await self._agent(self.vm.agent.luksopen(device, fs_type, name, passphrase))
+        log.info("encrypted volume opened in the guest", extra={"fields": {
+            "sandbox": self.id, "name": name, "formatted": formatted}})
+        return name
+
+    async def close_encrypted(self, name: str) -> None:
+        if self.alive():
+            await self._agent(self.vm.agent.luksclose(name))
+
     async def mount(self, device, fs_type, options, readonly, mount_point) -> None:
         opts = list(options) + (["nouuid"] if fs_type == "xfs" and "nouuid" not in options else [])
         await self._agent(self.vm.agent.mount(device, fs_type, opts, readonly, mount_point))
@@ -142,6 +157,9 @@ class KataSandbox(Sandbox):
         # The host device already grew (the shim asked the backend); QEMU
         # tells the guest, then the guest grows its mounted file system.
         await self._agent(self.vm.resize_disk(serial_of(device)))
+        # An encrypted volume's mapping grows first (no key needed: the
+        # volume key is in the guest's dm table); a plain one is left be.
+        await self._agent(self.vm.agent.luksresize(mount_point))
         await self._agent(self.vm.agent.grow(mount_point))
 
     async def unmount(self, mount_point: str) -> None:

@@ -72,6 +72,13 @@ check_path() {  # absolute, no "..", no characters that /proc/mounts escapes
   esac
 }
 
+kernel_dev() {  # a mount source -> the kernel's node for it (/dev/mapper/crypt-x -> /dev/dm-0)
+  case $1 in
+    /dev/mapper/*) link=$(readlink "$(dm_sysfs "$1")") && echo "/dev/${link##*/}" || echo "$1" ;;
+    *) echo "$1" ;;
+  esac
+}
+
 mount_line() {  # target -> its (last) line of /proc/mounts, or nothing
   awk -v t="$1" '$2 == t { l = $0 } END { if (l != "") print l }' /proc/mounts
 }
@@ -124,7 +131,10 @@ cmd_mount() {  # serial fstype options-b64 ro|rw target
   case $mode in ro|rw) ;; *) fail "mode must be ro or rw, not $mode" ;; esac
   case $options in *[!A-Za-z0-9_.,=:/+@-]*) fail "unsupported characters in mount options" ;; esac
   check_path "$target"
-  dev=$(find_disk "$serial") || fail "no virtio disk with serial $serial after ${DISK_WAIT_SECONDS}s"
+  case $serial in
+    crypt-*) [ -b "/dev/mapper/$serial" ] || fail "no opened encrypted volume $serial"; dev=mapper/$serial ;;
+    *) dev=$(find_disk "$serial") || fail "no virtio disk with serial $serial after ${DISK_WAIT_SECONDS}s" ;;
+  esac
   line=$(mount_line "$target")
   if [ -n "$line" ]; then
     set -- $line
@@ -175,6 +185,7 @@ cmd_stats() {  # target
   [ -n "$line" ] || fail "not mounted: $1"
   target=$1
   set -- $line
+  set -- "$(kernel_dev "$1")" "$2" "$3" "$4"
   dev=${1#/dev/} fstype=$3 mode=${4%%,*}
   errors=0
   [ -r "/sys/fs/ext4/$dev/errors_count" ] && errors=$(cat "/sys/fs/ext4/$dev/errors_count")
@@ -190,6 +201,7 @@ cmd_grow() {  # target: grow the mounted file system to its (grown) device
   [ -n "$line" ] || fail "not mounted: $1"
   target=$1
   set -- $line
+  set -- "$(kernel_dev "$1")" "$2" "$3"
   case $3 in
     xfs) xfs_growfs "$target" >&2 || fail "xfs_growfs $target failed" ;;
     ext2|ext3|ext4) resize2fs "$1" >&2 || fail "resize2fs $1 failed" ;;
@@ -397,6 +409,91 @@ cmd_umountall() {  # root: unmount root and every mount below it, the last mount
   echo "unmounted=$n"
 }
 
+# -- encrypted volumes (LUKS2) --------------------------------------------------------
+# The key arrives as one word of the request (URL-safe base64) over this
+# private serial line and goes to cryptsetup on stdin only: printf is a
+# shell builtin, so no command line in the guest's ps ever holds it, and no
+# message of these commands repeats it. cryptsetup runs with
+# --disable-keyring: the volume key stays in the dm table, so a resize
+# needs no passphrase.
+
+luks_key() {  # key-b64 -> the key's bytes on stdout (never echoes the input)
+  printf '%s' "$1" | tr '_-' '/+' | base64 -d
+}
+
+dm_sysfs() {  # block device node -> its /sys/dev/block directory
+  set -- $(stat -L -c '%t %T' "$1") || return 1
+  echo "/sys/dev/block/$((0x$1)):$((0x$2))"
+}
+
+check_dm_name() {
+  case $1 in crypt-*) ;; *) fail "bad encrypted volume name: $1" ;; esac
+  case $1 in *[!a-z0-9-]*) fail "bad encrypted volume name: $1" ;; esac
+}
+
+cmd_luksopen() {  # serial fstype name key-b64: open a LUKS2 volume; a blank device is luksFormatted
+  # (then formatted with fstype inside) first; a LUKS2 one is only opened; anything else is refused
+  [ $# -eq 4 ] || fail "usage: luksopen <serial> <fstype> <name> <key-b64>"
+  serial=$1 fstype=$2 dm=$3
+  case $serial in ''|*[!A-Za-z0-9_.-]*) fail "bad serial: $serial" ;; esac
+  case $fstype in ext4|xfs) ;; *) fail "bad file system type: $fstype" ;; esac
+  check_dm_name "$dm"
+  case $4 in ''|-|*[!A-Za-z0-9_=-]*) fail "the key is not URL-safe base64" ;; esac
+  dev=$(find_disk "$serial") || fail "no virtio disk with serial $serial after ${DISK_WAIT_SECONDS}s"
+  if [ -b "/dev/mapper/$dm" ]; then echo "device=mapper/$dm already=1"; return 0; fi
+  load_fs_modules crypt
+  load_fs_modules "$fstype"
+  # -p: probe the device itself (no cache); nothing found is exit code 2.
+  kind=$(/sbin/blkid -p -o value -s TYPE "/dev/$dev") || kind=
+  fresh=0
+  case $kind in
+    crypto_LUKS) ;;
+    '')
+      # pbkdf2 with the minimum iterations: argon2's memory-hard defaults
+      # (up to 1 GiB) do not fit this VM and take seconds under emulation;
+      # the passphrase is a random Secret, not a password (docs/design.md).
+      luks_key "$4" | cryptsetup luksFormat --batch-mode --type luks2 --pbkdf pbkdf2 \
+        --pbkdf-force-iterations 1000 --key-file=- "/dev/$dev" >&2 ||
+        fail "luksFormat of $dev failed"
+      fresh=1 ;;
+    *) fail "$dev holds $kind, not LUKS: an encrypted volume must be blank or LUKS2 (refusing to format over it)" ;;
+  esac
+  if ! luks_key "$4" | cryptsetup open --type luks2 --disable-keyring --key-file=- "/dev/$dev" "$dm" \
+      2>"$RUN/luks.err"; then
+    fail "cannot open the LUKS2 volume on $dev: $(tail -n 1 "$RUN/luks.err") (wrong passphrase?)"
+  fi
+  if [ "$fresh" = 1 ]; then
+    case $fstype in
+      ext4) /sbin/mke2fs -t ext4 -q -F "/dev/mapper/$dm" >&2 ;;
+      xfs) /sbin/mkfs.xfs -q "/dev/mapper/$dm" >&2 ;;
+    esac || { cryptsetup close "$dm"; fail "mkfs.$fstype inside the LUKS2 volume on $dev failed"; }
+  fi
+  echo "device=mapper/$dm formatted=$fresh"
+}
+
+cmd_luksresize() {  # target: grow the opened LUKS2 volume mounted there to its (grown) disk
+  [ $# -eq 1 ] || fail "usage: luksresize <target>"
+  check_path "$1"
+  line=$(mount_line "$1")
+  [ -n "$line" ] || fail "not mounted: $1"
+  set -- $line
+  case $1 in /dev/mapper/crypt-*) ;; *) echo "resized=0"; return 0 ;; esac
+  cryptsetup resize "${1#/dev/mapper/}" >&2 || fail "cryptsetup resize ${1#/dev/mapper/} failed"
+  echo "resized=1 devsize=$(($(cat "$(dm_sysfs "$1")/size") * 512))"
+}
+
+cmd_luksclose() {  # name: close an opened LUKS2 volume (already closed is success)
+  [ $# -eq 1 ] || fail "usage: luksclose <name>"
+  check_dm_name "$1"
+  [ -b "/dev/mapper/$1" ] || { echo "closed=0"; return 0; }
+  # The containers' views of the volume (binds of it) go first, newest first.
+  for m in $(awk -v d="/dev/mapper/$1" '$1 == d { print $2 }' /proc/mounts | tac); do
+    umount "$m" || fail "umount $m (a view of $1) failed"
+  done
+  cryptsetup close "$1" || fail "cryptsetup close $1 failed"
+  echo "closed=1"
+}
+
 dispatch() {
   cmd=$1
   [ $# -gt 0 ] && shift
@@ -420,6 +517,9 @@ dispatch() {
     umountall) cmd_umountall "$@" ;;
     forget) cmd_forget "$@" ;;
     readonly) cmd_readonly "$@" ;;
+    luksopen) cmd_luksopen "$@" ;;
+    luksresize) cmd_luksresize "$@" ;;
+    luksclose) cmd_luksclose "$@" ;;
     *) fail "unknown command: ${cmd:-(none)}" ;;
   esac
 }

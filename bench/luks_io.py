@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Sequential write and read throughput in the microVM guest: an encrypted
+(LUKS2, dm-crypt in the guest) volume against a plain one, side by side.
+
+    sudo .venv/bin/python bench/luks_io.py [--runs 3] [--mib 128] [--accel tcg] [--json [OUT]]
+
+One guest (the handler's cloud image, as sandboxes run it), two volumes of
+the same size on loop devices over sparse files, hot-plugged as virtio-blk:
+"plain" (ext4 made on the host, as the shim does) and "luks2" (blank; the
+agent's `luksopen` formats it with LUKS2 and makes ext4 inside, as a
+sandbox does). Per run and volume (order alternating): busybox dd of
+--mib MiB from /dev/zero, fsync'd, buffered and O_DIRECT; the caches in the
+guest and on the host dropped; the file read back. Times are taken inside
+the guest. Everything made is removed at the end, also on a signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.benchlib import (
+    guarded_run_then_write,
+    loadavg,
+    not_root,
+    raise_on_signals,
+    report_failure,
+    run_header,
+    summary,
+)
+from bench.harness_guest_io import GuestIo, evict_block_device, evict_file, run_then
+from bench.harness_kata import kata_machine
+from crust.kata.image import DEFAULT_CACHE, build
+from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
+from crust.sys import loop as sysloop
+from tests.harness import MIB
+
+MODES = ("buffered", "direct")
+SIDES = ("plain", "luks2")
+MEMORY_MIB = 512
+HEADER_MIB = 16  # LUKS2's default data offset: the encrypted volume is that much larger
+KEY = os.urandom(32)
+OUT = sys.stdout
+
+
+def say(text: str = "") -> None:
+    print(text, file=OUT, flush=True)
+
+
+class LuksVm:
+    def __init__(self, mib: int):
+        self.base = Path(tempfile.mkdtemp(prefix="crust-lb-"))
+        self.fs_mib = mib * 2 + 64
+        self.files: dict[str, Path] = {}
+        self.devices: dict[str, str] = {}
+        self.vm: Vm | None = None
+        self.io: GuestIo | None = None
+
+    def prepare(self, image, accel: str) -> None:
+        for side in SIDES:
+            f = self.files[side] = self.base / f"{side}.img"
+            with open(f, "wb") as fh:
+                fh.truncate((self.fs_mib + (HEADER_MIB if side == "luks2" else 0)) * MIB)
+            if side == "plain":
+                subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", str(f)],
+                               check=True, capture_output=True, timeout=120)
+            self.devices[side] = subprocess.run(["losetup", "--find", "--show", "--nooverlap", str(f)],
+                                                check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+        self.vm = Vm("crust-lb-io", self.base / "vm", VmConfig(kernel=image.kernel, initrd=image.initrd,
+                                                                 accel=accel, memory_mib=MEMORY_MIB))
+
+    async def boot(self) -> dict:
+        boot = await self.vm.start()
+        self.io = GuestIo(self.vm)
+        for side in SIDES:
+            await self.vm.attach_disk(self.devices[side], f"lb{side}")
+        await self.vm.agent.mount("lbplain", "ext4", [], False, "/mnt/plain")
+        t0 = time.monotonic()
+        await self.vm.agent.luksopen("lbluks2", "ext4", "crypt-lb", bytearray(KEY))
+        format_s = time.monotonic() - t0
+        await self.vm.agent.mount("crypt-lb", "ext4", [], False, "/mnt/luks2")
+        t0 = time.monotonic()
+        await self.vm.agent.umount("/mnt/luks2")
+        await self.vm.agent.luksclose("crypt-lb")
+        await self.vm.agent.luksopen("lbluks2", "ext4", "crypt-lb", bytearray(KEY))
+        reopen_s = time.monotonic() - t0
+        await self.vm.agent.mount("crypt-lb", "ext4", [], False, "/mnt/luks2")
+        return {"boot_s": round(boot, 2), "luks_format_and_mkfs_s": round(format_s, 2),
+                "luks_close_and_reopen_s": round(reopen_s, 2)}
+
+    async def write_read(self, side: str, direct: bool, mib: int) -> tuple[float, float]:
+        f = f"/mnt/{side}/lb.dat"
+        wflag, rflag = (" oflag=direct", " iflag=direct") if direct else ("", "")
+        await self.io.run(f"rm -f {f}; sync")
+        w, _ = await self.io.timed(f"dd if=/dev/zero of={f} bs=1M count={mib}{wflag} conv=fsync")
+        await self.io.run("sync; echo 3 > /proc/sys/vm/drop_caches")
+        evict_block_device(self.devices[side])
+        evict_file(self.files[side])
+        rd, _ = await self.io.timed(f"dd if={f} of=/dev/null bs=1M{rflag}")
+        return w, rd
+
+    async def stop_vm(self) -> None:
+        if self.vm is not None:
+            try:
+                await asyncio.wait_for(self.vm.stop(timeout=30), 60)
+            except Exception:  # noqa: BLE001 - the forced cleanup follows
+                await self.vm.kill()
+
+    def clean_up(self) -> list[str]:
+        """Only what this run made: its QEMU, its loop devices, its directory."""
+        problems = []
+        for pid in qemu_pids_under(self.base):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        for _ in range(50):
+            if not qemu_pids_under(self.base):
+                break
+            time.sleep(0.1)
+        prefix = str(self.base.resolve()) + "/"
+        for device, backing in sysloop.attached().items():
+            if backing.startswith(prefix):
+                r = subprocess.run(["losetup", "-d", device], capture_output=True, text=True)
+                if r.returncode != 0:
+                    problems.append(f"losetup -d {device}: {r.stderr.strip()}")
+        shutil.rmtree(self.base, ignore_errors=True)
+        return problems
+
+
+async def measure(args, lvm: LuksVm) -> dict:
+    image = build(args.cache, "cloud")
+    lvm.prepare(image, args.accel)
+    setup = await lvm.boot()
+    say(f"guest image {image.digest[:16]} ({image.manifest.get('kernel_release')}); VM up in {setup['boot_s']} s; "
+        f"luksFormat + open + mkfs.ext4 {setup['luks_format_and_mkfs_s']} s, close + open "
+        f"{setup['luks_close_and_reopen_s']} s")
+    mbps = lambda seconds: args.mib * MIB / 1e6 / seconds
+    samples = {side: {mode: {"write": [], "read": []} for mode in MODES} for side in SIDES}
+    for r in range(args.runs):
+        order = SIDES if r % 2 == 0 else SIDES[::-1]
+        line = []
+        for side in order:
+            for mode in MODES:
+                w, rd = await lvm.write_read(side, mode == "direct", args.mib)
+                samples[side][mode]["write"].append(mbps(w))
+                samples[side][mode]["read"].append(mbps(rd))
+                line.append(f"{side} {mode[:3]} w {mbps(w):.0f} r {mbps(rd):.0f}")
+        say(f"run {r + 1} (MB/s): " + ", ".join(line))
+    mb = {side: {mode: {k: summary(v, 1) for k, v in d.items()} for mode, d in per.items()}
+          for side, per in samples.items()}
+    ratio = {mode: {k: round(mb["luks2"][mode][k]["median"] / mb["plain"][mode][k]["median"], 2)
+                    for k in ("write", "read")} for mode in MODES}
+    say(f"{'volume':<28}{'write MB/s: median (min-max)':>30}{'read MB/s: median (min-max)':>30}")
+    for mode in MODES:
+        for side in SIDES:
+            w, rd = mb[side][mode]["write"], mb[side][mode]["read"]
+            say(f"{mode + ', ' + side:<28}{w['median']:>16.0f} ({w['min']:.0f}-{w['max']:.0f})"
+                f"{rd['median']:>18.0f} ({rd['min']:.0f}-{rd['max']:.0f})")
+        say(f"{mode}: luks2/plain (medians) write {ratio[mode]['write']:.2f}x, read {ratio[mode]['read']:.2f}x")
+    return {**setup, "mib": args.mib, "runs": args.runs, "accel": args.accel, "guest_memory_mib": MEMORY_MIB,
+            "guest_kernel": image.manifest.get("kernel_release"), "mb_per_s": mb, "ratio_luks2_over_plain": ratio,
+            "samples_mb_per_s": {s: {m: {k: [round(x, 1) for x in v] for k, v in d.items()}
+                                     for m, d in per.items()} for s, per in samples.items()}}
+
+
+def main(argv=None) -> int:
+    global OUT
+    p = argparse.ArgumentParser(prog="luks_io.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=3, metavar="N", help="runs per volume and mode (default 3)")
+    p.add_argument("--mib", type=int, default=128, metavar="MIB", help="MiB written and read per run (default 128)")
+    p.add_argument("--accel", default="tcg", choices=["tcg", "kvm"], help="QEMU accelerator (default tcg)")
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"guest image cache (default {DEFAULT_CACHE})")
+    p.add_argument("--json", nargs="?", const="-", metavar="OUT",
+                   help="write the results as JSON to OUT, or to stdout (progress then goes to stderr)")
+    args = p.parse_args(argv)
+    if args.runs < 1 or not 1 <= args.mib <= 1024:
+        p.error("--runs must be at least 1, --mib 1 to 1024")
+    if not_root("luks_io.py", "loop devices, QEMU"):
+        return 2
+    if args.json == "-":
+        OUT = sys.stderr
+    raise_on_signals()
+    results: dict = {**run_header("luks_io", argv, kata_machine()), "loadavg_start": loadavg()}
+    m = results["machine"]
+    say(f"crust encrypted volume I/O in the guest ({results['code']})\nmachine: {m['cpus']} CPUs {m['cpu_model']}, "
+        f"{m['memory']}, Linux {m['kernel']}, {m['qemu']}; accelerator {args.accel}; load {results['loadavg_start']}")
+    lvm = LuksVm(args.mib)
+
+    def run() -> None:
+        try:
+            results["io"] = asyncio.run(run_then(lambda: measure(args, lvm), lvm.stop_vm))
+        finally:
+            problems = lvm.clean_up()
+            if problems:
+                results["teardown_problems"] = problems
+        results["loadavg_end"] = loadavg()
+
+    def clean_up() -> bool:
+        return not lvm.clean_up()
+
+    return guarded_run_then_write(run, clean_up, report_failure, args.json, results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
