@@ -339,3 +339,68 @@ def test_a_restarted_handler_and_a_killed_shim(root):
         node.runtime.kill_pod(second)
         node.runtime.remove_pod(second)
         node.kubelet.stop_pod(pv, second)
+
+
+def test_starts_of_one_pods_containers_give_one_shim_that_shutdown_ends(tmp_path):
+    """containerd's `start`, four at once for containers of one pod (the check
+    and the bind hold a lock on the socket directory): one
+    daemon, one address (written to each bundle's `address` file, printed
+    alone on stdout); Shutdown with no task left ends it and its socket."""
+    import asyncio
+    import json
+    import sys
+
+    from google.protobuf import empty_pb2
+
+    from crust.api import containerd_task_pb2 as task_pb
+    from crust.containerd_shim.ttrpc import Client
+
+    fake_containerd = str(tmp_path / "containerd.sock")  # only a name: nothing is called there
+    bundles = []
+    for n in range(4):
+        bundle = tmp_path / f"bundle-{n}"
+        bundle.mkdir()
+        (bundle / "config.json").write_text(json.dumps({"annotations": {
+            "io.kubernetes.cri.container-type": "sandbox" if n == 0 else "container",
+            "io.kubernetes.cri.sandbox-id": "pod-concurrent"}}))
+        bundles.append(bundle)
+    shim = Path(sys.executable).parent / "containerd-shim-crust-v2"
+    starts = [subprocess.Popen([str(shim), "-namespace", "crust-test", "-address", fake_containerd,
+                                "-publish-binary", "/bin/false", "-id", f"c-{n}", "start"], cwd=bundle,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+              for n, bundle in enumerate(bundles)]
+    outputs = [p.communicate(timeout=30) for p in starts]
+    daemons = []
+    try:
+        assert [p.returncode for p in starts] == [0] * 4, [o[1] for o in outputs]
+        addresses = {out.decode() for out, _ in outputs}
+        assert len(addresses) == 1, addresses
+        (address,) = addresses
+        assert address.startswith("unix:///run/containerd/s/") and "\n" not in address
+        assert all((b / "address").read_text() == address for b in bundles)
+        daemons = [int(line.split(":")[0]) for line in processes_naming(fake_containerd)]
+        assert len(daemons) == 1, daemons
+
+        async def shutdown():
+            client = await Client.connect(address.removeprefix("unix://"))
+            try:
+                connected = await client.call("containerd.task.v2.Task", "Connect", task_pb.ConnectRequest(),
+                                              task_pb.ConnectResponse, timeout=10)
+                assert connected.shim_pid == daemons[0]
+                await client.call("containerd.task.v2.Task", "Shutdown", task_pb.ShutdownRequest(),
+                                  empty_pb2.Empty, timeout=10)
+            finally:
+                await client.close()
+
+        asyncio.run(shutdown())
+        wait_until(lambda: not processes_naming(fake_containerd), timeout=15, what="the shim to exit")
+        assert not Path(address.removeprefix("unix://")).exists()
+    finally:
+        for pid in daemons:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for out, _ in outputs:
+            if out.startswith(b"unix://"):
+                Path(out.decode().removeprefix("unix://")).unlink(missing_ok=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import hashlib
 import json
 import logging
@@ -122,9 +123,14 @@ def start(args: argparse.Namespace) -> int:
     address = f"unix://{path}"
     from crust.containerd_shim.ttrpc import socket_alive
 
+    SOCKET_DIR.mkdir(parents=True, exist_ok=True, mode=0o711)
+    # Two `start`s of one pod at once must not both bind (the second would
+    # unlink the first's socket): the check and the bind hold a lock on the
+    # directory, released when this process exits.
+    lock = os.open(SOCKET_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(lock, fcntl.LOCK_EX)
     if not socket_alive(str(path)):
         endpoint = handler_endpoint(read_options())
-        SOCKET_DIR.mkdir(parents=True, exist_ok=True, mode=0o711)
         path.unlink(missing_ok=True)  # a dead shim's
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
