@@ -18,8 +18,10 @@ proxy` (tests/harness.py Root.stack(), each in its own temporary root):
    every variant, --rounds times, interleaved (the order of the variants and
    of the three doors rotates every round, so all see the same machine).
    Passthrough RPCs (forwarded byte for byte by the shim and the proxy):
-   GetPluginInfo, Probe, ControllerGetCapabilities, ListVolumes,
-   ControllerGetVolume, NodeGetInfo. Intercepted ones: NodeGetCapabilities
+   Probe, ListVolumes, ControllerGetVolume; GetPluginInfo,
+   ControllerGetCapabilities and NodeGetInfo are forwarded once, then
+   answered by each hop from the backend's last answer (docs/design.md,
+   "The plugin's own answers"). Intercepted ones: NodeGetCapabilities
    (answered by the shim, passed through by the proxy),
    ValidateVolumeCapabilities (parsed, translated to block and forwarded by
    the shim, passed through by the proxy) and NodeGetVolumeStats of an ext4
@@ -28,7 +30,7 @@ proxy` (tests/harness.py Root.stack(), each in its own temporary root):
    the driver never saw that path, so it has no direct column).
    Reported per variant and RPC: median of each door, and the hop costs:
    shim - driver and proxy - shim.
-2. CPU per forwarded call: blocks of GetPluginInfo calls to each door of
+2. CPU per forwarded call: blocks of Probe calls to each door of
    each variant (the blocks rotate), and the CPU time every daemon of the
    variant used meanwhile (all its threads, from /proc/PID/task/*/schedstat),
    divided by the calls.
@@ -159,15 +161,15 @@ def probes(variant: Variant) -> dict:
     validate = csi_pb2.ValidateVolumeCapabilitiesRequest(volume_id=volume.volume_id,
                                                          volume_capabilities=[mount_cap("ext4")])
     return {
-        "GetPluginInfo": ("passthrough", lambda p: p.identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest(),
+        "GetPluginInfo": ("kept by the hops", lambda p: p.identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest(),
                                                                             timeout=30)),
         "Probe": ("passthrough", lambda p: p.identity.Probe(csi_pb2.ProbeRequest(), timeout=30)),
-        "ControllerGetCapabilities": ("passthrough", lambda p: p.controller.ControllerGetCapabilities(
+        "ControllerGetCapabilities": ("kept by the hops", lambda p: p.controller.ControllerGetCapabilities(
             csi_pb2.ControllerGetCapabilitiesRequest(), timeout=30)),
         "ListVolumes": ("passthrough", lambda p: p.controller.ListVolumes(csi_pb2.ListVolumesRequest(), timeout=30)),
         "ControllerGetVolume": ("passthrough", lambda p: p.controller.ControllerGetVolume(
             csi_pb2.ControllerGetVolumeRequest(volume_id=volume.volume_id), timeout=30)),
-        "NodeGetInfo": ("passthrough", lambda p: p.node.NodeGetInfo(csi_pb2.NodeGetInfoRequest(), timeout=30)),
+        "NodeGetInfo": ("kept by the hops", lambda p: p.node.NodeGetInfo(csi_pb2.NodeGetInfoRequest(), timeout=30)),
         "NodeGetCapabilities": ("answered by the shim", lambda p: p.node.NodeGetCapabilities(
             csi_pb2.NodeGetCapabilitiesRequest(), timeout=30)),
         "ValidateVolumeCapabilities": ("translated by the shim", lambda p: p.controller.ValidateVolumeCapabilities(
@@ -221,24 +223,26 @@ def part1(variants: list[Variant], rounds: int) -> dict:
 
 
 def part2(variants: list[Variant], calls: int, blocks: int = 10) -> dict:
-    """CPU ms per GetPluginInfo of every daemon, by door and variant."""
+    """CPU ms per Probe of every daemon, by door and variant (Probe: the
+    shim and the proxy forward it every time; they answer GetPluginInfo
+    from the backend's last answer, docs/design.md)."""
     per_block = max(1, calls // blocks)
     used = {v.name: {door: {d: 0 for d in DOORS} for door in DOORS} for v in variants}
     made = {v.name: {door: 0 for door in DOORS} for v in variants}
-    request = csi_pb2.GetPluginInfoRequest()
+    request = csi_pb2.ProbeRequest()
     for b in range(blocks):
         for v in rotated(variants, b):
             for door in rotated(list(DOORS), b):
                 process = v.doors[door]
                 before = {d: cpu_ns(v.doors[d].proc.pid) for d in DOORS}
                 for _ in range(per_block):
-                    process.identity.GetPluginInfo(request, timeout=30)
+                    process.identity.Probe(request, timeout=30)
                 after = {d: cpu_ns(v.doors[d].proc.pid) for d in DOORS}
                 for d in DOORS:
                     used[v.name][door][d] += after[d] - before[d]
                 made[v.name][door] += per_block
     out: dict = {}
-    print(f"\n[2] CPU per GetPluginInfo, ms, every thread of each daemon ({per_block * blocks} calls per door "
+    print(f"\n[2] CPU per Probe, ms, every thread of each daemon ({per_block * blocks} calls per door "
           f"and variant, in {blocks} rotating blocks)", flush=True)
     print(f"  {'variant':<10}{'door':<8}" + "".join(f"{d:>9}" for d in DOORS) + f"{'chain':>9}")
     for v in variants:
@@ -256,7 +260,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=500, metavar="N", help="calls per RPC, door and variant (500)")
     p.add_argument("--cpu-calls", type=int, default=2000, metavar="N",
-                   help="GetPluginInfo calls per door and variant in part 2 (2000; 0 skips part 2)")
+                   help="Probe calls per door and variant in part 2 (2000; 0 skips part 2)")
     p.add_argument("--uvloop", action="store_true",
                    help="also run this checkout's daemons on uvloop's event loop (measurement only)")
     p.add_argument("--baseline", type=Path, metavar="DIR",
