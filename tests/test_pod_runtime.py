@@ -45,7 +45,8 @@ def busybox_rootfs(path: Path) -> Path:
     """A container root file system: Debian's static busybox and a link per applet."""
     (path / "bin").mkdir(parents=True)
     shutil.copy2(BUSYBOX, path / "bin" / "busybox")
-    for applet in ("sh", "echo", "cat", "df", "id", "pwd", "sleep", "ls", "touch", "stat", "mkdir", "test"):
+    for applet in ("sh", "echo", "cat", "df", "id", "pwd", "sleep", "ls", "touch", "stat", "mkdir", "test",
+                   "head", "yes"):
         os.symlink("busybox", path / "bin" / applet)
     (path / "shared").mkdir()
     os.chmod(path / "shared", 0o1777)   # writable by any user, where the root is
@@ -285,6 +286,10 @@ def test_a_pod_runs_two_containers_in_one_vm_with_deferred_volumes(pod_env):
     assert not stats.volume_condition.abnormal, stats.volume_condition.message
     assert usage_dict(stats.usage) == df_numbers(out)
     assert usage_dict(kenv.stats(ext4).usage) == df_numbers(out)   # and through the proxy (kubelet's way)
+    # Output larger than one read of the guest's files, exactly.
+    line = b"0123456789abcdefghijklmnopqrstuvwxyz"
+    code, big, err = client.exec("two", "big", ["sh", "-c", f"yes {line.decode()} | head -n 3000"])
+    assert code == 0 and big == (line + b"\n") * 3000 and err == b"", (code, len(big), err)
     # An exec's own user.
     assert client.exec("two", "id-1", ["id", "-u"], uid=4242, gid=4242)[1] == b"4242\n"
 

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 30.0
 # A statfs answers in milliseconds; kubelet polls stats, a hung guest must not hold it long.
 STATS_TIMEOUT = 5.0  # under the proxy's 10 s per handler call, so the answer is a condition, not a timeout
+# The longest line read from the guest (a readout answer is about 44 KiB).
+LINE_LIMIT = 1024 * 1024
 _WORD = re.compile(r"^[A-Za-z0-9_.,=:/+@-]+$")
 
 
@@ -97,7 +99,8 @@ class AgentClient:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path)
+                self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path,
+                                                                                limit=LINE_LIMIT)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline or self.dead:
@@ -110,7 +113,13 @@ class AgentClient:
     async def _read_loop(self) -> None:
         try:
             while True:
-                raw = await self._reader.readline()
+                try:
+                    raw = await self._reader.readline()
+                except ValueError:
+                    # A line longer than LINE_LIMIT (noise: no answer is
+                    # that long); the reader dropped it, the line goes on.
+                    log.warning("agent line longer than %d bytes ignored", LINE_LIMIT)
+                    continue
                 if not raw:
                     break
                 line = raw.decode(errors="replace").strip("\r\n")

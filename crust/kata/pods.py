@@ -66,7 +66,7 @@ UNSHARE = "/sbin/unshare"     # util-linux's, in the guest image (crust.kata.ima
 # Mounts the OCI spec lists that the guest gives the container itself
 # (/proc, /dev, /tmp) or that a VM has no use for.
 PSEUDO_TYPES = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2", "shm"}
-READ_CHUNK = 8192             # bytes per readout answer (a serial line carries them)
+READ_CHUNK = 32768            # bytes per readout answer (a serial line carries them: 44 KiB of base64)
 POLL = 0.2                    # seconds between looks at a running process
 VM_GONE_EXIT_CODE = 255
 
