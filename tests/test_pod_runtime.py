@@ -458,3 +458,50 @@ def _adopted_pod(kenv, client, v, device: str) -> None:
     assert "could not" not in kenv.handler.log_path.read_text()
     kenv.unpublish(v)
     assert kenv.direct_volume("remove", "--volume-path", str(direct)).returncode == 0
+
+
+def test_bad_requests_get_their_code_and_leave_nothing(pod_env):
+    """No VM needed: every refusal names its field, nothing is recorded."""
+    kenv, client, _ = pod_env
+    good = container_bundle(kenv.path, "good", ["/bin/true"], [])
+    (kenv.path / "bundles" / "no-config").mkdir()
+
+    def code(call, request) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as failed:
+            result = call(request, timeout=30)
+            if hasattr(result, "__iter__") and not hasattr(result, "ListFields"):
+                list(result)
+        return failed.value.code(), failed.value.details()
+
+    s = client.stub
+    for call, request, expected, words in [
+        (s.CreatePod, handler_pb2.CreatePodRequest(), Code.INVALID_ARGUMENT, "sandbox_id"),
+        (s.CreatePod, handler_pb2.CreatePodRequest(sandbox_id="../up"), Code.INVALID_ARGUMENT, "sandbox_id"),
+        (s.CreatePod, handler_pb2.CreatePodRequest(sandbox_id="p", bundle="relative"), Code.INVALID_ARGUMENT,
+         "bundle"),
+        (s.CreateContainer, handler_pb2.CreateContainerRequest(container_id="c", bundle=str(good)),
+         Code.INVALID_ARGUMENT, "sandbox_id"),
+        (s.CreateContainer, handler_pb2.CreateContainerRequest(sandbox_id="p", container_id="a/b", bundle=str(good)),
+         Code.INVALID_ARGUMENT, "container_id"),
+        (s.CreateContainer, handler_pb2.CreateContainerRequest(sandbox_id="p", container_id="c",
+                                                               bundle=str(kenv.path / "bundles" / "no-config")),
+         Code.INVALID_ARGUMENT, "config.json"),
+        (s.CreateContainer, handler_pb2.CreateContainerRequest(sandbox_id="p", container_id="c", bundle=str(good)),
+         Code.NOT_FOUND, "sandbox_id"),
+        (s.StartProcess, handler_pb2.StartProcessRequest(container_id="c"), Code.NOT_FOUND, "container_id"),
+        (s.GetProcess, handler_pb2.GetProcessRequest(container_id="c"), Code.NOT_FOUND, "container_id"),
+        (s.SignalProcess, handler_pb2.SignalProcessRequest(container_id="c", signal=9), Code.NOT_FOUND,
+         "container_id"),
+        (s.ReadOutput, handler_pb2.ReadOutputRequest(container_id="c"), Code.NOT_FOUND, "container_id"),
+        (s.ReadOutput, handler_pb2.ReadOutputRequest(container_id="c", stdout_offset=-1), Code.INVALID_ARGUMENT,
+         "offset"),
+        (s.ReadOutput, handler_pb2.ReadOutputRequest(), Code.INVALID_ARGUMENT, "container_id"),
+    ]:
+        got, details = code(call, request)
+        assert (got, words in details) == (expected, True), (call, request, got, details)
+    # Deleting what does not exist is done already.
+    assert client.delete_container("nothing").status == Status.STOPPED
+    client.delete_pod("nothing")
+    assert client.pods() == {} and kenv.claims() == []
+    assert list((kenv.handler.state_dir / "pods").iterdir()) == []
+    assert qemu_pids_under(kenv.handler.state_dir) == []
