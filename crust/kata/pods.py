@@ -185,7 +185,8 @@ class Pods:
     def _death_reason(self, pod_id: str, sandbox: KataSandbox | None) -> str:
         if sandbox is None:
             return f"the VM of pod {pod_id} was stopped"
-        return f"the VM of pod {pod_id} is gone (QEMU exited{': ' + sandbox.vm.agent.dead if sandbox.vm.agent.dead else ''})"
+        # The agent client says why it lost the guest ("QEMU exited with code -9").
+        return f"the VM of pod {pod_id} is gone ({sandbox.vm.agent.dead or 'QEMU exited'})"
 
     async def _mark_gone(self, pod_id: str, reason: str) -> None:
         pod = self.pods.get(pod_id)
