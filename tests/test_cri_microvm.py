@@ -365,8 +365,10 @@ def test_starts_of_one_pods_containers_give_one_shim_that_shutdown_ends(tmp_path
             "io.kubernetes.cri.sandbox-id": "pod-concurrent"}}))
         bundles.append(bundle)
     shim = Path(sys.executable).parent / "containerd-shim-crust-v2"
+    recorded = f"unix://{tmp_path / 'recorded-handler.sock'}"
+    env = {**os.environ, "CRUST_KATA_HANDLER_ENDPOINT": recorded}
     starts = [subprocess.Popen([str(shim), "-namespace", "crust-test", "-address", fake_containerd,
-                                "-publish-binary", "/bin/false", "-id", f"c-{n}", "start"], cwd=bundle,
+                                "-publish-binary", "/bin/false", "-id", f"c-{n}", "start"], cwd=bundle, env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
               for n, bundle in enumerate(bundles)]
     outputs = [p.communicate(timeout=30) for p in starts]
@@ -395,6 +397,15 @@ def test_starts_of_one_pods_containers_give_one_shim_that_shutdown_ends(tmp_path
         asyncio.run(shutdown())
         wait_until(lambda: not processes_naming(fake_containerd), timeout=15, what="the shim to exit")
         assert not Path(address.removeprefix("unix://")).exists()
+        # containerd's cleanup after a dead shim: `delete` asks the handler
+        # `start` was told of (containerd gives `delete` no options), and
+        # prints the exit containerd could not hear.
+        deleted = subprocess.run([str(shim), "-namespace", "crust-test", "-address", fake_containerd, "-id", "c-1",
+                                  "-bundle", str(bundles[1]), "delete"], cwd=bundles[1], capture_output=True,
+                                 timeout=60, env={**os.environ, "CRUST_KATA_HANDLER_ENDPOINT": "unix:///elsewhere"})
+        assert deleted.returncode == 0 and recorded in deleted.stderr.decode(), deleted.stderr
+        response = task_pb.DeleteResponse.FromString(deleted.stdout)
+        assert response.exit_status == 137 and response.exited_at.seconds > 0
     finally:
         for pid in daemons:
             try:

@@ -10,8 +10,8 @@ containerd runs it with its working directory in the container's bundle:
       the pod is CRI's io.kubernetes.cri.sandbox-id annotation.
   containerd-shim-crust-v2 -namespace NS -address SOCK -id ID -bundle DIR delete
       cleans up after a shim that died: the container (or the pod) is
-      deleted in the handler, the root file system unmounted; prints a
-      DeleteResponse.
+      deleted in the handler (at the endpoint `start` recorded in the
+      bundle), the root file system unmounted; prints a DeleteResponse.
 
 Settings:
   the handler's socket: `handler_endpoint` in the TOML file named by the
@@ -50,6 +50,8 @@ ENV_HANDLER_ENDPOINT = "CRUST_KATA_HANDLER_ENDPOINT"
 # with names of their own (a hash with a crust prefix in its input).
 SOCKET_DIR = Path("/run/containerd/s")
 SHIM_MODULE = "crust.containerd_shim"
+# In each bundle: the handler endpoint `start` was given (for `delete`).
+ENDPOINT_FILE = "crust-handler-endpoint"
 
 
 def socket_path(containerd_address: str, namespace: str, group: str) -> Path:
@@ -129,8 +131,11 @@ def start(args: argparse.Namespace) -> int:
     # directory, released when this process exits.
     lock = os.open(SOCKET_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     fcntl.flock(lock, fcntl.LOCK_EX)
+    # containerd hands the runtime's options to every `start` (never to
+    # `delete`): the endpoint they name is kept in the bundle for `delete`.
+    endpoint = handler_endpoint(read_options())
+    (bundle / ENDPOINT_FILE).write_text(endpoint)
     if not socket_alive(str(path)):
-        endpoint = handler_endpoint(read_options())
         path.unlink(missing_ok=True)  # a dead shim's
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
@@ -171,7 +176,10 @@ def delete(args: argparse.Namespace) -> int:
     except (OSError, ValueError, AttributeError):
         annotations = {}
     sandbox = annotations.get("io.kubernetes.cri.container-type", "sandbox") == "sandbox"
-    endpoint = handler_endpoint()
+    try:
+        endpoint = (bundle / ENDPOINT_FILE).read_text().strip() or handler_endpoint()
+    except OSError:
+        endpoint = handler_endpoint()
     try:
         with local_channel(endpoint) as channel:
             pods = handler_pb2_grpc.PodRuntimeStub(channel)
