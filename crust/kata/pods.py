@@ -42,7 +42,7 @@ from typing import AsyncIterator, ClassVar
 from pydantic import BaseModel, Field
 
 from crust.api import handler_pb2
-from crust.common.errors import (AlreadyExists, CrustError, FailedPrecondition, InvalidArgument, NotFound,
+from crust.common.errors import (Aborted, AlreadyExists, CrustError, FailedPrecondition, InvalidArgument, NotFound,
                                  Unavailable)
 from crust.common.private import make_dirs
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
@@ -144,6 +144,7 @@ class Pods:
         self.records = RecordStore(handler.state_dir / "pods", PodRecord, self._belongs)
         self.pods: dict[str, PodRecord] = dict(self.records.load_all())
         self.locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._creating: set[str] = set()   # container ids whose CreateContainer runs
         handler.before_teardown = self._before_teardown
         self._watcher: asyncio.Task | None = None
 
@@ -341,9 +342,39 @@ class Pods:
                 if pod.sandbox_id == sandbox_id and existing.bundle == bundle:
                     return  # made already (a retried call)
                 raise AlreadyExists(f"container_id {container_id!r} exists in pod {pod.sandbox_id}")
-            sandbox, record, pod = self._live(sandbox_id)
-            with self.handler.inflight.hold(sandbox_id, container_id):
-                await self._create_container(sandbox, record, pod, container_id, bundle, spec, rootfs)
+            if container_id in self._creating:
+                raise Aborted(f"container_id {container_id!r} is being created; retry later")
+            _, _, pod = self._live(sandbox_id)
+            self._creating.add(container_id)
+        image_dir = self._workdir(sandbox_id) / "containers" / container_id
+        try:
+            # Resolving (up to ENTRY_WAIT for a new entry) and the image (a
+            # copy of the root file system) without the pod's lock: the other
+            # containers' starts, execs and deletes go on meanwhile.
+            binds, copies = await self._plan(spec)
+            user = spec.process.user
+            c = ContainerRecord(
+                container_id=container_id, bundle=bundle, serial=rootfs_serial(sandbox_id, container_id),
+                image=str(image_dir / "rootfs.img"), readonly_root=bool(spec.root and spec.root.readonly),
+                processes={"": ProcessRecord(args=spec.process.args, env=spec.process.env, cwd=spec.process.cwd,
+                                             uid=user.uid if user else 0, gid=user.gid if user else 0)})
+            started = time.monotonic()
+            await self._make_image(c, rootfs, copies)
+            made = time.monotonic() - started
+            async with self.locks[sandbox_id]:
+                try:
+                    sandbox, record, pod = self._live(sandbox_id)
+                    with self.handler.inflight.hold(sandbox_id, container_id):
+                        await self._attach_container(sandbox, record, pod, c, binds, copies)
+                except BaseException:
+                    if container_id not in pod.containers:   # undone, or never recorded
+                        await asyncio.to_thread(shutil.rmtree, image_dir, True)
+                    raise
+        finally:
+            self._creating.discard(container_id)
+        log.info("container created", extra={"fields": {
+            "sandbox": sandbox_id, "container": container_id, "image_s": round(made, 3),
+            "volumes": len(c.volumes), "copies": len(copies)}})
 
     async def _plan(self, spec) -> tuple[list[tuple], list]:
         """The binds in the spec's order, each (mount, resolved volume or
@@ -374,19 +405,10 @@ class Pods:
             binds.append((m, resolved, direct))
         return binds, copies
 
-    async def _create_container(self, sandbox: KataSandbox, record: SandboxRecord, pod: PodRecord,
-                                container_id: str, bundle: str, spec, rootfs: Path) -> None:
-        binds, copies = await self._plan(spec)
-        user = spec.process.user
-        c = ContainerRecord(
-            container_id=container_id, bundle=bundle, serial=rootfs_serial(pod.sandbox_id, container_id),
-            image=str(self._workdir(pod.sandbox_id) / "containers" / container_id / "rootfs.img"),
-            readonly_root=bool(spec.root and spec.root.readonly),
-            processes={"": ProcessRecord(args=spec.process.args, env=spec.process.env, cwd=spec.process.cwd,
-                                         uid=user.uid if user else 0, gid=user.gid if user else 0)})
-        started = time.monotonic()
-        await self._make_image(c, rootfs, copies)
-        made = time.monotonic() - started
+    async def _attach_container(self, sandbox: KataSandbox, record: SandboxRecord, pod: PodRecord,
+                                c: ContainerRecord, binds: list[tuple], copies: list) -> None:
+        """The container's image and volumes into the guest; undone on failure."""
+        container_id = c.container_id
         pod.containers[container_id] = c   # recorded before the guest sees it: a delete knows what to undo
         await self.records.put(pod.sandbox_id, pod)
         new_volumes: list[str] = []
@@ -429,9 +451,6 @@ class Pods:
                 log.error("could not undo a failed container create", extra={"fields": {
                     "sandbox": pod.sandbox_id, "container": container_id, "error": undo.message}})
             raise
-        log.info("container created", extra={"fields": {
-            "sandbox": pod.sandbox_id, "container": container_id, "image_s": round(made, 3),
-            "volumes": len(c.volumes), "copies": len(copies)}})
 
     async def _make_image(self, c: ContainerRecord, rootfs: Path, copies: list) -> None:
         """The container's root file system image: the rootfs tree, and each
