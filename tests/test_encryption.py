@@ -270,6 +270,11 @@ def test_the_host_never_formats_mounts_or_writes_down_an_encrypted_volume(env):
         stub.ReleaseVolume(registry_pb2.ReleaseVolumeRequest(target_path=str(v.target), handler="vm-test2",
                                                              sandbox_id="sb-vm", lease_id=lease), timeout=10)
     env.unpublish(v)
+    # No daemon that saw the passphrase can leave a core dump of its memory.
+    for daemon in (env.handler, env.proxy, env.shim, env.driver):
+        limits = Path(f"/proc/{daemon.proc.pid}/limits").read_text()
+        assert [line.split()[-3:-1] for line in limits.splitlines() if line.startswith("Max core file size")] \
+            == [["0", "0"]], limits
     for daemon in (env.handler, env.proxy, env.shim, env.driver):
         daemon.stop()
     assert files_holding(env.path, PASSPHRASE.encode()) == []
@@ -363,3 +368,34 @@ def test_an_encrypted_volume_is_opened_formatted_grown_and_restored_in_the_guest
         daemon.stop()
     assert files_holding(kenv.path, PASSPHRASE.encode()) == []
     assert files_holding(kenv.path, WRONG.encode()) == []
+
+
+def test_xfs_inside_luks2_and_a_device_holding_a_plain_file_system_is_never_formatted_over(kenv):
+    enc = Encrypted(kenv)
+    v = enc.create("pv-luks-xfs", "xfs", size=300 * MIB)
+    d = enc.publish(v)
+    # The shim asked the backend for room for the header on top of xfs's 300 MiB.
+    assert d.capacity_bytes >= 300 * MIB + encryption.HEADER_BYTES
+    kenv.run_ok(kenv.bundle("luks-xfs", guest_script(f"printf {MARKER.decode()} > /data/marker", "sync",
+                                                     "echo WRITTEN", "exec sleep 600"), [("/data", str(v.target))]),
+                "sb-luks-xfs")
+    kenv.wait_console("sb-luks-xfs", "WRITTEN", timeout=120)
+    kenv.delete("sb-luks-xfs")
+    assert_ciphertext_only([enc.backing_file(v), v.device], "xfs")
+    kenv.unpublish(v)
+
+    # A plain volume's snapshot restored with the encrypted class: the guest
+    # finds ext4, not LUKS, and refuses; nothing is written.
+    plain = kenv.create("pv-plain-src", "ext4")
+    snap = kenv.proxy.controller.CreateSnapshot(csi_pb2.CreateSnapshotRequest(
+        name="snap-plain", source_volume_id=plain.volume_id), timeout=60).snapshot
+    restored = enc.create("pv-plain-restored", source=csi_pb2.VolumeContentSource(
+        snapshot=csi_pb2.VolumeContentSource.SnapshotSource(snapshot_id=snap.snapshot_id)))
+    enc.publish(restored)
+    before = sha256_of(enc.backing_file(restored))
+    out = kenv.run(kenv.bundle("luks-plain", "exec sleep 600", [("/data", str(restored.target))]), "sb-luks-plain")
+    assert out.returncode != 0 and "FAILED_PRECONDITION" in out.stderr and "ext4" in out.stderr \
+        and "refusing to format" in out.stderr, out.stderr
+    assert sha256_of(enc.backing_file(restored)) == before
+    assert kenv.claims() == [] and kenv.sandboxes() == {}
+    kenv.unpublish(restored)

@@ -12,12 +12,26 @@ from crust.api import csi_pb2
 from crust.contract import encryption
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.translate import caps_to_block, to_block
+from crust.sys import fs
 
 
 # StorageClass parameters meant for crust itself (the proxy's deferral policy
 # reads them from volume_context). The backend never sees them: any driver
 # may reject parameters it does not know.
 CRUST_PARAMETER_PREFIX = "crust.dev/"
+
+
+def _room_for_luks2_header(request: csi_pb2.CreateVolumeRequest, forwarded: csi_pb2.CreateVolumeRequest) -> None:
+    """The guest makes the file system inside the LUKS2 volume, after its
+    header: a volume asked for at a file system's minimum (xfs: 300 MiB)
+    gets the header's room on top, or the guest's mkfs would refuse it. The
+    backend only sees block capabilities, so it cannot know."""
+    fs_types = {c.mount.fs_type for c in request.volume_capabilities if c.HasField("mount")}
+    fs_types.add(request.parameters.get("fsType", ""))
+    floor = max(fs.MIN_SIZE.get(t, 0) for t in fs_types) + encryption.HEADER_BYTES
+    if forwarded.capacity_range.required_bytes < floor and \
+            not (forwarded.capacity_range.limit_bytes and forwarded.capacity_range.limit_bytes < floor):
+        forwarded.capacity_range.required_bytes = floor
 
 
 class ControllerShim:
@@ -30,7 +44,8 @@ class ControllerShim:
         del forwarded.volume_capabilities[:]
         forwarded.volume_capabilities.extend(caps_to_block(request.volume_capabilities))
         ours = {k: v for k, v in request.parameters.items() if k.startswith(CRUST_PARAMETER_PREFIX)}
-        encryption.of_context(ours, "parameters")  # refused before the backend makes anything
+        if encryption.of_context(ours, "parameters"):  # an unknown value is refused before anything is made
+            _room_for_luks2_header(request, forwarded)
         for key in ours:
             del forwarded.parameters[key]
         response = await self.backend.call(self.backend.controller.CreateVolume, forwarded, context)
