@@ -41,7 +41,11 @@ from crust.sys.sweep import release_under
 
 MIB = 1024**2
 FS_GROUP = 2000
-RUNTIME_CLASS = "crust-runc"
+# RuntimeClass -> the CRI runtime handler it names, per handler runtime:
+# mountns pods run with runc through crust's OCI runtime; kata pods run in a
+# microVM through crust's containerd shim (io.containerd.crust.v2).
+RUNTIME_CLASSES = {"mountns": ("crust-runc", "crust-runc"), "kata": ("crust-microvm", "crust")}
+SHIM_RUNTIME_TYPE = "io.containerd.crust.v2"
 # The pod's process writes 1 MiB and its sha256 into the volume and says
 # which group the file got.
 WRITE_SCRIPT = ("head -c 1048576 /dev/urandom > /data/payload.bin && "
@@ -155,8 +159,10 @@ class Demo:
         self.fs_type = fs_type
         self.runtime = runtime
         # --cri: the pod is a real pod, started by containerd through CRI
-        # with the RuntimeClass crust-runc (crust's OCI runtime).
+        # with the RuntimeClass crust-runc (crust's OCI runtime) or, for
+        # kata, crust-microvm (crust's shim, one microVM per pod).
         self.cri = cri
+        self.runtime_class, self.runtime_handler = RUNTIME_CLASSES[runtime]
         self.containerd = None
         self.cri_runtime = None
         self.cri_image = None
@@ -170,7 +176,7 @@ class Demo:
         self.state_dir = root / "state"
         self.kubelet = Kubelet(root / "kubelet", self.node_id, retry_seconds=30)
         self.pod = Pod(uid="0d3c2b1a-demo-pod-1", name="pod-1", fs_group=FS_GROUP, host_network=True,
-                       runtime_class_name=RUNTIME_CLASS, termination_grace_period_seconds=10)
+                       runtime_class_name=self.runtime_class, termination_grace_period_seconds=10)
         # After the sandbox stopped, a pod whose volume is mounted on the
         # host reads the data back.
         self.reader = Pod(uid="0d3c2b1a-demo-reader", name="reader")
@@ -303,31 +309,41 @@ class Demo:
     # -- a real pod through CRI (--cri) -------------------------------------------------
 
     def start_containerd(self) -> str:
-        """A private containerd (crust.kubelet.containerd) whose runtime
-        crust-runc is crust's OCI runtime against this node's handler, and
+        """A private containerd (crust.kubelet.containerd) whose runtime is
+        crust's against this node's handler (crust-runc: runc's shim with
+        crust's OCI runtime; crust: crust's shim v2, a microVM per pod), and
         kubelet's CRI side connected to it."""
         from crust.kubelet import image as images
         from crust.kubelet.containerd import Containerd
         from crust.kubelet.cri import KubeletRuntime
 
-        runtime = Path(sys.executable).parent / "crust-oci-runtime"
-        runtime = runtime if runtime.exists() else Path(shutil.which("crust-oci-runtime") or runtime)
         self.cri_image = images.build(self.root / "images")
-        self.containerd = Containerd(
-            self.root / "containerd", sandbox_image=self.cri_image.name,
-            runtimes={"runc": "", RUNTIME_CLASS: str(runtime)},
-            env={"CRUST_HANDLER_ENDPOINT": f"unix://{self.handler_socket}",
-                 "CRUST_OCI_RUNTIME_STATE": str(self.root / "oci-runtime")})
+        if self.runtime == "kata":
+            how = f"containerd-shim-crust-v2 ({SHIM_RUNTIME_TYPE}) in front of the microVM handler"
+            self.containerd = Containerd(
+                self.root / "containerd", sandbox_image=self.cri_image.name,
+                shim_runtimes={self.runtime_handler: SHIM_RUNTIME_TYPE},
+                env={"CRUST_KATA_HANDLER_ENDPOINT": f"unix://{self.handler_socket}"})
+        else:
+            runtime = Path(sys.executable).parent / "crust-oci-runtime"
+            runtime = runtime if runtime.exists() else Path(shutil.which("crust-oci-runtime") or runtime)
+            how = f"runc shim with BinaryName {runtime.name}"
+            self.containerd = Containerd(
+                self.root / "containerd", sandbox_image=self.cri_image.name,
+                runtimes={"runc": "", self.runtime_handler: str(runtime)},
+                env={"CRUST_HANDLER_ENDPOINT": f"unix://{self.handler_socket}",
+                     "CRUST_OCI_RUNTIME_STATE": str(self.root / "oci-runtime")})
         self.containerd.start()
         self.containerd.import_image(self.cri_image)
         self.cri_runtime = KubeletRuntime(self.kubelet, self.containerd.endpoint,
-                                          runtime_classes={RUNTIME_CLASS: RUNTIME_CLASS},
+                                          runtime_classes={self.runtime_class: self.runtime_handler},
                                           cgroup_root=self.containerd.cgroup_root,
                                           pod_logs_dir=self.root / "pod-logs", retry_seconds=0)
         version = self.cri_runtime.connect()
         self.containerd_version = version.runtime_version
-        return (f"containerd {version.runtime_version} (CRI {version.runtime_api_version}), runtime {RUNTIME_CLASS}: "
-                f"runc shim with BinaryName {runtime.name}; image {self.cri_image.name} from busybox-static")
+        return (f"containerd {version.runtime_version} (CRI {version.runtime_api_version}), RuntimeClass "
+                f"{self.runtime_class} -> handler {self.runtime_handler}: {how}; image {self.cri_image.name} "
+                "from busybox-static")
 
     def start_pod_cri(self) -> str:
         from crust.api import cri_pb2 as cri
@@ -345,7 +361,9 @@ class Demo:
                                                             "StartContainer")]
         self.sandbox_started = True
         self.container_id = self.cri_runtime.pod_status(self.pod).latest("app").id
-        deadline = time.monotonic() + 30
+        # A microVM under software emulation boots and writes in seconds, not milliseconds.
+        wait = 120 if self.runtime == "kata" else 30
+        deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             self.watch_host()
             status = self.cri_runtime.container_status(self.container_id)
@@ -354,10 +372,12 @@ class Demo:
             if "written" in self.process_output():
                 group = self.group_in_sandbox()
                 _check(group == str(FS_GROUP), f"the pod's file has group {group!r}, not the fsGroup {FS_GROUP}")
+                where = ("by the microVM's guest kernel only" if self.runtime == "kata"
+                         else "by runc in the container only")
                 return (f"{', '.join(calls)}; sandbox {self.pod_sandbox_id[:13]}, container {self.container_id[:13]} wrote "
-                        f"1 MiB + its sha256 to /data (mounted by runc in the container only); group {group}")
+                        f"1 MiB + its sha256 to /data (mounted {where}); group {group}")
             time.sleep(0.05)
-        raise StepFailed("the container did not write within 30 s")
+        raise StepFailed(f"the container did not write within {wait} s")
 
     def restart_containerd(self) -> str:
         from crust.api import cri_pb2 as cri
@@ -406,7 +426,7 @@ class Demo:
         (self.root / "kubelet" / "plugins_registry").mkdir(parents=True)
         t.run("start crust node", self.node.start)
         if self.cri:
-            t.run("start containerd (CRI, runtime crust-runc)", self.start_containerd)
+            t.run(f"start containerd (CRI, runtime {self.runtime_handler})", self.start_containerd)
 
         def register():
             name = k.register()
@@ -639,16 +659,12 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
     if os.geteuid() != 0:
         print("crust demo: needs root (loop devices, mounts, namespaces)", file=sys.stderr)
         return 2
-    if cri and runtime != "mountns":
-        print("crust demo: --cri runs the pod with runc through crust's OCI runtime (the mountns handler); "
-              "--runtime kata under CRI is not built yet", file=sys.stderr)
-        return 2
     root = Path(tempfile.mkdtemp(prefix="crust-demo-"))
     timeline = Timeline(as_json)
     demo = Demo(root, fs_type, runtime, timeline, cri=cri)
     ok = False
     if not as_json:
-        where = (f"a real pod started by containerd through CRI (RuntimeClass {RUNTIME_CLASS})" if cri
+        where = (f"a real pod started by containerd through CRI (RuntimeClass {demo.runtime_class})" if cri
                  else f"a {runtime} sandbox")
         print(f"crust demo: a deferred {fs_type} volume, mounted only inside {where}, in {root}\n")
     try:
@@ -683,7 +699,8 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
             "stats_match_df": demo.stats_match_df,
             "leftovers_cleaned": leftovers,
             "ok": ok,
-            **({"cri": {"containerd": containerd_version, "runtime_handler": RUNTIME_CLASS,
+            **({"cri": {"containerd": containerd_version, "runtime_handler": demo.runtime_handler,
+                        "runtime_class": demo.runtime_class,
                         "pod_sandbox_id": demo.pod_sandbox_id,
                         "container_exit_code": demo.container_exit_code}} if cri else {}),
         }, indent=1))
