@@ -235,7 +235,9 @@ def test_a_pod_runs_two_containers_in_one_vm_with_deferred_volumes(pod_env):
               "{ echo changed > /etc/hosts; } 2>/dev/null || echo hosts-read-only; "
               "test -c /dev/null && test -c /dev/zero && test -c /dev/urandom && echo devices; "
               "touch /tmp/t && echo tmp-writable; ls /proc/self/ >/dev/null && echo proc; "
-              "touch /shared/x && echo root-writable; cat /data/conf; pwd; id -u; sync; exit 7")
+              "touch /shared/x && echo root-writable; cat /data/conf; pwd; id -u; sync; "
+              # Left running when the container's process exits: its delete ends it.
+              "sleep 600 </dev/null >/dev/null 2>&1 & exit 7")
     conf = kenv.path / "conf"
     conf.write_text("a file bound inside the volume\n")
     one = container_bundle(kenv.path, "one", ["/bin/sh", "-c", script], [

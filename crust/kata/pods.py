@@ -546,9 +546,10 @@ class Pods:
     async def _stop_processes(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
                               timeout: float = 10.0) -> None:
         """SIGKILL every process of the container (all whose root is its
-        root), then wait for their exit codes."""
-        if not any(p.pid and p.exit_code is None for p in c.processes.values()):
-            return
+        root), then wait for their exit codes and for none to be left.
+        Also when its own processes all exited: what they left running in
+        the background (no PID namespace in the guest ends it with them)
+        would keep the container's mounts busy."""
         await sandbox._agent(sandbox.vm.agent.signal_root(c.root, 9))
         deadline = time.monotonic() + timeout
         for p in c.processes.values():
@@ -556,6 +557,8 @@ class Pods:
                 await self._refresh(pod, c, p)
                 if p.exit_code is None:
                     await asyncio.sleep(POLL)
+        while time.monotonic() < deadline and await sandbox._agent(sandbox.vm.agent.signal_root(c.root, 0)):
+            await asyncio.sleep(POLL)
 
     # -- processes ---------------------------------------------------------------------------
 
