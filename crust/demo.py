@@ -35,6 +35,7 @@ from crust.api import csi_pb2, csi_pb2_grpc
 from crust.common.channel import local_channel
 from crust.common.units import format_size
 from crust.kubelet import Kubelet, PersistentVolume, Pod
+from crust.kubelet.cri import SyncError
 from crust.sys import mount as sysmount
 from crust.sys import netns
 from crust.sys.sweep import release_under
@@ -90,6 +91,10 @@ class Timeline:
             self._record(name, started, False, str(exc))
             raise StepFailed(name) from None
         except OSError as exc:
+            self._record(name, started, False, str(exc))
+            raise StepFailed(name) from None
+        except SyncError as exc:
+            # kubelet's CRI side gave up: a failed step too, not a traceback.
             self._record(name, started, False, str(exc))
             raise StepFailed(name) from None
         self._record(name, started, True, detail)

@@ -24,6 +24,7 @@ Choices worth knowing:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import re
@@ -44,6 +45,16 @@ ACCELERATORS = ("tcg", "kvm")
 SERIAL = re.compile(r"^[A-Za-z0-9_.-]{1,20}$")
 # sun_path is 108 bytes, NUL included.
 MAX_SOCKET_PATH = 107
+# Where a VM's sockets go when its work directory is too deep for them (a
+# sun_path holds 107 bytes): one directory per work directory, named by a
+# hash of its path, so a restarted handler finds the same sockets.
+SHORT_SOCKET_ROOT = Path("/run/crust-vm-sockets")
+
+
+def socket_dir_for(workdir: Path) -> Path:
+    if len(str(workdir / "agent.sock")) <= MAX_SOCKET_PATH:
+        return workdir
+    return SHORT_SOCKET_ROOT / hashlib.sha256(str(workdir.absolute()).encode()).hexdigest()[:24]
 
 
 class VmError(Exception):
@@ -103,8 +114,9 @@ class Vm:
         self.config = config
         self.console_log = workdir / "console.log"
         self.qemu_log = workdir / "qemu.log"
-        self.agent_socket = workdir / "agent.sock"
-        self.qmp_socket = workdir / "qmp.sock"
+        self.socket_dir = socket_dir_for(workdir)
+        self.agent_socket = self.socket_dir / "agent.sock"
+        self.qmp_socket = self.socket_dir / "qmp.sock"
         self.pidfile = workdir / "qemu.pid"
         self.disks: dict[str, Disk] = {}
         self.boot_seconds: float | None = None
@@ -222,6 +234,7 @@ class Vm:
             if len(str(sock)) > MAX_SOCKET_PATH:
                 raise VmError(f"socket path too long for a unix socket: {sock}")
         make_dirs(self.workdir)
+        make_dirs(self.socket_dir)
         for stale in (self.agent_socket, self.qmp_socket, self.pidfile, self.console_log):
             stale.unlink(missing_ok=True)
         started = time.monotonic()
@@ -311,6 +324,19 @@ class Vm:
     async def _close_clients(self) -> None:
         await self.agent.close()
         await self.qmp.close()
+        if self.socket_dir != self.workdir and not self.alive():
+            self._remove_socket_dir()
+
+    def _remove_socket_dir(self) -> None:
+        """The short socket directory of a VM that is gone, and the root of
+        such directories once it is empty (it is made again when needed)."""
+        for sock in (self.agent_socket, self.qmp_socket):
+            sock.unlink(missing_ok=True)
+        for directory in (self.socket_dir, SHORT_SOCKET_ROOT):
+            try:
+                directory.rmdir()
+            except OSError:
+                return  # not empty (another VM's), or gone already
 
     # ---------------------------------------------------------------- disks
 
