@@ -150,9 +150,11 @@ def _write_through_temporary(directory: str | os.PathLike | int, name: str, data
             # What the spare's name held may still be at tmp_path (a directory).
             tmp = temporary_name(name)
             tmp_path = tmp if isinstance(directory, int) else os.path.join(directory, tmp)
-        with f if f is not None else open(tmp_path, "xb", opener=opener) as f:
+        reused = f is not None
+        with f if reused else open(tmp_path, "xb", opener=opener) as f:
             f.write(data)
-            f.truncate()  # a reused spare may be longer; a new file is not: no system call
+            if reused:
+                f.truncate()  # the spare may be longer than data
             f.flush()
             os.fsync(f.fileno())
         if reuse:
