@@ -145,6 +145,7 @@ class Pods:
         self.pods: dict[str, PodRecord] = dict(self.records.load_all())
         self.locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._creating: set[str] = set()   # container ids whose CreateContainer runs
+        self._unwritten: set[str] = set()  # pods stopped in memory whose record is not written yet
         handler.before_teardown = self._before_teardown
         self._watcher: asyncio.Task | None = None
 
@@ -181,7 +182,13 @@ class Pods:
             for pod_id in list(self.pods):
                 sandbox = self._sandbox(pod_id)
                 if (sandbox is None or not sandbox.alive()) and not self.handler.inflight.busy(pod_id):
-                    await self._mark_gone(pod_id, self._death_reason(pod_id, sandbox))
+                    try:
+                        await self._mark_gone(pod_id, self._death_reason(pod_id, sandbox))
+                    except (CrustError, OSError) as exc:
+                        # Its record could not be written (a full disk): the
+                        # processes are stopped in memory; written next time.
+                        log.error("could not record a pod's death", extra={"fields": {
+                            "sandbox": pod_id, "error": str(exc)}})
 
     def _death_reason(self, pod_id: str, sandbox: KataSandbox | None) -> str:
         if sandbox is None:
@@ -191,16 +198,19 @@ class Pods:
 
     async def _mark_gone(self, pod_id: str, reason: str) -> None:
         pod = self.pods.get(pod_id)
-        if pod is None or pod.gone:
+        if pod is None or (pod.gone and pod_id not in self._unwritten):
             return
-        pod.gone = reason
+        pod.gone = pod.gone or reason
         now = time.time_ns()
         for c in pod.containers.values():
             for p in c.processes.values():
                 if p.pid and p.exit_code is None:
-                    p.exit_code, p.exited_at_ns, p.reason = VM_GONE_EXIT_CODE, now, reason
-        log.warning("pod stopped", extra={"fields": {"sandbox": pod_id, "reason": reason}})
+                    p.exit_code, p.exited_at_ns, p.reason = VM_GONE_EXIT_CODE, now, pod.gone
+        if pod_id not in self._unwritten:
+            log.warning("pod stopped", extra={"fields": {"sandbox": pod_id, "reason": reason}})
+        self._unwritten.add(pod_id)
         await self.records.put(pod_id, pod)
+        self._unwritten.discard(pod_id)
 
     async def _before_teardown(self, sandbox_id: str) -> None:
         """The handler is about to stop a pod's VM and release its volumes
