@@ -36,8 +36,9 @@ from crust.contract.mountinfo import digest, kata_name
 from crust.kata.direct_volume import DirectVolumes
 from crust.sys import mount as sysmount
 from tests.harness import MIB
-from tests.test_handler import Env, Vol
+from tests.test_handler import Env, Vol, wait_until
 from tests.test_kata import DF_SCRIPT, anyone_mounts, guest_df, kata_env, usage_dict
+from tests.test_pod_runtime import PodClient, bind, container_bundle
 
 Code = grpc.StatusCode
 AccessMode = csi_pb2.VolumeCapability.AccessMode
@@ -399,3 +400,70 @@ def test_xfs_inside_luks2_and_a_device_holding_a_plain_file_system_is_never_form
     assert sha256_of(enc.backing_file(restored)) == before
     assert kenv.claims() == [] and kenv.sandboxes() == {}
     kenv.unpublish(restored)
+
+
+def test_a_pod_container_opens_an_encrypted_volume_and_its_removal_closes_it(kenv):
+    """PodRuntime (containerd's crust shim): a container's bind of an
+    encrypted volume opens it in the pod's VM; removing the container
+    closes the mapping, so the disk leaves the guest cleanly."""
+    enc = Encrypted(kenv)
+    v = enc.create("pv-luks-pod")
+    enc.publish(v)
+    client = PodClient(kenv.handler.socket)
+    try:
+        sandbox_bundle = kenv.path / "bundles" / "pod-luks-sandbox"
+        sandbox_bundle.mkdir(parents=True)
+        (sandbox_bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2",
+                                                                "process": {"args": ["/pause"]}}))
+        client.create_pod("pod-luks", sandbox_bundle)
+        bundle = container_bundle(kenv.path, "luks-ctr", ["/bin/sh", "-c",
+                                  f"echo {MARKER.decode()} > /data/marker && cat /data/marker && sync"],
+                                  [bind("/data", v.target)])
+        client.create_container("pod-luks", "luks-ctr", bundle)
+        client.start("luks-ctr")
+        assert client.wait("luks-ctr").exit_code == 0
+        assert client.output("luks-ctr")[0] == MARKER + b"\n"
+        client.delete_container("luks-ctr")
+        assert kenv.claims() == []
+        assert " ok closed=1" in kenv.console("pod-luks"), "the mapping was not closed in the guest"
+        client.delete_pod("pod-luks")
+    finally:
+        client.close()
+    assert_ciphertext_only([enc.backing_file(v), v.device], "ext4")
+    kenv.unpublish(v)
+
+
+def test_a_restarted_handler_keeps_an_opened_encrypted_volume_without_its_key(kenv):
+    """The VM outlives a killed handler; the new one claims the volume again
+    (no key comes, none is needed: the guest has it open), answers stats,
+    and closes it at delete."""
+    enc = Encrypted(kenv)
+    v = enc.create("pv-luks-restart")
+    enc.publish(v)
+    kenv.run_ok(kenv.bundle("luks-rs", guest_script(f"printf {MARKER.decode()} > /data/marker", "sync",
+                                                    "echo WRITTEN", "exec sleep 600"), [("/data", str(v.target))]),
+                "sb-luks-rs")
+    kenv.wait_console("sb-luks-rs", "WRITTEN", timeout=120)
+    kenv.handler.kill()
+    kenv.handler.start(timeout=300)
+    # start() returns on the old registration (its lease is still fresh): wait for the new handler itself.
+    wait_until(lambda: kenv.handler.sandbox("list").returncode == 0, timeout=120, interval=0.5,
+               what="the restarted handler's socket")
+    wait_until(lambda: kenv.claim_set() == {(str(v.target), "kata", "sb-luks-rs")}, timeout=30,
+               what="the claim re-asserted")
+    assert list(kenv.sandboxes()) == ["sb-luks-rs"]
+
+    def stats_answered():
+        try:
+            return kenv.stats(v)
+        except grpc.RpcError as exc:
+            assert exc.code() == Code.UNAVAILABLE, exc.details()   # the proxy reconnecting to the new handler
+            return None
+
+    stats = wait_until(stats_answered, timeout=30, interval=0.5, what="stats from the restarted handler")
+    assert not stats.volume_condition.abnormal, stats.volume_condition.message
+    kenv.delete("sb-luks-rs")
+    assert " ok closed=1" in kenv.console("sb-luks-rs")
+    assert kenv.claims() == []
+    assert_ciphertext_only([enc.backing_file(v)], "ext4")
+    kenv.unpublish(v)
