@@ -51,7 +51,7 @@ from crust.kata.agent import AgentError, AgentRefused
 from crust.kata.qemu import Vm, VmError
 from crust.kata.sandbox import KataSandbox
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
-from crust.runtime_handler.oci import BundleError, load_bundle
+from crust.runtime_handler.oci import load_requested_bundle
 from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes
 from crust.sys import fsimage
 from crust.sys.run import CommandError
@@ -334,12 +334,7 @@ class Pods:
     async def create_container(self, sandbox_id: str, container_id: str, bundle: str) -> None:
         if not valid_key(container_id):
             raise InvalidArgument(f"container_id {container_id!r} must be {KEY_RULE}")
-        if not bundle.startswith("/"):
-            raise InvalidArgument("bundle must be an absolute path")
-        try:
-            spec = load_bundle(Path(bundle))
-        except BundleError as exc:
-            raise InvalidArgument(str(exc)) from None
+        spec = load_requested_bundle(bundle)
         rootfs = Path(bundle) / (spec.root.path if spec.root else "rootfs")
         if not rootfs.is_dir():
             raise InvalidArgument(f"bundle {bundle}: its root file system {rootfs} is no directory")

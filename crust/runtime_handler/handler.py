@@ -39,7 +39,7 @@ from crust.contract import encryption
 from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, PLACEHOLDER_SOURCE, MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.runtime_handler.index import VolumeIndex
-from crust.runtime_handler.oci import BundleError, load_bundle
+from crust.runtime_handler.oci import BundleError, load_bundle, load_requested_bundle
 from crust.runtime_handler.registration import Registration
 from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, candidates, resolve
 from crust.runtime_handler.sandbox import Sandbox
@@ -308,12 +308,7 @@ class RuntimeHandler:
         if not valid_key(sandbox_id):
             # The sandbox's record is stored under its id.
             raise InvalidArgument(f"sandbox_id {sandbox_id!r} must be {KEY_RULE}")
-        if not bundle.startswith("/"):
-            raise InvalidArgument("bundle must be an absolute path")
-        try:
-            spec = load_bundle(Path(bundle))
-        except BundleError as exc:
-            raise InvalidArgument(str(exc)) from None
+        spec = load_requested_bundle(bundle)
         with self.inflight.hold(sandbox_id):
             if sandbox_id in self.sandboxes:
                 return self.sandboxes[sandbox_id][1]

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from crust.common.errors import InvalidArgument
+
 
 class User(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -64,3 +66,14 @@ def load_bundle(bundle: Path) -> Spec:
         if not m.destination.startswith("/"):
             raise BundleError(f"{path}: mount destination {m.destination!r} must be absolute")
     return spec
+
+
+def load_requested_bundle(bundle: str) -> Spec:
+    """The bundle a request names: an absolute path whose config.json reads
+    as a spec; INVALID_ARGUMENT naming what is wrong otherwise."""
+    if not bundle.startswith("/"):
+        raise InvalidArgument("bundle must be an absolute path")
+    try:
+        return load_bundle(Path(bundle))
+    except BundleError as exc:
+        raise InvalidArgument(str(exc)) from None
