@@ -1044,3 +1044,20 @@ def test_release_under_detaches_a_loop_device_over_a_file_system_it_unmounts(tmp
             subprocess.run(["losetup", "-d", device], capture_output=True)
         if os.path.ismount(data):
             subprocess.run(["umount", "-l", str(data)], capture_output=True)
+
+
+def test_a_sandbox_work_directory_is_short_and_an_earlier_releases_is_kept(tmp_path):
+    """CRI's 64-character ids get a hashed work directory (the VM's sockets
+    must fit a unix socket path); a directory an earlier release named by
+    the id itself is still the sandbox's."""
+    from crust.runtime_handler.handler import WORKDIR_NAME_MAX, RuntimeHandler
+
+    handler = RuntimeHandler.__new__(RuntimeHandler)
+    handler.state_dir = tmp_path
+    short, long_id, old_id = "pod-1", "a" * 64, "b" * 64
+    assert handler._workdir(short) == tmp_path / "run" / short
+    hashed = handler._workdir(long_id)
+    assert hashed.parent == tmp_path / "run" and len(hashed.name) == WORKDIR_NAME_MAX
+    assert handler._workdir(long_id) == hashed and handler._workdir("c" * 64) != hashed
+    (tmp_path / "run" / old_id).mkdir(parents=True)
+    assert handler._workdir(old_id) == tmp_path / "run" / old_id

@@ -291,6 +291,11 @@ class RuntimeHandler:
         return ""
 
     def _workdir(self, sandbox_id: str) -> Path:
+        named = self.state_dir / "run" / sandbox_id
+        if len(sandbox_id) > WORKDIR_NAME_MAX and named.is_dir():
+            # Made by a release that named every work directory by its id
+            # (a mount-namespace sandbox still running across the upgrade).
+            return named
         return self.state_dir / "run" / workdir_name(sandbox_id)
 
     @staticmethod
