@@ -64,6 +64,15 @@ def host_dd(argv: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+async def stop_or_kill(vm: Vm | None) -> None:
+    """Power a benchmark's VM off; kill it when that does not end it."""
+    if vm is not None:
+        try:
+            await asyncio.wait_for(vm.stop(timeout=30), 60)
+        except Exception:  # noqa: BLE001 - the forced cleanup follows
+            await vm.kill()
+
+
 class GuestIo:
     """Timed commands in the guest: output lines tagged and read back from
     the console log (the agent's `exec` sends a command's output there)."""
@@ -187,11 +196,7 @@ class IoVm:
         evict_file(self.files[side])
 
     async def stop_vm(self) -> None:
-        if self.vm is not None:
-            try:
-                await asyncio.wait_for(self.vm.stop(timeout=30), 60)
-            except Exception:  # noqa: BLE001 - the forced cleanup follows
-                await self.vm.kill()
+        await stop_or_kill(self.vm)
 
     def clean_up(self) -> list[str]:
         """Forced cleanup of the host objects, only those made here: QEMU

@@ -37,7 +37,7 @@ from bench.benchlib import (
     run_header,
     summary,
 )
-from bench.harness_guest_io import GuestIo, evict_block_device, evict_file, run_then
+from bench.harness_guest_io import GuestIo, evict_block_device, evict_file, run_then, stop_or_kill
 from bench.harness_kata import kata_machine
 from crust.kata.image import DEFAULT_CACHE, build
 from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
@@ -109,11 +109,7 @@ class LuksVm:
         return w, rd
 
     async def stop_vm(self) -> None:
-        if self.vm is not None:
-            try:
-                await asyncio.wait_for(self.vm.stop(timeout=30), 60)
-            except Exception:  # noqa: BLE001 - the forced cleanup follows
-                await self.vm.kill()
+        await stop_or_kill(self.vm)
 
     def clean_up(self) -> list[str]:
         """Only what this run made: its QEMU, its loop devices, its directory."""

@@ -46,6 +46,18 @@ def private_containerd(runtimes: dict[str, str] | None = None, env: dict[str, st
     assert not leftovers, f"the private containerd left: {leftovers}"
 
 
+def host_network_pod(containerd: Containerd, name: str, uid: str) -> cri.PodSandboxConfig:
+    """A bare pod sandbox config on the host's network, its logs and cgroup
+    below the private containerd's."""
+    return cri.PodSandboxConfig(
+        metadata=cri.PodSandboxMetadata(name=name, namespace="default", uid=uid),
+        log_directory=str(containerd.directory / "logs" / uid),
+        linux=cri.LinuxPodSandboxConfig(
+            cgroup_parent=f"{containerd.cgroup_root}/pod{uid}",
+            security_context=cri.LinuxSandboxSecurityContext(namespace_options=cri.NamespaceOption(
+                network=cri.NODE, pid=cri.CONTAINER, ipc=cri.POD))))
+
+
 def processes_naming(text: str) -> list[str]:
     """Processes whose command line holds text (a path of ours)."""
     found = []

@@ -7,6 +7,7 @@ file is below it, so a test never touches what it did not create.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -463,6 +464,23 @@ def unexpected_errors(root: Path) -> list[str]:
             continue
         found += [f"{log.name}: {line[:500]}" for line in text.splitlines() if "unexpected error" in line]
     return found
+
+
+def fill_until_full(directory: Path, name: str = ".filler") -> Path:
+    """A file in directory grown until its file system refuses (ENOSPC)."""
+    path = directory / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for chunk in (1 << 20, 1 << 16, 4096, 512):
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+    finally:
+        os.close(fd)
+    return path
 
 
 def code_of(call, *args, **kw) -> grpc.StatusCode:

@@ -25,18 +25,8 @@ from crust.contract.mountinfo import digest
 from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, VolumeMount
 from crust.kubelet import image as images
 from crust.kubelet.cri import KubeletRuntime, SyncError
-from tests.cri_harness import cri_node, leftovers_of, private_containerd, processes_naming, shim_pids
+from tests.cri_harness import cri_node, host_network_pod, leftovers_of, private_containerd, processes_naming, shim_pids
 from tests.test_handler import wait_until
-
-
-def _host_network_pod(containerd, name: str, uid: str) -> cri.PodSandboxConfig:
-    return cri.PodSandboxConfig(
-        metadata=cri.PodSandboxMetadata(name=name, namespace="default", uid=uid),
-        log_directory=str(containerd.directory / "logs" / uid),
-        linux=cri.LinuxPodSandboxConfig(
-            cgroup_parent=f"{containerd.cgroup_root}/pod{uid}",
-            security_context=cri.LinuxSandboxSecurityContext(namespace_options=cri.NamespaceOption(
-                network=cri.NODE, pid=cri.CONTAINER, ipc=cri.POD))))
 
 
 def _wait_exited(rs, container_id: str, timeout: float = 20) -> cri.ContainerStatus:
@@ -81,7 +71,7 @@ def test_private_containerd_runs_a_host_network_pod_and_leaves_nothing():
     with private_containerd() as (containerd, image):
         rs = containerd.runtime_service
         assert containerd.version().runtime_api_version == "v1"
-        config = _host_network_pod(containerd, "p1", "uid-p1")
+        config = host_network_pod(containerd, "p1", "uid-p1")
         sandbox = rs.RunPodSandbox(cri.RunPodSandboxRequest(config=config, runtime_handler="runc"),
                                    timeout=60).pod_sandbox_id
         container = rs.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sandbox, sandbox_config=config,
@@ -101,7 +91,7 @@ def test_close_cleans_up_after_containerd_was_killed():
     live on (by design); close() still finds and removes everything."""
     with private_containerd() as (containerd, image):
         rs = containerd.runtime_service
-        config = _host_network_pod(containerd, "p2", "uid-p2")
+        config = host_network_pod(containerd, "p2", "uid-p2")
         sandbox = rs.RunPodSandbox(cri.RunPodSandboxRequest(config=config), timeout=60).pod_sandbox_id
         container = rs.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sandbox, sandbox_config=config,
             config=cri.ContainerConfig(metadata=cri.ContainerMetadata(name="c"), image=cri.ImageSpec(image=image.name),

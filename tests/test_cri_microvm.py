@@ -19,21 +19,12 @@ from crust.api import cri_pb2 as cri
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.kata.qemu import qemu_pids_under
 from crust.kubelet import Container, Pod, VolumeMount
-from tests.cri_harness import KATA_HANDLER, cri_microvm_node, leftovers_of, private_containerd, processes_naming, shim_pids
+from tests.cri_harness import (KATA_HANDLER, cri_microvm_node, host_network_pod, leftovers_of, private_containerd,
+                               processes_naming, shim_pids)
 from tests.test_handler import wait_until
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 SHIM_RUNTIME = {"crust": "io.containerd.crust.v2"}
-
-
-def _host_network_pod(containerd, name: str, uid: str) -> cri.PodSandboxConfig:
-    return cri.PodSandboxConfig(
-        metadata=cri.PodSandboxMetadata(name=name, namespace="default", uid=uid),
-        log_directory=str(containerd.directory / "logs" / uid),
-        linux=cri.LinuxPodSandboxConfig(
-            cgroup_parent=f"{containerd.cgroup_root}/pod{uid}",
-            security_context=cri.LinuxSandboxSecurityContext(namespace_options=cri.NamespaceOption(
-                network=cri.NODE, pid=cri.CONTAINER, ipc=cri.POD))))
 
 
 # -- deploy/ -------------------------------------------------------------------------------------
@@ -86,7 +77,7 @@ def test_a_pod_fails_clearly_without_the_handler_and_leaves_no_shim(tmp_path):
                             env={"CRUST_KATA_HANDLER_ENDPOINT": "unix:///nonexistent/elsewhere.sock"}
                             ) as (containerd, image):
         rs = containerd.runtime_service
-        config = _host_network_pod(containerd, "p0", "uid-p0")
+        config = host_network_pod(containerd, "p0", "uid-p0")
         with pytest.raises(grpc.RpcError) as caught:
             rs.RunPodSandbox(cri.RunPodSandboxRequest(config=config, runtime_handler="crust"), timeout=60)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE

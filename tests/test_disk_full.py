@@ -13,7 +13,6 @@ freed, the same call succeeds.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import subprocess
@@ -27,28 +26,12 @@ from crust.contract.mountinfo import digest
 from crust.csi_shim.records import volume_key
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, mount_cap
+from tests.harness import MIB, fill_until_full, mount_cap
 from tests.test_handler import Env, pid_alive, wait_until
 
 Code = grpc.StatusCode
 SIZES = {"data": "160M", "shim-state": "2M", "proxy-state": "2M", "volumes": "2M", "kata": "2M",
          "mountns-state": "2M"}
-
-
-def fill(directory: Path) -> Path:
-    """Write a file in directory until its file system is full."""
-    path = directory / ".filler"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        for chunk in (1 << 20, 1 << 16, 4096, 512):
-            try:
-                while True:
-                    os.write(fd, b"\0" * chunk)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
-    finally:
-        os.close(fd)
-    return path
 
 
 class FullDisk:
@@ -63,7 +46,7 @@ class FullDisk:
 
     @contextlib.contextmanager
     def full(self, name: str):
-        filler = fill(self.root.path / name)
+        filler = fill_until_full(self.root.path / name)
         try:
             yield self.root.path / name
         finally:

@@ -85,7 +85,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -108,7 +107,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from crust.api import csi_pb2, handler_pb2, registry_pb2, runtime_pb2
 from crust.sys import loop as sysloop
 from tests import hostile
-from tests.harness import MIB, Root, block_cap, kill_processes_rooted_under, mount_cap
+from tests.harness import MIB, Root, block_cap, fill_until_full, kill_processes_rooted_under, mount_cap
 
 # Hypothesis keeps caches (and would keep its example database) in
 # ./.hypothesis: a scratch directory instead, so the checkout stays clean.
@@ -679,7 +678,7 @@ class Stack:
         fillers = []
         try:
             for name in FULL_DISKS:
-                fillers.append(fill_until_full(self.path / name))
+                fillers.append(fill_until_full(self.path / name, ".hostile-filler"))
             yield
         finally:
             for filler in fillers:
@@ -697,23 +696,6 @@ class Stack:
         for info in rsp.sandboxes:
             self.call("handler", "crust.handler.v1.SandboxControl", "DeleteSandbox",
                       handler_pb2.DeleteSandboxRequest(sandbox_id=info.sandbox_id), timeout=60)
-
-
-def fill_until_full(directory: Path) -> Path:
-    """A file in directory grown until its file system refuses (ENOSPC)."""
-    path = directory / ".hostile-filler"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        for chunk in (1 << 20, 1 << 16, 4096, 512):
-            try:
-                while True:
-                    os.write(fd, b"\0" * chunk)
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-    finally:
-        os.close(fd)
-    return path
 
 
 def mount_small_disks(root: Path) -> None:
