@@ -2,14 +2,22 @@
 """Time per csi-sanity spec: crust against the Go reference driver.
 
 Runs csi-sanity, with the mount-access flags of docs/conformance.md, against
-four targets, each started afresh in a temporary root for every run:
+six targets, each started afresh in a temporary root for every run:
 
     reference  csi-driver-host-path (hostpathplugin), every optional feature on
     driver     crust driver
     shim       crust shim -> crust driver
     proxy      crust proxy -> crust shim -> crust driver
+    bare-hop   bare hop -> crust driver
+    bare-hops  bare hop -> bare hop -> crust driver
 
-A round runs the four in turn (the order rotating from round to round),
+A bare hop is bench/bare_hop.py: a grpc.aio server forwarding every call as
+raw bytes and doing nothing else, the least a hop written in Python costs.
+The two bare targets put a floor under the shim and proxy targets: what the
+same suite costs through one and two hops of grpcio's asyncio stack with
+none of crust's code in them.
+
+A round runs the targets in turn (the order rotating from round to round),
 all with the same ginkgo seed, hence the same order of specs. From
 csi-sanity's JUnit report: the specs run, passed, failed, skipped, pending,
 and each spec's time; from /proc/PID/stat, before and after csi-sanity,
@@ -46,6 +54,8 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
+import grpc
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: bench, crust, tests
 
 from bench.benchlib import (  # noqa: E402
@@ -66,7 +76,14 @@ from bench.benchlib import (  # noqa: E402
     write_json,
 )
 from bench.harness_kernel import LoopNodes, loop_names  # noqa: E402
-from bench.harness_stack import die_with_parent, own_session, project_on_pythonpath, stop_process  # noqa: E402
+from bench.harness_stack import (  # noqa: E402
+    die_with_parent,
+    own_session,
+    project_on_pythonpath,
+    start_daemon,
+    stop_process,
+)
+from crust.api import csi_pb2, csi_pb2_grpc  # noqa: E402
 from crust.sys import loop as sysloop  # noqa: E402
 from crust.sys import mount as sysmount  # noqa: E402
 from tests.csi_sanity import (  # noqa: E402 - the flags, targets and invocation tests/test_conformance.py runs
@@ -79,10 +96,16 @@ from tests.csi_sanity import (  # noqa: E402 - the flags, targets and invocation
 )
 from tests.harness import Root  # noqa: E402
 
-TARGETS = ("reference", "driver", "shim", "proxy")
-DAEMONS = ("driver", "shim", "proxy")
+TARGETS = ("reference", "driver", "shim", "proxy", "bare-hop", "bare-hops")
+# Each target's daemons, backend first: the CPU table's columns are the
+# driver, the first hop in front of it and the second.
+DAEMONS = {"reference": ("reference",), "driver": ("driver",), "shim": ("driver", "shim"),
+           "proxy": ("driver", "shim", "proxy"), "bare-hop": ("driver", "bare hop"),
+           "bare-hops": ("driver", "bare hop", "bare hop 2")}
+BARE_HOPS = {"bare-hop": 1, "bare-hops": 2}
 LABELS = {"reference": "csi-driver-host-path (Go reference)", "driver": "crust driver",
-          "shim": "crust shim -> crust driver", "proxy": "crust proxy -> crust shim -> crust driver"}
+          "shim": "crust shim -> crust driver", "proxy": "crust proxy -> crust shim -> crust driver",
+          "bare-hop": "bare hop -> crust driver", "bare-hops": "bare hop -> bare hop -> crust driver"}
 COUNTS = ("ran", "passed", "failed", "skipped", "pending")
 
 
@@ -135,17 +158,37 @@ class Run:
         self.root = Root()
         self.loop_nodes = LoopNodes(self.root.path)
         self.procs: list[subprocess.Popen] = []  # csi-sanity; the harness owns the daemons
+        self.hops: list[subprocess.Popen] = []  # the bare hops, front first
 
     def start(self) -> tuple[Path, list[int]]:
-        """The target up; its socket and the daemons' pids."""
+        """The target up; its socket and the daemons' pids (backend first)."""
+        crust_target = "driver" if self.target in BARE_HOPS else self.target
         with own_session():  # a Ctrl-C reaches this script only, which then tears down in order
-            chain = start_target(self.root, self.target, hostpath=self.args.hostpath,
+            chain = start_target(self.root, crust_target, hostpath=self.args.hostpath,
                                  crust_extra=("--default-fs-type", self.args.fs))
-        return chain[-1].socket, [d.proc.pid for d in chain]
+        socket, pids = chain[-1].socket, [d.proc.pid for d in chain]
+        for n in range(BARE_HOPS.get(self.target, 0)):
+            socket = self.start_bare_hop(socket, self.root.path / f"bare-hop-{n + 1}.sock")
+            pids.append(self.hops[0].pid)
+        return socket, pids
+
+    def start_bare_hop(self, backend: Path, socket: Path, timeout: float = 15.0) -> Path:
+        """bench/bare_hop.py on socket in front of backend, once it answers there."""
+        hop = start_daemon([sys.executable, str(PROJECT / "bench" / "bare_hop.py"), "--listen", f"unix://{socket}",
+                            "--backend", f"unix://{backend}"], self.root.path / f"{socket.name}.log")
+        self.hops.insert(0, hop)
+        with grpc.insecure_channel(f"unix://{socket}") as channel:
+            try:
+                csi_pb2_grpc.IdentityStub(channel).GetPluginInfo(csi_pb2.GetPluginInfoRequest(), timeout=timeout,
+                                                                 wait_for_ready=True)
+            except grpc.RpcError as exc:
+                raise RuntimeError(f"the bare hop on {socket} does not answer ({exc.code().name}): "
+                                   f"{self.log_tail(socket.name + '.log')}") from None
+        return socket
 
     def daemon_names(self, pids: list[int]) -> list[str]:
-        """Each daemon's name, in start_target's order (backend first)."""
-        return ["reference"] if self.target == "reference" else list(DAEMONS[:len(pids)])
+        """Each daemon's name, backend first."""
+        return list(DAEMONS[self.target][:len(pids)])
 
     def sanity(self, seed: int) -> dict:
         """csi-sanity against the target; its report and what the run cost."""
@@ -201,6 +244,8 @@ class Run:
         """Stop csi-sanity and the daemons, release what is below the root; True if nothing is left."""
         for proc in reversed(self.procs):
             stop_process(proc, 20)
+        for hop in self.hops:  # front first, as the daemons below
+            stop_process(hop, 10)
         for daemon in reversed(self.root.drivers):
             daemon.stop()
         stragglers = kill_stragglers(self.root.path)
@@ -257,19 +302,20 @@ def render(summary: dict) -> str:
         ratio = f"{row['ratio_to_reference']}x" if "ratio_to_reference" in row else "(base)"
         lines.append(f"| {LABELS[t]} | " + " | ".join(counts) + f" | {row['ms_per_spec']} | {ratio} "
                      f"| {row['spec_seconds']} | {row['daemons_cpu_seconds']} |")
-    lines += ["", "| target | daemons' CPU per suite, median (s) | / reference | driver | shim | proxy "
-              "| of which their own threads: driver / shim / proxy |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "| target | daemons' CPU per suite, median (s) | / reference | driver | first hop (shim or bare) "
+              "| second hop (proxy or bare) | of which their own threads, backend first |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for t, row in summary["targets"].items():
         ratio = f"{row['cpu_ratio_to_reference']}x" if "cpu_ratio_to_reference" in row else "(base)"
-        each = [str(row["daemon_cpu_seconds"].get(n, "-")) for n in DAEMONS]
-        own = " / ".join(str(row["daemon_own_cpu_seconds"][n]) for n in DAEMONS if n in row["daemon_own_cpu_seconds"])
-        lines.append(f"| {LABELS[t]} | {row['daemons_cpu_seconds']} | {ratio} | " + " | ".join(each)
-                     + f" | {own or row['daemon_own_cpu_seconds'].get('reference')} |")
+        names = DAEMONS[t] if t != "reference" else ()
+        each = [str(row["daemon_cpu_seconds"][names[i]]) if i < len(names) else "-" for i in range(3)]
+        own = " / ".join(str(row["daemon_own_cpu_seconds"][n]) for n in DAEMONS[t])
+        lines.append(f"| {LABELS[t]} | {row['daemons_cpu_seconds']} | {ratio} | " + " | ".join(each) + f" | {own} |")
     lines += ["", ("| spec (10 largest crust driver minus reference, medians) | reference (ms) | driver | shim "
-                   "| proxy | driver - reference |"), "|---|---:|---:|---:|---:|---:|"]
+                   "| proxy | bare hop | bare hops | driver - reference |"), "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summary["slowest_specs"]:
-        lines.append(f"| {s['spec']} | {s['reference']} | {s['driver']} | {s['shim']} | {s['proxy']} "
-                     f"| {s['driver_minus_reference']} |")
+        times = " | ".join("-" if s[t] is None else str(s[t]) for t in TARGETS)
+        lines.append(f"| {s['spec']} | {times} | {s['driver_minus_reference']} |")
     return "\n".join(lines)
 
 
