@@ -10,6 +10,11 @@ limit, metadata, kept answer or deferral, none of what `crust shim` and
 of grpcio's asyncio stack, which is what every hop of the node chain is at
 the least (crust's daemons are grpc.aio servers, docs/design.md).
 
+With `--stack sync` the same hop is made of grpcio's other stack: a
+grpc.server with a thread pool, whose handler makes a blocking call on a
+grpc.Channel. It answers whether a hop costs less there (it does not:
+docs/benchmarks.md).
+
 bench/conformance_ratio.py runs it in front of `crust driver` (targets
 `bare-hop` and `bare-hops`: one or two of these between csi-sanity and the
 driver), and bench/hop_cost.py as its `bare` variant, side by side with the
@@ -27,6 +32,8 @@ import asyncio
 import os
 import signal
 import sys
+import threading
+from concurrent import futures
 
 import grpc
 
@@ -51,6 +58,52 @@ class ForwardEveryUnaryCall(grpc.GenericRpcHandler):
 
             handler = self.handlers[details.method] = grpc.unary_unary_rpc_method_handler(forward)
         return handler
+
+
+NO_DEADLINE = 1e9  # seconds
+
+
+class ForwardEveryUnaryCallBlocking(grpc.GenericRpcHandler):
+    """The same on grpcio's threaded stack: a blocking call per forwarded call."""
+
+    def __init__(self, channel: grpc.Channel):
+        self.channel = channel
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = self.handlers.get(details.method)
+        if handler is None:
+            backend = self.channel.unary_unary(details.method)
+
+            def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
+                remaining = context.time_remaining()  # this stack says "no deadline" as a huge one
+                try:
+                    return backend(request, timeout=remaining if remaining < NO_DEADLINE else None)
+                except grpc.RpcError as exc:
+                    context.abort(exc.code(), exc.details() or "")
+
+            handler = self.handlers[details.method] = grpc.unary_unary_rpc_method_handler(forward)
+        return handler
+
+
+def serve_blocking(listen: str, backend: str) -> None:
+    channel = grpc.insecure_channel("unix://" + backend)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    server.add_generic_rpc_handlers((ForwardEveryUnaryCallBlocking(channel),))
+    server.add_insecure_port("unix://" + listen)
+    server.start()
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    try:
+        stopping.wait()
+    finally:
+        server.stop(0.2).wait()
+        channel.close()
+        try:
+            os.unlink(listen)
+        except FileNotFoundError:
+            pass
 
 
 def unix_path(endpoint: str, option: str) -> str:
@@ -86,8 +139,14 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--listen", required=True, metavar="unix:///PATH", help="the socket this hop serves")
     p.add_argument("--backend", required=True, metavar="unix:///PATH", help="the socket it forwards every call to")
+    p.add_argument("--stack", choices=["aio", "sync"], default="aio",
+                   help="grpcio's asyncio stack (default, as crust's daemons) or its threaded one")
     args = p.parse_args(argv)
-    asyncio.run(serve(unix_path(args.listen, "--listen"), unix_path(args.backend, "--backend")))
+    listen, backend = unix_path(args.listen, "--listen"), unix_path(args.backend, "--backend")
+    if args.stack == "sync":
+        serve_blocking(listen, backend)
+    else:
+        asyncio.run(serve(listen, backend))
     return 0
 
 

@@ -175,7 +175,8 @@ class Run:
     def start_bare_hop(self, backend: Path, socket: Path, timeout: float = 15.0) -> Path:
         """bench/bare_hop.py on socket in front of backend, once it answers there."""
         hop = start_daemon([sys.executable, str(PROJECT / "bench" / "bare_hop.py"), "--listen", f"unix://{socket}",
-                            "--backend", f"unix://{backend}"], self.root.path / f"{socket.name}.log")
+                            "--backend", f"unix://{backend}", "--stack", self.args.bare_stack],
+                           self.root.path / f"{socket.name}.log")
         self.hops.insert(0, hop)
         with grpc.insecure_channel(f"unix://{socket}") as channel:
             try:
@@ -331,6 +332,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "as in docs/conformance.md)")
     p.add_argument("--targets", default=",".join(TARGETS), metavar="T,T",
                    help=f"which targets run (default {','.join(TARGETS)}; ratios need the reference)")
+    p.add_argument("--bare-stack", choices=["aio", "sync"], default="aio",
+                   help="the grpcio stack of the bare hops (bench/bare_hop.py --stack; default aio)")
     p.add_argument("--timeout", type=float, default=300, metavar="S",
                    help="longest one csi-sanity run may take (default 300)")
     p.add_argument("--json", type=Path, metavar="OUT", help="also write every run's numbers as JSON ('-': stdout)")
@@ -367,7 +370,8 @@ def main(argv=None) -> int:
     project_on_pythonpath(os.environ)
     version = subprocess.run([args.hostpath, "-version"], capture_output=True, text=True, check=False).stdout.strip()
     results: dict = {**run_header("conformance_ratio", argv, machine(hostpathplugin=version)),
-                     "config": {"rounds": args.rounds, "fs": args.fs, "reference_flags": REFERENCE_FLAGS,
+                     "config": {"rounds": args.rounds, "fs": args.fs, "bare_stack": args.bare_stack,
+                                "reference_flags": REFERENCE_FLAGS,
                                 "driver_flags": DRIVER_FLAGS, "shim_flags": SHIM_FLAGS,
                                 "access_type": "mount"}, "runs": []}
     current: list[Run] = []
