@@ -14,6 +14,21 @@ proxy` (tests/harness.py Root.stack(), each in its own temporary root):
   measurement only: crust does not run on uvloop (docs/benchmarks.md, "The
   shim", says why).
 
+And with --bare, the floor under the shim's and the proxy's hops:
+
+- `bare`: this checkout's `crust driver`, bench/bare_hop.py in front of it
+  and a second bare_hop.py in front of that one (grpc.aio servers that
+  forward every unary call as raw bytes and do nothing else). Its doors
+  keep the names of the real chain's, so that the rows line up: "driver"
+  is the driver, "shim" the first bare hop, "proxy" the second. A bare hop
+  keeps no answer and intercepts nothing: every RPC below is forwarded by
+  both, so the hop costs of the RPCs the real hops keep or intercept show
+  what that saves or costs against a plain forward. It publishes no volume
+  (it has no proxy to publish through): ControllerGetVolume and
+  ValidateVolumeCapabilities go to a volume it creates on its driver
+  (created only, deleted at the end), NodeGetVolumeStats is not measured
+  ('-').
+
 1. Latency. Each RPC is sent to the driver, to the shim and to the proxy of
    every variant, --rounds times, interleaved (the order of the variants and
    of the three doors rotates every round, so all see the same machine).
@@ -29,7 +44,8 @@ proxy` (tests/harness.py Root.stack(), each in its own temporary root):
    proxy's decisions, answered by the shim from the mounted file system;
    the driver never saw that path, so it has no direct column).
    Reported per variant and RPC: median of each door, and the hop costs:
-   shim - driver and proxy - shim.
+   shim - driver and proxy - shim (for `bare`: bare hop 1 - driver and
+   bare hop 2 - bare hop 1).
 2. CPU per forwarded call: blocks of Probe calls to each door of
    each variant (the blocks rotate), and the CPU time every daemon of the
    variant used meanwhile (all its threads, from /proc/PID/task/*/schedstat),
@@ -39,11 +55,11 @@ Run from the project root as root (the stats volume is a real loop device
 and mount):
 
     .venv/bin/python bench/hop_cost.py [--rounds 500] [--cpu-calls 2000] \\
-        [--baseline DIR] [--uvloop] [--json OUT]
+        [--baseline DIR] [--uvloop] [--bare] [--json OUT]
 
 Everything lives under temporary roots removed at the end, also on Ctrl-C,
 SIGTERM or failure (the volume unpublished, unstaged and deleted, the
-daemons stopped, leftovers unmounted and detached).
+daemons and bare hops stopped, leftovers unmounted and detached).
 """
 
 from __future__ import annotations
@@ -54,6 +70,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: bench, crust, tests
@@ -79,11 +96,12 @@ from bench.benchlib import (  # noqa: E402
     timed,
 )
 from bench.harness_proxy import StatsVolume  # noqa: E402
-from bench.harness_stack import die_with_parent  # noqa: E402
+from bench.harness_stack import die_with_parent, retry_failed_precondition  # noqa: E402
 from crust.api import csi_pb2  # noqa: E402
-from tests.harness import Root, mount_cap  # noqa: E402
+from tests.harness import MIB, CsiProcess, DriverProcess, Root, mount_cap  # noqa: E402
 
 DOORS = ("driver", "shim", "proxy")
+BARE_HOP = Path(__file__).resolve().parent / "bare_hop.py"
 
 # `python -m crust ARGS`, with uvloop's loop under every asyncio.run().
 UVLOOP_LAUNCH = ("import asyncio, runpy, uvloop; asyncio.set_event_loop_policy(uvloop.EventLoopPolicy()); "
@@ -154,8 +172,86 @@ class Variant:
         return close_and_report(self.root, problems, self.root.close)
 
 
+@dataclass
+class BareHop(CsiProcess):
+    """bench/bare_hop.py serving `socket` in front of `backend` (a door:
+    a channel to it and CSI stubs, as the harness's daemons have)."""
+
+    socket: Path
+    backend: Path
+    proc: subprocess.Popen | None = None
+    channel: grpc.Channel | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.socket.with_suffix(".log")
+
+    def start(self, timeout: float = 15.0) -> BareHop:
+        """Started (in its own session, ending with this script, within
+        daemons_from()); ready once a Probe through it reaches the driver."""
+        self._launch(f"bare hop {self.socket.name}", ["--listen", f"unix://{self.socket}",
+                                                      "--backend", f"unix://{self.backend}"],
+                     lambda: self.identity.Probe(csi_pb2.ProbeRequest(), timeout=2).ready.value, timeout,
+                     program=(sys.executable, str(BARE_HOP)))
+        return self
+
+
+class CreatedVolume:
+    """A volume created on a driver and nothing more (no stage, no
+    publish): what ControllerGetVolume and ValidateVolumeCapabilities of
+    the bare variant ask about. No target, so no NodeGetVolumeStats."""
+
+    target = None
+
+    def __init__(self, driver: DriverProcess):
+        self.driver = driver
+        self.volume_id = ""
+
+    def set_up(self) -> None:
+        self.volume_id = self.driver.create("bench-bare-hops", 64 * MIB, mount_cap("ext4")).volume_id
+
+    def tear_down(self, timeout: float = 30) -> list[str]:
+        """DeleteVolume on the driver (if it was created); errors are returned."""
+        vid, self.volume_id = self.volume_id, ""
+        if not vid:
+            return []
+        try:
+            retry_failed_precondition(lambda: self.driver.controller.DeleteVolume(
+                csi_pb2.DeleteVolumeRequest(volume_id=vid), timeout=timeout), patience=20)
+        except Exception as exc:  # noqa: BLE001 - the forced cleanup follows
+            return [f"delete {vid}: {exc!r}"]
+        return []
+
+
+class BareVariant(Variant):
+    """`crust driver` <- bare hop 1 (door "shim") <- bare hop 2 (door
+    "proxy"): the least two Python gRPC hops cost, side by side with the
+    real chain."""
+
+    DOORS_ARE = {"driver": "crust driver", "shim": "bare_hop.py in front of the driver",
+                 "proxy": "bare_hop.py in front of the first bare hop"}
+
+    def start(self) -> None:
+        with daemons_from(self.code, self.env):
+            driver = self.root.driver().start()
+            # In the root's list, so that Root.close() stops them (SIGTERM,
+            # then SIGKILL), the outer one first, whatever failed meanwhile.
+            first = BareHop(self.root.path / "hop1.sock", driver.socket)
+            self.root.drivers.append(first)
+            first.start()
+            second = BareHop(self.root.path / "hop2.sock", first.socket)
+            self.root.drivers.append(second)
+            second.start()
+        self.doors = {"driver": driver, "shim": first, "proxy": second}
+        self.loops = {door: event_loop_of(p.proc.pid) for door, p in self.doors.items()}
+        self.volume = CreatedVolume(driver)
+        self.volume.set_up()
+
+
 def probes(variant: Variant) -> dict:
-    """name -> (kind, call(door process)) for part 1; None when a door cannot take it."""
+    """name -> (kind, call(door process)) for part 1; the call returns None
+    when a door cannot take it, and is None when no door of the variant can
+    (NodeGetVolumeStats of the bare variant: no volume published)."""
     volume = variant.volume
     stats = csi_pb2.NodeGetVolumeStatsRequest(volume_id=volume.volume_id, volume_path=str(volume.target))
     validate = csi_pb2.ValidateVolumeCapabilitiesRequest(volume_id=volume.volume_id,
@@ -174,7 +270,8 @@ def probes(variant: Variant) -> dict:
             csi_pb2.NodeGetCapabilitiesRequest(), timeout=30)),
         "ValidateVolumeCapabilities": ("translated by the shim", lambda p: p.controller.ValidateVolumeCapabilities(
             validate, timeout=30)),
-        "NodeGetVolumeStats": ("intercepted by both", lambda p: None if p is variant.doors["driver"]
+        "NodeGetVolumeStats": ("intercepted by both", None if volume.target is None else
+                               lambda p: None if p is variant.doors["driver"]
                                else p.node.NodeGetVolumeStats(stats, timeout=30)),
     }
 
@@ -185,7 +282,7 @@ def part1(variants: list[Variant], rounds: int) -> dict:
     # Warm every channel and code path: connection set-up is not measured.
     for v in variants:
         for _, call in calls[v.name].values():
-            for _ in range(30):
+            for _ in range(30 if call is not None else 0):
                 for door in v.doors.values():
                     call(door)
     os.sync()
@@ -198,13 +295,18 @@ def part1(variants: list[Variant], rounds: int) -> dict:
         for i in range(rounds):
             for v in rotated(variants, i):
                 call = calls[v.name][name][1]
-                for door in rotated(list(DOORS), i):
+                for door in rotated(list(DOORS), i) if call is not None else ():
                     process = v.doors[door]
                     if door == "driver" and name == "NodeGetVolumeStats":
                         continue
                     samples[v.name][door].append(timed(lambda c=call, p=process: c(p)))
         out[name] = {"kind": calls[variants[0].name][name][0]}
         for v in variants:
+            label = name if v is variants[0] else ""
+            if calls[v.name][name][1] is None:
+                out[name][v.name] = {"not_measured": "no volume published (no proxy to publish through)"}
+                print(f"  {label:<28}{v.name:<10}" + f"{'-':>8}" * 3 + f"{'-':>10}" * 3, flush=True)
+                continue
             row = {}
             for door in DOORS:
                 if samples[v.name][door]:
@@ -216,7 +318,6 @@ def part1(variants: list[Variant], rounds: int) -> dict:
             out[name][v.name] = row
             cells = "".join(f"{row[f'{d}_p50_ms']:>8.3f}" if f"{d}_p50_ms" in row else f"{'-':>8}" for d in DOORS)
             hop = f"{row['shim_hop_ms']:>10.3f}" if "shim_hop_ms" in row else f"{'-':>10}"
-            label = name if v is variants[0] else ""
             print(f"  {label:<28}{v.name:<10}{cells}{hop}{row['proxy_hop_ms']:>10.3f}{row['proxy_p90_ms']:>10.3f}",
                   flush=True)
     return out
@@ -266,6 +367,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--baseline", type=Path, metavar="DIR",
                    help="also run the daemons of the crust checkout in DIR (e.g. a git worktree of an "
                         "earlier commit)")
+    p.add_argument("--bare", action="store_true",
+                   help="also run the bare variant: crust driver behind two bench/bare_hop.py hops (doors "
+                        "shim and proxy), the least two Python gRPC hops cost")
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the results as JSON here")
     args = p.parse_args(argv)
     if args.uvloop:
@@ -294,6 +398,8 @@ def main(argv=None) -> int:
     variants.append(Variant("current", PROJECT, current))
     if args.uvloop:
         variants.append(Variant("uvloop", PROJECT, current, uvloop=True))
+    if args.bare:
+        variants.append(BareVariant("bare", PROJECT, current))
     print(f"crust hop cost ({results['code']})\nmachine: {machine_summary(results['machine'])}, "
           f"load {results['load_start']}", flush=True)
     started = time.monotonic()
@@ -304,6 +410,10 @@ def main(argv=None) -> int:
             results.setdefault("variants", {})[v.name] = {"code": str(v.code), "event_loops": v.loops}
             print(f"  {v.name:<10} {v.code}: event loop {', '.join(f'{d} {l}' for d, l in v.loops.items())}",
                   flush=True)
+            if isinstance(v, BareVariant):
+                results["variants"][v.name]["doors"] = v.DOORS_ARE
+                print(f"  {'':<10} doors: " + "; ".join(f"{d} = {what}" for d, what in v.DOORS_ARE.items())
+                      + " (every RPC forwarded by both hops)", flush=True)
         pids = [pid for v in variants for pid in v.pids()]
         before = cpu_sample(pids)
         results["part1"] = part1(variants, args.rounds)
