@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import select
 import shutil
 import socket
 import struct
@@ -216,11 +218,17 @@ async def test_containerd_accepts_forwarded_events(containerd):
         await publisher.close()
         deadline = time.monotonic() + 10
         seen = ""
-        import os
-        os.set_blocking(watcher.stdout.fileno(), False)
+        # The pipe's descriptor itself, waited on with select: a text
+        # stream's read() of a non-blocking pipe with nothing in it raises
+        # (the decoder is handed None) instead of returning.
+        fd = watcher.stdout.fileno()
         while time.monotonic() < deadline and ("/tasks/start" not in seen or "/tasks/exit" not in seen):
-            seen += watcher.stdout.read() or ""
-            time.sleep(0.1)
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break  # ctr ended
+                seen += chunk.decode(errors="replace")
     finally:
         watcher.kill()
         watcher.wait()
