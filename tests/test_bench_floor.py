@@ -6,21 +6,13 @@ run for real, briefly, and must leave nothing behind."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import grpc
 import pytest
 
 from bench import call_cpu, conformance_ratio
 from crust.api import csi_pb2, csi_pb2_grpc
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
+from tests.test_handler import pid_alive
 
 
 @pytest.mark.parametrize("stack", ["aio", "sync"])
@@ -31,7 +23,7 @@ def test_bare_hops_forward_to_the_driver_and_leave_nothing(stack):
     try:
         socket, pids = run.start()
         assert run.daemon_names(pids) == ["driver", "bare hop", "bare hop 2"]
-        assert len(set(pids)) == 3 and all(alive(pid) for pid in pids)
+        assert len(set(pids)) == 3 and all(pid_alive(pid) for pid in pids)
         with grpc.insecure_channel(f"unix://{socket}") as channel:
             controller = csi_pb2_grpc.ControllerStub(channel)
             # A real call through both hops, and a refusal of the driver's
@@ -50,7 +42,7 @@ def test_bare_hops_forward_to_the_driver_and_leave_nothing(stack):
         # Stopped in order (SIGTERM, a clean exit), not left to the
         # benchmark's last resort for stragglers.
         assert [hop.returncode for hop in hops] == [0, 0]
-        assert not [pid for pid in pids if alive(pid)]
+        assert not [pid for pid in pids if pid_alive(pid)]
         assert not [s for s in hop_sockets if s.exists()]
     finally:
         if not closed:
@@ -74,5 +66,5 @@ def test_call_cpu_reports_every_call_and_leaves_nothing(tmp_path, monkeypatch):
     assert all(row["driver"]["cpu_ms"] > 0 and row["driver"]["wall_ms_median"] > 0 for row in calls.values())
     # Its daemons are stopped and its temporary root (volumes, records, sockets) is gone.
     assert len(made) == 1 and made[0].pids
-    assert not [pid for pid in made[0].pids if alive(pid)]
+    assert not [pid for pid in made[0].pids if pid_alive(pid)]
     assert not made[0].root.path.exists()

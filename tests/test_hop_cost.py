@@ -6,19 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from bench.benchlib import PROJECT
 from bench.hop_cost import BareVariant, part2
 from crust.api import csi_pb2
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
+from tests.test_handler import pid_alive
 
 
 def test_help_names_the_bare_variant():
@@ -48,7 +40,7 @@ def test_bare_variant_forwards_through_two_hops_and_leaves_nothing():
         sockets = [first.socket, second.socket, driver.socket]
         closed = variant.close()
         assert closed
-        assert not [pid for pid in pids if alive(pid)]
+        assert not [pid for pid in pids if pid_alive(pid)]
         assert not [s for s in sockets if s.exists()] and not variant.root.path.exists()
     finally:
         if not closed:
