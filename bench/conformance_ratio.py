@@ -31,7 +31,8 @@ for both; the 10 specs with the largest crust driver minus reference time.
 csi-sanity and hostpathplugin (not part of crust) come from $PATH unless
 given. Run from the project root as root (loop devices, mkfs, mount):
 
-    .venv/bin/python bench/conformance_ratio.py [--rounds 3] [--fs ext4] [--targets T,T] [--json OUT]
+    .venv/bin/python bench/conformance_ratio.py [--rounds 3] [--fs ext4] [--targets T,T] \\
+        [--bare-stack aio|sync] [--json OUT]
 
 What a run makes lives below its temporary root and is removed when the
 run ends, also on Ctrl-C, SIGTERM or failure: processes stopped, mounts
