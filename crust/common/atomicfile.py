@@ -145,9 +145,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def _write_through_temporary(directory: str | os.PathLike | int, name: str, data: bytes,
                              opener: Callable[[str, int], int], reuse: bool = False) -> None:
-    # Plain descriptors, not Python file objects: a buffered file adds a
-    # dozen system calls (isatty, tell, flush) and about 90 us of CPU to a
-    # write whose own work, fsyncs included, is about 150 us
+    # Plain descriptors, not Python file objects: a buffered file added
+    # eight system calls (an isatty and a close-on-exec ioctl, six tells)
+    # and about 40 us of CPU to a write of about 240 us, fsyncs included
     # (docs/benchmarks.md, "CPU per CSI call").
     tmp = temporary_name(name)
     at = {"src_dir_fd": directory, "dst_dir_fd": directory} if isinstance(directory, int) else {}
