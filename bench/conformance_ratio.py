@@ -55,8 +55,6 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-import grpc
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: bench, crust, tests
 
 from bench.benchlib import (  # noqa: E402
@@ -78,13 +76,12 @@ from bench.benchlib import (  # noqa: E402
 )
 from bench.harness_kernel import LoopNodes, loop_names  # noqa: E402
 from bench.harness_stack import (  # noqa: E402
+    BareHop,
     die_with_parent,
     own_session,
     project_on_pythonpath,
-    start_daemon,
     stop_process,
 )
-from crust.api import csi_pb2, csi_pb2_grpc  # noqa: E402
 from crust.sys import loop as sysloop  # noqa: E402
 from crust.sys import mount as sysmount  # noqa: E402
 from tests.csi_sanity import (  # noqa: E402 - the flags, targets and invocation tests/test_conformance.py runs
@@ -159,7 +156,6 @@ class Run:
         self.root = Root()
         self.loop_nodes = LoopNodes(self.root.path)
         self.procs: list[subprocess.Popen] = []  # csi-sanity; the harness owns the daemons
-        self.hops: list[subprocess.Popen] = []  # the bare hops, front first
 
     def start(self) -> tuple[Path, list[int]]:
         """The target up; its socket and the daemons' pids (backend first)."""
@@ -167,26 +163,11 @@ class Run:
         with own_session():  # a Ctrl-C reaches this script only, which then tears down in order
             chain = start_target(self.root, crust_target, hostpath=self.args.hostpath,
                                  crust_extra=("--default-fs-type", self.args.fs))
-        socket, pids = chain[-1].socket, [d.proc.pid for d in chain]
-        for n in range(BARE_HOPS.get(self.target, 0)):
-            socket = self.start_bare_hop(socket, self.root.path / f"bare-hop-{n + 1}.sock")
-            pids.append(self.hops[0].pid)
-        return socket, pids
-
-    def start_bare_hop(self, backend: Path, socket: Path, timeout: float = 15.0) -> Path:
-        """bench/bare_hop.py on socket in front of backend, once it answers there."""
-        hop = start_daemon([sys.executable, str(PROJECT / "bench" / "bare_hop.py"), "--listen", f"unix://{socket}",
-                            "--backend", f"unix://{backend}", "--stack", self.args.bare_stack],
-                           self.root.path / f"{socket.name}.log")
-        self.hops.insert(0, hop)
-        with grpc.insecure_channel(f"unix://{socket}") as channel:
-            try:
-                csi_pb2_grpc.IdentityStub(channel).GetPluginInfo(csi_pb2.GetPluginInfoRequest(), timeout=timeout,
-                                                                 wait_for_ready=True)
-            except grpc.RpcError as exc:
-                raise RuntimeError(f"the bare hop on {socket} does not answer ({exc.code().name}): "
-                                   f"{self.log_tail(socket.name + '.log')}") from None
-        return socket
+            for n in range(BARE_HOPS.get(self.target, 0)):
+                hop = BareHop(self.root.path / f"bare-hop-{n + 1}.sock", chain[-1].socket, self.args.bare_stack)
+                self.root.drivers.append(hop)  # stopped with the daemons below, the front first
+                chain.append(hop.start())
+        return chain[-1].socket, [d.proc.pid for d in chain]
 
     def daemon_names(self, pids: list[int]) -> list[str]:
         """Each daemon's name, backend first."""
@@ -246,8 +227,6 @@ class Run:
         """Stop csi-sanity and the daemons, release what is below the root; True if nothing is left."""
         for proc in reversed(self.procs):
             stop_process(proc, 20)
-        for hop in self.hops:  # front first, as the daemons below
-            stop_process(hop, 10)
         for daemon in reversed(self.root.drivers):
             daemon.stop()
         stragglers = kill_stragglers(self.root.path)

@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -31,7 +32,9 @@ import grpc
 
 from bench.benchlib import PROJECT
 from crust.api import csi_pb2
-from tests.harness import DriverProcess, HandlerProcess, ProxyProcess, Root, ShimProcess
+from tests.harness import CsiProcess, DriverProcess, HandlerProcess, ProxyProcess, Root, ShimProcess
+
+BARE_HOP = Path(__file__).resolve().parent / "bare_hop.py"
 
 # -- daemons ----------------------------------------------------------------------------------------
 
@@ -104,6 +107,33 @@ def project_on_pythonpath(env) -> None:
     """Put this checkout first on env's PYTHONPATH (os.environ or a copy):
     the daemons import crust from it."""
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT), env.get("PYTHONPATH", "")]))
+
+
+@dataclass
+class BareHop(CsiProcess):
+    """bench/bare_hop.py serving `socket` in front of `backend`, on grpcio's
+    `stack` (a door: a channel to it and CSI stubs, as the harness's daemons
+    have). Put it in a Root's drivers before starting it, so that
+    Root.close() stops it (the outer hop first) whatever fails meanwhile."""
+
+    socket: Path
+    backend: Path
+    stack: str = "aio"
+    proc: subprocess.Popen | None = None
+    channel: grpc.Channel | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.socket.with_suffix(".log")
+
+    def start(self, timeout: float = 15.0) -> "BareHop":
+        """Started (in the caller's session settings: own_session() or the
+        like); ready once a Probe through it reaches the driver."""
+        self._launch(f"bare hop {self.socket.name}", ["--listen", f"unix://{self.socket}",
+                                                      "--backend", f"unix://{self.backend}", "--stack", self.stack],
+                     lambda: self.identity.Probe(csi_pb2.ProbeRequest(), timeout=2).ready.value, timeout,
+                     program=(sys.executable, str(BARE_HOP)))
+        return self
 
 
 # -- the real stack ---------------------------------------------------------------------------------

@@ -70,7 +70,6 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: bench, crust, tests
@@ -96,13 +95,11 @@ from bench.benchlib import (  # noqa: E402
     timed,
 )
 from bench.harness_proxy import StatsVolume  # noqa: E402
-from bench.harness_stack import die_with_parent, retry_failed_precondition  # noqa: E402
+from bench.harness_stack import BareHop, die_with_parent, retry_failed_precondition  # noqa: E402
 from crust.api import csi_pb2  # noqa: E402
-from tests.harness import MIB, CsiProcess, DriverProcess, Root, mount_cap  # noqa: E402
+from tests.harness import MIB, DriverProcess, Root, mount_cap  # noqa: E402
 
 DOORS = ("driver", "shim", "proxy")
-BARE_HOP = Path(__file__).resolve().parent / "bare_hop.py"
-
 # `python -m crust ARGS`, with uvloop's loop under every asyncio.run().
 UVLOOP_LAUNCH = ("import asyncio, runpy, uvloop; asyncio.set_event_loop_policy(uvloop.EventLoopPolicy()); "
                  "runpy.run_module('crust', run_name='__main__', alter_sys=True)")
@@ -170,30 +167,6 @@ class Variant:
     def close(self) -> bool:
         problems = self.volume.tear_down() if self.volume is not None else []
         return close_and_report(self.root, problems, self.root.close)
-
-
-@dataclass
-class BareHop(CsiProcess):
-    """bench/bare_hop.py serving `socket` in front of `backend` (a door:
-    a channel to it and CSI stubs, as the harness's daemons have)."""
-
-    socket: Path
-    backend: Path
-    proc: subprocess.Popen | None = None
-    channel: grpc.Channel | None = None
-
-    @property
-    def log_path(self) -> Path:
-        return self.socket.with_suffix(".log")
-
-    def start(self, timeout: float = 15.0) -> BareHop:
-        """Started (in its own session, ending with this script, within
-        daemons_from()); ready once a Probe through it reaches the driver."""
-        self._launch(f"bare hop {self.socket.name}", ["--listen", f"unix://{self.socket}",
-                                                      "--backend", f"unix://{self.backend}"],
-                     lambda: self.identity.Probe(csi_pb2.ProbeRequest(), timeout=2).ready.value, timeout,
-                     program=(sys.executable, str(BARE_HOP)))
-        return self
 
 
 class CreatedVolume:
