@@ -61,6 +61,9 @@ from tests.harness import Root  # noqa: E402
 TARGETS = ("reference", "driver", "shim", "proxy")
 GIB = 1 << 30
 BLOCKS = 5
+MOUNT = csi_pb2.VolumeCapability(
+    mount=csi_pb2.VolumeCapability.MountVolume(),
+    access_mode=csi_pb2.VolumeCapability.AccessMode(mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER))
 
 
 class Target:
@@ -85,21 +88,15 @@ class Target:
         return sum(cpu_ns(pid) for pid in self.pids)
 
     def create_volume(self) -> str:
-        capability = csi_pb2.VolumeCapability(
-            mount=csi_pb2.VolumeCapability.MountVolume(),
-            access_mode=csi_pb2.VolumeCapability.AccessMode(mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER))
         request = csi_pb2.CreateVolumeRequest(name=f"call-cpu-{uuid.uuid4().hex}",
                                               capacity_range=csi_pb2.CapacityRange(required_bytes=GIB),
-                                              volume_capabilities=[capability])
+                                              volume_capabilities=[MOUNT])
         return self.controller.CreateVolume(request, timeout=60).volume.volume_id
 
     def calls(self) -> dict:
         """name -> one call (or pair) against this target."""
         c = self.controller
         volume = self.volumes[0]
-        capability = csi_pb2.VolumeCapability(
-            mount=csi_pb2.VolumeCapability.MountVolume(),
-            access_mode=csi_pb2.VolumeCapability.AccessMode(mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER))
 
         def create_delete_volume():
             c.DeleteVolume(csi_pb2.DeleteVolumeRequest(volume_id=self.create_volume()), timeout=60)
@@ -111,7 +108,7 @@ class Target:
 
         def publish_unpublish():
             c.ControllerPublishVolume(csi_pb2.ControllerPublishVolumeRequest(
-                volume_id=volume, node_id=NODE_ID, volume_capability=capability), timeout=60)
+                volume_id=volume, node_id=NODE_ID, volume_capability=MOUNT), timeout=60)
             c.ControllerUnpublishVolume(csi_pb2.ControllerUnpublishVolumeRequest(volume_id=volume, node_id=NODE_ID),
                                         timeout=60)
 
