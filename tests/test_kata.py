@@ -623,3 +623,32 @@ def test_a_qemu_that_hangs_before_greeting_is_a_timed_out_probe_not_a_crash(tmp_
     assert time.monotonic() - started < 40
     leftover = subprocess.run(["pgrep", "-f", str(fake)], capture_output=True, text=True).stdout.split()
     assert leftover == [], "the hung stand-in was not killed"
+
+
+# -- the guest image cache ----------------------------------------------------------------------
+
+
+def test_each_image_keeps_its_own_directory_and_the_oldest_beyond_the_limit_go(tmp_path):
+    """Two releases (or checkouts) on one node each boot the image they
+    checked: a build of another never overwrites it."""
+    flavor = kata_image.FLAVORS["cloud"]
+    top = tmp_path / "images" / "cloud"
+    made = []
+    for n in range(kata_image.KEEP_IMAGES + 2):
+        out = kata_image._output_dir(tmp_path, flavor, f"{n:02d}" * 32)
+        out.mkdir(parents=True)
+        for name in ("vmlinuz", "initramfs.gz"):
+            (out / name).write_bytes(f"{name} {n}".encode())
+        (out / "manifest.json").write_text("{}")
+        os.utime(out / "manifest.json", (1000 + n, 1000 + n))
+        made.append(out)
+    (top / "vmlinuz").write_text("the one-image layout")
+    # The second image confirmed again (its handler restarted): it becomes current and newest.
+    kata_image._mark_current(tmp_path, flavor, made[1])
+    assert kata_image.image_paths(tmp_path) == (made[1] / "vmlinuz", made[1] / "initramfs.gz")
+    kept = sorted(d.name for d in top.iterdir() if d.is_dir())
+    assert kept == sorted(d.name for d in [made[1], *made[-(kata_image.KEEP_IMAGES - 1):]])
+    assert (made[1] / "vmlinuz").read_bytes() == b"vmlinuz 1"
+    assert not (top / "vmlinuz").exists()
+    with pytest.raises(FileNotFoundError):
+        kata_image.image_paths(tmp_path / "elsewhere")

@@ -21,12 +21,18 @@ Why this shape:
 Layout of the cache (default /var/cache/crust/kata):
     debs/                 downloaded .deb files
     extract/<pkg>_<ver>/  `dpkg -x` of each
-    images/<flavor>/      vmlinuz, initramfs.gz, manifest.json (inputs, hash, sizes)
+    images/<flavor>/<hash>/  vmlinuz, initramfs.gz, manifest.json (inputs, hash, sizes)
+    images/<flavor>/current  the <hash> of the last build or confirmation
+
+One directory per input hash: a handler keeps booting the image it checked
+at its start while another release (or checkout) on the same node builds
+its own beside it; the oldest beyond KEEP_IMAGES are removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import gzip
 import hashlib
@@ -316,8 +322,33 @@ class BuildResult:
     seconds: float = 0.0
 
 
-def _output_dir(cache: Path, flavor: Flavor) -> Path:
+# Image directories kept per flavor (the current one always among them).
+KEEP_IMAGES = 4
+
+
+def _flavor_dir(cache: Path, flavor: Flavor) -> Path:
     return cache / "images" / flavor.name
+
+
+def _output_dir(cache: Path, flavor: Flavor, digest: str) -> Path:
+    return _flavor_dir(cache, flavor) / digest[:16]
+
+
+def _mark_current(cache: Path, flavor: Flavor, out: Path) -> None:
+    """Name out as the flavor's current image and the newest one, and drop
+    the oldest beyond KEEP_IMAGES: a handler still running on one of those
+    (two upgrades behind) finds its kernel gone at its next VM start."""
+    top = _flavor_dir(cache, flavor)
+    os.utime(out / "manifest.json")
+    _write(top / "current", out.name.encode() + b"\n")
+    built = sorted((d for d in top.iterdir() if d.is_dir() and (d / "manifest.json").exists()),
+                   key=lambda d: (d / "manifest.json").stat().st_mtime, reverse=True)
+    for old in built[KEEP_IMAGES:]:
+        if old != out:
+            shutil.rmtree(old, ignore_errors=True)
+    for legacy in ("vmlinuz", "initramfs.gz", "manifest.json"):  # the one-image layout of earlier releases
+        with contextlib.suppress(FileNotFoundError):
+            (top / legacy).unlink()
 
 
 def _current(out: Path, digest: str) -> dict | None:
@@ -399,10 +430,10 @@ def build(cache: Path = DEFAULT_CACHE, flavor: str = "cloud", force: bool = Fals
     started = time.monotonic()
     fl = FLAVORS[flavor]
     make_dirs(cache)
-    out = _output_dir(cache, fl)
     with os.fdopen(open_new(cache / ".lock", os.O_WRONLY | os.O_CREAT), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # one builder at a time per cache
         inputs = collect_inputs(fl)
+        out = _output_dir(cache, fl, inputs.digest)
         manifest = None if force else _current(out, inputs.digest)
         rebuilt = manifest is None
         if rebuilt:
@@ -411,14 +442,19 @@ def build(cache: Path = DEFAULT_CACHE, flavor: str = "cloud", force: bool = Fals
             _write(out / "vmlinuz", vmlinuz)
             _write(out / "initramfs.gz", initrd)
             _write(out / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True).encode())
+        _mark_current(cache, fl, out)
     return BuildResult(fl.name, inputs.digest, rebuilt, out / "vmlinuz", out / "initramfs.gz",
                        manifest, time.monotonic() - started)
 
 
 def image_paths(cache: Path = DEFAULT_CACHE, flavor: str = "cloud") -> tuple[Path, Path]:
     """(vmlinuz, initramfs.gz) of the last build, without checking inputs."""
-    out = _output_dir(cache, FLAVORS[flavor])
-    if not (out / "manifest.json").exists():
+    top = _flavor_dir(cache, FLAVORS[flavor])
+    try:
+        out = top / (top / "current").read_text().strip()
+    except OSError:
+        out = top / "none"
+    if not out.name or not (out / "manifest.json").exists():
         raise FileNotFoundError(f"no {flavor} image in {cache}: run python -m crust.kata.image build")
     return out / "vmlinuz", out / "initramfs.gz"
 
