@@ -70,7 +70,10 @@ FS_MODULES = {"ext4": ("ext4",), "xfs": ("xfs",),
               # the built-in aes (ecb is what xts asks for by name, which no
               # modprobe in the guest could load), and the kernel crypto API
               # for user space that cryptsetup uses for key slots.
-              "crypt": ("dm_crypt", "xts", "ecb", "algif_skcipher")}
+              "crypt": ("dm_crypt", "xts", "ecb", "algif_skcipher"),
+              # crust.dev/integrity: dm-integrity under dm-crypt, and the
+              # authenc template that pairs the cipher with the HMAC.
+              "integrity": ("dm_integrity", "authenc")}
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,12 @@ HOST_TOOLS = {
     # working directory (--root, --wd, --setuid, --setgid; busybox's lacks them).
     "util-linux": ("blkid", "unshare"),
     "cryptsetup-bin": ("cryptsetup",),
+    # luksopen checks a LUKS2 header's metadata (JSON) against crust's shape.
+    "jq": ("jq",),
 }
+# The guest's own files: path in the image -> file in guest/.
+GUEST_FILES = {"init": "init.sh", "usr/lib/crust/agent.sh": "agent.sh",
+               "usr/lib/crust/luks2-shape.jq": "luks2-shape.jq"}
 TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
 HOST_CONFIG = ("/etc/mke2fs.conf",)
 
@@ -247,7 +255,7 @@ def collect_inputs(flavor: Flavor) -> Inputs:
     host_packages = dict(owners([f.source for f in files.values()]).values())
     # Config files are editable conffiles: their package version does not
     # say what they contain.
-    hashed = {"init.sh": GUEST_DIR / "init.sh", "agent.sh": GUEST_DIR / "agent.sh",
+    hashed = {**{name: GUEST_DIR / name for name in GUEST_FILES.values()},
               **{conf: Path(conf) for conf in HOST_CONFIG}}
     scripts = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in hashed.items()}
     return Inputs(flavor, kpkg, downloads, dict(sorted(host_packages.items())),
@@ -388,8 +396,8 @@ def assemble(cache: Path, inputs: Inputs) -> tuple[bytes, bytes, dict]:
     entries = [cpio.directory(d) for d in ("bin", "sbin", "usr/bin", "usr/sbin", "lib", "lib64", "etc",
                                            "dev", "proc", "sys", "run", "tmp", "mnt", "root")]
     entries += [cpio.chardev("dev/console", 5, 1), cpio.chardev("dev/null", 1, 3, 0o666)]
-    entries.append(cpio.regular("init", (GUEST_DIR / "init.sh").read_bytes(), 0o755))
-    entries.append(cpio.regular("usr/lib/crust/agent.sh", (GUEST_DIR / "agent.sh").read_bytes(), 0o755))
+    for dest, name in GUEST_FILES.items():
+        entries.append(cpio.regular(dest, (GUEST_DIR / name).read_bytes(), 0o755 if name.endswith(".sh") else 0o644))
     entries.append(cpio.regular("etc/crust/modules", "".join(guest_path(p) + "\n" for p in boot.order).encode()))
     for fs, paths in fs_lists.items():
         if paths:

@@ -39,14 +39,16 @@ async def probe(device: str) -> Probe:
     """Tell a blank device from a formatted one; raise on any doubt.
 
     blkid -p does a low-level probe without its cache: exit 0 prints the
-    signature, exit 2 means nothing was found. Anything else (I/O error,
-    ambivalent result) raises, and the caller must not format.
+    signature, exit 2 with nothing printed means nothing was found. Anything
+    else (I/O error, exit 8 for an ambivalent result: two signatures) raises,
+    and the caller must not format. The microVM guest keeps the same rule
+    before it formats an encrypted volume (probe_blank in guest/agent.sh).
     """
     blockdev.read_head(device)  # OSError here: unreadable, never "blank"
     result = await run(
         ["blkid", "-p", "-o", "export", "--", device], check=False
     )
-    if result.returncode == 2:
+    if result.returncode == 2 and not result.stdout.strip():
         return Probe(ProbeState.BLANK)
     if result.returncode != 0:
         raise CommandError(result.argv, result.returncode, result.stderr or result.stdout)

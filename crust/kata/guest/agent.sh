@@ -431,44 +431,142 @@ check_dm_name() {
   case $1 in *[!a-z0-9-]*) fail "bad encrypted volume name: $1" ;; esac
 }
 
-cmd_luksopen() {  # serial fstype name key-b64: open a LUKS2 volume; a blank device is luksFormatted
-  # (then formatted with fstype inside) first; a LUKS2 one is only opened; anything else is refused
-  [ $# -eq 4 ] || fail "usage: luksopen <serial> <fstype> <name> <key-b64>"
-  serial=$1 fstype=$2 dm=$3
+# The one shape crust makes (crust/kata/guest/luks2-shape.jq checks it
+# field by field before any open): every parameter named, none left to
+# cryptsetup's defaults, which change between its releases and with the
+# device (the sector size is auto-detected otherwise). Key slot PBKDF2 with
+# the minimum iterations: argon2's memory-hard defaults (up to 1 GiB) do not
+# fit this VM and take seconds under emulation, and the passphrase is a
+# random Secret, not a password (docs/design.md). With integrity the data
+# is authenticated (dm-integrity, HMAC-SHA256 per 4 KiB sector).
+LUKS_SHAPE=/usr/lib/crust/luks2-shape.jq
+LUKS_HEADER_COPY_BYTES=1048576   # the metadata and crust's key slot area fit in the first MiB
+LUKS_FORMAT="--type luks2 --cipher aes-xts-plain64 --key-size 512 --hash sha256 --pbkdf pbkdf2
+  --pbkdf-force-iterations 1000 --luks2-metadata-size 16k --luks2-keyslots-size 16744448 --offset 32768"
+
+probe_blank() {  # device -> "blank" or "luks <version>"; anything else fails, naming what blkid said
+  # The rule the host's crust/sys/fs.py keeps too: blank only when the
+  # device reads and `blkid -p` (a low-level probe, no cache) exits 2 with
+  # nothing to say. A file system, a partition table, any other signature
+  # and any other exit (8: more than one signature, ambivalent) is not
+  # blank, and is never formatted over.
+  dd if="$1" of=/dev/null bs=4096 count=1 2>/dev/null || fail "$1 cannot be read: not treated as blank"
+  found=$(/sbin/blkid -p -o export "$1" 2>&1)
+  rc=$?
+  if [ $rc -eq 2 ] && [ -z "$found" ]; then echo blank; return 0; fi
+  [ $rc -eq 0 ] || fail "$1: blkid -p exited $rc${found:+ ($(one_line "$found"))}: not blank, refusing to format over it"
+  # Values come from the disk: read by sed, never evaluated.
+  kind=$(printf '%s\n' "$found" | sed -n 's/^TYPE=//p')
+  table=$(printf '%s\n' "$found" | sed -n 's/^PTTYPE=//p')
+  usage=$(printf '%s\n' "$found" | sed -n 's/^USAGE=//p')
+  if [ "$kind" = crypto_LUKS ] && [ -z "$table" ]; then
+    echo "luks $(printf '%s\n' "$found" | sed -n 's/^VERSION=//p')"
+    return 0
+  fi
+  fail "$1 holds${kind:+ TYPE=$kind}${table:+ PTTYPE=$table}${usage:+ USAGE=$usage}: not blank and not LUKS2, refusing to format over it"
+}
+
+cmd_probe() {  # serial: what luksopen would make of the disk (blank, LUKS, or refused, saying why)
+  [ $# -eq 1 ] || fail "usage: probe <serial>"
+  case $1 in ''|*[!A-Za-z0-9_.-]*) fail "bad serial: $1" ;; esac
+  dev=$(find_disk "$1") || fail "no virtio disk with serial $1 after ${DISK_WAIT_SECONDS}s"
+  probed=$(probe_blank "/dev/$dev") || exit 1
+  set -- $probed
+  echo "kind=$1${2:+ version=$2}"
+}
+
+luks_header_copy() {  # device copy integrity: copy the header into guest memory and check it there
+  # What is checked is what is opened: cryptsetup open reads the copy
+  # (--header), so a disk rewritten after this copy changes nothing. The
+  # copy is a sparse file of the header's full 16 MiB (cryptsetup wants
+  # that size) of which the first MiB is data.
+  rm -f "$2"
+  dd if="$1" of="$2" bs=65536 count=$((LUKS_HEADER_COPY_BYTES / 65536)) iflag=direct 2>/dev/null ||
+    fail "cannot read the LUKS2 header of $1"
+  truncate -s 16777216 "$2" || fail "cannot size the copy of the LUKS2 header of $1"
+  magic=$(head -c 8 "$2" | od -An -tx1 | tr -d ' \n')
+  case $magic in
+    4c554b53babe0002) ;;
+    4c554b53babe0001) fail "$1 has a LUKS1 header: crust makes and opens LUKS2 only" ;;
+    *) fail "$1 has no LUKS2 header at its start (found $magic): refusing to open it" ;;
+  esac
+  metadata=$(cryptsetup luksDump --dump-json-metadata "$2" 2>&1) ||
+    fail "the LUKS2 header of $1 does not read: $(one_line "$metadata" | tail -c 300)"
+  wrong=$(printf '%s' "$metadata" | jq -r --arg integrity "$3" -f "$LUKS_SHAPE" 2>&1) ||
+    fail "the LUKS2 metadata of $1 does not parse: $(one_line "$wrong" | tail -c 300)"
+  [ -z "$wrong" ] || fail "the LUKS2 header of $1 is not one crust makes, refusing to open it: $wrong"
+}
+
+luks_opened_as_made() {  # name integrity: the mapping the kernel holds is the cipher crust makes
+  status=$(cryptsetup status "$1" 2>&1) || return 1
+  printf '%s\n' "$status" | grep -q '^ *cipher: *aes-xts-plain64$' || return 1
+  if [ "$2" = hmac-sha256 ]; then
+    # 512 bits of AES-XTS and 256 of HMAC-SHA256
+    printf '%s\n' "$status" | grep -q '^ *keysize: *768 bits$' || return 1
+    printf '%s\n' "$status" | grep -q '^ *integrity: *hmac(sha256)$' || return 1
+  else
+    printf '%s\n' "$status" | grep -q '^ *keysize: *512 bits$' || return 1
+    ! printf '%s\n' "$status" | grep -q '^ *integrity:' || return 1
+  fi
+  return 0
+}
+
+cmd_luksopen() {  # serial fstype name key-b64 [integrity]: open crust's LUKS2 volume; a blank device is
+  # luksFormatted (then formatted with fstype inside) first; a LUKS2 header crust made is opened from a
+  # checked copy; anything else is refused, and nothing is written to the device
+  [ $# -eq 4 ] || [ $# -eq 5 ] || fail "usage: luksopen <serial> <fstype> <name> <key-b64> [none|hmac-sha256]"
+  serial=$1 fstype=$2 dm=$3 integrity=${5:-none}
   case $serial in ''|*[!A-Za-z0-9_.-]*) fail "bad serial: $serial" ;; esac
   case $fstype in ext4|xfs) ;; *) fail "bad file system type: $fstype" ;; esac
+  case $integrity in none) integrity= ;; hmac-sha256) ;; *) fail "bad integrity: $integrity (none or hmac-sha256)" ;; esac
   check_dm_name "$dm"
   case $4 in ''|-|*[!A-Za-z0-9_=-]*) fail "the key is not URL-safe base64" ;; esac
   dev=$(find_disk "$serial") || fail "no virtio disk with serial $serial after ${DISK_WAIT_SECONDS}s"
   if [ -b "/dev/mapper/$dm" ]; then echo "device=mapper/$dm already=1"; return 0; fi
   load_fs_modules crypt
+  if [ -n "$integrity" ]; then
+    load_fs_modules integrity
+    [ -d /sys/module/dm_integrity ] ||
+      fail "this guest's kernel has no dm-integrity: crust.dev/integrity $integrity cannot be honoured"
+  fi
   load_fs_modules "$fstype"
-  # -p: probe the device itself (no cache); nothing found is exit code 2.
-  kind=$(/sbin/blkid -p -o value -s TYPE "/dev/$dev") || kind=
-  fresh=0
-  case $kind in
-    crypto_LUKS) ;;
-    '')
-      # pbkdf2 with the minimum iterations: argon2's memory-hard defaults
-      # (up to 1 GiB) do not fit this VM and take seconds under emulation;
-      # the passphrase is a random Secret, not a password (docs/design.md).
-      luks_key "$4" | cryptsetup luksFormat --batch-mode --type luks2 --pbkdf pbkdf2 \
-        --pbkdf-force-iterations 1000 --key-file=- "/dev/$dev" >&2 ||
+  key=$4 fresh=0
+  probed=$(probe_blank "/dev/$dev") || exit 1
+  set -- $probed
+  case $1 in
+    blank)
+      if [ -n "$integrity" ]; then sectors="--integrity $integrity --sector-size 4096"
+      else sectors="--sector-size 512 --keyslot-cipher aes-xts-plain64 --keyslot-key-size 512"; fi
+      luks_key "$key" | cryptsetup luksFormat --batch-mode $LUKS_FORMAT $sectors --key-file=- "/dev/$dev" >&2 ||
         fail "luksFormat of $dev failed"
       fresh=1 ;;
-    *) fail "$dev holds $kind, not LUKS: an encrypted volume must be blank or LUKS2 (refusing to format over it)" ;;
+    luks) [ "${2:-}" = 2 ] || fail "$dev has a LUKS${2:-?} header: crust makes and opens LUKS2 only" ;;
   esac
-  if ! luks_key "$4" | cryptsetup open --type luks2 --disable-keyring --key-file=- "/dev/$dev" "$dm" \
-      2>"$RUN/luks.err"; then
-    fail "cannot open the LUKS2 volume on $dev: $(tail -n 1 "$RUN/luks.err") (wrong passphrase?)"
+  mkdir -p -m 0700 "$RUN/luks"
+  header=$RUN/luks/$dm.header
+  # A subshell: whatever it refuses, the copy goes with it.
+  ( luks_header_copy "/dev/$dev" "$header" "$integrity" ) || { rm -f "$header"; exit 1; }
+  luks_key "$key" | cryptsetup open --type luks2 --header "$header" --disable-keyring --key-file=- \
+    "/dev/$dev" "$dm" 2>"$RUN/luks.err"
+  rc=$?
+  if [ $rc -ne 0 ]; then
+    rm -f "$header"
+    # cryptsetup's exit code 2: no key slot opens with this passphrase.
+    [ $rc -eq 2 ] && fail "wrong passphrase: no key slot of the LUKS2 header on $dev opens with the pod's secret"
+    fail "cannot open the LUKS2 volume on $dev: $(tail -n 1 "$RUN/luks.err")"
+  fi
+  if ! luks_opened_as_made "$dm" "$integrity"; then
+    cryptsetup close "$dm"
+    rm -f "$header"
+    fail "the mapping of $dev is not the cipher crust makes: closed again"
   fi
   if [ "$fresh" = 1 ]; then
     case $fstype in
       ext4) /sbin/mke2fs -t ext4 -q -F "/dev/mapper/$dm" >&2 ;;
       xfs) /sbin/mkfs.xfs -q "/dev/mapper/$dm" >&2 ;;
-    esac || { cryptsetup close "$dm"; fail "mkfs.$fstype inside the LUKS2 volume on $dev failed"; }
+    esac || { cryptsetup close "$dm"; rm -f "$header"; fail "mkfs.$fstype inside the LUKS2 volume on $dev failed"; }
   fi
-  echo "device=mapper/$dm formatted=$fresh"
+  echo "device=mapper/$dm formatted=$fresh cipher=aes-xts-plain64${integrity:+ integrity=$integrity}"
 }
 
 cmd_luksresize() {  # target: grow the opened LUKS2 volume mounted there to its (grown) disk
@@ -478,7 +576,11 @@ cmd_luksresize() {  # target: grow the opened LUKS2 volume mounted there to its 
   [ -n "$line" ] || fail "not mounted: $1"
   set -- $line
   case $1 in /dev/mapper/crypt-*) ;; *) echo "resized=0"; return 0 ;; esac
-  cryptsetup resize "${1#/dev/mapper/}" >&2 || fail "cryptsetup resize ${1#/dev/mapper/} failed"
+  name=${1#/dev/mapper/}
+  cryptsetup status "$name" | grep -q '^ *integrity:' &&
+    fail "$name is integrity-protected: cryptsetup resizes no dm-integrity device, the volume cannot grow"
+  # The checked copy, never the disk's header (which the disk's owner may have rewritten since).
+  cryptsetup resize --header "$RUN/luks/$name.header" "$name" >&2 || fail "cryptsetup resize $name failed"
   echo "resized=1 devsize=$(($(cat "$(dm_sysfs "$1")/size") * 512))"
 }
 
@@ -491,6 +593,7 @@ cmd_luksclose() {  # name: close an opened LUKS2 volume (already closed is succe
     umount "$m" || fail "umount $m (a view of $1) failed"
   done
   cryptsetup close "$1" || fail "cryptsetup close $1 failed"
+  rm -f "$RUN/luks/$1.header"
   echo "closed=1"
 }
 
@@ -518,6 +621,7 @@ dispatch() {
     forget) cmd_forget "$@" ;;
     readonly) cmd_readonly "$@" ;;
     luksopen) cmd_luksopen "$@" ;;
+    probe) cmd_probe "$@" ;;
     luksresize) cmd_luksresize "$@" ;;
     luksclose) cmd_luksclose "$@" ;;
     *) fail "unknown command: ${cmd:-(none)}" ;;
