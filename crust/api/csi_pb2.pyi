@@ -876,7 +876,7 @@ class NodePublishVolumeResponse(_message.Message):
     def __init__(self, deferred_mount: _Optional[_Union[DeferredMount, _Mapping]] = ...) -> None: ...
 
 class DeferredMount(_message.Message):
-    __slots__ = ("volume_type", "device", "fs_type", "mount_options", "readonly", "volume_supplemental_group", "volume_supplemental_group_change_policy", "volume_id", "capacity_bytes", "device_major", "device_minor", "volume_context", "encryption")
+    __slots__ = ("volume_type", "device", "fs_type", "mount_options", "readonly", "volume_supplemental_group", "volume_supplemental_group_change_policy", "volume_id", "capacity_bytes", "device_major", "device_minor", "volume_context", "encryption", "integrity")
     class VolumeContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -897,6 +897,7 @@ class DeferredMount(_message.Message):
     DEVICE_MINOR_FIELD_NUMBER: _ClassVar[int]
     VOLUME_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTION_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_FIELD_NUMBER: _ClassVar[int]
     volume_type: str
     device: str
     fs_type: str
@@ -910,7 +911,8 @@ class DeferredMount(_message.Message):
     device_minor: int
     volume_context: _containers.ScalarMap[str, str]
     encryption: str
-    def __init__(self, volume_type: _Optional[str] = ..., device: _Optional[str] = ..., fs_type: _Optional[str] = ..., mount_options: _Optional[_Iterable[str]] = ..., readonly: bool = ..., volume_supplemental_group: _Optional[str] = ..., volume_supplemental_group_change_policy: _Optional[str] = ..., volume_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., device_major: _Optional[int] = ..., device_minor: _Optional[int] = ..., volume_context: _Optional[_Mapping[str, str]] = ..., encryption: _Optional[str] = ...) -> None: ...
+    integrity: str
+    def __init__(self, volume_type: _Optional[str] = ..., device: _Optional[str] = ..., fs_type: _Optional[str] = ..., mount_options: _Optional[_Iterable[str]] = ..., readonly: bool = ..., volume_supplemental_group: _Optional[str] = ..., volume_supplemental_group_change_policy: _Optional[str] = ..., volume_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., device_major: _Optional[int] = ..., device_minor: _Optional[int] = ..., volume_context: _Optional[_Mapping[str, str]] = ..., encryption: _Optional[str] = ..., integrity: _Optional[str] = ...) -> None: ...
 
 class NodeUnpublishVolumeRequest(_message.Message):
     __slots__ = ("volume_id", "target_path", "defer_fs_ops")

@@ -75,6 +75,8 @@ class MountInfo(BaseModel):
     encryption: str = Field("", description="\"luks2\": the device holds (or, blank, will hold) a LUKS2 volume "
                                             "that only a sandbox opens, with the key the proxy hands the claiming "
                                             "handler; never the key itself. Empty: a plain file system.")
+    integrity: str = Field("", description="\"hmac-sha256\": the LUKS2 volume is authenticated (dm-integrity under "
+                                           "dm-crypt); a handler opens it only if it honours that. Empty: none.")
 
     @model_validator(mode="before")
     @classmethod
@@ -115,7 +117,7 @@ class MountInfo(BaseModel):
             device=d.device, fstype=d.fs_type, metadata=metadata, options=list(d.mount_options),
             readonly=d.readonly, volume_id=d.volume_id, target_path=target_path,
             capacity_bytes=d.capacity_bytes, device_major=d.device_major, device_minor=d.device_minor,
-            volume_context=dict(d.volume_context), encryption=d.encryption,
+            volume_context=dict(d.volume_context), encryption=d.encryption, integrity=d.integrity,
         )
 
     def to_json(self) -> bytes:

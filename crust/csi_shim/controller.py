@@ -21,14 +21,17 @@ from crust.sys import fs
 CRUST_PARAMETER_PREFIX = "crust.dev/"
 
 
-def _room_for_luks2_header(request: csi_pb2.CreateVolumeRequest, forwarded: csi_pb2.CreateVolumeRequest) -> None:
+def _room_for_luks2_header(request: csi_pb2.CreateVolumeRequest, forwarded: csi_pb2.CreateVolumeRequest,
+                           integrity: str) -> None:
     """The guest makes the file system inside the LUKS2 volume, after its
-    header: a volume asked for at a file system's minimum (xfs: 300 MiB)
-    gets the header's room on top, or the guest's mkfs would refuse it. The
-    backend only sees block capabilities, so it cannot know."""
+    header (and beside dm-integrity's tags): a volume asked for at a file
+    system's minimum (xfs: 300 MiB) gets that room on top, or the guest's
+    mkfs would refuse it. The backend only sees block capabilities, so it
+    cannot know."""
     fs_types = {c.mount.fs_type for c in request.volume_capabilities if c.HasField("mount")}
     fs_types.add(request.parameters.get("fsType", ""))
-    floor = max(fs.MIN_SIZE.get(t, 0) for t in fs_types) + encryption.HEADER_BYTES
+    inside = max(fs.MIN_SIZE.get(t, 0) for t in fs_types)
+    floor = inside + encryption.room_inside(inside, integrity)
     if forwarded.capacity_range.required_bytes < floor and \
             not (forwarded.capacity_range.limit_bytes and forwarded.capacity_range.limit_bytes < floor):
         forwarded.capacity_range.required_bytes = floor
@@ -44,8 +47,10 @@ class ControllerShim:
         del forwarded.volume_capabilities[:]
         forwarded.volume_capabilities.extend(caps_to_block(request.volume_capabilities))
         ours = {k: v for k, v in request.parameters.items() if k.startswith(CRUST_PARAMETER_PREFIX)}
-        if encryption.of_context(ours, "parameters"):  # an unknown value is refused before anything is made
-            _room_for_luks2_header(request, forwarded)
+        # An unknown value is refused before anything is made.
+        integrity = encryption.integrity_of(ours, "parameters")
+        if encryption.of_context(ours, "parameters"):
+            _room_for_luks2_header(request, forwarded, integrity)
         for key in ours:
             del forwarded.parameters[key]
         response = await self.backend.call(self.backend.controller.CreateVolume, forwarded, context)

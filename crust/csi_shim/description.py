@@ -54,4 +54,5 @@ def describe(*, volume_id: str, device: str, major: int, minor: int, fs_type: st
         # That the volume is encrypted, never with what: the key travels
         # from the proxy's memory to the claiming handler only.
         encryption=encryption.of_context(volume_context),
+        integrity=encryption.integrity_of(volume_context),
     )

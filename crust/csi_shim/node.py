@@ -551,6 +551,14 @@ class NodeShim:
             deferred = self._is_deferred(rec, path, request.defer_fs_ops)
             if path not in rec.published and path != rec.staging_path:
                 raise NotFound(f"volume {volume_id} is not published at volume_path {path!r}")
+            integrity = encryption.integrity_of(rec.volume_context)
+            if integrity:
+                # Before the backend grows anything here. The controller
+                # cannot tell (ControllerExpandVolume carries no volume
+                # context, and the backend never saw crust's parameters).
+                raise FailedPrecondition(f"volume {volume_id} has {encryption.INTEGRITY_PARAMETER}={integrity}: "
+                                         "an integrity-protected volume cannot grow (the guest's cryptsetup "
+                                         "resizes no dm-integrity device)")
             # First the device: the backend grows it as a raw block volume.
             if self.backend.expands:
                 forwarded = csi_pb2.NodeExpandVolumeRequest(

@@ -58,7 +58,9 @@ PARAM_FS_TYPE = "fsType"
 # luks2: the volume is encrypted, opened only inside a microVM guest
 # (crust.contract.encryption); kept in the volume context for the node side.
 PARAM_ENCRYPTION = encryption.PARAMETER
-PARAMETERS = {PARAM_PROVISIONING, PARAM_FS_TYPE, PARAM_ENCRYPTION}
+# hmac-sha256: LUKS2 with authenticated encryption (needs PARAM_ENCRYPTION).
+PARAM_INTEGRITY = encryption.INTEGRITY_PARAMETER
+PARAMETERS = {PARAM_PROVISIONING, PARAM_FS_TYPE, PARAM_ENCRYPTION, PARAM_INTEGRITY}
 MUTABLE_PARAMETERS = {PARAM_PROVISIONING}
 PROVISIONING_VALUES = ("thin", "thick")
 
@@ -99,6 +101,8 @@ def _check_parameters(params: dict[str, str], field: str, allowed: set[str]) -> 
             raise InvalidArgument(f"{field}[{key!r}] must be one of {', '.join(fs.SUPPORTED)}, got {value!r}")
         if key == PARAM_ENCRYPTION:
             encryption.of_context(params, field)
+        if key == PARAM_INTEGRITY:
+            encryption.integrity_of(params, field)
     return {k: v for k, v in params.items() if not k.startswith("csi.storage.k8s.io/")}
 
 
@@ -164,8 +168,9 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         context = {PARAM_PROVISIONING: self._provisioning(v)}
         if PARAM_FS_TYPE in v.parameters:
             context[PARAM_FS_TYPE] = v.parameters[PARAM_FS_TYPE]
-        if v.parameters.get(PARAM_ENCRYPTION):
-            context[PARAM_ENCRYPTION] = v.parameters[PARAM_ENCRYPTION]
+        for key in (PARAM_ENCRYPTION, PARAM_INTEGRITY):
+            if v.parameters.get(key):
+                context[key] = v.parameters[key]
         return csi_pb2.Volume(
             volume_id=v.volume_id,
             capacity_bytes=v.capacity_bytes,
@@ -258,8 +263,9 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         fs_types.add(params.get(PARAM_FS_TYPE, self.config.default_fs_type) if "mount" in kinds else "")
         minimum = max([MIN_SIZE] + [fs.MIN_SIZE.get(t, 0) for t in fs_types])
         if params.get(PARAM_ENCRYPTION):
-            # The file system is made inside the LUKS2 volume, after its header.
-            minimum += encryption.HEADER_BYTES
+            # The file system is made inside the LUKS2 volume, after its
+            # header (and with integrity, beside its tags).
+            minimum += encryption.room_inside(minimum, params.get(PARAM_INTEGRITY, ""))
 
         source = ContentSource()
         source_file = None
@@ -532,6 +538,12 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         headroom = volume.capacity_bytes + (self.catalog.available(pool) if pool else 0)
         if rng.required_bytes <= volume.capacity_bytes and (not rng.limit_bytes or rng.limit_bytes >= volume.capacity_bytes):
             return volume.capacity_bytes  # already as large as asked: nothing to do (idempotent retry)
+        if volume.parameters.get(PARAM_INTEGRITY):
+            # cryptsetup 2.6 resizes no dm-integrity device: the guest could
+            # not use the room, which would be billed and never shrink back.
+            raise FailedPrecondition(f"volume {volume_id} has {PARAM_INTEGRITY}="
+                                     f"{volume.parameters[PARAM_INTEGRITY]}: an integrity-protected volume cannot "
+                                     "grow (the guest's cryptsetup resizes no dm-integrity device)")
         size = csi_input.capacity(rng, default=volume.capacity_bytes, minimum=volume.capacity_bytes,
                                   maximum=2**62, align=ALIGN)
         if size > headroom:

@@ -7,6 +7,7 @@ import logging
 import signal
 from pathlib import Path
 
+from crust.contract import encryption
 from crust.kata.accel import choose as choose_accelerator
 from crust.kata.direct_volume import DEFAULT_ROOT, DirectVolumes
 from crust.kata.image import DEFAULT_CACHE, build
@@ -52,8 +53,11 @@ def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "a
                 loop.remove_signal_handler(sig)
         log.info("accelerator", extra={"fields": {"accel": vm_config.accel, "requested": accel, "reason": reason}})
         # PodRuntime (containerd's crust shim): one VM per pod, its containers inside.
-        # The guest opens LUKS2 volumes: the proxy hands this handler their keys.
+        # The guest opens LUKS2 volumes, authenticated ones too: the proxy
+        # hands this handler their keys.
         await HandlerDaemon(config, make_sandbox=make_sandbox, direct_source=direct,
-                            extensions=[PodRuntimeExtension], extra_features=("luks2",)).run()
+                            extensions=[PodRuntimeExtension],
+                            extra_features=tuple(encryption.required_features(encryption.LUKS2,
+                                                                              encryption.HMAC_SHA256))).run()
 
     asyncio.run(main())

@@ -105,14 +105,16 @@ class KataSandbox(Sandbox):
         return serial
 
     async def open_encrypted(self, device: str, scheme: str, fs_type: str, passphrase: bytearray,
-                             name: str) -> str:
-        """The guest opens it (luksFormat and mkfs first when blank): the
-        key goes over the VM's private serial line only."""
+                             name: str, *, integrity: str = "", size_bytes: int = 0) -> str:
+        """The guest opens it (luksFormat and mkfs first when blank) after
+        checking its header is one crust made: the key goes over the VM's
+        private serial line only."""
         if scheme != "luks2":
             raise FailedPrecondition(f"sandbox {self.id}: encryption {scheme!r} is not supported (luks2 is)")
-        formatted = await self._agent(self.vm.agent.luksopen(device, fs_type, name, passphrase))
+        formatted = await self._agent(self.vm.agent.luksopen(device, fs_type, name, passphrase,
+                                                             integrity=integrity, size_bytes=size_bytes))
         log.info("encrypted volume opened in the guest", extra={"fields": {
-            "sandbox": self.id, "name": name, "formatted": formatted}})
+            "sandbox": self.id, "name": name, "formatted": formatted, "integrity": integrity or "none"}})
         return name
 
     async def close_encrypted(self, name: str) -> None:

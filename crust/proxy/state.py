@@ -446,12 +446,16 @@ class ProxyState:
             raise FailedPrecondition(
                 f"handler {handler!r} did not register file system {volume.info.fstype!r} "
                 f"(it supports {', '.join(holder.filesystems) or 'none'})")
-        if volume.info.encryption and volume.info.encryption not in holder.features:
-            # Its key goes only to a handler that opens it inside a VM guest.
+        missing = [f for f in encryption.required_features(volume.info.encryption, volume.info.integrity)
+                   if f not in holder.features]
+        if missing:
+            # Its key goes only to a handler that opens it inside a VM guest,
+            # as it was made (with its integrity, if any).
             raise FailedPrecondition(
-                f"{target_path} is an encrypted volume ({volume.info.encryption}): handler {handler!r} did not "
-                f"register the feature {volume.info.encryption!r} (it opens no encrypted volume); only a microVM "
-                "handler opens it, inside its guest")
+                f"{target_path} is an encrypted volume ({volume.info.encryption}"
+                f"{', integrity ' + volume.info.integrity if volume.info.integrity else ''}): handler {handler!r} "
+                f"did not register the feature {missing[0]!r} (it opens no such volume); only a microVM handler "
+                "opens it, inside its guest")
         current = volume.claim
         again = current is not None and (current.handler, current.sandbox_id) == (handler, sandbox_id)
         if volume.info.encryption and not again and target_path not in self._passphrases:

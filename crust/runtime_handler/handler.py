@@ -116,15 +116,11 @@ def claimed_description(entry: MountInfo, answer: str) -> MountInfo:
     return device_identity.agree(entry, claimed)
 
 
-def encryption_feature(scheme: str) -> str:
-    """The registry feature of a handler that opens volumes encrypted so."""
-    return scheme
-
-
 def refuse_encrypted(info: MountInfo, who: str) -> FailedPrecondition:
+    integrity = f", integrity {info.integrity}" if info.integrity else ""
     return FailedPrecondition(
-        f"{info.target_path} is an encrypted volume ({info.encryption}): {who} does not open encrypted volumes; "
-        "it is opened only inside a microVM guest (crust kata), never by the host or a mount namespace")
+        f"{info.target_path} is an encrypted volume ({info.encryption}{integrity}): {who} does not open such "
+        "volumes; it is opened only inside a microVM guest (crust kata), never by the host or a mount namespace")
 
 
 def check_device(info: MountInfo) -> None:
@@ -462,7 +458,8 @@ class RuntimeHandler:
                                   "again")
             mounted.encrypted_name = "crypt-" + key[:32]
             inside = await sandbox.open_encrypted(inside, info.encryption, info.fstype, passphrase,
-                                                  mounted.encrypted_name)
+                                                  mounted.encrypted_name, integrity=info.integrity,
+                                                  size_bytes=info.capacity_bytes)
         await sandbox.mount(inside, info.fstype, info.options, info.readonly, mounted.mount_point)
         group = info.metadata.get(FS_GROUP)
         if group and not info.readonly:
@@ -475,7 +472,8 @@ class RuntimeHandler:
     def _refuse_encrypted(self, info: MountInfo) -> None:
         """An encrypted volume is opened only inside a VM guest, by a handler
         that registered the feature (and so gets the key with its claim)."""
-        if info.encryption and encryption_feature(info.encryption) not in self.registration.features:
+        needed = encryption.required_features(info.encryption, info.integrity)
+        if any(f not in self.registration.features for f in needed):
             raise refuse_encrypted(info, f"handler {self.name}")
 
     async def _teardown(self, sandbox: Sandbox, record: SandboxRecord, abnormal_reason: str = "") -> None:

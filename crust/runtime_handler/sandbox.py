@@ -71,10 +71,12 @@ class Sandbox(abc.ABC):
     async def mount(self, device: str, fs_type: str, options: list[str], readonly: bool, mount_point: str) -> None: ...
 
     async def open_encrypted(self, device: str, scheme: str, fs_type: str, passphrase: bytearray,
-                             name: str) -> str:
+                             name: str, *, integrity: str = "", size_bytes: int = 0) -> str:
         """Open an encrypted volume inside the sandbox (formatting a blank
-        one); returns what mount() takes for it. Only a sandbox with its own
-        kernel (a VM guest) can: the host's kernel must never see the key."""
+        one, authenticated when integrity names a mode); returns what
+        mount() takes for it. Only a sandbox with its own kernel (a VM
+        guest) can: the host's kernel must never see the key. size_bytes:
+        the device's, for how long a first format may take."""
         raise FailedPrecondition(f"{type(self).__name__} does not open encrypted volumes ({scheme})")
 
     async def close_encrypted(self, name: str) -> None:
