@@ -66,10 +66,11 @@ class Encrypted:
         self.context: dict[str, dict[str, str]] = {}
 
     def create(self, pv: str, fs: str = "ext4", source: csi_pb2.VolumeContentSource | None = None,
-               size: int = SIZE) -> Vol:
+               size: int = SIZE, integrity: str = "") -> Vol:
         request = csi_pb2.CreateVolumeRequest(
             name=pv, capacity_range=csi_pb2.CapacityRange(required_bytes=size), volume_capabilities=[cap(fs)],
-            parameters={encryption.PARAMETER: encryption.LUKS2})
+            parameters={encryption.PARAMETER: encryption.LUKS2,
+                        **({encryption.INTEGRITY_PARAMETER: integrity} if integrity else {})})
         if source is not None:
             request.volume_content_source.CopyFrom(source)
         volume = self.proxy.controller.CreateVolume(request, timeout=60).volume
