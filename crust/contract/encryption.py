@@ -18,8 +18,9 @@ SUPPORTED = (LUKS2,)
 # The key of the passphrase in NodePublishVolumeRequest.secrets (the
 # Secret named by csi.storage.k8s.io/node-publish-secret-name/-namespace).
 PASSPHRASE_KEY = "passphrase"
-# LUKS2's default data offset: the file system inside is this much smaller
-# than the device (an xfs volume needs 300 MiB inside).
+# The data offset of the LUKS2 volumes crust makes (the guest's luksFormat
+# --offset, checked again before every open): the file system inside is this
+# much smaller than the device (an xfs volume needs 300 MiB inside).
 HEADER_BYTES = 16 * 1024 * 1024
 # StorageClass parameter: LUKS2's authenticated mode (dm-integrity under
 # dm-crypt in the guest), so a host that alters ciphertext makes the pod
