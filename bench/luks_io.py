@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Sequential write and read throughput in the microVM guest: an encrypted
-(LUKS2, dm-crypt in the guest) volume against a plain one, side by side.
+(LUKS2, dm-crypt in the guest) volume, and an authenticated one (LUKS2
+with integrity: dm-integrity under dm-crypt, HMAC-SHA256, what
+crust.dev/integrity: hmac-sha256 makes), against a plain one, side by side.
 
     sudo .venv/bin/python bench/luks_io.py [--runs 3] [--mib 128] [--accel tcg] [--json [OUT]]
 
-One guest (the handler's cloud image, as sandboxes run it), two volumes of
-the same size on loop devices over sparse files, hot-plugged as virtio-blk:
-"plain" (ext4 made on the host, as the shim does) and "luks2" (blank; the
-agent's `luksopen` formats it with LUKS2 and makes ext4 inside, as a
-sandbox does). Per run and volume (order alternating): busybox dd of
+One guest (the handler's cloud image, as sandboxes run it), three volumes
+with room for the same file system, on loop devices over sparse files,
+hot-plugged as virtio-blk: "plain" (ext4 made on the host, as the shim
+does), "luks2" and "luks2-hmac" (blank; the agent's `luksopen` formats
+them with LUKS2, with integrity for the second, and makes ext4 inside, as
+a sandbox does). Per run and volume (order alternating): busybox dd of
 --mib MiB from /dev/zero, fsync'd, buffered and O_DIRECT; the caches in the
 guest and on the host dropped; the file read back. Times are taken inside
 the guest. Everything made is removed at the end, also on a signal.
@@ -39,15 +42,16 @@ from bench.benchlib import (
 )
 from bench.harness_guest_io import GuestIo, evict_block_device, evict_file, run_then, stop_or_kill
 from bench.harness_kata import kata_machine
+from crust.contract import encryption
 from crust.kata.image import DEFAULT_CACHE, build
 from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
 from tests.harness import MIB
 
 MODES = ("buffered", "direct")
-SIDES = ("plain", "luks2")
+SIDES = ("plain", "luks2", "luks2-hmac")
+INTEGRITY = {"luks2": "", "luks2-hmac": encryption.HMAC_SHA256}  # the encrypted sides
 MEMORY_MIB = 512
-HEADER_MIB = 16  # LUKS2's default data offset: the encrypted volume is that much larger
 KEY = os.urandom(32)
 OUT = sys.stdout
 
@@ -68,8 +72,11 @@ class LuksVm:
     def prepare(self, image, accel: str) -> None:
         for side in SIDES:
             f = self.files[side] = self.base / f"{side}.img"
+            size = self.fs_mib * MIB
+            if side in INTEGRITY:   # the same room for the file system inside
+                size += encryption.room_inside(size, INTEGRITY[side])
             with open(f, "wb") as fh:
-                fh.truncate((self.fs_mib + (HEADER_MIB if side == "luks2" else 0)) * MIB)
+                fh.truncate(size)
             if side == "plain":
                 subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", str(f)],
                                check=True, capture_output=True, timeout=120)
@@ -84,18 +91,22 @@ class LuksVm:
         for side in SIDES:
             await self.vm.attach_disk(self.devices[side], f"lb{side}")
         await self.vm.agent.mount("lbplain", "ext4", [], False, "/mnt/plain")
-        t0 = time.monotonic()
-        await self.vm.agent.luksopen("lbluks2", "ext4", "crypt-lb", bytearray(KEY))
-        format_s = time.monotonic() - t0
-        await self.vm.agent.mount("crypt-lb", "ext4", [], False, "/mnt/luks2")
-        t0 = time.monotonic()
-        await self.vm.agent.umount("/mnt/luks2")
-        await self.vm.agent.luksclose("crypt-lb")
-        await self.vm.agent.luksopen("lbluks2", "ext4", "crypt-lb", bytearray(KEY))
-        reopen_s = time.monotonic() - t0
-        await self.vm.agent.mount("crypt-lb", "ext4", [], False, "/mnt/luks2")
-        return {"boot_s": round(boot, 2), "luks_format_and_mkfs_s": round(format_s, 2),
-                "luks_close_and_reopen_s": round(reopen_s, 2)}
+        timings = {"boot_s": round(boot, 2)}
+        for side, integrity in INTEGRITY.items():
+            name = f"crypt-lb-{side}"
+            size = os.stat(self.files[side]).st_size
+            t0 = time.monotonic()
+            await self.vm.agent.luksopen(f"lb{side}", "ext4", name, bytearray(KEY), integrity=integrity,
+                                         size_bytes=size)
+            timings[f"{side}_format_and_mkfs_s"] = round(time.monotonic() - t0, 2)
+            await self.vm.agent.mount(name, "ext4", [], False, f"/mnt/{side}")
+            t0 = time.monotonic()
+            await self.vm.agent.umount(f"/mnt/{side}")
+            await self.vm.agent.luksclose(name)
+            await self.vm.agent.luksopen(f"lb{side}", "ext4", name, bytearray(KEY), integrity=integrity)
+            timings[f"{side}_close_and_reopen_s"] = round(time.monotonic() - t0, 2)
+            await self.vm.agent.mount(name, "ext4", [], False, f"/mnt/{side}")
+        return timings
 
     async def write_read(self, side: str, direct: bool, mib: int) -> tuple[float, float]:
         f = f"/mnt/{side}/lb.dat"
@@ -138,8 +149,8 @@ async def measure(args, lvm: LuksVm) -> dict:
     lvm.prepare(image, args.accel)
     setup = await lvm.boot()
     say(f"guest image {image.digest[:16]} ({image.manifest.get('kernel_release')}); VM up in {setup['boot_s']} s; "
-        f"luksFormat + open + mkfs.ext4 {setup['luks_format_and_mkfs_s']} s, close + open "
-        f"{setup['luks_close_and_reopen_s']} s")
+        + "; ".join(f"{side}: luksFormat + open + mkfs.ext4 {setup[side + '_format_and_mkfs_s']} s, close + open "
+                    f"{setup[side + '_close_and_reopen_s']} s" for side in INTEGRITY))
     mbps = lambda seconds: args.mib * MIB / 1e6 / seconds
     samples = {side: {mode: {"write": [], "read": []} for mode in MODES} for side in SIDES}
     for r in range(args.runs):
@@ -154,17 +165,21 @@ async def measure(args, lvm: LuksVm) -> dict:
         say(f"run {r + 1} (MB/s): " + ", ".join(line))
     mb = {side: {mode: {k: summary(v, 1) for k, v in d.items()} for mode, d in per.items()}
           for side, per in samples.items()}
-    ratio = {mode: {k: round(mb["luks2"][mode][k]["median"] / mb["plain"][mode][k]["median"], 2)
-                    for k in ("write", "read")} for mode in MODES}
+    def ratio_of(side: str, base: str) -> dict:
+        return {mode: {k: round(mb[side][mode][k]["median"] / mb[base][mode][k]["median"], 2)
+                       for k in ("write", "read")} for mode in MODES}
+    ratios = {"luks2_over_plain": ratio_of("luks2", "plain"), "luks2-hmac_over_luks2": ratio_of("luks2-hmac", "luks2"),
+              "luks2-hmac_over_plain": ratio_of("luks2-hmac", "plain")}
     say(f"{'volume':<28}{'write MB/s: median (min-max)':>30}{'read MB/s: median (min-max)':>30}")
     for mode in MODES:
         for side in SIDES:
             w, rd = mb[side][mode]["write"], mb[side][mode]["read"]
             say(f"{mode + ', ' + side:<28}{w['median']:>16.0f} ({w['min']:.0f}-{w['max']:.0f})"
                 f"{rd['median']:>18.0f} ({rd['min']:.0f}-{rd['max']:.0f})")
-        say(f"{mode}: luks2/plain (medians) write {ratio[mode]['write']:.2f}x, read {ratio[mode]['read']:.2f}x")
+        say(f"{mode} (medians): " + ", ".join(f"{name.replace('_over_', '/')} write {r[mode]['write']:.2f}x, "
+                                               f"read {r[mode]['read']:.2f}x" for name, r in ratios.items()))
     return {**setup, "mib": args.mib, "runs": args.runs, "accel": args.accel, "guest_memory_mib": MEMORY_MIB,
-            "guest_kernel": image.manifest.get("kernel_release"), "mb_per_s": mb, "ratio_luks2_over_plain": ratio,
+            "guest_kernel": image.manifest.get("kernel_release"), "mb_per_s": mb, "ratios": ratios,
             "samples_mb_per_s": {s: {m: {k: [round(x, 1) for x in v] for k, v in d.items()}
                                      for m, d in per.items()} for s, per in samples.items()}}
 
