@@ -224,8 +224,10 @@ def _log_to(path: str, debug: bool) -> None:
 def serve(args: argparse.Namespace) -> int:
     _log_to(args.log, args.debug)
     from crust.sys.memory import give_back_large_buffers
+    from crust.sys.openfiles import raise_soft_limit
 
     give_back_large_buffers()  # a 4 MiB request's buffers leave the RSS when freed (crust.sys.memory)
+    raise_soft_limit()  # a descriptor per connection (crust.sys.openfiles)
     from crust.containerd_shim.events import Publisher
     from crust.containerd_shim.task import TaskService
     from crust.containerd_shim.ttrpc import Server
