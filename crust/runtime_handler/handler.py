@@ -41,7 +41,7 @@ from crust.contract.volumes_dir import check_sandbox_id
 from crust.runtime_handler.index import VolumeIndex
 from crust.runtime_handler.oci import BundleError, load_bundle, load_requested_bundle
 from crust.runtime_handler.registration import Registration
-from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, candidates, resolve
+from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, candidates, refuse_link_to_deferred, resolve
 from crust.runtime_handler.sandbox import Sandbox
 from crust.sys import blockdev, proc
 from crust.sys import mount as sysmount
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 State = handler_pb2.GetSandboxResponse.State
 ENTRY_WAIT = 5.0  # how long a CSI mount source may take to appear in the index
+BIND_OPTIONS = {"bind", "rbind"}
 
 
 # A sandbox's work directory holds its VM's unix sockets, whose paths fit in
@@ -322,6 +323,8 @@ class RuntimeHandler:
             plan: dict[str, tuple[MountInfo, list[VolumeView], bool]] = {}
             others = []
             for m in spec.mounts:
+                if m.type == "bind" or BIND_OPTIONS & set(m.options):
+                    refuse_link_to_deferred(m.source, self.index)
                 try:
                     resolved, direct = self._resolve(m.source)
                     if resolved is None and CSI_DIR in m.source.split("/"):
@@ -349,7 +352,7 @@ class RuntimeHandler:
                 for key, (info, views, direct) in plan.items():
                     await self._mount_volume(sandbox, record, key, info, views, direct)
                 for m in others:
-                    if m.type == "bind" or "bind" in m.options or "rbind" in m.options:
+                    if m.type == "bind" or BIND_OPTIONS & set(m.options):
                         await sandbox.bind(m.source, m.destination, readonly="ro" in m.options)
                 record.process_pid = await sandbox.run_process(
                     spec.process.args, spec.process.env, spec.process.cwd, self._workdir(sandbox_id) / "process.log")
