@@ -236,13 +236,9 @@ class RuntimeHandler:
         """After a restart: keep sandboxes whose holder process lives, clean
         up (and release) the others."""
         for key, record in self.records.load_all():
-            # The recorded holder, and no other process: a pid reused since
-            # is neither adopted nor, when the sandbox is cleaned up, signalled.
-            holder = proc.recorded(record.pid, record.pid_start, record.created_at)
-            if holder is None and record.pid:
-                log.warning("the sandbox's record has no start time for its process, and pid %d names a "
-                            "process started after the record: not the sandbox's", record.pid,
-                            extra={"fields": {"sandbox": record.sandbox_id}})
+            holder = await self._recorded_holder(key, record)
+            if holder is False:
+                continue  # set aside: nothing it names is touched
             sandbox = self.make_sandbox(record.sandbox_id, self._workdir(record.sandbox_id),
                                         self._rootfs(record), holder)
             if sandbox.alive():
@@ -258,6 +254,34 @@ class RuntimeHandler:
                 log.info("sandbox died while the handler was down", extra={"fields": {"sandbox": record.sandbox_id}})
                 self.sandboxes[record.sandbox_id] = (sandbox, record)
                 self._pending_release = getattr(self, "_pending_release", []) + [record.sandbox_id]
+
+    async def _recorded_holder(self, key: str, record: SandboxRecord) -> proc.ProcessId | None | bool:
+        """The recorded holder, when the process under its pid is the
+        sandbox's: its start time the recorded one, and the sandbox
+        recognising it (crust.runtime_handler.sandbox: its namespaces).
+        Any other process is neither adopted nor ever signalled (None: the
+        sandbox is dead). A record without a start time names its process
+        only if the sandbox recognises the one under its pid, whose start
+        time is then recorded; otherwise the record is set aside (False)."""
+        probe = self.make_sandbox(record.sandbox_id, self._workdir(record.sandbox_id), None, None)
+        if record.pid_start:
+            holder = proc.ProcessId(record.pid, record.pid_start)
+            if proc.alive(holder) and not probe.recognise(holder):
+                log.warning("the process under the sandbox's recorded pid is not its holder (not in its "
+                            "namespaces): never signalled", extra={"fields": {
+                                "sandbox": record.sandbox_id, "pid": record.pid}})
+                return None
+            return holder
+        current = proc.identify(record.pid) if record.pid > 0 else None
+        if current is not None and probe.recognise(current):
+            record.pid_start = current.start
+            await self.records.put(key, record)
+            log.info("a sandbox recorded without its holder's start time: recognised, its start time recorded",
+                     extra={"fields": {"sandbox": record.sandbox_id, "pid": record.pid}})
+            return current
+        self.records.set_aside(key, f"it names pid {record.pid} without a start time, and the process under "
+                                    "that pid is not the sandbox's holder; no process of it is ever signalled")
+        return False
 
     async def reclaim(self) -> None:
         """Called after every (re-)registration: re-assert the claims of live
