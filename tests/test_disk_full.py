@@ -87,10 +87,7 @@ def disk(root):
     try:
         yield d
     finally:
-        env = d.env
-        if env.handler.proc is not None and env.handler.proc.poll() is None:
-            for sandbox_id in env.sandboxes():
-                env.handler.sandbox("delete", sandbox_id)
+        d.env.delete_sandboxes()
     assert d.tracebacks() == []
 
 

@@ -150,9 +150,7 @@ def kata_env(root, proxy_extra=()):
     try:
         yield e
     finally:
-        if e.handler.proc is not None and e.handler.proc.poll() is None:
-            for sandbox_id in e.sandboxes():
-                e.handler.sandbox("delete", sandbox_id)
+        e.delete_sandboxes()
 
 
 @pytest.fixture

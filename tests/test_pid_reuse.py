@@ -95,9 +95,7 @@ def short_lease_env(root):
     try:
         yield env
     finally:
-        if env.handler.proc is not None and env.handler.proc.poll() is None:
-            for sandbox_id in env.sandboxes():
-                env.handler.sandbox("delete", sandbox_id)
+        env.delete_sandboxes()
 
 
 def test_a_sandbox_whose_holder_pid_was_reused_is_not_adopted_and_the_new_process_not_signalled(
@@ -196,9 +194,7 @@ def handler_env(root):
     try:
         yield env
     finally:
-        if env.handler.proc is not None and env.handler.proc.poll() is None:
-            for sandbox_id in env.sandboxes():
-                env.handler.sandbox("delete", sandbox_id)
+        env.delete_sandboxes()
 
 
 def test_a_record_naming_a_process_the_handler_never_started_is_neither_adopted_nor_signalled(handler_env, decoys):

@@ -28,6 +28,7 @@ from crust.containerd_shim import ttrpc
 from crust.containerd_shim.events import Publisher, envelope, forward
 from crust.containerd_shim.task import TaskService, process_spec
 from crust.containerd_shim.ttrpc import Client, Server, TtrpcError
+from tests.harness import stop_child
 
 TASK = "containerd.task.v2.Task"
 
@@ -143,13 +144,24 @@ async def test_overlapping_calls_on_one_connection(sock):
         await server.close()
 
 
-async def test_server_answers_raw_frames_and_survives_bad_ones(sock):
+async def _stand_in_server(path: str) -> Server:
+    """Our server with the stand-in task service, serving on path."""
     server = Server()
     server.register_service(task_pb.DESCRIPTOR.services_by_name["Task"], _Service())
-    await server.serve_path(sock)
+    await server.serve_path(path)
+    return server
+
+
+def _connect_request(container_id: str) -> bytes:
+    """A ttrpc Request for Task.Connect, as bytes."""
+    return ttrpc_pb2.Request(service=TASK, method="Connect",
+                             payload=task_pb.ConnectRequest(id=container_id).SerializeToString()).SerializeToString()
+
+
+async def test_server_answers_raw_frames_and_survives_bad_ones(sock):
+    server = await _stand_in_server(sock)
     try:
-        good = ttrpc_pb2.Request(service=TASK, method="Connect",
-                                 payload=task_pb.ConnectRequest(id="raw").SerializeToString()).SerializeToString()
+        good = _connect_request("raw")
         oversized = struct.pack(">IIBB", ttrpc.MESSAGE_LENGTH_MAX + 1, 3, 1, 0) + b"\0" * (ttrpc.MESSAGE_LENGTH_MAX + 1)
         data_frame = ttrpc.frame(5, ttrpc.TYPE_DATA, b"")
         garbage = ttrpc.frame(7, ttrpc.TYPE_REQUEST, b"\xff\xff\xff")
@@ -420,12 +432,7 @@ def shim_daemon(tmp_path):
             time.sleep(0.05)
         yield daemon, sock
     finally:
-        daemon.terminate()
-        try:
-            daemon.wait(10)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+        stop_child(daemon)
         log.close()
 
 
@@ -478,12 +485,9 @@ async def test_stream_ids_are_odd_and_increase_as_in_gos_ttrpc(sock):
     """Stream 0 and even streams are answered InvalidArgument "StreamID must
     be odd for client initiated streams"; a request on a stream id not above
     the last one "StreamID cannot be re-used and must increment"."""
-    server = Server()
-    server.register_service(task_pb.DESCRIPTOR.services_by_name["Task"], _Service())
-    await server.serve_path(sock)
+    server = await _stand_in_server(sock)
     try:
-        good = ttrpc_pb2.Request(service=TASK, method="Connect",
-                                 payload=task_pb.ConnectRequest(id="odd").SerializeToString()).SerializeToString()
+        good = _connect_request("odd")
         frames = await _raw_call(sock, b"".join(ttrpc.frame(s, ttrpc.TYPE_REQUEST, good) for s in (0, 2, 5, 3, 7)))
         answers = []
         for (length, stream, kind, _flags), payload in frames:
