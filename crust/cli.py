@@ -292,8 +292,10 @@ def _serve(what: str, serve, *args, **kwargs) -> int:
     code 3, before it has changed anything."""
     from crust.common.formats import NewerFormat
     from crust.sys.memory import give_back_large_buffers, no_core_dumps
+    from crust.sys.openfiles import raise_soft_limit
 
     give_back_large_buffers()  # large requests' buffers leave the RSS when freed (crust.sys.memory)
+    raise_soft_limit()  # a descriptor per connection, two on a gated socket (crust.sys.openfiles)
     for failure in no_core_dumps():  # passphrases of encrypted volumes pass through the daemons' memory
         logging.getLogger(__name__).warning("core dumps not disabled", extra={"fields": {"error": failure}})
     try:
@@ -408,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name:<8} {sock}\n           crust {' '.join(argv)}")
             return 0
         logs.setup(node_config.log_level, node_config.log_format == "json")
+        from crust.sys.openfiles import raise_soft_limit
+
+        raise_soft_limit()  # and so its children's (crust.sys.openfiles)
         return serve_node(node_config)
     if args.command == "handler":
         from crust.runtime_handler.server import HandlerConfig

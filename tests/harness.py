@@ -466,6 +466,16 @@ def unexpected_errors(root: Path) -> list[str]:
     return found
 
 
+def stop_child(child: subprocess.Popen, grace: float = 10) -> int:
+    """SIGTERM a process the test started, SIGKILL it after grace seconds; its exit code."""
+    child.terminate()
+    try:
+        return child.wait(grace)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return child.wait()
+
+
 def fill_until_full(directory: Path, name: str = ".filler") -> Path:
     """A file in directory grown until its file system refuses (ENOSPC)."""
     path = directory / name

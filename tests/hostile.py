@@ -507,14 +507,16 @@ def foreign(path: str, root: Path, outside: Path) -> bool:
     test runs' roots and scratch directories)? Not this test's business.
     Nor are sandboxes' network namespaces: they are named in /run/netns by
     design (crust.sys.netns), whichever test's handler made them, and
-    tests/test_handler.py checks that they go with their sandbox."""
+    tests/test_handler.py checks that they go with their sandbox. Nor are
+    the ones CNI plugins name for the pods of a containerd running beside
+    the test (cni-<uuid>): no daemon under test calls CNI."""
     if path.startswith(NETNS_MOUNTS):
         return True
     tmp_crust = str(root.parent) + "/crust-"
     return path.startswith(tmp_crust) and not (path + "/").startswith((str(root) + "/", str(outside) + "/"))
 
 
-NETNS_MOUNTS = "/run/netns/crust-"
+NETNS_MOUNTS = ("/run/netns/crust-", "/run/netns/cni-")
 
 
 def _unescape(field: bytes) -> str:

@@ -36,6 +36,7 @@ from crust.sys import mount as sysmount
 from tests.csi_sanity import (CSI_SANITY, HOSTPATHPLUGIN, MUTABLE_YAML, NODE_DRIVER_REGISTRAR, TARGETS,
                               failed_specs, locate_tools, sanity_argv, skipped_specs, start_target,
                               stated_counts, summary_counts, volume_size)
+from tests.harness import stop_child
 
 DRIVER = "loop.csi.crust.dev"
 RUNS = [(target, access) for target in ("driver", "shim", "proxy", "shim-hostpath") for access in ("mount", "block")]
@@ -159,9 +160,4 @@ def test_node_driver_registrar_registers_the_proxy_with_kubelet(tools, root):
         time.sleep(0.2)
         assert registrar.poll() is None, f"kubelet's verdict stopped the registrar: {log.read_text()[-2000:]}"
     finally:
-        registrar.terminate()
-        try:
-            registrar.wait(15)
-        except subprocess.TimeoutExpired:
-            registrar.kill()
-            registrar.wait()
+        stop_child(registrar, 15)

@@ -25,8 +25,9 @@ from crust.contract.mountinfo import digest
 from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, VolumeMount
 from crust.kubelet import image as images
 from crust.kubelet.cri import KubeletRuntime, SyncError
-from tests.cri_harness import cri_node, host_network_pod, leftovers_of, private_containerd, processes_naming, shim_pids
-from tests.test_handler import wait_until
+from tests.cri_harness import (OCI_RUNTIME, cri_node, host_network_pod, leftovers_of, private_containerd,
+                               processes_naming, shim_pids)
+from tests.test_handler import make_env, wait_until  # noqa: F401 - make_env is a fixture
 
 
 def _wait_exited(rs, container_id: str, timeout: float = 20) -> cri.ContainerStatus:
@@ -413,6 +414,106 @@ def test_the_bundle_is_rewritten_in_place_for_deferred_mounts_only():
                                 "options": ["rw", "nouuid"]}
     assert json.loads(out["annotations"]["dev.crust.deferred-volumes"])[0]["target"] == target
     assert spec["mounts"][1]["source"] == target, "the original spec is left as it was"
+
+
+# -- crust's OCI runtime under hostile bundles ---------------------------------------------------------
+
+
+def _runtime(bundle: Path, log: Path, state: Path, runc: str = "/bin/false", handler: str = "",
+             runc_root: Path | None = None, container_id: str = "hostile") -> subprocess.CompletedProcess:
+    """`crust-oci-runtime create` as containerd's runc shim runs it (JSON log)."""
+    env = {**os.environ, "CRUST_OCI_RUNTIME_CONFIG": str(state / "no-such-config.json"), "CRUST_RUNC": runc,
+           "CRUST_OCI_RUNTIME_STATE": str(state), "CRUST_HANDLER_ENDPOINT": handler or f"unix://{state}/none.sock"}
+    root = ["--root", str(runc_root)] if runc_root else []
+    # Output to a file: a container that runc made would hold a pipe open.
+    with open(log.with_suffix(".out"), "w+") as out:
+        done = subprocess.run([str(OCI_RUNTIME), *root, "--log", str(log), "--log-format", "json", "create",
+                               "--bundle", str(bundle), "--pid-file", str(bundle / "init.pid"), container_id],
+                              stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=120, env=env)
+        out.seek(0)
+        done.stderr = out.read()
+    return done
+
+
+def _last_error(log: Path) -> str:
+    """The message of the last error line of runc's JSON log (what the shim reports)."""
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    errors = [line["msg"] for line in lines if line.get("level") == "error"]
+    assert errors, f"no error line in {log}: {lines}"
+    return errors[-1]
+
+
+@pytest.mark.parametrize("config, words", [
+    ("[]", "a JSON object"),
+    ("null", "a JSON object"),
+    ("{not json", "config.json"),
+    ('{"mounts": "/data"}', "mounts"),
+    ('{"mounts": {"destination": "/data"}}', "mounts"),
+    ('{"mounts": [1, 2]}', "mounts[0]"),
+    ('{"mounts": [{"destination": "/data", "type": "bind", "source": 7, "options": ["rbind"]}]}', "mounts[0].source"),
+    ('{"mounts": [{"destination": "/data", "type": "bind", "source": "/x", "options": "rbind"}]}', "mounts[0].options"),
+    ('{"annotations": ["io.kubernetes.cri.sandbox-id"]}', "annotations"),
+])
+def test_a_malformed_config_json_is_refused_in_runcs_log_never_with_a_traceback(tmp_path, config, words):
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    (bundle / "config.json").write_text(config)
+    log = tmp_path / "log.json"
+    done = _runtime(bundle, log, tmp_path / "state")
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    message = _last_error(log)
+    assert words in message and "config.json" in message, message
+    assert (bundle / "config.json").read_text() == config, "the bundle was changed"
+
+
+def _runc_bundle(path: Path, mounts: list[dict], sandbox_id: str) -> Path:
+    """A bundle runc runs: `runc spec`'s defaults, a busybox root, the mounts added."""
+    (path / "rootfs" / "bin").mkdir(parents=True)
+    shutil.copy2(images.find_busybox(), path / "rootfs" / "bin" / "busybox")
+    subprocess.run(["runc", "spec"], cwd=path, check=True)
+    spec = json.loads((path / "config.json").read_text())
+    spec["process"].update(terminal=False, args=["/bin/busybox", "sleep", "600"])
+    spec["mounts"] += mounts
+    spec["annotations"] = {"io.kubernetes.cri.sandbox-id": sandbox_id, "io.kubernetes.cri.container-type": "container"}
+    (path / "config.json").write_text(json.dumps(spec))
+    return path
+
+
+def test_a_link_to_another_pods_deferred_target_is_refused_and_its_placeholder_never_bound(make_env, tmp_path):
+    """A pod's bind source that is a symbolic link to another pod's deferred
+    target, as a kubelet CSI path and as any other path: `create` fails with
+    the reason in runc's log, nothing is claimed, no container is made, and
+    the placeholder is in no container. The volume's own pod still gets it."""
+    env = make_env()
+    victim = env.volume("pv-victim")
+    runc_root = tmp_path / "runc"
+    links = {"kubelet-csi-path": env.proxy.target("pod-evil", "pv-evil"), "other-path": tmp_path / "innocent"}
+    try:
+        for name, link in links.items():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(victim.target)
+            bundle = _runc_bundle(tmp_path / name, [{"destination": "/data", "type": "bind", "source": str(link),
+                                                     "options": ["rbind", "rw"]}], "pod-evil")
+            log = tmp_path / f"{name}.json"
+            done = _runtime(bundle, log, tmp_path / "state", runc=shutil.which("runc"),
+                            handler=f"unix://{env.handler.socket}", runc_root=runc_root, container_id=name)
+            bound = ""
+            if done.returncode == 0:
+                pid = int((bundle / "init.pid").read_text())
+                bound = "; the container got " + " ".join(
+                    line for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines() if " /data " in line)
+            assert done.returncode != 0, f"{name}: create succeeded{bound}"
+            assert "Traceback" not in done.stderr, done.stderr
+            message = _last_error(log)
+            assert str(link) in message and str(victim.target) in message and "placeholder" in message, message
+            assert env.claim_set() == set()
+            listed = subprocess.run(["runc", "--root", str(runc_root), "list", "-q"], capture_output=True, text=True)
+            assert name not in listed.stdout.split(), "runc made the container"
+    finally:
+        for name in links:
+            subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", name], capture_output=True)
+    env.unpublish(victim)
 
 
 # -- deploy/: the runtime's configuration for containerd, CRI-O and Kubernetes -----------------------------

@@ -87,10 +87,7 @@ def disk(root):
     try:
         yield d
     finally:
-        env = d.env
-        if env.handler.proc is not None and env.handler.proc.poll() is None:
-            for sandbox_id in env.sandboxes():
-                env.handler.sandbox("delete", sandbox_id)
+        d.env.delete_sandboxes()
     assert d.tracebacks() == []
 
 
@@ -274,6 +271,30 @@ def test_claims_and_releases_with_the_proxy_state_full(disk):
         assert not pid_alive(info["pid"])
         wait_until(lambda: env.claims() == [], what="the claim to be released")
         assert env.sandboxes() == {}
+    env.unpublish(v)
+
+
+def test_a_sandbox_started_while_the_watched_dir_was_full_starts_once_there_is_room(disk):
+    """RunSandbox while the proxy's volumes directory (the watched one) is
+    full: RESOURCE_EXHAUSTED naming it, nothing left of the start; the same
+    RunSandbox once the space is freed starts the sandbox with its volume."""
+    env = disk.env
+    v = env.volume("pv-watched")
+    bundle = env.bundle("watched", "exec sleep 600", [("/data", str(v.target))])
+    # The entry damaged (the handler keeps the good copy it read): the
+    # claim has the proxy write it again from its record, into the full directory.
+    entry = env.proxy.volumes_dir / digest(str(v.target)) / "mountInfo.json"
+    entry.write_text(entry.read_text()[:40])
+    with disk.full("volumes") as full:
+        out = env.run(bundle, "sb-watched")
+        assert out.returncode != 0 and "RESOURCE_EXHAUSTED" in out.stderr and str(full) in out.stderr, out.stderr
+        assert env.sandboxes() == {} and env.claims() == [] and env.holders() == []
+        assert env.mounting(v) == []
+    info = env.run_ok(bundle, "sb-watched")
+    assert env.claim_set() == {(str(v.target), "mountns", "sb-watched")}
+    assert info["pid"] in env.mounting(v)
+    env.delete("sb-watched")
+    wait_until(lambda: env.claims() == [], what="the claim to be released")
     env.unpublish(v)
 
 

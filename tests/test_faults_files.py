@@ -517,6 +517,28 @@ def test_a_deferred_target_whose_entry_is_not_seen_fails_the_start_never_binds_t
     env.unpublish(v)
 
 
+def test_a_bind_through_a_link_to_another_pods_deferred_target_fails_the_start(make_env):
+    """A sandbox's bind source that is a symbolic link to another pod's
+    deferred target (as a kubelet CSI path, and as any path): the start is
+    refused naming both paths; the placeholder is bound nowhere, nothing is
+    claimed; the volume's own sandbox still starts with it."""
+    env = make_env()
+    v = env.volume("pv-linked")
+    links = [env.proxy.target("pod-evil", "pv-evil"), env.path / "innocent"]
+    for n, link in enumerate(links):
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(v.target)
+        bundle = env.bundle(f"linked-{n}", "exec sleep 600", [("/data", str(link))])
+        out = env.run(bundle, f"sb-linked-{n}")
+        assert out.returncode != 0 and "FAILED_PRECONDITION" in out.stderr, out.stderr
+        assert str(link) in out.stderr and str(v.target) in out.stderr and "placeholder" in out.stderr, out.stderr
+        assert env.sandboxes() == {} and env.claim_set() == set()
+    start_in_sandbox(env, v, "sb-own")
+    env.delete("sb-own")
+    assert not tracebacks(env)
+    env.unpublish(v)
+
+
 # -- records that name another place or device -------------------------------------------------------
 
 

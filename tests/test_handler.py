@@ -258,6 +258,12 @@ class Env:
     def holders(self) -> list[int]:
         return holders_under(self.handler.state_dir, self.path / "bundles")
 
+    def delete_sandboxes(self) -> None:
+        """Every sandbox the handler lists deleted, if the handler runs (a fixture's teardown)."""
+        if self.handler.proc is not None and self.handler.proc.poll() is None:
+            for sandbox_id in self.sandboxes():
+                self.handler.sandbox("delete", sandbox_id)
+
     def kill_handler_until_expired(self) -> None:
         """SIGKILL the handler and wait until the proxy sees its lease expire."""
         self.handler.kill()

@@ -150,9 +150,7 @@ def kata_env(root, proxy_extra=()):
     try:
         yield e
     finally:
-        if e.handler.proc is not None and e.handler.proc.poll() is None:
-            for sandbox_id in e.sandboxes():
-                e.handler.sandbox("delete", sandbox_id)
+        e.delete_sandboxes()
 
 
 @pytest.fixture
@@ -532,6 +530,49 @@ def test_a_kata_style_driver_works_unchanged_through_direct_volume(kenv):
             subprocess.run(["umount", str(kenv.path / "check")])
         wait_until(lambda: not qemu_pids_under(kenv.handler.state_dir), timeout=30, what="QEMU to exit")
         sysloop.detach_sync(device)
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("symlink", "symlink"), ("entry-symlink", "symbolic link"), ("fifo", "FIFO"),
+    ("oversized", "more than"), ("not-json", "not JSON"), ("not-a-description", "'device'")])
+def test_a_planted_direct_volume_entry_is_refused_at_the_start_naming_it(kenv, damage, words):
+    """A Kata direct-volume entry for a bundle's mount source that is a
+    symlink (its mountInfo.json, or the entry itself), a FIFO, 100 MiB, not
+    JSON, or not a description: the sandbox start is refused at once with
+    FAILED_PRECONDITION naming the entry and what is wrong with it; no VM
+    boots, nothing is claimed."""
+    target = kenv.proxy.target("pod-planted", "pv-planted")
+    target.mkdir(parents=True)
+    entry = kenv.kata_dir / entry_name(str(target))
+    good = json.dumps({"volume-type": "block", "device": "/dev/loop0", "fstype": "ext4"})
+    outside = kenv.path / "outside"
+    outside.mkdir()
+    (outside / "mountInfo.json").write_text(good)
+    if damage == "entry-symlink":
+        entry.symlink_to(outside)
+    else:
+        entry.mkdir(mode=0o700)
+        info = entry / "mountInfo.json"
+        if damage == "symlink":
+            info.symlink_to(outside / "mountInfo.json")
+        elif damage == "fifo":
+            os.mkfifo(info)
+        elif damage == "oversized":
+            with open(info, "wb") as f:
+                f.truncate(100 * MIB)
+        elif damage == "not-json":
+            info.write_text(good[:20])
+        else:
+            info.write_text(json.dumps({"volume-type": "block", "fstype": "ext4"}))
+    started = time.monotonic()
+    out = kenv.run(kenv.bundle("planted", "exec sleep 600", [("/data", str(target))]), "sb-planted")
+    took = time.monotonic() - started
+    assert out.returncode != 0 and "FAILED_PRECONDITION" in out.stderr, out.stderr
+    assert str(entry) in out.stderr and words in out.stderr, out.stderr
+    assert kenv.sandboxes() == {} and kenv.claims() == [] and not qemu_pids_under(kenv.handler.state_dir)
+    assert not os.path.lexists(entry / "sb-planted") if damage != "entry-symlink" else \
+        sorted(p.name for p in outside.iterdir()) == ["mountInfo.json"]
+    assert took < 5, f"refused after {took:.1f} s"
 
 
 # -- the accelerator ----------------------------------------------------------------------------

@@ -83,9 +83,7 @@ def node(root):
     try:
         yield n
     finally:
-        if n.env.handler.proc is not None and n.env.handler.proc.poll() is None:
-            for sandbox_id in n.env.sandboxes():
-                n.env.handler.sandbox("delete", sandbox_id)
+        n.env.delete_sandboxes()
         kill_container_processes(n.env.path / "bundles")
 
 

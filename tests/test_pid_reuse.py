@@ -95,9 +95,7 @@ def short_lease_env(root):
     try:
         yield env
     finally:
-        if env.handler.proc is not None and env.handler.proc.poll() is None:
-            for sandbox_id in env.sandboxes():
-                env.handler.sandbox("delete", sandbox_id)
+        env.delete_sandboxes()
 
 
 def test_a_sandbox_whose_holder_pid_was_reused_is_not_adopted_and_the_new_process_not_signalled(
@@ -188,3 +186,67 @@ def test_a_record_without_a_start_time_names_only_a_process_started_before_it(de
     assert sleeper.poll() is None
     assert proc.signal_process(proc.identify(sleeper.pid), signal.SIGKILL)
     sleeper.wait()
+
+
+@pytest.fixture
+def handler_env(root):
+    env = Env(root)
+    try:
+        yield env
+    finally:
+        env.delete_sandboxes()
+
+
+def test_a_record_naming_a_process_the_handler_never_started_is_neither_adopted_nor_signalled(handler_env, decoys):
+    """Records planted in the mount-namespace handler's directory naming a
+    `sleep infinity` it never started (the very command a holder runs):
+    one without a start time, one with that process's own start time. After
+    a restart neither is a live sandbox, the record without a start time is
+    set aside with a line naming it, and DeleteSandbox of either signals
+    nothing."""
+    env = handler_env
+    decoy = subprocess.Popen(["sleep", "infinity"], start_new_session=True)
+    decoys.append(decoy)
+    wait_until(lambda: proc.identify(decoy.pid) is not None, what="the decoy")
+    time.sleep(1.5)  # started well before the records are written
+    bundle = env.bundle("planted", "exec sleep 600", [])
+    records = env.handler.state_dir / "sandboxes"
+    env.handler.stop()
+    planted = {"sandbox_id": "", "bundle": str(bundle), "pid": decoy.pid, "process_pid": 0, "volumes": {},
+               "created_at": time.time()}
+    (records / "sb-no-start.json").write_text(json.dumps({**planted, "sandbox_id": "sb-no-start"}))
+    (records / "sb-its-start.json").write_text(json.dumps({**planted, "sandbox_id": "sb-its-start",
+                                                           "pid_start": proc.identify(decoy.pid).start}))
+    env.handler.start()
+    wait_until(lambda: env.handler.sandbox("list").returncode == 0, what="the handler's socket")
+    running = {k for k, v in env.sandboxes().items() if v.get("state") == "RUNNING"}
+    assert running == set(), f"adopted a process the handler never started: {running}"
+    for sandbox_id in ("sb-no-start", "sb-its-start"):
+        assert env.handler.sandbox("delete", sandbox_id).returncode == 0
+    time.sleep(1.5)  # the reaper's turn
+    assert decoy.poll() is None, "the handler signalled a process it never started"
+    assert not (records / "sb-no-start.json").exists() and (records / "sb-no-start.corrupt").exists()
+    log = env.handler.log_path.read_text()
+    assert "sb-no-start.json" in log and "start time" in log, log[-2000:]
+
+
+def test_a_live_sandbox_recorded_without_a_start_time_is_recognised_by_its_namespaces(handler_env):
+    """A record of a release that kept no start time, its holder alive: the
+    holder is recognised by its own mount and network namespaces, adopted,
+    and its start time written to the record; DeleteSandbox then ends it."""
+    env = handler_env
+    v = env.volume("pv-old-record")
+    a = env.run_ok(env.bundle("old", "echo x > /data/x && exec sleep 600", [("/data", str(v.target))]), "sb-old")
+    wait_until((view(a, a["volumes"][0]["mount_point"]) / "x").exists, what="the sandbox process's file")
+    path = env.handler.state_dir / "sandboxes" / "sb-old.json"
+    env.handler.stop()
+    record = json.loads(path.read_text())
+    start = record.pop("pid_start")
+    path.write_text(json.dumps(record))
+    env.handler.start()
+    wait_until(lambda: env.handler.sandbox("list").returncode == 0, what="the handler's socket")
+    assert env.sandboxes()["sb-old"]["state"] == "RUNNING"
+    assert json.loads(path.read_text())["pid_start"] == start
+    env.delete("sb-old")
+    assert not pid_alive(a["pid"]) and not pid_alive(a["process_pid"]) and env.mounting(v) == []
+    env.unpublish(v)

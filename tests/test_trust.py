@@ -7,8 +7,11 @@ Callers with another uid are real processes: a child that drops to uid
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
+import socket
 import stat
 import subprocess
 import sys
@@ -348,3 +351,136 @@ def test_hostile_requests_of_a_denied_caller_change_nothing(env, tmp_path):
     finally:
         sock.parent.chmod(0o700)
     holder.heartbeat(e.channel)
+
+
+# -- descriptors: a flood of connections ------------------------------------------------------------
+
+# The first bytes of HTTP/2's client preface: a connection that began and stopped.
+HALF_PREFACE = b"PRI * HTTP/2.0\r\n"
+
+
+def open_files_limit(pid: int) -> tuple[int, int]:
+    """(soft, hard) RLIMIT_NOFILE of a process, from /proc/PID/limits."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError(f"no open files limit for pid {pid}")
+
+
+@contextlib.contextmanager
+def soft_open_files(limit: int):
+    """This process's soft RLIMIT_NOFILE (inherited by what it starts) for a while."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@contextlib.contextmanager
+def connections(sock: Path, count: int, first_bytes: bytes = b""):
+    """count connections to sock, each having sent first_bytes, held open."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            held.append(c)
+            c.connect(str(sock))
+            if first_bytes:
+                c.sendall(first_bytes)
+        yield held
+    finally:
+        for c in held:
+            c.close()
+
+
+def closed_by_peer(c: socket.socket, timeout: float = 5) -> bool:
+    c.settimeout(timeout)
+    try:
+        return c.recv(1) == b""
+    except (TimeoutError, BlockingIOError):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_connections_and_half_prefaces_leave_the_proxy_its_descriptors(env):
+    """A proxy started under a soft limit of 1024 open files: 500 idle
+    connections and 200 that stopped in the middle of HTTP/2's preface at
+    its runtime socket. Its soft limit was raised to the hard one at start,
+    no accept failed, and a caller is served meanwhile."""
+    with soft_open_files(1024):
+        e = env()
+    soft, hard = open_files_limit(e.proxy.proc.pid)
+    assert soft == hard, f"the proxy's open files limit stayed {soft} (hard {hard})"
+    sock = e.proxy.runtime_socket
+    with connections(sock, 500), connections(sock, 200, HALF_PREFACE):
+        time.sleep(1)  # relayed, or refused, by now
+        e.registry.ListHandlers(registry_pb2.ListHandlersRequest(), timeout=10)
+        # Another caller, on a connection of its own, is served too.
+        with e.proxy.runtime_channel() as channel:
+            registry_pb2_grpc.RegistryStub(channel).ListHandlers(registry_pb2.ListHandlersRequest(), timeout=10)
+    log = e.proxy.log_path.read_text(errors="replace")
+    assert "Too many open files" not in log, log[-3000:]
+
+
+def test_connections_of_one_uid_are_bounded_and_another_uid_is_served(env):
+    """Root holds its bound of connections and tries 20 more: those are
+    closed at once, with one warning line; a caller of another uid is
+    served meanwhile, and root again once its connections close."""
+    from crust.common.peergate import per_uid_bound
+
+    e = env("--runtime-socket-group", str(GROUP))
+    sock = e.proxy.runtime_socket
+    bound = per_uid_bound(open_files_limit(e.proxy.proc.pid)[0])
+    with connections(sock, bound - 1):  # the env's own channel is the bound's last
+        e.registry.ListHandlers(registry_pb2.ListHandlersRequest(), timeout=10)
+        with connections(sock, 20) as over:
+            assert all(closed_by_peer(c) for c in over), "connections over the bound were relayed"
+            answers = call_every_method_as(sock, NOBODY, GROUP, [])
+            assert answers["ListHandlers"] == ["OK", ""], answers
+    wait_until_served = time.monotonic() + 10
+    while True:
+        with e.proxy.runtime_channel() as channel:
+            try:
+                registry_pb2_grpc.RegistryStub(channel).ListHandlers(registry_pb2.ListHandlersRequest(), timeout=5)
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < wait_until_served, "root is not served after its connections closed"
+                time.sleep(0.2)
+    log = e.proxy.log_path.read_text(errors="replace")
+    assert log.count("connections of one uid at their bound") == 1, log[-3000:]
+
+
+def test_accept_failures_back_off_with_one_line(env):
+    """The proxy out of descriptors (its soft limit lowered under it to the
+    lowest free one): five connects wait in the backlog while every accept
+    fails. The gate logs one line, not one per attempt, spends little CPU,
+    and relays them once a descriptor is free again."""
+    e = env()
+    pid = e.proxy.proc.pid
+    e.registry.ListHandlers(registry_pb2.ListHandlersRequest(), timeout=10)  # the test's own channel is up
+    limits = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    open_fds = {int(n) for n in os.listdir(f"/proc/{pid}/fd")}
+    lowest_free = next(n for n in range(len(open_fds) + 1) if n not in open_fds)
+    before = e.proxy.log_path.read_text(errors="replace").count("Too many open files")
+    cpu = lambda: sum(int(f) for f in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13])
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free, limits[1]))
+    try:
+        with connections(e.proxy.runtime_socket, 5) as waiting:
+            started = cpu()
+            time.sleep(3)
+            spent = (cpu() - started) / os.sysconf("SC_CLK_TCK")
+            failures = e.proxy.log_path.read_text(errors="replace").count("Too many open files") - before
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, limits)
+            with e.proxy.runtime_channel() as channel:
+                registry_pb2_grpc.RegistryStub(channel).ListHandlers(registry_pb2.ListHandlersRequest(), timeout=10)
+            assert not any(closed_by_peer(c, 0.2) for c in waiting), "a waiting connection was dropped"
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, limits)
+    print(f"\naccept failing for 3 s: {failures} log lines naming EMFILE, {spent:.2f} s of the proxy's CPU")
+    assert failures == 1, e.proxy.log_path.read_text(errors="replace")[-3000:]
+    assert spent < 0.5
+    assert "accepting again" in e.proxy.log_path.read_text(errors="replace")

@@ -13,6 +13,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from crust.containerd_shim import ttrpc
 from crust.containerd_shim.events import Publisher, envelope, forward
 from crust.containerd_shim.task import TaskService, process_spec
 from crust.containerd_shim.ttrpc import Client, Server, TtrpcError
+from tests.harness import stop_child
 
 TASK = "containerd.task.v2.Task"
 
@@ -142,13 +144,24 @@ async def test_overlapping_calls_on_one_connection(sock):
         await server.close()
 
 
-async def test_server_answers_raw_frames_and_survives_bad_ones(sock):
+async def _stand_in_server(path: str) -> Server:
+    """Our server with the stand-in task service, serving on path."""
     server = Server()
     server.register_service(task_pb.DESCRIPTOR.services_by_name["Task"], _Service())
-    await server.serve_path(sock)
+    await server.serve_path(path)
+    return server
+
+
+def _connect_request(container_id: str) -> bytes:
+    """A ttrpc Request for Task.Connect, as bytes."""
+    return ttrpc_pb2.Request(service=TASK, method="Connect",
+                             payload=task_pb.ConnectRequest(id=container_id).SerializeToString()).SerializeToString()
+
+
+async def test_server_answers_raw_frames_and_survives_bad_ones(sock):
+    server = await _stand_in_server(sock)
     try:
-        good = ttrpc_pb2.Request(service=TASK, method="Connect",
-                                 payload=task_pb.ConnectRequest(id="raw").SerializeToString()).SerializeToString()
+        good = _connect_request("raw")
         oversized = struct.pack(">IIBB", ttrpc.MESSAGE_LENGTH_MAX + 1, 3, 1, 0) + b"\0" * (ttrpc.MESSAGE_LENGTH_MAX + 1)
         data_frame = ttrpc.frame(5, ttrpc.TYPE_DATA, b"")
         garbage = ttrpc.frame(7, ttrpc.TYPE_REQUEST, b"\xff\xff\xff")
@@ -390,3 +403,136 @@ async def test_a_finished_fifo_keeps_its_last_words_until_a_reader_comes(tmp_pat
         os.open(path, os.O_WRONLY | os.O_NONBLOCK)
     assert caught.value.errno == errno.ENXIO  # nobody holds it any more
     assert open_fifo("") is None
+
+
+# -- a hostile or broken client ------------------------------------------------------------------
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+@pytest.fixture
+def shim_daemon(tmp_path):
+    """containerd-shim-crust-v2's daemon (`serve`) on a socket of the test's,
+    with no handler behind it: the transport is what is under test."""
+    sock = tmp_path / "shim.sock"
+    log = open(tmp_path / "shim.log", "wb")
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "crust.containerd_shim", "-namespace", "t", "-address", "", "-id", "hostile",
+         "-socket", str(sock), "-handler-endpoint", f"unix://{tmp_path}/no-handler.sock", "serve"],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while not ttrpc.socket_alive(str(sock)):
+            assert daemon.poll() is None and time.monotonic() < deadline, (tmp_path / "shim.log").read_text()
+            time.sleep(0.05)
+        yield daemon, sock
+    finally:
+        stop_child(daemon)
+        log.close()
+
+
+def test_a_client_that_never_reads_its_replies_does_not_grow_the_shim(shim_daemon):
+    """60 requests of 3.5 MiB to an unknown service, each UNIMPLEMENTED reply
+    echoing the name, and the client never reads: the shim stops reading the
+    connection once what it holds for it is bounded, its RSS stays put, and
+    it answers another connection meanwhile."""
+    daemon, sock = shim_daemon
+    name = "x" * (3 << 19)  # 3.5 MiB... of a service name
+    request = ttrpc_pb2.Request(service=name, method="M").SerializeToString()
+    before = _rss_mib(daemon.pid)
+    hostile = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hostile.connect(str(sock))
+    hostile.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sent, peak = 0, before
+    try:
+        hostile.settimeout(3)
+        for stream in range(1, 121, 2):
+            try:
+                hostile.sendall(ttrpc.frame(stream, ttrpc.TYPE_REQUEST, request))
+            except TimeoutError:
+                break  # the shim stopped reading this connection
+            sent += 1
+            peak = max(peak, _rss_mib(daemon.pid))
+        for _ in range(20):
+            time.sleep(0.1)
+            peak = max(peak, _rss_mib(daemon.pid))
+
+        async def another_caller():
+            client = await Client.connect(str(sock))
+            try:
+                with pytest.raises(TtrpcError) as caught:
+                    await client.call(TASK, "State", task_pb.StateRequest(id="nope"), task_pb.StateResponse, timeout=5)
+                return caught.value.code
+            finally:
+                await client.close()
+
+        assert asyncio.run(another_caller()) == ttrpc.NOT_FOUND
+        peak = max(peak, _rss_mib(daemon.pid))
+    finally:
+        hostile.close()
+    print(f"\nshim RSS {before:.0f} -> peak {peak:.0f} MiB; {sent} of 60 requests of 3.5 MiB taken before it "
+          "stopped reading")
+    assert peak - before < 32, f"the shim grew from {before:.0f} to {peak:.0f} MiB ({sent} requests taken)"
+    assert sent < 60, "the shim read every request although no reply was taken"
+
+
+async def test_stream_ids_are_odd_and_increase_as_in_gos_ttrpc(sock):
+    """Stream 0 and even streams are answered InvalidArgument "StreamID must
+    be odd for client initiated streams"; a request on a stream id not above
+    the last one "StreamID cannot be re-used and must increment"."""
+    server = await _stand_in_server(sock)
+    try:
+        good = _connect_request("odd")
+        frames = await _raw_call(sock, b"".join(ttrpc.frame(s, ttrpc.TYPE_REQUEST, good) for s in (0, 2, 5, 3, 7)))
+        answers = []
+        for (length, stream, kind, _flags), payload in frames:
+            assert kind == ttrpc.TYPE_RESPONSE and length == len(payload)
+            response = ttrpc_pb2.Response.FromString(payload)
+            answers.append((stream, response.status.code, response.status.message))
+        odd = "StreamID must be odd for client initiated streams"
+        assert sorted(answers) == [(0, ttrpc.INVALID_ARGUMENT, odd), (2, ttrpc.INVALID_ARGUMENT, odd),
+                                   (3, ttrpc.INVALID_ARGUMENT, "StreamID cannot be re-used and must increment"),
+                                   (5, ttrpc.OK, ""), (7, ttrpc.OK, "")]
+    finally:
+        await server.close()
+
+
+async def test_the_listen_backlog_is_the_systems_somaxconn(tmp_path):
+    """500 connects back to back while the server cannot accept (its event
+    loop is busy here): every one is queued, on a socket the server bound
+    and on one handed to it (the shim's `start` binds, its daemon serves)."""
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert somaxconn >= 500, f"this host's net.core.somaxconn is {somaxconn}"
+    bound = str(tmp_path / "bound.sock")
+    handed = str(tmp_path / "handed.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(handed)
+    listener.listen(somaxconn)  # as the shim's `start` must; the daemon must not lower it
+    servers = [Server(), Server()]
+    await servers[0].serve_path(bound)
+    await servers[1].serve_socket(listener)
+    try:
+        for path in (bound, handed):
+            clients, refused = [], 0
+            try:
+                for _ in range(500):
+                    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    client.setblocking(False)
+                    try:
+                        client.connect(path)
+                        clients.append(client)
+                    except BlockingIOError:
+                        refused += 1
+                        client.close()
+            finally:
+                for client in clients:
+                    client.close()
+            assert refused == 0, f"{path}: {refused} of 500 connects refused"
+    finally:
+        for server in servers:
+            await server.close()

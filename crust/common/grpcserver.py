@@ -39,6 +39,7 @@ from crust.common.peergate import PeerGate, PeerPolicy, caller, inner_socket_pat
 from crust.common.redact import redacted
 from crust.sys import memory
 from crust.sys.run import rpc_deadline
+from crust.sys.sockets import listen_backlog
 
 log = logging.getLogger("crust.rpc")
 
@@ -438,7 +439,7 @@ def listen_unix(path: str, mode: int = 0o600, group: int | None = None) -> socke
         os.umask(old)
     if group is not None:
         os.chown(path, -1, group)
-    sock.listen(128)
+    sock.listen(listen_backlog())
     sock.setblocking(False)
     return sock
 

@@ -18,26 +18,57 @@ know its callers is served in two parts:
 
 PeerPolicy.check turns the peer into an allow/deny, the first thing the
 interceptor does for every call on such a socket.
+
+The gate holds two descriptors per connection, and gRPC one more. So that no caller can take
+the daemon's last descriptor, it relays at most per_uid_bound() connections
+of one uid at a time (a connection over the bound is closed at once, with
+one warning line while that uid stays at its bound), and an accept that
+fails (no descriptor left, no memory) is retried after a pause that doubles
+up to a second, with one line when it starts failing and one when it
+accepts again, never a line or a busy loop per attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import secrets
 import socket
 import struct
+import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Iterable
 
 from crust.common.errors import PermissionDenied
+from crust.sys import openfiles
 
 log = logging.getLogger(__name__)
 
 ABSTRACT_PREFIX = "crust-peer/"
 _PEER_PREFIX = "unix-abstract:" + ABSTRACT_PREFIX
+
+# Connections of one uid relayed at once, at most; fewer when the daemon's
+# descriptors are few: one uid may take a quarter of them, at three a
+# connection (the gate's two ends, and gRPC's end of the inner socket).
+PER_UID_CONNECTIONS_MAX = 1024
+# Descriptors the daemon keeps for everything but gated connections.
+RESERVED_DESCRIPTORS = 64
+# Pauses between failed accepts.
+ACCEPT_PAUSE_FIRST = 0.01
+ACCEPT_PAUSE_MAX = 1.0
+# accept() errors that say a connection went away before it was taken:
+# the next accept goes on at once.
+_ACCEPT_RACES = {errno.EAGAIN, errno.EINTR, errno.ECONNABORTED, errno.EPROTO}
+
+
+def per_uid_bound(nofile: int | None = None) -> int:
+    """How many connections of one uid the gate relays at once, for a
+    daemon whose soft RLIMIT_NOFILE is nofile."""
+    nofile = openfiles.soft_limit() if nofile is None else nofile
+    return max(16, min(PER_UID_CONNECTIONS_MAX, (nofile - RESERVED_DESCRIPTORS) // 12))
 
 
 @dataclass(frozen=True)
@@ -122,11 +153,12 @@ class _Relay(asyncio.Protocol):
     """One side of a relayed connection: what it receives goes to its
     partner; when its partner's buffer fills, it stops reading."""
 
-    def __init__(self):
+    def __init__(self, on_lost=None):
         self.transport: asyncio.Transport | None = None
         self.partner: _Relay | None = None
         self.pending: list[bytes] = []
         self.closed = False
+        self.on_lost = on_lost
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -147,6 +179,9 @@ class _Relay(asyncio.Protocol):
         self.closed = True
         if self.partner is not None and self.partner.transport is not None and not self.partner.closed:
             self.partner.transport.close()
+        if self.on_lost is not None:
+            self.on_lost()
+            self.on_lost = None
 
     def pause_writing(self) -> None:
         if self.partner is not None and self.partner.transport is not None:
@@ -164,47 +199,120 @@ class _Relay(asyncio.Protocol):
             side.pending.clear()
 
 
+class _AcceptPause:
+    """The pause after a failed accept: doubled at each failure in a row,
+    reset by a success; one log line when failures start, one when they end."""
+
+    def __init__(self, socket_path: str):
+        self.socket_path = socket_path
+        self.failures = 0
+        self.since = 0.0
+        self.pause = ACCEPT_PAUSE_FIRST
+
+    def failed(self, exc: OSError) -> float:
+        if self.failures == 0:
+            self.since = time.monotonic()
+            log.warning("accept failed; retrying with pauses up to %g s", ACCEPT_PAUSE_MAX, extra={"fields": {
+                "socket": self.socket_path, "error": os.strerror(exc.errno) if exc.errno else str(exc)}})
+        else:
+            self.pause = min(self.pause * 2, ACCEPT_PAUSE_MAX)
+        self.failures += 1
+        return self.pause
+
+    def succeeded(self) -> None:
+        if self.failures:
+            log.warning("accepting again", extra={"fields": {
+                "socket": self.socket_path, "failed_accepts": self.failures,
+                "seconds": round(time.monotonic() - self.since, 2)}})
+        self.failures = 0
+        self.pause = ACCEPT_PAUSE_FIRST
+
+
 class PeerGate:
     """The public socket: identify each connection, relay it to the inner one."""
 
-    def __init__(self, public_path: str, inner_path: str):
+    def __init__(self, public_path: str, inner_path: str, per_uid: int | None = None):
         self.public_path = public_path
         self.inner_path = inner_path
-        self.server: asyncio.AbstractServer | None = None
+        self.per_uid = per_uid
+        self.connections: dict[int, int] = {}  # uid -> connections relayed now
+        self._at_bound_logged: set[int] = set()
+        self._listening: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
         self._connecting: set[asyncio.Task] = set()
 
     async def start(self, listening: socket.socket) -> None:
-        """Serve on an already bound and listening socket (bound by the
-        caller under its umask, so it never exists with a looser mode)."""
+        """Serve on an already bound, listening, non-blocking socket (bound
+        by the caller under its umask, so it never exists with a looser mode)."""
+        if self.per_uid is None:
+            self.per_uid = per_uid_bound()
+        self._listening = listening
+        self._accepting = asyncio.get_running_loop().create_task(self._accept_forever(), name="peer-gate")
+
+    async def _accept_forever(self) -> None:
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_unix_server(self._accepted, sock=listening)
+        pause = _AcceptPause(self.public_path)
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._listening)
+            except OSError as exc:
+                if exc.errno in _ACCEPT_RACES:
+                    continue
+                await asyncio.sleep(pause.failed(exc))
+                continue
+            pause.succeeded()
+            self._admit(sock)
 
-    def _accepted(self) -> _Relay:
-        relay = _Relay()
-        loop = asyncio.get_running_loop()
-        original = relay.connection_made
-
-        def made(transport) -> None:
-            original(transport)
-            # Nothing is read until the inner connection exists.
-            transport.pause_reading()
-            task = loop.create_task(self._connect_inner(relay))
-            self._connecting.add(task)
-            task.add_done_callback(self._connecting.discard)
-
-        relay.connection_made = made
-        return relay
-
-    async def _connect_inner(self, outer: _Relay) -> None:
-        transport = outer.transport
+    def _admit(self, sock: socket.socket) -> None:
         try:
-            creds = credentials_of(transport.get_extra_info("socket"))
+            creds = credentials_of(sock)
+        except OSError:
+            sock.close()
+            return
+        held = self.connections.get(creds.uid, 0)
+        if held >= self.per_uid:
+            sock.close()
+            if creds.uid not in self._at_bound_logged:
+                self._at_bound_logged.add(creds.uid)
+                log.warning("connections of one uid at their bound; closing further ones", extra={"fields": {
+                    "socket": self.public_path, "uid": creds.uid, "bound": self.per_uid}})
+            return
+        self.connections[creds.uid] = held + 1
+        task = asyncio.get_running_loop().create_task(self._relay(sock, creds))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    def _released(self, uid: int) -> None:
+        left = self.connections.get(uid, 0) - 1
+        if left > 0:
+            self.connections[uid] = left
+        else:
+            self.connections.pop(uid, None)
+        if left < self.per_uid:
+            self._at_bound_logged.discard(uid)
+
+    async def _relay(self, sock: socket.socket, creds: PeerCredentials) -> None:
+        loop = asyncio.get_running_loop()
+        outer = _Relay(on_lost=lambda: self._released(creds.uid))
+        try:
+            transport, _ = await loop.connect_accepted_socket(lambda: outer, sock)
+        except OSError:
+            sock.close()
+            self._released(creds.uid)
+            return
+        except asyncio.CancelledError:
+            sock.close()
+            self._released(creds.uid)
+            raise
+        # Nothing is read until the inner connection exists.
+        transport.pause_reading()
+        try:
             inner_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 inner_sock.setblocking(False)
                 inner_sock.bind(f"\0{ABSTRACT_PREFIX}{creds.uid}/{creds.gid}/{creds.pid}/{secrets.token_hex(8)}")
-                await asyncio.get_running_loop().sock_connect(inner_sock, self.inner_path)
-                _, inner = await asyncio.get_running_loop().create_unix_connection(_Relay, sock=inner_sock)
+                await loop.sock_connect(inner_sock, self.inner_path)
+                _, inner = await loop.create_unix_connection(_Relay, sock=inner_sock)
             except BaseException:
                 inner_sock.close()
                 raise
@@ -220,8 +328,11 @@ class PeerGate:
         transport.resume_reading()
 
     async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        if self._listening is not None:
+            self._listening.close()
         for task in list(self._connecting):
             task.cancel()
         if self._connecting:

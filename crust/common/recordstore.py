@@ -117,6 +117,11 @@ class RecordStore(Generic[Record]):
             return None
         return record
 
+    def set_aside(self, key: str, why: str) -> None:
+        """Set a record aside as one that does not belong (see above), for
+        a reason its owner found after reading it."""
+        self._set_aside(key, self._path(key), why)
+
     def _set_aside(self, key: str, path: Path, why: str) -> None:
         # Kept for a human, never silently dropped or overwritten: a name no
         # earlier record set aside holds (a directory cannot be renamed over

@@ -124,6 +124,7 @@ def start(args: argparse.Namespace) -> int:
     path = socket_path(args.address, args.namespace, group)
     address = f"unix://{path}"
     from crust.containerd_shim.ttrpc import socket_alive
+    from crust.sys.sockets import listen_backlog
 
     SOCKET_DIR.mkdir(parents=True, exist_ok=True, mode=0o711)
     # Two `start`s of one pod at once must not both bind (the second would
@@ -140,7 +141,7 @@ def start(args: argparse.Namespace) -> int:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
         os.chmod(path, 0o600)
-        listener.listen(128)
+        listener.listen(listen_backlog())
         # The daemon serves on the socket bound here, so the address printed
         # answers as soon as containerd connects. Its output goes to the
         # bundle's `log` fifo (containerd copies it to its own log), never to
@@ -222,6 +223,11 @@ def _log_to(path: str, debug: bool) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     _log_to(args.log, args.debug)
+    from crust.sys.memory import give_back_large_buffers
+    from crust.sys.openfiles import raise_soft_limit
+
+    give_back_large_buffers()  # a 4 MiB request's buffers leave the RSS when freed (crust.sys.memory)
+    raise_soft_limit()  # a descriptor per connection (crust.sys.openfiles)
     from crust.containerd_shim.events import Publisher
     from crust.containerd_shim.task import TaskService
     from crust.containerd_shim.ttrpc import Server

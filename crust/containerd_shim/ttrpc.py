@@ -10,7 +10,16 @@ service, so data frames (type 3, streams) are refused.
 
 The server runs each request as its own task (containerd keeps a Wait call
 open for as long as a container runs, next to its other calls on the same
-connection) and cancels a connection's calls when it closes.
+connection) and cancels a connection's calls when it closes. Go's ttrpc
+writes each reply from one loop per connection, so a peer that does not
+read its replies stops that loop, and with it the reading of requests. Here
+replies are written one at a time, each waiting until the peer has taken
+the bytes before it (the transport's drain), and a connection is read only
+while what it holds (requests being served, replies not taken yet) is below
+CONNECTION_BYTES_MAX and its calls below CONNECTION_CALLS_MAX: a client
+that sends and never reads costs a bounded amount of memory, then waits.
+Stream ids are checked as Go's server checks them: odd (the client's), and
+increasing for requests.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 
 from crust.api import ttrpc_pb2
+from crust.sys.sockets import listen_backlog
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +61,17 @@ UNIMPLEMENTED = 12
 INTERNAL = 13
 UNAVAILABLE = 14
 RESOURCE_EXHAUSTED = 8
+
+# What one connection may hold before it is read no more: the requests of
+# its calls in flight and the replies its peer has not taken. At least one
+# request and one reply of the largest size fit.
+CONNECTION_BYTES_MAX = 8 << 20
+# Calls one connection may have in flight (containerd keeps a Wait open per
+# process of the pod next to its other calls).
+CONNECTION_CALLS_MAX = 1024
+# Go's ttrpc's words for a stream id a client may not use.
+STREAM_ID_NOT_ODD = "StreamID must be odd for client initiated streams"
+STREAM_ID_REUSED = "StreamID cannot be re-used and must increment"
 
 # Where containerd puts its namespace in a call's metadata.
 NAMESPACE_KEY = "containerd-namespace-ttrpc"
@@ -158,12 +179,13 @@ class Server:
     async def serve_socket(self, listener: socket.socket) -> None:
         """Start accepting on a bound, listening unix socket."""
         listener.setblocking(False)
-        self._server = await asyncio.start_unix_server(self._connection, sock=listener)
+        # asyncio listens again on a socket it is handed: with the system's backlog.
+        self._server = await asyncio.start_unix_server(self._connection, sock=listener, backlog=listen_backlog())
 
     async def serve_path(self, path: str) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
-        listener.listen(128)
+        listener.listen(listen_backlog())
         await self.serve_socket(listener)
 
     async def close(self) -> None:
@@ -177,46 +199,13 @@ class Server:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         me = asyncio.current_task()
         self._connections.add(me)
-        calls: set[asyncio.Task] = set()
         try:
-            while True:
-                try:
-                    stream_id, message_type, _flags, payload = await read_frame(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                except FrameError as exc:
-                    log.warning("ttrpc connection dropped", extra={"fields": {"error": str(exc)}})
-                    return
-                if payload is None:
-                    writer.write(frame(stream_id, TYPE_RESPONSE, error_response(
-                        RESOURCE_EXHAUSTED, f"message exceeds ttrpc's maximum of {MESSAGE_LENGTH_MAX} bytes")))
-                    continue
-                if message_type != TYPE_REQUEST:
-                    writer.write(frame(stream_id, TYPE_RESPONSE, error_response(
-                        UNIMPLEMENTED, f"ttrpc message type {message_type} is not served here (unary calls only)")))
-                    continue
-                task = asyncio.ensure_future(self._call(stream_id, payload, writer))
-                calls.add(task)
-                task.add_done_callback(calls.discard)
+            await _Connection(self, reader, writer).serve()
         finally:
-            for task in list(calls):
-                task.cancel()
-            writer.close()
             self._connections.discard(me)
 
-    async def _call(self, stream_id: int, payload: bytes, writer: asyncio.StreamWriter) -> None:
-        try:
-            response = await self._dispatch(payload)
-        except asyncio.CancelledError:
-            raise
-        if writer.is_closing():
-            return
-        try:
-            writer.write(frame(stream_id, TYPE_RESPONSE, response))
-        except TtrpcError as exc:
-            writer.write(frame(stream_id, TYPE_RESPONSE, error_response(exc.code, exc.message)))
-
-    async def _dispatch(self, payload: bytes) -> bytes:
+    async def dispatch(self, payload: bytes) -> bytes:
+        """The reply (a serialized ttrpc.Response) to one request."""
         request = ttrpc_pb2.Request()
         try:
             request.ParseFromString(payload)
@@ -248,6 +237,102 @@ class Server:
             log.exception("ttrpc handler failed", extra={"fields": {"method": request.method}})
             return error_response(INTERNAL, f"{request.method}: {exc}")
         return ttrpc_pb2.Response(payload=result.SerializeToString()).SerializeToString()
+
+
+
+class _Connection:
+    """One client's connection: its requests read while it has room, its
+    replies written one after the other, each once the peer took the last."""
+
+    def __init__(self, server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.server = server
+        self.reader, self.writer = reader, writer
+        self.calls: set[asyncio.Task] = set()
+        self.held = 0  # bytes of requests in flight and of replies not taken yet
+        self.room = asyncio.Event()
+        self.room.set()
+        self.sending = asyncio.Lock()
+        self.last_request = 0
+
+    def _hold(self, size: int) -> None:
+        self.held += size
+        self._measure()
+
+    def _measure(self) -> None:
+        if self.held < CONNECTION_BYTES_MAX and len(self.calls) < CONNECTION_CALLS_MAX:
+            self.room.set()
+        else:
+            self.room.clear()
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                # A peer that does not take its replies, or keeps too many
+                # calls going, is not read until it does.
+                await self.room.wait()
+                try:
+                    stream_id, message_type, _flags, payload = await read_frame(self.reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                except FrameError as exc:
+                    log.warning("ttrpc connection dropped", extra={"fields": {"error": str(exc)}})
+                    return
+                refusal = self._refusal(stream_id, message_type, payload)
+                if refusal is not None:
+                    await self.reply(stream_id, error_response(*refusal))
+                    continue
+                self.last_request = stream_id
+                self._start(stream_id, payload)
+        finally:
+            for task in list(self.calls):
+                task.cancel()
+            self.writer.close()
+
+    def _refusal(self, stream_id: int, message_type: int, payload: bytes | None) -> tuple[int, str] | None:
+        """The status a frame is answered with instead of being served."""
+        if stream_id % 2 == 0:
+            return INVALID_ARGUMENT, STREAM_ID_NOT_ODD
+        if payload is None:
+            return RESOURCE_EXHAUSTED, f"message exceeds ttrpc's maximum of {MESSAGE_LENGTH_MAX} bytes"
+        if message_type != TYPE_REQUEST:
+            return UNIMPLEMENTED, f"ttrpc message type {message_type} is not served here (unary calls only)"
+        if stream_id <= self.last_request:
+            return INVALID_ARGUMENT, STREAM_ID_REUSED
+        return None
+
+    def _start(self, stream_id: int, payload: bytes) -> None:
+        task = asyncio.ensure_future(self._call(stream_id, payload))
+        self.calls.add(task)
+        self._hold(len(payload))
+
+        def done(_task: asyncio.Task) -> None:
+            self.calls.discard(task)
+            self._hold(-len(payload))
+
+        task.add_done_callback(done)
+
+    async def _call(self, stream_id: int, payload: bytes) -> None:
+        response = await self.server.dispatch(payload)
+        await self.reply(stream_id, response)
+
+    async def reply(self, stream_id: int, response: bytes) -> None:
+        """Write one reply once every reply before it has left: until the
+        peer reads, the reply waits here, counted in what the connection holds."""
+        try:
+            data = frame(stream_id, TYPE_RESPONSE, response)
+        except TtrpcError as exc:
+            data = frame(stream_id, TYPE_RESPONSE, error_response(exc.code, exc.message))
+        self._hold(len(data))
+        try:
+            async with self.sending:
+                if self.writer.is_closing():
+                    return
+                self.writer.write(data)
+                await self.writer.drain()
+        except ConnectionError:
+            pass  # the peer went away; serve() ends on its next read
+        finally:
+            self._hold(-len(data))
 
 
 class Client:

@@ -77,35 +77,42 @@ def check_volume_path(volume_path: str) -> str:
     return volume_path
 
 
-def parse_mount_info(text: str) -> KataMountInfo:
-    """Validate --mount-info; every message names the key at fault."""
+def parse_mount_info(text: str, source: str = "--mount-info") -> KataMountInfo:
+    """Validate a description (--mount-info, or the file source names);
+    every message names source and the key at fault."""
     if len(text.encode()) > MAX_MOUNT_INFO_BYTES:
-        raise InvalidArgument(f"--mount-info is larger than {MAX_MOUNT_INFO_BYTES} bytes")
+        raise InvalidArgument(f"{source} is larger than {MAX_MOUNT_INFO_BYTES} bytes")
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"--mount-info is not JSON: {exc}") from None
+        raise InvalidArgument(f"{source} is not JSON: {exc}") from None
     if not isinstance(raw, dict):
-        raise InvalidArgument("--mount-info must be a JSON object")
+        raise InvalidArgument(f"{source} must be a JSON object")
     try:
         info = KataMountInfo.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise InvalidArgument(f"--mount-info: {where!r}: {first['msg']}") from None
+        raise InvalidArgument(f"{source}: {where!r}: {first['msg']}") from None
     if raw.get("encryption"):
         # The layout has no way to carry a key, and a stock Kata would mount
         # the raw LUKS device: such volumes go through the proxy's registry.
-        raise FailedPrecondition(f"--mount-info: 'encryption' {raw['encryption']!r}: an encrypted volume cannot be "
+        raise FailedPrecondition(f"{source}: 'encryption' {raw['encryption']!r}: an encrypted volume cannot be "
                                  "a Kata direct volume (no key reaches it this way); publish it through crust's "
                                  "proxy to a crust microVM handler")
     if info.volume_type != "block":
-        raise InvalidArgument(f"--mount-info: 'volume-type' {info.volume_type!r}: only \"block\" is supported")
+        raise InvalidArgument(f"{source}: 'volume-type' {info.volume_type!r}: only \"block\" is supported")
     if not info.device.startswith("/"):
-        raise InvalidArgument(f"--mount-info: 'device' {info.device!r} must be an absolute path")
+        raise InvalidArgument(f"{source}: 'device' {info.device!r} must be an absolute path")
     if not info.fstype:
-        raise InvalidArgument("--mount-info: 'fstype' must not be empty")
+        raise InvalidArgument(f"{source}: 'fstype' must not be empty")
     return info
+
+
+class DamagedEntry(FailedPrecondition):
+    """An entry is there for the volume, and is no description crust can
+    mount: a sandbox that asks for the volume is refused, naming the entry
+    and what is wrong with it, instead of starting without its volume."""
 
 
 class DirectVolumes:
@@ -201,13 +208,54 @@ class DirectVolumes:
 
     def read(self, volume_path: str) -> MountInfo | None:
         """The entry as the handler mounts it (None if absent or unreadable)."""
-        data = self._read_file(volume_path)
-        if data is None:
+        try:
+            return self.described(volume_path)
+        except DamagedEntry as exc:
+            log.warning("ignoring a direct volume's entry", extra={"fields": {"error": exc.message}})
+            return None
+
+    def described(self, volume_path: str) -> MountInfo | None:
+        """The entry as the handler mounts it; None when there is no entry
+        (nor its mountInfo.json yet), or when it is the proxy's mirror of
+        its own entry; DamagedEntry when what is there is no description:
+        the entry or its mountInfo.json a symlink, a FIFO or another kind of
+        file, larger than a description may be, not JSON, or not Kata's keys."""
+        where = self.root / entry_name(volume_path)
+
+        def damaged(what: str) -> DamagedEntry:
+            return DamagedEntry(f"the Kata direct-volume entry of {volume_path}, {what}: it is no description "
+                                "of a volume, and the volume is not given to a sandbox without one (remove the "
+                                "entry, or write it again with `direct-volume add`)")
+
+        try:
+            root_fd = self._root_fd()
+        except FileNotFoundError:
             return None
         try:
-            info = parse_mount_info(data.decode(errors="replace"))
-        except InvalidArgument:
-            return None
+            try:
+                st = os.stat(where.name, dir_fd=root_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return None
+            if stat.S_ISLNK(st.st_mode):
+                raise damaged(f"{where}, is a symbolic link, not a directory (never followed)")
+            if not stat.S_ISDIR(st.st_mode):
+                raise damaged(f"{where}, is {saferead.kind_of(st.st_mode)}, not a directory")
+            try:
+                data = self._read_entry_file(root_fd, where.name)
+            except FileNotFoundError:
+                return None  # gone, or being written (the directory comes first)
+            except saferead.Refused as exc:
+                raise damaged(f"{where / MOUNT_INFO} {exc.reason}") from None
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise damaged(f"{where}, was replaced by something that is not a directory") from None
+        finally:
+            os.close(root_fd)
+        try:
+            info = parse_mount_info(data.decode(errors="replace"), str(where / MOUNT_INFO))
+        except (InvalidArgument, FailedPrecondition) as exc:
+            raise damaged(exc.message) from None
         if PROXY_KEY in json.loads(data):
             # The proxy's mirror of one of its own entries: claimed through
             # the registry, never as a direct volume (even while the proxy
@@ -216,8 +264,14 @@ class DirectVolumes:
         return MountInfo(volume_type="block", device=info.device, fstype=info.fstype, metadata=info.metadata,
                          options=info.options, target_path=volume_path)
 
+    @staticmethod
+    def _read_entry_file(root_fd: int, name: str) -> bytes:
+        with open_dir(root_fd, name, create=False) as fd:
+            return saferead.read_bounded(MOUNT_INFO, MAX_MOUNT_INFO_BYTES, dir_fd=fd)
+
     def resolve(self, source: str) -> Resolved | None:
-        """A bundle mount source (or a parent, below a CSI volume) that is a direct volume."""
+        """A bundle mount source (or a parent, below a CSI volume) that is a
+        direct volume; DamagedEntry for one whose entry is damaged."""
         if not source.startswith("/"):
             return None
         if ".." in source.split("/"):
@@ -225,7 +279,7 @@ class DirectVolumes:
         for probe in candidates(source):
             if len(entry_name(probe).encode()) > NAME_MAX:
                 continue
-            info = self.read(probe)
+            info = self.described(probe)
             if info is not None:
                 subpath = os.path.relpath(os.path.normpath(source), probe)
                 return Resolved(info, digest(probe), "" if subpath == "." else subpath)

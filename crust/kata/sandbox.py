@@ -66,6 +66,15 @@ class KataSandbox(Sandbox):
     def identity(self) -> proc.ProcessId | None:
         return self.vm.identity or self._recorded
 
+    def recognise(self, qemu: proc.ProcessId) -> bool:
+        """That very process, running this VM's QEMU, and the pid QEMU
+        itself wrote in the VM's work directory (-pidfile)."""
+        try:
+            written = int(self.vm.pidfile.read_text().strip() or 0)
+        except (OSError, ValueError):
+            return False
+        return written == qemu.pid and self.vm.is_this_vm(qemu)
+
     def alive(self) -> bool:
         if self.vm.alive():
             return True

@@ -162,27 +162,68 @@ def log_line(flags: dict[str, str], level: str, message: str) -> None:
 
 
 def deferred_candidates(spec: dict) -> list[dict]:
-    """Bind mounts whose source lies below a kubelet CSI volume."""
+    """Bind mounts whose source lies below a kubelet CSI volume, by its text
+    or by its real path (a symbolic link on the way: the handler refuses a
+    link that leads to a deferred volume, which runc would follow)."""
     found = []
     for mount in spec.get("mounts") or []:
         options = mount.get("options") or []
         source = mount.get("source") or ""
         is_bind = mount.get("type") == "bind" or "bind" in options or "rbind" in options
-        if is_bind and source.startswith("/") and CSI_SOURCE_MARK in source:
+        if is_bind and source.startswith("/") and (CSI_SOURCE_MARK in source
+                                                   or CSI_SOURCE_MARK in os.path.realpath(source) + "/"):
             found.append(mount)
     return found
+
+
+def _json_kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "a list", str: "a string"}.get(type(value), "a number")
+
+
+def check_spec(spec, path: str) -> dict:
+    """What this runtime reads of config.json, in the shape it reads it (runc
+    checks the rest): an object; `mounts` a list of objects whose
+    destination, type and source are strings and whose options a list of
+    strings; `annotations` an object of strings. RuntimeFailure names the
+    field otherwise."""
+    if not isinstance(spec, dict):
+        raise RuntimeFailure(f"{path}: config.json must hold a JSON object (an OCI runtime spec), "
+                             f"not {_json_kind(spec)}")
+    mounts = spec.get("mounts")
+    if mounts is not None and not isinstance(mounts, list):
+        raise RuntimeFailure(f"{path}: mounts must be a list of objects, not {_json_kind(mounts)}")
+    for i, mount in enumerate(mounts or []):
+        if not isinstance(mount, dict):
+            raise RuntimeFailure(f"{path}: mounts[{i}] must be an object, not {_json_kind(mount)}")
+        for key in ("destination", "type", "source"):
+            if mount.get(key) is not None and not isinstance(mount[key], str):
+                raise RuntimeFailure(f"{path}: mounts[{i}].{key} must be a string, not {_json_kind(mount[key])}")
+        options = mount.get("options")
+        if options is not None and not (isinstance(options, list) and all(isinstance(o, str) for o in options)):
+            raise RuntimeFailure(f"{path}: mounts[{i}].options must be a list of strings")
+    annotations = spec.get("annotations")
+    if annotations is not None and not (isinstance(annotations, dict)
+                                        and all(isinstance(v, str) for v in annotations.values())):
+        raise RuntimeFailure(f"{path}: annotations must be an object of strings")
+    return spec
 
 
 def load_spec(bundle: str) -> dict:
     """config.json, or the original kept by an earlier create of this bundle."""
     for name in (ORIGINAL_CONFIG, "config.json"):
+        path = os.path.join(bundle, name)
         try:
-            with open(os.path.join(bundle, name)) as f:
-                return json.load(f)
+            with open(path) as f:
+                spec = json.load(f)
         except FileNotFoundError:
             continue
         except (OSError, ValueError) as exc:
-            raise RuntimeFailure(f"cannot read {os.path.join(bundle, name)}: {exc}") from None
+            raise RuntimeFailure(f"cannot read {path}: {exc}") from None
+        return check_spec(spec, path)
     raise RuntimeFailure(f"{bundle} has no config.json")
 
 
@@ -375,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         exec_runc(values["runc"], args)
     except RuntimeFailure as exc:
         log_line(flags, "error", str(exc))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - the shim reads runc's log, never our stderr
+        log_line(flags, "error", f"crust-oci-runtime {command}: unexpected {type(exc).__name__}: {exc}")
         return 1
     return 0
 

@@ -48,8 +48,9 @@ from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument,
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
-from crust.runtime_handler.handler import check_device, claimed_description, refuse_encrypted
-from crust.runtime_handler.resolve import CSI_DIR, Resolved, SubpathEscapes, candidates, resolve
+from crust.runtime_handler.handler import BIND_OPTIONS, check_device, claimed_description, refuse_encrypted
+from crust.runtime_handler.resolve import (CSI_DIR, Resolved, SubpathEscapes, candidates, refuse_link_to_deferred,
+                                           resolve)
 from crust.runtime_handler.sandbox import VolumeStats, Usage, volume_condition
 from crust.sys import blockdev, growfs, ownership, proc
 from crust.sys import mount as sysmount
@@ -63,7 +64,6 @@ PLACEHOLDER_SOURCE = "crust-deferred"
 # runtime's own `delete` normally comes first.
 REAP_GRACE = 5.0
 PREPARED, CREATED = "prepared", "created"
-BIND_OPTIONS = {"bind", "rbind"}
 SHARED_PROPAGATION = {"shared", "rshared"}
 # Propagation flags of the bind that mean nothing for a mounted device.
 DROPPED_OPTIONS = BIND_OPTIONS | {"private", "rprivate", "slave", "rslave", "unbindable", "runbindable"}
@@ -177,6 +177,7 @@ class ContainerVolumes:
             for mount in mounts:
                 if not (mount.type == "bind" or BIND_OPTIONS & set(mount.options)) or not mount.source.startswith("/"):
                     continue
+                refuse_link_to_deferred(mount.source, self.handler.index)
                 resolved = await self._resolve(mount.source)
                 if resolved is None:
                     continue

@@ -41,7 +41,7 @@ from crust.contract.volumes_dir import check_sandbox_id
 from crust.runtime_handler.index import VolumeIndex
 from crust.runtime_handler.oci import BundleError, load_bundle, load_requested_bundle
 from crust.runtime_handler.registration import Registration
-from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, candidates, resolve
+from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, candidates, refuse_link_to_deferred, resolve
 from crust.runtime_handler.sandbox import Sandbox
 from crust.sys import blockdev, proc
 from crust.sys import mount as sysmount
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 State = handler_pb2.GetSandboxResponse.State
 ENTRY_WAIT = 5.0  # how long a CSI mount source may take to appear in the index
+BIND_OPTIONS = {"bind", "rbind"}
 
 
 # A sandbox's work directory holds its VM's unix sockets, whose paths fit in
@@ -231,13 +232,9 @@ class RuntimeHandler:
         """After a restart: keep sandboxes whose holder process lives, clean
         up (and release) the others."""
         for key, record in self.records.load_all():
-            # The recorded holder, and no other process: a pid reused since
-            # is neither adopted nor, when the sandbox is cleaned up, signalled.
-            holder = proc.recorded(record.pid, record.pid_start, record.created_at)
-            if holder is None and record.pid:
-                log.warning("the sandbox's record has no start time for its process, and pid %d names a "
-                            "process started after the record: not the sandbox's", record.pid,
-                            extra={"fields": {"sandbox": record.sandbox_id}})
+            holder = await self._recorded_holder(key, record)
+            if holder is False:
+                continue  # set aside: nothing it names is touched
             sandbox = self.make_sandbox(record.sandbox_id, self._workdir(record.sandbox_id),
                                         self._rootfs(record), holder)
             if sandbox.alive():
@@ -253,6 +250,34 @@ class RuntimeHandler:
                 log.info("sandbox died while the handler was down", extra={"fields": {"sandbox": record.sandbox_id}})
                 self.sandboxes[record.sandbox_id] = (sandbox, record)
                 self._pending_release = getattr(self, "_pending_release", []) + [record.sandbox_id]
+
+    async def _recorded_holder(self, key: str, record: SandboxRecord) -> proc.ProcessId | None | bool:
+        """The recorded holder, when the process under its pid is the
+        sandbox's: its start time the recorded one, and the sandbox
+        recognising it (crust.runtime_handler.sandbox: its namespaces).
+        Any other process is neither adopted nor ever signalled (None: the
+        sandbox is dead). A record without a start time names its process
+        only if the sandbox recognises the one under its pid, whose start
+        time is then recorded; otherwise the record is set aside (False)."""
+        probe = self.make_sandbox(record.sandbox_id, self._workdir(record.sandbox_id), None, None)
+        if record.pid_start:
+            holder = proc.ProcessId(record.pid, record.pid_start)
+            if proc.alive(holder) and not probe.recognise(holder):
+                log.warning("the process under the sandbox's recorded pid is not its holder (not in its "
+                            "namespaces): never signalled", extra={"fields": {
+                                "sandbox": record.sandbox_id, "pid": record.pid}})
+                return None
+            return holder
+        current = proc.identify(record.pid) if record.pid > 0 else None
+        if current is not None and probe.recognise(current):
+            record.pid_start = current.start
+            await self.records.put(key, record)
+            log.info("a sandbox recorded without its holder's start time: recognised, its start time recorded",
+                     extra={"fields": {"sandbox": record.sandbox_id, "pid": record.pid}})
+            return current
+        self.records.set_aside(key, f"it names pid {record.pid} without a start time, and the process under "
+                                    "that pid is not the sandbox's holder; no process of it is ever signalled")
+        return False
 
     async def reclaim(self) -> None:
         """Called after every (re-)registration: re-assert the claims of live
@@ -318,6 +343,8 @@ class RuntimeHandler:
             plan: dict[str, tuple[MountInfo, list[VolumeView], bool]] = {}
             others = []
             for m in spec.mounts:
+                if m.type == "bind" or BIND_OPTIONS & set(m.options):
+                    refuse_link_to_deferred(m.source, self.index)
                 try:
                     resolved, direct = self._resolve(m.source)
                     if resolved is None and CSI_DIR in m.source.split("/"):
@@ -345,7 +372,7 @@ class RuntimeHandler:
                 for key, (info, views, direct) in plan.items():
                     await self._mount_volume(sandbox, record, key, info, views, direct)
                 for m in others:
-                    if m.type == "bind" or "bind" in m.options or "rbind" in m.options:
+                    if m.type == "bind" or BIND_OPTIONS & set(m.options):
                         await sandbox.bind(m.source, m.destination, readonly="ro" in m.options)
                 record.process_pid = await sandbox.run_process(
                     spec.process.args, spec.process.env, spec.process.cwd, self._workdir(sandbox_id) / "process.log")

@@ -12,8 +12,9 @@ import os
 from dataclasses import dataclass
 
 from crust.common.errors import FailedPrecondition
-from crust.contract.mountinfo import MountInfo, digest
+from crust.contract.mountinfo import PLACEHOLDER_SOURCE, MountInfo, digest
 from crust.runtime_handler.index import VolumeIndex
+from crust.sys import mount as sysmount
 
 CSI_DIR = "kubernetes.io~csi"
 
@@ -67,3 +68,40 @@ def resolve(source: str, index: VolumeIndex) -> Resolved | None:
             subpath = os.path.relpath(os.path.normpath(source), probe)
             return Resolved(info, name, "" if subpath == "." else subpath)
     return None
+
+
+def placeholder_at(path: str) -> str | None:
+    """Where the shim's placeholder is mounted, when path lies on it."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        entry = sysmount.entry_of(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if entry is not None and entry.fs_type == "tmpfs" and entry.source == PLACEHOLDER_SOURCE:
+        return entry.mount_point
+    return None
+
+
+def refuse_link_to_deferred(source: str, index: VolumeIndex) -> None:
+    """A deferred volume is reached only by the path it was published at.
+    A bind source whose way crosses a symbolic link and ends in a deferred
+    volume (an entry names its real path or a parent, or the shim's
+    placeholder is what it lands on) is refused: the bind would follow the
+    link and hand another pod's volume, or its empty placeholder, to this
+    one (FailedPrecondition naming both paths)."""
+    if not source.startswith("/"):
+        return
+    real = os.path.realpath(source)
+    if real == os.path.normpath(source):
+        return  # no link on the way: resolved by its text
+    volume = next((probe for probe in candidates(real) if index.get(digest(probe)) is not None), None)
+    volume = volume or placeholder_at(real)
+    if volume is not None:
+        raise FailedPrecondition(
+            f"mount source {source} leads through a symbolic link to {real}, the deferred volume {volume}: a "
+            "deferred volume is mounted only from the path it was published at, and its placeholder is never bound")

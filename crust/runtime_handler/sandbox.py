@@ -56,6 +56,12 @@ class Sandbox(abc.ABC):
         this very process, never whatever reuses its pid."""
         return proc.identify(self.pid)
 
+    def recognise(self, process: proc.ProcessId) -> bool:
+        """Whether that process, named in the sandbox's record, is the
+        sandbox's own by what the kernel says of it now (not only by its
+        pid and start time, which a record can copy from any process)."""
+        return proc.alive(process)
+
     @abc.abstractmethod
     async def start(self) -> None: ...
 
@@ -169,6 +175,13 @@ class MountNamespaceSandbox(Sandbox):
         if self._holder is not None:
             return proc.identify(self._holder.pid)  # our child, not reaped: its pid is its own
         return self._recorded_holder
+
+    def recognise(self, process: proc.ProcessId) -> bool:
+        """The holder lives in the sandbox's named network namespace and in
+        a mount namespace of its own: a `sleep infinity` elsewhere, with the
+        same command line, is not it."""
+        return (proc.alive(process) and netns.is_in(self.netns, process.pid)
+                and _mount_namespace(process.pid) not in (None, _mount_namespace(os.getpid())))
 
     def root_view(self, path: str) -> str:
         """A sandbox path as reachable from the host, through the namespace."""

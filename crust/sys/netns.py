@@ -23,6 +23,7 @@ handlers never collide.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from pathlib import Path
 
@@ -80,6 +81,18 @@ def _inside(name: str, work):
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+def is_in(name: str, pid: int) -> bool:
+    """Whether process pid is in the named namespace (the same namespace
+    inode as the name's bind mount): what the kernel says of the process,
+    which no record can say for it."""
+    try:
+        named = os.stat(os.path.join(netns.NETNS_RUN_DIR, name))
+        its = os.stat(f"/proc/{pid}/ns/net")
+    except OSError:
+        return False
+    return (named.st_dev, named.st_ino) == (its.st_dev, its.st_ino)
 
 
 def remove(name: str) -> None:
