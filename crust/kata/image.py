@@ -104,6 +104,9 @@ HOST_TOOLS = {
     # working directory (--root, --wd, --setuid, --setgid; busybox's lacks them).
     "util-linux": ("blkid", "unshare"),
     "cryptsetup-bin": ("cryptsetup",),
+    # The kernel's own table of an opened volume (cryptsetup status reads
+    # the disk's header, which the disk's owner writes).
+    "dmsetup": ("dmsetup",),
     # luksopen checks a LUKS2 header's metadata (JSON) against crust's shape.
     "jq": ("jq",),
 }

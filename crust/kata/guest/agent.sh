@@ -497,18 +497,25 @@ luks_header_copy() {  # device copy integrity: copy the header into guest memory
   [ -z "$wrong" ] || fail "the LUKS2 header of $1 is not one crust makes, refusing to open it: $wrong"
 }
 
-luks_opened_as_made() {  # name integrity: the mapping the kernel holds is the cipher crust makes
-  status=$(cryptsetup status "$1" 2>&1) || return 1
-  printf '%s\n' "$status" | grep -q '^ *cipher: *aes-xts-plain64$' || return 1
-  if [ "$2" = hmac-sha256 ]; then
-    # 512 bits of AES-XTS and 256 of HMAC-SHA256
-    printf '%s\n' "$status" | grep -q '^ *keysize: *768 bits$' || return 1
-    printf '%s\n' "$status" | grep -q '^ *integrity: *hmac(sha256)$' || return 1
-  else
-    printf '%s\n' "$status" | grep -q '^ *keysize: *512 bits$' || return 1
-    ! printf '%s\n' "$status" | grep -q '^ *integrity:' || return 1
+luks_opened_as_made() {  # name integrity disk: the kernel's table of the mapping is the one crust makes
+  # Read from the kernel (dmsetup), never from cryptsetup status, which
+  # describes the header on the disk: the disk's owner writes that.
+  name=$1 integrity=$2 disk=$(cat "/sys/block/$3/dev") || return 1
+  table=$(dmsetup table "$name" 2>/dev/null) || return 1
+  set -- $table
+  # start length crypt cipher key(hex, hidden) iv_offset device offset [n options...]
+  [ "$1" = 0 ] && [ "$3" = crypt ] && [ "$6" = 0 ] || return 1
+  if [ -z "$integrity" ]; then
+    [ $# -eq 8 ] && [ "$4" = aes-xts-plain64 ] && [ ${#5} -eq 128 ] && [ "$7" = "$disk" ] && [ "$8" = 32768 ]
+    return
   fi
-  return 0
+  [ $# -eq 11 ] && [ "$4" = 'capi:authenc(hmac(sha256),xts(aes))-plain64' ] && [ ${#5} -eq 192 ] &&
+    [ "$8" = 0 ] && [ "$9" = 2 ] && [ "${10}" = integrity:32:aead ] && [ "${11}" = sector_size:4096 ] || return 1
+  below=$7
+  [ "$(dmsetup info -c --noheadings -o major,minor "${name}_dif" 2>/dev/null | tr -d ' ')" = "$below" ] || return 1
+  set -- $(dmsetup table "${name}_dif" 2>/dev/null)
+  # start length integrity device offset tag_size mode ...
+  [ "$3" = integrity ] && [ "$4" = "$disk" ] && [ "$5" = 32768 ] && [ "$6" = 32 ] && [ "$7" = J ]
 }
 
 cmd_luksopen() {  # serial fstype name key-b64 [integrity]: open crust's LUKS2 volume; a blank device is
@@ -555,7 +562,7 @@ cmd_luksopen() {  # serial fstype name key-b64 [integrity]: open crust's LUKS2 v
     [ $rc -eq 2 ] && fail "wrong passphrase: no key slot of the LUKS2 header on $dev opens with the pod's secret"
     fail "cannot open the LUKS2 volume on $dev: $(tail -n 1 "$RUN/luks.err")"
   fi
-  if ! luks_opened_as_made "$dm" "$integrity"; then
+  if ! luks_opened_as_made "$dm" "$integrity" "$dev"; then
     cryptsetup close "$dm"
     rm -f "$header"
     fail "the mapping of $dev is not the cipher crust makes: closed again"
