@@ -215,7 +215,7 @@ def remove_all_one_filesystem(path: Path) -> None:
     if not os.path.lexists(path):
         return
     top = os.path.normpath(path)
-    mounted = sorted(m.mount_point for m in sysmount.mounts(containing=top)
+    mounted = sorted(m.mount_point for m in sysmount.mounts()
                      if m.mount_point == top or m.mount_point.startswith(top + "/"))
     if mounted:
         raise VolumeError(f"cannot delete directory {mounted[0]}: it is a mount point")
