@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from crust.kubelet.atomic_writer import AtomicWriter, FileProjection
+from crust.kubelet.volumes import DEFAULT_MODE
 from crust.sys import mount as sysmount
 
 PROPAGATION = {None: "rprivate", "None": "rprivate", "HostToContainer": "rslave", "Bidirectional": "rshared"}
@@ -95,18 +96,13 @@ def _is_shared(path: Path) -> bool:
 
 
 def config_map_volume(name: str, config_map: dict, ctx: PodContext) -> Path:
-    """Kubelet's layout for a configMap volume: the files live in a
-    timestamped directory, ..data points to it, each key is a symlink
-    through ..data."""
+    """Kubelet's layout for a configMap volume, written by its atomic
+    writer (crust.kubelet.atomic_writer): the files in a timestamped
+    directory, ..data pointing to it, each key a symlink through ..data."""
     directory = ctx.workdir / "volumes" / "kubernetes.io~configmap" / name
-    stamp = time.strftime("..%Y_%m_%d_%H_%M_%S.") + str(time.monotonic_ns() % 1000000000)
-    (directory / stamp).mkdir(parents=True)
-    for key, value in config_map.get("data", {}).items():
-        (directory / stamp / key).write_text(value)
-        (directory / stamp / key).chmod(0o644)
-    (directory / "..data").symlink_to(stamp)
-    for key in config_map.get("data", {}):
-        (directory / key).symlink_to(f"..data/{key}")
+    directory.mkdir(parents=True, exist_ok=True)
+    AtomicWriter(directory).write({key: FileProjection(value.encode(), DEFAULT_MODE)
+                                   for key, value in config_map.get("data", {}).items()})
     return directory
 
 

@@ -2,14 +2,23 @@
 demo and the tests, and the container runtime it talks to:
 
 - crust.kubelet.csi: plugin registration and the volume manager's CSI calls;
-- crust.kubelet.cri: the runtime manager's CRI calls (pods and containers);
+- crust.kubelet.volumes: the volume manager for the volumes a pod brings
+  along (emptyDir, configMap, secret, projected, downwardAPI, hostPath) and
+  subPath binds, with crust.kubelet.atomic_writer;
+- crust.kubelet.cri: the runtime manager's CRI calls (pods, init containers
+  and sidecars, containers);
 - crust.kubelet.pod: what kubelet knows of a pod, its containers and volumes;
 - crust.kubelet.containerd, crust.kubelet.image: a private containerd and the
   tiny image its pods run.
 """
 
 from crust.kubelet.csi import Kubelet, RegistrationRefused, highest_supported_version, is_mount_point
-from crust.kubelet.pod import Container, PersistentVolume, Pod, VolumeMount
+from crust.kubelet.pod import (ConfigMap, Container, DownwardAPI, DownwardAPIFile, EmptyDir, HostPath, KeyToPath,
+                               PersistentVolume, Pod, Projected, Secret, ServiceAccountToken, VolumeMount,
+                               service_account_volume)
+from crust.kubelet.volumes import VolumeError, VolumeManager
 
-__all__ = ["Container", "Kubelet", "PersistentVolume", "Pod", "RegistrationRefused", "VolumeMount",
-           "highest_supported_version", "is_mount_point"]
+__all__ = ["ConfigMap", "Container", "DownwardAPI", "DownwardAPIFile", "EmptyDir", "HostPath", "KeyToPath",
+           "Kubelet", "PersistentVolume", "Pod", "Projected", "RegistrationRefused", "Secret",
+           "ServiceAccountToken", "VolumeError", "VolumeManager", "VolumeMount", "highest_supported_version",
+           "is_mount_point", "service_account_volume"]

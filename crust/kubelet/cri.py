@@ -10,15 +10,27 @@ source:
   NetworkReady only host-network pods run, as kubelet's syncPod refuses the
   others with "network is not ready");
 - SyncPod (kuberuntime_manager.go), for a pod whose volumes the volume
-  manager has set up (crust.kubelet.csi): compute the actions from the pod's
+  managers have set up (crust.kubelet.csi for CSI volumes,
+  crust.kubelet.volumes for the others): computePodActions from the pod's
   status (ListPodSandbox and PodSandboxStatus, ListContainers and
   ContainerStatus, by the pod-uid label); kill the pod when its sandbox must
-  be made again; RunPodSandbox with generatePodSandboxConfig's config and the
+  be made again (its init containers removed, so they run again), or when
+  an init container failed and the restart policy is Never (the pod has
+  failed); RunPodSandbox with generatePodSandboxConfig's config and the
   RuntimeClass's handler, after making the pod's log directory;
-  PodSandboxStatus; generatePodSandboxConfig again; then for each container
-  startContainer: EnsureImageExists (ImageStatus; PullImage only when the
-  pull policy asks), the restart count, generateContainerConfig, then
-  CreateContainer and StartContainer;
+  PodSandboxStatus; generatePodSandboxConfig again; then the init
+  containers to start, then the containers, each through startContainer:
+  EnsureImageExists (ImageStatus; PullImage only when the pull policy
+  asks), the restart count, generateContainerConfig, then CreateContainer
+  and StartContainer;
+- init containers (computeInitContainerActions, with sidecars): a new
+  sandbox starts only the first; later syncs (kubelet's PLEG sees a
+  container change, here: the pod worker polls) start the next once the
+  one before exited 0, or, for a sidecar (restartPolicy Always), once it
+  runs; the containers start in the sync that finds every init container
+  done (sidecars running). A failed init container runs again unless the
+  restart policy is Never; an exited sidecar is restarted. The pod worker
+  (run_pod) syncs until the containers have started;
 - generatePodSandboxConfig (kuberuntime_sandbox.go, _linux.go): metadata
   with the attempt, the pod's labels plus kubelet's pod labels, its
   annotations, the DNS config (a host-network pod gets the node's
@@ -47,9 +59,17 @@ source:
   the first supplemental group, no_new_privs from allowPrivilegeEscalation,
   the default masked and read-only /proc paths, seccomp unconfined without
   a profile);
+- makeMounts for the other volumes: the volume's directory (a hostPath's
+  own path), read-only for configMap, secret, projected and downwardAPI
+  volumes whatever the mount says, a subPath as its bind under
+  pods/<uid>/volume-subpaths (crust.kubelet.volumes); a subPath of a CSI
+  volume is refused (kubelet binds it from the host's mount, which a
+  deferred volume never has);
 - killPod (killPodWithSyncResult): StopContainer for every running
   container, concurrently, with the pod's termination grace period (at
-  least 2 s), then StopPodSandbox for every sandbox of the pod;
+  least 2 s); sidecars last, in reverse order, each once the containers
+  and the sidecars after it stopped, with what is left of the grace period
+  (at least 2 s); then StopPodSandbox for every sandbox of the pod;
 - garbage collection of a deleted pod: the container's log file, then
   RemoveContainer for each container, then RemovePodSandbox, then the pod's
   cgroup (the pod container manager's cleanup);
@@ -80,7 +100,8 @@ from crust.api import cri_pb2 as cri
 from crust.api import cri_pb2_grpc
 from crust.common.channel import local_channel
 from crust.kubelet.csi import Kubelet
-from crust.kubelet.pod import Container, Pod
+from crust.kubelet.pod import Container, PersistentVolume, Pod
+from crust.kubelet.volumes import VolumeError, VolumeManager
 
 # Kubelet's --runtime-request-timeout (2 min) bounds every CRI call.
 RUNTIME_REQUEST_TIMEOUT = 120.0
@@ -90,6 +111,9 @@ SYNC_BACKOFF = 10.0
 # (the kubelet's crash-loop back-off).
 CRASH_BACKOFF = 10.0
 CRASH_BACKOFF_MAX = 300.0
+# How often the pod worker looks at a pod whose init containers run
+# (kubelet's PLEG relists every second; a test need not wait that long).
+RELIST_PERIOD = 0.05
 # killContainer never gives less than 2 s (minimumGracePeriodInSeconds).
 MINIMUM_GRACE_PERIOD = 2
 # qos: a BestEffort container's OOM score adjustment.
@@ -142,6 +166,33 @@ class PodStatus:
 
     def ready_sandbox(self) -> cri.PodSandboxStatus | None:
         return self.sandboxes[0] if self.sandboxes and self.sandboxes[0].state == cri.SANDBOX_READY else None
+
+
+class PodFailed(SyncError):
+    """An init container failed and the pod's restart policy is Never: the
+    pod is over (phase Failed); kubelet killed it and syncs it no more."""
+
+    def __init__(self, container: str, exit_code: int):
+        self.container, self.exit_code = container, exit_code
+        super().__init__("InitContainer", f'init container "{container}" exited with {exit_code}: the pod failed '
+                         "(restartPolicy Never)")
+
+
+@dataclass
+class PodActions:
+    """computePodActions' answer: what one SyncPod does."""
+
+    create_sandbox: bool = False
+    sandbox_id: str = ""
+    attempt: int = 0
+    kill_pod: bool = False
+    # The init container whose failure ends the pod (restartPolicy Never).
+    failed: cri.ContainerStatus | None = None
+    containers_to_kill: list[cri.ContainerStatus] = field(default_factory=list)
+    init_to_start: list[Container] = field(default_factory=list)
+    containers_to_start: list[Container] = field(default_factory=list)
+    # Every init container done (sidecars running): the containers may run.
+    initialized: bool = False
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -197,13 +248,16 @@ class KubeletRuntime:
     """Kubelet's runtime manager against one CRI endpoint.
 
     `kubelet` (crust.kubelet.csi.Kubelet) owns the node's root directory:
-    pod directories and the volumes' target paths come from it."""
+    pod directories and the CSI volumes' target paths come from it, the
+    other volumes' paths from `volumes` (made on the same root unless given)."""
 
     def __init__(self, kubelet: Kubelet, endpoint: str, *, runtime_classes: dict[str, str] | None = None,
                  cgroup_root: str = "/", pod_logs_dir: Path | None = None,
                  resolv_conf: Path = Path("/etc/resolv.conf"), sync_backoff: float = SYNC_BACKOFF,
-                 crash_backoff: float = CRASH_BACKOFF, retry_seconds: float = 60.0):
+                 crash_backoff: float = CRASH_BACKOFF, retry_seconds: float = 60.0,
+                 volumes: VolumeManager | None = None):
         self.kubelet = kubelet
+        self.volumes = volumes or VolumeManager(kubelet.root)
         self.endpoint = endpoint
         # RuntimeClass name -> its handler, as kubelet's runtimeClassManager reads them.
         self.runtime_classes = dict(runtime_classes or {})
@@ -324,20 +378,28 @@ class KubeletRuntime:
 
     def make_mounts(self, pod: Pod, container: Container) -> list[cri.Mount]:
         mounts = []
-        for volume_mount in container.volume_mounts:
-            pv = pod.volumes.get(volume_mount.name)
-            if pv is None:
+        for index, volume_mount in enumerate(container.volume_mounts):
+            source = pod.volumes.get(volume_mount.name)
+            if source is None:
                 raise SyncError("GenerateContainerConfig", f'cannot find volume "{volume_mount.name}" to mount '
                                 f'into container "{container.name}"')
-            if volume_mount.sub_path:
-                raise SyncError("GenerateContainerConfig", "subPath is not replayed (kubelet binds it from the "
-                                "volume on the host, which a deferred volume never is)")
+            if isinstance(source, PersistentVolume) and volume_mount.sub_path:
+                raise SyncError("GenerateContainerConfig", "subPath of a CSI volume is not replayed (kubelet "
+                                "binds it from the volume on the host, which a deferred volume never is)")
             if volume_mount.mount_propagation not in PROPAGATION:
                 raise SyncError("GenerateContainerConfig",
                                 f"invalid MountPropagation mode: {volume_mount.mount_propagation!r}")
+            if isinstance(source, PersistentVolume):
+                host_path, must_be_read_only = self.kubelet.target_path(pod, source), source.read_only
+            else:
+                try:
+                    host_path = self.volumes.mount_source(pod, container, index, volume_mount)
+                except VolumeError as exc:
+                    raise SyncError("GenerateContainerConfig", str(exc)) from exc
+                must_be_read_only = self.volumes.read_only(source)
             mounts.append(cri.Mount(
-                container_path=volume_mount.mount_path, host_path=str(self.kubelet.target_path(pod, pv)),
-                readonly=volume_mount.read_only or pv.read_only, selinux_relabel=False,
+                container_path=volume_mount.mount_path, host_path=str(host_path),
+                readonly=volume_mount.read_only or must_be_read_only, selinux_relabel=False,
                 propagation=PROPAGATION[volume_mount.mount_propagation]))
         if not any(m.mount_path == "/etc/hosts" for m in container.volume_mounts):
             mounts.append(cri.Mount(container_path="/etc/hosts", host_path=str(self._hosts_file(pod))))
@@ -467,26 +529,119 @@ class KubeletRuntime:
             return status.exit_code != 0
         return True
 
+    @staticmethod
+    def _regular_container_created(pod: Pod, status: PodStatus) -> bool:
+        """hasAnyRegularContainerCreated: the pod went past its init containers."""
+        return any((s := status.latest(c.name)) is not None and s.state in (
+            cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING, cri.CONTAINER_EXITED) for c in pod.containers)
+
+    def compute_pod_actions(self, pod: Pod, status: PodStatus) -> PodActions:
+        """computePodActions (probes, resizing and changed specs aside)."""
+        sandbox = status.ready_sandbox()
+        if sandbox is None:
+            actions = PodActions(create_sandbox=True, kill_pod=bool(status.sandboxes),
+                                 attempt=status.sandboxes[0].metadata.attempt + 1 if status.sandboxes else 0)
+            if pod.restart_policy == "Never" and actions.attempt != 0 and status.containers:
+                # Its containers ran and none may run again: no new sandbox.
+                actions.create_sandbox = False
+                return actions
+            to_start = [c for c in pod.containers if not (
+                pod.restart_policy == "OnFailure" and (s := status.latest(c.name)) is not None
+                and s.state == cri.CONTAINER_EXITED and s.exit_code == 0)]
+            if self._regular_container_created(pod, status) and not to_start:
+                actions.create_sandbox = False
+                return actions
+            # A new sandbox starts from the beginning: the first init container.
+            if pod.init_containers:
+                actions.init_to_start = [pod.init_containers[0]]
+            else:
+                actions.containers_to_start, actions.initialized = to_start, True
+            return actions
+        actions = PodActions(sandbox_id=sandbox.id, attempt=sandbox.metadata.attempt)
+        actions.initialized = self._init_container_actions(pod, status, actions)
+        if actions.kill_pod or not actions.initialized:
+            return actions
+        actions.containers_to_start = [c for c in pod.containers if (s := status.latest(c.name)) is None
+                                       or (s.state != cri.CONTAINER_RUNNING and self._should_start(pod, s))]
+        return actions
+
+    @staticmethod
+    def _init_container_actions(pod: Pod, status: PodStatus, actions: PodActions) -> bool:
+        """computeInitContainerActions (with sidecars); True once the pod is
+        initialized. Walks the init containers from the last, as kubelet
+        does: the newest one with a status tells how far the pod got (older
+        ones may have been removed)."""
+        inits = pod.init_containers
+        if not inits:
+            return True
+        initialized = any((s := status.latest(c.name)) is not None
+                          and s.state in (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING) for c in pod.containers)
+        previously_initialized = initialized
+        restart_on_failure = pod.restart_policy != "Never"
+        to_start: list[int] = []
+        last = len(inits) - 1
+        for index in range(last, -1, -1):
+            container = inits[index]
+            current = status.latest(container.name)
+            if current is None:
+                if previously_initialized and container.is_sidecar:
+                    to_start.append(index)  # a sidecar whose container went: start it again
+                continue
+            if previously_initialized and not container.is_sidecar:
+                continue  # done long ago; only sidecars are kept running
+            if current.state == cri.CONTAINER_CREATED:
+                to_start.append(index)  # created but never started: start it
+            elif current.state == cri.CONTAINER_RUNNING:
+                if container.is_sidecar:
+                    if index == last:
+                        initialized = True
+                    elif not previously_initialized:
+                        to_start.append(index + 1)  # started: the next one may start
+                # a running init container: wait for it to end
+            elif current.state == cri.CONTAINER_EXITED:
+                if container.is_sidecar:
+                    to_start.append(index)
+                elif current.exit_code != 0:
+                    if not restart_on_failure:
+                        actions.kill_pod, actions.failed = True, current
+                        return False
+                    to_start.append(index)
+                elif index == last:
+                    initialized = True
+                else:
+                    to_start.append(index + 1)
+            else:  # unknown: stop it, then start it again (unless the pod may not restart it)
+                if not container.is_sidecar and not restart_on_failure:
+                    actions.kill_pod, actions.failed = True, current
+                    return False
+                actions.containers_to_kill.append(current)
+                to_start.append(index)
+            previously_initialized = True
+        if not previously_initialized:
+            to_start.append(0)
+        actions.init_to_start = [inits[i] for i in reversed(to_start)]
+        return initialized
+
     def sync_pod(self, pod: Pod) -> str:
         """One SyncPod; returns the pod's sandbox id. Raises SyncError on the
-        first failed step, as kubelet ends a sync."""
+        first failed step, as kubelet ends a sync, and PodFailed when an init
+        container failed under restart policy Never (the pod is over)."""
         if not pod.host_network and not self.network_ready:
             raise SyncError("SyncPod", "network is not ready: the runtime reports NetworkReady false")
         status = self.pod_status(pod)
-        sandbox = status.ready_sandbox()
-        create_sandbox = sandbox is None
-        attempt = status.sandboxes[0].metadata.attempt + 1 if status.sandboxes else 0
-        if create_sandbox:
-            to_start = list(pod.containers)
-            if status.sandboxes:
-                # The sandbox changed: kill the pod before making a new one.
-                self.kill_pod(pod, status)
-        else:
-            to_start = [c for c in pod.containers if (s := status.latest(c.name)) is None
-                        or (s.state != cri.CONTAINER_RUNNING and self._should_start(pod, s))]
-        if create_sandbox:
+        actions = self.compute_pod_actions(pod, status)
+        if actions.kill_pod:
+            self.kill_pod(pod, status)
+            if actions.create_sandbox:
+                self._purge_init_containers(pod, status)
+        if actions.failed is not None:
+            raise PodFailed(actions.failed.metadata.name, actions.failed.exit_code)
+        grace = max(pod.termination_grace_period_seconds, MINIMUM_GRACE_PERIOD)
+        for stale in actions.containers_to_kill:
+            self._stop_container(stale.id, grace)
+        if actions.create_sandbox:
             handler = self.handler_of(pod)
-            config = self.sandbox_config(pod, attempt)
+            config = self.sandbox_config(pod, actions.attempt)
             Path(config.log_directory).mkdir(parents=True, exist_ok=True, mode=0o755)
             try:
                 sandbox_id = self._call("RunPodSandbox", cri.RunPodSandboxRequest(
@@ -494,12 +649,38 @@ class KubeletRuntime:
                 self._call("PodSandboxStatus", cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id))
             except grpc.RpcError as exc:
                 raise SyncError("RunPodSandbox", exc.details() or "", exc.code()) from None
+        elif actions.sandbox_id:
+            sandbox_id = actions.sandbox_id
         else:
-            sandbox_id = sandbox.id
-        config = self.sandbox_config(pod, attempt if create_sandbox else sandbox.metadata.attempt)
-        for container in to_start:
+            return status.sandboxes[0].id if status.sandboxes else ""
+        config = self.sandbox_config(pod, actions.attempt)
+        failed_sidecar: SyncError | None = None
+        for container in actions.init_to_start:
+            try:
+                self.start_container(sandbox_id, config, pod, container, status)
+            except SyncError as exc:
+                if not container.is_sidecar:
+                    raise  # the pod cannot go on without it
+                failed_sidecar = failed_sidecar or exc  # the others still start
+        for container in actions.containers_to_start:
             self.start_container(sandbox_id, config, pod, container, status)
+        if failed_sidecar is not None:
+            raise failed_sidecar
         return sandbox_id
+
+    def _purge_init_containers(self, pod: Pod, status: PodStatus) -> None:
+        """purgeInitContainers: before a new sandbox, the pod's init
+        containers are removed, so that they all run again."""
+        names = {c.name for c in pod.init_containers}
+        for container in status.containers:
+            if container.metadata.name in names:
+                if container.log_path:
+                    Path(container.log_path).unlink(missing_ok=True)
+                try:
+                    self._call("RemoveContainer", cri.RemoveContainerRequest(container_id=container.id))
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.NOT_FOUND:
+                        raise SyncError("RemoveContainer", exc.details() or "", exc.code()) from None
 
     def _back_off(self, pod: Pod, container: Container, previous: cri.ContainerStatus | None) -> None:
         """doBackOff: an exited container is started again only once its
@@ -539,30 +720,64 @@ class KubeletRuntime:
                   if (m := re.match(r"^(\d+)\.log", p.name))]
         return max(counts, default=0)
 
-    def run_pod(self, pod: Pod, sleep: Callable[[float], None] = time.sleep) -> str:
+    def run_pod(self, pod: Pod, sleep: Callable[[float], None] = time.sleep, init_timeout: float = 300.0) -> str:
         """The pod worker: SyncPod until it succeeds, waiting the worker's
-        backoff between tries, at most retry_seconds; the last error otherwise."""
+        backoff between tries, at most retry_seconds; the last error
+        otherwise. While the pod's init containers run, it syncs again
+        whenever the pod's containers change (kubelet's PLEG relists once a
+        second; here every 50 ms), until its containers have started or
+        init_timeout passes (SyncError "PodInitializing")."""
         deadline = time.monotonic() + self.retry_seconds
+        init_deadline = time.monotonic() + init_timeout
         while True:
             try:
-                return self.sync_pod(pod)
+                sandbox_id = self.sync_pod(pod)
+            except PodFailed:
+                raise
             except SyncError:
                 if time.monotonic() + self.sync_backoff > deadline:
                     raise
                 sleep(self.sync_backoff)
+                continue
+            if not pod.init_containers:
+                return sandbox_id
+            while True:
+                status = self.pod_status(pod)
+                if self._regular_container_created(pod, status) or not sandbox_id:
+                    return sandbox_id
+                actions = self.compute_pod_actions(pod, status)
+                if actions.kill_pod or actions.init_to_start or actions.containers_to_start \
+                        or actions.create_sandbox:
+                    break  # something changed: sync again
+                if time.monotonic() > init_deadline:
+                    raise SyncError("PodInitializing", f"pod {pod.name} not initialized within {init_timeout:g} s")
+                sleep(RELIST_PERIOD)
 
     # -- stopping and removing ---------------------------------------------------------------------
 
     def kill_pod(self, pod: Pod, status: PodStatus | None = None) -> None:
         """killPodWithSyncResult: stop every running container (concurrently,
-        each with the grace period), then every sandbox of the pod."""
+        each with the grace period), sidecars last in reverse order (the
+        termination ordering: each waits for the containers and for the
+        sidecars after it, and gets what is left of the grace period), then
+        every sandbox of the pod."""
         status = status or self.pod_status(pod)
         running = [c for c in status.containers if c.state in (cri.CONTAINER_RUNNING, cri.CONTAINER_UNKNOWN)]
+        sidecars = [c.name for c in pod.init_containers if c.is_sidecar]
         grace = max(pod.termination_grace_period_seconds, MINIMUM_GRACE_PERIOD)
+        started = time.monotonic()
         errors = []
-        with ThreadPoolExecutor(max_workers=max(1, len(running))) as pool:
-            for future in [pool.submit(self._stop_container, c.id, grace) for c in running]:
+        first = [c for c in running if c.metadata.name not in sidecars]
+        with ThreadPoolExecutor(max_workers=max(1, len(first))) as pool:
+            for future in [pool.submit(self._stop_container, c.id, grace) for c in first]:
                 error = future.result()
+                if error:
+                    errors.append(error)
+        for name in reversed(sidecars):
+            for container in [c for c in running if c.metadata.name == name]:
+                # The grace period counts in whole seconds, what was waited cut down.
+                left = max(grace - int(time.monotonic() - started), MINIMUM_GRACE_PERIOD)
+                error = self._stop_container(container.id, left)
                 if error:
                     errors.append(error)
         for sandbox in status.sandboxes:
