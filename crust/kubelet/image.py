@@ -168,7 +168,7 @@ def layer_tar(busybox: Path, passwd: str = PASSWD, group: str = GROUP, hard_link
     return layer_of(files)
 
 
-def _architecture() -> str:
+def architecture() -> str:
     machine = platform.machine()
     return {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine)
 
@@ -215,7 +215,7 @@ def assemble(layers: list[bytes], config: dict, created_by: str) -> OciImage:
 
     described = [blob(layer) for layer in layers]
     image_config = {
-        "architecture": _architecture(), "os": "linux", "config": config,
+        "architecture": architecture(), "os": "linux", "config": config,
         "rootfs": {"type": "layers", "diff_ids": [digest for digest, _ in described]},
         "history": [{"created_by": created_by}],
     }
