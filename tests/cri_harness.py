@@ -27,14 +27,16 @@ from crust.sys import mount as sysmount
 @contextlib.contextmanager
 def private_containerd(runtimes: dict[str, str] | None = None, env: dict[str, str] | None = None,
                        shim_runtimes: dict[str, str] | None = None, shim_options: dict[str, dict] | None = None,
-                       ) -> Iterator[tuple[Containerd, images.Image]]:
-    """A started containerd with the busybox image (also its pause image);
-    closed and checked clean afterwards, whatever the test did."""
+                       mirrors: dict[str, str] | None = None, pod_network: bool = False,
+                       sandbox_image: str = "") -> Iterator[tuple[Containerd, images.Image]]:
+    """A started containerd with the busybox image (also its pause image,
+    unless another is named); closed and checked clean afterwards, whatever
+    the test did."""
     directory = Path(tempfile.mkdtemp(prefix="crust-cri-"))
     image = images.build(directory / "images")
-    containerd = Containerd(directory / "containerd", sandbox_image=image.name,
+    containerd = Containerd(directory / "containerd", sandbox_image=sandbox_image or image.name,
                             runtimes=runtimes or {"runc": ""}, env=env or {}, shim_runtimes=shim_runtimes or {},
-                            shim_options=shim_options or {})
+                            shim_options=shim_options or {}, mirrors=mirrors or {}, pod_network=pod_network)
     try:
         containerd.start()
         containerd.import_image(image)
@@ -90,7 +92,8 @@ def shim_pids(containerd: Containerd) -> list[int]:
 
 def leftovers_of(containerd: Containerd) -> list[str]:
     """What a closed containerd left: its directory, processes naming it,
-    mounts below it, cgroups below its cgroup root, its shim sockets."""
+    mounts below it, cgroups below its cgroup root, its shim sockets, its
+    pod network's bridge."""
     found = []
     if containerd.directory.exists():
         found.append(f"directory {containerd.directory}")
@@ -99,6 +102,8 @@ def leftovers_of(containerd: Containerd) -> list[str]:
     found += [m.mount_point for m in sysmount.mounts() if (m.mount_point + "/").startswith(prefix)]
     name = containerd.cgroup_root.strip("/")
     found += [str(h / name) for h in CGROUP_FS.iterdir() if (h / name).exists()] if CGROUP_FS.is_dir() else []
+    if containerd.network is not None and Path(f"/sys/class/net/{containerd.network.bridge}").exists():
+        found.append(f"bridge {containerd.network.bridge}")
     if containerd._made_shim_dir and SHIM_SOCKETS.exists():
         sockets = os.listdir(SHIM_SOCKETS / "s") if (SHIM_SOCKETS / "s").is_dir() else []
         if not sockets:

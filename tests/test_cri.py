@@ -5,6 +5,7 @@ from its public source."""
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import io
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import signal
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -102,6 +104,97 @@ def test_close_cleans_up_after_containerd_was_killed():
         assert processes_naming(str(containerd.socket)), "the shim should outlive containerd"
         forced = containerd.close()
         assert any(f.startswith("shim pid") for f in forced) and any(f.startswith("container ") for f in forced)
+    assert not leftovers_of(containerd)
+
+
+def test_a_pod_network_and_a_registry_mirror_of_our_own():
+    """`pod_network`: a pod not on the host's network gets an address on the
+    containerd's own bridge, reachable from the host (a web server in it
+    answers), and its host port is mapped; `mirrors`: an image named after
+    a registry on the internet is pulled from the local registry standing
+    in for it. close() takes the bridge, the registry its directory."""
+    import urllib.request
+
+    from crust.kubelet.registry import LocalRegistry
+
+    base = Path(tempfile.mkdtemp(prefix="crust-net-"))
+    registry = LocalRegistry(base / "registry")
+    try:
+        registry.start()
+        busybox = images.find_busybox()
+        web = images.assemble([images.layer_tar(busybox)], {"Env": [f"PATH={images.PATH}"],
+                              "Cmd": ["sh", "-c", "mkdir -p /www && echo served-from-the-pod > /www/index.html "
+                                      "&& exec httpd -f -p 8080 -h /www"]}, created_by="test")
+        registry.push(web, "mirrored/web", ["1"])
+        with private_containerd(mirrors={"registry.example.org": registry.url}, pod_network=True) as (containerd, _):
+            network = containerd.network
+            assert network is not None and Path(f"/sys/class/net/{network.bridge}").exists()
+            rs, images_service = containerd.runtime_service, containerd.image_service
+            pulled = images_service.PullImage(cri.PullImageRequest(
+                image=cri.ImageSpec(image="registry.example.org/mirrored/web:1")), timeout=120).image_ref
+            assert pulled == web.config_digest
+            config = cri.PodSandboxConfig(
+                metadata=cri.PodSandboxMetadata(name="net", namespace="default", uid="uid-net"),
+                log_directory=str(containerd.directory / "logs" / "uid-net"),
+                port_mappings=[cri.PortMapping(container_port=8080, host_port=18080, host_ip="127.0.0.1")],
+                linux=cri.LinuxPodSandboxConfig(cgroup_parent=f"{containerd.cgroup_root}/poduid-net"))
+            sandbox = rs.RunPodSandbox(cri.RunPodSandboxRequest(config=config), timeout=60).pod_sandbox_id
+            address = rs.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox),
+                                          timeout=10).status.network.ip
+            assert ipaddress.ip_address(address) in network.subnet
+            container = rs.CreateContainer(cri.CreateContainerRequest(
+                pod_sandbox_id=sandbox, sandbox_config=config, config=cri.ContainerConfig(
+                    metadata=cri.ContainerMetadata(name="web"),
+                    image=cri.ImageSpec(image="registry.example.org/mirrored/web:1"), log_path="web/0.log")),
+                timeout=60).container_id
+            rs.StartContainer(cri.StartContainerRequest(container_id=container), timeout=60)
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            for url in (f"http://{address}:8080/", "http://127.0.0.1:18080/"):
+                body = wait_until(lambda: _get(opener, url), timeout=20, what=url)
+                assert body == b"served-from-the-pod\n", url
+        assert not Path(f"/sys/class/net/{network.bridge}").exists()
+    finally:
+        registry.close()
+        shutil.rmtree(base, ignore_errors=True)
+    assert not (base / "registry").exists()
+
+
+def _get(opener, url: str) -> bytes | None:
+    try:
+        with opener.open(url, timeout=5) as response:
+            return response.read()
+    except OSError:
+        return None
+
+
+def test_containers_run_through_ctr_are_removed_by_close(tmp_path):
+    """crust.kubelet.ctr: a container run from a spec of our own on a
+    containerd without CRI; close() (no orderly removal first) kills it,
+    deletes its task and unmounts its root file system."""
+    from crust.kubelet.containerd import Containerd
+    from crust.kubelet.ctr import CtrContainers
+    from crust.kubelet.image import archive_name
+
+    image = images.build(tmp_path / "images")
+    containerd = Containerd(Path(tempfile.mkdtemp(prefix="crust-ctr-")) / "c", cri=False)
+    try:
+        containerd.start()
+        assert "io.containerd.grpc.v1.cri" in containerd.config()
+        containers = CtrContainers(containerd)
+        name = containers.import_image(image.archive)
+        assert name == archive_name(image.archive)
+        rootfs = containers.mount_rootfs(image.name, "c1")
+        spec = json.loads(containers.ctr("oci", "spec").stdout)
+        spec["root"] = {"path": str(rootfs)}
+        spec["process"]["args"] = ["/bin/sleep", "600"]
+        spec["process"]["terminal"] = False
+        pid = containers.run("c1", spec, tmp_path / "c1.log")
+        assert containers.status("c1") == "RUNNING" and Path(f"/proc/{pid}").exists()
+        assert containers.exec("c1", "e1", "/bin/cat", "/proc/1/cmdline").stdout.startswith("/bin/sleep")
+    finally:
+        forced = containerd.close()
+    assert "ctr task c1" in forced
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/cmdline").read_bytes()[:10] != b"/bin/sleep"
     assert not leftovers_of(containerd)
 
 

@@ -48,11 +48,13 @@ import yaml
 from pyroute2 import IPRoute
 
 from crust.api import csi_pb2, csi_pb2_grpc
+from crust.kubelet.containerd import Containerd, available
+from crust.kubelet.ctr import CtrContainers
+from crust.kubelet.image import archive_config
 from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests import podspec
-from tests.containerd import Containerd, available, image_config
 from tests.harness import MIB, Root, cleanup_root, mount_cap
 from tests.kustomize import render
 from tests.test_kube import pki, serving  # noqa: F401 - the module's CA and server certificate
@@ -168,7 +170,9 @@ class Cluster:
         # The variant the DaemonSet names (its tag) is the one built and run.
         self.archive = image_archive(self.node_container()["image"].endswith("-microvm"))
         self.config_maps = {d["metadata"]["name"]: d for d in self.docs if d["kind"] == "ConfigMap"}
-        self.containerd = Containerd(root / "c")
+        # The node container runs from a spec of its own through ctr: no CRI.
+        self.containerd = Containerd(root / "c", cri=False)
+        self.containers = CtrContainers(self.containerd)
         self.netns_holder: subprocess.Popen | None = None
         self.api: KubeAPI | None = None
         self.lives = 0
@@ -203,9 +207,9 @@ class Cluster:
         (account / "namespace").write_text("crust-system")
         self.service_account = account
         self.containerd.start()
-        self.image = self.containerd.import_image(self.archive)
-        self.image_config = image_config(self.archive)
-        self.base_spec = podspec.default_spec(self.containerd.ctr)
+        self.image = self.containers.import_image(self.archive)
+        self.image_config = archive_config(self.archive)
+        self.base_spec = podspec.default_spec(self.containers.ctr)
 
     def node_container(self) -> dict:
         return next(c for c in self.pod_spec["containers"] if c["name"] == "crust-node")
@@ -214,7 +218,7 @@ class Cluster:
         """A new crust-node container (a new pod of the DaemonSet)."""
         self.lives += 1
         name = f"crust-node-{self.lives}"
-        rootfs = self.containerd.mount_rootfs(self.image, name)
+        rootfs = self.containers.mount_rootfs(self.image, name)
         port = self.api.server.server_address[1]
         ctx = podspec.PodContext(
             pod_name=f"crust-node-{self.lives:05d}", namespace="crust-system", node_name=NODE,
@@ -225,7 +229,7 @@ class Cluster:
         spec = podspec.oci_spec(self.pod_spec, "crust-node", ctx, image_config=self.image_config, rootfs=rootfs,
                                 base=self.base_spec, netns=self.netns, cgroup=f"/crust-test/{os.getpid()}-{name}")
         self.log = self.root / f"{name}.log"
-        self.containerd.run(name, spec, self.log)
+        self.containers.run(name, spec, self.log)
         self.current = name
         return name
 
@@ -234,16 +238,19 @@ class Cluster:
         pod = {"containers": [{"name": "app", "command": ["sleep", "3600"], "securityContext": {"runAsUser": 0},
                                "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
                "volumes": [{"name": "data", "hostPath": {"path": str(target), "type": "Directory"}}]}
-        rootfs = self.containerd.mount_rootfs(self.image, name)
+        rootfs = self.containers.mount_rootfs(self.image, name)
         ctx = podspec.PodContext(pod_name=name, namespace="default", node_name=NODE,
                                  workdir=self.root / "pods" / name, host_path=Path)
         spec = podspec.oci_spec(pod, "app", ctx, image_config=self.image_config, rootfs=rootfs,
                                 base=self.base_spec, netns=self.netns, cgroup=f"/crust-test/{os.getpid()}-{name}")
-        self.containerd.run(name, spec, self.root / f"{name}.log")
+        self.containers.run(name, spec, self.root / f"{name}.log")
 
     def close(self) -> None:
         try:
-            self.containerd.stop()
+            try:
+                self.containers.close()
+            finally:
+                self.containerd.close()
         finally:
             if self.api is not None:
                 self.api.stop()
@@ -284,7 +291,7 @@ def test_the_daemonset_runs_the_image_through_a_volume_life_a_rollout_and_an_uni
     registration = cluster.kubelet_root / "plugins_registry" / f"{DRIVER}-reg.sock"
     wait_for(registration.is_socket, 90, f"the container's {registration.name}", cluster.log)
     assert wait_for(lambda: _registered(kubelet), 30, "kubelet to register the driver", cluster.log) == DRIVER
-    assert cluster.containerd.status(first) == "RUNNING"
+    assert cluster.containers.status(first) == "RUNNING"
     # Inside: every child the ConfigMap's node.yaml asks for runs (the
     # microVM handler too, in the base manifests' pod).
     status = wait_for(lambda: _status(cluster, first), 120, "crust status to report every child serving",
@@ -309,7 +316,7 @@ def test_the_daemonset_runs_the_image_through_a_volume_life_a_rollout_and_an_uni
         "the staging mount made in the container is not seen by the host"
     assert sysmount.at(str(target)) is not None, "the published target is not a mount on the host"
     cluster.run_app("app-1", target)
-    written = cluster.containerd.exec("app-1", "write", "sh", "-c",
+    written = cluster.containers.exec("app-1", "write", "sh", "-c",
                                       "echo written-by-the-pod > /data/hello && grep -c ' /data ' /proc/self/mountinfo")
     assert written.returncode == 0, written.stderr
     assert (target / "hello").read_text() == "written-by-the-pod\n"
@@ -338,19 +345,19 @@ def test_the_daemonset_runs_the_image_through_a_volume_life_a_rollout_and_an_uni
     assert cluster.api.asked("default", "app-deferred") >= 1, "the proxy did not read the pod from the API"
 
     # A DaemonSet rollout mid-life: the container is killed, a new one starts.
-    cluster.containerd.remove(first, signal.SIGKILL)
+    cluster.containers.remove(first, signal.SIGKILL)
     assert sysmount.at(str(staging)) is not None and sysmount.at(str(target)) is not None
-    assert cluster.containerd.exec("app-1", "read", "cat", "/data/hello").stdout == "written-by-the-pod\n"
+    assert cluster.containers.exec("app-1", "read", "cat", "/data/hello").stdout == "written-by-the-pod\n"
     second = cluster.start_node()
     wait_for(lambda: _registered(kubelet) == DRIVER, 90, "the new container to register the driver", cluster.log)
     usage = kubelet.retried(kubelet.volume_stats, pv_host, pod_host)
     assert usage.usage and usage.usage[0].total > 0
-    again = cluster.containerd.exec("app-1", "append", "sh", "-c", "echo after-the-rollout >> /data/hello")
+    again = cluster.containers.exec("app-1", "append", "sh", "-c", "echo after-the-rollout >> /data/hello")
     assert again.returncode == 0, again.stderr
     assert json.loads(descriptions[0].read_text()) == description
 
     # The pods end; kubelet tears their volumes down through the new container.
-    cluster.containerd.remove("app-1", signal.SIGKILL)
+    cluster.containers.remove("app-1", signal.SIGKILL)
     kubelet.stop_pod(pv_host, pod_host)
     kubelet.stop_pod(pv_def, pod_def)
     assert sysmount.at(str(staging)) is None and not target.exists()
@@ -364,7 +371,7 @@ def test_the_daemonset_runs_the_image_through_a_volume_life_a_rollout_and_an_uni
 
     # Uninstall: kubelet stops the container (SIGTERM, then its grace period).
     grace = daemonset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert cluster.containerd.stop_container(second, grace) == "exited"
+    assert cluster.containers.stop_container(second, grace) == "exited"
     prefix = str(cluster.root) + "/"
     left = [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(prefix)
             and not m.mount_point.startswith(str(cluster.containerd.directory) + "/")
@@ -376,7 +383,7 @@ def test_the_daemonset_runs_the_image_through_a_volume_life_a_rollout_and_an_uni
 def _status(cluster: Cluster, container: str) -> subprocess.CompletedProcess | None:
     """`crust status` in the node container (as `kubectl exec` runs it), once
     it exits 0: every child runs and every socket serves."""
-    status = cluster.containerd.exec(container, f"status-{time.monotonic_ns()}", "crust", "status", "--config",
+    status = cluster.containers.exec(container, f"status-{time.monotonic_ns()}", "crust", "status", "--config",
                                      "/etc/crust/node.yaml", "--json")
     return status if status.returncode == 0 else None
 

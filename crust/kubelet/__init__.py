@@ -9,7 +9,10 @@ demo and the tests, and the container runtime it talks to:
   and sidecars, containers);
 - crust.kubelet.pod: what kubelet knows of a pod, its containers and volumes;
 - crust.kubelet.containerd, crust.kubelet.image: a private containerd and the
-  tiny image its pods run.
+  tiny image its pods run; with it crust.kubelet.ctr (containers from specs
+  of one's own through ctr), crust.kubelet.registry (a local registry it
+  pulls from through mirrors) and crust.kubelet.cni (a pod network of its
+  own).
 """
 
 from crust.kubelet.csi import Kubelet, RegistrationRefused, highest_supported_version, is_mount_point

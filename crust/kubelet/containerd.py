@@ -1,11 +1,16 @@
-"""A containerd of our own, for the demo and the tests: the CRI runtime the
-replayed kubelet talks to.
+"""A containerd of our own, for the demo, the tests and the benchmarks: the
+CRI runtime the replayed kubelet (and critest) talks to, and the daemon
+under `ctr` for containers run from a spec of one's own (crust.kubelet.ctr).
 
 It runs beside anything else on the machine: its own root and state
 directories, its own socket (gRPC and ttrpc), its own config file, its own
-runc state root, its own cgroup root, all below one directory this module
-owns. The CRI plugin is on, with no CNI configuration (pods use the host's
-network), and a sandbox (pause) image built here (crust.kubelet.image).
+runc state root, its own cgroup root, its pods' network namespaces, all
+below one directory this module owns. The CRI plugin is on (`cri=False` turns it off) with a sandbox
+(pause) image built here (crust.kubelet.image); pods use the host's network
+unless `pod_network` gives them a bridge of their own (crust.kubelet.cni).
+Images are imported, or pulled through `mirrors`: a registry host (e.g.
+registry.k8s.io) -> the URL of a registry standing in for it
+(crust.kubelet.registry), as hosts.toml files below our directory.
 Runtime handlers are named as in a node's config: `runc` is containerd's runc
 shim with the stock runc, and each extra handler is the same shim with
 another `BinaryName` (crust's OCI runtime). Shim runtimes of their own
@@ -14,13 +19,14 @@ found by containerd on its PATH, which starts with this interpreter's bin
 directory (the venv holding containerd-shim-crust-v2).
 
 close() leaves nothing behind, also when a test failed half-way or
-containerd died: it removes the pods through CRI while containerd answers,
+containerd died: it removes the pods through CRI and the tasks of `ctr`'s
+namespace while containerd answers,
 stops containerd, kills the shims this containerd started (processes whose
 command line is a runc or crust shim serving our socket),
 force-deletes containers left in its runc root, unmounts everything below
 its directory, removes the shims' sockets it can name, the cgroups below
-its cgroup root, and the directory. Nothing is touched that another
-containerd could own.
+its cgroup root, the pod network, and the directory. Nothing is touched
+that another containerd could own.
 
 One thing is not ours to choose: containerd 1.6 puts shim sockets in
 /run/containerd/s whatever its state directory (the path is compiled in).
@@ -47,6 +53,7 @@ import grpc
 
 from crust.api import cri_pb2, cri_pb2_grpc
 from crust.common.channel import local_channel
+from crust.kubelet.cni import BridgeNetwork
 from crust.kubelet.image import Image
 from crust.sys import caps, proc
 from crust.sys.sweep import release_under
@@ -54,6 +61,9 @@ from crust.sys.sweep import release_under
 log = logging.getLogger(__name__)
 
 NAMESPACE = "k8s.io"
+# Containers run through `ctr` from specs of one's own (crust.kubelet.ctr):
+# a namespace of their own, which CRI never lists.
+CTR_NAMESPACE = "crust-ctr"
 SHIM_SOCKETS = Path("/run/containerd")
 CGROUP_FS = Path("/sys/fs/cgroup")
 # Kubelet's CRI client gives an ordinary call two minutes.
@@ -62,6 +72,14 @@ CALL_TIMEOUT = 120.0
 
 class ContainerdError(Exception):
     pass
+
+
+def available() -> str:
+    """Why a private containerd cannot run here, or "" when it can."""
+    missing = [b for b in ("containerd", "ctr", "runc", "containerd-shim-runc-v2") if shutil.which(b) is None]
+    if missing:
+        return f"not installed: {', '.join(missing)} (apt-get install containerd runc)"
+    return ""
 
 
 def is_shim(argv: list[bytes]) -> bool:
@@ -80,6 +98,27 @@ def can_lower_oom_score() -> bool:
     return caps.effective(caps.CAP_SYS_RESOURCE)
 
 
+def remove_cgroup_trees(name: str) -> list[str]:
+    """The cgroup `name` (a path below each hierarchy's root) and every
+    cgroup below it, in every hierarchy, deepest first; rmdir removes only
+    an empty cgroup, so one a process is still in stays. Returns what could
+    not be removed."""
+    left = []
+    name = name.strip("/")
+    if not name:
+        return left
+    for hierarchy in sorted(CGROUP_FS.iterdir()) if CGROUP_FS.is_dir() else []:
+        top = hierarchy / name
+        if not top.is_dir() or top.is_symlink():
+            continue
+        for dirpath, _, _ in sorted(os.walk(top), key=lambda entry: -len(entry[0])):
+            try:
+                os.rmdir(dirpath)
+            except OSError as exc:
+                left.append(f"cgroup {dirpath} not removed: {exc.strerror}")
+    return left
+
+
 def _toml(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -95,7 +134,7 @@ class Containerd:
     """One private containerd below `directory` (which it owns)."""
 
     directory: Path
-    sandbox_image: str
+    sandbox_image: str = ""
     # handler name -> BinaryName for io.containerd.runc.v2 ("" = stock runc)
     runtimes: dict[str, str] = field(default_factory=lambda: {"runc": ""})
     # handler name -> runtime_type of a shim of its own (containerd-shim-NAME-v2 on PATH)
@@ -103,9 +142,15 @@ class Containerd:
     # handler name -> its `options` table (e.g. ConfigPath)
     shim_options: dict[str, dict[str, str]] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    # registry host -> the URL of the registry that stands in for it
+    mirrors: dict[str, str] = field(default_factory=dict)
+    # pods not on the host's network get a bridge of their own
+    pod_network: bool = False
+    cri: bool = True
     binary: str = "containerd"
     cgroup_root: str = field(default_factory=lambda: f"/crust-cri-{secrets.token_hex(4)}")
     process: subprocess.Popen | None = None
+    network: BridgeNetwork | None = None
     _channel: grpc.Channel | None = None
     _made_shim_dir: bool = False
 
@@ -133,7 +178,15 @@ class Containerd:
 
     @property
     def task_dir(self) -> Path:
-        return self.directory / "state" / "io.containerd.runtime.v2.task" / NAMESPACE
+        return self.task_root / NAMESPACE
+
+    @property
+    def task_root(self) -> Path:
+        return self.directory / "state" / "io.containerd.runtime.v2.task"
+
+    @property
+    def hosts_dir(self) -> Path:
+        return self.directory / "certs.d"
 
     def config(self) -> str:
         cri = 'plugins."io.containerd.grpc.v1.cri"'
@@ -143,18 +196,26 @@ class Containerd:
             f"state = {_toml(self.directory / 'state')}",
             # Snapshotters this machine cannot use only add noise to the log.
             "disabled_plugins = " + _toml([f"io.containerd.snapshotter.v1.{s}"
-                                           for s in ("aufs", "btrfs", "devmapper", "zfs")]),
+                                           for s in ("aufs", "btrfs", "devmapper", "zfs")]
+                                          + ([] if self.cri else ["io.containerd.grpc.v1.cri"])),
             "[grpc]", f"  address = {_toml(self.socket)}",
             "[ttrpc]", f"  address = {_toml(str(self.socket) + '.ttrpc')}",
             '[plugins."io.containerd.internal.v1.opt"]', f"  path = {_toml(self.directory / 'opt')}",
             f"[{cri}]",
-            f"  sandbox_image = {_toml(self.sandbox_image)}",
+            *([f"  sandbox_image = {_toml(self.sandbox_image)}"] if self.sandbox_image else []),
             # Streaming (exec -it, attach) on an ephemeral loopback port.
             '  stream_server_address = "127.0.0.1"', '  stream_server_port = "0"',
             f"  restrict_oom_score_adj = {_toml(not can_lower_oom_score())}",
+            # Pods' network namespaces below our state directory, not in the
+            # host's /run/netns, where a tool that later binds /run/netns
+            # onto itself (as `ip netns` and pyroute2 do on first use) would
+            # cover them and make them impossible to remove.
+            "  netns_mounts_under_state_dir = true",
             f"[{cri}.cni]",
             '  bin_dir = "/usr/lib/cni"',
             f"  conf_dir = {_toml(self.directory / 'cni')}",
+            f"[{cri}.registry]",
+            f"  config_path = {_toml(self.hosts_dir)}",
             f"[{cri}.containerd]",
             '  default_runtime_name = "runc"',
         ]
@@ -173,6 +234,16 @@ class Containerd:
                 lines += [f"  {key} = {_toml(value)}" for key, value in sorted(self.shim_options[name].items())]
         return "\n".join(lines) + "\n"
 
+    def write_hosts(self) -> None:
+        """One hosts.toml per mirrored registry host: the registry standing
+        in for it is its server (plain http), so a pull never leaves the
+        machine, not even to fall back."""
+        for host, url in sorted(self.mirrors.items()):
+            directory = self.hosts_dir / host
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "hosts.toml").write_text(
+                f"server = {_toml(url)}\n[host.{_toml(url)}]\n  capabilities = [\"pull\", \"resolve\"]\n")
+
     # -- lifecycle --------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> "Containerd":
@@ -180,10 +251,14 @@ class Containerd:
         if self.process is not None and self.process.poll() is None:
             raise ContainerdError("this containerd is already running")
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for sub in ("cni", "opt"):
+        for sub in ("cni", "opt", "certs.d"):
             (self.directory / sub).mkdir(exist_ok=True)
         if not SHIM_SOCKETS.exists():
             self._made_shim_dir = True
+        if self.pod_network and self.network is None:
+            self.network = BridgeNetwork(self.directory / "cni", self.directory / "cni-state")
+            self.network.create()
+        self.write_hosts()
         self.config_path.write_text(self.config())
         path = os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         env = {"PATH": f"{Path(sys.executable).parent}:{path}", **self.env}
@@ -194,14 +269,20 @@ class Containerd:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ContainerdError(f"containerd exited with {self.process.returncode}: {self.log_tail()}")
-            if self.socket.exists():
-                try:
-                    self.version()
-                    return self
-                except grpc.RpcError:
-                    pass
+            if self.socket.exists() and self._answers():
+                return self
             time.sleep(0.05)
-        raise ContainerdError(f"containerd did not answer CRI within {timeout:g} s: {self.log_tail()}")
+        what = "CRI" if self.cri else "ctr"
+        raise ContainerdError(f"containerd did not answer {what} within {timeout:g} s: {self.log_tail()}")
+
+    def _answers(self) -> bool:
+        if not self.cri:
+            return self.ctr("version", check=False, timeout=10).returncode == 0
+        try:
+            self.version()
+            return True
+        except grpc.RpcError:
+            return False
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
         """Stop containerd itself; its shims and containers keep running."""
@@ -253,10 +334,7 @@ class Containerd:
 
     def import_image(self, image: Image, timeout: float = 120.0) -> None:
         """`ctr images import` into the CRI's namespace; waits until CRI sees it."""
-        result = subprocess.run(["ctr", "--address", str(self.socket), "--namespace", NAMESPACE, "images",
-                                 "import", str(image.archive)], capture_output=True, text=True, timeout=timeout)
-        if result.returncode != 0:
-            raise ContainerdError(f"ctr images import {image.archive}: {result.stderr.strip()}")
+        self.ctr("images", "import", str(image.archive), namespace=NAMESPACE, timeout=timeout)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             status = self.image_service.ImageStatus(
@@ -265,6 +343,15 @@ class Containerd:
                 return
             time.sleep(0.05)
         raise ContainerdError(f"CRI does not list {image.name} after importing it")
+
+    def ctr(self, *args: str, namespace: str = CTR_NAMESPACE, check: bool = True,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+        """`ctr` against this containerd, in `ctr`'s namespace unless told."""
+        result = subprocess.run(["ctr", "--address", str(self.socket), "--namespace", namespace, *args],
+                                capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode != 0:
+            raise ContainerdError(f"ctr {' '.join(args)}: {result.stderr.strip() or result.stdout.strip()}")
+        return result
 
     def crictl_config(self) -> Path:
         """A crictl.yaml for this containerd (crictl --config PATH ps)."""
@@ -279,12 +366,16 @@ class Containerd:
         to be cleaned up by force (empty after an orderly end)."""
         forced: list[str] = []
         if self.process is not None and self.process.poll() is None:
-            forced += self._remove_pods()
+            if self.cri:
+                forced += self._remove_pods()
+            forced += self._remove_ctr_tasks()
         self.stop()
         forced += self._kill_shims()
         forced += self._delete_containers()
         forced += release_under(self.directory)
         forced += self._remove_cgroups()
+        if self.network is not None:
+            forced += self.network.remove()
         shutil.rmtree(self.directory, ignore_errors=True)
         if self._made_shim_dir:
             for path in (SHIM_SOCKETS / "s", SHIM_SOCKETS):
@@ -295,21 +386,41 @@ class Containerd:
         return forced
 
     def _remove_pods(self) -> list[str]:
+        """Every pod through CRI, each on its own: one that cannot be
+        stopped does not keep the others (what is left of it goes with
+        the forced cleanup)."""
         removed = []
         try:
             pods = self.runtime_service.ListPodSandbox(cri_pb2.ListPodSandboxRequest(), timeout=10).items
-            for pod in pods:
+        except grpc.RpcError as exc:
+            log.warning("could not list pods through CRI", extra={"fields": {"error": str(exc.details())}})
+            return removed
+        for pod in pods:
+            try:
                 self.runtime_service.StopPodSandbox(cri_pb2.StopPodSandboxRequest(pod_sandbox_id=pod.id), timeout=60)
                 self.runtime_service.RemovePodSandbox(cri_pb2.RemovePodSandboxRequest(pod_sandbox_id=pod.id),
                                                       timeout=60)
                 removed.append(f"pod sandbox {pod.id[:13]}")
-        except grpc.RpcError as exc:
-            log.warning("could not remove pods through CRI", extra={"fields": {"error": str(exc.details())}})
+            except grpc.RpcError as exc:
+                log.warning("could not remove a pod through CRI",
+                            extra={"fields": {"pod": pod.id[:13], "error": str(exc.details())}})
+        return removed
+
+    def _remove_ctr_tasks(self) -> list[str]:
+        """Tasks still running in `ctr`'s namespace, killed and deleted with
+        their containers while containerd answers."""
+        removed = []
+        listing = self.ctr("tasks", "ls", "--quiet", check=False, timeout=30)
+        for task in listing.stdout.split() if listing.returncode == 0 else []:
+            self.ctr("tasks", "kill", "--all", "--signal", "SIGKILL", task, check=False, timeout=30)
+            self.ctr("tasks", "delete", "--force", task, check=False, timeout=60)
+            self.ctr("containers", "delete", task, check=False, timeout=30)
+            removed.append(f"ctr task {task}")
         return removed
 
     def _bundles(self) -> list[Path]:
         try:
-            return [p for p in self.task_dir.iterdir() if p.is_dir()]
+            return [p for ns in self.task_root.iterdir() if ns.is_dir() for p in ns.iterdir() if p.is_dir()]
         except FileNotFoundError:
             return []
 
@@ -345,38 +456,24 @@ class Containerd:
         return killed
 
     def _delete_containers(self) -> list[str]:
-        """Containers left in our runc root (a shim died without cleaning
-        up): each configured runtime deletes them, crust's first (so its
-        volume claims go too), stock runc last."""
-        state = self.runc_root / NAMESPACE
-        if not state.is_dir():
-            return []
+        """Containers left in our runc root, any namespace (a shim died
+        without cleaning up): each configured runtime deletes them, crust's
+        first (so its volume claims go too), stock runc last."""
         deleted = []
         binaries = [b for b in self.runtimes.values() if b] + ["runc"]
-        for container in sorted(p.name for p in state.iterdir() if p.is_dir()):
-            for binary in binaries:
-                result = subprocess.run([binary, "--root", str(state), "delete", "--force", container],
-                                        capture_output=True, timeout=60, env={**os.environ, **self.env})
-                if result.returncode == 0 or not (state / container).exists():
-                    deleted.append(f"container {container[:13]}")
-                    break
+        states = sorted(p for p in self.runc_root.iterdir() if p.is_dir()) if self.runc_root.is_dir() else []
+        for state in states:
+            for container in sorted(p.name for p in state.iterdir() if p.is_dir()):
+                for binary in binaries:
+                    result = subprocess.run([binary, "--root", str(state), "delete", "--force", container],
+                                            capture_output=True, timeout=60, env={**os.environ, **self.env})
+                    if result.returncode == 0 or not (state / container).exists():
+                        deleted.append(f"container {container[:13]}")
+                        break
         return deleted
 
     def _remove_cgroups(self) -> list[str]:
         """The cgroups runc made below our cgroup root, deepest first; only
         empty ones can go (rmdir), which is all of them once every container
         is gone."""
-        removed = []
-        name = self.cgroup_root.strip("/")
-        if not name:
-            return removed
-        for hierarchy in sorted(CGROUP_FS.iterdir()) if CGROUP_FS.is_dir() else []:
-            top = hierarchy / name
-            if not top.is_dir() or top.is_symlink():
-                continue
-            for dirpath, _, _ in sorted(os.walk(top), key=lambda entry: -len(entry[0])):
-                try:
-                    os.rmdir(dirpath)
-                except OSError as exc:
-                    removed.append(f"cgroup {dirpath} not removed: {exc.strerror}")
-        return removed
+        return remove_cgroup_trees(self.cgroup_root)

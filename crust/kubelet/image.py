@@ -11,6 +11,11 @@ The archive is an OCI image layout in a tar file (index.json, oci-layout,
 blobs/sha256/...), as `ctr images import` takes it. Everything in it is
 deterministic (fixed times and owners, sorted entries), so the same busybox
 always gives the same image id.
+
+The same parts make other images from busybox (assemble(): the busybox
+layer with users and groups of one's own, extra layers of files with exact
+owners and modes, setuid bits included, and any image config), for a
+registry (crust.kubelet.registry) as well as an archive.
 """
 
 from __future__ import annotations
@@ -98,36 +103,128 @@ def _applets(busybox: Path) -> list[str]:
     return sorted({line.strip() for line in out.splitlines() if line.strip() and ".." not in line})
 
 
-def _entry(name: str, kind: bytes, mode: int, size: int = 0, link: str = "") -> tarfile.TarInfo:
+def _entry(name: str, kind: bytes, mode: int, size: int = 0, link: str = "", uid: int = 0,
+           gid: int = 0) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.type, info.mode, info.size, info.linkname = kind, mode, size, link
-    info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+    info.mtime, info.uid, info.gid, info.uname, info.gname = 0, uid, gid, "", ""
     return info
 
 
-def layer_tar(busybox: Path) -> bytes:
-    """The image's only layer, byte for byte the same for the same busybox."""
-    binary = busybox.read_bytes()
-    applets = _applets(busybox)
+@dataclass(frozen=True)
+class File:
+    """One entry of a layer: a regular file (data), a directory (is_dir), a
+    symbolic link (link), or a hard link (link, hard: another entry's path
+    in the layer), with its exact mode and owner (a setuid bit is kept as
+    given)."""
+
+    path: str
+    data: bytes = b""
+    mode: int = 0o644
+    link: str = ""
+    hard: bool = False
+    is_dir: bool = False
+    uid: int = 0
+    gid: int = 0
+
+    def tar_entry(self) -> tarfile.TarInfo:
+        name = self.path.strip("/")
+        if self.is_dir:
+            return _entry(name, tarfile.DIRTYPE, self.mode, uid=self.uid, gid=self.gid)
+        if self.link and self.hard:
+            return _entry(name, tarfile.LNKTYPE, self.mode, link=self.link, uid=self.uid, gid=self.gid)
+        if self.link:
+            return _entry(name, tarfile.SYMTYPE, 0o777, link=self.link, uid=self.uid, gid=self.gid)
+        return _entry(name, tarfile.REGTYPE, self.mode, len(self.data), uid=self.uid, gid=self.gid)
+
+
+def layer_of(files: list[File]) -> bytes:
+    """An uncompressed layer holding exactly these entries, in this order
+    (parents before children), the same bytes for the same files."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, mode in sorted(DIRS.items()):
-            tar.addfile(_entry(name, tarfile.DIRTYPE, mode))
-        tar.addfile(_entry("bin/busybox", tarfile.REGTYPE, 0o755, len(binary)), io.BytesIO(binary))
-        for applet in applets:
-            if applet == "bin/busybox" or applet.split("/", 1)[0] not in ("bin", "sbin", "usr"):
-                continue
-            link = os.path.relpath("bin/busybox", os.path.dirname(applet))
-            tar.addfile(_entry(applet, tarfile.SYMTYPE, 0o777, link=link))
-        for name, text in (("etc/group", GROUP), ("etc/passwd", PASSWD)):
-            data = text.encode()
-            tar.addfile(_entry(name, tarfile.REGTYPE, 0o644, len(data)), io.BytesIO(data))
+        for item in files:
+            entry = item.tar_entry()
+            tar.addfile(entry, io.BytesIO(item.data) if entry.isreg() else None)
     return buffer.getvalue()
 
 
-def _architecture() -> str:
+def layer_tar(busybox: Path, passwd: str = PASSWD, group: str = GROUP, hard_links: bool = False) -> bytes:
+    """The busybox layer, byte for byte the same for the same busybox (and
+    the same /etc/passwd and /etc/group). Its applets are symbolic links to
+    bin/busybox, or hard links to it (as the busybox images of registries
+    have them: a path masked in a container then masks that applet alone)."""
+    applets = _applets(busybox)
+    files = [File(name, mode=mode, is_dir=True) for name, mode in sorted(DIRS.items())]
+    files.append(File("bin/busybox", busybox.read_bytes(), mode=0o755))
+    for applet in applets:
+        if applet == "bin/busybox" or applet.split("/", 1)[0] not in ("bin", "sbin", "usr"):
+            continue
+        if hard_links:
+            files.append(File(applet, mode=0o755, link="bin/busybox", hard=True))
+        else:
+            files.append(File(applet, link=os.path.relpath("bin/busybox", os.path.dirname(applet))))
+    files += [File("etc/group", group.encode()), File("etc/passwd", passwd.encode())]
+    return layer_of(files)
+
+
+def architecture() -> str:
     machine = platform.machine()
     return {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine)
+
+
+@dataclass(frozen=True)
+class OciImage:
+    """An image's blobs in memory: its manifest names its config and layers
+    by digest. The same inputs give the same bytes, so the same digests."""
+
+    blobs: dict[str, bytes]
+    manifest_digest: str
+    config_digest: str
+
+    @property
+    def manifest(self) -> bytes:
+        return self.blobs[self.manifest_digest]
+
+    def write_archive(self, archive: Path, name: str, tag: str) -> None:
+        """An OCI image layout in a tar file, as `ctr images import` takes it
+        (the image named `name`), written whole or not at all."""
+        index = {"schemaVersion": 2, "manifests": [{
+            "mediaType": MANIFEST, "digest": self.manifest_digest, "size": len(self.manifest),
+            "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": tag}}]}
+        partial = archive.with_suffix(".partial")
+        with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
+            files = [("oci-layout", _json({"imageLayoutVersion": "1.0.0"})), ("index.json", _json(index))]
+            files += [(f"blobs/sha256/{d.split(':', 1)[1]}", data) for d, data in sorted(self.blobs.items())]
+            for dirname in ("blobs", "blobs/sha256"):
+                tar.addfile(_entry(dirname, tarfile.DIRTYPE, 0o755))
+            for path, data in files:
+                tar.addfile(_entry(path, tarfile.REGTYPE, 0o644, len(data)), io.BytesIO(data))
+        partial.replace(archive)
+
+
+def assemble(layers: list[bytes], config: dict, created_by: str) -> OciImage:
+    """An image of these layers (uncompressed tars, bottom first) whose
+    runtime config is `config` (Env, Entrypoint, Cmd, User, WorkingDir...)."""
+    blobs: dict[str, bytes] = {}
+
+    def blob(data: bytes) -> tuple[str, int]:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        blobs[digest] = data
+        return digest, len(data)
+
+    described = [blob(layer) for layer in layers]
+    image_config = {
+        "architecture": architecture(), "os": "linux", "config": config,
+        "rootfs": {"type": "layers", "diff_ids": [digest for digest, _ in described]},
+        "history": [{"created_by": created_by}],
+    }
+    config_digest, config_size = blob(_json(image_config))
+    manifest = {"schemaVersion": 2, "mediaType": MANIFEST,
+                "config": {"mediaType": CONFIG, "digest": config_digest, "size": config_size},
+                "layers": [{"mediaType": LAYER, "digest": d, "size": size} for d, size in described]}
+    manifest_digest, _ = blob(_json(manifest))
+    return OciImage(blobs=blobs, manifest_digest=manifest_digest, config_digest=config_digest)
 
 
 def build(directory: Path, busybox: Path | None = None) -> Image:
@@ -137,43 +234,34 @@ def build(directory: Path, busybox: Path | None = None) -> Image:
     check_static(busybox)
     version = busybox_version(busybox)
     name = f"{REPOSITORY}:{version}"
-    blobs: dict[str, bytes] = {}
-
-    def blob(data: bytes) -> tuple[str, int]:
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        blobs[digest] = data
-        return digest, len(data)
-
-    layer = layer_tar(busybox)
-    layer_digest, layer_size = blob(layer)
-    config = {
-        "architecture": _architecture(), "os": "linux",
-        "config": {"Env": [f"PATH={PATH}"], "Cmd": DEFAULT_COMMAND, "WorkingDir": "/"},
-        "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
-        "history": [{"created_by": f"crust: Debian busybox-static {version}"}],
-    }
-    config_digest, config_size = blob(_json(config))
-    manifest = {"schemaVersion": 2, "mediaType": MANIFEST,
-                "config": {"mediaType": CONFIG, "digest": config_digest, "size": config_size},
-                "layers": [{"mediaType": LAYER, "digest": layer_digest, "size": layer_size}]}
-    manifest_digest, manifest_size = blob(_json(manifest))
-    index = {"schemaVersion": 2, "manifests": [{
-        "mediaType": MANIFEST, "digest": manifest_digest, "size": manifest_size,
-        "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": version}}]}
-
+    image = assemble([layer_tar(busybox)], {"Env": [f"PATH={PATH}"], "Cmd": DEFAULT_COMMAND, "WorkingDir": "/"},
+                     created_by=f"crust: Debian busybox-static {version}")
     directory.mkdir(parents=True, exist_ok=True)
     archive = directory / f"crust-busybox-{version}.oci.tar"
-    partial = archive.with_suffix(".partial")
-    with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
-        files = [("oci-layout", _json({"imageLayoutVersion": "1.0.0"})), ("index.json", _json(index))]
-        files += [(f"blobs/sha256/{d.split(':', 1)[1]}", data) for d, data in sorted(blobs.items())]
-        for dirname in ("blobs", "blobs/sha256"):
-            tar.addfile(_entry(dirname, tarfile.DIRTYPE, 0o755))
-        for path, data in files:
-            tar.addfile(_entry(path, tarfile.REGTYPE, 0o644, len(data)), io.BytesIO(data))
-    partial.replace(archive)
-    return Image(archive=archive, name=name, image_id=config_digest, busybox_version=version)
+    image.write_archive(archive, name, version)
+    return Image(archive=archive, name=name, image_id=image.config_digest, busybox_version=version)
 
 
 def _json(value) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _archive_json(tar: tarfile.TarFile, member: str) -> dict:
+    return json.load(tar.extractfile(member))
+
+
+def archive_name(archive: Path) -> str:
+    """The name an OCI archive gives its image (the ref.name annotation)."""
+    with tarfile.open(archive) as tar:
+        (manifest,) = _archive_json(tar, "index.json")["manifests"]
+    return manifest["annotations"]["org.opencontainers.image.ref.name"]
+
+
+def archive_config(archive: Path) -> dict:
+    """The runtime config (Entrypoint, Cmd, Env, User, WorkingDir) of the
+    image in an OCI archive."""
+    with tarfile.open(archive) as tar:
+        index = _archive_json(tar, "index.json")
+        manifest = _archive_json(tar, "blobs/" + index["manifests"][0]["digest"].replace(":", "/"))
+        config = _archive_json(tar, "blobs/" + manifest["config"]["digest"].replace(":", "/"))
+    return config.get("config", {})

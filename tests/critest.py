@@ -1,0 +1,326 @@
+"""The CRI conformance suite (critest, from kubernetes-sigs/cri-tools)
+against a private containerd with three runtime handlers, without a network:
+what tests/test_critest.py needs.
+
+- critest itself is not part of crust: `../shared/bin/critest` beside the
+  repository, or a build of one's own named by CRITEST (tests/csi_sanity.locate);
+- the node (critest_node()): a local registry holding the images critest
+  pulls (tests/critest_images.py), crust's node stack with both of its
+  runtime handlers (the mount-namespace one behind crust-runc, the microVM
+  one behind crust-microvm), and a private containerd (crust.kubelet.containerd)
+  whose handlers are `runc`, `crust-runc` and `crust`, with every registry
+  critest names mirrored to the local one and a pod network of its own;
+- one run of critest for a handler (run_critest()), its JSON report read
+  spec by spec (a spec's name is its full text, as ginkgo prints it);
+- what does not pass here and why (docs/critest.yaml, read by
+  load_expectations() and rendered into docs/conformance.md by
+  render_expectations()).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from crust.kubelet.containerd import CGROUP_FS, Containerd, remove_cgroup_trees
+from crust.kubelet.registry import LocalRegistry
+from tests.critest_images import PAUSE, REGISTRY_HOSTS, build_all, push_all
+from tests.cri_harness import KATA_HANDLER, OCI_RUNTIME, private_containerd
+from tests.csi_sanity import PROJECT, Tool
+from tests.harness import Root
+
+CRITEST = Tool("critest", "CRITEST", "kubernetes-sigs/cri-tools (cmd/critest, built with `go test -c`)")
+EXPECTATIONS = PROJECT / "docs" / "critest.yaml"
+CONFORMANCE_DOC = PROJECT / "docs" / "conformance.md"
+
+# The RuntimeClass a user names -> the handler critest is told
+# (--runtime-handler) -> what containerd runs for it.
+HANDLERS = {"runc": "runc", "crust-runc": "crust-runc", "crust-microvm": "crust"}
+# critest runs its pods below this cgroup parent when the runtime does not
+# say which cgroup driver it uses (containerd 1.6 does not).
+CRITEST_CGROUP_PARENT = "test.slice"
+
+# The groups of specs (top-level describe blocks, by their exact text) the
+# microVM runs in every CI run; the longer job (CRUST_CRITEST_MICROVM=all)
+# runs every group. See docs/conformance.md for the choice.
+MICROVM_CI_GROUPS = ("PodSandbox", "Container", "Security Context", "Streaming", "Runtime info", "Idempotence")
+MICROVM_ALL = os.environ.get("CRUST_CRITEST_MICROVM", "").lower() == "all"
+
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+
+
+GO_REGEXP_SPECIAL = set("\\.+*?()|[]{}^$")
+
+
+def exact_focus(names: set[str]) -> str:
+    """A ginkgo focus (a Go regular expression: no look-around) matching
+    exactly these specs by their full text. Ginkgo matches it against the
+    suite's description, a space and that text, so the match is anchored
+    at the end only: every name begins with "[k8s.io] ", which no name
+    holds elsewhere."""
+    escaped = ("".join("\\" + c if c in GO_REGEXP_SPECIAL else c for c in name) for name in sorted(names))
+    return "(" + "|".join(escaped) + ")$"
+
+
+def list_specs(critest: Path, workdir: Path) -> dict[str, "Spec"]:
+    """Every spec of this critest, from a dry run (nothing is called; a
+    spec a run would not skip up front shows as passed)."""
+    report = workdir / "dry-run.json"
+    subprocess.run([str(critest), "--ginkgo.dry-run", "--ginkgo.no-color", f"--ginkgo.json-report={report}"],
+                   capture_output=True, text=True, cwd=workdir, timeout=60)
+    return read_report(report)
+
+
+def group_specs(specs: dict[str, "Spec"], groups: tuple[str, ...]) -> set[str]:
+    """The specs of exactly these top-level groups ("Container" is not
+    "Container OOM")."""
+    wanted = {f"[k8s.io] {g}" for g in groups}
+    return {name for name, spec in specs.items() if spec.group in wanted and spec.state != SKIPPED}
+
+
+# -- the node ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class CritestNode:
+    root: Root
+    containerd: Containerd
+    registry: LocalRegistry
+
+
+def _cgroup_parent_exists() -> bool:
+    return CGROUP_FS.is_dir() and any((h / CRITEST_CGROUP_PARENT).exists() for h in CGROUP_FS.iterdir())
+
+
+@contextlib.contextmanager
+def critest_node() -> Iterator[CritestNode]:
+    """Everything critest talks to, closed (pods first) whatever happens."""
+    from tests.test_handler import Env
+
+    root = Root()
+    registry = LocalRegistry(root.path / "registry")
+    # critest's cgroup parent is removed at the end only if this run made it.
+    made_cgroup_parent = not _cgroup_parent_exists()
+    try:
+        registry.start()
+        push_all(registry, build_all())
+        env = Env(root)  # driver, shim, proxy and the mount-namespace handler
+        kata = root.handler(env.proxy, **KATA_HANDLER, extra=["--kata-dir", str(root.path / "kata")])
+        kata.start(timeout=900)  # the first start on a machine builds the guest image
+        handler_env = {"CRUST_HANDLER_ENDPOINT": f"unix://{env.handler.socket}",
+                       "CRUST_OCI_RUNTIME_STATE": str(root.path / "oci-runtime"),
+                       "CRUST_KATA_HANDLER_ENDPOINT": f"unix://{kata.socket}"}
+        with private_containerd(runtimes={"runc": "", "crust-runc": str(OCI_RUNTIME)},
+                                shim_runtimes={"crust": "io.containerd.crust.v2"}, env=handler_env,
+                                mirrors={host: registry.url for host in REGISTRY_HOSTS},
+                                pod_network=True, sandbox_image=PAUSE) as (containerd, _):
+            yield CritestNode(root, containerd, registry)
+    finally:
+        registry.close()
+        root.close()
+        if made_cgroup_parent:
+            # Our containerd and its containers are gone by now: a cgroup
+            # that cannot be removed holds processes of another critest run
+            # on this machine, which removes it when it ends.
+            remove_cgroup_trees(CRITEST_CGROUP_PARENT)
+    # As for every test's root: an unexpected exception in a daemon is a defect.
+    assert not root.unexpected, "a daemon hit an unexpected error:\n" + "\n".join(root.unexpected[:20])
+
+
+# -- a run -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    group: str  # the top-level describe block, e.g. "[k8s.io] Container"
+    state: str  # passed, failed, skipped, pending; panicked, timedout... count as failed
+    seconds: float
+    message: str = ""
+
+
+@dataclass
+class Run:
+    handler: str
+    specs: dict[str, Spec]
+    seconds: float
+    returncode: int
+    output: str
+    # spec -> how it failed the first time, for specs that passed when run
+    # once more alone (rerun_unexpected_failures)
+    flaked: dict[str, str] = field(default_factory=dict)
+
+    def named(self, state: str) -> set[str]:
+        return {n for n, s in self.specs.items() if s.state == state}
+
+    @property
+    def ran(self) -> set[str]:
+        return self.named(PASSED) | self.named(FAILED)
+
+    def counts(self) -> dict[str, int]:
+        return {"ran": len(self.ran), PASSED: len(self.named(PASSED)), FAILED: len(self.named(FAILED)),
+                SKIPPED: len(self.named(SKIPPED))}
+
+    def why(self, name: str) -> str:
+        """The first lines of a failed spec's failure."""
+        return " ".join(self.specs[name].message.split())[:300]
+
+
+def read_report(path: Path) -> dict[str, Spec]:
+    """ginkgo's JSON report: each It, by its full text."""
+    specs = {}
+    for suite in json.loads(path.read_text()):
+        for report in suite.get("SpecReports") or []:
+            if report.get("LeafNodeType") != "It":
+                continue
+            hierarchy = report.get("ContainerHierarchyTexts") or []
+            name = " ".join([*hierarchy, report["LeafNodeText"]])
+            state = report["State"]
+            if state not in (PASSED, SKIPPED, "pending"):
+                state = FAILED
+            failure = report.get("Failure") or {}
+            specs[name] = Spec(name, hierarchy[0] if hierarchy else "", state, report.get("RunTime", 0) / 1e9,
+                               failure.get("Message", ""))
+    return specs
+
+
+SHM = Path("/proc/sysvipc/shm")
+# The HostIpc specs make a segment of this size on the host (`ipcmk -M
+# 1048576`) and leave it there.
+CRITEST_SHM_BYTES = 1048576
+
+
+def shm_segments() -> dict[int, dict[str, int]]:
+    """The host's System V shared memory segments, by id."""
+    lines = SHM.read_text().splitlines()
+    header = lines[0].split()
+    return {int(row["shmid"]): row for row in (dict(zip(header, map(int, line.split()))) for line in lines[1:])}
+
+
+def remove_critest_segments(before: dict[int, dict[str, int]], since: float) -> list[str]:
+    """The segments critest's HostIpc specs made on the host during a run:
+    new since `before`, critest's size, made at or after `since`, attached
+    to nothing, their creator gone."""
+    removed = []
+    for shmid, row in shm_segments().items():
+        if (shmid in before or row["size"] != CRITEST_SHM_BYTES or row["nattch"] != 0
+                or row["ctime"] < int(since) or Path(f"/proc/{row['cpid']}").exists()):
+            continue
+        if subprocess.run(["ipcrm", "-m", str(shmid)], capture_output=True).returncode == 0:
+            removed.append(f"shm {shmid}")
+    return removed
+
+
+def run_critest(critest: Path, node: CritestNode, runtime_class: str, focus: str = "",
+                timeout: float = 1800, attempt: int = 1) -> Run:
+    """critest against the node's containerd for one handler; the whole
+    suite unless focused. The run is killed after timeout seconds; what its
+    HostIpc specs leave on the host is removed."""
+    work = node.root.path / f"critest-{runtime_class}"
+    work.mkdir(exist_ok=True)
+    report = work / f"report-{attempt}.json"
+    argv = [str(critest), f"--runtime-endpoint={node.containerd.endpoint}",
+            f"--image-endpoint={node.containerd.endpoint}", f"--runtime-handler={HANDLERS[runtime_class]}",
+            "--ginkgo.no-color", f"--ginkgo.json-report={report}", f"--ginkgo.timeout={int(timeout)}s",
+            # critest's benchmarks are not conformance (skipped by critest too).
+            "--ginkgo.skip=benchmark"]
+    if focus:
+        argv.append(f"--ginkgo.focus={focus}")
+    segments, wall_start = shm_segments(), time.time()
+    started = time.monotonic()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=work, timeout=timeout + 60)
+        returncode, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode, output = -9, f"critest ran past {timeout:g} s: {(exc.stdout or b'')[-3000:]!r}"
+    finally:
+        remove_critest_segments(segments, wall_start)
+    seconds = time.monotonic() - started
+    specs = read_report(report) if report.exists() else {}
+    return Run(runtime_class, specs, seconds, returncode, output)
+
+
+def rerun_unexpected_failures(critest: Path, node: CritestNode, run: Run, known: set[str],
+                              timeout: float = 900) -> Run:
+    """Failed specs on no list, run once more, alone. One that passes then
+    counts as passed and is kept in run.flaked with its first failure
+    (the test prints them): a spec that fails now and then is seen, while
+    a spec that fails every time still fails the test."""
+    again = run.named(FAILED) - known
+    if not again:
+        return run
+    second = run_critest(critest, node, run.handler, focus=exact_focus(again), timeout=timeout, attempt=2)
+    for name in sorted(again):
+        if name in second.specs and second.specs[name].state == PASSED:
+            run.flaked[name] = run.why(name)
+            run.specs[name] = second.specs[name]
+    run.seconds += second.seconds
+    return run
+
+
+# -- what does not pass here -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Expectations:
+    baseline: dict[str, str]  # spec -> why runc fails it here too
+    needs_registry: dict[str, str]  # spec -> why only a real registry can serve it
+    microvm: dict[str, dict]  # spec -> {reason, issue | vm_cannot}
+
+    def known_failures(self, runtime_class: str) -> set[str]:
+        known = set(self.baseline) | set(self.needs_registry)
+        return known | set(self.microvm) if runtime_class == "crust-microvm" else known
+
+
+def load_expectations(path: Path = EXPECTATIONS) -> Expectations:
+    data = yaml.safe_load(path.read_text())
+    return Expectations(
+        baseline={e["spec"]: e["reason"] for e in data["baseline"]},
+        needs_registry={e["spec"]: e["reason"] for e in data["needs_registry"]},
+        microvm={e["spec"]: {k: v for k, v in e.items() if k != "spec"} for e in data["microvm"]})
+
+
+def render_expectations(expectations: Expectations) -> str:
+    """The lists as docs/conformance.md shows them (between its markers)."""
+    def cell(text: str) -> str:
+        return " ".join(str(text).split()).replace("|", "\\|")
+
+    lines = ["Specs runc fails on this machine too (containerd 1.6, this host):", "",
+             "| spec | why |", "|---|---|"]
+    lines += [f"| {cell(spec)} | {cell(why)} |" for spec, why in sorted(expectations.baseline.items())]
+    lines += ["", "Specs that need a real registry (never counted as passing):", "",
+              "| spec | why |", "|---|---|"]
+    lines += [f"| {cell(spec)} | {cell(why)} |" for spec, why in sorted(expectations.needs_registry.items())]
+    by_issue = Counter(e.get("issue") or "vm" for e in expectations.microvm.values())
+    fixes = ", ".join(f"issue {i}: {by_issue[i]}" for i in sorted(k for k in by_issue if k != "vm"))
+    lines += ["", f"The microVM's exceptions ({len(expectations.microvm)} specs runc passes and "
+              f"crust-microvm does not yet; {fixes}; no VM runtime can: {by_issue['vm']}):", "",
+              "| spec | why | fixed by |", "|---|---|---|"]
+    for spec, entry in sorted(expectations.microvm.items()):
+        fixed = f"issue {entry['issue']}" if entry.get("issue") else f"none: {cell(entry['vm_cannot'])}"
+        lines.append(f"| {cell(spec)} | {cell(entry['reason'])} | {fixed} |")
+    return "\n".join(lines) + "\n"
+
+
+BEGIN_MARK = "<!-- critest expectations: rendered from docs/critest.yaml by tests/critest.py -->"
+END_MARK = "<!-- end of critest expectations -->"
+
+
+def documented_expectations(doc: Path = CONFORMANCE_DOC) -> str:
+    text = doc.read_text()
+    start, end = text.index(BEGIN_MARK) + len(BEGIN_MARK), text.index(END_MARK)
+    return text[start:end].strip("\n") + "\n"
+
+
+if __name__ == "__main__":
+    # `python -m tests.critest`: the block docs/conformance.md holds between its markers.
+    print(render_expectations(load_expectations()), end="")

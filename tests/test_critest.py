@@ -1,0 +1,185 @@
+"""The CRI conformance suite (critest, kubernetes-sigs/cri-tools) on every
+run, against one private containerd 1.6 with three runtime handlers: `runc`
+(the baseline), `crust-runc` (crust's OCI runtime) and `crust-microvm`
+(handler `crust`: crust's shim v2 and the microVM handler, under tcg here).
+No network: a local registry holds the images critest pulls
+(tests/critest_images.py), and containerd's hosts.toml mirrors every
+registry critest names to it.
+
+Spec by spec, by name:
+- runc's failures are exactly the baseline list of docs/critest.yaml (this
+  machine's and containerd 1.6's) and the specs that need a real registry;
+- crust-runc passes every spec runc passes in the same run, and fails
+  nothing but what runc fails;
+- crust-microvm fails nothing but those and its exceptions (the microvm
+  list: a reason and the issue that fixes each, or why a VM cannot), and
+  a listed spec that passes fails the test, so the lists stay true and only
+  shrink. In CI the microVM runs the groups tests/critest.MICROVM_CI_GROUPS
+  names; CRUST_CRITEST_MICROVM=all runs every group (the longer job,
+  README and docs/conformance.md).
+A failure on no list is run once more, alone, before it counts: one that
+passes then is reported as a warning naming the spec and its first failure
+(critest's OOM spec races containerd 1.6's runc shim, see
+docs/conformance.md), and one that fails again fails the test.
+
+critest is not part of crust: `../shared/bin/critest` beside the repository,
+or CRITEST naming a build of one's own. Without it this module is skipped;
+with CI=true it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import warnings
+
+import pytest
+
+from crust.kubelet import cni
+from crust.kubelet import registry as local_registry
+from tests.critest import (CRITEST, FAILED, HANDLERS, MICROVM_ALL, MICROVM_CI_GROUPS, PASSED, SKIPPED, Run,
+                           critest_node, documented_expectations, exact_focus, group_specs, list_specs,
+                           load_expectations, read_report, render_expectations, rerun_unexpected_failures,
+                           run_critest)
+from tests.csi_sanity import locate
+
+pytestmark = pytest.mark.slow
+
+CRITEST_PATH, CRITEST_PROBLEM = locate(CRITEST)
+IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
+if CRITEST_PROBLEM and not IN_CI:
+    pytest.skip(CRITEST_PROBLEM, allow_module_level=True)
+
+# runc and crust-runc take 1.5 to 2.5 minutes each here; the microVM about
+# 11 s a spec under tcg.
+TIMEOUTS = {"runc": 900, "crust-runc": 900, "crust-microvm": 3600 if MICROVM_ALL else 1500}
+
+
+@pytest.fixture(scope="module")
+def critest():
+    if CRITEST_PROBLEM:
+        pytest.fail(f"CI=true and critest is missing: {CRITEST_PROBLEM}", pytrace=False)
+    problems = [p for p in (local_registry.available(), cni.available()) if p]
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
+    return CRITEST_PATH
+
+
+@pytest.fixture(scope="module")
+def node(critest):
+    with critest_node() as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def runs(critest, node):
+    """Each handler's run, made once (crust-runc's test needs runc's)."""
+    made: dict[str, Run] = {}
+
+    def run(runtime_class: str) -> Run:
+        if runtime_class not in made:
+            focus = ""
+            if runtime_class == "crust-microvm" and not MICROVM_ALL:
+                focus = exact_focus(group_specs(list_specs(critest, node.root.path), MICROVM_CI_GROUPS))
+            first = run_critest(critest, node, runtime_class, focus=focus, timeout=TIMEOUTS[runtime_class])
+            made[runtime_class] = rerun_unexpected_failures(
+                critest, node, first, load_expectations().known_failures(runtime_class))
+        return made[runtime_class]
+
+    return run
+
+
+def summary(run: Run) -> str:
+    counts = run.counts()
+    line = (f"critest --runtime-handler={HANDLERS[run.handler]} ({run.handler}): ran {counts['ran']}, "
+            f"passed {counts[PASSED]}, failed {counts[FAILED]}, skipped {counts[SKIPPED]} in {run.seconds:.0f} s")
+    if run.flaked:
+        line += f"; {len(run.flaked)} passed only when run again: " + "; ".join(
+            f"{name} (first: {why[:160]})" for name, why in sorted(run.flaked.items()))
+    return line
+
+
+def check_against_lists(run: Run) -> None:
+    """Failures on no list, and listed specs that passed, fail the test."""
+    expected = load_expectations()
+    if not run.specs:
+        pytest.fail(f"critest for {run.handler} wrote no report (exit {run.returncode}):\n{run.output[-3000:]}",
+                    pytrace=False)
+    known = expected.known_failures(run.handler)
+    unexpected = sorted(run.named(FAILED) - known)
+    # The baseline is runc's: the microVM passing one of those (it runs no
+    # runc) says nothing about the list.
+    must_fail = known - set(expected.baseline) if run.handler == "crust-microvm" else known
+    listed_but_passed = sorted(run.named(PASSED) & must_fail)
+    problems = []
+    if unexpected:
+        problems.append(f"{len(unexpected)} specs failed that no list of docs/critest.yaml names:\n  "
+                        + "\n  ".join(f"{n}\n      {run.why(n)}" for n in unexpected))
+    if listed_but_passed:
+        problems.append(f"{len(listed_but_passed)} specs passed that docs/critest.yaml lists as failing "
+                        "(take them off the list):\n  " + "\n  ".join(listed_but_passed))
+    print(summary(run))
+    if run.flaked:
+        warnings.warn(f"critest, {run.handler}: passed only when run again: {summary(run)}", stacklevel=1)
+    if problems:
+        pytest.fail(f"{summary(run)}\n" + "\n".join(problems), pytrace=False)
+
+
+# -- the lists ----------------------------------------------------------------------------------------
+
+
+def test_the_lists_are_well_formed_and_disjoint():
+    expected = load_expectations()
+    lists = [set(expected.baseline), set(expected.needs_registry), set(expected.microvm)]
+    assert all(not (a & b) for i, a in enumerate(lists) for b in lists[i + 1:]), "a spec is on two lists"
+    for spec, entry in expected.microvm.items():
+        assert entry.get("reason"), f"{spec}: no reason"
+        assert (entry.get("issue") in (35, 36, 37)) != bool(entry.get("vm_cannot")), \
+            f"{spec}: name the issue that fixes it (35, 36, 37) or why a VM cannot, one of the two"
+
+
+def test_the_doc_shows_the_lists():
+    assert documented_expectations() == render_expectations(load_expectations()), \
+        "docs/conformance.md does not show docs/critest.yaml: paste `python -m tests.critest` between its markers"
+
+
+def test_the_ci_focus_selects_exactly_the_ci_groups(critest, tmp_path):
+    """The microVM's focus in CI, as critest itself applies it (a dry run):
+    every spec of the groups MICROVM_CI_GROUPS names, and nothing else
+    (not Container OOM or Container Mount ..., whose names begin alike)."""
+    everything = list_specs(critest, tmp_path)
+    chosen = group_specs(everything, MICROVM_CI_GROUPS)
+    assert {everything[n].group for n in chosen} == {f"[k8s.io] {g}" for g in MICROVM_CI_GROUPS}
+    assert not any(n.startswith(("[k8s.io] Container OOM", "[k8s.io] Container Mount")) for n in chosen)
+    report = tmp_path / "focused.json"
+    subprocess.run([str(critest), "--ginkgo.dry-run", "--ginkgo.no-color", f"--ginkgo.json-report={report}",
+                    f"--ginkgo.focus={exact_focus(chosen)}"], capture_output=True, text=True, cwd=tmp_path,
+                   timeout=60)
+    focused = read_report(report)
+    assert {n for n, s in focused.items() if s.state == PASSED} == chosen
+
+
+# -- the runs -----------------------------------------------------------------------------------------
+
+
+def test_critest_runc_fails_only_the_baseline(runs):
+    check_against_lists(runs("runc"))
+
+
+def test_critest_crust_runc_passes_every_spec_runc_passes(runs):
+    baseline, crust = runs("runc"), runs("crust-runc")
+    missing = sorted(baseline.named(PASSED) - crust.named(PASSED))
+    how = {n: f"{crust.specs[n].state}: {crust.why(n)}" if n in crust.specs else "not run" for n in missing}
+    assert not missing, (f"{summary(crust)}\n{summary(baseline)}\ncrust-runc does not pass {len(missing)} specs runc "
+                         "passes:\n  " + "\n  ".join(f"{n}: {how[n]}" for n in missing))
+    check_against_lists(crust)
+
+
+def test_critest_crust_microvm_fails_only_its_listed_exceptions(runs):
+    microvm = runs("crust-microvm")
+    check_against_lists(microvm)
+    # Each exception is a spec runc passes (else it belongs on the baseline).
+    baseline = runs("runc")
+    expected = load_expectations()
+    not_runc_passes = sorted(s for s in expected.microvm if s in baseline.specs and s not in baseline.named(PASSED))
+    assert not not_runc_passes, f"listed as the microVM's exceptions, but runc does not pass them: {not_runc_passes}"
