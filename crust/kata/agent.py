@@ -360,6 +360,11 @@ class AgentClient:
 
     # ------------------------------------------------ a pod's shared directory (agent 3)
 
+    async def share_mount(self, target: str, timeout: float = 60.0) -> None:
+        """Mount the VM's shared directory (virtio-fs, tag crust) at target;
+        already mounted there is success."""
+        await self.request("sharemount", target, timeout=timeout)
+
     async def container_bind(self, root: str, source: str, destination: str, readonly: bool) -> str:
         """Bind the guest path source at destination inside the container
         whose root is mounted at root; the destination is resolved inside

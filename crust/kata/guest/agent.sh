@@ -284,6 +284,24 @@ secure_join() {  # root path -> root + path, every symlink on the way resolved i
   echo "$root$cur"
 }
 
+cmd_sharemount() {  # target: the pod's shared directory (virtio-fs, tag crust) at target
+  [ $# -eq 1 ] || fail "usage: sharemount <target>"
+  check_path "$1"
+  line=$(mount_line "$1")
+  if [ -n "$line" ]; then
+    set -- $line
+    [ "$1" = crust ] && [ "$3" = virtiofs ] || fail "$2 is already a mount of $1 ($3)"
+    echo "mounted=1 already=1"
+    return 0
+  fi
+  load_fs_modules virtiofs
+  mkdir -p "$1" || fail "mkdir $1 failed"
+  # nodev: the host's device nodes never act in the guest; a container's
+  # root keeps suid/exec (its binaries run from there).
+  mount -t virtiofs -o nodev crust "$1" || fail "mount of the shared directory (virtio-fs tag crust) failed"
+  echo "mounted=1"
+}
+
 cmd_cbind() {  # root source destination-b64 ro|rw: bind source at destination inside a container's root
   # The destination is resolved inside root (secure_join): a link in the
   # image (data -> /run/crust) lands inside the container, never on the
@@ -723,6 +741,7 @@ dispatch() {
     wait) cmd_wait "$@" ;;
     bind) cmd_bind "$@" ;;
     cbind) cmd_cbind "$@" ;;
+    sharemount) cmd_sharemount "$@" ;;
     podtmpfs) cmd_podtmpfs "$@" ;;
     spawnfile) cmd_spawnfile "$@" ;;
     checkpath) cmd_checkpath "$@" ;;
