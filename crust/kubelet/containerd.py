@@ -378,11 +378,14 @@ class Containerd:
             forced += self.network.remove()
         shutil.rmtree(self.directory, ignore_errors=True)
         if self._made_shim_dir:
-            for path in (SHIM_SOCKETS / "s", SHIM_SOCKETS):
+            # Made for our shims (and the runc shim's state below it, e.g.
+            # runc/<namespace>): every directory left empty goes, deepest
+            # first; a file or another containerd's directory keeps it.
+            for top, _dirs, _files in sorted(os.walk(SHIM_SOCKETS), key=lambda w: -w[0].count("/")):
                 try:
-                    path.rmdir()
+                    os.rmdir(top)
                 except OSError:
-                    break
+                    pass
         return forced
 
     def _remove_pods(self) -> list[str]:
