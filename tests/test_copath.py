@@ -176,3 +176,23 @@ def test_limits_name_the_field():
     # Secrets are opaque: forwarded as they are, NUL and a long certificate included.
     limits.check(csi_pb2.NodeStageVolumeRequest(secrets={"cert": "a\x00" + "b" * 10000}))
     limits.check(csi_pb2.CreateVolumeRequest(name="v", volume_capabilities=[csi_pb2.VolumeCapability()]))
+
+
+def test_a_process_takes_what_the_kernel_takes():
+    """A process's args and env are bounded as execve bounds them (128 KiB a
+    string, 2 MiB in all), not by the bounds of other fields."""
+    from crust.api import handler_pb2
+
+    links = [f"SVC_{n}_SERVICE_HOST=10.96.0.{n % 256}" for n in range(280)]
+    script = "echo " + "x" * 5120
+    limits.check(handler_pb2.StartProcessRequest(container_id="c", exec_id="e", process=handler_pb2.ProcessSpec(
+        args=["/bin/sh", "-c", script], env=links + ["BIG=" + "v" * (limits.MAX_ARG_STRING - 4)])))
+    too_long = handler_pb2.ProcessSpec(args=["a" * (limits.MAX_ARG_STRING + 1)])
+    assert "process.args[0] is 131072 bytes" in refused(
+        limits.check, handler_pb2.StartProcessRequest(container_id="c", exec_id="e", process=too_long))
+    too_much = handler_pb2.ProcessSpec(args=["sh"], env=[f"V{n}=" + "v" * 100000 for n in range(25)])
+    assert "process.args and process.env hold" in refused(
+        limits.check, handler_pb2.StartProcessRequest(container_id="c", exec_id="e", process=too_much))
+    assert "NUL" in refused(limits.check, handler_pb2.ProcessSpec(env=["A=\x00"]))
+    # The other fields of the message keep their bounds.
+    assert "cwd is" in refused(limits.check, handler_pb2.ProcessSpec(cwd="/" * 5000))

@@ -28,6 +28,8 @@ from crust.contract.mountinfo import digest
 from crust.kata.direct_volume import entry_name
 from crust.kata.qemu import qemu_pids_under
 from crust.sys import loop as sysloop
+from crust.sys import mount as sysmount
+from crust.sys import proc
 from tests.harness import MIB
 from tests.test_handler import wait_until
 from tests.test_kata import anyone_mounts, holds_device, kata_env, make_loop_volume, usage_dict
@@ -507,3 +509,70 @@ def test_bad_requests_get_their_code_and_leave_nothing(pod_env):
     assert client.pods() == {} and kenv.claims() == []
     assert list((kenv.handler.state_dir / "pods").iterdir()) == []
     assert qemu_pids_under(kenv.handler.state_dir) == []
+
+
+def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env):
+    """The pod's shared directory: a read-only mount served by the VM's own
+    virtiofsd; each container's rootfs and host-path binds in it, live both
+    ways, read-only where the mount says so; a host path that leads to a
+    CSI volume's path is refused; nothing of it outlives the pod."""
+    from crust.kata import virtiofsd
+
+    kenv, client, watch = pod_env
+    ext4 = kenv.volume("pv-share-e", "ext4")
+    watch.watch(ext4.majmin)
+    sandbox_bundle = kenv.path / "bundles" / "share-sandbox"
+    sandbox_bundle.mkdir(parents=True)
+    (sandbox_bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "process": {"args": ["/p"]}}))
+    qemu = client.create_pod("share-pod", sandbox_bundle)
+    workdir = kenv.handler.state_dir / "run" / "share-pod"
+    served, writable = sysmount.at(str(workdir / "share")), sysmount.at(str(workdir / "share.rw"))
+    assert served is not None and served.readonly and writable is not None and not writable.readonly
+    daemons = [pid for pid in virtiofsd.pids_under(Path("/run"), kenv.handler.state_dir)
+               if f"source={workdir / 'share'}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    # Its namespace sandbox: the daemon and its child in a pid namespace of its own.
+    assert 1 <= len(daemons) <= 2, daemons
+
+    shared, conf = kenv.path / "shared-dir", kenv.path / "conf"
+    shared.mkdir()
+    conf.write_text("version 1\n")
+    script = "echo from-guest > /shared/out; cat /conf; { echo x > /conf; } 2>/dev/null || echo conf-read-only; " \
+             "touch /rootfile; echo READY; exec sleep 600"
+    one = container_bundle(kenv.path, "share-one", ["/bin/sh", "-c", script],
+                           [bind("/shared", shared), bind("/conf", conf, "ro")])
+    client.create_container("share-pod", "share-one", one)
+    client.start("share-one")
+    assert client.output_until("share-one", b"READY") == b"version 1\nconf-read-only\nREADY\n"
+    # The container's writes land on the host: in the bound directory, and
+    # in the bundle's rootfs (containerd's snapshot), nothing copied.
+    assert (shared / "out").read_text() == "from-guest\n"
+    assert (one / "rootfs" / "rootfile").exists()
+    # The host's later writes reach the container.
+    (shared / "later").write_text("from-host\n")
+    conf.write_text("version 2\n")
+    assert client.exec("share-one", "cat-1", ["cat", "/shared/later", "/conf"])[1] == b"from-host\nversion 2\n"
+    # In the share, only the binds: no deferred volume, no placeholder.
+    assert sorted(os.listdir(workdir / "share" / "share-one")) == ["binds", "rootfs", "run"]
+    assert sorted(os.listdir(workdir / "share" / "share-one" / "binds")) == ["0", "1"]
+
+    # A host path that is a link to a CSI volume's path: refused, nothing left.
+    link = kenv.path / "link-to-csi"
+    link.symlink_to(ext4.target)
+    linked = container_bundle(kenv.path, "share-link", ["/bin/true"], [bind("/data", link)])
+    with pytest.raises(grpc.RpcError) as refused:
+        client.create_container("share-pod", "share-link", linked)
+    assert refused.value.code() == Code.INVALID_ARGUMENT and "CSI volume" in refused.value.details(), \
+        refused.value.details()
+    assert list(client.pods()["share-pod"].container_ids) == ["share-one"]
+    assert not (workdir / "share.rw" / "share-link").exists()
+
+    assert client.delete_container("share-one").status == Status.STOPPED
+    assert not (workdir / "share.rw" / "share-one").exists()
+    client.delete_pod("share-pod")
+    wait_until(lambda: qemu not in qemu_pids_under(kenv.handler.state_dir), what="QEMU to exit")
+    wait_until(lambda: not any(proc.alive(proc.identify(pid)) for pid in daemons if proc.identify(pid)),
+               what="virtiofsd to exit")
+    assert [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(str(workdir))] == []
+    assert not (workdir / "share").exists() and not (workdir / "share.rw").exists()
+    assert (shared / "out").read_text() == "from-guest\n" and conf.read_text() == "version 2\n"
+    assert watch.stop() == [] and kenv.claims() == []

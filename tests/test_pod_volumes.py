@@ -29,13 +29,17 @@ from crust.kubelet import (ConfigMap, Container, DownwardAPI, DownwardAPIFile, E
 from crust.kubelet import image as images
 from crust.kubelet.atomic_writer import AtomicWriter, FileProjection, PayloadError
 from crust.kubelet.cri import KubeletRuntime, PodFailed, PodStatus, SyncError
+from crust.kubelet.containerd import Containerd
 from crust.kubelet.pod import SERVICE_ACCOUNT_MOUNT_PATH
 from crust.sys import mount as sysmount
 from tests.cri_harness import cri_microvm_node, cri_node, private_containerd
 from tests.test_handler import wait_until
 
 KNOWN_RUNTIME_CLASSES = ("runc", "crust-runc", "crust-microvm")
-RUNTIME_CLASSES = [name for name in os.environ.get("CRUST_POD_RUNTIME_CLASSES", "runc").split(",") if name]
+# runc is the baseline every case is checked against; crust-microvm shares
+# the pod's volumes with its VM through virtio-fs.
+RUNTIME_CLASSES = [name for name in os.environ.get("CRUST_POD_RUNTIME_CLASSES", "runc,crust-microvm").split(",")
+                   if name]
 # A container that keeps running until kubelet stops it, then exits 0.
 KEEP_RUNNING = "trap 'exit 0' TERM; sleep infinity & wait"
 # How soon a configMap update must be visible in a running container. With
@@ -64,6 +68,20 @@ class PodNode:
     image: images.Image
     runtime_class: str
     host_dir: Path  # where hostPath volumes of the tests point
+    containerd: Containerd
+
+    def image_with(self, tag: str, *files: images.File) -> str:
+        """The busybox image with a layer of these files on top, imported; its name."""
+        busybox = images.find_busybox()
+        made = images.assemble([images.layer_tar(busybox), images.layer_of(list(files))],
+                               {"Env": [f"PATH={images.PATH}"], "Cmd": ["sh"], "WorkingDir": "/"},
+                               created_by="crust tests")
+        archive = self.host_dir / f"{tag}.oci.tar"
+        name = f"{images.REPOSITORY}:{tag}"
+        made.write_archive(archive, name, tag)
+        self.containerd.import_image(images.Image(archive=archive, name=name, image_id=made.config_digest,
+                                                  busybox_version=""))
+        return name
 
     @property
     def volumes(self) -> VolumeManager:
@@ -129,13 +147,13 @@ def pod_node(runtime_class: str, root) -> Iterator[PodNode]:
                                      retry_seconds=0)
             try:
                 runtime.connect()
-                yield PodNode(runtime, image, runtime_class, host_dir)
+                yield PodNode(runtime, image, runtime_class, host_dir, containerd)
             finally:
                 runtime.close()
     elif runtime_class in ("crust-runc", "crust-microvm"):
         make = cri_node if runtime_class == "crust-runc" else cri_microvm_node
         with make(root) as node:
-            yield PodNode(node.runtime, node.image, runtime_class, host_dir)
+            yield PodNode(node.runtime, node.image, runtime_class, host_dir, node.containerd)
     else:
         raise ValueError(f"unknown RuntimeClass {runtime_class!r}: one of {KNOWN_RUNTIME_CLASSES}")
 
@@ -407,7 +425,8 @@ def test_host_path_volumes_are_read_and_written_both_ways(node):
         # Made by the volume manager as kubelet makes them.
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o755 and stat.S_IMODE(os.stat(file).st_mode) == 0o644
         app = node.status(pod, "app")
-        wait_until(lambda: (directory / "written").exists(), what="the container's write on the host")
+        wait_until(lambda: (directory / "written").exists() and (directory / "written").read_text() != "",
+                   what="the container's write on the host")
         assert (directory / "written").read_text() == "from-container\n"
         # Written on the host later: the container sees it.
         (directory / "later").write_text("from-host\n")
@@ -442,7 +461,11 @@ def test_a_memory_empty_dir_is_a_tmpfs_shared_by_the_containers(node):
             assert line.split()[2] == "tmpfs" and "size=16384k" in line, line
         node.run(one.id, "/bin/sh", "-c", "echo in-memory > /cache/note")
         assert node.run(two.id, "/bin/cat", "/cache/note") == b"in-memory\n"
-        assert (host / "note").read_text() == "in-memory\n"
+        if node.runtime_class == "crust-microvm":
+            # The guest's own tmpfs, shared by the pod's containers: no host memory.
+            assert not (host / "note").exists()
+        else:
+            assert (host / "note").read_text() == "in-memory\n"
         total_kib = int(node.run(two.id, "/bin/df", "-k", "/cache").decode().splitlines()[-1].split()[1])
         assert total_kib == limit // 1024
         # The size limit holds: more than it refuses with ENOSPC.
@@ -593,3 +616,72 @@ def test_nothing_of_the_pods_is_left_on_the_host(node):
         tmpfs = [m for m in mounts_below(node.volumes.pod_dir(pod)) if sysmount.at(m).fs_type == "tmpfs"]
         assert len(tmpfs) == 4  # ram, creds, sa, info
     assert directory.is_dir() and not (node.kubelet_root / "pods" / pod.uid).exists()
+
+
+def test_a_link_in_the_image_never_leads_a_mount_out_of_the_container(node):
+    """An image whose /data is a link to /run/crust (where crust's guest
+    keeps its own files) and an emptyDir at /data/out: the bind lands at
+    /run/crust/out inside the container, as runc resolves it, and the
+    container sees only the emptyDir there."""
+    image = node.image_with("link-to-run", images.File("run", is_dir=True, mode=0o755),
+                            images.File("data", link="/run/crust"))
+    out = VolumeMount("out", "/data/out")
+    pod = node.pod("linked", volumes={"out": EmptyDir()}, containers=[
+        Container("app", image, command=sh(f"echo mine > /data/out/f && echo secret-output && {KEEP_RUNNING}"),
+                  volume_mounts=[out]),
+        node.container("other", f"echo other-output && {KEEP_RUNNING}")])
+    with node.running(pod):
+        app = node.status(pod, "app")
+        assert app.state == cri.CONTAINER_RUNNING
+        host = node.volumes.path(pod, "out")
+        wait_until(lambda: (host / "f").exists(), what="the write through the link")
+        assert sorted(os.listdir(host)) == ["f"]
+        assert node.run(app.id, "/bin/ls", "-A", "/data/out").split() == [b"f"]
+        assert node.run(app.id, "/bin/ls", "-A", "/run/crust/out").split() == [b"f"]
+        # Nothing of the guest's (or the host's) /run/crust is in the container.
+        assert node.run(app.id, "/bin/ls", "-A", "/run/crust").split() == [b"out"]
+
+
+def test_exec_and_environments_of_the_sizes_runc_takes(node):
+    """Service links give a pod hundreds of variables; a script is one long
+    argument; a container may carry hundreds of KiB of environment. Only
+    the kernel's limits apply, and a big command never stalls another
+    container's exec."""
+    links = {f"SVC_{n}_SERVICE_HOST": f"10.96.{n // 256}.{n % 256}" for n in range(280)}
+    links["LONG_VALUE"] = "v" * 5120
+    big = {f"BIG_{n}": chr(ord("a") + n % 26) * 10240 for n in range(30)}   # 300 KiB
+    pod = node.pod("env", volumes={}, containers=[
+        node.container("links", KEEP_RUNNING, env=links),
+        node.container("big", KEEP_RUNNING, env=big)])
+    with node.running(pod):
+        small, large = node.status(pod, "links"), node.status(pod, "big")
+        assert (small.state, large.state) == (cri.CONTAINER_RUNNING, cri.CONTAINER_RUNNING)
+        seen = dict(line.split("=", 1) for line in node.run(small.id, "/bin/sh", "-c", "env").decode().splitlines()
+                    if "=" in line)
+        assert all(seen.get(k) == v for k, v in links.items())
+        # An exec with 280 variables of its own and a 5 KiB script.
+        script = "; ".join(f"test -n \"$SVC_{n}_SERVICE_HOST\"" for n in range(280)) + "; echo ${#LONG_VALUE}"
+        assert len(script) > 5000
+        out = node.runtime.exec_sync(small.id, ["/bin/sh", "-c", script])
+        assert (out.exit_code, out.stdout) == (0, b"5120\n"), out.stderr
+        assert node.run(large.id, "/bin/sh", "-c", "echo ${#BIG_29}") == b"10240\n"
+        # Execs into both at once: the small one answers while the big one's
+        # environment is read back.
+        import threading
+        times = {}
+
+        def timed(name, container_id, cmd):
+            began = time.monotonic()
+            result = node.runtime.exec_sync(container_id, cmd)
+            times[name] = (time.monotonic() - began, result.exit_code, len(result.stdout))
+
+        threads = [threading.Thread(target=timed, args=("big", large.id, ["/bin/sh", "-c", "env"])),
+                   threading.Thread(target=timed, args=("small", small.id, ["/bin/true"]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert times["big"][1] == 0 and times["big"][2] > 300 * 1024
+        assert times["small"][1] == 0
+        print(f"\nexecs under {node.runtime_class}: env of 300 KiB {times['big'][0]:.2f} s, "
+              f"/bin/true beside it {times['small'][0]:.2f} s")

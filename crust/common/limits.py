@@ -13,7 +13,12 @@ file system call, a log line or a record and end in INTERNAL:
   may be as long as the map's whole budget (certificates, kubeconfigs);
 - a repeated field has at most MAX_REPEATED entries;
 - a map has at most MAX_MAP_ENTRIES entries and MAX_MAP_BYTES of keys and
-  values together.
+  values together;
+- a process's args and env (ProcessSpec) are what the kernel takes for an
+  execve: any number of strings of at most MAX_ARG_STRING bytes each, at
+  most MAX_ARG_TOTAL in all. A pod in a namespace with many Services gets
+  hundreds of service-link variables, and a `sh -c` script is one long
+  argument: runc takes them, so crust does.
 
 The CSI spec suggests tighter limits (128-byte strings, 4 KiB maps) and lets
 a plugin enforce them; the shim and the proxy wrap drivers that do not keep
@@ -35,6 +40,12 @@ MAX_STRING = 4096
 MAX_REPEATED = 256
 MAX_MAP_ENTRIES = 256
 MAX_MAP_BYTES = 64 * 1024
+# Linux's MAX_ARG_STRLEN (32 pages, the terminating NUL included) and the
+# ARG_MAX that a default 8 MiB stack gives (a quarter of it).
+MAX_ARG_STRING = 32 * 4096 - 1
+MAX_ARG_TOTAL = 2 * 1024 * 1024
+_PROCESS_MESSAGES = {"ProcessSpec"}
+_PROCESS_FIELDS = {"args", "env"}
 
 # Fields whose values are opaque to crust and only forwarded.
 _OPAQUE_MAPS = {"secrets"}
@@ -42,8 +53,13 @@ _OPAQUE_MAPS = {"secrets"}
 
 def check(message: Message, prefix: str = "") -> None:
     """Raise InvalidArgument for the first field out of bounds."""
+    process = message.DESCRIPTOR.name in _PROCESS_MESSAGES
+    if process:
+        _check_process(message, prefix)
     for field, value in message.ListFields():
         name = prefix + field.name
+        if process and field.name in _PROCESS_FIELDS:
+            continue   # checked by _check_process
         if _is_map(field):
             _check_map(field, value, name)
         elif _is_repeated(field):
@@ -53,6 +69,17 @@ def check(message: Message, prefix: str = "") -> None:
                 _check_value(field, item, f"{name}[{i}]")
         else:
             _check_value(field, value, name)
+
+
+def _check_process(message: Message, prefix: str) -> None:
+    total = 0
+    for field_name in sorted(_PROCESS_FIELDS):
+        for i, item in enumerate(getattr(message, field_name)):
+            _check_string(item, f"{prefix}{field_name}[{i}]", allow_nul=False, limit=MAX_ARG_STRING)
+            total += len(item.encode("utf-8", "surrogatepass")) + 1
+    if total > MAX_ARG_TOTAL:
+        raise InvalidArgument(f"{prefix}args and {prefix}env hold {total} bytes; at most {MAX_ARG_TOTAL} are "
+                              "allowed (the kernel's ARG_MAX)")
 
 
 def _is_repeated(field: FieldDescriptor) -> bool:

@@ -357,3 +357,28 @@ class AgentClient:
     async def remount_readonly(self, target: str) -> None:
         """Make this one mount read-only (a container's read-only root)."""
         await self.request("readonly", target)
+
+    # ------------------------------------------------ a pod's shared directory (agent 3)
+
+    async def share_mount(self, target: str, timeout: float = 60.0) -> None:
+        """Mount the VM's shared directory (virtio-fs, tag crust) at target;
+        already mounted there is success."""
+        await self.request("sharemount", target, timeout=timeout)
+
+    async def container_bind(self, root: str, source: str, destination: str, readonly: bool) -> str:
+        """Bind the guest path source at destination inside the container
+        whose root is mounted at root; the destination is resolved inside
+        root (its links never lead out of it). Returns the guest path bound."""
+        answer = await self.request("cbind", root, source, b64(destination), "ro" if readonly else "rw")
+        return answer.fields["target"]
+
+    async def pod_tmpfs(self, name: str, subpath: str = "", size: str = "") -> str:
+        """The pod's guest tmpfs of that name (made on first use, of at most
+        size, e.g. "16384k"; the kernel's default otherwise) and a directory
+        subpath in it; returns the directory's guest path."""
+        return (await self.request("podtmpfs", name, b64(subpath), size or "-")).fields["path"]
+
+    async def spawn_file(self, name: str, script: str) -> int:
+        """As spawn, the command being the shell script at the guest path
+        script (in the pod's share): any size the kernel takes."""
+        return (await self.request("spawnfile", name, script)).int("pid")

@@ -73,7 +73,10 @@ FS_MODULES = {"ext4": ("ext4",), "xfs": ("xfs",),
               "crypt": ("dm_crypt", "xts", "ecb", "algif_skcipher"),
               # crust.dev/integrity: dm-integrity under dm-crypt, and the
               # authenc template that pairs the cipher with the HMAC.
-              "integrity": ("dm_integrity", "authenc")}
+              "integrity": ("dm_integrity", "authenc"),
+              # A pod's shared directory (agent's sharemount): FUSE and its
+              # virtio transport.
+              "virtiofs": ("fuse", "virtiofs")}
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ class Flavor:
 
 
 FLAVORS = {
-    # Small, virtio-oriented; no 9p. ext4 is built in.
+    # Small, virtio-oriented; no 9p, but virtio-fs. ext4 is built in.
     "cloud": Flavor("cloud", "linux-image-cloud-amd64", BOOT_MODULES, FS_MODULES),
     # Debian's generic kernel: ext4 is a module, and it has 9p over virtio
     # (for sharing a host directory later).

@@ -2,21 +2,34 @@
 microVM handler, for containerd's crust shim.
 
 One VM per pod (a KataSandbox without a process of its own: the sandbox
-container is the VM), every container of the pod inside it:
+container is the VM), every container of the pod inside it. The pod has one
+shared directory (crust.kata.share) that its virtiofsd serves and the guest
+mounts once at GUEST_SHARE:
 
-- a container's root file system is an ext4 image made on the host from the
-  bundle's rootfs with `mkfs.ext4 -d` (the host writes the image, never
-  mounts it), hot-plugged as a virtio-blk disk and mounted by the guest at
-  /run/crust/containers/<id>/rootfs, with /proc, a small /dev and /tmp;
+- a container's root file system is a bind of the bundle's rootfs
+  (containerd's snapshot) in the share, bound by the guest at
+  /run/crust/containers/<id>/rootfs, with /proc, a small /dev and /tmp:
+  nothing is copied, and the container's writes land where runc's would;
+- a host-path bind (emptyDir, configMap, secret, projected, downward API,
+  hostPath, /etc/hosts and the like) is a bind in the share, read-only
+  where the mount says so, and bound into the container by the guest: every
+  container of the pod sees the same directory, the host's updates (the
+  atomic writer's renamed ..data) arrive and the container's writes reach
+  the host;
+- an emptyDir of medium Memory and the pod's /dev/shm are tmpfs in the
+  guest, one per pod, shared by its containers (no host memory);
 - a bind whose source is a deferred volume (or a Kata direct volume) is
   resolved, claimed for the pod, device-checked, hot-plugged and mounted by
   the guest once per pod (the handler's own machinery), then bound into the
-  container's root; other host paths are copied into the image at create
-  and bound read-only when the mount says so;
+  container's root; the share never holds a deferred target or a block
+  device's file system;
+- every destination is resolved inside the container's root (the agent's
+  secure_join: a link in the image never leads a bind out of it);
 - a process runs as `env -i <env> unshare --root=<root> --wd=<cwd>
-  --setuid U --setgid G -- <args>`, its stdout and stderr written to files
-  in the guest, read back by offset (ReadOutput); its exit code is the
-  agent's.
+  --setuid U --setgid G -- <args>`, written as a script into the share (so
+  a command of any size the kernel takes never travels as one serial
+  line), its stdout and stderr written to files in the guest, read back by
+  offset (ReadOutput); its exit code is the agent's.
 
 A pod is a sandbox of the RuntimeHandler (its record, its volumes, stats,
 expansion, the reaper, adoption after a restart are the handler's); what
@@ -28,6 +41,7 @@ the VM dies, every process that had not exited is STOPPED with exit code
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import os
@@ -42,19 +56,17 @@ from typing import AsyncIterator, ClassVar
 from pydantic import BaseModel, Field
 
 from crust.api import handler_pb2
-from crust.common.errors import (Aborted, AlreadyExists, CrustError, FailedPrecondition, InvalidArgument, NotFound,
-                                 Unavailable)
-from crust.common.private import make_dirs
+from crust.common.errors import Aborted, AlreadyExists, CrustError, FailedPrecondition, InvalidArgument, NotFound
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata.agent import AgentError, AgentRefused
 from crust.kata.qemu import Vm, VmError
 from crust.kata.sandbox import KataSandbox
+from crust.kata.share import GUEST_SHARE, PodShare, ShareError
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
 from crust.runtime_handler.oci import load_requested_bundle
 from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes
-from crust.sys import fsimage
-from crust.sys.run import CommandError
+from crust.sys import mount as mounts
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +78,10 @@ UNSHARE = "/sbin/unshare"     # util-linux's, in the guest image (crust.kata.ima
 # Mounts the OCI spec lists that the guest gives the container itself
 # (/proc, /dev, /tmp) or that a VM has no use for.
 PSEUDO_TYPES = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2", "shm"}
+# kubelet's directories (crust/kubelet/volumes.py has the layout).
+EMPTY_DIR = "kubernetes.io~empty-dir"
+SUBPATHS = "volume-subpaths"
+SHM_TMPFS = ".shm"            # the pod's /dev/shm (a name no emptyDir can have)
 READ_CHUNK = 32768            # bytes per readout answer (a serial line carries them: 44 KiB of base64)
 POLL = 0.2                    # seconds between looks at a running process
 VM_GONE_EXIT_CODE = 255
@@ -88,8 +104,10 @@ class ProcessRecord(BaseModel):
 class ContainerRecord(BaseModel):
     container_id: str
     bundle: str
-    image: str                  # the root file system image on the host
-    serial: str                 # its virtio serial
+    # A root file system image of crust 0.x (made by copying, hot-plugged
+    # under this serial): only in records of pods started before the share.
+    image: str = ""
+    serial: str = ""
     # Deferred volumes (the pod record's keys) -> this container's views.
     volumes: dict[str, list[VolumeView]] = Field(default_factory=dict)
     processes: dict[str, ProcessRecord] = Field(default_factory=dict)  # by exec id, "" the container's own
@@ -117,10 +135,6 @@ def output_name(sandbox_id: str, container_id: str, exec_id: str) -> str:
     return f"{digest}-{secrets.token_hex(4)}"
 
 
-def rootfs_serial(sandbox_id: str, container_id: str) -> str:
-    return "r" + hashlib.sha256(f"{sandbox_id}\0{container_id}".encode()).hexdigest()[:19]
-
-
 def command_line(root: str, process: ProcessRecord) -> str:
     """The guest's shell line: the working directory made (as runc makes
     it; unshare --wd refuses one that is still missing, a read-only root),
@@ -136,6 +150,39 @@ def command_line(root: str, process: ProcessRecord) -> str:
 
 def _is_bind(m) -> bool:
     return m.type == "bind" or "bind" in m.options or "rbind" in m.options
+
+
+def _tmpfs_size(entry) -> str:
+    return next((o.split("=", 1)[1] for o in entry.super_options if o.startswith("size=")), "")
+
+
+def memory_empty_dir(source: str) -> tuple[str, str, str] | None:
+    """(name, subpath, size) when source is an emptyDir of medium Memory (a
+    tmpfs kubelet mounted at pods/<uid>/volumes/kubernetes.io~empty-dir/<name>)
+    or kubelet's bind of a subPath of one (pods/<uid>/volume-subpaths/<name>/
+    <container>/<index>, a bind of a directory in that tmpfs); size is the
+    tmpfs's size= option (kubelet's sizeLimit or the node's bound), which
+    the guest's tmpfs keeps."""
+    parts = source.split("/")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i - 1] != "pods":
+            continue
+        pod_dir, rest = "/".join(parts[: i + 1]), parts[i + 1:]
+        if len(rest) >= 3 and rest[0] == "volumes" and rest[1] == EMPTY_DIR:
+            top = mounts.at(f"{pod_dir}/volumes/{EMPTY_DIR}/{rest[2]}")
+            if top is not None and top.fs_type == "tmpfs":
+                return rest[2], "/".join(rest[3:]), _tmpfs_size(top)
+        elif len(rest) == 4 and rest[0] == SUBPATHS:
+            top = mounts.at(f"{pod_dir}/volumes/{EMPTY_DIR}/{rest[1]}")
+            bound = mounts.at(source)
+            if (top is not None and bound is not None and top.fs_type == "tmpfs"
+                    and (bound.major, bound.minor) == (top.major, top.minor)):
+                inside = os.path.relpath(bound.root, top.root)
+                if inside == ".." or inside.startswith("../"):
+                    return None
+                return rest[1], "" if inside == "." else inside, _tmpfs_size(top)
+        return None
+    return None
 
 
 class Pods:
@@ -162,12 +209,14 @@ class Pods:
 
     async def start(self) -> None:
         """After the handler recovered its sandboxes: a pod whose VM was
-        adopted gets its containers' disks back in the VM's table."""
+        adopted gets back what it had (a root file system disk of a pod
+        started before the share, in the VM's table)."""
         for pod_id, pod in self.pods.items():
             sandbox = self._sandbox(pod_id)
             if sandbox is not None and sandbox.alive():
                 for c in pod.containers.values():
-                    sandbox.vm.disks[c.serial] = Vm._disk(c.serial, c.image, readonly=False)
+                    if c.serial:
+                        sandbox.vm.disks[c.serial] = Vm._disk(c.serial, c.image, readonly=False)
         self._watcher = asyncio.create_task(self._watch_forever())
 
     async def stop(self) -> None:
@@ -264,6 +313,9 @@ class Pods:
     def _workdir(self, pod_id: str) -> Path:
         return self.handler._workdir(pod_id)
 
+    def _share(self, pod_id: str) -> PodShare:
+        return PodShare(self._workdir(pod_id))
+
     # -- pods --------------------------------------------------------------------------------
 
     async def create_pod(self, sandbox_id: str, bundle: str) -> int:
@@ -282,10 +334,20 @@ class Pods:
                 if sandbox_id in self.handler.sandboxes:
                     raise AlreadyExists(f"sandbox_id {sandbox_id!r} is a sandbox of this handler, not a pod")
                 await asyncio.wait_for(self.handler.registration.registered.wait(), 10)
+                share = self._share(sandbox_id)
                 sandbox = self.handler.make_sandbox(sandbox_id, self._workdir(sandbox_id), None, None)
                 record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
                 pod = PodRecord(sandbox_id=sandbox_id, bundle=bundle)
-                await sandbox.start()
+                try:
+                    served = await asyncio.to_thread(share.set_up)
+                    # This VM's own config: the handler's is shared by all its sandboxes.
+                    sandbox.vm.config = dataclasses.replace(sandbox.vm.config, shared_dir=served)
+                    await sandbox.start()
+                    await sandbox._agent(sandbox.vm.agent.share_mount(GUEST_SHARE))
+                except BaseException:
+                    await sandbox.stop()
+                    await asyncio.to_thread(self._tear_down_share, sandbox_id)
+                    raise
                 record.pid = sandbox.pid
                 identity = sandbox.identity
                 record.pid_start = identity.start if identity is not None else 0
@@ -298,6 +360,7 @@ class Pods:
                     self.pods.pop(sandbox_id, None)
                     self.handler.sandboxes.pop(sandbox_id, None)
                     await sandbox.stop()
+                    await asyncio.to_thread(self._tear_down_share, sandbox_id)
                     await self.records.delete(sandbox_id)
                     await self.handler.records.delete(sandbox_id)
                     raise
@@ -313,10 +376,21 @@ class Pods:
                 return
             await self._mark_gone(sandbox_id, f"the pod {sandbox_id} was deleted")
             await asyncio.to_thread(shutil.rmtree, self._workdir(sandbox_id) / "containers", True)
+            try:
+                await asyncio.to_thread(self._share(sandbox_id).tear_down)
+            except (ShareError, OSError) as exc:
+                raise FailedPrecondition(f"pod {sandbox_id}: its shared directory: {exc}") from None
             self.pods.pop(sandbox_id, None)
             await self.records.delete(sandbox_id)
         self.locks.pop(sandbox_id, None)
         log.info("pod deleted", extra={"fields": {"sandbox": sandbox_id}})
+
+    def _tear_down_share(self, sandbox_id: str) -> None:
+        try:
+            self._share(sandbox_id).tear_down()
+        except (ShareError, OSError) as exc:
+            log.error("could not remove a pod's shared directory", extra={"fields": {
+                "sandbox": sandbox_id, "error": str(exc)}})
 
     def list_pods(self) -> list[handler_pb2.PodInfo]:
         out = []
@@ -351,42 +425,34 @@ class Pods:
                 raise Aborted(f"container_id {container_id!r} is being created; retry later")
             _, _, pod = self._live(sandbox_id)
             self._creating.add(container_id)
-        image_dir = self._workdir(sandbox_id) / "containers" / container_id
         try:
-            # Resolving (up to ENTRY_WAIT for a new entry) and the image (a
-            # copy of the root file system) without the pod's lock: the other
-            # containers' starts, execs and deletes go on meanwhile.
-            binds, copies = await self._plan(spec)
+            # Resolving (up to ENTRY_WAIT for a new entry) without the pod's
+            # lock: the other containers' starts, execs and deletes go on meanwhile.
+            binds = await self._plan(spec)
             user = spec.process.user
             c = ContainerRecord(
-                container_id=container_id, bundle=bundle, serial=rootfs_serial(sandbox_id, container_id),
-                image=str(image_dir / "rootfs.img"), readonly_root=bool(spec.root and spec.root.readonly),
+                container_id=container_id, bundle=bundle, readonly_root=bool(spec.root and spec.root.readonly),
                 processes={"": ProcessRecord(args=spec.process.args, env=spec.process.env, cwd=spec.process.cwd,
                                              uid=user.uid if user else 0, gid=user.gid if user else 0)})
             started = time.monotonic()
-            await self._make_image(c, rootfs, copies)
-            made = time.monotonic() - started
             async with self.locks[sandbox_id]:
-                try:
-                    sandbox, record, pod = self._live(sandbox_id)
-                    with self.handler.inflight.hold(sandbox_id, container_id):
-                        await self._attach_container(sandbox, record, pod, c, binds, copies)
-                except BaseException:
-                    if container_id not in pod.containers:   # undone, or never recorded
-                        await asyncio.to_thread(shutil.rmtree, image_dir, True)
-                    raise
+                sandbox, record, pod = self._live(sandbox_id)
+                with self.handler.inflight.hold(sandbox_id, container_id):
+                    await self._attach_container(sandbox, record, pod, c, rootfs, binds)
         finally:
             self._creating.discard(container_id)
         log.info("container created", extra={"fields": {
-            "sandbox": sandbox_id, "container": container_id, "image_s": round(made, 3),
-            "volumes": len(c.volumes), "copies": len(copies)}})
+            "sandbox": sandbox_id, "container": container_id, "seconds": round(time.monotonic() - started, 3),
+            "volumes": len(c.volumes), "binds": len(binds)}})
 
-    async def _plan(self, spec) -> tuple[list[tuple], list]:
-        """The binds in the spec's order, each (mount, resolved volume or
-        None, direct?), and the host-path ones among them (copied into the
-        image); refuses a deferred target that has no entry before anything
-        is touched."""
-        binds, copies = [], []
+    async def _plan(self, spec) -> list[tuple]:
+        """The binds in the spec's order, each (mount, kind, what): kind
+        "volume" (what: the resolved deferred volume and whether it is a
+        Kata direct volume), "tmpfs" (what: the pod tmpfs's name and a
+        subpath in it) or "host" (what: None, a bind through the share).
+        Refuses a deferred target that has no entry, and a host path that
+        leads to a CSI volume's path, before anything is touched."""
+        binds = []
         for m in spec.mounts:
             if not _is_bind(m):
                 if m.type not in PSEUDO_TYPES:
@@ -401,48 +467,80 @@ class Pods:
                     resolved, direct = await self.handler._wait_resolve(m.source)
             except SubpathEscapes as exc:
                 raise InvalidArgument(str(exc)) from None
-            if resolved is None:
-                if CSI_DIR in m.source.split("/"):
-                    self.handler._refuse_unseen_deferred(m.source)
-                if not os.path.lexists(m.source):
-                    raise FailedPrecondition(f"mount {m.destination}: source {m.source} does not exist")
-                copies.append(m)
-            binds.append((m, resolved, direct))
-        return binds, copies
+            if resolved is not None:
+                binds.append((m, "volume", (resolved, direct)))
+                continue
+            if CSI_DIR in m.source.split("/"):
+                self.handler._refuse_unseen_deferred(m.source)
+            if not os.path.lexists(m.source):
+                raise FailedPrecondition(f"mount {m.destination}: source {m.source} does not exist")
+            real = os.path.realpath(m.source)
+            if CSI_DIR in real.split("/"):
+                # A link (or a bind of kubelet's) to a CSI volume's path: that
+                # is a deferred volume's target or its placeholder, which
+                # reaches a container only as the volume, through its claim.
+                raise InvalidArgument(f"mount {m.destination}: source {m.source} leads to a CSI volume's path "
+                                      f"({real}); a CSI volume is mounted by its own path only")
+            if m.destination == "/dev/shm":
+                binds.append((m, "tmpfs", (SHM_TMPFS, "", "")))
+                continue
+            memory = memory_empty_dir(m.source)
+            binds.append((m, "tmpfs", memory) if memory is not None else (m, "host", None))
+        return binds
 
     async def _attach_container(self, sandbox: KataSandbox, record: SandboxRecord, pod: PodRecord,
-                                c: ContainerRecord, binds: list[tuple], copies: list) -> None:
-        """The container's image and volumes into the guest; undone on failure."""
+                                c: ContainerRecord, rootfs: Path, binds: list[tuple]) -> None:
+        """The container's root and binds into the share and the guest; undone on failure."""
         container_id = c.container_id
+        share = self._share(pod.sandbox_id)
+        agent = sandbox.vm.agent
         pod.containers[container_id] = c   # recorded before the guest sees it: a delete knows what to undo
         await self.records.put(pod.sandbox_id, pod)
         new_volumes: list[str] = []
         try:
-            await sandbox._agent(sandbox.vm.attach_disk(c.image, c.serial, kind="file"))
-            await sandbox._agent(sandbox.vm.agent.mount(c.serial, "ext4", [], False, c.root))
-            await sandbox._agent(sandbox.vm.agent.container_setup(c.root))
+            try:
+                guest_rootfs = await asyncio.to_thread(share.add_rootfs, container_id, rootfs)
+            except (ShareError, OSError) as exc:
+                raise FailedPrecondition(f"container {container_id}: its root file system {rootfs} cannot be "
+                                         f"shared with the VM: {exc}") from None
+            await sandbox._agent(agent.bind(guest_rootfs, c.root, readonly=False))
+            await sandbox._agent(agent.container_setup(c.root))
             # In the spec's order: a later bind may land inside an earlier one.
-            for m, resolved, direct in binds:
-                if resolved is None:
-                    await sandbox.bind(f"{c.root}/.crust/binds/{copies.index(m)}", c.root + m.destination,
-                                       readonly="ro" in m.options)
+            for n, (m, kind, what) in enumerate(binds):
+                readonly = "ro" in m.options
+                if kind == "host":
+                    try:
+                        source = await asyncio.to_thread(share.add_bind, container_id, n, m.source, readonly)
+                    except (ShareError, OSError) as exc:
+                        raise FailedPrecondition(f"mount {m.destination}: {m.source} cannot be shared with the "
+                                                 f"VM: {exc}") from None
+                    await sandbox._agent(agent.container_bind(c.root, source, m.destination, readonly))
                     continue
+                if kind == "tmpfs":
+                    name, subpath, size = what
+                    source = await sandbox._agent(agent.pod_tmpfs(name, subpath, size))
+                    await sandbox._agent(agent.container_bind(c.root, source, m.destination, readonly))
+                    continue
+                resolved, direct = what
                 key = resolved.digest
-                view = VolumeView(destination=c.root + m.destination, subpath=resolved.subpath,
-                                  readonly="ro" in m.options)
+                view = VolumeView(destination=c.root + m.destination, subpath=resolved.subpath, readonly=readonly)
                 if key not in record.volumes:
                     new_volumes.append(key)
                     await self.handler._mount_volume(sandbox, record, key, resolved.info, [], direct)
                     await self.handler.records.put(pod.sandbox_id, record)
                 volume = record.volumes[key]
-                await sandbox.bind_volume(volume.mount_point, view.subpath, view.destination,
-                                          readonly=view.readonly or volume.readonly)
+                source = volume.mount_point
+                if view.subpath:
+                    await sandbox.check_subpath(volume.mount_point, view.subpath)
+                    source = f"{volume.mount_point}/{view.subpath}"
+                view.destination = await sandbox._agent(agent.container_bind(
+                    c.root, source, m.destination, view.readonly or volume.readonly))
                 volume.views.append(view)
                 c.volumes.setdefault(key, []).append(view)
             if c.readonly_root:
-                # This mount of the image only, once every mount point below
+                # This mount of the root only, once every mount point below
                 # it was made: the binds and /proc, /dev, /tmp keep their modes.
-                await sandbox._agent(sandbox.vm.agent.remount_readonly(c.root))
+                await sandbox._agent(agent.remount_readonly(c.root))
             await self.handler.records.put(pod.sandbox_id, record)
             await self.records.put(pod.sandbox_id, pod)
         except BaseException as exc:
@@ -457,32 +555,11 @@ class Pods:
                     "sandbox": pod.sandbox_id, "container": container_id, "error": undo.message}})
             raise
 
-    async def _make_image(self, c: ContainerRecord, rootfs: Path, copies: list) -> None:
-        """The container's root file system image: the rootfs tree, and each
-        host-path bind's source copied under /.crust/binds/<n>."""
-        image = Path(c.image)
-        make_dirs(image.parent)
-        content = fsimage.Content()
-        content.add(rootfs)
-        for m in copies:
-            content.add(Path(m.source))
-        try:
-            await fsimage.make_ext4(image, rootfs, content, label=c.container_id)
-            if copies:
-                commands = ["mkdir /.crust", "sif /.crust mode 040700", "mkdir /.crust/binds"]
-                for n, m in enumerate(copies):
-                    commands += fsimage.debugfs_copy_commands(Path(m.source), f"/.crust/binds/{n}")
-                await fsimage.debugfs_write(image, commands, image.parent / "copies.debugfs")
-        except (CommandError, OSError, ValueError) as exc:
-            shutil.rmtree(image.parent, ignore_errors=True)
-            raise FailedPrecondition(f"container {c.container_id}: could not make its root file system image: "
-                                     f"{exc}") from None
-
     async def _remove_container(self, sandbox: KataSandbox | None, record: SandboxRecord | None, pod: PodRecord,
                                 c: ContainerRecord) -> None:
         """Unmount the container's root and binds in the guest, give back the
-        volumes no other container of the pod uses, detach and delete its image.
-        Every step may run again."""
+        volumes no other container of the pod uses, take its binds out of the
+        share. Every step may run again."""
         errors: list[str] = []
         alive = sandbox is not None and sandbox.alive()
         if alive:
@@ -511,15 +588,21 @@ class Pods:
                 c.volumes.pop(key, None)
             if pod.sandbox_id in self.handler.sandboxes:
                 await self.handler.records.put(pod.sandbox_id, record)
-        if alive and c.serial in sandbox.vm.disks:
+        if alive and c.serial and c.serial in sandbox.vm.disks:
             try:
                 await sandbox._agent(sandbox.vm.detach_disk(c.serial))
             except (CrustError, VmError) as exc:
                 errors.append(getattr(exc, "message", str(exc)))
+        if not errors:
+            try:
+                await asyncio.to_thread(self._share(pod.sandbox_id).remove_container, c.container_id)
+            except (ShareError, OSError) as exc:
+                errors.append(f"its binds in the pod's shared directory: {exc}")
         if errors:
             await self.records.put(pod.sandbox_id, pod)
             raise FailedPrecondition(f"container {c.container_id} cleaned up with errors: {'; '.join(errors)}")
-        await asyncio.to_thread(shutil.rmtree, Path(c.image).parent, True)
+        if c.image:
+            await asyncio.to_thread(shutil.rmtree, Path(c.image).parent, True)
         if alive:
             for p in c.processes.values():
                 if p.name:
@@ -592,7 +675,17 @@ class Pods:
                     raise InvalidArgument("process.args: a NUL byte")
             p.name = output_name(pod.sandbox_id, container_id, exec_id)
             await self.records.put(pod.sandbox_id, pod)
-            p.pid = await sandbox._agent(sandbox.vm.agent.spawn(p.name, command_line(c.root, p)))
+            share = self._share(pod.sandbox_id)
+            try:
+                script = await asyncio.to_thread(share.write_script, container_id, p.name, command_line(c.root, p))
+            except (ShareError, OSError) as exc:
+                raise FailedPrecondition(f"process {exec_id or container_id}: its command cannot be written to "
+                                         f"the pod's shared directory: {exc}") from None
+            try:
+                p.pid = await sandbox._agent(sandbox.vm.agent.spawn_file(p.name, script))
+            finally:
+                # The guest's sh has read it (or never will): the share keeps no commands.
+                await asyncio.to_thread(share.remove_script, container_id, p.name)
             await self.records.put(pod.sandbox_id, pod)
         log.info("process started", extra={"fields": {"sandbox": pod.sandbox_id, "container": container_id,
                                                       "exec": exec_id, "pid": p.pid}})

@@ -36,6 +36,7 @@ from crust.common.aio import first_done
 from crust.common.private import make_dirs, open_new
 from crust.kata.agent import AgentClient, AgentError, GuestGone
 from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
+from crust.kata.virtiofsd import Virtiofsd, VirtiofsdError
 from crust.sys import proc
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ class VmConfig:
     cmdline: str = "console=ttyS0 quiet panic=-1"
     qemu_binary: str = "qemu-system-x86_64"
     extra_args: tuple[str, ...] = ()
+    # A host directory the guest mounts with virtio-fs (tag "crust"), served
+    # by a virtiofsd of this VM's own (a pod's share: crust.kata.share).
+    shared_dir: Path | None = None
 
 
 @dataclass
@@ -118,6 +122,8 @@ class Vm:
         self.agent_socket = self.socket_dir / "agent.sock"
         self.qmp_socket = self.socket_dir / "qmp.sock"
         self.pidfile = workdir / "qemu.pid"
+        self.fs_socket = self.socket_dir / "fs.sock"
+        self.virtiofsd: Virtiofsd | None = None
         self.disks: dict[str, Disk] = {}
         self.boot_seconds: float | None = None
         self.agent = AgentClient(str(self.agent_socket))
@@ -141,8 +147,19 @@ class Vm:
             "-serial", "chardev:agent",                                  # ttyS1: agent
             "-qmp", f"unix:{self.qmp_socket},server=on,wait=off",
             "-pidfile", str(self.pidfile),
+            *self._shared_dir_args(),
             *c.extra_args,
         ]
+
+    def _shared_dir_args(self) -> list[str]:
+        """vhost-user-fs needs the guest's RAM shareable with virtiofsd: a
+        memfd backend for all of it, one NUMA node."""
+        if self.config.shared_dir is None:
+            return []
+        return ["-object", f"memory-backend-memfd,id=mem,size={self.config.memory_mib}M,share=on",
+                "-numa", "node,memdev=mem",
+                "-chardev", f"socket,id=vfs,path={self.fs_socket}",
+                "-device", "vhost-user-fs-pci,chardev=vfs,tag=crust"]
 
     @property
     def pid(self) -> int:
@@ -238,6 +255,12 @@ class Vm:
         for stale in (self.agent_socket, self.qmp_socket, self.pidfile, self.console_log):
             stale.unlink(missing_ok=True)
         started = time.monotonic()
+        if self.config.shared_dir is not None:
+            self.virtiofsd = Virtiofsd(self.workdir, self.fs_socket, self.config.shared_dir)
+            try:
+                await self.virtiofsd.start()
+            except (VirtiofsdError, OSError) as exc:
+                raise VmError(f"vm {self.name}: its shared directory: {exc}") from None
         with os.fdopen(open_new(self.qemu_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
             try:
                 # QEMU makes its console log, pid file and sockets in the
@@ -246,6 +269,7 @@ class Vm:
                     *self.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
                     start_new_session=True, umask=0o077)
             except FileNotFoundError:
+                await self._stop_virtiofsd()
                 raise VmError(f"{self.config.qemu_binary} not found: apt-get install qemu-system-x86") from None
         self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")
         try:
@@ -275,6 +299,9 @@ class Vm:
         await self._guarded(self.agent.wait_ready(timeout), "agent ping")
         for host_device, serial in disks:
             self.disks[serial] = self._disk(serial, host_device, readonly=False)
+        served = Virtiofsd(self.workdir, self.fs_socket, Path("."))
+        if served.adopt():
+            self.virtiofsd = served   # stopped with the VM, as if this process had started it
         log.info("vm %s: adopted (pid %d, %d disks)", self.name, qemu.pid, len(disks))
 
     async def status(self) -> str:
@@ -321,16 +348,23 @@ class Vm:
                 log.error("vm %s: QEMU pid %d survived SIGKILL", self.name, self.pid)
         await self._close_clients()
 
+    async def _stop_virtiofsd(self) -> None:
+        """Once QEMU is gone (it would lose its file server under it)."""
+        if self.virtiofsd is not None:
+            await self.virtiofsd.stop()
+
     async def _close_clients(self) -> None:
         await self.agent.close()
         await self.qmp.close()
+        if not self.alive():
+            await self._stop_virtiofsd()
         if self.socket_dir != self.workdir and not self.alive():
             self._remove_socket_dir()
 
     def _remove_socket_dir(self) -> None:
         """The short socket directory of a VM that is gone, and the root of
         such directories once it is empty (it is made again when needed)."""
-        for sock in (self.agent_socket, self.qmp_socket):
+        for sock in (self.agent_socket, self.qmp_socket, self.fs_socket):
             sock.unlink(missing_ok=True)
         for directory in (self.socket_dir, SHORT_SOCKET_ROOT):
             try:

@@ -325,14 +325,16 @@ def fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
 
-def bind_fd(source_fd: int, target_fd: int, *, readonly: bool = False) -> None:
+def bind_fd(source_fd: int, target_fd: int, *, readonly: bool = False, private: bool = False) -> None:
     """Bind the tree at source_fd onto target_fd (both O_PATH descriptors),
-    read-only from the first instant when asked."""
+    read-only from the first instant when asked. private: the copy leaves
+    the source's peer group before it is attached, so nothing mounted or
+    unmounted later at the source (or at the copy) reaches the other."""
     tree = _check(_libc.syscall(_SYS_OPEN_TREE, source_fd, b"", _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH),
                   "open_tree")
     try:
-        if readonly:
-            attr = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
+        if readonly or private:
+            attr = _MountAttr(_MOUNT_ATTR_RDONLY if readonly else 0, 0, MS_PRIVATE if private else 0, 0)
             _check(_libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr),
                                  ctypes.sizeof(attr)), "mount_setattr")
         _check(_libc.syscall(_SYS_MOVE_MOUNT, tree, b"", target_fd, b"",
@@ -410,7 +412,37 @@ def unmount_beneath(parent_fd: int, name: str) -> bool:
 _MS_BIND = 0x1000
 _MS_REC = 0x4000
 _MS_REMOUNT = 0x20
+_MS_RDONLY = 0x1
 _MNT_DETACH = 0x2
+MS_PRIVATE = 1 << 18
+MS_SHARED = 1 << 20
+
+
+def set_propagation(target: str, kind: int) -> None:
+    """mount --make-private / --make-shared of the one mount at target."""
+    if _libc.mount(None, target.encode(), None, ctypes.c_ulong(kind), None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"propagation of {target}: {os.strerror(err)}")
+
+
+def remount_bind_readonly(target: str) -> None:
+    """Make the one mount at target read-only (its file system and its
+    other mounts keep their mode)."""
+    if _libc.mount(None, target.encode(), None, ctypes.c_ulong(_MS_REMOUNT | _MS_BIND | _MS_RDONLY), None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"read-only remount of {target}: {os.strerror(err)}")
+
+
+def detach_beneath(parent_fd: int, name: str) -> bool:
+    """As unmount_beneath, lazily: a mount still in use (a file server
+    holding its files) is cut from the tree now and freed when let go."""
+    path = f"{fd_path(parent_fd)}/{name}".encode()
+    if _libc.umount2(path, _UMOUNT_NOFOLLOW | _MNT_DETACH) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOENT):
+        return False
+    raise OSError(err, f"umount {name}: {os.strerror(err)}")
 
 
 def mount_path(source: str, target: str, fs_type: str, options: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=2
+AGENT_VERSION=3
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin
@@ -258,6 +258,129 @@ cmd_bind() {  # source target ro|rw: give a container its view of a mounted volu
   echo "bound=1"
 }
 
+secure_join() {  # root path -> root + path, every symlink on the way resolved inside root
+  # What runc's filepath-securejoin does: a link is followed as if root
+  # were /, ".." stops at root, so no component of the answer lies outside
+  # root. Missing components are kept as they are (the caller makes them).
+  root=$1 rest=$2 cur= links=0
+  while [ -n "$rest" ]; do
+    case $rest in /*) rest=${rest#/}; continue ;; esac
+    part=${rest%%/*}
+    if [ "$part" = "$rest" ]; then rest=; else rest=${rest#*/}; fi
+    case $part in
+      .) continue ;;
+      ..) cur=${cur%/*}; continue ;;
+    esac
+    if [ -L "$root$cur/$part" ]; then
+      links=$((links + 1))
+      [ $links -le 40 ] || fail "too many symlinks resolving $2 in $root"
+      target=$(readlink "$root$cur/$part") || fail "cannot read the link $cur/$part in $root"
+      case $target in /*) cur= ;; esac
+      rest=$target${rest:+/$rest}
+      continue
+    fi
+    cur=$cur/$part
+  done
+  echo "$root$cur"
+}
+
+cmd_sharemount() {  # target: the pod's shared directory (virtio-fs, tag crust) at target
+  [ $# -eq 1 ] || fail "usage: sharemount <target>"
+  check_path "$1"
+  line=$(mount_line "$1")
+  if [ -n "$line" ]; then
+    set -- $line
+    [ "$1" = crust ] && [ "$3" = virtiofs ] || fail "$2 is already a mount of $1 ($3)"
+    echo "mounted=1 already=1"
+    return 0
+  fi
+  load_fs_modules virtiofs
+  mkdir -p "$1" || fail "mkdir $1 failed"
+  # nodev: the host's device nodes never act in the guest; a container's
+  # root keeps suid/exec (its binaries run from there).
+  mount -t virtiofs -o nodev crust "$1" || fail "mount of the shared directory (virtio-fs tag crust) failed"
+  echo "mounted=1"
+}
+
+cmd_cbind() {  # root source destination-b64 ro|rw: bind source at destination inside a container's root
+  # The destination is resolved inside root (secure_join): a link in the
+  # image (data -> /run/crust) lands inside the container, never on the
+  # guest's own directories. Missing directories are made, as runc makes a
+  # mount point: the last one a file when the source is one.
+  [ $# -eq 4 ] || fail "usage: cbind <root> <source> <destination-b64> <ro|rw>"
+  check_path "$1"
+  check_path "$2"
+  dest=$(b64 "$3") || exit 1
+  case $4 in ro|rw) ;; *) fail "mode must be ro or rw, not $4" ;; esac
+  [ -n "$(mount_line "$1")" ] || fail "not mounted: $1"
+  [ -e "$2" ] || fail "no such source: $2"
+  target=$(secure_join "$1" "$dest") || exit 1
+  [ "$target" != "$1" ] || fail "destination $dest is the container's root"
+  ( check_path "$target" ) 2>/dev/null || fail "destination $dest resolves to unsupported characters"
+  if [ -n "$(mount_line "$target")" ] && [ "$(cat "$RUN/cbind/$(echo "$target" | md5sum | cut -c1-32)" 2>/dev/null)" = "$2" ]; then
+    echo "target=$target already=1"
+    return 0
+  fi
+  # Each missing parent is made one at a time below what secure_join
+  # returned (all of it inside root, none of it a link).
+  parent=${target%/*}
+  [ -d "$parent" ] || mkdir -p "$parent" || fail "mkdir ${parent#"$1"} in the container failed"
+  [ ! -L "$parent" ] || fail "${parent#"$1"} became a link"
+  if [ -d "$2" ]; then
+    [ -d "$target" ] || mkdir "$target" || fail "mkdir $dest in the container failed"
+  else
+    [ -e "$target" ] || : > "$target" || fail "cannot create $dest in the container"
+  fi
+  [ ! -L "$target" ] || fail "$dest became a link"
+  mount --bind "$2" "$target" || fail "bind $2 -> $dest failed"
+  if [ "$4" = ro ]; then
+    mount -o remount,bind,ro "$target" || { umount "$target"; fail "read-only remount of $dest failed"; }
+  fi
+  mkdir -p "$RUN/cbind"
+  printf '%s' "$2" > "$RUN/cbind/$(echo "$target" | md5sum | cut -c1-32)"
+  echo "target=$target"
+}
+
+cmd_podtmpfs() {  # name subpath-b64 size|-: the pod's tmpfs of that name (an emptyDir of medium Memory, /dev/shm), and a directory in it
+  [ $# -eq 3 ] || fail "usage: podtmpfs <name> <subpath-b64> <size|->"
+  check_name "$1"
+  sub=$(b64 "$2") || exit 1
+  case $3 in -) size= ;; *[!0-9kmgKMG]*|'') fail "bad size: $3" ;; *) size=,size=$3 ;; esac
+  case /$sub/ in */../*) fail "subpath $sub escapes the tmpfs" ;; esac
+  top=$RUN/podtmpfs/$1
+  if [ -z "$(mount_line "$top")" ]; then
+    mkdir -p "$top" || fail "mkdir $top failed"
+    # As kubelet makes an emptyDir: world-writable, for any user of the pod.
+    mount -t tmpfs -o "nosuid,nodev,mode=0777$size" "crust-$1" "$top" || fail "mount of the tmpfs $1 failed"
+  fi
+  path=$(secure_join "$top" "$sub") || exit 1
+  mkdir -p "$path" || fail "mkdir $sub in the tmpfs $1 failed"
+  echo "path=$path"
+}
+
+cmd_spawnfile() {  # name script: sh <script> in the background, stdout and stderr to files
+  # The host writes the script into the pod's share (a file, so a command of
+  # any size the kernel takes travels without a long line on this port).
+  [ $# -eq 2 ] || fail "usage: spawnfile <name> <script>"
+  check_name "$1"
+  check_path "$2"
+  case $2 in "$RUN"/share/*) ;; *) fail "the script must lie in the pod's share ($RUN/share)" ;; esac
+  [ -f "$2" ] || fail "no script $2"
+  mkdir -p "$RUN/exec" "$RUN/out"
+  out=$RUN/out/$1.out err=$RUN/out/$1.err
+  [ -e "$out" ] && fail "a process named $1 was spawned already"
+  # Copied into the guest's memory before the answer: the host may remove
+  # its file as soon as it has it.
+  mkdir -p "$RUN/cmd"
+  cp "$2" "$RUN/cmd/$1.sh" || fail "cannot copy the script $2"
+  : > "$out" && : > "$err" || fail "cannot create the output files of $1"
+  sh -c 'sh "$1" >"$2" 2>"$3"; echo $? > '"$RUN"'/exec/$$.tmp; mv '"$RUN"'/exec/$$.tmp '"$RUN"'/exec/$$.exit' \
+    crust-spawn "$RUN/cmd/$1.sh" "$out" "$err" </dev/null >/dev/null 2>&1 &
+  pid=$!
+  : > "$RUN/exec/$pid.started"
+  echo "pid=$pid"
+}
+
 cmd_checkpath() {  # root subpath-b64: the subpath exists below root and passes no symlink
   [ $# -eq 2 ] || fail "usage: checkpath <root> <subpath-b64>"
   check_path "$1"
@@ -394,7 +517,7 @@ cmd_readonly() {  # target: make this mount read-only (a bind remount: the file 
 cmd_forget() {  # name: remove a spawned process's output files (they live in the guest's memory)
   [ $# -eq 1 ] || fail "usage: forget <name>"
   check_name "$1"
-  rm -f "$RUN/out/$1.out" "$RUN/out/$1.err"
+  rm -f "$RUN/out/$1.out" "$RUN/out/$1.err" "$RUN/cmd/$1.sh"
   echo "forgotten=1"
 }
 
@@ -617,6 +740,10 @@ dispatch() {
     exec) cmd_exec "$@" ;;
     wait) cmd_wait "$@" ;;
     bind) cmd_bind "$@" ;;
+    cbind) cmd_cbind "$@" ;;
+    sharemount) cmd_sharemount "$@" ;;
+    podtmpfs) cmd_podtmpfs "$@" ;;
+    spawnfile) cmd_spawnfile "$@" ;;
     checkpath) cmd_checkpath "$@" ;;
     kill) cmd_kill "$@" ;;
     spawn) cmd_spawn "$@" ;;

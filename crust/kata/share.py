@@ -1,0 +1,197 @@
+"""A pod's shared directory: what its microVM sees of the host, through virtio-fs.
+
+One directory per pod, served by the pod's virtiofsd (crust.kata.virtiofsd)
+and mounted once by the guest at GUEST_SHARE. Only crust writes into it, on
+the host; the guest sees it read-only except where a mount says otherwise:
+
+    <workdir>/share.rw/                 crust's side (a mount of its own, shared)
+        <container id>/rootfs           bind of the bundle's rootfs (containerd's snapshot)
+        <container id>/binds/<n>        bind of the n-th host-path bind of the spec, ro where it says ro
+        <container id>/run/<name>.sh    the guest's command for one process (any size the kernel takes)
+    <workdir>/share/                    what virtiofsd serves: a read-only bind of share.rw
+
+share is a peer of share.rw, so a bind made under share.rw while the VM
+runs appears under share at once (and in virtiofsd's namespace, a slave of
+it); share itself is read-only, so the guest cannot write a script or a
+directory of crust's, while a container's rootfs and read-write volumes,
+mounts of their own, keep their mode.
+
+Every bind is a private copy (bind_fd(private=True)): kubelet's and
+containerd's directories are shared mounts on most hosts, and a copy left
+in their peer group would carry their later mounts into the guest, and our
+unmounts back to them. Binds are not recursive: what is mounted below a
+host path (another pod's volume, a deferred volume's placeholder) is never
+served; a hostPath's submounts are not seen in the microVM.
+
+Unmounts are lazy (detach): virtiofsd holds the files the guest looked up
+until the guest forgets them, and a busy mount must still leave the tree.
+Nothing is ever deleted through a mount: a directory is removed only once
+no mount is left below it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from crust.common.atomicfile import write_atomic
+from crust.common.private import make_dirs
+from crust.sys import mount
+
+log = logging.getLogger(__name__)
+
+GUEST_SHARE = "/run/crust/share"
+
+
+class ShareError(Exception):
+    pass
+
+
+class PodShare:
+    def __init__(self, workdir: Path):
+        self.writable = workdir / "share.rw"
+        self.served = workdir / "share"
+
+    # -- paths -------------------------------------------------------------------------
+
+    @staticmethod
+    def guest_rootfs(container_id: str) -> str:
+        return f"{GUEST_SHARE}/{container_id}/rootfs"
+
+    @staticmethod
+    def guest_bind(container_id: str, n: int) -> str:
+        return f"{GUEST_SHARE}/{container_id}/binds/{n}"
+
+    @staticmethod
+    def guest_script(container_id: str, name: str) -> str:
+        return f"{GUEST_SHARE}/{container_id}/run/{name}.sh"
+
+    def _container_dir(self, container_id: str) -> Path:
+        if not container_id or "/" in container_id or container_id in (".", ".."):
+            raise ShareError(f"container id {container_id!r} cannot name a directory")
+        return self.writable / container_id
+
+    # -- the pod -----------------------------------------------------------------------
+
+    def set_up(self) -> Path:
+        """The two mounts (again after a crash half way); returns what virtiofsd serves."""
+        make_dirs(self.writable)
+        make_dirs(self.served)
+        if mount.at(str(self.writable)) is None:
+            mount.mount_path(str(self.writable), str(self.writable), "bind", ["bind"])
+            # Out of whatever peer group the directory's file system is in,
+            # then a group of its own that share joins.
+            mount.set_propagation(str(self.writable), mount.MS_PRIVATE)
+            mount.set_propagation(str(self.writable), mount.MS_SHARED)
+        if mount.at(str(self.served)) is None:
+            mount.mount_path(str(self.writable), str(self.served), "bind", ["bind"])
+            mount.remount_bind_readonly(str(self.served))
+        return self.served
+
+    def tear_down(self) -> None:
+        """Every container's binds, then the two mounts, then the directories.
+        Runs again after any failure."""
+        if self.writable.is_dir():
+            for entry in sorted(os.listdir(self.writable)):
+                self.remove_container(entry)
+        for path in (self.served, self.writable):
+            if path.exists():
+                _detach_all(path)
+        for path in (self.served, self.writable):
+            _remove_tree(path)
+
+    # -- containers --------------------------------------------------------------------
+
+    def add_rootfs(self, container_id: str, rootfs: Path) -> str:
+        """The container's root file system, where the guest finds it."""
+        top = self._container_dir(container_id)
+        for sub in ("rootfs", "binds", "run"):
+            make_dirs(top / sub)
+        _bind(str(rootfs), top, "rootfs", readonly=False, directory=True)
+        return self.guest_rootfs(container_id)
+
+    def add_bind(self, container_id: str, n: int, source: str, readonly: bool) -> str:
+        """The n-th host-path bind of the container, where the guest finds it."""
+        binds = self._container_dir(container_id) / "binds"
+        make_dirs(binds)
+        _bind(source, binds, str(n), readonly=readonly, directory=os.path.isdir(source))
+        return self.guest_bind(container_id, n)
+
+    def write_script(self, container_id: str, name: str, text: str) -> str:
+        run = self._container_dir(container_id) / "run"
+        make_dirs(run)
+        write_atomic(run / f"{name}.sh", text.encode("utf-8", "surrogateescape"), mode=0o600)
+        return self.guest_script(container_id, name)
+
+    def remove_script(self, container_id: str, name: str) -> None:
+        try:
+            os.unlink(self._container_dir(container_id) / "run" / f"{name}.sh")
+        except FileNotFoundError:
+            pass
+
+    def remove_container(self, container_id: str) -> None:
+        """Its binds detached, its directory removed; again after any failure."""
+        top = self._container_dir(container_id)
+        if not top.exists():
+            return
+        _detach_all(top)
+        _remove_tree(top)
+
+
+def _bind(source: str, parent: Path, name: str, *, readonly: bool, directory: bool) -> None:
+    """A private copy of source at parent/name (made a directory or an
+    empty file first); nothing when it is bound there already."""
+    target = parent / name
+    if mount.at(str(target)) is not None:
+        return
+    if directory:
+        make_dirs(target)
+    elif not target.exists():
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+    # The source is what kubelet or containerd named (links followed, as runc
+    # follows them); the target is opened without following any.
+    source_fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
+    try:
+        target_fd = os.open(target, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if os.path.isdir(f"/proc/self/fd/{source_fd}") != directory:
+                raise ShareError(f"{source} changed between its look and its bind")
+            mount.bind_fd(source_fd, target_fd, readonly=readonly, private=True)
+        finally:
+            os.close(target_fd)
+    finally:
+        os.close(source_fd)
+
+
+def _mounts_below(path: Path) -> list[str]:
+    """Mount points at or below path, deepest first (the whole table is
+    read: a filtered read would miss a path the table escapes)."""
+    top = os.path.normpath(str(path))
+    points = [e.mount_point for e in mount.mounts()
+              if e.mount_point == top or e.mount_point.startswith(top + "/")]
+    return sorted(set(points), key=lambda p: (-p.count("/"), p))
+
+
+def _detach_all(path: Path) -> None:
+    for point in _mounts_below(path):
+        parent, name = os.path.split(point)
+        try:
+            fd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            while mount.detach_beneath(fd, name):
+                pass   # stacked mounts: each one
+        finally:
+            os.close(fd)
+
+
+def _remove_tree(path: Path) -> None:
+    left = _mounts_below(path)
+    if left:
+        raise ShareError(f"{path} still has mounts below it ({', '.join(left[:3])}): not removed")
+    if path.exists():
+        shutil.rmtree(path)
