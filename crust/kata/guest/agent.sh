@@ -362,23 +362,15 @@ cmd_spawnfile() {  # name script: sh <script> in the background, stdout and stde
   # The host writes the script into the pod's share (a file, so a command of
   # any size the kernel takes travels without a long line on this port).
   [ $# -eq 2 ] || fail "usage: spawnfile <name> <script>"
-  check_name "$1"
+  new_output "$1"
   check_path "$2"
   case $2 in "$RUN"/share/*) ;; *) fail "the script must lie in the pod's share ($RUN/share)" ;; esac
   [ -f "$2" ] || fail "no script $2"
-  mkdir -p "$RUN/exec" "$RUN/out"
-  out=$RUN/out/$1.out err=$RUN/out/$1.err
-  [ -e "$out" ] && fail "a process named $1 was spawned already"
   # Copied into the guest's memory before the answer: the host may remove
   # its file as soon as it has it.
   mkdir -p "$RUN/cmd"
   cp "$2" "$RUN/cmd/$1.sh" || fail "cannot copy the script $2"
-  : > "$out" && : > "$err" || fail "cannot create the output files of $1"
-  sh -c 'sh "$1" >"$2" 2>"$3"; echo $? > '"$RUN"'/exec/$$.tmp; mv '"$RUN"'/exec/$$.tmp '"$RUN"'/exec/$$.exit' \
-    crust-spawn "$RUN/cmd/$1.sh" "$out" "$err" </dev/null >/dev/null 2>&1 &
-  pid=$!
-  : > "$RUN/exec/$pid.started"
-  echo "pid=$pid"
+  run_with_output "$1" "" "$RUN/cmd/$1.sh"
 }
 
 cmd_checkpath() {  # root subpath-b64: the subpath exists below root and passes no symlink
@@ -416,23 +408,32 @@ check_name() {  # a host-chosen word naming a process's output files
   case $1 in ''|*[!A-Za-z0-9_.-]*) fail "bad name: $1" ;; esac
 }
 
-cmd_spawn() {  # name command-b64: sh -c in the background, stdout and stderr to files
-  [ $# -eq 2 ] || fail "usage: spawn <name> <command-b64>"
+new_output() {  # name: a name never used yet for a process's output files
   check_name "$1"
-  line=$(b64 "$2") || exit 1
-  [ -n "$line" ] || fail "empty command"
   mkdir -p "$RUN/exec" "$RUN/out"
-  out=$RUN/out/$1.out err=$RUN/out/$1.err
   # One process per name: its output files are never reused or truncated.
-  [ -e "$out" ] && fail "a process named $1 was spawned already"
+  [ -e "$RUN/out/$1.out" ] && fail "a process named $1 was spawned already"
+  return 0
+}
+
+run_with_output() {  # name -c|"" command-or-script: start it, stdout and stderr to name's files
+  out=$RUN/out/$1.out err=$RUN/out/$1.err
   : > "$out" && : > "$err" || fail "cannot create the output files of $1"
   # As exec: the wrapper's pid is returned; its one child runs the command
   # (and becomes the command's process, sh -c exec'ing it).
-  sh -c 'sh -c "$1" >"$2" 2>"$3"; echo $? > '"$RUN"'/exec/$$.tmp; mv '"$RUN"'/exec/$$.tmp '"$RUN"'/exec/$$.exit' \
-    crust-spawn "$line" "$out" "$err" </dev/null >/dev/null 2>&1 &
+  sh -c 'sh '"$2"' "$1" >"$2" 2>"$3"; echo $? > '"$RUN"'/exec/$$.tmp; mv '"$RUN"'/exec/$$.tmp '"$RUN"'/exec/$$.exit' \
+    crust-spawn "$3" "$out" "$err" </dev/null >/dev/null 2>&1 &
   pid=$!
   : > "$RUN/exec/$pid.started"
   echo "pid=$pid"
+}
+
+cmd_spawn() {  # name command-b64: sh -c in the background, stdout and stderr to files
+  [ $# -eq 2 ] || fail "usage: spawn <name> <command-b64>"
+  new_output "$1"
+  line=$(b64 "$2") || exit 1
+  [ -n "$line" ] || fail "empty command"
+  run_with_output "$1" -c "$line"
 }
 
 cmd_readout() {  # name out|err offset max: up to max bytes from offset, URL-safe base64
