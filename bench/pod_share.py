@@ -50,6 +50,11 @@ c=$(t); dd if={path}/bench.bin of=/dev/null bs=1M 2>/dev/null; d=$(t)
 rm -f {path}/bench.bin; sync
 echo "$a $b $c $d"
 """
+LOOKUP_SCRIPT = """t() { read -r up _ < /proc/uptime; echo "$up"; }
+a=$(t); i=0; while [ $i -lt 20 ]; do ls -lL /bin > /dev/null; i=$((i+1)); done; b=$(t)
+i=0; while [ $i -lt 100 ]; do /bin/true; i=$((i+1)); done; c=$(t)
+echo "$a $b $c"
+"""
 
 
 def load() -> str:
@@ -147,6 +152,17 @@ def run(args) -> dict:
                 out["io_ratio_blk_over_fs"] = {
                     k: round(out["io_mib_per_s"]["virtio-blk"][k] / out["io_mib_per_s"]["virtio-fs"][k], 2)
                     for k in ("write", "read")}
+
+                # 4. path lookups in the root
+                lookups: dict = {"ls_lL_bin_x20": [], "exec_true_x100": []}
+                for r in range(args.runs):
+                    code, text, err = client.exec("io", f"lookup-{r}", ["sh", "-c", LOOKUP_SCRIPT])
+                    if code != 0:
+                        raise RuntimeError(f"path lookups failed: {err.decode()[-300:]}")
+                    a, b, c = (float(x) for x in text.split())
+                    lookups["ls_lL_bin_x20"].append(b - a)
+                    lookups["exec_true_x100"].append(c - b)
+                out["lookups_s"] = {k: median(v) for k, v in lookups.items()}
                 client.delete_container("io")
                 client.delete_pod("bench")
                 kenv.unpublish(xfs)
@@ -180,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"guest I/O {side}: write {rates['write']:.1f} MiB/s, cold read {rates['read']:.1f} MiB/s")
     ratio = result["io_ratio_blk_over_fs"]
     print(f"virtio-blk / virtio-fs: write {ratio['write']}x, read {ratio['read']}x")
+    looked = result["lookups_s"]
+    print(f"lookups in the root: 20 x ls -lL /bin {looked['ls_lL_bin_x20']:.2f} s, "
+          f"100 x /bin/true {looked['exec_true_x100']:.2f} s")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -512,10 +512,12 @@ def test_bad_requests_get_their_code_and_leave_nothing(pod_env):
 
 
 def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env):
-    """The pod's shared directory: a read-only mount served by the VM's own
-    virtiofsd; each container's rootfs and host-path binds in it, live both
-    ways, read-only where the mount says so; a host path that leads to a
-    CSI volume's path is refused; nothing of it outlives the pod."""
+    """The pod's shared directories: read-only mounts served by the VM's own
+    virtiofsd daemons; each container's rootfs and host-path binds in the
+    share, live both ways, read-only where the mount says so; a volume
+    kubelet's atomic writer updates in the live share (cache=none), its
+    update read at once; a host path that leads to a CSI volume's path is
+    refused; nothing of it outlives the pod."""
     from crust.kata import virtiofsd
 
     kenv, client, watch = pod_env
@@ -526,23 +528,34 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     (sandbox_bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "process": {"args": ["/p"]}}))
     qemu = client.create_pod("share-pod", sandbox_bundle)
     workdir = kenv.handler.state_dir / "run" / "share-pod"
-    served, writable = sysmount.at(str(workdir / "share")), sysmount.at(str(workdir / "share.rw"))
-    assert served is not None and served.readonly and writable is not None and not writable.readonly
-    daemons = [pid for pid in virtiofsd.pids_under(Path("/run"), kenv.handler.state_dir)
-               if f"source={workdir / 'share'}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    # Its namespace sandbox: the daemon and its child in a pid namespace of its own.
-    assert 1 <= len(daemons) <= 2, daemons
+    daemons = []
+    for name, cache in (("share", b"cache=auto"), ("live", b"cache=none")):
+        served, writable = sysmount.at(str(workdir / name)), sysmount.at(str(workdir / f"{name}.rw"))
+        assert served is not None and served.readonly and writable is not None and not writable.readonly
+        serving = [pid for pid in virtiofsd.pids_under(Path("/run"), kenv.handler.state_dir)
+                   if f"source={workdir / name}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        # Its namespace sandbox: the daemon and its child in a pid namespace of its own.
+        assert 1 <= len(serving) <= 2, (name, serving)
+        assert all(cache in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in serving), name
+        daemons += serving
 
     shared, conf = kenv.path / "shared-dir", kenv.path / "conf"
     shared.mkdir()
     conf.write_text("version 1\n")
+    # A configMap volume as kubelet's atomic writer lays it out.
+    config_map = kenv.path / "pods" / "uid-share" / "volumes" / "kubernetes.io~configmap" / "cfg"
+    config_map.mkdir(parents=True)
+    (config_map / "..v1").mkdir()
+    (config_map / "..v1" / "key").write_text("cm 1\n")
+    (config_map / "..data").symlink_to("..v1")
+    (config_map / "key").symlink_to("..data/key")
     script = "echo from-guest > /shared/out; cat /conf; { echo x > /conf; } 2>/dev/null || echo conf-read-only; " \
-             "touch /rootfile; echo READY; exec sleep 600"
+             "cat /cfg/key; touch /rootfile; echo READY; exec sleep 600"
     one = container_bundle(kenv.path, "share-one", ["/bin/sh", "-c", script],
-                           [bind("/shared", shared), bind("/conf", conf, "ro")])
+                           [bind("/shared", shared), bind("/conf", conf, "ro"), bind("/cfg", config_map, "ro")])
     client.create_container("share-pod", "share-one", one)
     client.start("share-one")
-    assert client.output_until("share-one", b"READY") == b"version 1\nconf-read-only\nREADY\n"
+    assert client.output_until("share-one", b"READY") == b"version 1\nconf-read-only\ncm 1\nREADY\n"
     # The container's writes land on the host: in the bound directory, and
     # in the bundle's rootfs (containerd's snapshot), nothing copied.
     assert (shared / "out").read_text() == "from-guest\n"
@@ -551,9 +564,23 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     (shared / "later").write_text("from-host\n")
     conf.write_text("version 2\n")
     assert client.exec("share-one", "cat-1", ["cat", "/shared/later", "/conf"])[1] == b"from-host\nversion 2\n"
-    # In the share, only the binds: no deferred volume, no placeholder.
+    # The atomic writer's update (a new version, ..data renamed over, the
+    # old version removed) read at once, in a guest that looked it up a
+    # moment ago: the live share's lookups are never cached.
+    for version in range(2, 5):
+        client.exec("share-one", f"cm-before-{version}", ["cat", "/cfg/key"])
+        (config_map / f"..v{version}").mkdir()
+        (config_map / f"..v{version}" / "key").write_text(f"cm {version}\n")
+        (config_map / "..data_tmp").symlink_to(f"..v{version}")
+        os.rename(config_map / "..data_tmp", config_map / "..data")
+        shutil.rmtree(config_map / f"..v{version - 1}")
+        code, out, err = client.exec("share-one", f"cm-after-{version}", ["cat", "/cfg/key"])
+        assert (code, out) == (0, f"cm {version}\n".encode()), (version, code, out, err)
+    # In the share, only the binds: no deferred volume, no placeholder; the
+    # configMap in the live share.
     assert sorted(os.listdir(workdir / "share" / "share-one")) == ["binds", "rootfs", "run"]
     assert sorted(os.listdir(workdir / "share" / "share-one" / "binds")) == ["0", "1"]
+    assert sorted(os.listdir(workdir / "live" / "share-one" / "binds")) == ["2"]
 
     # A host path that is a link to a CSI volume's path: refused, nothing left.
     link = kenv.path / "link-to-csi"
@@ -567,12 +594,12 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     assert not (workdir / "share.rw" / "share-link").exists()
 
     assert client.delete_container("share-one").status == Status.STOPPED
-    assert not (workdir / "share.rw" / "share-one").exists()
+    assert not (workdir / "share.rw" / "share-one").exists() and not (workdir / "live.rw" / "share-one").exists()
     client.delete_pod("share-pod")
     wait_until(lambda: qemu not in qemu_pids_under(kenv.handler.state_dir), what="QEMU to exit")
     wait_until(lambda: not any(proc.alive(proc.identify(pid)) for pid in daemons if proc.identify(pid)),
                what="virtiofsd to exit")
     assert [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(str(workdir))] == []
-    assert not (workdir / "share").exists() and not (workdir / "share.rw").exists()
+    assert not any((workdir / name).exists() for name in ("share", "share.rw", "live", "live.rw"))
     assert (shared / "out").read_text() == "from-guest\n" and conf.read_text() == "version 2\n"
     assert watch.stop() == [] and kenv.claims() == []

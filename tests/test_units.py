@@ -1061,3 +1061,21 @@ def test_a_sandbox_work_directory_is_short_and_an_earlier_releases_is_kept(tmp_p
     assert handler._workdir(long_id) == hashed and handler._workdir("c" * 64) != hashed
     (tmp_path / "run" / old_id).mkdir(parents=True)
     assert handler._workdir(old_id) == tmp_path / "run" / old_id
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("/var/lib/kubelet/pods/uid-1/volumes/kubernetes.io~configmap/cfg", True),
+    ("/var/lib/kubelet/pods/uid-1/volumes/kubernetes.io~secret/creds/db/password", True),
+    ("/var/lib/kubelet/pods/uid-1/volumes/kubernetes.io~projected/kube-api-access-x7k2p", True),
+    ("/var/lib/kubelet/pods/uid-1/volumes/kubernetes.io~downward-api/info/", True),
+    ("/var/lib/kubelet/pods/uid-1/volumes/kubernetes.io~empty-dir/cache", False),
+    ("/var/lib/kubelet/pods/uid-1/volumes/kubernetes.io~configmap", False),      # the plugin's directory
+    ("/var/lib/kubelet/pods/uid-1/volume-subpaths/cfg/app/0", False),           # a subPath: never updated
+    ("/var/lib/kubelet/pods/uid-1/etc-hosts", False),
+    ("/srv/kubernetes.io~configmap/cfg", False),
+    ("/pods/volumes/kubernetes.io~secret/x", False),
+])
+def test_an_atomic_writer_volume_is_known_by_kubelets_path(source, expected):
+    from crust.kata.share import is_atomic_writer_volume
+
+    assert is_atomic_writer_volume(source) is expected

@@ -358,12 +358,12 @@ class AgentClient:
         """Make this one mount read-only (a container's read-only root)."""
         await self.request("readonly", target)
 
-    # ------------------------------------------------ a pod's shared directory (agent 3)
+    # ------------------------------------------------ a pod's shared directories (agent 3, crust-live 4)
 
-    async def share_mount(self, target: str, timeout: float = 60.0) -> None:
-        """Mount the VM's shared directory (virtio-fs, tag crust) at target;
-        already mounted there is success."""
-        await self.request("sharemount", target, timeout=timeout)
+    async def share_mount(self, target: str, tag: str = "crust", timeout: float = 60.0) -> None:
+        """Mount a shared directory of the VM (virtio-fs, by its tag; the
+        tag crust-live needs agent 4) at target; already mounted there is success."""
+        await self.request("sharemount", target, tag, timeout=timeout)
 
     async def container_bind(self, root: str, source: str, destination: str, readonly: bool) -> str:
         """Bind the guest path source at destination inside the container

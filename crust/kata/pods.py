@@ -2,16 +2,17 @@
 microVM handler, for containerd's crust shim.
 
 One VM per pod (a KataSandbox without a process of its own: the sandbox
-container is the VM), every container of the pod inside it. The pod has one
-shared directory (crust.kata.share) that its virtiofsd serves and the guest
-mounts once at GUEST_SHARE:
+container is the VM), every container of the pod inside it. The pod has two
+shared directories (crust.kata.share), each served by a virtiofsd of the
+VM and mounted once by the guest: the share, and the live share for the
+volumes kubelet's atomic writer updates (their lookups never cached):
 
 - a container's root file system is a bind of the bundle's rootfs
   (containerd's snapshot) in the share, bound by the guest at
   /run/crust/containers/<id>/rootfs, with /proc, a small /dev and /tmp:
   nothing is copied, and the container's writes land where runc's would;
 - a host-path bind (emptyDir, configMap, secret, projected, downward API,
-  hostPath, /etc/hosts and the like) is a bind in the share, read-only
+  hostPath, /etc/hosts and the like) is a bind in a share, read-only
   where the mount says so, and bound into the container by the guest: every
   container of the pod sees the same directory, the host's updates (the
   atomic writer's renamed ..data) arrive and the container's writes reach
@@ -60,9 +61,9 @@ from crust.common.errors import Aborted, AlreadyExists, CrustError, FailedPrecon
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata.agent import AgentError, AgentRefused
-from crust.kata.qemu import Vm, VmError
+from crust.kata.qemu import SharedDir, Vm, VmError
 from crust.kata.sandbox import KataSandbox
-from crust.kata.share import GUEST_SHARE, PodShare, ShareError
+from crust.kata.share import PodShare, ShareError, is_atomic_writer_volume
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
 from crust.runtime_handler.oci import load_requested_bundle
 from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes
@@ -313,8 +314,11 @@ class Pods:
     def _workdir(self, pod_id: str) -> Path:
         return self.handler._workdir(pod_id)
 
-    def _share(self, pod_id: str) -> PodShare:
-        return PodShare(self._workdir(pod_id))
+    def _share(self, pod_id: str, name: str = "share") -> PodShare:
+        return PodShare(self._workdir(pod_id), name)
+
+    def _shares(self, pod_id: str) -> tuple[PodShare, PodShare]:
+        return self._share(pod_id), self._share(pod_id, "live")
 
     # -- pods --------------------------------------------------------------------------------
 
@@ -334,16 +338,20 @@ class Pods:
                 if sandbox_id in self.handler.sandboxes:
                     raise AlreadyExists(f"sandbox_id {sandbox_id!r} is a sandbox of this handler, not a pod")
                 await asyncio.wait_for(self.handler.registration.registered.wait(), 10)
-                share = self._share(sandbox_id)
+                shares = self._shares(sandbox_id)
                 sandbox = self.handler.make_sandbox(sandbox_id, self._workdir(sandbox_id), None, None)
                 record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
                 pod = PodRecord(sandbox_id=sandbox_id, bundle=bundle)
                 try:
-                    served = await asyncio.to_thread(share.set_up)
+                    shared = []
+                    for share in shares:
+                        served = await asyncio.to_thread(share.set_up)
+                        shared.append(SharedDir(share.tag, served, share.cache))
                     # This VM's own config: the handler's is shared by all its sandboxes.
-                    sandbox.vm.config = dataclasses.replace(sandbox.vm.config, shared_dir=served)
+                    sandbox.vm.config = dataclasses.replace(sandbox.vm.config, shared_dirs=tuple(shared))
                     await sandbox.start()
-                    await sandbox._agent(sandbox.vm.agent.share_mount(GUEST_SHARE))
+                    for share in shares:
+                        await sandbox._agent(sandbox.vm.agent.share_mount(share.guest, share.tag))
                 except BaseException:
                     await sandbox.stop()
                     await asyncio.to_thread(self._tear_down_share, sandbox_id)
@@ -377,7 +385,8 @@ class Pods:
             await self._mark_gone(sandbox_id, f"the pod {sandbox_id} was deleted")
             await asyncio.to_thread(shutil.rmtree, self._workdir(sandbox_id) / "containers", True)
             try:
-                await asyncio.to_thread(self._share(sandbox_id).tear_down)
+                for share in self._shares(sandbox_id):
+                    await asyncio.to_thread(share.tear_down)
             except (ShareError, OSError) as exc:
                 raise FailedPrecondition(f"pod {sandbox_id}: its shared directory: {exc}") from None
             self.pods.pop(sandbox_id, None)
@@ -387,7 +396,8 @@ class Pods:
 
     def _tear_down_share(self, sandbox_id: str) -> None:
         try:
-            self._share(sandbox_id).tear_down()
+            for share in self._shares(sandbox_id):
+                share.tear_down()
         except (ShareError, OSError) as exc:
             log.error("could not remove a pod's shared directory", extra={"fields": {
                 "sandbox": sandbox_id, "error": str(exc)}})
@@ -492,7 +502,9 @@ class Pods:
                                 c: ContainerRecord, rootfs: Path, binds: list[tuple]) -> None:
         """The container's root and binds into the share and the guest; undone on failure."""
         container_id = c.container_id
-        share = self._share(pod.sandbox_id)
+        share, live = self._shares(pod.sandbox_id)
+        if live.tag not in sandbox.vm.virtiofsds:
+            live = share   # a pod started before the live share (its VM has none)
         agent = sandbox.vm.agent
         pod.containers[container_id] = c   # recorded before the guest sees it: a delete knows what to undo
         await self.records.put(pod.sandbox_id, pod)
@@ -510,7 +522,8 @@ class Pods:
                 readonly = "ro" in m.options
                 if kind == "host":
                     try:
-                        source = await asyncio.to_thread(share.add_bind, container_id, n, m.source, readonly)
+                        into = live if is_atomic_writer_volume(m.source) else share
+                        source = await asyncio.to_thread(into.add_bind, container_id, n, m.source, readonly)
                     except (ShareError, OSError) as exc:
                         raise FailedPrecondition(f"mount {m.destination}: {m.source} cannot be shared with the "
                                                  f"VM: {exc}") from None
@@ -595,7 +608,8 @@ class Pods:
                 errors.append(getattr(exc, "message", str(exc)))
         if not errors:
             try:
-                await asyncio.to_thread(self._share(pod.sandbox_id).remove_container, c.container_id)
+                for share in self._shares(pod.sandbox_id):
+                    await asyncio.to_thread(share.remove_container, c.container_id)
             except (ShareError, OSError) as exc:
                 errors.append(f"its binds in the pod's shared directory: {exc}")
         if errors:

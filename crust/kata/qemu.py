@@ -95,9 +95,27 @@ class VmConfig:
     cmdline: str = "console=ttyS0 quiet panic=-1"
     qemu_binary: str = "qemu-system-x86_64"
     extra_args: tuple[str, ...] = ()
-    # A host directory the guest mounts with virtio-fs (tag "crust"), served
-    # by a virtiofsd of this VM's own (a pod's share: crust.kata.share).
-    shared_dir: Path | None = None
+    # Host directories the guest mounts with virtio-fs, each served by a
+    # virtiofsd of this VM's own (a pod's shares: crust.kata.share).
+    shared_dirs: tuple[SharedDir, ...] = ()
+
+
+# The tags a VM's shares may have (adopt() looks for their daemons).
+SHARE_TAGS = ("crust", "crust-live")
+
+
+@dataclass(frozen=True)
+class SharedDir:
+    tag: str           # what the guest mounts (mount -t virtiofs <tag>)
+    source: Path
+    cache: str = "auto"   # virtiofsd's cache mode (crust.kata.virtiofsd says which and why)
+
+    @property
+    def suffix(self) -> str:
+        """What names its socket and daemon files: nothing for tag crust (the
+        names a VM of one share always had), -live for crust-live."""
+        rest = self.tag.removeprefix("crust").lstrip("-")
+        return f"-{rest}" if rest else ""
 
 
 @dataclass
@@ -122,8 +140,7 @@ class Vm:
         self.agent_socket = self.socket_dir / "agent.sock"
         self.qmp_socket = self.socket_dir / "qmp.sock"
         self.pidfile = workdir / "qemu.pid"
-        self.fs_socket = self.socket_dir / "fs.sock"
-        self.virtiofsd: Virtiofsd | None = None
+        self.virtiofsds: dict[str, Virtiofsd] = {}   # by tag
         self.disks: dict[str, Disk] = {}
         self.boot_seconds: float | None = None
         self.agent = AgentClient(str(self.agent_socket))
@@ -151,15 +168,24 @@ class Vm:
             *c.extra_args,
         ]
 
+    def fs_socket(self, shared: SharedDir) -> Path:
+        return self.socket_dir / f"fs{shared.suffix}.sock"
+
+    def _daemon(self, shared: SharedDir) -> Virtiofsd:
+        return Virtiofsd(self.workdir, self.fs_socket(shared), shared.source, cache=shared.cache,
+                         name=f"virtiofsd{shared.suffix}")
+
     def _shared_dir_args(self) -> list[str]:
         """vhost-user-fs needs the guest's RAM shareable with virtiofsd: a
-        memfd backend for all of it, one NUMA node."""
-        if self.config.shared_dir is None:
+        memfd backend for all of it, one NUMA node; a device per share."""
+        if not self.config.shared_dirs:
             return []
-        return ["-object", f"memory-backend-memfd,id=mem,size={self.config.memory_mib}M,share=on",
-                "-numa", "node,memdev=mem",
-                "-chardev", f"socket,id=vfs,path={self.fs_socket}",
-                "-device", "vhost-user-fs-pci,chardev=vfs,tag=crust"]
+        args = ["-object", f"memory-backend-memfd,id=mem,size={self.config.memory_mib}M,share=on",
+                "-numa", "node,memdev=mem"]
+        for n, shared in enumerate(self.config.shared_dirs):
+            args += ["-chardev", f"socket,id=vfs{n},path={self.fs_socket(shared)}",
+                     "-device", f"vhost-user-fs-pci,chardev=vfs{n},tag={shared.tag}"]
+        return args
 
     @property
     def pid(self) -> int:
@@ -255,12 +281,13 @@ class Vm:
         for stale in (self.agent_socket, self.qmp_socket, self.pidfile, self.console_log):
             stale.unlink(missing_ok=True)
         started = time.monotonic()
-        if self.config.shared_dir is not None:
-            self.virtiofsd = Virtiofsd(self.workdir, self.fs_socket, self.config.shared_dir)
+        for shared in self.config.shared_dirs:
+            daemon = self.virtiofsds[shared.tag] = self._daemon(shared)
             try:
-                await self.virtiofsd.start()
+                await daemon.start()
             except (VirtiofsdError, OSError) as exc:
-                raise VmError(f"vm {self.name}: its shared directory: {exc}") from None
+                await self._stop_virtiofsd()
+                raise VmError(f"vm {self.name}: its shared directory {shared.tag}: {exc}") from None
         with os.fdopen(open_new(self.qemu_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
             try:
                 # QEMU makes its console log, pid file and sockets in the
@@ -299,9 +326,10 @@ class Vm:
         await self._guarded(self.agent.wait_ready(timeout), "agent ping")
         for host_device, serial in disks:
             self.disks[serial] = self._disk(serial, host_device, readonly=False)
-        served = Virtiofsd(self.workdir, self.fs_socket, Path("."))
-        if served.adopt():
-            self.virtiofsd = served   # stopped with the VM, as if this process had started it
+        for tag in SHARE_TAGS:
+            served = self._daemon(SharedDir(tag, Path(".")))
+            if served.adopt():
+                self.virtiofsds[tag] = served   # stopped with the VM, as if this process had started it
         log.info("vm %s: adopted (pid %d, %d disks)", self.name, qemu.pid, len(disks))
 
     async def status(self) -> str:
@@ -348,10 +376,19 @@ class Vm:
                 log.error("vm %s: QEMU pid %d survived SIGKILL", self.name, self.pid)
         await self._close_clients()
 
+    async def stop_recorded_shares(self) -> None:
+        """The file servers an earlier handler process recorded for this VM
+        (a VM killed from its record): each stopped if it still runs, its
+        record and socket removed."""
+        for tag in SHARE_TAGS:
+            daemon = self._daemon(SharedDir(tag, Path(".")))
+            daemon.adopt()
+            await daemon.stop()
+
     async def _stop_virtiofsd(self) -> None:
         """Once QEMU is gone (it would lose its file server under it)."""
-        if self.virtiofsd is not None:
-            await self.virtiofsd.stop()
+        for daemon in self.virtiofsds.values():
+            await daemon.stop()
 
     async def _close_clients(self) -> None:
         await self.agent.close()
@@ -364,7 +401,8 @@ class Vm:
     def _remove_socket_dir(self) -> None:
         """The short socket directory of a VM that is gone, and the root of
         such directories once it is empty (it is made again when needed)."""
-        for sock in (self.agent_socket, self.qmp_socket, self.fs_socket):
+        shares = [SharedDir(tag, Path(".")) for tag in SHARE_TAGS]
+        for sock in (self.agent_socket, self.qmp_socket, *map(self.fs_socket, shares)):
             sock.unlink(missing_ok=True)
         for directory in (self.socket_dir, SHORT_SOCKET_ROOT):
             try:

@@ -104,6 +104,7 @@ class KataSandbox(Sandbox):
             await self.vm.stop()
         elif self._recorded is not None:
             proc.signal_if(self._recorded.pid, lambda: self.vm.is_this_vm(self._recorded))
+            await self.vm.stop_recorded_shares()
 
     # -- volumes -----------------------------------------------------------------------
 

@@ -1,8 +1,18 @@
-"""A pod's shared directory: what its microVM sees of the host, through virtio-fs.
+"""A pod's shared directories: what its microVM sees of the host, through virtio-fs.
 
-One directory per pod, served by the pod's virtiofsd (crust.kata.virtiofsd)
-and mounted once by the guest at GUEST_SHARE. Only crust writes into it, on
-the host; the guest sees it read-only except where a mount says otherwise:
+Two per pod, each served by a virtiofsd of the pod's VM
+(crust.kata.virtiofsd) and mounted once by the guest:
+
+- the share (tag crust, at GUEST_SHARE, virtiofsd cache=auto): container
+  roots, commands, and every host-path bind but those below;
+- the live share (tag crust-live, at GUEST_LIVE, cache=none): the volumes
+  kubelet's atomic writer updates (configMap, secret, projected, downward
+  API; is_atomic_writer_volume), so the guest never follows a `..data`
+  link it cached into a version the writer removed.
+
+Both have the same layout (the live one holds binds only). Only crust
+writes into them, on the host; the guest sees them read-only except where
+a mount says otherwise:
 
     <workdir>/share.rw/                 crust's side (a mount of its own, shared)
         <container id>/rootfs           bind of the bundle's rootfs (containerd's snapshot)
@@ -43,6 +53,23 @@ from crust.sys import mount
 log = logging.getLogger(__name__)
 
 GUEST_SHARE = "/run/crust/share"
+GUEST_LIVE = "/run/crust/live"
+SHARE_TAG = "crust"
+LIVE_TAG = "crust-live"
+# kubelet's volume plugins whose volumes its atomic writer fills and updates
+# (pkg/volume/util/atomic_writer.go; crust/kubelet/volumes.py replays it).
+ATOMIC_WRITER_PLUGINS = ("kubernetes.io~configmap", "kubernetes.io~secret", "kubernetes.io~projected",
+                         "kubernetes.io~downward-api")
+
+
+def is_atomic_writer_volume(source: str) -> bool:
+    """Whether source is, or lies in, a volume kubelet's atomic writer
+    updates: pods/<uid>/volumes/<one of those plugins>/<name>[/...]. A
+    subPath of one is a bind kubelet made once (volume-subpaths/) and is
+    never updated, as in Kubernetes."""
+    parts = os.path.normpath(source).split("/")
+    return any(parts[i - 1] == "pods" and len(parts) > i + 3 and parts[i + 1] == "volumes"
+               and parts[i + 2] in ATOMIC_WRITER_PLUGINS for i in range(1, len(parts)))
 
 
 class ShareError(Exception):
@@ -50,23 +77,27 @@ class ShareError(Exception):
 
 
 class PodShare:
-    def __init__(self, workdir: Path):
-        self.writable = workdir / "share.rw"
-        self.served = workdir / "share"
+    """One shared directory of a pod: name is share or live."""
+
+    def __init__(self, workdir: Path, name: str = "share"):
+        if name not in ("share", "live"):
+            raise ValueError(f"a pod's shared directory is share or live, not {name!r}")
+        self.writable = workdir / f"{name}.rw"
+        self.served = workdir / name
+        self.guest = GUEST_SHARE if name == "share" else GUEST_LIVE
+        self.tag = SHARE_TAG if name == "share" else LIVE_TAG
+        self.cache = "auto" if name == "share" else "none"   # virtiofsd's cache mode for it
 
     # -- paths -------------------------------------------------------------------------
 
-    @staticmethod
-    def guest_rootfs(container_id: str) -> str:
-        return f"{GUEST_SHARE}/{container_id}/rootfs"
+    def guest_rootfs(self, container_id: str) -> str:
+        return f"{self.guest}/{container_id}/rootfs"
 
-    @staticmethod
-    def guest_bind(container_id: str, n: int) -> str:
-        return f"{GUEST_SHARE}/{container_id}/binds/{n}"
+    def guest_bind(self, container_id: str, n: int) -> str:
+        return f"{self.guest}/{container_id}/binds/{n}"
 
-    @staticmethod
-    def guest_script(container_id: str, name: str) -> str:
-        return f"{GUEST_SHARE}/{container_id}/run/{name}.sh"
+    def guest_script(self, container_id: str, name: str) -> str:
+        return f"{self.guest}/{container_id}/run/{name}.sh"
 
     def _container_dir(self, container_id: str) -> Path:
         if not container_id or "/" in container_id or container_id in (".", ".."):

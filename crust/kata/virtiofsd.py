@@ -12,10 +12,14 @@ The options and why:
   source, so it reaches nothing else of the host, and binds the handler
   adds under the share later still reach it by propagation. The C daemon
   always installs its seccomp filter (no option turns it off);
-- `-o cache=auto`: the guest revalidates what it cached after a second, so
-  kubelet's atomic writer (a new `..<timestamp>` directory, `..data`
-  renamed over) is seen about a second later; `always` would keep the old
-  link, `none` makes every lookup a round trip;
+- `-o cache=`: a VM has two daemons, one per cache mode (qemu.SharedDir).
+  `auto` for the pod's share (container roots, emptyDir, hostPath): the
+  guest keeps a lookup and a file's pages for a second, then revalidates.
+  `none` for the live share (the volumes kubelet's atomic writer updates:
+  configMap, secret, projected, downward API): every lookup asks the host,
+  so a renamed `..data` is followed at once, never into the version the
+  writer has just removed. `none` for everything would cost 2 to 3 times
+  the lookups of a root (bench/pod_share.py, docs/benchmarks.md);
 - `-o announce_submounts`: the share holds bind mounts (each container's
   rootfs, each volume); the guest sees each as a mount of its own (its own
   st_dev), as a container would on the host;
@@ -54,9 +58,14 @@ class VirtiofsdError(Exception):
     pass
 
 
-def argv(socket: Path, source: Path, binary: str = VIRTIOFSD) -> list[str]:
+CACHE_MODES = ("auto", "none", "always")
+
+
+def argv(socket: Path, source: Path, binary: str = VIRTIOFSD, cache: str = "auto") -> list[str]:
+    if cache not in CACHE_MODES:
+        raise ValueError(f"virtiofsd cache mode {cache!r}: one of {', '.join(CACHE_MODES)}")
     return [binary, f"--socket-path={socket}", "-o", f"source={source}", "-o", "sandbox=namespace",
-            "-o", "cache=auto", "-o", "announce_submounts", "-o", "no_xattr", "-o", "no_posix_lock",
+            "-o", f"cache={cache}", "-o", "announce_submounts", "-o", "no_xattr", "-o", "no_posix_lock",
             "-o", "no_flock", "--rlimit-nofile=0", "--thread-pool-size=0"]
 
 
@@ -87,12 +96,16 @@ def pids_under(*dirs: Path) -> list[int]:
 
 
 class Virtiofsd:
-    def __init__(self, workdir: Path, socket: Path, source: Path, binary: str = VIRTIOFSD):
+    """One daemon; name names its log and record in workdir (a VM has one per share)."""
+
+    def __init__(self, workdir: Path, socket: Path, source: Path, binary: str = VIRTIOFSD, cache: str = "auto",
+                 name: str = "virtiofsd"):
         self.socket = socket
         self.source = source
         self.binary = binary
-        self.log_path = workdir / "virtiofsd.log"
-        self.record = workdir / "virtiofsd.json"
+        self.cache = cache
+        self.log_path = workdir / f"{name}.log"
+        self.record = workdir / f"{name}.json"
         self._proc: asyncio.subprocess.Process | None = None
         self.identity: proc.ProcessId | None = None
 
@@ -102,7 +115,7 @@ class Virtiofsd:
             raise VirtiofsdError(f"{self.binary} not found: apt-get install qemu-system-common")
         with os.fdopen(open_new(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
             self._proc = await asyncio.create_subprocess_exec(
-                *argv(self.socket, self.source, self.binary), stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                *argv(self.socket, self.source, self.binary, self.cache), stdin=asyncio.subprocess.DEVNULL, stdout=out,
                 stderr=out, start_new_session=True, umask=0o077)
         self.identity = proc.identify(self._proc.pid)
         if self.identity is not None:
@@ -114,7 +127,8 @@ class Virtiofsd:
                 raise VirtiofsdError(f"virtiofsd did not listen on {self.socket} within {SOCKET_WAIT:.0f} s "
                                      f"(exit code {self._proc.returncode}); its log: {self._log_tail()}")
             await asyncio.sleep(0.02)
-        log.info("virtiofsd serving", extra={"fields": {"source": str(self.source), "pid": self._proc.pid}})
+        log.info("virtiofsd serving", extra={"fields": {
+            "source": str(self.source), "cache": self.cache, "pid": self._proc.pid}})
 
     def adopt(self) -> bool:
         """A daemon an earlier handler process started, from its record."""

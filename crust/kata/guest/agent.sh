@@ -21,7 +21,7 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=3
+AGENT_VERSION=4
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin
@@ -284,13 +284,15 @@ secure_join() {  # root path -> root + path, every symlink on the way resolved i
   echo "$root$cur"
 }
 
-cmd_sharemount() {  # target: the pod's shared directory (virtio-fs, tag crust) at target
-  [ $# -eq 1 ] || fail "usage: sharemount <target>"
+cmd_sharemount() {  # target [tag]: a shared directory of the pod (virtio-fs, tag crust by default) at target
+  [ $# -eq 1 ] || [ $# -eq 2 ] || fail "usage: sharemount <target> [tag]"
+  tag=${2:-crust}
+  case $tag in crust|crust-live) ;; *) fail "tag $tag: crust or crust-live" ;; esac
   check_path "$1"
   line=$(mount_line "$1")
   if [ -n "$line" ]; then
     set -- $line
-    [ "$1" = crust ] && [ "$3" = virtiofs ] || fail "$2 is already a mount of $1 ($3)"
+    [ "$1" = "$tag" ] && [ "$3" = virtiofs ] || fail "$2 is already a mount of $1 ($3)"
     echo "mounted=1 already=1"
     return 0
   fi
@@ -298,7 +300,7 @@ cmd_sharemount() {  # target: the pod's shared directory (virtio-fs, tag crust) 
   mkdir -p "$1" || fail "mkdir $1 failed"
   # nodev: the host's device nodes never act in the guest; a container's
   # root keeps suid/exec (its binaries run from there).
-  mount -t virtiofs -o nodev crust "$1" || fail "mount of the shared directory (virtio-fs tag crust) failed"
+  mount -t virtiofs -o nodev "$tag" "$1" || fail "mount of the shared directory (virtio-fs tag $tag) failed"
   echo "mounted=1"
 }
 
