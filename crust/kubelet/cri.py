@@ -57,6 +57,7 @@ source:
   every huge page size) and the security context (the run-as user from the
   image when the pod sets none, the namespace options, the pod's fsGroup as
   the first supplemental group, no_new_privs from allowPrivilegeEscalation,
+  the capabilities to add and drop as written,
   the default masked and read-only /proc paths, seccomp unconfined without
   a profile);
 - makeMounts for the other volumes: the volume's directory (a hostPath's
@@ -441,7 +442,11 @@ class KubeletRuntime:
         security = cri.LinuxContainerSecurityContext(
             privileged=container.privileged, readonly_rootfs=container.read_only_root_filesystem,
             namespace_options=self.namespace_options(pod), supplemental_groups=self.supplemental_groups(pod),
-            no_new_privs=False, masked_paths=[] if container.privileged else DEFAULT_MASKED_PATHS,
+            # AddNoNewPrivileges: only an explicit allowPrivilegeEscalation: false.
+            no_new_privs=container.allow_privilege_escalation is False,
+            capabilities=cri.Capability(add_capabilities=list(container.capabilities_add),
+                                        drop_capabilities=list(container.capabilities_drop)),
+            masked_paths=[] if container.privileged else DEFAULT_MASKED_PATHS,
             readonly_paths=[] if container.privileged else DEFAULT_READONLY_PATHS,
             seccomp=cri.SecurityProfile(profile_type=cri.SecurityProfile.Unconfined))
         run_as_user = container.run_as_user if container.run_as_user is not None else pod.run_as_user

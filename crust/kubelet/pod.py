@@ -169,6 +169,11 @@ class Container:
     run_as_group: int | None = None
     privileged: bool = False
     read_only_root_filesystem: bool = False
+    # securityContext.allowPrivilegeEscalation (None: not set) and
+    # .capabilities.add / .drop, names as written ("NET_ADMIN", "ALL").
+    allow_privilege_escalation: bool | None = None
+    capabilities_add: list[str] = field(default_factory=list)
+    capabilities_drop: list[str] = field(default_factory=list)
     # Only for an init container: "Always" makes it a sidecar (a restartable
     # init container that starts in order and keeps running beside the app).
     restart_policy: str | None = None
