@@ -67,6 +67,11 @@ def container_bundle(root: Path, name: str, args: list[str], mounts: list[dict],
         "ociVersion": "1.0.2", "root": {"path": "rootfs", "readonly": readonly},
         "process": {"args": args, "env": ["PATH=/bin", "HOME=/root"], "cwd": cwd,
                     "user": {"uid": uid, "gid": gid}},
+        # containerd's for a container of a pod (the pod's network, IPC and
+        # UTS are its sandbox's, which the microVM takes as the guest's own).
+        "linux": {"namespaces": [{"type": "pid"}, {"type": "ipc", "path": "/proc/1/ns/ipc"},
+                                 {"type": "uts", "path": "/proc/1/ns/uts"}, {"type": "mount"},
+                                 {"type": "network", "path": "/proc/1/ns/net"}]},
         # As containerd lists them: pseudo file systems first (the guest
         # gives the container its own /proc, /dev and /tmp), then binds.
         "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"},
@@ -268,7 +273,8 @@ def test_a_pod_runs_two_containers_in_one_vm_with_deferred_volumes(pod_env):
     # Container 2 shares the VM and the ext4 volume; runs as 1000:1000, on
     # a read-only root (its volume, /tmp and /dev stay writable).
     script = ("id; cat /vol/marker; { touch /shared/x; } 2>/dev/null || echo root-read-only; "
-              "touch /tmp/t /dev/shm/t && echo tmp-and-shm; echo READY; exec sleep 600")
+              # PID 1 of its namespace: SIGTERM acts only through a handler.
+              "touch /tmp/t /dev/shm/t && echo tmp-and-shm; echo READY; trap 'exit 143' TERM; sleep 600 & wait")
     two = container_bundle(kenv.path, "two", ["/bin/sh", "-c", script], [bind("/vol", ext4.target)],
                            uid=1000, gid=1000, readonly=True)
     client.create_container("pod-one", "two", two)

@@ -1079,3 +1079,79 @@ def test_an_atomic_writer_volume_is_known_by_kubelets_path(source, expected):
     from crust.kata.share import is_atomic_writer_volume
 
     assert is_atomic_writer_volume(source) is expected
+
+
+def _containerd_like_spec(**linux) -> dict:
+    return {"ociVersion": "1.0.2", "hostname": "web-0", "root": {"path": "rootfs", "readonly": True},
+            "process": {"args": ["/app"], "env": ["A=1"], "cwd": "/", "user": {"uid": 1000, "gid": 1000},
+                        "noNewPrivileges": True, "apparmorProfile": "cri-containerd.apparmor.d",
+                        "capabilities": {"bounding": ["CAP_CHOWN"], "effective": ["CAP_CHOWN"]}},
+            "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"},
+                       {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+                       {"destination": "/etc/hosts", "type": "bind", "source": "/var/lib/x/hosts",
+                        "options": ["rbind", "ro"]},
+                       {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup"}],
+            "linux": {"namespaces": [{"type": "pid"}, {"type": "ipc", "path": "/proc/9/ns/ipc"},
+                                     {"type": "uts", "path": "/proc/9/ns/uts"}, {"type": "mount"},
+                                     {"type": "network", "path": "/var/run/netns/cni-1"}],
+                      "cgroupsPath": "/kubepods/besteffort/pod1/abc", "devices": [{"path": "/dev/fuse"}],
+                      "maskedPaths": ["/proc/kcore"], "readonlyPaths": ["/proc/sys"],
+                      "sysctl": {"net.ipv4.ip_unprivileged_port_start": "0"},
+                      "seccomp": {"defaultAction": "SCMP_ACT_ERRNO"}, "mountLabel": "x", **linux}}
+
+
+def test_a_containers_spec_for_the_guest_keeps_its_confinement_and_drops_the_hosts_paths():
+    from crust.kata import guest_oci
+
+    spec, sysctls, hostname = guest_oci.guest_spec(_containerd_like_spec(), "/run/crust/containers/c/rootfs", "c")
+    assert spec["root"] == {"path": "/run/crust/containers/c/rootfs", "readonly": True}
+    assert spec["process"]["noNewPrivileges"] is True and spec["process"]["user"]["uid"] == 1000
+    assert "apparmorProfile" not in spec["process"]
+    assert spec["process"]["capabilities"]["bounding"] == ["CAP_CHOWN"]
+    # Only the kernel's own file systems for crun; binds and /dev are the agent's.
+    assert [m["destination"] for m in spec["mounts"]] == ["/proc", "/sys/fs/cgroup"]
+    # A new namespace stays; the pod's (a path) is the guest's own; no new network.
+    assert spec["linux"]["namespaces"] == [{"type": "pid"}, {"type": "mount"}]
+    assert spec["linux"]["cgroupsPath"] == "/crust/c"
+    assert spec["linux"]["maskedPaths"] == ["/proc/kcore"] and spec["linux"]["readonlyPaths"] == ["/proc/sys"]
+    assert spec["linux"]["seccomp"] == {"defaultAction": "SCMP_ACT_ERRNO"}
+    assert "devices" not in spec["linux"] and "mountLabel" not in spec["linux"] and "sysctl" not in spec["linux"]
+    # The pod's settings go to the guest: its UTS namespace is the pod's.
+    assert sysctls == {"net.ipv4.ip_unprivileged_port_start": "0"} and hostname == "web-0"
+    assert "hostname" not in spec
+    script = guest_oci.run_script("c", spec, sysctls, hostname)
+    assert "> /proc/sys/net/ipv4/ip_unprivileged_port_start" in script and "hostname web-0" in script
+    assert script.rstrip().endswith("run --bundle /run/crust/bundles/c c")
+    process = guest_oci.exec_process(spec["process"], ["id"], ["B=2"], "/tmp", 5, 6, None)
+    assert process["args"] == ["id"] and process["user"] == {"uid": 5, "gid": 6} and process["noNewPrivileges"]
+    assert spec["process"]["args"] == ["/app"]   # the container's own untouched
+
+
+def test_a_shared_pid_namespace_is_the_pods_in_the_guest():
+    from crust.kata import guest_oci
+
+    shared = _containerd_like_spec(namespaces=[{"type": "pid", "path": "/proc/9/ns/pid"}, {"type": "mount"}])
+    assert guest_oci.needs_pod_pid_namespace(shared)
+    assert not guest_oci.needs_pod_pid_namespace(_containerd_like_spec())
+    spec, _, _ = guest_oci.guest_spec(shared, "/r", "c", "/proc/42/ns/pid")
+    assert {"type": "pid", "path": "/proc/42/ns/pid"} in spec["linux"]["namespaces"]
+    with pytest.raises(Exception, match="linux.namespaces"):
+        guest_oci.guest_spec(shared, "/r", "c")
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"linux": {"uidMappings": [{"containerID": 0, "hostID": 1000, "size": 1}]}}, "linux.uidMappings"),
+    ({"linux": {"namespaces": [{"type": "user"}, {"type": "pid"}]}}, "linux.namespaces"),
+    ({"hooks": {"prestart": [{"path": "/bin/true"}]}}, "hooks"),
+    ({"process": {"terminal": True, "args": ["/bin/sh"]}}, "process.terminal"),
+    ({"linux": {"namespaces": [{"type": "pid"}], "sysctl": {"net.core/../x": "1"}}}, "linux.sysctl"),
+    ({"hostname": "a b"}, "hostname"),
+])
+def test_what_the_guest_cannot_honour_is_refused_naming_the_field(change, field):
+    from crust.common.errors import InvalidArgument
+    from crust.kata import guest_oci
+
+    spec = {**_containerd_like_spec(), **change}
+    with pytest.raises(InvalidArgument) as refused:
+        guest_oci.guest_spec(spec, "/r", "c", "/proc/1/ns/pid")
+    assert str(refused.value.message if hasattr(refused.value, "message") else refused.value).startswith(field)

@@ -341,6 +341,26 @@ class AgentClient:
         """Signal every guest process whose root directory is root."""
         return (await self.request("signalroot", root, str(signal))).int("signalled")
 
+    async def container_signal(self, container_id: str, signal: int) -> int:
+        """Signal every process in the container's cgroup (agent 5; signal 0
+        counts them); how many were signalled."""
+        answer = await self.request("csignal", container_id, str(signal))
+        return int(answer.fields["signalled"])
+
+    async def container_state(self, container_id: str) -> str:
+        """crun's state of the container: created, running, stopped, or absent (agent 5)."""
+        return (await self.request("cstate", container_id)).fields["state"]
+
+    async def pod_pid_namespace(self) -> str:
+        """The pod's shared PID namespace (made on first use; agent 5), as a
+        path for an OCI spec's linux.namespaces."""
+        answer = await self.request("podpid")
+        return f"/proc/{int(answer.fields['pid'])}/ns/pid"
+
+    async def container_forget(self, container_id: str) -> None:
+        """crun's state of a deleted container and its bundle, gone (agent 5)."""
+        await self.request("cforget", container_id)
+
     async def container_setup(self, root: str) -> None:
         """/proc, a small /dev (null, zero, full, random, urandom, tty, shm)
         and a /tmp in a container's mounted root."""

@@ -112,6 +112,13 @@ HOST_TOOLS = {
     "dmsetup": ("dmsetup",),
     # luksopen checks a LUKS2 header's metadata (JSON) against crust's shape.
     "jq": ("jq",),
+    # A pod's containers run as their OCI spec says (user and groups,
+    # capabilities, no_new_privs, seccomp, masked and read-only paths,
+    # rlimits, cgroup limits): the spec, rewritten for the guest, to runc.
+    "crun": ("crun",),
+    # The init of a pod's shared PID namespace (catatonit -P: it reaps the
+    # orphans of the pod's containers, as the pause container does).
+    "catatonit": ("catatonit",),
 }
 # The guest's own files: path in the image -> file in guest/.
 GUEST_FILES = {"init": "init.sh", "usr/lib/crust/agent.sh": "agent.sh",
@@ -192,9 +199,15 @@ def owners(paths: list[str]) -> dict[str, tuple[str, str]]:
 
 
 def shared_libraries(binary: str) -> list[str]:
-    """Paths ldd resolves for binary (the loader included)."""
+    """Paths ldd resolves for binary (the loader included); none for a static one."""
     libs = []
-    for line in _cmd(["ldd", binary]).splitlines():
+    try:
+        out = _cmd(["ldd", binary])
+    except CommandError as exc:
+        if "not a dynamic executable" in str(exc):
+            return []   # static (catatonit): nothing to copy with it
+        raise
+    for line in out.splitlines():
         line = line.strip()
         if "=>" in line:
             target = line.split("=>", 1)[1].split("(")[0].strip()

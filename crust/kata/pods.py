@@ -26,11 +26,17 @@ volumes kubelet's atomic writer updates (their lookups never cached):
   device's file system;
 - every destination is resolved inside the container's root (the agent's
   secure_join: a link in the image never leads a bind out of it);
-- a process runs as `env -i <env> unshare --root=<root> --wd=<cwd>
-  --setuid U --setgid G -- <args>`, written as a script into the share (so
-  a command of any size the kernel takes never travels as one serial
-  line), its stdout and stderr written to files in the guest, read back by
-  offset (ReadOutput); its exit code is the agent's.
+- a container's process runs under crun in the guest, from the spec
+  containerd wrote rewritten for the guest (crust.kata.guest_oci: its
+  user and groups, capabilities, no_new_privs, seccomp, masked and
+  read-only paths, rlimits and cgroup limits hold as under runc; what the
+  guest cannot honour is refused at CreateContainer); an exec is `crun
+  exec` with the container's process settings. The command is written as
+  a script into the share (so a command of any size the kernel takes never
+  travels as one serial line), its stdout and stderr written to files in
+  the guest, read back by offset (ReadOutput); its exit code is crun's,
+  the container's. A container of a pod started before the guest had crun
+  keeps running as it started (`env -i <env> unshare --root=<root> ...`).
 
 A pod is a sandbox of the RuntimeHandler (its record, its volumes, stats,
 expansion, the reaper, adoption after a restart are the handler's); what
@@ -44,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import secrets
@@ -60,6 +67,7 @@ from crust.api import handler_pb2
 from crust.common.errors import Aborted, AlreadyExists, CrustError, FailedPrecondition, InvalidArgument, NotFound
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
+from crust.kata import guest_oci
 from crust.kata.agent import AgentError, AgentRefused
 from crust.kata.qemu import SharedDir, Vm, VmError
 from crust.kata.sandbox import KataSandbox
@@ -95,11 +103,19 @@ class ProcessRecord(BaseModel):
     cwd: str = "/"
     uid: int = 0
     gid: int = 0
+    additional_gids: list[int] | None = None   # an exec's, when it names them (else the container's)
     name: str = ""              # its output files in the guest (set when started)
     pid: int = 0                # the agent's pid for it; 0 until started
     exit_code: int | None = None
     exited_at_ns: int = 0
     reason: str = ""            # why it stopped, when not by itself
+
+
+class GuestContainer(BaseModel):
+    """What the guest's OCI runtime is given for a container (crust.kata.guest_oci)."""
+    spec: dict = Field(default_factory=dict)
+    sysctls: dict[str, str] = Field(default_factory=dict)
+    hostname: str = ""
 
 
 class ContainerRecord(BaseModel):
@@ -113,6 +129,9 @@ class ContainerRecord(BaseModel):
     volumes: dict[str, list[VolumeView]] = Field(default_factory=dict)
     processes: dict[str, ProcessRecord] = Field(default_factory=dict)  # by exec id, "" the container's own
     readonly_root: bool = False
+    # Run by crun in the guest, from this spec; None: a container of a pod
+    # whose VM has no OCI runtime (started before crust ran containers so).
+    oci: GuestContainer | None = None
 
     @property
     def root(self) -> str:
@@ -126,6 +145,9 @@ class PodRecord(BaseModel):
     containers: dict[str, ContainerRecord] = Field(default_factory=dict)
     # Why the VM is gone, once it is (the pod stays listed until DeletePod).
     gone: str = ""
+    # The guest's OCI runtime ("crun"); "" for a pod started before the
+    # guest had one (its containers run with unshare, as they started).
+    guest_runtime: str = ""
     created_at: float = Field(default_factory=time.time)
 
 
@@ -147,6 +169,15 @@ def command_line(root: str, process: ProcessRecord) -> str:
             + f" {UNSHARE} --root={shlex.quote(root)} --wd={shlex.quote(cwd)}"
             + f" --setuid {process.uid} --setgid {process.gid} -- "
             + " ".join(shlex.quote(a) for a in process.args))
+
+
+def _raw_spec(bundle: str) -> dict:
+    """The bundle's config.json as written (load_requested_bundle checked it
+    reads; its model keeps only the fields crust itself uses)."""
+    try:
+        return json.loads((Path(bundle) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"bundle {bundle}: config.json: {exc}") from None
 
 
 def _is_bind(m) -> bool:
@@ -341,7 +372,7 @@ class Pods:
                 shares = self._shares(sandbox_id)
                 sandbox = self.handler.make_sandbox(sandbox_id, self._workdir(sandbox_id), None, None)
                 record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
-                pod = PodRecord(sandbox_id=sandbox_id, bundle=bundle)
+                pod = PodRecord(sandbox_id=sandbox_id, bundle=bundle, guest_runtime="crun")
                 try:
                     shared = []
                     for share in shares:
@@ -433,7 +464,16 @@ class Pods:
                 raise AlreadyExists(f"container_id {container_id!r} exists in pod {pod.sandbox_id}")
             if container_id in self._creating:
                 raise Aborted(f"container_id {container_id!r} is being created; retry later")
-            _, _, pod = self._live(sandbox_id)
+            sandbox, _, pod = self._live(sandbox_id)
+            oci = None
+            if pod.guest_runtime:
+                spec_dict = _raw_spec(bundle)
+                pod_pid = ""
+                if guest_oci.needs_pod_pid_namespace(spec_dict):
+                    pod_pid = await sandbox._agent(sandbox.vm.agent.pod_pid_namespace())
+                guest, sysctls, hostname = guest_oci.guest_spec(
+                    spec_dict, f"{GUEST_CONTAINERS}/{container_id}/rootfs", container_id, pod_pid)
+                oci = GuestContainer(spec=guest, sysctls=sysctls, hostname=hostname)
             self._creating.add(container_id)
         try:
             # Resolving (up to ENTRY_WAIT for a new entry) without the pod's
@@ -441,7 +481,7 @@ class Pods:
             binds = await self._plan(spec)
             user = spec.process.user
             c = ContainerRecord(
-                container_id=container_id, bundle=bundle, readonly_root=bool(spec.root and spec.root.readonly),
+                container_id=container_id, bundle=bundle, readonly_root=bool(spec.root and spec.root.readonly), oci=oci,
                 processes={"": ProcessRecord(args=spec.process.args, env=spec.process.env, cwd=spec.process.cwd,
                                              uid=user.uid if user else 0, gid=user.gid if user else 0)})
             started = time.monotonic()
@@ -601,6 +641,11 @@ class Pods:
                 c.volumes.pop(key, None)
             if pod.sandbox_id in self.handler.sandboxes:
                 await self.handler.records.put(pod.sandbox_id, record)
+        if alive and c.oci is not None:
+            try:
+                await sandbox._agent(sandbox.vm.agent.container_forget(c.container_id))
+            except CrustError as exc:
+                errors.append(exc.message)
         if alive and c.serial and c.serial in sandbox.vm.disks:
             try:
                 await sandbox._agent(sandbox.vm.detach_disk(c.serial))
@@ -652,15 +697,23 @@ class Pods:
         Also when its own processes all exited: what they left running in
         the background (no PID namespace in the guest ends it with them)
         would keep the container's mounts busy."""
-        await sandbox._agent(sandbox.vm.agent.signal_root(c.root, 9))
+        await self._signal_all(sandbox, c, 9)
         deadline = time.monotonic() + timeout
         for p in c.processes.values():
             while p.pid and p.exit_code is None and time.monotonic() < deadline:
                 await self._refresh(pod, c, p)
                 if p.exit_code is None:
                     await asyncio.sleep(POLL)
-        while time.monotonic() < deadline and await sandbox._agent(sandbox.vm.agent.signal_root(c.root, 0)):
+        while time.monotonic() < deadline and await self._signal_all(sandbox, c, 0):
             await asyncio.sleep(POLL)
+
+    @staticmethod
+    async def _signal_all(sandbox: KataSandbox, c: ContainerRecord, signal: int) -> int:
+        """Every process of the container: those in its cgroup (crun's), or
+        for a container of an older pod, those whose root is its root."""
+        if c.oci is not None:
+            return await sandbox._agent(sandbox.vm.agent.container_signal(c.container_id, signal))
+        return await sandbox._agent(sandbox.vm.agent.signal_root(c.root, signal))
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -678,7 +731,8 @@ class Pods:
                     raise InvalidArgument("process.args: an exec needs its command")
                 if p is None:
                     p = ProcessRecord(exec_id=exec_id, args=list(spec.args), env=list(spec.env),
-                                      cwd=spec.cwd or c.processes[""].cwd, uid=spec.uid, gid=spec.gid)
+                                      cwd=spec.cwd or c.processes[""].cwd, uid=spec.uid, gid=spec.gid,
+                                      additional_gids=list(spec.additional_gids) or None)
                     c.processes[exec_id] = p
             if p.pid:
                 return p.pid   # started already (a retried call)
@@ -691,7 +745,7 @@ class Pods:
             await self.records.put(pod.sandbox_id, pod)
             share = self._share(pod.sandbox_id)
             try:
-                script = await asyncio.to_thread(share.write_script, container_id, p.name, command_line(c.root, p))
+                script = await asyncio.to_thread(share.write_script, container_id, p.name, self._script(c, p))
             except (ShareError, OSError) as exc:
                 raise FailedPrecondition(f"process {exec_id or container_id}: its command cannot be written to "
                                          f"the pod's shared directory: {exc}") from None
@@ -701,9 +755,38 @@ class Pods:
                 # The guest's sh has read it (or never will): the share keeps no commands.
                 await asyncio.to_thread(share.remove_script, container_id, p.name)
             await self.records.put(pod.sandbox_id, pod)
+            if c.oci is not None and not exec_id:
+                await self._until_running(sandbox, c, p)
         log.info("process started", extra={"fields": {"sandbox": pod.sandbox_id, "container": container_id,
                                                       "exec": exec_id, "pid": p.pid}})
         return p.pid
+
+    @staticmethod
+    async def _until_running(sandbox: KataSandbox, c: ContainerRecord, p: ProcessRecord,
+                             timeout: float = 60.0) -> None:
+        """StartContainer returns once the container runs, as runc's start
+        does: an exec right after it finds the container (crun's state says
+        running), unless its process ended meanwhile (GetProcess tells how)."""
+        deadline = time.monotonic() + timeout
+        agent = sandbox.vm.agent
+        while time.monotonic() < deadline:
+            if await sandbox._agent(agent.container_state(c.container_id)) == "running":
+                return
+            if await sandbox._agent(agent.wait(p.pid)) is not None:
+                return
+            await asyncio.sleep(0.05)
+        log.warning("container not running yet after its start", extra={"fields": {
+            "container": c.container_id, "seconds": timeout}})
+
+    @staticmethod
+    def _script(c: ContainerRecord, p: ProcessRecord) -> str:
+        if c.oci is None:
+            return command_line(c.root, p)
+        if not p.exec_id:
+            return guest_oci.run_script(c.container_id, c.oci.spec, c.oci.sysctls, c.oci.hostname)
+        process = guest_oci.exec_process(c.oci.spec.get("process") or {}, p.args, p.env, p.cwd, p.uid, p.gid,
+                                         p.additional_gids)
+        return guest_oci.exec_script(c.container_id, p.name, process)
 
     async def _refresh(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord) -> None:
         """Learn the exit code of a started process from the guest."""
@@ -751,7 +834,7 @@ class Pods:
         if sandbox is None or not sandbox.alive() or pod.gone:
             return   # nothing runs any more: a signal has nothing to reach
         if all_processes:
-            await sandbox._agent(sandbox.vm.agent.signal_root(c.root, signal))
+            await self._signal_all(sandbox, c, signal)
         elif not p.pid:
             raise FailedPrecondition(f"process {exec_id or container_id} was not started")
         elif p.exit_code is None:

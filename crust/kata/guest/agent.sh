@@ -21,7 +21,7 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=4
+AGENT_VERSION=5
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin
@@ -464,7 +464,27 @@ cmd_signal() {  # pid signal: signal the process a spawn (or exec) runs
   n=0
   set +f
   for child in $(children_of "$1"); do
+    # The child is crun for a container's process (agent 5): it forwards
+    # what it gets, but SIGKILL and SIGSTOP end or stop crun itself, so
+    # those go to its child too, the process crun started.
+    if [ "$2" = 9 ] || [ "$2" = 19 ]; then
+      for grandchild in $(children_of "$child"); do kill -"$2" "$grandchild" 2>/dev/null; done
+    fi
     kill -"$2" "$child" 2>/dev/null && n=$((n + 1))
+  done
+  echo "signalled=$n"
+}
+
+cmd_csignal() {  # id signal: signal every process in a container's cgroup (/crust/<id>); 0 counts them
+  [ $# -eq 2 ] || fail "usage: csignal <id> <signal>"
+  check_name "$1"
+  case $2 in ''|*[!0-9]*) fail "bad signal: $2" ;; esac
+  cg=/sys/fs/cgroup/crust/$1
+  n=0
+  [ -d "$cg" ] || { echo "signalled=0"; return 0; }
+  set +f
+  for pid in $(cat $(find "$cg" -name cgroup.procs) 2>/dev/null); do
+    kill -"$2" "$pid" 2>/dev/null && n=$((n + 1))
   done
   echo "signalled=$n"
 }
@@ -487,7 +507,8 @@ cmd_ctrsetup() {  # root: /proc, a small /dev and /tmp in a container's root
   check_path "$1"
   r=$1
   [ -n "$(mount_line "$r")" ] || fail "not mounted: $r"
-  mkdir -p "$r/proc" "$r/dev" "$r/tmp" || fail "cannot make /proc, /dev, /tmp in $r"
+  # /sys too: the OCI runtime mounts sysfs there, after a read-only root.
+  mkdir -p "$r/proc" "$r/dev" "$r/tmp" "$r/sys" || fail "cannot make /proc, /dev, /tmp, /sys in $r"
   if [ -z "$(mount_line "$r/proc")" ]; then
     mount -t proc -o nosuid,nodev,noexec proc "$r/proc" || fail "mount of proc in $r failed"
   fi
@@ -509,6 +530,46 @@ cmd_ctrsetup() {  # root: /proc, a small /dev and /tmp in a container's root
   echo "ok=1"
 }
 
+cmd_podpid() {  # the pod's PID namespace: the pid of its init (catatonit -P, which reaps what it inherits)
+  [ $# -eq 0 ] || fail "usage: podpid"
+  if [ -s "$RUN/podpid" ]; then
+    pid=$(cat "$RUN/podpid")
+    if [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = /sbin/catatonit ]; then echo "pid=$pid"; return 0; fi
+  fi
+  /sbin/unshare --pid --fork -- /sbin/catatonit -P </dev/null >/dev/null 2>&1 &
+  holder=$!
+  set +f
+  n=0
+  pid=$(children_of "$holder")
+  while [ -z "$pid" ]; do
+    n=$((n + 1))
+    [ $n -lt 250 ] || fail "the pod's PID namespace did not start"
+    usleep 20000
+    pid=$(children_of "$holder")
+  done
+  echo "$pid" > "$RUN/podpid"
+  echo "pid=$pid"
+}
+
+cmd_cstate() {  # id: the container's state in crun (created, running, stopped) or absent
+  [ $# -eq 1 ] || fail "usage: cstate <id>"
+  check_name "$1"
+  if [ ! -e "/run/crust/crun/$1/status" ]; then echo "state=absent"; return 0; fi
+  state=$(/sbin/crun --root /run/crust/crun state "$1" 2>/dev/null | sed -n 's/^ *"status": *"\([a-z]*\)".*/\1/p')
+  echo "state=${state:-absent}"
+}
+
+cmd_cforget() {  # id: a deleted container's state in crun and its bundle (already gone is success)
+  [ $# -eq 1 ] || fail "usage: cforget <id>"
+  check_name "$1"
+  if [ -d "/run/crust/crun/$1" ]; then
+    /sbin/crun --root /run/crust/crun delete --force "$1" >/dev/null 2>&1 ||
+      fail "crun delete $1: $(/sbin/crun --root /run/crust/crun delete --force "$1" 2>&1 | one_line)"
+  fi
+  rm -rf "/run/crust/bundles/$1"
+  echo "forgotten=1"
+}
+
 cmd_readonly() {  # target: make this mount read-only (a bind remount: the file system and its other mounts keep their mode)
   [ $# -eq 1 ] || fail "usage: readonly <target>"
   check_path "$1"
@@ -520,7 +581,7 @@ cmd_readonly() {  # target: make this mount read-only (a bind remount: the file 
 cmd_forget() {  # name: remove a spawned process's output files (they live in the guest's memory)
   [ $# -eq 1 ] || fail "usage: forget <name>"
   check_name "$1"
-  rm -f "$RUN/out/$1.out" "$RUN/out/$1.err" "$RUN/cmd/$1.sh"
+  rm -f "$RUN/out/$1.out" "$RUN/out/$1.err" "$RUN/cmd/$1.sh" "$RUN/cmd/$1.json"
   echo "forgotten=1"
 }
 
@@ -753,6 +814,10 @@ dispatch() {
     readout) cmd_readout "$@" ;;
     signal) cmd_signal "$@" ;;
     signalroot) cmd_signalroot "$@" ;;
+    csignal) cmd_csignal "$@" ;;
+    cforget) cmd_cforget "$@" ;;
+    cstate) cmd_cstate "$@" ;;
+    podpid) cmd_podpid "$@" ;;
     ctrsetup) cmd_ctrsetup "$@" ;;
     umountall) cmd_umountall "$@" ;;
     forget) cmd_forget "$@" ;;

@@ -11,12 +11,30 @@
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin
 umask 022
 
+# The initramfs is the kernel's rootfs, a mount with no parent, and
+# pivot_root(2) refuses to move such a root: runc, which jails each
+# container with pivot_root, needs the guest's root to be an ordinary
+# mount. So the first /init copies the image into a tmpfs and switches to
+# it (switch_root frees the initramfs's pages as it goes).
+if [ "$$" = 1 ] && [ ! -e /.crust-root ]; then
+  mkdir -p /newroot
+  mount -t tmpfs -o mode=0755 root /newroot
+  for entry in /* /.[!.]*; do
+    case $entry in /newroot|'/.[!.]*') ;; *) cp -a "$entry" /newroot/ ;; esac
+  done
+  : > /newroot/.crust-root
+  exec switch_root /newroot /init
+fi
+
 mount -t proc -o nosuid,nodev,noexec proc /proc
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
 mount -t devtmpfs -o nosuid,mode=0755 devtmpfs /dev
 mkdir -p /dev/pts /dev/shm
 mount -t tmpfs -o nosuid,nodev,mode=0755 tmpfs /run
 mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /tmp
+# cgroup v2: runc puts each container in a cgroup of its own below /crust
+# (its limits, its OOM kills, its processes to signal).
+mount -t cgroup2 -o nosuid,nodev,noexec,nsdelegate cgroup2 /sys/fs/cgroup
 exec </dev/console >/dev/console 2>&1
 
 # Only this list is loaded: the image has no modules.dep, so the kernel's own

@@ -1,0 +1,206 @@
+"""A container's OCI spec, rewritten for the guest's OCI runtime (crun).
+
+containerd wrote the spec for the host: its root, its binds and the
+namespaces it joins are host paths and host processes. In the pod's VM the
+root and the binds are already mounted by the agent below the container's
+root (crust.kata.pods: from the shares, the pod's tmpfs, deferred volumes,
+each destination resolved inside the root), so the guest's spec keeps what
+the host's says about the process and its confinement, and only what the
+guest can mean of the rest:
+
+kept as it is   process (args, env, cwd, user and additional gids, umask,
+                capabilities, no_new_privileges, rlimits, oom_score_adj),
+                linux.maskedPaths, readonlyPaths, seccomp (compiled by crun
+                with the guest's libseccomp), resources (memory, CPU, pids,
+                huge pages, the device allow list, block I/O: the guest's
+                cgroup v2), personality;
+rewritten       root -> the container's root in the guest (mounted by the
+                agent, read-only by the agent and crun when the spec says so);
+                linux.cgroupsPath -> /crust/<container id> in the guest's
+                cgroup tree (the agent signals and counts a container's
+                processes there);
+                mounts -> only the kernel's own file systems the runtime
+                makes fresh in the container's namespaces (proc, sysfs,
+                devpts, mqueue, cgroup); binds and /dev, /dev/shm, /tmp
+                tmpfs are the agent's;
+                namespaces: a new one is kept (mount, pid, cgroup, uts, ipc,
+                time); one that names a path (the pod's sandbox on the host)
+                becomes the guest's own, because the VM is the pod: its
+                network, IPC and UTS; a shared PID namespace (the pod's, or
+                the node's for hostPID) is the pod's in the guest, whose
+                init (catatonit -P) reaps what the containers leave;
+moved to the guest (pod-level, applied before the runtime starts): linux.sysctl
+                (the pod's network and IPC namespaces are the guest's), the
+                hostname when the UTS namespace is the pod's;
+dropped         apparmorProfile, selinuxLabel, linux.mountLabel: labels of
+                the host's LSM policy, which the guest kernel does not load
+                (the VM boundary takes their place, as in Kata);
+                linux.devices: host device nodes (a privileged container's,
+                a device plugin's) name other devices in the guest, whose
+                disks and consoles are its own (Kata's
+                privileged_without_host_devices); linux.intelRdt;
+refused         (INVALID_ARGUMENT naming the field) a user namespace and its
+                mappings, hooks (host programs), a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from typing import Any
+
+from crust.common.errors import InvalidArgument
+
+GUEST_CGROUP_PARENT = "/crust"
+RUNTIME = "/sbin/crun"
+RUNTIME_ROOT = "/run/crust/crun"       # crun's state, in guest memory
+GUEST_BUNDLES = "/run/crust/bundles"   # <id>/config.json
+FRESH_MOUNT_TYPES = {"proc", "sysfs", "devpts", "mqueue", "cgroup", "cgroup2"}
+NAMESPACES = {"mount", "pid", "cgroup", "uts", "ipc", "time", "network"}
+SYSCTL_NAME = re.compile(r"^[a-z0-9_][a-z0-9_.\-/]*$")
+HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]{0,62}$")
+SPEC_END = "CRUST_SPEC_END"
+
+
+def needs_pod_pid_namespace(host: dict[str, Any]) -> bool:
+    """Whether the container shares a PID namespace (the pod's, with
+    shareProcessNamespace or CRI's default; the node's, with hostPID or
+    when the spec names none) rather than having one of its own."""
+    own = [ns for ns in (host.get("linux") or {}).get("namespaces") or []
+           if ns.get("type") == "pid" and not ns.get("path")]
+    return not own
+
+
+def guest_spec(host: dict[str, Any], root: str, container_id: str,
+               pod_pid_namespace: str = "") -> tuple[dict[str, Any], dict[str, str], str]:
+    """(the spec for crun, the sysctls to apply in the guest, the hostname
+    to give the guest or ""). pod_pid_namespace: the path of the pod's PID
+    namespace in the guest, for a container that shares one
+    (needs_pod_pid_namespace). InvalidArgument for what the guest cannot honour."""
+    process = dict(host.get("process") or {})
+    if process.get("terminal"):
+        raise InvalidArgument("process.terminal: a terminal is not supported in the microVM yet")
+    for label in ("apparmorProfile", "selinuxLabel"):
+        process.pop(label, None)
+    if host.get("hooks"):
+        raise InvalidArgument("hooks: they run host programs, which the microVM's guest does not have")
+    linux = dict(host.get("linux") or {})
+    if linux.get("uidMappings") or linux.get("gidMappings"):
+        raise InvalidArgument("linux.uidMappings/gidMappings: user namespaces are not supported in the microVM")
+
+    namespaces, joined = [], set()
+    for ns in linux.get("namespaces") or []:
+        kind = ns.get("type", "")
+        if kind == "user":
+            raise InvalidArgument("linux.namespaces: a user namespace is not supported in the microVM")
+        if kind not in NAMESPACES:
+            raise InvalidArgument(f"linux.namespaces: {kind!r} is no namespace the microVM knows")
+        if ns.get("path"):
+            joined.add(kind)        # the pod's: the guest's own
+        elif kind != "network":     # the pod's network is the VM's; a new empty one would cut it off
+            namespaces.append({"type": kind})
+    if not any(ns["type"] == "mount" for ns in namespaces):
+        namespaces.append({"type": "mount"})   # crun jails the root with pivot_root in one
+    if not any(ns["type"] == "pid" for ns in namespaces):
+        # The pod's (shareProcessNamespace, CRI's default) or the node's
+        # (hostPID): in a VM both are the pod's shared namespace, whose
+        # init reaps the orphans. Never the guest's own: crun waits for
+        # every child it has, and in the guest's namespace a container's
+        # orphans would be crun's, so a container would outlive its first
+        # process; and the agent's processes are no container's to see.
+        if not pod_pid_namespace:
+            raise InvalidArgument("linux.namespaces: the container shares a PID namespace, and the pod has none")
+        namespaces.append({"type": "pid", "path": pod_pid_namespace})
+
+    sysctls = {}
+    for name, value in (linux.get("sysctl") or {}).items():
+        if not SYSCTL_NAME.match(name) or ".." in name or "\n" in str(value):
+            raise InvalidArgument(f"linux.sysctl: {name!r} is no sysctl name")
+        sysctls[name] = str(value)
+    hostname = host.get("hostname") or ""
+    if hostname and not HOSTNAME.match(hostname):
+        raise InvalidArgument(f"hostname: {hostname!r} is no host name")
+    own_uts = any(ns["type"] == "uts" for ns in namespaces)
+
+    mounts = [m for m in host.get("mounts") or []
+              if m.get("type") in FRESH_MOUNT_TYPES and not _is_bind(m)]
+    resources = dict(linux.get("resources") or {})
+    out_linux: dict[str, Any] = {
+        "namespaces": namespaces,
+        "cgroupsPath": f"{GUEST_CGROUP_PARENT}/{container_id}",
+        "resources": resources,
+    }
+    for key in ("maskedPaths", "readonlyPaths", "seccomp", "personality", "rootfsPropagation"):
+        if linux.get(key):
+            out_linux[key] = linux[key]
+    spec: dict[str, Any] = {
+        "ociVersion": host.get("ociVersion", "1.0.2"),
+        "process": process,
+        # Read-only again by crun in its mount namespace (its bind of the
+        # root would carry the agent's read-only mount, its remount not).
+        "root": {"path": root, "readonly": bool((host.get("root") or {}).get("readonly"))},
+        "mounts": mounts,
+        "linux": out_linux,
+        "annotations": {},
+    }
+    if hostname and own_uts:
+        spec["hostname"] = hostname
+    return spec, sysctls, hostname if hostname and not own_uts else ""
+
+
+def exec_process(container_process: dict[str, Any], args: list[str], env: list[str], cwd: str, uid: int,
+                 gid: int, additional_gids: list[int] | None = None) -> dict[str, Any]:
+    """An exec's process: the container's (its capabilities, no_new_privs,
+    rlimits, seccomp are the container's, as containerd builds an exec's
+    spec) with the command, environment, directory and user asked for."""
+    process = json.loads(json.dumps(container_process))
+    process.update({"terminal": False, "args": list(args), "env": list(env), "cwd": cwd or "/"})
+    user = dict(process.get("user") or {})
+    user.update({"uid": uid, "gid": gid})
+    if additional_gids is not None:
+        user["additionalGids"] = list(additional_gids)
+    process["user"] = user
+    return process
+
+
+def _is_bind(m: dict[str, Any]) -> bool:
+    options = m.get("options") or []
+    return m.get("type") == "bind" or "bind" in options or "rbind" in options
+
+
+def _heredoc(path: str, document: dict[str, Any]) -> str:
+    text = json.dumps(document, separators=(",", ":"))
+    # JSON is one line, so it never holds the terminator on a line of its own.
+    return f"cat > {shlex.quote(path)} <<'{SPEC_END}'\n{text}\n{SPEC_END}\n"
+
+
+def sysctl_lines(sysctls: dict[str, str], hostname: str) -> str:
+    lines = ""
+    for name, value in sorted(sysctls.items()):
+        path = "/proc/sys/" + name.replace(".", "/") if "/" not in name else "/proc/sys/" + name
+        lines += (f"printf '%s' {shlex.quote(value)} > {shlex.quote(path)} || "
+                  f"{{ echo 'crust: sysctl {name} could not be set' >&2; exit 126; }}\n")
+    if hostname:
+        lines += f"hostname {shlex.quote(hostname)} || exit 126\n"
+    return lines
+
+
+def run_script(container_id: str, spec: dict[str, Any], sysctls: dict[str, str], hostname: str) -> str:
+    """The guest's script for the container's own process: the pod's
+    settings, the bundle, then crun in the foreground (its exit code is the
+    container's; it forwards the signals it gets to the container)."""
+    bundle = f"{GUEST_BUNDLES}/{container_id}"
+    return (sysctl_lines(sysctls, hostname)
+            + f"mkdir -p {shlex.quote(bundle)} || exit 126\n"
+            + _heredoc(f"{bundle}/config.json", spec)
+            + f"exec {RUNTIME} --root {RUNTIME_ROOT} run --bundle {shlex.quote(bundle)} "
+            + f"{shlex.quote(container_id)}\n")
+
+
+def exec_script(container_id: str, name: str, process: dict[str, Any]) -> str:
+    """The guest's script for an exec in a running container."""
+    path = f"/run/crust/cmd/{name}.json"
+    return (_heredoc(path, process)
+            + f"exec {RUNTIME} --root {RUNTIME_ROOT} exec --process {shlex.quote(path)} "
+            + f"{shlex.quote(container_id)}\n")
