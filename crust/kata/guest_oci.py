@@ -63,6 +63,20 @@ HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]{0,62}$")
 SPEC_END = "CRUST_SPEC_END"
 
 
+def pod_settings(host: dict[str, Any]) -> tuple[dict[str, str], str]:
+    """(linux.sysctl, hostname) of a spec, checked: what the guest, which
+    is the pod, applies for the pod's sandbox and its containers."""
+    sysctls = {}
+    for name, value in ((host.get("linux") or {}).get("sysctl") or {}).items():
+        if not SYSCTL_NAME.match(name) or ".." in name or "\n" in str(value):
+            raise InvalidArgument(f"linux.sysctl: {name!r} is no sysctl name")
+        sysctls[name] = str(value)
+    hostname = host.get("hostname") or ""
+    if hostname and not HOSTNAME.match(hostname):
+        raise InvalidArgument(f"hostname: {hostname!r} is no host name")
+    return sysctls, hostname
+
+
 def needs_pod_pid_namespace(host: dict[str, Any]) -> bool:
     """Whether the container shares a PID namespace (the pod's, with
     shareProcessNamespace or CRI's default; the node's, with hostPID or
@@ -113,14 +127,7 @@ def guest_spec(host: dict[str, Any], root: str, container_id: str,
             raise InvalidArgument("linux.namespaces: the container shares a PID namespace, and the pod has none")
         namespaces.append({"type": "pid", "path": pod_pid_namespace})
 
-    sysctls = {}
-    for name, value in (linux.get("sysctl") or {}).items():
-        if not SYSCTL_NAME.match(name) or ".." in name or "\n" in str(value):
-            raise InvalidArgument(f"linux.sysctl: {name!r} is no sysctl name")
-        sysctls[name] = str(value)
-    hostname = host.get("hostname") or ""
-    if hostname and not HOSTNAME.match(hostname):
-        raise InvalidArgument(f"hostname: {hostname!r} is no host name")
+    sysctls, hostname = pod_settings(host)
     own_uts = any(ns["type"] == "uts" for ns in namespaces)
 
     mounts = [m for m in host.get("mounts") or []

@@ -171,6 +171,14 @@ def command_line(root: str, process: ProcessRecord) -> str:
             + " ".join(shlex.quote(a) for a in process.args))
 
 
+def _sandbox_spec(bundle: str) -> dict:
+    """The pod sandbox's spec (containerd's for the pause container), or
+    nothing when the bundle has none to read."""
+    if not bundle or not (Path(bundle) / "config.json").is_file():
+        return {}
+    return _raw_spec(bundle)
+
+
 def _raw_spec(bundle: str) -> dict:
     """The bundle's config.json as written (load_requested_bundle checked it
     reads; its model keeps only the fields crust itself uses)."""
@@ -369,6 +377,7 @@ class Pods:
                 if sandbox_id in self.handler.sandboxes:
                     raise AlreadyExists(f"sandbox_id {sandbox_id!r} is a sandbox of this handler, not a pod")
                 await asyncio.wait_for(self.handler.registration.registered.wait(), 10)
+                sysctls, hostname = guest_oci.pod_settings(_sandbox_spec(bundle))
                 shares = self._shares(sandbox_id)
                 sandbox = self.handler.make_sandbox(sandbox_id, self._workdir(sandbox_id), None, None)
                 record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
@@ -383,6 +392,7 @@ class Pods:
                     await sandbox.start()
                     for share in shares:
                         await sandbox._agent(sandbox.vm.agent.share_mount(share.guest, share.tag))
+                    await self._apply_pod_settings(sandbox, sandbox_id, sysctls, hostname)
                 except BaseException:
                     await sandbox.stop()
                     await asyncio.to_thread(self._tear_down_share, sandbox_id)
@@ -405,6 +415,24 @@ class Pods:
                     raise
         log.info("pod running", extra={"fields": {"sandbox": sandbox_id, "pid": record.pid}})
         return record.pid
+
+    @staticmethod
+    async def _apply_pod_settings(sandbox: KataSandbox, sandbox_id: str, sysctls: dict[str, str],
+                                  hostname: str) -> None:
+        """The pod sandbox's sysctls and hostname, in the guest (the VM is the
+        pod: its network, IPC and UTS namespaces are the guest's own). One
+        the guest's kernel refuses fails the pod, naming it."""
+        if not sysctls and not hostname:
+            return
+        agent = sandbox.vm.agent
+        name = output_name(sandbox_id, "", "pod-settings")
+        pid = await sandbox._agent(agent.spawn(name, guest_oci.sysctl_lines(sysctls, hostname)))
+        code = await sandbox._agent(agent.wait_exit(pid, timeout=30))
+        if code != 0:
+            err, _ = await sandbox._agent(agent.readout(name, "err", 0, 4096))
+            raise FailedPrecondition(f"pod {sandbox_id}: linux.sysctl/hostname: "
+                                     f"{err.decode(errors='replace').strip() or f'exit code {code}'}")
+        await agent.forget_output(name)
 
     async def delete_pod(self, sandbox_id: str) -> None:
         async with self.locks[sandbox_id]:
