@@ -12,18 +12,17 @@ export PATH=/sbin:/bin:/usr/sbin:/usr/bin
 umask 022
 
 # The initramfs is the kernel's rootfs, a mount with no parent, and
-# pivot_root(2) refuses to move such a root: runc, which jails each
+# pivot_root(2) refuses to move such a root: crun, which jails each
 # container with pivot_root, needs the guest's root to be an ordinary
-# mount. So the first /init copies the image into a tmpfs and switches to
-# it (switch_root frees the initramfs's pages as it goes).
-if [ "$$" = 1 ] && [ ! -e /.crust-root ]; then
+# mount. So the first /init binds the rootfs onto a directory of its own,
+# moves that bind over / and starts again chrooted into it: the same files,
+# nothing copied, and a root mount whose parent is the rootfs.
+if [ "$$" = 1 ] && [ -z "${CRUST_ROOT_BOUND:-}" ]; then
   mkdir -p /newroot
-  mount -t tmpfs -o mode=0755 root /newroot
-  for entry in /* /.[!.]*; do
-    case $entry in /newroot|'/.[!.]*') ;; *) cp -a "$entry" /newroot/ ;; esac
-  done
-  : > /newroot/.crust-root
-  exec switch_root /newroot /init
+  mount --bind / /newroot
+  cd /newroot
+  mount --move . /
+  CRUST_ROOT_BOUND=1 exec chroot . /init
 fi
 
 mount -t proc -o nosuid,nodev,noexec proc /proc
