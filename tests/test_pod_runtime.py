@@ -280,7 +280,7 @@ def test_a_pod_runs_two_containers_in_one_vm_with_deferred_volumes(pod_env):
     client.create_container("pod-one", "two", two)
     client.start("two")
     first = client.output_until("two", b"READY")
-    # No supplementary groups (unshare --setgid clears them).
+    # No supplementary groups: the spec names none.
     assert first == b"uid=1000 gid=1000\nmarker-ext4\nroot-read-only\ntmp-and-shm\nREADY\n", first
     pods = client.pods()
     assert pods["pod-one"].alive and pods["pod-one"].pid == qemu
