@@ -720,10 +720,11 @@ class Pods:
 
     async def _stop_processes(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
                               timeout: float = 10.0) -> None:
-        """SIGKILL every process of the container (all whose root is its
-        root), then wait for their exit codes and for none to be left.
-        Also when its own processes all exited: what they left running in
-        the background (no PID namespace in the guest ends it with them)
+        """SIGKILL every process of the container (its cgroup in the guest;
+        for a container of an older pod, all whose root is its root), then
+        wait for their exit codes and for none to be left. Also when its own
+        processes all exited: what they left running in the background (in
+        a shared PID namespace nothing ends it with them)
         would keep the container's mounts busy."""
         await self._signal_all(sandbox, c, 9)
         deadline = time.monotonic() + timeout
