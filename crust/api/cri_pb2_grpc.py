@@ -103,6 +103,16 @@ class RuntimeServiceStub(object):
                 request_serializer=cri__pb2.ExecSyncRequest.SerializeToString,
                 response_deserializer=cri__pb2.ExecSyncResponse.FromString,
                 _registered_method=True)
+        self.ContainerStats = channel.unary_unary(
+                '/runtime.v1.RuntimeService/ContainerStats',
+                request_serializer=cri__pb2.ContainerStatsRequest.SerializeToString,
+                response_deserializer=cri__pb2.ContainerStatsResponse.FromString,
+                _registered_method=True)
+        self.ListContainerStats = channel.unary_unary(
+                '/runtime.v1.RuntimeService/ListContainerStats',
+                request_serializer=cri__pb2.ListContainerStatsRequest.SerializeToString,
+                response_deserializer=cri__pb2.ListContainerStatsResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/runtime.v1.RuntimeService/Status',
                 request_serializer=cri__pb2.StatusRequest.SerializeToString,
@@ -212,6 +222,20 @@ class RuntimeServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ContainerStats(self, request, context):
+        """The CPU, memory and writable-layer numbers of one container, or of
+        those a filter picks (kubelet's summary API, `kubectl top`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListContainerStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """The runtime's readiness conditions and its handlers.
         """
@@ -293,6 +317,16 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.ExecSync,
                     request_deserializer=cri__pb2.ExecSyncRequest.FromString,
                     response_serializer=cri__pb2.ExecSyncResponse.SerializeToString,
+            ),
+            'ContainerStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.ContainerStats,
+                    request_deserializer=cri__pb2.ContainerStatsRequest.FromString,
+                    response_serializer=cri__pb2.ContainerStatsResponse.SerializeToString,
+            ),
+            'ListContainerStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListContainerStats,
+                    request_deserializer=cri__pb2.ListContainerStatsRequest.FromString,
+                    response_serializer=cri__pb2.ListContainerStatsResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -660,6 +694,60 @@ class RuntimeService(object):
             '/runtime.v1.RuntimeService/ExecSync',
             cri__pb2.ExecSyncRequest.SerializeToString,
             cri__pb2.ExecSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContainerStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/ContainerStats',
+            cri__pb2.ContainerStatsRequest.SerializeToString,
+            cri__pb2.ContainerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListContainerStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/ListContainerStats',
+            cri__pb2.ListContainerStatsRequest.SerializeToString,
+            cri__pb2.ListContainerStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

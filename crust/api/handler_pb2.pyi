@@ -245,34 +245,40 @@ class CreatePodResponse(_message.Message):
     def __init__(self, pid: _Optional[int] = ...) -> None: ...
 
 class CreateContainerRequest(_message.Message):
-    __slots__ = ("sandbox_id", "container_id", "bundle")
+    __slots__ = ("sandbox_id", "container_id", "bundle", "stdin")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     container_id: str
     bundle: str
-    def __init__(self, sandbox_id: _Optional[str] = ..., container_id: _Optional[str] = ..., bundle: _Optional[str] = ...) -> None: ...
+    stdin: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., container_id: _Optional[str] = ..., bundle: _Optional[str] = ..., stdin: bool = ...) -> None: ...
 
 class CreateContainerResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ProcessSpec(_message.Message):
-    __slots__ = ("args", "env", "cwd", "uid", "gid", "additional_gids")
+    __slots__ = ("args", "env", "cwd", "uid", "gid", "additional_gids", "terminal", "stdin")
     ARGS_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
     CWD_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     GID_FIELD_NUMBER: _ClassVar[int]
     ADDITIONAL_GIDS_FIELD_NUMBER: _ClassVar[int]
+    TERMINAL_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
     args: _containers.RepeatedScalarFieldContainer[str]
     env: _containers.RepeatedScalarFieldContainer[str]
     cwd: str
     uid: int
     gid: int
     additional_gids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, args: _Optional[_Iterable[str]] = ..., env: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., additional_gids: _Optional[_Iterable[int]] = ...) -> None: ...
+    terminal: bool
+    stdin: bool
+    def __init__(self, args: _Optional[_Iterable[str]] = ..., env: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., additional_gids: _Optional[_Iterable[int]] = ..., terminal: bool = ..., stdin: bool = ...) -> None: ...
 
 class StartProcessRequest(_message.Message):
     __slots__ = ("container_id", "exec_id", "process")
@@ -331,7 +337,7 @@ class GetProcessRequest(_message.Message):
     def __init__(self, container_id: _Optional[str] = ..., exec_id: _Optional[str] = ..., wait: bool = ...) -> None: ...
 
 class ProcessState(_message.Message):
-    __slots__ = ("status", "pid", "exit_code", "exited_at_ns", "reason")
+    __slots__ = ("status", "pid", "exit_code", "exited_at_ns", "reason", "oom_killed")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNKNOWN: _ClassVar[ProcessState.Status]
@@ -347,12 +353,14 @@ class ProcessState(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     EXITED_AT_NS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
     status: ProcessState.Status
     pid: int
     exit_code: int
     exited_at_ns: int
     reason: str
-    def __init__(self, status: _Optional[_Union[ProcessState.Status, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., exited_at_ns: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    oom_killed: bool
+    def __init__(self, status: _Optional[_Union[ProcessState.Status, str]] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., exited_at_ns: _Optional[int] = ..., reason: _Optional[str] = ..., oom_killed: bool = ...) -> None: ...
 
 class SignalProcessRequest(_message.Message):
     __slots__ = ("container_id", "exec_id", "signal", "all")
@@ -415,3 +423,86 @@ class ListPodsResponse(_message.Message):
     PODS_FIELD_NUMBER: _ClassVar[int]
     pods: _containers.RepeatedCompositeFieldContainer[PodInfo]
     def __init__(self, pods: _Optional[_Iterable[_Union[PodInfo, _Mapping]]] = ...) -> None: ...
+
+class WriteInputRequest(_message.Message):
+    __slots__ = ("container_id", "exec_id", "offset", "data", "close")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXEC_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    exec_id: str
+    offset: int
+    data: bytes
+    close: bool
+    def __init__(self, container_id: _Optional[str] = ..., exec_id: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., close: bool = ...) -> None: ...
+
+class WriteInputResponse(_message.Message):
+    __slots__ = ("length",)
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    def __init__(self, length: _Optional[int] = ...) -> None: ...
+
+class ResizeTerminalRequest(_message.Message):
+    __slots__ = ("container_id", "exec_id", "width", "height")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXEC_ID_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    exec_id: str
+    width: int
+    height: int
+    def __init__(self, container_id: _Optional[str] = ..., exec_id: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
+
+class ResizeTerminalResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ContainerStatsRequest(_message.Message):
+    __slots__ = ("container_id",)
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    def __init__(self, container_id: _Optional[str] = ...) -> None: ...
+
+class ContainerStatsResponse(_message.Message):
+    __slots__ = ("cpu", "memory", "memory_current", "memory_max", "memory_events", "pids_current", "pids_max", "timestamp_ns")
+    class CpuEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MemoryEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MemoryEventsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    CPU_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CURRENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MAX_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PIDS_CURRENT_FIELD_NUMBER: _ClassVar[int]
+    PIDS_MAX_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    cpu: _containers.ScalarMap[str, int]
+    memory: _containers.ScalarMap[str, int]
+    memory_current: int
+    memory_max: int
+    memory_events: _containers.ScalarMap[str, int]
+    pids_current: int
+    pids_max: int
+    timestamp_ns: int
+    def __init__(self, cpu: _Optional[_Mapping[str, int]] = ..., memory: _Optional[_Mapping[str, int]] = ..., memory_current: _Optional[int] = ..., memory_max: _Optional[int] = ..., memory_events: _Optional[_Mapping[str, int]] = ..., pids_current: _Optional[int] = ..., pids_max: _Optional[int] = ..., timestamp_ns: _Optional[int] = ...) -> None: ...

@@ -653,6 +653,21 @@ class PodRuntimeStub(object):
                 request_serializer=handler__pb2.ListPodsRequest.SerializeToString,
                 response_deserializer=handler__pb2.ListPodsResponse.FromString,
                 _registered_method=True)
+        self.WriteInput = channel.unary_unary(
+                '/crust.handler.v1.PodRuntime/WriteInput',
+                request_serializer=handler__pb2.WriteInputRequest.SerializeToString,
+                response_deserializer=handler__pb2.WriteInputResponse.FromString,
+                _registered_method=True)
+        self.ResizeTerminal = channel.unary_unary(
+                '/crust.handler.v1.PodRuntime/ResizeTerminal',
+                request_serializer=handler__pb2.ResizeTerminalRequest.SerializeToString,
+                response_deserializer=handler__pb2.ResizeTerminalResponse.FromString,
+                _registered_method=True)
+        self.ContainerStats = channel.unary_unary(
+                '/crust.handler.v1.PodRuntime/ContainerStats',
+                request_serializer=handler__pb2.ContainerStatsRequest.SerializeToString,
+                response_deserializer=handler__pb2.ContainerStatsResponse.FromString,
+                _registered_method=True)
 
 
 class PodRuntimeServicer(object):
@@ -741,6 +756,30 @@ class PodRuntimeServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WriteInput(self, request, context):
+        """Bytes for the standard input of a process started with stdin (or
+        a terminal): appended at offset, idempotent for a resent offset;
+        close: its input ends after data (the process reads end of file).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResizeTerminal(self, request, context):
+        """The size of a process's terminal (a process started with terminal).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ContainerStats(self, request, context):
+        """The cgroup numbers of a container in the guest (or, for the pod's
+        sandbox id, of all its containers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PodRuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -788,6 +827,21 @@ def add_PodRuntimeServicer_to_server(servicer, server):
                     servicer.ListPods,
                     request_deserializer=handler__pb2.ListPodsRequest.FromString,
                     response_serializer=handler__pb2.ListPodsResponse.SerializeToString,
+            ),
+            'WriteInput': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteInput,
+                    request_deserializer=handler__pb2.WriteInputRequest.FromString,
+                    response_serializer=handler__pb2.WriteInputResponse.SerializeToString,
+            ),
+            'ResizeTerminal': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResizeTerminal,
+                    request_deserializer=handler__pb2.ResizeTerminalRequest.FromString,
+                    response_serializer=handler__pb2.ResizeTerminalResponse.SerializeToString,
+            ),
+            'ContainerStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.ContainerStats,
+                    request_deserializer=handler__pb2.ContainerStatsRequest.FromString,
+                    response_serializer=handler__pb2.ContainerStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1045,6 +1099,87 @@ class PodRuntime(object):
             '/crust.handler.v1.PodRuntime/ListPods',
             handler__pb2.ListPodsRequest.SerializeToString,
             handler__pb2.ListPodsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteInput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/WriteInput',
+            handler__pb2.WriteInputRequest.SerializeToString,
+            handler__pb2.WriteInputResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResizeTerminal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/ResizeTerminal',
+            handler__pb2.ResizeTerminalRequest.SerializeToString,
+            handler__pb2.ResizeTerminalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContainerStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/ContainerStats',
+            handler__pb2.ContainerStatsRequest.SerializeToString,
+            handler__pb2.ContainerStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
