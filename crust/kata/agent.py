@@ -361,9 +361,31 @@ class AgentClient:
         """crun's state of a deleted container and its bundle, gone (agent 5)."""
         await self.request("cforget", container_id)
 
+    async def container_stats(self, container_id: str) -> dict[str, int]:
+        """The container's cgroup v2 numbers ("-": all of the pod's containers;
+        agent 6): "cpu.usage_usec", "memory.anon", "memory.events.oom_kill",
+        "memory.current", "memory.max" (0: no limit), "pids.current", ..."""
+        answer = await self.request("cstats", container_id)
+        numbers = {}
+        for key, value in answer.fields.items():
+            if value == "max":
+                numbers[key] = 0
+            elif value.isdigit():
+                numbers[key] = int(value)
+        return numbers
+
+    async def network(self, mac: str, mtu: int, addresses: list[str], routes: list[str]) -> None:
+        """Give the NIC with that MAC address the pod's addresses ("ip/prefix"),
+        MTU and routes ("destination,gateway"), as eth0 (agent 6)."""
+        await self.request("netconf", mac, str(mtu), b64(" ".join(addresses)), b64(" ".join(routes)))
+
+    async def terminal_size(self, pid: int, columns: int, rows: int) -> None:
+        """Resize the terminal of a process spawned with one (agent 6)."""
+        await self.request("ttysize", str(pid), str(columns), str(rows))
+
     async def container_setup(self, root: str) -> None:
-        """/proc, a small /dev (null, zero, full, random, urandom, tty, shm)
-        and a /tmp in a container's mounted root."""
+        """/proc and a small /dev (null, zero, full, random, urandom, tty,
+        shm) in a container's mounted root."""
         await self.request("ctrsetup", root)
 
     async def umount_all(self, root: str, timeout: float = 60.0) -> int:

@@ -56,7 +56,7 @@ from crust.sys.run import CommandError
 DEFAULT_CACHE = Path("/var/cache/crust/kata")
 GUEST_DIR = Path(__file__).parent / "guest"
 # Bump when the image layout changes in a way the other inputs do not show.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 SBIN_PATH = "/usr/sbin:/sbin:/usr/bin:/bin"
 
 # Kernel modules the guest loads; their dependencies are added (kmod.py) and
@@ -64,7 +64,9 @@ SBIN_PATH = "/usr/sbin:/sbin:/usr/bin:/bin"
 # a file system's modules by the agent on the first mount of that type (xfs
 # alone costs about half a second of boot under software emulation). The
 # serial ports (8250) are built into both kernels: no virtio-serial needed.
-BOOT_MODULES = ("virtio_pci", "virtio_blk")
+# virtio_net: a pod's NIC (crust.sys.podnet), there at boot when the pod has
+# a network; without one the module costs a few milliseconds.
+BOOT_MODULES = ("virtio_pci", "virtio_blk", "virtio_net")
 FS_MODULES = {"ext4": ("ext4",), "xfs": ("xfs",),
               # LUKS2 volumes (agent's luksopen): dm-crypt, the xts mode over
               # the built-in aes (ecb is what xts asks for by name, which no
@@ -77,6 +79,13 @@ FS_MODULES = {"ext4": ("ext4",), "xfs": ("xfs",),
               # A pod's shared directory (agent's sharemount): FUSE and its
               # virtio transport.
               "virtiofs": ("fuse", "virtiofs")}
+# Modules the guest's kernel loads by itself when a container asks for what
+# they provide (request_module -> busybox modprobe, which reads the image's
+# modules.dep): the bridge a privileged container or one with NET_ADMIN
+# makes (`brctl addbr`), and the virtual links such containers add. Only
+# these: an unprivileged container can make the kernel ask for a module, and
+# nothing else is in the image for it to find.
+DEMAND_MODULES = ("bridge", "veth", "dummy", "8021q", "macvlan")
 
 
 @dataclass(frozen=True)
@@ -85,9 +94,11 @@ class Flavor:
     kernel_metapackage: str              # depends on the current kernel's package
     boot_modules: tuple[str, ...]
     fs_modules: dict[str, tuple[str, ...]]
+    demand_modules: tuple[str, ...] = DEMAND_MODULES
 
     def module_inputs(self) -> dict:
-        return {"boot": list(self.boot_modules), "fs": {k: list(v) for k, v in sorted(self.fs_modules.items())}}
+        return {"boot": list(self.boot_modules), "fs": {k: list(v) for k, v in sorted(self.fs_modules.items())},
+                "demand": list(self.demand_modules)}
 
 
 FLAVORS = {
@@ -119,9 +130,12 @@ HOST_TOOLS = {
     # The init of a pod's shared PID namespace (catatonit -P: it reaps the
     # orphans of the pod's containers, as the pause container does).
     "catatonit": ("catatonit",),
+    # A process that asked for a terminal runs on one of util-linux's script
+    # (busybox has no program that makes a pseudo-terminal and relays it).
+    "bsdutils": ("script",),
 }
 # The guest's own files: path in the image -> file in guest/.
-GUEST_FILES = {"init": "init.sh", "usr/lib/crust/agent.sh": "agent.sh",
+GUEST_FILES = {"init": "init.sh", "usr/lib/crust/agent.sh": "agent.sh", "usr/lib/crust/feed.sh": "feed.sh",
                "usr/lib/crust/luks2-shape.jq": "luks2-shape.jq"}
 TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
 HOST_CONFIG = ("/etc/mke2fs.conf",)
@@ -405,11 +419,12 @@ def assemble(cache: Path, inputs: Inputs) -> tuple[bytes, bytes, dict]:
     tree = ModuleTree(kernel_dir / "lib" / "modules" / release)
     boot = tree.resolve(list(inputs.flavor.boot_modules))
     per_fs = {fs: tree.resolve(list(names)) for fs, names in sorted(inputs.flavor.fs_modules.items())}
+    demand = tree.resolve(list(inputs.flavor.demand_modules))
 
     def guest_path(p: Path) -> str:
         return f"/lib/modules/{release}/{p.relative_to(tree.root)}"
 
-    module_files = {guest_path(p): p for r in (boot, *per_fs.values()) for p in r.order}
+    module_files = {guest_path(p): p for r in (boot, *per_fs.values(), demand) for p in r.order}
     fs_lists = {fs: [guest_path(p) for p in r.order if p not in boot.order] for fs, r in per_fs.items()}
 
     entries = [cpio.directory(d) for d in ("bin", "sbin", "usr/bin", "usr/sbin", "lib", "lib64", "etc",
@@ -429,6 +444,10 @@ def assemble(cache: Path, inputs: Inputs) -> tuple[bytes, bytes, dict]:
     entries.append(cpio.regular("etc/group", b"root:x:0:\n"))
     for path, p in sorted(module_files.items()):
         entries.append(cpio.regular(path.lstrip("/"), p.read_bytes()))
+    # What the kernel's own module requests may load: only the demand
+    # modules, each with what it needs (kmod's format, paths relative to
+    # the release's directory).
+    entries.append(cpio.regular(f"lib/modules/{release}/modules.dep", tree.modules_dep(demand.order).encode()))
     tools = {os.path.basename(f.dest) for f in inputs.host_files if f.dest.startswith("/sbin/")}
     for f in inputs.host_files:
         entries.append(cpio.regular(f.dest.lstrip("/"), Path(f.source).read_bytes(), f.mode))
@@ -441,8 +460,9 @@ def assemble(cache: Path, inputs: Inputs) -> tuple[bytes, bytes, dict]:
         "hash": inputs.digest, "inputs": inputs.as_dict(), "kernel_release": release,
         "boot_modules": [p.stem for p in boot.order],
         "fs_modules": {fs: [Path(p).stem for p in paths] for fs, paths in fs_lists.items()},
-        "builtin_modules": sorted({m for r in (boot, *per_fs.values()) for m in r.builtin}),
-        "unresolved_softdeps": sorted({m for r in (boot, *per_fs.values()) for m in r.unresolved}),
+        "demand_modules": [p.stem for p in demand.order],
+        "builtin_modules": sorted({m for r in (boot, *per_fs.values(), demand) for m in r.builtin}),
+        "unresolved_softdeps": sorted({m for r in (boot, *per_fs.values(), demand) for m in r.unresolved}),
         "sizes": {"vmlinuz": len(vmlinuz), "initramfs.gz": len(initrd)},
     }
     return vmlinuz, initrd, manifest

@@ -4,8 +4,9 @@ The kernel package leaves modules.dep to depmod at install time, and the
 host may have no kmod at all, so the dependencies are read straight from each
 module's `.modinfo` ELF section (`depends=`, `softdep=pre:`). Modules built
 into the kernel (modules.builtin) are skipped. The result is a list of paths
-in load order, which the guest's /init feeds to busybox insmod: no modprobe,
-no depmod, nothing resolved at boot.
+in load order, which the guest's /init feeds to busybox insmod: no depmod,
+nothing resolved at boot. The few modules the guest's kernel may ask for by
+itself get a modules.dep of their own (modules_dep), for busybox modprobe.
 """
 
 from __future__ import annotations
@@ -106,3 +107,37 @@ class ModuleTree:
         for name in wanted:
             visit(name)
         return res
+
+    def modules_dep(self, modules: list[Path]) -> str:
+        """modules.dep (kmod's format: `path: dependencies`, paths relative
+        to the release's directory) for these modules, in load order: each
+        line names the modules of the list that its module depends on."""
+        lines = []
+        for path in modules:
+            needs = set()
+            for item in modinfo(path):
+                key, _, value = item.partition("=")
+                if key == "depends":
+                    needs.update(filter(None, (d.replace("-", "_") for d in value.split(","))))
+            deps = [self.files[n] for n in self._closure(needs) if n in self.files]
+            lines.append(f"{path.relative_to(self.root)}: " + " ".join(str(d.relative_to(self.root)) for d in deps))
+        return "".join(line.rstrip() + "\n" for line in lines)
+
+    def _closure(self, names: set[str]) -> list[str]:
+        """names and everything they depend on, dependencies first (the
+        order modprobe loads them in, from the end of the line)."""
+        order: list[str] = []
+
+        def visit(name: str) -> None:
+            if name in order or name not in self.files:
+                return
+            for item in modinfo(self.files[name]):
+                key, _, value = item.partition("=")
+                if key == "depends":
+                    for dep in filter(None, value.split(",")):
+                        visit(dep.replace("-", "_"))
+            order.append(name)
+
+        for name in sorted(names):
+            visit(name)
+        return list(reversed(order))

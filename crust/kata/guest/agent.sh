@@ -21,7 +21,7 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=5
+AGENT_VERSION=6
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin
@@ -343,11 +343,24 @@ cmd_cbind() {  # root source destination-b64 ro|rw: bind source at destination i
   echo "target=$target"
 }
 
+tmpfs_size() {  # size (bytes, or with k/m/g): at most half the guest's memory, in KiB
+  # The host's tmpfs is sized for the node (kubelet's bound is the node's
+  # allocatable memory without a sizeLimit); the guest has its own, smaller
+  # memory: a tmpfs promising more would have its writer, and the pod's
+  # other processes, killed by the OOM killer instead of told ENOSPC. Half
+  # is what tmpfs takes without a size.
+  n=${1%[kmgKMG]}
+  case $1 in *[kK]) kib=$n ;; *[mM]) kib=$((n * 1024)) ;; *[gG]) kib=$((n * 1048576)) ;; *) kib=$(((n + 1023) / 1024)) ;; esac
+  half=$(($(awk '$1 == "MemTotal:" { print $2 }' /proc/meminfo) / 2))
+  [ "$kib" -le "$half" ] || kib=$half
+  echo "${kib}k"
+}
+
 cmd_podtmpfs() {  # name subpath-b64 size|-: the pod's tmpfs of that name (an emptyDir of medium Memory, /dev/shm), and a directory in it
   [ $# -eq 3 ] || fail "usage: podtmpfs <name> <subpath-b64> <size|->"
   check_name "$1"
   sub=$(b64 "$2") || exit 1
-  case $3 in -) size= ;; *[!0-9kmgKMG]*|'') fail "bad size: $3" ;; *) size=,size=$3 ;; esac
+  case $3 in -) size= ;; *[!0-9kmgKMG]*|'') fail "bad size: $3" ;; *) size=,size=$(tmpfs_size "$3") ;; esac
   case /$sub/ in */../*) fail "subpath $sub escapes the tmpfs" ;; esac
   top=$RUN/podtmpfs/$1
   if [ -z "$(mount_line "$top")" ]; then
@@ -502,13 +515,13 @@ cmd_signalroot() {  # root signal: signal every process whose root directory is 
   echo "signalled=$n"
 }
 
-cmd_ctrsetup() {  # root: /proc, a small /dev and /tmp in a container's root
+cmd_ctrsetup() {  # root: /proc and a small /dev in a container's root (the image's /tmp stays as runc leaves it)
   [ $# -eq 1 ] || fail "usage: ctrsetup <root>"
   check_path "$1"
   r=$1
   [ -n "$(mount_line "$r")" ] || fail "not mounted: $r"
   # /sys too: the OCI runtime mounts sysfs there, after a read-only root.
-  mkdir -p "$r/proc" "$r/dev" "$r/tmp" "$r/sys" || fail "cannot make /proc, /dev, /tmp, /sys in $r"
+  mkdir -p "$r/proc" "$r/dev" "$r/sys" || fail "cannot make /proc, /dev, /sys in $r"
   if [ -z "$(mount_line "$r/proc")" ]; then
     mount -t proc -o nosuid,nodev,noexec proc "$r/proc" || fail "mount of proc in $r failed"
   fi
@@ -523,9 +536,6 @@ cmd_ctrsetup() {  # root: /proc, a small /dev and /tmp in a container's root
       fail "cannot link /dev/fd in $r"
     mkdir -p "$r/dev/shm" "$r/dev/pts"
     mount -t tmpfs -o nosuid,nodev,mode=1777 shm "$r/dev/shm" || fail "mount of /dev/shm in $r failed"
-  fi
-  if [ -z "$(mount_line "$r/tmp")" ]; then
-    mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs "$r/tmp" || fail "mount of /tmp in $r failed"
   fi
   echo "ok=1"
 }
@@ -566,8 +576,85 @@ cmd_cforget() {  # id: a deleted container's state in crun and its bundle (alrea
     /sbin/crun --root /run/crust/crun delete --force "$1" >/dev/null 2>&1 ||
       fail "crun delete $1: $(/sbin/crun --root /run/crust/crun delete --force "$1" 2>&1 | one_line)"
   fi
+  # The cgroup crun's lives in (guest_oci: it keeps the OOM count after the exit).
+  cg=/sys/fs/cgroup/crust/$1
+  if [ -d "$cg" ]; then
+    rmdir "$cg/ctr" 2>/dev/null
+    rmdir "$cg" || fail "the cgroup of $1 is not empty: processes of it still run"
+  fi
   rm -rf "/run/crust/bundles/$1"
   echo "forgotten=1"
+}
+
+cmd_netconf() {  # mac mtu addresses-b64 routes-b64: the pod's network on the NIC with that MAC address
+  # The host read them from the pod's network namespace (crust/sys/podnet.py):
+  # addresses are "ip/prefix" words, routes "destination,gateway" words.
+  [ $# -eq 4 ] || fail "usage: netconf <mac> <mtu> <addresses-b64> <routes-b64>"
+  mac=$1 mtu=$2
+  case $mac in [0-9a-f][0-9a-f]:[0-9a-f][0-9a-f]:[0-9a-f][0-9a-f]:[0-9a-f][0-9a-f]:[0-9a-f][0-9a-f]:[0-9a-f][0-9a-f]) ;;
+    *) fail "bad MAC address: $mac" ;; esac
+  case $mtu in ''|*[!0-9]*) fail "bad MTU: $mtu" ;; esac
+  addresses=$(b64 "$3") || exit 1
+  routes=$(b64 "$4") || exit 1
+  case "$addresses $routes" in *[!0-9a-fA-F.:/,\ default-]*) fail "unsupported characters in addresses or routes" ;; esac
+  dev=
+  set +f
+  for d in /sys/class/net/*; do
+    [ "$(cat "$d/address" 2>/dev/null)" = "$mac" ] && dev=${d##*/}
+  done
+  set -f
+  [ -n "$dev" ] || fail "no network interface with MAC address $mac (virtio-net not plugged?)"
+  if [ "$dev" != eth0 ]; then
+    ip link set dev "$dev" down && ip link set dev "$dev" name eth0 || fail "cannot name $dev eth0"
+  fi
+  ip link set dev eth0 mtu "$mtu" || fail "cannot set MTU $mtu on eth0"
+  for a in $addresses; do
+    ip addr show dev eth0 | grep -q " ${a} " || ip addr add "$a" dev eth0 || fail "cannot add address $a"
+  done
+  ip link set dev eth0 up || fail "cannot bring eth0 up"
+  for r in $routes; do
+    dst=${r%%,*} gw=${r#*,}
+    family=-4
+    case $gw in *:*) family=-6 ;; esac
+    ip "$family" route replace "$dst" via "$gw" dev eth0 || fail "cannot route $dst via $gw"
+  done
+  echo "device=eth0 addresses=$(echo $addresses | tr ' ' ,)"
+}
+
+cmd_cstats() {  # id|-: a container's cgroup v2 numbers in the guest ("-": all of the pod's containers)
+  # One word per value: <file>.<key>=<n> for the keyed files (cpu.stat,
+  # memory.stat, memory.events), <file>=<n> for the single values
+  # (memory.current, memory.max, pids.current, pids.max; "max" is no limit).
+  [ $# -eq 1 ] || fail "usage: cstats <id|->"
+  if [ "$1" = - ]; then cg=/sys/fs/cgroup/crust
+  else check_name "$1"; cg=/sys/fs/cgroup/crust/$1; fi
+  [ -d "$cg" ] || fail "no cgroup for $1"
+  files=
+  for f in cpu.stat memory.stat memory.events memory.current memory.max pids.current pids.max; do
+    [ -r "$cg/$f" ] && files="$files $cg/$f"
+  done
+  [ -n "$files" ] || fail "the cgroup of $1 has no cpu, memory or pids files"
+  awk 'FNR == 1 { n = FILENAME; sub(".*/", "", n); sub("[.]stat$", "", n) }
+       NF == 2 { printf "%s.%s=%s ", n, $1, $2 }
+       NF == 1 { printf "%s=%s ", n, $1 }' $files
+}
+
+cmd_ttysize() {  # pid columns rows: the size of the terminal a process spawned with one runs on
+  # The spawn wrapper's child is util-linux script, whose child holds the
+  # terminal as its standard input; the kernel tells the terminal's
+  # foreground processes (SIGWINCH).
+  [ $# -eq 3 ] || fail "usage: ttysize <pid> <columns> <rows>"
+  case $1$2$3 in ''|*[!0-9]*) fail "pid, columns and rows are numbers" ;; esac
+  [ -e "$RUN/exec/$1.started" ] || fail "no process $1 was started by spawn"
+  set +f
+  for runner in $(children_of "$1"); do
+    for held in $(children_of "$runner"); do
+      tty=$(readlink "/proc/$held/fd/0" 2>/dev/null)
+      case $tty in /dev/pts/[0-9]*) stty -F "$tty" cols "$2" rows "$3" || fail "stty on $tty failed"
+                                    echo "tty=$tty"; return 0 ;; esac
+    done
+  done
+  fail "process $1 has no terminal (or ended)"
 }
 
 cmd_readonly() {  # target: make this mount read-only (a bind remount: the file system and its other mounts keep their mode)
@@ -581,7 +668,7 @@ cmd_readonly() {  # target: make this mount read-only (a bind remount: the file 
 cmd_forget() {  # name: remove a spawned process's output files (they live in the guest's memory)
   [ $# -eq 1 ] || fail "usage: forget <name>"
   check_name "$1"
-  rm -f "$RUN/out/$1.out" "$RUN/out/$1.err" "$RUN/cmd/$1.sh" "$RUN/cmd/$1.json"
+  rm -f "$RUN/out/$1.out" "$RUN/out/$1.err" "$RUN/cmd/$1.sh" "$RUN/cmd/$1.json" "$RUN/in/$1"
   echo "forgotten=1"
 }
 
@@ -817,6 +904,9 @@ dispatch() {
     csignal) cmd_csignal "$@" ;;
     cforget) cmd_cforget "$@" ;;
     cstate) cmd_cstate "$@" ;;
+    cstats) cmd_cstats "$@" ;;
+    netconf) cmd_netconf "$@" ;;
+    ttysize) cmd_ttysize "$@" ;;
     podpid) cmd_podpid "$@" ;;
     ctrsetup) cmd_ctrsetup "$@" ;;
     umountall) cmd_umountall "$@" ;;

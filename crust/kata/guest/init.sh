@@ -29,6 +29,8 @@ mount -t proc -o nosuid,nodev,noexec proc /proc
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
 mount -t devtmpfs -o nosuid,mode=0755 devtmpfs /dev
 mkdir -p /dev/pts /dev/shm
+# Terminals of processes that ask for one (util-linux script opens /dev/ptmx).
+mount -t devpts -o nosuid,noexec,mode=0620,ptmxmode=0666 devpts /dev/pts
 mount -t tmpfs -o nosuid,nodev,mode=0755 tmpfs /run
 mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /tmp
 # cgroup v2: runc puts each container in a cgroup of its own below /crust
@@ -44,6 +46,8 @@ while read -r module; do
 done < /etc/crust/modules
 
 hostname crust-guest
+# The VM is the pod: its containers share the guest's network, localhost included.
+ip link set dev lo up
 echo "crust-init: up in $(cut -d' ' -f1 /proc/uptime)s, starting the agent on /dev/ttyS1"
 
 while :; do
