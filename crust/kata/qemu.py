@@ -98,6 +98,16 @@ class VmConfig:
     # Host directories the guest mounts with virtio-fs, each served by a
     # virtiofsd of this VM's own (a pod's shares: crust.kata.share).
     shared_dirs: tuple[SharedDir, ...] = ()
+    # The pod's network: a tap in its network namespace (crust.sys.podnet).
+    nic: Nic | None = None
+
+
+@dataclass(frozen=True)
+class Nic:
+    """A virtio-net NIC on a tap device QEMU takes by its descriptor (made
+    in the pod's network namespace; QEMU itself stays in the host's)."""
+    tap_fd: int
+    mac: str
 
 
 # The tags a VM's shares may have (adopt() looks for their daemons).
@@ -165,8 +175,18 @@ class Vm:
             "-qmp", f"unix:{self.qmp_socket},server=on,wait=off",
             "-pidfile", str(self.pidfile),
             *self._shared_dir_args(),
+            *self._nic_args(),
             *c.extra_args,
         ]
+
+    def _nic_args(self) -> list[str]:
+        """romfile= empty: no iPXE option ROM to load (the kernel boots
+        directly, and the ROM costs boot time under emulation)."""
+        nic = self.config.nic
+        if nic is None:
+            return []
+        return ["-netdev", f"tap,id=pod,fd={nic.tap_fd},vhost=off",
+                "-device", f"virtio-net-pci,netdev=pod,mac={nic.mac},romfile="]
 
     def fs_socket(self, shared: SharedDir) -> Path:
         return self.socket_dir / f"fs{shared.suffix}.sock"
@@ -294,7 +314,8 @@ class Vm:
                 # work directory: they are 0600, whatever our umask.
                 self._proc = await asyncio.create_subprocess_exec(
                     *self.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
-                    start_new_session=True, umask=0o077)
+                    start_new_session=True, umask=0o077,
+                    pass_fds=(self.config.nic.tap_fd,) if self.config.nic else ())
             except FileNotFoundError:
                 await self._stop_virtiofsd()
                 raise VmError(f"{self.config.qemu_binary} not found: apt-get install qemu-system-x86") from None

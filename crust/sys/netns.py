@@ -53,18 +53,19 @@ def attach(name: str, pid: int) -> None:
         (lo,) = ipr.link_lookup(ifname="lo")
         ipr.link("set", index=lo, state="up")
 
-    _inside(name, loopback_up)
+    inside(name, loopback_up)
 
 
 def interfaces(name: str) -> dict[str, bool]:
     """Interface name -> up, as the namespace holds them."""
-    return _inside(name, lambda ipr: {link.get_attr("IFLA_IFNAME"): bool(link["flags"] & 1)
+    return inside(name, lambda ipr: {link.get_attr("IFLA_IFNAME"): bool(link["flags"] & 1)
                                       for link in ipr.get_links()})
 
 
-def _inside(name: str, work):
-    """Run work(IPRoute) on a netlink socket opened inside the namespace, from
-    a thread of its own that enters it and ends with it."""
+def inside(name: str, work):
+    """Run work(IPRoute) on a netlink socket opened inside the namespace (a
+    name below /run/netns, or the path of one: containerd's pods), from a
+    thread of its own that enters it and ends with it."""
     result: dict = {}
 
     def run() -> None:
