@@ -13,7 +13,11 @@ The shim keeps containerd's view of each process (created, running, stopped;
 the exit status and time; the stdio fifos) and copies the handler's output
 stream into the fifos. A process's exit is published (TaskExit) only after
 its output was copied, so the container log is complete when CRI sees the
-exit. Every task's pid is QEMU's: a guest pid means nothing on the host and a
+exit; a container the OOM killer struck is reported (TaskOOM) before its
+exit, so CRI's reason is OOMKilled. A process's standard input (the stdin
+fifo containerd made) is copied to the handler (WriteInput) until containerd
+closes it; a terminal is the guest's (crust.kata.guest_oci). Stats are the
+container's cgroup in the guest, as cgroup v2 metrics. Every task's pid is QEMU's: a guest pid means nothing on the host and a
 host tool that follows a task pid must find the pod's VM (Pids lists the
 guest pids).
 """
@@ -32,11 +36,15 @@ from pathlib import Path
 import grpc
 from google.protobuf import empty_pb2
 
+from google.protobuf import any_pb2
+
+from crust.api import containerd_cgroups_v2_pb2 as cgroups_v2
 from crust.api import containerd_events_pb2 as events
 from crust.api import containerd_task_pb2 as task_pb
 from crust.api import containerd_task_types_pb2 as task_types
 from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common.channel import local_aio_channel
+from crust.common.limits import MAX_STRING
 from crust.containerd_shim import ttrpc
 from crust.containerd_shim.events import Publisher, timestamp
 from crust.containerd_shim.stdio import FifoWriter, open_fifo
@@ -49,6 +57,10 @@ log = logging.getLogger(__name__)
 CONTAINER_TYPE = "io.kubernetes.cri.container-type"
 SANDBOX_ID = "io.kubernetes.cri.sandbox-id"
 PROCESS_SPEC_TYPE = "types.containerd.io/opencontainers/runtime-spec/1/Process"
+# What containerd's CRI unpacks Task.Stats into (the message's full name).
+CGROUP_V2_METRICS_TYPE = "io.containerd.cgroups.v2.Metrics"
+# A WriteInput carries at most what the handler takes in one bytes field.
+INPUT_CHUNK = MAX_STRING
 VERSION = "crust-shim-v2"
 # The handler's calls that start or stop a VM take seconds under TCG.
 HANDLER_TIMEOUT = 300.0
@@ -87,8 +99,9 @@ def is_sandbox(config: dict) -> bool:
     return annotations.get(CONTAINER_TYPE, "sandbox") == "sandbox"
 
 
-def process_spec(spec: dict) -> handler_pb2.ProcessSpec:
-    """An OCI process (config.json's "process", an exec's spec) as PodRuntime's ProcessSpec."""
+def process_spec(spec: dict, stdin: bool = False) -> handler_pb2.ProcessSpec:
+    """An OCI process (config.json's "process", an exec's spec) as
+    PodRuntime's ProcessSpec; stdin: containerd gave it a standard input."""
     if not isinstance(spec, dict):
         raise bad("spec: the process is not a JSON object")
     args = spec.get("args")
@@ -105,10 +118,23 @@ def process_spec(spec: dict) -> handler_pb2.ProcessSpec:
         groups = [int(g) for g in user.get("additionalGids") or []]
     except (TypeError, ValueError):
         raise bad("spec.user: uid, gid and additionalGids are numbers") from None
-    if spec.get("terminal"):
-        raise bad("spec.terminal: crust's microVM runtime has no terminals")
     return handler_pb2.ProcessSpec(args=args, env=env, cwd=str(spec.get("cwd") or "/"), uid=uid, gid=gid,
-                                   additional_gids=groups)
+                                   additional_gids=groups, terminal=bool(spec.get("terminal")), stdin=stdin)
+
+
+def cgroup_metrics(numbers: handler_pb2.ContainerStatsResponse) -> cgroups_v2.Metrics:
+    """The guest's cgroup files (ContainerStats) as containerd's cgroup v2 metrics."""
+    stat = {k: v for k, v in _known(cgroups_v2.MemoryStat, numbers.memory).items() if k not in ("usage", "usage_limit")}
+    memory = cgroups_v2.MemoryStat(usage=numbers.memory_current, usage_limit=numbers.memory_max, **stat)
+    cpu = cgroups_v2.CPUStat(**_known(cgroups_v2.CPUStat, numbers.cpu))
+    memory_events = cgroups_v2.MemoryEvents(**_known(cgroups_v2.MemoryEvents, numbers.memory_events))
+    return cgroups_v2.Metrics(pids=cgroups_v2.PidsStat(current=numbers.pids_current, limit=numbers.pids_max),
+                              cpu=cpu, memory=memory, memory_events=memory_events)
+
+
+def _known(message, values) -> dict:
+    """The values that message has a field for (a newer kernel writes keys it has not)."""
+    return {k: v for k, v in values.items() if k in message.DESCRIPTOR.fields_by_name}
 
 
 def grpc_to_ttrpc(exc: grpc.RpcError, what: str) -> TtrpcError:
@@ -134,7 +160,10 @@ class Process:
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when containerd deleted the process: its fifos need no reader any more.
     deleted: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set by CloseIO: the input ends once what containerd wrote is copied.
+    input_closed: asyncio.Event = field(default_factory=asyncio.Event)
     watcher: asyncio.Task | None = None
+    feeder: asyncio.Task | None = None
 
     @property
     def id(self) -> str:
@@ -235,8 +264,6 @@ class TaskService:
             raise bad("id: the container id is empty")
         if not request.bundle or not os.path.isabs(request.bundle):
             raise bad(f"bundle: an absolute path is needed, not {request.bundle!r}")
-        if request.terminal:
-            raise bad("terminal: crust's microVM runtime has no terminals")
         if request.checkpoint:
             raise TtrpcError(ttrpc.UNIMPLEMENTED, "checkpoint: restoring a checkpoint is not implemented")
         async with self._lock:
@@ -244,7 +271,7 @@ class TaskService:
                 raise TtrpcError(ttrpc.ALREADY_EXISTS, f"container {request.id} already exists")
             config = read_config(request.bundle)
             sandbox = is_sandbox(config)
-            init = Process(request.id, "", request.stdin, request.stdout, request.stderr)
+            init = Process(request.id, "", request.stdin, request.stdout, request.stderr, request.terminal)
             container = Container(request.id, request.bundle, sandbox, init)
             if sandbox:
                 if self.sandbox_id is not None:
@@ -264,8 +291,8 @@ class TaskService:
                 self._mount_rootfs(container, list(request.rootfs))
                 try:
                     await self._handler("CreateContainer", handler_pb2.CreateContainerRequest(
-                        sandbox_id=self.sandbox_id, container_id=request.id, bundle=request.bundle),
-                        f"container {request.id}")
+                        sandbox_id=self.sandbox_id, container_id=request.id, bundle=request.bundle,
+                        stdin=bool(request.stdin)), f"container {request.id}")
                 except TtrpcError:
                     self._unmount_rootfs(container)
                     raise
@@ -313,6 +340,8 @@ class TaskService:
             if process.status == CREATED:
                 process.status = RUNNING
             process.watcher = asyncio.ensure_future(self._watch_process(process))
+            if process.stdin:
+                process.feeder = asyncio.ensure_future(self._copy_input(process))
         log.info("process started", extra={"fields": {"container": container.id, "exec": request.exec_id,
                                                       "guest_pid": process.guest_pid}})
         if request.exec_id:
@@ -344,7 +373,13 @@ class TaskService:
             pump.cancel()
         except Exception:
             pass
+        if process.feeder is not None:
+            process.feeder.cancel()
         if state is not None and state.status == handler_pb2.ProcessState.STOPPED:
+            if state.oom_killed:
+                # Before the exit: CRI takes the reason from the event it saw last.
+                log.info("OOM killed", extra={"fields": {"container": process.container_id}})
+                self.publisher.publish(events.TaskOOM(container_id=process.container_id))
             self._exited(process, state.exit_code, state.exited_at_ns or None)
         else:
             self._exited(process, VM_GONE_STATUS)
@@ -385,6 +420,61 @@ class TaskService:
             for writer in writers.values():
                 if writer is not None:
                     asyncio.ensure_future(writer.close_once_read(process.deleted, FIFO_HOLD_SECONDS))
+
+    async def _copy_input(self, process: Process) -> None:
+        """containerd's stdin fifo -> the process's input in the guest, until
+        every writer closed it (or CloseIO, once what it holds is copied):
+        then the process reads end of file. Non-blocking: before containerd
+        opens its end the fifo is neither readable nor hung up."""
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.open(process.stdin, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            log.error("stdin not opened", extra={"fields": {"container": process.container_id,
+                                                            "exec": process.exec_id, "error": str(exc)}})
+            return
+        readable = asyncio.Event()
+        loop.add_reader(fd, readable.set)
+        offset, ended, closed = 0, False, False
+        try:
+            while not ended:
+                closing = asyncio.ensure_future(process.input_closed.wait())
+                ready = asyncio.ensure_future(readable.wait())
+                await asyncio.wait({closing, ready}, return_when=asyncio.FIRST_COMPLETED)
+                closing.cancel()
+                ready.cancel()
+                readable.clear()
+                while True:
+                    try:
+                        data = os.read(fd, INPUT_CHUNK)
+                    except BlockingIOError:
+                        ended = process.input_closed.is_set()   # CloseIO: nothing more is coming
+                        break
+                    if not data:
+                        ended = True   # every writer is gone
+                        break
+                    offset = await self._write_input(process, offset, data, close=False)
+            await self._write_input(process, offset, b"", close=True)
+            closed = True
+        except TtrpcError as exc:
+            log.warning("stdin not copied", extra={"fields": {"container": process.container_id,
+                                                              "exec": process.exec_id, "error": exc.message}})
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        if not closed and process.status != STOPPED:
+            # The copy failed: the process reads the end of its input rather
+            # than waiting for bytes that will never come.
+            try:
+                await self._write_input(process, offset, b"", close=True)
+            except TtrpcError:
+                pass
+
+    async def _write_input(self, process: Process, offset: int, data: bytes, close: bool) -> int:
+        response = await self._handler("WriteInput", handler_pb2.WriteInputRequest(
+            container_id=process.container_id, exec_id=process.exec_id, offset=offset, data=data, close=close),
+            f"stdin of {process.id}")
+        return int(response.length)
 
     def _exited(self, process: Process, exit_status: int, exited_at_ns: int | None = None) -> None:
         if not process.stop(exit_status, exited_at_ns):
@@ -506,8 +596,6 @@ class TaskService:
             raise bad("exec_id: an exec needs an id")
         if request.exec_id in container.execs:
             raise TtrpcError(ttrpc.ALREADY_EXISTS, f"container {container.id} already has exec {request.exec_id}")
-        if request.terminal:
-            raise bad("terminal: crust's microVM runtime has no terminals")
         if container.init.status != RUNNING or container.sandbox:
             raise TtrpcError(ttrpc.FAILED_PRECONDITION, f"container {container.id} is not running a process")
         if not request.spec.value:
@@ -517,17 +605,26 @@ class TaskService:
         except ValueError as exc:
             raise bad(f"spec: the process spec is not JSON ({request.spec.type_url}): {exc}") from None
         container.execs[request.exec_id] = Process(container.id, request.exec_id, request.stdin, request.stdout,
-                                                   request.stderr, spec=process_spec(spec))
+                                                   request.stderr, request.terminal,
+                                                   spec=process_spec({**spec, "terminal": request.terminal},
+                                                                     stdin=bool(request.stdin)))
         self.publisher.publish(events.TaskExecAdded(container_id=container.id, exec_id=request.exec_id))
         return empty_pb2.Empty()
 
     async def ResizePty(self, request: task_pb.ResizePtyRequest, call) -> empty_pb2.Empty:
-        self.container(request.id).process(request.exec_id)
-        return empty_pb2.Empty()  # no terminals: nothing to resize
+        container = self.container(request.id)
+        process = container.process(request.exec_id)
+        # As runc's shim: a process without a terminal has nothing to resize.
+        if process.terminal and process.status == RUNNING:
+            await self._handler("ResizeTerminal", handler_pb2.ResizeTerminalRequest(
+                container_id=container.id, exec_id=request.exec_id, width=request.width, height=request.height),
+                f"terminal of {process.id}")
+        return empty_pb2.Empty()
 
     async def CloseIO(self, request: task_pb.CloseIORequest, call) -> empty_pb2.Empty:
-        # Processes get no stdin in the guest (an empty one): nothing to close.
-        self.container(request.id).process(request.exec_id)
+        process = self.container(request.id).process(request.exec_id)
+        if request.stdin:
+            process.input_closed.set()   # the copy ends once what the fifo holds is written
         return empty_pb2.Empty()
 
     # -- the shim itself ------------------------------------------------------------------
@@ -549,9 +646,12 @@ class TaskService:
     async def _unimplemented(self, what: str):
         raise TtrpcError(ttrpc.UNIMPLEMENTED, f"{what} is not implemented by crust's microVM runtime")
 
-    async def Stats(self, request, call):
-        self.container(request.id)
-        await self._unimplemented("Stats (cgroup metrics of a task)")
+    async def Stats(self, request: task_pb.StatsRequest, call) -> task_pb.StatsResponse:
+        container = self.container(request.id)
+        numbers = await self._handler("ContainerStats", handler_pb2.ContainerStatsRequest(container_id=container.id),
+                                      f"stats of {container.id}")
+        return task_pb.StatsResponse(stats=any_pb2.Any(type_url=CGROUP_V2_METRICS_TYPE,
+                                                       value=cgroup_metrics(numbers).SerializeToString()))
 
     async def Update(self, request, call):
         self.container(request.id)

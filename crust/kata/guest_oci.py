@@ -16,9 +16,12 @@ kept as it is   process (args, env, cwd, user and additional gids, umask,
                 cgroup v2), personality;
 rewritten       root -> the container's root in the guest (mounted by the
                 agent, read-only by the agent and crun when the spec says so);
-                linux.cgroupsPath -> /crust/<container id> in the guest's
-                cgroup tree (the agent signals and counts a container's
-                processes there);
+                linux.cgroupsPath -> /crust/<container id>/ctr in the guest's
+                cgroup tree: crun makes and removes ctr, the agent keeps its
+                parent until the container is deleted, so that the
+                parent's memory.events (hierarchical) still tells after the
+                exit whether the OOM killer struck; the agent signals, counts
+                and measures a container's processes there;
                 mounts -> only the kernel's own file systems the runtime
                 makes fresh in the container's namespaces (proc, sysfs,
                 devpts, mqueue, cgroup); binds and /dev, /dev/shm, /tmp
@@ -29,6 +32,14 @@ rewritten       root -> the container's root in the guest (mounted by the
                 network, IPC and UTS; a shared PID namespace (the pod's, or
                 the node's for hostPID) is the pod's in the guest, whose
                 init (catatonit -P) reaps what the containers leave;
+                process.terminal -> false for crun: a process that asks for
+                a terminal runs on one that util-linux's script makes in the
+                guest (crun's own needs a program that takes the terminal
+                over a socket, which the guest does not have): standard
+                input, output and error are a terminal, of consoleSize where
+                the spec gives one, resized by ResizeTerminal; it is a
+                terminal of the guest's /dev/pts, not of the container's
+                devpts, so ttyname(3) finds no name for it;
 moved to the guest (pod-level, applied before the runtime starts): linux.sysctl
                 (the pod's network and IPC namespaces are the guest's), the
                 hostname when the UTS namespace is the pod's;
@@ -40,7 +51,11 @@ dropped         apparmorProfile, selinuxLabel, linux.mountLabel: labels of
                 disks and consoles are its own (Kata's
                 privileged_without_host_devices); linux.intelRdt;
 refused         (INVALID_ARGUMENT naming the field) a user namespace and its
-                mappings, hooks (host programs), a terminal.
+                mappings, hooks (host programs).
+
+A process's standard input, when it has one, is a fifo that the guest's
+feed.sh fills from the file the host appends it to (crust.kata.pods,
+WriteInput); without one it reads /dev/null.
 """
 
 from __future__ import annotations
@@ -48,6 +63,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from dataclasses import dataclass
 from typing import Any
 
 from crust.common.errors import InvalidArgument
@@ -56,6 +72,10 @@ GUEST_CGROUP_PARENT = "/crust"
 RUNTIME = "/sbin/crun"
 RUNTIME_ROOT = "/run/crust/crun"       # crun's state, in guest memory
 GUEST_BUNDLES = "/run/crust/bundles"   # <id>/config.json
+GUEST_INPUTS = "/run/crust/in"         # <name>: the fifo a process reads its standard input from
+FEED = "/usr/lib/crust/feed.sh"
+SCRIPT = "/sbin/script"                # util-linux's: a terminal for a process that asks for one
+EXITS = "/run/crust/exec"              # <pid>.exit: the agent's record of a spawned process's end
 FRESH_MOUNT_TYPES = {"proc", "sysfs", "devpts", "mqueue", "cgroup", "cgroup2"}
 NAMESPACES = {"mount", "pid", "cgroup", "uts", "ipc", "time", "network"}
 SYSCTL_NAME = re.compile(r"^[a-z0-9_][a-z0-9_.\-/]*$")
@@ -93,8 +113,7 @@ def guest_spec(host: dict[str, Any], root: str, container_id: str,
     namespace in the guest, for a container that shares one
     (needs_pod_pid_namespace). InvalidArgument for what the guest cannot honour."""
     process = dict(host.get("process") or {})
-    if process.get("terminal"):
-        raise InvalidArgument("process.terminal: a terminal is not supported in the microVM yet")
+    process["terminal"] = False   # the guest's script gives it its terminal (terminal_size)
     for label in ("apparmorProfile", "selinuxLabel"):
         process.pop(label, None)
     if host.get("hooks"):
@@ -135,7 +154,7 @@ def guest_spec(host: dict[str, Any], root: str, container_id: str,
     resources = dict(linux.get("resources") or {})
     out_linux: dict[str, Any] = {
         "namespaces": namespaces,
-        "cgroupsPath": f"{GUEST_CGROUP_PARENT}/{container_id}",
+        "cgroupsPath": f"{GUEST_CGROUP_PARENT}/{container_id}/ctr",
         "resources": resources,
     }
     for key in ("maskedPaths", "readonlyPaths", "seccomp", "personality", "rootfsPropagation"):
@@ -193,7 +212,50 @@ def sysctl_lines(sysctls: dict[str, str], hostname: str) -> str:
     return lines
 
 
-def run_script(container_id: str, spec: dict[str, Any], sysctls: dict[str, str], hostname: str) -> str:
+@dataclass(frozen=True)
+class Stdio:
+    """How a process's standard streams are given to it in the guest: name
+    (its output files' name) also names its input fifo; input is the guest
+    path of the file the host appends its standard input to ("" when it has
+    none); terminal: it runs on a terminal of size (columns, rows), 0 for
+    the terminal's default."""
+    name: str
+    input: str = ""
+    terminal: bool = False
+    size: tuple[int, int] = (0, 0)
+
+
+def terminal_size(process: dict[str, Any]) -> tuple[int, int]:
+    """(columns, rows) of an OCI process's consoleSize, (0, 0) without one."""
+    size = process.get("consoleSize") or {}
+    try:
+        return int(size.get("width") or 0), int(size.get("height") or 0)
+    except (TypeError, ValueError):
+        raise InvalidArgument("process.consoleSize: width and height are numbers") from None
+
+
+def _start(command: str, stdio: Stdio) -> str:
+    """The script's last lines: its input fifo fed (feed.sh, detached, so
+    that it never is crun's child: crun waits for all its children), then
+    command exec'd, on a terminal when asked (script -e: the exit code is
+    the command's; the terminal's size set inside it, before the command)."""
+    lines = ""
+    redirect = ""
+    if stdio.input:
+        fifo = f"{GUEST_INPUTS}/{stdio.name}"
+        # $PPID is the agent's wrapper, which records this process's end.
+        lines += (f"mkdir -p {GUEST_INPUTS} && mkfifo -m 0600 {shlex.quote(fifo)} || exit 126\n"
+                  f"( sh {FEED} {shlex.quote(stdio.input)} {EXITS}/$PPID.exit > {shlex.quote(fifo)} & )\n")
+        redirect = f" < {shlex.quote(fifo)}"
+    if stdio.terminal:
+        columns, rows = stdio.size
+        inner = f"stty cols {columns} rows {rows} 2>/dev/null; " if columns and rows else ""
+        command = f"{SCRIPT} -q -e -c {shlex.quote(inner + 'exec ' + command)} /dev/null"
+    return lines + f"exec {command}{redirect}\n"
+
+
+def run_script(container_id: str, spec: dict[str, Any], sysctls: dict[str, str], hostname: str,
+               stdio: Stdio) -> str:
     """The guest's script for the container's own process: the pod's
     settings, the bundle, then crun in the foreground (its exit code is the
     container's; it forwards the signals it gets to the container)."""
@@ -201,13 +263,13 @@ def run_script(container_id: str, spec: dict[str, Any], sysctls: dict[str, str],
     return (sysctl_lines(sysctls, hostname)
             + f"mkdir -p {shlex.quote(bundle)} || exit 126\n"
             + _heredoc(f"{bundle}/config.json", spec)
-            + f"exec {RUNTIME} --root {RUNTIME_ROOT} run --bundle {shlex.quote(bundle)} "
-            + f"{shlex.quote(container_id)}\n")
+            + _start(f"{RUNTIME} --root {RUNTIME_ROOT} run --bundle {shlex.quote(bundle)} "
+                     f"{shlex.quote(container_id)}", stdio))
 
 
-def exec_script(container_id: str, name: str, process: dict[str, Any]) -> str:
+def exec_script(container_id: str, process: dict[str, Any], stdio: Stdio) -> str:
     """The guest's script for an exec in a running container."""
-    path = f"/run/crust/cmd/{name}.json"
+    path = f"/run/crust/cmd/{stdio.name}.json"
     return (_heredoc(path, process)
-            + f"exec {RUNTIME} --root {RUNTIME_ROOT} exec --process {shlex.quote(path)} "
-            + f"{shlex.quote(container_id)}\n")
+            + _start(f"{RUNTIME} --root {RUNTIME_ROOT} exec --process {shlex.quote(path)} "
+                     f"{shlex.quote(container_id)}", stdio))

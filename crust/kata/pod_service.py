@@ -22,7 +22,7 @@ class PodRuntimeService(handler_pb2_grpc.PodRuntimeServicer):
     async def CreateContainer(self, request: handler_pb2.CreateContainerRequest, context):
         await self.pods.create_container(csi_input.required(request.sandbox_id, "sandbox_id"),
                                          csi_input.required(request.container_id, "container_id"),
-                                         csi_input.required(request.bundle, "bundle"))
+                                         csi_input.required(request.bundle, "bundle"), stdin=request.stdin)
         return handler_pb2.CreateContainerResponse()
 
     async def StartProcess(self, request: handler_pb2.StartProcessRequest, context):
@@ -61,6 +61,19 @@ class PodRuntimeService(handler_pb2_grpc.PodRuntimeServicer):
 
     async def ListPods(self, request: handler_pb2.ListPodsRequest, context):
         return handler_pb2.ListPodsResponse(pods=self.pods.list_pods())
+
+    async def WriteInput(self, request: handler_pb2.WriteInputRequest, context):
+        length = await self.pods.write_input(csi_input.required(request.container_id, "container_id"),
+                                             request.exec_id, request.offset, request.data, request.close)
+        return handler_pb2.WriteInputResponse(length=length)
+
+    async def ResizeTerminal(self, request: handler_pb2.ResizeTerminalRequest, context):
+        await self.pods.resize_terminal(csi_input.required(request.container_id, "container_id"),
+                                        request.exec_id, request.width, request.height)
+        return handler_pb2.ResizeTerminalResponse()
+
+    async def ContainerStats(self, request: handler_pb2.ContainerStatsRequest, context):
+        return await self.pods.container_stats(csi_input.required(request.container_id, "container_id"))
 
 
 class PodRuntimeExtension:

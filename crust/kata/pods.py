@@ -9,11 +9,12 @@ volumes kubelet's atomic writer updates (their lookups never cached):
 
 - a container's root file system is a bind of the bundle's rootfs
   (containerd's snapshot) in the share, bound by the guest at
-  /run/crust/containers/<id>/rootfs, with /proc, a small /dev and /tmp:
+  /run/crust/containers/<id>/rootfs, with /proc and a small /dev:
   nothing is copied, and the container's writes land where runc's would;
 - a host-path bind (emptyDir, configMap, secret, projected, downward API,
-  hostPath, /etc/hosts and the like) is a bind in a share, read-only
-  where the mount says so, and bound into the container by the guest: every
+  hostPath, /etc/hosts and the like) is a bind in a share, one per path
+  and mode for the whole pod, read-only where the mount says so, and bound
+  into the container by the guest: every
   container of the pod sees the same directory, the host's updates (the
   atomic writer's renamed ..data) arrive and the container's writes reach
   the host;
@@ -36,7 +37,14 @@ volumes kubelet's atomic writer updates (their lookups never cached):
   travels as one serial line), its stdout and stderr written to files in
   the guest, read back by offset (ReadOutput); its exit code is crun's,
   the container's. A container of a pod started before the guest had crun
-  keeps running as it started (`env -i <env> unshare --root=<root> ...`).
+  keeps running as it started (`env -i <env> unshare --root=<root> ...`);
+- a process with a standard input (CRI's stdin, an exec with stdin) reads
+  it from a fifo that the guest's feed.sh fills from a file the handler
+  appends to in the live share (WriteInput; the live share is not cached,
+  so the guest sees each append at once); one that asks for a terminal
+  runs on one made in the guest (guest_oci); the OOM killer's kills in a
+  container's cgroup (memory.events) make its exit OOMKilled; its cgroup's
+  numbers answer ContainerStats.
 
 A pod is a sandbox of the RuntimeHandler (its record, its volumes, stats,
 expansion, the reaper, adoption after a restart are the handler's); what
@@ -69,13 +77,15 @@ from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata import guest_oci
 from crust.kata.agent import AgentError, AgentRefused
-from crust.kata.qemu import SharedDir, Vm, VmError
+from crust.kata.portforward import PortForwarder
+from crust.kata.qemu import Nic, SharedDir, Vm, VmError
 from crust.kata.sandbox import KataSandbox
 from crust.kata.share import PodShare, ShareError, is_atomic_writer_volume
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
 from crust.runtime_handler.oci import load_requested_bundle
 from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes
 from crust.sys import mount as mounts
+from crust.sys import podnet
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +95,13 @@ Stream = handler_pb2.OutputChunk.Stream
 GUEST_CONTAINERS = "/run/crust/containers"
 UNSHARE = "/sbin/unshare"     # util-linux's, in the guest image (crust.kata.image)
 # Mounts the OCI spec lists that the guest gives the container itself
-# (/proc, /dev, /tmp) or that a VM has no use for.
+# (/proc, /dev) or that a VM has no use for.
 PSEUDO_TYPES = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2", "shm"}
 # kubelet's directories (crust/kubelet/volumes.py has the layout).
 EMPTY_DIR = "kubernetes.io~empty-dir"
 SUBPATHS = "volume-subpaths"
 SHM_TMPFS = ".shm"            # the pod's /dev/shm (a name no emptyDir can have)
+TAP = "crust0"                # the VM's tap in the pod's network namespace
 READ_CHUNK = 32768            # bytes per readout answer (a serial line carries them: 44 KiB of base64)
 POLL = 0.2                    # seconds between looks at a running process
 VM_GONE_EXIT_CODE = 255
@@ -109,6 +120,9 @@ class ProcessRecord(BaseModel):
     exit_code: int | None = None
     exited_at_ns: int = 0
     reason: str = ""            # why it stopped, when not by itself
+    terminal: bool = False      # runs on a terminal of the guest's (its output one stream)
+    stdin: bool = False         # reads a standard input (WriteInput)
+    oom_killed: bool = False    # the container's own process, once stopped: the OOM killer struck
 
 
 class GuestContainer(BaseModel):
@@ -138,10 +152,20 @@ class ContainerRecord(BaseModel):
         return f"{GUEST_CONTAINERS}/{self.container_id}/rootfs"
 
 
+class PodNetwork(BaseModel):
+    """The pod's network as CNI made it in its namespace, which the VM's NIC
+    joined (crust.sys.podnet)."""
+    netns: str                  # the namespace's path (the sandbox spec's)
+    interface: str              # the veth CNI made there
+    address: str = ""           # the pod's IPv4 address (port forwarding connects to it)
+
+
 class PodRecord(BaseModel):
     FORMAT_VERSION: ClassVar[int] = 1
     sandbox_id: str
     bundle: str = ""
+    # None: the VM has no NIC (a host-network pod, or no CNI network).
+    network: PodNetwork | None = None
     containers: dict[str, ContainerRecord] = Field(default_factory=dict)
     # Why the VM is gone, once it is (the pod stays listed until DeletePod).
     gone: str = ""
@@ -177,6 +201,15 @@ def _sandbox_spec(bundle: str) -> dict:
     if not bundle or not (Path(bundle) / "config.json").is_file():
         return {}
     return _raw_spec(bundle)
+
+
+def network_namespace(spec: dict) -> str:
+    """The path of the pod's network namespace in the sandbox's spec, ""
+    when it names none (a host-network pod: the VM keeps its own network)."""
+    for ns in (spec.get("linux") or {}).get("namespaces") or []:
+        if ns.get("type") == "network":
+            return str(ns.get("path") or "")
+    return ""
 
 
 def _raw_spec(bundle: str) -> dict:
@@ -225,6 +258,23 @@ def memory_empty_dir(source: str) -> tuple[str, str, str] | None:
     return None
 
 
+def stats_response(numbers: dict[str, int]) -> handler_pb2.ContainerStatsResponse:
+    """The agent's cstats words as ContainerStats (memory.max "max": 0)."""
+    response = handler_pb2.ContainerStatsResponse(
+        memory_current=numbers.get("memory.current", 0), memory_max=numbers.get("memory.max", 0),
+        pids_current=numbers.get("pids.current", 0), pids_max=numbers.get("pids.max", 0),
+        timestamp_ns=time.time_ns())
+    for key, value in numbers.items():
+        group, _, name = key.partition(".")
+        if group == "cpu" and name:
+            response.cpu[name] = value
+        elif group == "memory" and name.startswith("events."):
+            response.memory_events[name.removeprefix("events.")] = value
+        elif group == "memory" and name not in ("current", "max"):
+            response.memory[name] = value
+    return response
+
+
 class Pods:
     def __init__(self, handler: RuntimeHandler):
         self.handler = handler
@@ -233,6 +283,7 @@ class Pods:
         self.locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._creating: set[str] = set()   # container ids whose CreateContainer runs
         self._unwritten: set[str] = set()  # pods stopped in memory whose record is not written yet
+        self.forwarders: dict[str, PortForwarder] = {}   # by pod, for those with a network
         handler.before_teardown = self._before_teardown
         self._watcher: asyncio.Task | None = None
 
@@ -257,11 +308,39 @@ class Pods:
                 for c in pod.containers.values():
                     if c.serial:
                         sandbox.vm.disks[c.serial] = Vm._disk(c.serial, c.image, readonly=False)
+                if pod.network is not None and not pod.gone:
+                    try:
+                        await self._forward_ports(pod_id, pod.network)
+                    except (podnet.PodNetworkError, OSError) as exc:
+                        log.error("port forwarding not restored", extra={"fields": {
+                            "sandbox": pod_id, "error": str(exc)}})
         self._watcher = asyncio.create_task(self._watch_forever())
 
     async def stop(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
+        for forwarder in self.forwarders.values():
+            await forwarder.stop()
+
+    async def _forward_ports(self, sandbox_id: str, network: PodNetwork) -> None:
+        if network.address:
+            forwarder = PortForwarder(sandbox_id, network.netns, network.address)
+            await forwarder.start()
+            self.forwarders[sandbox_id] = forwarder
+
+    async def _disconnect(self, sandbox_id: str, network: PodNetwork | None) -> None:
+        """The pod's namespace as CNI left it: no port forwarding, no redirect
+        (its tap went with QEMU). Nothing to do once the namespace is gone."""
+        forwarder = self.forwarders.pop(sandbox_id, None)
+        if forwarder is not None:
+            await forwarder.stop()
+        if network is not None:
+            try:
+                await podnet.remove_redirect(network.netns)
+                await asyncio.to_thread(podnet.restore, network.netns, network.interface)
+            except (podnet.PodNetworkError, OSError) as exc:
+                log.warning("the pod's network namespace not restored", extra={"fields": {
+                    "sandbox": sandbox_id, "error": str(exc)}})
 
     async def _watch_forever(self, interval: float = 1.0) -> None:
         """A pod whose VM died: its processes are stopped (the handler's
@@ -377,24 +456,45 @@ class Pods:
                 if sandbox_id in self.handler.sandboxes:
                     raise AlreadyExists(f"sandbox_id {sandbox_id!r} is a sandbox of this handler, not a pod")
                 await asyncio.wait_for(self.handler.registration.registered.wait(), 10)
-                sysctls, hostname = guest_oci.pod_settings(_sandbox_spec(bundle))
+                sandbox_spec = _sandbox_spec(bundle)
+                sysctls, hostname = guest_oci.pod_settings(sandbox_spec)
+                interface = await self._pod_interface(sandbox_id, network_namespace(sandbox_spec))
                 shares = self._shares(sandbox_id)
                 sandbox = self.handler.make_sandbox(sandbox_id, self._workdir(sandbox_id), None, None)
                 record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
                 pod = PodRecord(sandbox_id=sandbox_id, bundle=bundle, guest_runtime="crun")
+                if interface is not None:
+                    pod.network = PodNetwork(netns=network_namespace(sandbox_spec), interface=interface.name,
+                                             address=interface.ipv4)
+                tap = -1
                 try:
                     shared = []
                     for share in shares:
                         served = await asyncio.to_thread(share.set_up)
                         shared.append(SharedDir(share.tag, served, share.cache))
+                    nic = None
+                    if interface is not None:
+                        tap = await self._open_tap(sandbox_id, pod.network, interface)
+                        nic = Nic(tap, interface.mac)
                     # This VM's own config: the handler's is shared by all its sandboxes.
-                    sandbox.vm.config = dataclasses.replace(sandbox.vm.config, shared_dirs=tuple(shared))
+                    sandbox.vm.config = dataclasses.replace(sandbox.vm.config, shared_dirs=tuple(shared), nic=nic)
                     await sandbox.start()
+                    if tap >= 0:
+                        os.close(tap)   # QEMU's now: the tap lives as long as QEMU
+                        tap = -1
                     for share in shares:
                         await sandbox._agent(sandbox.vm.agent.share_mount(share.guest, share.tag))
                     await self._apply_pod_settings(sandbox, sandbox_id, sysctls, hostname)
+                    if interface is not None:
+                        await sandbox._agent(sandbox.vm.agent.network(
+                            interface.mac, interface.mtu, list(interface.addresses),
+                            [r.word() for r in interface.routes]))
+                        await self._forward_ports(sandbox_id, pod.network)
                 except BaseException:
+                    if tap >= 0:
+                        os.close(tap)
                     await sandbox.stop()
+                    await self._disconnect(sandbox_id, pod.network)
                     await asyncio.to_thread(self._tear_down_share, sandbox_id)
                     raise
                 record.pid = sandbox.pid
@@ -409,12 +509,31 @@ class Pods:
                     self.pods.pop(sandbox_id, None)
                     self.handler.sandboxes.pop(sandbox_id, None)
                     await sandbox.stop()
+                    await self._disconnect(sandbox_id, pod.network)
                     await asyncio.to_thread(self._tear_down_share, sandbox_id)
                     await self.records.delete(sandbox_id)
                     await self.handler.records.delete(sandbox_id)
                     raise
         log.info("pod running", extra={"fields": {"sandbox": sandbox_id, "pid": record.pid}})
         return record.pid
+
+    @staticmethod
+    async def _pod_interface(sandbox_id: str, netns_path: str) -> podnet.Interface | None:
+        """The interface CNI made in the pod's namespace (None: no namespace
+        of its own, or only its loopback)."""
+        if not netns_path:
+            return None
+        try:
+            return await asyncio.to_thread(podnet.read_interface, netns_path)
+        except (podnet.PodNetworkError, OSError) as exc:
+            raise FailedPrecondition(f"pod {sandbox_id}: linux.namespaces network {netns_path}: {exc}") from None
+
+    @staticmethod
+    async def _open_tap(sandbox_id: str, network: PodNetwork, interface: podnet.Interface) -> int:
+        try:
+            return await asyncio.to_thread(podnet.open_tap, network.netns, TAP, interface)
+        except (podnet.PodNetworkError, OSError) as exc:
+            raise FailedPrecondition(f"pod {sandbox_id}: the VM's tap in {network.netns}: {exc}") from None
 
     @staticmethod
     async def _apply_pod_settings(sandbox: KataSandbox, sandbox_id: str, sysctls: dict[str, str],
@@ -441,6 +560,7 @@ class Pods:
                 await self.handler.delete_sandbox(sandbox_id)   # before_teardown, VM stopped, claims released
             if pod is None:
                 return
+            await self._disconnect(sandbox_id, pod.network)
             await self._mark_gone(sandbox_id, f"the pod {sandbox_id} was deleted")
             await asyncio.to_thread(shutil.rmtree, self._workdir(sandbox_id) / "containers", True)
             try:
@@ -474,7 +594,7 @@ class Pods:
 
     # -- containers --------------------------------------------------------------------------
 
-    async def create_container(self, sandbox_id: str, container_id: str, bundle: str) -> None:
+    async def create_container(self, sandbox_id: str, container_id: str, bundle: str, stdin: bool = False) -> None:
         if not valid_key(container_id):
             raise InvalidArgument(f"container_id {container_id!r} must be {KEY_RULE}")
         spec = load_requested_bundle(bundle)
@@ -494,8 +614,12 @@ class Pods:
                 raise Aborted(f"container_id {container_id!r} is being created; retry later")
             sandbox, _, pod = self._live(sandbox_id)
             oci = None
+            spec_dict = _raw_spec(bundle)
+            terminal = bool((spec_dict.get("process") or {}).get("terminal"))
+            if (stdin or terminal) and not pod.guest_runtime:
+                raise FailedPrecondition(f"pod {sandbox_id} runs a guest without an OCI runtime: its containers "
+                                         f"have no {'terminal' if terminal else 'standard input'}")
             if pod.guest_runtime:
-                spec_dict = _raw_spec(bundle)
                 pod_pid = ""
                 if guest_oci.needs_pod_pid_namespace(spec_dict):
                     pod_pid = await sandbox._agent(sandbox.vm.agent.pod_pid_namespace())
@@ -511,7 +635,8 @@ class Pods:
             c = ContainerRecord(
                 container_id=container_id, bundle=bundle, readonly_root=bool(spec.root and spec.root.readonly), oci=oci,
                 processes={"": ProcessRecord(args=spec.process.args, env=spec.process.env, cwd=spec.process.cwd,
-                                             uid=user.uid if user else 0, gid=user.gid if user else 0)})
+                                             uid=user.uid if user else 0, gid=user.gid if user else 0,
+                                             terminal=terminal, stdin=stdin)})
             started = time.monotonic()
             async with self.locks[sandbox_id]:
                 sandbox, record, pod = self._live(sandbox_id)
@@ -586,12 +711,12 @@ class Pods:
             await sandbox._agent(agent.bind(guest_rootfs, c.root, readonly=False))
             await sandbox._agent(agent.container_setup(c.root))
             # In the spec's order: a later bind may land inside an earlier one.
-            for n, (m, kind, what) in enumerate(binds):
+            for m, kind, what in binds:
                 readonly = "ro" in m.options
                 if kind == "host":
                     try:
                         into = live if is_atomic_writer_volume(m.source) else share
-                        source = await asyncio.to_thread(into.add_bind, container_id, n, m.source, readonly)
+                        source = await asyncio.to_thread(into.add_bind, m.source, readonly)
                     except (ShareError, OSError) as exc:
                         raise FailedPrecondition(f"mount {m.destination}: {m.source} cannot be shared with the "
                                                  f"VM: {exc}") from None
@@ -620,7 +745,7 @@ class Pods:
                 c.volumes.setdefault(key, []).append(view)
             if c.readonly_root:
                 # This mount of the root only, once every mount point below
-                # it was made: the binds and /proc, /dev, /tmp keep their modes.
+                # it was made: the binds and /proc, /dev keep their modes.
                 await sandbox._agent(agent.remount_readonly(c.root))
             await self.handler.records.put(pod.sandbox_id, record)
             await self.records.put(pod.sandbox_id, pod)
@@ -759,9 +884,13 @@ class Pods:
                 if spec is None or not spec.args:
                     raise InvalidArgument("process.args: an exec needs its command")
                 if p is None:
+                    if (spec.terminal or spec.stdin) and c.oci is None:
+                        raise FailedPrecondition(f"container {container_id} runs without an OCI runtime in the "
+                                                 f"guest: its execs have no terminal or standard input")
                     p = ProcessRecord(exec_id=exec_id, args=list(spec.args), env=list(spec.env),
                                       cwd=spec.cwd or c.processes[""].cwd, uid=spec.uid, gid=spec.gid,
-                                      additional_gids=list(spec.additional_gids) or None)
+                                      additional_gids=list(spec.additional_gids) or None,
+                                      terminal=spec.terminal, stdin=spec.stdin)
                     c.processes[exec_id] = p
             if p.pid:
                 return p.pid   # started already (a retried call)
@@ -774,7 +903,10 @@ class Pods:
             await self.records.put(pod.sandbox_id, pod)
             share = self._share(pod.sandbox_id)
             try:
-                script = await asyncio.to_thread(share.write_script, container_id, p.name, self._script(c, p))
+                stdin = await asyncio.to_thread(self._input_share(sandbox, pod).open_input, container_id, p.name) \
+                    if p.stdin else ""
+                script = await asyncio.to_thread(share.write_script, container_id, p.name,
+                                                 self._script(c, p, stdin))
             except (ShareError, OSError) as exc:
                 raise FailedPrecondition(f"process {exec_id or container_id}: its command cannot be written to "
                                          f"the pod's shared directory: {exc}") from None
@@ -808,14 +940,26 @@ class Pods:
             "container": c.container_id, "seconds": timeout}})
 
     @staticmethod
-    def _script(c: ContainerRecord, p: ProcessRecord) -> str:
+    def _script(c: ContainerRecord, p: ProcessRecord, stdin: str = "") -> str:
+        """The guest's script for the process; stdin: the guest path of its
+        standard input (the live share's file), "" for none."""
         if c.oci is None:
             return command_line(c.root, p)
+        size = guest_oci.terminal_size(c.oci.spec.get("process") or {}) if not p.exec_id else (0, 0)
+        stdio = guest_oci.Stdio(p.name, input=stdin, terminal=p.terminal, size=size)
         if not p.exec_id:
-            return guest_oci.run_script(c.container_id, c.oci.spec, c.oci.sysctls, c.oci.hostname)
+            return guest_oci.run_script(c.container_id, c.oci.spec, c.oci.sysctls, c.oci.hostname, stdio)
         process = guest_oci.exec_process(c.oci.spec.get("process") or {}, p.args, p.env, p.cwd, p.uid, p.gid,
                                          p.additional_gids)
-        return guest_oci.exec_script(c.container_id, p.name, process)
+        return guest_oci.exec_script(c.container_id, process, stdio)
+
+    def _input_share(self, sandbox: KataSandbox, pod: PodRecord) -> PodShare:
+        """Where processes' standard input goes: the live share (uncached)."""
+        live = self._share(pod.sandbox_id, "live")
+        if live.tag not in sandbox.vm.virtiofsds:
+            raise FailedPrecondition(f"pod {pod.sandbox_id} started before its VM had a live share: "
+                                     f"its processes have no standard input")
+        return live
 
     async def _refresh(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord) -> None:
         """Learn the exit code of a started process from the guest."""
@@ -832,8 +976,24 @@ class Pods:
         except AgentError:
             return  # no answer now; the watcher marks a dead VM
         if code is not None and p.exit_code is None:
+            if not p.exec_id and c.oci is not None:
+                p.oom_killed = await self._oom_killed(sandbox, c)
             p.exit_code, p.exited_at_ns = code, time.time_ns()
             await self.records.put(pod.sandbox_id, pod)
+
+    @staticmethod
+    async def _oom_killed(sandbox: KataSandbox, c: ContainerRecord) -> bool:
+        """Whether the OOM killer killed a process of the container: the
+        memory.events of its cgroup's parent, which outlives crun's cgroup
+        until the container is deleted (guest_oci). Unknown (no answer)
+        counts as no."""
+        try:
+            numbers = await sandbox.vm.agent.container_stats(c.container_id)
+        except AgentError as exc:
+            log.warning("no OOM count for a stopped container", extra={"fields": {
+                "container": c.container_id, "error": str(exc)}})
+            return False
+        return numbers.get("memory.events.oom_kill", 0) > 0
 
     async def state(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord) -> handler_pb2.ProcessState:
         await self._refresh(pod, c, p)
@@ -842,7 +1002,7 @@ class Pods:
         if p.exit_code is None:
             return handler_pb2.ProcessState(status=Status.RUNNING, pid=p.pid)
         return handler_pb2.ProcessState(status=Status.STOPPED, pid=p.pid, exit_code=p.exit_code,
-                                        exited_at_ns=p.exited_at_ns, reason=p.reason)
+                                        exited_at_ns=p.exited_at_ns, reason=p.reason, oom_killed=p.oom_killed)
 
     async def get_process(self, container_id: str, exec_id: str, wait: bool) -> handler_pb2.ProcessState:
         pod, c, p = self._process(container_id, exec_id)
@@ -868,6 +1028,53 @@ class Pods:
             raise FailedPrecondition(f"process {exec_id or container_id} was not started")
         elif p.exit_code is None:
             await sandbox._agent(sandbox.vm.agent.signal(p.pid, signal))
+
+    async def write_input(self, container_id: str, exec_id: str, offset: int, data: bytes, close: bool) -> int:
+        """data at offset of the process's standard input (close: it ends
+        there). A resent call writes nothing twice."""
+        if offset < 0:
+            raise InvalidArgument("offset must not be negative")
+        pod, c, p = self._process(container_id, exec_id)
+        if not p.stdin:
+            raise FailedPrecondition(f"process {exec_id or container_id} was not started with a standard input")
+        if not p.name:
+            raise FailedPrecondition(f"process {exec_id or container_id} was not started yet")
+        live = self._share(pod.sandbox_id, "live")
+        try:
+            return await asyncio.to_thread(live.append_input, container_id, p.name, offset, data, close)
+        except FileNotFoundError:
+            raise NotFound(f"process {exec_id or container_id}: its input is gone (deleted)") from None
+        except ShareError as exc:
+            raise FailedPrecondition(f"standard input of {exec_id or container_id}: {exc}") from None
+
+    async def resize_terminal(self, container_id: str, exec_id: str, width: int, height: int) -> None:
+        if not (0 < width < 65536 and 0 < height < 65536):
+            raise InvalidArgument(f"width {width} and height {height}: 1 to 65535")
+        pod, c, p = self._process(container_id, exec_id)
+        if not p.terminal:
+            raise FailedPrecondition(f"process {exec_id or container_id} has no terminal")
+        if not p.pid:
+            raise FailedPrecondition(f"process {exec_id or container_id} was not started yet")
+        await self._refresh(pod, c, p)
+        if p.exit_code is not None:
+            return   # its terminal went with it
+        sandbox, _, _ = self._live(pod.sandbox_id)
+        await sandbox._agent(sandbox.vm.agent.terminal_size(p.pid, width, height))
+
+    async def container_stats(self, container_id: str) -> handler_pb2.ContainerStatsResponse:
+        """The container's cgroup numbers in the guest; a pod's sandbox id:
+        those of all its containers (their common parent)."""
+        if container_id in self.pods:
+            sandbox, _, _ = self._live(container_id)
+            which = "-"
+        else:
+            pod, c = self._find(container_id)
+            sandbox, _, _ = self._live(pod.sandbox_id)
+            if c.oci is None:
+                raise FailedPrecondition(f"container {container_id} runs without a cgroup of its own in the guest")
+            which = container_id
+        numbers = await sandbox._agent(sandbox.vm.agent.container_stats(which))
+        return stats_response(numbers)
 
     async def read_output(self, container_id: str, exec_id: str, stdout_offset: int,
                           stderr_offset: int) -> AsyncIterator[handler_pb2.OutputChunk]:

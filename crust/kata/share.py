@@ -16,8 +16,12 @@ a mount says otherwise:
 
     <workdir>/share.rw/                 crust's side (a mount of its own, shared)
         <container id>/rootfs           bind of the bundle's rootfs (containerd's snapshot)
-        <container id>/binds/<n>        bind of the n-th host-path bind of the spec, ro where it says ro
+        .binds/<key>                    bind of a host path some container of the pod binds, ro
+                                        where it says ro: one per path and mode for the whole pod
         <container id>/run/<name>.sh    the guest's command for one process (any size the kernel takes)
+        <container id>/io/<name>.in     a process's standard input as the host received it (the live
+                                        share's: the guest reads each append at once); <name>.in.closed
+                                        once it ended
     <workdir>/share/                    what virtiofsd serves: a read-only bind of share.rw
 
 share is a peer of share.rw, so a bind made under share.rw while the VM
@@ -25,6 +29,14 @@ runs appears under share at once (and in virtiofsd's namespace, a slave of
 it); share itself is read-only, so the guest cannot write a script or a
 directory of crust's, while a container's rootfs and read-write volumes,
 mounts of their own, keep their mode.
+
+A host path is bound once per pod (and mode), whatever number of its
+containers bind it: the guest then has one inode per file for all of them,
+so its own locking and its idea of a file's size hold between them (an
+O_APPEND write of one container lands after the other's, as on a host; two
+binds would be two inodes to the guest, each appending at the end it last
+saw). The binds stay until the pod goes (a restarted container binds the
+same paths again).
 
 Every bind is a private copy (bind_fd(private=True)): kubelet's and
 containerd's directories are shared mounts on most hosts, and a copy left
@@ -41,6 +53,7 @@ no mount is left below it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -58,6 +71,9 @@ SHARE_TAG = "crust"
 LIVE_TAG = "crust-live"
 # kubelet's volume plugins whose volumes its atomic writer fills and updates
 # (pkg/volume/util/atomic_writer.go; crust/kubelet/volumes.py replays it).
+# The pod's host-path binds, beside its containers' directories (a name no
+# container id has: ids start with a letter or a digit).
+BINDS = ".binds"
 ATOMIC_WRITER_PLUGINS = ("kubernetes.io~configmap", "kubernetes.io~secret", "kubernetes.io~projected",
                          "kubernetes.io~downward-api")
 
@@ -93,14 +109,17 @@ class PodShare:
     def guest_rootfs(self, container_id: str) -> str:
         return f"{self.guest}/{container_id}/rootfs"
 
-    def guest_bind(self, container_id: str, n: int) -> str:
-        return f"{self.guest}/{container_id}/binds/{n}"
+    def guest_bind(self, key: str) -> str:
+        return f"{self.guest}/{BINDS}/{key}"
 
     def guest_script(self, container_id: str, name: str) -> str:
         return f"{self.guest}/{container_id}/run/{name}.sh"
 
+    def guest_input(self, container_id: str, name: str) -> str:
+        return f"{self.guest}/{container_id}/io/{name}.in"
+
     def _container_dir(self, container_id: str) -> Path:
-        if not container_id or "/" in container_id or container_id in (".", ".."):
+        if not container_id or "/" in container_id or container_id.startswith("."):
             raise ShareError(f"container id {container_id!r} cannot name a directory")
         return self.writable / container_id
 
@@ -138,17 +157,19 @@ class PodShare:
     def add_rootfs(self, container_id: str, rootfs: Path) -> str:
         """The container's root file system, where the guest finds it."""
         top = self._container_dir(container_id)
-        for sub in ("rootfs", "binds", "run"):
+        for sub in ("rootfs", "run"):
             make_dirs(top / sub)
         _bind(str(rootfs), top, "rootfs", readonly=False, directory=True)
         return self.guest_rootfs(container_id)
 
-    def add_bind(self, container_id: str, n: int, source: str, readonly: bool) -> str:
-        """The n-th host-path bind of the container, where the guest finds it."""
-        binds = self._container_dir(container_id) / "binds"
+    def add_bind(self, source: str, readonly: bool) -> str:
+        """A host path a container of the pod binds, where the guest finds
+        it: bound once per pod and mode (the same bind for every container)."""
+        binds = self.writable / BINDS
         make_dirs(binds)
-        _bind(source, binds, str(n), readonly=readonly, directory=os.path.isdir(source))
-        return self.guest_bind(container_id, n)
+        key = hashlib.sha256(f"{'ro' if readonly else 'rw'}\0{source}".encode()).hexdigest()[:32]
+        _bind(source, binds, key, readonly=readonly, directory=os.path.isdir(source))
+        return self.guest_bind(key)
 
     def write_script(self, container_id: str, name: str, text: str) -> str:
         run = self._container_dir(container_id) / "run"
@@ -161,6 +182,42 @@ class PodShare:
             os.unlink(self._container_dir(container_id) / "run" / f"{name}.sh")
         except FileNotFoundError:
             pass
+
+    def open_input(self, container_id: str, name: str) -> str:
+        """An empty standard input for a process (nothing when it exists)."""
+        io = self._container_dir(container_id) / "io"
+        make_dirs(io)
+        try:
+            os.close(os.open(io / f"{name}.in", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600))
+        except FileExistsError:
+            pass
+        return self.guest_input(container_id, name)
+
+    def append_input(self, container_id: str, name: str, offset: int, data: bytes, close: bool) -> int:
+        """data at offset of the process's input: what the input already
+        holds from a resent call is not written twice; an offset past its
+        end is refused (bytes would be missing). close: the input ends
+        there (the guest's feed.sh ends once it copied it all). Returns the
+        input's length."""
+        path = self._container_dir(container_id) / "io" / f"{name}.in"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            length = os.fstat(fd).st_size
+            if offset > length:
+                raise ShareError(f"offset {offset} is past the end of the input ({length} bytes)")
+            new = data[length - offset:]
+            if new and os.path.exists(f"{path}.closed"):
+                raise ShareError("the input was closed")
+            while new:
+                written = os.write(fd, new)
+                new = new[written:]
+            length = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if close and not os.path.exists(f"{path}.closed"):
+            os.close(os.open(f"{path}.closed", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        return length
 
     def remove_container(self, container_id: str) -> None:
         """Its binds detached, its directory removed; again after any failure."""
