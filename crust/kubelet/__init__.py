@@ -16,12 +16,12 @@ demo and the tests, and the container runtime it talks to:
 """
 
 from crust.kubelet.csi import Kubelet, RegistrationRefused, highest_supported_version, is_mount_point
-from crust.kubelet.pod import (ConfigMap, Container, DownwardAPI, DownwardAPIFile, EmptyDir, HostPath, KeyToPath,
-                               PersistentVolume, Pod, Projected, Secret, ServiceAccountToken, VolumeMount,
+from crust.kubelet.pod import (ConfigMap, Container, ContainerPort, DownwardAPI, DownwardAPIFile, EmptyDir, HostPath,
+                               KeyToPath, PersistentVolume, Pod, Projected, Secret, ServiceAccountToken, VolumeMount,
                                service_account_volume)
 from crust.kubelet.volumes import VolumeError, VolumeManager
 
-__all__ = ["ConfigMap", "Container", "DownwardAPI", "DownwardAPIFile", "EmptyDir", "HostPath", "KeyToPath",
+__all__ = ["ConfigMap", "Container", "ContainerPort", "DownwardAPI", "DownwardAPIFile", "EmptyDir", "HostPath", "KeyToPath",
            "Kubelet", "PersistentVolume", "Pod", "Projected", "RegistrationRefused", "Secret",
            "ServiceAccountToken", "VolumeError", "VolumeManager", "VolumeMount", "highest_supported_version",
            "is_mount_point", "service_account_volume"]

@@ -117,8 +117,9 @@ CRASH_BACKOFF_MAX = 300.0
 RELIST_PERIOD = 0.05
 # killContainer never gives less than 2 s (minimumGracePeriodInSeconds).
 MINIMUM_GRACE_PERIOD = 2
-# qos: a BestEffort container's OOM score adjustment.
+# qos: a BestEffort container's OOM score adjustment, and a Guaranteed one's.
 BESTEFFORT_OOM_SCORE_ADJ = 1000
+GUARANTEED_OOM_SCORE_ADJ = -997
 # cm: MilliCPUToShares(0) and the default CFS period (100 ms, in us).
 MIN_SHARES = 2
 QUOTA_PERIOD = 100_000
@@ -231,6 +232,20 @@ def read_resolv_conf(path: Path) -> cri.DNSConfig:
         elif fields[0] == "options":
             options += fields[1:]
     return cri.DNSConfig(servers=servers, searches=searches, options=options)
+
+
+def burstable_oom_score_adj(memory_request: int, meminfo: Path = Path("/proc/meminfo")) -> int:
+    """qos.GetContainerOOMScoreAdjust for a Burstable container: 1000 less
+    its memory request's share of the node's memory in thousandths, kept
+    above a Guaranteed container's and below a BestEffort one's."""
+    capacity = next(int(line.split()[1]) * 1024 for line in meminfo.read_text().splitlines()
+                    if line.startswith("MemTotal:"))
+    adjust = 1000 - (1000 * memory_request) // capacity
+    if adjust < 1000 + GUARANTEED_OOM_SCORE_ADJ:
+        return 1000 + GUARANTEED_OOM_SCORE_ADJ
+    if adjust == BESTEFFORT_OOM_SCORE_ADJ:
+        return adjust - 1
+    return adjust
 
 
 def hugepage_sizes() -> list[str]:
@@ -371,11 +386,28 @@ class KubeletRuntime:
             linux=cri.LinuxPodSandboxConfig(cgroup_parent=self.pod_cgroup(pod), security_context=security,
                                             resources=self._best_effort_resources(),
                                             overhead=cri.LinuxContainerResources()))
+        config.port_mappings.extend(self.port_mappings(pod))
         # ClusterFirst on a host-network pod falls back to the node's resolv.conf.
         config.dns_config.CopyFrom(read_resolv_conf(self.resolv_conf) if pod.host_network else cri.DNSConfig())
         if not pod.host_network:
             config.hostname = pod.name
         return config
+
+    @staticmethod
+    def port_mappings(pod: Pod) -> list[cri.PortMapping]:
+        """generatePodSandboxConfig's: every port of the (non-init)
+        containers, once per port, protocol and host port (MakePortMappings)."""
+        protocols = {"TCP": cri.TCP, "UDP": cri.UDP, "SCTP": cri.SCTP}
+        seen, mappings = set(), []
+        for container in pod.containers:
+            for port in container.ports:
+                key = (port.container_port, port.protocol, port.host_port)
+                if key in seen:
+                    continue
+                seen.add(key)
+                mappings.append(cri.PortMapping(protocol=protocols[port.protocol], container_port=port.container_port,
+                                                host_port=port.host_port, host_ip=port.host_ip))
+        return mappings
 
     def make_mounts(self, pod: Pod, container: Container) -> list[cri.Mount]:
         mounts = []
@@ -461,6 +493,9 @@ class KubeletRuntime:
             security.run_as_group.value = run_as_group
         resources = self._best_effort_resources()
         resources.oom_score_adj = BESTEFFORT_OOM_SCORE_ADJ
+        if container.memory_limit is not None:
+            resources.memory_limit_in_bytes = container.memory_limit
+            resources.oom_score_adj = burstable_oom_score_adj(container.memory_limit)
         resources.hugepage_limits.extend(cri.HugepageLimit(page_size=size, limit=0) for size in hugepage_sizes())
         return cri.ContainerConfig(
             metadata=cri.ContainerMetadata(name=container.name, attempt=restart_count),
@@ -469,6 +504,7 @@ class KubeletRuntime:
             working_dir=container.working_dir, labels=labels, annotations=annotations,
             envs=[cri.KeyValue(key=k, value=v.encode()) for k, v in env.items()],
             mounts=self.make_mounts(pod, container), log_path=f"{container.name}/{restart_count}.log",
+            stdin=container.stdin, stdin_once=container.stdin_once, tty=container.tty,
             linux=cri.LinuxContainerConfig(resources=resources, security_context=security))
 
     # -- images ---------------------------------------------------------------------------------

@@ -151,6 +151,15 @@ class VolumeMount:
     sub_path: str = ""
 
 
+@dataclass(frozen=True)
+class ContainerPort:
+    """v1.ContainerPort: what the sandbox's port mappings are made of."""
+    container_port: int
+    host_port: int = 0
+    protocol: str = "TCP"
+    host_ip: str = ""
+
+
 @dataclass
 class Container:
     """v1.Container, the fields kubelet turns into a CRI ContainerConfig."""
@@ -177,6 +186,14 @@ class Container:
     # Only for an init container: "Always" makes it a sidecar (a restartable
     # init container that starts in order and keeps running beside the app).
     restart_policy: str | None = None
+    ports: list[ContainerPort] = field(default_factory=list)
+    # resources.limits.memory in bytes (its request defaults to it: a
+    # Burstable pod unless every resource has a limit); None: none.
+    memory_limit: int | None = None
+    # stdin, stdinOnce, tty: what `kubectl run -i -t` and attach rely on.
+    stdin: bool = False
+    stdin_once: bool = False
+    tty: bool = False
 
     @property
     def is_sidecar(self) -> bool:
