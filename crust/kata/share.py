@@ -141,11 +141,15 @@ class PodShare:
         return self.served
 
     def tear_down(self) -> None:
-        """Every container's binds, then the two mounts, then the directories.
+        """Every container's binds and the pod's, then the two mounts, then the directories.
         Runs again after any failure."""
         if self.writable.is_dir():
             for entry in sorted(os.listdir(self.writable)):
-                self.remove_container(entry)
+                if entry == BINDS:
+                    _detach_all(self.writable / BINDS)
+                    _remove_tree(self.writable / BINDS)
+                else:
+                    self.remove_container(entry)
         for path in (self.served, self.writable):
             if path.exists():
                 _detach_all(path)
