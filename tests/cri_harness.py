@@ -211,11 +211,13 @@ KATA_HANDLER = dict(name="kata", endpoint_name="kata.sock", command=("kata", "ha
 
 
 @contextlib.contextmanager
-def cri_microvm_node(root) -> Iterator[CriNode]:
+def cri_microvm_node(root, pod_network: bool = False) -> Iterator[CriNode]:
     """The node with the microVM handler, its containerd's runtime `crust`
-    being crust's shim v2 in front of it (RuntimeClass crust-microvm)."""
+    being crust's shim v2 in front of it (RuntimeClass crust-microvm);
+    pod_network: pods off the host's network get a bridge of their own."""
     env = {"CRUST_KATA_HANDLER_ENDPOINT": f"unix://{root.path / KATA_HANDLER['endpoint_name']}"}
-    with private_containerd(shim_runtimes={"crust": "io.containerd.crust.v2"}, env=env) as (containerd, image):
+    with private_containerd(shim_runtimes={"crust": "io.containerd.crust.v2"}, env=env,
+                            pod_network=pod_network) as (containerd, image):
         node = CriNode(root, containerd, image,
                        handler_kw={**KATA_HANDLER, "extra": ["--kata-dir", str(root.path / "kata")]},
                        runtime_classes={"crust-microvm": "crust"})

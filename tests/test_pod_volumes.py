@@ -92,7 +92,8 @@ class PodNode:
         return self.runtime.kubelet.root
 
     def pod(self, name: str, containers: list[Container], volumes: dict, **kw) -> Pod:
-        return Pod(uid=f"uid-{name}", name=name, host_network=True, runtime_class_name=self.runtime_class,
+        kw.setdefault("host_network", True)
+        return Pod(uid=f"uid-{name}", name=name, runtime_class_name=self.runtime_class,
                    restart_policy="Never", termination_grace_period_seconds=2, containers=containers,
                    volumes=volumes, **kw)
 
@@ -151,13 +152,14 @@ class PodNode:
 
 
 @contextlib.contextmanager
-def pod_node(runtime_class: str, root) -> Iterator[PodNode]:
+def pod_node(runtime_class: str, root, pod_network: bool = False) -> Iterator[PodNode]:
     """A node whose RuntimeClass `runtime_class` runs pods: a private
-    containerd (and, for crust's runtimes, the crust stack they use)."""
+    containerd (and, for crust's runtimes, the crust stack they use);
+    pod_network: a bridge for the pods off the host's network (CNI)."""
     host_dir = root.path / "host"
     host_dir.mkdir()
     if runtime_class == "runc":
-        with private_containerd() as (containerd, image):
+        with private_containerd(pod_network=pod_network) as (containerd, image):
             kubelet = Kubelet(root.path / "kubelet", "node-a")
             runtime = KubeletRuntime(kubelet, containerd.endpoint, cgroup_root=containerd.cgroup_root,
                                      runtime_classes={"runc": "runc"}, pod_logs_dir=root.path / "pod-logs",
@@ -167,9 +169,13 @@ def pod_node(runtime_class: str, root) -> Iterator[PodNode]:
                 yield PodNode(runtime, image, runtime_class, host_dir, containerd)
             finally:
                 runtime.close()
-    elif runtime_class in ("crust-runc", "crust-microvm"):
-        make = cri_node if runtime_class == "crust-runc" else cri_microvm_node
-        with make(root) as node:
+    elif runtime_class == "crust-microvm":
+        with cri_microvm_node(root, pod_network=pod_network) as node:
+            yield PodNode(node.runtime, node.image, runtime_class, host_dir, node.containerd)
+    elif runtime_class == "crust-runc":
+        if pod_network:
+            raise ValueError("the crust-runc node has no pod network of its own yet")
+        with cri_node(root) as node:
             yield PodNode(node.runtime, node.image, runtime_class, host_dir, node.containerd)
     else:
         raise ValueError(f"unknown RuntimeClass {runtime_class!r}: one of {KNOWN_RUNTIME_CLASSES}")
@@ -364,6 +370,30 @@ def test_an_empty_dir_is_shared_by_the_running_containers(node):
         assert (host / "back").read_bytes() == b"from-reader\n"
 
 
+def test_two_containers_appending_to_one_file_never_tear_a_line(node):
+    # Each container appends 400 lines of its own (one write each, O_APPEND)
+    # once the host says go: on one file system a line never lands inside
+    # another. Two views of the file in the guest (a bind per container)
+    # each appended at the end it last saw.
+    lines = 400
+    loop = (f"until [ -e /shared/go ]; do sleep 0.05; done; i=0; while [ $i -lt {lines} ]; do "
+            "echo \"$NAME-$i-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\" >> /shared/log; i=$((i+1)); done; "
+            "touch /shared/done-$NAME; " + KEEP_RUNNING)
+    shared = VolumeMount("shared", "/shared")
+    pod = node.pod("appenders", volumes={"shared": EmptyDir()}, containers=[
+        node.container("a", loop, shared, env={"NAME": "A"}), node.container("b", loop, shared, env={"NAME": "B"})])
+    with node.running(pod):
+        host = node.volumes.path(pod, "shared")
+        (host / "go").touch()
+        wait_until(lambda: (host / "done-A").exists() and (host / "done-B").exists(), timeout=180,
+                   what="both containers to finish appending")
+        written = (host / "log").read_text().splitlines()
+        torn = [line for line in written if not re.fullmatch(r"[AB]-\d+-x{40}", line)]
+        assert torn == [] and len(written) == 2 * lines, (len(written), torn[:5])
+        for name in "AB":
+            assert [int(line.split("-")[1]) for line in written if line[0] == name] == list(range(lines))
+
+
 def test_init_containers_run_in_order_to_completion_before_the_app(node):
     work = VolumeMount("work", "/work")
     pod = node.pod("init", volumes={"work": EmptyDir()},
@@ -464,9 +494,10 @@ def test_host_path_volumes_are_read_and_written_both_ways(node):
 
 def test_a_memory_empty_dir_is_a_tmpfs_shared_by_the_containers(node):
     limit = 16 * MiB
-    cache = VolumeMount("cache", "/cache")
-    pod = node.pod("memory", volumes={"cache": EmptyDir(medium="Memory", size_limit=limit)}, containers=[
-        node.container("one", KEEP_RUNNING, cache), node.container("two", KEEP_RUNNING, cache)])
+    cache, unbounded = VolumeMount("cache", "/cache"), VolumeMount("unbounded", "/unbounded")
+    pod = node.pod("memory", volumes={"cache": EmptyDir(medium="Memory", size_limit=limit),
+                                      "unbounded": EmptyDir(medium="Memory")}, containers=[
+        node.container("one", KEEP_RUNNING, cache, unbounded), node.container("two", KEEP_RUNNING, cache)])
     with node.running(pod):
         host = node.volumes.path(pod, "cache")
         entry = sysmount.at(str(host))
@@ -489,6 +520,18 @@ def test_a_memory_empty_dir_is_a_tmpfs_shared_by_the_containers(node):
         full = node.runtime.exec_sync(one.id, ["/bin/dd", "if=/dev/zero", "of=/cache/big", "bs=1M", "count=32"])
         assert full.exit_code != 0 and b"No space left on device" in full.stderr, full.stderr
         node.run(one.id, "/bin/rm", "/cache/big")
+        # Without a sizeLimit kubelet sizes the tmpfs for the node; in the
+        # microVM it is never more than half the guest's memory (a writer is
+        # told ENOSPC before the OOM killer would end the pod's processes).
+        unbounded_kib = int(node.run(one.id, "/bin/df", "-k", "/unbounded").decode().splitlines()[-1].split()[1])
+        host_kib = os.statvfs(node.volumes.path(pod, "unbounded")).f_blocks * \
+            os.statvfs(node.volumes.path(pod, "unbounded")).f_frsize // 1024
+        if node.runtime_class == "crust-microvm":
+            memory_kib = int(next(line.split()[1] for line in node.run(one.id, "/bin/cat", "/proc/meminfo").decode()
+                                  .splitlines() if line.startswith("MemTotal:")))
+            assert unbounded_kib == min(host_kib, memory_kib // 2), (unbounded_kib, host_kib, memory_kib)
+        else:
+            assert unbounded_kib == host_kib
     assert sysmount.at(str(host)) is None and not host.exists()
 
 
@@ -639,9 +682,11 @@ def test_a_link_in_the_image_never_leads_a_mount_out_of_the_container(node):
     """An image whose /data is a link to /run/crust (where crust's guest
     keeps its own files) and an emptyDir at /data/out: the bind lands at
     /run/crust/out inside the container, as runc resolves it, and the
-    container sees only the emptyDir there."""
+    container sees only the emptyDir there. The image's /tmp is its own."""
     image = node.image_with("link-to-run", images.File("run", is_dir=True, mode=0o755),
-                            images.File("data", link="/run/crust"))
+                            images.File("data", link="/run/crust"),
+                            images.File("tmp", is_dir=True, mode=0o1777),
+                            images.File("tmp/shipped.txt", data=b"shipped in the image\n"))
     out = VolumeMount("out", "/data/out")
     pod = node.pod("linked", volumes={"out": EmptyDir()}, containers=[
         Container("app", image, command=sh(f"echo mine > /data/out/f && echo secret-output && {KEEP_RUNNING}"),
@@ -657,6 +702,8 @@ def test_a_link_in_the_image_never_leads_a_mount_out_of_the_container(node):
         assert node.run(app.id, "/bin/ls", "-A", "/run/crust/out").split() == [b"f"]
         # Nothing of the guest's (or the host's) /run/crust is in the container.
         assert node.run(app.id, "/bin/ls", "-A", "/run/crust").split() == [b"out"]
+        # The image's own /tmp, as the image has it (nothing mounted over it).
+        assert node.run(app.id, "/bin/cat", "/tmp/shipped.txt") == b"shipped in the image\n"
 
 
 def test_exec_and_environments_of_the_sizes_runc_takes(node):

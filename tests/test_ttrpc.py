@@ -345,10 +345,11 @@ def test_process_spec_from_an_oci_process():
     assert (list(spec.args), list(spec.env), spec.cwd, spec.uid, spec.gid, list(spec.additional_gids)) == (
         ["df", "-k", "/data"], ["A=1"], "/work", 1000, 2000, [3000])
     assert process_spec({"args": ["true"]}).cwd == "/"
+    on_terminal = process_spec({"args": ["sh"], "terminal": True}, stdin=True)
+    assert on_terminal.terminal and on_terminal.stdin
     for broken, field in [({}, "spec.args"), ({"args": []}, "spec.args"), ({"args": [1]}, "spec.args"),
                           ({"args": ["x"], "env": "A=1"}, "spec.env"),
-                          ({"args": ["x"], "user": {"uid": "root"}}, "spec.user"),
-                          ({"args": ["x"], "terminal": True}, "spec.terminal")]:
+                          ({"args": ["x"], "user": {"uid": "root"}}, "spec.user")]:
         with pytest.raises(TtrpcError) as caught:
             process_spec(broken)
         assert caught.value.code == ttrpc.INVALID_ARGUMENT and field in caught.value.message

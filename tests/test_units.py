@@ -1112,19 +1112,67 @@ def test_a_containers_spec_for_the_guest_keeps_its_confinement_and_drops_the_hos
     assert [m["destination"] for m in spec["mounts"]] == ["/proc", "/sys/fs/cgroup"]
     # A new namespace stays; the pod's (a path) is the guest's own; no new network.
     assert spec["linux"]["namespaces"] == [{"type": "pid"}, {"type": "mount"}]
-    assert spec["linux"]["cgroupsPath"] == "/crust/c"
+    # crun's cgroup below one the agent keeps until the container is deleted (its OOM count).
+    assert spec["linux"]["cgroupsPath"] == "/crust/c/ctr"
     assert spec["linux"]["maskedPaths"] == ["/proc/kcore"] and spec["linux"]["readonlyPaths"] == ["/proc/sys"]
     assert spec["linux"]["seccomp"] == {"defaultAction": "SCMP_ACT_ERRNO"}
     assert "devices" not in spec["linux"] and "mountLabel" not in spec["linux"] and "sysctl" not in spec["linux"]
     # The pod's settings go to the guest: its UTS namespace is the pod's.
     assert sysctls == {"net.ipv4.ip_unprivileged_port_start": "0"} and hostname == "web-0"
     assert "hostname" not in spec
-    script = guest_oci.run_script("c", spec, sysctls, hostname)
+    script = guest_oci.run_script("c", spec, sysctls, hostname, guest_oci.Stdio("n1"))
     assert "> /proc/sys/net/ipv4/ip_unprivileged_port_start" in script and "hostname web-0" in script
     assert script.rstrip().endswith("run --bundle /run/crust/bundles/c c")
+    assert "mkfifo" not in script and "/sbin/script" not in script
     process = guest_oci.exec_process(spec["process"], ["id"], ["B=2"], "/tmp", 5, 6, None)
     assert process["args"] == ["id"] and process["user"] == {"uid": 5, "gid": 6} and process["noNewPrivileges"]
     assert spec["process"]["args"] == ["/app"]   # the container's own untouched
+
+
+def test_a_terminal_and_a_standard_input_are_the_guests_script_and_fifo():
+    from crust.kata import guest_oci
+
+    host = _containerd_like_spec()
+    host["process"].update(terminal=True, consoleSize={"width": 100, "height": 30})
+    spec, _, _ = guest_oci.guest_spec(host, "/r", "c")
+    assert spec["process"]["terminal"] is False   # crun makes none: the guest's script does
+    assert guest_oci.terminal_size(host["process"]) == (100, 30)
+    script = guest_oci.run_script("c", spec, {}, "", guest_oci.Stdio(
+        "n1", input="/run/crust/live/c/io/n1.in", terminal=True, size=(100, 30)))
+    lines = script.rstrip().splitlines()
+    assert lines[-3] == "mkdir -p /run/crust/in && mkfifo -m 0600 /run/crust/in/n1 || exit 126"
+    # feed.sh is detached (never crun's child) and stops once the wrapper recorded the exit.
+    assert lines[-2] == ("( sh /usr/lib/crust/feed.sh /run/crust/live/c/io/n1.in /run/crust/exec/$PPID.exit"
+                         " > /run/crust/in/n1 & )")
+    assert lines[-1] == ("exec /sbin/script -q -e -c 'stty cols 100 rows 30 2>/dev/null; exec /sbin/crun --root "
+                         "/run/crust/crun run --bundle /run/crust/bundles/c c' /dev/null < /run/crust/in/n1")
+    process = guest_oci.exec_process(spec["process"], ["sh"], [], "/", 0, 0)
+    script = guest_oci.exec_script("c", process, guest_oci.Stdio("e1", terminal=True))
+    assert script.rstrip().splitlines()[-1] == (
+        "exec /sbin/script -q -e -c 'exec /sbin/crun --root /run/crust/crun exec --process "
+        "/run/crust/cmd/e1.json c' /dev/null")
+    with pytest.raises(Exception, match="process.consoleSize"):
+        guest_oci.terminal_size({"consoleSize": {"width": "wide"}})
+
+
+def test_cgroup_numbers_become_containerds_cgroup_v2_metrics():
+    from crust.containerd_shim.task import CGROUP_V2_METRICS_TYPE, cgroup_metrics
+    from crust.kata.pods import stats_response
+
+    numbers = {"cpu.usage_usec": 1500, "cpu.user_usec": 1000, "cpu.system_usec": 500, "cpu.new_key": 7,
+               "memory.anon": 4096, "memory.inactive_file": 8192, "memory.current": 65536, "memory.max": 0,
+               "memory.events.oom_kill": 1, "memory.events.max": 3, "pids.current": 2, "pids.max": 100}
+    response = stats_response(numbers)
+    assert dict(response.cpu) == {"usage_usec": 1500, "user_usec": 1000, "system_usec": 500, "new_key": 7}
+    assert dict(response.memory) == {"anon": 4096, "inactive_file": 8192}
+    assert (response.memory_current, response.memory_max, response.pids_current, response.pids_max) == (
+        65536, 0, 2, 100)
+    assert dict(response.memory_events) == {"oom_kill": 1, "max": 3} and response.timestamp_ns > 0
+    metrics = cgroup_metrics(response)
+    assert (metrics.cpu.usage_usec, metrics.cpu.user_usec, metrics.cpu.system_usec) == (1500, 1000, 500)
+    assert (metrics.memory.usage, metrics.memory.anon, metrics.memory.inactive_file) == (65536, 4096, 8192)
+    assert (metrics.pids.current, metrics.pids.limit, metrics.memory_events.oom_kill) == (2, 100, 1)
+    assert CGROUP_V2_METRICS_TYPE == metrics.DESCRIPTOR.full_name
 
 
 def test_a_shared_pid_namespace_is_the_pods_in_the_guest():
@@ -1143,7 +1191,6 @@ def test_a_shared_pid_namespace_is_the_pods_in_the_guest():
     ({"linux": {"uidMappings": [{"containerID": 0, "hostID": 1000, "size": 1}]}}, "linux.uidMappings"),
     ({"linux": {"namespaces": [{"type": "user"}, {"type": "pid"}]}}, "linux.namespaces"),
     ({"hooks": {"prestart": [{"path": "/bin/true"}]}}, "hooks"),
-    ({"process": {"terminal": True, "args": ["/bin/sh"]}}, "process.terminal"),
     ({"linux": {"namespaces": [{"type": "pid"}], "sysctl": {"net.core/../x": "1"}}}, "linux.sysctl"),
     ({"hostname": "a b"}, "hostname"),
 ])
