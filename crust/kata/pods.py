@@ -716,11 +716,20 @@ class Pods:
                 if kind == "host":
                     try:
                         into = live if is_atomic_writer_volume(m.source) else share
-                        source = await asyncio.to_thread(into.add_bind, m.source, readonly)
+                        follow = bool({"rslave", "rshared", "slave", "shared"} & set(m.options))
+                        shared = await asyncio.to_thread(into.add_bind, m.source, readonly, "rbind" in m.options,
+                                                         follow)
                     except (ShareError, OSError) as exc:
                         raise FailedPrecondition(f"mount {m.destination}: {m.source} cannot be shared with the "
                                                  f"VM: {exc}") from None
-                    await sandbox._agent(agent.container_bind(c.root, source, m.destination, readonly))
+                    # Read-only at the top on the host (virtiofsd writes as the
+                    # host's mounts allow); in the guest only when nothing is
+                    # below it: the guest mounts what is below on first use,
+                    # and a mount there takes the flags of the one it is in,
+                    # so a read-only bind would make the submounts read-only
+                    # too (a non-recursive read-only bind keeps their mode).
+                    guest_readonly = readonly and not (shared.submounts or follow)
+                    await sandbox._agent(agent.container_bind(c.root, shared.guest, m.destination, guest_readonly))
                     continue
                 if kind == "tmpfs":
                     name, subpath, size = what

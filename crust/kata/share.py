@@ -38,12 +38,17 @@ binds would be two inodes to the guest, each appending at the end it last
 saw). The binds stay until the pod goes (a restarted container binds the
 same paths again).
 
-Every bind is a private copy (bind_fd(private=True)): kubelet's and
-containerd's directories are shared mounts on most hosts, and a copy left
-in their peer group would carry their later mounts into the guest, and our
-unmounts back to them. Binds are not recursive: what is mounted below a
-host path (another pod's volume, a deferred volume's placeholder) is never
-served; a hostPath's submounts are not seen in the microVM.
+Every bind is a copy made with open_tree: kubelet's and containerd's
+directories are shared mounts on most hosts, and a copy left in their peer
+group would carry their later mounts into the guest, and our unmounts back
+to them. So a copy is private, unless the container asked for the host's
+later mounts (rslave or rshared, Kubernetes' HostToContainer and
+Bidirectional): then it is a slave of the source, receiving them and
+sending nothing back. A CRI mount is recursive (rbind): the mounts below a
+host path come along, as runc binds them, read-only only at the top for a
+read-only mount; those of a CSI volume's path (a deferred volume's
+placeholder, another pod's volume) are taken out of the copy. A mount the
+host makes later below a followed host path comes through unfiltered.
 
 Unmounts are lazy (detach): virtiofsd holds the files the guest looked up
 until the guest forgets them, and a busy mount must still leave the tree.
@@ -57,6 +62,7 @@ import hashlib
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from crust.common.atomicfile import write_atomic
@@ -74,6 +80,8 @@ LIVE_TAG = "crust-live"
 # The pod's host-path binds, beside its containers' directories (a name no
 # container id has: ids start with a letter or a digit).
 BINDS = ".binds"
+# kubelet's directory of a pod's CSI volumes (pods/<uid>/volumes/kubernetes.io~csi).
+CSI_PLUGIN_DIR = "kubernetes.io~csi"
 ATOMIC_WRITER_PLUGINS = ("kubernetes.io~configmap", "kubernetes.io~secret", "kubernetes.io~projected",
                          "kubernetes.io~downward-api")
 
@@ -166,14 +174,20 @@ class PodShare:
         _bind(str(rootfs), top, "rootfs", readonly=False, directory=True)
         return self.guest_rootfs(container_id)
 
-    def add_bind(self, source: str, readonly: bool) -> str:
+    def add_bind(self, source: str, readonly: bool, recursive: bool = False, follow: bool = False) -> SharedBind:
         """A host path a container of the pod binds, where the guest finds
-        it: bound once per pod and mode (the same bind for every container)."""
+        it: bound once per pod and mode (the same bind for every container).
+        recursive: with the mounts below it (a CRI mount's rbind), those of
+        CSI volumes' paths taken out; follow: a slave of the source, so the
+        host's later mounts below it appear (HostToContainer propagation)."""
         binds = self.writable / BINDS
         make_dirs(binds)
-        key = hashlib.sha256(f"{'ro' if readonly else 'rw'}\0{source}".encode()).hexdigest()[:32]
-        _bind(source, binds, key, readonly=readonly, directory=os.path.isdir(source))
-        return self.guest_bind(key)
+        mode = f"{'ro' if readonly else 'rw'},{'rbind' if recursive else 'bind'},{'rslave' if follow else 'rprivate'}"
+        key = hashlib.sha256(f"{mode}\0{source}".encode()).hexdigest()[:32]
+        _bind(source, binds, key, readonly=readonly, directory=os.path.isdir(source), recursive=recursive,
+              follow=follow)
+        submounts = [m for m in _mounts_below(binds / key) if m != os.path.normpath(str(binds / key))]
+        return SharedBind(self.guest_bind(key), bool(submounts))
 
     def write_script(self, container_id: str, name: str, text: str) -> str:
         run = self._container_dir(container_id) / "run"
@@ -232,9 +246,19 @@ class PodShare:
         _remove_tree(top)
 
 
-def _bind(source: str, parent: Path, name: str, *, readonly: bool, directory: bool) -> None:
-    """A private copy of source at parent/name (made a directory or an
-    empty file first); nothing when it is bound there already."""
+@dataclass(frozen=True)
+class SharedBind:
+    guest: str           # where the guest finds it
+    submounts: bool      # mounts below it came along (a recursive bind of a tree that has some)
+
+
+def _bind(source: str, parent: Path, name: str, *, readonly: bool, directory: bool, recursive: bool = False,
+          follow: bool = False) -> None:
+    """A copy of source at parent/name (made a directory or an empty file
+    first), private unless it follows the source; nothing when it is bound
+    there already. A recursive copy loses the mounts it brought along of a
+    CSI volume's path (a deferred volume's placeholder or another pod's
+    volume reaches a guest only as the volume, through its claim)."""
     target = parent / name
     if mount.at(str(target)) is not None:
         return
@@ -251,11 +275,22 @@ def _bind(source: str, parent: Path, name: str, *, readonly: bool, directory: bo
         try:
             if os.path.isdir(f"/proc/self/fd/{source_fd}") != directory:
                 raise ShareError(f"{source} changed between its look and its bind")
-            mount.bind_fd(source_fd, target_fd, readonly=readonly, private=True)
+            mount.bind_fd(source_fd, target_fd, readonly=readonly, private=not follow, slave=follow,
+                          recursive=recursive)
         finally:
             os.close(target_fd)
     finally:
         os.close(source_fd)
+    if recursive:
+        for point in _mounts_below(target):
+            if CSI_PLUGIN_DIR in point.split("/"):
+                parent_dir, leaf = os.path.split(point)
+                fd = os.open(parent_dir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    while mount.detach_beneath(fd, leaf):
+                        pass
+                finally:
+                    os.close(fd)
 
 
 def _mounts_below(path: Path) -> list[str]:

@@ -194,6 +194,7 @@ _SYS_MOVE_MOUNT = 429
 _SYS_MOUNT_SETATTR = 442
 _OPEN_TREE_CLONE = 1
 _AT_EMPTY_PATH = 0x1000
+_AT_RECURSIVE = 0x8000
 _MOVE_MOUNT_F_EMPTY_PATH = 0x4
 _MOVE_MOUNT_T_EMPTY_PATH = 0x40
 _MOUNT_ATTR_RDONLY = 0x1
@@ -325,16 +326,26 @@ def fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
 
-def bind_fd(source_fd: int, target_fd: int, *, readonly: bool = False, private: bool = False) -> None:
+def bind_fd(source_fd: int, target_fd: int, *, readonly: bool = False, private: bool = False,
+            recursive: bool = False, slave: bool = False) -> None:
     """Bind the tree at source_fd onto target_fd (both O_PATH descriptors),
-    read-only from the first instant when asked. private: the copy leaves
-    the source's peer group before it is attached, so nothing mounted or
-    unmounted later at the source (or at the copy) reaches the other."""
-    tree = _check(_libc.syscall(_SYS_OPEN_TREE, source_fd, b"", _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH),
-                  "open_tree")
+    read-only from the first instant when asked (the top mount only, as a
+    read-only bind's submounts keep their own mode). private: the copy
+    leaves the source's peer group before it is attached, so nothing
+    mounted or unmounted later at the source (or at the copy) reaches the
+    other; slave: the copy receives what is mounted and unmounted at the
+    source later, and sends nothing back. recursive: the mounts below the
+    source come along (rbind); the propagation is set on all of them."""
+    flags = _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH | (_AT_RECURSIVE if recursive else 0)
+    tree = _check(_libc.syscall(_SYS_OPEN_TREE, source_fd, b"", flags), "open_tree")
     try:
-        if readonly or private:
-            attr = _MountAttr(_MOUNT_ATTR_RDONLY if readonly else 0, 0, MS_PRIVATE if private else 0, 0)
+        propagation = MS_SLAVE if slave else MS_PRIVATE if private else 0
+        if propagation:
+            attr = _MountAttr(0, 0, propagation, 0)
+            _check(_libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH | (_AT_RECURSIVE if recursive else 0),
+                                 ctypes.byref(attr), ctypes.sizeof(attr)), "mount_setattr")
+        if readonly:
+            attr = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
             _check(_libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr),
                                  ctypes.sizeof(attr)), "mount_setattr")
         _check(_libc.syscall(_SYS_MOVE_MOUNT, tree, b"", target_fd, b"",
@@ -415,6 +426,7 @@ _MS_REMOUNT = 0x20
 _MS_RDONLY = 0x1
 _MNT_DETACH = 0x2
 MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
 MS_SHARED = 1 << 20
 
 
