@@ -8,7 +8,8 @@ real streaming client: SPDY to containerd's streaming server, as kubectl).
 - exec with a standard input and no terminal: the bytes arrive, then the end
   of the input;
 - attach to a container started with stdin (`kubectl run -i`, `kubectl
-  attach`): what is typed runs in its shell;
+  attach`), without and with a terminal (`kubectl run -it`): what is typed
+  runs in its shell;
 - the container's stats (its cgroup's CPU and memory), one container asked
   for by id, as CRI's ContainerStats does;
 - a container over its memory limit: exit code 137, reason OOMKilled.
@@ -52,11 +53,12 @@ def crictl(node, *args: str, stdin: bytes = b"", timeout: float = 120) -> bytes:
     return done.stdout
 
 
-def crictl_on_a_terminal(node, *args: str, typed: bytes, after: bytes, timeout: float = 120) -> bytes:  # noqa: F811
+def crictl_on_a_terminal(node, *args: str, typed: bytes, after: bytes, wait: float = 0.0,  # noqa: F811
+                         timeout: float = 120) -> bytes:
     """crictl on a terminal (util-linux script's), as on a user's: typed is
-    typed once the output shows after (the program is reading); the
-    terminal stays open until crictl ends (an end of input would reach the
-    program too). Its output, exit code 0 required."""
+    typed once the output shows after (the program is reading), or after
+    wait seconds; the terminal stays open until crictl ends (an end of
+    input would reach the program too). Its output, exit code 0 required."""
     argv = [str(CRICTL_PATH), "--config", str(node.containerd.crictl_config()), *args]
     user = subprocess.Popen(["script", "-q", "-e", "-c", shlex.join(argv), "/dev/null"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -64,7 +66,9 @@ def crictl_on_a_terminal(node, *args: str, typed: bytes, after: bytes, timeout: 
     try:
         os.set_blocking(user.stdout.fileno(), False)
         deadline = time.monotonic() + timeout
-        while after not in output and user.poll() is None and time.monotonic() < deadline:
+        typing_at = time.monotonic() + wait
+        while (after not in output or time.monotonic() < typing_at) and user.poll() is None \
+                and time.monotonic() < deadline:
             output += user.stdout.read() or b""
             time.sleep(0.05)
         user.stdin.write(typed)
@@ -82,10 +86,13 @@ def crictl_on_a_terminal(node, *args: str, typed: bytes, after: bytes, timeout: 
 def test_exec_and_attach_with_terminals_and_standard_input(node):  # noqa: F811
     pod = node.pod("streams", volumes={}, containers=[
         node.container("app", KEEP_RUNNING),
-        # A shell reading its standard input, as `kubectl run -i` starts one.
-        node.container("shell", "exec sh", stdin=True, stdin_once=True)])
+        # A shell reading its standard input, as `kubectl run -i` starts one,
+        # and one on a terminal, as `kubectl run -it` does.
+        node.container("shell", "exec sh", stdin=True, stdin_once=True),
+        node.container("console", "exec sh", stdin=True, stdin_once=True, tty=True)])
     with node.running(pod):
         app, shell = node.status(pod, "app").id, node.status(pod, "shell").id
+        console = node.status(pod, "console").id
 
         # On a terminal: the process sees one on its three streams, reads
         # what is typed (echoed by the terminal), and ends when it exits.
@@ -105,6 +112,14 @@ def test_exec_and_attach_with_terminals_and_standard_input(node):  # noqa: F811
         wait_until(lambda: node.status(pod, "shell").state == cri.CONTAINER_EXITED,
                    what="the attached shell exits after `exit 3`")
         assert node.status(pod, "shell").exit_code == 3
+
+        # Attach on a terminal: the container's own shell runs on one.
+        out = crictl_on_a_terminal(node, "attach", "-it", console, after=b"", wait=3.0,
+                                   typed=b"test -t 0 && echo tty-$((6*7)); exit 5\r")
+        assert b"tty-42" in out, out
+        wait_until(lambda: node.status(pod, "console").state == cri.CONTAINER_EXITED,
+                   what="the console's shell exits after `exit 5`")
+        assert node.status(pod, "console").exit_code == 5
 
 
 def test_container_stats_come_from_its_cgroup(node):  # noqa: F811

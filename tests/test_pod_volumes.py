@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 import stat
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -490,6 +491,48 @@ def test_host_path_volumes_are_read_and_written_both_ways(node):
         node.volumes.set_up(missing)
     node.volumes.tear_down(missing)
     assert node.volumes.clean_pod_dir(missing)
+
+
+def test_a_host_paths_mounts_come_along_and_follow_the_host_when_asked(node):
+    """A hostPath's submounts are the container's too, as runc binds it
+    (rbind): a read-only hostPath is read-only at its top only (a writable
+    tmpfs below it stays writable); with HostToContainer propagation a
+    mount the host makes below it later appears in the container, and
+    without it it does not."""
+    tree = node.host_dir / "tree"
+    (tree / "pre").mkdir(parents=True)
+    (tree / "later").mkdir()
+    made: list[Path] = []
+    try:
+        # Propagation needs a shared source (containerd refuses a private
+        # one for HostToContainer): the tree bound on itself, then shared.
+        subprocess.run(["mount", "--bind", str(tree), str(tree)], check=True)
+        made.append(tree)
+        subprocess.run(["mount", "--make-rshared", str(tree)], check=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "pre", str(tree / "pre")], check=True)
+        made.append(tree / "pre")
+        pod = node.pod("submounts", volumes={"tree": HostPath(str(tree), "Directory")}, containers=[
+            node.container("follows", KEEP_RUNNING, VolumeMount("tree", "/tree", read_only=True,
+                                                               mount_propagation="HostToContainer")),
+            node.container("private", KEEP_RUNNING, VolumeMount("tree", "/tree"))])
+        with node.running(pod):
+            follows, private = node.status(pod, "follows").id, node.status(pod, "private").id
+            # Read-only at the top, not below.
+            refused = node.runtime.exec_sync(follows, ["/bin/touch", "/tree/top"])
+            assert refused.exit_code != 0 and b"Read-only file system" in refused.stderr, refused
+            node.run(follows, "/bin/touch", "/tree/pre/below")
+            assert (tree / "pre" / "below").exists()
+            assert node.run(private, "/bin/ls", "/tree/pre") == b"below\n"
+            # A mount made on the host now: followed by one, not the other.
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "later", str(tree / "later")], check=True)
+            made.append(tree / "later")
+            (tree / "later" / "flag").write_text("mounted later\n")
+            wait_until(lambda: node.runtime.exec_sync(follows, ["/bin/cat", "/tree/later/flag"]).stdout
+                       == b"mounted later\n", timeout=30, what="the host's later mount in the following container")
+            assert node.run(private, "/bin/ls", "-A", "/tree/later") == b""
+    finally:
+        for point in reversed(made):
+            subprocess.run(["umount", "-l", str(point)], check=False)
 
 
 def test_a_memory_empty_dir_is_a_tmpfs_shared_by_the_containers(node):
