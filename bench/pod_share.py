@@ -11,7 +11,7 @@ part; the guest runs under whatever accelerator the handler chose.
    bundle's rootfs into a sparse ext4 image with `mkfs.ext4 -d` (sized as
    it was: content + a quarter + 256 MiB), only that step timed. (b) The
    share: CreateContainer of the same bundle (rootfs bound into the share,
-   bound in the guest with /proc, /dev, /tmp), the gRPC call timed; the
+   bound in the guest with /proc and /dev), the gRPC call timed; the
    container is deleted between runs. For a busybox rootfs and one with
    --big-mib MiB more of files (4 MiB each, random bytes). Interleaved.
 2. First output: CreateContainer + StartProcess until the first line of
