@@ -169,6 +169,36 @@ def test_the_driver_with_its_data_dir_full(disk):
     driver.unstage(fresh.volume_id, fresh_staging)
 
 
+def test_an_expanded_thin_volume_is_grown_at_stage_only_with_room_for_the_growth(disk):
+    """A thin volume expanded while unstaged grows its ext4 at the next
+    stage, writing new block groups into holes of its image: with the
+    backing disk full, the stage is refused up front (RESOURCE_EXHAUSTED
+    naming the directory, nothing attached or mounted, the file system
+    unchanged), not left to fail inside the device; with room it grows."""
+    driver = disk.env.driver
+    v = driver.create("pv-grow", 32 * MIB)
+    staging = disk.root.path / "st-grow"
+    driver.stage(v.volume_id, staging)
+    driver.unstage(v.volume_id, staging)
+    assert driver.controller.ControllerExpandVolume(csi_pb2.ControllerExpandVolumeRequest(
+        volume_id=v.volume_id, capacity_range=csi_pb2.CapacityRange(required_bytes=640 * MIB)),
+        timeout=60).capacity_bytes == 640 * MIB
+    image = driver.data_dir / "pools" / "node-a" / "volumes" / f"{v.volume_id}.img"
+    with disk.full("data") as data:
+        details = disk.exhausted(data, driver.stage, v.volume_id, staging)
+        assert "nothing was changed" in details, details
+        assert sysmount.at(str(staging)) is None and disk.loops_of(v.volume_id) == []
+    # Unchanged: e2fsck finds it clean, and its size is still the old one.
+    subprocess.run(["e2fsck", "-f", "-n", str(image)], check=True, capture_output=True)
+    blocks = subprocess.run(["dumpe2fs", "-h", str(image)], check=True, capture_output=True, text=True).stdout
+    count = int(next(line.split(":")[1] for line in blocks.splitlines() if line.startswith("Block count")))
+    size = int(next(line.split(":")[1] for line in blocks.splitlines() if line.startswith("Block size")))
+    assert count * size == 32 * MIB
+    driver.stage(v.volume_id, staging)
+    assert os.statvfs(staging).f_blocks * os.statvfs(staging).f_frsize > 512 * MIB  # less the metadata
+    driver.unstage(v.volume_id, staging)
+
+
 def deferred_publish(env, v, target: Path):
     return env.proxy.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
         volume_id=v.volume_id, staging_target_path=str(v.staging), target_path=str(target),

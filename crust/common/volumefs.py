@@ -5,10 +5,11 @@ device, grow a mounted one, and measure one."""
 from __future__ import annotations
 
 import logging
+import os
 
 from crust.api import csi_pb2
-from crust.common.errors import FailedPrecondition, Internal
-from crust.sys import blockdev, fs
+from crust.common.errors import FailedPrecondition, Internal, ResourceExhausted
+from crust.sys import blockdev, fs, loop
 from crust.sys.run import CommandError
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,39 @@ async def fill_device_offline(fs_type: str, device: str) -> None:
     """Before mounting: grow an ext4 file system that is smaller than its
     device (the device was expanded, or a snapshot restored into a larger
     volume). xfs can only grow mounted: see grow_online."""
-    if fs_type == "ext4" and await fs.block_count_bytes("ext4", device) < blockdev.size_bytes(device):
-        await fs.grow_offline("ext4", device)
+    if fs_type == "ext4":
+        grown_by = blockdev.size_bytes(device) - await fs.block_count_bytes("ext4", device)
+        if grown_by > 0:
+            check_room_to_grow(device, grown_by)
+            await fs.grow_offline("ext4", device)
+
+
+# What an ext4 grow writes into the new part of its device, at most: the new
+# block groups' bitmaps, inode tables and group descriptors, an eighth of the
+# growth with the default inode ratio, and a margin for the journal's traffic.
+GROWTH_WRITES_FRACTION = 8
+GROWTH_MARGIN_BYTES = 4 * 1024 * 1024
+
+
+def check_room_to_grow(device: str, grown_by: int) -> None:
+    """Before a file system grows into a sparse loop image: the backing
+    file system must have room for what the grow writes there. Without it
+    the writes fail inside the device (I/O errors that leave the file system
+    needing a check), not as a refused call; so the call is refused first,
+    with nothing written, and succeeds when retried with room. A device that
+    is not a loop image crust can see, or a fully allocated image, has its
+    blocks already: nothing to check."""
+    image = loop.image_of(device)
+    if image is None or fs.fully_allocated(image):
+        return
+    directory = os.path.dirname(image)
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    needed = grown_by // GROWTH_WRITES_FRACTION + GROWTH_MARGIN_BYTES
+    if free < needed:
+        raise ResourceExhausted(
+            f"growing the file system by {grown_by} bytes writes up to {needed} bytes into its image in "
+            f"{directory}, which has {free} bytes free; nothing was changed; retry once there is room")
 
 
 def mount_options(fs_type: str, flags: list[str]) -> list[str]:
