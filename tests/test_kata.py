@@ -678,7 +678,7 @@ def test_each_image_keeps_its_own_directory_and_the_oldest_beyond_the_limit_go(t
     for n in range(kata_image.KEEP_IMAGES + 2):
         out = kata_image._output_dir(tmp_path, flavor, f"{n:02d}" * 32)
         out.mkdir(parents=True)
-        for name in ("vmlinuz", "initramfs.gz"):
+        for name in ("vmlinuz", kata_image.INITRD):
             (out / name).write_bytes(f"{name} {n}".encode())
         (out / "manifest.json").write_text("{}")
         os.utime(out / "manifest.json", (1000 + n, 1000 + n))
@@ -686,7 +686,7 @@ def test_each_image_keeps_its_own_directory_and_the_oldest_beyond_the_limit_go(t
     (top / "vmlinuz").write_text("the one-image layout")
     # The second image confirmed again (its handler restarted): it becomes current and newest.
     kata_image._mark_current(tmp_path, flavor, made[1])
-    assert kata_image.image_paths(tmp_path) == (made[1] / "vmlinuz", made[1] / "initramfs.gz")
+    assert kata_image.image_paths(tmp_path) == (made[1] / "vmlinuz", made[1] / kata_image.INITRD)
     kept = sorted(d.name for d in top.iterdir() if d.is_dir())
     assert kept == sorted(d.name for d in [made[1], *made[-(kata_image.KEEP_IMAGES - 1):]])
     assert (made[1] / "vmlinuz").read_bytes() == b"vmlinuz 1"
