@@ -537,7 +537,7 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     (sandbox_bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "process": {"args": ["/p"]}}))
     qemu = client.create_pod("share-pod", sandbox_bundle)
     workdir = kenv.handler.state_dir / "run" / "share-pod"
-    daemons = []
+    daemons, serving_of = [], {}
     for name, cache in (("share", b"cache=auto"), ("live", b"cache=none")):
         served, writable = sysmount.at(str(workdir / name)), sysmount.at(str(workdir / f"{name}.rw"))
         assert served is not None and served.readonly and writable is not None and not writable.readonly
@@ -547,6 +547,7 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
         assert 1 <= len(serving) <= 2, (name, serving)
         assert all(cache in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in serving), name
         daemons += serving
+        serving_of[name] = serving[0]
 
     shared, conf = kenv.path / "shared-dir", kenv.path / "conf"
     shared.mkdir()
@@ -590,6 +591,19 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     assert sorted(os.listdir(workdir / "share" / "share-one")) == ["rootfs", "run"]
     assert len(os.listdir(workdir / "share" / ".binds")) == 2
     assert len(os.listdir(workdir / "live" / ".binds")) == 1
+    # The binds are the file servers' alone, made in each daemon's mount
+    # namespace: on the host the share's directories are plain ones (its
+    # only mounts there are its own two per share), so no copy the pod
+    # holds keeps a host directory busy.
+    on_host = sorted(m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(f"{workdir}/"))
+    assert on_host == sorted(str(workdir / n) for n in ("live", "live.rw", "share", "share.rw")), on_host
+
+    def served_mounts(name: str) -> list[str]:
+        return [m.mount_point for m in sysmount.mounts(f"/proc/{serving_of[name]}/mountinfo") if m.mount_point != "/"]
+
+    assert "/share-one/rootfs" in served_mounts("share")
+    assert len([p for p in served_mounts("share") if p.startswith("/.binds/")]) == 2
+    assert len([p for p in served_mounts("live") if p.startswith("/.binds/")]) == 1
 
     # A host path that is a link to a CSI volume's path: refused, nothing left.
     link = kenv.path / "link-to-csi"
@@ -604,6 +618,7 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
 
     assert client.delete_container("share-one").status == Status.STOPPED
     assert not (workdir / "share.rw" / "share-one").exists() and not (workdir / "live.rw" / "share-one").exists()
+    assert not [p for p in served_mounts("share") if p.startswith("/share-one")]
     client.delete_pod("share-pod")
     wait_until(lambda: qemu not in qemu_pids_under(kenv.handler.state_dir), what="QEMU to exit")
     wait_until(lambda: not any(proc.alive(proc.identify(pid)) for pid in daemons if proc.identify(pid)),

@@ -498,7 +498,8 @@ def test_a_host_paths_mounts_come_along_and_follow_the_host_when_asked(node):
     (rbind): a read-only hostPath is read-only at its top only (a writable
     tmpfs below it stays writable); with HostToContainer propagation a
     mount the host makes below it later appears in the container, and
-    without it it does not."""
+    without it it does not; the host can still unmount and remove a
+    directory below it while the pod runs."""
     tree = node.host_dir / "tree"
     (tree / "pre").mkdir(parents=True)
     (tree / "later").mkdir()
@@ -511,6 +512,9 @@ def test_a_host_paths_mounts_come_along_and_follow_the_host_when_asked(node):
         subprocess.run(["mount", "--make-rshared", str(tree)], check=True)
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "pre", str(tree / "pre")], check=True)
         made.append(tree / "pre")
+        (tree / "gone").mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "gone", str(tree / "gone")], check=True)
+        made.append(tree / "gone")
         pod = node.pod("submounts", volumes={"tree": HostPath(str(tree), "Directory")}, containers=[
             node.container("follows", KEEP_RUNNING, VolumeMount("tree", "/tree", read_only=True,
                                                                mount_propagation="HostToContainer")),
@@ -530,6 +534,18 @@ def test_a_host_paths_mounts_come_along_and_follow_the_host_when_asked(node):
             wait_until(lambda: node.runtime.exec_sync(follows, ["/bin/cat", "/tree/later/flag"]).stdout
                        == b"mounted later\n", timeout=30, what="the host's later mount in the following container")
             assert node.run(private, "/bin/ls", "-A", "/tree/later") == b""
+            # The host takes a mount below the hostPath away and removes its
+            # directory while the pod runs (a container wrote in it): no copy
+            # the pod holds keeps the directory busy (runc's copies are in
+            # the containers' mount namespaces, the microVM's in its file
+            # server's). A copy that follows the host is a slave, and a slave
+            # copy in use fails the host's umount under either runtime: a
+            # file the guest has looked up is one virtiofsd holds open.
+            node.run(private, "/bin/touch", "/tree/gone/written")
+            subprocess.run(["umount", str(tree / "gone")], check=True)
+            made.remove(tree / "gone")
+            os.rmdir(tree / "gone")
+            assert not (tree / "gone").exists()
     finally:
         for point in reversed(made):
             subprocess.run(["umount", "-l", str(point)], check=False)

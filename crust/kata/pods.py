@@ -432,11 +432,16 @@ class Pods:
     def _workdir(self, pod_id: str) -> Path:
         return self.handler._workdir(pod_id)
 
-    def _share(self, pod_id: str, name: str = "share") -> PodShare:
-        return PodShare(self._workdir(pod_id), name)
+    def _share(self, pod_id: str, name: str = "share", sandbox: KataSandbox | None = None) -> PodShare:
+        """One of the pod's shared directories; with the pod's sandbox, the
+        virtiofsd serving it, in whose mount namespace its binds are made."""
+        share = PodShare(self._workdir(pod_id), name)
+        server = sandbox.vm.virtiofsds.get(share.tag) if sandbox is not None else None
+        share.server = server.identity if server is not None else None
+        return share
 
-    def _shares(self, pod_id: str) -> tuple[PodShare, PodShare]:
-        return self._share(pod_id), self._share(pod_id, "live")
+    def _shares(self, pod_id: str, sandbox: KataSandbox | None = None) -> tuple[PodShare, PodShare]:
+        return self._share(pod_id, sandbox=sandbox), self._share(pod_id, "live", sandbox)
 
     # -- pods --------------------------------------------------------------------------------
 
@@ -695,7 +700,7 @@ class Pods:
                                 c: ContainerRecord, rootfs: Path, binds: list[tuple]) -> None:
         """The container's root and binds into the share and the guest; undone on failure."""
         container_id = c.container_id
-        share, live = self._shares(pod.sandbox_id)
+        share, live = self._shares(pod.sandbox_id, sandbox)
         if live.tag not in sandbox.vm.virtiofsds:
             live = share   # a pod started before the live share (its VM has none)
         agent = sandbox.vm.agent
@@ -815,7 +820,7 @@ class Pods:
                 errors.append(getattr(exc, "message", str(exc)))
         if not errors:
             try:
-                for share in self._shares(pod.sandbox_id):
+                for share in self._shares(pod.sandbox_id, sandbox if alive else None):
                     await asyncio.to_thread(share.remove_container, c.container_id)
             except (ShareError, OSError) as exc:
                 errors.append(f"its binds in the pod's shared directory: {exc}")

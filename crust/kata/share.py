@@ -14,7 +14,7 @@ Both have the same layout (the live one holds binds only). Only crust
 writes into them, on the host; the guest sees them read-only except where
 a mount says otherwise:
 
-    <workdir>/share.rw/                 crust's side (a mount of its own, shared)
+    <workdir>/share.rw/                 crust's side (a mount of its own)
         <container id>/rootfs           bind of the bundle's rootfs (containerd's snapshot)
         .binds/<key>                    bind of a host path some container of the pod binds, ro
                                         where it says ro: one per path and mode for the whole pod
@@ -24,11 +24,13 @@ a mount says otherwise:
                                         once it ended
     <workdir>/share/                    what virtiofsd serves: a read-only bind of share.rw
 
-share is a peer of share.rw, so a bind made under share.rw while the VM
-runs appears under share at once (and in virtiofsd's namespace, a slave of
-it); share itself is read-only, so the guest cannot write a script or a
-directory of crust's, while a container's rootfs and read-write volumes,
-mounts of their own, keep their mode.
+The files crust writes under share.rw (scripts, standard input) are the
+same files under share and in virtiofsd's namespace (binds of one
+directory); share itself is read-only, so the guest cannot write a script
+or a directory of crust's, while a container's rootfs and read-write
+volumes, mounts of their own, keep their mode. The rootfs and .binds
+entries are mount points in virtiofsd's namespace only: on the host they
+are empty directories (or files).
 
 A host path is bound once per pod (and mode), whatever number of its
 containers bind it: the guest then has one inode per file for all of them,
@@ -38,14 +40,26 @@ binds would be two inodes to the guest, each appending at the end it last
 saw). The binds stay until the pod goes (a restarted container binds the
 same paths again).
 
-Every bind is a copy made with open_tree: kubelet's and containerd's
-directories are shared mounts on most hosts, and a copy left in their peer
-group would carry their later mounts into the guest, and our unmounts back
-to them. So a copy is private, unless the container asked for the host's
-later mounts (rslave or rshared, Kubernetes' HostToContainer and
-Bidirectional): then it is a slave of the source, receiving them and
-sending nothing back. A CRI mount is recursive (rbind): the mounts below a
-host path come along, as runc binds them, read-only only at the top for a
+Every bind is a copy made with open_tree, and it is made inside the mount
+namespace of the virtiofsd that serves the share (crust.sys.mountns), not
+the host's: only the file server needs to see it, and it goes with the
+server. A copy in the host's namespace would pin what it copied there: the
+host could not remove a directory below a host path while a pod holds a
+copy of a mount on it (rmdir fails with EBUSY on a mount point of the
+caller's namespace; the copies other namespaces hold are detached), and
+the host's mount table would carry every pod's binds. On the host the
+share's directories stay plain directories (the mount points, a
+container's scripts and standard input); its two own mounts are the only
+ones there.
+
+kubelet's and containerd's directories are shared mounts on most hosts,
+and a copy left in their peer group would carry their later mounts into
+the guest, and our unmounts back to them. So a copy is private, unless the
+container asked for the host's later mounts (rslave or rshared,
+Kubernetes' HostToContainer and Bidirectional): then it is a slave of the
+source, receiving them and sending nothing back (propagation crosses
+namespaces). A CRI mount is recursive (rbind): the mounts below a host
+path come along, as runc binds them, read-only only at the top for a
 read-only mount; those of a CSI volume's path (a deferred volume's
 placeholder, another pod's volume) are taken out of the copy. A mount the
 host makes later below a followed host path comes through unfiltered.
@@ -58,16 +72,19 @@ no mount is left below it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from crust.common.atomicfile import write_atomic
 from crust.common.private import make_dirs
-from crust.sys import mount
+from crust.sys import mount, mountns, proc
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +117,19 @@ class ShareError(Exception):
     pass
 
 
-class PodShare:
-    """One shared directory of a pod: name is share or live."""
+# How long a just-started virtiofsd may take to enter the directory it serves.
+SERVER_READY_WAIT = 10.0
 
-    def __init__(self, workdir: Path, name: str = "share"):
+
+class PodShare:
+    """One shared directory of a pod: name is share or live; server is the
+    virtiofsd serving it (binds are made in its mount namespace), None
+    when it has none (its VM is gone: only what is on the host is left)."""
+
+    def __init__(self, workdir: Path, name: str = "share", server: proc.ProcessId | None = None):
         if name not in ("share", "live"):
             raise ValueError(f"a pod's shared directory is share or live, not {name!r}")
+        self.server = server
         self.writable = workdir / f"{name}.rw"
         self.served = workdir / name
         self.guest = GUEST_SHARE if name == "share" else GUEST_LIVE
@@ -154,7 +178,8 @@ class PodShare:
         if self.writable.is_dir():
             for entry in sorted(os.listdir(self.writable)):
                 if entry == BINDS:
-                    _detach_all(self.writable / BINDS)
+                    self._detach_served(BINDS)
+                    _detach_all(self.writable / BINDS)   # a pod's binds made on the host by an earlier release
                     _remove_tree(self.writable / BINDS)
                 else:
                     self.remove_container(entry)
@@ -164,6 +189,110 @@ class PodShare:
         for path in (self.served, self.writable):
             _remove_tree(path)
 
+    # -- the file server's mount namespace -----------------------------------------------
+
+    def _serving(self) -> bool:
+        return self.server is not None and proc.alive(self.server)
+
+    @contextlib.contextmanager
+    def _namespace(self) -> Iterator[int]:
+        """The server's mount namespace, open, once the server serves from
+        it; ShareError when the share has no running server."""
+        server = self.server
+        if server is None:
+            raise ShareError(f"{self.served} has no file server (the pod's VM is not running)")
+        try:
+            fd = os.open(f"/proc/{server.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, ProcessLookupError):
+            raise ShareError(f"the file server of {self.served} ({server}) is gone") from None
+        try:
+            # Checked after the open: the descriptor is that process's namespace.
+            if not proc.alive(server):
+                raise ShareError(f"the file server of {self.served} ({server}) is gone")
+            self._wait_until_served(server)
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _wait_until_served(self, server: proc.ProcessId) -> None:
+        """virtiofsd listens before it pivots into the directory it serves:
+        a bind made before would land in the host's tree of its namespace."""
+        want = os.stat(self.served)
+        deadline = time.monotonic() + SERVER_READY_WAIT
+        while True:
+            try:
+                root = os.stat(f"/proc/{server.pid}/root")
+            except OSError:
+                root = None
+            if root is not None and (root.st_dev, root.st_ino) == (want.st_dev, want.st_ino):
+                return
+            if time.monotonic() > deadline or not proc.alive(server):
+                raise ShareError(f"the file server of {self.served} ({server}) does not serve it")
+            time.sleep(0.02)
+
+    def _served_mounts_below(self, relative: str) -> list[str]:
+        """Mount points at or below relative (a path in the share) in the
+        server's namespace, as paths from its root (the share), deepest
+        first. The table is the server's, read from the host."""
+        top = "/" + relative.strip("/")
+        points = [e.mount_point for e in mount.mounts(f"/proc/{self.server.pid}/mountinfo")
+                  if e.mount_point == top or e.mount_point.startswith(top + "/")]
+        return sorted(set(points), key=lambda p: (-p.count("/"), p))
+
+    def _detach_served(self, relative: str) -> None:
+        """Every mount at or below relative in the server's namespace (none
+        without a running server: its namespace went with it)."""
+        if not self._serving():
+            return
+        try:
+            with self._namespace() as ns:
+                points = self._served_mounts_below(relative)
+                if points:
+                    mountns.run_inside(ns, lambda: _detach_points(points))
+        except ShareError:
+            if self._serving():
+                raise
+
+    def _bind(self, source: str, parent: str, name: str, *, readonly: bool, directory: bool,
+              recursive: bool = False, follow: bool = False) -> list[str]:
+        """A copy of source at parent/name of the share (made a directory or
+        an empty file on the host first) in the server's namespace, private
+        unless it follows the source; nothing when it is bound there
+        already. A recursive copy loses the mounts it brought along of a
+        CSI volume's path (a deferred volume's placeholder or another pod's
+        volume reaches a guest only as the volume, through its claim).
+        Returns the mount points below the copy (paths in the share)."""
+        relative = f"{parent}/{name}"
+        target = self.writable / parent / name
+        with self._namespace() as ns:
+            if "/" + relative not in self._served_mounts_below(relative):
+                if directory:
+                    make_dirs(target)
+                elif not target.exists():
+                    os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                     0o600))
+                # The source is what kubelet or containerd named (links
+                # followed, as runc follows them), cloned in the host's
+                # namespace; the target is opened in the server's, without
+                # following any link.
+                source_fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
+                try:
+                    if os.path.isdir(f"/proc/self/fd/{source_fd}") != directory:
+                        raise ShareError(f"{source} changed between its look and its bind")
+                    tree = mount.clone_tree(source_fd, readonly=readonly, private=not follow, slave=follow,
+                                            recursive=recursive)
+                finally:
+                    os.close(source_fd)
+                try:
+                    mountns.run_inside(ns, lambda: _attach_at(tree, parent, name))
+                finally:
+                    os.close(tree)
+                if recursive:
+                    csi = [p for p in self._served_mounts_below(relative) if CSI_PLUGIN_DIR in p.split("/")]
+                    if csi:
+                        mountns.run_inside(ns, lambda: _detach_points(csi))
+            return [p for p in self._served_mounts_below(relative) if p != "/" + relative]
+
     # -- containers --------------------------------------------------------------------
 
     def add_rootfs(self, container_id: str, rootfs: Path) -> str:
@@ -171,7 +300,7 @@ class PodShare:
         top = self._container_dir(container_id)
         for sub in ("rootfs", "run"):
             make_dirs(top / sub)
-        _bind(str(rootfs), top, "rootfs", readonly=False, directory=True)
+        self._bind(str(rootfs), top.name, "rootfs", readonly=False, directory=True)
         return self.guest_rootfs(container_id)
 
     def add_bind(self, source: str, readonly: bool, recursive: bool = False, follow: bool = False) -> SharedBind:
@@ -180,13 +309,11 @@ class PodShare:
         recursive: with the mounts below it (a CRI mount's rbind), those of
         CSI volumes' paths taken out; follow: a slave of the source, so the
         host's later mounts below it appear (HostToContainer propagation)."""
-        binds = self.writable / BINDS
-        make_dirs(binds)
+        make_dirs(self.writable / BINDS)
         mode = f"{'ro' if readonly else 'rw'},{'rbind' if recursive else 'bind'},{'rslave' if follow else 'rprivate'}"
         key = hashlib.sha256(f"{mode}\0{source}".encode()).hexdigest()[:32]
-        _bind(source, binds, key, readonly=readonly, directory=os.path.isdir(source), recursive=recursive,
-              follow=follow)
-        submounts = [m for m in _mounts_below(binds / key) if m != os.path.normpath(str(binds / key))]
+        submounts = self._bind(source, BINDS, key, readonly=readonly, directory=os.path.isdir(source),
+                               recursive=recursive, follow=follow)
         return SharedBind(self.guest_bind(key), bool(submounts))
 
     def write_script(self, container_id: str, name: str, text: str) -> str:
@@ -242,7 +369,8 @@ class PodShare:
         top = self._container_dir(container_id)
         if not top.exists():
             return
-        _detach_all(top)
+        self._detach_served(top.name)
+        _detach_all(top)   # binds made on the host by an earlier release
         _remove_tree(top)
 
 
@@ -252,45 +380,35 @@ class SharedBind:
     submounts: bool      # mounts below it came along (a recursive bind of a tree that has some)
 
 
-def _bind(source: str, parent: Path, name: str, *, readonly: bool, directory: bool, recursive: bool = False,
-          follow: bool = False) -> None:
-    """A copy of source at parent/name (made a directory or an empty file
-    first), private unless it follows the source; nothing when it is bound
-    there already. A recursive copy loses the mounts it brought along of a
-    CSI volume's path (a deferred volume's placeholder or another pod's
-    volume reaches a guest only as the volume, through its claim)."""
-    target = parent / name
-    if mount.at(str(target)) is not None:
-        return
-    if directory:
-        make_dirs(target)
-    elif not target.exists():
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        os.close(fd)
-    # The source is what kubelet or containerd named (links followed, as runc
-    # follows them); the target is opened without following any.
-    source_fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
+def _attach_at(tree: int, parent: str, name: str) -> None:
+    """In the server's namespace (its root the share): tree onto parent/name."""
+    parent_fd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        target_fd = os.open(target, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        target_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
         try:
-            if os.path.isdir(f"/proc/self/fd/{source_fd}") != directory:
-                raise ShareError(f"{source} changed between its look and its bind")
-            mount.bind_fd(source_fd, target_fd, readonly=readonly, private=not follow, slave=follow,
-                          recursive=recursive)
+            mount.attach_tree(tree, target_fd)
         finally:
             os.close(target_fd)
     finally:
-        os.close(source_fd)
-    if recursive:
-        for point in _mounts_below(target):
-            if CSI_PLUGIN_DIR in point.split("/"):
-                parent_dir, leaf = os.path.split(point)
-                fd = os.open(parent_dir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                try:
-                    while mount.detach_beneath(fd, leaf):
-                        pass
-                finally:
-                    os.close(fd)
+        os.close(parent_fd)
+
+
+def _detach_points(points: list[str]) -> None:
+    """In the server's namespace: each mount point of points (deepest
+    first), every mount stacked there."""
+    for point in points:
+        parent, name = os.path.split(point)
+        try:
+            fd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fchdir(fd)
+            while mount.detach_in_cwd(name):
+                pass   # stacked mounts: each one
+        finally:
+            os.close(fd)
+    os.chdir("/")
 
 
 def _mounts_below(path: Path) -> list[str]:

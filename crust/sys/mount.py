@@ -336,6 +336,19 @@ def bind_fd(source_fd: int, target_fd: int, *, readonly: bool = False, private: 
     other; slave: the copy receives what is mounted and unmounted at the
     source later, and sends nothing back. recursive: the mounts below the
     source come along (rbind); the propagation is set on all of them."""
+    tree = clone_tree(source_fd, readonly=readonly, private=private, recursive=recursive, slave=slave)
+    try:
+        attach_tree(tree, target_fd)
+    finally:
+        os.close(tree)  # a tree never moved is dissolved here
+
+
+def clone_tree(source_fd: int, *, readonly: bool = False, private: bool = False, recursive: bool = False,
+               slave: bool = False) -> int:
+    """A detached copy of the tree at source_fd, as bind_fd describes it,
+    as a descriptor: attach it with attach_tree (in this mount namespace or,
+    from a thread inside it, another: crust.sys.mountns), or close it to
+    dissolve it. The source must be in the caller's mount namespace."""
     flags = _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH | (_AT_RECURSIVE if recursive else 0)
     tree = _check(_libc.syscall(_SYS_OPEN_TREE, source_fd, b"", flags), "open_tree")
     try:
@@ -348,10 +361,17 @@ def bind_fd(source_fd: int, target_fd: int, *, readonly: bool = False, private: 
             attr = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
             _check(_libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr),
                                  ctypes.sizeof(attr)), "mount_setattr")
-        _check(_libc.syscall(_SYS_MOVE_MOUNT, tree, b"", target_fd, b"",
-                             _MOVE_MOUNT_F_EMPTY_PATH | _MOVE_MOUNT_T_EMPTY_PATH), "move_mount")
-    finally:
-        os.close(tree)  # a tree never moved is dissolved here
+    except BaseException:
+        os.close(tree)
+        raise
+    return tree
+
+
+def attach_tree(tree_fd: int, target_fd: int) -> None:
+    """Move a detached tree (clone_tree) onto target_fd, which must be in
+    the calling thread's mount namespace."""
+    _check(_libc.syscall(_SYS_MOVE_MOUNT, tree_fd, b"", target_fd, b"",
+                         _MOVE_MOUNT_F_EMPTY_PATH | _MOVE_MOUNT_T_EMPTY_PATH), "move_mount")
 
 
 # mount(8)'s generic options as mount(2) flags: (flag, set it?). Everything
@@ -450,6 +470,20 @@ def detach_beneath(parent_fd: int, name: str) -> bool:
     holding its files) is cut from the tree now and freed when let go."""
     path = f"{fd_path(parent_fd)}/{name}".encode()
     if _libc.umount2(path, _UMOUNT_NOFOLLOW | _MNT_DETACH) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOENT):
+        return False
+    raise OSError(err, f"umount {name}: {os.strerror(err)}")
+
+
+def detach_in_cwd(name: str) -> bool:
+    """As detach_beneath, for `name` in the calling thread's working
+    directory (a thread inside another mount namespace, where /proc may
+    not be mounted: crust.sys.mountns)."""
+    if "/" in name:
+        raise ValueError(f"{name!r} is not a name in a directory")
+    if _libc.umount2(name.encode(), _UMOUNT_NOFOLLOW | _MNT_DETACH) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOENT):
