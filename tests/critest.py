@@ -326,9 +326,9 @@ def render_expectations(expectations: Expectations) -> str:
               "| spec | why |", "|---|---|"]
     lines += [f"| {cell(spec)} | {cell(why)} |" for spec, why in sorted(expectations.needs_registry.items())]
     by_issue = Counter(e.get("issue") or "vm" for e in expectations.microvm.values())
-    fixes = ", ".join(f"issue {i}: {by_issue[i]}" for i in sorted(k for k in by_issue if k != "vm"))
+    fixes = "".join(f"issue {i}: {by_issue[i]}; " for i in sorted(k for k in by_issue if k != "vm"))
     lines += ["", f"The microVM's exceptions ({len(expectations.microvm)} specs runc passes and "
-              f"crust-microvm does not yet; {fixes}; no VM runtime can: {by_issue['vm']}):", "",
+              f"crust-microvm does not; {fixes}no VM runtime can: {by_issue['vm']}):", "",
               "| spec | why | fixed by |", "|---|---|---|"]
     for spec, entry in sorted(expectations.microvm.items()):
         fixed = f"issue {entry['issue']}" if entry.get("issue") else f"none: {cell(entry['vm_cannot'])}"
