@@ -194,6 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rt.add_argument("runc_args", nargs=argparse.REMAINDER, help="runc's global flags, command and arguments")
 
+    sub.add_parser(
+        "runtime-frontend", add_help=False,
+        help="build crust-runc, the runtime's front end: runc at once for every call crust has nothing to do in",
+        description="Compiles crust-runc (a small C program) with the system's C compiler: it execs runc for "
+                    "every call but create of a bundle that binds a kubelet CSI volume and delete of a container "
+                    "crust created so, which it hands to crust-oci-runtime. Point containerd's BinaryName (or "
+                    "CRI-O's runtime_path) at it. `crust runtime-frontend --help` lists its flags.",
+    )
+
     kt = sub.add_parser(
         "kata",
         help="the microVM runtime handler: guest image and handler daemon",
@@ -318,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         from crust.oci_runtime.main import main as runtime_main
 
         return runtime_main(words[1:])
+    if words[:1] == ["runtime-frontend"]:
+        from crust.oci_runtime.frontend import main as frontend_main
+
+        return frontend_main(words[1:])
     args = build_parser().parse_args(argv)
     if args.command == "driver":
         from crust.driver.config import DriverConfig, Mode

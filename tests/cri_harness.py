@@ -21,6 +21,7 @@ from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, VolumeMount
 from crust.kubelet import image as images
 from crust.kubelet.containerd import CGROUP_FS, SHIM_SOCKETS, Containerd, is_shim
 from crust.kubelet.cri import KubeletRuntime
+from crust.oci_runtime import frontend
 from crust.sys import mount as sysmount
 
 
@@ -111,7 +112,12 @@ def leftovers_of(containerd: Containerd) -> list[str]:
     return found
 
 
-OCI_RUNTIME = Path(sys.executable).parent / "crust-oci-runtime"
+# crust's OCI runtime as containerd runs it for the RuntimeClass crust-runc:
+# crust-runc, the front end `./run` builds beside the Python runtime
+# (crust-oci-runtime), built here too when it is missing or stale.
+PYTHON_OCI_RUNTIME = Path(sys.executable).parent / "crust-oci-runtime"
+OCI_RUNTIME = Path(sys.executable).parent / "crust-runc"
+frontend.build(OCI_RUNTIME, PYTHON_OCI_RUNTIME)
 
 
 class CriNode:

@@ -27,8 +27,8 @@ from crust.contract.mountinfo import digest
 from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, VolumeMount
 from crust.kubelet import image as images
 from crust.kubelet.cri import KubeletRuntime, SyncError
-from tests.cri_harness import (OCI_RUNTIME, cri_node, host_network_pod, leftovers_of, private_containerd,
-                               processes_naming, shim_pids)
+from tests.cri_harness import (OCI_RUNTIME, PYTHON_OCI_RUNTIME, cri_node, host_network_pod, leftovers_of,
+                               private_containerd, processes_naming, shim_pids)
 from tests.test_handler import make_env, wait_until  # noqa: F401 - make_env is a fixture
 
 
@@ -513,14 +513,16 @@ def test_the_bundle_is_rewritten_in_place_for_deferred_mounts_only():
 
 
 def _runtime(bundle: Path, log: Path, state: Path, runc: str = "/bin/false", handler: str = "",
-             runc_root: Path | None = None, container_id: str = "hostile") -> subprocess.CompletedProcess:
-    """`crust-oci-runtime create` as containerd's runc shim runs it (JSON log)."""
+             runc_root: Path | None = None, container_id: str = "hostile",
+             runtime: Path = OCI_RUNTIME) -> subprocess.CompletedProcess:
+    """crust's runtime's `create` as containerd's runc shim runs it (JSON
+    log): crust-runc, the front end, unless another runtime is named."""
     env = {**os.environ, "CRUST_OCI_RUNTIME_CONFIG": str(state / "no-such-config.json"), "CRUST_RUNC": runc,
            "CRUST_OCI_RUNTIME_STATE": str(state), "CRUST_HANDLER_ENDPOINT": handler or f"unix://{state}/none.sock"}
     root = ["--root", str(runc_root)] if runc_root else []
     # Output to a file: a container that runc made would hold a pipe open.
     with open(log.with_suffix(".out"), "w+") as out:
-        done = subprocess.run([str(OCI_RUNTIME), *root, "--log", str(log), "--log-format", "json", "create",
+        done = subprocess.run([str(runtime), *root, "--log", str(log), "--log-format", "json", "create",
                                "--bundle", str(bundle), "--pid-file", str(bundle / "init.pid"), container_id],
                               stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=120, env=env)
         out.seek(0)
@@ -548,16 +550,40 @@ def _last_error(log: Path) -> str:
     ('{"annotations": ["io.kubernetes.cri.sandbox-id"]}', "annotations"),
 ])
 def test_a_malformed_config_json_is_refused_in_runcs_log_never_with_a_traceback(tmp_path, config, words):
+    """The Python runtime reads every spec it is handed (crust-runc hands it
+    those that may bind a CSI volume, and runc refuses the others itself)."""
     bundle = tmp_path / "bundle"
     (bundle / "rootfs").mkdir(parents=True)
     (bundle / "config.json").write_text(config)
     log = tmp_path / "log.json"
-    done = _runtime(bundle, log, tmp_path / "state")
+    done = _runtime(bundle, log, tmp_path / "state", runtime=PYTHON_OCI_RUNTIME)
     assert done.returncode != 0
     assert "Traceback" not in done.stderr, done.stderr
     message = _last_error(log)
     assert words in message and "config.json" in message, message
     assert (bundle / "config.json").read_text() == config, "the bundle was changed"
+
+
+@pytest.mark.parametrize("runc", [None, "/bin/false"])
+def test_a_malformed_spec_is_refused_by_the_program_the_front_end_hands_it_to(tmp_path, runc):
+    """Through crust-runc: a malformed spec that names a CSI volume's path is
+    the Python runtime's to refuse (its message, the field named); one that
+    does not is runc's (runc's own message)."""
+    for name, config, whose in (
+            ("csi", '{"mounts": [{"destination": "/d", "source": "/var/lib/kubelet/pods/u/volumes/'
+                    'kubernetes.io~csi/pv/mount", "options": "rbind"}]}', "mounts[0].options"),
+            ("plain", '{"mounts": "/data"}', "" if runc == "/bin/false" else "json")):
+        bundle = tmp_path / name
+        (bundle / "rootfs").mkdir(parents=True)
+        (bundle / "config.json").write_text(config)
+        log = tmp_path / f"{name}.json"
+        done = _runtime(bundle, log, tmp_path / "state", runc=runc or shutil.which("runc"))
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        if whose:
+            assert whose in _last_error(log), _last_error(log)
+        else:   # /bin/false wrote nothing: runc, not crust, had the call
+            assert not log.exists() or not log.read_text().strip()
+        assert (bundle / "config.json").read_text() == config, "the bundle was changed"
 
 
 def _runc_bundle(path: Path, mounts: list[dict], sandbox_id: str) -> Path:

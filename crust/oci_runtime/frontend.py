@@ -1,0 +1,97 @@
+"""Build crust-runc, the front end of crust's OCI runtime (frontend.c).
+
+containerd's runc shim runs its runtime for every call on a container.
+crust-runc becomes runc at once for the calls crust has nothing to do in,
+and the Python runtime (crust-oci-runtime) for the others: a pod whose
+containers bind no deferred volume pays for crust nothing but one small
+program's start per call.
+
+    crust runtime-frontend --output /usr/local/bin/crust-runc [--runtime PATH] [--cc cc]
+
+The Python runtime's path is compiled in (default: crust-oci-runtime beside
+this interpreter, where pip installed it). The build is skipped when the
+program at --output was built from the same source, runtime path and
+compiler (a stamp beside it says so); it is written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("frontend.c")
+CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-D_FORTIFY_SOURCE=2", "-fstack-protector-strong", "-fPIE",
+          "-pie", "-Wl,-z,relro,-z,now")
+
+
+class FrontendError(Exception):
+    pass
+
+
+def default_runtime() -> Path:
+    """The Python runtime pip installed beside this interpreter."""
+    return Path(sys.executable).parent / "crust-oci-runtime"
+
+
+def _stamp(runtime: Path, cc: str) -> str:
+    text = SOURCE.read_bytes() + b"\0" + str(runtime).encode() + b"\0" + cc.encode() + b"\0" + " ".join(CFLAGS).encode()
+    return hashlib.sha256(text).hexdigest()
+
+
+def build(output: Path, runtime: Path | None = None, cc: str = "cc") -> bool:
+    """crust-runc at output, for the Python runtime at runtime; False when
+    the one there is already this build."""
+    runtime = Path(os.path.abspath(runtime or default_runtime()))
+    if "\"" in str(runtime) or "\\" in str(runtime):
+        raise FrontendError(f"the runtime's path {runtime} cannot be compiled in")
+    compiler = shutil.which(cc)
+    if compiler is None:
+        raise FrontendError(f"no C compiler {cc!r}: apt-get install gcc libc6-dev")
+    stamp_path = output.with_name(output.name + ".build")
+    stamp = _stamp(runtime, compiler)
+    try:
+        if stamp_path.read_text().strip() == stamp and os.access(output, os.X_OK):
+            return False
+    except OSError:
+        pass
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *CFLAGS, f"-DCRUST_PYTHON_RUNTIME=\"{runtime}\"", "-o", temporary,
+                               str(SOURCE)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise FrontendError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.chmod(temporary, 0o755)
+        os.replace(temporary, output)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    stamp_path.write_text(stamp + "\n")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="crust runtime-frontend", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--output", type=Path, required=True, help="where crust-runc goes")
+    parser.add_argument("--runtime", type=Path, help=f"the Python runtime it hands crust's calls to "
+                                                     f"(default: {default_runtime()})")
+    parser.add_argument("--cc", default="cc", help="the C compiler (default: cc)")
+    args = parser.parse_args(argv)
+    try:
+        built = build(args.output, args.runtime, args.cc)
+    except FrontendError as exc:
+        print(f"crust runtime-frontend: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.output}: {'built' if built else 'up to date'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
