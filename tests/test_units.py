@@ -1081,6 +1081,27 @@ def test_an_atomic_writer_volume_is_known_by_kubelets_path(source, expected):
     assert is_atomic_writer_volume(source) is expected
 
 
+@pytest.mark.parametrize("source, cached, mirrored", [
+    ("/var/lib/kubelet/pods/u1/volumes/kubernetes.io~empty-dir/scratch", True, False),
+    ("/var/lib/kubelet/pods/u1/volume-subpaths/config/app/0", True, False),
+    ("/var/lib/kubelet/pods/u1/etc-hosts", True, False),
+    ("/var/lib/kubelet/pods/u1/containers/app/1a2b", True, False),
+    ("/var/lib/kubelet/pods/u1/volumes/kubernetes.io~configmap/cfg", False, True),
+    ("/var/lib/kubelet/pods/u1/volumes/kubernetes.io~projected/kube-api-access-x", False, True),
+    ("/var/lib/kubelet/pods/u1/volumes/kubernetes.io~secret/creds/key", False, False),
+    ("/srv/data", False, False),                        # a hostPath
+    ("/var/lib/containerd/io.containerd.grpc.v1.cri/sandboxes/9f/resolv.conf", False, False),
+    ("/var/lib/kubelet/pods", False, False),
+])
+def test_what_the_guest_caches_and_what_its_agent_mirrors(source, cached, mirrored):
+    """Only what nobody but the pod changes is cached in the guest; the
+    atomic writer's volumes themselves (not a path inside one) are mirrored."""
+    from crust.kata.share import cached_in_guest, is_atomic_writer_volume_root
+
+    assert cached_in_guest(source) is cached
+    assert is_atomic_writer_volume_root(source) is mirrored
+
+
 def _containerd_like_spec(**linux) -> dict:
     return {"ociVersion": "1.0.2", "hostname": "web-0", "root": {"path": "rootfs", "readonly": True},
             "process": {"args": ["/app"], "env": ["A=1"], "cwd": "/", "user": {"uid": 1000, "gid": 1000},

@@ -420,6 +420,13 @@ class AgentClient:
         subpath in it; returns the directory's guest path."""
         return (await self.request("podtmpfs", name, b64(subpath), size or "-")).fields["path"]
 
+    async def mirror(self, name: str, source: str) -> str:
+        """A copy in the guest's memory of the volume kubelet's atomic writer
+        updates, bound in a share at source, kept in step with it by the
+        agent (agent 7); returns the copy's guest path. Again for the same
+        name: the same copy."""
+        return (await self.request("mirror", name, source)).fields["path"]
+
     async def spawn_file(self, name: str, script: str) -> int:
         """As spawn, the command being the shell script at the guest path
         script (in the pod's share): any size the kernel takes."""

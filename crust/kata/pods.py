@@ -80,7 +80,7 @@ from crust.kata.agent import AgentError, AgentRefused
 from crust.kata.portforward import PortForwarder
 from crust.kata.qemu import Nic, SharedDir, Vm, VmError
 from crust.kata.sandbox import KataSandbox
-from crust.kata.share import PodShare, ShareError, is_atomic_writer_volume
+from crust.kata.share import PodShare, ShareError, cached_in_guest, is_atomic_writer_volume_root
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
 from crust.runtime_handler.oci import load_requested_bundle
 from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes
@@ -575,8 +575,22 @@ class Pods:
                 raise FailedPrecondition(f"pod {sandbox_id}: its shared directory: {exc}") from None
             self.pods.pop(sandbox_id, None)
             await self.records.delete(sandbox_id)
+            await asyncio.to_thread(self._remove_workdir, sandbox_id)
         self.locks.pop(sandbox_id, None)
         log.info("pod deleted", extra={"fields": {"sandbox": sandbox_id}})
+
+    def _remove_workdir(self, sandbox_id: str) -> None:
+        """The pod's work directory (the VM's logs, its daemons' logs), once
+        its VM, shares and records are gone; never through a mount (one
+        left below it is logged, and the directory kept)."""
+        workdir = self._workdir(sandbox_id)
+        left = [m.mount_point for m in mounts.mounts()
+                if m.mount_point == str(workdir) or m.mount_point.startswith(f"{workdir}/")]
+        if left:
+            log.error("a deleted pod's work directory still has mounts below it; kept", extra={"fields": {
+                "sandbox": sandbox_id, "mounts": left[:5]}})
+            return
+        shutil.rmtree(workdir, ignore_errors=True)
 
     def _tear_down_share(self, sandbox_id: str) -> None:
         try:
@@ -720,13 +734,18 @@ class Pods:
                 readonly = "ro" in m.options
                 if kind == "host":
                     try:
-                        into = live if is_atomic_writer_volume(m.source) else share
+                        into = share if cached_in_guest(m.source) else live
                         follow = bool({"rslave", "rshared", "slave", "shared"} & set(m.options))
                         shared = await asyncio.to_thread(into.add_bind, m.source, readonly, "rbind" in m.options,
                                                          follow)
                     except (ShareError, OSError) as exc:
                         raise FailedPrecondition(f"mount {m.destination}: {m.source} cannot be shared with the "
                                                  f"VM: {exc}") from None
+                    if readonly and into is not share and is_atomic_writer_volume_root(m.source) \
+                            and not shared.submounts:
+                        source = await self._mirror(sandbox, shared.guest)
+                        await sandbox._agent(agent.container_bind(c.root, source, m.destination, True))
+                        continue
                     # Read-only at the top on the host (virtiofsd writes as the
                     # host's mounts allow); in the guest only when nothing is
                     # below it: the guest mounts what is below on first use,
@@ -773,6 +792,18 @@ class Pods:
             except CrustError as undo:
                 log.error("could not undo a failed container create", extra={"fields": {
                     "sandbox": pod.sandbox_id, "container": container_id, "error": undo.message}})
+            raise
+
+    @staticmethod
+    async def _mirror(sandbox: KataSandbox, shared: str) -> str:
+        """The guest's copy of an atomic-writer volume bound in the live share
+        at shared (agent 7); a guest whose agent has no mirror (a VM booted
+        before it) reads the share itself."""
+        try:
+            return await sandbox._agent(sandbox.vm.agent.mirror(shared.rsplit("/", 1)[1], shared))
+        except CrustError as exc:
+            if "unknown command" in exc.message:
+                return shared
             raise
 
     async def _remove_container(self, sandbox: KataSandbox | None, record: SandboxRecord | None, pod: PodRecord,

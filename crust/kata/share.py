@@ -4,11 +4,15 @@ Two per pod, each served by a virtiofsd of the pod's VM
 (crust.kata.virtiofsd) and mounted once by the guest:
 
 - the share (tag crust, at GUEST_SHARE, virtiofsd cache=auto): container
-  roots, commands, and every host-path bind but those below;
-- the live share (tag crust-live, at GUEST_LIVE, cache=none): the volumes
-  kubelet's atomic writer updates (configMap, secret, projected, downward
-  API; is_atomic_writer_volume), so the guest never follows a `..data`
-  link it cached into a version the writer removed.
+  roots, commands, and what only the pod's containers change, kubelet's
+  directory of the pod (emptyDir, subPaths, /etc/hosts; cached_in_guest);
+- the live share (tag crust-live, at GUEST_LIVE, cache=none): what the
+  host changes, so the guest sees each change at once: hostPath,
+  containerd's files, and the volumes kubelet's atomic writer updates
+  (configMap, secret, projected, downward API; is_atomic_writer_volume),
+  which the guest's agent copies into guest memory and switches to each
+  new version the writer's way (agent `mirror`: a walk through virtio-fs is
+  slow enough for the writer to remove the version it started in).
 
 Both have the same layout (the live one holds binds only). Only crust
 writes into them, on the host; the guest sees them read-only except where
@@ -101,6 +105,37 @@ BINDS = ".binds"
 CSI_PLUGIN_DIR = "kubernetes.io~csi"
 ATOMIC_WRITER_PLUGINS = ("kubernetes.io~configmap", "kubernetes.io~secret", "kubernetes.io~projected",
                          "kubernetes.io~downward-api")
+# What kubelet keeps in its directory of a pod (pkg/kubelet/kubelet_getters.go).
+KUBELET_POD_ENTRIES = ("volumes", "volume-subpaths", "containers", "plugins", "etc-hosts")
+
+
+def _kubelet_pod_dir_index(parts: list[str]) -> int | None:
+    """The index of the uid in a path below kubelet's directory of a pod
+    (.../pods/<uid>/volumes|volume-subpaths|containers|etc-hosts|plugins...)."""
+    for i in range(1, len(parts) - 1):
+        if parts[i - 1] == "pods" and parts[i + 1] in KUBELET_POD_ENTRIES:
+            return i
+    return None
+
+
+def cached_in_guest(source: str) -> bool:
+    """Whether the guest may keep a lookup and a file's pages of source for
+    a second (the share, cache=auto): only what nobody but the pod's own
+    containers changes, kubelet's directory of the pod (emptyDir, subPaths,
+    its /etc/hosts, termination logs). The host's paths (hostPath,
+    containerd's files) and the volumes kubelet's atomic writer updates go
+    to the live share (cache=none), where the host's changes are seen at
+    once, as a runc container sees them."""
+    parts = os.path.normpath(source).split("/")
+    return _kubelet_pod_dir_index(parts) is not None and not is_atomic_writer_volume(source)
+
+
+def is_atomic_writer_volume_root(source: str) -> bool:
+    """Whether source is such a volume itself (pods/<uid>/volumes/<plugin>/<name>),
+    laid out with its ..data link: what the guest's agent mirrors."""
+    parts = os.path.normpath(source).split("/")
+    return (is_atomic_writer_volume(source) and len(parts) >= 5 and parts[-5] == "pods" and parts[-3] == "volumes"
+            and parts[-2] in ATOMIC_WRITER_PLUGINS)
 
 
 def is_atomic_writer_volume(source: str) -> bool:

@@ -21,7 +21,7 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=6
+AGENT_VERSION=7
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin
@@ -371,6 +371,83 @@ cmd_podtmpfs() {  # name subpath-b64 size|-: the pod's tmpfs of that name (an em
   path=$(secure_join "$top" "$sub") || exit 1
   mkdir -p "$path" || fail "mkdir $sub in the tmpfs $1 failed"
   echo "path=$path"
+}
+
+# A volume kubelet's atomic writer updates (configMap, secret, projected,
+# downward API), copied into the guest's memory and kept in step with the
+# host: each version the writer publishes (a ..<timestamp> directory that
+# ..data is renamed to point at) is copied whole, then the copy's own ..data
+# is renamed over, then the names are linked and the old version removed, in
+# the writer's order. A read in the guest then walks a tmpfs, as a read on
+# the host walks the writer's files: it never finds a version half gone (a
+# walk through virtio-fs takes a round trip per name, long enough for the
+# writer to remove the version it started in). Secrets stay in memory.
+mirror_sync() {  # source target staging
+  src=$1 dst=$2 new=$3
+  cur=$(readlink "$src/..data") || return 1
+  case $cur in ..?*) ;; *) return 1 ;; esac
+  case $cur in */*|..data|..data_tmp) return 1 ;; esac
+  if [ "$(readlink "$dst/..data" 2>/dev/null)" != "$cur" ]; then
+    if [ ! -d "$dst/$cur" ] || [ -L "$dst/$cur" ]; then
+      rm -rf "$new"
+      # A version is never changed once published, only removed: a copy
+      # that completes is whole, one the writer's removal cut short fails.
+      cp -a "$src/$cur" "$new" || { rm -rf "$new"; return 1; }
+      mv "$new" "$dst/$cur" || return 1
+    fi
+    ln -sfn "$cur" "$dst/..data_tmp" && mv -T "$dst/..data_tmp" "$dst/..data" || return 1
+  fi
+  set +f
+  for e in "$src"/* "$src"/.[!.]*; do
+    name=${e##*/}
+    if [ -L "$e" ]; then   # the names the writer links into ..data
+      want=$(readlink "$e")
+      [ "$(readlink "$dst/$name" 2>/dev/null)" = "$want" ] || ln -sfn "$want" "$dst/$name"
+    elif [ -d "$e" ]; then   # a mount point made for a volume below this one: its place, empty
+      [ -d "$dst/$name" ] || mkdir "$dst/$name"
+    elif [ -f "$e" ]; then
+      [ -e "$dst/$name" ] || : > "$dst/$name"
+    fi
+  done
+  for e in "$dst"/* "$dst"/.[!.]*; do
+    [ -L "$e" ] || continue
+    [ -L "$src/${e##*/}" ] || rm -f "$e"
+  done
+  for e in "$dst"/..?*; do
+    case ${e##*/} in ..data|"$cur") continue ;; esac
+    [ -d "$e" ] && [ ! -L "$e" ] && rm -rf "$e"
+  done
+  set -f
+  return 0
+}
+
+cmd_mirror() {  # name source: a copy of the atomic-writer volume bound at source (in a share), kept in step
+  [ $# -eq 2 ] || fail "usage: mirror <name> <source>"
+  check_name "$1"
+  check_path "$2"
+  case $2 in "$RUN"/live/*|"$RUN"/share/*) ;; *) fail "the source must lie in a share of the pod ($RUN/live)" ;; esac
+  [ -L "$2/..data" ] || fail "$2 is not laid out by kubelet's atomic writer (no ..data)"
+  dst=$RUN/mirror/$1
+  if [ ! -e "$RUN/mirror/.$1.running" ]; then
+    mkdir -p "$dst" || fail "mkdir $dst failed"
+    chown "$(stat -c %u:%g "$2")" "$dst" && chmod "$(stat -c %a "$2")" "$dst" || fail "cannot give $dst its source's owner and mode"
+    tries=10
+    until mirror_sync "$2" "$dst" "$RUN/mirror/.$1.new"; do   # a version removed while it was copied: the next one
+      tries=$((tries - 1))
+      [ "$tries" -gt 0 ] || fail "cannot copy $2"
+      usleep 100000
+    done
+    # Polled: a virtio-fs share gives the guest no notice of the host's changes.
+    (
+      trap '' HUP
+      while [ -d "$dst" ]; do
+        usleep 250000
+        mirror_sync "$2" "$dst" "$RUN/mirror/.$1.new" 2>/dev/null
+      done
+    ) </dev/null >/dev/null 2>&1 3>&- &
+    echo $! > "$RUN/mirror/.$1.running"
+  fi
+  echo "path=$dst"
 }
 
 cmd_spawnfile() {  # name script: sh <script> in the background, stdout and stderr to files
@@ -908,6 +985,7 @@ dispatch() {
     netconf) cmd_netconf "$@" ;;
     ttysize) cmd_ttysize "$@" ;;
     podpid) cmd_podpid "$@" ;;
+    mirror) cmd_mirror "$@" ;;
     ctrsetup) cmd_ctrsetup "$@" ;;
     umountall) cmd_umountall "$@" ;;
     forget) cmd_forget "$@" ;;
