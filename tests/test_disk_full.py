@@ -311,6 +311,11 @@ def test_a_sandbox_started_while_the_watched_dir_was_full_starts_once_there_is_r
     env = disk.env
     v = env.volume("pv-watched")
     bundle = env.bundle("watched", "exec sleep 600", [("/data", str(v.target))])
+    # A first sandbox: the handler has indexed the entry (on a busy machine
+    # its watcher may read it later than the damage below otherwise).
+    env.run_ok(bundle, "sb-watched-first")
+    env.delete("sb-watched-first")
+    wait_until(lambda: env.claims() == [], what="the first claim to be released")
     # The entry damaged (the handler keeps the good copy it read): the
     # claim has the proxy write it again from its record, into the full directory.
     entry = env.proxy.volumes_dir / digest(str(v.target)) / "mountInfo.json"
