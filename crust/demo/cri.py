@@ -24,7 +24,8 @@ CRI_SCRIPT = WRITE_SCRIPT + " && echo written && trap 'echo stopping; exit 0' TE
 
 class CriPod:
     """The pod steps under CRI, mixed into crust.demo.csi.Demo (whose
-    kubelet, volume and handler they use); `cri` off, none of them runs."""
+    kubelet, volume and handler they use); `cri` off, only
+    stop_containerd() is called, and finds nothing to stop."""
 
     def __init__(self, cri: bool):
         self.cri = cri
