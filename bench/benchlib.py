@@ -6,7 +6,8 @@
 - clock ticks, to tell this run's CPU from other people's work on the
   machine: TICK, machine_ticks(), own_ticks(), proc_ticks(), cores(), and
   cpu_sample() with others_cores(), pid_cores(), iowait_cores() between two
-  samples, with_others_cores() around a part;
+  samples, with_others_cores() around a part; cpu_ns(), a process's CPU
+  time from its threads' schedstat;
 - statistics: pct() (nearest rank), quantiles() (median and p90),
   summary(), timed(), median_ms(), rotated() (the order of interleaved
   calls);
@@ -156,6 +157,15 @@ def proc_ticks(pid: int, with_children: bool = False) -> int:
         return sum(int(x) for x in fields[11:15 if with_children else 13])
     except (IndexError, ValueError):
         return 0
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of all threads of pid so far, in ns (0 for a thread gone meanwhile)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = file_text(str(task / "schedstat"))
+        total += int(text.split()[0]) if text else 0
+    return total
 
 
 def cores(ticks: float, seconds: float) -> float:

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project r
 
 from bench.benchlib import (  # noqa: E402
     close_and_report,
+    cpu_ns,
     guarded_run_then_write,
     loadavg,
     machine,
@@ -53,7 +54,6 @@ from bench.benchlib import (  # noqa: E402
     run_header,
 )
 from bench.harness_stack import own_session  # noqa: E402
-from bench.hop_cost import cpu_ns  # noqa: E402
 from crust.api import csi_pb2, csi_pb2_grpc  # noqa: E402
 from tests.csi_sanity import DRIVER_FLAGS, NODE_ID, start_target  # noqa: E402
 from tests.harness import Root  # noqa: E402

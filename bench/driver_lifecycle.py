@@ -67,8 +67,8 @@ from bench.benchlib import (  # noqa: E402
     run_header,
     write_json,
 )
-from bench.harness_driver import CO, Driver, Volume, tear_down  # noqa: E402
-from bench.harness_kernel import LoopNodes, rss_mib, snapshot_env  # noqa: E402
+from bench.harness_driver import CO, Driver, Volume, snapshot_env, tear_down  # noqa: E402
+from bench.harness_kernel import LoopNodes, rss_mib  # noqa: E402
 
 MIB = 1024**2
 

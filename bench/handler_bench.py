@@ -100,6 +100,7 @@ from bench.benchlib import (  # noqa: E402
     run_header,
     summary,
 )
+from bench.harness_chain import SANDBOX_ID, MountnsChain, close_root, mount_table_costs  # noqa: E402
 from bench.harness_index import (  # noqa: E402
     EntryWriter,
     IndexProbe,
@@ -110,7 +111,6 @@ from bench.harness_index import (  # noqa: E402
     preload,
     watchdog_version,
 )
-from bench.harness_mountns import SANDBOX_ID, MountnsChain, close_root, mount_table_costs  # noqa: E402
 from bench.harness_stack import project_on_pythonpath  # noqa: E402
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc, runtime_pb2, runtime_pb2_grpc  # noqa: E402
 from crust.contract.mountinfo import digest  # noqa: E402

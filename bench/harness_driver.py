@@ -4,6 +4,8 @@
   own, as a node plugin runs in its container;
 - Volume and CO: a volume as the CO knows it, and every CSI call of its
   life, each timed as the client sees it;
+- snapshot_env(): what the driver's calls walk over at a scale (mount
+  table, loop devices, records) and what one such walk costs;
 - tear_down(): the end of a run, also after Ctrl-C, SIGTERM or a failure:
   every volume taken down through the driver, the driver stopped, then
   whatever is left below the root released by force.
@@ -23,8 +25,8 @@ from pathlib import Path
 
 import grpc
 
-from bench.benchlib import left_below
-from bench.harness_kernel import LoopNodes, force_cleanup, loops_below
+from bench.benchlib import file_text, left_below, median_ms
+from bench.harness_kernel import LoopNodes, force_cleanup, loop_names, loops_below
 from bench.harness_stack import (
     project_on_pythonpath,
     start_daemon,
@@ -32,6 +34,7 @@ from bench.harness_stack import (
     wait_until,
 )
 from crust.api import csi_pb2, csi_pb2_grpc
+from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests.harness import mount_cap
 
@@ -271,6 +274,33 @@ class CO:
             except grpc.RpcError as exc:
                 errors.append(f"{step.__name__}: {exc.code().name} {exc.details()}")
         return f"{v.name}: {'; '.join(errors)}" if errors else None
+
+
+def snapshot_env(root: Path, driver: Driver) -> dict:
+    """What the driver's per-RPC scans walk over at this scale, and what one
+    such scan costs (the same crust.sys functions, called here against the
+    driver's mount namespace)."""
+    text = Path(driver.mountinfo).read_text()
+    mounts = sysmount.parse_mountinfo(text)
+    prefix = str(root) + "/"
+    records = driver.data_dir / "node" / driver.node_id / "volumes"
+    probe_file = driver.data_dir / "pools" / driver.node_id / "volumes" / "vol-0000000000000000deadbeef.img"
+    env = {
+        "mountinfo_lines": len(mounts),
+        "mountinfo_bytes": len(text),
+        "mounts_under_root": sum(1 for m in mounts if (m.mount_point + "/").startswith(prefix)),
+        "loop_nodes_in_sys_block": len(loop_names()),
+        "loop_devices_attached": len(sysloop.attached()),
+        "node_records": len(list(records.glob("*.json"))) if records.exists() else 0,
+        "loadavg_before": file_text("/proc/loadavg").split(" ")[0],
+        "ms_read_mountinfo": median_ms(lambda: Path(driver.mountinfo).read_bytes(), 30),
+        "ms_loop_devices_for": median_ms(lambda: sysloop.devices_for(probe_file), 30),
+    }
+    # crust.sys.mount timed against the driver's namespace, whose mount table it is given.
+    nowhere = str(root / "nowhere")
+    env["ms_mount_mounts"] = median_ms(lambda: sysmount.mounts(driver.mountinfo), 30)
+    env["ms_mount_at"] = median_ms(lambda: sysmount.at(nowhere, driver.mountinfo), 30)
+    return env
 
 
 def tear_down(driver: Driver, co: CO, root: Path, jobs: int, loop_nodes: LoopNodes, keep_loop_nodes: bool,

@@ -1,7 +1,5 @@
 """The kernel state bench/driver_lifecycle.py builds up, and releases.
 
-- snapshot_env(): what the driver's calls walk over at a scale (mount
-  table, loop devices, records) and what one such walk costs;
 - the run attaches hundreds of loop devices, and loop device nodes stay in
   /sys/block after a detach: LoopNodes remembers which nodes the run made
   the kernel create and removes them at the end;
@@ -15,14 +13,9 @@ import os
 import re
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from bench.benchlib import file_text, median_ms
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-
-if TYPE_CHECKING:
-    from bench.harness_driver import Driver
 
 SYS_BLOCK = Path("/sys/block")
 LOOP_CTL_REMOVE = 0x4C81
@@ -37,33 +30,6 @@ def loops_below(root: Path) -> dict[str, str]:
     """The attached loop devices whose backing file is below root, with that file."""
     prefix = str(root) + "/"
     return {dev: b for dev, b in sysloop.attached().items() if b.startswith(prefix)}
-
-
-def snapshot_env(root: Path, driver: Driver) -> dict:
-    """What the driver's per-RPC scans walk over at this scale, and what one
-    such scan costs (the same crust.sys functions, called here against the
-    driver's mount namespace)."""
-    text = Path(driver.mountinfo).read_text()
-    mounts = sysmount.parse_mountinfo(text)
-    prefix = str(root) + "/"
-    records = driver.data_dir / "node" / driver.node_id / "volumes"
-    probe_file = driver.data_dir / "pools" / driver.node_id / "volumes" / "vol-0000000000000000deadbeef.img"
-    env = {
-        "mountinfo_lines": len(mounts),
-        "mountinfo_bytes": len(text),
-        "mounts_under_root": sum(1 for m in mounts if (m.mount_point + "/").startswith(prefix)),
-        "loop_nodes_in_sys_block": len(loop_names()),
-        "loop_devices_attached": len(sysloop.attached()),
-        "node_records": len(list(records.glob("*.json"))) if records.exists() else 0,
-        "loadavg_before": file_text("/proc/loadavg").split(" ")[0],
-        "ms_read_mountinfo": median_ms(lambda: Path(driver.mountinfo).read_bytes(), 30),
-        "ms_loop_devices_for": median_ms(lambda: sysloop.devices_for(probe_file), 30),
-    }
-    # crust.sys.mount timed against the driver's namespace, whose mount table it is given.
-    nowhere = str(root / "nowhere")
-    env["ms_mount_mounts"] = median_ms(lambda: sysmount.mounts(driver.mountinfo), 30)
-    env["ms_mount_at"] = median_ms(lambda: sysmount.at(nowhere, driver.mountinfo), 30)
-    return env
 
 
 def rss_mib(pid: int) -> float | None:

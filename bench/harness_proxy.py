@@ -1,10 +1,13 @@
 """The real stack and the volumes parts 1 and 2 of bench/proxy_bench.py
-measure (part 3's proxies are in harness_fleet.py).
+measure (part 3's proxies are in harness_fleet.py), and the volumes of
+bench/hop_cost.py.
 
 - RealStack: crust driver -> crust shim -> crust proxy;
-- StatsVolume (part 1): an ext4 volume published on the host through the
-  proxy, as kubelet would, and taken down again (holders() says who keeps
-  its loop device when DeleteVolume is refused);
+- StatsVolume (part 1, and hop_cost.py's chains): an ext4 volume published
+  on the host through the proxy, as kubelet would, and taken down again
+  (holders() says who keeps its loop device when DeleteVolume is refused);
+- CreatedVolume (hop_cost.py's bare variant): a volume created on a driver
+  and nothing more;
 - StatsEntries (part 2): deferred volumes on the proxy's runtime socket,
   one claimed by a registered handler, the others naming a runtime-cli.
 """
@@ -163,6 +166,33 @@ def holders(data_dir: Path) -> str:
         out.append(f"{device} autoclear={autoclear}, open by {users or 'nobody'}, mounted in "
                    f"{sorted(namespaces)[:5] or 'no mount namespace'}")
     return "; ".join(out) or "no loop device attached any more"
+
+
+class CreatedVolume:
+    """A volume created on a driver and nothing more (no stage, no
+    publish): what ControllerGetVolume and ValidateVolumeCapabilities of
+    hop_cost.py's bare variant ask about. No target, so no NodeGetVolumeStats."""
+
+    target = None
+
+    def __init__(self, driver: DriverProcess):
+        self.driver = driver
+        self.volume_id = ""
+
+    def set_up(self) -> None:
+        self.volume_id = self.driver.create("bench-bare-hops", 64 * MIB, mount_cap("ext4")).volume_id
+
+    def tear_down(self, timeout: float = 30) -> list[str]:
+        """DeleteVolume on the driver (if it was created); errors are returned."""
+        vid, self.volume_id = self.volume_id, ""
+        if not vid:
+            return []
+        try:
+            retry_failed_precondition(lambda: self.driver.controller.DeleteVolume(
+                csi_pb2.DeleteVolumeRequest(volume_id=vid), timeout=timeout), patience=20)
+        except Exception as exc:  # noqa: BLE001 - the forced cleanup follows
+            return [f"delete {vid}: {exc!r}"]
+        return []
 
 
 # -- part 2: deferred volumes on the runtime socket ---------------------------------------------

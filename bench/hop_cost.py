@@ -79,6 +79,7 @@ import grpc  # noqa: E402
 from bench.benchlib import (  # noqa: E402
     PROJECT,
     close_and_report,
+    cpu_ns,
     cpu_sample,
     file_text,
     guarded_run_then_write,
@@ -94,10 +95,10 @@ from bench.benchlib import (  # noqa: E402
     run_header,
     timed,
 )
-from bench.harness_proxy import StatsVolume  # noqa: E402
-from bench.harness_stack import BareHop, die_with_parent, retry_failed_precondition  # noqa: E402
+from bench.harness_proxy import CreatedVolume, StatsVolume  # noqa: E402
+from bench.harness_stack import BareHop, die_with_parent  # noqa: E402
 from crust.api import csi_pb2  # noqa: E402
-from tests.harness import MIB, DriverProcess, Root, mount_cap  # noqa: E402
+from tests.harness import Root, mount_cap  # noqa: E402
 
 DOORS = ("driver", "shim", "proxy")
 # `python -m crust ARGS`, with uvloop's loop under every asyncio.run().
@@ -134,15 +135,6 @@ def event_loop_of(pid: int) -> str:
     return "uvloop" if "/uvloop/" in file_text(f"/proc/{pid}/maps") else "asyncio"
 
 
-def cpu_ns(pid: int) -> int:
-    """CPU time of all threads of pid so far, in ns (0 for a thread gone meanwhile)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = file_text(str(task / "schedstat"))
-        total += int(text.split()[0]) if text else 0
-    return total
-
-
 class Variant:
     """One real chain of daemons, from a checkout and an environment."""
 
@@ -167,33 +159,6 @@ class Variant:
     def close(self) -> bool:
         problems = self.volume.tear_down() if self.volume is not None else []
         return close_and_report(self.root, problems, self.root.close)
-
-
-class CreatedVolume:
-    """A volume created on a driver and nothing more (no stage, no
-    publish): what ControllerGetVolume and ValidateVolumeCapabilities of
-    the bare variant ask about. No target, so no NodeGetVolumeStats."""
-
-    target = None
-
-    def __init__(self, driver: DriverProcess):
-        self.driver = driver
-        self.volume_id = ""
-
-    def set_up(self) -> None:
-        self.volume_id = self.driver.create("bench-bare-hops", 64 * MIB, mount_cap("ext4")).volume_id
-
-    def tear_down(self, timeout: float = 30) -> list[str]:
-        """DeleteVolume on the driver (if it was created); errors are returned."""
-        vid, self.volume_id = self.volume_id, ""
-        if not vid:
-            return []
-        try:
-            retry_failed_precondition(lambda: self.driver.controller.DeleteVolume(
-                csi_pb2.DeleteVolumeRequest(volume_id=vid), timeout=timeout), patience=20)
-        except Exception as exc:  # noqa: BLE001 - the forced cleanup follows
-            return [f"delete {vid}: {exc!r}"]
-        return []
 
 
 class BareVariant(Variant):

@@ -104,8 +104,8 @@ from bench.benchlib import (  # noqa: E402
     timed,
     with_others_cores,
 )
+from bench.harness_chain import VOLUME_MIB, KataChain, kata_machine, run_sample  # noqa: E402
 from bench.harness_guest_io import FS_MIB, MEMORY_MIB, IoVm, run_then  # noqa: E402
-from bench.harness_kata import VOLUME_MIB, Chain, kata_machine, run_sample  # noqa: E402
 from bench.harness_stack import project_on_pythonpath  # noqa: E402
 from crust.api import csi_pb2, handler_pb2  # noqa: E402
 from crust.kata.image import DEFAULT_CACHE, build  # noqa: E402
@@ -134,7 +134,7 @@ def fmt(s: dict, unit: str = "ms") -> str:
 # -- parts 1 to 3: the chain ----------------------------------------------------------------------------
 
 
-def part1(chain: Chain, runs: int) -> dict:
+def part1(chain: KataChain, runs: int) -> dict:
     """Sandbox starts (and deletes) through the chain, after one warm-up."""
     say(f"\n[1] sandbox start through the chain ({runs} runs + 1 warm-up; load {loadavg()})")
     warm_ms, _ = chain.run_sandbox("kb-warm")
@@ -168,7 +168,7 @@ def part1(chain: Chain, runs: int) -> dict:
     return out
 
 
-def part2(chain: Chain, rounds: int) -> dict:
+def part2(chain: KataChain, rounds: int) -> dict:
     """The volume's stats along the whole chain and from the handler alone, alternating."""
     say(f"\n[2] NodeGetVolumeStats through the chain ({rounds} rounds; load {loadavg()})")
     d_req = csi_pb2.NodeGetVolumeStatsRequest(volume_id=chain.volume.volume_id, volume_path=str(chain.volume.target))
@@ -194,7 +194,7 @@ def part2(chain: Chain, rounds: int) -> dict:
     return out
 
 
-def part3(chain: Chain, runs: int) -> dict:
+def part3(chain: KataChain, runs: int) -> dict:
     """Expansions of the volume in use, until the guest reports the new size."""
     say(f"\n[3] expansion round trip ({runs} x +{GROW_MIB} MiB, {chain.fs}; load {loadavg()})")
     ctl_ms, node_ms, seen_ms, total_ms, sizes = [], [], [], [], []
@@ -337,14 +337,14 @@ def main(argv=None) -> int:
     say(f"crust microVM handler benchmark ({results['code']})\n"
         f"machine: {m['cpus']} CPUs {m['cpu_model']}, {m['memory']}, Linux {m['kernel']}, Debian {m['debian']}, "
         f"Python {m['python']}, {m['qemu']}; accelerator {args.accel}; load {results['loadavg_start']}")
-    chain: Chain | None = None
+    chain: KataChain | None = None
     io_vm = IoVm()
     started = time.monotonic()
 
     def run() -> None:
         nonlocal chain
         if 1 in args.part_set:
-            chain = Chain(Root(), args.fs, args.accel)
+            chain = KataChain(Root(), args.fs, args.accel)
             t0 = time.monotonic()
             chain.up()
             say(f"\nchain up (driver, shim, proxy, kata handler registered), {VOLUME_MIB} MiB {args.fs} volume "

@@ -40,8 +40,8 @@ from bench.benchlib import (
     run_header,
     summary,
 )
+from bench.harness_chain import kata_machine
 from bench.harness_guest_io import GuestIo, evict_block_device, evict_file, run_then, stop_or_kill
-from bench.harness_kata import kata_machine
 from crust.contract import encryption
 from crust.kata.image import DEFAULT_CACHE, build
 from crust.kata.qemu import Vm, VmConfig, qemu_pids_under

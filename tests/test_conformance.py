@@ -9,7 +9,7 @@
   and what the run made (mounts, loop devices) is gone once csi-sanity has
   cleaned up through the plugin, before any forced cleanup.
 - the upstream node-driver-registrar in front of `crust proxy`: kubelet's
-  plugin watcher (crust.kubelet_replay) registers the driver through it, at
+  plugin watcher (crust.kubelet.csi) registers the driver through it, at
   the proxy's socket, and the registrar's /healthz answers.
 
 The tools are not part of crust: ../shared/bin/NAME beside the repository,
@@ -30,7 +30,7 @@ import urllib.request
 import pytest
 
 from crust.api import csi_pb2
-from crust.kubelet_replay import Kubelet
+from crust.kubelet import Kubelet
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests.csi_sanity import (CSI_SANITY, HOSTPATHPLUGIN, MUTABLE_YAML, NODE_DRIVER_REGISTRAR, TARGETS,

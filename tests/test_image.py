@@ -48,10 +48,10 @@ import yaml
 from pyroute2 import IPRoute
 
 from crust.api import csi_pb2, csi_pb2_grpc
+from crust.kubelet import Kubelet, PersistentVolume, Pod
 from crust.kubelet.containerd import Containerd, available
 from crust.kubelet.ctr import CtrContainers
 from crust.kubelet.image import archive_config
-from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests import podspec

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from crust.common.endpoint import accepts_connections
-from crust.demo import NodeProcess
+from crust.demo.node import NodeProcess
 from crust.kubelet import Kubelet, PersistentVolume, Pod
 from crust.node.config import NodeConfig, Runtime
 from crust.sys import loop as sysloop
@@ -42,7 +42,7 @@ def write_config(root: Path, **extra) -> Path:
 
 
 class NodeRun:
-    """`crust node` as the demo runs it (crust.demo.NodeProcess)."""
+    """`crust node` as the demo runs it (crust.demo.node.NodeProcess)."""
 
     def __init__(self, root: Path, config: Path):
         self.root = root

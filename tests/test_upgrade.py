@@ -37,7 +37,7 @@ from crust.contract.mountinfo import SCHEMA_VERSION
 from crust.csi_shim.records import ShimVolumeRecord
 from crust.driver.records import GroupSnapshotRecord, NodeVolumeRecord, PoolRecord, SnapshotRecord, VolumeRecord
 from crust.kata.accel import ProbeRecord
-from crust.kubelet_replay import Kubelet, PersistentVolume, Pod
+from crust.kubelet import Kubelet, PersistentVolume, Pod
 from crust.node.config import NodeConfig
 from crust.node.supervisor import NodeStatus
 from crust.proxy.records import Decision, DeferredVolume, HandlerRecord
