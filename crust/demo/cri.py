@@ -64,9 +64,16 @@ class CriPod:
             self.containerd, how = microvm.shim_containerd(self.root / "containerd", self.cri_image.name,
                                                            self.runtime_handler, self.handler_socket)
         else:
-            runtime = Path(sys.executable).parent / "crust-oci-runtime"
-            runtime = runtime if runtime.exists() else Path(shutil.which("crust-oci-runtime") or runtime)
-            how = f"runc shim with BinaryName {runtime.name}"
+            from crust.oci_runtime import frontend
+
+            python_runtime = Path(sys.executable).parent / "crust-oci-runtime"
+            if not python_runtime.exists():
+                python_runtime = Path(shutil.which("crust-oci-runtime") or python_runtime)
+            # crust-runc, the front end containerd runs: runc for every call
+            # but those that need crust, which it hands to the Python runtime.
+            runtime = self.root / "crust-runc"
+            frontend.build(runtime, python_runtime)
+            how = f"runc shim with BinaryName {runtime.name} (then {python_runtime.name} where crust has work)"
             self.containerd = Containerd(
                 self.root / "containerd", sandbox_image=self.cri_image.name,
                 runtimes={"runc": "", self.runtime_handler: str(runtime)},
