@@ -11,6 +11,7 @@ import io
 import os
 import shutil
 import subprocess
+import stat
 import sys
 import signal
 import tarfile
@@ -635,6 +636,76 @@ def test_a_link_to_another_pods_deferred_target_is_refused_and_its_placeholder_n
     env.unpublish(victim)
 
 
+def _json_call(path: Path, line: bytes) -> dict:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        sock.sendall(line)
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    return json.loads(reply)
+
+
+def test_the_handlers_json_socket_answers_as_its_grpc_service(make_env, tmp_path):
+    """ContainerVolumes on `<endpoint>.json` (crust-oci-runtime's way in,
+    without gRPC): the service's answers and codes as JSON, a bad line or
+    method refused naming it, root's socket only (mode 0600; another user
+    that reaches it anyway is refused)."""
+    env = make_env()
+    path = Path(f"{env.handler.socket}.json")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    listed = _json_call(path, b'{"method": "ListContainers", "request": {}}\n')
+    assert listed == {"response": {}}, listed
+    for line, code, words in (
+            (b'{"method": "PrepareContainer", "request": {"sandboxId": "p"}}\n', "INVALID_ARGUMENT", "container_id"),
+            (b'{"method": "PrepareContainer", "request": {"containerId": 7}}\n', "INVALID_ARGUMENT", "containerId"),
+            (b'{"method": "DeleteEverything", "request": {}}\n', "UNIMPLEMENTED", "DeleteEverything"),
+            (b'{"method": "ReleaseContainer", "request": []}\n', "INVALID_ARGUMENT", "request"),
+            (b'not json\n', "INVALID_ARGUMENT", "JSON")):
+        answer = _json_call(path, line)
+        assert answer["error"]["code"] == code and words in answer["error"]["message"], (line, answer)
+    # Released twice, unknown: idempotent, as over gRPC.
+    assert _json_call(path, b'{"method": "ReleaseContainer", "request": {"containerId": "none"}}\n') == {"response": {}}
+    # Another user reaching the socket anyway (the socket and the test's
+    # directories opened up for the moment): refused by its credentials.
+    top = Path(tempfile.gettempdir())
+    opened = [path] + [d for d in path.parents if d.is_relative_to(top) and d != top]
+    modes = {p: stat.S_IMODE(os.stat(p).st_mode) for p in opened}
+    for p, mode in modes.items():
+        os.chmod(p, mode | (0o666 if p == path else 0o011))
+    try:
+        # A child that becomes nobody, asks, and hands the answer back.
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(read_end)
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                try:
+                    answer = _json_call(path, b'{"method": "ListContainers", "request": {}}\n')
+                except OSError as exc:
+                    answer = {"connect": str(exc)}
+                os.write(write_end, json.dumps(answer).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as answer_pipe:
+            answer = json.loads(answer_pipe.read() or b"{}")
+        os.waitpid(pid, 0)
+        assert answer.get("error", {}).get("code") == "PERMISSION_DENIED", answer
+    finally:
+        for p, mode in modes.items():
+            os.chmod(p, mode)
+
+
 # -- deploy/: the runtime's configuration for containerd, CRI-O and Kubernetes -----------------------------
 
 
@@ -658,7 +729,7 @@ def test_deploy_configures_crust_runc_for_containerd_cri_o_and_kubernetes(tmp_pa
     runtime = merged["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["crust-runc"]
     assert runtime["runtime_type"] == "io.containerd.runc.v2"
     binary = runtime["options"]["BinaryName"]
-    assert binary.endswith("/crust-oci-runtime")
+    assert binary == "/usr/local/bin/crust-runc"   # the front end, as docs/install-node.md builds it
     crio = tomllib.loads((deploy / "crio" / "crust-runc.conf").read_text())["crio"]["runtime"]["runtimes"]
     assert crio["crust-runc"]["runtime_path"] == binary and crio["crust-runc"]["runtime_type"] == "oci"
     runtime_class = yaml.safe_load((deploy / "kubernetes" / "runtimeclass-crust-runc.yaml").read_text())
@@ -667,6 +738,11 @@ def test_deploy_configures_crust_runc_for_containerd_cri_o_and_kubernetes(tmp_pa
     # The runtime's own file is read as the runtime reads it.
     values = settings({"CRUST_OCI_RUNTIME_CONFIG": str(deploy / "oci-runtime.json")})
     assert values["handlerEndpoint"] == "unix:///run/crust/handler.sock" and values["runc"] == "/usr/sbin/runc"
+    # ... and as the front end reads it: simply, so a call crust has no work
+    # in goes straight to the runc it names.
+    done = subprocess.run([str(OCI_RUNTIME), "--version"], capture_output=True, text=True, timeout=30,
+                          env={"CRUST_OCI_RUNTIME_CONFIG": str(deploy / "oci-runtime.json"), "PATH": "/nonexistent"})
+    assert done.returncode == 0 and done.stdout.startswith("runc version"), (done.stdout, done.stderr)
     (tmp_path / "bad.json").write_text('{"handlerEndpont": "x"}')
     with pytest.raises(Exception, match="unknown key"):
         settings({"CRUST_OCI_RUNTIME_CONFIG": str(tmp_path / "bad.json")})

@@ -363,6 +363,18 @@ class ContainerVolumesStub(object):
     per-container records, so a volume claimed at `create` is answered for
     (stats, expansion) while the container runs, and released at `delete`
     or, should no `delete` come, once the container is gone.
+
+    The same service is also served without gRPC on `<socket>.json` beside
+    the handler's socket (mode 0600, the handler's own user only, checked by
+    the peer's credentials), for the runtime, a process per call that would
+    spend most of its start importing gRPC: one connection per call, one
+    line each way, the messages in protobuf's JSON mapping of this file:
+    -> {"method": "PrepareContainer", "request": {"containerId": "c1", ...}}
+    <- {"response": {"mounts": [{"destination": "/data", "targetPath": ...}]}}
+    <- {"error": {"code": "FAILED_PRECONDITION", "message": "..."}}
+    The error's code is the gRPC status code's name the gRPC service would
+    answer; an unknown method is UNIMPLEMENTED, a line that is not such an
+    object or a message the mapping refuses INVALID_ARGUMENT.
     """
 
     def __init__(self, channel):
@@ -400,6 +412,18 @@ class ContainerVolumesServicer(object):
     per-container records, so a volume claimed at `create` is answered for
     (stats, expansion) while the container runs, and released at `delete`
     or, should no `delete` come, once the container is gone.
+
+    The same service is also served without gRPC on `<socket>.json` beside
+    the handler's socket (mode 0600, the handler's own user only, checked by
+    the peer's credentials), for the runtime, a process per call that would
+    spend most of its start importing gRPC: one connection per call, one
+    line each way, the messages in protobuf's JSON mapping of this file:
+    -> {"method": "PrepareContainer", "request": {"containerId": "c1", ...}}
+    <- {"response": {"mounts": [{"destination": "/data", "targetPath": ...}]}}
+    <- {"error": {"code": "FAILED_PRECONDITION", "message": "..."}}
+    The error's code is the gRPC status code's name the gRPC service would
+    answer; an unknown method is UNIMPLEMENTED, a line that is not such an
+    object or a message the mapping refuses INVALID_ARGUMENT.
     """
 
     def PrepareContainer(self, request, context):
@@ -476,6 +500,18 @@ class ContainerVolumes(object):
     per-container records, so a volume claimed at `create` is answered for
     (stats, expansion) while the container runs, and released at `delete`
     or, should no `delete` come, once the container is gone.
+
+    The same service is also served without gRPC on `<socket>.json` beside
+    the handler's socket (mode 0600, the handler's own user only, checked by
+    the peer's credentials), for the runtime, a process per call that would
+    spend most of its start importing gRPC: one connection per call, one
+    line each way, the messages in protobuf's JSON mapping of this file:
+    -> {"method": "PrepareContainer", "request": {"containerId": "c1", ...}}
+    <- {"response": {"mounts": [{"destination": "/data", "targetPath": ...}]}}
+    <- {"error": {"code": "FAILED_PRECONDITION", "message": "..."}}
+    The error's code is the gRPC status code's name the gRPC service would
+    answer; an unknown method is UNIMPLEMENTED, a line that is not such an
+    object or a message the mapping refuses INVALID_ARGUMENT.
     """
 
     @staticmethod

@@ -46,6 +46,8 @@ import shutil
 import sys
 import time
 
+from crust.oci_runtime.client import RuntimeFailure
+
 CSI_SOURCE_MARK = "/kubernetes.io~csi/"
 ORIGINAL_CONFIG = "config.crust-original.json"
 SANDBOX_ID_ANNOTATIONS = ("io.kubernetes.cri.sandbox-id", "io.kubernetes.cri-o.SandboxID")
@@ -57,10 +59,6 @@ GLOBAL_VALUE_FLAGS = {"--log", "--log-format", "--root", "--criu", "--rootless"}
 # Flags of create and run that take a value.
 CREATE_VALUE_FLAGS = {"--bundle", "-b", "--console-socket", "--pid-file", "--preserve-fds"}
 RUNC_ROOT = "/run/runc"
-
-
-class RuntimeFailure(Exception):
-    pass
 
 
 # -- settings and the command line ------------------------------------------------------------

@@ -16,6 +16,7 @@ from crust.runtime_handler.handler import RuntimeHandler
 from crust.runtime_handler.registration import Registration
 from crust.runtime_handler.sandbox import MountNamespaceSandbox
 from crust.runtime_handler.containers import ContainerVolumes
+from crust.runtime_handler.json_endpoint import JsonEndpoint
 from crust.runtime_handler.service import ContainerVolumesService, HandlerService, SandboxControlService
 from crust.sys import netns
 from crust.sys.proc import ProcessId
@@ -76,9 +77,12 @@ class HandlerDaemon:
         make_dirs(self.config.state_dir)
         handler_pb2_grpc.add_HandlerServicer_to_server(HandlerService(self.handler), self.daemon.server)
         handler_pb2_grpc.add_SandboxControlServicer_to_server(SandboxControlService(self.handler), self.daemon.server)
+        json_endpoint = None
         if self.handler.containers is not None:
-            handler_pb2_grpc.add_ContainerVolumesServicer_to_server(
-                ContainerVolumesService(self.handler.containers), self.daemon.server)
+            containers = ContainerVolumesService(self.handler.containers)
+            handler_pb2_grpc.add_ContainerVolumesServicer_to_server(containers, self.daemon.server)
+            # crust-oci-runtime's way in: the same service without gRPC.
+            json_endpoint = JsonEndpoint(containers, self.config.endpoint)
         for extension in self.extensions:
             extension.add_to(self.daemon.server)
         await self.daemon.start()
@@ -87,6 +91,8 @@ class HandlerDaemon:
             await extension.start()
         if self.handler.containers is not None:
             self.handler.containers.start()
+        if json_endpoint is not None:
+            await json_endpoint.start()
         if self.make_sandbox is mount_namespace_sandbox:
             # Network namespaces of sandboxes this handler has no record of
             # (killed between making one and recording its sandbox).
@@ -98,6 +104,8 @@ class HandlerDaemon:
         await self.daemon.stopping.wait()
         # Sandboxes outlive the handler daemon (as containers outlive a
         # restarted runtime daemon); their claims stay with them.
+        if json_endpoint is not None:
+            await json_endpoint.stop()
         if self.handler.containers is not None:
             self.handler.containers.stop()
         for extension in self.extensions:
