@@ -18,13 +18,24 @@ and StopPodSandbox (the VM stopped, the claim released). One uncounted
 warm-up round, then --rounds (median of 5 by default). The accelerator the
 handler chose (kvm, or tcg where KVM does not work) is reported.
 
-    .venv/bin/python bench/pod_start_microvm.py [--rounds 5] [--fs ext4] [--mib 128] [--json OUT.json]
+--pools 0,1 runs the rounds once per handler setting, one after the other
+in the same run: 0, each pod boots its VM; 1, the handler keeps one VM
+booted ahead (crust.kata.pool) and each pod takes it (a round starts once
+the pool has refilled, as when pods come slower than boots). Beside them,
+the floor: --floor-boots boots of the same kernel, with a tiny initramfs
+whose /init powers off at once, same accelerator and memory, from QEMU's
+start to its exit. And a pooled VM's memory while it waits (its QEMU's
+RSS and PSS, the guest's RAM a shared memfd).
+
+    .venv/bin/python bench/pod_start_microvm.py [--rounds 5] [--pools 0,1] [--floor-boots 5] [--fs ext4]
+        [--mib 128] [--json OUT.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,13 +44,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
 from bench.pod_start import log_time  # noqa: E402
+from crust.kata import cpio  # noqa: E402
+from crust.kata import image as kata_image  # noqa: E402
 from crust.kata.qemu import qemu_pids_under  # noqa: E402
+from crust.kubelet import image as images  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
 from tests.cri_harness import cri_microvm_node  # noqa: E402
 from tests.harness import Root  # noqa: E402
 
 WORKLOAD = "echo x > /data/first-write && echo written && trap 'exit 0' TERM; while true; do sleep 1; done"
 CALLS = ("RunPodSandbox", "CreateContainer", "StartContainer", "StopPodSandbox")
+# PodRuntime's calls (the handler's log), inside RunPodSandbox and StartContainer.
+HANDLER_CALLS = ("CreatePod", "CreateContainer", "StartProcess")
 
 
 def accelerator(root: Root) -> str:
@@ -52,6 +68,52 @@ def accelerator(root: Root) -> str:
         if entry.get("msg") == "accelerator":
             return f"{entry.get('accel')} ({entry.get('reason', '')})"
     return "unknown"
+
+
+def pooled_ready(root: Root) -> list[int]:
+    """QEMU pids of the VMs the pool holds, their agent answered (the handler logs it)."""
+    pool = root.path / "kata-state" / "pool"
+    ready = []
+    for line in (root.path / "kata.sock.log").read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("msg") == "pooled VM ready" and (pool / entry["vm"]).is_dir():
+            ready.append(int(entry["pid"]))
+    return [pid for pid in ready if pid in qemu_pids_under(pool)]
+
+
+def memory_of(pid: int) -> dict:
+    """A process's resident memory (kB): RSS, its shared part (the guest's memfd), PSS."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    rollup = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
+                  if ":" in line)
+    kb = lambda text: int(text.split()[0])  # noqa: E731
+    return {"rss_kb": kb(status["VmRSS"]), "rss_shmem_kb": kb(status["RssShmem"]), "pss_kb": kb(rollup["Pss"])}
+
+
+def boot_floor(work: Path, boots: int, accel: str, memory_mib: int) -> list[float]:
+    """The same kernel to a tiny initramfs whose /init powers off: QEMU's
+    start to its exit, each boot."""
+    kernel, _ = kata_image.image_paths()
+    busybox = images.find_busybox()
+    initrd = work / "floor.cpio"
+    initrd.write_bytes(cpio.archive([
+        cpio.directory("bin"), cpio.directory("dev"), cpio.chardev("dev/console", 5, 1),
+        cpio.regular("bin/busybox", busybox.read_bytes(), 0o755),
+        cpio.regular("init", b"#!/bin/busybox sh\n/bin/busybox poweroff -f\n", 0o755)]))
+    accel_args = ["-accel", "kvm", "-cpu", "host"] if accel == "kvm" else ["-accel", "tcg"]
+    seconds = []
+    for _ in range(boots):
+        started = time.monotonic()
+        subprocess.run(["qemu-system-x86_64", "-machine", "pc", *accel_args, "-m", str(memory_mib), "-smp", "1",
+                        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-kernel", str(kernel),
+                        "-initrd", str(initrd), "-append", "console=ttyS0 quiet panic=-1", "-serial", "null"],
+                       check=True, timeout=120, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        seconds.append((time.monotonic() - started) * 1e3)
+    return seconds
 
 
 def start_one(node, root: Root, pv, name: str) -> dict:
@@ -75,14 +137,22 @@ def start_one(node, root: Root, pv, name: str) -> dict:
         if written is None:
             time.sleep(0.01)
     result = {"to_first_write_ms": (log_time(written) - started) * 1e3}
+    # The pod's VM, by the pid file in its work directory (the pool's VMs run beside it).
+    pod_vms = {int(p.read_text()) for p in (root.path / "kata-state" / "run").glob("*/qemu.pid")}
     stopping = time.monotonic()
     node.runtime.kill_pod(pod)
-    while qemu_pids_under(root.path):
+    while pod_vms & set(qemu_pids_under(root.path)):
         time.sleep(0.01)
     result["stop_to_vm_gone_ms"] = (time.monotonic() - stopping) * 1e3
     for method, ms in node.runtime.timings:
         if method in CALLS:
             result[method + "_ms"] = result.get(method + "_ms", 0.0) + ms
+    # The handler's own part of RunPodSandbox and StartContainer (the rest is
+    # containerd and the shim): its last answer to each call.
+    for line in (root.path / "kata.sock.log").read_text(errors="replace").splitlines():
+        for rpc in HANDLER_CALLS:
+            if f'"rpc": "{rpc}"' in line and '"msg": "ok"' in line:
+                result[f"handler_{rpc}_ms"] = json.loads(line)["ms"]
     node.runtime.remove_pod(pod)
     node.kubelet.retried(node.kubelet.tear_down, pv, pod)
     assert not node.claims(), "a claim was left after the pod"
@@ -94,48 +164,73 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--fs", default="ext4", choices=["xfs", "ext4"])
     parser.add_argument("--mib", type=int, default=128)
+    parser.add_argument("--pools", default="0,1", help="the handler's --vm-pool settings to run, in turn (default: 0,1)")
+    parser.add_argument("--floor-boots", type=int, default=5, help="bare boots of the floor (0: none)")
     parser.add_argument("--json", help="write the results here ('-' for stdout)")
     args = parser.parse_args(argv)
     if benchlib.not_root("bench/pod_start_microvm.py", "loop devices, QEMU, containerd"):
         return 2
     benchlib.raise_on_signals()
     results = benchlib.run_header("pod_start_microvm", argv, benchlib.machine())
-    root = Root()
+    roots: list[Root] = []   # one per handler setting (each its own node)
 
     def body() -> None:
         began = time.monotonic()
         load_before = benchlib.loadavg()
-        with cri_microvm_node(root) as node:
-            version = node.runtime.runtime_version
-            results["containerd"] = version.runtime_version if version else ""
-            results["accelerator"] = accelerator(root)
-            pv = node.pv("pv-bench", args.fs, size=args.mib * 1024**2)
-            node.kubelet.retried(node.kubelet.mount_device, pv, Pod(uid="uid-stage", name="stage"))
-            samples = []
-            for turn in range(args.rounds + 1):
-                one = start_one(node, root, pv, f"microvm-{turn}")
-                if turn:  # round 0 warms up
-                    samples.append(one)
-                print(f"round {turn}/{args.rounds}: {one['to_first_write_ms']:.0f} ms to the first write"
-                      + (" (warm-up)" if not turn else ""), file=sys.stderr)
-            node.kubelet.retried(node.kubelet.unmount_device, pv)
-            node.proxy.delete(pv.volume_handle)
-        keys = ["to_first_write_ms"] + [c + "_ms" for c in CALLS] + ["stop_to_vm_gone_ms"]
-        rows = {key: benchlib.summary([s[key] for s in samples if key in s], 1) for key in keys}
-        results.update({"fs_type": args.fs, "volume_mib": args.mib, "rounds": args.rounds, "results": rows,
+        keys = (["to_first_write_ms"] + [c + "_ms" for c in CALLS] + [f"handler_{c}_ms" for c in HANDLER_CALLS]
+                + ["stop_to_vm_gone_ms"])
+        columns: dict[str, dict] = {}
+        for pool in [int(p) for p in args.pools.split(",") if p.strip()]:
+            roots.append(Root())
+            root = roots[-1]
+            with cri_microvm_node(root, vm_pool=pool) as node:
+                version = node.runtime.runtime_version
+                results["containerd"] = version.runtime_version if version else ""
+                results["accelerator"] = accelerator(root)
+                pv = node.pv(f"pv-bench-{pool}", args.fs, size=args.mib * 1024**2)
+                node.kubelet.retried(node.kubelet.mount_device, pv, Pod(uid=f"uid-stage-{pool}", name="stage"))
+                samples = []
+                for turn in range(args.rounds + 1):
+                    deadline = time.monotonic() + 300
+                    while pool and len(pooled_ready(root)) < pool:   # the pool refilled
+                        if time.monotonic() > deadline:
+                            raise TimeoutError("the pool did not refill within 300 s")
+                        time.sleep(0.05)
+                    if pool and turn == 1:
+                        results["pooled_vm_memory"] = memory_of(pooled_ready(root)[0])
+                    one = start_one(node, root, pv, f"microvm-{pool}-{turn}")
+                    if turn:  # round 0 warms up
+                        samples.append(one)
+                    print(f"pool {pool}, round {turn}/{args.rounds}: {one['to_first_write_ms']:.0f} ms to the "
+                          f"first write" + (" (warm-up)" if not turn else ""), file=sys.stderr)
+                node.kubelet.retried(node.kubelet.unmount_device, pv)
+                node.proxy.delete(pv.volume_handle)
+            columns[f"pool {pool}"] = {key: benchlib.summary([s[key] for s in samples if key in s], 1)
+                                       for key in keys}
+        accel = results.get("accelerator", "tcg").split()[0]
+        if args.floor_boots:
+            roots.append(Root())
+            columns["floor (bare boot to poweroff)"] = {"boot_to_exit_ms": benchlib.summary(
+                boot_floor(roots[-1].path, args.floor_boots, accel, 256), 1)}
+        results.update({"fs_type": args.fs, "volume_mib": args.mib, "rounds": args.rounds, "results": columns,
                         "wall_seconds": round(time.monotonic() - began, 1), "load_before": load_before,
                         "load": benchlib.loadavg()})
         print(f"\nPod start through containerd {results['containerd']} with crust-microvm, {args.fs} "
               f"{args.mib} MiB, accelerator {results['accelerator']}, median of {args.rounds} (min-max); "
               f"{benchlib.machine_summary(results['machine'])}")
-        for key in keys:
-            s = rows[key]
-            cell = f"{s['median']:.0f} ms ({s['min']:.0f}-{s['max']:.0f})" if s["n"] else "-"
-            print(f"{key.removesuffix('_ms'):<24}{cell:>26}")
+        for column, rows in columns.items():
+            print(column)
+            for key, row in rows.items():
+                cell = f"{row['median']:.0f} ms ({row['min']:.0f}-{row['max']:.0f})" if row["n"] else "-"
+                print(f"  {key.removesuffix('_ms'):<24}{cell:>26}")
+        if "pooled_vm_memory" in results:
+            m = results["pooled_vm_memory"]
+            print(f"a pooled VM waiting: QEMU RSS {m['rss_kb'] / 1024:.0f} MiB (shared memfd "
+                  f"{m['rss_shmem_kb'] / 1024:.0f} MiB), PSS {m['pss_kb'] / 1024:.0f} MiB")
         print(f"load {load_before} before, {results['load']} after")
 
     def cleanup() -> bool:
-        return benchlib.close_and_report(root, [], root.close)
+        return all([benchlib.close_and_report(root, [], root.close) for root in roots])
 
     return benchlib.guarded_run_then_write(body, cleanup, benchlib.report_failure, args.json, results)
 

@@ -217,7 +217,7 @@ KATA_HANDLER = dict(name="kata", endpoint_name="kata.sock", command=("kata", "ha
 
 
 @contextlib.contextmanager
-def cri_microvm_node(root, pod_network: bool = False) -> Iterator[CriNode]:
+def cri_microvm_node(root, pod_network: bool = False, vm_pool: int = 0) -> Iterator[CriNode]:
     """The node with the microVM handler, its containerd's runtime `crust`
     being crust's shim v2 in front of it (RuntimeClass crust-microvm);
     pod_network: pods off the host's network get a bridge of their own."""
@@ -225,7 +225,8 @@ def cri_microvm_node(root, pod_network: bool = False) -> Iterator[CriNode]:
     with private_containerd(shim_runtimes={"crust": "io.containerd.crust.v2"}, env=env,
                             pod_network=pod_network) as (containerd, image):
         node = CriNode(root, containerd, image,
-                       handler_kw={**KATA_HANDLER, "extra": ["--kata-dir", str(root.path / "kata")]},
+                       handler_kw={**KATA_HANDLER, "extra": ["--kata-dir", str(root.path / "kata"),
+                                                             "--vm-pool", str(vm_pool)]},
                        runtime_classes={"crust-microvm": "crust"})
         try:
             yield node

@@ -348,7 +348,7 @@ def kill_sandbox_holders(root: Path) -> None:
     <root>/<handler>-state/run/, which exists only inside such a sandbox's
     namespace (host mounts propagate into every namespace, so merely
     mentioning the root would also match other roots' sandboxes)."""
-    own = re.compile(re.escape(str(root.resolve())) + r"/[^/ ]+-state/(run|accel-probe)/")
+    own = re.compile(re.escape(str(root.resolve())) + r"/[^/ ]+-state/(run|accel-probe|pool)/")
     killed: list[Path] = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -356,8 +356,8 @@ def kill_sandbox_holders(root: Path) -> None:
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
             if argv[0].endswith(b"qemu-system-x86_64"):
-                # A microVM sandbox (or the handler's KVM probe VM): its
-                # sockets and logs live under the state dir.
+                # A microVM sandbox (or the handler's KVM probe VM, or a VM
+                # its pool booted ahead): its logs live under the state dir.
                 if not own.search(b" ".join(argv).decode(errors="replace")):
                     continue
             elif argv[:2] != [b"sleep", b"infinity"] or not own.search((entry / "mountinfo").read_text()):

@@ -136,7 +136,7 @@ class KataEnv(Env):
         return self.proxy.kata_dir
 
 
-def kata_env(root, proxy_extra=()):
+def kata_env(root, proxy_extra=(), handler_extra=()):
     """driver -> shim -> proxy, and `crust kata handler` registered with it;
     its sandboxes deleted at the end. Root.close() then stops the daemons and
     kills this root's QEMU processes. CRUST_TEST_KATA_CACHE names another
@@ -145,7 +145,8 @@ def kata_env(root, proxy_extra=()):
     cache = os.environ.get("CRUST_TEST_KATA_CACHE")
     e = KataEnv(root, proxy_extra=proxy_extra, start_handler=False, name="kata", endpoint_name="kata.sock",
                 command=("kata", "handler"),
-                extra=["--kata-dir", str(root.path / "kata"), *(["--cache", cache] if cache else [])])
+                extra=["--kata-dir", str(root.path / "kata"), *(["--cache", cache] if cache else []),
+                       *handler_extra])
     e.handler.start(timeout=900)  # builds the guest image if it is missing
     try:
         yield e

@@ -32,7 +32,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(params=RUNTIME_CLASSES)
 def node(request, root):
-    with pod_node(request.param, root, pod_network=True) as made:
+    """The microVM's pods take VMs booted ahead of them, so their NIC and
+    shares are plugged into a running VM (the other suites boot a VM per pod)."""
+    with pod_node(request.param, root, pod_network=True, vm_pool=1) as made:
         yield made
 
 

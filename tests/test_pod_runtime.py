@@ -635,3 +635,98 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     assert not workdir.exists(), "a deleted pod's work directory (its VM's logs) stays behind"
     assert (shared / "out").read_text() == "from-guest\n" and conf.read_text() == "version 2\n"
     assert watch.stop() == [] and kenv.claims() == []
+
+
+# -- VMs booted ahead of their pods ---------------------------------------------------------------
+
+
+@pytest.fixture
+def pool_env(root):
+    """pod_env with a pool of one VM booted ahead, and 3 s leases."""
+    for kenv in kata_env(root, proxy_extra=["--lease-seconds", "3"], handler_extra=["--vm-pool", "1"]):
+        client = PodClient(kenv.handler.socket)
+        try:
+            yield kenv, client
+        finally:
+            try:
+                for pod_id in client.pods():
+                    client.delete_pod(pod_id)
+            finally:
+                client.close()
+
+
+def pooled_vms(kenv) -> dict[int, str]:
+    """QEMU pid -> name of the VMs the pool holds, once their agent answered
+    (the handler logs it)."""
+    ready = {}
+    for line in kenv.handler.log_path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("msg") == "pooled VM ready":
+            ready[int(entry["pid"])] = entry["vm"]
+    pool = kenv.handler.state_dir / "pool"
+    running = set(qemu_pids_under(pool))   # by their command line: a taken VM's still names the pool
+    return {pid: name for pid, name in ready.items() if pid in running and (pool / name).is_dir()}
+
+
+def test_a_pod_takes_a_vm_booted_ahead_and_the_pool_boots_the_next(pool_env):
+    """--vm-pool 1: a VM is booted before any pod; CreatePod takes it (its
+    QEMU is the pod's), plugs the pod's shares and runs the pod's container
+    in it (a host path written both ways, a configMap read), while the pool
+    boots the next VM. The taken VM is never another pod's: it goes with
+    its pod. A restarted handler adopts the pod that took a pooled VM (its
+    name and sockets from the VM's own record), and stops the VM the killed
+    handler's pool held, booting a new one."""
+    kenv, client = pool_env
+    wait_until(lambda: pooled_vms(kenv), timeout=120, what="the pool's first VM")
+    (first, name), = pooled_vms(kenv).items()
+
+    qemu = client.create_pod("pooled", kenv.path)
+    assert qemu == first, "the pod booted a VM of its own instead of taking the pooled one: " + "\n".join(
+        line for line in kenv.handler.log_path.read_text().splitlines() if "pool" in line)[-3000:]
+    workdir = kenv.handler.state_dir / "run"
+    assert json.loads(next(workdir.glob("*/vm.json")).read_text())["name"] == name
+    wait_until(lambda: set(pooled_vms(kenv)) - {first}, timeout=120, what="the pool's next VM")
+    (second, _), = pooled_vms(kenv).items()
+
+    shared = kenv.path / "pooled-shared"
+    shared.mkdir()
+    (shared / "from-host").write_text("host\n")
+    config_map = kenv.path / "pods" / "uid-pooled" / "volumes" / "kubernetes.io~configmap" / "cfg"
+    (config_map / "..v1").mkdir(parents=True)
+    (config_map / "..v1" / "key").write_text("cm 1\n")
+    (config_map / "..data").symlink_to("..v1")
+    (config_map / "key").symlink_to("..data/key")
+    client.create_container("pooled", "app", container_bundle(
+        kenv.path, "app", ["/bin/sh", "-c", "cat /shared/from-host /cfg/key; echo guest > /shared/from-guest; "
+                                            "echo READY; exec sleep 600"],
+        [bind("/shared", shared), bind("/cfg", config_map, "ro")]))
+    client.start("app")
+    assert client.output_until("app", b"READY") == b"host\ncm 1\nREADY\n"
+    assert (shared / "from-guest").read_text() == "guest\n"
+
+    kenv.handler.kill()
+    wait_until(lambda: kenv.handlers()["kata"].lease_expired, timeout=15, what="the lease to expire")
+    kenv.handler.start(timeout=120)
+    client.close()
+    client.__init__(kenv.handler.socket)
+    assert client.pods()["pooled"].alive and client.pods()["pooled"].pid == first, "\n".join(
+        kenv.handler.log_path.read_text().splitlines()[-25:])
+    assert client.exec("app", "after-restart", ["cat", "/shared/from-host"])[:2] == (0, b"host\n")
+    wait_until(lambda: second not in qemu_pids_under(kenv.handler.state_dir), timeout=30,
+               what="the killed handler's pooled VM to be stopped")
+    wait_until(lambda: set(pooled_vms(kenv)) - {first, second}, timeout=120, what="a new pooled VM")
+
+    client.delete_pod("pooled")
+    wait_until(lambda: first not in qemu_pids_under(kenv.handler.state_dir), what="the pod's QEMU to exit")
+    assert first not in pooled_vms(kenv)
+    assert not list(workdir.glob("*/vm.json")), "the pod's work directory stays"
+    # A handler stopped (SIGTERM) stops the VMs its pool holds; pods' VMs outlive it.
+    waiting = set(pooled_vms(kenv))
+    assert waiting
+    assert kenv.handler.stop() == 0
+    assert not waiting & set(qemu_pids_under(kenv.handler.state_dir))
+    assert not list((kenv.handler.state_dir / "pool").iterdir())
+    kenv.handler.start(timeout=120)

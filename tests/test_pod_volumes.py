@@ -154,10 +154,11 @@ class PodNode:
 
 
 @contextlib.contextmanager
-def pod_node(runtime_class: str, root, pod_network: bool = False) -> Iterator[PodNode]:
+def pod_node(runtime_class: str, root, pod_network: bool = False, vm_pool: int = 0) -> Iterator[PodNode]:
     """A node whose RuntimeClass `runtime_class` runs pods: a private
     containerd (and, for crust's runtimes, the crust stack they use);
-    pod_network: a bridge for the pods off the host's network (CNI)."""
+    pod_network: a bridge for the pods off the host's network (CNI);
+    vm_pool: VMs the microVM handler boots ahead of its pods."""
     host_dir = root.path / "host"
     host_dir.mkdir()
     if runtime_class == "runc":
@@ -172,8 +173,11 @@ def pod_node(runtime_class: str, root, pod_network: bool = False) -> Iterator[Po
             finally:
                 runtime.close()
     elif runtime_class == "crust-microvm":
-        with cri_microvm_node(root, pod_network=pod_network) as node:
+        with cri_microvm_node(root, pod_network=pod_network, vm_pool=vm_pool) as node:
             yield PodNode(node.runtime, node.image, runtime_class, host_dir, node.containerd)
+            if vm_pool:
+                log = node.env.handler.log_path.read_text(errors="replace")
+                assert '"msg": "pod takes a pooled VM"' in log, "no pod took a VM the pool booted"
     elif runtime_class == "crust-runc":
         if pod_network:
             raise ValueError("the crust-runc node has no pod network of its own yet")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from pathlib import Path
@@ -12,7 +13,8 @@ from crust.kata.accel import choose as choose_accelerator
 from crust.kata.direct_volume import DEFAULT_ROOT, DirectVolumes
 from crust.kata.image import DEFAULT_CACHE, build
 from crust.kata.pod_service import PodRuntimeExtension
-from crust.kata.qemu import VmConfig
+from crust.kata.pool import VmPool
+from crust.kata.qemu import Vm, VmConfig
 from crust.kata.sandbox import KataSandbox
 from crust.runtime_handler.server import HandlerConfig, HandlerDaemon
 from crust.sys.proc import ProcessId
@@ -21,15 +23,19 @@ log = logging.getLogger(__name__)
 
 
 def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "auto", memory_mib: int = 256,
-          kata_dir: Path | None = DEFAULT_ROOT) -> None:
+          kata_dir: Path | None = DEFAULT_ROOT, vm_pool: int = 0) -> None:
     # The image is checked (and rebuilt if its inputs changed) before the
     # handler registers: a sandbox must never wait for a kernel build.
     image = build(cache, "cloud")
     vm_config = VmConfig(kernel=image.kernel, initrd=image.initrd, memory_mib=memory_mib)
 
-    def make_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None, qemu: ProcessId | None) -> KataSandbox:
+    def make_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None, qemu: ProcessId | None,
+                     vm: Vm | None = None) -> KataSandbox:
         # The guest has its own root file system; the bundle's rootfs is not used.
-        return KataSandbox(sandbox_id, workdir, vm_config, qemu)
+        return KataSandbox(sandbox_id, workdir, vm_config, qemu, vm=vm)
+
+    # VMs booted ahead of their pods (PodRuntime's pods take them).
+    pool = VmPool(vm_pool, config.state_dir / "pool", vm_config)
 
     # Volumes a Kata-style CSI driver described with `direct-volume add`
     # are found next to the proxy's deferred ones.
@@ -56,7 +62,7 @@ def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "a
         # The guest opens LUKS2 volumes, authenticated ones too: the proxy
         # hands this handler their keys.
         await HandlerDaemon(config, make_sandbox=make_sandbox, direct_source=direct,
-                            extensions=[PodRuntimeExtension],
+                            extensions=[functools.partial(PodRuntimeExtension, pool=pool)],
                             extra_features=tuple(encryption.required_features(encryption.LUKS2,
                                                                               encryption.HMAC_SHA256))).run()
 

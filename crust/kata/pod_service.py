@@ -7,6 +7,7 @@ from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common import csi_input
 from crust.common.errors import CrustError
 from crust.kata.pods import Pods
+from crust.kata.pool import VmPool
 
 SERVICE = handler_pb2.DESCRIPTOR.services_by_name["PodRuntime"].full_name
 
@@ -82,14 +83,19 @@ class PodRuntimeExtension:
 
     service = SERVICE
 
-    def __init__(self, handler):
-        self.pods = Pods(handler)
+    def __init__(self, handler, pool: VmPool | None = None):
+        self.pool = pool
+        self.pods = Pods(handler, pool)
 
     def add_to(self, server) -> None:
         handler_pb2_grpc.add_PodRuntimeServicer_to_server(PodRuntimeService(self.pods), server)
 
     async def start(self) -> None:
         await self.pods.start()
+        if self.pool is not None:
+            await self.pool.start()
 
     async def stop(self) -> None:
+        if self.pool is not None:
+            await self.pool.stop()
         await self.pods.stop()

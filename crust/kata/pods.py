@@ -72,13 +72,17 @@ from typing import AsyncIterator, ClassVar
 from pydantic import BaseModel, Field
 
 from crust.api import handler_pb2
-from crust.common.errors import Aborted, AlreadyExists, CrustError, FailedPrecondition, InvalidArgument, NotFound
+from crust.common.errors import (Aborted, AlreadyExists, CrustError, FailedPrecondition, InvalidArgument, NotFound,
+                                 Unavailable)
+from crust.common.private import make_dirs
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata import guest_oci
 from crust.kata.agent import AgentError, AgentRefused
+from crust.kata.pool import VmPool
 from crust.kata.portforward import PortForwarder
 from crust.kata.qemu import Nic, SharedDir, Vm, VmError
+from crust.kata.qmp import QmpError, QmpGone, QmpTimeout
 from crust.kata.sandbox import KataSandbox
 from crust.kata.share import PodShare, ShareError, cached_in_guest, is_atomic_writer_volume_root
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
@@ -276,8 +280,9 @@ def stats_response(numbers: dict[str, int]) -> handler_pb2.ContainerStatsRespons
 
 
 class Pods:
-    def __init__(self, handler: RuntimeHandler):
+    def __init__(self, handler: RuntimeHandler, pool: VmPool | None = None):
         self.handler = handler
+        self.pool = pool   # VMs booted ahead (crust.kata.pool); a pod takes one when it can
         self.records = RecordStore(handler.state_dir / "pods", PodRecord, self._belongs)
         self.pods: dict[str, PodRecord] = dict(self.records.load_all())
         self.locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -465,7 +470,8 @@ class Pods:
                 sysctls, hostname = guest_oci.pod_settings(sandbox_spec)
                 interface = await self._pod_interface(sandbox_id, network_namespace(sandbox_spec))
                 shares = self._shares(sandbox_id)
-                sandbox = self.handler.make_sandbox(sandbox_id, self._workdir(sandbox_id), None, None)
+                pooled = await self._take_pooled_vm(sandbox_id)
+                sandbox = self.handler.make_sandbox(sandbox_id, self._workdir(sandbox_id), None, None, vm=pooled)
                 record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
                 pod = PodRecord(sandbox_id=sandbox_id, bundle=bundle, guest_runtime="crun")
                 if interface is not None:
@@ -481,9 +487,21 @@ class Pods:
                     if interface is not None:
                         tap = await self._open_tap(sandbox_id, pod.network, interface)
                         nic = Nic(tap, interface.mac)
-                    # This VM's own config: the handler's is shared by all its sandboxes.
-                    sandbox.vm.config = dataclasses.replace(sandbox.vm.config, shared_dirs=tuple(shared), nic=nic)
-                    await sandbox.start()
+                    if pooled is not None:
+                        # Booted already: its shares and NIC are plugged in.
+                        try:
+                            for shared_dir in shared:
+                                await sandbox.vm.plug_shared_dir(shared_dir)
+                            if nic is not None:
+                                await sandbox.vm.plug_nic(nic)
+                        except (VmError, QmpError, QmpGone, QmpTimeout) as exc:
+                            raise Unavailable(f"pod {sandbox_id}: the VM booted for it took no device: {exc}") \
+                                from None
+                    else:
+                        # This VM's own config: the handler's is shared by all its sandboxes.
+                        sandbox.vm.config = dataclasses.replace(sandbox.vm.config, shared_dirs=tuple(shared),
+                                                                nic=nic)
+                        await sandbox.start()
                     if tap >= 0:
                         os.close(tap)   # QEMU's now: the tap lives as long as QEMU
                         tap = -1
@@ -521,6 +539,26 @@ class Pods:
                     raise
         log.info("pod running", extra={"fields": {"sandbox": sandbox_id, "pid": record.pid}})
         return record.pid
+
+    async def _take_pooled_vm(self, sandbox_id: str) -> Vm | None:
+        """A VM the pool booted, moved into the pod's work directory (which
+        must not exist yet, or be empty); None without a pool, when it is
+        empty, or when the move fails (that VM is discarded)."""
+        vm = self.pool.take() if self.pool is not None else None
+        if vm is None:
+            return None
+        workdir = self._workdir(sandbox_id)
+        try:
+            await asyncio.to_thread(make_dirs, workdir.parent)
+            await asyncio.to_thread(os.rename, vm.workdir, workdir)
+            vm.relocate(workdir)
+        except (OSError, VmError) as exc:
+            log.warning("a pooled VM could not become the pod's; booting one", extra={"fields": {
+                "sandbox": sandbox_id, "vm": vm.name, "error": str(exc)}})
+            await vm.kill()
+            return None
+        log.info("pod takes a pooled VM", extra={"fields": {"sandbox": sandbox_id, "vm": vm.name, "pid": vm.pid}})
+        return vm
 
     @staticmethod
     async def _pod_interface(sandbox_id: str, netns_path: str) -> podnet.Interface | None:

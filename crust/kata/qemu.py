@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import re
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crust.common.aio import first_done
+from crust.common.atomicfile import write_atomic
 from crust.common.private import make_dirs, open_new
 from crust.kata.agent import AgentClient, AgentError, GuestGone
 from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
@@ -100,6 +102,9 @@ class VmConfig:
     shared_dirs: tuple[SharedDir, ...] = ()
     # The pod's network: a tap in its network namespace (crust.sys.podnet).
     nic: Nic | None = None
+    # Guest RAM shareable with a file server even without shared_dirs: a
+    # VM booted ahead of its pod (crust.kata.pool) gets its shares later.
+    shared_memory: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,19 +142,36 @@ class Disk:
     readonly: bool
 
 
+# A VM's name and socket directory, kept in its work directory: a VM booted
+# ahead of its pod (crust.kata.pool) moves into the pod's directory under a
+# name and with sockets of its own, which a restarted handler reads here.
+IDENTITY_FILE = "vm.json"
+
+
+def read_identity(workdir: Path) -> tuple[str, Path] | None:
+    """(name, socket directory) a VM recorded in workdir, or None."""
+    try:
+        data = json.loads((workdir / IDENTITY_FILE).read_text())
+        name, sockets = data["name"], Path(data["socket_dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(name, str) or not name.startswith("crust-") or not sockets.is_absolute():
+        return None
+    if sockets != workdir and sockets.parent != SHORT_SOCKET_ROOT:
+        return None
+    return name, sockets
+
+
 class Vm:
-    def __init__(self, name: str, workdir: Path, config: VmConfig):
+    def __init__(self, name: str, workdir: Path, config: VmConfig, socket_dir: Path | None = None):
         if config.accel not in ACCELERATORS:
             raise ValueError(f"accelerator {config.accel!r}: one of {', '.join(ACCELERATORS)}")
         self.name = name
-        self.workdir = workdir
         self.config = config
-        self.console_log = workdir / "console.log"
-        self.qemu_log = workdir / "qemu.log"
-        self.socket_dir = socket_dir_for(workdir)
+        self._place(workdir)
+        self.socket_dir = socket_dir or socket_dir_for(workdir)
         self.agent_socket = self.socket_dir / "agent.sock"
         self.qmp_socket = self.socket_dir / "qmp.sock"
-        self.pidfile = workdir / "qemu.pid"
         self.virtiofsds: dict[str, Virtiofsd] = {}   # by tag
         self.disks: dict[str, Disk] = {}
         self.boot_seconds: float | None = None
@@ -158,6 +180,21 @@ class Vm:
         self._proc: asyncio.subprocess.Process | None = None
         self._adopted: proc.ProcessId | None = None  # a VM started by an earlier handler process (adopt())
         self._exited: asyncio.Task | None = None
+
+    def _place(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.console_log = workdir / "console.log"
+        self.qemu_log = workdir / "qemu.log"
+        self.pidfile = workdir / "qemu.pid"
+
+    def relocate(self, workdir: Path) -> None:
+        """The VM's work directory was renamed to workdir (a pooled VM taken
+        by a pod): QEMU keeps its open files; its sockets are elsewhere."""
+        if self.socket_dir == self.workdir:
+            raise VmError(f"vm {self.name}: its sockets are in its work directory; it cannot move")
+        self._place(workdir)
+        for daemon in self.virtiofsds.values():
+            daemon.relocate(workdir)
 
     # -------------------------------------------------------------- process
 
@@ -198,7 +235,7 @@ class Vm:
     def _shared_dir_args(self) -> list[str]:
         """vhost-user-fs needs the guest's RAM shareable with virtiofsd: a
         memfd backend for all of it, one NUMA node; a device per share."""
-        if not self.config.shared_dirs:
+        if not self.config.shared_dirs and not self.config.shared_memory:
             return []
         args = ["-object", f"memory-backend-memfd,id=mem,size={self.config.memory_mib}M,share=on",
                 "-numa", "node,memdev=mem"]
@@ -300,6 +337,8 @@ class Vm:
         make_dirs(self.socket_dir)
         for stale in (self.agent_socket, self.qmp_socket, self.pidfile, self.console_log):
             stale.unlink(missing_ok=True)
+        write_atomic(self.workdir / IDENTITY_FILE, json.dumps(
+            {"name": self.name, "socket_dir": str(self.socket_dir)}).encode(), mode=0o600)
         started = time.monotonic()
         for shared in self.config.shared_dirs:
             daemon = self.virtiofsds[shared.tag] = self._daemon(shared)
@@ -430,6 +469,45 @@ class Vm:
                 directory.rmdir()
             except OSError:
                 return  # not empty (another VM's), or gone already
+
+    # ------------------------------------------------- devices of a booted VM
+
+    async def plug_shared_dir(self, shared: SharedDir) -> None:
+        """A shared directory added to a running VM (booted with shared
+        memory): its virtiofsd started, then a vhost-user-fs device on its
+        socket; the guest sees the tag once the device is probed."""
+        if not self.config.shared_memory:
+            raise VmError(f"vm {self.name}: booted without shared memory, it cannot take a shared directory")
+        if shared.tag in self.virtiofsds:
+            return
+        daemon = self._daemon(shared)
+        try:
+            await daemon.start()
+        except (VirtiofsdError, OSError) as exc:
+            raise VmError(f"vm {self.name}: its shared directory {shared.tag}: {exc}") from None
+        chardev = f"vfs-{shared.tag}"
+        try:
+            await self.qmp.execute("chardev-add", {"id": chardev, "backend": {"type": "socket", "data": {
+                "addr": {"type": "unix", "data": {"path": str(self.fs_socket(shared))}}, "server": False}}})
+            await self.qmp.execute("device_add", {"driver": "vhost-user-fs-pci", "chardev": chardev,
+                                                  "tag": shared.tag, "id": f"fs-{shared.tag}"})
+        except BaseException:
+            await daemon.stop()
+            raise
+        self.virtiofsds[shared.tag] = daemon
+        self.config.shared_dirs = (*self.config.shared_dirs, shared)
+
+    async def plug_nic(self, nic: Nic) -> None:
+        """The pod's NIC added to a running VM: the tap's descriptor handed
+        to QEMU over QMP (getfd), a tap netdev on it, a virtio-net device
+        with the pod's MAC address. The caller keeps (and closes) its copy."""
+        if self.config.nic is not None:
+            raise VmError(f"vm {self.name} has a NIC already")
+        await self.qmp.execute_with_fd("getfd", {"fdname": "pod-tap"}, nic.tap_fd)
+        await self.qmp.execute("netdev_add", {"type": "tap", "id": "pod", "fd": "pod-tap", "vhost": False})
+        await self.qmp.execute("device_add", {"driver": "virtio-net-pci", "netdev": "pod", "mac": nic.mac,
+                                              "id": "pod-nic", "romfile": ""})
+        self.config.nic = nic
 
     # ---------------------------------------------------------------- disks
 

@@ -18,7 +18,7 @@ from crust.api import csi_pb2
 from crust.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from crust.common.private import make_dirs
 from crust.kata.agent import AgentError, AgentRefused
-from crust.kata.qemu import Vm, VmConfig, VmError
+from crust.kata.qemu import Vm, VmConfig, VmError, read_identity
 from crust.runtime_handler.sandbox import Sandbox, VolumeStats
 from crust.sys import proc
 
@@ -33,11 +33,23 @@ def serial_of(device: str) -> str:
 
 
 class KataSandbox(Sandbox):
-    def __init__(self, sandbox_id: str, workdir: Path, config: VmConfig, qemu: proc.ProcessId | None = None):
+    def __init__(self, sandbox_id: str, workdir: Path, config: VmConfig, qemu: proc.ProcessId | None = None,
+                 vm: Vm | None = None):
+        """vm: one booted ahead for the pod (crust.kata.pool), whose
+        directory is workdir now. Otherwise the VM's name and sockets are
+        those its vm.json in workdir records (a pooled VM's are its own),
+        if any: what an earlier handler process started is found by them."""
         self.id = sandbox_id
         self.workdir = workdir
         make_dirs(workdir)
-        self.vm = Vm(f"crust-{sandbox_id}", workdir, config)
+        identity = read_identity(workdir) if vm is None else None
+        if vm is not None:
+            self.vm = vm
+        elif identity is not None:
+            self.vm = Vm(identity[0], workdir, config, socket_dir=identity[1])
+        else:
+            self.vm = Vm(f"crust-{sandbox_id}", workdir, config)
+        self.pooled = vm is not None
         # The QEMU an earlier handler process started (from the record).
         self._recorded = qemu
         self._process_pid = 0

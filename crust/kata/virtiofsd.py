@@ -104,10 +104,16 @@ class Virtiofsd:
         self.source = source
         self.binary = binary
         self.cache = cache
-        self.log_path = workdir / f"{name}.log"
-        self.record = workdir / f"{name}.json"
+        self.name = name
+        self.relocate(workdir)
         self._proc: asyncio.subprocess.Process | None = None
         self.identity: proc.ProcessId | None = None
+
+    def relocate(self, workdir: Path) -> None:
+        """Its log and record are in workdir (the VM's work directory,
+        renamed when a pod takes a pooled VM; the daemon keeps its files)."""
+        self.log_path = workdir / f"{self.name}.log"
+        self.record = workdir / f"{self.name}.json"
 
     async def start(self) -> None:
         self.socket.unlink(missing_ok=True)

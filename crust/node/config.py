@@ -102,6 +102,8 @@ class Runtime(str, Enum):
 class KataSection(_Section):
     accel: str = Field("auto", pattern="^(auto|kvm|tcg)$")
     memory_mib: int = Field(256, alias="memoryMiB", ge=64, le=65536)
+    # VMs kept booted for the next pods (crust.kata.pool); 0: each pod boots its own.
+    vm_pool: int = Field(0, alias="vmPool", ge=0, le=64)
     cache: Path = Path("/var/cache/crust/kata")
     # Kata's direct-volume directory the handler also serves.
     kata_dir: Path = Field(Path("/run/kata-containers/shared/direct-volumes"), alias="kataDir")

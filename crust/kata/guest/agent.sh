@@ -24,6 +24,7 @@ PORT=${1:-/dev/ttyS1}
 AGENT_VERSION=7
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
+DEVICE_WAIT_SECONDS=10   # a hot-plugged NIC or shared directory
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin
 # Requests and /proc/mounts lines are split into words on purpose, never
 # globbed; the one glob (/sys/block/vd*) turns it back on locally.
@@ -84,7 +85,7 @@ mount_line() {  # target -> its (last) line of /proc/mounts, or nothing
 }
 
 find_disk() {  # serial -> vdX, waiting for a device that is still being hot-plugged
-  tries=$((DISK_WAIT_SECONDS * 5))
+  tries=$((DISK_WAIT_SECONDS * 20))
   set +f   # runs in a subshell: the main loop keeps set -f
   while :; do
     for d in /sys/block/vd*; do
@@ -96,7 +97,7 @@ find_disk() {  # serial -> vdX, waiting for a device that is still being hot-plu
     done
     tries=$((tries - 1))
     [ "$tries" -gt 0 ] || return 1
-    usleep 200000
+    usleep 50000   # a hot-plugged disk is probed within about 0.1 s here
   done
 }
 
@@ -300,7 +301,14 @@ cmd_sharemount() {  # target [tag]: a shared directory of the pod (virtio-fs, ta
   mkdir -p "$1" || fail "mkdir $1 failed"
   # nodev: the host's device nodes never act in the guest; a container's
   # root keeps suid/exec (its binaries run from there).
-  mount -t virtiofs -o nodev "$tag" "$1" || fail "mount of the shared directory (virtio-fs tag $tag) failed"
+  # A device hot-plugged a moment ago (a VM booted ahead of its pod) may
+  # still be probed: its tag is unknown until then.
+  tries=$((DEVICE_WAIT_SECONDS * 10))
+  until mount -t virtiofs -o nodev "$tag" "$1" 2>"$RUN/mount.err"; do
+    tries=$((tries - 1))
+    [ "$tries" -gt 0 ] || fail "mount of the shared directory (virtio-fs tag $tag) failed: $(cat "$RUN/mount.err")"
+    usleep 100000
+  done
   echo "mounted=1"
 }
 
@@ -676,8 +684,15 @@ cmd_netconf() {  # mac mtu addresses-b64 routes-b64: the pod's network on the NI
   case "$addresses $routes" in *[!0-9a-fA-F.:/,\ default-]*) fail "unsupported characters in addresses or routes" ;; esac
   dev=
   set +f
-  for d in /sys/class/net/*; do
-    [ "$(cat "$d/address" 2>/dev/null)" = "$mac" ] && dev=${d##*/}
+  tries=$((DEVICE_WAIT_SECONDS * 10))   # a NIC hot-plugged a moment ago may still be probed
+  while :; do
+    for d in /sys/class/net/*; do
+      [ "$(cat "$d/address" 2>/dev/null)" = "$mac" ] && dev=${d##*/}
+    done
+    [ -n "$dev" ] && break
+    tries=$((tries - 1))
+    [ "$tries" -gt 0 ] || break
+    usleep 100000
   done
   set -f
   [ -n "$dev" ] || fail "no network interface with MAC address $mac (virtio-net not plugged?)"
