@@ -690,6 +690,12 @@ def test_a_pod_takes_a_vm_booted_ahead_and_the_pool_boots_the_next(pool_env):
     assert json.loads(next(workdir.glob("*/vm.json")).read_text())["name"] == name
     wait_until(lambda: set(pooled_vms(kenv)) - {first}, timeout=120, what="the pool's next VM")
     (second, _), = pooled_vms(kenv).items()
+    # A waiting VM yields the CPU to the pods (nice 10, its session's group
+    # too); the taken one runs as the handler does.
+    assert os.getpriority(os.PRIO_PROCESS, second) == 10 and os.getpriority(os.PRIO_PROCESS, first) == 0
+    if Path(f"/proc/{second}/autogroup").exists():
+        assert Path(f"/proc/{second}/autogroup").read_text().split()[-1] == "10"
+        assert Path(f"/proc/{first}/autogroup").read_text().split()[-1] == "0"
 
     shared = kenv.path / "pooled-shared"
     shared.mkdir()

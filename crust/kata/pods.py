@@ -283,6 +283,7 @@ class Pods:
     def __init__(self, handler: RuntimeHandler, pool: VmPool | None = None):
         self.handler = handler
         self.pool = pool   # VMs booted ahead (crust.kata.pool); a pod takes one when it can
+        self.handler_nice = os.getpriority(os.PRIO_PROCESS, 0)   # what a taken VM runs at
         self.records = RecordStore(handler.state_dir / "pods", PodRecord, self._belongs)
         self.pods: dict[str, PodRecord] = dict(self.records.load_all())
         self.locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -552,6 +553,7 @@ class Pods:
             await asyncio.to_thread(make_dirs, workdir.parent)
             await asyncio.to_thread(os.rename, vm.workdir, workdir)
             vm.relocate(workdir)
+            vm.renice(self.handler_nice)
         except (OSError, VmError) as exc:
             log.warning("a pooled VM could not become the pod's; booting one", extra={"fields": {
                 "sandbox": sandbox_id, "vm": vm.name, "error": str(exc)}})

@@ -105,6 +105,9 @@ class VmConfig:
     # Guest RAM shareable with a file server even without shared_dirs: a
     # VM booted ahead of its pod (crust.kata.pool) gets its shares later.
     shared_memory: bool = False
+    # QEMU's nice value: a VM booted ahead runs at 10 until a pod takes it
+    # (renice), so its boot yields the CPU to pods starting meanwhile.
+    nice: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,16 @@ class Disk:
 IDENTITY_FILE = "vm.json"
 
 
+def _set_autogroup_nice(pid: int, value: int) -> None:
+    """The nice value of the scheduling group of pid's session (kernels
+    without autogroups have no such file: nothing to do)."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(value))
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+
+
 def read_identity(workdir: Path) -> tuple[str, Path] | None:
     """(name, socket directory) a VM recorded in workdir, or None."""
     try:
@@ -187,6 +200,21 @@ class Vm:
         self.qemu_log = workdir / "qemu.log"
         self.pidfile = workdir / "qemu.pid"
 
+    def renice(self, value: int) -> None:
+        """Every thread of QEMU at nice value (Linux sets it per thread),
+        and QEMU's session's scheduling group: QEMU runs in a session of its
+        own, and with autogroups (the kernel's default) a session's share of
+        the CPU against other sessions follows its group's nice value, not
+        its threads'."""
+        pid = self.pid
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), value)
+            except ProcessLookupError:
+                pass   # a thread that ended meanwhile
+        _set_autogroup_nice(pid, value)
+        self.config.nice = value
+
     def relocate(self, workdir: Path) -> None:
         """The VM's work directory was renamed to workdir (a pooled VM taken
         by a pod): QEMU keeps its open files; its sockets are elsewhere."""
@@ -201,8 +229,9 @@ class Vm:
     def argv(self) -> list[str]:
         c = self.config
         accel = ["-accel", "kvm", "-cpu", "host"] if c.accel == "kvm" else ["-accel", "tcg"]
+        niced = ["nice", "-n", str(c.nice)] if c.nice else []   # nice execs QEMU: the pid is QEMU's
         return [
-            c.qemu_binary, "-name", self.name, "-machine", "pc", *accel,
+            *niced, c.qemu_binary, "-name", self.name, "-machine", "pc", *accel,
             "-m", str(c.memory_mib), "-smp", str(c.cpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(c.kernel), "-initrd", str(c.initrd), "-append", c.cmdline,
@@ -358,6 +387,8 @@ class Vm:
             except FileNotFoundError:
                 await self._stop_virtiofsd()
                 raise VmError(f"{self.config.qemu_binary} not found: apt-get install qemu-system-x86") from None
+        if self.config.nice:
+            _set_autogroup_nice(self._proc.pid, self.config.nice)
         self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")
         try:
             await self._monitor(self._guarded(self.qmp.connect(), "QMP connect"))
