@@ -47,8 +47,8 @@ from bench.pod_start import log_time  # noqa: E402
 from crust.kata import cpio  # noqa: E402
 from crust.kata import image as kata_image  # noqa: E402
 from crust.kata.qemu import qemu_pids_under  # noqa: E402
-from crust.kubelet import image as images  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
+from crust.kubelet import image as images  # noqa: E402
 from tests.cri_harness import cri_microvm_node  # noqa: E402
 from tests.harness import Root  # noqa: E402
 
@@ -230,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load {load_before} before, {results['load']} after")
 
     def cleanup() -> bool:
-        return all([benchlib.close_and_report(root, [], root.close) for root in roots])
+        clean = True
+        for root in roots:   # every one, even after one that left something
+            clean = benchlib.close_and_report(root, [], root.close) and clean
+        return clean
 
     return benchlib.guarded_run_then_write(body, cleanup, benchlib.report_failure, args.json, results)
 

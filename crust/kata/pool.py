@@ -207,9 +207,7 @@ def _stop_leftovers(directory: Path) -> list[str]:
             pid = 0
         qemu = proc.identify(pid) if pid > 0 else None
         if identity is not None and qemu is not None:
-            name = identity[0].encode()
-
-            def is_it(pid: int = qemu.pid) -> bool:
+            def is_it(pid: int = qemu.pid, name: bytes = identity[0].encode()) -> bool:
                 try:
                     return name in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 except OSError:
