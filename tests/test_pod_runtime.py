@@ -398,10 +398,10 @@ def test_a_killed_vm_stops_its_processes_and_a_missing_entry_fails_create(pod_en
         kenv.unpublish(x)
 
 
-@pytest.fixture
-def pod_env_short_lease(root):
-    """pod_env with 3 s leases: a killed handler is seen gone quickly."""
-    for kenv in kata_env(root, proxy_extra=["--lease-seconds", "3"]):
+def kata_env_with_client(root, **kw):
+    """kata_env(root, **kw) and a PodRuntime client on its handler; every
+    pod deleted at the end."""
+    for kenv in kata_env(root, **kw):
         client = PodClient(kenv.handler.socket)
         try:
             yield kenv, client
@@ -411,6 +411,12 @@ def pod_env_short_lease(root):
                     client.delete_pod(pod_id)
             finally:
                 client.close()
+
+
+@pytest.fixture
+def pod_env_short_lease(root):
+    """pod_env with 3 s leases: a killed handler is seen gone quickly."""
+    yield from kata_env_with_client(root, proxy_extra=["--lease-seconds", "3"])
 
 
 def test_a_restarted_handler_adopts_a_running_pod(pod_env_short_lease):
@@ -643,16 +649,7 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
 @pytest.fixture
 def pool_env(root):
     """pod_env with a pool of one VM booted ahead, and 3 s leases."""
-    for kenv in kata_env(root, proxy_extra=["--lease-seconds", "3"], handler_extra=["--vm-pool", "1"]):
-        client = PodClient(kenv.handler.socket)
-        try:
-            yield kenv, client
-        finally:
-            try:
-                for pod_id in client.pods():
-                    client.delete_pod(pod_id)
-            finally:
-                client.close()
+    yield from kata_env_with_client(root, proxy_extra=["--lease-seconds", "3"], handler_extra=["--vm-pool", "1"])
 
 
 def pooled_vms(kenv) -> dict[int, str]:

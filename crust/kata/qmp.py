@@ -106,6 +106,34 @@ class QmpClient:
 
     async def execute(self, command: str, arguments: dict | None = None, timeout: float = 30.0) -> Any:
         """Run a command; its "return" value, or QmpError."""
+        async def send(line: bytes) -> None:
+            self._writer.write(line)
+            await self._writer.drain()
+
+        return await self._call(command, arguments, timeout, send)
+
+    async def execute_with_fd(self, command: str, arguments: dict, fd: int, timeout: float = 30.0) -> Any:
+        """A command that takes a descriptor with it (getfd, add-fd): the
+        line is sent with fd as SCM_RIGHTS on the monitor's socket, which
+        keeps it for this connection. Nothing else is written meanwhile:
+        the transport's buffer is empty (a line at a time, written at once)
+        and this runs between two awaits."""
+        async def send(line: bytes) -> None:
+            transport = self._writer.transport
+            while transport.get_write_buffer_size():
+                await self._writer.drain()
+                await asyncio.sleep(0)
+            # The transport's socket, used directly for the one sendmsg
+            # asyncio does not offer, through a duplicate of its descriptor.
+            with socket.socket(fileno=os.dup(self._writer.get_extra_info("socket").fileno())) as raw:
+                sent = raw.sendmsg([line], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            if sent != len(line):
+                raise ConnectionError("a short write on the QMP socket")
+
+        return await self._call(command, arguments, timeout, send)
+
+    async def _call(self, command: str, arguments: dict | None, timeout: float,
+                    send: Callable[[bytes], Any]) -> Any:
         if self.closed:
             raise QmpGone(f"{command}: {self.closed}")
         ident = str(next(self._ids))
@@ -115,8 +143,7 @@ class QmpClient:
         if arguments:
             msg["arguments"] = arguments
         try:
-            self._writer.write(json.dumps(msg).encode() + b"\n")
-            await self._writer.drain()
+            await send(json.dumps(msg).encode() + b"\n")
             answer = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise QmpTimeout(f"{command}: QEMU did not answer within {timeout:.0f}s") from None
@@ -124,42 +151,6 @@ class QmpClient:
             self._gone(f"QMP socket error: {exc}")
             raise QmpGone(f"{command}: {self.closed}") from None
         finally:
-            self._pending.pop(ident, None)
-        if "error" in answer:
-            raise QmpError(command, answer["error"])
-        return answer.get("return")
-
-    async def execute_with_fd(self, command: str, arguments: dict, fd: int, timeout: float = 30.0) -> Any:
-        """A command that takes a descriptor with it (getfd, add-fd): the
-        line is sent with fd as SCM_RIGHTS on the monitor's socket, which
-        keeps it for this connection. Nothing else is written meanwhile:
-        the transport's buffer is empty (a line at a time, written at once)
-        and this runs between two awaits."""
-        if self.closed:
-            raise QmpGone(f"{command}: {self.closed}")
-        transport = self._writer.transport
-        while transport.get_write_buffer_size():
-            await self._writer.drain()
-            await asyncio.sleep(0)
-        ident = str(next(self._ids))
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[ident] = fut
-        line = json.dumps({"execute": command, "arguments": arguments, "id": ident}).encode() + b"\n"
-        # The transport's socket, used directly for the one sendmsg asyncio
-        # does not offer, through a duplicate of its descriptor.
-        raw = socket.socket(fileno=os.dup(self._writer.get_extra_info("socket").fileno()))
-        try:
-            sent = raw.sendmsg([line], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-            if sent != len(line):
-                raise QmpGone(f"{command}: a short write on the QMP socket")
-            answer = await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise QmpTimeout(f"{command}: QEMU did not answer within {timeout:.0f}s") from None
-        except (ConnectionError, BlockingIOError) as exc:
-            self._gone(f"QMP socket error: {exc}")
-            raise QmpGone(f"{command}: {self.closed}") from None
-        finally:
-            raw.close()
             self._pending.pop(ident, None)
         if "error" in answer:
             raise QmpError(command, answer["error"])

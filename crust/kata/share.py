@@ -428,9 +428,9 @@ def _attach_at(tree: int, parent: str, name: str) -> None:
         os.close(parent_fd)
 
 
-def _detach_points(points: list[str]) -> None:
-    """In the server's namespace: each mount point of points (deepest
-    first), every mount stacked there."""
+def _detach_each(points: list[str], detach) -> None:
+    """Each mount point of points (deepest first), every mount stacked
+    there, by detach(the parent directory's descriptor, the name)."""
     for point in points:
         parent, name = os.path.split(point)
         try:
@@ -438,11 +438,20 @@ def _detach_points(points: list[str]) -> None:
         except FileNotFoundError:
             continue
         try:
-            os.fchdir(fd)
-            while mount.detach_in_cwd(name):
+            while detach(fd, name):
                 pass   # stacked mounts: each one
         finally:
             os.close(fd)
+
+
+def _detach_points(points: list[str]) -> None:
+    """In the server's namespace (no /proc there: the parent is reached as
+    the thread's working directory)."""
+    def detach_here(fd: int, name: str) -> bool:
+        os.fchdir(fd)
+        return mount.detach_in_cwd(name)
+
+    _detach_each(points, detach_here)
     os.chdir("/")
 
 
@@ -456,17 +465,7 @@ def _mounts_below(path: Path) -> list[str]:
 
 
 def _detach_all(path: Path) -> None:
-    for point in _mounts_below(path):
-        parent, name = os.path.split(point)
-        try:
-            fd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        try:
-            while mount.detach_beneath(fd, name):
-                pass   # stacked mounts: each one
-        finally:
-            os.close(fd)
+    _detach_each(_mounts_below(path), mount.detach_beneath)
 
 
 def _remove_tree(path: Path) -> None:
