@@ -733,3 +733,26 @@ def test_a_pod_takes_a_vm_booted_ahead_and_the_pool_boots_the_next(pool_env):
     assert not waiting & set(qemu_pids_under(kenv.handler.state_dir))
     assert not list((kenv.handler.state_dir / "pool").iterdir())
     kenv.handler.start(timeout=120)
+
+
+def test_a_pooled_vm_that_cannot_move_into_the_pods_directory_is_discarded(pool_env):
+    """The pod's work directory is there already and not empty (what a
+    crash left): the VM the pod took cannot be renamed into it, so it is
+    stopped and its shares and directory removed, and the pod boots a VM of
+    its own; the pool boots the next."""
+    from crust.runtime_handler.handler import workdir_name
+
+    kenv, client = pool_env
+    wait_until(lambda: pooled_vms(kenv), timeout=120, what="the pool's first VM")
+    (first, name), = pooled_vms(kenv).items()
+    leftover = kenv.handler.state_dir / "run" / workdir_name("crashed")
+    leftover.mkdir(parents=True)
+    (leftover / "console.log").write_text("an earlier VM's\n")
+    qemu = client.create_pod("crashed", kenv.path)
+    assert qemu != first
+    wait_until(lambda: first not in qemu_pids_under(kenv.handler.state_dir), what="the taken VM to be stopped")
+    pool_dir = kenv.handler.state_dir / "pool"
+    assert not (pool_dir / name).exists()
+    assert [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(f"{pool_dir}/{name}")] == []
+    wait_until(lambda: set(pooled_vms(kenv)) - {first}, timeout=120, what="the pool's next VM")
+    client.delete_pod("crashed")

@@ -489,7 +489,9 @@ class Pods:
                         tap = await self._open_tap(sandbox_id, pod.network, interface)
                         nic = Nic(tap, interface.mac)
                     if pooled is not None:
-                        # Booted already: its shares and NIC are plugged in.
+                        # Booted already, serving the shares that came with
+                        # its directory (plugging them is then nothing): the
+                        # NIC is plugged in.
                         try:
                             for shared_dir in shared:
                                 await sandbox.vm.plug_shared_dir(shared_dir)
@@ -557,7 +559,7 @@ class Pods:
         except (OSError, VmError) as exc:
             log.warning("a pooled VM could not become the pod's; booting one", extra={"fields": {
                 "sandbox": sandbox_id, "vm": vm.name, "error": str(exc)}})
-            await vm.kill()
+            await self.pool.discard(vm)
             return None
         log.info("pod takes a pooled VM", extra={"fields": {"sandbox": sandbox_id, "vm": vm.name, "pid": vm.pid}})
         return vm

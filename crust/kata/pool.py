@@ -113,6 +113,11 @@ class VmPool:
             asyncio.get_running_loop().create_task(_discard(vm))
         return None
 
+    async def discard(self, vm: Vm) -> None:
+        """A VM taken but not used (its move into a pod's directory failed):
+        stopped, its shares and directory removed, wherever it is."""
+        await _discard(vm)
+
     def status(self) -> dict:
         return {"size": self.size, "ready": len(self.ready), "booting": self._booting, "boots": self.boots,
                 "taken": self.taken}
