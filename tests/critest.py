@@ -53,8 +53,9 @@ CRITEST_CGROUP_PARENT = "test.slice"
 # The groups of specs (top-level describe blocks, by their exact text) the
 # microVM runs in every CI run; the longer job (CRUST_CRITEST_MICROVM=all)
 # runs every group. See docs/conformance.md for the choice.
-MICROVM_CI_GROUPS = ("PodSandbox", "Container", "Container OOM", "Container Mount Propagation", "Security Context",
-                     "Streaming", "Networking", "Multiple Containers [Conformance]", "Runtime info", "Idempotence")
+MICROVM_CI_GROUPS = ("PodSandbox", "Container", "Container OOM", "Container Mount Propagation",
+                     "Container Mount Readonly", "Security Context", "Streaming", "Networking",
+                     "Multiple Containers [Conformance]", "Runtime info", "Idempotence")
 MICROVM_ALL = os.environ.get("CRUST_CRITEST_MICROVM", "").lower() == "all"
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
