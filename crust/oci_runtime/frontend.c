@@ -216,23 +216,19 @@ static char *find_runc(void)
 
 /* -- runc's command line -------------------------------------------------------------------------- */
 
-static int is_global_value_flag(const char *name, size_t length)
+/* Whether name[0..length) is one of flags (a NULL-terminated list). */
+static int is_one_of(const char *name, size_t length, const char *const *flags)
 {
-    static const char *flags[] = {"--log", "--log-format", "--root", "--criu", "--rootless"};
-    for (size_t i = 0; i < sizeof flags / sizeof *flags; i++)
-        if (strlen(flags[i]) == length && strncmp(flags[i], name, length) == 0)
+    for (; *flags; flags++)
+        if (strlen(*flags) == length && strncmp(*flags, name, length) == 0)
             return 1;
     return 0;
 }
 
-static int is_create_value_flag(const char *name, size_t length)
-{
-    static const char *flags[] = {"--bundle", "-b", "--console-socket", "--pid-file", "--preserve-fds"};
-    for (size_t i = 0; i < sizeof flags / sizeof *flags; i++)
-        if (strlen(flags[i]) == length && strncmp(flags[i], name, length) == 0)
-            return 1;
-    return 0;
-}
+/* runc's global flags that take a value, and create's (the others are booleans). */
+static const char *const GLOBAL_VALUE_FLAGS[] = {"--log", "--log-format", "--root", "--criu", "--rootless", NULL};
+static const char *const CREATE_VALUE_FLAGS[] = {"--bundle", "-b", "--console-socket", "--pid-file",
+                                                 "--preserve-fds", NULL};
 
 /* A command's options from rest[0..count): the container id (the first
  * positional) and, for create, the bundle. */
@@ -250,7 +246,7 @@ static const char *command_options(char **rest, int count, int create, const cha
         const char *eq = strchr(word, '=');
         size_t length = eq ? (size_t)(eq - word) : strlen(word);
         const char *value = eq ? eq + 1 : NULL;
-        if (create && is_create_value_flag(word, length) && !eq) {
+        if (create && is_one_of(word, length, CREATE_VALUE_FLAGS) && !eq) {
             i++;
             value = i < count ? rest[i] : "";
         }
@@ -338,7 +334,7 @@ int main(int argc, char **argv)
         const char *eq = strchr(word, '=');
         size_t length = eq ? (size_t)(eq - word) : strlen(word);
         const char *value = eq ? eq + 1 : NULL;
-        if (is_global_value_flag(word, length) && !eq) {
+        if (is_one_of(word, length, GLOBAL_VALUE_FLAGS) && !eq) {
             i++;
             value = i < argument_count ? arguments[i] : "";
         }
