@@ -49,7 +49,6 @@ class KataSandbox(Sandbox):
             self.vm = Vm(identity[0], workdir, config, socket_dir=identity[1])
         else:
             self.vm = Vm(f"crust-{sandbox_id}", workdir, config)
-        self.pooled = vm is not None
         # The QEMU an earlier handler process started (from the record).
         self._recorded = qemu
         self._process_pid = 0
