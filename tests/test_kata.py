@@ -43,6 +43,7 @@ from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
 from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
+from tests.guest_vm import Guest, guest
 from tests.harness import MIB
 from tests.test_handler import Env, namespaces_mounting, wait_until
 
@@ -694,3 +695,28 @@ def test_each_image_keeps_its_own_directory_and_the_oldest_beyond_the_limit_go(t
     assert not (top / "vmlinuz").exists()
     with pytest.raises(FileNotFoundError):
         kata_image.image_paths(tmp_path / "elsewhere")
+
+
+# -- the guest's OCI runtime ----------------------------------------------------------------------
+
+
+def test_crun_in_the_guest_starts_once_per_call_from_a_binary_nobody_can_write(root):
+    """crun's guard against CVE-2019-5736 (a container rewriting the
+    runtime's binary through /proc/self/exe) holds with crun started once:
+    its binary is a read-only mount, so crun runs it as it is instead of
+    copying itself into a memfd and re-executing at every call (on the
+    rootfs it did so twice: three starts per run, exec, state, delete)."""
+    async def run(g: Guest):
+        code, out = await g.sh("LD_DEBUG=files /sbin/crun --version 2>&1 | grep -c 'initialize program:'")
+        assert (code, out.strip()) == (0, "1"), out
+        code, out = await g.sh("/sbin/crun --version")
+        assert code == 0 and out.startswith("crun version "), out
+        # Read-only to everyone in the guest: a write fails, whoever asks.
+        code, out = await g.sh("echo overwritten >> /sbin/crun")
+        assert code != 0 and "Read-only file system" in out, out
+        code, out = await g.sh("awk '$5 == \"/sbin/crun\"' /proc/self/mountinfo")
+        fields = out.split()
+        assert code == 0 and fields[5].split(",")[0] == "ro" and "ramfs" in fields, out
+        code, out = await g.sh("head -c 4 /sbin/crun | od -c | head -1")
+        assert "E   L   F" in out, out
+    guest(root, run)

@@ -32,7 +32,6 @@ import random
 import struct
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,12 +41,12 @@ import pytest
 
 from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc
 from crust.contract import encryption
-from crust.kata.agent import AgentRefused, b64
-from crust.kata.image import DEFAULT_CACHE, build
-from crust.kata.qemu import Vm, VmConfig
+from crust.kata.agent import AgentRefused
 from crust.sys import fs as sysfs
 from crust.sys import loop as sysloop
 from crust.sys.run import CommandError
+from tests.guest_vm import Guest
+from tests.guest_vm import guest as run_in_guest
 from tests.harness import MIB
 from tests.luks2_header import Header, luks_format, plant_null_key_slot, shape_verdict
 from tests.test_encryption import Encrypted, cap, holds, sha256_of
@@ -192,32 +191,9 @@ def test_the_shape_check_accepts_crusts_header_and_names_what_differs_in_every_o
 # -- one guest, many disks --------------------------------------------------------------------------
 
 
-class Guest:
-    """One microVM from the handler's image, disks hot-plugged from image
-    files under root, requests to its agent; everything removed by close()."""
-
+class LuksGuest(Guest):
     def __init__(self, base: Path):
-        self.base = base
-        self.loops: dict[str, str] = {}   # serial -> loop device
-        cache = Path(os.environ.get("CRUST_TEST_KATA_CACHE") or DEFAULT_CACHE)
-        image = build(cache)
-        self.vm = Vm("luks-hostile", base / "vm", VmConfig(kernel=image.kernel, initrd=image.initrd))
-        self.runs = 0
-
-    async def __aenter__(self) -> Guest:
-        await self.vm.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.vm.stop()
-        for device in self.loops.values():
-            sysloop.detach_sync(device)
-
-    async def attach(self, image: Path, serial: str) -> str:
-        device = sysloop.attach_sync(image)
-        self.loops[serial] = device
-        await self.vm.attach_disk(device, serial)
-        return device
+        super().__init__(base, "luks-hostile")
 
     async def luksopen(self, serial: str, name: str, passphrase: bytes = PASSPHRASE, integrity: str = "",
                        fs_type: str = "ext4") -> str:
@@ -230,37 +206,9 @@ class Guest:
         except AgentRefused as exc:
             return "err " + exc.message
 
-    async def request(self, *words: str) -> str:
-        try:
-            return "ok " + " ".join((await self.vm.agent.request(*words, timeout=120)).words)
-        except AgentRefused as exc:
-            return "err " + exc.message
-
-    async def sh(self, script: str, timeout: float = 300) -> tuple[int, str]:
-        """Run a shell script in the guest; (exit code, its stdout then stderr)."""
-        self.runs += 1
-        name = f"sh{self.runs}"
-        pid = (await self.vm.agent.request("spawn", name, b64(script))).int("pid")
-        code = await self.vm.agent.wait_exit(pid, timeout=timeout)
-        out = b""
-        for stream in ("out", "err"):
-            got = b""
-            while True:
-                answer = await self.vm.agent.request("readout", name, stream, str(len(got)), "32768")
-                if answer.fields.get("data", "-") == "-":
-                    break
-                got += base64.urlsafe_b64decode(answer.fields["data"])
-            out += got
-        await self.vm.agent.request("forget", name)
-        return code, out.decode(errors="replace")
-
 
 def guest(root, coro_fn):
-    """Run coro_fn(guest) on a fresh guest, torn down however it ends."""
-    async def main():
-        async with Guest(root.path) as g:
-            return await coro_fn(g)
-    return asyncio.run(main())
+    return run_in_guest(root, coro_fn, LuksGuest)
 
 
 def image_file(root, name: str, size: int = SIZE) -> Path:

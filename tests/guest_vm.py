@@ -1,0 +1,77 @@
+"""One microVM from the handler's image, outside any handler: disks
+hot-plugged from image files, requests to its agent, shell scripts run in
+the guest. For tests of what the guest itself does."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+from pathlib import Path
+
+from crust.kata.agent import AgentRefused, b64
+from crust.kata.image import DEFAULT_CACHE, build
+from crust.kata.qemu import Vm, VmConfig
+from crust.sys import loop as sysloop
+
+
+class Guest:
+    """One microVM from the handler's image, its files under base; disks
+    hot-plugged from image files, requests to its agent; the VM stopped and
+    the loop devices detached on leaving the context."""
+
+    def __init__(self, base: Path, name: str = "guest"):
+        self.base = base
+        self.loops: dict[str, str] = {}   # serial -> loop device
+        cache = Path(os.environ.get("CRUST_TEST_KATA_CACHE") or DEFAULT_CACHE)
+        image = build(cache)
+        self.vm = Vm(name, base / "vm", VmConfig(kernel=image.kernel, initrd=image.initrd))
+        self.runs = 0
+
+    async def __aenter__(self) -> Guest:
+        await self.vm.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.vm.stop()
+        for device in self.loops.values():
+            sysloop.detach_sync(device)
+
+    async def attach(self, image: Path, serial: str) -> str:
+        device = sysloop.attach_sync(image)
+        self.loops[serial] = device
+        await self.vm.attach_disk(device, serial)
+        return device
+
+    async def request(self, *words: str) -> str:
+        try:
+            return "ok " + " ".join((await self.vm.agent.request(*words, timeout=120)).words)
+        except AgentRefused as exc:
+            return "err " + exc.message
+
+    async def sh(self, script: str, timeout: float = 300) -> tuple[int, str]:
+        """Run a shell script in the guest; (exit code, its stdout then stderr)."""
+        self.runs += 1
+        name = f"sh{self.runs}"
+        pid = (await self.vm.agent.request("spawn", name, b64(script))).int("pid")
+        code = await self.vm.agent.wait_exit(pid, timeout=timeout)
+        out = b""
+        for stream in ("out", "err"):
+            got = b""
+            while True:
+                answer = await self.vm.agent.request("readout", name, stream, str(len(got)), "32768")
+                if answer.fields.get("data", "-") == "-":
+                    break
+                got += base64.urlsafe_b64decode(answer.fields["data"])
+            out += got
+        await self.vm.agent.request("forget", name)
+        return code, out.decode(errors="replace")
+
+
+def guest(root, coro_fn, kind: type[Guest] | None = None):
+    """Run coro_fn(guest) on a fresh guest (of kind, a Guest by default),
+    torn down however it ends."""
+    async def main():
+        async with (kind or Guest)(root.path) as g:
+            return await coro_fn(g)
+    return asyncio.run(main())
