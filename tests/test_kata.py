@@ -39,6 +39,7 @@ from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.kata import accel as kata_accel
 from crust.kata import image as kata_image
+from crust.kata.agent import AgentRefused
 from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
 from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
@@ -719,4 +720,42 @@ def test_crun_in_the_guest_starts_once_per_call_from_a_binary_nobody_can_write(r
         assert code == 0 and fields[5].split(",")[0] == "ro" and "ramfs" in fields, out
         code, out = await g.sh("head -c 4 /sbin/crun | od -c | head -1")
         assert "E   L   F" in out, out
+    guest(root, run)
+
+
+def test_a_containers_binds_in_one_request_land_inside_its_root_in_order_and_again(root):
+    """cbinds (agent 8): every bind of a container in one request, each
+    destination resolved inside the root (a link in the image leads back
+    into it), a later bind inside an earlier one, read-only where asked; the
+    same request again binds nothing twice; a bind that cannot be made stops
+    the request, naming it, with the ones before it in place."""
+    async def run(g: Guest):
+        code, out = await g.sh("set -e; mkdir -p /tmp/ctr/rootfs /tmp/src/a /tmp/src/b /tmp/src/c\n"
+                               "mount -t tmpfs tmpfs /tmp/ctr/rootfs\n"
+                               "ln -s /etc/../data /tmp/ctr/rootfs/link   # absolute: taken as inside the root\n"
+                               "echo a > /tmp/src/a/f; echo b > /tmp/src/b/f; echo c > /tmp/src/c/f")
+        assert code == 0, out
+        ctr = "/tmp/ctr/rootfs"
+        binds = [("/tmp/src/a", "/link/a", False), ("/tmp/src/b", "/data/a/inner", True),
+                 ("/tmp/src/c", "/etc/c", False)]
+        targets = await g.vm.agent.container_binds(ctr, binds)
+        assert targets == [f"{ctr}/data/a", f"{ctr}/data/a/inner", f"{ctr}/etc/c"]
+        code, out = await g.sh(f"cat {ctr}/data/a/f {ctr}/data/a/inner/f {ctr}/etc/c/f; "
+                               f"awk '$2 ~ \"^{ctr}/\" {{ print $2, substr($4, 1, 2) }}' /proc/mounts")
+        assert code == 0 and out.split("\n") == ["a", "b", "c", f"{ctr}/data/a rw", f"{ctr}/data/a/inner ro",
+                                                 f"{ctr}/etc/c rw", ""], out
+        code, out = await g.sh("ls /data 2>&1")   # the guest's own / untouched
+        assert code != 0, out
+
+        # Again (a retried request): the same answer, nothing bound twice.
+        assert await g.vm.agent.container_binds(ctr, binds) == targets
+        code, out = await g.sh(f"grep -c ' {ctr}/' /proc/mounts")
+        assert out.strip() == "3", out
+
+        # A source that is gone stops the request at that bind, by name.
+        with pytest.raises(AgentRefused, match="no such source: /tmp/src/gone"):
+            await g.vm.agent.container_binds(ctr, [("/tmp/src/c", "/later/c", False), ("/tmp/src/gone", "/x", False),
+                                                   ("/tmp/src/a", "/never", False)])
+        code, out = await g.sh(f"grep -c ' {ctr}/' /proc/mounts; ls {ctr}")
+        assert out.split() == ["4", "data", "etc", "later", "link"], out
     guest(root, run)

@@ -414,6 +414,17 @@ class AgentClient:
         answer = await self.request("cbind", root, source, b64(destination), "ro" if readonly else "rw")
         return answer.fields["target"]
 
+    async def container_binds(self, root: str, binds: list[tuple[str, str, bool]]) -> list[str]:
+        """container_bind for each (source, destination, readonly), in order,
+        in one request (agent 8; a later bind may land inside an earlier
+        one). Returns the guest paths bound, in the same order. A failure
+        leaves the binds before it in place."""
+        words = []
+        for source, destination, readonly in binds:
+            words += [source, b64(destination), "ro" if readonly else "rw"]
+        answer = await self.request("cbinds", root, *words)
+        return [answer.fields[f"target{n}"] for n in range(1, len(binds) + 1)]
+
     async def pod_tmpfs(self, name: str, subpath: str = "", size: str = "") -> str:
         """The pod's guest tmpfs of that name (made on first use, of at most
         size, e.g. "16384k"; the kernel's default otherwise) and a directory

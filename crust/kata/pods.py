@@ -771,7 +771,12 @@ class Pods:
                                          f"shared with the VM: {exc}") from None
             await sandbox._agent(agent.bind(guest_rootfs, c.root, readonly=False))
             await sandbox._agent(agent.container_setup(c.root))
-            # In the spec's order: a later bind may land inside an earlier one.
+            # In the spec's order: a later bind may land inside an earlier
+            # one. Each source is made ready first (bound in a share, copied
+            # in the guest, the pod's tmpfs, a volume hot-plugged and
+            # mounted), then all are bound in the container in one request.
+            planned: list[tuple[str, str, bool]] = []   # guest source, destination, read-only
+            views: list[tuple[int, str, VolumeView]] = []   # (index in planned, volume key, its view)
             for m, kind, what in binds:
                 readonly = "ro" in m.options
                 if kind == "host":
@@ -785,8 +790,7 @@ class Pods:
                                                  f"VM: {exc}") from None
                     if readonly and into is not share and is_atomic_writer_volume_root(m.source) \
                             and not shared.submounts:
-                        source = await self._mirror(sandbox, shared.guest)
-                        await sandbox._agent(agent.container_bind(c.root, source, m.destination, True))
+                        planned.append((await self._mirror(sandbox, shared.guest), m.destination, True))
                         continue
                     # Read-only at the top on the host (virtiofsd writes as the
                     # host's mounts allow); in the guest only when nothing is
@@ -795,12 +799,12 @@ class Pods:
                     # so a read-only bind would make the submounts read-only
                     # too (a non-recursive read-only bind keeps their mode).
                     guest_readonly = readonly and not (shared.submounts or follow)
-                    await sandbox._agent(agent.container_bind(c.root, shared.guest, m.destination, guest_readonly))
+                    planned.append((shared.guest, m.destination, guest_readonly))
                     continue
                 if kind == "tmpfs":
                     name, subpath, size = what
-                    source = await sandbox._agent(agent.pod_tmpfs(name, subpath, size))
-                    await sandbox._agent(agent.container_bind(c.root, source, m.destination, readonly))
+                    planned.append((await sandbox._agent(agent.pod_tmpfs(name, subpath, size)), m.destination,
+                                    readonly))
                     continue
                 resolved, direct = what
                 key = resolved.digest
@@ -814,9 +818,12 @@ class Pods:
                 if view.subpath:
                     await sandbox.check_subpath(volume.mount_point, view.subpath)
                     source = f"{volume.mount_point}/{view.subpath}"
-                view.destination = await sandbox._agent(agent.container_bind(
-                    c.root, source, m.destination, view.readonly or volume.readonly))
-                volume.views.append(view)
+                views.append((len(planned), key, view))
+                planned.append((source, m.destination, view.readonly or volume.readonly))
+            targets = await self._bind_all(sandbox, c.root, planned)
+            for index, key, view in views:
+                view.destination = targets[index]
+                record.volumes[key].views.append(view)
                 c.volumes.setdefault(key, []).append(view)
             if c.readonly_root:
                 # This mount of the root only, once every mount point below
@@ -835,6 +842,23 @@ class Pods:
                 log.error("could not undo a failed container create", extra={"fields": {
                     "sandbox": pod.sandbox_id, "container": container_id, "error": undo.message}})
             raise
+
+    @staticmethod
+    async def _bind_all(sandbox: KataSandbox, root: str, planned: list[tuple[str, str, bool]]) -> list[str]:
+        """Each (guest source, destination, read-only) bound in the container
+        whose root is mounted at root, in order; the guest paths bound. A
+        guest whose agent predates cbinds (a VM booted before agent 8) binds
+        them one request at a time."""
+        if not planned:
+            return []
+        agent = sandbox.vm.agent
+        try:
+            return await sandbox._agent(agent.container_binds(root, planned))
+        except CrustError as exc:
+            if "unknown command" not in exc.message:
+                raise
+        return [await sandbox._agent(agent.container_bind(root, source, destination, readonly))
+                for source, destination, readonly in planned]
 
     @staticmethod
     async def _mirror(sandbox: KataSandbox, shared: str) -> str:

@@ -21,7 +21,7 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=7
+AGENT_VERSION=8
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 DEVICE_WAIT_SECONDS=10   # a hot-plugged NIC or shared directory
@@ -260,29 +260,35 @@ cmd_bind() {  # source target ro|rw: give a container its view of a mounted volu
 }
 
 secure_join() {  # root path -> root + path, every symlink on the way resolved inside root
+  join_in_root "$1" "$2"
+  echo "$joined"
+}
+
+join_in_root() {  # root path: secure_join's answer in $joined, without a subshell
   # What runc's filepath-securejoin does: a link is followed as if root
   # were /, ".." stops at root, so no component of the answer lies outside
   # root. Missing components are kept as they are (the caller makes them).
-  root=$1 rest=$2 cur= links=0
-  while [ -n "$rest" ]; do
-    case $rest in /*) rest=${rest#/}; continue ;; esac
-    part=${rest%%/*}
-    if [ "$part" = "$rest" ]; then rest=; else rest=${rest#*/}; fi
-    case $part in
+  # Its variables are its own (sj_*): callers keep theirs.
+  sj_root=$1 sj_rest=$2 sj_cur= sj_links=0
+  while [ -n "$sj_rest" ]; do
+    case $sj_rest in /*) sj_rest=${sj_rest#/}; continue ;; esac
+    sj_part=${sj_rest%%/*}
+    if [ "$sj_part" = "$sj_rest" ]; then sj_rest=; else sj_rest=${sj_rest#*/}; fi
+    case $sj_part in
       .) continue ;;
-      ..) cur=${cur%/*}; continue ;;
+      ..) sj_cur=${sj_cur%/*}; continue ;;
     esac
-    if [ -L "$root$cur/$part" ]; then
-      links=$((links + 1))
-      [ $links -le 40 ] || fail "too many symlinks resolving $2 in $root"
-      target=$(readlink "$root$cur/$part") || fail "cannot read the link $cur/$part in $root"
-      case $target in /*) cur= ;; esac
-      rest=$target${rest:+/$rest}
+    if [ -L "$sj_root$sj_cur/$sj_part" ]; then
+      sj_links=$((sj_links + 1))
+      [ $sj_links -le 40 ] || fail "too many symlinks resolving $2 in $sj_root"
+      sj_target=$(readlink "$sj_root$sj_cur/$sj_part") || fail "cannot read the link $sj_cur/$sj_part in $sj_root"
+      case $sj_target in /*) sj_cur= ;; esac
+      sj_rest=$sj_target${sj_rest:+/$sj_rest}
       continue
     fi
-    cur=$cur/$part
+    sj_cur=$sj_cur/$sj_part
   done
-  echo "$root$cur"
+  joined=$sj_root$sj_cur
 }
 
 cmd_sharemount() {  # target [tag]: a shared directory of the pod (virtio-fs, tag crust by default) at target
@@ -312,23 +318,28 @@ cmd_sharemount() {  # target [tag]: a shared directory of the pod (virtio-fs, ta
   echo "mounted=1"
 }
 
-cmd_cbind() {  # root source destination-b64 ro|rw: bind source at destination inside a container's root
+cbind_one() {  # root source destination-b64 ro|rw: sets target (and already); root checked by the caller
   # The destination is resolved inside root (secure_join): a link in the
   # image (data -> /run/crust) lands inside the container, never on the
   # guest's own directories. Missing directories are made, as runc makes a
   # mount point: the last one a file when the source is one.
-  [ $# -eq 4 ] || fail "usage: cbind <root> <source> <destination-b64> <ro|rw>"
-  check_path "$1"
   check_path "$2"
   dest=$(b64 "$3") || exit 1
   case $4 in ro|rw) ;; *) fail "mode must be ro or rw, not $4" ;; esac
-  [ -n "$(mount_line "$1")" ] || fail "not mounted: $1"
   [ -e "$2" ] || fail "no such source: $2"
-  target=$(secure_join "$1" "$dest") || exit 1
+  already=
+  join_in_root "$1" "$dest"
+  target=$joined
   [ "$target" != "$1" ] || fail "destination $dest is the container's root"
   ( check_path "$target" ) 2>/dev/null || fail "destination $dest resolves to unsupported characters"
-  if [ -n "$(mount_line "$target")" ] && [ "$(cat "$RUN/cbind/$(echo "$target" | md5sum | cut -c1-32)" 2>/dev/null)" = "$2" ]; then
-    echo "target=$target already=1"
+  # What is bound there, kept beside a tree of the targets: "#" is no
+  # component of a checked path, so no target's record is another's
+  # directory. Read without a fork; /proc/mounts only when it matches.
+  record="$RUN/cbind$target/#"
+  recorded=
+  [ -r "$record" ] && read -r recorded < "$record"
+  if [ "$recorded" = "$2" ] && [ -n "$(mount_line "$target")" ]; then
+    already=1   # bound by an earlier try of this request
     return 0
   fi
   # Each missing parent is made one at a time below what secure_join
@@ -346,9 +357,35 @@ cmd_cbind() {  # root source destination-b64 ro|rw: bind source at destination i
   if [ "$4" = ro ]; then
     mount -o remount,bind,ro "$target" || { umount "$target"; fail "read-only remount of $dest failed"; }
   fi
-  mkdir -p "$RUN/cbind"
-  printf '%s' "$2" > "$RUN/cbind/$(echo "$target" | md5sum | cut -c1-32)"
-  echo "target=$target"
+  mkdir -p "${record%/*}" && printf '%s\n' "$2" > "$record" || fail "cannot record the bind at $dest"
+}
+
+cmd_cbind() {  # root source destination-b64 ro|rw: bind source at destination inside a container's root
+  [ $# -eq 4 ] || fail "usage: cbind <root> <source> <destination-b64> <ro|rw>"
+  check_path "$1"
+  [ -n "$(mount_line "$1")" ] || fail "not mounted: $1"
+  cbind_one "$@"
+  echo "target=$target${already:+ already=1}"
+}
+
+cmd_cbinds() {  # root (source destination-b64 ro|rw)...: cbind each, in order (agent 8)
+  # One request for all of a container's binds: each request costs a
+  # round trip and a shell, about a quarter of a bind under emulation. A
+  # failure stops at that bind; the ones before it stay (the host unmounts
+  # the container's root and all below it).
+  [ $# -ge 4 ] && [ $((($# - 1) % 3)) -eq 0 ] || fail "usage: cbinds <root> (<source> <destination-b64> <ro|rw>)..."
+  root=$1
+  shift
+  check_path "$root"
+  [ -n "$(mount_line "$root")" ] || fail "not mounted: $root"
+  n=0 targets=
+  while [ $# -gt 0 ]; do
+    n=$((n + 1))
+    cbind_one "$root" "$1" "$2" "$3"
+    targets="$targets target$n=$target"
+    shift 3
+  done
+  echo "binds=$n$targets"
 }
 
 tmpfs_size() {  # size (bytes, or with k/m/g): at most half the guest's memory, in KiB
@@ -984,6 +1021,7 @@ dispatch() {
     wait) cmd_wait "$@" ;;
     bind) cmd_bind "$@" ;;
     cbind) cmd_cbind "$@" ;;
+    cbinds) cmd_cbinds "$@" ;;
     sharemount) cmd_sharemount "$@" ;;
     podtmpfs) cmd_podtmpfs "$@" ;;
     spawnfile) cmd_spawnfile "$@" ;;
