@@ -1223,3 +1223,44 @@ def test_what_the_guest_cannot_honour_is_refused_naming_the_field(change, field)
     with pytest.raises(InvalidArgument) as refused:
         guest_oci.guest_spec(spec, "/r", "c", "/proc/1/ns/pid")
     assert str(refused.value.message if hasattr(refused.value, "message") else refused.value).startswith(field)
+
+
+def test_a_guest_without_cbinds_gets_its_containers_binds_one_request_each():
+    """A VM booted before agent 8 (adopted after a handler upgrade) answers
+    cbinds "unknown command": the binds go one request at a time, in
+    order; any other refusal is the caller's."""
+    from crust.kata.agent import AgentRefused
+    from crust.kata.pods import Pods
+    from crust.kata.sandbox import KataSandbox
+
+    class OlderAgent:
+        def __init__(self, refusal: str):
+            self.refusal, self.calls = refusal, []
+
+        async def container_binds(self, root, binds):
+            self.calls.append(("cbinds", root, list(binds)))
+            raise AgentRefused("cbinds", self.refusal)
+
+        async def container_bind(self, root, source, destination, readonly):
+            self.calls.append(("cbind", root, source, destination, readonly))
+            return root + destination
+
+    class Sandbox:
+        id = "pod"
+        alive = staticmethod(lambda: True)
+        _agent = KataSandbox._agent
+
+        def __init__(self, agent):
+            self.vm = type("Vm", (), {"agent": agent})()
+
+    planned = [("/run/crust/share/x", "/etc/hosts", False), ("/run/crust/pod-tmpfs/shm", "/dev/shm", True)]
+    older = OlderAgent("unknown command: cbinds")
+    targets = asyncio.run(Pods._bind_all(Sandbox(older), "/r", planned))
+    assert targets == ["/r/etc/hosts", "/r/dev/shm"]
+    assert older.calls == [("cbinds", "/r", planned), ("cbind", "/r", *planned[0]), ("cbind", "/r", *planned[1])]
+
+    refusing = OlderAgent("no such source: /run/crust/share/x")
+    with pytest.raises(CrustError, match="no such source"):
+        asyncio.run(Pods._bind_all(Sandbox(refusing), "/r", planned))
+    assert [call[0] for call in refusing.calls] == ["cbinds"]
+    assert asyncio.run(Pods._bind_all(Sandbox(refusing), "/r", [])) == []
