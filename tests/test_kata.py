@@ -758,4 +758,11 @@ def test_a_containers_binds_in_one_request_land_inside_its_root_in_order_and_aga
                                                    ("/tmp/src/a", "/never", False)])
         code, out = await g.sh(f"grep -c ' {ctr}/' /proc/mounts; ls {ctr}")
         assert out.split() == ["4", "data", "etc", "later", "link"], out
+
+        # The container's removal takes the binds and their records.
+        code, out = await g.sh(f"find /run/crust/cbind{ctr} -name '#' | wc -l")
+        assert out.strip() == "4", out
+        assert await g.vm.agent.umount_all(ctr) == 5   # the four binds and the root
+        code, out = await g.sh(f"grep -c ' {ctr}' /proc/mounts; ls -d /run/crust/cbind{ctr} 2>&1")
+        assert out.split("\n")[0] == "0" and "No such file" in out, out
     guest(root, run)

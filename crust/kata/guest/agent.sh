@@ -809,6 +809,8 @@ cmd_umountall() {  # root: unmount root and every mount below it, the last mount
     umount "$m" 2>/dev/null || { usleep 200000; umount "$m"; } || fail "umount $m failed"
     n=$((n + 1))
   done
+  # cbind's records of the binds below it go with them.
+  rm -rf "$RUN/cbind$1"
   echo "unmounted=$n"
 }
 
