@@ -84,8 +84,7 @@ from crust.kata.portforward import PortForwarder
 from crust.kata.qemu import Nic, SharedDir, Vm, VmError
 from crust.kata.qmp import QmpError, QmpGone, QmpTimeout
 from crust.kata.sandbox import KataSandbox
-from crust.kata.share import (LIVE_TAG, SHARE_TAG, PodShare, ShareError, cached_in_guest,
-                              is_atomic_writer_volume_root)
+from crust.kata.share import PodShare, ShareError, cached_in_guest, is_atomic_writer_volume_root, tag_of
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
 from crust.runtime_handler.oci import load_requested_bundle
 from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes
@@ -442,8 +441,7 @@ class Pods:
     def _share(self, pod_id: str, name: str = "share", sandbox: KataSandbox | None = None) -> PodShare:
         """One of the pod's shared directories; with the pod's sandbox, the
         virtiofsd serving it, in whose mount namespace its binds are made."""
-        tag = SHARE_TAG if name == "share" else LIVE_TAG
-        server = sandbox.vm.virtiofsds.get(tag) if sandbox is not None else None
+        server = sandbox.vm.virtiofsds.get(tag_of(name)) if sandbox is not None else None
         return PodShare(self._workdir(pod_id), name, server.identity if server is not None else None)
 
     def _shares(self, pod_id: str, sandbox: KataSandbox | None = None) -> tuple[PodShare, PodShare]:

@@ -96,6 +96,13 @@ GUEST_SHARE = "/run/crust/share"
 GUEST_LIVE = "/run/crust/live"
 SHARE_TAG = "crust"
 LIVE_TAG = "crust-live"
+
+
+def tag_of(name: str) -> str:
+    """The virtio-fs tag of a pod's shared directory (share or live)."""
+    return SHARE_TAG if name == "share" else LIVE_TAG
+
+
 # kubelet's volume plugins whose volumes its atomic writer fills and updates
 # (pkg/volume/util/atomic_writer.go; crust/kubelet/volumes.py replays it).
 # The pod's host-path binds, beside its containers' directories (a name no
@@ -168,7 +175,7 @@ class PodShare:
         self.writable = workdir / f"{name}.rw"
         self.served = workdir / name
         self.guest = GUEST_SHARE if name == "share" else GUEST_LIVE
-        self.tag = SHARE_TAG if name == "share" else LIVE_TAG
+        self.tag = tag_of(name)
         self.cache = "auto" if name == "share" else "none"   # virtiofsd's cache mode for it
 
     # -- paths -------------------------------------------------------------------------
