@@ -432,7 +432,8 @@ mirror_sync() {  # source target staging
   cur=$(readlink "$src/..data") || return 1
   case $cur in ..?*) ;; *) return 1 ;; esac
   case $cur in */*|..data|..data_tmp) return 1 ;; esac
-  if [ "$(readlink "$dst/..data" 2>/dev/null)" != "$cur" ]; then
+  prev=$(readlink "$dst/..data" 2>/dev/null)
+  if [ "$prev" != "$cur" ]; then
     if [ ! -d "$dst/$cur" ] || [ -L "$dst/$cur" ]; then
       rm -rf "$new"
       # A version is never changed once published, only removed: a copy
@@ -458,8 +459,10 @@ mirror_sync() {  # source target staging
     [ -L "$e" ] || continue
     [ -L "$src/${e##*/}" ] || rm -f "$e"
   done
+  # The version just replaced stays until the next pass (0.25 s): a reader
+  # that resolved ..data to it a moment ago still opens its file.
   for e in "$dst"/..?*; do
-    case ${e##*/} in ..data|"$cur") continue ;; esac
+    case ${e##*/} in ..data|"$cur"|"$prev") continue ;; esac
     [ -d "$e" ] && [ ! -L "$e" ] && rm -rf "$e"
   done
   set -f
