@@ -113,11 +113,13 @@ def leftovers_of(containerd: Containerd) -> list[str]:
 
 
 # crust's OCI runtime as containerd runs it for the RuntimeClass crust-runc:
-# crust-runc, the front end `./run` builds beside the Python runtime
-# (crust-oci-runtime), built here too when it is missing or stale.
+# crust-runc, the front end `./run` builds beside this interpreter (which
+# it starts on crust's entry script where crust has work), built here too
+# when it is missing or stale.
+# The Python runtime as pip installed it, for the tests that call it directly.
 PYTHON_OCI_RUNTIME = Path(sys.executable).parent / "crust-oci-runtime"
 OCI_RUNTIME = Path(sys.executable).parent / "crust-runc"
-frontend.build(OCI_RUNTIME, PYTHON_OCI_RUNTIME)
+frontend.build(OCI_RUNTIME)
 
 
 class CriNode:

@@ -22,6 +22,7 @@ RECORDER = """#!/bin/sh
 printf '%s' "{name}" >> "{log}"
 for word in "$@"; do printf ' %s' "$word" >> "{log}"; done
 echo >> "{log}"
+printf '%s\\n' "$CRUST_RUNC" > "{log}.runc"
 """
 
 
@@ -137,6 +138,42 @@ def test_the_settings_file_and_the_environment_name_runc_and_the_state(fe, tmp_p
     os.symlink(fe.runc, tmp_path / "bin" / "runc")
     found = fe.call("state", "c1", env={"CRUST_RUNC": "", "PATH": f"{path_dir}:{tmp_path / 'bin'}"})
     assert found == "runc state c1"
+    # The Python runtime is told the runc found, so that it never takes
+    # the front end, installed under runc's name, for runc.
+    (fe.state / "c9").write_text("{}")
+    assert fe.call("delete", "c9", env={"CRUST_RUNC": "", "PATH": f"{path_dir}:{tmp_path / 'bin'}"}) == "python delete c9"
+    assert Path(f"{fe.log}.runc").read_text().strip() == str(tmp_path / "bin" / "runc")
+    assert fe.call("delete", "c9", env=env) == "python delete c9"
+    assert Path(f"{fe.log}.runc").read_text().strip() == str(other)
+
+
+def test_the_default_build_starts_crusts_python_runtime_without_the_site_module(tmp_path):
+    """Built without --runtime, the front end starts this interpreter on
+    crust's entry script, `-I -S`: the real runtime answers (here: the
+    handler it must claim the volume through is not there, said in runc's
+    log), whatever PYTHONPATH or a site directory in the environment says."""
+    binary = tmp_path / "crust-runc"
+    assert frontend.build(binary)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps({"mounts": [bind("/var/lib/kubelet/pods/u/volumes/"
+                                                                    "kubernetes.io~csi/pv/mount")]}))
+    # A module that would stand in for crust's, were the environment read.
+    decoy = tmp_path / "decoy" / "crust"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise SystemExit('the decoy crust was imported')\n")
+    log = tmp_path / "runc.log"
+    done = subprocess.run([str(binary), "--log", str(log), "--log-format", "json", "create", "--bundle", str(bundle),
+                           "c1"], capture_output=True, text=True, timeout=30,
+                          env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CRUST_RUNC": "/bin/false",
+                               "PYTHONPATH": str(tmp_path / "decoy"), "PYTHONSTARTUP": str(decoy / "__init__.py"),
+                               "CRUST_OCI_RUNTIME_CONFIG": str(tmp_path / "absent.json"),
+                               "CRUST_OCI_RUNTIME_STATE": str(tmp_path / "state"),
+                               "CRUST_HANDLER_ENDPOINT": f"unix://{tmp_path}/no-handler.sock"})
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    line = json.loads(log.read_text().splitlines()[-1])
+    assert line["level"] == "error" and "unreachable" in line["msg"] and "no-handler.sock" in line["msg"], line
+    assert json.loads((bundle / "config.json").read_text())["mounts"][0]["type"] == "bind", "the bundle was changed"
 
 
 def test_a_runc_that_cannot_be_run_is_said_in_runcs_log(fe, tmp_path):

@@ -15,30 +15,30 @@ back what a strict umask took.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 
 
-def make_dirs(path: str | os.PathLike, mode: int = DIR_MODE) -> Path:
+def make_dirs(path: str | os.PathLike, mode: int = DIR_MODE) -> None:
     """path and every missing parent, each created with exactly `mode`;
-    directories that exist are left as their owner made them."""
-    path = Path(path)
+    directories that exist are left as their owner made them. (os.path
+    only: the OCI runtime calls this in a process started for one call,
+    where importing pathlib would cost more than the work.)"""
+    current = os.path.abspath(os.fspath(path))
     missing = []
-    current = path
     while not os.path.lexists(current):
         missing.append(current)
-        if current.parent == current:
+        parent = os.path.dirname(current)
+        if parent == current:
             break
-        current = current.parent
+        current = parent
     for directory in reversed(missing):
         try:
             os.mkdir(directory, mode)
         except FileExistsError:
             continue  # made meanwhile by someone else: theirs, as it is
         os.chmod(directory, mode)
-    return path
 
 
 def open_new(path: str | os.PathLike, flags: int = os.O_WRONLY | os.O_CREAT | os.O_EXCL,

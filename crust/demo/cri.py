@@ -7,8 +7,6 @@ are these."""
 
 from __future__ import annotations
 
-import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -66,14 +64,11 @@ class CriPod:
         else:
             from crust.oci_runtime import frontend
 
-            python_runtime = Path(sys.executable).parent / "crust-oci-runtime"
-            if not python_runtime.exists():
-                python_runtime = Path(shutil.which("crust-oci-runtime") or python_runtime)
             # crust-runc, the front end containerd runs: runc for every call
             # but those that need crust, which it hands to the Python runtime.
             runtime = self.root / "crust-runc"
-            frontend.build(runtime, python_runtime)
-            how = f"runc shim with BinaryName {runtime.name} (then {python_runtime.name} where crust has work)"
+            frontend.build(runtime)
+            how = f"runc shim with BinaryName {runtime.name} (then crust's Python runtime where crust has work)"
             self.containerd = Containerd(
                 self.root / "containerd", sandbox_image=self.cri_image.name,
                 runtimes={"runc": "", self.runtime_handler: str(runtime)},

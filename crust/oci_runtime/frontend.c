@@ -25,7 +25,13 @@
  * PATH that is not this program.
  *
  * Built by `crust runtime-frontend --output PATH` (crust/oci_runtime/frontend.py),
- * which compiles in the path of the Python runtime as CRUST_PYTHON_RUNTIME.
+ * which compiles in the program that runs the Python runtime as
+ * CRUST_PYTHON_RUNTIME and, by default, CRUST_PYTHON_ENTRY: then that program
+ * is the interpreter, started as `python -I -S ENTRY ARGS` (crust's entry
+ * script, oci_runtime/entry.py): without the site module the interpreter
+ * scans no site-packages and loads no import hooks of an editable install,
+ * about two thirds of its start here. Without CRUST_PYTHON_ENTRY the program
+ * is the runtime itself (crust-oci-runtime, or a stand-in in the tests).
  */
 
 #define _GNU_SOURCE
@@ -76,13 +82,19 @@ static void log_failure(const char *log_path, int json, const char *message)
 static const char *log_path;
 static int log_json;
 
-static void become(const char *program)
+/* program, with its own leading arguments (NULL-terminated, may be NULL), then ours. */
+static void become_with(const char *program, const char *const *leading)
 {
-    char **argv = calloc((size_t)argument_count + 2, sizeof *argv);
+    int lead = 0;
+    while (leading != NULL && leading[lead] != NULL)
+        lead++;
+    char **argv = calloc((size_t)(argument_count + lead) + 2, sizeof *argv);
     if (argv == NULL)
         exit(1);
     argv[0] = (char *)program;
-    memcpy(argv + 1, arguments, (size_t)argument_count * sizeof *argv);
+    if (lead > 0)
+        memcpy(argv + 1, leading, (size_t)lead * sizeof *argv);
+    memcpy(argv + 1 + lead, arguments, (size_t)argument_count * sizeof *argv);
     execv(program, argv);
     char message[PATH_MAX + 64];
     snprintf(message, sizeof message, "cannot run %s: %s", program, strerror(errno));
@@ -90,8 +102,26 @@ static void become(const char *program)
     exit(1);
 }
 
+static void become(const char *program) { become_with(program, NULL); }
+
+/* runc, once the settings named it or PATH had it. */
+static const char *resolved_runc;
+
 /* Everything this program cannot decide, and what needs crust. */
-static void become_crust(void) { become(CRUST_PYTHON_RUNTIME); }
+static void become_crust(void)
+{
+    /* The runc found here is the Python runtime's too (the same settings in
+     * the same order): it need not look again, and cannot take this
+     * program, installed under runc's name, for runc. */
+    if (resolved_runc != NULL)
+        setenv("CRUST_RUNC", resolved_runc, 1);
+#ifdef CRUST_PYTHON_ENTRY
+    static const char *const entry[] = {"-I", "-S", CRUST_PYTHON_ENTRY, NULL};
+    become_with(CRUST_PYTHON_RUNTIME, entry);
+#else
+    become(CRUST_PYTHON_RUNTIME);
+#endif
+}
 
 /* -- reading ------------------------------------------------------------------------------------ */
 
@@ -363,6 +393,7 @@ int main(int argc, char **argv)
         become_crust();   /* it says no runc was found, in runc's log */
     if (state_dir == NULL || *state_dir == '\0')
         state_dir = DEFAULT_STATE_DIR;
+    resolved_runc = runc;
 
     if (strcmp(command, "create") == 0) {
         const char *bundle = NULL;

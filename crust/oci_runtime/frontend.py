@@ -8,10 +8,13 @@ program's start per call.
 
     crust runtime-frontend --output /usr/local/bin/crust-runc [--runtime PATH] [--cc cc]
 
-The Python runtime's path is compiled in (default: crust-oci-runtime beside
-this interpreter, where pip installed it). The build is skipped when the
-program at --output was built from the same source, runtime path and
-compiler (a stamp beside it says so); it is written atomically.
+What runs the Python runtime is compiled in: by default this interpreter,
+started as `python -I -S crust/oci_runtime/entry.py` (no site module: a
+third of the start it would cost through the installed crust-oci-runtime
+script); with --runtime, that program, given the arguments as they are.
+The build is skipped when the program at --output was built from the same
+source, runtime and compiler (a stamp beside it says so); it is written
+atomically.
 """
 
 from __future__ import annotations
@@ -34,27 +37,40 @@ class FrontendError(Exception):
     pass
 
 
-def default_runtime() -> Path:
-    """The Python runtime pip installed beside this interpreter."""
-    return Path(sys.executable).parent / "crust-oci-runtime"
+ENTRY = Path(__file__).with_name("entry.py")
 
 
-def _stamp(runtime: Path, cc: str) -> str:
-    text = SOURCE.read_bytes() + b"\0" + str(runtime).encode() + b"\0" + cc.encode() + b"\0" + " ".join(CFLAGS).encode()
+def _defines(runtime: Path | None) -> list[str]:
+    """The compiler's -D for the program the front end hands crust's calls
+    to: the given runtime, or this interpreter with the entry script."""
+    program, entry = (runtime, None) if runtime is not None else (Path(sys.executable), ENTRY)
+    defines = []
+    for name, path in (("CRUST_PYTHON_RUNTIME", program), ("CRUST_PYTHON_ENTRY", entry)):
+        if path is None:
+            continue
+        path = Path(os.path.abspath(path))
+        if "\"" in str(path) or "\\" in str(path):
+            raise FrontendError(f"the path {path} cannot be compiled in")
+        defines.append(f"-D{name}=\"{path}\"")
+    return defines
+
+
+def _stamp(defines: list[str], cc: str) -> str:
+    text = SOURCE.read_bytes() + b"\0" + "\0".join(defines).encode() + b"\0" + cc.encode() + b"\0" \
+        + " ".join(CFLAGS).encode()
     return hashlib.sha256(text).hexdigest()
 
 
 def build(output: Path, runtime: Path | None = None, cc: str = "cc") -> bool:
-    """crust-runc at output, for the Python runtime at runtime; False when
-    the one there is already this build."""
-    runtime = Path(os.path.abspath(runtime or default_runtime()))
-    if "\"" in str(runtime) or "\\" in str(runtime):
-        raise FrontendError(f"the runtime's path {runtime} cannot be compiled in")
+    """crust-runc at output, handing crust's calls to runtime (default: this
+    interpreter with the entry script); False when the one there is already
+    this build."""
+    defines = _defines(runtime)
     compiler = shutil.which(cc)
     if compiler is None:
         raise FrontendError(f"no C compiler {cc!r}: apt-get install gcc libc6-dev")
     stamp_path = output.with_name(output.name + ".build")
-    stamp = _stamp(runtime, compiler)
+    stamp = _stamp(defines, compiler)
     try:
         if stamp_path.read_text().strip() == stamp and os.access(output, os.X_OK):
             return False
@@ -64,8 +80,8 @@ def build(output: Path, runtime: Path | None = None, cc: str = "cc") -> bool:
     fd, temporary = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, f"-DCRUST_PYTHON_RUNTIME=\"{runtime}\"", "-o", temporary,
-                               str(SOURCE)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *CFLAGS, *defines, "-o", temporary, str(SOURCE)], capture_output=True,
+                              text=True)
         if done.returncode != 0:
             raise FrontendError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         os.chmod(temporary, 0o755)
@@ -80,8 +96,8 @@ def build(output: Path, runtime: Path | None = None, cc: str = "cc") -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="crust runtime-frontend", description=__doc__.split("\n\n")[1])
     parser.add_argument("--output", type=Path, required=True, help="where crust-runc goes")
-    parser.add_argument("--runtime", type=Path, help=f"the Python runtime it hands crust's calls to "
-                                                     f"(default: {default_runtime()})")
+    parser.add_argument("--runtime", type=Path, help=f"the program it hands crust's calls to, as they are "
+                                                     f"(default: {sys.executable} -I -S {ENTRY})")
     parser.add_argument("--cc", default="cc", help="the C compiler (default: cc)")
     args = parser.parse_args(argv)
     try:

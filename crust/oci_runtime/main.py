@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -96,7 +95,7 @@ def find_runc() -> str:
         candidate = os.path.join(directory or ".", "runc")
         if os.access(candidate, os.X_OK) and os.path.realpath(candidate) != me:
             return candidate
-    return shutil.which("runc") or "runc"
+    raise RuntimeFailure("crust-oci-runtime: no runc on PATH (set CRUST_RUNC, or runc in the settings file)")
 
 
 def split_command_line(args: list[str]) -> tuple[dict[str, str], str, list[str]]:
@@ -283,6 +282,28 @@ def exec_runc(runc: str, args: list[str]) -> None:
     os.execv(runc, [runc, *args])
 
 
+def call_runc(runc: str, args: list[str], quiet: bool = False) -> int:
+    """runc with args, its exit code (minus the signal that killed it).
+    posix_spawn rather than subprocess, whose import (threading, selectors,
+    signal, locale) would cost this short-lived process more than the call;
+    descriptors not marked close-on-exec stay open for runc, as with
+    subprocess's close_fds=False (the shim's console socket, --preserve-fds)."""
+    actions = []
+    if quiet:
+        actions = [(os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                   (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)]
+    try:
+        pid = os.posix_spawn(runc, [runc, *args], os.environ, file_actions=actions)
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot run {runc}: {exc.strerror or exc}") from None
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            return os.waitstatus_to_exitcode(status)
+        except InterruptedError:
+            continue
+
+
 def create(values: dict[str, str], flags: dict[str, str], args: list[str], rest: list[str]) -> int:
     options, container_id = command_options(rest, CREATE_VALUE_FLAGS)
     bundle = os.path.abspath(options.get("--bundle") or options.get("-b") or os.getcwd())
@@ -291,8 +312,6 @@ def create(values: dict[str, str], flags: dict[str, str], args: list[str], rest:
         exec_runc(values["runc"], args)
     if not container_id:
         raise RuntimeFailure("create: no container id")
-    import subprocess
-
     from crust.oci_runtime.client import HandlerClient
 
     startup_ms = process_age_ms()
@@ -320,7 +339,7 @@ def create(values: dict[str, str], flags: dict[str, str], args: list[str], rest:
             log_line(flags, "info", f"crust: {m.destination}: {m.fs_type} on {m.device}, the deferred volume "
                                     f"{m.target_path}, mounted in the container only")
         prepared = time.perf_counter()
-        code = subprocess.call([values["runc"], *args], close_fds=False)
+        code = call_runc(values["runc"], args)
         if code != 0:
             client.release(container_id)
             os.unlink(marker)
@@ -334,8 +353,7 @@ def create(values: dict[str, str], flags: dict[str, str], args: list[str], rest:
                                     f"runc create {(created - prepared) * 1e3:.0f}, handler created "
                                     f"{(done - created) * 1e3:.0f}")
         except BaseException:
-            subprocess.call([values["runc"], *global_args(flags), "delete", "--force", container_id],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            call_runc(values["runc"], [*global_args(flags), "delete", "--force", container_id], quiet=True)
             client.release(container_id)
             os.unlink(marker)
             raise
@@ -369,9 +387,7 @@ def delete(values: dict[str, str], flags: dict[str, str], args: list[str], rest:
     marker = os.path.join(values["stateDir"], container_id) if container_id else ""
     if not marker or not os.path.exists(marker):
         exec_runc(values["runc"], args)
-    import subprocess
-
-    code = subprocess.call([values["runc"], *args], close_fds=False)
+    code = call_runc(values["runc"], args)
     state = os.path.join(flags.get("--root") or RUNC_ROOT, container_id, "state.json")
     if code != 0 and os.path.exists(state):
         return code  # still there (running, without --force): its claims stay
