@@ -13,6 +13,6 @@ import sys
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from crust.oci_runtime.main import main  # noqa: E402 - the path first
+from crust.oci_runtime.main import main  # (after the path is set)
 
 sys.exit(main())
