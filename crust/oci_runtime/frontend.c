@@ -30,7 +30,7 @@
  * is the interpreter, started as `python -I -S ENTRY ARGS` (crust's entry
  * script, oci_runtime/entry.py): without the site module the interpreter
  * scans no site-packages and loads no import hooks of an editable install,
- * about two thirds of its start here. Without CRUST_PYTHON_ENTRY the program
+ * most of the interpreter's own start. Without CRUST_PYTHON_ENTRY the program
  * is the runtime itself (crust-oci-runtime, or a stand-in in the tests).
  */
 
