@@ -38,6 +38,7 @@ import pytest
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.kata import accel as kata_accel
+from crust.kata import bzimage
 from crust.kata import image as kata_image
 from crust.kata.agent import AgentRefused
 from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
@@ -672,6 +673,17 @@ def test_a_qemu_that_hangs_before_greeting_is_a_timed_out_probe_not_a_crash(tmp_
 # -- the guest image cache ----------------------------------------------------------------------
 
 
+def test_the_guest_kernel_is_built_uncompressed_and_boots_at_its_pvh_entry():
+    """Debian's cloud kernel, decompressed once at build time: every VM
+    starts at the kernel's PVH entry, not in the bzImage's decompressor."""
+    built = kata_image.build()
+    assert built.kernel.name == "vmlinux", built.manifest.get("kernel_boot")
+    assert built.manifest["kernel_boot"].startswith("pvh"), built.manifest["kernel_boot"]
+    assert bzimage.pvh_entry(built.kernel.read_bytes()) is not None
+    assert built.kernel.stat().st_size == built.manifest["sizes"]["vmlinux"]
+    assert kata_image.image_paths() == (built.kernel, built.initrd)
+
+
 def test_each_image_keeps_its_own_directory_and_the_oldest_beyond_the_limit_go(tmp_path):
     """Two releases (or checkouts) on one node each boot the image they
     checked: a build of another never overwrites it."""
@@ -696,6 +708,9 @@ def test_each_image_keeps_its_own_directory_and_the_oldest_beyond_the_limit_go(t
     assert not (top / "vmlinuz").exists()
     with pytest.raises(FileNotFoundError):
         kata_image.image_paths(tmp_path / "elsewhere")
+    # A build that decompressed the kernel (crust.kata.bzimage) names the file it boots.
+    (made[1] / "manifest.json").write_text(json.dumps({"kernel_file": "vmlinux"}))
+    assert kata_image.image_paths(tmp_path) == (made[1] / "vmlinux", made[1] / kata_image.INITRD)
 
 
 # -- the guest's OCI runtime ----------------------------------------------------------------------
