@@ -684,6 +684,19 @@ def test_the_guest_kernel_is_built_uncompressed_and_boots_at_its_pvh_entry():
     assert kata_image.image_paths() == (built.kernel, built.initrd)
 
 
+def test_apt_cache_keeps_its_package_cache_in_the_image_cache(tmp_path):
+    """The inputs are read with a package cache of crust's own (Debian's
+    images keep none), built once and then reused: the same answers."""
+    options = kata_image.apt_cache_options(tmp_path)
+    first = kata_image.collect_inputs(kata_image.FLAVORS["cloud"], options)
+    made = tmp_path / "apt-pkgcache.bin"
+    assert made.is_file() and made.stat().st_size > 0
+    stamp = made.stat().st_mtime_ns
+    again = kata_image.collect_inputs(kata_image.FLAVORS["cloud"], options)
+    assert again.digest == first.digest and made.stat().st_mtime_ns == stamp
+    assert first.digest == kata_image.collect_inputs(kata_image.FLAVORS["cloud"]).digest
+
+
 def test_each_image_keeps_its_own_directory_and_the_oldest_beyond_the_limit_go(tmp_path):
     """Two releases (or checkouts) on one node each boot the image they
     checked: a build of another never overwrites it."""

@@ -161,20 +161,30 @@ def _cmd(argv: list[str], *, timeout: float = 120, cwd: Path | None = None,
     return done.stdout
 
 
-def kernel_package(metapackage: str) -> str:
+def apt_cache_options(cache: Path) -> list[str]:
+    """apt-cache keeps the package cache it builds from apt's lists in the
+    image cache. Debian's container images switch apt's own off
+    (Dir::Cache::pkgcache ""), and without one each apt-cache call rebuilds
+    it: about a second each, twice at every handler start, against a few
+    milliseconds. apt checks the file against the lists and rebuilds it
+    after `apt-get update`; build() holds the cache's lock meanwhile."""
+    return ["-o", f"Dir::Cache::pkgcache={cache / 'apt-pkgcache.bin'}"]
+
+
+def kernel_package(metapackage: str, apt_options: list[str] | None = None) -> str:
     """The versioned kernel package the metapackage points at
     (linux-image-cloud-amd64 -> linux-image-6.1.0-56-cloud-amd64)."""
-    for line in _cmd(["apt-cache", "depends", metapackage]).splitlines():
+    for line in _cmd(["apt-cache", *(apt_options or []), "depends", metapackage]).splitlines():
         m = re.match(r"\s*Depends:\s*(linux-image-\S+)", line)
         if m:
             return m.group(1)
     raise LookupError(f"apt-cache depends {metapackage} names no linux-image package (apt-get update?)")
 
 
-def candidate_versions(packages: list[str]) -> dict[str, str]:
+def candidate_versions(packages: list[str], apt_options: list[str] | None = None) -> dict[str, str]:
     """apt's candidate version of each package (what apt-get download gets)."""
     found, current = {}, None
-    for line in _cmd(["apt-cache", "policy", *packages]).splitlines():
+    for line in _cmd(["apt-cache", *(apt_options or []), "policy", *packages]).splitlines():
         if line and not line[0].isspace() and line.endswith(":"):
             current = line[:-1]
         m = re.match(r"\s*Candidate:\s*(\S+)", line)
@@ -277,9 +287,9 @@ def ensure_host_tools() -> None:
         _cmd(["apt-get", "install", "-y", "--no-install-recommends", *missing], timeout=900)
 
 
-def collect_inputs(flavor: Flavor) -> Inputs:
-    kpkg = kernel_package(flavor.kernel_metapackage)
-    downloads = candidate_versions([kpkg, "busybox-static"])
+def collect_inputs(flavor: Flavor, apt_options: list[str] | None = None) -> Inputs:
+    kpkg = kernel_package(flavor.kernel_metapackage, apt_options)
+    downloads = candidate_versions([kpkg, "busybox-static"], apt_options)
     ensure_host_tools()
     files: dict[str, HostFile] = {}
     for tools in HOST_TOOLS.values():
@@ -497,7 +507,7 @@ def build(cache: Path = DEFAULT_CACHE, flavor: str = "cloud", force: bool = Fals
     make_dirs(cache)
     with os.fdopen(open_new(cache / ".lock", os.O_WRONLY | os.O_CREAT), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # one builder at a time per cache
-        inputs = collect_inputs(fl)
+        inputs = collect_inputs(fl, apt_cache_options(cache))
         out = _output_dir(cache, fl, inputs.digest)
         manifest = None if force else _current(out, inputs.digest)
         rebuilt = manifest is None
