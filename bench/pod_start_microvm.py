@@ -46,7 +46,7 @@ from bench import benchlib  # noqa: E402
 from bench.pod_start import log_time  # noqa: E402
 from crust.kata import cpio  # noqa: E402
 from crust.kata import image as kata_image  # noqa: E402
-from crust.kata.qemu import qemu_pids_under  # noqa: E402
+from crust.kata.qemu import GUEST_CMDLINE, qemu_pids_under  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
 from crust.kubelet import image as images  # noqa: E402
 from tests.cri_harness import cri_microvm_node  # noqa: E402
@@ -94,8 +94,8 @@ def memory_of(pid: int) -> dict:
 
 
 def boot_floor(work: Path, boots: int, accel: str, memory_mib: int) -> list[float]:
-    """The same kernel to a tiny initramfs whose /init powers off: QEMU's
-    start to its exit, each boot."""
+    """The same kernel, on the same command line as a pod's VM, to a tiny
+    initramfs whose /init powers off: QEMU's start to its exit, each boot."""
     kernel, _ = kata_image.image_paths()
     busybox = images.find_busybox()
     initrd = work / "floor.cpio"
@@ -109,7 +109,7 @@ def boot_floor(work: Path, boots: int, accel: str, memory_mib: int) -> list[floa
         started = time.monotonic()
         subprocess.run(["qemu-system-x86_64", "-machine", "pc", *accel_args, "-m", str(memory_mib), "-smp", "1",
                         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-kernel", str(kernel),
-                        "-initrd", str(initrd), "-append", "console=ttyS0 quiet panic=-1", "-serial", "null"],
+                        "-initrd", str(initrd), "-append", GUEST_CMDLINE, "-serial", "null"],
                        check=True, timeout=120, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
         seconds.append((time.monotonic() - started) * 1e3)

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""A microVM's boot, three ways side by side: what booting the kernel
+uncompressed (crust.kata.bzimage) and the guest command line
+(crust.kata.qemu.GUEST_CMDLINE) each save.
+
+Each round starts the current guest image's VM (crust.kata.qemu.Vm, the
+handler's own path: QEMU's start, the kernel, /init, until the agent
+answers) three times, the order rotated from round to round:
+
+- bzimage-plain: Debian's bzImage (from the image cache's unpacked kernel
+  package), command line "console=ttyS0 quiet panic=-1" (before both);
+- vmlinux-plain: the uncompressed kernel at its PVH entry, the same line;
+- vmlinux-guest: the uncompressed kernel with GUEST_CMDLINE (what pods get).
+
+    .venv/bin/python bench/guest_boot.py [--rounds 5] [--accel tcg|kvm] [--json OUT.json]
+
+Median, min and max per way, the machine and its load before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import benchlib  # noqa: E402
+from crust.kata import image as kata_image  # noqa: E402
+from crust.kata.qemu import GUEST_CMDLINE, Vm, VmConfig, qemu_pids_under  # noqa: E402
+
+PLAIN_CMDLINE = "console=ttyS0 quiet panic=-1"
+
+
+def bzimage_of(built: kata_image.BuildResult, cache: Path) -> Path:
+    """Debian's bzImage of the image's kernel, in the cache's unpacked package."""
+    release = built.manifest["kernel_release"]
+    found = sorted(cache.glob(f"extract/*/boot/vmlinuz-{release}"))
+    if not found:
+        raise FileNotFoundError(f"no unpacked vmlinuz-{release} under {cache}/extract (build the image on this node)")
+    return found[0]
+
+
+async def boot_once(workdir: Path, kernel: Path, initrd: Path, cmdline: str, accel: str) -> float:
+    vm = Vm("crust-boot-bench", workdir, VmConfig(kernel=kernel, initrd=initrd, accel=accel, cmdline=cmdline))
+    try:
+        return await vm.start(ready_timeout=120)
+    finally:
+        await vm.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--accel", choices=("tcg", "kvm"), default="tcg")
+    parser.add_argument("--json", help="write the results there (- for stdout)")
+    args = parser.parse_args(argv)
+    if benchlib.not_root("guest_boot.py", "QEMU and the image cache"):
+        return 1
+    benchlib.raise_on_signals()
+    results = benchlib.run_header("guest_boot", argv, benchlib.machine())
+    base = Path(tempfile.mkdtemp(prefix="crust-boot-"))
+
+    def body() -> None:
+        built = kata_image.build()
+        if built.kernel.name != "vmlinux":
+            raise RuntimeError(f"the image boots {built.kernel.name}: {built.manifest.get('kernel_boot')}")
+        ways = {"bzimage-plain": (bzimage_of(built, kata_image.DEFAULT_CACHE), PLAIN_CMDLINE),
+                "vmlinux-plain": (built.kernel, PLAIN_CMDLINE),
+                "vmlinux-guest": (built.kernel, GUEST_CMDLINE)}
+        samples: dict[str, list[float]] = {name: [] for name in ways}
+        results["load_before"] = benchlib.loadavg()
+        for turn in range(args.rounds):
+            for name in benchlib.rotated(list(ways), turn):
+                kernel, cmdline = ways[name]
+                seconds = asyncio.run(boot_once(base / name, kernel, built.initrd, cmdline, args.accel))
+                samples[name].append(seconds * 1e3)
+                print(f"round {turn + 1}/{args.rounds} {name}: {seconds * 1e3:.0f} ms", flush=True)
+        results["load_after"] = benchlib.loadavg()
+        results["accel"] = args.accel
+        results["ways"] = {name: {"median_ms": round(statistics.median(s)), "min_ms": round(min(s)),
+                                  "max_ms": round(max(s)), "samples_ms": [round(x) for x in s]}
+                           for name, s in samples.items()}
+        print(f"\nboot to the agent's answer, {args.accel}, median of {args.rounds} (min-max); "
+              f"{benchlib.machine_summary(results['machine'])}")
+        for name, row in results["ways"].items():
+            print(f"  {name:15s} {row['median_ms']:6d} ms ({row['min_ms']}-{row['max_ms']})")
+        print(f"load {results['load_before']} before, {results['load_after']} after")
+
+    def cleanup() -> bool:
+        shutil.rmtree(base, ignore_errors=True)
+        return not qemu_pids_under(base)
+
+    return benchlib.guarded_run_then_write(body, cleanup, benchlib.report_failure, args.json, results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
