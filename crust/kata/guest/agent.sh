@@ -436,9 +436,13 @@ mirror_sync() {  # source target staging
   if [ "$prev" != "$cur" ]; then
     if [ ! -d "$dst/$cur" ] || [ -L "$dst/$cur" ]; then
       rm -rf "$new"
-      # A version is never changed once published, only removed: a copy
-      # that completes is whole, one the writer's removal cut short fails.
+      # A version is never changed once published, only removed, and only
+      # once ..data names a newer one. A removal can cut a copy short
+      # without failing it (cp lists the directory after the file went: an
+      # empty copy), so the copy counts only if ..data still names cur
+      # after it: then nothing of cur was removed while it was copied.
       cp -a "$src/$cur" "$new" || { rm -rf "$new"; return 1; }
+      [ "$(readlink "$src/..data")" = "$cur" ] || { rm -rf "$new"; return 1; }
       mv "$new" "$dst/$cur" || return 1
     fi
     ln -sfn "$cur" "$dst/..data_tmp" && mv -T "$dst/..data_tmp" "$dst/..data" || return 1
