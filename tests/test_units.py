@@ -1329,7 +1329,10 @@ def test_bzimage_gives_the_kernel_with_its_pvh_entry(compress):
     (_bzimage(_elf_with_notes([PVH_NOTE], machine=183)), "not an x86-64 kernel"),
     (_bzimage(b"plain bytes, not ELF"), "not a 64-bit little-endian ELF"),
     (_bzimage(b"k", compress=lambda b: b"\x89LZO" + b), "unknown format (magic 894c5a4f6b"),
-], ids=["no-header", "old-protocol", "no-pvh-note", "wrong-size", "not-x86-64", "not-elf", "unknown-compression"])
+    (_bzimage(b"k", compress=lambda b: b"\x1f\x8b\x08\x00" + b"\xff" * 40), "the payload does not decompress"),
+    (_bzimage(_elf_with_notes([PVH_NOTE])[:70]), "cut short"),
+], ids=["no-header", "old-protocol", "no-pvh-note", "wrong-size", "not-x86-64", "not-elf", "unknown-compression",
+        "corrupt-payload", "cut-short-elf"])
 def test_bzimage_says_why_a_kernel_cannot_be_booted_directly_and_the_bzimage_is_booted(image, why):
     with pytest.raises(bzimage.NotBootable, match=re.escape(why)):
         bzimage.vmlinux(image)

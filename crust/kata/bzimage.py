@@ -63,12 +63,12 @@ PROGRAM_PACKAGES = {"unlz4": "lz4", "zstd": "zstd"}
 # Magic of the payload -> how to decompress it (the compressed stream alone,
 # the appended size stripped).
 DECOMPRESSORS = {
-    b"\x1f\x8b": lambda d: zlib.decompressobj(wbits=31).decompress(d),                # gzip
-    b"\xfd7zXZ\x00": lambda d: lzma.LZMADecompressor(lzma.FORMAT_XZ).decompress(d),       # xz
+    b"\x1f\x8b": lambda d: zlib.decompressobj(wbits=31).decompress(d),                  # gzip
+    b"\xfd7zXZ\x00": lambda d: lzma.LZMADecompressor(lzma.FORMAT_XZ).decompress(d),     # xz
     b"\x5d\x00\x00": lambda d: lzma.LZMADecompressor(lzma.FORMAT_ALONE).decompress(d),  # lzma
-    b"BZh": lambda d: bz2.BZ2Decompressor().decompress(d),                       # bzip2
-    b"\x02\x21\x4c\x18": lambda d: _program(["unlz4", "-c"], d),                  # lz4, legacy frames
-    b"\x28\xb5\x2f\xfd": lambda d: _program(["zstd", "-d", "-c"], d),             # zstd
+    b"BZh": lambda d: bz2.BZ2Decompressor().decompress(d),                             # bzip2
+    b"\x02\x21\x4c\x18": lambda d: _program(["unlz4", "-c"], d),                       # lz4, legacy frames
+    b"\x28\xb5\x2f\xfd": lambda d: _program(["zstd", "-d", "-c"], d),                  # zstd
 }
 
 
@@ -79,7 +79,10 @@ def vmlinux(image: bytes) -> bytes:
     size = struct.unpack("<I", compressed[-4:])[0]
     for magic, decompress in DECOMPRESSORS.items():
         if compressed.startswith(magic):
-            kernel = decompress(compressed[:-4])
+            try:
+                kernel = decompress(compressed[:-4])
+            except (zlib.error, lzma.LZMAError, OSError, EOFError, ValueError) as exc:
+                raise NotBootable(f"the payload does not decompress: {exc}") from None
             break
     else:
         raise NotBootable(f"payload compressed in an unknown format (magic {compressed[:6].hex()})")
@@ -91,8 +94,16 @@ def vmlinux(image: bytes) -> bytes:
 
 
 def pvh_entry(elf: bytes) -> int | None:
-    """The PVH entry address of a 64-bit little-endian ELF, None without one."""
-    if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
+    """The PVH entry address of a 64-bit little-endian ELF, None without one;
+    NotBootable when elf is not such a file or is cut short."""
+    try:
+        return _pvh_entry(elf)
+    except (struct.error, IndexError):
+        raise NotBootable("the kernel's ELF headers are cut short") from None
+
+
+def _pvh_entry(elf: bytes) -> int | None:
+    if elf[:4] != b"\x7fELF" or len(elf) < 64 or elf[4] != 2 or elf[5] != 1:
         raise NotBootable("the payload is not a 64-bit little-endian ELF file")
     if struct.unpack_from("<H", elf, 18)[0] != 62:  # EM_X86_64
         raise NotBootable("the payload is not an x86-64 kernel")
