@@ -40,7 +40,7 @@ from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.kata import accel as kata_accel
 from crust.kata import bzimage
 from crust.kata import image as kata_image
-from crust.kata.agent import AgentRefused
+from crust.kata.agent import AgentRefused, ProcessLook
 from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
 from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
@@ -793,4 +793,53 @@ def test_a_containers_binds_in_one_request_land_inside_its_root_in_order_and_aga
         assert await g.vm.agent.umount_all(ctr) == 5   # the four binds and the root
         code, out = await g.sh(f"grep -c ' {ctr}' /proc/mounts; ls -d /run/crust/cbind{ctr} 2>&1")
         assert out.split("\n")[0] == "0" and "No such file" in out, out
+    guest(root, run)
+
+
+def test_one_poll_reports_each_processs_state_and_output_sizes(root):
+    """poll (agent 9): every process the host waits on, in one request, its
+    state taken before its output sizes: running, the exit code of one that
+    ended, "gone" for one killed with its wrapper, "none" for a pid no
+    spawn started; "-" for output files that do not exist. cstarted: a
+    container counts as started once crun's state file is there with no
+    start pending (exec.fifo), and the spawn's end ends the wait too."""
+    async def run(g: Guest):
+        agent = g.vm.agent
+        sleeper = await agent.spawn("sleeper", "printf abc; printf de >&2; exec sleep 60")
+        quick = await agent.spawn("quick", "printf 12345; exit 3")
+        assert await agent.wait_exit(quick, timeout=60) == 3
+        deadline = time.monotonic() + 60
+        while (await agent.readout("sleeper", "err", 0, 0))[1] < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        looks = await agent.poll([("sleeper", sleeper), ("quick", quick), ("never", 4194303)])
+        assert looks == {"sleeper": ProcessLook(out=3, err=2, state="run"),
+                         "quick": ProcessLook(out=5, err=0, state="3"),
+                         "never": ProcessLook(out=None, err=None, state="none")}, looks
+        assert [look.ended for look in looks.values()] == [False, True, True]
+
+        # Not started as a container (no crun state): not started, still running.
+        assert await agent.container_started("ctr-x", sleeper) == (False, False)
+        code, out = await g.sh("mkdir -p /run/crust/crun/ctr-x && echo '{\"pid\": 1}' > /run/crust/crun/ctr-x/status"
+                               " && mkfifo /run/crust/crun/ctr-x/exec.fifo")
+        assert code == 0, out
+        assert await agent.container_started("ctr-x", sleeper) == (False, False)   # created, start pending
+        code, out = await g.sh("rm /run/crust/crun/ctr-x/exec.fifo")
+        assert code == 0, out
+        assert await agent.container_started("ctr-x", sleeper) == (True, False)
+
+        # The wrapper killed too (no exit code recorded): gone, and ended for cstarted.
+        # The wrapper first, so it never writes an exit code; then its child.
+        code, out = await g.sh(f"kill -KILL {sleeper} $(cat /proc/[0-9]*/stat | awk '$4 == {sleeper} {{print $1}}')")
+        assert code == 0, out
+        deadline = time.monotonic() + 60
+        while (look := (await agent.poll([("sleeper", sleeper)]))["sleeper"]).state == "run":
+            assert time.monotonic() < deadline, look
+            await asyncio.sleep(0.1)
+        assert look == ProcessLook(out=3, err=2, state="gone"), look
+        assert await agent.container_started("ctr-x", sleeper) == (False, True)
+        await g.sh("rm -r /run/crust/crun/ctr-x")
+
+        for words in (["poll"], ["poll", "bad/name:1"], ["poll", "name:x1"], ["cstarted", "ctr-x", "nopid"],
+                      ["cstarted", "ctr-x", "4194303"]):
+            assert (await g.request(*words)).startswith("err "), words
     guest(root, run)

@@ -41,7 +41,9 @@ from crust.common.recordstore import RecordStore
 from crust.common.redact import MASK, redacted
 from crust.driver.controller import TOKEN_PREFIX, _page
 from crust.kata import bzimage
+from crust.kata.agent import AgentError, AgentRefused, GuestGone, ProcessLook
 from crust.kata import image as kata_image
+from crust.kata.process_watch import ProcessWatch
 from crust.sys import mount as sysmount
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1338,3 +1340,95 @@ def test_bzimage_says_why_a_kernel_cannot_be_booted_directly_and_the_bzimage_is_
         bzimage.vmlinux(image)
     name, kernel, reason = kata_image.boot_kernel(image)
     assert (name, kernel) == ("vmlinuz", image) and reason.startswith("bzImage: ") and why in reason
+
+
+# -- kata.process_watch ---------------------------------------------------------------------------
+
+class PollingAgent:
+    """An agent's poll, logic only: the looks it is given, each request counted."""
+
+    def __init__(self, looks: dict, has_poll: bool = True):
+        self.looks = looks
+        self.has_poll = has_poll
+        self.requests: list[tuple] = []
+        self.fail: Exception | None = None
+
+    async def poll(self, processes):
+        self.requests.append(("poll", tuple(processes)))
+        if self.fail is not None:
+            raise self.fail
+        if not self.has_poll:
+            raise AgentRefused("poll", "unknown command: poll")
+        return {name: self.looks[name] for name, _ in processes}
+
+    async def readout(self, name, stream, offset, limit):
+        self.requests.append(("readout", name, stream))
+        size = getattr(self.looks[name], stream)
+        if size is None:
+            raise AgentRefused("readout", f"no output {name}.{stream}")
+        return b"", size
+
+    async def wait(self, pid):
+        self.requests.append(("wait", pid))
+        state = next(look.state for look in self.looks.values())
+        return None if state == "run" else int(state)
+
+
+def test_a_process_watch_asks_once_per_round_for_every_waiter_and_backs_off_while_nothing_changes():
+    async def main():
+        agent = PollingAgent({"a": ProcessLook(1, 0, "run"), "b": ProcessLook(0, 0, "run")})
+        watch = ProcessWatch(lambda: agent, 0.05, longest=0.2)
+        first = await asyncio.gather(watch.look("a", 10, soon=True), watch.look("a", 10, soon=True),
+                                     watch.look("b", 11, soon=True))
+        assert first == [ProcessLook(1, 0, "run"), ProcessLook(1, 0, "run"), ProcessLook(0, 0, "run")]
+        assert agent.requests == [("poll", (("a", 10), ("b", 11)))]   # three callers, one request
+        # Unchanged: the interval doubles up to the longest; a change brings it back.
+        intervals = []
+        for _ in range(4):
+            await watch.look("a", 10)
+            intervals.append(watch.interval)
+        assert intervals == [0.1, 0.2, 0.2, 0.2]
+        agent.looks["a"] = ProcessLook(4, 0, "0")
+        assert (await watch.look("a", 10)).ended
+        assert watch.interval == 0.05
+        # A poke (a signal sent) keeps it short for a while, though nothing changed.
+        watch.poke(hold=10)
+        for _ in range(3):
+            await watch.look("a", 10)
+        assert watch.interval == 0.05
+        # Nobody asking: no more requests.
+        await asyncio.sleep(0.1)
+        count = len(agent.requests)
+        await asyncio.sleep(0.3)
+        assert len(agent.requests) == count
+        watch.close()
+    asyncio.run(main())
+
+
+def test_a_process_watch_gives_every_waiter_the_error_and_asks_an_old_agent_the_old_way():
+    async def main():
+        agent = PollingAgent({"a": ProcessLook(3, None, "run")})
+        watch = ProcessWatch(lambda: agent, 0.01)
+        agent.fail = GuestGone("the VM is gone")
+        results = await asyncio.gather(watch.look("a", 7, soon=True), watch.look("a", 7), return_exceptions=True)
+        assert [type(r) for r in results] == [GuestGone, GuestGone]
+        agent.fail = None
+        # An agent before poll: readouts of no bytes and a wait, the same answer.
+        agent.has_poll = False
+        assert await watch.look("a", 7, soon=True) == ProcessLook(3, None, "run")
+        assert watch.legacy
+        assert agent.requests[-3:] == [("readout", "a", "out"), ("readout", "a", "err"), ("wait", 7)]
+        # A failure that is no AgentError reaches the caller as one, never a wait forever.
+        agent.has_poll, watch.legacy, agent.fail = True, False, ValueError("a bug")
+        with pytest.raises(AgentError, match="a bug"):
+            await asyncio.wait_for(watch.look("a", 7, soon=True), 5)
+        # Closed while somebody waits (the handler stops): the waiter is told.
+        agent.fail = None
+        watch.interval = watch.shortest = watch.longest = 30
+        await watch.look("a", 7, soon=True)
+        waiting = asyncio.ensure_future(watch.look("a", 7))
+        await asyncio.sleep(0.05)
+        watch.close()
+        with pytest.raises(GuestGone, match="closed"):
+            await asyncio.wait_for(waiting, 5)
+    asyncio.run(main())

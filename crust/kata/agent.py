@@ -81,6 +81,20 @@ class Answer:
         return int(self.fields[key])
 
 
+@dataclass(frozen=True)
+class ProcessLook:
+    """A spawned process as the guest's poll saw it: its output files'
+    sizes (None: no such file) and its state ("run", an exit code, "gone":
+    ended without one, "none": no spawn started it)."""
+    out: int | None
+    err: int | None
+    state: str
+
+    @property
+    def ended(self) -> bool:
+        return self.state != "run"
+
+
 class AgentClient:
     def __init__(self, socket_path: str, *, default_timeout: float = DEFAULT_TIMEOUT):
         self.socket_path = socket_path
@@ -346,6 +360,23 @@ class AgentClient:
         counts them); how many were signalled."""
         answer = await self.request("csignal", container_id, str(signal))
         return int(answer.fields["signalled"])
+
+    async def container_started(self, container_id: str, pid: int) -> tuple[bool, bool]:
+        """(started, exited): crun has started the container, the spawn pid
+        (its `crun run`) has ended; without running crun (agent 9)."""
+        answer = await self.request("cstarted", container_id, str(pid))
+        return answer.fields.get("started") == "1", answer.fields.get("exited") == "1"
+
+    async def poll(self, processes: list[tuple[str, int]]) -> dict[str, ProcessLook]:
+        """Each spawned process's state and output sizes, by its output
+        name, in one request (agent 9); processes: (name, spawn pid)."""
+        answer = await self.request("poll", *(f"{name}:{pid}" for name, pid in processes))
+        looks = {}
+        for name, _ in processes:
+            out, err, state = answer.fields.get(name, "-,-,none").split(",", 2)
+            looks[name] = ProcessLook(out=None if out == "-" else int(out), err=None if err == "-" else int(err),
+                                      state=state)
+        return looks
 
     async def container_state(self, container_id: str) -> str:
         """crun's state of the container: created, running, stopped, or absent (agent 5)."""

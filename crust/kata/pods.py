@@ -78,9 +78,10 @@ from crust.common.private import make_dirs
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata import guest_oci
-from crust.kata.agent import AgentError, AgentRefused
+from crust.kata.agent import AgentError, AgentRefused, GuestGone
 from crust.kata.pool import VmPool
 from crust.kata.portforward import PortForwarder
+from crust.kata.process_watch import ProcessWatch
 from crust.kata.qemu import Nic, SharedDir, Vm, VmError
 from crust.kata.qmp import QmpError, QmpGone, QmpTimeout
 from crust.kata.sandbox import KataSandbox
@@ -290,6 +291,7 @@ class Pods:
         self._creating: set[str] = set()   # container ids whose CreateContainer runs
         self._unwritten: set[str] = set()  # pods stopped in memory whose record is not written yet
         self.forwarders: dict[str, PortForwarder] = {}   # by pod, for those with a network
+        self.watches: dict[str, ProcessWatch] = {}   # by pod: one look per interval at its waited-on processes
         handler.before_teardown = self._before_teardown
         self._watcher: asyncio.Task | None = None
 
@@ -325,6 +327,8 @@ class Pods:
     async def stop(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
+        for watch in self.watches.values():
+            watch.close()
         for forwarder in self.forwarders.values():
             await forwarder.stop()
 
@@ -411,6 +415,17 @@ class Pods:
     def _sandbox(self, pod_id: str) -> KataSandbox | None:
         entry = self.handler.sandboxes.get(pod_id)
         return entry[0] if entry is not None else None
+
+    def _watch(self, pod_id: str) -> ProcessWatch:
+        """The pod's ProcessWatch, asking whichever agent its VM has now."""
+        def agent():
+            sandbox = self._sandbox(pod_id)
+            if sandbox is None:
+                raise GuestGone(f"pod {pod_id} has no VM")
+            return sandbox.vm.agent
+        if pod_id not in self.watches:
+            self.watches[pod_id] = ProcessWatch(agent, POLL)
+        return self.watches[pod_id]
 
     def _live(self, pod_id: str) -> tuple[KataSandbox, SandboxRecord, PodRecord]:
         pod = self.pods.get(pod_id)
@@ -614,6 +629,9 @@ class Pods:
             except (ShareError, OSError) as exc:
                 raise FailedPrecondition(f"pod {sandbox_id}: its shared directory: {exc}") from None
             self.pods.pop(sandbox_id, None)
+            watch = self.watches.pop(sandbox_id, None)
+            if watch is not None:
+                watch.close()
             await self.records.delete(sandbox_id)
             await asyncio.to_thread(self._remove_workdir, sandbox_id)
         self.locks.pop(sandbox_id, None)
@@ -1039,11 +1057,22 @@ class Pods:
         running), unless its process ended meanwhile (GetProcess tells how)."""
         deadline = time.monotonic() + timeout
         agent = sandbox.vm.agent
+        legacy = False   # a guest whose agent has no cstarted (before agent 9)
         while time.monotonic() < deadline:
-            if await sandbox._agent(agent.container_state(c.container_id)) == "running":
-                return
-            if await sandbox._agent(agent.wait(p.pid)) is not None:
-                return
+            if not legacy:
+                try:
+                    started, exited = await sandbox._agent(agent.container_started(c.container_id, p.pid))
+                    if started or exited:
+                        return
+                except CrustError as exc:
+                    if "unknown command" not in exc.message:
+                        raise
+                    legacy = True
+            if legacy:
+                if await sandbox._agent(agent.container_state(c.container_id)) == "running":
+                    return
+                if await sandbox._agent(agent.wait(p.pid)) is not None:
+                    return
             await asyncio.sleep(0.05)
         log.warning("container not running yet after its start", extra={"fields": {
             "container": c.container_id, "seconds": timeout}})
@@ -1117,10 +1146,20 @@ class Pods:
         pod, c, p = self._process(container_id, exec_id)
         state = await self.state(pod, c, p)
         while wait and state.status != Status.STOPPED:
-            await asyncio.sleep(POLL)
+            # The pod's watch tells when it ended; then state() learns how
+            # (one wait in the guest, the OOM count) and records it.
+            ended = True
+            if state.status == Status.RUNNING and p.name:
+                try:
+                    ended = (await self._watch(pod.sandbox_id).look(p.name, p.pid)).ended
+                except AgentError:
+                    await asyncio.sleep(POLL)   # state() finds out what became of the VM
+            else:
+                await asyncio.sleep(POLL)
             if container_id not in pod.containers or self.pods.get(pod.sandbox_id) is not pod:
                 raise NotFound(f"container {container_id} was deleted while waiting")
-            state = await self.state(pod, c, p)
+            if ended:
+                state = await self.state(pod, c, p)
         return state
 
     async def signal_process(self, container_id: str, exec_id: str, signal: int, all_processes: bool) -> None:
@@ -1137,6 +1176,9 @@ class Pods:
             raise FailedPrecondition(f"process {exec_id or container_id} was not started")
         elif p.exit_code is None:
             await sandbox._agent(sandbox.vm.agent.signal(p.pid, signal))
+        watch = self.watches.get(pod.sandbox_id)
+        if watch is not None:
+            watch.poke()   # an exit may follow: seen at the next interval, not after a long one
 
     async def write_input(self, container_id: str, exec_id: str, offset: int, data: bytes, close: bool) -> int:
         """data at offset of the process's standard input (close: it ends
@@ -1198,33 +1240,44 @@ class Pods:
             if container_id not in pod.containers or p.exit_code is not None:
                 return
             await asyncio.sleep(POLL)
-        finished = False
+        # The pod's watch says, once per interval, how far each file is
+        # written and whether the process ended; only what grew is read.
+        # Its first look comes at once, and after the end one more (what
+        # was written meanwhile, by what the process left behind).
+        watch = self._watch(pod.sandbox_id)
+        soon, finished = True, False
         while True:
             sandbox = self._sandbox(pod.sandbox_id)
             if sandbox is None or not sandbox.alive():
                 return   # what the guest held is gone with it
-            got = False
-            for key in ("out", "err"):
-                try:
-                    data, _ = await sandbox.vm.agent.readout(p.name, key, offsets[key], READ_CHUNK)
-                except AgentRefused as exc:
-                    if container_id not in pod.containers:
-                        return   # deleted meanwhile: its output went with it
-                    raise FailedPrecondition(f"output of {exec_id or container_id}: {exc.message}") from None
-                except AgentError:
-                    data = b""
-                    if not sandbox.alive():
-                        return
-                if data:
+            try:
+                look = await watch.look(p.name, p.pid, soon=soon)
+            except AgentError:
+                if not sandbox.alive():
+                    return
+                await asyncio.sleep(POLL)
+                continue
+            soon = False
+            for key, size in (("out", look.out), ("err", look.err)):
+                if size is None and container_id not in pod.containers:
+                    return   # deleted meanwhile: its output went with it
+                while size is None or offsets[key] < size:
+                    try:
+                        data, size = await sandbox.vm.agent.readout(p.name, key, offsets[key], READ_CHUNK)
+                    except AgentRefused as exc:
+                        if container_id not in pod.containers:
+                            return
+                        raise FailedPrecondition(f"output of {exec_id or container_id}: {exc.message}") from None
+                    except AgentError:
+                        if not sandbox.alive():
+                            return
+                        break
+                    if not data:
+                        break
                     yield handler_pb2.OutputChunk(stream=streams[key], offset=offsets[key], data=data)
                     offsets[key] += len(data)
-                    got = True
-            if got:
-                continue
             if finished:
                 return
-            await self._refresh(pod, c, p)
-            if p.exit_code is not None:
-                finished = True   # one more round: what it wrote before it exited
-                continue
-            await asyncio.sleep(POLL)
+            if look.ended:
+                await self._refresh(pod, c, p)   # its exit code recorded, as a wait would
+                finished, soon = True, True

@@ -21,7 +21,7 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=8
+AGENT_VERSION=9
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 DEVICE_WAIT_SECONDS=10   # a hot-plugged NIC or shared directory
@@ -594,6 +594,58 @@ cmd_readout() {  # name out|err offset max: up to max bytes from offset, URL-saf
   echo "size=$size data=${data:--}"
 }
 
+cmd_poll() {  # name:pid...: for each, name=<stdout size>,<stderr size>,<state>
+  # What the host needs to know about the processes it waits on or reads
+  # from, in one request: each process's state ("run", its exit code, "gone"
+  # when it ended without one, "none" when no spawn started it), taken before
+  # the sizes (an ended process's sizes are final), and the sizes of its
+  # output files ("-" for a missing one). One fork (stat) however many.
+  [ $# -gt 0 ] || fail "usage: poll <name:pid>..."
+  states= files=
+  for word in "$@"; do
+    name=${word%%:*} pid=${word#*:}
+    check_name "$name"
+    case $pid in ''|*[!0-9]*) fail "bad pid in $word" ;; esac
+    if [ ! -e "$RUN/exec/$pid.started" ]; then state=none
+    elif [ -r "$RUN/exec/$pid.exit" ]; then read -r state < "$RUN/exec/$pid.exit"
+    elif [ -d "/proc/$pid" ]; then state=run
+    elif [ -r "$RUN/exec/$pid.exit" ]; then read -r state < "$RUN/exec/$pid.exit"
+    else state=gone; fi
+    states="$states $name:${state:-gone}"
+    files="$files $RUN/out/$name.out $RUN/out/$name.err"
+  done
+  sizes=$(stat -c '%n:%s' $files 2>/dev/null)
+  answer=
+  for word in $states; do
+    name=${word%%:*} out=- err=-
+    for size in $sizes; do
+      case $size in
+        "$RUN/out/$name.out:"*) out=${size##*:} ;;
+        "$RUN/out/$name.err:"*) err=${size##*:} ;;
+      esac
+    done
+    answer="$answer $name=$out,$err,${word#*:}"
+  done
+  echo $answer
+}
+
+cmd_cstarted() {  # id pid: started=1 once crun started the container, exited=1 once pid's spawn ended
+  # The host asks this until the container runs. crun's state (cstate) would
+  # run crun each time, which costs the guest's one CPU while crun is still
+  # starting the container; this reads what crun state reads: its state
+  # file written and no start pending (exec.fifo).
+  [ $# -eq 2 ] || fail "usage: cstarted <id> <pid>"
+  check_name "$1"
+  case $2 in ''|*[!0-9]*) fail "bad pid: $2" ;; esac
+  [ -e "$RUN/exec/$2.started" ] || fail "no process $2 was started by spawn"
+  if [ -e "$RUN/exec/$2.exit" ] || [ ! -d "/proc/$2" ]; then echo "started=0 exited=1"; return 0; fi
+  if [ -e "/run/crust/crun/$1/status" ] && [ ! -e "/run/crust/crun/$1/exec.fifo" ]; then
+    echo "started=1 exited=0"
+  else
+    echo "started=0 exited=0"
+  fi
+}
+
 children_of() {  # pid -> its direct children
   cat /proc/[0-9]*/stat 2>/dev/null | awk -v p="$1" '$4 == p {print $1}'
 }
@@ -1043,6 +1095,8 @@ dispatch() {
     csignal) cmd_csignal "$@" ;;
     cforget) cmd_cforget "$@" ;;
     cstate) cmd_cstate "$@" ;;
+    cstarted) cmd_cstarted "$@" ;;
+    poll) cmd_poll "$@" ;;
     cstats) cmd_cstats "$@" ;;
     netconf) cmd_netconf "$@" ;;
     ttysize) cmd_ttysize "$@" ;;
