@@ -424,7 +424,9 @@ class Pods:
                 raise GuestGone(f"pod {pod_id} has no VM")
             return sandbox.vm.agent
         if pod_id not in self.watches:
-            self.watches[pod_id] = ProcessWatch(agent, POLL)
+            # Up to twice POLL while nothing changes: a process that exits
+            # on its own is seen at most 0.4 s later (kubelet relists every 1 s).
+            self.watches[pod_id] = ProcessWatch(agent, POLL, longest=2 * POLL)
         return self.watches[pod_id]
 
     def _live(self, pod_id: str) -> tuple[KataSandbox, SandboxRecord, PodRecord]:
