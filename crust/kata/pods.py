@@ -417,17 +417,24 @@ class Pods:
         return entry[0] if entry is not None else None
 
     def _watch(self, pod_id: str) -> ProcessWatch:
-        """The pod's ProcessWatch, asking whichever agent its VM has now."""
+        """The pod's ProcessWatch, asking whichever agent its VM has now;
+        made on first use, never again for a pod that was deleted (a wait
+        still looping then learns it from GuestGone)."""
+        watch = self.watches.get(pod_id)
+        if watch is not None:
+            return watch
+        if pod_id not in self.pods:
+            raise GuestGone(f"pod {pod_id} was deleted")
+
         def agent():
             sandbox = self._sandbox(pod_id)
             if sandbox is None:
                 raise GuestGone(f"pod {pod_id} has no VM")
             return sandbox.vm.agent
-        if pod_id not in self.watches:
-            # Up to twice POLL while nothing changes: a process that exits
-            # on its own is seen at most 0.4 s later (kubelet relists every 1 s).
-            self.watches[pod_id] = ProcessWatch(agent, POLL, longest=2 * POLL)
-        return self.watches[pod_id]
+        # Up to twice POLL while nothing changes: a process that exits on
+        # its own is seen at most 0.4 s later (kubelet relists every 1 s).
+        watch = self.watches[pod_id] = ProcessWatch(agent, POLL, longest=2 * POLL)
+        return watch
 
     def _live(self, pod_id: str) -> tuple[KataSandbox, SandboxRecord, PodRecord]:
         pod = self.pods.get(pod_id)
@@ -1246,7 +1253,10 @@ class Pods:
         # written and whether the process ended; only what grew is read.
         # Its first look comes at once, and after the end one more (what
         # was written meanwhile, by what the process left behind).
-        watch = self._watch(pod.sandbox_id)
+        try:
+            watch = self._watch(pod.sandbox_id)
+        except GuestGone:
+            return   # the pod was deleted meanwhile: its output went with it
         soon, finished = True, False
         while True:
             sandbox = self._sandbox(pod.sandbox_id)
