@@ -636,6 +636,154 @@ def test_a_link_to_another_pods_deferred_target_is_refused_and_its_placeholder_n
     env.unpublish(victim)
 
 
+FAILING_RUNTIME = """#!/bin/sh
+echo "$@" >> "{calls}"
+exit 1
+"""
+
+
+def _front_end_without_python(tmp_path: Path) -> tuple[Path, Path]:
+    """crust-runc whose Python runtime is a stand-in that records its call
+    and fails: a create that succeeds never started it."""
+    from crust.oci_runtime import frontend
+
+    calls = tmp_path / "python.calls"
+    stand_in = tmp_path / "python-runtime"
+    stand_in.write_text(FAILING_RUNTIME.format(calls=calls))
+    stand_in.chmod(0o755)
+    binary = tmp_path / "fe" / "crust-runc"
+    frontend.build(binary, stand_in)
+    return binary, calls
+
+
+def test_crust_runc_creates_a_deferred_container_with_the_handler_and_no_interpreter(make_env, tmp_path):
+    """The pod-start path of crust-runc: `create` of a bundle that binds a
+    deferred volume is done by the front end and the handler (PrepareBundle,
+    runc, ContainerCreated), never by the Python runtime. The container has
+    the device mounted at its destination, the bundle and the marker are the
+    Python runtime's own (its `delete` releases the claim), and a runc or a
+    handler that fails leaves no claim and no marker behind."""
+    env = make_env()
+    vol = env.volume("pv-front")
+    binary, python_calls = _front_end_without_python(tmp_path)
+    state, runc_root = tmp_path / "state", tmp_path / "runc"
+    handler = f"unix://{env.handler.socket}"
+    bind = {"destination": "/data", "type": "bind", "source": str(vol.target), "options": ["rbind", "rw"]}
+    bundle = _runc_bundle(tmp_path / "b1", [bind], "pod-front")
+    original = json.loads((bundle / "config.json").read_text())
+    log = tmp_path / "b1.json"
+    try:
+        done = _runtime(bundle, log, state, runc=shutil.which("runc"), handler=handler, runc_root=runc_root,
+                        container_id="front1", runtime=binary)
+        assert done.returncode == 0, (done.stderr, log.read_text() if log.exists() else "")
+        assert not python_calls.exists(), python_calls.read_text()
+        init = int((bundle / "init.pid").read_text())
+        mounted = [line.split() for line in Path(f"/proc/{init}/mountinfo").read_text().splitlines()
+                   if line.split()[4] == "/data"]
+        assert [(m[2], m[-3]) for m in mounted] == [("%d:%d" % vol.majmin, "ext4")], mounted
+        assert json.loads((bundle / "config.crust-original.json").read_text()) == original
+        (data,) = [m for m in json.loads((bundle / "config.json").read_text())["mounts"] if m["destination"] == "/data"]
+        assert (data["type"], data["source"]) == ("ext4", vol.device)
+        assert json.loads((state / "front1").read_text()) == {"sandbox_id": "pod-front", "bundle": str(bundle)}
+        assert {(c[0], c[2]) for c in env.claim_set()} == {(str(vol.target), "pod-front")}
+        (held,) = _json_call(Path(f"{env.handler.socket}.json"),
+                             b'{"method": "ListContainers", "request": {}}\n')["response"]["containers"]
+        assert (held["containerId"], held["state"], int(held["pid"])) == ("front1", "created", init)
+        lines = [json.loads(line)["msg"] for line in log.read_text().splitlines()]
+        assert any(f"/data: ext4 on {vol.device}" in line for line in lines), lines
+        assert any(line.startswith("crust: create took ") for line in lines), lines
+
+        # The Python runtime's delete: runc deletes, the claim and the marker go.
+        done = subprocess.run([str(PYTHON_OCI_RUNTIME), "--root", str(runc_root), "delete", "--force", "front1"],
+                              env={**os.environ, "CRUST_RUNC": shutil.which("runc"), "CRUST_HANDLER_ENDPOINT": handler,
+                                   "CRUST_OCI_RUNTIME_STATE": str(state),
+                                   "CRUST_OCI_RUNTIME_CONFIG": str(state / "none.json")},
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert env.claim_set() == set() and not (state / "front1").exists()
+
+        # runc fails: its exit code, no claim, no marker.
+        failing = _runc_bundle(tmp_path / "b2", [bind], "pod-front")
+        done = _runtime(failing, tmp_path / "b2.json", state, runc="/bin/false", handler=handler,
+                        container_id="front2", runtime=binary)
+        assert done.returncode == 1
+        assert env.claim_set() == set() and not (state / "front2").exists()
+        # The handler refuses (a deferred target whose entry is gone): its reason in runc's log.
+        entry_dir = env.proxy.volumes_dir / digest(str(vol.target))
+        saved = entry_dir.with_name(entry_dir.name + ".saved")
+        entry_dir.rename(saved)
+        try:
+            refused = _runc_bundle(tmp_path / "b3", [bind], "pod-front")
+            done = _runtime(refused, tmp_path / "b3.json", state, runc=shutil.which("runc"), handler=handler,
+                            runc_root=runc_root, container_id="front3", runtime=binary)
+        finally:
+            saved.rename(entry_dir)
+        assert done.returncode != 0
+        message = _last_error(tmp_path / "b3.json")
+        assert message.startswith("crust handler: FAILED_PRECONDITION: ") and "has no entry" in message, message
+        assert env.claim_set() == set() and not (state / "front3").exists()
+        assert not python_calls.exists(), python_calls.read_text()
+    finally:
+        for name in ("front1", "front3"):
+            subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", name], capture_output=True)
+    env.unpublish(vol)
+
+
+def test_crust_runc_hands_create_to_the_python_runtime_when_the_handler_cannot_do_it(tmp_path):
+    """A handler without PrepareBundle (UNIMPLEMENTED), one that cannot see
+    the bundle (NOT_FOUND), no handler at all, or a create without a pid
+    file: the Python runtime gets the call, with its arguments."""
+    import socket
+    import threading
+
+    binary, python_calls = _front_end_without_python(tmp_path)
+    csi = tmp_path / "var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/pv/mount"
+    csi.mkdir(parents=True)
+    bundle = _runc_bundle(tmp_path / "b", [{"destination": "/data", "type": "bind", "source": str(csi),
+                                            "options": ["rbind"]}], "pod")
+    socket_path = tmp_path / "h.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(f"{socket_path}.json")
+    listener.listen(4)
+    answers = []
+
+    def answer_each() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                request = conn.makefile("rb").readline()
+                answers.append(json.loads(request))
+                conn.sendall(answers_to_give.pop(0))
+
+    answers_to_give = [b'{"error":{"code":"UNIMPLEMENTED","message":"method \'PrepareBundle\': no"}}\n',
+                       b'{"error":{"code":"NOT_FOUND","message":"bundle /x is not a directory the handler sees"}}\n']
+    thread = threading.Thread(target=answer_each, daemon=True)
+    thread.start()
+    try:
+        for handler, args in ((f"unix://{socket_path}", ["--pid-file", "p"]),
+                              (f"unix://{socket_path}", ["--pid-file", "p"]),
+                              (f"unix://{tmp_path}/none.sock", ["--pid-file", "p"]),
+                              (f"unix://{socket_path}", [])):
+            python_calls.unlink(missing_ok=True)
+            done = subprocess.run([str(binary), "create", "--bundle", str(bundle), *args, "c1"],
+                                  env={**os.environ, "CRUST_HANDLER_ENDPOINT": handler, "CRUST_RUNC": "/bin/false",
+                                       "CRUST_OCI_RUNTIME_STATE": str(tmp_path / "state"),
+                                       "CRUST_OCI_RUNTIME_CONFIG": str(tmp_path / "none.json")},
+                                  capture_output=True, text=True, timeout=30)
+            assert done.returncode == 1
+            assert python_calls.read_text().split() == ["create", "--bundle", str(bundle), *args, "c1"], handler
+        # The two answered calls asked for PrepareBundle with the request's fields.
+        assert [a["method"] for a in answers] == ["PrepareBundle", "PrepareBundle"]
+        assert answers[0]["request"]["containerId"] == "c1" and answers[0]["request"]["bundle"] == str(bundle)
+        assert int(answers[0]["request"]["runtimePid"]) > 0
+    finally:
+        listener.close()
+        thread.join(5)
+
+
 def _json_call(path: Path, line: bytes) -> dict:
     import socket
 
@@ -665,6 +813,12 @@ def test_the_handlers_json_socket_answers_as_its_grpc_service(make_env, tmp_path
     for line, code, words in (
             (b'{"method": "PrepareContainer", "request": {"sandboxId": "p"}}\n', "INVALID_ARGUMENT", "container_id"),
             (b'{"method": "PrepareContainer", "request": {"containerId": 7}}\n', "INVALID_ARGUMENT", "containerId"),
+            (b'{"method": "PrepareBundle", "request": {"containerId": "c", "bundle": "b", "stateDir": "/s"}}\n',
+             "INVALID_ARGUMENT", "bundle 'b' must be an absolute path"),
+            (b'{"method": "PrepareBundle", "request": {"containerId": "c", "bundle": "/b"}}\n', "INVALID_ARGUMENT",
+             "state_dir"),
+            (b'{"method": "PrepareBundle", "request": {"containerId": "c", "bundle": "/nonexistent/b", '
+             b'"stateDir": "/s"}}\n', "NOT_FOUND", "/nonexistent/b"),
             (b'{"method": "DeleteEverything", "request": {}}\n', "UNIMPLEMENTED", "DeleteEverything"),
             (b'{"method": "ReleaseContainer", "request": []}\n', "INVALID_ARGUMENT", "request"),
             (b'not json\n', "INVALID_ARGUMENT", "JSON")):

@@ -36,9 +36,11 @@ class Frontend:
         self.state.mkdir()
         self.binary = root / "bin" / "crust-runc"
         assert frontend.build(self.binary, self.python)
-        # The defaults the runtime reads: no settings file, runc from CRUST_RUNC.
+        # The defaults the runtime reads: no settings file, runc from CRUST_RUNC,
+        # no handler (a create that needs crust is then the Python runtime's).
         self.env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CRUST_RUNC": str(self.runc),
                     "CRUST_OCI_RUNTIME_STATE": str(self.state),
+                    "CRUST_HANDLER_ENDPOINT": f"unix://{root}/no-handler.sock",
                     "CRUST_OCI_RUNTIME_CONFIG": str(root / "absent.json")}
 
     def _recorder(self, name: str) -> Path:

@@ -160,6 +160,22 @@ class PrepareContainerRequest(_message.Message):
     runtime_pid: int
     def __init__(self, container_id: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., bundle: _Optional[str] = ..., mounts: _Optional[_Iterable[_Union[ContainerMount, _Mapping]]] = ..., runtime_pid: _Optional[int] = ...) -> None: ...
 
+class PrepareBundleRequest(_message.Message):
+    __slots__ = ("container_id", "bundle", "runtime_pid", "state_dir", "log_path", "log_format")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_PID_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIR_FIELD_NUMBER: _ClassVar[int]
+    LOG_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOG_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    bundle: str
+    runtime_pid: int
+    state_dir: str
+    log_path: str
+    log_format: str
+    def __init__(self, container_id: _Optional[str] = ..., bundle: _Optional[str] = ..., runtime_pid: _Optional[int] = ..., state_dir: _Optional[str] = ..., log_path: _Optional[str] = ..., log_format: _Optional[str] = ...) -> None: ...
+
 class DeferredContainerMount(_message.Message):
     __slots__ = ("destination", "target_path", "device", "fs_type", "options", "readonly")
     DESTINATION_FIELD_NUMBER: _ClassVar[int]

@@ -388,6 +388,11 @@ class ContainerVolumesStub(object):
                 request_serializer=handler__pb2.PrepareContainerRequest.SerializeToString,
                 response_deserializer=handler__pb2.PrepareContainerResponse.FromString,
                 _registered_method=True)
+        self.PrepareBundle = channel.unary_unary(
+                '/crust.handler.v1.ContainerVolumes/PrepareBundle',
+                request_serializer=handler__pb2.PrepareBundleRequest.SerializeToString,
+                response_deserializer=handler__pb2.PrepareContainerResponse.FromString,
+                _registered_method=True)
         self.ContainerCreated = channel.unary_unary(
                 '/crust.handler.v1.ContainerVolumes/ContainerCreated',
                 request_serializer=handler__pb2.ContainerCreatedRequest.SerializeToString,
@@ -438,6 +443,24 @@ class ContainerVolumesServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareBundle(self, request, context):
+        """PrepareContainer with the runtime's own part of `create` done by the
+        handler, for a runtime front end that reads no JSON (crust-runc): the
+        handler reads the bundle's config.json (or the original an earlier
+        call kept), prepares its binds as PrepareContainer does, and, when
+        one is deferred, keeps the original as config.crust-original.json,
+        rewrites config.json with each deferred bind replaced by its device
+        mount, writes the runtime's marker in state_dir and appends a line
+        per deferred mount to runc's log. No mounts in the answer: nothing is
+        deferred and nothing was written. NOT_FOUND: the handler cannot see
+        the bundle (it runs in another mount namespace); the runtime then
+        reads the bundle itself and calls PrepareContainer. Idempotent per
+        container; on any failure nothing stays claimed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ContainerCreated(self, request, context):
         """runc created the container (its init process waits for `start`): the
         handler records the process, makes it the claims' holder and applies
@@ -468,6 +491,11 @@ def add_ContainerVolumesServicer_to_server(servicer, server):
             'PrepareContainer': grpc.unary_unary_rpc_method_handler(
                     servicer.PrepareContainer,
                     request_deserializer=handler__pb2.PrepareContainerRequest.FromString,
+                    response_serializer=handler__pb2.PrepareContainerResponse.SerializeToString,
+            ),
+            'PrepareBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareBundle,
+                    request_deserializer=handler__pb2.PrepareBundleRequest.FromString,
                     response_serializer=handler__pb2.PrepareContainerResponse.SerializeToString,
             ),
             'ContainerCreated': grpc.unary_unary_rpc_method_handler(
@@ -530,6 +558,33 @@ class ContainerVolumes(object):
             target,
             '/crust.handler.v1.ContainerVolumes/PrepareContainer',
             handler__pb2.PrepareContainerRequest.SerializeToString,
+            handler__pb2.PrepareContainerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.ContainerVolumes/PrepareBundle',
+            handler__pb2.PrepareBundleRequest.SerializeToString,
             handler__pb2.PrepareContainerResponse.FromString,
             options,
             channel_credentials,

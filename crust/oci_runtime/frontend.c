@@ -18,11 +18,22 @@
  * itself: a wrong "crust" here costs time, never a wrong result, and no
  * "runc" is answered unless it is certain.
  *
+ * `create` of a bundle that may bind a CSI volume is the one call on a
+ * pod's start path that needs crust. It is done here too, without the
+ * interpreter: the crust handler, a daemon that reads JSON anyway, is asked
+ * to do the runtime's part (PrepareBundle on its JSON socket: read the
+ * spec, claim the deferred binds, rewrite config.json, write the marker),
+ * then runc creates the container, then the handler hears of it
+ * (ContainerCreated) before `start`; a failed runc or handler call leaves
+ * no claim and no marker behind. An older handler (UNIMPLEMENTED), one
+ * that cannot see the bundle (NOT_FOUND), an unreachable one, or a create
+ * without --pid-file becomes the Python runtime, which does it all itself.
+ *
  * The settings are the Python runtime's (crust/oci_runtime/main.py):
  * CRUST_OCI_RUNTIME_CONFIG (default /etc/crust/oci-runtime.json, a JSON
- * object of strings: runc, handlerEndpoint, stateDir), then CRUST_RUNC and
- * CRUST_OCI_RUNTIME_STATE override it; runc defaults to the first runc on
- * PATH that is not this program.
+ * object of strings: runc, handlerEndpoint, stateDir), then CRUST_RUNC,
+ * CRUST_HANDLER_ENDPOINT and CRUST_OCI_RUNTIME_STATE override it; runc
+ * defaults to the first runc on PATH that is not this program.
  *
  * Built by `crust runtime-frontend --output PATH` (crust/oci_runtime/frontend.py),
  * which compiles in the program that runs the Python runtime as
@@ -41,9 +52,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <spawn.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+extern char **environ;
 
 #ifndef CRUST_PYTHON_RUNTIME
 #error "build with -DCRUST_PYTHON_RUNTIME=\"/path/of/crust-oci-runtime\""
@@ -51,6 +69,12 @@
 
 #define CONFIG_FILE "/etc/crust/oci-runtime.json"
 #define DEFAULT_STATE_DIR "/run/crust/oci-runtime"
+#define DEFAULT_HANDLER_ENDPOINT "unix:///run/crust/handler.sock"
+/* The handler's answer to PrepareBundle may wait for a claim at the proxy
+ * and for an entry kubelet just published (crust/oci_runtime/client.py). */
+#define PREPARE_TIMEOUT 60
+#define CALL_TIMEOUT 30
+#define MAX_REPLY (16 << 20)
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #define CSI_MARK "/kubernetes.io~csi/"
 /* A spec larger than this is read by the Python runtime. */
@@ -185,7 +209,7 @@ static char *plain_string(const char *p, const char **end)
 
 /* The settings file: a flat object of plain strings with the runtime's keys,
  * or nothing certain (returns 0). */
-static int read_settings(const char *path, char **runc, char **state_dir)
+static int read_settings(const char *path, char **runc, char **state_dir, char **handler)
 {
     char *text = read_file(path, MAX_CONFIG, NULL);
     if (text == NULL)
@@ -209,7 +233,7 @@ static int read_settings(const char *path, char **runc, char **state_dir)
         else if (strcmp(key, "stateDir") == 0)
             *state_dir = value;
         else if (strcmp(key, "handlerEndpoint") == 0)
-            free(value);
+            *handler = value;
         else {
             free(key);
             free(value);
@@ -261,8 +285,8 @@ static const char *const CREATE_VALUE_FLAGS[] = {"--bundle", "-b", "--console-so
                                                  "--preserve-fds", NULL};
 
 /* A command's options from rest[0..count): the container id (the first
- * positional) and, for create, the bundle. */
-static const char *command_options(char **rest, int count, int create, const char **bundle)
+ * positional) and, for create, the bundle and the pid file. */
+static const char *command_options(char **rest, int count, int create, const char **bundle, const char **pid_file)
 {
     int i = 0;
     while (i < count) {
@@ -283,6 +307,8 @@ static const char *command_options(char **rest, int count, int create, const cha
         if (bundle && value && ((length == 8 && strncmp(word, "--bundle", 8) == 0)
                                 || (length == 2 && strncmp(word, "-b", 2) == 0)))
             *bundle = value;
+        if (pid_file && value && length == 10 && strncmp(word, "--pid-file", 10) == 0)
+            *pid_file = value;
         i++;
     }
     return i < count ? rest[i] : "";
@@ -353,6 +379,369 @@ static int delete_needs_crust(const char *state_dir, const char *id)
     return access(marker, F_OK) == 0 || errno != ENOENT;
 }
 
+/* -- create, with the handler doing the runtime's part ----------------------------------------------- */
+
+/* A growing string. */
+struct text {
+    char *data;
+    size_t length, size;
+};
+
+static void add(struct text *t, const char *s, size_t n)
+{
+    if (t->length + n + 1 > t->size) {
+        size_t size = (t->length + n + 1) * 2;
+        char *data = realloc(t->data, size);
+        if (data == NULL)
+            exit(1);
+        t->data = data;
+        t->size = size;
+    }
+    memcpy(t->data + t->length, s, n);
+    t->length += n;
+    t->data[t->length] = '\0';
+}
+
+static void add_str(struct text *t, const char *s) { add(t, s, strlen(s)); }
+
+/* s as the inside of a JSON string. */
+static void add_escaped(struct text *t, const char *s)
+{
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        char escape[8];
+        if (c == '"' || c == '\\') {
+            escape[0] = '\\';
+            escape[1] = (char)c;
+            add(t, escape, 2);
+        } else if (c < 0x20) {
+            snprintf(escape, sizeof escape, "\\u%04x", c);
+            add(t, escape, 6);
+        } else {
+            add(t, (const char *)&c, 1);
+        }
+    }
+}
+
+/* A line in runc's log in its format, the message already a JSON string's
+ * inside (the Python runtime's text format quotes it the same way). */
+static void log_escaped(const char *level, const char *message)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    char stamp[64], when[32];
+    strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%S", gmtime(&now.tv_sec));
+    snprintf(stamp, sizeof stamp, "%s.%09ldZ", when, now.tv_nsec);
+    FILE *out = log_path ? fopen(log_path, "a") : NULL;
+    if (out == NULL)
+        out = stderr;
+    if (log_json)
+        fprintf(out, "{\"level\":\"%s\",\"msg\":\"%s\",\"time\":\"%s\"}\n", level, message, stamp);
+    else
+        fprintf(out, "time=\"%s\" level=%s msg=\"%s\"\n", stamp, level, message);
+    if (out != stderr)
+        fclose(out);
+}
+
+static void log_plain(const char *level, const char *message)
+{
+    struct text t = {0};
+    add_escaped(&t, message);
+    log_escaped(level, t.data ? t.data : "");
+    free(t.data);
+}
+
+static double now_ms(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec * 1e3 + (double)now.tv_nsec / 1e6;
+}
+
+static const char *handler_endpoint;
+
+enum answer { ANSWERED, UNREACHABLE };
+
+/* One call on the handler's JSON socket: a line out, a line back (*reply,
+ * NUL-terminated). UNREACHABLE when no handler listens there. */
+static enum answer call_handler(const char *method, const char *request, int timeout, char **reply)
+{
+    *reply = NULL;
+    const char *prefix = "unix://";
+    struct sockaddr_un address = {.sun_family = AF_UNIX};
+    if (strncmp(handler_endpoint, prefix, strlen(prefix)) != 0
+        || snprintf(address.sun_path, sizeof address.sun_path, "%s.json", handler_endpoint + strlen(prefix))
+               >= (int)sizeof address.sun_path)
+        return UNREACHABLE;   /* the Python runtime names what is wrong with it */
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return UNREACHABLE;
+    struct timeval limit = {.tv_sec = timeout};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
+    if (connect(fd, (struct sockaddr *)&address, sizeof address) != 0) {
+        close(fd);
+        return UNREACHABLE;
+    }
+    struct text line = {0};
+    add_str(&line, "{\"method\":\"");
+    add_str(&line, method);
+    add_str(&line, "\",\"request\":");
+    add_str(&line, request);
+    add_str(&line, "}\n");
+    struct text in = {0};
+    size_t sent = 0;
+    while (sent < line.length) {
+        ssize_t n = send(fd, line.data + sent, line.length - sent, MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            goto done;
+        sent += (size_t)n;
+    }
+    for (;;) {
+        char chunk[65536];
+        ssize_t n = recv(fd, chunk, sizeof chunk, 0);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            break;
+        add(&in, chunk, (size_t)n);
+        if (in.data[in.length - 1] == '\n' || in.length > MAX_REPLY)
+            break;
+    }
+done:
+    close(fd);
+    free(line.data);
+    *reply = in.data ? in.data : strdup("");
+    return ANSWERED;
+}
+
+/* What the handler answered: 1 for a response, 0 for an error (its code
+ * and message, the message still escaped, copied out), -1 for no answer. */
+static int parse_answer(const char *reply, char *code, size_t code_size, struct text *message)
+{
+    if (strncmp(reply, "{\"response\":", 12) == 0)
+        return 1;
+    const char *p = "{\"error\":{\"code\":\"";
+    if (strncmp(reply, p, strlen(p)) != 0)
+        return -1;
+    const char *start = reply + strlen(p), *end = strchr(start, '"');
+    if (end == NULL)
+        return -1;
+    snprintf(code, code_size, "%.*s", (int)(end - start), start);
+    add_str(message, "crust handler: ");
+    add_escaped(message, code);
+    add_str(message, ": ");
+    const char *m = strstr(end, "\"message\":\"");
+    if (m != NULL) {
+        m += strlen("\"message\":\"");
+        const char *q = m;
+        while (*q && *q != '"')
+            q += (*q == '\\' && q[1]) ? 2 : 1;
+        add(message, m, (size_t)(q - m));
+    }
+    return 0;
+}
+
+/* A call whose failure is the create's: 1 on a response; else the reason
+ * in runc's log and 0. */
+static int call_or_log(const char *method, const char *request, int timeout)
+{
+    char *reply, code[64] = "";
+    struct text message = {0};
+    int ok = 0;
+    if (call_handler(method, request, timeout, &reply) == UNREACHABLE) {
+        struct text why = {0};
+        add_str(&why, "crust handler: ");
+        add_str(&why, method);
+        add_str(&why, ": the handler at ");
+        add_str(&why, handler_endpoint);
+        add_str(&why, " is unreachable");
+        log_plain("error", why.data);
+        free(why.data);
+        return 0;
+    }
+    int parsed = parse_answer(reply, code, sizeof code, &message);
+    if (parsed == 1)
+        ok = 1;
+    else if (parsed == 0)
+        log_escaped("error", message.data);
+    else {
+        struct text why = {0};
+        add_str(&why, "crust handler: ");
+        add_str(&why, method);
+        add_str(&why, ": the connection ended without an answer");
+        log_plain("error", why.data);
+        free(why.data);
+    }
+    free(reply);
+    free(message.data);
+    return ok;
+}
+
+/* runc with this call's arguments (or others), its exit code. Descriptors
+ * without close-on-exec stay open for it (the shim's console socket,
+ * --preserve-fds). */
+static int run_runc(const char *runc, char **argv, int quiet)
+{
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    if (quiet) {
+        posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+        posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+    }
+    pid_t pid;
+    int failed = posix_spawn(&pid, runc, &actions, NULL, argv, environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (failed) {
+        char message[PATH_MAX + 64];
+        snprintf(message, sizeof message, "cannot run %s: %s", runc, strerror(failed));
+        log_plain("error", message);
+        return 1;
+    }
+    int status;
+    while (waitpid(pid, &status, 0) < 0)
+        if (errno != EINTR)
+            return 1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+/* How long ago this process started, to the clock tick. */
+static double process_age_ms(void)
+{
+    char *stat = read_file("/proc/self/stat", 4096, NULL), *uptime = read_file("/proc/uptime", 256, NULL);
+    double age = 0;
+    char *close = stat ? strrchr(stat, ')') : NULL;
+    if (close && uptime) {
+        unsigned long long ticks = 0;
+        char *field = close + 1;
+        for (int i = 0; i < 20 && field; i++)
+            field = strchr(field + 1, ' ');
+        if (field)
+            ticks = strtoull(field + 1, NULL, 10);
+        age = (strtod(uptime, NULL) - (double)ticks / (double)sysconf(_SC_CLK_TCK)) * 1e3;
+    }
+    free(stat);
+    free(uptime);
+    return age > 0 ? age : 0;
+}
+
+static void release_claims(const char *id, const char *marker)
+{
+    struct text request = {0};
+    add_str(&request, "{\"containerId\":\"");
+    add_escaped(&request, id);
+    add_str(&request, "\"}");
+    call_or_log("ReleaseContainer", request.data, CALL_TIMEOUT);
+    free(request.data);
+    unlink(marker);
+}
+
+/* `create` of a bundle that may bind a CSI volume, the handler doing the
+ * runtime's part; returns only when the Python runtime should do it all. */
+static void create_through_handler(const char *runc, const char *state_dir, const char *bundle, const char *id,
+                                   const char *pid_file, int global_count)
+{
+    char cwd[PATH_MAX], absolute[PATH_MAX], marker[PATH_MAX];
+    if (bundle == NULL || *bundle == '\0')
+        bundle = getcwd(cwd, sizeof cwd);
+    else if (bundle[0] != '/' && getcwd(cwd, sizeof cwd) != NULL
+             && snprintf(absolute, sizeof absolute, "%s/%s", cwd, bundle) < (int)sizeof absolute)
+        bundle = absolute;
+    if (bundle == NULL || bundle[0] != '/' || pid_file == NULL || *id == '\0' || strchr(id, '/')
+        || snprintf(marker, sizeof marker, "%s/%s", state_dir, id) >= (int)sizeof marker)
+        return;
+    double began = now_ms(), startup = process_age_ms();
+
+    struct text request = {0};
+    char pid[32];
+    snprintf(pid, sizeof pid, "%ld", (long)getpid());
+    add_str(&request, "{\"containerId\":\"");
+    add_escaped(&request, id);
+    add_str(&request, "\",\"bundle\":\"");
+    add_escaped(&request, bundle);
+    add_str(&request, "\",\"runtimePid\":\"");
+    add_str(&request, pid);
+    add_str(&request, "\",\"stateDir\":\"");
+    add_escaped(&request, state_dir);
+    add_str(&request, "\",\"logPath\":\"");
+    add_escaped(&request, log_path ? log_path : "");
+    add_str(&request, "\",\"logFormat\":\"");
+    add_str(&request, log_json ? "json" : "");
+    add_str(&request, "\"}");
+    char *reply, code[64] = "";
+    struct text message = {0};
+    if (call_handler("PrepareBundle", request.data, PREPARE_TIMEOUT, &reply) == UNREACHABLE)
+        return;
+    free(request.data);
+    int parsed = parse_answer(reply, code, sizeof code, &message);
+    if (parsed == 0 && (strcmp(code, "UNIMPLEMENTED") == 0 || strcmp(code, "NOT_FOUND") == 0))
+        return;
+    if (parsed != 1) {
+        if (parsed == 0)
+            log_escaped("error", message.data);
+        else
+            log_plain("error", "crust handler: PrepareBundle: the connection ended without an answer");
+        exit(1);
+    }
+    /* protobuf's JSON mapping leaves an empty list out: no mounts, nothing deferred. */
+    int deferred = strncmp(reply, "{\"response\":{\"mounts\":[", 23) == 0;
+    free(reply);
+    if (!deferred)
+        become(runc);
+    double prepared = now_ms();
+
+    char **argv = calloc((size_t)argument_count + 2, sizeof *argv);
+    if (argv == NULL)
+        exit(1);
+    argv[0] = (char *)runc;
+    memcpy(argv + 1, arguments, (size_t)argument_count * sizeof *argv);
+    int code_of_runc = run_runc(runc, argv, 0);
+    if (code_of_runc != 0) {
+        release_claims(id, marker);
+        exit(code_of_runc);
+    }
+    double created = now_ms();
+
+    /* The container's init, from runc's pid file. */
+    char *text = read_file(pid_file, 64, NULL);
+    long init = text ? strtol(text, NULL, 10) : 0;
+    free(text);
+    struct text call = {0};
+    snprintf(pid, sizeof pid, "%ld", init);
+    add_str(&call, "{\"containerId\":\"");
+    add_escaped(&call, id);
+    add_str(&call, "\",\"pid\":\"");
+    add_str(&call, pid);
+    add_str(&call, "\"}");
+    int ok = init > 0 && call_or_log("ContainerCreated", call.data, CALL_TIMEOUT);
+    free(call.data);
+    if (!ok) {
+        if (init <= 0)
+            log_plain("error", "crust: runc created the container but its pid file holds no pid");
+        /* runc delete --force with this call's global flags. */
+        char **del = calloc((size_t)global_count + 5, sizeof *del);
+        if (del == NULL)
+            exit(1);
+        del[0] = (char *)runc;
+        memcpy(del + 1, arguments, (size_t)global_count * sizeof *del);
+        del[global_count + 1] = "delete";
+        del[global_count + 2] = "--force";
+        del[global_count + 3] = (char *)id;
+        run_runc(runc, del, 1);
+        release_claims(id, marker);
+        exit(1);
+    }
+    double done = now_ms();
+    char line[256];
+    snprintf(line, sizeof line, "crust: create took %.0f ms: start and imports %.0f, handler prepare %.0f, "
+             "runc create %.0f, handler created %.0f", startup + done - began, startup, prepared - began,
+             created - prepared, done - created);
+    log_plain("info", line);
+    exit(0);
+}
+
 int main(int argc, char **argv)
 {
     arguments = argv + 1;
@@ -378,15 +767,19 @@ int main(int argc, char **argv)
     char **rest = arguments + (i < argument_count ? i + 1 : argument_count);
     int rest_count = i < argument_count ? argument_count - i - 1 : 0;
 
-    char *runc = NULL, *state_dir = NULL;
+    char *runc = NULL, *state_dir = NULL, *handler = NULL;
     const char *config = getenv("CRUST_OCI_RUNTIME_CONFIG");
-    if (!read_settings(config && *config ? config : CONFIG_FILE, &runc, &state_dir))
+    if (!read_settings(config && *config ? config : CONFIG_FILE, &runc, &state_dir, &handler))
         become_crust();
     const char *env_runc = getenv("CRUST_RUNC"), *env_state = getenv("CRUST_OCI_RUNTIME_STATE");
+    const char *env_handler = getenv("CRUST_HANDLER_ENDPOINT");
     if (env_runc && *env_runc)
         runc = strdup(env_runc);
     if (env_state && *env_state)
         state_dir = strdup(env_state);
+    if (env_handler && *env_handler)
+        handler = strdup(env_handler);
+    handler_endpoint = handler && *handler ? handler : DEFAULT_HANDLER_ENDPOINT;
     if (runc == NULL || *runc == '\0')
         runc = find_runc();
     if (runc == NULL)
@@ -396,12 +789,14 @@ int main(int argc, char **argv)
     resolved_runc = runc;
 
     if (strcmp(command, "create") == 0) {
-        const char *bundle = NULL;
-        command_options(rest, rest_count, 1, &bundle);
-        if (create_needs_crust(bundle))
+        const char *bundle = NULL, *pid_file = NULL;
+        const char *id = command_options(rest, rest_count, 1, &bundle, &pid_file);
+        if (create_needs_crust(bundle)) {
+            create_through_handler(runc, state_dir, bundle, id, pid_file, i);
             become_crust();
+        }
     } else if (strcmp(command, "delete") == 0) {
-        if (delete_needs_crust(state_dir, command_options(rest, rest_count, 0, NULL)))
+        if (delete_needs_crust(state_dir, command_options(rest, rest_count, 0, NULL, NULL)))
             become_crust();
     } else if (strcmp(command, "run") == 0) {
         become_crust();

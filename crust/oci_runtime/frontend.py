@@ -2,9 +2,10 @@
 
 containerd's runc shim runs its runtime for every call on a container.
 crust-runc becomes runc at once for the calls crust has nothing to do in,
-and the Python runtime (crust-oci-runtime) for the others: a pod whose
-containers bind no deferred volume pays for crust nothing but one small
-program's start per call.
+does the `create` of a container with a deferred volume with the handler
+(PrepareBundle, runc, ContainerCreated), and becomes the Python runtime
+(crust-oci-runtime) for the others: a pod pays for crust no interpreter's
+start on its way up, only one small program's start per call.
 
     crust runtime-frontend --output /usr/local/bin/crust-runc [--runtime PATH] [--cc cc]
 

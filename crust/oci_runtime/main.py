@@ -17,6 +17,10 @@ It is runc, except where a container's deferred volumes are concerned:
   process and applies the pod's fsGroup, before `start`. Any failure fails
   `create` with a message in runc's log, where the shim reads it, and no
   claim stays behind.
+  crust-runc, the front end, does this `create` without this program where
+  the handler can: the handler does the part before runc (PrepareBundle,
+  with write_bundle below), the front end runs runc and reports the
+  container created. This program does it where the handler cannot.
 - `delete`: runc deletes, then the handler releases the container's claims.
 - everything else (start, state, kill, exec, ps, events, update, pause,
   resume, features, ...), and `create`/`delete` of containers without a
@@ -250,6 +254,36 @@ def rewrite(spec: dict, deferred) -> dict:
     return updated
 
 
+def sandbox_of(spec: dict, container_id: str) -> str:
+    """The pod the container belongs to (the claims' sandbox), from the
+    CRI runtime's annotation; the container itself outside any pod."""
+    annotations = spec.get("annotations") or {}
+    return next((annotations[a] for a in SANDBOX_ID_ANNOTATIONS if annotations.get(a)), container_id)
+
+
+def write_bundle(bundle: str, state_dir: str, container_id: str, sandbox_id: str, spec: dict, deferred,
+                 flags: dict[str, str]) -> None:
+    """What `create` leaves once the handler claimed the deferred binds:
+    the marker that `delete` looks for, the original spec kept (once: a
+    retried create reads it again), config.json rewritten for runc, and a
+    line per deferred mount in runc's log. The crust handler does the same
+    for crust-runc (PrepareBundle)."""
+    from crust.common.private import make_dirs  # (os and pathlib only: no start-up cost)
+
+    make_dirs(state_dir)  # 0700, its parents too, whatever containerd's umask
+    write_file(os.path.join(state_dir, container_id),
+               json.dumps({"sandbox_id": sandbox_id, "bundle": bundle}).encode(), 0o600)
+    original = os.path.join(bundle, ORIGINAL_CONFIG)
+    config = os.path.join(bundle, "config.json")
+    mode = os.stat(config).st_mode & 0o777
+    if not os.path.exists(original):
+        write_file(original, json.dumps(spec).encode(), mode)
+    write_file(config, json.dumps(rewrite(spec, deferred)).encode(), mode)
+    for m in deferred:
+        log_line(flags, "info", f"crust: {m.destination}: {m.fs_type} on {m.device}, the deferred volume "
+                                f"{m.target_path}, mounted in the container only")
+
+
 def write_file(path: str, data: bytes, mode: int) -> None:
     """Replace path atomically (rename). No fsync: a bundle and the markers
     are run-time state (under /run on a node), gone after a reboot anyway."""
@@ -316,8 +350,7 @@ def create(values: dict[str, str], flags: dict[str, str], args: list[str], rest:
 
     startup_ms = process_age_ms()
     began = time.perf_counter()
-    annotations = spec.get("annotations") or {}
-    sandbox_id = next((annotations[a] for a in SANDBOX_ID_ANNOTATIONS if annotations.get(a)), container_id)
+    sandbox_id = sandbox_of(spec, container_id)
     client = HandlerClient(values["handlerEndpoint"])
     marker = os.path.join(values["stateDir"], container_id)
     try:
@@ -325,19 +358,7 @@ def create(values: dict[str, str], flags: dict[str, str], args: list[str], rest:
         if not deferred:
             client.close()
             exec_runc(values["runc"], args)
-        from crust.common.private import make_dirs  # (os and pathlib only: no start-up cost)
-
-        make_dirs(values["stateDir"])  # 0700, its parents too, whatever containerd's umask
-        write_file(marker, json.dumps({"sandbox_id": sandbox_id, "bundle": bundle}).encode(), 0o600)
-        original = os.path.join(bundle, ORIGINAL_CONFIG)
-        config = os.path.join(bundle, "config.json")
-        mode = os.stat(config).st_mode & 0o777
-        if not os.path.exists(original):
-            write_file(original, json.dumps(spec).encode(), mode)
-        write_file(config, json.dumps(rewrite(spec, deferred)).encode(), mode)
-        for m in deferred:
-            log_line(flags, "info", f"crust: {m.destination}: {m.fs_type} on {m.device}, the deferred volume "
-                                    f"{m.target_path}, mounted in the container only")
+        write_bundle(bundle, values["stateDir"], container_id, sandbox_id, spec, deferred, flags)
         prepared = time.perf_counter()
         code = call_runc(values["runc"], args)
         if code != 0:

@@ -48,6 +48,8 @@ from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument,
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
+from crust.oci_runtime import main as runtime
+from crust.oci_runtime.client import RuntimeFailure
 from crust.runtime_handler.handler import BIND_OPTIONS, check_device, claimed_description, refuse_encrypted
 from crust.runtime_handler.resolve import (CSI_DIR, Resolved, SubpathEscapes, candidates, refuse_link_to_deferred,
                                            resolve)
@@ -233,6 +235,44 @@ class ContainerVolumes:
             log.info("container volumes claimed", extra={"fields": {
                 "container": container_id, "sandbox": sandbox_id, "volumes": record.targets()}})
             return record.mounts
+
+    async def prepare_bundle(self, container_id: str, bundle: str, runtime_pid: int, state_dir: str,
+                             log_flags: dict[str, str]) -> list[ContainerMount]:
+        """PrepareBundle: `prepare` with the OCI runtime's own part of
+        `create` done here (crust.oci_runtime.main.write_bundle), for
+        crust-runc, which reads no JSON: the bundle's spec read, its binds
+        prepared, and the bundle and the runtime's marker written. No
+        mounts: nothing deferred, nothing written."""
+        for name, value in (("bundle", bundle), ("state_dir", state_dir)):
+            if not os.path.isabs(value):
+                raise InvalidArgument(f"{name} {value!r} must be an absolute path")
+        if not os.path.isdir(bundle):
+            raise NotFound(f"bundle {bundle} is not a directory the handler sees (does it run in another mount "
+                           "namespace than the runtime?)")
+        try:
+            spec = await asyncio.to_thread(runtime.load_spec, bundle)
+        except RuntimeFailure as exc:
+            raise InvalidArgument(f"bundle: {exc}") from None
+        if not runtime.deferred_candidates(spec):
+            return []
+        sandbox_id = runtime.sandbox_of(spec, container_id)
+        mounts = [handler_pb2.ContainerMount(destination=m.get("destination") or "", type=m.get("type") or "",
+                                             source=m.get("source") or "", options=m.get("options") or [])
+                  for m in spec.get("mounts") or []]
+        deferred = await self.prepare(container_id, sandbox_id, bundle, mounts, runtime_pid)
+        if not deferred:
+            return []
+        try:
+            await asyncio.to_thread(runtime.write_bundle, bundle, state_dir, container_id, sandbox_id, spec,
+                                    deferred, log_flags)
+        except OSError as exc:
+            # Nothing half-done stays: the claims go, and the marker (a
+            # rewritten config.json without claims is never run: create fails).
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.unlink(os.path.join(state_dir, container_id))
+            await self.release(container_id)
+            raise FailedPrecondition(f"bundle {bundle}: cannot write the runtime's files: {exc}") from None
+        return deferred
 
     async def _resolve(self, source: str) -> Resolved | None:
         """The deferred volume a bind source is (None: not a deferred

@@ -37,6 +37,7 @@ MAX_REQUEST = 4 << 20
 READ_TIMEOUT = 30.0
 METHODS = {
     "PrepareContainer": handler_pb2.PrepareContainerRequest,
+    "PrepareBundle": handler_pb2.PrepareBundleRequest,
     "ContainerCreated": handler_pb2.ContainerCreatedRequest,
     "ReleaseContainer": handler_pb2.ReleaseContainerRequest,
     "ListContainers": handler_pb2.ListContainersRequest,

@@ -100,6 +100,14 @@ class ContainerVolumesService(handler_pb2_grpc.ContainerVolumesServicer):
             request.runtime_pid)
         return handler_pb2.PrepareContainerResponse(mounts=[self.containers.describe(m) for m in mounts])
 
+    async def PrepareBundle(self, request: handler_pb2.PrepareBundleRequest, context):
+        log_flags = {flag: value for flag, value in (("--log", request.log_path),
+                                                     ("--log-format", request.log_format)) if value}
+        mounts = await self.containers.prepare_bundle(
+            csi_input.required(request.container_id, "container_id"), csi_input.required(request.bundle, "bundle"),
+            request.runtime_pid, csi_input.required(request.state_dir, "state_dir"), log_flags)
+        return handler_pb2.PrepareContainerResponse(mounts=[self.containers.describe(m) for m in mounts])
+
     async def ContainerCreated(self, request: handler_pb2.ContainerCreatedRequest, context):
         await self.containers.created(csi_input.required(request.container_id, "container_id"), request.pid)
         return handler_pb2.ContainerCreatedResponse()
