@@ -810,6 +810,10 @@ def test_the_handlers_json_socket_answers_as_its_grpc_service(make_env, tmp_path
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     listed = _json_call(path, b'{"method": "ListContainers", "request": {}}\n')
     assert listed == {"response": {}}, listed
+    huge = tmp_path / "huge-bundle"
+    huge.mkdir()
+    with open(huge / "config.json", "wb") as spec:
+        spec.truncate((64 << 20) + 1)   # sparse: the handler must refuse it by its size, unread
     for line, code, words in (
             (b'{"method": "PrepareContainer", "request": {"sandboxId": "p"}}\n', "INVALID_ARGUMENT", "container_id"),
             (b'{"method": "PrepareContainer", "request": {"containerId": 7}}\n', "INVALID_ARGUMENT", "containerId"),
@@ -819,6 +823,9 @@ def test_the_handlers_json_socket_answers_as_its_grpc_service(make_env, tmp_path
              "state_dir"),
             (b'{"method": "PrepareBundle", "request": {"containerId": "c", "bundle": "/nonexistent/b", '
              b'"stateDir": "/s"}}\n', "NOT_FOUND", "/nonexistent/b"),
+            (json.dumps({"method": "PrepareBundle", "request": {"containerId": "c", "bundle": str(huge),
+                                                               "stateDir": "/s"}}).encode() + b"\n",
+             "INVALID_ARGUMENT", "more than the 67108864 the handler reads"),
             (b'{"method": "DeleteEverything", "request": {}}\n', "UNIMPLEMENTED", "DeleteEverything"),
             (b'{"method": "ReleaseContainer", "request": []}\n', "INVALID_ARGUMENT", "request"),
             (b'not json\n', "INVALID_ARGUMENT", "JSON")):

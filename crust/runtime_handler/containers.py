@@ -66,6 +66,9 @@ PLACEHOLDER_SOURCE = "crust-deferred"
 # runtime's own `delete` normally comes first.
 REAP_GRACE = 5.0
 PREPARED, CREATED = "prepared", "created"
+# The largest config.json PrepareBundle reads (the bound of crust-runc's own
+# reading, frontend.c's MAX_SPEC).
+MAX_SPEC_BYTES = 64 << 20
 SHARED_PROPAGATION = {"shared", "rshared"}
 # Propagation flags of the bind that mean nothing for a mounted device.
 DROPPED_OPTIONS = BIND_OPTIONS | {"private", "rprivate", "slave", "rslave", "unbindable", "runbindable"}
@@ -249,6 +252,13 @@ class ContainerVolumes:
         if not os.path.isdir(bundle):
             raise NotFound(f"bundle {bundle} is not a directory the handler sees (does it run in another mount "
                            "namespace than the runtime?)")
+        for name in (runtime.ORIGINAL_CONFIG, "config.json"):
+            with contextlib.suppress(OSError):
+                size = os.stat(os.path.join(bundle, name)).st_size
+                if size > MAX_SPEC_BYTES:
+                    # A daemon reads it: a hostile spec must not swell it.
+                    raise InvalidArgument(f"bundle: {os.path.join(bundle, name)} holds {size} bytes, more than "
+                                          f"the {MAX_SPEC_BYTES} the handler reads")
         try:
             spec = await asyncio.to_thread(runtime.load_spec, bundle)
         except RuntimeFailure as exc:
