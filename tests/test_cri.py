@@ -693,14 +693,22 @@ def test_crust_runc_creates_a_deferred_container_with_the_handler_and_no_interpr
         assert any(f"/data: ext4 on {vol.device}" in line for line in lines), lines
         assert any(line.startswith("crust: create took ") for line in lines), lines
 
-        # The Python runtime's delete: runc deletes, the claim and the marker go.
-        done = subprocess.run([str(PYTHON_OCI_RUNTIME), "--root", str(runc_root), "delete", "--force", "front1"],
-                              env={**os.environ, "CRUST_RUNC": shutil.which("runc"), "CRUST_HANDLER_ENDPOINT": handler,
-                                   "CRUST_OCI_RUNTIME_STATE": str(state),
-                                   "CRUST_OCI_RUNTIME_CONFIG": str(state / "none.json")},
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        assert env.claim_set() == set() and not (state / "front1").exists()
+        # delete: runc deletes, the claim and the marker go; the Python
+        # runtime's delete of a container the front end created, the same.
+        settings = {**os.environ, "CRUST_RUNC": shutil.which("runc"), "CRUST_HANDLER_ENDPOINT": handler,
+                    "CRUST_OCI_RUNTIME_STATE": str(state), "CRUST_OCI_RUNTIME_CONFIG": str(state / "none.json")}
+        for runtime in (binary, PYTHON_OCI_RUNTIME):
+            if runtime == PYTHON_OCI_RUNTIME:
+                done = _runtime(bundle, log, state, runc=shutil.which("runc"), handler=handler,
+                                runc_root=runc_root, container_id="front1", runtime=binary)
+                assert done.returncode == 0, done.stderr
+            done = subprocess.run([str(runtime), "--root", str(runc_root), "delete", "--force", "front1"],
+                                  env=settings, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            assert env.claim_set() == set() and not (state / "front1").exists()
+            assert subprocess.run(["runc", "--root", str(runc_root), "state", "front1"],
+                                  capture_output=True).returncode != 0, "runc still has the container"
+        assert not python_calls.exists(), python_calls.read_text()
 
         # runc fails: its exit code, no claim, no marker.
         failing = _runc_bundle(tmp_path / "b2", [bind], "pod-front")

@@ -7,7 +7,9 @@
  * in two of them only: `create` of a bundle that binds a kubelet CSI volume,
  * and `delete` of a container it created so (a marker in its state
  * directory says which). Started for every call, the interpreter would cost
- * each one tens of milliseconds before it execs runc.
+ * each one tens of milliseconds before it execs runc. This program does
+ * both of those too, with the crust handler (below), and starts the
+ * interpreter only where the handler cannot help.
  *
  * This program decides which kind of call it is, with nothing but the
  * C library, and becomes runc at once (execv, the same arguments) for
@@ -28,6 +30,8 @@
  * no claim and no marker behind. An older handler (UNIMPLEMENTED), one
  * that cannot see the bundle (NOT_FOUND), an unreachable one, or a create
  * without --pid-file becomes the Python runtime, which does it all itself.
+ * `delete` of a container with a marker: runc deletes, then the handler
+ * releases the claims (ReleaseContainer) and the marker goes.
  *
  * The settings are the Python runtime's (crust/oci_runtime/main.py):
  * CRUST_OCI_RUNTIME_CONFIG (default /etc/crust/oci-runtime.json, a JSON
@@ -104,6 +108,7 @@ static void log_failure(const char *log_path, int json, const char *message)
 }
 
 static const char *log_path;
+static const char *runc_root = "/run/runc";   /* runc's --root */
 static int log_json;
 
 /* program, with its own leading arguments (NULL-terminated, may be NULL), then ours. */
@@ -742,6 +747,52 @@ static void create_through_handler(const char *runc, const char *state_dir, cons
     exit(0);
 }
 
+/* `delete` of a container crust created (its marker): runc deletes, then
+ * the handler releases the claims and the marker goes (the Python
+ * runtime's delete, without the interpreter). A container runc still has
+ * keeps its claims; a handler that cannot release them now leaves them to
+ * its reaper, and the delete is still runc's success. */
+static void delete_through_handler(const char *runc, const char *state_dir, const char *id)
+{
+    char marker[PATH_MAX], state[PATH_MAX];
+    if (*id == '\0' || strchr(id, '/') || strcmp(id, ".") == 0 || strcmp(id, "..") == 0
+        || snprintf(marker, sizeof marker, "%s/%s", state_dir, id) >= (int)sizeof marker
+        || snprintf(state, sizeof state, "%s/%s/state.json", runc_root, id) >= (int)sizeof state)
+        become_crust();
+    char **argv = calloc((size_t)argument_count + 2, sizeof *argv);
+    if (argv == NULL)
+        exit(1);
+    argv[0] = (char *)runc;
+    memcpy(argv + 1, arguments, (size_t)argument_count * sizeof *argv);
+    int code = run_runc(runc, argv, 0);
+    if (code != 0 && access(state, F_OK) == 0)
+        exit(code);   /* still there (running, without --force): its claims stay */
+    struct text request = {0};
+    add_str(&request, "{\"containerId\":\"");
+    add_escaped(&request, id);
+    add_str(&request, "\"}");
+    char *reply, code_name[64] = "";
+    struct text message = {0}, line = {0};
+    add_str(&line, "crust: container ");
+    add_escaped(&line, id);
+    add_str(&line, " deleted, its claims not released yet: ");
+    if (call_handler("ReleaseContainer", request.data, CALL_TIMEOUT, &reply) == UNREACHABLE) {
+        add_str(&line, "the crust handler at ");
+        add_escaped(&line, handler_endpoint);
+        add_str(&line, " is unreachable");
+        log_escaped("warning", line.data);
+        exit(code);
+    }
+    int parsed = parse_answer(reply, code_name, sizeof code_name, &message);
+    if (parsed == 1) {
+        unlink(marker);
+    } else {
+        add_str(&line, parsed == 0 ? message.data : "the connection ended without an answer");
+        log_escaped("warning", line.data);
+    }
+    exit(code);
+}
+
 int main(int argc, char **argv)
 {
     arguments = argv + 1;
@@ -757,6 +808,8 @@ int main(int argc, char **argv)
             i++;
             value = i < argument_count ? arguments[i] : "";
         }
+        if (value && length == 6 && strncmp(word, "--root", 6) == 0)
+            runc_root = value;
         if (value && length == 5 && strncmp(word, "--log", 5) == 0)
             log_path = value;
         if (value && length == 12 && strncmp(word, "--log-format", 12) == 0)
@@ -796,8 +849,9 @@ int main(int argc, char **argv)
             become_crust();
         }
     } else if (strcmp(command, "delete") == 0) {
-        if (delete_needs_crust(state_dir, command_options(rest, rest_count, 0, NULL, NULL)))
-            become_crust();
+        const char *id = command_options(rest, rest_count, 0, NULL, NULL);
+        if (delete_needs_crust(state_dir, id))
+            delete_through_handler(runc, state_dir, id);
     } else if (strcmp(command, "run") == 0) {
         become_crust();
     }

@@ -2,10 +2,11 @@
 
 containerd's runc shim runs its runtime for every call on a container.
 crust-runc becomes runc at once for the calls crust has nothing to do in,
-does the `create` of a container with a deferred volume with the handler
-(PrepareBundle, runc, ContainerCreated), and becomes the Python runtime
-(crust-oci-runtime) for the others: a pod pays for crust no interpreter's
-start on its way up, only one small program's start per call.
+does the `create` and `delete` of a container with a deferred volume with
+the handler (PrepareBundle, runc, ContainerCreated; runc, ReleaseContainer),
+and becomes the Python runtime (crust-oci-runtime) where the handler cannot
+help: a pod pays for crust no interpreter's start, only one small
+program's start per call.
 
     crust runtime-frontend --output /usr/local/bin/crust-runc [--runtime PATH] [--cc cc]
 
