@@ -822,6 +822,10 @@ def test_the_handlers_json_socket_answers_as_its_grpc_service(make_env, tmp_path
     huge.mkdir()
     with open(huge / "config.json", "wb") as spec:
         spec.truncate((64 << 20) + 1)   # sparse: the handler must refuse it by its size, unread
+    malformed = tmp_path / "malformed-bundle"
+    malformed.mkdir()
+    (malformed / "config.json").write_text('{"mounts": [{"destination": "/d", "source": "/var/lib/kubelet/pods/u/'
+                                           'volumes/kubernetes.io~csi/pv/mount", "options": "rbind"}]}')
     for line, code, words in (
             (b'{"method": "PrepareContainer", "request": {"sandboxId": "p"}}\n', "INVALID_ARGUMENT", "container_id"),
             (b'{"method": "PrepareContainer", "request": {"containerId": 7}}\n', "INVALID_ARGUMENT", "containerId"),
@@ -834,6 +838,9 @@ def test_the_handlers_json_socket_answers_as_its_grpc_service(make_env, tmp_path
             (json.dumps({"method": "PrepareBundle", "request": {"containerId": "c", "bundle": str(huge),
                                                                "stateDir": "/s"}}).encode() + b"\n",
              "INVALID_ARGUMENT", "more than the 67108864 the handler reads"),
+            (json.dumps({"method": "PrepareBundle", "request": {"containerId": "c", "bundle": str(malformed),
+                                                               "stateDir": "/s"}}).encode() + b"\n",
+             "INVALID_ARGUMENT", "mounts[0].options must be a list of strings"),
             (b'{"method": "DeleteEverything", "request": {}}\n', "UNIMPLEMENTED", "DeleteEverything"),
             (b'{"method": "ReleaseContainer", "request": []}\n', "INVALID_ARGUMENT", "request"),
             (b'not json\n', "INVALID_ARGUMENT", "JSON")):
