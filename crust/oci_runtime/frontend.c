@@ -90,29 +90,84 @@ static int argument_count;
 
 /* -- the two ways out ------------------------------------------------------------------------- */
 
-static void log_failure(const char *log_path, int json, const char *message)
-{
-    /* runc's log, where the shim reads why a call failed. */
-    FILE *out = log_path ? fopen(log_path, "a") : NULL;
-    char stamp[64];
-    time_t now = time(NULL);
-    strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
-    if (out == NULL)
-        out = stderr;
-    if (json)
-        fprintf(out, "{\"level\":\"error\",\"msg\":\"crust-runc: %s\",\"time\":\"%s\"}\n", message, stamp);
-    else
-        fprintf(out, "time=\"%s\" level=error msg=\"crust-runc: %s\"\n", stamp, message);
-    if (out != stderr)
-        fclose(out);
-}
-
 static const char *log_path;
 static const char *runc_root = "/run/runc";   /* runc's --root */
 static int log_json;
 
-/* program, with its own leading arguments (NULL-terminated, may be NULL), then ours. */
-static void become_with(const char *program, const char *const *leading)
+/* A growing string. */
+struct text {
+    char *data;
+    size_t length, size;
+};
+
+static void add(struct text *t, const char *s, size_t n)
+{
+    if (t->length + n + 1 > t->size) {
+        size_t size = (t->length + n + 1) * 2;
+        char *data = realloc(t->data, size);
+        if (data == NULL)
+            exit(1);
+        t->data = data;
+        t->size = size;
+    }
+    memcpy(t->data + t->length, s, n);
+    t->length += n;
+    t->data[t->length] = '\0';
+}
+
+static void add_str(struct text *t, const char *s) { add(t, s, strlen(s)); }
+
+/* s as the inside of a JSON string. */
+static void add_escaped(struct text *t, const char *s)
+{
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        char escape[8];
+        if (c == '"' || c == '\\') {
+            escape[0] = '\\';
+            escape[1] = (char)c;
+            add(t, escape, 2);
+        } else if (c < 0x20) {
+            snprintf(escape, sizeof escape, "\\u%04x", c);
+            add(t, escape, 6);
+        } else {
+            add(t, (const char *)&c, 1);
+        }
+    }
+}
+
+/* A line in runc's log (where the shim reads why a call failed) in its format, the message already a JSON string's
+ * inside (the Python runtime's text format quotes it the same way). */
+static void log_escaped(const char *level, const char *message)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    char stamp[64], when[32];
+    strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%S", gmtime(&now.tv_sec));
+    snprintf(stamp, sizeof stamp, "%s.%09ldZ", when, now.tv_nsec);
+    FILE *out = log_path ? fopen(log_path, "a") : NULL;
+    if (out == NULL)
+        out = stderr;
+    if (log_json)
+        fprintf(out, "{\"level\":\"%s\",\"msg\":\"%s\",\"time\":\"%s\"}\n", level, message, stamp);
+    else
+        fprintf(out, "time=\"%s\" level=%s msg=\"%s\"\n", stamp, level, message);
+    if (out != stderr)
+        fclose(out);
+}
+
+static void log_plain(const char *level, const char *message)
+{
+    struct text t = {0};
+    add_escaped(&t, message);
+    log_escaped(level, t.data ? t.data : "");
+    free(t.data);
+}
+
+
+/* argv for program: its own leading arguments (NULL-terminated, may be
+ * NULL), then this call's. */
+static char **argv_of(const char *program, const char *const *leading)
 {
     int lead = 0;
     while (leading != NULL && leading[lead] != NULL)
@@ -124,10 +179,15 @@ static void become_with(const char *program, const char *const *leading)
     if (lead > 0)
         memcpy(argv + 1, leading, (size_t)lead * sizeof *argv);
     memcpy(argv + 1 + lead, arguments, (size_t)argument_count * sizeof *argv);
-    execv(program, argv);
+    return argv;
+}
+
+static void become_with(const char *program, const char *const *leading)
+{
+    execv(program, argv_of(program, leading));
     char message[PATH_MAX + 64];
-    snprintf(message, sizeof message, "cannot run %s: %s", program, strerror(errno));
-    log_failure(log_path, log_json, message);
+    snprintf(message, sizeof message, "crust-runc: cannot run %s: %s", program, strerror(errno));
+    log_plain("error", message);
     exit(1);
 }
 
@@ -374,87 +434,23 @@ static int create_needs_crust(const char *bundle)
     return needs;
 }
 
+/* The marker of container id in the state directory, into marker; 0 for
+ * an id that is no plain file name (the Python runtime says what is wrong). */
+static int marker_path(char marker[PATH_MAX], const char *state_dir, const char *id)
+{
+    return *id != '\0' && strchr(id, '/') == NULL && strcmp(id, ".") != 0 && strcmp(id, "..") != 0
+           && snprintf(marker, PATH_MAX, "%s/%s", state_dir, id) < PATH_MAX;
+}
+
 static int delete_needs_crust(const char *state_dir, const char *id)
 {
     char marker[PATH_MAX];
-    if (*id == '\0' || strchr(id, '/') || strcmp(id, ".") == 0 || strcmp(id, "..") == 0)
-        return 1;
-    if (snprintf(marker, sizeof marker, "%s/%s", state_dir, id) >= (int)sizeof marker)
+    if (!marker_path(marker, state_dir, id))
         return 1;
     return access(marker, F_OK) == 0 || errno != ENOENT;
 }
 
 /* -- create, with the handler doing the runtime's part ----------------------------------------------- */
-
-/* A growing string. */
-struct text {
-    char *data;
-    size_t length, size;
-};
-
-static void add(struct text *t, const char *s, size_t n)
-{
-    if (t->length + n + 1 > t->size) {
-        size_t size = (t->length + n + 1) * 2;
-        char *data = realloc(t->data, size);
-        if (data == NULL)
-            exit(1);
-        t->data = data;
-        t->size = size;
-    }
-    memcpy(t->data + t->length, s, n);
-    t->length += n;
-    t->data[t->length] = '\0';
-}
-
-static void add_str(struct text *t, const char *s) { add(t, s, strlen(s)); }
-
-/* s as the inside of a JSON string. */
-static void add_escaped(struct text *t, const char *s)
-{
-    for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        char escape[8];
-        if (c == '"' || c == '\\') {
-            escape[0] = '\\';
-            escape[1] = (char)c;
-            add(t, escape, 2);
-        } else if (c < 0x20) {
-            snprintf(escape, sizeof escape, "\\u%04x", c);
-            add(t, escape, 6);
-        } else {
-            add(t, (const char *)&c, 1);
-        }
-    }
-}
-
-/* A line in runc's log in its format, the message already a JSON string's
- * inside (the Python runtime's text format quotes it the same way). */
-static void log_escaped(const char *level, const char *message)
-{
-    struct timespec now;
-    clock_gettime(CLOCK_REALTIME, &now);
-    char stamp[64], when[32];
-    strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%S", gmtime(&now.tv_sec));
-    snprintf(stamp, sizeof stamp, "%s.%09ldZ", when, now.tv_nsec);
-    FILE *out = log_path ? fopen(log_path, "a") : NULL;
-    if (out == NULL)
-        out = stderr;
-    if (log_json)
-        fprintf(out, "{\"level\":\"%s\",\"msg\":\"%s\",\"time\":\"%s\"}\n", level, message, stamp);
-    else
-        fprintf(out, "time=\"%s\" level=%s msg=\"%s\"\n", stamp, level, message);
-    if (out != stderr)
-        fclose(out);
-}
-
-static void log_plain(const char *level, const char *message)
-{
-    struct text t = {0};
-    add_escaped(&t, message);
-    log_escaped(level, t.data ? t.data : "");
-    free(t.data);
-}
 
 static double now_ms(void)
 {
@@ -522,72 +518,88 @@ done:
     return ANSWERED;
 }
 
-/* What the handler answered: 1 for a response, 0 for an error (its code
- * and message, the message still escaped, copied out), -1 for no answer. */
-static int parse_answer(const char *reply, char *code, size_t code_size, struct text *message)
+enum outcome { ANSWER_OK, ANSWER_UNREACHABLE, ANSWER_ERROR, ANSWER_NONE };
+
+/* One call on the handler's socket and what came of it: the reply (kept in
+ * *reply when reply is not NULL), or the error's code (into code) and why
+ * it failed, as a JSON string's inside ("crust handler: ..."), into why. */
+static enum outcome ask(const char *method, const char *request, int timeout, char **reply, char code[64],
+                        struct text *why)
 {
-    if (strncmp(reply, "{\"response\":", 12) == 0)
-        return 1;
-    const char *p = "{\"error\":{\"code\":\"";
-    if (strncmp(reply, p, strlen(p)) != 0)
-        return -1;
-    const char *start = reply + strlen(p), *end = strchr(start, '"');
-    if (end == NULL)
-        return -1;
-    snprintf(code, code_size, "%.*s", (int)(end - start), start);
-    add_str(message, "crust handler: ");
-    add_escaped(message, code);
-    add_str(message, ": ");
-    const char *m = strstr(end, "\"message\":\"");
-    if (m != NULL) {
-        m += strlen("\"message\":\"");
-        const char *q = m;
-        while (*q && *q != '"')
-            q += (*q == '\\' && q[1]) ? 2 : 1;
-        add(message, m, (size_t)(q - m));
+    char *answer;
+    code[0] = '\0';
+    add_str(why, "crust handler: ");
+    if (call_handler(method, request, timeout, &answer) == UNREACHABLE) {
+        add_str(why, method);
+        add_str(why, ": the handler at ");
+        add_escaped(why, handler_endpoint);
+        add_str(why, " is unreachable");
+        return ANSWER_UNREACHABLE;
     }
-    return 0;
+    enum outcome outcome = ANSWER_NONE;
+    const char *error = "{\"error\":{\"code\":\"", *end;
+    if (strncmp(answer, "{\"response\":", 12) == 0) {
+        outcome = ANSWER_OK;
+    } else if (strncmp(answer, error, strlen(error)) == 0 && (end = strchr(answer + strlen(error), '"'))) {
+        outcome = ANSWER_ERROR;
+        snprintf(code, 64, "%.*s", (int)(end - answer - strlen(error)), answer + strlen(error));
+        add_escaped(why, code);
+        add_str(why, ": ");
+        const char *m = strstr(end, "\"message\":\"");
+        if (m != NULL) {
+            m += strlen("\"message\":\"");
+            const char *q = m;
+            while (*q && *q != '"')
+                q += (*q == '\\' && q[1]) ? 2 : 1;
+            add(why, m, (size_t)(q - m));   /* still escaped: runc's log quotes it the same way */
+        }
+    } else {
+        add_str(why, method);
+        add_str(why, ": the connection ended without an answer");
+    }
+    if (reply != NULL && outcome == ANSWER_OK)
+        *reply = answer;
+    else
+        free(answer);
+    return outcome;
 }
 
-/* A call whose failure is the create's: 1 on a response; else the reason
- * in runc's log and 0. */
-static int call_or_log(const char *method, const char *request, int timeout)
+/* ask, a failure said in runc's log at level, after context (a JSON
+ * string's inside); 1 when the handler answered with a response. */
+static int ask_or_log(const char *method, const char *request, int timeout, const char *level,
+                      const char *context)
 {
-    char *reply, code[64] = "";
-    struct text message = {0};
-    int ok = 0;
-    if (call_handler(method, request, timeout, &reply) == UNREACHABLE) {
-        struct text why = {0};
-        add_str(&why, "crust handler: ");
-        add_str(&why, method);
-        add_str(&why, ": the handler at ");
-        add_str(&why, handler_endpoint);
-        add_str(&why, " is unreachable");
-        log_plain("error", why.data);
-        free(why.data);
-        return 0;
+    struct text why = {0}, line = {0};
+    char code[64];
+    int ok = ask(method, request, timeout, NULL, code, &why) == ANSWER_OK;
+    if (!ok) {
+        add_str(&line, context);
+        add_str(&line, why.data);
+        log_escaped(level, line.data);
     }
-    int parsed = parse_answer(reply, code, sizeof code, &message);
-    if (parsed == 1)
-        ok = 1;
-    else if (parsed == 0)
-        log_escaped("error", message.data);
-    else {
-        struct text why = {0};
-        add_str(&why, "crust handler: ");
-        add_str(&why, method);
-        add_str(&why, ": the connection ended without an answer");
-        log_plain("error", why.data);
-        free(why.data);
-    }
-    free(reply);
-    free(message.data);
+    free(why.data);
+    free(line.data);
     return ok;
 }
 
-/* runc with this call's arguments (or others), its exit code. Descriptors
- * without close-on-exec stay open for it (the shim's console socket,
- * --preserve-fds). */
+/* {"containerId":ID[,"pid":"PID"]}, the request of ContainerCreated and
+ * ReleaseContainer. */
+static char *container_request(const char *id, long pid)
+{
+    struct text request = {0};
+    add_str(&request, "{\"containerId\":\"");
+    add_escaped(&request, id);
+    if (pid > 0) {
+        char number[32];
+        snprintf(number, sizeof number, "\",\"pid\":\"%ld", pid);
+        add_str(&request, number);
+    }
+    add_str(&request, "\"}");
+    return request.data;
+}
+
+/* runc with argv, its exit code. Descriptors without close-on-exec stay
+ * open for it (the shim's console socket, --preserve-fds). */
 static int run_runc(const char *runc, char **argv, int quiet)
 {
     posix_spawn_file_actions_t actions;
@@ -632,14 +644,12 @@ static double process_age_ms(void)
     return age > 0 ? age : 0;
 }
 
+/* The claims of a create that failed go, and its marker. */
 static void release_claims(const char *id, const char *marker)
 {
-    struct text request = {0};
-    add_str(&request, "{\"containerId\":\"");
-    add_escaped(&request, id);
-    add_str(&request, "\"}");
-    call_or_log("ReleaseContainer", request.data, CALL_TIMEOUT);
-    free(request.data);
+    char *request = container_request(id, 0);
+    ask_or_log("ReleaseContainer", request, CALL_TIMEOUT, "error", "");
+    free(request);
     unlink(marker);
 }
 
@@ -654,13 +664,12 @@ static void create_through_handler(const char *runc, const char *state_dir, cons
     else if (bundle[0] != '/' && getcwd(cwd, sizeof cwd) != NULL
              && snprintf(absolute, sizeof absolute, "%s/%s", cwd, bundle) < (int)sizeof absolute)
         bundle = absolute;
-    if (bundle == NULL || bundle[0] != '/' || pid_file == NULL || *id == '\0' || strchr(id, '/')
-        || snprintf(marker, sizeof marker, "%s/%s", state_dir, id) >= (int)sizeof marker)
+    if (bundle == NULL || bundle[0] != '/' || pid_file == NULL || !marker_path(marker, state_dir, id))
         return;
     double began = now_ms(), startup = process_age_ms();
 
-    struct text request = {0};
-    char pid[32];
+    struct text request = {0}, why = {0};
+    char pid[32], code[64], *reply = NULL;
     snprintf(pid, sizeof pid, "%ld", (long)getpid());
     add_str(&request, "{\"containerId\":\"");
     add_escaped(&request, id);
@@ -675,21 +684,16 @@ static void create_through_handler(const char *runc, const char *state_dir, cons
     add_str(&request, "\",\"logFormat\":\"");
     add_str(&request, log_json ? "json" : "");
     add_str(&request, "\"}");
-    char *reply, code[64] = "";
-    struct text message = {0};
-    if (call_handler("PrepareBundle", request.data, PREPARE_TIMEOUT, &reply) == UNREACHABLE)
-        return;
+    enum outcome outcome = ask("PrepareBundle", request.data, PREPARE_TIMEOUT, &reply, code, &why);
     free(request.data);
-    int parsed = parse_answer(reply, code, sizeof code, &message);
-    if (parsed == 0 && (strcmp(code, "UNIMPLEMENTED") == 0 || strcmp(code, "NOT_FOUND") == 0))
+    if (outcome == ANSWER_UNREACHABLE
+        || (outcome == ANSWER_ERROR && (strcmp(code, "UNIMPLEMENTED") == 0 || strcmp(code, "NOT_FOUND") == 0)))
         return;
-    if (parsed != 1) {
-        if (parsed == 0)
-            log_escaped("error", message.data);
-        else
-            log_plain("error", "crust handler: PrepareBundle: the connection ended without an answer");
+    if (outcome != ANSWER_OK) {
+        log_escaped("error", why.data);
         exit(1);
     }
+    free(why.data);
     /* protobuf's JSON mapping leaves an empty list out: no mounts, nothing deferred. */
     int deferred = strncmp(reply, "{\"response\":{\"mounts\":[", 23) == 0;
     free(reply);
@@ -697,12 +701,7 @@ static void create_through_handler(const char *runc, const char *state_dir, cons
         become(runc);
     double prepared = now_ms();
 
-    char **argv = calloc((size_t)argument_count + 2, sizeof *argv);
-    if (argv == NULL)
-        exit(1);
-    argv[0] = (char *)runc;
-    memcpy(argv + 1, arguments, (size_t)argument_count * sizeof *argv);
-    int code_of_runc = run_runc(runc, argv, 0);
+    int code_of_runc = run_runc(runc, argv_of(runc, NULL), 0);
     if (code_of_runc != 0) {
         release_claims(id, marker);
         exit(code_of_runc);
@@ -713,15 +712,9 @@ static void create_through_handler(const char *runc, const char *state_dir, cons
     char *text = read_file(pid_file, 64, NULL);
     long init = text ? strtol(text, NULL, 10) : 0;
     free(text);
-    struct text call = {0};
-    snprintf(pid, sizeof pid, "%ld", init);
-    add_str(&call, "{\"containerId\":\"");
-    add_escaped(&call, id);
-    add_str(&call, "\",\"pid\":\"");
-    add_str(&call, pid);
-    add_str(&call, "\"}");
-    int ok = init > 0 && call_or_log("ContainerCreated", call.data, CALL_TIMEOUT);
-    free(call.data);
+    char *call = container_request(id, init);
+    int ok = init > 0 && ask_or_log("ContainerCreated", call, CALL_TIMEOUT, "error", "");
+    free(call);
     if (!ok) {
         if (init <= 0)
             log_plain("error", "crust: runc created the container but its pid file holds no pid");
@@ -751,45 +744,24 @@ static void create_through_handler(const char *runc, const char *state_dir, cons
  * the handler releases the claims and the marker goes (the Python
  * runtime's delete, without the interpreter). A container runc still has
  * keeps its claims; a handler that cannot release them now leaves them to
- * its reaper, and the delete is still runc's success. */
+ * its reaper (a warning, the marker kept), and the delete is still runc's
+ * success. */
 static void delete_through_handler(const char *runc, const char *state_dir, const char *id)
 {
     char marker[PATH_MAX], state[PATH_MAX];
-    if (*id == '\0' || strchr(id, '/') || strcmp(id, ".") == 0 || strcmp(id, "..") == 0
-        || snprintf(marker, sizeof marker, "%s/%s", state_dir, id) >= (int)sizeof marker
+    if (!marker_path(marker, state_dir, id)
         || snprintf(state, sizeof state, "%s/%s/state.json", runc_root, id) >= (int)sizeof state)
         become_crust();
-    char **argv = calloc((size_t)argument_count + 2, sizeof *argv);
-    if (argv == NULL)
-        exit(1);
-    argv[0] = (char *)runc;
-    memcpy(argv + 1, arguments, (size_t)argument_count * sizeof *argv);
-    int code = run_runc(runc, argv, 0);
+    int code = run_runc(runc, argv_of(runc, NULL), 0);
     if (code != 0 && access(state, F_OK) == 0)
         exit(code);   /* still there (running, without --force): its claims stay */
-    struct text request = {0};
-    add_str(&request, "{\"containerId\":\"");
-    add_escaped(&request, id);
-    add_str(&request, "\"}");
-    char *reply, code_name[64] = "";
-    struct text message = {0}, line = {0};
-    add_str(&line, "crust: container ");
-    add_escaped(&line, id);
-    add_str(&line, " deleted, its claims not released yet: ");
-    if (call_handler("ReleaseContainer", request.data, CALL_TIMEOUT, &reply) == UNREACHABLE) {
-        add_str(&line, "the crust handler at ");
-        add_escaped(&line, handler_endpoint);
-        add_str(&line, " is unreachable");
-        log_escaped("warning", line.data);
-        exit(code);
-    }
-    int parsed = parse_answer(reply, code_name, sizeof code_name, &message);
-    if (parsed == 1) {
+    char *request = container_request(id, 0);
+    struct text context = {0};
+    add_str(&context, "crust: container ");
+    add_escaped(&context, id);
+    add_str(&context, " deleted, its claims not released yet: ");
+    if (ask_or_log("ReleaseContainer", request, CALL_TIMEOUT, "warning", context.data))
         unlink(marker);
-    } else {
-        add_str(&line, parsed == 0 ? message.data : "the connection ended without an answer");
-        log_escaped("warning", line.data);
-    }
     exit(code);
 }
 
