@@ -231,6 +231,14 @@ def cri_microvm_node(root, pod_network: bool = False, vm_pool: int = 0) -> Itera
                                                              "--vm-pool", str(vm_pool)]},
                        runtime_classes={"crust-microvm": "crust"})
         try:
+            if vm_pool:
+                # The pool boots at nice 10: on a busy machine its first VM can
+                # take longer than the test's set-up, and a pod that comes
+                # earlier boots a VM of its own, which is not what a test with
+                # a pool is about.
+                from tests.test_handler import wait_until
+                wait_until(lambda: '"msg": "pooled VM ready"' in node.env.handler.log_path.read_text(errors="replace"),
+                           timeout=300, interval=0.5, what="the pool's first VM")
             yield node
         finally:
             node.close()

@@ -10,6 +10,7 @@ may create (they are removed after every example).
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -509,14 +510,20 @@ def foreign(path: str, root: Path, outside: Path) -> bool:
     design (crust.sys.netns), whichever test's handler made them, and
     tests/test_handler.py checks that they go with their sandbox. Nor are
     the ones CNI plugins name for the pods of a containerd running beside
-    the test (cni-<uuid>): no daemon under test calls CNI."""
-    if path.startswith(NETNS_MOUNTS):
+    the test (cni-<uuid>): no daemon under test calls CNI. Nor is what the
+    tests running beside this one (the suite runs in parallel workers) make
+    in pytest's own temporary directories (tmp_path)."""
+    if path.startswith(NETNS_MOUNTS) or (path + "/").startswith(PYTEST_TEMP + "/"):
         return True
     tmp_crust = str(root.parent) + "/crust-"
     return path.startswith(tmp_crust) and not (path + "/").startswith((str(root) + "/", str(outside) + "/"))
 
 
 NETNS_MOUNTS = ("/run/netns/crust-", "/run/netns/cni-")
+# Where pytest makes every test's tmp_path (its rule: $PYTEST_DEBUG_TEMPROOT
+# or the system's temporary directory, then pytest-of-<user>).
+PYTEST_TEMP = os.path.join(os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir(),
+                           f"pytest-of-{getpass.getuser()}")
 
 
 def _unescape(field: bytes) -> str:

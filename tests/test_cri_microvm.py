@@ -445,4 +445,6 @@ def test_cri_kata_demo_runs_every_step_and_leaves_nothing(root):
     assert facts["runtime_class"] == "crust-microvm"
     assert len(facts["pod_sandbox_id"]) == 64 and facts["container_exit_code"] == 0
     assert list(tmp.iterdir()) == [] and processes_naming(str(tmp)) == [] and qemu_pids_under(tmp) == []
-    assert short_socket_dirs() <= before
+    # What is left is the demo's: a new directory whose VM is gone (one a
+    # test running beside this one made belongs to its live QEMU).
+    assert [d for d in short_socket_dirs() - before if not processes_naming(str(d))] == []
