@@ -8,6 +8,7 @@ file is below it, so a test never touches what it did not create.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -462,8 +463,19 @@ def unexpected_errors(root: Path) -> list[str]:
             text = log.read_text(errors="replace")
         except OSError:
             continue
-        found += [f"{log.name}: {line[:500]}" for line in text.splitlines() if "unexpected error" in line]
+        found += [f"{log.name}: {_unexpected(line)}" for line in text.splitlines() if "unexpected error" in line]
     return found
+
+
+def _unexpected(line: str) -> str:
+    """A log line of an unexpected error, short: where and which request,
+    and its traceback's last lines (the exception itself is at the end)."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return line[:500]
+    trace = str(entry.pop("exc", ""))
+    return f"{json.dumps(entry)[:400]}\n  ...{trace[-1500:]}"
 
 
 def stop_child(child: subprocess.Popen, grace: float = 10) -> int:

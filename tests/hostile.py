@@ -519,6 +519,16 @@ def foreign(path: str, root: Path, outside: Path) -> bool:
     return path.startswith(tmp_crust) and not (path + "/").startswith((str(root) + "/", str(outside) + "/"))
 
 
+def unreachable(backing: str) -> bool:
+    """A loop device's file named by a path that leads nowhere here: sysfs
+    names the file as its attacher reached it, so this is a file of another
+    mount namespace, or of a file system unmounted lazily since (another
+    test's), never one our daemons, which share this namespace, made
+    outside the root. A file deleted since is named with " (deleted)": that
+    one counts."""
+    return not backing.endswith(" (deleted)") and not os.path.lexists(backing)
+
+
 NETNS_MOUNTS = ("/run/netns/crust-", "/run/netns/cni-")
 # Where pytest makes every test's tmp_path (its rule: $PYTEST_DEBUG_TEMPROOT
 # or the system's temporary directory, then pytest-of-<user>).
@@ -573,7 +583,7 @@ class HostState:
     def new_loops_outside(self, now: "HostState", root: Path, outside: Path) -> list[tuple[str, str]]:
         mine = str(root) + "/"
         return sorted((d, b) for d, b in now.loops.items() if self.loops.get(d) != b
-                      and not b.startswith(mine) and not foreign(b, root, outside))
+                      and not b.startswith(mine) and not foreign(b, root, outside) and not unreachable(b))
 
 
 def unmount_ours_outside(place: Place) -> list[str]:

@@ -643,6 +643,30 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     assert watch.stop() == [] and kenv.claims() == []
 
 
+@pytest.fixture
+def unbootable_env(root):
+    """pod_env whose VMs cannot start: 16 MiB of guest memory, which QEMU
+    refuses at once (the guest's initramfs does not fit)."""
+    yield from kata_env_with_client(root, handler_extra=["--memory", "16"])
+
+
+def test_a_pod_whose_vm_does_not_start_is_unavailable_and_leaves_nothing(unbootable_env):
+    """CreatePod whose VM does not start answers UNAVAILABLE (kubelet tries
+    the pod again), names the pod and QEMU's reason, and leaves no QEMU, no
+    pod, no work directory; asked again, the same. The root's check of the
+    daemons' logs fails the test on an "unexpected error" (INTERNAL)."""
+    kenv, client = unbootable_env
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError) as refused:
+            client.create_pod("noboot", kenv.path)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+        details = refused.value.details()
+        assert "sandbox noboot: its VM did not start" in details and "initrd is too large" in details, details
+        assert client.pods() == {}
+        assert qemu_pids_under(kenv.handler.state_dir) == []
+        assert list((kenv.handler.state_dir / "run").glob("*")) == []
+
+
 # -- VMs booted ahead of their pods ---------------------------------------------------------------
 
 

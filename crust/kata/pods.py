@@ -488,7 +488,7 @@ class Pods:
                     return self.handler.sandboxes[sandbox_id][0].pid
                 if sandbox_id in self.handler.sandboxes:
                     raise AlreadyExists(f"sandbox_id {sandbox_id!r} is a sandbox of this handler, not a pod")
-                await asyncio.wait_for(self.handler.registration.registered.wait(), 10)
+                await self.handler.registration.wait_registered(f"pod {sandbox_id}")
                 sandbox_spec = _sandbox_spec(bundle)
                 sysctls, hostname = guest_oci.pod_settings(sandbox_spec)
                 interface = await self._pod_interface(sandbox_id, network_namespace(sandbox_spec))
@@ -544,6 +544,9 @@ class Pods:
                     await sandbox.stop()
                     await self._disconnect(sandbox_id, pod.network)
                     await asyncio.to_thread(self._tear_down_share, sandbox_id)
+                    # QEMU's reason is in the error; its logs go with the pod
+                    # that never was.
+                    await asyncio.to_thread(self._remove_workdir, sandbox_id)
                     raise
                 record.pid = sandbox.pid
                 identity = sandbox.identity
@@ -561,6 +564,7 @@ class Pods:
                     await asyncio.to_thread(self._tear_down_share, sandbox_id)
                     await self.records.delete(sandbox_id)
                     await self.handler.records.delete(sandbox_id)
+                    await asyncio.to_thread(self._remove_workdir, sandbox_id)
                     raise
         log.info("pod running", extra={"fields": {"sandbox": sandbox_id, "pid": record.pid}})
         return record.pid

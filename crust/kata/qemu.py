@@ -347,9 +347,10 @@ class Vm:
             exc = task.exception()
             if exc is None:
                 return task.result()
-            if not isinstance(exc, (QmpGone, GuestGone)):
+            if not isinstance(exc, (QmpGone, GuestGone, ConnectionError)):
                 raise exc
-            # A closed socket usually means QEMU is exiting: say why.
+            # A closed socket (or one reset while read: QEMU exiting between
+            # the accept and its greeting) usually means QEMU is exiting: say why.
             try:
                 await asyncio.wait_for(asyncio.shield(self._exited), 2)
             except asyncio.TimeoutError:

@@ -94,7 +94,13 @@ class KataSandbox(Sandbox):
         return self._recorded is not None and self.vm.is_this_vm(self._recorded)
 
     async def start(self) -> None:
-        seconds = await self.vm.start()
+        try:
+            seconds = await self.vm.start()
+        except (VmError, AgentError, ConnectionError) as exc:
+            # QEMU refused its arguments or exited, the guest did not boot
+            # or its agent did not answer in time (a machine short of CPU or
+            # memory): the pod's start may be retried, as kubelet does.
+            raise Unavailable(f"sandbox {self.id}: its VM did not start: {exc}") from None
         log.info("vm up", extra={"fields": {"sandbox": self.id, "boot_s": round(seconds, 2), "pid": self.vm.pid}})
 
     async def adopt(self, devices: list[str], process_pid: int) -> None:

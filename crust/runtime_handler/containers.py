@@ -199,7 +199,7 @@ class ContainerVolumes:
                 plan.append((mount, resolved.info))
             if not plan:
                 return []
-            await asyncio.wait_for(self.handler.registration.registered.wait(), 10)
+            await self.handler.registration.wait_registered(f"container {container_id}")
             runtime = proc.identify(runtime_pid) if runtime_pid > 0 else None
             record = ContainerRecord(container_id=container_id, sandbox_id=sandbox_id, bundle=bundle,
                                      runtime_pid=runtime.pid if runtime else 0,

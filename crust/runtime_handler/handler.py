@@ -338,7 +338,7 @@ class RuntimeHandler:
         with self.inflight.hold(sandbox_id):
             if sandbox_id in self.sandboxes:
                 return self.sandboxes[sandbox_id][1]
-            await asyncio.wait_for(self.registration.registered.wait(), 10)
+            await self.registration.wait_registered(f"sandbox {sandbox_id}")
             # Resolve every mount before touching anything.
             plan: dict[str, tuple[MountInfo, list[VolumeView], bool]] = {}
             others = []

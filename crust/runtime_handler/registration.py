@@ -22,7 +22,7 @@ import grpc
 from crust.api import registry_pb2, registry_pb2_grpc
 from crust.common.atomicfile import write_atomic
 from crust.common.channel import local_aio_channel
-from crust.common.errors import Forwarded, NoSpace
+from crust.common.errors import Forwarded, NoSpace, Unavailable
 from crust.common.saferead import read_bounded
 from crust.contract import encryption
 
@@ -77,6 +77,16 @@ class Registration:
             # alive); written at a later heartbeat once there is room.
             self._lease_unsaved = True
             log.warning("the lease could not be kept on disk yet", extra={"fields": {"error": exc.message}})
+
+    async def wait_registered(self, what: str, timeout: float = 10.0) -> None:
+        """Until the proxy knows this handler (what claims a volume needs);
+        Unavailable, naming `what`, when it does not within timeout (the
+        proxy down or restarting): the caller's request may be retried."""
+        try:
+            await asyncio.wait_for(self.registered.wait(), timeout)
+        except TimeoutError:
+            raise Unavailable(f"{what}: handler {self.name} is not registered with the proxy "
+                              f"(within {timeout:.0f} s); retry") from None
 
     async def register(self) -> None:
         rsp = await self.stub.RegisterHandler(registry_pb2.RegisterHandlerRequest(
