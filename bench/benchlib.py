@@ -225,6 +225,18 @@ def quantiles(samples: list[float]) -> tuple[float, float]:
     return statistics.median(ordered), pct(ordered, 0.9)
 
 
+def ms_rows(samples: dict[str, list[float]]) -> dict[str, dict]:
+    """Per name: median, min and max of its samples (ms), and the samples, rounded."""
+    return {name: {"median_ms": round(statistics.median(s)), "min_ms": round(min(s)), "max_ms": round(max(s)),
+                   "samples_ms": [round(x) for x in s]} for name, s in samples.items()}
+
+
+def print_ms_rows(rows: dict[str, dict], width: int) -> None:
+    """One line per name of ms_rows(): its median, then (min-max)."""
+    for name, row in rows.items():
+        print(f"  {name:{width}s} {row['median_ms']:6d} ms ({row['min_ms']}-{row['max_ms']})")
+
+
 def summary(samples: list[float], digits: int, names: Iterable[str] = ("median", "p90", "min", "max"),
             unit: str = "") -> dict:
     """{"n": how many samples, then each of names (median or p50, p90, p99:

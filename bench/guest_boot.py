@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -83,13 +82,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {turn + 1}/{args.rounds} {name}: {seconds * 1e3:.0f} ms", flush=True)
         results["load_after"] = benchlib.loadavg()
         results["accel"] = args.accel
-        results["ways"] = {name: {"median_ms": round(statistics.median(s)), "min_ms": round(min(s)),
-                                  "max_ms": round(max(s)), "samples_ms": [round(x) for x in s]}
-                           for name, s in samples.items()}
+        results["ways"] = benchlib.ms_rows(samples)
         print(f"\nboot to the agent's answer, {args.accel}, median of {args.rounds} (min-max); "
               f"{benchlib.machine_summary(results['machine'])}")
-        for name, row in results["ways"].items():
-            print(f"  {name:15s} {row['median_ms']:6d} ms ({row['min_ms']}-{row['max_ms']})")
+        benchlib.print_ms_rows(results["ways"], 15)
         print(f"load {results['load_before']} before, {results['load_after']} after")
 
     def cleanup() -> bool:

@@ -27,7 +27,6 @@ import base64
 import copy
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -161,13 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         samples = asyncio.run(measure(base / "vm", args.accel, args.rounds))
         results["load_after"] = benchlib.loadavg()
         results["accel"] = args.accel
-        results["variants"] = {name: {"median_ms": round(statistics.median(s)), "min_ms": round(min(s)),
-                                      "max_ms": round(max(s)), "samples_ms": [round(x) for x in s]}
-                               for name, s in samples.items()}
+        results["variants"] = benchlib.ms_rows(samples)
         print(f"in the guest, {args.accel}, median of {args.rounds} (min-max); "
               f"{benchlib.machine_summary(results['machine'])}")
-        for name, row in results["variants"].items():
-            print(f"  {name:52s} {row['median_ms']:5d} ms ({row['min_ms']}-{row['max_ms']})")
+        benchlib.print_ms_rows(results["variants"], 52)
         print(f"load {results['load_before']} before, {results['load_after']} after")
 
     def cleanup() -> bool:
