@@ -73,6 +73,13 @@ class JsonEndpoint:
         try:
             sock = writer.get_extra_info("socket")
             if peer_uid(sock) != os.geteuid():
+                # Its line is read first (never parsed): a client that writes
+                # and then reads gets the refusal, not a broken pipe from a
+                # socket closed before its write (as on a busy machine).
+                try:
+                    await asyncio.wait_for(reader.readline(), READ_TIMEOUT)
+                except (asyncio.LimitOverrunError, ValueError):
+                    pass
                 answer = _error("PERMISSION_DENIED", "only the handler's own user may call it")
             else:
                 try:
