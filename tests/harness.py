@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 
 from crust.api import csi_pb2, csi_pb2_grpc
+from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from crust.sys import netns
 from crust.sys.sweep import release_under
@@ -516,6 +517,37 @@ def code_of(call, *args, **kw) -> grpc.StatusCode:
 
 def mounted_at(path: Path) -> sysmount.MountEntry | None:
     return sysmount.at(str(path))
+
+
+def loop_autoclear(device: str) -> bool:
+    """Is the loop device set to vanish at its last close? That is what a
+    detach does to a device still open elsewhere: one that has not happened yet."""
+    return (Path("/sys/block") / os.path.basename(device) / "loop" / "autoclear").read_text().strip() == "1"
+
+
+def loops_left(select: Callable[[str], bool], timeout: float = 30) -> dict[str, str]:
+    """Loop devices (device: backing file) over a file select() picks, once
+    the detaches already made have happened. A device detached while
+    something else held it open (a container another test starts copies
+    the host's mounts into its new namespace until it pivots away from
+    them) carries autoclear and goes at that holder's last close: those are
+    waited for, up to timeout; a device never detached is returned at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = {d: b for d, b in sysloop.attached().items() if select(b)}
+        try:
+            pending = [d for d in found if loop_autoclear(d)]
+        except FileNotFoundError:  # went while looking
+            continue
+        if not pending or len(pending) < len(found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def loops_left_under(path: Path | str, timeout: float = 30) -> dict[str, str]:
+    """loops_left for every backing file below path."""
+    prefix = str(Path(path).resolve()) + "/"
+    return loops_left(lambda backing: backing.startswith(prefix), timeout)
 
 
 def device_mounts(device: str) -> list[sysmount.MountEntry]:

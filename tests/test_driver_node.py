@@ -25,7 +25,7 @@ from crust.sys import fs as sysfs
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from crust.sys.run import CommandError
-from tests.harness import GIB, MIB, AccessMode, block_cap, mount_cap
+from tests.harness import GIB, MIB, AccessMode, block_cap, loops_left, mount_cap
 
 Code = grpc.StatusCode
 Usage = csi_pb2.VolumeUsage
@@ -586,8 +586,7 @@ def test_unpublish_and_unstage(driver, root):
 
     driver.unstage(vid, staging)
     assert not mounts_at(staging)
-    assert not loop_devices(driver, vid)
-    assert not any(b.startswith(str(backing_file(driver, vid).resolve())) for b in sysloop.attached().values())
+    assert loops_left(lambda b: b.startswith(str(backing_file(driver, vid).resolve()))) == {}
     assert not record_file(driver, vid).exists()
     driver.unstage(vid, staging)  # idempotent
     assert not loop_devices(driver, vid)

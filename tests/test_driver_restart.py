@@ -29,7 +29,7 @@ from crust.driver.backend import loop as backend
 from crust.driver.records import GroupSnapshotRecord, Lifecycle, SnapshotRecord, VolumeRecord
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, DriverProcess, Root, block_cap, mount_cap, mounted_at
+from tests.harness import MIB, DriverProcess, Root, block_cap, loop_autoclear, loops_left_under, mount_cap, mounted_at
 
 NODE = "node-a"
 SIZE = 64 * MIB
@@ -119,12 +119,6 @@ def losetup(path: Path) -> str:
                           text=True).stdout.strip()
 
 
-def autoclear(device: str) -> bool:
-    """Is the loop device set to vanish at its last close? That is what
-    `losetup -d` does to a busy device: a detach that has not happened yet."""
-    return (Path("/sys/block") / os.path.basename(device) / "loop" / "autoclear").read_text().strip() == "1"
-
-
 def detach_if_ours(device: str, path: Path) -> None:
     """Detach a loop device the test attached, only if it still serves our file."""
     if sysloop.attached().get(device) == os.path.realpath(path):
@@ -139,7 +133,7 @@ def kill_and_restart(d: DriverProcess) -> None:
 
 
 def assert_nothing_left(d: DriverProcess, root: Root) -> None:
-    assert loops_under(root) == {}
+    assert loops_left_under(root.path) == {}
     assert mounts_under(root) == []
     for kind in ("volumes", "snapshots", "groups"):
         assert entries(records_dir(d, kind)) == [], kind
@@ -214,7 +208,7 @@ def test_sigkill_between_steps_then_restart_finishes_the_life(root, kill_after):
         assert list_volume_ids(d) == [vol_id]
         devices = sysloop.devices_for(path)
         assert len(devices) == (1 if state["staged"] else 0), devices  # never a duplicate attach
-        assert not any(autoclear(dev) for dev in devices)
+        assert not any(loop_autoclear(dev) for dev in devices)
         assert (mounted_at(staging) is not None) == state["staged"]
         assert (mounted_at(target) is not None) == state["published"]
         if state["published"]:
@@ -474,7 +468,7 @@ def test_corrupt_node_record_never_detaches_a_mounted_volume(root):
     # The device is mounted, so the unexplained attach is left alone (not
     # even a deferred detach).
     assert sysloop.devices_for(backing(d, vol.volume_id)) == [device]
-    assert not autoclear(device)
+    assert not loop_autoclear(device)
     assert (target / "data").read_bytes() == b"still here"
     # The CO's retries adopt what is there and the life finishes.
     d.stage(vol.volume_id, staging)
@@ -504,7 +498,7 @@ def test_corrupt_node_record_never_detaches_a_published_raw_block_volume(root):
     d.start()
     # The device node is bind-mounted at the target: a workload uses it.
     assert sysloop.devices_for(backing(d, vol.volume_id)) == [device]
-    assert not autoclear(device)
+    assert not loop_autoclear(device)
     assert mounted_at(target) is not None
     with open(target, "rb") as f:
         assert f.read(17) == b"raw block payload"
@@ -561,7 +555,7 @@ def test_orphan_loop_devices_of_the_pool_are_detached_and_nothing_else(root):
     d.delete(vol.volume_id)
     for path in others:
         path.unlink()
-    assert loops_under(root) == {}
+    assert loops_left_under(root.path) == {}
 
 
 # -- SIGKILL during a stream of creates -----------------------------------------------------

@@ -38,10 +38,9 @@ from crust.contract.mountinfo import MountInfo, digest
 from crust.contract.volumes_dir import VolumesDir
 from crust.runtime_handler.index import VolumeIndex
 from crust.runtime_handler.resolve import SubpathEscapes, candidates, resolve
-from crust.sys import loop as sysloop
 from crust.sys import netns
 from crust.sys import mount as sysmount
-from tests.harness import MIB, AccessMode, kill_processes_rooted_under
+from tests.harness import MIB, AccessMode, kill_processes_rooted_under, loops_left
 
 Code = grpc.StatusCode
 Usage = csi_pb2.VolumeUsage
@@ -370,7 +369,7 @@ def test_demo_runs_every_step_and_leaves_nothing(root, fs):
     assert set(tmp.glob("crust-demo-*")) == before
     assert not demo_root.exists()
     prefix = str(demo_root) + "/"
-    assert [d for d, backing in sysloop.attached().items() if backing.startswith(prefix)] == []
+    assert loops_left(lambda backing: backing.startswith(prefix)) == {}
     assert [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(prefix)] == []
     assert holders_under(demo_root / "state", demo_root / "bundle") == []
 

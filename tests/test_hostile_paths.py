@@ -35,7 +35,7 @@ import pytest
 from crust.api import csi_pb2
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, mount_cap
+from tests.harness import MIB, loops_left, mount_cap
 
 Code = grpc.StatusCode
 ENDPOINTS = ("driver", "shim", "proxy")
@@ -85,6 +85,10 @@ class Chain:
 
     def loops(self, vid: str) -> list[str]:
         return [d for d, backing in sysloop.attached().items() if Path(backing.split(" (deleted)")[0]).stem == vid]
+
+    def assert_loops_released(self, vid: str) -> None:
+        """After an unstage: no loop device of the volume is left."""
+        assert loops_left(lambda backing: Path(backing.split(" (deleted)")[0]).stem == vid) == {}
 
     def assert_no_traceback(self) -> None:
         for log in self.logs:
@@ -151,7 +155,7 @@ def test_a_target_through_a_symlink_is_refused_and_nothing_is_mounted(root, deco
 
     # Nothing was left half-done: the volume unstages and deletes.
     chain.at.unstage(vid, staging)
-    assert chain.loops(vid) == []
+    chain.assert_loops_released(vid)
     chain.at.delete(vid)
     assert mounts_under(decoy) == [] and mounts_under(chain.kubelet / "pods") == []
     chain.assert_no_traceback()
@@ -177,7 +181,7 @@ def test_staging_and_stats_paths_through_a_symlink_are_refused(root, decoy, endp
         volume_id=vid2, staging_target_path=staging))
     assert code in (Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION), (code, details)
     chain.at.unstage(vid2, real_staging)
-    assert chain.loops(vid2) == []
+    chain.assert_loops_released(vid2)
     chain.assert_no_traceback()
 
 
@@ -303,5 +307,5 @@ def test_a_directory_swapped_for_a_symlink_during_publishes_never_leaks_a_mount(
     # Whatever was refused left nothing behind at the real target either.
     assert mounts_under(base) == [], (outcomes, mounts_under(base))
     chain.at.unstage(vid, staging)
-    assert chain.loops(vid) == []
+    chain.assert_loops_released(vid)
     chain.assert_no_traceback()

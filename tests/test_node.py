@@ -18,9 +18,8 @@ from crust.common.endpoint import accepts_connections
 from crust.demo.node import NodeProcess
 from crust.kubelet import Kubelet, PersistentVolume, Pod
 from crust.node.config import NodeConfig, Runtime
-from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, mount_cap
+from tests.harness import MIB, loops_left, mount_cap
 from tests.test_handler import wait_until
 from tests.test_kubelet import DRIVER
 
@@ -137,7 +136,7 @@ def test_one_config_runs_the_node_restarts_a_killed_child_and_stops_cleanly(root
     prefix = str(run.root) + "/"
     assert [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(prefix)] == []
     # The volume still exists (it was not deleted): its file stays, detached.
-    assert [d for d, b in sysloop.attached().items() if b.startswith(prefix)] == []
+    assert loops_left(lambda b: b.startswith(prefix)) == {}
     assert not (cfg.registration_dir / f"{DRIVER}-reg.sock").exists()
     for c in run.status()["children"]:
         assert not Path(f"/proc/{c['pid']}").exists() or "Z" in Path(f"/proc/{c['pid']}/stat").read_text().split()[2]

@@ -43,8 +43,8 @@ from crust.node.supervisor import NodeStatus
 from crust.proxy.records import Decision, DeferredVolume, HandlerRecord
 from crust.runtime_handler.containers import ContainerRecord
 from crust.runtime_handler.handler import SandboxRecord
-from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
+from tests.harness import loops_left
 from tests.test_node import write_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -353,7 +353,7 @@ def test_a_rolling_upgrade_with_live_volumes_and_a_rollback(root, previous, caps
         # -- nothing left: mounts, loop devices, processes, records, the registration socket -------------
         prefix = str(root.path) + "/"
         assert [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(prefix)] == []
-        assert [d for d, b in sysloop.attached().items() if b.startswith(prefix)] == []
+        assert loops_left(lambda b: b.startswith(prefix)) == {}
         assert not any(_alive(pid) for pid in sandbox_pids)
         for records in ("proxy/volumes", "shim/volumes", "handler/sandboxes", "driver/controller/volumes",
                         "driver/node/node-a/volumes"):
