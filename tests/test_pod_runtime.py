@@ -339,6 +339,94 @@ def test_a_pod_runs_two_containers_in_one_vm_with_deferred_volumes(pod_env):
     kenv.unpublish(ext4)
 
 
+def log_entries(kenv, msg: str) -> list[dict]:
+    """The handler's log entries with that message."""
+    found = []
+    for line in kenv.handler.log_path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("msg") == msg:
+            found.append(entry)
+    return found
+
+
+def sandbox_bundle_of(kenv, name: str, annotations: dict[str, str]) -> Path:
+    """A pod sandbox's bundle with containerd's annotations."""
+    bundle = kenv.path / "bundles" / f"{name}-sandbox"
+    bundle.mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "process": {"args": ["/pause"]},
+                                                    "annotations": annotations}))
+    return bundle
+
+
+def test_a_pods_deferred_volumes_are_mounted_at_its_start_and_its_containers_bind_them(pod_env):
+    """kubelet publishes a pod's volumes before RunPodSandbox: CreatePod
+    (the pod's uid in containerd's annotation) claims, plugs and mounts
+    them in the guest in the background, before any container, and only
+    the pod's own (not another pod's volume); the container binds the
+    mounted volume. A volume the mount ahead cannot take (claimed by
+    another pod) is left to the container's create, which fails as it
+    always did and succeeds once the volume is free; a pod deleted at once
+    waits for its mounts ahead and leaves no claim."""
+    kenv, client, watch = pod_env
+    v, other, shared = kenv.volume("pv-ahead", "ext4"), kenv.volume("pv-ahead-other", "ext4"), \
+        kenv.volume("pv-ahead-shared", "ext4")
+    for vol in (v, other, shared):
+        watch.watch(vol.majmin)
+    uid = v.target.parts[-5]
+    assert uid == "pod-pv-ahead" and other.target.parts[-5] != uid
+
+    qemu = client.create_pod("pod-a", sandbox_bundle_of(kenv, "pod-a", {"io.kubernetes.cri.sandbox-uid": uid}))
+    wait_until(lambda: kenv.claim_set() == {(str(v.target), "kata", "pod-a")}, timeout=60,
+               what="the pod's volume to be claimed before any container")
+    wait_until(lambda: log_entries(kenv, "volumes mounted ahead"), timeout=60, what="the mount ahead to end")
+    [ahead] = log_entries(kenv, "volumes mounted ahead")
+    assert ahead["sandbox"] == "pod-a" and ahead["target_paths"] == [str(v.target)], ahead
+    assert holds_device(qemu, v.majmin) and not holds_device(qemu, other.majmin)
+    assert list(client.pods()["pod-a"].target_paths) == [str(v.target)]
+    assert client.pods()["pod-a"].container_ids == []
+
+    bundle = container_bundle(kenv.path, "ahead", ["/bin/sh", "-c", "echo ahead > /data/m && cat /data/m && "
+                                                   "grep -c ' /data ' /proc/self/mounts"],
+                              [bind("/data", v.target)])
+    client.create_container("pod-a", "ahead", bundle)
+    client.start("ahead")
+    assert client.wait("ahead").exit_code == 0
+    assert client.output("ahead")[0] == b"ahead\n1\n"
+    assert len(log_entries(kenv, "volumes mounted ahead")) == 1
+
+    # Another pod whose uid names the volume pod-a holds: its mount ahead
+    # is refused (a warning), the pod runs; its container's create fails
+    # as it did without the mount ahead, and succeeds once pod-a is gone.
+    client.create_pod("pod-b", sandbox_bundle_of(kenv, "pod-b", {
+        "io.kubernetes.cri.sandbox-log-directory": f"/var/log/pods/default_b_{uid}"}))
+    wait_until(lambda: any(e["sandbox"] == "pod-b" for e in log_entries(
+        kenv, "volume not mounted ahead; its container's create mounts it")), timeout=60,
+        what="pod-b's mount ahead to be refused")
+    assert kenv.claim_set() == {(str(v.target), "kata", "pod-a")}
+    assert list(client.pods()["pod-b"].target_paths) == []
+    taker = container_bundle(kenv.path, "taker", ["/bin/cat", "/data/m"], [bind("/data", v.target)])
+    with pytest.raises(grpc.RpcError) as refused:
+        client.create_container("pod-b", "taker", taker)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
+    client.delete_pod("pod-a")
+    client.create_container("pod-b", "taker", taker)
+    client.start("taker")
+    assert client.wait("taker").exit_code == 0 and client.output("taker")[0] == b"ahead\n"
+    assert kenv.claim_set() == {(str(v.target), "kata", "pod-b")}
+    client.delete_pod("pod-b")
+
+    # Deleted right after it was made: the delete waits for the mount ahead.
+    client.create_pod("pod-c", sandbox_bundle_of(kenv, "pod-c", {
+        "io.kubernetes.cri.sandbox-uid": shared.target.parts[-5]}))
+    client.delete_pod("pod-c")
+    assert client.pods() == {} and kenv.claims() == []
+    wait_until(lambda: qemu_pids_under(kenv.handler.state_dir) == [], what="QEMU to exit")
+    assert watch.stop() == []
+
+
 def test_a_killed_vm_stops_its_processes_and_a_missing_entry_fails_create(pod_env):
     kenv, client, watch = pod_env
     v, lost = kenv.volume("pv-pod-k", "ext4"), kenv.volume("pv-pod-lost", "ext4")

@@ -88,7 +88,7 @@ from crust.kata.sandbox import KataSandbox
 from crust.kata.share import PodShare, ShareError, cached_in_guest, is_atomic_writer_volume_root, tag_of
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
 from crust.runtime_handler.oci import load_requested_bundle
-from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes
+from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, pod_volumes
 from crust.sys import mount as mounts
 from crust.sys import podnet
 
@@ -110,6 +110,9 @@ TAP = "crust0"                # the VM's tap in the pod's network namespace
 READ_CHUNK = 32768            # bytes per readout answer (a serial line carries them: 44 KiB of base64)
 POLL = 0.2                    # seconds between looks at a running process
 VM_GONE_EXIT_CODE = 255
+# containerd's annotations on a pod sandbox's spec (its CRI plugin).
+SANDBOX_UID = "io.kubernetes.cri.sandbox-uid"
+SANDBOX_LOG_DIRECTORY = "io.kubernetes.cri.sandbox-log-directory"
 
 
 class ProcessRecord(BaseModel):
@@ -217,6 +220,20 @@ def network_namespace(spec: dict) -> str:
     return ""
 
 
+def pod_uid(spec: dict) -> str:
+    """The pod's uid kubelet gave in RunPodSandbox, from containerd's
+    annotations on the sandbox's spec (the uid itself; else the last part
+    of the pod's log directory, <namespace>_<name>_<uid>); "" when neither
+    names one."""
+    annotations = spec.get("annotations") or {}
+    uid = str(annotations.get(SANDBOX_UID) or "")
+    if not uid:
+        log_dir = str(annotations.get(SANDBOX_LOG_DIRECTORY) or "").rstrip("/")
+        name = log_dir.rsplit("/", 1)[-1]
+        uid = name.rsplit("_", 1)[-1] if name.count("_") >= 2 else ""
+    return uid if uid and "/" not in uid and uid not in (".", "..") else ""
+
+
 def _raw_spec(bundle: str) -> dict:
     """The bundle's config.json as written (load_requested_bundle checked it
     reads; its model keeps only the fields crust itself uses)."""
@@ -292,6 +309,7 @@ class Pods:
         self._unwritten: set[str] = set()  # pods stopped in memory whose record is not written yet
         self.forwarders: dict[str, PortForwarder] = {}   # by pod, for those with a network
         self.watches: dict[str, ProcessWatch] = {}   # by pod: one look per interval at its waited-on processes
+        self._ahead: dict[str, asyncio.Task] = {}   # by pod: its deferred volumes being mounted ahead
         handler.before_teardown = self._before_teardown
         self._watcher: asyncio.Task | None = None
 
@@ -327,6 +345,10 @@ class Pods:
     async def stop(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._ahead:
+            # A mount ahead ends with its volume recorded (or given back):
+            # the next handler adopts it like any other.
+            await asyncio.wait(list(self._ahead.values()), timeout=30)
         for watch in self.watches.values():
             watch.close()
         for forwarder in self.forwarders.values():
@@ -567,7 +589,57 @@ class Pods:
                     await asyncio.to_thread(self._remove_workdir, sandbox_id)
                     raise
         log.info("pod running", extra={"fields": {"sandbox": sandbox_id, "pid": record.pid}})
+        uid = pod_uid(sandbox_spec)
+        if uid:
+            task = asyncio.create_task(self._mount_ahead(sandbox_id, uid))
+            self._ahead[sandbox_id] = task
+            task.add_done_callback(lambda t: self._ahead.pop(sandbox_id, None) if self._ahead.get(sandbox_id) is t
+                                   else None)
         return record.pid
+
+    async def _mount_ahead(self, sandbox_id: str, uid: str) -> None:
+        """The pod's deferred volumes are published before kubelet runs the
+        pod: each is claimed, hot-plugged and mounted in the guest now, while
+        kubelet goes on to the pod's containers (their CreateContainer waits
+        for this), so a container's start only binds it. A volume that fails
+        here is given back and left to the CreateContainer of the container
+        that binds it, which mounts it (or fails) as if this had not run."""
+        started = time.monotonic()
+        mounted = []
+        async with self.locks[sandbox_id]:
+            try:
+                sandbox, record, _ = self._live(sandbox_id)
+            except CrustError:
+                return   # stopped or deleted meanwhile
+            for resolved in pod_volumes(uid, self.handler.index):
+                key = resolved.digest
+                if key in record.volumes:
+                    continue
+                try:
+                    with self.handler.inflight.hold(sandbox_id):
+                        await self.handler._mount_volume(sandbox, record, key, resolved.info, [])
+                        await self.handler.records.put(sandbox_id, record)
+                    mounted.append(resolved.info.target_path)
+                except Exception as exc:  # noqa: BLE001 - nobody awaits this task: every failure is logged here
+                    log.warning("volume not mounted ahead; its container's create mounts it", extra={"fields": {
+                        "sandbox": sandbox_id, "target_path": resolved.info.target_path,
+                        "error": str(exc)[:500]}})
+                    try:
+                        await self._give_back(sandbox, record, key)
+                    except CrustError as undo:
+                        log.error("could not give back a volume whose mount ahead failed", extra={"fields": {
+                            "sandbox": sandbox_id, "target_path": resolved.info.target_path,
+                            "error": undo.message}})
+                    await self.handler.records.put(sandbox_id, record)
+        if mounted:
+            log.info("volumes mounted ahead", extra={"fields": {
+                "sandbox": sandbox_id, "target_paths": mounted, "seconds": round(time.monotonic() - started, 3)}})
+
+    async def _ahead_settled(self, sandbox_id: str) -> None:
+        """Wait for the pod's mounts ahead, if they still run."""
+        task = self._ahead.get(sandbox_id)
+        if task is not None:
+            await asyncio.shield(task)
 
     async def _take_pooled_vm(self, sandbox_id: str) -> Vm | None:
         """A VM the pool booted, moved into the pod's work directory (which
@@ -627,6 +699,7 @@ class Pods:
         await agent.forget_output(name)
 
     async def delete_pod(self, sandbox_id: str) -> None:
+        await self._ahead_settled(sandbox_id)
         async with self.locks[sandbox_id]:
             pod = self.pods.get(sandbox_id)
             if sandbox_id in self.handler.sandboxes:
@@ -728,6 +801,7 @@ class Pods:
                                              uid=user.uid if user else 0, gid=user.gid if user else 0,
                                              terminal=terminal, stdin=stdin)})
             started = time.monotonic()
+            await self._ahead_settled(sandbox_id)
             async with self.locks[sandbox_id]:
                 sandbox, record, pod = self._live(sandbox_id)
                 with self.handler.inflight.hold(sandbox_id, container_id):
@@ -838,6 +912,10 @@ class Pods:
                 resolved, direct = what
                 key = resolved.digest
                 view = VolumeView(destination=c.root + m.destination, subpath=resolved.subpath, readonly=readonly)
+                if key in record.volumes and not record.volumes[key].ready:
+                    # A mount (ahead of the pod's containers, or of one that
+                    # failed) that could not be undone then: undone now.
+                    await self._give_back(sandbox, record, key)
                 if key not in record.volumes:
                     new_volumes.append(key)
                     await self.handler._mount_volume(sandbox, record, key, resolved.info, [], direct)
@@ -921,13 +999,7 @@ class Pods:
                 others = any(key in o.volumes for o in pod.containers.values() if o is not c)
                 if volume is not None and not others:
                     try:
-                        if alive:
-                            await sandbox.unmount(volume.mount_point)
-                            if volume.encrypted_name:
-                                await sandbox.close_encrypted(volume.encrypted_name)
-                            await sandbox.detach(volume.device)
-                        await self.handler._release(volume, pod.sandbox_id, "")
-                        record.volumes.pop(key, None)
+                        await self._give_back(sandbox if alive else None, record, key)
                     except CrustError as exc:
                         errors.append(exc.message)
                         continue
@@ -964,6 +1036,21 @@ class Pods:
                         pass
         pod.containers.pop(c.container_id, None)
         await self.records.put(pod.sandbox_id, pod)
+
+    async def _give_back(self, sandbox: KataSandbox | None, record: SandboxRecord, key: str) -> None:
+        """Unmount a volume of the pod in the guest (sandbox None: the VM is
+        gone), unplug it, release its claim, forget it. Every step may run
+        again."""
+        volume = record.volumes.get(key)
+        if volume is None:
+            return
+        if sandbox is not None:
+            await sandbox.unmount(volume.mount_point)
+            if volume.encrypted_name:
+                await sandbox.close_encrypted(volume.encrypted_name)
+            await sandbox.detach(volume.device)
+        await self.handler._release(volume, record.sandbox_id, "")
+        record.volumes.pop(key, None)
 
     async def delete_container(self, container_id: str) -> handler_pb2.ProcessState:
         try:

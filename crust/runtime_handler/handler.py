@@ -90,6 +90,9 @@ class MountedVolume(BaseModel):
     direct: bool = False  # from the DirectSource, not the proxy's registry
     # The sandbox's name of the opened encrypted volume ("" for a plain one).
     encrypted_name: str = ""
+    # False from its recording until it is mounted and its views bound: a
+    # mount that failed and could not be undone is never bound as if mounted.
+    ready: bool = True
 
 
 class SandboxRecord(BaseModel):
@@ -468,7 +471,7 @@ class RuntimeHandler:
                              passphrase: bytearray | None) -> None:
         mounted = MountedVolume(target_path=info.target_path, device=info.device, fs_type=info.fstype,
                                 mount_point=str(self._workdir(record.sandbox_id) / "volumes" / key),
-                                readonly=info.readonly, views=views, direct=direct)
+                                readonly=info.readonly, views=views, direct=direct, ready=False)
         record.volumes[key] = mounted  # recorded before mounting: teardown knows what to undo
         if not direct:
             info = claimed_description(info, answer)
@@ -495,6 +498,7 @@ class RuntimeHandler:
         for view in views:
             await sandbox.bind_volume(mounted.mount_point, view.subpath, view.destination,
                                       readonly=view.readonly or info.readonly)
+        mounted.ready = True
 
     def _refuse_encrypted(self, info: MountInfo) -> None:
         """An encrypted volume is opened only inside a VM guest, by a handler

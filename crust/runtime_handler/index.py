@@ -302,6 +302,11 @@ class VolumeIndex(FileSystemEventHandler):
         with self.lock:
             return self.entries.get(digest)
 
+    def items(self) -> list[tuple[str, MountInfo]]:
+        """Every entry now indexed, by digest (a copy)."""
+        with self.lock:
+            return list(self.entries.items())
+
     def refusal(self, digest: str) -> str | None:
         """Why the entry is not used, when its format is newer than ours."""
         with self.lock:

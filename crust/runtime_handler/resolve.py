@@ -70,6 +70,19 @@ def resolve(source: str, index: VolumeIndex) -> Resolved | None:
     return None
 
 
+def pod_volumes(pod_uid: str, index: VolumeIndex) -> list[Resolved]:
+    """The deferred volumes kubelet published for a pod, as indexed now:
+    the entries at .../pods/<pod_uid>/volumes/kubernetes.io~csi/<pv>/mount
+    (a volume's own level; a subPath is bound from it later)."""
+    found = []
+    for name, info in index.items():
+        parts = os.path.normpath(info.target_path).split("/")
+        if len(parts) >= 6 and parts[-1] == "mount" and parts[-3] == CSI_DIR and parts[-4] == "volumes" \
+                and parts[-5] == pod_uid and parts[-6] == "pods":
+            found.append(Resolved(info, name, ""))
+    return sorted(found, key=lambda r: r.info.target_path)
+
+
 def placeholder_at(path: str) -> str | None:
     """Where the shim's placeholder is mounted, when path lies on it."""
     try:
