@@ -30,7 +30,12 @@ start to its exit. And a pooled VM's memory while it waits (its QEMU's
 RSS and PSS, the guest's RAM a shared memfd).
 
     .venv/bin/python bench/pod_start_microvm.py [--rounds 5] [--pools 0,1] [--floor-boots 5] [--fs ext4]
-        [--mib 128] [--json OUT.json]
+        [--mib 128] [--agent-times] [--json OUT.json]
+
+--agent-times runs the handler at --log-level debug and adds, per round,
+each guest agent request's round trip summed by the handler RPC it served
+and its command ("agent CreateContainer cbinds"): where the calls' time goes
+in the guest.
 """
 
 from __future__ import annotations
@@ -124,6 +129,8 @@ def start_one(node, root: Root, pv, name: str) -> dict:
               containers=[Container("app", node.image.name, command=["/bin/sh", "-c", WORKLOAD],
                                     volume_mounts=[VolumeMount("data", "/data")])])
     node.kubelet.retried(node.kubelet.set_up, pv, pod)
+    handler_log = root.path / "kata.sock.log"
+    log_offset = handler_log.stat().st_size
     node.runtime.timings.clear()
     started = time.time()
     node.runtime.run_pod(pod)
@@ -158,6 +165,13 @@ def start_one(node, root: Root, pv, name: str) -> dict:
         # The pod's volume mounted in the guest at CreatePod, in the background.
         if '"msg": "volumes mounted ahead"' in line:
             result["handler_mount_ahead_ms"] = json.loads(line)["seconds"] * 1e3
+    with handler_log.open("rb") as f:   # this round's agent requests (a handler at --log-level debug)
+        f.seek(log_offset)
+        for line in f.read().decode(errors="replace").splitlines():
+            if '"msg": "agent request"' in line:
+                entry = json.loads(line)
+                key = f"agent {entry.get('rpc', '-')} {entry['command']}_ms"
+                result[key] = result.get(key, 0.0) + entry["ms"]
     node.runtime.remove_pod(pod)
     node.kubelet.retried(node.kubelet.tear_down, pv, pod)
     assert not node.claims(), "a claim was left after the pod"
@@ -171,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=128)
     parser.add_argument("--pools", default="0,1", help="the handler's --vm-pool settings to run, in turn (default: 0,1)")
     parser.add_argument("--floor-boots", type=int, default=5, help="bare boots of the floor (0: none)")
+    parser.add_argument("--agent-times", action="store_true",
+                        help="the handler at --log-level debug: each guest agent request's time, summed per CRI "
+                             "call's handler RPC and command, beside the calls")
     parser.add_argument("--json", help="write the results here ('-' for stdout)")
     args = parser.parse_args(argv)
     if benchlib.not_root("bench/pod_start_microvm.py", "loop devices, QEMU, containerd"):
@@ -188,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         for pool in [int(p) for p in args.pools.split(",") if p.strip()]:
             roots.append(Root())
             root = roots[-1]
-            with cri_microvm_node(root, vm_pool=pool) as node:
+            with cri_microvm_node(root, vm_pool=pool,
+                                  handler_extra=("--log-level", "debug") if args.agent_times else ()) as node:
                 version = node.runtime.runtime_version
                 results["containerd"] = version.runtime_version if version else ""
                 results["accelerator"] = accelerator(root)
@@ -210,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"first write" + (" (warm-up)" if not turn else ""), file=sys.stderr)
                 node.kubelet.retried(node.kubelet.unmount_device, pv)
                 node.proxy.delete(pv.volume_handle)
+            agent_keys = sorted({k for s in samples for k in s if k.startswith("agent ")})
             columns[f"pool {pool}"] = {key: benchlib.summary([s[key] for s in samples if key in s], 1)
-                                       for key in keys}
+                                       for key in keys + agent_keys}
         accel = results.get("accelerator", "tcg").split()[0]
         if args.floor_boots:
             roots.append(Root())
@@ -227,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             print(column)
             for key, row in rows.items():
                 cell = f"{row['median']:.0f} ms ({row['min']:.0f}-{row['max']:.0f})" if row["n"] else "-"
-                print(f"  {key.removesuffix('_ms'):<24}{cell:>26}")
+                print(f"  {key.removesuffix('_ms'):<40}{cell:>26}")
         if "pooled_vm_memory" in results:
             m = results["pooled_vm_memory"]
             print(f"a pooled VM waiting: QEMU RSS {m['rss_kb'] / 1024:.0f} MiB (shared memfd "

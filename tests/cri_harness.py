@@ -219,16 +219,18 @@ KATA_HANDLER = dict(name="kata", endpoint_name="kata.sock", command=("kata", "ha
 
 
 @contextlib.contextmanager
-def cri_microvm_node(root, pod_network: bool = False, vm_pool: int = 0) -> Iterator[CriNode]:
+def cri_microvm_node(root, pod_network: bool = False, vm_pool: int = 0,
+                     handler_extra: tuple[str, ...] = ()) -> Iterator[CriNode]:
     """The node with the microVM handler, its containerd's runtime `crust`
     being crust's shim v2 in front of it (RuntimeClass crust-microvm);
-    pod_network: pods off the host's network get a bridge of their own."""
+    pod_network: pods off the host's network get a bridge of their own;
+    handler_extra: more of the handler's arguments."""
     env = {"CRUST_KATA_HANDLER_ENDPOINT": f"unix://{root.path / KATA_HANDLER['endpoint_name']}"}
     with private_containerd(shim_runtimes={"crust": "io.containerd.crust.v2"}, env=env,
                             pod_network=pod_network) as (containerd, image):
         node = CriNode(root, containerd, image,
                        handler_kw={**KATA_HANDLER, "extra": ["--kata-dir", str(root.path / "kata"),
-                                                             "--vm-pool", str(vm_pool)]},
+                                                             "--vm-pool", str(vm_pool), *handler_extra]},
                        runtime_classes={"crust-microvm": "crust"})
         try:
             if vm_pool:
