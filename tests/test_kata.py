@@ -787,10 +787,26 @@ def test_a_containers_binds_in_one_request_land_inside_its_root_in_order_and_aga
         code, out = await g.sh(f"grep -c ' {ctr}/' /proc/mounts; ls {ctr}")
         assert out.split() == ["4", "data", "etc", "later", "link"], out
 
+        # Agent 10 takes a plain path; the base64 a host sends an older
+        # agent (or for a path with other characters) still binds the same.
+        agent = g.vm.agent
+        assert agent.version >= 10 and agent._destination("/etc/c") == "/etc/c"
+        assert agent._destination("/with space") != "/with space"
+        agent.version = 9
+        try:
+            assert agent._destination("/b64/a") != "/b64/a"
+            assert await agent.container_binds(ctr, [("/tmp/src/a", "/b64/a", True)]) == [f"{ctr}/b64/a"]
+        finally:
+            agent.version = 10
+        with pytest.raises(AgentRefused, match="unsupported characters"):
+            await agent.container_binds(ctr, [("/tmp/src/a", "/with space", False)])
+        code, out = await g.sh(f"cat {ctr}/b64/a/f; awk '$2 == \"{ctr}/b64/a\" {{ print substr($4, 1, 2) }}' /proc/mounts")
+        assert out.split() == ["a", "ro"], out
+
         # The container's removal takes the binds and their records.
         code, out = await g.sh(f"find /run/crust/cbind{ctr} -name '#' | wc -l")
-        assert out.strip() == "4", out
-        assert await g.vm.agent.umount_all(ctr) == 5   # the four binds and the root
+        assert out.strip() == "5", out
+        assert await g.vm.agent.umount_all(ctr) == 6   # the five binds and the root
         code, out = await g.sh(f"grep -c ' {ctr}' /proc/mounts; ls -d /run/crust/cbind{ctr} 2>&1")
         assert out.split("\n")[0] == "0" and "No such file" in out, out
     guest(root, run)

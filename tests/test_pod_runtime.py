@@ -240,7 +240,9 @@ def test_a_pod_runs_two_containers_in_one_vm_with_deferred_volumes(pod_env):
     script = ("echo marker-ext4 > /data/marker && echo marker-xfs > /x/marker && "
               "echo out-line-1 && echo err-line-1 >&2 && cat /etc/hosts && "
               "{ echo changed > /etc/hosts; } 2>/dev/null || echo hosts-read-only; "
-              "test -c /dev/null && test -c /dev/zero && test -c /dev/urandom && echo devices; "
+              "test -c /dev/null && test -c /dev/zero && test -c /dev/urandom && test -c /dev/full && "
+              "test -c /dev/random && test -c /dev/tty && test -L /dev/fd && test -L /dev/stderr && "
+              "test -d /dev/pts && echo x > /dev/null && test \"$(stat -c %a /dev/zero)\" = 666 && echo devices; "
               # No tmpfs over /tmp: the tree (which has none) as runc leaves it.
               "{ touch /tmp/t; } 2>/dev/null || echo no-tmp; ls /proc/self/ >/dev/null && echo proc; "
               "touch /shared/x && echo root-writable; cat /data/conf; pwd; id -u; sync; "

@@ -37,6 +37,8 @@ INTEGRITY_WIPE_BYTES_PER_SECOND = 4 * 1024 * 1024
 # The longest line read from the guest (a readout answer is about 44 KiB).
 LINE_LIMIT = 1024 * 1024
 _WORD = re.compile(r"^[A-Za-z0-9_.,=:/+@-]+$")
+# A path the agent takes as it is (its check_path's characters), not in base64.
+_PLAIN_PATH = re.compile(r"^/[A-Za-z0-9/_.@:+,=-]*$")
 
 
 class AgentError(Exception):
@@ -108,6 +110,7 @@ class AgentClient:
         self._write_lock = asyncio.Lock()
         self._announced: asyncio.Future | None = None   # the agent's "- ok ready ..." line
         self.dead: str | None = None     # why, once the guest is gone
+        self.version = 0   # the agent's, from its announcement or a ping's answer (0: not known)
 
     # ------------------------------------------------------------ plumbing
 
@@ -233,7 +236,7 @@ class AgentClient:
             done = await first_done(ping, self._announced)
             if ping in done:
                 try:
-                    return ping.result()
+                    return self._knows(ping.result())
                 except AgentTimeout:
                     continue
             ping.cancel()
@@ -241,7 +244,21 @@ class AgentClient:
                 await ping
             except (asyncio.CancelledError, AgentError):
                 pass
-            return self._announced.result()
+            return self._knows(self._announced.result())
+
+    def _knows(self, hello: Answer) -> Answer:
+        """Keep the agent's version from its announcement or a ping's answer."""
+        try:
+            self.version = int(hello.fields.get("agent", "0"))
+        except ValueError:
+            self.version = 0
+        return hello
+
+    def _destination(self, path: str) -> str:
+        """A destination inside a container as cbind takes it: plain when
+        the agent reads plain paths (agent 10: decoding base64 costs the
+        guest a pipeline of three processes) and it is one, else base64."""
+        return path if self.version >= 10 and _PLAIN_PATH.match(path) else b64(path)
 
     # ------------------------------------------------------------ commands
 
@@ -448,7 +465,8 @@ class AgentClient:
         """Bind the guest path source at destination inside the container
         whose root is mounted at root; the destination is resolved inside
         root (its links never lead out of it). Returns the guest path bound."""
-        answer = await self.request("cbind", root, source, b64(destination), "ro" if readonly else "rw")
+        answer = await self.request("cbind", root, source, self._destination(destination),
+                                    "ro" if readonly else "rw")
         return answer.fields["target"]
 
     async def container_binds(self, root: str, binds: list[tuple[str, str, bool]]) -> list[str]:
@@ -458,7 +476,7 @@ class AgentClient:
         leaves the binds before it in place."""
         words = []
         for source, destination, readonly in binds:
-            words += [source, b64(destination), "ro" if readonly else "rw"]
+            words += [source, self._destination(destination), "ro" if readonly else "rw"]
         answer = await self.request("cbinds", root, *words)
         return [answer.fields[f"target{n}"] for n in range(1, len(binds) + 1)]
 
