@@ -335,7 +335,8 @@ cbind_one() {  # root source destination ro|rw: sets target (and already); root 
   # mount point: the last one a file when the source is one. The
   # destination is URL-safe base64, or (agent 10) a plain absolute path:
   # "/" is no base64 character. Each process costs the guest's one CPU
-  # about 10 ms under emulation: a bind forks only for its mkdir and mount.
+  # tens of milliseconds under emulation: a bind forks only for its mkdir
+  # and mount.
   check_path "$2"
   case $3 in /*) dest=$3 ;; *) dest=$(b64 "$3") || exit 1 ;; esac
   case $4 in ro|rw) ;; *) fail "mode must be ro or rw, not $4" ;; esac
@@ -385,8 +386,8 @@ write_records() {  # what cbind_one bound: one mkdir for all the records' direct
   done
 }
 
-cmd_cbind() {  # root source destination-b64 ro|rw: bind source at destination inside a container's root
-  [ $# -eq 4 ] || fail "usage: cbind <root> <source> <destination-b64> <ro|rw>"
+cmd_cbind() {  # root source destination ro|rw: bind source at destination inside a container's root
+  [ $# -eq 4 ] || fail "usage: cbind <root> <source> <destination> <ro|rw>"
   check_path "$1"
   [ -n "$(mount_line "$1")" ] || fail "not mounted: $1"
   record_dirs= record_lines=
@@ -395,12 +396,12 @@ cmd_cbind() {  # root source destination-b64 ro|rw: bind source at destination i
   echo "target=$target${already:+ already=1}"
 }
 
-cmd_cbinds() {  # root (source destination-b64 ro|rw)...: cbind each, in order (agent 8)
+cmd_cbinds() {  # root (source destination ro|rw)...: cbind each, in order (agent 8)
   # One request for all of a container's binds: each request costs a
   # round trip and a shell, about a quarter of a bind under emulation. A
   # failure stops at that bind; the ones before it stay (the host unmounts
   # the container's root and all below it).
-  [ $# -ge 4 ] && [ $((($# - 1) % 3)) -eq 0 ] || fail "usage: cbinds <root> (<source> <destination-b64> <ro|rw>)..."
+  [ $# -ge 4 ] && [ $((($# - 1) % 3)) -eq 0 ] || fail "usage: cbinds <root> (<source> <destination> <ro|rw>)..."
   root=$1
   shift
   check_path "$root"
@@ -742,7 +743,7 @@ cmd_ctrsetup() {  # root: /proc and a small /dev in a container's root (the imag
   check_path "$1"
   r=$1
   # One read of the mount table for the three questions (each process
-  # costs the guest's one CPU about 10 ms under emulation).
+  # costs the guest's one CPU tens of milliseconds under emulation).
   set -- $(awk -v r="$r" '$2 == r { m = 1 } $2 == r "/proc" { p = 1 } $2 == r "/dev" { d = 1 }
                           END { print m + 0, p + 0, d + 0 }' /proc/mounts)
   [ "$1" = 1 ] || fail "not mounted: $r"
