@@ -769,14 +769,7 @@ def pool_env(root):
 def pooled_vms(kenv) -> dict[int, str]:
     """QEMU pid -> name of the VMs the pool holds, once their agent answered
     (the handler logs it)."""
-    ready = {}
-    for line in kenv.handler.log_path.read_text(errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if entry.get("msg") == "pooled VM ready":
-            ready[int(entry["pid"])] = entry["vm"]
+    ready = {int(entry["pid"]): entry["vm"] for entry in log_entries(kenv, "pooled VM ready")}
     pool = kenv.handler.state_dir / "pool"
     running = set(qemu_pids_under(pool))   # by their command line: a taken VM's still names the pool
     return {pid: name for pid, name in ready.items() if pid in running and (pool / name).is_dir()}
