@@ -390,9 +390,8 @@ def test_a_pods_deferred_volumes_are_mounted_at_its_start_and_its_containers_bin
     assert list(client.pods()["pod-a"].target_paths) == [str(v.target)]
     assert client.pods()["pod-a"].container_ids == []
 
-    bundle = container_bundle(kenv.path, "ahead", ["/bin/sh", "-c", "echo ahead > /data/m && cat /data/m && "
-                                                   "grep -c ' /data ' /proc/self/mounts"],
-                              [bind("/data", v.target)])
+    script = "echo ahead > /data/m && cat /data/m && grep -c ' /data ' /proc/self/mounts"
+    bundle = container_bundle(kenv.path, "ahead", ["/bin/sh", "-c", script], [bind("/data", v.target)])
     client.create_container("pod-a", "ahead", bundle)
     client.start("ahead")
     assert client.wait("ahead").exit_code == 0
