@@ -778,7 +778,11 @@ class PodRuntimeServicer(object):
 
     def CreatePod(self, request, context):
         """Start the pod's VM. The sandbox container itself runs no process in the
-        guest: it is the VM (its pid is QEMU's).
+        guest: it is the VM (its pid is QEMU's). When the bundle names the pod's
+        uid, the pod's deferred volumes already published are then claimed,
+        hot-plugged and mounted by the guest in the background; CreateContainer
+        and DeletePod wait for that, and a volume it could not take is left to
+        CreateContainer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -789,7 +793,7 @@ class PodRuntimeServicer(object):
         the root file system (the shim mounted containerd's rootfs mounts at
         <bundle>/rootfs) reaches the guest; each bind whose source is a deferred
         volume's target path is claimed for the pod, hot-plugged and mounted by
-        the guest (fsGroup applied); other host paths reach the guest with their
+        the guest (fsGroup applied), unless CreatePod did; other host paths reach the guest with their
         read-only flag. A deferred target without a usable entry, or held by
         another sandbox, fails the call with FAILED_PRECONDITION and leaves
         nothing claimed.
