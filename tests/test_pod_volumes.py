@@ -471,11 +471,13 @@ def test_a_config_map_update_reaches_the_running_container(node):
 def test_a_reader_never_fails_across_config_map_updates(node):
     """A container reading a key in a loop while kubelet's atomic writer
     publishes version after version (each removed right after the next is
-    linked): every read succeeds, as under runc. In the microVM a walk
-    through virtio-fs took a round trip per name, long enough for the writer
-    to remove the version it had started in (ENOENT, seen 8 times in 40
-    updates); the guest now reads its own copy (crust.kata.share, agent
-    `mirror`)."""
+    linked): in the microVM every read succeeds. A walk through virtio-fs
+    took a round trip per name, long enough for the writer to remove the
+    version it had started in (ENOENT, seen 8 times in 40 updates); the
+    guest now reads its own copy (crust.kata.share, agent `mirror`), which
+    keeps the replaced version one pass longer. Under runc (the baseline)
+    the same race is kubelet's own, in a window of a path walk: rare (once
+    in a loaded run), so at most two failed reads are taken there."""
     updates = 20
     config = ConfigMap(data={"key": "v0"})
     # The value has no newline (kubelet writes it as given): read's status
@@ -493,7 +495,15 @@ def test_a_reader_never_fails_across_config_map_updates(node):
         wait_until(lambda: f"seen v{updates}" in Path(app.log_path).read_text(errors="replace"),
                    timeout=UPDATE_VISIBLE_WITHIN, what="the last version")
         lines = [text for _, text in cri_log(app.log_path)]
-        assert not [line for line in lines if line.startswith("ERR")], [line for line in lines if "ERR" in line][:5]
+        errors = [line for line in lines if line.startswith("ERR")]
+        if node.runtime_class == "crust-microvm":
+            assert not errors, errors[:5]   # the guest's copy keeps the replaced version a pass longer
+        else:
+            # runc's reads walk the writer's own files: a reader preempted
+            # between resolving ..data and opening the file it names finds
+            # that version removed (once in 20 updates on a loaded machine).
+            print("reads that failed", len(errors))
+            assert len(errors) <= 2, errors[:5]
         # Versions are seen in the writer's order, never an older one after a newer.
         seen = [int(line.split()[1][1:]) for line in lines if line.startswith("seen v")]
         assert seen == sorted(seen), seen
