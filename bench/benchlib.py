@@ -31,6 +31,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -235,6 +236,17 @@ def print_ms_rows(rows: dict[str, dict], width: int) -> None:
     """One line per name of ms_rows(): its median, then (min-max)."""
     for name, row in rows.items():
         print(f"  {name:{width}s} {row['median_ms']:6d} ms ({row['min_ms']}-{row['max_ms']})")
+
+
+def vm_dir_cleanup(base: Path) -> Callable[[], bool]:
+    """The cleanup of a bench whose VMs ran below base: base removed; True
+    when no QEMU of it is left."""
+    def cleanup() -> bool:
+        from crust.kata.qemu import qemu_pids_under  # only the guest benches need it
+
+        shutil.rmtree(base, ignore_errors=True)
+        return not qemu_pids_under(base)
+    return cleanup
 
 
 def summary(samples: list[float], digits: int, names: Iterable[str] = ("median", "p90", "min", "max"),

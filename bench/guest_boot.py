@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
 from crust.kata import image as kata_image  # noqa: E402
-from crust.kata.qemu import GUEST_CMDLINE, Vm, VmConfig, qemu_pids_under  # noqa: E402
+from crust.kata.qemu import GUEST_CMDLINE, Vm, VmConfig  # noqa: E402
 
 PLAIN_CMDLINE = "console=ttyS0 quiet panic=-1"
 
@@ -88,11 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         benchlib.print_ms_rows(results["ways"], 15)
         print(f"load {results['load_before']} before, {results['load_after']} after")
 
-    def cleanup() -> bool:
-        shutil.rmtree(base, ignore_errors=True)
-        return not qemu_pids_under(base)
-
-    return benchlib.guarded_run_then_write(body, cleanup, benchlib.report_failure, args.json, results)
+    return benchlib.guarded_run_then_write(body, benchlib.vm_dir_cleanup(base), benchlib.report_failure, args.json, results)
 
 
 if __name__ == "__main__":

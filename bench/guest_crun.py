@@ -26,7 +26,6 @@ import asyncio
 import base64
 import copy
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import benchlib  # noqa: E402
 from crust.kata import image as kata_image  # noqa: E402
 from crust.kata.agent import b64  # noqa: E402
-from crust.kata.qemu import Vm, VmConfig, qemu_pids_under  # noqa: E402
+from crust.kata.qemu import Vm, VmConfig  # noqa: E402
 
 CAPABILITIES = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
                 "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
@@ -166,11 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         benchlib.print_ms_rows(results["variants"], 52)
         print(f"load {results['load_before']} before, {results['load_after']} after")
 
-    def cleanup() -> bool:
-        shutil.rmtree(base, ignore_errors=True)
-        return not qemu_pids_under(base)
-
-    return benchlib.guarded_run_then_write(body, cleanup, benchlib.report_failure, args.json, results)
+    return benchlib.guarded_run_then_write(body, benchlib.vm_dir_cleanup(base), benchlib.report_failure, args.json, results)
 
 
 if __name__ == "__main__":
