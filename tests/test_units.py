@@ -9,6 +9,7 @@ import asyncio
 import gzip
 import importlib.util
 import lzma
+import errno
 import os
 import re
 import shutil
@@ -1144,11 +1145,30 @@ def test_a_containers_spec_for_the_guest_keeps_its_confinement_and_drops_the_hos
 
     spec, sysctls, hostname = guest_oci.guest_spec(_containerd_like_spec(), "/run/crust/containers/c/rootfs", "c")
     assert spec["root"] == {"path": "/run/crust/containers/c/rootfs", "readonly": True}
+    assert spec["mounts"][0] == {"destination": "/proc", "type": "proc", "source": "proc"}
     assert spec["process"]["noNewPrivileges"] is True and spec["process"]["user"]["uid"] == 1000
     assert "apparmorProfile" not in spec["process"]
     assert spec["process"]["capabilities"]["bounding"] == ["CAP_CHOWN"]
-    # Only the kernel's own file systems for crun; binds and /dev are the agent's.
-    assert [m["destination"] for m in spec["mounts"]] == ["/proc", "/sys/fs/cgroup"]
+    # The host's mounts in its order: the kernel's and tmpfs fresh, a bind's
+    # source left for the guest's path, and none run before it has one; the
+    # terminals and /dev/shm containerd's default spec has, below /dev.
+    assert [m["destination"] for m in spec["mounts"]] == ["/proc", "/dev", "/dev/shm", "/dev/pts", "/etc/hosts",
+                                                         "/sys/fs/cgroup"]
+    assert spec["mounts"][3]["type"] == "devpts" and spec["mounts"][2]["type"] == "tmpfs"
+    assert spec["mounts"][4] == {"destination": "/etc/hosts", "type": "bind", "source": "", "options": ["bind"]}
+    bare, _, _ = guest_oci.guest_spec({"process": {"args": ["/x"]}}, "/r", "c", "/proc/1/ns/pid")
+    assert [m["destination"] for m in bare["mounts"]] == ["/dev", "/dev/shm", "/dev/pts", "/proc"]
+    assert guest_oci.unplaced(spec) == ["/etc/hosts"]
+    with pytest.raises(ValueError, match="/etc/hosts"):
+        guest_oci.run_script("c", spec, {}, "", guest_oci.Stdio("n1"))
+    with pytest.raises(ValueError, match="1 binds in the spec, 0 sources"):
+        guest_oci.place_mounts(spec, "/run/crust/share/c/rootfs", [])
+    guest_oci.place_mounts(spec, "/run/crust/share/c/rootfs", [("/run/crust/share/binds/k", True)])
+    assert spec["mounts"][4] == {"destination": "/etc/hosts", "type": "bind", "source": "/run/crust/share/binds/k",
+                                 "options": ["bind", "ro"]}
+    assert spec["root"] == {"path": "/run/crust/share/c/rootfs", "readonly": True}
+    guest_oci.place_mounts(spec, "/run/crust/share/c/rootfs", [("/run/crust/share/binds/k", False)])   # again
+    assert spec["mounts"][4]["options"] == ["bind", "rw"] and not guest_oci.unplaced(spec)
     # A new namespace stays; the pod's (a path) is the guest's own; no new network.
     assert spec["linux"]["namespaces"] == [{"type": "pid"}, {"type": "mount"}]
     # crun's cgroup below one the agent keeps until the container is deleted (its OOM count).
@@ -1174,6 +1194,7 @@ def test_a_terminal_and_a_standard_input_are_the_guests_script_and_fifo():
     host = _containerd_like_spec()
     host["process"].update(terminal=True, consoleSize={"width": 100, "height": 30})
     spec, _, _ = guest_oci.guest_spec(host, "/r", "c")
+    guest_oci.place_mounts(spec, "/r", [("/run/crust/share/binds/k", True)])
     assert spec["process"]["terminal"] is False   # crun makes none: the guest's script does
     assert guest_oci.terminal_size(host["process"]) == (100, 30)
     script = guest_oci.run_script("c", spec, {}, "", guest_oci.Stdio(
@@ -1472,3 +1493,32 @@ def test_a_pods_uid_comes_from_containerds_annotations_and_its_volumes_from_the_
     assert all(r.digest == digest(r.info.target_path) and r.subpath == "" for r in found)
     assert pod_volumes("another-pod", index)[0].info.target_path == target("another-pod", "pv-c")
     assert pod_volumes("nobody", index) == []
+
+
+def test_mount_points_are_made_inside_the_root_whatever_links_the_image_holds(tmp_path):
+    from crust.common.inroot import make_mount_point
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (root / "run").mkdir()
+    os.symlink("/run/crust", root / "data")            # absolute, dangling: resolved from the root
+    os.symlink("../../../outside", root / "run" / "up")   # .. stops at the root
+    os.symlink("loop", root / "loop")
+    (root / "file").write_text("x")
+    make_mount_point(str(root), "/data/out", "dir")
+    assert (root / "run" / "crust" / "out").is_dir() and not (tmp_path / "run").exists()
+    make_mount_point(str(root), "/run/up/hosts", "file")
+    assert (root / "outside" / "hosts").is_file() and list(outside.iterdir()) == []
+    make_mount_point(str(root), "/a/b/c", "parents")
+    assert (root / "a" / "b").is_dir() and not (root / "a" / "b" / "c").exists()
+    make_mount_point(str(root), "/data/out", "dir")   # again: nothing to make
+    make_mount_point(str(root), "/", "dir")
+    with pytest.raises(OSError) as too_many:
+        make_mount_point(str(root), "/loop/x", "dir")
+    assert too_many.value.errno == errno.ELOOP
+    with pytest.raises(OSError) as not_dir:
+        make_mount_point(str(root), "/file/x", "dir")
+    assert not_dir.value.errno == errno.ENOTDIR
+    with pytest.raises(ValueError):
+        make_mount_point(str(root), "/x", "socket")

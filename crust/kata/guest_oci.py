@@ -2,11 +2,14 @@
 
 containerd wrote the spec for the host: its root, its binds and the
 namespaces it joins are host paths and host processes. In the pod's VM the
-root and the binds are already mounted by the agent below the container's
-root (crust.kata.pods: from the shares, the pod's tmpfs, deferred volumes,
-each destination resolved inside the root), so the guest's spec keeps what
-the host's says about the process and its confinement, and only what the
-guest can mean of the rest:
+handler makes each bind's source ready in the guest first (crust.kata.pods:
+a share's bind, the pod's tmpfs, a deferred volume mounted by the guest),
+then crun mounts the root and all of them in the container's own mount
+namespace, as runc does on a host (each destination resolved inside the
+root); each process the guest's agent would fork for a mount costs the
+guest's one CPU tens of milliseconds under emulation, crun's mounts are
+system calls. So the guest's spec keeps what the host's says about the
+process and its confinement, and only what the guest can mean of the rest:
 
 kept as it is   process (args, env, cwd, user and additional gids, umask,
                 capabilities, no_new_privileges, rlimits, oom_score_adj),
@@ -14,18 +17,21 @@ kept as it is   process (args, env, cwd, user and additional gids, umask,
                 with the guest's libseccomp), resources (memory, CPU, pids,
                 huge pages, the device allow list, block I/O: the guest's
                 cgroup v2), personality;
-rewritten       root -> the container's root in the guest (mounted by the
-                agent, read-only by the agent and crun when the spec says so);
+rewritten       root -> the container's root file system where the guest
+                finds it (the pod's share; read-only by crun when the spec
+                says so);
                 linux.cgroupsPath -> /crust/<container id>/ctr in the guest's
                 cgroup tree: crun makes and removes ctr, the agent keeps its
                 parent until the container is deleted, so that the
                 parent's memory.events (hierarchical) still tells after the
                 exit whether the OOM killer struck; the agent signals, counts
                 and measures a container's processes there;
-                mounts -> only the kernel's own file systems the runtime
-                makes fresh in the container's namespaces (proc, sysfs,
-                devpts, mqueue, cgroup); binds and /dev, /dev/shm, /tmp
-                tmpfs are the agent's;
+                mounts -> in the host's order: the kernel's own file
+                systems and tmpfs (/dev, where crun makes the default
+                devices) made fresh; each bind's source the guest path the
+                handler made ready (place_mounts), read-only as the handler
+                decides, with the host's nosuid, nodev, noexec; other types
+                are dropped;
                 namespaces: a new one is kept (mount, pid, cgroup, uts, ipc,
                 time); one that names a path (the pod's sandbox on the host)
                 becomes the guest's own, because the VM is the pod: its
@@ -77,6 +83,7 @@ FEED = "/usr/lib/crust/feed.sh"
 SCRIPT = "/sbin/script"                # util-linux's: a terminal for a process that asks for one
 EXITS = "/run/crust/exec"              # <pid>.exit: the agent's record of a spawned process's end
 FRESH_MOUNT_TYPES = {"proc", "sysfs", "devpts", "mqueue", "cgroup", "cgroup2"}
+BIND_FLAGS = {"nosuid", "nodev", "noexec"}   # of a host bind's options, kept for its guest bind
 NAMESPACES = {"mount", "pid", "cgroup", "uts", "ipc", "time", "network"}
 SYSCTL_NAME = re.compile(r"^[a-z0-9_][a-z0-9_.\-/]*$")
 HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]{0,62}$")
@@ -149,8 +156,18 @@ def guest_spec(host: dict[str, Any], root: str, container_id: str,
     sysctls, hostname = pod_settings(host)
     own_uts = any(ns["type"] == "uts" for ns in namespaces)
 
-    mounts = [m for m in host.get("mounts") or []
-              if m.get("type") in FRESH_MOUNT_TYPES and not _is_bind(m)]
+    # In the host's order (a later mount may land inside an earlier one):
+    # the kernel's file systems and tmpfs made fresh, the binds with their
+    # guest sources once the handler has them ready (place_mounts).
+    mounts = []
+    for m in host.get("mounts") or []:
+        if _is_bind(m):
+            flags = [o for o in m.get("options") or [] if o in BIND_FLAGS]
+            mounts.append({"destination": m.get("destination", ""), "type": "bind", "source": "",
+                           "options": ["bind", *flags]})
+        elif m.get("type") in FRESH_MOUNT_TYPES or m.get("type") == "tmpfs":
+            mounts.append(m)
+    _add_defaults(mounts)
     resources = dict(linux.get("resources") or {})
     out_linux: dict[str, Any] = {
         "namespaces": namespaces,
@@ -173,6 +190,60 @@ def guest_spec(host: dict[str, Any], root: str, container_id: str,
     if hostname and own_uts:
         spec["hostname"] = hostname
     return spec, sysctls, hostname if hostname and not own_uts else ""
+
+
+# What every container gets, as containerd's default spec gives it, where
+# a spec lacks it (a spec containerd did not write): its own /proc, a /dev
+# where crun makes the default devices, its terminals and a /dev/shm.
+DEFAULT_MOUNTS = (
+    {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+    {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+     "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+    {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+     "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+    {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+     "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+)
+
+
+def _add_defaults(mounts: list[dict[str, Any]]) -> None:
+    """Each default mount the list lacks, right after the mount it lies in
+    (the mounts below /dev after /dev), else first."""
+    for default in DEFAULT_MOUNTS:
+        where = default["destination"]
+        if any(m.get("destination", "").rstrip("/") == where for m in mounts):
+            continue
+        parent = where.rsplit("/", 1)[0]
+        at = next((i + 1 for i, m in enumerate(mounts) if parent and m.get("destination") == parent), 0)
+        mounts.insert(at, json.loads(json.dumps(default)))
+
+
+def place_mounts(spec: dict[str, Any], root: str, sources: list[tuple[str, bool]]) -> None:
+    """The container's root and its binds' guest sources into its spec:
+    sources holds, for each bind in the spec's order, the guest path bound
+    there (a share's bind, the pod's tmpfs, a deferred volume's mount) and
+    whether the bind is read-only. crun then mounts them all in the
+    container's own namespace (each destination resolved inside the root,
+    its mount point made as runc makes one), and /proc, /dev and the rest."""
+    binds = [m for m in spec.get("mounts") or [] if m.get("type") == "bind"]
+    if len(binds) != len(sources):
+        raise ValueError(f"{len(binds)} binds in the spec, {len(sources)} sources given")
+    for m, (source, readonly) in zip(binds, sources):
+        m["source"] = source
+        m["options"] = [o for o in m["options"] if o not in ("ro", "rw")] + ["ro" if readonly else "rw"]
+    spec["root"]["path"] = root
+
+
+def leave_binds_to_agent(spec: dict[str, Any]) -> None:
+    """The spec for a guest whose agent binds the container's root, binds,
+    /dev and /proc itself (one older than agent 11): crun mounts only the
+    kernel's file systems, over what the agent made."""
+    spec["mounts"] = [m for m in spec.get("mounts") or [] if m.get("type") in FRESH_MOUNT_TYPES]
+
+
+def unplaced(spec: dict[str, Any]) -> list[str]:
+    """The destinations of binds whose guest source is not placed yet."""
+    return [m.get("destination", "") for m in spec.get("mounts") or [] if m.get("type") == "bind" and not m["source"]]
 
 
 def exec_process(container_process: dict[str, Any], args: list[str], env: list[str], cwd: str, uid: int,
@@ -260,6 +331,8 @@ def run_script(container_id: str, spec: dict[str, Any], sysctls: dict[str, str],
     settings, the bundle, then crun in the foreground (its exit code is the
     container's; it forwards the signals it gets to the container)."""
     bundle = f"{GUEST_BUNDLES}/{container_id}"
+    if unplaced(spec):
+        raise ValueError(f"binds without a guest source: {', '.join(unplaced(spec))}")
     return (sysctl_lines(sysctls, hostname)
             + f"mkdir -p {shlex.quote(bundle)} || exit 126\n"
             + _heredoc(f"{bundle}/config.json", spec)

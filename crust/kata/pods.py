@@ -72,13 +72,14 @@ from typing import AsyncIterator, ClassVar
 from pydantic import BaseModel, Field
 
 from crust.api import handler_pb2
+from crust.common import inroot
 from crust.common.errors import (Aborted, AlreadyExists, CrustError, FailedPrecondition, InvalidArgument, NotFound,
                                  Unavailable)
 from crust.common.private import make_dirs
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata import guest_oci
-from crust.kata.agent import AgentError, AgentRefused, GuestGone
+from crust.kata.agent import SHM_TMPFS, AgentError, AgentRefused, GuestGone
 from crust.kata.pool import VmPool
 from crust.kata.portforward import PortForwarder
 from crust.kata.process_watch import ProcessWatch
@@ -105,10 +106,10 @@ PSEUDO_TYPES = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2
 # kubelet's directories (crust/kubelet/volumes.py has the layout).
 EMPTY_DIR = "kubernetes.io~empty-dir"
 SUBPATHS = "volume-subpaths"
-SHM_TMPFS = ".shm"            # the pod's /dev/shm (a name no emptyDir can have)
 TAP = "crust0"                # the VM's tap in the pod's network namespace
 READ_CHUNK = 32768            # bytes per readout answer (a serial line carries them: 44 KiB of base64)
 POLL = 0.2                    # seconds between looks at a running process
+STARTED_WAIT = 1.0            # seconds the guest waits for a container's start before it answers
 VM_GONE_EXIT_CODE = 255
 # containerd's annotations on a pod sandbox's spec (its CRI plugin).
 SANDBOX_UID = "io.kubernetes.cri.sandbox-uid"
@@ -154,6 +155,10 @@ class ContainerRecord(BaseModel):
     # Run by crun in the guest, from this spec; None: a container of a pod
     # whose VM has no OCI runtime (started before crust ran containers so).
     oci: GuestContainer | None = None
+    # True: crun mounts its root and binds in the container's namespace;
+    # False (no OCI runtime, or a record of an earlier handler): the agent mounted
+    # them below root in the guest's, and unmounts them at the delete.
+    runtime_mounts: bool = False
 
     @property
     def root(self) -> str:
@@ -278,6 +283,26 @@ def memory_empty_dir(source: str) -> tuple[str, str, str] | None:
                 return rest[1], "" if inside == "." else inside, _tmpfs_size(top)
         return None
     return None
+
+
+def _make_mount_points(rootfs: Path, binds: list[tuple]) -> None:
+    """Each bind's mount point made in the container's root file system on
+    the host, before the guest sees it (crust.common.inroot: resolved
+    inside the root, as runc makes them): a directory, a file for a host
+    file, only the directories above it for a volume's subpath (which the
+    guest knows)."""
+    for m, kind, what in binds:
+        if kind == "volume":
+            shape = "parents" if what[0].subpath else "dir"
+        elif kind == "host":
+            shape = "dir" if os.path.isdir(m.source) else "file"
+        else:
+            shape = "dir"
+        try:
+            inroot.make_mount_point(str(rootfs), m.destination, shape)
+        except OSError as exc:
+            raise FailedPrecondition(f"mount {m.destination}: no mount point can be made in the container's "
+                                     f"root file system: {exc.strerror or exc}") from None
 
 
 def stats_response(numbers: dict[str, int]) -> handler_pb2.ContainerStatsResponse:
@@ -424,7 +449,8 @@ class Pods:
             for c in pod.containers.values():
                 try:
                     await self._stop_processes(sandbox, pod, c)
-                    await sandbox.vm.agent.umount_all(c.root)
+                    if not c.runtime_mounts:
+                        await sandbox.vm.agent.umount_all(c.root)
                 except (AgentError, CrustError) as exc:
                     log.warning("could not unmount a container before stopping its pod", extra={"fields": {
                         "sandbox": sandbox_id, "container": c.container_id, "error": str(exc)}})
@@ -866,19 +892,30 @@ class Pods:
         pod.containers[container_id] = c   # recorded before the guest sees it: a delete knows what to undo
         await self.records.put(pod.sandbox_id, pod)
         new_volumes: list[str] = []
+        # crun mounts the container's root and binds (agent 11 makes its
+        # sources ready: reach); an older guest's agent binds them itself.
+        runtime_mounts = c.oci is not None and agent.version >= 11
+        if c.oci is not None and not runtime_mounts:
+            guest_oci.leave_binds_to_agent(c.oci.spec)
         try:
+            if runtime_mounts:
+                await asyncio.to_thread(_make_mount_points, rootfs, binds)
             try:
                 guest_rootfs = await asyncio.to_thread(share.add_rootfs, container_id, rootfs)
             except (ShareError, OSError) as exc:
                 raise FailedPrecondition(f"container {container_id}: its root file system {rootfs} cannot be "
                                          f"shared with the VM: {exc}") from None
-            await sandbox._agent(agent.bind(guest_rootfs, c.root, readonly=False))
-            await sandbox._agent(agent.container_setup(c.root))
+            if not runtime_mounts:
+                await sandbox._agent(agent.bind(guest_rootfs, c.root, readonly=False))
+                await sandbox._agent(agent.container_setup(c.root))
             # In the spec's order: a later bind may land inside an earlier
             # one. Each source is made ready first (bound in a share, copied
             # in the guest, the pod's tmpfs, a volume hot-plugged and
-            # mounted), then all are bound in the container in one request.
+            # mounted), then all are bound in the container: by crun when it
+            # starts it (guest_oci.place_mounts), else by the agent, in one
+            # request.
             planned: list[tuple[str, str, bool]] = []   # guest source, destination, read-only
+            shared_sources: list[str] = []   # the share's binds, looked up in the guest before crun binds them
             views: list[tuple[int, str, VolumeView]] = []   # (index in planned, volume key, its view)
             for m, kind, what in binds:
                 readonly = "ro" in m.options
@@ -903,6 +940,7 @@ class Pods:
                     # too (a non-recursive read-only bind keeps their mode).
                     guest_readonly = readonly and not (shared.submounts or follow)
                     planned.append((shared.guest, m.destination, guest_readonly))
+                    shared_sources.append(shared.guest)
                     continue
                 if kind == "tmpfs":
                     name, subpath, size = what
@@ -927,12 +965,19 @@ class Pods:
                     source = f"{volume.mount_point}/{view.subpath}"
                 views.append((len(planned), key, view))
                 planned.append((source, m.destination, view.readonly or volume.readonly))
-            targets = await self._bind_all(sandbox, c.root, planned)
-            for index, key, view in views:
-                view.destination = targets[index]
+            if runtime_mounts:
+                if shared_sources:
+                    await sandbox._agent(agent.reach(sorted(set(shared_sources))))
+                guest_oci.place_mounts(c.oci.spec, guest_rootfs, [(source, ro) for source, _, ro in planned])
+                c.runtime_mounts = True
+            else:
+                targets = await self._bind_all(sandbox, c.root, planned)
+                for index, _, view in views:
+                    view.destination = targets[index]
+            for _, key, view in views:
                 record.volumes[key].views.append(view)
                 c.volumes.setdefault(key, []).append(view)
-            if c.readonly_root:
+            if c.readonly_root and not c.runtime_mounts:
                 # This mount of the root only, once every mount point below
                 # it was made: the binds and /proc, /dev keep their modes.
                 await sandbox._agent(agent.remount_readonly(c.root))
@@ -986,7 +1031,7 @@ class Pods:
         share. Every step may run again."""
         errors: list[str] = []
         alive = sandbox is not None and sandbox.alive()
-        if alive:
+        if alive and not c.runtime_mounts:
             try:
                 await sandbox._agent(sandbox.vm.agent.umount_all(c.root))
             except CrustError as exc:
@@ -1161,7 +1206,9 @@ class Pods:
         while time.monotonic() < deadline:
             if not legacy:
                 try:
-                    started, exited = await sandbox._agent(agent.container_started(c.container_id, p.pid))
+                    # The guest waits (agent 11): no request while crun starts it.
+                    started, exited = await sandbox._agent(agent.container_started(c.container_id, p.pid,
+                                                                                   wait=STARTED_WAIT))
                     if started or exited:
                         return
                 except CrustError as exc:
@@ -1173,7 +1220,8 @@ class Pods:
                     return
                 if await sandbox._agent(agent.wait(p.pid)) is not None:
                     return
-            await asyncio.sleep(0.05)
+            if legacy or agent.version < 11:
+                await asyncio.sleep(0.05)
         log.warning("container not running yet after its start", extra={"fields": {
             "container": c.container_id, "seconds": timeout}})
 
