@@ -818,7 +818,9 @@ def test_one_poll_reports_each_processs_state_and_output_sizes(root):
     ended, "gone" for one killed with its wrapper, "none" for a pid no
     spawn started; "-" for output files that do not exist. cstarted: a
     container counts as started once crun's state file is there with no
-    start pending (exec.fifo), and the spawn's end ends the wait too."""
+    start pending (exec.fifo), and the spawn's end ends the wait too; with
+    a wait (agent 11) the guest answers once it started, or after the wait.
+    reach: paths looked up in the agent's namespace, each one there."""
     async def run(g: Guest):
         agent = g.vm.agent
         sleeper = await agent.spawn("sleeper", "printf abc; printf de >&2; exec sleep 60")
@@ -839,9 +841,14 @@ def test_one_poll_reports_each_processs_state_and_output_sizes(root):
                                " && mkfifo /run/crust/crun/ctr-x/exec.fifo")
         assert code == 0, out
         assert await agent.container_started("ctr-x", sleeper) == (False, False)   # created, start pending
-        code, out = await g.sh("rm /run/crust/crun/ctr-x/exec.fifo")
-        assert code == 0, out
-        assert await agent.container_started("ctr-x", sleeper) == (True, False)
+        # Agent 11: the guest waits for the start (up to the wait asked), then answers.
+        began = time.monotonic()
+        assert await agent.container_started("ctr-x", sleeper, wait=0.4) == (False, False)
+        assert time.monotonic() - began >= 0.35
+        await agent.spawn("starter", "sleep 1; rm /run/crust/crun/ctr-x/exec.fifo")
+        began = time.monotonic()
+        assert await agent.container_started("ctr-x", sleeper, wait=5.0) == (True, False)
+        assert 0.5 < time.monotonic() - began < 4.5
 
         # The wrapper killed too (no exit code recorded): gone, and ended for cstarted.
         # The wrapper first, so it never writes an exit code; then its child.
@@ -856,6 +863,9 @@ def test_one_poll_reports_each_processs_state_and_output_sizes(root):
         await g.sh("rm -r /run/crust/crun/ctr-x")
 
         for words in (["poll"], ["poll", "bad/name:1"], ["poll", "name:x1"], ["cstarted", "ctr-x", "nopid"],
-                      ["cstarted", "ctr-x", "4194303"]):
+                      ["cstarted", "ctr-x", "4194303"], ["cstarted", "ctr-x", str(quick), "5001"],
+                      ["cstarted", "ctr-x", str(quick), "1s"], ["reach"], ["reach", "/run/crust/nothing-here"],
+                      ["reach", "relative/path"]):
             assert (await g.request(*words)).startswith("err "), words
+        assert await g.request("reach", "/run/crust", "/proc/mounts") == "ok reached=2"
     guest(root, run)

@@ -36,6 +36,7 @@ STATS_TIMEOUT = 5.0  # under the proxy's 10 s per handler call, so the answer is
 INTEGRITY_WIPE_BYTES_PER_SECOND = 4 * 1024 * 1024
 # The longest line read from the guest (a readout answer is about 44 KiB).
 LINE_LIMIT = 1024 * 1024
+SHM_TMPFS = ".shm"   # the pod's /dev/shm, a pod_tmpfs (a name no emptyDir can have)
 _WORD = re.compile(r"^[A-Za-z0-9_.,=:/+@-]+$")
 # A path the agent takes as it is (its check_path's characters), not in base64.
 _PLAIN_PATH = re.compile(r"^/[A-Za-z0-9/_.@:+,=-]*$")
@@ -111,6 +112,7 @@ class AgentClient:
         self._announced: asyncio.Future | None = None   # the agent's "- ok ready ..." line
         self.dead: str | None = None     # why, once the guest is gone
         self.version = 0   # the agent's, from its announcement or a ping's answer (0: not known)
+        self._tmpfs_tops: dict[tuple[str, str], str] = {}   # (name, size) -> the guest path pod_tmpfs answered
 
     # ------------------------------------------------------------ plumbing
 
@@ -384,10 +386,13 @@ class AgentClient:
         answer = await self.request("csignal", container_id, str(signal))
         return int(answer.fields["signalled"])
 
-    async def container_started(self, container_id: str, pid: int) -> tuple[bool, bool]:
+    async def container_started(self, container_id: str, pid: int, wait: float = 0.0) -> tuple[bool, bool]:
         """(started, exited): crun has started the container, the spawn pid
-        (its `crun run`) has ended; without running crun (agent 9)."""
-        answer = await self.request("cstarted", container_id, str(pid))
+        (its `crun run`) has ended; without running crun (agent 9). wait:
+        seconds the guest waits for either before it answers (agent 11;
+        an older agent answers at once)."""
+        ms = int(wait * 1000) if self.version >= 11 else 0
+        answer = await self.request("cstarted", container_id, str(pid), *((str(ms),) if ms else ()))
         return answer.fields.get("started") == "1", answer.fields.get("exited") == "1"
 
     async def poll(self, processes: list[tuple[str, int]]) -> dict[str, ProcessLook]:
@@ -483,8 +488,21 @@ class AgentClient:
     async def pod_tmpfs(self, name: str, subpath: str = "", size: str = "") -> str:
         """The pod's guest tmpfs of that name (made on first use, of at most
         size, e.g. "16384k"; the kernel's default otherwise) and a directory
-        subpath in it; returns the directory's guest path."""
-        return (await self.request("podtmpfs", name, b64(subpath), size or "-")).fields["path"]
+        subpath in it; returns the directory's guest path. A tmpfs stays
+        mounted for the guest's life: its top is asked of the guest once."""
+        known = self._tmpfs_tops.get((name, size)) if not subpath else None
+        if known is not None:
+            return known
+        path = (await self.request("podtmpfs", name, b64(subpath), size or "-")).fields["path"]
+        if not subpath:
+            self._tmpfs_tops[(name, size)] = path
+        return path
+
+    async def reach(self, paths: list[str]) -> None:
+        """Look each guest path up in the agent's mount namespace (agent
+        11): a share's submount is mounted there once, and every container
+        that binds it later binds that one mount."""
+        await self.request("reach", *paths)
 
     async def mirror(self, name: str, source: str) -> str:
         """A copy in the guest's memory of the volume kubelet's atomic writer

@@ -5,7 +5,8 @@ emulation a boot is 2 to 4 s, most of a microVM pod's start. The handler
 keeps `size` VMs booted, each in a directory of its own below the pool's
 (`<state>/pool/crust-pool-<id>/`), laid out as a pod's: its two shared
 directories (crust.kata.share), still empty, each served by its virtiofsd
-and mounted by the guest, and no NIC. A pod that takes one (take()):
+and mounted by the guest, the pod's /dev/shm tmpfs made in the guest, and
+no NIC. A pod that takes one (take()):
 
 - renames the VM's directory to its own: its shares come along (their
   mounts move with the directory, each virtiofsd serves the same tree, now
@@ -40,7 +41,7 @@ import time
 from pathlib import Path
 
 from crust.common.private import make_dirs
-from crust.kata.agent import AgentError
+from crust.kata.agent import SHM_TMPFS, AgentError
 from crust.kata.qemu import SHORT_SOCKET_ROOT, SharedDir, Vm, VmConfig, VmError, read_identity
 from crust.kata.share import PodShare, ShareError
 from crust.sys import proc
@@ -158,6 +159,9 @@ class VmPool:
             await vm.start()
             for share in shares:
                 await vm.agent.share_mount(share.guest, share.tag)
+            # Every container of a pod binds the pod's /dev/shm: made now,
+            # while the VM waits, not in the pod's first container's create.
+            await vm.agent.pod_tmpfs(SHM_TMPFS)
         except BaseException:
             await _discard(vm)
             raise

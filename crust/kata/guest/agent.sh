@@ -21,7 +21,7 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=10
+AGENT_VERSION=11
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 DEVICE_WAIT_SECONDS=10   # a hot-plugged NIC or shared directory
@@ -430,6 +430,27 @@ tmpfs_size() {  # size (bytes, or with k/m/g): at most half the guest's memory, 
   echo "${kib}k"
 }
 
+cmd_reach() {  # path...: each looked up here, in the agent's mount namespace (agent 11)
+  # A bind in a share is a submount of it: the guest mounts it on its first
+  # lookup, in the namespace that looks, a file system of its own each time.
+  # crun binds a container's sources in the container's namespace, a copy of
+  # this one: looked up here first, every container of the pod binds the one
+  # mount, and sees what the others write as they do (one page cache, one
+  # file size for appends); looked up by each crun, each would have its own.
+  # A stat of the path itself mounts nothing (the kernel leaves the last
+  # component's automount alone); a lookup through it ("$p/.") does.
+  [ $# -ge 1 ] || fail "usage: reach <path>..."
+  for p in "$@"; do
+    check_path "$p"
+    if [ -d "$p" ]; then
+      [ -e "$p/." ] || fail "cannot reach $p"
+    else
+      [ -e "$p" ] || fail "no such source: $p"
+    fi
+  done
+  echo "reached=$#"
+}
+
 cmd_podtmpfs() {  # name subpath-b64 size|-: the pod's tmpfs of that name (an emptyDir of medium Memory, /dev/shm), and a directory in it
   [ $# -eq 3 ] || fail "usage: podtmpfs <name> <subpath-b64> <size|->"
   check_name "$1"
@@ -658,21 +679,39 @@ cmd_poll() {  # name:pid...: for each, name=<stdout size>,<stderr size>,<state>
   echo $answer
 }
 
-cmd_cstarted() {  # id pid: started=1 once crun started the container, exited=1 once pid's spawn ended
+cmd_cstarted() {  # id pid [wait-ms]: started=1 once crun started the container, exited=1 once pid's spawn ended
   # The host asks this until the container runs. crun's state (cstate) would
   # run crun each time, which costs the guest's one CPU while crun is still
   # starting the container; this reads what crun state reads: its state
-  # file written and no start pending (exec.fifo).
-  [ $# -eq 2 ] || fail "usage: cstarted <id> <pid>"
+  # file written and no start pending (exec.fifo). With wait-ms (agent 11)
+  # it answers as soon as either is true, or after about that long: one
+  # request instead of one every few tens of milliseconds, each a shell
+  # taken from crun's start. The wait forks nothing: a read with a timeout
+  # on a fifo nobody writes.
+  [ $# -eq 2 ] || [ $# -eq 3 ] || fail "usage: cstarted <id> <pid> [wait-ms]"
   check_name "$1"
   case $2 in ''|*[!0-9]*) fail "bad pid: $2" ;; esac
+  wait_ms=${3:-0}
+  case $wait_ms in ''|*[!0-9]*) fail "bad wait: $wait_ms" ;; esac
+  [ "$wait_ms" -le 5000 ] || fail "wait at most 5000 ms, not $wait_ms"
   [ -e "$RUN/exec/$2.started" ] || fail "no process $2 was started by spawn"
-  if [ -e "$RUN/exec/$2.exit" ] || [ ! -d "/proc/$2" ]; then echo "started=0 exited=1"; return 0; fi
-  if [ -e "/run/crust/crun/$1/status" ] && [ ! -e "/run/crust/crun/$1/exec.fifo" ]; then
-    echo "started=1 exited=0"
-  else
-    echo "started=0 exited=0"
-  fi
+  waited=0 pausing=
+  while :; do
+    if [ -e "$RUN/exec/$2.exit" ] || [ ! -d "/proc/$2" ]; then echo "started=0 exited=1"; return 0; fi
+    if [ -e "/run/crust/crun/$1/status" ] && [ ! -e "/run/crust/crun/$1/exec.fifo" ]; then
+      echo "started=1 exited=0"
+      return 0
+    fi
+    [ "$waited" -lt "$wait_ms" ] || break
+    if [ -z "$pausing" ]; then
+      [ -p "$RUN/pause" ] || mkfifo "$RUN/pause" 2>/dev/null || [ -p "$RUN/pause" ] || fail "cannot make $RUN/pause"
+      exec 8<>"$RUN/pause"   # this request's shell only: closed with it
+      pausing=1
+    fi
+    read -t 0.02 _ <&8
+    waited=$((waited + 20))
+  done
+  echo "started=0 exited=0"
 }
 
 children_of() {  # pid -> its direct children
@@ -1126,6 +1165,7 @@ dispatch() {
     cbinds) cmd_cbinds "$@" ;;
     sharemount) cmd_sharemount "$@" ;;
     podtmpfs) cmd_podtmpfs "$@" ;;
+    reach) cmd_reach "$@" ;;
     spawnfile) cmd_spawnfile "$@" ;;
     checkpath) cmd_checkpath "$@" ;;
     kill) cmd_kill "$@" ;;
