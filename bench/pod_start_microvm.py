@@ -30,7 +30,7 @@ start to its exit. And a pooled VM's memory while it waits (its QEMU's
 RSS and PSS, the guest's RAM a shared memfd).
 
     .venv/bin/python bench/pod_start_microvm.py [--rounds 5] [--pools 0,1] [--floor-boots 5] [--fs ext4]
-        [--mib 128] [--agent-times] [--json OUT.json]
+        [--mib 128] [--agent-times] [--keep-log DIR] [--json OUT.json]
 
 --agent-times runs the handler at --log-level debug and adds, per round,
 each guest agent request's round trip summed by the handler RPC it served
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -188,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-times", action="store_true",
                         help="the handler at --log-level debug: each guest agent request's time, summed per CRI "
                              "call's handler RPC and command, beside the calls")
+    parser.add_argument("--keep-log", metavar="DIR",
+                        help="copy each node's handler and containerd logs here (handler-pool<N>.log, "
+                             "containerd-pool<N>.log), for a timeline of the rounds")
     parser.add_argument("--json", help="write the results here ('-' for stdout)")
     args = parser.parse_args(argv)
     if benchlib.not_root("bench/pod_start_microvm.py", "loop devices, QEMU, containerd"):
@@ -228,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                           f"first write" + (" (warm-up)" if not turn else ""), file=sys.stderr)
                 node.kubelet.retried(node.kubelet.unmount_device, pv)
                 node.proxy.delete(pv.volume_handle)
+                if args.keep_log:
+                    Path(args.keep_log).mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(root.path / "kata.sock.log", Path(args.keep_log) / f"handler-pool{pool}.log")
+                    # containerd's, with the shims' lines
+                    shutil.copyfile(node.containerd.log_path, Path(args.keep_log) / f"containerd-pool{pool}.log")
             agent_keys = sorted({k for s in samples for k in s if k.startswith("agent ")})
             columns[f"pool {pool}"] = {key: benchlib.summary([s[key] for s in samples if key in s], 1)
                                        for key in keys + agent_keys}
