@@ -6,12 +6,14 @@ wire facts of specs/csi.proto. Nothing here touches a device or a mount.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gzip
 import importlib.util
+import json
 import lzma
-import errno
 import os
 import re
+import shlex
 import shutil
 import socket
 import stat
@@ -42,8 +44,8 @@ from crust.common.recordstore import RecordStore
 from crust.common.redact import MASK, redacted
 from crust.driver.controller import TOKEN_PREFIX, _page
 from crust.kata import bzimage
-from crust.kata.agent import AgentError, AgentRefused, GuestGone, ProcessLook
 from crust.kata import image as kata_image
+from crust.kata.agent import AgentError, AgentRefused, GuestGone, ProcessLook
 from crust.kata.process_watch import ProcessWatch
 from crust.sys import mount as sysmount
 
@@ -1181,7 +1183,12 @@ def test_a_containers_spec_for_the_guest_keeps_its_confinement_and_drops_the_hos
     assert "hostname" not in spec
     script = guest_oci.run_script("c", spec, sysctls, hostname, guest_oci.Stdio("n1"))
     assert "> /proc/sys/net/ipv4/ip_unprivileged_port_start" in script and "hostname web-0" in script
-    assert script.rstrip().endswith("run --bundle /run/crust/bundles/c c")
+    assert script.rstrip().endswith("run --bundle /run/crust/cmd --config /run/crust/cmd/n1.json c")
+    # The spec written by the shell itself (no cat, no mkdir), quoted whole, and read back as it was.
+    written = next(line for line in script.splitlines() if line.endswith("> /run/crust/cmd/n1.json || exit 126"))
+    words = shlex.split(written)
+    assert words[:2] == ["printf", "%s\\n"] and words[3:] == [">", "/run/crust/cmd/n1.json", "||", "exit", "126"]
+    assert json.loads(words[2]) == spec and "cat " not in script and "mkdir" not in script
     assert "mkfifo" not in script and "/sbin/script" not in script
     process = guest_oci.exec_process(spec["process"], ["id"], ["B=2"], "/tmp", 5, 6, None)
     assert process["args"] == ["id"] and process["user"] == {"uid": 5, "gid": 6} and process["noNewPrivileges"]
@@ -1205,7 +1212,8 @@ def test_a_terminal_and_a_standard_input_are_the_guests_script_and_fifo():
     assert lines[-2] == ("( sh /usr/lib/crust/feed.sh /run/crust/live/c/io/n1.in /run/crust/exec/$PPID.exit"
                          " > /run/crust/in/n1 & )")
     assert lines[-1] == ("exec /sbin/script -q -e -c 'stty cols 100 rows 30 2>/dev/null; exec /sbin/crun --root "
-                         "/run/crust/crun run --bundle /run/crust/bundles/c c' /dev/null < /run/crust/in/n1")
+                         "/run/crust/crun run --bundle /run/crust/cmd --config /run/crust/cmd/n1.json c' /dev/null "
+                         "< /run/crust/in/n1")
     process = guest_oci.exec_process(spec["process"], ["sh"], [], "/", 0, 0)
     script = guest_oci.exec_script("c", process, guest_oci.Stdio("e1", terminal=True))
     assert script.rstrip().splitlines()[-1] == (

@@ -77,7 +77,7 @@ from crust.common.errors import InvalidArgument
 GUEST_CGROUP_PARENT = "/crust"
 RUNTIME = "/sbin/crun"
 RUNTIME_ROOT = "/run/crust/crun"       # crun's state, in guest memory
-GUEST_BUNDLES = "/run/crust/bundles"   # <id>/config.json
+GUEST_COMMANDS = "/run/crust/cmd"      # <name>.json: a process's spec (the container's, or an exec's process)
 GUEST_INPUTS = "/run/crust/in"         # <name>: the fifo a process reads its standard input from
 FEED = "/usr/lib/crust/feed.sh"
 SCRIPT = "/sbin/script"                # util-linux's: a terminal for a process that asks for one
@@ -87,7 +87,6 @@ BIND_FLAGS = {"nosuid", "nodev", "noexec"}   # of a host bind's options, kept fo
 NAMESPACES = {"mount", "pid", "cgroup", "uts", "ipc", "time", "network"}
 SYSCTL_NAME = re.compile(r"^[a-z0-9_][a-z0-9_.\-/]*$")
 HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-]{0,62}$")
-SPEC_END = "CRUST_SPEC_END"
 
 
 def pod_settings(host: dict[str, Any]) -> tuple[dict[str, str], str]:
@@ -266,10 +265,12 @@ def _is_bind(m: dict[str, Any]) -> bool:
     return m.get("type") == "bind" or "bind" in options or "rbind" in options
 
 
-def _heredoc(path: str, document: dict[str, Any]) -> str:
+def _write_json(path: str, document: dict[str, Any]) -> str:
+    """A line that writes document to path in the guest: printf is the
+    shell's own, no process (each is tens of milliseconds of the guest's
+    one CPU under emulation); any size, as no program's arguments carry it."""
     text = json.dumps(document, separators=(",", ":"))
-    # JSON is one line, so it never holds the terminator on a line of its own.
-    return f"cat > {shlex.quote(path)} <<'{SPEC_END}'\n{text}\n{SPEC_END}\n"
+    return f"printf '%s\\n' {shlex.quote(text)} > {shlex.quote(path)} || exit 126\n"
 
 
 def sysctl_lines(sysctls: dict[str, str], hostname: str) -> str:
@@ -330,19 +331,20 @@ def run_script(container_id: str, spec: dict[str, Any], sysctls: dict[str, str],
     """The guest's script for the container's own process: the pod's
     settings, the bundle, then crun in the foreground (its exit code is the
     container's; it forwards the signals it gets to the container)."""
-    bundle = f"{GUEST_BUNDLES}/{container_id}"
     if unplaced(spec):
         raise ValueError(f"binds without a guest source: {', '.join(unplaced(spec))}")
+    # The spec beside the process's script (the agent's `forget` removes
+    # both): crun reads it once, and keeps its own copy in its state.
+    config = f"{GUEST_COMMANDS}/{stdio.name}.json"
     return (sysctl_lines(sysctls, hostname)
-            + f"mkdir -p {shlex.quote(bundle)} || exit 126\n"
-            + _heredoc(f"{bundle}/config.json", spec)
-            + _start(f"{RUNTIME} --root {RUNTIME_ROOT} run --bundle {shlex.quote(bundle)} "
+            + _write_json(config, spec)
+            + _start(f"{RUNTIME} --root {RUNTIME_ROOT} run --bundle {GUEST_COMMANDS} --config {shlex.quote(config)} "
                      f"{shlex.quote(container_id)}", stdio))
 
 
 def exec_script(container_id: str, process: dict[str, Any], stdio: Stdio) -> str:
     """The guest's script for an exec in a running container."""
-    path = f"/run/crust/cmd/{stdio.name}.json"
-    return (_heredoc(path, process)
+    path = f"{GUEST_COMMANDS}/{stdio.name}.json"
+    return (_write_json(path, process)
             + _start(f"{RUNTIME} --root {RUNTIME_ROOT} exec --process {shlex.quote(path)} "
                      f"{shlex.quote(container_id)}", stdio))
