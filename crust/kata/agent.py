@@ -37,6 +37,7 @@ INTEGRITY_WIPE_BYTES_PER_SECOND = 4 * 1024 * 1024
 # The longest line read from the guest (a readout answer is about 44 KiB).
 LINE_LIMIT = 1024 * 1024
 SHM_TMPFS = ".shm"   # the pod's /dev/shm, a pod_tmpfs (a name no emptyDir can have)
+AGENT_REACH = 11     # the first agent with reach and a cstarted that waits in the guest
 _WORD = re.compile(r"^[A-Za-z0-9_.,=:/+@-]+$")
 # A path the agent takes as it is (its check_path's characters), not in base64.
 _PLAIN_PATH = re.compile(r"^/[A-Za-z0-9/_.@:+,=-]*$")
@@ -391,7 +392,7 @@ class AgentClient:
         (its `crun run`) has ended; without running crun (agent 9). wait:
         seconds the guest waits for either before it answers (agent 11;
         an older agent answers at once)."""
-        ms = int(wait * 1000) if self.version >= 11 else 0
+        ms = int(wait * 1000) if self.version >= AGENT_REACH else 0
         answer = await self.request("cstarted", container_id, str(pid), *((str(ms),) if ms else ()))
         return answer.fields.get("started") == "1", answer.fields.get("exited") == "1"
 

@@ -79,7 +79,7 @@ from crust.common.private import make_dirs
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata import guest_oci
-from crust.kata.agent import SHM_TMPFS, AgentError, AgentRefused, GuestGone
+from crust.kata.agent import AGENT_REACH, SHM_TMPFS, AgentError, AgentRefused, GuestGone
 from crust.kata.pool import VmPool
 from crust.kata.portforward import PortForwarder
 from crust.kata.process_watch import ProcessWatch
@@ -894,7 +894,7 @@ class Pods:
         new_volumes: list[str] = []
         # crun mounts the container's root and binds (agent 11 makes its
         # sources ready: reach); an older guest's agent binds them itself.
-        runtime_mounts = c.oci is not None and agent.version >= 11
+        runtime_mounts = c.oci is not None and agent.version >= AGENT_REACH
         if c.oci is not None and not runtime_mounts:
             guest_oci.leave_binds_to_agent(c.oci.spec)
         try:
@@ -1220,7 +1220,7 @@ class Pods:
                     return
                 if await sandbox._agent(agent.wait(p.pid)) is not None:
                     return
-            if legacy or agent.version < 11:
+            if legacy or agent.version < AGENT_REACH:   # the guest answered at once
                 await asyncio.sleep(0.05)
         log.warning("container not running yet after its start", extra={"fields": {
             "container": c.container_id, "seconds": timeout}})
