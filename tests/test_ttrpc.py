@@ -28,6 +28,7 @@ from crust.containerd_shim import ttrpc
 from crust.containerd_shim.events import Publisher, envelope, forward
 from crust.containerd_shim.task import TaskService, process_spec
 from crust.containerd_shim.ttrpc import Client, Server, TtrpcError
+from crust.sys.sockets import socket_alive
 from tests.harness import stop_child
 
 TASK = "containerd.task.v2.Task"
@@ -357,15 +358,15 @@ def test_process_spec_from_an_oci_process():
 
 def test_socket_alive(tmp_path):
     path = str(tmp_path / "s.sock")
-    assert not ttrpc.socket_alive(path)
+    assert not socket_alive(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
     try:
-        assert ttrpc.socket_alive(path)
+        assert socket_alive(path)
     finally:
         listener.close()
-    assert not ttrpc.socket_alive(path)
+    assert not socket_alive(path)
 
 
 # -- the shim's stdio fifos (real fifos) ---------------------------------------------------------
@@ -428,7 +429,7 @@ def shim_daemon(tmp_path):
         stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 30
-        while not ttrpc.socket_alive(str(sock)):
+        while not socket_alive(str(sock)):
             assert daemon.poll() is None and time.monotonic() < deadline, (tmp_path / "shim.log").read_text()
             time.sleep(0.05)
         yield daemon, sock

@@ -24,25 +24,18 @@ Settings:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import fcntl
 import hashlib
 import json
-import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
-import tomllib
 from pathlib import Path
 
-from crust.api import containerd_runtimeoptions_pb2 as runtimeoptions
-from crust.api import containerd_task_pb2 as task_pb
-from google.protobuf import any_pb2, timestamp_pb2
-
-log = logging.getLogger("crust.containerd_shim")
+# containerd runs `start` for every container of a pod, in the path of
+# StartContainer (and of RunPodSandbox): this module imports only what
+# `start` needs. asyncio, logging, protobuf and the ttrpc server (about
+# 70 ms of imports) are the daemon's and `delete`'s, imported there.
 
 DEFAULT_HANDLER_ENDPOINT = "unix:///run/crust/kata-handler.sock"
 ENV_HANDLER_ENDPOINT = "CRUST_KATA_HANDLER_ENDPOINT"
@@ -72,20 +65,64 @@ def group_of(bundle: Path, container_id: str) -> str:
 def handler_endpoint(options: bytes = b"") -> str:
     """The handler's socket: the runtime's ConfigPath file, the environment, the default."""
     if options:
-        wrapped = any_pb2.Any()
         try:
-            wrapped.ParseFromString(options)
-            if wrapped.type_url.endswith("runtimeoptions.v1.Options"):
-                parsed = runtimeoptions.Options()
-                parsed.ParseFromString(wrapped.value)
-                if parsed.config_path:
-                    with open(parsed.config_path, "rb") as handle:
+            wrapped = message_strings(options)   # google.protobuf.Any: type_url 1, value 2
+            if wrapped.get(1, b"").decode().endswith("runtimeoptions.v1.Options"):
+                config_path = message_strings(wrapped.get(2, b"")).get(2, b"").decode()   # Options.config_path
+                if config_path:
+                    import tomllib
+
+                    with open(config_path, "rb") as handle:
                         endpoint = tomllib.load(handle).get("handler_endpoint")
                     if endpoint:
                         return str(endpoint)
         except Exception as exc:  # a broken option must not hide the default
             print(f"crust shim: runtime options not used: {exc}", file=sys.stderr)
     return os.environ.get(ENV_HANDLER_ENDPOINT) or DEFAULT_HANDLER_ENDPOINT
+
+
+def message_strings(data: bytes) -> dict[int, bytes]:
+    """The length-delimited fields (strings, bytes, messages) of one
+    protobuf message in its wire format, by field number; for a field given
+    twice the last, as protobuf's parser keeps for a string. Fields of the
+    other wire types are skipped. ValueError for bytes that are no message.
+    The runtime options are two strings deep: decoding them here spares
+    `start` the protobuf library's import."""
+    fields: dict[int, bytes] = {}
+    at = 0
+    while at < len(data):
+        key, at = _varint(data, at)
+        number, wire_type = key >> 3, key & 7
+        if number == 0:
+            raise ValueError("field number 0")
+        if wire_type == 0:
+            _, at = _varint(data, at)
+        elif wire_type == 1:
+            at += 8
+        elif wire_type == 5:
+            at += 4
+        elif wire_type == 2:
+            size, at = _varint(data, at)
+            fields[number] = data[at:at + size]
+            at += size
+        else:
+            raise ValueError(f"field {number}: wire type {wire_type} is not supported")
+        if at > len(data):
+            raise ValueError(f"field {number} runs past the message's end")
+    return fields
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise ValueError("a varint runs past the message's end")
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
 
 
 def read_options() -> bytes:
@@ -123,8 +160,7 @@ def start(args: argparse.Namespace) -> int:
     group = group_of(bundle, args.id)
     path = socket_path(args.address, args.namespace, group)
     address = f"unix://{path}"
-    from crust.containerd_shim.ttrpc import socket_alive
-    from crust.sys.sockets import listen_backlog
+    from crust.sys.sockets import listen_backlog, socket_alive
 
     SOCKET_DIR.mkdir(parents=True, exist_ok=True, mode=0o711)
     # Two `start`s of one pod at once must not both bind (the second would
@@ -150,6 +186,8 @@ def start(args: argparse.Namespace) -> int:
                    "-id", group, "-socket", str(path), "-handler-endpoint", endpoint,
                    "-log", str(bundle / "log"), *(["-debug"] if args.debug else []), "serve"]
         env = {**os.environ, "CRUST_SHIM_LISTEN_FD": str(listener.fileno())}
+        import subprocess
+
         subprocess.Popen(command, cwd="/", env=env, pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         listener.close()
@@ -165,8 +203,13 @@ def start(args: argparse.Namespace) -> int:
 def delete(args: argparse.Namespace) -> int:
     """After a dead shim: the handler forgets the container (or pod), the
     rootfs is unmounted, and containerd gets the exit it could not hear."""
-    import grpc
+    import signal
+    import time
 
+    import grpc
+    from google.protobuf import timestamp_pb2
+
+    from crust.api import containerd_task_pb2 as task_pb
     from crust.api import handler_pb2, handler_pb2_grpc
     from crust.common.channel import local_channel
     from crust.sys import mount as sysmount
@@ -222,6 +265,11 @@ def _log_to(path: str, debug: bool) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    log = logging.getLogger("crust.containerd_shim")
     _log_to(args.log, args.debug)
     from crust.sys.memory import give_back_large_buffers
     from crust.sys.openfiles import raise_soft_limit

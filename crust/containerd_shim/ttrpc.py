@@ -413,15 +413,4 @@ class Client:
             pass
 
 
-def socket_alive(path: str) -> bool:
-    """Whether a server accepts on the unix socket at path."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
 

@@ -26,3 +26,15 @@ def listen_backlog() -> int:
     except (OSError, ValueError):
         return socket.SOMAXCONN
     return value if value > 0 else socket.SOMAXCONN
+
+
+def socket_alive(path: str) -> bool:
+    """Whether a server accepts on the unix socket at path."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
