@@ -40,7 +40,7 @@ from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.kata import accel as kata_accel
 from crust.kata import bzimage
 from crust.kata import image as kata_image
-from crust.kata.agent import AgentRefused, ProcessLook
+from crust.kata.agent import AGENT_WARM, AgentRefused, ProcessLook
 from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
 from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
@@ -869,3 +869,54 @@ def test_one_poll_reports_each_processs_state_and_output_sizes(root):
             assert (await g.request(*words)).startswith("err "), words
         assert await g.request("reach", "/run/crust", "/proc/mounts") == "ok reached=2"
     guest(root, run)
+
+
+def test_warm_runs_one_container_through_crun_and_leaves_nothing(root):
+    """Agent 12's warm, what a pooled VM runs while it waits: crun runs a
+    container of a pod's shape (the answer only once it printed what its
+    spec says), and the guest keeps nothing of it: no container in crun's
+    state, no bundle, no cgroup, no mount; again, the same. A warm that
+    cannot make its bundle says so."""
+    leftovers = ("ls /run/crust/crun 2>/dev/null; ls -d /run/crust/warm /sys/fs/cgroup/crust/crust-warm 2>/dev/null;"
+                 " grep -e crust-warm -e /run/crust/warm /proc/mounts; true")
+
+    async def run(g):
+        assert g.vm.agent.version >= AGENT_WARM
+        code, before = await g.sh("cat /proc/mounts | wc -l")
+        for _ in range(2):
+            assert await g.request("warm") == "ok ran=1"
+            assert await g.sh(leftovers) == (0, "")
+        assert await g.sh("cat /proc/mounts | wc -l") == (code, before)
+        assert (await g.request("warm", "now")).startswith("err usage")
+        assert await g.sh(": > /run/crust/warm") == (0, "")
+        refused = await g.request("warm")
+        assert refused.startswith("err cannot make /run/crust/warm"), refused
+        assert await g.sh("rm /run/crust/warm") == (0, "")
+        assert await g.request("warm") == "ok ran=1"
+    guest(root, run)
+
+
+def test_a_waiting_vm_plugs_mounts_and_unplugs_a_disk_of_its_own_once(root):
+    """The pool's disk warm-up: an image made once in the pool's directory
+    (by mkfs only), hot-plugged read-only, mounted and unmounted by the
+    guest, unplugged; the guest then holds no disk and no mount of it, and
+    the image is kept for the next VM."""
+    from crust.kata.pool import WARM_DISK_IMAGE, WARM_DISK_MOUNT, VmPool
+
+    pool = VmPool(0, root.path / "pool", None)
+    pool.directory.mkdir()
+    image = pool.directory / WARM_DISK_IMAGE
+
+    async def run(g):
+        await pool._warm_disk(g.vm)
+        made = image.stat().st_mtime_ns
+        assert g.vm.disks == {}
+        leftovers = f"ls /sys/block | grep vd; grep {WARM_DISK_MOUNT} /proc/mounts; true"
+        assert await g.sh(leftovers) == (0, "")
+        await pool._warm_disk(g.vm)
+        assert image.stat().st_mtime_ns == made and g.vm.disks == {}
+        assert await g.sh(leftovers) == (0, "")
+        assert sorted(p.name for p in pool.directory.iterdir()) == [WARM_DISK_IMAGE]
+    guest(root, run)
+    assert subprocess.run(["blkid", "-o", "value", "-s", "TYPE", str(image)], capture_output=True, text=True,
+                          check=True).stdout.strip() == "ext4"

@@ -785,6 +785,8 @@ def test_a_pod_takes_a_vm_booted_ahead_and_the_pool_boots_the_next(pool_env):
     kenv, client = pool_env
     wait_until(lambda: pooled_vms(kenv), timeout=120, what="the pool's first VM")
     (first, name), = pooled_vms(kenv).items()
+    # It ran a throwaway container while it waited (the agent's warm).
+    assert [float(entry["warm_s"]) > 0 for entry in log_entries(kenv, "pooled VM ready")] == [True]
 
     qemu = client.create_pod("pooled", kenv.path)
     assert qemu == first, "the pod booted a VM of its own instead of taking the pooled one: " + "\n".join(

@@ -38,6 +38,7 @@ INTEGRITY_WIPE_BYTES_PER_SECOND = 4 * 1024 * 1024
 LINE_LIMIT = 1024 * 1024
 SHM_TMPFS = ".shm"   # the pod's /dev/shm, a pod_tmpfs (a name no emptyDir can have)
 AGENT_REACH = 11     # the first agent with reach and a cstarted that waits in the guest
+AGENT_WARM = 12      # the first agent with warm (a throwaway container through crun)
 _WORD = re.compile(r"^[A-Za-z0-9_.,=:/+@-]+$")
 # A path the agent takes as it is (its check_path's characters), not in base64.
 _PLAIN_PATH = re.compile(r"^/[A-Za-z0-9/_.@:+,=-]*$")
@@ -498,6 +499,12 @@ class AgentClient:
         if not subpath:
             self._tmpfs_tops[(name, size)] = path
         return path
+
+    async def warm(self, timeout: float = 60.0) -> None:
+        """Run one throwaway container through crun in the guest (agent 12):
+        a VM that waits for a pod pays now for its first container start
+        (code translated once under emulation), not the pod. Nothing stays."""
+        await self.request("warm", timeout=timeout)
 
     async def reach(self, paths: list[str]) -> None:
         """Look each guest path up in the agent's mount namespace (agent

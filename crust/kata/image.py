@@ -141,7 +141,7 @@ HOST_TOOLS = {
 }
 # The guest's own files: path in the image -> file in guest/.
 GUEST_FILES = {"init": "init.sh", "usr/lib/crust/agent.sh": "agent.sh", "usr/lib/crust/feed.sh": "feed.sh",
-               "usr/lib/crust/luks2-shape.jq": "luks2-shape.jq"}
+               "usr/lib/crust/luks2-shape.jq": "luks2-shape.jq", "usr/lib/crust/warm.json": "warm.json"}
 TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
 HOST_CONFIG = ("/etc/mke2fs.conf",)
 
