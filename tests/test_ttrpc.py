@@ -538,3 +538,19 @@ async def test_the_listen_backlog_is_the_systems_somaxconn(tmp_path):
     finally:
         for server in servers:
             await server.close()
+
+
+def test_the_shim_start_bench_times_start_for_a_running_pod_and_leaves_nothing(tmp_path):
+    """bench/shim_start.py: each round's `start` answers the address of the
+    pod shim the bench made to listen (no daemon is started), and the bench
+    removes that socket with its bundle."""
+    from bench import shim_start
+    from tests.cri_harness import processes_naming
+
+    out = tmp_path / "start.json"
+    assert shim_start.main(["--rounds", "2", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    (timed,) = results.values()
+    assert timed["wall_ms"]["n"] == 2 and timed["cpu_ms"]["n"] == 2 and 0 < timed["wall_ms"]["median"] < 10_000
+    assert not list(Path(tempfile.gettempdir()).glob("crust-shim-start-*"))
+    assert not processes_naming(shim_start.POD)
