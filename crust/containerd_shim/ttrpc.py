@@ -411,6 +411,3 @@ class Client:
             await self._writer.wait_closed()
         except (ConnectionError, OSError):
             pass
-
-
-

@@ -6,9 +6,11 @@ keeps `size` VMs booted, each in a directory of its own below the pool's
 (`<state>/pool/crust-pool-<id>/`), laid out as a pod's: its two shared
 directories (crust.kata.share), still empty, each served by its virtiofsd
 and mounted by the guest, the pod's /dev/shm tmpfs made in the guest, one
-throwaway container run by crun (the agent's warm: under emulation the
-first container start of a guest costs about 0.1 s more than the next, the
-code it runs translated once), and no NIC. A pod that takes one (take()):
+throwaway container run by crun (the agent's warm) and a small disk of the
+pool's own plugged, mounted, unmounted and unplugged (under emulation a
+guest's first container start and first disk each cost about 0.1 s more
+than the next, the code they run translated once), and no NIC. A pod that
+takes one (take()):
 
 - renames the VM's directory to its own: its shares come along (their
   mounts move with the directory, each virtiofsd serves the same tree, now
@@ -190,7 +192,6 @@ class VmPool:
                                                       round(time.monotonic() - started, 2),
                                                       "warm_s": round(warm_s, 2)}})
         return vm
-
 
     async def _warm_disk(self, vm: Vm) -> None:
         """A small disk of crust's own hot-plugged read-only, mounted by the
