@@ -100,15 +100,9 @@ def is_qemu_under(pid: int, *dirs: Path) -> bool:
 # - pci=lastbus=0: every device the VM gets (disks hot-plugged included) is
 #   on the machine's one PCI bus, so no other bus is scanned.
 # Kata's QEMU guests boot with these among their defaults (and with
-# tsc=reliable and no_timer_check, which saved nothing here). And:
-# - acpi=noirq: a PCI device's legacy interrupt is routed by the firmware's
-#   PIRQ table, not by ACPI's interrupt link methods. The kernel evaluates
-#   those (_PRS, _SRS, _CRS of a LNKx) when a hot-plugged device is enabled:
-#   0.10 to 0.12 s of AML per disk under software emulation, the most of a
-#   hot-plug here (a disk plugged and mounted 234 -> 182 ms cold, 188 -> 59
-#   warm). Hot-plug itself stays ACPI's; virtio's queues use MSI-X anyway.
+# tsc=reliable and no_timer_check, which saved nothing here).
 GUEST_CMDLINE = ("console=ttyS0 quiet panic=-1 cryptomgr.notests i8042.direct=1 i8042.dumbkbd=1 i8042.nopnp=1 "
-                 "i8042.noaux=1 noreplace-smp rcupdate.rcu_expedited=1 pci=lastbus=0 acpi=noirq")
+                 "i8042.noaux=1 noreplace-smp rcupdate.rcu_expedited=1 pci=lastbus=0")
 
 
 @dataclass
