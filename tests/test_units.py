@@ -1564,3 +1564,16 @@ def test_shim_reads_the_runtime_options_as_protobuf_does(tmp_path):
     # Options of another type, or none: the environment's endpoint, then the default.
     other = any_pb2.Any(type_url="other.Options", value=inner).SerializeToString()
     assert handler_endpoint(other) == handler_endpoint(b"") == handler_endpoint(b"\x12\x05ab")
+
+
+def test_every_file_the_guest_image_takes_is_packaged():
+    """The image builder reads its guest files from the installed package
+    (`crust kata image` in the container image): each must match the
+    package data pyproject.toml declares."""
+    import fnmatch
+    import tomllib
+
+    patterns = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())[
+        "tool"]["setuptools"]["package-data"]["crust.kata"]
+    for name in kata_image.GUEST_FILES.values():
+        assert any(fnmatch.fnmatch(f"guest/{name}", p) for p in patterns), (name, patterns)
