@@ -290,7 +290,7 @@ def test_a_restarted_handler_and_a_killed_shim(root):
     and exit code still arrive. Then the pod's shim is SIGKILLed: containerd
     cleans up with `containerd-shim-crust-v2 delete`, which stops the pod in
     the handler: the container is reported exited, the VM stops, the claim
-    goes."""
+    goes, and so does the dead shim's socket."""
     with cri_microvm_node(root) as node:
         pv = node.pv("pv-m-restart", "ext4", size=128 * 1024**2)
         script = "echo up; while [ ! -e /data/stop ]; do sleep 1; done; echo bye; exit 9"
@@ -321,11 +321,16 @@ def test_a_restarted_handler_and_a_killed_shim(root):
         wait_until(lambda: "up" in _log(app), timeout=180, what="the second pod's container to run")
         assert {(c[0], c[2]) for c in node.claims()} == {(target, sandbox_id)}
         (shim,) = shim_pids(node.containerd)
+        argv = Path(f"/proc/{shim}/cmdline").read_bytes().decode().split("\0")
+        socket_path = Path(argv[argv.index("-socket") + 1])
+        assert socket_path.is_socket()
         os.kill(shim, signal.SIGKILL)
         status = wait_until(lambda: (s := node.runtime.container_status(app.id)).state == cri.CONTAINER_EXITED and s,
                             timeout=60, what="CRI to report the container exited")
         assert status.exit_code != 0
         wait_until(lambda: node.claims() == set(), timeout=120, what="the claim's release by the shim's delete")
+        # The dead shim's socket goes with the shim's delete too.
+        wait_until(lambda: not socket_path.exists(), timeout=60, what="the killed shim's socket to be removed")
         wait_until(lambda: qemu_pids_under(root.path) == [], timeout=120, what="the VM to stop")
         node.runtime.kill_pod(second)
         node.runtime.remove_pod(second)

@@ -554,3 +554,38 @@ def test_the_shim_start_bench_times_start_for_a_running_pod_and_leaves_nothing(t
     assert timed["wall_ms"]["n"] == 2 and timed["cpu_ms"]["n"] == 2 and 0 < timed["wall_ms"]["median"] < 10_000
     assert not list(Path(tempfile.gettempdir()).glob("crust-shim-start-*"))
     assert not processes_naming(shim_start.POD)
+
+
+def test_a_dead_shims_socket_is_removed_and_nothing_else(tmp_path):
+    """`delete`'s clean-up of a killed shim's socket (the bundle's address):
+    removed when nobody accepts on it; kept when a shim answers there, and
+    never outside containerd's socket directory."""
+    from crust.containerd_shim.main import SOCKET_DIR, remove_dead_socket
+
+    SOCKET_DIR.mkdir(parents=True, exist_ok=True)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    ours = SOCKET_DIR / f"crust-test-{os.getpid()}-{time.monotonic_ns()}"
+    outside = tmp_path / "elsewhere.sock"
+    listeners = []
+    try:
+        for path in (ours, outside):
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(path))
+            listener.listen(4)
+            listeners.append(listener)
+        (bundle / "address").write_text(f"unix://{ours}")
+        assert not remove_dead_socket(bundle) and ours.is_socket()     # a shim answers there
+        (bundle / "address").write_text(f"unix://{outside}")
+        listeners.pop().close()
+        assert not remove_dead_socket(bundle) and outside.is_socket()  # not containerd's directory
+        (bundle / "address").write_text(f"unix://{ours}")
+        listeners.pop().close()
+        assert remove_dead_socket(bundle) and not ours.exists()
+        assert not remove_dead_socket(bundle)                           # gone already
+        (bundle / "address").unlink()
+        assert not remove_dead_socket(bundle)                           # no address at all
+    finally:
+        for listener in listeners:
+            listener.close()
+        ours.unlink(missing_ok=True)

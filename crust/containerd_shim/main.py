@@ -11,7 +11,8 @@ containerd runs it with its working directory in the container's bundle:
   containerd-shim-crust-v2 -namespace NS -address SOCK -id ID -bundle DIR delete
       cleans up after a shim that died: the container (or the pod) is
       deleted in the handler (at the endpoint `start` recorded in the
-      bundle), the root file system unmounted; prints a DeleteResponse.
+      bundle), the root file system unmounted, the dead shim's socket
+      removed; prints a DeleteResponse.
 
 Settings:
   the handler's socket: `handler_endpoint` in the TOML file named by the
@@ -238,12 +239,44 @@ def delete(args: argparse.Namespace) -> int:
         sysmount.unmount_all(str(bundle / "rootfs"))
     except OSError as exc:
         print(f"crust shim delete {args.id}: {exc}", file=sys.stderr)
+    try:
+        remove_dead_socket(bundle)
+    except OSError as exc:
+        print(f"crust shim delete {args.id}: the dead shim's socket: {exc}", file=sys.stderr)
     stamp = timestamp_pb2.Timestamp()
     stamp.FromNanoseconds(time.time_ns())
     sys.stdout.buffer.write(task_pb.DeleteResponse(exit_status=128 + signal.SIGKILL, exited_at=stamp)
                             .SerializeToString())
     sys.stdout.flush()
     return 0
+
+
+def remove_dead_socket(bundle: Path) -> bool:
+    """The socket of the bundle's pod shim (its `address`) removed once
+    nobody accepts on it: a shim that was killed leaves it in containerd's
+    socket directory. Only a socket of that directory, checked and removed
+    under the lock `start` binds under, so a shim that starts meanwhile for
+    the same pod keeps its own. Returns whether one was removed."""
+    from crust.sys.sockets import socket_alive
+
+    try:
+        address = (bundle / "address").read_text().strip()
+    except OSError:
+        return False
+    if not address.startswith("unix://"):
+        return False
+    path = Path(address[len("unix://"):])
+    if path.parent != SOCKET_DIR or not path.is_socket():
+        return False
+    lock = os.open(SOCKET_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if socket_alive(str(path)):
+            return False
+        path.unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(lock)
 
 
 # -- serve (the daemon) -----------------------------------------------------------------
@@ -276,10 +309,10 @@ def serve(args: argparse.Namespace) -> int:
 
     give_back_large_buffers()  # a 4 MiB request's buffers leave the RSS when freed (crust.sys.memory)
     raise_soft_limit()  # a descriptor per connection (crust.sys.openfiles)
+    from crust.api import containerd_task_pb2
     from crust.containerd_shim.events import Publisher
     from crust.containerd_shim.task import TaskService
     from crust.containerd_shim.ttrpc import Server
-    from crust.api import containerd_task_pb2
 
     listen_fd = int(os.environ.pop("CRUST_SHIM_LISTEN_FD", "-1"))
 
