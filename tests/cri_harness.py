@@ -77,6 +77,28 @@ def processes_naming(text: str) -> list[str]:
     return found
 
 
+@contextlib.contextmanager
+def shims_killed_here(containerd: Containerd) -> Iterator[None]:
+    """Around a test's SIGKILL of this containerd's shims: containerd's runc
+    shim leaves its socket in containerd's socket directory when killed (its
+    delete does not remove it), so the sockets the bundles name now are
+    removed afterwards if nobody answers on them any more."""
+    from crust.sys.sockets import socket_alive
+
+    sockets = set()
+    for bundle in containerd._bundles():
+        try:
+            sockets.add(Path((bundle / "address").read_text().strip().removeprefix("unix://")))
+        except OSError:
+            continue
+    try:
+        yield
+    finally:
+        for path in sockets:
+            if path.parent == SHIM_SOCKETS / "s" and path.is_socket() and not socket_alive(str(path)):
+                path.unlink(missing_ok=True)
+
+
 def shim_pids(containerd: Containerd) -> list[int]:
     """The shims (runc's, crust's) serving this containerd."""
     ours = str(containerd.socket).encode()

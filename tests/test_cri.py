@@ -29,7 +29,7 @@ from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, VolumeMount
 from crust.kubelet import image as images
 from crust.kubelet.cri import KubeletRuntime, SyncError
 from tests.cri_harness import (OCI_RUNTIME, PYTHON_OCI_RUNTIME, cri_node, host_network_pod, leftovers_of,
-                               private_containerd, processes_naming, shim_pids)
+                               private_containerd, processes_naming, shim_pids, shims_killed_here)
 from tests.test_handler import make_env, wait_until  # noqa: F401 - make_env is a fixture
 
 
@@ -397,16 +397,17 @@ def test_a_killed_runtime_process_is_reported_exited_and_its_claim_released(root
         assert {c[2] for c in node.claims()} == {sandbox}
         shims = [pid for pid in shim_pids(node.containerd) if sandbox.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(shims) == 1
-        os.kill(shims[0], signal.SIGKILL)
-        status = wait_until(lambda: (s := node.container(pod)).state == cri.CONTAINER_EXITED and s,
-                            timeout=30, what="containerd to report the container exited")
-        assert status.exit_code != 0
-        wait_until(lambda: node.claims() == set(), timeout=30, what="the claim's release")
-        entry = node.entry(pod, pv)
-        assert node.host_mounts_of(entry) == []
-        node.runtime.kill_pod(pod)
-        node.runtime.remove_pod(pod)
-        node.kubelet.stop_pod(pv, pod)
+        with shims_killed_here(node.containerd):
+            os.kill(shims[0], signal.SIGKILL)
+            status = wait_until(lambda: (s := node.container(pod)).state == cri.CONTAINER_EXITED and s,
+                                timeout=30, what="containerd to report the container exited")
+            assert status.exit_code != 0
+            wait_until(lambda: node.claims() == set(), timeout=30, what="the claim's release")
+            entry = node.entry(pod, pv)
+            assert node.host_mounts_of(entry) == []
+            node.runtime.kill_pod(pod)
+            node.runtime.remove_pod(pod)
+            node.kubelet.stop_pod(pv, pod)
 
         # No delete comes at all: containerd and the shim are killed, then the
         # container's process dies. The handler's reaper releases the claim
@@ -414,17 +415,18 @@ def test_a_killed_runtime_process_is_reported_exited_and_its_claim_released(root
         pv2 = node.pv("pv-orphan", "ext4", size=128 * 1024**2)
         orphan, orphan_container = _running_pod(node, pv2, "orphan")
         (held,) = node.handler_containers()
-        node.containerd.stop(signal.SIGKILL)
-        for pid in shim_pids(node.containerd):
-            os.kill(pid, signal.SIGKILL)
-        assert len(node.claims()) == 1, "a container still running keeps its claim"
-        os.kill(held.pid, signal.SIGKILL)
-        wait_until(lambda: node.claims() == set(), timeout=30, what="the reaper's release")
-        assert node.handler_containers() == []
-        node.containerd.start()
-        node.runtime.kill_pod(orphan)
-        node.runtime.remove_pod(orphan)
-        node.kubelet.stop_pod(pv2, orphan)
+        with shims_killed_here(node.containerd):
+            node.containerd.stop(signal.SIGKILL)
+            for pid in shim_pids(node.containerd):
+                os.kill(pid, signal.SIGKILL)
+            assert len(node.claims()) == 1, "a container still running keeps its claim"
+            os.kill(held.pid, signal.SIGKILL)
+            wait_until(lambda: node.claims() == set(), timeout=30, what="the reaper's release")
+            assert node.handler_containers() == []
+            node.containerd.start()
+            node.runtime.kill_pod(orphan)
+            node.runtime.remove_pod(orphan)
+            node.kubelet.stop_pod(pv2, orphan)
 
 
 def test_create_fails_clearly_for_a_deferred_target_without_a_usable_entry(root):
