@@ -85,17 +85,12 @@ def shims_killed_here(containerd: Containerd) -> Iterator[None]:
     removed afterwards if nobody answers on them any more."""
     from crust.sys.sockets import socket_alive
 
-    sockets = set()
-    for bundle in containerd._bundles():
-        try:
-            sockets.add(Path((bundle / "address").read_text().strip().removeprefix("unix://")))
-        except OSError:
-            continue
+    sockets = containerd.shim_sockets()
     try:
         yield
     finally:
         for path in sockets:
-            if path.parent == SHIM_SOCKETS / "s" and path.is_socket() and not socket_alive(str(path)):
+            if path.is_socket() and not socket_alive(str(path)):
                 path.unlink(missing_ok=True)
 
 

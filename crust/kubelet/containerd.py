@@ -447,16 +447,23 @@ class Containerd:
             if entry.name.isdigit() and shim_of_ours(int(entry.name)):
                 if proc.signal_if(int(entry.name), lambda pid=int(entry.name): shim_of_ours(pid)):
                     killed.append(f"shim pid {entry.name}")
+        for socket_path in self.shim_sockets():
+            socket_path.unlink(missing_ok=True)
+            killed.append(f"shim socket {socket_path.name[:12]}")
+        return killed
+
+    def shim_sockets(self) -> set[Path]:
+        """The shims' sockets the bundles of our state directory name (their
+        `address`), those in containerd's socket directory only."""
+        found = set()
         for bundle in self._bundles():
             try:
-                address = (bundle / "address").read_text().strip().removeprefix("unix://")
+                socket_path = Path((bundle / "address").read_text().strip().removeprefix("unix://"))
             except OSError:
                 continue
-            socket_path = Path(address)
             if socket_path.parent == SHIM_SOCKETS / "s" and socket_path.is_socket():
-                socket_path.unlink(missing_ok=True)
-                killed.append(f"shim socket {socket_path.name[:12]}")
-        return killed
+                found.add(socket_path)
+        return found
 
     def _delete_containers(self) -> list[str]:
         """Containers left in our runc root, any namespace (a shim died
