@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         "kata",
         help="the microVM runtime handler: guest image and handler daemon",
         description="A runtime handler whose sandboxes are QEMU microVMs: deferred volumes are hot-plugged "
-                    "as virtio-blk and mounted, measured and grown by the guest kernel.",
+                    "as virtio-blk disks (or virtio-scsi LUNs) and mounted, measured and grown by the guest kernel.",
     )
     kt_sub = kt.add_subparsers(dest="kata_command", metavar="COMMAND")
     kt_sub.required = True
@@ -230,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     kt_h.add_argument("--vm-pool", type=int, default=0, metavar="N",
                       help="keep N VMs booted ahead of their pods: a pod takes one instead of waiting for a boot, "
                            "and the pool boots another in the background; a VM serves one pod, once (default: 0)")
+    kt_h.add_argument("--disk-bus", default="virtio-blk", choices=["virtio-blk", "virtio-scsi"],
+                      help="how volumes reach the guest. virtio-blk (default): a PCI device hot-plugged per volume; "
+                           "virtio-scsi: one controller booted with the VM, each volume a LUN on it (no PCI "
+                           "hot-plug: about 0.13 s less per volume under software emulation). A VM keeps the bus "
+                           "it booted with, a restarted handler's setting notwithstanding")
     kt_h.add_argument("--cache", type=Path, default=Path("/var/cache/crust/kata"), help="guest image cache")
     kt_h.add_argument("--kata-dir", type=Path, default=Path("/run/kata-containers/shared/direct-volumes"),
                       help="Kata's direct-volume directory, where a Kata-style CSI driver describes volumes "
@@ -469,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                       HandlerConfig(name=args.name, endpoint=args.endpoint, proxy_endpoint=args.proxy_endpoint,
                                     volumes_dir=args.volumes_dir.absolute(), state_dir=args.state_dir.absolute()),
                       cache=args.cache, accel=args.accel, memory_mib=args.memory, kata_dir=args.kata_dir.absolute(),
-                      vm_pool=args.vm_pool)
+                      vm_pool=args.vm_pool, disk_bus=args.disk_bus)
     if args.command == "demo":
         from crust.demo import run_demo
 

@@ -20,12 +20,12 @@ class Guest:
     hot-plugged from image files, requests to its agent; the VM stopped and
     the loop devices detached on leaving the context."""
 
-    def __init__(self, base: Path, name: str = "guest"):
+    def __init__(self, base: Path, name: str = "guest", disk_bus: str = "virtio-blk"):
         self.base = base
         self.loops: dict[str, str] = {}   # serial -> loop device
         cache = Path(os.environ.get("CRUST_TEST_KATA_CACHE") or DEFAULT_CACHE)
         image = build(cache)
-        self.vm = Vm(name, base / "vm", VmConfig(kernel=image.kernel, initrd=image.initrd))
+        self.vm = Vm(name, base / "vm", VmConfig(kernel=image.kernel, initrd=image.initrd, disk_bus=disk_bus))
         self.runs = 0
 
     async def __aenter__(self) -> Guest:
@@ -75,3 +75,10 @@ def guest(root, coro_fn, kind: type[Guest] | None = None):
         async with (kind or Guest)(root.path) as g:
             return await coro_fn(g)
     return asyncio.run(main())
+
+
+class ScsiGuest(Guest):
+    """A Guest whose disks are LUNs of a virtio-scsi controller."""
+
+    def __init__(self, base: Path, name: str = "guest"):
+        super().__init__(base, name, disk_bus="virtio-scsi")

@@ -290,11 +290,20 @@ def kenv(root):
     yield from kata_env(root)
 
 
+@pytest.fixture(params=["virtio-blk", "virtio-scsi"])
+def kenv_bus(root, request):
+    """kenv, its handler's volumes on each disk bus in turn (a LUN's
+    growth is read by a rescan in the guest, a virtio disk's by QEMU's
+    signal)."""
+    yield from kata_env(root, handler_extra=["--disk-bus", request.param])
+
+
 def guest_script(*steps: str) -> str:
     return " && ".join(steps)
 
 
-def test_an_encrypted_volume_is_opened_formatted_grown_and_restored_in_the_guest_only(kenv):
+def test_an_encrypted_volume_is_opened_formatted_grown_and_restored_in_the_guest_only(kenv_bus):
+    kenv = kenv_bus
     enc = Encrypted(kenv)
     v = enc.create("pv-luks")
     enc.publish(v)

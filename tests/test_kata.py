@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import os
 import signal
 import stat
@@ -40,12 +41,12 @@ from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.kata import accel as kata_accel
 from crust.kata import bzimage
 from crust.kata import image as kata_image
-from crust.kata.agent import AGENT_WARM, AgentRefused, ProcessLook
+from crust.kata.agent import AGENT_WARM, AgentRefused, ProcessLook, b64
 from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
 from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.guest_vm import Guest, guest
+from tests.guest_vm import Guest, ScsiGuest, guest
 from tests.harness import MIB
 from tests.test_handler import Env, namespaces_mounting, wait_until
 
@@ -168,6 +169,30 @@ def kenv_short_lease(root):
     yield from kata_env(root, proxy_extra=["--lease-seconds", "3"])
 
 
+DISK_BUSES = ["virtio-blk", "virtio-scsi"]
+
+
+@pytest.fixture(params=DISK_BUSES)
+def kenv_bus(root, request):
+    """kenv, its handler's volumes on each disk bus in turn."""
+    yield from kata_env(root, handler_extra=["--disk-bus", request.param])
+
+
+@pytest.fixture(params=DISK_BUSES)
+def kenv_bus_short_lease(root, request):
+    yield from kata_env(root, proxy_extra=["--lease-seconds", "3"], handler_extra=["--disk-bus", request.param])
+
+
+# A container's script line that prints what /data is a mount of.
+PRINT_DATA_SOURCE = "echo DATA-FROM $(grep ' /data ' /proc/mounts)"
+
+
+def data_source(console: str) -> str:
+    """The device PRINT_DATA_SOURCE printed (its line on the console)."""
+    found = re.search(r"DATA-FROM (\S+) /data ", console)
+    return found.group(1) if found else ""
+
+
 # -- the demo --------------------------------------------------------------------------------
 
 
@@ -203,7 +228,9 @@ def test_kata_demo_runs_every_step_and_leaves_nothing(root, fs):
 # -- the handler, step by step -----------------------------------------------------------------
 
 
-def test_the_guest_mounts_measures_and_grows_and_the_host_never_mounts(kenv):
+def test_the_guest_mounts_measures_and_grows_and_the_host_never_mounts(kenv_bus):
+    kenv = kenv_bus
+    bus = kenv.handler.extra[kenv.handler.extra.index("--disk-bus") + 1]
     v = kenv.create("pv-k1", "ext4")
     # A host publish lays the volume out: a subpath and a symlink out of it.
     kenv.publish_on_host(v)
@@ -214,7 +241,8 @@ def test_the_guest_mounts_measures_and_grows_and_the_host_never_mounts(kenv):
     kenv.publish_deferred(v)
 
     script = ("echo written-in-the-guest > /data/hello && cat /sub/inner > /sub/copy && ls /sub > /data/ls && "
-              "sync && " + DF_SCRIPT.format(path="/data") + " && echo WRITTEN && exec sleep 600")
+              "sync && " + DF_SCRIPT.format(path="/data") + f" && {PRINT_DATA_SOURCE} && echo WRITTEN && "
+              "exec sleep 600")
     bundle = kenv.bundle("k1", script, [("/data", str(v.target)), ("/sub", f"{v.target}/sub/dir")])
     info = kenv.run_ok(bundle, "sb-k1")
     (volume,) = info["volumes"]
@@ -224,6 +252,8 @@ def test_the_guest_mounts_measures_and_grows_and_the_host_never_mounts(kenv):
     assert holds_device(qemu, v.majmin), "QEMU does not hold the volume's device"
     console = kenv.wait_console("sb-k1", "WRITTEN")
     assert anyone_mounts(v.majmin) == [], "a host process has the guest's file system mounted"
+    # The volume reached the guest on the handler's bus.
+    assert data_source(console) == ("/dev/vda" if bus == "virtio-blk" else "/dev/sda"), console
 
     # Stats come from the guest and equal its df.
     first = kenv.stats(v)
@@ -307,8 +337,9 @@ def test_errors_and_a_read_only_remount_in_the_guest_make_the_volume_abnormal(ke
     kenv.unpublish(x)
 
 
-def test_a_vm_survives_a_handler_restart_and_is_taken_over(kenv_short_lease):
-    kenv = kenv_short_lease
+def test_a_vm_survives_a_handler_restart_and_is_taken_over(kenv_bus_short_lease):
+    kenv = kenv_bus_short_lease
+    bus = kenv.handler.extra[kenv.handler.extra.index("--disk-bus") + 1]
     v = kenv.volume("pv-k5", "xfs")
     script = "echo before > /data/a && sync && echo WRITTEN && exec sleep 600"
     info = kenv.run_ok(kenv.bundle("k5", script, [("/data", str(v.target))]), "sb-k5")
@@ -323,6 +354,9 @@ def test_a_vm_survives_a_handler_restart_and_is_taken_over(kenv_short_lease):
     assert "proxy" not in down.value.details().split("handler")[0], down.value.details()
     wait_until(lambda: kenv.handlers()["kata"].lease_expired, timeout=15, what="the lease to expire")
     assert info["pid"] in qemu_pids_under(kenv.handler.state_dir)  # the VM runs on without its handler
+    # The new handler is set to the other disk bus: the VM keeps its own.
+    other = DISK_BUSES[1 - DISK_BUSES.index(bus)]
+    kenv.handler.extra[kenv.handler.extra.index("--disk-bus") + 1] = other
     kenv.handler.start(timeout=120)
     listed = kenv.sandboxes()
     assert list(listed) == ["sb-k5"] and listed["sb-k5"]["pid"] == info["pid"]
@@ -920,3 +954,62 @@ def test_a_waiting_vm_plugs_mounts_and_unplugs_a_disk_of_its_own_once(root):
     guest(root, run)
     assert subprocess.run(["blkid", "-o", "value", "-s", "TYPE", str(image)], capture_output=True, text=True,
                           check=True).stdout.strip() == "ext4"
+
+
+def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_its_bus(root):
+    """On the virtio-scsi bus each disk is the next LUN (one just unplugged
+    is not announced again), the agent finds each by its serial, whatever
+    its LUN; a VM taken over by a process set to virtio-blk keeps its disks
+    on the controller (their LUNs read back from QEMU) and plugs its next
+    disk there too, past the LUNs in use."""
+    images = []
+    for name in "abcd":
+        image = root.path / f"{name}.img"
+        with open(image, "wb") as f:
+            f.truncate(16 * MIB)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-L", f"disk-{name}", str(image)], check=True)
+        images.append(image)
+
+    async def where(g, serial: str, target: str) -> tuple[int, str]:
+        """(LUN, label) of the disk the agent mounted at target."""
+        answer = await g.request("mount", serial, "ext4", b64(""), "ro", target)
+        assert answer.startswith("ok device=sd"), answer
+        device = answer.split("device=")[1].split()[0]
+        code, out = await g.sh(f"readlink /sys/block/{device}/device; cat /sys/block/{device}/ro; "
+                               f"blkid -s LABEL -o value /dev/{device}")
+        address, ro, label = out.split()
+        assert code == 0 and ro == "0", out     # read-only is the mount's, not the disk's
+        assert await g.request("umount", target) == "ok unmounted=1"
+        return int(address.rsplit(":", 1)[1]), label
+
+    async def run(g):
+        for serial, image in zip(("lun-a", "lun-b"), images):
+            await g.attach(image, serial)
+        assert [(d.lun, d.device_id) for d in g.vm.disks.values()] == [(0, "vscsi-lun-a"), (1, "vscsi-lun-b")]
+        assert await where(g, "lun-b", "/run/b") == (1, "disk-b")
+        assert await where(g, "lun-a", "/run/a") == (0, "disk-a")
+        await g.vm.detach_disk("lun-a")
+        await g.attach(images[2], "lun-c")
+        assert g.vm.disks["lun-c"].lun == 2
+        assert await where(g, "lun-c", "/run/c") == (2, "disk-c")
+        refused = await g.request("mount", "lun-a", "ext4", b64(""), "ro", "/run/a")
+        assert refused.startswith("err no virtio disk with serial lun-a"), refused
+
+        # A new process takes the VM over, set to the other bus.
+        identity = g.vm.identity
+        await g.vm.agent.close()
+        await g.vm.qmp.close()
+        config = VmConfig(kernel=g.vm.config.kernel, initrd=g.vm.config.initrd)
+        taken = Vm(g.vm.name, g.vm.workdir, config, socket_dir=g.vm.socket_dir)
+        await taken.adopt(identity, [(g.loops["lun-b"], "lun-b"), (g.loops["lun-c"], "lun-c")])
+        g.vm = taken   # stopped by the guest's teardown
+        assert taken.config.disk_bus == "virtio-scsi" and config.disk_bus == "virtio-blk"
+        assert {s: (d.lun, d.device_id) for s, d in taken.disks.items()} == {
+            "lun-b": (1, "vscsi-lun-b"), "lun-c": (2, "vscsi-lun-c")}
+        await g.attach(images[3], "lun-d")
+        assert taken.disks["lun-d"].lun == 3
+        assert await where(g, "lun-d", "/run/d") == (3, "disk-d")
+        await taken.detach_disk("lun-b")
+        code, out = await g.sh("sleep 1; ls /sys/class/scsi_disk")
+        assert [address.rsplit(":", 1)[1] for address in out.split()] == ["2", "3"], out   # lun-b gone
+    guest(root, run, ScsiGuest)

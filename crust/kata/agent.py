@@ -39,6 +39,7 @@ LINE_LIMIT = 1024 * 1024
 SHM_TMPFS = ".shm"   # the pod's /dev/shm, a pod_tmpfs (a name no emptyDir can have)
 AGENT_REACH = 11     # the first agent with reach and a cstarted that waits in the guest
 AGENT_WARM = 12      # the first agent with warm (a throwaway container through crun)
+AGENT_SCSI = 13      # the first agent that finds (and rescans) disks on a virtio-scsi controller
 _WORD = re.compile(r"^[A-Za-z0-9_.,=:/+@-]+$")
 # A path the agent takes as it is (its check_path's characters), not in base64.
 _PLAIN_PATH = re.compile(r"^/[A-Za-z0-9/_.@:+,=-]*$")

@@ -83,7 +83,10 @@ FS_MODULES = {"ext4": ("ext4",), "xfs": ("xfs",),
               "integrity": ("dm_integrity", "authenc"),
               # A pod's shared directory (agent's sharemount): FUSE and its
               # virtio transport.
-              "virtiofs": ("fuse", "virtiofs")}
+              "virtiofs": ("fuse", "virtiofs"),
+              # Disks as LUNs of a virtio-scsi controller (VmConfig.disk_bus):
+              # loaded by /init at boot when the command line asks for them.
+              "scsi": ("virtio_scsi", "sd_mod")}
 # Modules the guest's kernel loads by itself when a container asks for what
 # they provide (request_module -> busybox modprobe, which reads the image's
 # modules.dep): the bridge a privileged container or one with NET_ADMIN

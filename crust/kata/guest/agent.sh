@@ -21,13 +21,13 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=12
+AGENT_VERSION=13
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 DEVICE_WAIT_SECONDS=10   # a hot-plugged NIC or shared directory
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin
 # Requests and /proc/mounts lines are split into words on purpose, never
-# globbed; the one glob (/sys/block/vd*) turns it back on locally.
+# globbed; the one glob (the disks in /sys/block) turns it back on locally.
 set -f
 
 # shellcheck disable=SC1091
@@ -94,16 +94,21 @@ mount_line() {  # target -> its (last) line of /proc/mounts, or nothing
   awk -v t="$1" '$2 == t { l = $0 } END { if (l != "") print l }' /proc/mounts
 }
 
-find_disk() {  # serial -> vdX, waiting for a device that is still being hot-plugged
+find_disk() {  # serial -> vdX or sdX, waiting for a device that is still being hot-plugged
   tries=$((DISK_WAIT_SECONDS * 20))
   set +f   # runs in a subshell: the main loop keeps set -f
   while :; do
-    for d in /sys/block/vd*; do
-      # read, a builtin: each round forks nothing while the disk is probed
-      # (the serial has no newline: read says end of file, having read it).
+    for d in /sys/block/vd* /sys/block/sd*; do
       found=
-      read -r found 2>/dev/null < "$d/serial"
-      if [ "$found" = "$1" ] && [ -b "/dev/${d##*/}" ]; then
+      case ${d##*/} in
+        # read, a builtin: each round forks nothing while the disk is probed
+        # (the serial has no newline: read says end of file, having read it).
+        vd*) read -r found 2>/dev/null < "$d/serial" ;;
+        # A SCSI disk's serial is its VPD page 0x80 (agent 13): four bytes
+        # of header, then the serial QEMU was given.
+        sd*) [ -r "$d/device/vpd_pg80" ] && found=$(tail -c +5 "$d/device/vpd_pg80" 2>/dev/null) ;;
+      esac
+      if [ -n "$found" ] && [ "$found" = "$1" ] && [ -b "/dev/${d##*/}" ]; then
         echo "${d##*/}"
         return 0
       fi
@@ -111,6 +116,21 @@ find_disk() {  # serial -> vdX, waiting for a device that is still being hot-plu
     tries=$((tries - 1))
     [ "$tries" -gt 0 ] || return 1
     usleep 50000   # a hot-plugged disk is probed within about 0.1 s here
+  done
+}
+
+rescan_disk() {  # sdX: read a SCSI disk's capacity again, now (agent 13)
+  # QEMU announces a grown LUN with an event that the kernel handles in
+  # the background; a grow must not race it. A virtio disk's new size is
+  # read when QEMU signals it, and it has no rescan file.
+  [ -w "/sys/block/$1/device/rescan" ] || return 0
+  echo 1 > "/sys/block/$1/device/rescan" || fail "rescan of $1 failed"
+}
+
+disk_under() {  # /dev/dm-N -> the disk it maps (its one slave), or nothing
+  set +f
+  for s in "/sys/block/${1#/dev/}/slaves/"*; do
+    [ -e "$s" ] && echo "${s##*/}"
   done
 }
 
@@ -216,6 +236,7 @@ cmd_grow() {  # target: grow the mounted file system to its (grown) device
   target=$1
   set -- $line
   set -- "$(kernel_dev "$1")" "$2" "$3"
+  case $1 in /dev/sd*) rescan_disk "${1#/dev/}" ;; esac
   case $3 in
     xfs) xfs_growfs "$target" >&2 || fail "xfs_growfs $target failed" ;;
     ext2|ext3|ext4) resize2fs "$1" >&2 || fail "resize2fs $1 failed" ;;
@@ -1156,6 +1177,9 @@ cmd_luksresize() {  # target: grow the opened LUKS2 volume mounted there to its 
   name=${1#/dev/mapper/}
   cryptsetup status "$name" | grep -q '^ *integrity:' &&
     fail "$name is integrity-protected: cryptsetup resizes no dm-integrity device, the volume cannot grow"
+  for disk in $(disk_under "$(kernel_dev "$1")"); do
+    case $disk in sd*) rescan_disk "$disk" ;; esac
+  done
   # The checked copy, never the disk's header (which the disk's owner may have rewritten since).
   cryptsetup resize --header "$RUN/luks/$name.header" "$name" >&2 || fail "cryptsetup resize $name failed"
   echo "resized=1 devsize=$(($(cat "$(dm_sysfs "$1")/size") * 512))"
