@@ -30,7 +30,11 @@ start to its exit. And a pooled VM's memory while it waits (its QEMU's
 RSS and PSS, the guest's RAM a shared memfd).
 
     .venv/bin/python bench/pod_start_microvm.py [--rounds 5] [--pools 0,1] [--floor-boots 5] [--fs ext4]
-        [--mib 128] [--agent-times] [--keep-log DIR] [--json OUT.json]
+        [--mib 128] [--disk-buses virtio-blk] [--agent-times] [--keep-log DIR] [--json OUT.json]
+
+--disk-buses virtio-blk,virtio-scsi runs each pool setting once per disk
+bus of the handler (--disk-bus): the volume a PCI device hot-plugged for
+the pod, or a LUN of the controller the VM booted with.
 
 --agent-times runs the handler at --log-level debug and adds, per round,
 each guest agent request's round trip summed by the handler RPC it served
@@ -185,13 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fs", default="ext4", choices=["xfs", "ext4"])
     parser.add_argument("--mib", type=int, default=128)
     parser.add_argument("--pools", default="0,1", help="the handler's --vm-pool settings to run, in turn (default: 0,1)")
+    parser.add_argument("--disk-buses", default="virtio-blk",
+                        help="the handler's --disk-bus settings to run, in turn, for each pool setting "
+                             "(default: virtio-blk)")
     parser.add_argument("--floor-boots", type=int, default=5, help="bare boots of the floor (0: none)")
     parser.add_argument("--agent-times", action="store_true",
                         help="the handler at --log-level debug: each guest agent request's time, summed per CRI "
                              "call's handler RPC and command, beside the calls")
     parser.add_argument("--keep-log", metavar="DIR",
-                        help="copy each node's handler and containerd logs here (handler-pool<N>.log, "
-                             "containerd-pool<N>.log), for a timeline of the rounds")
+                        help="copy each node's handler and containerd logs here (handler-pool<N>[-<bus>].log, "
+                             "containerd-pool<N>[-<bus>].log), for a timeline of the rounds")
     parser.add_argument("--json", help="write the results here ('-' for stdout)")
     args = parser.parse_args(argv)
     if benchlib.not_root("bench/pod_start_microvm.py", "loop devices, QEMU, containerd"):
@@ -206,11 +213,16 @@ def main(argv: list[str] | None = None) -> int:
         keys = (["to_first_write_ms"] + [c + "_ms" for c in CALLS] + [f"handler_{c}_ms" for c in HANDLER_CALLS]
                 + ["handler_mount_ahead_ms", "stop_to_vm_gone_ms"])
         columns: dict[str, dict] = {}
-        for pool in [int(p) for p in args.pools.split(",") if p.strip()]:
+        buses = [b.strip() for b in args.disk_buses.split(",") if b.strip()]
+        settings = [(int(p), bus) for p in args.pools.split(",") if p.strip() for bus in buses]
+        for pool, bus in settings:
             roots.append(Root())
             root = roots[-1]
-            with cri_microvm_node(root, vm_pool=pool,
-                                  handler_extra=("--log-level", "debug") if args.agent_times else ()) as node:
+            # The column's name says the bus only when the run compares buses.
+            column = f"pool {pool}" + (f", {bus}" if len(buses) > 1 else "")
+            label = f"pool{pool}" + (f"-{bus}" if len(buses) > 1 else "")
+            extra = ("--disk-bus", bus, *(("--log-level", "debug") if args.agent_times else ()))
+            with cri_microvm_node(root, vm_pool=pool, handler_extra=extra) as node:
                 version = node.runtime.runtime_version
                 results["containerd"] = version.runtime_version if version else ""
                 results["accelerator"] = accelerator(root)
@@ -228,17 +240,17 @@ def main(argv: list[str] | None = None) -> int:
                     one = start_one(node, root, pv, f"microvm-{pool}-{turn}")
                     if turn:  # round 0 warms up
                         samples.append(one)
-                    print(f"pool {pool}, round {turn}/{args.rounds}: {one['to_first_write_ms']:.0f} ms to the "
+                    print(f"{column}, round {turn}/{args.rounds}: {one['to_first_write_ms']:.0f} ms to the "
                           f"first write" + (" (warm-up)" if not turn else ""), file=sys.stderr)
                 node.kubelet.retried(node.kubelet.unmount_device, pv)
                 node.proxy.delete(pv.volume_handle)
                 if args.keep_log:
                     Path(args.keep_log).mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(root.path / "kata.sock.log", Path(args.keep_log) / f"handler-pool{pool}.log")
+                    shutil.copyfile(root.path / "kata.sock.log", Path(args.keep_log) / f"handler-{label}.log")
                     # containerd's, with the shims' lines
-                    shutil.copyfile(node.containerd.log_path, Path(args.keep_log) / f"containerd-pool{pool}.log")
+                    shutil.copyfile(node.containerd.log_path, Path(args.keep_log) / f"containerd-{label}.log")
             agent_keys = sorted({k for s in samples for k in s if k.startswith("agent ")})
-            columns[f"pool {pool}"] = {key: benchlib.summary([s[key] for s in samples if key in s], 1)
+            columns[column] = {key: benchlib.summary([s[key] for s in samples if key in s], 1)
                                        for key in keys + agent_keys}
         accel = results.get("accelerator", "tcg").split()[0]
         if args.floor_boots:
