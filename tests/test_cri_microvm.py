@@ -164,7 +164,8 @@ def _pod(node, name: str, volumes: dict, containers: list[Container]) -> Pod:
                volumes=volumes, restart_policy="Never", termination_grace_period_seconds=2, containers=containers)
 
 
-def test_a_pod_runs_in_the_microvm_through_containerd(root):
+@pytest.mark.parametrize("disk_bus", ["virtio-blk", "virtio-scsi"])
+def test_a_pod_runs_in_the_microvm_through_containerd(root, disk_bus):
     """kubelet -> containerd -> containerd-shim-crust-v2 -> microVM handler ->
     guest: the image's command runs in the guest and writes into a deferred
     ext4 and xfs volume (with the pod's fsGroup), ExecSync's df equals
@@ -172,8 +173,8 @@ def test_a_pod_runs_in_the_microvm_through_containerd(root):
     shares the VM, containerd restarts under the pod, output and exit codes
     reach the container log and ContainerStatus, StopPodSandbox stops the VM
     and releases every claim, and the host's mount table never shows either
-    volume."""
-    with cri_microvm_node(root) as node:
+    volume. On either disk bus of the handler."""
+    with cri_microvm_node(root, handler_extra=("--disk-bus", disk_bus)) as node:
         ext4, xfs = node.pv("pv-m-ext4", "ext4", size=256 * 1024**2), node.pv("pv-m-xfs", "xfs")
         image = node.image.name
         pod = _pod(node, "micro", {"ext4": ext4, "xfs": xfs}, [
@@ -206,6 +207,10 @@ def test_a_pod_runs_in_the_microvm_through_containerd(root):
             # Stats through the Runtime API equal df inside the guest.
             for pv, path in ((ext4, "/ext4"), (xfs, "/xfs")):
                 assert _stats(node, pv, pod) == _df(node, app.id, path), path
+            # Both on the handler's disk bus: virtio disks or SCSI LUNs in the guest.
+            df = node.runtime.exec_sync(app.id, ["/bin/df", "-P", "/ext4", "/xfs"], timeout=60).stdout.decode()
+            kind = "/dev/vd" if disk_bus == "virtio-blk" else "/dev/sd"
+            assert [line.split()[0][:len(kind)] for line in df.splitlines()[1:]] == [kind, kind], df
             # ext4 grows online in the guest while the container runs.
             before = _df(node, app.id, "/ext4")["total"]
             grown = 512 * 1024**2
