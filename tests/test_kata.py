@@ -962,9 +962,11 @@ def test_a_waiting_vm_plugs_mounts_and_unplugs_a_disk_of_its_own_once(root, kind
 def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_its_bus(root):
     """On the virtio-scsi bus each disk is the next LUN (one just unplugged
     is not announced again), the agent finds each by its serial, whatever
-    its LUN; a VM taken over by a process set to virtio-blk keeps its disks
-    on the controller (their LUNs read back from QEMU) and plugs its next
-    disk there too, past the LUNs in use."""
+    its LUN; an unplug returns once the guest removed the disk, so the same
+    serial plugged again at once finds the new one; a VM taken over by a
+    process set to virtio-blk keeps its disks on the controller (their LUNs
+    read back from QEMU) and plugs its next disk there too, past the LUNs
+    in use."""
     images = []
     for name in "abcd":
         image = root.path / f"{name}.img"
@@ -985,6 +987,12 @@ def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_it
         assert await g.request("umount", target) == "ok unmounted=1"
         return int(address.rsplit(":", 1)[1]), label
 
+    async def luns(g) -> list[int]:
+        """The LUNs of the guest's SCSI disks."""
+        code, out = await g.sh("ls /sys/class/scsi_disk")
+        assert code == 0, out
+        return sorted(int(address.rsplit(":", 1)[1]) for address in out.split())
+
     async def run(g):
         for serial, image in zip(("lun-a", "lun-b"), images):
             await g.attach(image, serial)
@@ -992,9 +1000,16 @@ def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_it
         assert await where(g, "lun-b", "/run/b") == (1, "disk-b")
         assert await where(g, "lun-a", "/run/a") == (0, "disk-a")
         await g.vm.detach_disk("lun-a")
+        # No wait here: detach_disk returns once the guest removed the disk.
+        assert await luns(g) == [1]
+        # The same serial plugged again at once is a new LUN, and the one found.
+        await g.vm.attach_disk(g.loops["lun-a"], "lun-a")
+        assert g.vm.disks["lun-a"].lun == 2
+        assert await where(g, "lun-a", "/run/a") == (2, "disk-a")
+        await g.vm.detach_disk("lun-a")
         await g.attach(images[2], "lun-c")
-        assert g.vm.disks["lun-c"].lun == 2
-        assert await where(g, "lun-c", "/run/c") == (2, "disk-c")
+        assert g.vm.disks["lun-c"].lun == 3
+        assert await where(g, "lun-c", "/run/c") == (3, "disk-c")
         refused = await g.request("mount", "lun-a", "ext4", b64(""), "ro", "/run/a")
         assert refused.startswith("err no virtio disk with serial lun-a"), refused
 
@@ -1008,11 +1023,15 @@ def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_it
         g.vm = taken   # stopped by the guest's teardown
         assert taken.config.disk_bus == "virtio-scsi" and config.disk_bus == "virtio-blk"
         assert {s: (d.lun, d.device_id) for s, d in taken.disks.items()} == {
-            "lun-b": (1, "vscsi-lun-b"), "lun-c": (2, "vscsi-lun-c")}
+            "lun-b": (1, "vscsi-lun-b"), "lun-c": (3, "vscsi-lun-c")}
         await g.attach(images[3], "lun-d")
-        assert taken.disks["lun-d"].lun == 3
-        assert await where(g, "lun-d", "/run/d") == (3, "disk-d")
-        await taken.detach_disk("lun-b")
-        code, out = await g.sh("sleep 1; ls /sys/class/scsi_disk")
-        assert code == 0 and [address.rsplit(":", 1)[1] for address in out.split()] == ["2", "3"], out
+        assert taken.disks["lun-d"].lun == 4
+        assert await where(g, "lun-d", "/run/d") == (4, "disk-d")
+        # The agent's diskgone answers once the guest removed a LUN QEMU dropped.
+        await taken.qmp.execute("device_del", {"id": "vscsi-lun-b"})
+        assert await g.request("diskgone", "lun-b") == "ok gone=1"
+        assert await luns(g) == [3, 4]
+        await taken.detach_disk("lun-b")   # its device gone already: the node goes all the same
+        assert "lun-b" not in taken.disks
+        assert (await g.request("diskgone", "no/such")).startswith("err bad serial")
     guest(root, run, ScsiGuest)

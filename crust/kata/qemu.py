@@ -703,3 +703,16 @@ class Vm:
             raise VmError(f"vm {self.name}: the guest did not release disk {serial} within {timeout:.0f}s") from None
         await self.qmp.execute("blockdev-del", {"node-name": disk.node})
         del self.disks[serial]
+        if disk.lun is not None:
+            await self._lun_gone(serial, timeout)
+
+    async def _lun_gone(self, serial: str, timeout: float) -> None:
+        """Wait until the guest removed the disk of a LUN QEMU removed (it
+        does so in the background): the same serial plugged again must be
+        the new disk. A guest that is gone has no disk left to wait for."""
+        try:
+            await self.agent.request("diskgone", serial, timeout=timeout)
+        except GuestGone:
+            pass
+        except AgentError as exc:
+            raise VmError(f"vm {self.name}: disk {serial} unplugged, but the guest still has it: {exc}") from None

@@ -94,29 +94,48 @@ mount_line() {  # target -> its (last) line of /proc/mounts, or nothing
   awk -v t="$1" '$2 == t { l = $0 } END { if (l != "") print l }' /proc/mounts
 }
 
+disk_with_serial() {  # serial -> vdX or sdX, if the guest has such a disk now
+  set +f   # called in a request's subshell: the main loop keeps set -f
+  for d in /sys/block/vd* /sys/block/sd*; do
+    found=
+    case ${d##*/} in
+      # read, a builtin: each round forks nothing while the disk is probed
+      # (the serial has no newline: read says end of file, having read it).
+      vd*) read -r found 2>/dev/null < "$d/serial" ;;
+      # A SCSI disk's serial is its VPD page 0x80 (agent 13): four bytes
+      # of header, then the serial QEMU was given.
+      sd*) [ -r "$d/device/vpd_pg80" ] && found=$(tail -c +5 "$d/device/vpd_pg80" 2>/dev/null) ;;
+    esac
+    if [ -n "$found" ] && [ "$found" = "$1" ] && [ -b "/dev/${d##*/}" ]; then
+      echo "${d##*/}"
+      return 0
+    fi
+  done
+  return 1
+}
+
 find_disk() {  # serial -> vdX or sdX, waiting for a device that is still being hot-plugged
   tries=$((DISK_WAIT_SECONDS * 20))
-  set +f   # runs in a subshell: the main loop keeps set -f
-  while :; do
-    for d in /sys/block/vd* /sys/block/sd*; do
-      found=
-      case ${d##*/} in
-        # read, a builtin: each round forks nothing while the disk is probed
-        # (the serial has no newline: read says end of file, having read it).
-        vd*) read -r found 2>/dev/null < "$d/serial" ;;
-        # A SCSI disk's serial is its VPD page 0x80 (agent 13): four bytes
-        # of header, then the serial QEMU was given.
-        sd*) [ -r "$d/device/vpd_pg80" ] && found=$(tail -c +5 "$d/device/vpd_pg80" 2>/dev/null) ;;
-      esac
-      if [ -n "$found" ] && [ "$found" = "$1" ] && [ -b "/dev/${d##*/}" ]; then
-        echo "${d##*/}"
-        return 0
-      fi
-    done
+  while ! disk_with_serial "$1"; do
     tries=$((tries - 1))
     [ "$tries" -gt 0 ] || return 1
     usleep 50000   # a hot-plugged disk is probed within about 0.1 s here
   done
+}
+
+cmd_diskgone() {  # serial: wait until no disk has this serial (agent 13)
+  # QEMU removes a LUN at once and tells the guest, which removes the disk
+  # in the background: the host waits for that before it plugs a disk of
+  # the same serial again, so find_disk never finds the old one.
+  [ $# -eq 1 ] || fail "usage: diskgone <serial>"
+  case $1 in ''|*[!A-Za-z0-9_.-]*) fail "bad serial: $1" ;; esac
+  tries=$((DISK_WAIT_SECONDS * 50))
+  while dev=$(disk_with_serial "$1"); do
+    tries=$((tries - 1))
+    [ "$tries" -gt 0 ] || fail "disk $dev with serial $1 still there after ${DISK_WAIT_SECONDS}s"
+    usleep 20000
+  done
+  echo "gone=1"
 }
 
 rescan_disk() {  # sdX: read a SCSI disk's capacity again, now (agent 13)
@@ -1207,6 +1226,7 @@ dispatch() {
     fsgroup) cmd_fsgroup "$@" ;;
     stats) cmd_stats "$@" ;;
     grow) cmd_grow "$@" ;;
+    diskgone) cmd_diskgone "$@" ;;
     umount) cmd_umount "$@" ;;
     exec) cmd_exec "$@" ;;
     wait) cmd_wait "$@" ;;
