@@ -1581,8 +1581,8 @@ def test_every_file_the_guest_image_takes_is_packaged():
 
 def test_a_vm_on_the_scsi_bus_boots_with_its_controller_and_says_so_to_the_guest(tmp_path):
     """virtio-scsi: one controller on QEMU's command line, and the guest's
-    SCSI layer told to scan nothing by itself; virtio-blk (the default):
-    neither. An unknown bus is refused."""
+    kernel told to load its SCSI modules and scan nothing at boot;
+    virtio-blk (the default): neither. An unknown bus is refused."""
     from crust.kata.qemu import Vm, VmConfig
 
     def vm(**settings) -> Vm:
@@ -1592,7 +1592,7 @@ def test_a_vm_on_the_scsi_bus_boots_with_its_controller_and_says_so_to_the_guest
     argv = scsi.argv()
     assert argv[argv.index("virtio-scsi-pci,id=scsi0") - 1] == "-device"
     append = argv[argv.index("-append") + 1].split()
-    assert "scsi_mod.scan=none" in append and "console=ttyS0" in append
+    assert "crust.disks=scsi" in append and "scsi_mod.scan=none" in append and "console=ttyS0" in append
     plain = blk.argv()
     assert "virtio-scsi-pci,id=scsi0" not in plain
     assert not any("scsi" in word for word in plain[plain.index("-append") + 1].split())

@@ -85,7 +85,7 @@ FS_MODULES = {"ext4": ("ext4",), "xfs": ("xfs",),
               # virtio transport.
               "virtiofs": ("fuse", "virtiofs"),
               # Disks as LUNs of a virtio-scsi controller (VmConfig.disk_bus):
-              # loaded by the agent's scsiload before the VM's first LUN.
+              # loaded by /init at boot when the command line asks for them.
               "scsi": ("virtio_scsi", "sd_mod")}
 # Modules the guest's kernel loads by itself when a container asks for what
 # they provide (request_module -> busybox modprobe, which reads the image's

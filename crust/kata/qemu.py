@@ -19,9 +19,8 @@ Choices worth knowing:
   machine's interrupt routing (`_PRT`, an AML loop) before the driver
   binds. virtio-scsi (Kata's default): one controller at boot, each disk a
   LUN on it; adding one is a SCSI event and a scan of that one LUN (about
-  0.02 s), nothing on the PCI bus. The guest's kernel scans nothing by
-  itself (scsi_mod.scan=none) and finds each LUN when QEMU announces it;
-  its SCSI modules are loaded before the VM's first LUN, not at boot.
+  0.02 s), nothing on the PCI bus. The guest's kernel scans nothing at boot
+  (scsi_mod.scan=none) and finds each LUN when QEMU announces it.
 - The accelerator is a setting. KVM is the one to use where it works; on the
   development machines `-accel kvm` aborts ("failed to set MSR 0x10a") or
   hangs, so VmConfig's default is tcg (software emulation, a few seconds to
@@ -59,9 +58,10 @@ DISK_BUSES = ("virtio-blk", "virtio-scsi")
 SCSI_CONTROLLER = "scsi0"
 # Linux's virtio_scsi takes LUNs below 16384.
 MAX_LUN = 16383
-# The SCSI layer's own scans switched off (with nothing attached at boot it
-# would probe 256 targets): the guest finds each LUN when QEMU announces it.
-SCSI_CMDLINE = "scsi_mod.scan=none"
+# What the guest's /init reads on its command line to load the SCSI modules
+# (the image lists them, crust.kata.image), and the SCSI layer's boot scan
+# switched off: with nothing attached at boot it would probe 256 targets.
+SCSI_CMDLINE = "scsi_mod.scan=none crust.disks=scsi"
 # virtio-blk serials are at most 20 bytes; the same word names the QMP nodes.
 SERIAL = re.compile(r"^[A-Za-z0-9_.-]{1,20}$")
 # sun_path is 108 bytes, NUL included.
@@ -232,7 +232,6 @@ class Vm:
         # this object lives, so a LUN just unplugged (whose removal the guest
         # may not have handled yet) is not announced again at once.
         self._next_lun = 0
-        self._scsi_loaded = False   # the guest's SCSI driver listens (agent scsiload)
         self.boot_seconds: float | None = None
         self.agent = AgentClient(str(self.agent_socket))
         self.qmp = QmpClient(str(self.qmp_socket))
@@ -654,15 +653,7 @@ class Vm:
 
     async def _add_lun(self, disk: Disk) -> None:
         """The disk as the next free LUN of the controller (a LUN an earlier
-        handler process plugged is skipped: QEMU says it is in use). The
-        guest loads its SCSI driver first: a LUN announced before the
-        driver listens would never be found (the kernel scans nothing)."""
-        if not self._scsi_loaded:
-            try:
-                await self.agent.request("scsiload", timeout=60)
-            except AgentError as exc:
-                raise VmError(f"vm {self.name}: the guest could not load its SCSI driver: {exc}") from None
-            self._scsi_loaded = True
+        handler process plugged is skipped: QEMU says it is in use)."""
         while True:
             if self._next_lun > MAX_LUN:
                 raise VmError(f"vm {self.name}: no LUN left on its SCSI controller")

@@ -138,21 +138,6 @@ cmd_diskgone() {  # serial: wait until no disk has this serial (agent 13)
   echo "gone=1"
 }
 
-cmd_scsiload() {  # (agent 13) the SCSI modules, before the VM's first LUN: the controller's host up
-  # Loaded on first use, not at boot (about 0.2 s under emulation): the
-  # host asks before it plugs a VM's first LUN. The kernel scans nothing by
-  # itself (scsi_mod.scan=none): each LUN is found when QEMU announces it,
-  # so none may be announced before the driver listens.
-  [ $# -eq 0 ] || fail "usage: scsiload"
-  load_fs_modules scsi
-  set +f
-  for h in /sys/class/scsi_host/host*; do
-    read -r name 2>/dev/null < "$h/proc_name"
-    if [ "$name" = virtio_scsi ]; then echo "host=${h##*/}"; return 0; fi
-  done
-  fail "no virtio-scsi controller in this VM"
-}
-
 rescan_disk() {  # sdX: read a SCSI disk's capacity again, now (agent 13)
   # QEMU announces a grown LUN with an event that the kernel handles in
   # the background; a grow must not race it. A virtio disk's new size is
@@ -1242,7 +1227,6 @@ dispatch() {
     stats) cmd_stats "$@" ;;
     grow) cmd_grow "$@" ;;
     diskgone) cmd_diskgone "$@" ;;
-    scsiload) cmd_scsiload "$@" ;;
     umount) cmd_umount "$@" ;;
     exec) cmd_exec "$@" ;;
     wait) cmd_wait "$@" ;;

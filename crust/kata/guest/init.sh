@@ -65,6 +65,15 @@ while read -r module; do
   [ -n "$module" ] || continue
   insmod "$module" || echo "crust-init: insmod $module failed"
 done < /etc/crust/modules
+# A VM whose disks are LUNs of a virtio-scsi controller says so on the
+# kernel's command line (crust.kata.qemu): its SCSI modules, listed apart
+# so that a VM of virtio-blk disks does not pay for them.
+case " $(cat /proc/cmdline) " in
+  *" crust.disks=scsi "*)
+    while read -r module; do
+      insmod "$module" || echo "crust-init: insmod $module failed"
+    done < /etc/crust/modules.d/scsi ;;
+esac
 
 hostname crust-guest
 # The VM is the pod: its containers share the guest's network, localhost included.
