@@ -689,7 +689,8 @@ class Vm:
     async def detach_disk(self, serial: str, timeout: float = 30.0) -> None:
         """Unplug (the guest must let go: unmount first), then drop the node.
         A virtio-blk disk goes once the guest ejects it; a LUN at once (QEMU
-        tells the guest it went)."""
+        tells the guest it went), and then this waits until the guest has
+        removed its disk."""
         disk = self.disks[serial]
         mark = self.qmp.mark()
         try:
