@@ -83,15 +83,14 @@ def shims_killed_here(containerd: Containerd) -> Iterator[None]:
     shim leaves its socket in containerd's socket directory when killed (its
     delete does not remove it), so the sockets the bundles name now are
     removed afterwards if nobody answers on them any more."""
-    from crust.sys.sockets import socket_alive
+    from crust.sys.sockets import remove_if_dead
 
     sockets = containerd.shim_sockets()
     try:
         yield
     finally:
         for path in sockets:
-            if path.is_socket() and not socket_alive(str(path)):
-                path.unlink(missing_ok=True)
+            remove_if_dead(str(path))
 
 
 def shim_pids(containerd: Containerd) -> list[int]:

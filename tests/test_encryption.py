@@ -37,7 +37,14 @@ from crust.kata.direct_volume import DirectVolumes
 from crust.sys import mount as sysmount
 from tests.harness import MIB
 from tests.test_handler import Env, Vol, wait_until
-from tests.test_kata import DF_SCRIPT, anyone_mounts, guest_df, kata_env, usage_dict
+from tests.test_kata import (  # noqa: F401 - kenv_bus: a fixture
+    DF_SCRIPT,
+    anyone_mounts,
+    guest_df,
+    kata_env,
+    kenv_bus,
+    usage_dict,
+)
 from tests.test_pod_runtime import PodClient, bind, container_bundle
 
 Code = grpc.StatusCode
@@ -290,19 +297,11 @@ def kenv(root):
     yield from kata_env(root)
 
 
-@pytest.fixture(params=["virtio-blk", "virtio-scsi"])
-def kenv_bus(root, request):
-    """kenv, its handler's volumes on each disk bus in turn (a LUN's
-    growth is read by a rescan in the guest, a virtio disk's by QEMU's
-    signal)."""
-    yield from kata_env(root, handler_extra=["--disk-bus", request.param])
-
-
 def guest_script(*steps: str) -> str:
     return " && ".join(steps)
 
 
-def test_an_encrypted_volume_is_opened_formatted_grown_and_restored_in_the_guest_only(kenv_bus):
+def test_an_encrypted_volume_is_opened_formatted_grown_and_restored_in_the_guest_only(kenv_bus):  # noqa: F811 - the fixture
     kenv = kenv_bus
     enc = Encrypted(kenv)
     v = enc.create("pv-luks")

@@ -257,7 +257,7 @@ def remove_dead_socket(bundle: Path) -> bool:
     socket directory. Only a socket of that directory, checked and removed
     under the lock `start` binds under, so a shim that starts meanwhile for
     the same pod keeps its own. Returns whether one was removed."""
-    from crust.sys.sockets import socket_alive
+    from crust.sys.sockets import remove_if_dead
 
     try:
         address = (bundle / "address").read_text().strip()
@@ -271,10 +271,7 @@ def remove_dead_socket(bundle: Path) -> bool:
     lock = os.open(SOCKET_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if socket_alive(str(path)):
-            return False
-        path.unlink(missing_ok=True)
-        return True
+        return remove_if_dead(str(path))
     finally:
         os.close(lock)
 

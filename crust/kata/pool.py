@@ -196,7 +196,8 @@ class VmPool:
     async def _warm_disk(self, vm: Vm) -> None:
         """A small disk of crust's own hot-plugged read-only, mounted by the
         guest, unmounted and unplugged: the paths a pod's first volume takes
-        (PCI hot-plug, virtio-blk's probe, a file system's mount), run once.
+        (the hot-plug on the VM's disk bus, the disk's probe, a file
+        system's mount), run once.
         The host only writes the image (mkfs), never mounts it."""
         image = self.directory / WARM_DISK_IMAGE
         if not image.exists():

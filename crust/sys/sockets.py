@@ -8,10 +8,15 @@ asking for all an operator allows. Python's socket.SOMAXCONN is the value of
 the C headers Python was built with (often 128), and asyncio listens with
 100 unless told otherwise, even on a socket that already listens: each
 server hands listen_backlog() to both.
+
+And whether a unix socket is served: a killed server leaves its socket
+file behind, which a new one (or a clean-up) removes only when nobody
+accepts on it.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 
 SOMAXCONN_FILE = "/proc/sys/net/core/somaxconn"
@@ -38,3 +43,15 @@ def socket_alive(path: str) -> bool:
         return False
     finally:
         probe.close()
+
+
+def remove_if_dead(path: str) -> bool:
+    """Remove the unix socket at path when nobody accepts on it (what a
+    killed server leaves); whether it was removed."""
+    if not os.path.exists(path) or socket_alive(path):
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
