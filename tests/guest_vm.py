@@ -11,7 +11,7 @@ from pathlib import Path
 
 from crust.kata.agent import AgentRefused, b64
 from crust.kata.image import DEFAULT_CACHE, build
-from crust.kata.qemu import Vm, VmConfig
+from crust.kata.qemu import SharedDir, Vm, VmConfig
 from crust.sys import loop as sysloop
 
 
@@ -20,12 +20,14 @@ class Guest:
     hot-plugged from image files, requests to its agent; the VM stopped and
     the loop devices detached on leaving the context."""
 
-    def __init__(self, base: Path, name: str = "guest", disk_bus: str = "virtio-blk"):
+    def __init__(self, base: Path, name: str = "guest", disk_bus: str = "virtio-blk",
+                 shared_dirs: tuple[SharedDir, ...] = ()):
         self.base = base
         self.loops: dict[str, str] = {}   # serial -> loop device
         cache = Path(os.environ.get("CRUST_TEST_KATA_CACHE") or DEFAULT_CACHE)
         image = build(cache)
-        self.vm = Vm(name, base / "vm", VmConfig(kernel=image.kernel, initrd=image.initrd, disk_bus=disk_bus))
+        self.vm = Vm(name, base / "vm", VmConfig(kernel=image.kernel, initrd=image.initrd, disk_bus=disk_bus,
+                                                shared_dirs=shared_dirs))
         self.runs = 0
 
     async def __aenter__(self) -> Guest:

@@ -25,6 +25,7 @@ import base64
 import json
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -41,9 +42,10 @@ from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.kata import accel as kata_accel
 from crust.kata import bzimage
 from crust.kata import image as kata_image
+from crust.kata import virtiofsd
 from crust.kata.agent import AGENT_WARM, AgentRefused, ProcessLook, b64
 from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
-from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
+from crust.kata.qemu import SharedDir, Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests.guest_vm import Guest, ScsiGuest, guest
@@ -903,6 +905,77 @@ def test_one_poll_reports_each_processs_state_and_output_sizes(root):
             assert (await g.request(*words)).startswith("err "), words
         assert await g.request("reach", "/run/crust", "/proc/mounts") == "ok reached=2"
     guest(root, run)
+
+
+def test_a_submount_pinned_in_the_agents_namespace_survives_exits_killed_in_exec(root):
+    """Why the handler has the agent look up a container's submounts first
+    (crust.kata.pods, "pinned in the agent's namespace"). A process in a
+    mount namespace of its own, its root a virtio-fs submount of the share
+    (a bind on the host, announced by virtiofsd), killed while it execs a
+    binary from there: its exit drops the namespace with the file's release
+    still in flight: the file server stalls now and then (stopped 30 ms of
+    every 40, as a host under load delays it), so releases wait for it.
+    Unpinned, Debian 12's 6.1 kernel stops at the first kills at `VFS: Busy
+    inodes after unmount of virtiofs` (a BUG: the process never exits).
+    Once the agent's `reach` mounted the submount in its own namespace, the
+    exit only drops a copy: many such kills, no BUG, the guest still
+    answers and the pinned mount is still there."""
+    share, source = root.path / "share", root.path / "source"
+    (share / "sub").mkdir(parents=True)
+    source.mkdir()
+    sysmount.mount_path("tmpfs", str(source), "tmpfs", ["size=8m"])
+    try:
+        shutil.copy2(shutil.which("busybox") or "/bin/busybox", source / "busybox")
+        (source / "f").write_text("f\n")
+        sysmount.mount_path(str(source), str(share / "sub"), "bind", ["bind"])
+
+        async def stall(pids: list[int]) -> None:
+            try:
+                while True:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGSTOP)
+                    await asyncio.sleep(0.03)
+                    for pid in pids:
+                        os.kill(pid, signal.SIGCONT)
+                    await asyncio.sleep(0.01)
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+
+        async def main():
+            async with Guest(root.path, shared_dirs=(SharedDir("crust", share),)) as g:
+                assert await g.request("sharemount", "/run/pin") == "ok mounted=1"
+                assert await g.request("reach", "/run/pin/sub") == "ok reached=1"
+                # The kill lands 0 to 55 ms into the start: early ones in the exec.
+                stalling = asyncio.create_task(stall(virtiofsd.pids_under(root.path)))
+                kills = g.sh(f"""
+                    i=0
+                    while [ $i -lt {EXEC_KILLS} ]; do
+                      /sbin/unshare -m --root=/run/pin/sub /busybox sh -c 'exec 3</f; exec /busybox sleep 1' &
+                      p=$!
+                      usleep $(( (i % 12) * 5000 ))
+                      kill -TERM $p
+                      wait $p
+                      i=$((i + 1))
+                    done 2>/dev/null
+                    echo killed=$i
+                    grep -c ' /run/pin/sub ' /proc/self/mountinfo""", timeout=120)
+                try:
+                    code, out = await kills
+                finally:
+                    stalling.cancel()
+                    await asyncio.gather(stalling, return_exceptions=True)
+                assert (code, out) == (0, f"killed={EXEC_KILLS}\n1\n"), out
+                console = g.vm.console_log.read_text(errors="replace")
+                assert "Busy inodes" not in console and "kernel BUG" not in console, console[-4000:]
+                assert (await g.request("ping")).startswith("ok agent=")
+        asyncio.run(main())
+    finally:
+        sysmount.unmount_all(str(share / "sub"))
+        sysmount.unmount_all(str(source))
+
+
+EXEC_KILLS = 60
 
 
 def test_warm_runs_one_container_through_crun_and_leaves_nothing(root):

@@ -27,6 +27,19 @@ volumes kubelet's atomic writer updates (their lookups never cached):
   device's file system;
 - every destination is resolved inside the container's root (the agent's
   secure_join: a link in the image never leads a bind out of it);
+- no container's exit unmounts a virtio-fs submount: when the last mount
+  of one went with a file's release still in flight (the guest kernel
+  releases virtio-fs files asynchronously), Debian 12's 6.1 kernel stopped
+  at `VFS: Busy inodes after unmount` (a BUG) and the exiting process
+  never left. So the agent looks up the container's root, each share
+  bind and each mount below a bind that does not follow the host
+  (`reach`) before crun runs: they are mounted in the agent's namespace
+  first, the container's namespace holds copies (the root's is unmounted
+  in the agent's when the container is removed). What a container mounts
+  itself on first use (a mount the host made below a followed bind,
+  which must stay the host's to unmount) is in its own namespace only:
+  the agent holds that namespace from the container's start until it is
+  removed (agent 14), so the unmount happens then, long after the exit;
 - a container's process runs under crun in the guest, from the spec
   containerd wrote rewritten for the guest (crust.kata.guest_oci: its
   user and groups, capabilities, no_new_privs, seccomp, masked and
@@ -915,7 +928,7 @@ class Pods:
             # starts it (guest_oci.place_mounts), else by the agent, in one
             # request.
             planned: list[tuple[str, str, bool]] = []   # guest source, destination, read-only
-            shared_sources: list[str] = []   # the share's binds, looked up in the guest before crun binds them
+            shared_sources: list[str] = []   # the share's binds and the mounts below them, pinned
             views: list[tuple[int, str, VolumeView]] = []   # (index in planned, volume key, its view)
             for m, kind, what in binds:
                 readonly = "ro" in m.options
@@ -940,7 +953,9 @@ class Pods:
                     # too (a non-recursive read-only bind keeps their mode).
                     guest_readonly = readonly and not (shared.submounts or follow)
                     planned.append((shared.guest, m.destination, guest_readonly))
-                    shared_sources.append(shared.guest)
+                    # A followed bind's mounts are not: held in the guest for
+                    # the pod's life, the host could not unmount them.
+                    shared_sources += [shared.guest, *(() if follow else shared.below)]
                     continue
                 if kind == "tmpfs":
                     name, subpath, size = what
@@ -966,8 +981,8 @@ class Pods:
                 views.append((len(planned), key, view))
                 planned.append((source, m.destination, view.readonly or volume.readonly))
             if runtime_mounts:
-                if shared_sources:
-                    await sandbox._agent(agent.reach(sorted(set(shared_sources))))
+                # The root too: "pinned in the agent's namespace" above.
+                await sandbox._agent(agent.reach(sorted({guest_rootfs, *shared_sources})))
                 guest_oci.place_mounts(c.oci.spec, guest_rootfs, [(source, ro) for source, _, ro in planned])
                 c.runtime_mounts = True
             else:
@@ -1054,6 +1069,14 @@ class Pods:
         if alive and c.oci is not None:
             try:
                 await sandbox._agent(sandbox.vm.agent.container_forget(c.container_id))
+            except CrustError as exc:
+                errors.append(exc.message)
+        if alive:
+            # The root's mount in the agent's namespace (pinned there while
+            # the container lived); the container's own copies went with it.
+            try:
+                root = self._share(pod.sandbox_id, sandbox=sandbox).guest_rootfs(c.container_id)
+                await sandbox._agent(sandbox.vm.agent.umount_all(root))
             except CrustError as exc:
                 errors.append(exc.message)
         if alive and c.serial and c.serial in sandbox.vm.disks:

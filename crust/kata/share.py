@@ -356,7 +356,7 @@ class PodShare:
         key = hashlib.sha256(f"{mode}\0{source}".encode()).hexdigest()[:32]
         submounts = self._bind(source, BINDS, key, readonly=readonly, directory=os.path.isdir(source),
                                recursive=recursive, follow=follow)
-        return SharedBind(self.guest_bind(key), bool(submounts))
+        return SharedBind(self.guest_bind(key), tuple(self.guest + point for point in submounts))
 
     def write_script(self, container_id: str, name: str, text: str) -> str:
         run = self._container_dir(container_id) / "run"
@@ -418,8 +418,13 @@ class PodShare:
 
 @dataclass(frozen=True)
 class SharedBind:
-    guest: str           # where the guest finds it
-    submounts: bool      # mounts below it came along (a recursive bind of a tree that has some)
+    guest: str                     # where the guest finds it
+    below: tuple[str, ...] = ()    # where the guest finds the mounts below it (a recursive bind's)
+
+    @property
+    def submounts(self) -> bool:
+        """Mounts below it came along (a recursive bind of a tree that has some)."""
+        return bool(self.below)
 
 
 def _attach_at(tree: int, parent: str, name: str) -> None:

@@ -22,7 +22,9 @@ The options and why:
   the lookups of a root (bench/pod_share.py, docs/benchmarks.md);
 - `-o announce_submounts`: the share holds bind mounts (each container's
   rootfs, each volume); the guest sees each as a mount of its own (its own
-  st_dev), as a container would on the host;
+  st_dev), as a container would on the host. The guest mounts each on its
+  first lookup, in the namespace that looks; crust.kata.pods keeps a
+  container's exit from unmounting the last of those (a guest kernel BUG);
 - `-o no_xattr`, `-o no_posix_lock`, `-o no_flock`: nothing a pod's files
   need, and less of the host's kernel reachable from the guest;
 - `--rlimit-nofile=0`: the handler raised its own limit at start (a

@@ -21,7 +21,7 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=13
+AGENT_VERSION=14
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 DEVICE_WAIT_SECONDS=10   # a hot-plugged NIC or shared directory
@@ -765,6 +765,7 @@ cmd_cstarted() {  # id pid [wait-ms]: started=1 once crun started the container,
   while :; do
     if [ -e "$RUN/exec/$2.exit" ] || [ ! -d "/proc/$2" ]; then echo "started=0 exited=1"; return 0; fi
     if [ -e "/run/crust/crun/$1/status" ] && [ ! -e "/run/crust/crun/$1/exec.fifo" ]; then
+      hold_namespace "$1"
       echo "started=1 exited=0"
       return 0
     fi
@@ -778,6 +779,28 @@ cmd_cstarted() {  # id pid [wait-ms]: started=1 once crun started the container,
     waited=$((waited + 20))
   done
   echo "started=0 exited=0"
+}
+
+hold_namespace() {  # id: the started container's mount namespace, held until cforget (agent 14)
+  # A container's processes mount the share's submounts they reach first
+  # in its namespace (one the host mounted below a followed bind): its last
+  # exit would unmount them, maybe with a file's release still in flight,
+  # which stops this kernel at a BUG (crust.kata.pods says more). Held by a
+  # bind of the namespace, it ends at cforget instead, long after the exit.
+  # A container already gone has nothing to hold.
+  [ ! -e "$RUN/ns/$1" ] || return 0
+  pid=
+  read -r pid < "/sys/fs/cgroup/crust/$1/ctr/cgroup.procs" 2>/dev/null
+  [ -n "$pid" ] || return 0
+  [ -d "$RUN/ns" ] || mkdir -p "$RUN/ns" || return 0
+  : > "$RUN/ns/$1"
+  mount --bind "/proc/$pid/ns/mnt" "$RUN/ns/$1" 2>/dev/null || rm -f "$RUN/ns/$1"
+}
+
+release_namespace() {  # id: what hold_namespace held (the container's mounts go now)
+  [ -e "$RUN/ns/$1" ] || return 0
+  umount "$RUN/ns/$1" 2>/dev/null
+  rm -f "$RUN/ns/$1" || fail "cannot remove the hold of $1's mount namespace"
 }
 
 children_of() {  # pid -> its direct children
@@ -909,6 +932,7 @@ cmd_cforget() {  # id: a deleted container's state in crun and its bundle (alrea
     rmdir "$cg/ctr" 2>/dev/null
     rmdir "$cg" || fail "the cgroup of $1 is not empty: processes of it still run"
   fi
+  release_namespace "$1"
   rm -rf "/run/crust/bundles/$1"
   echo "forgotten=1"
 }
