@@ -464,6 +464,8 @@ class Pods:
                     await self._stop_processes(sandbox, pod, c)
                     if not c.runtime_mounts:
                         await sandbox.vm.agent.umount_all(c.root)
+                    if c.oci is not None:   # its namespace's hold, before the volumes are unmounted
+                        await sandbox.vm.agent.container_forget(c.container_id)
                 except (AgentError, CrustError) as exc:
                     log.warning("could not unmount a container before stopping its pod", extra={"fields": {
                         "sandbox": sandbox_id, "container": c.container_id, "error": str(exc)}})
@@ -1051,6 +1053,14 @@ class Pods:
                 await sandbox._agent(sandbox.vm.agent.umount_all(c.root))
             except CrustError as exc:
                 errors.append(exc.message)
+        if alive and c.oci is not None:
+            # First: the agent holds the container's mount namespace until
+            # then, and with it the container's binds of its volumes, whose
+            # file systems must be unmounted everywhere before their disks go.
+            try:
+                await sandbox._agent(sandbox.vm.agent.container_forget(c.container_id))
+            except CrustError as exc:
+                errors.append(exc.message)
         if record is not None:
             for key in list(c.volumes):
                 volume = record.volumes.get(key)
@@ -1066,11 +1076,6 @@ class Pods:
                 c.volumes.pop(key, None)
             if pod.sandbox_id in self.handler.sandboxes:
                 await self.handler.records.put(pod.sandbox_id, record)
-        if alive and c.oci is not None:
-            try:
-                await sandbox._agent(sandbox.vm.agent.container_forget(c.container_id))
-            except CrustError as exc:
-                errors.append(exc.message)
         if alive:
             # The root's mount in the agent's namespace (pinned there while
             # the container lived); the container's own copies went with it.
