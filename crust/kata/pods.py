@@ -39,7 +39,9 @@ volumes kubelet's atomic writer updates (their lookups never cached):
   itself on first use (a mount the host made below a followed bind,
   which must stay the host's to unmount) is in its own namespace only:
   the agent holds that namespace from the container's start until it is
-  removed (agent 14), so the unmount happens then, long after the exit;
+  removed (agent 14), so the unmount happens then, long after the exit
+  (and before the container's volumes are unmounted: the namespace holds
+  their binds too);
 - a container's process runs under crun in the guest, from the spec
   containerd wrote rewritten for the guest (crust.kata.guest_oci: its
   user and groups, capabilities, no_new_privs, seccomp, masked and
