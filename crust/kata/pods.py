@@ -985,7 +985,7 @@ class Pods:
                 views.append((len(planned), key, view))
                 planned.append((source, m.destination, view.readonly or volume.readonly))
             if runtime_mounts:
-                # The root too: "pinned in the agent's namespace" above.
+                # The root too (the module docstring: no exit unmounts a submount).
                 await sandbox._agent(agent.reach(sorted({guest_rootfs, *shared_sources})))
                 guest_oci.place_mounts(c.oci.spec, guest_rootfs, [(source, ro) for source, _, ro in planned])
                 c.runtime_mounts = True
