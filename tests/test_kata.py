@@ -40,9 +40,8 @@ import pytest
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.kata import accel as kata_accel
-from crust.kata import bzimage
+from crust.kata import bzimage, virtiofsd
 from crust.kata import image as kata_image
-from crust.kata import virtiofsd
 from crust.kata.agent import AGENT_WARM, AgentRefused, ProcessLook, b64
 from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
 from crust.kata.qemu import SharedDir, Vm, VmConfig, qemu_pids_under
