@@ -1575,7 +1575,7 @@ def test_every_file_the_guest_image_takes_is_packaged():
 
     patterns = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())[
         "tool"]["setuptools"]["package-data"]["crust.kata"]
-    for name in kata_image.GUEST_FILES.values():
+    for name in (*kata_image.GUEST_FILES.values(), *kata_image.GUEST_PROGRAMS.values()):
         assert any(fnmatch.fnmatch(f"guest/{name}", p) for p in patterns), (name, patterns)
 
 

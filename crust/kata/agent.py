@@ -40,6 +40,7 @@ SHM_TMPFS = ".shm"   # the pod's /dev/shm, a pod_tmpfs (a name no emptyDir can h
 AGENT_REACH = 11     # the first agent with reach and a cstarted that waits in the guest
 AGENT_WARM = 12      # the first agent with warm (a throwaway container through crun)
 AGENT_SCSI = 13      # the first agent that finds (and rescans) disks on a virtio-scsi controller
+AGENT_RESUME = 15    # the first agent with resume (a VM restored from a template: clock and entropy)
 _WORD = re.compile(r"^[A-Za-z0-9_.,=:/+@-]+$")
 # A path the agent takes as it is (its check_path's characters), not in base64.
 _PLAIN_PATH = re.compile(r"^/[A-Za-z0-9/_.@:+,=-]*$")
@@ -506,6 +507,13 @@ class AgentClient:
         a VM that waits for a pod pays now for its first container start
         (code translated once under emulation), not the pod. Nothing stays."""
         await self.request("warm", timeout=timeout)
+
+    async def resume(self, realtime_ns: int, seed: bytes, timeout: float = 30.0) -> None:
+        """A VM restored from a template made its own (agent 15): its wall
+        clock set to realtime_ns, seed credited to the kernel's input pool
+        and the random number generator reseeded from it."""
+        seconds, nanoseconds = divmod(realtime_ns, 1_000_000_000)
+        await self.request("resume", str(seconds), str(nanoseconds), seed.hex(), timeout=timeout)
 
     async def reach(self, paths: list[str]) -> None:
         """Look each guest path up in the agent's mount namespace (agent

@@ -9,7 +9,9 @@ Why this shape:
   unpacked with `dpkg -x`; the file system tools (e2fsprogs, xfsprogs,
   blkid) are the host's installed Debian binaries, copied with the shared
   libraries `ldd` names. Every copied file must belong to an installed
-  package, whose name and version enter the image hash.
+  package, whose name and version enter the image hash. Beside them, crust's
+  own guest scripts and one small C program of its own (guest/resume.c),
+  compiled by the host's gcc and linking only the copied C library.
 - The kernel is Debian's own, so the guest parses volumes with a kernel that
   gets security updates: after `apt-get update`, a new candidate changes the
   hash and the next build picks it up.
@@ -21,6 +23,7 @@ Why this shape:
 Layout of the cache (default /var/cache/crust/kata):
     debs/                 downloaded .deb files
     extract/<pkg>_<ver>/  `dpkg -x` of each
+    programs/<hash>/      the guest's own programs, compiled (GUEST_PROGRAMS)
     images/<flavor>/<hash>/  vmlinux (or vmlinuz), initramfs.cpio, manifest.json (inputs, hash, sizes)
     images/<flavor>/current  the <hash> of the last build or confirmation
 
@@ -145,6 +148,13 @@ HOST_TOOLS = {
 # The guest's own files: path in the image -> file in guest/.
 GUEST_FILES = {"init": "init.sh", "usr/lib/crust/agent.sh": "agent.sh", "usr/lib/crust/feed.sh": "feed.sh",
                "usr/lib/crust/luks2-shape.jq": "luks2-shape.jq", "usr/lib/crust/warm.json": "warm.json"}
+# The guest's own programs, compiled from guest/ by the host's C compiler
+# (gcc, a Debian package): path in the image -> source. They link only the
+# C library the copied tools bring. Each is compiled once per source and
+# flags, into the cache (programs/), so a node rebuilding its image for a
+# new kernel needs no compiler.
+GUEST_PROGRAMS = {"usr/lib/crust/resume": "resume.c"}
+GUEST_CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-fstack-protector-strong", "-s")
 TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
 HOST_CONFIG = ("/etc/mke2fs.conf",)
 
@@ -274,7 +284,7 @@ class Inputs:
         return {"builder": BUILDER_VERSION, "flavor": self.flavor.name, "modules": self.flavor.module_inputs(),
                 "kernel_package": self.kernel_package, "downloads": self.downloads,
                 "host_packages": self.host_packages, "scripts": self.scripts,
-                "host_files": sorted(f.dest for f in self.host_files)}
+                "host_files": sorted(f.dest for f in self.host_files), "guest_cflags": list(GUEST_CFLAGS)}
 
     @property
     def digest(self) -> str:
@@ -306,11 +316,31 @@ def collect_inputs(flavor: Flavor, apt_options: list[str] | None = None) -> Inpu
     host_packages = dict(owners([f.source for f in files.values()]).values())
     # Config files are editable conffiles: their package version does not
     # say what they contain.
-    hashed = {**{name: GUEST_DIR / name for name in GUEST_FILES.values()},
+    hashed = {**{name: GUEST_DIR / name for name in (*GUEST_FILES.values(), *GUEST_PROGRAMS.values())},
               **{conf: Path(conf) for conf in HOST_CONFIG}}
     scripts = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in hashed.items()}
     return Inputs(flavor, kpkg, downloads, dict(sorted(host_packages.items())),
                   sorted(files.values(), key=lambda f: f.dest), scripts)
+
+
+def guest_program(cache: Path, source: Path, libraries: set[str]) -> bytes:
+    """A guest program compiled from source (once per source and flags:
+    cache/programs/<hash>/); it may link only libraries (the paths of the
+    shared libraries the image holds)."""
+    digest = hashlib.sha256(source.read_bytes() + b"\0" + " ".join(GUEST_CFLAGS).encode()).hexdigest()[:16]
+    built = cache / "programs" / digest / source.stem
+    if not built.is_file():
+        if shutil.which("cc", path=SBIN_PATH) is None:
+            raise LookupError(f"no C compiler (cc) to build the guest's {source.name}: apt-get install gcc libc6-dev")
+        make_dirs(built.parent)
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=built.parent) as tmp:
+            out = Path(tmp) / source.stem
+            _cmd(["cc", *GUEST_CFLAGS, "-o", str(out), str(source)], cwd=Path(tmp))
+            os.replace(out, built)
+    missing = sorted(set(shared_libraries(str(built))) - libraries)
+    if missing:
+        raise LookupError(f"{source.name} links {', '.join(missing)}, which the image does not hold")
+    return built.read_bytes()
 
 
 # ------------------------------------------------------------- downloading
@@ -461,6 +491,9 @@ def assemble(cache: Path, inputs: Inputs) -> tuple[str, bytes, bytes, dict]:
     entries += [cpio.chardev("dev/console", 5, 1), cpio.chardev("dev/null", 1, 3, 0o666)]
     for dest, name in GUEST_FILES.items():
         entries.append(cpio.regular(dest, (GUEST_DIR / name).read_bytes(), 0o755 if name.endswith(".sh") else 0o644))
+    libraries = {f.dest for f in inputs.host_files}
+    for dest, name in GUEST_PROGRAMS.items():
+        entries.append(cpio.regular(dest, guest_program(cache, GUEST_DIR / name, libraries), 0o755))
     entries.append(cpio.regular("etc/crust/modules", "".join(guest_path(p) + "\n" for p in boot.order).encode()))
     for fs, paths in fs_lists.items():
         if paths:

@@ -21,7 +21,7 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=14
+AGENT_VERSION=15
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 DEVICE_WAIT_SECONDS=10   # a hot-plugged NIC or shared directory
@@ -515,6 +515,15 @@ cmd_warm() {  # (agent 12) one throwaway container through crun, before the gues
   rm -rf "$bundle"
   [ "$code" -eq 0 ] && [ "$out" = warm ] || fail "crun ran no container (exit $code): $(one_line "$out")"
   echo "ran=1"
+}
+
+cmd_resume() {  # (agent 15) seconds nanoseconds seed-hex: a VM restored from a template, made its own
+  # Before anything of a pod runs in it: the host's wall clock, and fresh
+  # entropy from the host credited and the kernel's generator reseeded
+  # (every VM restored from one template woke with the same generator).
+  [ $# -eq 3 ] || fail "usage: resume <seconds> <nanoseconds> <seed-hex>"
+  out=$(/usr/lib/crust/resume "$1" "$2" "$3" 2>&1) || fail "resume: $(one_line "$out")"
+  echo "$out"
 }
 
 cmd_podtmpfs() {  # name subpath-b64 size|-: the pod's tmpfs of that name (an emptyDir of medium Memory, /dev/shm), and a directory in it
@@ -1261,6 +1270,7 @@ dispatch() {
     podtmpfs) cmd_podtmpfs "$@" ;;
     reach) cmd_reach "$@" ;;
     warm) cmd_warm "$@" ;;
+    resume) cmd_resume "$@" ;;
     spawnfile) cmd_spawnfile "$@" ;;
     checkpath) cmd_checkpath "$@" ;;
     kill) cmd_kill "$@" ;;
