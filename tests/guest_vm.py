@@ -12,7 +12,15 @@ from pathlib import Path
 from crust.kata.agent import AgentRefused, b64
 from crust.kata.image import DEFAULT_CACHE, build
 from crust.kata.qemu import SharedDir, Vm, VmConfig
+from crust.kata.template import restore_config
 from crust.sys import loop as sysloop
+
+
+def guest_config(disk_bus: str = "virtio-blk", shared_dirs: tuple[SharedDir, ...] = ()) -> VmConfig:
+    """The VM config of the handler's image (built if needed)."""
+    cache = Path(os.environ.get("CRUST_TEST_KATA_CACHE") or DEFAULT_CACHE)
+    image = build(cache)
+    return VmConfig(kernel=image.kernel, initrd=image.initrd, disk_bus=disk_bus, shared_dirs=shared_dirs)
 
 
 class Guest:
@@ -21,17 +29,19 @@ class Guest:
     the loop devices detached on leaving the context."""
 
     def __init__(self, base: Path, name: str = "guest", disk_bus: str = "virtio-blk",
-                 shared_dirs: tuple[SharedDir, ...] = ()):
+                 shared_dirs: tuple[SharedDir, ...] = (), saved: Path | None = None):
+        """saved: restore the VM from a template's state (crust.kata.template)
+        instead of booting it; its shares are plugged after (plug_shared_dir)."""
         self.base = base
         self.loops: dict[str, str] = {}   # serial -> loop device
-        cache = Path(os.environ.get("CRUST_TEST_KATA_CACHE") or DEFAULT_CACHE)
-        image = build(cache)
-        self.vm = Vm(name, base / "vm", VmConfig(kernel=image.kernel, initrd=image.initrd, disk_bus=disk_bus,
-                                                shared_dirs=shared_dirs))
+        self.vm = Vm(name, base / "vm", guest_config(disk_bus, shared_dirs))
+        if saved is not None:
+            self.vm.config = restore_config(self.vm.config)
+        self.saved = saved
         self.runs = 0
 
     async def __aenter__(self) -> Guest:
-        await self.vm.start()
+        await self.vm.start(saved=self.saved)
         return self
 
     async def __aexit__(self, *exc) -> None:

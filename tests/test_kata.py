@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import os
 import re
@@ -1009,26 +1010,109 @@ def test_a_waiting_vm_plugs_mounts_and_unplugs_a_disk_of_its_own_once(root, kind
     guest, unplugged; the guest then holds no disk and no mount of it (a
     LUN's removal, which QEMU announces, within 2 s), and the image is kept
     for the next VM."""
-    from crust.kata.pool import WARM_DISK_IMAGE, WARM_DISK_MOUNT, VmPool
+    from crust.kata.pool import WARM_DISK_IMAGE, WARM_DISK_MOUNT, VmPool, warm_disk
 
     pool = VmPool(0, root.path / "pool", None)
     pool.directory.mkdir()
     image = pool.directory / WARM_DISK_IMAGE
 
     async def run(g):
-        await pool._warm_disk(g.vm)
+        await warm_disk(g.vm, pool.directory)
         made = image.stat().st_mtime_ns
         assert g.vm.disks == {}
         leftovers = ("i=0; while ls /sys/block | grep -q -e vd -e sd && [ $i -lt 40 ]; do usleep 50000; "
                      f"i=$((i + 1)); done; ls /sys/block | grep -e vd -e sd; grep {WARM_DISK_MOUNT} /proc/mounts; true")
         assert await g.sh(leftovers) == (0, "")
-        await pool._warm_disk(g.vm)
+        await warm_disk(g.vm, pool.directory)
         assert image.stat().st_mtime_ns == made and g.vm.disks == {}
         assert await g.sh(leftovers) == (0, "")
         assert sorted(p.name for p in pool.directory.iterdir()) == [WARM_DISK_IMAGE]
     guest(root, run, kind)
     assert subprocess.run(["blkid", "-o", "value", "-s", "TYPE", str(image)], capture_output=True, text=True,
                           check=True).stdout.strip() == "ext4"
+
+
+@pytest.mark.parametrize("bus", DISK_BUSES)
+def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_clock_and_numbers(root, bus):
+    """VmTemplate boots a VM, warms it, saves it (vm.state, and template.json
+    naming what it was made from) and stops it; its build directory and QEMU
+    go. Each VM restored from the file goes on from the save instead of
+    booting (its guest's uptime is past QEMU's age), with the host's wall
+    clock although the template is 5 s old (without `resume` it would be the
+    template's), and with a boot_id and random bytes of its own; it takes a
+    share and a disk on its bus as a booted VM does. The resume program
+    refuses what is not a clock and a seed. A second VmTemplate over the
+    kept files uses them; one for another VM size makes its own."""
+    from crust.common.formats import decode
+    from crust.kata.pool import warm_disk
+    from crust.kata.template import RECORD_FILE, STATE_FILE, TemplateRecord, VmTemplate
+    from tests.guest_vm import guest_config
+
+    directory = root.path / "template"
+    config = guest_config(bus)
+
+    async def saved_by(template: VmTemplate) -> Path:
+        await template.start()
+        try:
+            deadline = time.monotonic() + 180
+            while (state := template.saved()) is None:
+                assert time.monotonic() < deadline, "no template saved within 180 s"
+                await asyncio.sleep(0.1)
+            return state
+        finally:
+            await template.stop()
+
+    template = VmTemplate(directory, config)
+    state = asyncio.run(saved_by(template))
+    assert template.builds == 1 and state == directory / STATE_FILE
+    record = decode(TemplateRecord, (directory / RECORD_FILE).read_bytes())
+    assert record.saved_bytes == state.stat().st_size > 32 * MIB
+    assert sorted(p.name for p in directory.iterdir()) == sorted([STATE_FILE, RECORD_FILE])
+    assert qemu_pids_under(directory) == []
+    while time.time() < record.saved_at + 5:
+        time.sleep(0.1)
+
+    share = root.path / "share"
+    share.mkdir()
+    (share / "from-host").write_text("host\n")
+    seen = []
+    for n in range(2):
+        async def run(g, n=n):
+            await g.vm.plug_shared_dir(SharedDir("crust", share))
+            await g.vm.agent.share_mount("/run/crust/share", "crust")
+            code, out = await g.sh(f"cat /proc/uptime; date +%s; cat /proc/sys/kernel/random/boot_id; "
+                                   f"head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; "
+                                   f"cat /run/crust/share/from-host; echo {n} > /run/crust/share/from-guest-{n}")
+            assert code == 0, out
+            uptime, clock, boot_id, numbers, from_host = out.splitlines()
+            # No boot: the agent never started again (it says so on the
+            # console when it does), and the guest's clock since boot goes on.
+            assert "crust-agent: listening" not in g.vm.console_log.read_text(errors="replace")
+            assert float(uptime.split()[0]) > record.guest_uptime_s > 1.0, (uptime, record)
+            assert abs(int(clock) - time.time()) <= 2, (clock, time.time())
+            assert from_host == "host"
+            await warm_disk(g.vm, root.path)
+            code, out = await g.sh("/usr/lib/crust/resume 1 2 ab; echo $?")   # stdout, then stderr
+            assert out.startswith("2\nusage: resume <unix-seconds>"), out
+            refused = await g.request("resume", "now", "0", "00" * 32)
+            assert refused.startswith("err resume: usage"), refused
+            return boot_id, numbers
+        kept = Guest(root.path / f"restored-{n}", name=f"restored-{n}", disk_bus=bus, saved=state)
+        seen.append(asyncio.run(_run_guest(kept, run)))
+        assert (share / f"from-guest-{n}").read_text() == f"{n}\n"
+    (first_boot, first_numbers), (second_boot, second_numbers) = seen
+    assert first_boot != second_boot and first_numbers != second_numbers and len(first_numbers) == 64
+
+    again = VmTemplate(directory, config)
+    assert asyncio.run(saved_by(again)) == state and again.builds == 0
+    bigger = VmTemplate(directory, dataclasses.replace(config, memory_mib=320))
+    assert asyncio.run(saved_by(bigger)) == state and bigger.builds == 1
+    assert decode(TemplateRecord, (directory / RECORD_FILE).read_bytes()).key != record.key
+
+
+async def _run_guest(kept: Guest, body):
+    async with kept as g:
+        return await body(g)
 
 
 def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_its_bus(root):

@@ -953,3 +953,85 @@ def test_a_pooled_vm_that_cannot_move_into_the_pods_directory_is_discarded(pool_
     assert [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(f"{pool_dir}/{name}")] == []
     wait_until(lambda: set(pooled_vms(kenv)) - {first}, timeout=120, what="the pool's next VM")
     client.delete_pod("crashed")
+
+
+# -- VMs restored from a saved one ----------------------------------------------------------------
+
+
+@pytest.fixture
+def template_env(root):
+    """pod_env whose handler restores each pod's VM from one it saved (--vm-template), with 3 s leases."""
+    yield from kata_env_with_client(root, proxy_extra=["--lease-seconds", "3"], handler_extra=["--vm-template"])
+
+
+def template_record(kenv) -> dict | None:
+    path = kenv.handler.state_dir / "template" / "template.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def test_pods_vms_are_restored_from_the_saved_vm_and_each_is_its_own(template_env):
+    """--vm-template: the handler saves one VM; each pod's VM is restored
+    from it (no boot: the handler logs the restore), takes the pod's shares
+    after (a host path read and written both ways) and runs its containers.
+    Two pods' guests read different boot_ids and random bytes, and the
+    host's clock although the template was saved 5 s before. A restarted
+    handler adopts its pods and uses the saved VM as it is (not made again).
+    A saved state QEMU cannot load fails that CreatePod with UNAVAILABLE
+    (kubelet tries again), leaves nothing of the pod, and the template is
+    made again; the next CreatePod restores from the new one."""
+    kenv, client = template_env
+    wait_until(lambda: template_record(kenv), timeout=180, what="the VM template")
+    record = template_record(kenv)
+    while time.time() < record["saved_at"] + 5:
+        time.sleep(0.1)
+
+    shared = kenv.path / "template-shared"
+    shared.mkdir()
+    (shared / "from-host").write_text("host\n")
+    seen = {}
+    for pod in ("restored-a", "restored-b"):
+        client.create_pod(pod, kenv.path)
+        up = [e for e in log_entries(kenv, "vm up") if e["sandbox"] == pod]
+        assert [e["restored"] for e in up] == [True], up
+        app = f"{pod}-app"
+        script = (f"cat /shared/from-host; echo {pod} > /shared/{pod}; date +%s; "
+                  "cat /proc/sys/kernel/random/boot_id; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; "
+                  "echo; echo READY; exec sleep 600")
+        client.create_container(pod, app, container_bundle(kenv.path, app, ["/bin/sh", "-c", script],
+                                                           [bind("/shared", shared)]))
+        client.start(app)
+        lines = client.output_until(app, b"READY").decode().splitlines()
+        host, clock, boot_id, numbers, _ = lines
+        assert host == "host" and (shared / pod).read_text() == f"{pod}\n"
+        assert abs(int(clock) - time.time()) <= 2, (clock, time.time())
+        seen[pod] = (boot_id, numbers)
+    assert seen["restored-a"][0] != seen["restored-b"][0] and seen["restored-a"][1] != seen["restored-b"][1]
+
+    kenv.handler.kill()
+    wait_until(lambda: kenv.handlers()["kata"].lease_expired, timeout=15, what="the lease to expire")
+    kenv.handler.start(timeout=120)
+    client.close()
+    client.__init__(kenv.handler.socket)
+    assert all(client.pods()[pod].alive for pod in seen)
+    assert client.exec("restored-a-app", "after-restart", ["cat", "/shared/from-host"])[:2] == (0, b"host\n")
+    wait_until(lambda: [e for e in log_entries(kenv, "VM template ready") if not e["made"]], timeout=60,
+               what="the restarted handler to take the saved VM")
+    assert template_record(kenv) == record
+
+    # QEMU refuses a state that is not one (its first bytes overwritten).
+    state = kenv.handler.state_dir / "template" / "vm.state"
+    with open(state, "r+b") as f:
+        f.write(b"\0" * 16)
+    before = set(qemu_pids_under(kenv.handler.state_dir))
+    with pytest.raises(grpc.RpcError) as refused:
+        client.create_pod("unloadable", kenv.path)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+    assert "sandbox unloadable: its VM did not start" in refused.value.details()
+    assert "unloadable" not in client.pods() and set(qemu_pids_under(kenv.handler.state_dir)) <= before
+    assert not list((kenv.handler.state_dir / "run").glob("*unloadable*"))
+    wait_until(lambda: (template_record(kenv) or record)["saved_at"] != record["saved_at"], timeout=180,
+               what="the template made again")
+    client.create_pod("unloadable", kenv.path)
+    assert [e["restored"] for e in log_entries(kenv, "vm up") if e["sandbox"] == "unloadable"] == [True]
+    for pod in (*seen, "unloadable"):
+        client.delete_pod(pod)

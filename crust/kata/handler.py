@@ -16,6 +16,7 @@ from crust.kata.pod_service import PodRuntimeExtension
 from crust.kata.pool import VmPool
 from crust.kata.qemu import Vm, VmConfig
 from crust.kata.sandbox import KataSandbox
+from crust.kata.template import VmTemplate
 from crust.runtime_handler.server import HandlerConfig, HandlerDaemon
 from crust.sys.proc import ProcessId
 
@@ -23,7 +24,8 @@ log = logging.getLogger(__name__)
 
 
 def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "auto", memory_mib: int = 256,
-          kata_dir: Path | None = DEFAULT_ROOT, vm_pool: int = 0, disk_bus: str = "virtio-blk") -> None:
+          kata_dir: Path | None = DEFAULT_ROOT, vm_pool: int = 0, disk_bus: str = "virtio-blk",
+          vm_template: bool = False) -> None:
     # The image is checked (and rebuilt if its inputs changed) before the
     # handler registers: a sandbox must never wait for a kernel build.
     image = build(cache, "cloud")
@@ -36,6 +38,8 @@ def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "a
 
     # VMs booted ahead of their pods (PodRuntime's pods take them).
     pool = VmPool(vm_pool, config.state_dir / "pool", vm_config)
+    # A VM saved once, restored for each pod the pool has no VM for.
+    template = VmTemplate(config.state_dir / "template", vm_config) if vm_template else None
 
     # Volumes a Kata-style CSI driver described with `direct-volume add`
     # are found next to the proxy's deferred ones.
@@ -62,7 +66,7 @@ def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "a
         # The guest opens LUKS2 volumes, authenticated ones too: the proxy
         # hands this handler their keys.
         await HandlerDaemon(config, make_sandbox=make_sandbox, direct_source=direct,
-                            extensions=[functools.partial(PodRuntimeExtension, pool=pool)],
+                            extensions=[functools.partial(PodRuntimeExtension, pool=pool, template=template)],
                             extra_features=tuple(encryption.required_features(encryption.LUKS2,
                                                                               encryption.HMAC_SHA256))).run()
 

@@ -8,6 +8,7 @@ from crust.common import csi_input
 from crust.common.errors import CrustError
 from crust.kata.pods import Pods
 from crust.kata.pool import VmPool
+from crust.kata.template import VmTemplate
 
 SERVICE = handler_pb2.DESCRIPTOR.services_by_name["PodRuntime"].full_name
 
@@ -83,9 +84,10 @@ class PodRuntimeExtension:
 
     service = SERVICE
 
-    def __init__(self, handler, pool: VmPool | None = None):
+    def __init__(self, handler, pool: VmPool | None = None, template: VmTemplate | None = None):
         self.pool = pool
-        self.pods = Pods(handler, pool)
+        self.template = template
+        self.pods = Pods(handler, pool, template)
 
     def add_to(self, server) -> None:
         handler_pb2_grpc.add_PodRuntimeServicer_to_server(PodRuntimeService(self.pods), server)
@@ -94,8 +96,12 @@ class PodRuntimeExtension:
         await self.pods.start()
         if self.pool is not None:
             await self.pool.start()
+        if self.template is not None:
+            await self.template.start()
 
     async def stop(self) -> None:
+        if self.template is not None:
+            await self.template.stop()
         if self.pool is not None:
             await self.pool.stop()
         await self.pods.stop()

@@ -102,6 +102,7 @@ from crust.kata.qemu import Nic, SharedDir, Vm, VmError
 from crust.kata.qmp import QmpError, QmpGone, QmpTimeout
 from crust.kata.sandbox import KataSandbox
 from crust.kata.share import PodShare, ShareError, cached_in_guest, is_atomic_writer_volume_root, tag_of
+from crust.kata.template import VmTemplate, restore_config
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
 from crust.runtime_handler.oci import load_requested_bundle
 from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, pod_volumes
@@ -338,9 +339,10 @@ def stats_response(numbers: dict[str, int]) -> handler_pb2.ContainerStatsRespons
 
 
 class Pods:
-    def __init__(self, handler: RuntimeHandler, pool: VmPool | None = None):
+    def __init__(self, handler: RuntimeHandler, pool: VmPool | None = None, template: VmTemplate | None = None):
         self.handler = handler
         self.pool = pool   # VMs booted ahead (crust.kata.pool); a pod takes one when it can
+        self.template = template   # a VM saved once (crust.kata.template); restored when the pool has none
         self.handler_nice = os.getpriority(os.PRIO_PROCESS, 0)   # what a taken VM runs at
         self.records = RecordStore(handler.state_dir / "pods", PodRecord, self._belongs)
         self.pods: dict[str, PodRecord] = dict(self.records.load_all())
@@ -559,6 +561,7 @@ class Pods:
                 interface = await self._pod_interface(sandbox_id, network_namespace(sandbox_spec))
                 shares = self._shares(sandbox_id)
                 pooled = await self._take_pooled_vm(sandbox_id)
+                saved = self.template.saved() if pooled is None and self.template is not None else None
                 sandbox = self.handler.make_sandbox(sandbox_id, self._workdir(sandbox_id), None, None, vm=pooled)
                 record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
                 pod = PodRecord(sandbox_id=sandbox_id, bundle=bundle, guest_runtime="crun")
@@ -575,10 +578,19 @@ class Pods:
                     if interface is not None:
                         tap = await self._open_tap(sandbox_id, pod.network, interface)
                         nic = Nic(tap, interface.mac)
-                    if pooled is not None:
+                    if saved is not None:
+                        # Restored (the saved VM's config: no share, no
+                        # NIC), then given both as a pooled VM is.
+                        sandbox.vm.config = restore_config(sandbox.vm.config)
+                        try:
+                            await sandbox.start(saved=saved)
+                        except Unavailable as exc:
+                            self.template.discard(str(exc))
+                            raise
+                    if pooled is not None or saved is not None:
                         # Booted already, serving the shares that came with
-                        # its directory (plugging them is then nothing): the
-                        # NIC is plugged in.
+                        # its directory (plugging them is then nothing), or
+                        # restored without them: they and the NIC are plugged in.
                         try:
                             for shared_dir in shared:
                                 await sandbox.vm.plug_shared_dir(shared_dir)

@@ -59,7 +59,7 @@ POOL_NICE = 10
 # After a failed boot, the next try waits this long (doubling, up to the
 # maximum): a pool never spins on a machine where VMs cannot start.
 RETRY_FIRST, RETRY_MAX = 2.0, 60.0
-# The disk a waiting VM plugs and mounts once (_warm_disk): its serial (no
+# The disk a waiting VM plugs and mounts once (warm_disk): its serial (no
 # volume's: those are digests), its guest mount point, its image in the pool's directory.
 WARM_DISK, WARM_DISK_MOUNT, WARM_DISK_IMAGE = "crust-warm", "/run/crust/warm-disk", "warm-disk.img"
 WARM_DISK_BYTES = 4 * 1024 * 1024
@@ -182,7 +182,7 @@ class VmPool:
             warm_started = time.monotonic()
             if vm.agent.version >= AGENT_WARM:
                 await vm.agent.warm()
-                await self._warm_disk(vm)
+                await warm_disk(vm, self.directory)
             warm_s = time.monotonic() - warm_started
         except BaseException:
             await _discard(vm)
@@ -193,24 +193,25 @@ class VmPool:
                                                       "warm_s": round(warm_s, 2)}})
         return vm
 
-    async def _warm_disk(self, vm: Vm) -> None:
-        """A small disk of crust's own hot-plugged read-only, mounted by the
-        guest, unmounted and unplugged: the paths a pod's first volume takes
-        (the hot-plug on the VM's disk bus, the disk's probe, a file
-        system's mount), run once.
-        The host only writes the image (mkfs), never mounts it."""
-        image = self.directory / WARM_DISK_IMAGE
-        if not image.exists():
-            partial = image.with_name(image.name + ".partial")
-            await asyncio.to_thread(_sized_file, partial, WARM_DISK_BYTES)
-            await fs.make(str(partial), "ext4")
-            os.replace(partial, image)
-        await vm.attach_disk(str(image), WARM_DISK, readonly=True, kind="file")
-        try:
-            await vm.agent.mount(WARM_DISK, "ext4", [], True, WARM_DISK_MOUNT)
-            await vm.agent.umount(WARM_DISK_MOUNT)
-        finally:
-            await vm.detach_disk(WARM_DISK)
+
+async def warm_disk(vm: Vm, directory: Path) -> None:
+    """A small disk of crust's own hot-plugged read-only, mounted by the
+    guest, unmounted and unplugged: the paths a pod's first volume takes
+    (the hot-plug on the VM's disk bus, the disk's probe, a file system's
+    mount), run once. Its image is made in directory, once.
+    The host only writes the image (mkfs), never mounts it."""
+    image = directory / WARM_DISK_IMAGE
+    if not image.exists():
+        partial = image.with_name(image.name + ".partial")
+        await asyncio.to_thread(_sized_file, partial, WARM_DISK_BYTES)
+        await fs.make(str(partial), "ext4")
+        os.replace(partial, image)
+    await vm.attach_disk(str(image), WARM_DISK, readonly=True, kind="file")
+    try:
+        await vm.agent.mount(WARM_DISK, "ext4", [], True, WARM_DISK_MOUNT)
+        await vm.agent.umount(WARM_DISK_MOUNT)
+    finally:
+        await vm.detach_disk(WARM_DISK)
 
 
 def _sized_file(path: Path, size: int) -> None:

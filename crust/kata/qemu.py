@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,13 @@ from pathlib import Path
 from crust.common.aio import first_done
 from crust.common.atomicfile import write_atomic
 from crust.common.private import make_dirs, open_new
-from crust.kata.agent import AGENT_SCSI, AgentClient, AgentError, GuestGone
+from crust.kata.agent import (
+    AGENT_RESUME,
+    AGENT_SCSI,
+    AgentClient,
+    AgentError,
+    GuestGone,
+)
 from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
 from crust.kata.virtiofsd import Virtiofsd, VirtiofsdError
 from crust.sys import proc
@@ -70,6 +77,9 @@ MAX_SOCKET_PATH = 107
 # sun_path holds 107 bytes): one directory per work directory, named by a
 # hash of its path, so a restarted handler finds the same sockets.
 SHORT_SOCKET_ROOT = Path("/run/crust-vm-sockets")
+# What a restored VM's kernel is given from the host's getrandom to reseed
+# its random number generator (agent.resume): 512 bits credited.
+RESEED_BYTES = 64
 
 
 def socket_dir_for(workdir: Path) -> Path:
@@ -238,6 +248,8 @@ class Vm:
         self._proc: asyncio.subprocess.Process | None = None
         self._adopted: proc.ProcessId | None = None  # a VM started by an earlier handler process (adopt())
         self._exited: asyncio.Task | None = None
+        # A saved VM's state QEMU reads instead of booting (start(saved=)).
+        self._incoming_fd: int | None = None
 
     def _place(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -288,6 +300,7 @@ class Vm:
             *self._shared_dir_args(),
             *self._nic_args(),
             *self._disk_bus_args(),
+            *(["-incoming", f"fd:{self._incoming_fd}"] if self._incoming_fd is not None else []),
             *c.extra_args,
         ]
 
@@ -413,8 +426,15 @@ class Vm:
     def _qemu_log_text(self) -> str:
         return self.qemu_log.read_text(errors="replace").strip() if self.qemu_log.exists() else ""
 
-    async def start(self, ready_timeout: float = 120.0) -> float:
-        """Boot and wait until the agent answers; returns the boot time (s)."""
+    async def start(self, ready_timeout: float = 120.0, *, saved: Path | None = None) -> float:
+        """Boot and wait until the agent answers; returns the boot time (s).
+
+        saved: a VM's state that save() wrote (crust.kata.template), which
+        QEMU loads instead of booting: this VM's config must be the saved
+        one's, devices included (no shares, no NIC: they are plugged after).
+        The guest is then made this VM's own before anyone uses it: the
+        agent sets its clock and reseeds its random number generator
+        (agent.resume), or the start fails."""
         for sock in (self.agent_socket, self.qmp_socket):
             if len(str(sock)) > MAX_SOCKET_PATH:
                 raise VmError(f"socket path too long for a unix socket: {sock}")
@@ -432,34 +452,98 @@ class Vm:
             except (VirtiofsdError, OSError) as exc:
                 await self._stop_virtiofsd()
                 raise VmError(f"vm {self.name}: its shared directory {shared.tag}: {exc}") from None
+        if saved is not None:
+            try:
+                self._incoming_fd = os.open(saved, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError as exc:
+                await self._stop_virtiofsd()
+                raise VmError(f"vm {self.name}: its saved state {saved}: {exc.strerror}") from None
         with os.fdopen(open_new(self.qemu_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
             try:
                 # QEMU makes its console log, pid file and sockets in the
                 # work directory: they are 0600, whatever our umask.
+                passed = ((self.config.nic.tap_fd,) if self.config.nic else ()) + \
+                    ((self._incoming_fd,) if self._incoming_fd is not None else ())
                 self._proc = await asyncio.create_subprocess_exec(
                     *self.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
-                    start_new_session=True, umask=0o077,
-                    pass_fds=(self.config.nic.tap_fd,) if self.config.nic else ())
+                    start_new_session=True, umask=0o077, pass_fds=passed)
             except FileNotFoundError:
                 await self._stop_virtiofsd()
                 raise VmError(f"{self.config.qemu_binary} not found: apt-get install qemu-system-x86") from None
+            finally:
+                if self._incoming_fd is not None:
+                    os.close(self._incoming_fd)   # QEMU's copy reads it
+                    self._incoming_fd = None
         if self.config.nice:
             _set_autogroup_nice(self._proc.pid, self.config.nice)
         self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")
         try:
             await self._monitor(self._guarded(self.qmp.connect(), "QMP connect"))
+            if saved is not None:
+                await self._monitor(self._guarded(self._load(ready_timeout), "restore"))
+                loaded = time.monotonic() - started
             await self._guarded(self.agent.connect(), "agent connect")
             await self._guarded(self.agent.wait_ready(ready_timeout), "boot")
             if self.config.disk_bus == "virtio-scsi" and self.agent.version < AGENT_SCSI:
                 raise VmError(f"vm {self.name}: its guest's agent ({self.agent.version}) finds no disk on a "
                               f"SCSI controller (agent {AGENT_SCSI} does): rebuild the guest image")
+            if saved is not None:
+                if self.agent.version < AGENT_RESUME:
+                    raise VmError(f"vm {self.name}: its saved guest's agent ({self.agent.version}) cannot make "
+                                  f"a restored VM its own (agent {AGENT_RESUME} can): save it again")
+                await self._guarded(self.agent.resume(time.time_ns(), secrets.token_bytes(RESEED_BYTES)),
+                                    "resume")
         except BaseException:
             await self.kill()
             raise
         self.boot_seconds = time.monotonic() - started
-        log.info("vm %s: agent ready %.2fs after start (pid %d, %s)", self.name, self.boot_seconds,
-                 self.pid, self.config.accel)
+        if saved is not None:
+            log.info("vm %s: restored, state loaded %.2fs and agent ready %.2fs after start (pid %d, %s)",
+                     self.name, loaded, self.boot_seconds, self.pid, self.config.accel)
+        else:
+            log.info("vm %s: agent ready %.2fs after start (pid %d, %s)", self.name, self.boot_seconds,
+                     self.pid, self.config.accel)
         return self.boot_seconds
+
+    async def _load(self, timeout: float) -> None:
+        """Until QEMU has read the saved state, then run the guest (it was
+        saved stopped, and a restored VM stays as it was saved)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = (await self.qmp.execute("query-migrate")).get("status", "none")
+            if status == "completed":
+                break
+            if status == "failed":
+                raise VmError(f"vm {self.name}: its saved state did not load; qemu: {self._qemu_log_text() or '-'}")
+            if time.monotonic() > deadline:
+                raise VmHung(f"vm {self.name}: its saved state not loaded within {timeout:.0f}s ({status})")
+            await asyncio.sleep(0.01)
+        await self.qmp.execute("cont")
+
+    async def save(self, path: Path, timeout: float = 300.0) -> int:
+        """The VM stopped and its whole state (devices and RAM) written to
+        path, a new file, for start(saved=) to load; returns its size. The
+        VM stays stopped: the caller ends it. QEMU writes through a
+        descriptor of ours (getfd), so nothing runs a shell on the path."""
+        await self.qmp.execute("stop")
+        fd = open_new(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            await self.qmp.execute_with_fd("getfd", {"fdname": "saved-state"}, fd)
+        finally:
+            os.close(fd)
+        await self.qmp.execute("migrate", {"uri": "fd:saved-state"})
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = await self.qmp.execute("query-migrate")
+            status = answer.get("status", "none")
+            if status == "completed":
+                break
+            if status in ("failed", "cancelled"):
+                raise VmError(f"vm {self.name}: not saved: {answer.get('error-desc', status)}")
+            if time.monotonic() > deadline:
+                raise VmHung(f"vm {self.name}: not saved within {timeout:.0f}s ({status})")
+            await asyncio.sleep(0.02)
+        return path.stat().st_size
 
     async def adopt(self, qemu: proc.ProcessId, disks: list[tuple[str, str]], timeout: float = 30.0) -> None:
         """Take over a VM that an earlier handler process started (QEMU runs

@@ -93,15 +93,17 @@ class KataSandbox(Sandbox):
         # runs (pid and start time; a reused pid is another process).
         return self._recorded is not None and self.vm.is_this_vm(self._recorded)
 
-    async def start(self) -> None:
+    async def start(self, saved: Path | None = None) -> None:
+        """Boot the VM, or restore it from saved (crust.kata.template)."""
         try:
-            seconds = await self.vm.start()
+            seconds = await self.vm.start(saved=saved)
         except (VmError, AgentError, ConnectionError) as exc:
             # QEMU refused its arguments or exited, the guest did not boot
             # or its agent did not answer in time (a machine short of CPU or
             # memory): the pod's start may be retried, as kubelet does.
             raise Unavailable(f"sandbox {self.id}: its VM did not start: {exc}") from None
-        log.info("vm up", extra={"fields": {"sandbox": self.id, "boot_s": round(seconds, 2), "pid": self.vm.pid}})
+        log.info("vm up", extra={"fields": {"sandbox": self.id, "boot_s": round(seconds, 2), "pid": self.vm.pid,
+                                           "restored": saved is not None}})
 
     async def adopt(self, devices: list[str], process_pid: int) -> None:
         try:

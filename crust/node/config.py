@@ -104,6 +104,8 @@ class KataSection(_Section):
     memory_mib: int = Field(256, alias="memoryMiB", ge=64, le=65536)
     # VMs kept booted for the next pods (crust.kata.pool); 0: each pod boots its own.
     vm_pool: int = Field(0, alias="vmPool", ge=0, le=64)
+    # Restore each pod's VM from one saved VM instead of booting (crust.kata.template).
+    vm_template: bool = Field(False, alias="vmTemplate")
     cache: Path = Path("/var/cache/crust/kata")
     # Kata's direct-volume directory the handler also serves.
     kata_dir: Path = Field(Path("/run/kata-containers/shared/direct-volumes"), alias="kataDir")

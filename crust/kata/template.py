@@ -1,0 +1,237 @@
+"""A VM saved once and restored for each pod: RunPodSandbox without a boot.
+
+Kata's VM templating (`enable_template`) is the model: a VM is booted once,
+stopped, and its state saved; each pod's VM is QEMU loading that state and
+running on from where the template stopped. Under software emulation a boot
+to the agent is 1.2 s at best here; QEMU loading a saved 256 MiB guest and
+its agent answering takes about a quarter of that (docs/benchmarks.md).
+
+What the template is: the handler's VM config with guest RAM shareable (a
+memfd, as a pooled VM's) and nothing of a pod, booted at nice 10, with the
+pool's warm-up run in it (/dev/shm's tmpfs made, one throwaway container
+through crun, a disk of its own plugged, mounted and unplugged), then
+stopped and saved whole (devices and RAM, QMP `migrate` to a descriptor of
+ours) to `<dir>/vm.state`, with a record (`template.json`) of what it was
+made from. Kata maps one template's RAM into every clone, copy on write;
+that needs RAM QEMU maps privately, and virtio-fs needs it shared with the
+file server, so each VM here loads its own copy (about 0.2 s for the
+115 MiB a 256 MiB guest saves to).
+
+What a restored VM has to be given, because the file cannot hold it:
+- its shares and NIC, hot-plugged after the restore (QEMU 7.2 does not
+  save a vhost-user-fs device; a pooled VM's NIC is plugged the same way);
+- its own clock and random numbers. Every VM restored from one file wakes
+  with the template's wall clock and the same kernel random number
+  generator state. Before anything of a pod runs, the agent sets the clock
+  from the host and credits 64 bytes of the host's getrandom to the kernel,
+  then reseeds its generator at once (agent `resume`; qemu.Vm.start). The
+  guest kernel has no vmgenid driver, which would do the reseed by itself.
+  What stays the same in every clone: the kernel's address layout (KASLR)
+  and what the kernel drew before the save (boot_id is drawn on first read:
+  nothing reads it before the save).
+
+The template is rebuilt when what it was made from changes (the image's
+kernel and initramfs, QEMU, the VM's size, accelerator, disk bus or kernel
+command line: template_key); a pod that comes meanwhile boots its VM, as
+without a template. A restore that fails drops the template (rebuilt in the
+background) and fails that RunPodSandbox (kubelet retries; the retry boots).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from crust.common.atomicfile import write_atomic
+from crust.common.formats import NewerFormat, decode, encode
+from crust.common.private import make_dirs
+from crust.kata.agent import SHM_TMPFS, AgentError
+from crust.kata.pool import (
+    POOL_NICE,
+    RETRY_FIRST,
+    RETRY_MAX,
+    WARM_DISK_IMAGE,
+    warm_disk,
+)
+from crust.kata.qemu import Vm, VmConfig, VmError, is_qemu_under, qemu_pids_under
+from crust.kata.qmp import QmpError, QmpGone
+from crust.sys import proc
+from crust.sys.run import CommandError, run
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "vm.state"
+RECORD_FILE = "template.json"
+BUILD_DIR = "build"
+
+
+class TemplateRecord(BaseModel):
+    """What the saved VM was made from (template.json)."""
+
+    key: str             # template_key of the config it was saved with
+    saved_bytes: int     # the state file's size
+    boot_s: float        # its boot to the agent
+    guest_uptime_s: float = 0.0   # the guest's uptime just before the save (a restored guest's goes on from it)
+    saved_at: float      # seconds since the epoch
+
+
+def restore_config(config: VmConfig) -> VmConfig:
+    """The config a template is saved with and restored into: the handler's,
+    guest RAM shareable, no share and no NIC (plugged after)."""
+    return dataclasses.replace(config, shared_dirs=(), nic=None, shared_memory=True, nice=0, extra_args=())
+
+
+async def template_key(config: VmConfig) -> str:
+    """A digest of everything the saved state must match to be loaded: the
+    guest's kernel and initramfs (their paths name the image's hash), QEMU
+    (its binary and version), and the machine the config describes."""
+    qemu = shutil.which(config.qemu_binary) or config.qemu_binary
+    version = (await run([qemu, "--version"], timeout=30)).stdout.splitlines()[0]
+    facts = [version, f"memory={config.memory_mib}", f"cpus={config.cpus}", f"accel={config.accel}",
+             f"bus={config.disk_bus}", f"cmdline={config.cmdline}"]
+    for path in (qemu, str(config.kernel), str(config.initrd)):
+        st = os.stat(path)
+        facts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(facts).encode()).hexdigest()
+
+
+class VmTemplate:
+    def __init__(self, directory: Path, config: VmConfig):
+        self.directory = directory
+        # The handler's config: its accelerator is decided before start().
+        self.config = config
+        self.state = directory / STATE_FILE
+        self.record_path = directory / RECORD_FILE
+        self._ready = False
+        self._keeper: asyncio.Task | None = None
+        self.builds = 0
+        self.restores = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """A template an earlier handler process saved is used if it still
+        fits; otherwise one is made in the background."""
+        make_dirs(self.directory)
+        # What a stopped or killed build left: its VM and directory, a part
+        # of a state, the warm-up disk's image.
+        await asyncio.to_thread(_remove_build, self.directory / BUILD_DIR)
+        for name in (STATE_FILE + ".partial", WARM_DISK_IMAGE, WARM_DISK_IMAGE + ".partial"):
+            (self.directory / name).unlink(missing_ok=True)
+        self._keeper = asyncio.create_task(self._keep(), name="vm-template")
+
+    async def stop(self) -> None:
+        """The saved template stays for the next handler process."""
+        if self._keeper is not None:
+            self._keeper.cancel()
+            try:
+                await self._keeper
+            except asyncio.CancelledError:
+                pass
+            self._keeper = None
+
+    def saved(self) -> Path | None:
+        """The state file to restore a pod's VM from, or None (none fits yet)."""
+        if not self._ready:
+            return None
+        self.restores += 1
+        return self.state
+
+    def discard(self, reason: str) -> None:
+        """A restore from the template failed: it is made again."""
+        log.warning("VM template discarded; making it again", extra={"fields": {"reason": reason[:500]}})
+        self._ready = False
+        for path in (self.record_path, self.state):
+            path.unlink(missing_ok=True)
+        if self._keeper is None or self._keeper.done():
+            self._keeper = asyncio.create_task(self._keep(), name="vm-template")
+
+    def status(self) -> dict:
+        return {"ready": self._ready, "builds": self.builds, "restores": self.restores}
+
+    # -- making ------------------------------------------------------------------------
+
+    async def _keep(self) -> None:
+        delay = RETRY_FIRST
+        while True:
+            try:
+                key = await template_key(self.config)
+                if await asyncio.to_thread(self._fits, key):
+                    self._ready = True
+                    log.info("VM template ready", extra={"fields": {"state": str(self.state), "made": False}})
+                    return
+                await self._build(key)
+                self._ready = True
+                return
+            except (VmError, AgentError, QmpError, QmpGone, CommandError, OSError) as exc:
+                log.error("the VM template was not made; trying again later", extra={"fields": {
+                    "error": str(exc)[:500], "retry_s": delay}})
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX)
+
+    def _fits(self, key: str) -> bool:
+        try:
+            record = decode(TemplateRecord, self.record_path.read_bytes(), self.record_path)
+            size = self.state.stat().st_size
+        except (OSError, ValueError, NewerFormat):
+            return False
+        return record.key == key and record.saved_bytes == size
+
+    async def _build(self, key: str) -> None:
+        for path in (self.record_path, self.state):
+            path.unlink(missing_ok=True)
+        workdir = self.directory / BUILD_DIR
+        partial = self.directory / (STATE_FILE + ".partial")
+        partial.unlink(missing_ok=True)
+        vm = Vm("crust-template-" + secrets.token_hex(6), workdir,
+                dataclasses.replace(restore_config(self.config), nice=POOL_NICE))
+        started = time.monotonic()
+        try:
+            boot_s = await vm.start()
+            await vm.agent.pod_tmpfs(SHM_TMPFS)
+            await vm.agent.warm()
+            await warm_disk(vm, self.directory)
+            uptime = float((await vm.agent.ping()).fields.get("uptime", "0"))
+            size = await vm.save(partial)
+        finally:
+            await vm.kill()
+            await asyncio.to_thread(_remove_build, workdir)
+        await asyncio.to_thread(_settle, partial, self.state)
+        record = TemplateRecord(key=key, saved_bytes=size, boot_s=round(boot_s, 3), guest_uptime_s=uptime,
+                                saved_at=time.time())
+        write_atomic(self.record_path, encode(record), mode=0o600)
+        (self.directory / WARM_DISK_IMAGE).unlink(missing_ok=True)
+        self.builds += 1
+        log.info("VM template ready", extra={"fields": {"state": str(self.state), "made": True, "bytes": size,
+                                                        "seconds": round(time.monotonic() - started, 2)}})
+
+
+def _settle(partial: Path, final: Path) -> None:
+    fd = os.open(partial, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(partial, final)
+
+
+def _remove_build(workdir: Path) -> None:
+    """A template's build directory: a QEMU an earlier handler process left
+    running there killed first (only one whose command line names it)."""
+    for pid in qemu_pids_under(workdir):
+        identity = proc.identify(pid)
+        if identity is not None:
+            proc.signal_if(pid, lambda p=identity: proc.alive(p) and is_qemu_under(p.pid, workdir))
+            deadline = time.monotonic() + 10
+            while proc.alive(identity) and time.monotonic() < deadline:
+                time.sleep(0.05)
+    shutil.rmtree(workdir, ignore_errors=True)
