@@ -27,9 +27,12 @@ the pool has refilled, as when pods come slower than boots). Beside them,
 the floor: --floor-boots boots of the same kernel, with a tiny initramfs
 whose /init powers off at once, same accelerator and memory, from QEMU's
 start to its exit. And a pooled VM's memory while it waits (its QEMU's
-RSS and PSS, the guest's RAM a shared memfd).
+RSS and PSS, the guest's RAM a shared memfd). A setting `template` runs
+the handler with --vm-template and no pool: each pod's VM is restored from
+the VM the handler saved (crust.kata.template; the rounds start once it is
+saved).
 
-    .venv/bin/python bench/pod_start_microvm.py [--rounds 5] [--pools 0,1] [--floor-boots 5] [--fs ext4]
+    .venv/bin/python bench/pod_start_microvm.py [--rounds 5] [--pools 0,1,template] [--floor-boots 5] [--fs ext4]
         [--mib 128] [--disk-buses virtio-blk] [--agent-times] [--keep-log DIR] [--json OUT.json]
 
 --disk-buses virtio-blk,virtio-scsi runs each pool setting once per disk
@@ -188,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--fs", default="ext4", choices=["xfs", "ext4"])
     parser.add_argument("--mib", type=int, default=128)
-    parser.add_argument("--pools", default="0,1", help="the handler's --vm-pool settings to run, in turn (default: 0,1)")
+    parser.add_argument("--pools", default="0,1",
+                        help="the handler's --vm-pool settings to run, in turn; `template`: no pool, "
+                             "--vm-template (default: 0,1)")
     parser.add_argument("--disk-buses", default="virtio-blk",
                         help="the handler's --disk-bus settings to run, in turn, for each pool setting "
                              "(default: virtio-blk)")
@@ -214,14 +219,17 @@ def main(argv: list[str] | None = None) -> int:
                 + ["handler_mount_ahead_ms", "stop_to_vm_gone_ms"])
         columns: dict[str, dict] = {}
         buses = [b.strip() for b in args.disk_buses.split(",") if b.strip()]
-        settings = [(int(p), bus) for p in args.pools.split(",") if p.strip() for bus in buses]
-        for pool, bus in settings:
+        settings = [(p.strip(), bus) for p in args.pools.split(",") if p.strip() for bus in buses]
+        for setting, bus in settings:
+            template = setting == "template"
+            pool = 0 if template else int(setting)
             roots.append(Root())
             root = roots[-1]
             # The column's name says the bus only when the run compares buses.
-            column = f"pool {pool}" + (f", {bus}" if len(buses) > 1 else "")
-            label = f"pool{pool}" + (f"-{bus}" if len(buses) > 1 else "")
-            extra = ("--disk-bus", bus, *(("--log-level", "debug") if args.agent_times else ()))
+            column = ("template" if template else f"pool {pool}") + (f", {bus}" if len(buses) > 1 else "")
+            label = ("template" if template else f"pool{pool}") + (f"-{bus}" if len(buses) > 1 else "")
+            extra = ("--disk-bus", bus, *(("--log-level", "debug") if args.agent_times else ()),
+                     *(("--vm-template",) if template else ()))
             with cri_microvm_node(root, vm_pool=pool, handler_extra=extra) as node:
                 version = node.runtime.runtime_version
                 results["containerd"] = version.runtime_version if version else ""
@@ -234,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
                     while pool and len(pooled_ready(root)) < pool:   # the pool refilled
                         if time.monotonic() > deadline:
                             raise TimeoutError("the pool did not refill within 300 s")
+                        time.sleep(0.05)
+                    saved = root.path / "kata-state" / "template" / "template.json"
+                    while template and not saved.exists():   # the handler saved its VM
+                        if time.monotonic() > deadline:
+                            raise TimeoutError("the handler saved no VM template within 300 s")
                         time.sleep(0.05)
                     if pool and turn == 1:
                         results["pooled_vm_memory"] = memory_of(pooled_ready(root)[0])
