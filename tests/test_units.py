@@ -1598,3 +1598,23 @@ def test_a_vm_on_the_scsi_bus_boots_with_its_controller_and_says_so_to_the_guest
     assert not any("scsi" in word for word in plain[plain.index("-append") + 1].split())
     with pytest.raises(ValueError, match="disk bus 'ide'"):
         vm(disk_bus="ide")
+
+
+def test_a_handler_without_a_template_removes_only_what_a_template_left(tmp_path):
+    """remove_saved: the saved state, its record, a build's leftovers and
+    the directory go; a file that is no template's stays, and with it the
+    directory. Nothing there: nothing done."""
+    from crust.kata.template import BUILD_DIR, RECORD_FILE, STATE_FILE, remove_saved
+
+    directory = tmp_path / "template"
+    assert remove_saved(directory) == [] and not directory.exists()
+    (directory / BUILD_DIR).mkdir(parents=True)
+    (directory / BUILD_DIR / "console.log").write_text("a build's\n")
+    for name in (STATE_FILE, RECORD_FILE, STATE_FILE + ".partial"):
+        (directory / name).write_bytes(b"x")
+    (directory / "notes.txt").write_text("an operator's\n")
+    assert sorted(remove_saved(directory)) == sorted([STATE_FILE, RECORD_FILE, STATE_FILE + ".partial"])
+    assert sorted(p.name for p in directory.iterdir()) == ["notes.txt"]
+    (directory / "notes.txt").unlink()
+    (directory / STATE_FILE).write_bytes(b"x")
+    assert remove_saved(directory) == [STATE_FILE] and not directory.exists()

@@ -16,7 +16,7 @@ from crust.kata.pod_service import PodRuntimeExtension
 from crust.kata.pool import VmPool
 from crust.kata.qemu import Vm, VmConfig
 from crust.kata.sandbox import KataSandbox
-from crust.kata.template import VmTemplate
+from crust.kata.template import VmTemplate, remove_saved
 from crust.runtime_handler.server import HandlerConfig, HandlerDaemon
 from crust.sys.proc import ProcessId
 
@@ -38,8 +38,13 @@ def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "a
 
     # VMs booted ahead of their pods (PodRuntime's pods take them).
     pool = VmPool(vm_pool, config.state_dir / "pool", vm_config)
-    # A VM saved once, restored for each pod the pool has no VM for.
+    # A VM saved once, restored for each pod the pool has no VM for; what
+    # an earlier handler saved is removed when this one restores nothing.
     template = VmTemplate(config.state_dir / "template", vm_config) if vm_template else None
+    if template is None:
+        removed = remove_saved(config.state_dir / "template")
+        if removed:
+            log.info("removed the VM template an earlier handler saved", extra={"fields": {"files": removed}})
 
     # Volumes a Kata-style CSI driver described with `direct-volume add`
     # are found next to the proxy's deferred ones.

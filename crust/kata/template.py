@@ -215,6 +215,28 @@ class VmTemplate:
                                                         "seconds": round(time.monotonic() - started, 2)}})
 
 
+def remove_saved(directory: Path) -> list[str]:
+    """A handler that no longer restores VMs frees what an earlier one
+    saved: the files of a template in directory (only those, a build's
+    QEMU killed first), then the directory if that empties it. Returns the
+    names removed."""
+    if not directory.is_dir() or directory.is_symlink():
+        return []
+    _remove_build(directory / BUILD_DIR)
+    removed = []
+    for name in (STATE_FILE, RECORD_FILE, STATE_FILE + ".partial", WARM_DISK_IMAGE, WARM_DISK_IMAGE + ".partial"):
+        try:
+            (directory / name).unlink()
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    try:
+        directory.rmdir()
+    except OSError:
+        pass   # something not a template's is in it: kept
+    return removed
+
+
 def _settle(partial: Path, final: Path) -> None:
     fd = os.open(partial, os.O_RDONLY | os.O_CLOEXEC)
     try:
