@@ -32,7 +32,7 @@ What a restored VM has to be given, because the file cannot hold it:
 
 The template is rebuilt when what it was made from changes (the image's
 kernel and initramfs, QEMU, the VM's size, accelerator, disk bus or kernel
-command line: template_key); a pod that comes meanwhile boots its VM, as
+command line, the host's kernel or CPU: template_key); a pod that comes meanwhile boots its VM, as
 without a template. A restore that fails drops the template (rebuilt in the
 background) and fails that RunPodSandbox (kubelet retries; the retry boots).
 """
@@ -93,11 +93,14 @@ def restore_config(config: VmConfig) -> VmConfig:
 async def template_key(config: VmConfig) -> str:
     """A digest of everything the saved state must match to be loaded: the
     guest's kernel and initramfs (their paths name the image's hash), QEMU
-    (its binary and version), and the machine the config describes."""
+    (its binary and version), the machine the config describes, and the
+    host's kernel and CPU (under KVM the guest's CPU is the host's, `-cpu
+    host`: a state saved on another CPU may not load, or not run right)."""
     qemu = shutil.which(config.qemu_binary) or config.qemu_binary
     version = (await run([qemu, "--version"], timeout=30)).stdout.splitlines()[0]
     facts = [version, f"memory={config.memory_mib}", f"cpus={config.cpus}", f"accel={config.accel}",
-             f"bus={config.disk_bus}", f"cmdline={config.cmdline}"]
+             f"bus={config.disk_bus}", f"cmdline={config.cmdline}", f"host={os.uname().release}",
+             f"cpu={await asyncio.to_thread(_host_cpu)}"]
     for path in (qemu, str(config.kernel), str(config.initrd)):
         st = os.stat(path)
         facts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
@@ -213,6 +216,21 @@ class VmTemplate:
         self.builds += 1
         log.info("VM template ready", extra={"fields": {"state": str(self.state), "made": True, "bytes": size,
                                                         "seconds": round(time.monotonic() - started, 2)}})
+
+
+def _host_cpu() -> str:
+    """The host CPU's model and feature flags (its first processor's)."""
+    model = flags = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = value.strip()
+            elif not line.strip() and (model or flags):
+                break
+    return hashlib.sha256(f"{model}\n{flags}".encode()).hexdigest()[:16]
 
 
 def remove_saved(directory: Path) -> list[str]:
