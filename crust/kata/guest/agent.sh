@@ -360,15 +360,42 @@ cmd_sharemount() {  # target [tag]: a shared directory of the pod (virtio-fs, ta
   mkdir -p "$1" || fail "mkdir $1 failed"
   # nodev: the host's device nodes never act in the guest; a container's
   # root keeps suid/exec (its binaries run from there).
-  # A device hot-plugged a moment ago (a VM booted ahead of its pod) may
-  # still be probed: its tag is unknown until then.
-  tries=$((DEVICE_WAIT_SECONDS * 10))
-  until mount -t virtiofs -o nodev "$tag" "$1" 2>"$RUN/mount.err"; do
-    tries=$((tries - 1))
-    [ "$tries" -gt 0 ] || fail "mount of the shared directory (virtio-fs tag $tag) failed: $(cat "$RUN/mount.err")"
-    usleep 100000
+  # A device hot-plugged a moment ago (a VM booted ahead of its pod, or
+  # restored) may still be probed: its tag is unknown until the virtio-fs
+  # driver has bound it. The mount is tried again each time the driver has
+  # bound one device more, looked at every 20 ms without a process (each
+  # one costs the guest's one CPU, which the probe needs, under emulation).
+  waited=0 seen=-1
+  while :; do
+    count_virtiofs
+    if [ "$bound" -ne "$seen" ]; then
+      seen=$bound
+      mount -t virtiofs -o nodev "$tag" "$1" 2>"$RUN/mount.err" && break
+    fi
+    [ "$waited" -lt $((DEVICE_WAIT_SECONDS * 1000)) ] ||
+      fail "mount of the shared directory (virtio-fs tag $tag) failed: $(cat "$RUN/mount.err")"
+    nap
+    waited=$((waited + 20))
   done
   echo "mounted=1"
+}
+
+count_virtiofs() {  # sets bound: the devices the virtio-fs driver has bound (no process)
+  bound=0
+  set +f
+  for device in /sys/bus/virtio/drivers/virtiofs/virtio*; do
+    [ -e "$device" ] && bound=$((bound + 1))
+  done
+  set -f
+}
+
+nap() {  # about 20 ms without a process: a read with a timeout on a fifo nobody writes
+  if [ -z "$napping" ]; then
+    [ -p "$RUN/pause" ] || mkfifo "$RUN/pause" 2>/dev/null || [ -p "$RUN/pause" ] || fail "cannot make $RUN/pause"
+    exec 8<>"$RUN/pause"   # this request's shell only: closed with it
+    napping=1
+  fi
+  read -t 0.02 _ <&8
 }
 
 cbind_one() {  # root source destination ro|rw: sets target (and already); root checked by the caller
@@ -770,7 +797,7 @@ cmd_cstarted() {  # id pid [wait-ms]: started=1 once crun started the container,
   case $wait_ms in ''|*[!0-9]*) fail "bad wait: $wait_ms" ;; esac
   [ "$wait_ms" -le 5000 ] || fail "wait at most 5000 ms, not $wait_ms"
   [ -e "$RUN/exec/$2.started" ] || fail "no process $2 was started by spawn"
-  waited=0 pausing=
+  waited=0
   while :; do
     if [ -e "$RUN/exec/$2.exit" ] || [ ! -d "/proc/$2" ]; then echo "started=0 exited=1"; return 0; fi
     if [ -e "/run/crust/crun/$1/status" ] && [ ! -e "/run/crust/crun/$1/exec.fifo" ]; then
@@ -779,12 +806,7 @@ cmd_cstarted() {  # id pid [wait-ms]: started=1 once crun started the container,
       return 0
     fi
     [ "$waited" -lt "$wait_ms" ] || break
-    if [ -z "$pausing" ]; then
-      [ -p "$RUN/pause" ] || mkfifo "$RUN/pause" 2>/dev/null || [ -p "$RUN/pause" ] || fail "cannot make $RUN/pause"
-      exec 8<>"$RUN/pause"   # this request's shell only: closed with it
-      pausing=1
-    fi
-    read -t 0.02 _ <&8
+    nap
     waited=$((waited + 20))
   done
   echo "started=0 exited=0"
