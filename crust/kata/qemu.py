@@ -508,17 +508,24 @@ class Vm:
     async def _load(self, timeout: float) -> None:
         """Until QEMU has read the saved state, then run the guest (it was
         saved stopped, and a restored VM stays as it was saved)."""
+        await self._migrated("its saved state did not load", timeout, 0.01)
+        await self.qmp.execute("cont")
+
+    async def _migrated(self, failure: str, timeout: float, interval: float) -> None:
+        """Until QEMU's migration (out to a file, or in from one) completed;
+        VmError with QEMU's reason if it failed, VmHung after timeout."""
         deadline = time.monotonic() + timeout
         while True:
-            status = (await self.qmp.execute("query-migrate")).get("status", "none")
+            answer = await self.qmp.execute("query-migrate")
+            status = answer.get("status", "none")
             if status == "completed":
-                break
-            if status == "failed":
-                raise VmError(f"vm {self.name}: its saved state did not load; qemu: {self._qemu_log_text() or '-'}")
+                return
+            if status in ("failed", "cancelled"):
+                reason = answer.get("error-desc") or self._qemu_log_text() or status
+                raise VmError(f"vm {self.name}: {failure}: {reason}")
             if time.monotonic() > deadline:
-                raise VmHung(f"vm {self.name}: its saved state not loaded within {timeout:.0f}s ({status})")
-            await asyncio.sleep(0.01)
-        await self.qmp.execute("cont")
+                raise VmHung(f"vm {self.name}: {failure} within {timeout:.0f}s ({status})")
+            await asyncio.sleep(interval)
 
     async def save(self, path: Path, timeout: float = 300.0) -> int:
         """The VM stopped and its whole state (devices and RAM) written to
@@ -532,17 +539,7 @@ class Vm:
         finally:
             os.close(fd)
         await self.qmp.execute("migrate", {"uri": "fd:saved-state"})
-        deadline = time.monotonic() + timeout
-        while True:
-            answer = await self.qmp.execute("query-migrate")
-            status = answer.get("status", "none")
-            if status == "completed":
-                break
-            if status in ("failed", "cancelled"):
-                raise VmError(f"vm {self.name}: not saved: {answer.get('error-desc', status)}")
-            if time.monotonic() > deadline:
-                raise VmHung(f"vm {self.name}: not saved within {timeout:.0f}s ({status})")
-            await asyncio.sleep(0.02)
+        await self._migrated("not saved", timeout, 0.02)
         return path.stat().st_size
 
     async def adopt(self, qemu: proc.ProcessId, disks: list[tuple[str, str]], timeout: float = 30.0) -> None:

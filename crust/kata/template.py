@@ -72,6 +72,9 @@ log = logging.getLogger(__name__)
 STATE_FILE = "vm.state"
 RECORD_FILE = "template.json"
 BUILD_DIR = "build"
+# What a stopped or killed build leaves beside the template: a part of a
+# state, the warm-up disk's image or its part.
+BUILD_LEFTOVERS = (STATE_FILE + ".partial", WARM_DISK_IMAGE, WARM_DISK_IMAGE + ".partial")
 
 
 class TemplateRecord(BaseModel):
@@ -117,7 +120,6 @@ class VmTemplate:
         self._ready = False
         self._keeper: asyncio.Task | None = None
         self.builds = 0
-        self.restores = 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -125,10 +127,9 @@ class VmTemplate:
         """A template an earlier handler process saved is used if it still
         fits; otherwise one is made in the background."""
         make_dirs(self.directory)
-        # What a stopped or killed build left: its VM and directory, a part
-        # of a state, the warm-up disk's image.
+        # What a stopped or killed build left: its VM and directory, its files.
         await asyncio.to_thread(_remove_build, self.directory / BUILD_DIR)
-        for name in (STATE_FILE + ".partial", WARM_DISK_IMAGE, WARM_DISK_IMAGE + ".partial"):
+        for name in BUILD_LEFTOVERS:
             (self.directory / name).unlink(missing_ok=True)
         self._keeper = asyncio.create_task(self._keep(), name="vm-template")
 
@@ -144,10 +145,7 @@ class VmTemplate:
 
     def saved(self) -> Path | None:
         """The state file to restore a pod's VM from, or None (none fits yet)."""
-        if not self._ready:
-            return None
-        self.restores += 1
-        return self.state
+        return self.state if self._ready else None
 
     def discard(self, reason: str) -> None:
         """A restore from the template failed: it is made again."""
@@ -157,9 +155,6 @@ class VmTemplate:
             path.unlink(missing_ok=True)
         if self._keeper is None or self._keeper.done():
             self._keeper = asyncio.create_task(self._keep(), name="vm-template")
-
-    def status(self) -> dict:
-        return {"ready": self._ready, "builds": self.builds, "restores": self.restores}
 
     # -- making ------------------------------------------------------------------------
 
@@ -242,7 +237,7 @@ def remove_saved(directory: Path) -> list[str]:
         return []
     _remove_build(directory / BUILD_DIR)
     removed = []
-    for name in (STATE_FILE, RECORD_FILE, STATE_FILE + ".partial", WARM_DISK_IMAGE, WARM_DISK_IMAGE + ".partial"):
+    for name in (STATE_FILE, RECORD_FILE, *BUILD_LEFTOVERS):
         try:
             (directory / name).unlink()
             removed.append(name)
