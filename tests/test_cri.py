@@ -691,6 +691,8 @@ def test_crust_runc_creates_a_deferred_container_with_the_handler_and_no_interpr
         assert (data["type"], data["source"]) == ("ext4", vol.device)
         assert json.loads((state / "front1").read_text()) == {"sandbox_id": "pod-front", "bundle": str(bundle)}
         assert {(c[0], c[2]) for c in env.claim_set()} == {(str(vol.target), "pod-front")}
+        # The bundle joins no pod's namespaces by /proc path: the init holds the claim.
+        assert [c.sandbox_pid for c in env.claims()] == [init]
         (held,) = _json_call(Path(f"{env.handler.socket}.json"),
                              b'{"method": "ListContainers", "request": {}}\n')["response"]["containers"]
         assert (held["containerId"], held["state"], int(held["pid"])) == ("front1", "created", init)

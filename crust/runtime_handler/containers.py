@@ -15,9 +15,14 @@ this part of the handler, over the handler's socket:
    (the host's mount table never has it). A deferred target without a
    readable entry fails here, so the empty placeholder is never bound.
 2. ContainerCreated, after `runc create`: the container's init process is
-   recorded (pid and start time) and becomes the claims' holder; the pod's
-   fsGroup is applied on the mounted file system, reached through
-   /proc/PID/root, before the workload starts.
+   recorded (pid and start time); the pod's fsGroup is applied on the
+   mounted file system, reached through /proc/PID/root, before the
+   workload starts. The claims' process (what keeps them should the
+   handler's lease lapse) is the pod's own sandbox process when the spec
+   joins its namespaces by /proc/PID/ns paths, as containerd's CRI plugin
+   writes them: it is known before `runc create` and outlives every
+   container of the pod, so the claim names it once, in PrepareBundle.
+   Otherwise the init becomes the claims' process here.
 3. Stats and expansion, while the container runs: the file system is
    reached the same way, measured with statvfs and grown with the file
    system's ioctl (crust.sys.growfs).
@@ -37,6 +42,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -70,6 +76,9 @@ PREPARED, CREATED = "prepared", "created"
 # reading, frontend.c's MAX_SPEC).
 MAX_SPEC_BYTES = 64 << 20
 SHARED_PROPAGATION = {"shared", "rshared"}
+# How a CRI runtime has a pod's container join the pod's sandbox: by the
+# sandbox process's namespaces (containerd's CRI plugin writes these paths).
+POD_NAMESPACE_PATH = re.compile(r"/proc/([1-9][0-9]{0,9})/ns/(?:ipc|uts|net|pid)")
 # Propagation flags of the bind that mean nothing for a mounted device.
 DROPPED_OPTIONS = BIND_OPTIONS | {"private", "rprivate", "slave", "rslave", "unbindable", "runbindable"}
 
@@ -94,6 +103,10 @@ class ContainerRecord(BaseModel):
     state: str = PREPARED
     runtime_pid: int = 0
     runtime_pid_start: int = 0
+    # The pod's sandbox process (0: the spec named none, or it came through
+    # PrepareContainer, which sends no spec).
+    pod_pid: int = 0
+    pod_pid_start: int = 0
     pid: int = 0
     pid_start: int = 0
     # The container's mount namespace ("mnt:[inode]"), read from its init.
@@ -106,6 +119,9 @@ class ContainerRecord(BaseModel):
 
     def runtime(self) -> proc.ProcessId | None:
         return proc.ProcessId(self.runtime_pid, self.runtime_pid_start) if self.runtime_pid_start else None
+
+    def pod(self) -> proc.ProcessId | None:
+        return proc.ProcessId(self.pod_pid, self.pod_pid_start) if self.pod_pid_start else None
 
     def targets(self) -> list[str]:
         return sorted({m.target_path for m in self.mounts})
@@ -121,6 +137,22 @@ def volume_target(source: str) -> str | None:
     found = candidates(source)
     parts = found[-1].split("/")
     return found[-1] if len(parts) >= 3 and parts[-3] == CSI_DIR and parts[-1] == "mount" else None
+
+
+def pod_process(spec: dict) -> int:
+    """The pid of the pod's sandbox process, when the spec has the container
+    join its namespaces through /proc/PID/ns paths that all name one
+    process (not the node's init); 0 otherwise (CRI-O's pinned namespaces,
+    a pod on the host's namespaces, no pod at all)."""
+    linux = spec.get("linux")
+    namespaces = linux.get("namespaces") if isinstance(linux, dict) else None
+    pids = set()
+    for namespace in namespaces if isinstance(namespaces, list) else []:
+        path = namespace.get("path") if isinstance(namespace, dict) else None
+        found = POD_NAMESPACE_PATH.fullmatch(path) if isinstance(path, str) else None
+        if found:
+            pids.add(int(found.group(1)))
+    return pids.pop() if len(pids) == 1 and 1 not in pids else 0
 
 
 def device_options(info: MountInfo, readonly: bool) -> list[str]:
@@ -167,7 +199,7 @@ class ContainerVolumes:
     # -- 1. before runc create ---------------------------------------------------------------
 
     async def prepare(self, container_id: str, sandbox_id: str, bundle: str, mounts, runtime_pid: int,
-                      ) -> list[ContainerMount]:
+                      pod_pid: int = 0) -> list[ContainerMount]:
         if not valid_key(container_id):
             raise InvalidArgument(f"container_id {container_id!r} must be {KEY_RULE}")
         check_sandbox_id(sandbox_id)
@@ -201,9 +233,11 @@ class ContainerVolumes:
                 return []
             await self.handler.registration.wait_registered(f"container {container_id}")
             runtime = proc.identify(runtime_pid) if runtime_pid > 0 else None
+            pod = proc.identify(pod_pid) if pod_pid > 0 else None
             record = ContainerRecord(container_id=container_id, sandbox_id=sandbox_id, bundle=bundle,
                                      runtime_pid=runtime.pid if runtime else 0,
-                                     runtime_pid_start=runtime.start if runtime else 0)
+                                     runtime_pid_start=runtime.start if runtime else 0,
+                                     pod_pid=pod.pid if pod else 0, pod_pid_start=pod.start if pod else 0)
             claimed: list[str] = []
             described: dict[str, MountInfo] = {}  # by target: the claim's description
             try:
@@ -212,8 +246,8 @@ class ContainerVolumes:
                         raise FailedPrecondition(f"handler {self.handler.name} cannot mount {info.fstype}")
                     if info.target_path not in claimed:
                         # Claim first: a second pod is refused before anything touches the device.
-                        answer = await self.handler.registration.claim(
-                            info.target_path, sandbox_id, self._holder_pid(info.target_path, sandbox_id))
+                        holder = record.pod_pid if pod else self._holder_pid(info.target_path, sandbox_id)
+                        answer = await self.handler.registration.claim(info.target_path, sandbox_id, holder)
                         claimed.append(info.target_path)
                         described[info.target_path] = claimed_description(info, answer)
                     info = described[info.target_path]
@@ -269,7 +303,7 @@ class ContainerVolumes:
         mounts = [handler_pb2.ContainerMount(destination=m.get("destination") or "", type=m.get("type") or "",
                                              source=m.get("source") or "", options=m.get("options") or [])
                   for m in spec.get("mounts") or []]
-        deferred = await self.prepare(container_id, sandbox_id, bundle, mounts, runtime_pid)
+        deferred = await self.prepare(container_id, sandbox_id, bundle, mounts, runtime_pid, pod_process(spec))
         if not deferred:
             return []
         try:
@@ -314,13 +348,19 @@ class ContainerVolumes:
                                  "the empty placeholder")
 
     def _holder_pid(self, target_path: str, sandbox_id: str, excluding: str = "") -> int:
-        """The init of a live container of the pod that uses target_path (0
-        if none): the claim's process while it runs."""
+        """The process the pod's claim on target_path names: the pod's
+        sandbox process while it runs, when a container of the pod that uses
+        target_path named it; else the init of such a live container other
+        than `excluding`; 0 if none."""
+        init = 0
         for record in self.containers.values():
-            if record.container_id != excluding and record.sandbox_id == sandbox_id \
-                    and target_path in record.targets() and proc.alive(record.init()):
-                return record.pid
-        return 0
+            if record.sandbox_id != sandbox_id or target_path not in record.targets():
+                continue
+            if proc.alive(record.pod()):
+                return record.pod_pid
+            if not init and record.container_id != excluding and proc.alive(record.init()):
+                init = record.pid
+        return init
 
     # -- 2. after runc create ---------------------------------------------------------------------
 
