@@ -7,6 +7,7 @@ import asyncio
 import errno
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from crust.api import csi_pb2, runtime_pb2
 from crust.common import copath, limits
 from crust.common.errors import FailedPrecondition, InvalidArgument
+from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 
 
@@ -138,6 +140,67 @@ def test_the_entry_of_one_mount_is_its_mount_table_line(tree):
     assert sysmount.entry_of(os.open(root / "stacked", os.O_PATH)).super_options[0] == "ro"
     if os.uname().release.split(".")[:2] >= ["6", "15"]:  # statmount with the source string
         assert answered_in_place == 4
+
+
+def _held(device: str) -> bool:
+    """Whether a mount (any, in any namespace, detached or not) holds the
+    block device: an exclusive open is refused then."""
+    try:
+        os.close(os.open(device, os.O_RDONLY | os.O_EXCL))
+        return False
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
+        return True
+
+
+def test_a_file_system_read_ahead_is_mounted_nowhere_and_shared_by_the_next_mount(tree):
+    """open_filesystem: the device's file system in a super block, mounted
+    in no table; a mount of the device meanwhile shares it (its options
+    must agree on read-only, which is why the caller passes the options the
+    mount will use); closing the descriptor lets go of it, and of the file
+    system once nothing else holds it. A bad option is an error naming it."""
+    root, _ = tree
+    image = root / "disk.img"
+    with open(image, "wb") as f:
+        f.truncate(320 << 20)
+    subprocess.run(["mkfs.xfs", "-q", str(image)], check=True)
+    device = sysloop.attach_sync(image)
+    mnt = root / "mnt"
+    mnt.mkdir()
+    try:
+        held = sysmount.open_filesystem(device, "xfs", ["rw", "nouuid", "noatime"])
+        try:
+            assert _held(device)
+            assert sysmount.of_device_node(device) == [] and device not in Path("/proc/self/mountinfo").read_text()
+            sysmount.mount_path(device, str(mnt), "xfs", ["rw", "nouuid"])
+            (mnt / "file").write_bytes(b"written")
+        finally:
+            os.close(held)
+        assert (mnt / "file").read_bytes() == b"written", "closing the read-ahead unmounted the mount's file system"
+        assert _held(device)
+        sysmount.unmount_all(str(mnt))
+        assert not _held(device)
+
+        readonly = sysmount.open_filesystem(device, "xfs", ["ro", "nouuid"])
+        try:
+            with pytest.raises(OSError) as refused:
+                sysmount.mount_path(device, str(mnt), "xfs", ["rw", "nouuid"])
+            assert refused.value.errno == errno.EBUSY
+            sysmount.mount_path(device, str(mnt), "xfs", ["ro", "nouuid"])
+            assert (mnt / "file").read_bytes() == b"written"
+            sysmount.unmount_all(str(mnt))
+        finally:
+            os.close(readonly)
+        assert not _held(device)
+
+        with pytest.raises(OSError) as bad:
+            sysmount.open_filesystem(device, "xfs", ["rw", "no_such_option=1"])
+        assert "no_such_option" in str(bad.value) and device in str(bad.value)
+        assert not _held(device)
+    finally:
+        sysmount.unmount_all(str(mnt))
+        sysloop.detach_sync(device)
 
 
 def test_a_directory_moved_between_the_walk_and_the_mount_gets_no_mount(tree):

@@ -4,6 +4,7 @@ from its public source."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import ipaddress
 import json
@@ -28,6 +29,7 @@ from crust.contract.mountinfo import digest
 from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, VolumeMount
 from crust.kubelet import image as images
 from crust.kubelet.cri import KubeletRuntime, SyncError
+from crust.sys import mount as sysmount
 from tests.cri_harness import (OCI_RUNTIME, PYTHON_OCI_RUNTIME, cri_node, host_network_pod, leftovers_of,
                                private_containerd, processes_naming, shim_pids, shims_killed_here)
 from tests.test_handler import make_env, wait_until  # noqa: F401 - make_env is a fixture
@@ -741,6 +743,78 @@ def test_crust_runc_creates_a_deferred_container_with_the_handler_and_no_interpr
     finally:
         for name in ("front1", "front3"):
             subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", name], capture_output=True)
+    env.unpublish(vol)
+
+
+def _held(device: str) -> bool:
+    """Whether a mount (in any namespace, or detached) holds the block
+    device: the kernel refuses an exclusive open then."""
+    try:
+        os.close(os.open(device, os.O_RDONLY | os.O_EXCL))
+        return False
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
+        return True
+
+
+def test_the_pods_sandbox_process_holds_the_claim_and_the_handler_lets_go_of_the_device(make_env, tmp_path):
+    """A container that joins its pod's namespaces by /proc/PID/ns paths,
+    as containerd's CRI plugin writes them: the claim names that process
+    from PrepareBundle on (the handler's record too), and ContainerCreated
+    leaves it so. The file system the handler read ahead of runc (a
+    detached mount) is let go of: once the container is deleted, and when
+    runc fails, nothing holds the device."""
+    env = make_env()
+    vol = env.volume("pv-podpid", "xfs")
+    binary, python_calls = _front_end_without_python(tmp_path)
+    state, runc_root = tmp_path / "state", tmp_path / "runc"
+    handler = f"unix://{env.handler.socket}"
+    own_ipc = os.readlink("/proc/self/ns/ipc")
+    pod = subprocess.Popen(["unshare", "--ipc", "sleep", "600"])  # the pod's sandbox process
+    bundles = []
+    try:
+        wait_until(lambda: os.readlink(f"/proc/{pod.pid}/ns/ipc") != own_ipc, timeout=10, what="the pod's ipc")
+        bind = {"destination": "/data", "type": "bind", "source": str(vol.target), "options": ["rbind", "rw"]}
+        for name in ("pid1", "pid2"):
+            bundle = _runc_bundle(tmp_path / name, [bind], "pod-pid")
+            spec = json.loads((bundle / "config.json").read_text())
+            spec["linux"]["namespaces"] = [
+                {"type": "ipc", "path": f"/proc/{pod.pid}/ns/ipc"} if n["type"] == "ipc" else n
+                for n in spec["linux"]["namespaces"]]
+            (bundle / "config.json").write_text(json.dumps(spec))
+            bundles.append(bundle)
+        done = _runtime(bundles[0], tmp_path / "pid1.json", state, runc=shutil.which("runc"), handler=handler,
+                        runc_root=runc_root, container_id="pid1", runtime=binary)
+        assert done.returncode == 0, done.stderr
+        init = int((bundles[0] / "init.pid").read_text())
+        assert os.readlink(f"/proc/{init}/ns/ipc") == os.readlink(f"/proc/{pod.pid}/ns/ipc")
+        (claim,) = env.claims()
+        assert (claim.target_path, claim.sandbox_id, claim.sandbox_pid) == (str(vol.target), "pod-pid", pod.pid)
+        record = json.loads((env.handler.state_dir / "containers" / "pid1.json").read_text())
+        assert (record["state"], record["pid"], record["pod_pid"]) == ("created", init, pod.pid)
+        mounted = [line.split() for line in Path(f"/proc/{init}/mountinfo").read_text().splitlines()
+                   if line.split()[4] == "/data"]
+        assert [(m[2], m[-3]) for m in mounted] == [("%d:%d" % vol.majmin, "xfs")], mounted
+        assert _held(vol.device) and sysmount.of_device(*vol.majmin) == []  # the host mounts it nowhere
+
+        settings = {**os.environ, "CRUST_RUNC": shutil.which("runc"), "CRUST_HANDLER_ENDPOINT": handler,
+                    "CRUST_OCI_RUNTIME_STATE": str(state), "CRUST_OCI_RUNTIME_CONFIG": str(state / "none.json")}
+        done = subprocess.run([str(binary), "--root", str(runc_root), "delete", "--force", "pid1"], env=settings,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert env.claims() == [] and not _held(vol.device)
+
+        # runc fails after the handler prepared (and read the file system ahead): nothing is held.
+        done = _runtime(bundles[1], tmp_path / "pid2.json", state, runc="/bin/false", handler=handler,
+                        container_id="pid2", runtime=binary)
+        assert done.returncode == 1
+        assert env.claims() == [] and not _held(vol.device) and not (state / "pid2").exists()
+        assert not python_calls.exists(), python_calls.read_text()
+    finally:
+        subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", "pid1"], capture_output=True)
+        pod.kill()
+        pod.wait()
     env.unpublish(vol)
 
 
