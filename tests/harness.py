@@ -555,6 +555,18 @@ def device_mounts(device: str) -> list[sysmount.MountEntry]:
     return sysmount.of_device(os.major(st.st_rdev), os.minor(st.st_rdev))
 
 
+def device_held(device: str) -> bool:
+    """Whether a mount (in any namespace, or a detached one) holds the block
+    device: the kernel refuses an exclusive open then."""
+    try:
+        os.close(os.open(device, os.O_RDONLY | os.O_EXCL))
+        return False
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
+        return True
+
+
 def scrape_metrics(port: int) -> dict[tuple[str, tuple], float]:
     """A daemon's Prometheus samples on 127.0.0.1:port, by (name, sorted
     labels); waits up to 10 s for the endpoint to answer."""

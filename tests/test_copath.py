@@ -18,6 +18,7 @@ from crust.common import copath, limits
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
+from tests.harness import device_held
 
 
 @pytest.fixture
@@ -142,18 +143,6 @@ def test_the_entry_of_one_mount_is_its_mount_table_line(tree):
         assert answered_in_place == 4
 
 
-def _held(device: str) -> bool:
-    """Whether a mount (any, in any namespace, detached or not) holds the
-    block device: an exclusive open is refused then."""
-    try:
-        os.close(os.open(device, os.O_RDONLY | os.O_EXCL))
-        return False
-    except OSError as exc:
-        if exc.errno != errno.EBUSY:
-            raise
-        return True
-
-
 def test_a_file_system_read_ahead_is_mounted_nowhere_and_shared_by_the_next_mount(tree):
     """open_filesystem: the device's file system in a super block, mounted
     in no table; a mount of the device meanwhile shares it (its options
@@ -171,16 +160,16 @@ def test_a_file_system_read_ahead_is_mounted_nowhere_and_shared_by_the_next_moun
     try:
         held = sysmount.open_filesystem(device, "xfs", ["rw", "nouuid", "noatime"])
         try:
-            assert _held(device)
+            assert device_held(device)
             assert sysmount.of_device_node(device) == [] and device not in Path("/proc/self/mountinfo").read_text()
             sysmount.mount_path(device, str(mnt), "xfs", ["rw", "nouuid"])
             (mnt / "file").write_bytes(b"written")
         finally:
             os.close(held)
         assert (mnt / "file").read_bytes() == b"written", "closing the read-ahead unmounted the mount's file system"
-        assert _held(device)
+        assert device_held(device)
         sysmount.unmount_all(str(mnt))
-        assert not _held(device)
+        assert not device_held(device)
 
         readonly = sysmount.open_filesystem(device, "xfs", ["ro", "nouuid"])
         try:
@@ -192,12 +181,12 @@ def test_a_file_system_read_ahead_is_mounted_nowhere_and_shared_by_the_next_moun
             sysmount.unmount_all(str(mnt))
         finally:
             os.close(readonly)
-        assert not _held(device)
+        assert not device_held(device)
 
         with pytest.raises(OSError) as bad:
             sysmount.open_filesystem(device, "xfs", ["rw", "no_such_option=1"])
         assert "no_such_option" in str(bad.value) and device in str(bad.value)
-        assert not _held(device)
+        assert not device_held(device)
     finally:
         sysmount.unmount_all(str(mnt))
         sysloop.detach_sync(device)

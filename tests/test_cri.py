@@ -4,7 +4,6 @@ from its public source."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import ipaddress
 import json
@@ -32,6 +31,7 @@ from crust.kubelet.cri import KubeletRuntime, SyncError
 from crust.sys import mount as sysmount
 from tests.cri_harness import (OCI_RUNTIME, PYTHON_OCI_RUNTIME, cri_node, host_network_pod, leftovers_of,
                                private_containerd, processes_naming, shim_pids, shims_killed_here)
+from tests.harness import device_held
 from tests.test_handler import make_env, wait_until  # noqa: F401 - make_env is a fixture
 
 
@@ -746,18 +746,6 @@ def test_crust_runc_creates_a_deferred_container_with_the_handler_and_no_interpr
     env.unpublish(vol)
 
 
-def _held(device: str) -> bool:
-    """Whether a mount (in any namespace, or detached) holds the block
-    device: the kernel refuses an exclusive open then."""
-    try:
-        os.close(os.open(device, os.O_RDONLY | os.O_EXCL))
-        return False
-    except OSError as exc:
-        if exc.errno != errno.EBUSY:
-            raise
-        return True
-
-
 def test_the_pods_sandbox_process_holds_the_claim_and_the_handler_lets_go_of_the_device(make_env, tmp_path):
     """A container that joins its pod's namespaces by /proc/PID/ns paths,
     as containerd's CRI plugin writes them: the claim names that process
@@ -796,20 +784,20 @@ def test_the_pods_sandbox_process_holds_the_claim_and_the_handler_lets_go_of_the
         mounted = [line.split() for line in Path(f"/proc/{init}/mountinfo").read_text().splitlines()
                    if line.split()[4] == "/data"]
         assert [(m[2], m[-3]) for m in mounted] == [("%d:%d" % vol.majmin, "xfs")], mounted
-        assert _held(vol.device) and sysmount.of_device(*vol.majmin) == []  # the host mounts it nowhere
+        assert device_held(vol.device) and sysmount.of_device(*vol.majmin) == []  # the host mounts it nowhere
 
         settings = {**os.environ, "CRUST_RUNC": shutil.which("runc"), "CRUST_HANDLER_ENDPOINT": handler,
                     "CRUST_OCI_RUNTIME_STATE": str(state), "CRUST_OCI_RUNTIME_CONFIG": str(state / "none.json")}
         done = subprocess.run([str(binary), "--root", str(runc_root), "delete", "--force", "pid1"], env=settings,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
-        assert env.claims() == [] and not _held(vol.device)
+        assert env.claims() == [] and not device_held(vol.device)
 
         # runc fails after the handler prepared (and read the file system ahead): nothing is held.
         done = _runtime(bundles[1], tmp_path / "pid2.json", state, runc="/bin/false", handler=handler,
                         container_id="pid2", runtime=binary)
         assert done.returncode == 1
-        assert env.claims() == [] and not _held(vol.device) and not (state / "pid2").exists()
+        assert env.claims() == [] and not device_held(vol.device) and not (state / "pid2").exists()
         assert not python_calls.exists(), python_calls.read_text()
     finally:
         subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", "pid1"], capture_output=True)
