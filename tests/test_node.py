@@ -209,6 +209,20 @@ def test_the_example_config_and_the_cli_agree():
     assert "crust node --config /etc/crust/node.yaml" in unit
 
 
+def test_the_microvm_handlers_disk_bus_is_a_node_setting(root):
+    """handler.kata.diskBus reaches the microVM handler as --disk-bus; a
+    bus it does not have is refused naming the key, before anything starts."""
+    from crust.node.supervisor import child_argvs
+
+    for bus in ("virtio-scsi", "virtio-blk", None):
+        kata = {"diskBus": bus} if bus else {}
+        config = NodeConfig.load(write_config(root.path, handler={"runtime": "kata", "kata": kata}))
+        (argv,) = [argv for name, argv, _ in child_argvs(config, Path("/p.json")) if name == "handler"]
+        assert argv[argv.index("--disk-bus") + 1] == (bus or "virtio-blk")
+    result = _refused(write_config(root.path, handler={"runtime": "kata", "kata": {"diskBus": "ide"}}))
+    assert "handler.kata.diskBus" in result.stderr, result.stderr
+
+
 def test_a_registration_socket_held_by_another_server_stops_the_start(root):
     """A node-driver-registrar already registers the driver: crust node says
     so and exits, instead of restarting the proxy forever."""

@@ -106,6 +106,9 @@ class KataSection(_Section):
     vm_pool: int = Field(0, alias="vmPool", ge=0, le=64)
     # Restore each pod's VM from one saved VM instead of booting (crust.kata.template).
     vm_template: bool = Field(False, alias="vmTemplate")
+    # How a pod's volumes reach its VM: a virtio-blk PCI device each, or LUNs
+    # of one virtio-scsi controller (Kata's default; no PCI hot-plug per volume).
+    disk_bus: str = Field("virtio-blk", alias="diskBus", pattern="^(virtio-blk|virtio-scsi)$")
     cache: Path = Path("/var/cache/crust/kata")
     # Kata's direct-volume directory the handler also serves.
     kata_dir: Path = Field(Path("/run/kata-containers/shared/direct-volumes"), alias="kataDir")
