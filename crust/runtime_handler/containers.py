@@ -164,7 +164,7 @@ def pod_process(spec: dict) -> int:
     return pids.pop() if len(pids) == 1 and 1 not in pids else 0
 
 
-def warm_file_systems(mounts: list[ContainerMount]) -> list[int]:
+def read_file_systems_ahead(mounts: list[ContainerMount]) -> list[int]:
     """Each device's file system read into a super block mounted nowhere
     (its detached mounts' descriptors), with the options runc mounts it
     with, so that runc's mount shares it; one that cannot be read is left
@@ -221,7 +221,7 @@ class ContainerVolumes:
         self.lock = asyncio.Lock()
         # By container: its devices' file systems being read (a task whose
         # result is the detached mounts' descriptors), then being let go of.
-        self.warming: dict[str, asyncio.Future] = {}
+        self.reading_ahead: dict[str, asyncio.Future] = {}
         self.letting_go: dict[str, asyncio.Future] = {}
         self.gone_since: dict[str, float] = {}
         self.reaper: asyncio.Task | None = None
@@ -233,17 +233,19 @@ class ContainerVolumes:
         if self.reaper is not None:
             self.reaper.cancel()
 
-    def _let_go_of_warm(self, container_id: str) -> None:
+    def _let_go_of_read_ahead(self, container_id: str) -> None:
         """Close the container's detached mounts once they are made (in the
         background; `letting_go` has it until done)."""
-        warming = self.warming.pop(container_id, None)
-        if warming is None:
+        reading = self.reading_ahead.pop(container_id, None)
+        if reading is None:
             return
 
         async def let_go() -> None:
             try:
-                descriptors = await warming
-            except Exception:  # noqa: BLE001 (warm_file_systems logs its own failures)
+                descriptors = await reading
+            except Exception as exc:  # noqa: BLE001 (it closed what it opened; runc mounts on its own)
+                log.warning("reading file systems ahead of runc failed", extra={"fields": {
+                    "container": container_id, "error": repr(exc)}})
                 return
             await asyncio.to_thread(close_all, descriptors)
 
@@ -363,11 +365,12 @@ class ContainerVolumes:
         if not deferred:
             return []
         record = self.containers.get(container_id)
-        if record is not None and record.state == PREPARED and container_id not in self.warming \
+        if record is not None and record.state == PREPARED and container_id not in self.reading_ahead \
                 and container_id not in self.letting_go:
             # Not for a retried PrepareBundle of a created container: its own
             # mount holds the file systems already.
-            self.warming[container_id] = asyncio.ensure_future(asyncio.to_thread(warm_file_systems, deferred))
+            self.reading_ahead[container_id] = asyncio.ensure_future(
+                asyncio.to_thread(read_file_systems_ahead, deferred))
         try:
             await asyncio.to_thread(runtime.write_bundle, bundle, state_dir, container_id, sandbox_id, spec,
                                     deferred, log_flags)
@@ -445,7 +448,7 @@ class ContainerVolumes:
                     await asyncio.to_thread(self._apply_fs_group, record, mount)
             await self.records.put(container_id, record)
             # The container's own mount holds its file systems now.
-            self._let_go_of_warm(container_id)
+            self._let_go_of_read_ahead(container_id)
         log.info("container created", extra={"fields": {"container": container_id, "pid": pid}})
 
     def _apply_fs_group(self, record: ContainerRecord, mount: ContainerMount) -> None:
@@ -525,7 +528,7 @@ class ContainerVolumes:
         async with self.lock:
             # The handler's own hold on the file systems goes before the
             # claims: a volume released is mounted nowhere by this handler.
-            self._let_go_of_warm(container_id)
+            self._let_go_of_read_ahead(container_id)
             letting_go = self.letting_go.get(container_id)
             if letting_go is not None:
                 await asyncio.shield(letting_go)
