@@ -293,6 +293,27 @@ class Stack:
 
     # -- putting the set-up (back) in place ------------------------------------------------------
 
+    def renew_spare(self, grown_to: int) -> None:
+        """The spare made again at 32 MiB: a hostile ControllerExpandVolume
+        grew it (to as much as the pool had left), and its name's CreateVolume
+        answers the grown one. The group snapshot of it goes first (it names
+        the old spare), then the spare; both are made again below. Otherwise
+        the set-up's group snapshot would find no room in the 2 GiB pool,
+        rightly, and say so as RESOURCE_EXHAUSTED."""
+        C, G = "csi.v1.Controller", "csi.v1.GroupController"
+        spare = self.vols["spare"]
+        if self.group_id:
+            self.ok("proxy", G, "DeleteVolumeGroupSnapshot", csi_pb2.DeleteVolumeGroupSnapshotRequest(
+                group_snapshot_id=self.group_id), f"delete the group snapshot of the spare grown to {grown_to}")
+            self.group_id, self.group_members = "", []
+        self.ok("proxy", C, "DeleteVolume", csi_pb2.DeleteVolumeRequest(volume_id=spare.volume_id),
+                f"delete the spare grown to {grown_to}")
+        rsp = self.ok("proxy", C, "CreateVolume", csi_pb2.CreateVolumeRequest(
+            name=spare.name, capacity_range=csi_pb2.CapacityRange(required_bytes=32 * MIB),
+            volume_capabilities=[spare.cap()]), f"create {spare.name} again")
+        if rsp is not None:
+            spare.volume_id = rsp.volume.volume_id
+
     def ensure(self) -> None:
         """Idempotent: volumes created, staged, published (host, deferred,
         raw block), a spare volume, snapshots, a registered handler, a
@@ -306,6 +327,8 @@ class Stack:
                 volume_capabilities=[v.cap()]), f"create {v.name}")
             if rsp is not None:
                 v.volume_id = rsp.volume.volume_id
+                if v is self.vols["spare"] and rsp.volume.capacity_bytes > 32 * MIB:
+                    self.renew_spare(rsp.volume.capacity_bytes)
         for key in ("host", "deferred", "block", "direct"):
             v = self.vols[key]
             self.ok(v.via, N, "NodeStageVolume", csi_pb2.NodeStageVolumeRequest(
