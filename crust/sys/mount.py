@@ -420,20 +420,16 @@ _FSCONFIG_SET_FLAG = 0
 _FSCONFIG_SET_STRING = 1
 _FSCONFIG_CMD_CREATE = 6
 _FSMOUNT_CLOEXEC = 0x1
-# Options of a mount, not of its file system: a mount of the same super
-# block made by someone else applies its own.
-_PER_MOUNT = {"rw", "nosuid", "suid", "nodev", "dev", "noexec", "exec", "noatime", "atime", "nodiratime",
-              "diratime", "relatime", "norelatime", "strictatime", "nostrictatime", "nosymfollow", "symfollow"}
-
-
 def open_filesystem(source: str, fs_type: str, options: list[str]) -> int:
     """The file system on `source` read into a super block and mounted
     nowhere: a detached mount (fsopen, fsconfig, fsmount), as a descriptor.
     A mount(2) of the same device while it is open shares its super block
     (the kernel reads nothing again); closing the descriptor unmounts it,
     the file system too once no other mount holds it. `options` as mount(8)
-    takes them; each file system option goes to the file system as mount(2)
-    would give it (key=value or flag), the per-mount ones are left out."""
+    takes them, split as mount(2) gets them (mount_flags): the super block's
+    flags and the file system's own options go to fsconfig, the per-mount
+    flags are left to that other mount."""
+    flags, data = mount_flags(options)
     context = _check(_libc.syscall(_SYS_FSOPEN, fs_type.encode(), _FSOPEN_CLOEXEC), "fsopen")
     try:
         def configure(command: int, key: bytes | None, value: bytes | None) -> None:
@@ -441,9 +437,10 @@ def open_filesystem(source: str, fs_type: str, options: list[str]) -> int:
             _check(_libc.syscall(_SYS_FSCONFIG, context, command, key, value, 0), f"{what} ({fs_type} on {source})")
 
         configure(_FSCONFIG_SET_STRING, b"source", source.encode())
-        for option in options:
-            if not option or option in _PER_MOUNT or option in _USERSPACE_ONLY or option.startswith(("x-", "comment=")):
-                continue
+        for bit, name in ((_SB_RDONLY, "ro"), *_SB_OPTIONS):
+            if flags & bit:
+                configure(_FSCONFIG_SET_FLAG, name.encode(), None)
+        for option in filter(None, data.split(",")):
             key, equals, value = option.partition("=")
             if equals:
                 configure(_FSCONFIG_SET_STRING, key.encode(), value.encode())
