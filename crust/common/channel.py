@@ -28,5 +28,9 @@ def local_aio_channel(endpoint: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(grpc_target(endpoint), options=LOCAL_CHANNEL_OPTIONS)
 
 
-def local_channel(endpoint: str) -> grpc.Channel:
-    return grpc.insecure_channel(grpc_target(endpoint), options=LOCAL_CHANNEL_OPTIONS)
+def local_channel(endpoint: str, max_receive_bytes: int = 0) -> grpc.Channel:
+    """max_receive_bytes: the largest answer taken (gRPC's default, 4 MiB, when 0)."""
+    options = LOCAL_CHANNEL_OPTIONS
+    if max_receive_bytes:
+        options += (("grpc.max_receive_message_length", max_receive_bytes),)
+    return grpc.insecure_channel(grpc_target(endpoint), options=options)

@@ -105,6 +105,13 @@ class Internal(CrustError):
     code = grpc.StatusCode.INTERNAL
 
 
+class DataLoss(CrustError):
+    """Bytes that were written cannot be delivered whole (a process's output
+    whose VM went while it was being read)."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class DeadlineExceeded(CrustError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

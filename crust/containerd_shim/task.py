@@ -66,8 +66,9 @@ VERSION = "crust-shim-v2"
 HANDLER_TIMEOUT = 300.0
 # How long a call waits for a handler that does not answer (restarting).
 HANDLER_RESTART_SECONDS = 10.0
-# How long a process's exit waits for its output to reach the fifos.
-OUTPUT_DRAIN_SECONDS = 10.0
+# How long the output's copy retries a handler that does not answer
+# (restarting) before the output counts as cut.
+OUTPUT_HANDLER_GONE_SECONDS = 60.0
 # How long a finished process's fifos stay open for a containerd that is away.
 FIFO_HOLD_SECONDS = 600.0
 # The VM is gone, and the handler did not say how a process ended.
@@ -164,6 +165,12 @@ class Process:
     input_closed: asyncio.Event = field(default_factory=asyncio.Event)
     watcher: asyncio.Task | None = None
     feeder: asyncio.Task | None = None
+    # Set when the process exited by itself but its output did not reach
+    # the fifos whole: why (an exec's Wait fails with it).
+    output_cut: str = ""
+    # The copy of its output, once the process has exited and it is drained.
+    draining: asyncio.Future | None = None
+    drain_killed: bool = False
 
     @property
     def id(self) -> str:
@@ -354,7 +361,10 @@ class TaskService:
     # -- exits --------------------------------------------------------------------------
 
     async def _watch_process(self, process: Process) -> None:
-        """Copy the output, wait for the exit, publish it once the output is out."""
+        """Copy the output, wait for the exit, publish it once the output is
+        out: all of it, however long that takes (containerd's exec timeout
+        bounds an exec). An exec whose output could not be copied whole
+        exits with an error instead of its code (Wait)."""
         pump = asyncio.ensure_future(self._copy_output(process))
         state = None
         while state is None:
@@ -365,16 +375,20 @@ class TaskService:
                 if exc.code() == grpc.StatusCode.NOT_FOUND or process.status == STOPPED:
                     break  # gone from the handler (its pod was stopped)
                 await asyncio.sleep(0.5)  # the handler restarts; ask again
+        process.draining = pump
         try:
-            await asyncio.wait_for(asyncio.shield(pump), OUTPUT_DRAIN_SECONDS)
-        except asyncio.TimeoutError:
-            log.warning("output still being copied at the exit", extra={"fields": {
-                "container": process.container_id, "exec": process.exec_id}})
-            pump.cancel()
-        except Exception:
-            pass
+            cut = await pump
+        except asyncio.CancelledError:
+            if not process.drain_killed:
+                raise
+            cut = "its output was still being copied when it was killed"
         if process.feeder is not None:
             process.feeder.cancel()
+        by_itself = state is not None and state.status == handler_pb2.ProcessState.STOPPED and not state.reason
+        if cut and by_itself:
+            log.error("output cut", extra={"fields": {"container": process.container_id, "exec": process.exec_id,
+                                                      "reason": cut}})
+            process.output_cut = cut
         if state is not None and state.status == handler_pb2.ProcessState.STOPPED:
             if state.oom_killed:
                 # Before the exit: CRI takes the reason from the event it saw last.
@@ -384,12 +398,16 @@ class TaskService:
         else:
             self._exited(process, VM_GONE_STATUS)
 
-    async def _copy_output(self, process: Process) -> None:
+    async def _copy_output(self, process: Process) -> str:
+        """The process's output from the handler into containerd's fifos
+        until the handler's stream ends: "" when it ended whole, else why
+        not (the handler said DataLoss or refused, or stayed away)."""
         writers: dict[int, FifoWriter | None] = {
             handler_pb2.OutputChunk.STDOUT: open_fifo(process.stdout),
             handler_pb2.OutputChunk.STDERR: open_fifo(process.stderr),
         }
         offsets = {handler_pb2.OutputChunk.STDOUT: 0, handler_pb2.OutputChunk.STDERR: 0}
+        away_since = None
         try:
             while True:
                 try:
@@ -398,6 +416,7 @@ class TaskService:
                         stdout_offset=offsets[handler_pb2.OutputChunk.STDOUT],
                         stderr_offset=offsets[handler_pb2.OutputChunk.STDERR]))
                     async for chunk in stream:
+                        away_since = None
                         if chunk.stream not in offsets:
                             continue
                         # A resumed stream may repeat what was written already.
@@ -409,12 +428,17 @@ class TaskService:
                         writer = writers[chunk.stream]
                         if writer is not None:
                             await writer.write(data)
-                    return  # the process exited and everything was sent
+                    return ""  # the process exited and everything was sent
                 except grpc.RpcError as exc:
-                    if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED) \
-                            or process.status == STOPPED:
-                        return
-                    await asyncio.sleep(0.5)  # the handler restarts: resume at our offsets
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or process.status == STOPPED:
+                        return exc.details() or exc.code().name
+                    # The handler restarts: resume at our offsets.
+                    away_since = away_since or time.monotonic()
+                    if time.monotonic() - away_since > OUTPUT_HANDLER_GONE_SECONDS:
+                        return (f"the output was cut after {offsets[handler_pb2.OutputChunk.STDOUT]} bytes of "
+                                f"stdout and {offsets[handler_pb2.OutputChunk.STDERR]} of stderr: the handler "
+                                f"did not answer for {OUTPUT_HANDLER_GONE_SECONDS:.0f} s ({exc.details()})")
+                    await asyncio.sleep(0.5)
         finally:
             # Closing ends containerd's copy; what the pipe holds must be read first.
             for writer in writers.values():
@@ -506,6 +530,11 @@ class TaskService:
     async def Wait(self, request: task_pb.WaitRequest, call) -> task_pb.WaitResponse:
         process = self.container(request.id).process(request.exec_id)
         await process.exited.wait()
+        if process.output_cut and request.exec_id:
+            # containerd's ExecSync fails with this rather than answer a
+            # clean exit with a part of the output.
+            raise TtrpcError(ttrpc.DATA_LOSS, f"exec {request.exec_id} of container {request.id} exited with "
+                                              f"code {process.exit_status}, but {process.output_cut}")
         return task_pb.WaitResponse(exit_status=process.exit_status, exited_at=timestamp(process.exited_at_ns))
 
     async def State(self, request: task_pb.StateRequest, call) -> task_pb.StateResponse:
@@ -544,6 +573,13 @@ class TaskService:
         if process.status == CREATED:
             # Never started: nothing runs in the guest; it ends here.
             self._exited(process, 128 + request.signal)
+            return empty_pb2.Empty()
+        if process.draining is not None and not process.draining.done():
+            # It exited in the guest and its output is still on its way
+            # (containerd's exec timeout ran out meanwhile): a kill ends the copy.
+            if request.signal == signal.SIGKILL:
+                process.drain_killed = True
+                process.draining.cancel()
             return empty_pb2.Empty()
         await self._handler("SignalProcess", handler_pb2.SignalProcessRequest(
             container_id=container.id, exec_id=request.exec_id, signal=request.signal, all=request.all),

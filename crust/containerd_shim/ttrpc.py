@@ -60,6 +60,7 @@ FAILED_PRECONDITION = 9
 UNIMPLEMENTED = 12
 INTERNAL = 13
 UNAVAILABLE = 14
+DATA_LOSS = 15
 RESOURCE_EXHAUSTED = 8
 
 # What one connection may hold before it is read no more: the requests of

@@ -106,6 +106,9 @@ from crust.kubelet.volumes import VolumeError, VolumeManager
 
 # Kubelet's --runtime-request-timeout (2 min) bounds every CRI call.
 RUNTIME_REQUEST_TIMEOUT = 120.0
+# The largest CRI answer kubelet takes (its CRI client's receive limit): an
+# ExecSync's output beyond it fails the call rather than arrive cut.
+CRI_MESSAGE_MAX = 16 * 1024 * 1024
 # The pod worker retries a failed sync after 10 s (workerBackOffPeriod).
 SYNC_BACKOFF = 10.0
 # An exited container is restarted after 10 s, doubling to 5 min
@@ -285,7 +288,7 @@ class KubeletRuntime:
         # (pod uid, container name) -> the back-off before its next restart.
         self.backoff: dict[tuple[str, str], float] = {}
         self.retry_seconds = retry_seconds
-        self.channel = local_channel(endpoint)
+        self.channel = local_channel(endpoint, max_receive_bytes=CRI_MESSAGE_MAX)
         self.runtime = cri_pb2_grpc.RuntimeServiceStub(self.channel)
         self.images = cri_pb2_grpc.ImageServiceStub(self.channel)
         self.calls: list[str] = []
