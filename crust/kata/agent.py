@@ -34,13 +34,14 @@ STATS_TIMEOUT = 5.0  # under the proxy's 10 s per handler call, so the answer is
 # The slowest a guest writes dm-integrity's tags over a new volume (about
 # 14 MB/s was measured under software emulation): a luksopen's time allowed.
 INTEGRITY_WIPE_BYTES_PER_SECOND = 4 * 1024 * 1024
-# The longest line read from the guest (a readout answer is about 44 KiB).
+# The longest line read from the guest (a readout answer is about 88 KiB).
 LINE_LIMIT = 1024 * 1024
 SHM_TMPFS = ".shm"   # the pod's /dev/shm, a pod_tmpfs (a name no emptyDir can have)
 AGENT_REACH = 11     # the first agent with reach and a cstarted that waits in the guest
 AGENT_WARM = 12      # the first agent with warm (a throwaway container through crun)
 AGENT_SCSI = 13      # the first agent that finds (and rescans) disks on a virtio-scsi controller
 AGENT_RESUME = 15    # the first agent with resume (a VM restored from a template: clock and entropy)
+AGENT_SUBPATH = 16   # the first agent that binds a subPath from a descriptor (subpath, subpathdrop)
 _WORD = re.compile(r"^[A-Za-z0-9_.,=:/+@-]+$")
 # A path the agent takes as it is (its check_path's characters), not in base64.
 _PLAIN_PATH = re.compile(r"^/[A-Za-z0-9/_.@:+,=-]*$")
@@ -320,6 +321,19 @@ class AgentClient:
         """A container's view of a mounted volume (or a subpath of it)."""
         await self.request("bind", source, target, "ro" if readonly else "rw")
 
+    async def subpath(self, root: str, subpath: str, container_id: str, index: int, strict: bool) -> str:
+        """subpath below root bound at a place of the agent's own for the
+        container (index: the mount's), from a descriptor opened without
+        leaving root; its guest path. strict: it must exist and pass no
+        symlink. Refused (AgentRefused) when it leads out of root."""
+        words = ["strict"] if strict else []
+        answer = await self.request("subpath", *words, root, b64(subpath), container_id, str(index))
+        return answer.fields["path"]
+
+    async def subpath_drop(self, container_id: str) -> None:
+        """The container's subPath binds unmounted (none is success)."""
+        await self.request("subpathdrop", container_id)
+
     async def checkpath(self, root: str, subpath: str) -> None:
         """Refused (AgentRefused) when the subpath leaves the volume: '..' or a symlink."""
         await self.request("checkpath", root, b64(subpath))
@@ -489,17 +503,16 @@ class AgentClient:
         answer = await self.request("cbinds", root, *words)
         return [answer.fields[f"target{n}"] for n in range(1, len(binds) + 1)]
 
-    async def pod_tmpfs(self, name: str, subpath: str = "", size: str = "") -> str:
+    async def pod_tmpfs(self, name: str, size: str = "") -> str:
         """The pod's guest tmpfs of that name (made on first use, of at most
-        size, e.g. "16384k"; the kernel's default otherwise) and a directory
-        subpath in it; returns the directory's guest path. A tmpfs stays
-        mounted for the guest's life: its top is asked of the guest once."""
-        known = self._tmpfs_tops.get((name, size)) if not subpath else None
+        size, e.g. "16384k"; the kernel's default otherwise); returns its
+        guest path (a subPath in it: subpath()). A tmpfs stays mounted for
+        the guest's life: its top is asked of the guest once."""
+        known = self._tmpfs_tops.get((name, size))
         if known is not None:
             return known
-        path = (await self.request("podtmpfs", name, b64(subpath), size or "-")).fields["path"]
-        if not subpath:
-            self._tmpfs_tops[(name, size)] = path
+        path = (await self.request("podtmpfs", name, b64(""), size or "-")).fields["path"]
+        self._tmpfs_tops[(name, size)] = path
         return path
 
     async def warm(self, timeout: float = 60.0) -> None:

@@ -10,8 +10,9 @@ Why this shape:
   blkid) are the host's installed Debian binaries, copied with the shared
   libraries `ldd` names. Every copied file must belong to an installed
   package, whose name and version enter the image hash. Beside them, crust's
-  own guest scripts and one small C program of its own (guest/resume.c),
-  compiled by the host's gcc and linking only the copied C library.
+  own guest scripts and two small C programs of its own (guest/resume.c,
+  guest/beneath.c), compiled by the host's gcc and linking only the copied
+  C library.
 - The kernel is Debian's own, so the guest parses volumes with a kernel that
   gets security updates: after `apt-get update`, a new candidate changes the
   hash and the next build picks it up.
@@ -153,7 +154,7 @@ GUEST_FILES = {"init": "init.sh", "usr/lib/crust/agent.sh": "agent.sh", "usr/lib
 # C library the copied tools bring. Each is compiled once per source and
 # flags, into the cache (programs/), so a node rebuilding its image for a
 # new kernel needs no compiler.
-GUEST_PROGRAMS = {"usr/lib/crust/resume": "resume.c"}
+GUEST_PROGRAMS = {"usr/lib/crust/resume": "resume.c", "usr/lib/crust/beneath": "beneath.c"}
 GUEST_CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-fstack-protector-strong", "-s")
 TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
 HOST_CONFIG = ("/etc/mke2fs.conf",)

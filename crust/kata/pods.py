@@ -88,13 +88,13 @@ from pydantic import BaseModel, Field
 
 from crust.api import handler_pb2
 from crust.common import inroot
-from crust.common.errors import (Aborted, AlreadyExists, CrustError, FailedPrecondition, InvalidArgument, NotFound,
-                                 Unavailable)
+from crust.common.errors import (Aborted, AlreadyExists, CrustError, DataLoss, FailedPrecondition, InvalidArgument,
+                                 NotFound, Unavailable)
 from crust.common.private import make_dirs
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata import guest_oci
-from crust.kata.agent import AGENT_REACH, SHM_TMPFS, AgentError, AgentRefused, GuestGone
+from crust.kata.agent import AGENT_REACH, AGENT_SUBPATH, SHM_TMPFS, AgentError, AgentRefused, GuestGone
 from crust.kata.pool import VmPool
 from crust.kata.portforward import PortForwarder
 from crust.kata.process_watch import ProcessWatch
@@ -123,7 +123,7 @@ PSEUDO_TYPES = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2
 EMPTY_DIR = "kubernetes.io~empty-dir"
 SUBPATHS = "volume-subpaths"
 TAP = "crust0"                # the VM's tap in the pod's network namespace
-READ_CHUNK = 32768            # bytes per readout answer (a serial line carries them: 44 KiB of base64)
+READ_CHUNK = 65536            # bytes per readout answer (a serial line carries them: 88 KiB of base64)
 POLL = 0.2                    # seconds between looks at a running process
 STARTED_WAIT = 1.0            # seconds the guest waits for a container's start before it answers
 VM_GONE_EXIT_CODE = 255
@@ -418,11 +418,17 @@ class Pods:
 
     async def _watch_forever(self, interval: float = 1.0) -> None:
         """A pod whose VM died: its processes are stopped (the handler's
-        reaper releases its claims)."""
+        reaper releases its claims). A VM whose file server died is killed
+        first (crust.kata.qemu.Vm.lose_file_server)."""
         while True:
             await asyncio.sleep(interval)
             for pod_id in list(self.pods):
                 sandbox = self._sandbox(pod_id)
+                lost = sandbox.vm.dead_file_server() if sandbox is not None else None
+                if lost is not None:
+                    log.error("a pod's file server is gone", extra={"fields": {
+                        "sandbox": pod_id, "virtiofsd": lost.name, "cache": lost.cache}})
+                    await sandbox.vm.lose_file_server(lost)
                 if (sandbox is None or not sandbox.alive()) and not self.handler.inflight.busy(pod_id):
                     try:
                         await self._mark_gone(pod_id, self._death_reason(pod_id, sandbox))
@@ -946,7 +952,7 @@ class Pods:
             planned: list[tuple[str, str, bool]] = []   # guest source, destination, read-only
             shared_sources: list[str] = []   # the share's binds and the mounts below them, pinned
             views: list[tuple[int, str, VolumeView]] = []   # (index in planned, volume key, its view)
-            for m, kind, what in binds:
+            for index, (m, kind, what) in enumerate(binds):
                 readonly = "ro" in m.options
                 if kind == "host":
                     try:
@@ -975,8 +981,12 @@ class Pods:
                     continue
                 if kind == "tmpfs":
                     name, subpath, size = what
-                    planned.append((await sandbox._agent(agent.pod_tmpfs(name, subpath, size)), m.destination,
-                                    readonly))
+                    source = await sandbox._agent(agent.pod_tmpfs(name, size))
+                    if subpath:
+                        source = await self._subpath(sandbox, source, subpath, container_id, index, strict=False,
+                                                     what=f"mount {m.destination}: subPath {subpath!r} of the "
+                                                          f"emptyDir {name}")
+                    planned.append((source, m.destination, readonly))
                     continue
                 resolved, direct = what
                 key = resolved.digest
@@ -992,8 +1002,9 @@ class Pods:
                 volume = record.volumes[key]
                 source = volume.mount_point
                 if view.subpath:
-                    await sandbox.check_subpath(volume.mount_point, view.subpath)
-                    source = f"{volume.mount_point}/{view.subpath}"
+                    source = await self._subpath(sandbox, volume.mount_point, view.subpath, container_id, index,
+                                                 strict=True, what=f"mount {m.destination}: subpath "
+                                                                   f"{view.subpath!r} of volume {resolved.info.volume_id}")
                 views.append((len(planned), key, view))
                 planned.append((source, m.destination, view.readonly or volume.readonly))
             if runtime_mounts:
@@ -1025,6 +1036,22 @@ class Pods:
                 log.error("could not undo a failed container create", extra={"fields": {
                     "sandbox": pod.sandbox_id, "container": container_id, "error": undo.message}})
             raise
+
+    @staticmethod
+    async def _subpath(sandbox: KataSandbox, root: str, subpath: str, container_id: str, index: int, strict: bool,
+                       what: str) -> str:
+        """The guest path of subpath below root, bound by the agent from a
+        descriptor opened without leaving root (another container of the
+        pod may swap a name in a shared volume for a symlink meanwhile); a
+        subpath that leaves its volume is refused, naming it."""
+        agent = sandbox.vm.agent
+        if agent.version < AGENT_SUBPATH:
+            raise FailedPrecondition(f"{what}: the pod's guest agent ({agent.version}) cannot bind a subPath from "
+                                     f"a descriptor (agent {AGENT_SUBPATH} can): start the pod again")
+        try:
+            return await sandbox._agent(agent.subpath(root, subpath, container_id, index, strict))
+        except FailedPrecondition as exc:
+            raise InvalidArgument(f"{what}: {exc.message}") from None
 
     @staticmethod
     async def _bind_all(sandbox: KataSandbox, root: str, planned: list[tuple[str, str, bool]]) -> list[str]:
@@ -1098,6 +1125,11 @@ class Pods:
                 await sandbox._agent(sandbox.vm.agent.umount_all(root))
             except CrustError as exc:
                 errors.append(exc.message)
+            if sandbox.vm.agent.version >= AGENT_SUBPATH:
+                try:
+                    await sandbox._agent(sandbox.vm.agent.subpath_drop(c.container_id))
+                except CrustError as exc:
+                    errors.append(exc.message)
         if alive and c.serial and c.serial in sandbox.vm.disks:
             try:
                 await sandbox._agent(sandbox.vm.detach_disk(c.serial))
@@ -1420,12 +1452,19 @@ class Pods:
     async def read_output(self, container_id: str, exec_id: str, stdout_offset: int,
                           stderr_offset: int) -> AsyncIterator[handler_pb2.OutputChunk]:
         """Chunks from the offsets as the guest's files grow; ends once the
-        process stopped and everything was sent (or the VM is gone)."""
+        process stopped and everything was sent. Output that can no longer
+        be read (the VM or the container gone meanwhile) ends the stream
+        with DataLoss naming where it was cut, never as if it were whole."""
         if stdout_offset < 0 or stderr_offset < 0:
             raise InvalidArgument("stdout_offset and stderr_offset must not be negative")
         pod, c, p = self._process(container_id, exec_id)
         offsets = {"out": stdout_offset, "err": stderr_offset}
         streams = {"out": Stream.STDOUT, "err": Stream.STDERR}
+
+        def cut(why: str) -> DataLoss:
+            return DataLoss(f"the output of {exec_id or container_id} was cut after {offsets['out']} bytes of "
+                            f"stdout and {offsets['err']} of stderr: {why}")
+
         while not p.name:   # not started yet: its output will come
             if container_id not in pod.containers or p.exit_code is not None:
                 return
@@ -1436,34 +1475,34 @@ class Pods:
         # was written meanwhile, by what the process left behind).
         try:
             watch = self._watch(pod.sandbox_id)
-        except GuestGone:
-            return   # the pod was deleted meanwhile: its output went with it
+        except GuestGone as exc:
+            raise cut(str(exc)) from None
         soon, finished = True, False
         while True:
             sandbox = self._sandbox(pod.sandbox_id)
             if sandbox is None or not sandbox.alive():
-                return   # what the guest held is gone with it
+                raise cut(pod.gone or self._death_reason(pod.sandbox_id, sandbox))
             try:
                 look = await watch.look(p.name, p.pid, soon=soon)
             except AgentError:
                 if not sandbox.alive():
-                    return
+                    raise cut(self._death_reason(pod.sandbox_id, sandbox)) from None
                 await asyncio.sleep(POLL)
                 continue
             soon = False
             for key, size in (("out", look.out), ("err", look.err)):
                 if size is None and container_id not in pod.containers:
-                    return   # deleted meanwhile: its output went with it
+                    raise cut(f"container {container_id} was deleted")
                 while size is None or offsets[key] < size:
                     try:
                         data, size = await sandbox.vm.agent.readout(p.name, key, offsets[key], READ_CHUNK)
                     except AgentRefused as exc:
                         if container_id not in pod.containers:
-                            return
+                            raise cut(f"container {container_id} was deleted") from None
                         raise FailedPrecondition(f"output of {exec_id or container_id}: {exc.message}") from None
                     except AgentError:
                         if not sandbox.alive():
-                            return
+                            raise cut(self._death_reason(pod.sandbox_id, sandbox)) from None
                         break
                     if not data:
                         break

@@ -248,6 +248,7 @@ class Vm:
         self._proc: asyncio.subprocess.Process | None = None
         self._adopted: proc.ProcessId | None = None  # a VM started by an earlier handler process (adopt())
         self._exited: asyncio.Task | None = None
+        self.stopping = False   # stop() has begun: its file servers end with QEMU
         # A saved VM's state QEMU reads instead of booting (start(saved=)).
         self._incoming_fd: int | None = None
 
@@ -584,6 +585,7 @@ class Vm:
     async def stop(self, timeout: float = 60.0) -> int | None:
         """Power off through the agent (it unmounts first); QMP quit, then
         SIGKILL, if the guest does not go. Returns QEMU's exit code."""
+        self.stopping = True
         if self.alive() and not self.agent.dead:
             try:
                 await self.agent.poweroff(timeout=timeout)
@@ -621,6 +623,23 @@ class Vm:
             except asyncio.TimeoutError:
                 log.error("vm %s: QEMU pid %d survived SIGKILL", self.name, self.pid)
         await self._close_clients()
+
+    def dead_file_server(self) -> Virtiofsd | None:
+        """A file server of this running VM that ended before it (killed):
+        the guest's requests to its share then wait for ever."""
+        if self.stopping or not self.alive():
+            return None
+        return next((d for d in self.virtiofsds.values() if not d.alive()), None)
+
+    async def lose_file_server(self, daemon: Virtiofsd) -> str:
+        """The VM of a file server that died is killed, as Kata stops a
+        sandbox whose virtiofsd quit: its guest's processes would otherwise
+        hang on the share, and no stop could reach them. Returns the reason
+        the agent's calls now fail with."""
+        self.agent.mark_dead(f"its virtiofsd ({daemon.name}, cache={daemon.cache}) {daemon.ending()}")
+        log.error("vm %s: %s; the VM is killed", self.name, self.agent.dead)
+        await self.kill()
+        return self.agent.dead
 
     async def stop_recorded_shares(self) -> None:
         """The file servers an earlier handler process recorded for this VM

@@ -156,6 +156,15 @@ class Virtiofsd:
         return self.identity is not None and proc.alive(self.identity) and is_virtiofsd_of(
             self.identity.pid, self.socket)
 
+    def ending(self) -> str:
+        """How the daemon ended, in words ("was killed by signal 9")."""
+        code = self._proc.returncode if self._proc is not None else None
+        if code is None:
+            return "exited"
+        if code < 0:
+            return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
     async def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, then SIGKILL; only the recorded process serving our socket. Idempotent."""
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):

@@ -21,7 +21,7 @@
 # non-zero.
 
 PORT=${1:-/dev/ttyS1}
-AGENT_VERSION=15
+AGENT_VERSION=16
 RUN=/run/crust
 DISK_WAIT_SECONDS=15
 DEVICE_WAIT_SECONDS=10   # a hot-plugged NIC or shared directory
@@ -553,21 +553,20 @@ cmd_resume() {  # (agent 15) seconds nanoseconds seed-hex: a VM restored from a 
   echo "$out"
 }
 
-cmd_podtmpfs() {  # name subpath-b64 size|-: the pod's tmpfs of that name (an emptyDir of medium Memory, /dev/shm), and a directory in it
+cmd_podtmpfs() {  # name subpath-b64 size|-: the pod's tmpfs of that name (an emptyDir of medium Memory, /dev/shm)
   [ $# -eq 3 ] || fail "usage: podtmpfs <name> <subpath-b64> <size|->"
   check_name "$1"
   sub=$(b64 "$2") || exit 1
   case $3 in -) size= ;; *[!0-9kmgKMG]*|'') fail "bad size: $3" ;; *) size=,size=$(tmpfs_size "$3") ;; esac
-  case /$sub/ in */../*) fail "subpath $sub escapes the tmpfs" ;; esac
+  # A subPath in it is bound from a descriptor (subpath), never joined here.
+  [ -z "$sub" ] || fail "podtmpfs takes no subpath ($sub): subpath binds one"
   top=$RUN/podtmpfs/$1
   if [ -z "$(mount_line "$top")" ]; then
     mkdir -p "$top" || fail "mkdir $top failed"
     # As kubelet makes an emptyDir: world-writable, for any user of the pod.
     mount -t tmpfs -o "nosuid,nodev,mode=0777$size" "crust-$1" "$top" || fail "mount of the tmpfs $1 failed"
   fi
-  path=$(secure_join "$top" "$sub") || exit 1
-  mkdir -p "$path" || fail "mkdir $sub in the tmpfs $1 failed"
-  echo "path=$path"
+  echo "path=$top"
 }
 
 # A volume kubelet's atomic writer updates (configMap, secret, projected,
@@ -669,6 +668,48 @@ cmd_spawnfile() {  # name script: sh <script> in the background, stdout and stde
   run_with_output "$1" "" "$RUN/cmd/$1.sh"
 }
 
+cmd_subpath() {  # [strict] root subpath-b64 container index: a subPath of a volume, bound from a descriptor
+  # A container of the pod may swap a directory of a shared volume for a
+  # symlink while another container's subPath is resolved in it: the path
+  # is never resolved as a string. beneath (guest/beneath.c) opens it below
+  # root without leaving it and binds exactly what it opened at a place of
+  # the agent's own, which crun then binds into the container.
+  # strict: a deferred volume's (it must exist and pass no symlink).
+  strict=
+  [ "${1:-}" = strict ] && { strict=--strict; shift; }
+  [ $# -eq 4 ] || fail "usage: subpath [strict] <root> <subpath-b64> <container> <index>"
+  check_path "$1"
+  sub=$(b64 "$2") || exit 1
+  check_name "$3"
+  case $4 in ''|*[!0-9]*) fail "bad index: $4" ;; esac
+  dir=$RUN/subpath/$3
+  mkdir -p "$dir" || fail "mkdir $dir failed"
+  target=$dir/$4
+  # A CreateContainer tried again binds afresh.
+  while [ -n "$(mount_line "$target")" ]; do umount "$target" || fail "umount $target failed"; done
+  out=$(/usr/lib/crust/beneath $strict "$1" "$sub" "$target" 2>&1) || fail "$(one_line "$out")"
+  echo "path=$target $out"
+}
+
+cmd_subpathdrop() {  # container: its subPath binds unmounted and their places removed
+  [ $# -eq 1 ] || fail "usage: subpathdrop <container>"
+  check_name "$1"
+  dir=$RUN/subpath/$1
+  [ -d "$dir" ] || { echo "dropped=0"; return 0; }
+  for m in $(awk -v p="$dir/" 'index($2, p) == 1 { print $2 }' /proc/mounts | tac); do
+    umount "$m" || fail "umount $m failed"
+  done
+  # Never rm -r: a place still mounted would be emptied through its mount.
+  set +f
+  for e in "$dir"/*; do
+    [ -e "$e" ] || continue
+    if [ -d "$e" ]; then rmdir "$e"; else rm -f "$e"; fi || fail "$e could not be removed"
+  done
+  set -f
+  rmdir "$dir" || fail "$dir could not be removed"
+  echo "dropped=1"
+}
+
 cmd_checkpath() {  # root subpath-b64: the subpath exists below root and passes no symlink
   [ $# -eq 2 ] || fail "usage: checkpath <root> <subpath-b64>"
   check_path "$1"
@@ -742,7 +783,9 @@ cmd_readout() {  # name out|err offset max: up to max bytes from offset, URL-saf
   [ -e "$f" ] || fail "no output $1.$2"
   size=$(stat -c %s "$f")
   if [ "$3" -ge "$size" ] || [ "$4" -eq 0 ]; then echo "size=$size data=-"; return 0; fi
-  data=$(tail -c +$(($3 + 1)) "$f" | head -c "$4" | base64 | tr -d '\n' | tr '+/' '-_')
+  # One read at the offset (dd seeks): reading from the start each time
+  # would make a large output's copy quadratic.
+  data=$(dd if="$f" bs="$4" skip="$3" iflag=skip_bytes count=1 2>/dev/null | base64 | tr -d '\n' | tr '+/' '-_')
   echo "size=$size data=${data:--}"
 }
 
@@ -1295,6 +1338,8 @@ dispatch() {
     resume) cmd_resume "$@" ;;
     spawnfile) cmd_spawnfile "$@" ;;
     checkpath) cmd_checkpath "$@" ;;
+    subpath) cmd_subpath "$@" ;;
+    subpathdrop) cmd_subpathdrop "$@" ;;
     kill) cmd_kill "$@" ;;
     spawn) cmd_spawn "$@" ;;
     readout) cmd_readout "$@" ;;
