@@ -247,7 +247,7 @@ def cri_microvm_node(root, pod_network: bool = False, vm_pool: int = 0,
         node = CriNode(root, containerd, image,
                        handler_kw={**KATA_HANDLER, "extra": ["--kata-dir", str(root.path / "kata"),
                                                              "--vm-pool", str(vm_pool), *handler_extra]},
-                       runtime_classes={"crust-microvm": "crust"})
+                       runtime_classes={"crust-microvm": "crust", "runc": "runc"})
         try:
             if vm_pool:
                 # The pool boots at nice 10: on a busy machine its first VM can

@@ -92,9 +92,10 @@ class PodNode:
     def kubelet_root(self) -> Path:
         return self.runtime.kubelet.root
 
-    def pod(self, name: str, containers: list[Container], volumes: dict, **kw) -> Pod:
+    def pod(self, name: str, containers: list[Container], volumes: dict, runtime_class: str = "", **kw) -> Pod:
+        """runtime_class: another than the node's (runc beside crust-microvm)."""
         kw.setdefault("host_network", True)
-        return Pod(uid=f"uid-{name}", name=name, runtime_class_name=self.runtime_class,
+        return Pod(uid=f"uid-{name}", name=name, runtime_class_name=runtime_class or self.runtime_class,
                    restart_policy="Never", termination_grace_period_seconds=2, containers=containers,
                    volumes=volumes, **kw)
 
