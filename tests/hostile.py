@@ -508,12 +508,15 @@ def foreign(path: str, root: Path, outside: Path) -> bool:
     test runs' roots and scratch directories)? Not this test's business.
     Nor are sandboxes' network namespaces: they are named in /run/netns by
     design (crust.sys.netns), whichever test's handler made them, and
-    tests/test_handler.py checks that they go with their sandbox. Nor are
+    tests/test_handler.py checks that they go with their sandbox; nor
+    /run/netns itself, which the first namespace made after the machine
+    booted binds onto itself (iproute2's `ip netns add` does),
+    whichever test beside this one made it. Nor are
     the ones CNI plugins name for the pods of a containerd running beside
     the test (cni-<uuid>): no daemon under test calls CNI. Nor is what the
     tests running beside this one (the suite runs in parallel workers) make
     in pytest's own temporary directories (tmp_path)."""
-    if path.startswith(NETNS_MOUNTS) or (path + "/").startswith(PYTEST_TEMP + "/"):
+    if path == NETNS_DIR or path.startswith(NETNS_MOUNTS) or (path + "/").startswith(PYTEST_TEMP + "/"):
         return True
     tmp_crust = str(root.parent) + "/crust-"
     return path.startswith(tmp_crust) and not (path + "/").startswith((str(root) + "/", str(outside) + "/"))
@@ -529,7 +532,8 @@ def unreachable(backing: str) -> bool:
     return not backing.endswith(" (deleted)") and not os.path.lexists(backing)
 
 
-NETNS_MOUNTS = ("/run/netns/crust-", "/run/netns/cni-")
+NETNS_DIR = "/run/netns"
+NETNS_MOUNTS = (f"{NETNS_DIR}/crust-", f"{NETNS_DIR}/cni-")
 # Where pytest makes every test's tmp_path (its rule: $PYTEST_DEBUG_TEMPROOT
 # or the system's temporary directory, then pytest-of-<user>).
 PYTEST_TEMP = os.path.join(os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir(),
