@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import os
 from pathlib import Path
 
@@ -29,12 +30,15 @@ class Guest:
     the loop devices detached on leaving the context."""
 
     def __init__(self, base: Path, name: str = "guest", disk_bus: str = "virtio-blk",
-                 shared_dirs: tuple[SharedDir, ...] = (), saved: Path | None = None):
+                 shared_dirs: tuple[SharedDir, ...] = (), saved: Path | None = None,
+                 config: VmConfig | None = None):
         """saved: restore the VM from a template's state (crust.kata.template)
-        instead of booting it; its shares are plugged after (plug_shared_dir)."""
+        instead of booting it; its shares are plugged after (plug_shared_dir).
+        config: what guest_config answered, for a caller that makes many
+        guests (it checks the image on each call); each guest gets a copy."""
         self.base = base
         self.loops: dict[str, str] = {}   # serial -> loop device
-        self.vm = Vm(name, base / "vm", guest_config(disk_bus, shared_dirs))
+        self.vm = Vm(name, base / "vm", dataclasses.replace(config) if config else guest_config(disk_bus, shared_dirs))
         if saved is not None:
             self.vm.config = restore_config(self.vm.config)
         self.saved = saved

@@ -1051,19 +1051,8 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
     directory = root.path / "template"
     config = guest_config(bus)
 
-    async def saved_by(template: VmTemplate) -> Path:
-        await template.start()
-        try:
-            deadline = time.monotonic() + 180
-            while (state := template.saved()) is None:
-                assert time.monotonic() < deadline, "no template saved within 180 s"
-                await asyncio.sleep(0.1)
-            return state
-        finally:
-            await template.stop()
-
     template = VmTemplate(directory, config)
-    state = asyncio.run(saved_by(template))
+    state = asyncio.run(_saved_by(template))
     assert template.builds == 1 and state == directory / STATE_FILE
     record = decode(TemplateRecord, (directory / RECORD_FILE).read_bytes())
     assert record.saved_bytes == state.stat().st_size > 32 * MIB
@@ -1104,15 +1093,81 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
     assert first_boot != second_boot and first_numbers != second_numbers and len(first_numbers) == 64
 
     again = VmTemplate(directory, config)
-    assert asyncio.run(saved_by(again)) == state and again.builds == 0
+    assert asyncio.run(_saved_by(again)) == state and again.builds == 0
     bigger = VmTemplate(directory, dataclasses.replace(config, memory_mib=320))
-    assert asyncio.run(saved_by(bigger)) == state and bigger.builds == 1
+    assert asyncio.run(_saved_by(bigger)) == state and bigger.builds == 1
     assert decode(TemplateRecord, (directory / RECORD_FILE).read_bytes()).key != record.key
 
 
 async def _run_guest(kept: Guest, body):
     async with kept as g:
         return await body(g)
+
+
+async def _saved_by(template) -> Path:
+    """The state file a VmTemplate saved (made now, or kept from before)."""
+    await template.start()
+    try:
+        deadline = time.monotonic() + 180
+        while (state := template.saved()) is None:
+            assert time.monotonic() < deadline, "no template saved within 180 s"
+            await asyncio.sleep(0.1)
+        return state
+    finally:
+        await template.stop()
+
+
+RESTORES_IN_A_ROW = 40
+
+
+def test_every_vm_restored_in_a_row_on_a_busy_machine_mounts_its_share(root):
+    """A pod's VM restored from the template gets its share hot-plugged at
+    once, while the guest's virtio-fs driver may still be probing the
+    device: the agent's sharemount waits until the driver has registered
+    the tag, however long the probe takes. 40 VMs restored one after the
+    other, with a process spinning on one of the host's CPUs all along,
+    each mount their share and read through it a file the host wrote for
+    that VM; each VM is killed after, and neither a QEMU nor a virtiofsd
+    is left."""
+    from crust.kata.template import VmTemplate
+    from tests.guest_vm import guest_config
+
+    config = guest_config()
+    state = asyncio.run(_saved_by(VmTemplate(root.path / "template", config)))
+    share = root.path / "share"
+    share.mkdir()
+
+    async def restore(n: int) -> str | None:
+        """None if VM n mounted its share and read its file through it, or why not."""
+        (share / "for-guest").write_text(f"{n}\n")
+        g = Guest(root.path / f"restored-{n}", name=f"restored-{n}", saved=state, config=config)
+        await g.vm.start(saved=state)
+        try:
+            await g.vm.plug_shared_dir(SharedDir("crust", share))
+            try:
+                await g.vm.agent.share_mount("/run/crust/share", "crust")
+            except AgentRefused as exc:
+                _, kernel = await g.sh("dmesg | grep -e virtio -e fuse | tail -4; "
+                                       "cat /sys/bus/virtio/drivers/virtiofs/virtio*/status")
+                return f"{exc.message}; guest kernel: {kernel.splitlines()}"
+            code, out = await g.sh("cat /run/crust/share/for-guest")
+            return None if (code, out) == (0, f"{n}\n") else f"read {code} {out!r}"
+        finally:
+            await g.vm.kill()
+
+    spinner = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+    failed = {}
+    try:
+        for n in range(RESTORES_IN_A_ROW):
+            if (why := asyncio.run(restore(n))) is not None:
+                failed[n] = why
+                if len(failed) == 3:
+                    break   # each failure waits out the agent's 10 s
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert failed == {}, f"{len(failed)} restores failed, up to restore {n + 1} of {RESTORES_IN_A_ROW}: {failed}"
+    assert qemu_pids_under(root.path) == [] and virtiofsd.pids_under(root.path) == []
 
 
 def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_its_bus(root):

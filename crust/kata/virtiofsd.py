@@ -53,7 +53,7 @@ from crust.sys import proc
 log = logging.getLogger(__name__)
 
 VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
-SOCKET_WAIT = 10.0   # seconds until the daemon's socket must exist
+SOCKET_WAIT = 10.0   # seconds until the daemon must listen on its socket
 
 
 class VirtiofsdError(Exception):
@@ -97,6 +97,37 @@ def pids_under(*dirs: Path) -> list[int]:
     return found
 
 
+def listens(pid: int, socket: Path) -> bool:
+    """Whether process pid listens on a unix socket bound at that path: a
+    listening socket of that path in the kernel's table of this network
+    namespace's unix sockets (virtiofsd binds and listens before it enters
+    namespaces of its own), held by pid (another process's socket bound at
+    the path before, its file since removed, does not count)."""
+    want = str(socket)
+    inodes = set()
+    with open("/proc/net/unix") as table:
+        next(table)   # the header
+        for line in table:
+            # Num RefCount Protocol Flags Type St Inode Path; Flags has
+            # __SO_ACCEPTCON (0x10000) once listen(2) was called.
+            fields = line.rstrip("\n").split(None, 7)
+            if len(fields) == 8 and fields[7] == want and int(fields[3], 16) & 0x10000:
+                inodes.add(f"socket:[{fields[6]}]")
+    if not inodes:
+        return False
+    try:
+        descriptors = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in descriptors:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            pass
+    return False
+
+
 class Virtiofsd:
     """One daemon; name names its log and record in workdir (a VM has one per share)."""
 
@@ -128,8 +159,10 @@ class Virtiofsd:
         self.identity = proc.identify(self._proc.pid)
         if self.identity is not None:
             self.record.write_text(json.dumps({"pid": self.identity.pid, "start": self.identity.start}))
+        # The socket's file is made by bind(2), before the daemon listens: a
+        # connection (QEMU's) made in between is refused. Ready is listening.
         deadline = time.monotonic() + SOCKET_WAIT
-        while not self.socket.exists():
+        while not listens(self._proc.pid, self.socket):
             if self._proc.returncode is not None or time.monotonic() > deadline:
                 await self.stop()
                 raise VirtiofsdError(f"virtiofsd did not listen on {self.socket} within {SOCKET_WAIT:.0f} s "

@@ -361,15 +361,22 @@ cmd_sharemount() {  # target [tag]: a shared directory of the pod (virtio-fs, ta
   # nodev: the host's device nodes never act in the guest; a container's
   # root keeps suid/exec (its binaries run from there).
   # A device hot-plugged a moment ago (a VM booted ahead of its pod, or
-  # restored) may still be probed: its tag is unknown until the virtio-fs
-  # driver has bound it. The mount is tried again each time the driver has
-  # bound one device more, looked at every 20 ms without a process (each
-  # one costs the guest's one CPU, which the probe needs, under emulation).
-  waited=0 seen=-1
+  # restored) may still be probed: its tag is unknown (the mount fails
+  # with EINVAL) until the virtio-fs driver's probe has registered it, the
+  # probe's last step. The driver's link in sysfs is no sign of that: the
+  # kernel makes it before it calls the probe (setting up the queues, and
+  # the device with QEMU and virtiofsd, which on a busy host takes long).
+  # The sign is the device's DRIVER_OK, which the probe sets just before it
+  # registers the tag: the mount is tried again each time one device more
+  # has it, and every 200 ms while one has it and the mount still fails
+  # (the probe may yield between the two steps).
+  # It is looked at every 20 ms without a process (each one costs the
+  # guest's one CPU, which the probe needs, under emulation).
+  waited=0 seen=-1 again=0
   while :; do
     count_virtiofs
-    if [ "$bound" -ne "$seen" ]; then
-      seen=$bound
+    if [ "$ready" -ne "$seen" ] || { [ "$ready" -gt 0 ] && [ "$waited" -ge "$again" ]; }; then
+      seen=$ready again=$((waited + 200))
       mount -t virtiofs -o nodev "$tag" "$1" 2>"$RUN/mount.err" && break
     fi
     [ "$waited" -lt $((DEVICE_WAIT_SECONDS * 1000)) ] ||
@@ -380,11 +387,13 @@ cmd_sharemount() {  # target [tag]: a shared directory of the pod (virtio-fs, ta
   echo "mounted=1"
 }
 
-count_virtiofs() {  # sets bound: the devices the virtio-fs driver has bound (no process)
-  bound=0
+count_virtiofs() {  # sets ready: the virtio-fs devices whose driver set DRIVER_OK (no process)
+  ready=0
   set +f
   for device in /sys/bus/virtio/drivers/virtiofs/virtio*; do
-    [ -e "$device" ] && bound=$((bound + 1))
+    # status: the device's status byte in hex; DRIVER_OK is its bit 2.
+    read -r device_status 2>/dev/null < "$device/status" &&
+      [ $((device_status & 4)) -ne 0 ] && ready=$((ready + 1))
   done
   set -f
 }
