@@ -18,10 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from google.protobuf import empty_pb2
 
 from crust.api import containerd_events_pb2 as events
+from crust.api import handler_pb2
 from crust.api import containerd_task_pb2 as task_pb
 from crust.api import ttrpc_pb2
 from crust.containerd_shim import ttrpc
@@ -589,3 +591,80 @@ def test_a_dead_shims_socket_is_removed_and_nothing_else(tmp_path):
         for listener in listeners:
             listener.close()
         ours.unlink(missing_ok=True)
+
+
+# -- a process's exit and its output ---------------------------------------------------------------
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Handler:
+    """PodRuntime as the shim sees it: the exec exited 0 at once; its
+    output comes as chunks once `more` is set, then the stream ends (with
+    end: an error)."""
+
+    def __init__(self, chunks: list[bytes], end: _RpcError | None):
+        self.chunks, self.end, self.more = chunks, end, asyncio.Event()
+
+    async def GetProcess(self, request):
+        return handler_pb2.ProcessState(status=handler_pb2.ProcessState.STOPPED, exit_code=0, exited_at_ns=1)
+
+    async def _stream(self, request):
+        await self.more.wait()
+        offset = request.stdout_offset
+        for data in self.chunks:
+            yield handler_pb2.OutputChunk(stream=handler_pb2.OutputChunk.STDOUT, offset=offset, data=data)
+            offset += len(data)
+        if self.end is not None:
+            raise self.end
+
+    def ReadOutput(self, request):
+        return self._stream(request)
+
+
+@pytest.mark.parametrize("end", [None, _RpcError(grpc.StatusCode.DATA_LOSS, "the output of e was cut after 6 bytes "
+                                                                              "of stdout and 0 of stderr: the VM is gone")],
+                         ids=["whole", "cut"])
+async def test_an_execs_exit_waits_for_its_whole_output_and_a_cut_one_fails_its_wait(tmp_path, monkeypatch, end):
+    """The exit is reported only once the handler's stream of the output
+    ended, however late; a stream that ended in an error fails the exec's
+    Wait with DATA_LOSS and the handler's words (containerd's ExecSync then
+    fails), where a whole one answers the exit code."""
+    from crust.containerd_shim.task import RUNNING, Container, Process
+
+    service = TaskService("unix:///nonexistent/handler.sock", Publisher("", "k8s.io"))
+    handler = _Handler([b"abc", b"def"], end)
+    monkeypatch.setattr(TaskService, "pods", property(lambda _: handler))
+    os.mkfifo(tmp_path / "out")
+    os.mkfifo(tmp_path / "err")
+    reader = os.open(tmp_path / "out", os.O_RDONLY | os.O_NONBLOCK)
+    process = Process("c", "e", stdout=str(tmp_path / "out"), stderr=str(tmp_path / "err"), status=RUNNING)
+    service.containers["c"] = Container("c", str(tmp_path), sandbox=False, init=Process("c", ""),
+                                        execs={"e": process})
+    try:
+        watcher = asyncio.ensure_future(service._watch_process(process))
+        await asyncio.sleep(0.3)
+        assert not process.exited.is_set()   # exited in the guest, output not yet out
+        handler.more.set()
+        await asyncio.wait_for(watcher, 5)
+        assert os.read(reader, 100) == b"abcdef"
+        if end is None:
+            answer = await service.Wait(task_pb.WaitRequest(id="c", exec_id="e"), None)
+            assert answer.exit_status == 0
+        else:
+            with pytest.raises(TtrpcError) as failed:
+                await service.Wait(task_pb.WaitRequest(id="c", exec_id="e"), None)
+            assert failed.value.code == ttrpc.DATA_LOSS
+            assert "exited with code 0, but the output of e was cut after 6 bytes" in failed.value.message
+    finally:
+        process.deleted.set()
+        os.close(reader)

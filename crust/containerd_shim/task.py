@@ -382,6 +382,10 @@ class TaskService:
             if not process.drain_killed:
                 raise
             cut = "its output was still being copied when it was killed"
+        except Exception as exc:   # a failed copy is a cut output, never an exit left unreported
+            log.exception("output copy failed", extra={"fields": {"container": process.container_id,
+                                                                  "exec": process.exec_id}})
+            cut = f"its output could not be copied: {exc}"
         if process.feeder is not None:
             process.feeder.cancel()
         by_itself = state is not None and state.status == handler_pb2.ProcessState.STOPPED and not state.reason
