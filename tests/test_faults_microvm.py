@@ -91,6 +91,7 @@ def test_exec_output_arrives_whole_or_the_exec_fails_saying_so(node, size):
             assert out.stdout == expected, runtime_class
             assert out.stderr == b"after\n", (runtime_class, out.stderr[-300:])
             outcomes[runtime_class] = ("whole", None)
+    print(f"{size // MiB} MiB exec:", outcomes)
     assert outcomes["crust-microvm"] == outcomes["runc"], outcomes
     if size < 16 * MiB:
         assert outcomes["runc"] == ("whole", None)
