@@ -428,7 +428,11 @@ class Pods:
                 if lost is not None:
                     log.error("a pod's file server is gone", extra={"fields": {
                         "sandbox": pod_id, "virtiofsd": lost.name, "cache": lost.cache}})
-                    await sandbox.vm.lose_file_server(lost)
+                    try:
+                        await sandbox.vm.lose_file_server(lost)
+                    except Exception:   # this watch must go on for every other pod
+                        log.exception("could not kill the VM of a lost file server", extra={"fields": {
+                            "sandbox": pod_id}})
                 if (sandbox is None or not sandbox.alive()) and not self.handler.inflight.busy(pod_id):
                     try:
                         await self._mark_gone(pod_id, self._death_reason(pod_id, sandbox))
