@@ -87,9 +87,8 @@ def test_a_daemon_slow_to_answer_a_new_connection_is_waited_for(tmp_path, health
 
 def test_a_daemon_that_is_down_is_reported_at_once(tmp_path):
     started = time.monotonic()
-    with local_channel(f"unix://{tmp_path / 'nobody.sock'}") as channel:
-        with pytest.raises(grpc.RpcError) as failed:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    with local_channel(f"unix://{tmp_path / 'nobody.sock'}") as channel, pytest.raises(grpc.RpcError) as failed:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     # Far below the call's 10 s: no connection to wait for.
     assert time.monotonic() - started < 5

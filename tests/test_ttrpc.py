@@ -1,4 +1,4 @@
-"""ttrpc (crust/containerd_shim/ttrpc.py): the framing byte for byte, our
+"""ttrpc (crust/common/ttrpc.py): the framing byte for byte, our
 server and client against each other on a real unix socket, a round trip
 into a real containerd's ttrpc socket (its event service), and the shim's
 task service answering containerd's error codes."""
@@ -26,10 +26,10 @@ from crust.api import containerd_events_pb2 as events
 from crust.api import handler_pb2
 from crust.api import containerd_task_pb2 as task_pb
 from crust.api import ttrpc_pb2
-from crust.containerd_shim import ttrpc
+from crust.common import ttrpc
 from crust.containerd_shim.events import Publisher, envelope, forward
 from crust.containerd_shim.task import TaskService, process_spec
-from crust.containerd_shim.ttrpc import Client, Server, TtrpcError
+from crust.common.ttrpc import Client, Server, TtrpcError
 from crust.sys.sockets import socket_alive
 from tests.harness import stop_child
 

@@ -45,10 +45,10 @@ from crust.api import containerd_task_types_pb2 as task_types
 from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common.channel import local_aio_channel
 from crust.common.limits import MAX_STRING
-from crust.containerd_shim import ttrpc
+from crust.common import ttrpc
 from crust.containerd_shim.events import Publisher, timestamp
 from crust.containerd_shim.stdio import FifoWriter, open_fifo
-from crust.containerd_shim.ttrpc import TtrpcError
+from crust.common.ttrpc import TtrpcError
 from crust.sys import mount as sysmount
 from crust.sys import proc
 

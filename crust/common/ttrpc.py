@@ -1,7 +1,8 @@
 """ttrpc on asyncio: the framing, a server and a client (specs/ttrpc.proto).
 
-containerd talks to its shims, and shims to containerd's event service, in
-ttrpc: gRPC's status codes and protobuf messages without HTTP/2. Every frame
+containerd talks to its shims, shims to containerd's event service, and
+crust-microvm's host to its guest agent (specs/agent.proto) in ttrpc: gRPC's
+status codes and protobuf messages without HTTP/2. Every frame
 is a 10-byte big-endian header (payload length, stream id, type, flags) and
 the payload; a request's payload is a ttrpc.Request naming the service and
 method and carrying the method's message, the answer is a ttrpc.Response on
@@ -188,6 +189,11 @@ class Server:
         listener.bind(path)
         listener.listen(listen_backlog())
         await self.serve_socket(listener)
+
+    async def serve_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve one connection until its peer closes it: a socket's, or a
+        byte stream with no connections of its own (a virtio-serial port)."""
+        await self._connection(reader, writer)
 
     async def close(self) -> None:
         if self._server is not None:

@@ -1,0 +1,258 @@
+"""Processes the agent started: their pipes pumped into OutputStreams, their
+input fed from an InputStream, their exit recorded once the output is
+complete, each kept until the host removes it.
+
+A process's life: RUNNING once started, EXITED once it exited *and* both
+of its streams ended (every writer closed them, or LIMITS.output_grace
+after the exit a descendant still held them and the agent closed its own
+ends: output_complete is then false). WaitProcess answers only then, so a
+host that reads each stream to its end has all of the output the exit
+reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+from crust.guest.errors import AgentError, Code
+from crust.guest.streams import InputStream, OutputStream
+
+CREATED, RUNNING, EXITED = 1, 2, 3  # ProcessInfo.State
+
+
+@dataclass(frozen=True)
+class Limits:
+    stream_buffer_bytes: int = 4 << 20
+    stdin_buffer_bytes: int = 1 << 20
+    output_grace: float = 2.0
+    pipe_chunk: int = 64 << 10
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """What the agent uses of an OCI process object."""
+
+    args: tuple[str, ...]
+    env: tuple[str, ...] = ()
+    cwd: str = "/"
+    uid: int = 0
+    gid: int = 0
+    additional_gids: tuple[int, ...] = ()
+    terminal: bool = False
+
+
+def parse_process(raw: bytes, field_name: str = "process") -> ProcessSpec:
+    """An OCI process object (JSON), or INVALID_ARGUMENT naming the field."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}: not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}: not a JSON object")
+    args = obj.get("args")
+    if not isinstance(args, list) or not args or not all(isinstance(a, str) for a in args):
+        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.args: a non-empty list of strings is needed")
+    env = obj.get("env", [])
+    if not isinstance(env, list) or not all(isinstance(e, str) and "=" in e for e in env):
+        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.env: a list of NAME=value strings is needed")
+    cwd = obj.get("cwd", "/")
+    if not isinstance(cwd, str) or not cwd.startswith("/"):
+        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.cwd: an absolute path is needed")
+    user = obj.get("user", {})
+    if not isinstance(user, dict):
+        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.user: not a JSON object")
+    ids = {}
+    for key in ("uid", "gid"):
+        value = user.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 32:
+            raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.user.{key}: not a 32-bit id")
+        ids[key] = value
+    extra = user.get("additionalGids", [])
+    if not isinstance(extra, list) or not all(isinstance(g, int) and 0 <= g < 1 << 32 for g in extra):
+        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.user.additionalGids: not a list of 32-bit ids")
+    terminal = obj.get("terminal", False)
+    if not isinstance(terminal, bool):
+        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.terminal: not a boolean")
+    return ProcessSpec(tuple(args), tuple(env), cwd, ids["uid"], ids["gid"], tuple(extra), terminal)
+
+
+@dataclass
+class ExitStatus:
+    exit_code: int
+    signal: int
+    exited_at_ns: int
+    output_complete: bool = True
+
+
+@dataclass
+class Process:
+    container_id: str
+    exec_id: str
+    request: bytes  # what started it, for a retry's comparison
+    stdout: OutputStream
+    stderr: OutputStream
+    stdin: InputStream | None
+    pid: int = 0
+    state: int = CREATED
+    exit: ExitStatus | None = None
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    start_error: AgentError | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.container_id, self.exec_id
+
+    def signal(self, number: int) -> int:
+        """Signals sent: 0 once it exited."""
+        if self.state != RUNNING or not self.pid:
+            return 0
+        try:
+            os.kill(self.pid, number)
+        except ProcessLookupError:
+            return 0
+        return 1
+
+    def unread(self) -> int:
+        return self.stdout.drop() + self.stderr.drop()
+
+
+def _exit_status(returncode: int) -> tuple[int, int]:
+    """(exit_code as a shell reports it, signal)."""
+    if returncode < 0:
+        return 128 - returncode, -returncode
+    return returncode, 0
+
+
+class ProcessTable:
+    """Every process the agent knows, by (container_id, exec_id)."""
+
+    def __init__(self, limits: Limits | None = None):
+        self.limits = limits or Limits()
+        self.processes: dict[tuple[str, str], Process] = {}
+
+    def get(self, container_id: str, exec_id: str) -> Process:
+        process = self.processes.get((container_id, exec_id))
+        if process is None:
+            what = f"exec {exec_id!r} of container {container_id!r}" if container_id else f"guest process {exec_id!r}"
+            raise AgentError(Code.NOT_FOUND, f"exec_id: no {what}")
+        return process
+
+    async def start_guest_process(self, exec_id: str, raw: bytes, spec: ProcessSpec, stdin: bool) -> Process:
+        """A process of the guest itself (no container); a retry of the same
+        request answers the process it started."""
+        key = ("", exec_id)
+        known = self.processes.get(key)
+        if known is not None:
+            if known.request != raw or (known.stdin is not None) != stdin:
+                raise AgentError(Code.ALREADY_EXISTS, f"exec_id: {exec_id!r} runs another process")
+            await known.started.wait()
+            if known.start_error is not None:
+                raise known.start_error
+            return known
+        if spec.terminal:
+            raise AgentError(Code.FAILED_PRECONDITION, "process.terminal: this agent runs no process on a terminal")
+        process = Process("", exec_id, raw, OutputStream(self.limits.stream_buffer_bytes),
+                          OutputStream(self.limits.stream_buffer_bytes),
+                          InputStream(self.limits.stdin_buffer_bytes) if stdin else None)
+        self.processes[key] = process
+        try:
+            child = await asyncio.create_subprocess_exec(
+                *spec.args, stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=spec.cwd,
+                env=dict(e.split("=", 1) for e in spec.env),
+                user=spec.uid if spec.uid != os.getuid() else None,
+                group=spec.gid if spec.gid != os.getgid() else None,
+                extra_groups=list(spec.additional_gids) if spec.additional_gids else None,
+                start_new_session=True, limit=self.limits.pipe_chunk)
+        except OSError as exc:
+            del self.processes[key]
+            process.start_error = AgentError(Code.FAILED_PRECONDITION, f"process.args: {spec.args[0]!r} did not "
+                                                                       f"start: {exc.strerror or exc}")
+            process.started.set()
+            raise process.start_error from None
+        process.pid, process.state = child.pid, RUNNING
+        process.started.set()
+        process.tasks.append(asyncio.ensure_future(self._watch(process, child)))
+        return process
+
+    async def _watch(self, process: Process, child: asyncio.subprocess.Process) -> None:
+        pumps = [asyncio.ensure_future(_pump_out(child.stdout, process.stdout, self.limits.pipe_chunk)),
+                 asyncio.ensure_future(_pump_out(child.stderr, process.stderr, self.limits.pipe_chunk))]
+        feeder = asyncio.ensure_future(_pump_in(child.stdin, process.stdin)) if process.stdin else None
+        returncode = await child.wait()
+        exited_at = time.time_ns()
+        _done, pending = await asyncio.wait(pumps, timeout=self.limits.output_grace)
+        complete = not pending
+        for pump in pending:
+            pump.cancel()
+        for pipe in (1, 2):
+            transport = child._transport.get_pipe_transport(pipe) if child._transport else None
+            if transport is not None:
+                transport.close()
+        process.stdout.end()
+        process.stderr.end()
+        if feeder is not None:
+            process.stdin.lose_reader()
+            feeder.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await feeder
+        code, number = _exit_status(returncode)
+        process.exit = ExitStatus(code, number, exited_at, complete)
+        process.state = EXITED
+        process.done.set()
+
+    async def wait(self, container_id: str, exec_id: str) -> Process:
+        process = self.get(container_id, exec_id)
+        await process.done.wait()
+        return process
+
+    def remove(self, container_id: str, exec_id: str) -> int:
+        """Forget an exited process; unread bytes dropped."""
+        process = self.processes.get((container_id, exec_id))
+        if process is None:
+            return 0
+        if process.state != EXITED:
+            raise AgentError(Code.FAILED_PRECONDITION, f"exec_id: {exec_id!r} still runs (signal it first)")
+        del self.processes[process.key]
+        return process.unread()
+
+    async def close(self) -> None:
+        """Kill every process the agent started and what they left running
+        (each guest process leads its own process group)."""
+        for process in list(self.processes.values()):
+            if process.pid and not process.container_id:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
+            process.signal(signal.SIGKILL)
+        tasks = [t for p in self.processes.values() for t in p.tasks]
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+
+
+async def _pump_out(pipe: asyncio.StreamReader, stream: OutputStream, chunk: int) -> None:
+    while True:
+        await stream.wait_for_room()
+        data = await pipe.read(chunk)
+        if not data:
+            return
+        stream.append(data)
+
+
+async def _pump_in(pipe: asyncio.StreamWriter, stream: InputStream) -> None:
+    try:
+        while (chunk := await stream.next_chunk()) is not None:
+            pipe.write(chunk)
+            await pipe.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        stream.lose_reader()
+    finally:
+        with contextlib.suppress(OSError):
+            pipe.close()

@@ -1,0 +1,158 @@
+"""AgentService (specs/agent.proto): each call checks its request, names
+the field it refuses, and hands the work to the module of its concern."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import crust
+from crust.api import agent_pb2
+from crust.common import ttrpc
+from crust.guest.errors import AgentError, Code, check_id
+from crust.guest.process import EXITED, Limits, Process, ProcessTable, parse_process
+
+AGENT_NAME = "crust-agent"
+# The most bytes one read answers: with its envelope, well under a frame.
+MAX_READ_BYTES = 1 << 20
+IMAGE_ID_FILE = "/etc/crust-image-id"
+
+CAPABILITIES = ("process.guest", "process.stdin")
+
+
+def _memory_total() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _image_id() -> str:
+    try:
+        with open(IMAGE_ID_FILE) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _exit_message(process: Process) -> agent_pb2.WaitProcessResponse:
+    status = process.exit
+    return agent_pb2.WaitProcessResponse(
+        exit_code=status.exit_code, signal=status.signal, exited_at_ns=status.exited_at_ns,
+        output_complete=status.output_complete, stdout_length=process.stdout.length,
+        stderr_length=process.stderr.length)
+
+
+def _stream_state(stream) -> agent_pb2.StreamState:
+    length, held_from, ended = stream.state()
+    return agent_pb2.StreamState(length=length, held_from=held_from, ended=ended)
+
+
+class AgentService:
+    def __init__(self, limits: Limits | None = None):
+        self.limits = limits or Limits()
+        self.processes = ProcessTable(self.limits)
+
+    async def close(self) -> None:
+        await self.processes.close()
+
+    # ---------------------------------------------------------------- guest
+
+    async def GetGuestDetails(self, request: agent_pb2.GuestDetailsRequest, call) -> agent_pb2.GuestDetailsResponse:
+        return agent_pb2.GuestDetailsResponse(
+            capabilities=list(CAPABILITIES), agent_name=AGENT_NAME, agent_version=crust.__version__,
+            image_id=_image_id(), kernel_release=os.uname().release,
+            uptime_ms=int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1000),
+            limits=agent_pb2.Limits(
+                max_message_bytes=ttrpc.MESSAGE_LENGTH_MAX, max_read_bytes=MAX_READ_BYTES,
+                stream_buffer_bytes=self.limits.stream_buffer_bytes,
+                stdin_buffer_bytes=self.limits.stdin_buffer_bytes, max_in_flight=ttrpc.CONNECTION_CALLS_MAX,
+                output_grace_ms=int(self.limits.output_grace * 1000)),
+            cpus=len(os.sched_getaffinity(0)), memory_bytes=_memory_total())
+
+    # ------------------------------------------------------------ processes
+
+    def _process(self, request) -> Process:
+        check_id("container_id", request.container_id, empty_ok=True)
+        check_id("exec_id", request.exec_id, empty_ok=True)
+        return self.processes.get(request.container_id, request.exec_id)
+
+    async def ExecProcess(self, request: agent_pb2.ExecProcessRequest, call) -> agent_pb2.ExecProcessResponse:
+        check_id("container_id", request.container_id, empty_ok=True)
+        if request.exec_id == "":
+            raise AgentError(Code.INVALID_ARGUMENT, "exec_id: empty (a container's own process starts with "
+                                                    "StartContainer)")
+        check_id("exec_id", request.exec_id)
+        spec = parse_process(request.process)
+        if request.container_id:
+            raise AgentError(Code.UNIMPLEMENTED, "container_id: this agent runs no containers (capability "
+                                                 "process.exec absent)")
+        process = await self.processes.start_guest_process(request.exec_id, request.process, spec, request.stdin)
+        return agent_pb2.ExecProcessResponse(pid=process.pid)
+
+    async def WaitProcess(self, request: agent_pb2.WaitProcessRequest, call) -> agent_pb2.WaitProcessResponse:
+        process = self._process(request)
+        await process.done.wait()
+        return _exit_message(process)
+
+    async def _read(self, request: agent_pb2.ReadStreamRequest, stream_name: str) -> agent_pb2.ReadStreamResponse:
+        if request.max_bytes == 0:
+            raise AgentError(Code.INVALID_ARGUMENT, "max_bytes: 0 (at least 1 is needed)")
+        process = self._process(request)
+        stream = getattr(process, stream_name)
+        offset, data, eof = await stream.read(request.offset, min(request.max_bytes, MAX_READ_BYTES),
+                                              request.accept_loss)
+        return agent_pb2.ReadStreamResponse(offset=offset, data=data, eof=eof)
+
+    async def ReadStdout(self, request, call) -> agent_pb2.ReadStreamResponse:
+        return await self._read(request, "stdout")
+
+    async def ReadStderr(self, request, call) -> agent_pb2.ReadStreamResponse:
+        return await self._read(request, "stderr")
+
+    async def WriteStdin(self, request: agent_pb2.WriteStreamRequest, call) -> agent_pb2.WriteStreamResponse:
+        process = self._process(request)
+        if process.stdin is None:
+            raise AgentError(Code.FAILED_PRECONDITION, "exec_id: the process was started without stdin")
+        length, gone = await process.stdin.write(request.offset, request.data)
+        return agent_pb2.WriteStreamResponse(length=length, reader_gone=gone)
+
+    async def CloseStdin(self, request: agent_pb2.CloseStdinRequest, call) -> agent_pb2.CloseStdinResponse:
+        process = self._process(request)
+        if process.stdin is None:
+            raise AgentError(Code.FAILED_PRECONDITION, "exec_id: the process was started without stdin")
+        process.stdin.close()
+        return agent_pb2.CloseStdinResponse()
+
+    async def SignalProcess(self, request: agent_pb2.SignalProcessRequest, call) -> agent_pb2.SignalProcessResponse:
+        if request.signal > 64:
+            raise AgentError(Code.INVALID_ARGUMENT, f"signal: {request.signal} is not 0..64")
+        if request.all and not request.container_id:
+            raise AgentError(Code.INVALID_ARGUMENT, "all: a guest process has no container to signal")
+        process = self._process(request)
+        return agent_pb2.SignalProcessResponse(signalled=process.signal(request.signal))
+
+    async def RemoveProcess(self, request: agent_pb2.RemoveProcessRequest, call) -> agent_pb2.RemoveProcessResponse:
+        check_id("container_id", request.container_id, empty_ok=True)
+        if request.exec_id == "":
+            raise AgentError(Code.INVALID_ARGUMENT, "exec_id: empty (a container's own process goes with "
+                                                    "RemoveContainer)")
+        check_id("exec_id", request.exec_id)
+        return agent_pb2.RemoveProcessResponse(unread_bytes=self.processes.remove(request.container_id,
+                                                                                 request.exec_id))
+
+    async def ListProcesses(self, request, call) -> agent_pb2.ListProcessesResponse:
+        infos = []
+        for process in self.processes.processes.values():
+            info = agent_pb2.ProcessInfo(
+                container_id=process.container_id, exec_id=process.exec_id, pid=process.pid,
+                state=process.state, stdout=_stream_state(process.stdout), stderr=_stream_state(process.stderr),
+                stdin=process.stdin is not None)
+            if process.state == EXITED:
+                info.exit.CopyFrom(_exit_message(process))
+            infos.append(info)
+        return agent_pb2.ListProcessesResponse(processes=infos)

@@ -1,0 +1,159 @@
+"""A process's output and input as the agent holds them between the pipe
+and the host: byte offsets for the life of the process, acknowledged by
+reading further, bounded in memory, never dropped silently.
+
+An OutputStream is fed by one pump (the process's pipe) and read by one
+reader (the host's ReadStdout/ReadStderr calls). Reading at an offset
+acknowledges every byte below it, which the stream then drops; the bytes
+not acknowledged are held up to `limit`, beyond which the pump stops
+reading the pipe and the process blocks on its write: the guest's memory
+is bounded and nothing is lost. An InputStream is the reverse: the host's
+WriteStdin calls append at an offset (a resend of bytes already taken
+writes only what is new), one pump writes them to the process's pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from crust.guest.errors import AgentError, Code
+
+
+class _Signal:
+    """Wakes every waiter once per change (an Event that re-arms itself)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+class OutputStream:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.length = 0  # bytes written so far
+        self.held_from = 0  # the lowest offset still held
+        self.ended = False
+        self._held = bytearray()
+        self._changed = _Signal()
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    @property
+    def has_room(self) -> bool:
+        return len(self._held) < self.limit
+
+    def append(self, data: bytes) -> None:
+        if self.ended:
+            raise RuntimeError("append to an ended stream")
+        self._held += data
+        self.length += len(data)
+        self._changed.fire()
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self._changed.fire()
+
+    async def wait_for_room(self) -> None:
+        while not self.has_room:
+            await self._changed.wait()
+
+    def _acknowledge(self, offset: int) -> None:
+        if offset > self.held_from:
+            del self._held[:offset - self.held_from]
+            self.held_from = offset
+            self._changed.fire()
+
+    async def read(self, offset: int, max_bytes: int, accept_loss: bool = False) -> tuple[int, bytes, bool]:
+        """(offset, data, eof) from offset, once there is a byte there or
+        the stream ended; bytes below offset are acknowledged (dropped)."""
+        if offset > self.length:
+            raise AgentError(Code.OUT_OF_RANGE,
+                             f"offset: {offset} is past the stream's length {self.length}")
+        if offset < self.held_from:
+            if not accept_loss:
+                raise AgentError(Code.DATA_LOSS, f"offset: {offset} was acknowledged and dropped; "
+                                                 f"the stream holds bytes from {self.held_from}")
+            offset = self.held_from
+        self._acknowledge(offset)
+        while self.length == offset and not self.ended:
+            await self._changed.wait()
+            if offset < self.held_from:  # another reader acknowledged past us
+                raise AgentError(Code.DATA_LOSS, f"offset: {offset} was acknowledged by another reader")
+        start = offset - self.held_from
+        data = bytes(self._held[start:start + max_bytes])
+        return offset, data, self.ended and offset + len(data) == self.length
+
+    def drop(self) -> int:
+        """Forget what is held; the count of bytes never read."""
+        unread = len(self._held)
+        self._held.clear()
+        self.held_from = self.length
+        self.end()
+        return unread
+
+    def state(self) -> tuple[int, int, bool]:
+        return self.length, self.held_from, self.ended
+
+
+class InputStream:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.length = 0  # bytes the host has written
+        self.closed = False  # the host closed it (CloseStdin)
+        self.reader_gone = False  # the process no longer reads it
+        self._pending = bytearray()  # taken, not yet in the pipe
+        self._changed = _Signal()
+
+    async def write(self, offset: int, data: bytes) -> tuple[int, bool]:
+        """(the input's length, reader gone) once data (past what was
+        already taken) is held; waits while the buffer is full."""
+        if self.closed:
+            raise AgentError(Code.FAILED_PRECONDITION, "stdin: the process's input was closed")
+        if offset > self.length:
+            raise AgentError(Code.OUT_OF_RANGE, f"offset: {offset} is past the input's length {self.length}")
+        new = data[self.length - offset:]
+        while new:
+            if self.reader_gone:
+                self.length += len(new)
+                break
+            if self.closed:
+                raise AgentError(Code.FAILED_PRECONDITION, "stdin: the process's input was closed")
+            room = self.limit - len(self._pending)
+            if room <= 0:
+                await self._changed.wait()
+                continue
+            self._pending += new[:room]
+            self.length += min(room, len(new))
+            new = new[room:]
+            self._changed.fire()
+        return self.length, self.reader_gone
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._changed.fire()
+
+    def lose_reader(self) -> None:
+        self.reader_gone = True
+        self._pending.clear()
+        self._changed.fire()
+
+    async def next_chunk(self) -> bytes | None:
+        """What the pump writes next; None once closed and all written."""
+        while not self._pending:
+            if self.closed or self.reader_gone:
+                return None
+            await self._changed.wait()
+        chunk = bytes(self._pending)
+        self._pending.clear()
+        self._changed.fire()
+        return chunk

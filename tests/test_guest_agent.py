@@ -1,0 +1,280 @@
+"""The guest agent (crust/guest/) run on the host, without a VM: a real
+`python -m crust.guest --listen` process, real child processes and pipes,
+the host's AgentClient over ttrpc. What a VM adds (the virtio-serial port,
+the guest's devices) is tested through VMs elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from crust.api import agent_pb2
+from crust.common.ttrpc import TtrpcError
+from crust.guest.errors import Code
+from crust.kata.agent_client import AgentClient
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def agent(tmp_path):
+    path = tmp_path / "agent.sock"
+    with open(tmp_path / "agent.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "crust.guest", "--listen", str(path)], cwd=REPO, stderr=log)
+    try:
+        deadline = time.monotonic() + 20
+        while not path.exists():
+            assert proc.poll() is None, (tmp_path / "agent.log").read_text()
+            assert time.monotonic() < deadline, "the agent did not listen"
+            time.sleep(0.02)
+        yield path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def process(*args: str, env=("PATH=/usr/bin:/bin",), **extra) -> bytes:
+    return json.dumps({"args": list(args), "env": list(env), "cwd": "/", **extra}).encode()
+
+
+async def exec_(client, exec_id: str, *args: str, stdin: bool = False) -> int:
+    rsp = await client.call("ExecProcess", agent_pb2.ExecProcessRequest(exec_id=exec_id, process=process(*args),
+                                                                        stdin=stdin), timeout=10)
+    return rsp.pid
+
+
+async def read_all(client, exec_id: str, method: str = "ReadStdout") -> bytes:
+    data, offset = bytearray(), 0
+    while True:
+        rsp = await client.call(method, agent_pb2.ReadStreamRequest(exec_id=exec_id, offset=offset,
+                                                                    max_bytes=1 << 20), timeout=30)
+        assert rsp.offset == offset
+        data += rsp.data
+        offset += len(rsp.data)
+        if rsp.eof:
+            return bytes(data)
+
+
+async def code_of(awaitable) -> tuple[int, str]:
+    with pytest.raises(TtrpcError) as failed:
+        await awaitable
+    return failed.value.code, failed.value.message
+
+
+def test_details_name_the_capabilities_and_limits(agent):
+    async def main():
+        client = await AgentClient.connect(str(agent))
+        d = await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=10)
+        await client.close()
+        return d
+    d = run(main())
+    assert {"process.guest", "process.stdin"} <= set(d.capabilities)
+    assert d.agent_name == "crust-agent" and d.kernel_release == os.uname().release
+    assert d.limits.max_message_bytes == 4 << 20 and 0 < d.limits.max_read_bytes < d.limits.max_message_bytes
+    assert d.cpus >= 1 and d.memory_bytes > 0 and d.uptime_ms > 0
+
+
+def test_an_exit_is_answered_once_its_output_is_whole(agent):
+    async def main():
+        client = await AgentClient.connect(str(agent))
+        pid = await exec_(client, "e1", "sh", "-c", "echo out; echo err >&2; exit 3")
+        assert pid > 0
+        exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="e1"), timeout=10)
+        out, err = await read_all(client, "e1"), await read_all(client, "e1", "ReadStderr")
+        killed = await exec_(client, "e2", "sleep", "100")
+        sent = await client.call("SignalProcess", agent_pb2.SignalProcessRequest(exec_id="e2", signal=9), timeout=5)
+        exit2 = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="e2"), timeout=10)
+        again = await client.call("SignalProcess", agent_pb2.SignalProcessRequest(exec_id="e2", signal=9), timeout=5)
+        await client.close()
+        return exit_, out, err, killed, sent, exit2, again
+    exit_, out, err, _killed, sent, exit2, again = run(main())
+    assert (exit_.exit_code, exit_.signal, exit_.output_complete) == (3, 0, True)
+    assert (out, err) == (b"out\n", b"err\n")
+    assert (exit_.stdout_length, exit_.stderr_length) == (4, 4)
+    assert sent.signalled == 1 and (exit2.exit_code, exit2.signal) == (137, 9) and again.signalled == 0
+
+
+def test_ten_mib_of_output_arrives_whole_and_the_guest_holds_a_bounded_part(agent):
+    size = 10 << 20
+    script = f"head -c {size} /dev/urandom | tee /dev/stderr | sha256sum >&2"
+
+    async def main():
+        client = await AgentClient.connect(str(agent))
+        await exec_(client, "big", "sh", "-c", script)
+        # Nobody reads: the process is held back once the stream is full.
+        await asyncio.sleep(1.5)
+        listed = await client.call("ListProcesses", agent_pb2.ListProcessesRequest(), timeout=5)
+        out_task = asyncio.ensure_future(read_all(client, "big"))
+        err = await read_all(client, "big", "ReadStderr")
+        out = await out_task
+        exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="big"), timeout=30)
+        await client.close()
+        return listed, out, err, exit_
+    listed, out, err, exit_ = run(main())
+    (info,) = listed.processes
+    limit = 4 << 20
+    assert info.state == agent_pb2.ProcessInfo.RUNNING
+    assert info.stderr.length <= limit + (1 << 20), "the agent took more than its bound without a reader"
+    # stdout carries nothing; stderr the bytes and their digest.
+    assert out == b""
+    payload, digest = err[:size], err[size:]
+    assert len(payload) == size and digest.split()[0].decode() == hashlib.sha256(payload).hexdigest()
+    assert exit_.exit_code == 0 and exit_.output_complete and exit_.stderr_length == len(err)
+
+
+def test_a_process_that_never_ends_delays_no_other_call(agent):
+    async def main():
+        client = await AgentClient.connect(str(agent))
+        await exec_(client, "forever", "sleep", "1000")
+        waiting = asyncio.ensure_future(
+            client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="forever")))
+        reading = asyncio.ensure_future(
+            client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id="forever", max_bytes=10)))
+        quick = [f"q{i}" for i in range(10)]
+        await asyncio.gather(*(exec_(client, q, "sh", "-c", f"echo {q}") for q in quick))
+        exits = await asyncio.gather(*(client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id=q),
+                                                   timeout=20) for q in quick))
+        outs = await asyncio.gather(*(read_all(client, q) for q in quick))
+        # The guest ends a wait at the request's deadline.
+        deadline = await code_of(client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="forever"),
+                                              timeout=0.3))
+        still = (waiting.done(), reading.done())
+        await client.call("SignalProcess", agent_pb2.SignalProcessRequest(exec_id="forever", signal=15), timeout=5)
+        ended, read = await asyncio.wait_for(asyncio.gather(waiting, reading), 10)
+        await client.close()
+        return exits, outs, deadline, still, ended, read
+    exits, outs, deadline, still, ended, read = run(main())
+    assert [e.exit_code for e in exits] == [0] * 10
+    assert outs == [f"q{i}\n".encode() for i in range(10)]
+    assert deadline[0] == Code.DEADLINE_EXCEEDED
+    assert still == (False, False)
+    assert (ended.exit_code, ended.signal) == (143, 15) and read.eof and read.data == b""
+
+
+def test_stdin_is_written_at_offsets_and_a_resend_writes_only_what_is_new(agent):
+    async def main():
+        client = await AgentClient.connect(str(agent))
+        await exec_(client, "cat", "cat", stdin=True)
+        w1 = await client.call("WriteStdin", agent_pb2.WriteStreamRequest(exec_id="cat", offset=0, data=b"hello "),
+                               timeout=5)
+        # A resend from 0 with more: only "world" is new.
+        w2 = await client.call("WriteStdin", agent_pb2.WriteStreamRequest(exec_id="cat", offset=0,
+                                                                          data=b"hello world"), timeout=5)
+        past = await code_of(client.call("WriteStdin", agent_pb2.WriteStreamRequest(exec_id="cat", offset=99,
+                                                                                    data=b"x"), timeout=5))
+        await client.call("CloseStdin", agent_pb2.CloseStdinRequest(exec_id="cat"), timeout=5)
+        closed = await code_of(client.call("WriteStdin", agent_pb2.WriteStreamRequest(exec_id="cat", offset=11,
+                                                                                      data=b"x"), timeout=5))
+        exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="cat"), timeout=10)
+        out = await read_all(client, "cat")
+        no_stdin = await exec_(client, "nostdin", "true")
+        refused = await code_of(client.call("WriteStdin", agent_pb2.WriteStreamRequest(exec_id="nostdin",
+                                                                                       data=b"x"), timeout=5))
+        await client.close()
+        return w1, w2, past, closed, exit_, out, no_stdin, refused
+    w1, w2, past, closed, exit_, out, _pid, refused = run(main())
+    assert (w1.length, w2.length) == (6, 11)
+    assert past[0] == Code.OUT_OF_RANGE and closed[0] == Code.FAILED_PRECONDITION
+    assert exit_.exit_code == 0 and out == b"hello world"
+    assert refused[0] == Code.FAILED_PRECONDITION and "without stdin" in refused[1]
+
+
+def test_reads_acknowledge_what_they_pass_and_a_read_below_it_is_data_loss(agent):
+    async def main():
+        client = await AgentClient.connect(str(agent))
+        await exec_(client, "p", "sh", "-c", "printf 0123456789")
+        await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="p"), timeout=10)
+        first = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id="p", offset=0, max_bytes=4),
+                                  timeout=5)
+        retry = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id="p", offset=0, max_bytes=4),
+                                  timeout=5)
+        onward = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id="p", offset=4, max_bytes=100),
+                                   timeout=5)
+        lost = await code_of(client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id="p", offset=2,
+                                                                                   max_bytes=4), timeout=5))
+        accepted = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id="p", offset=2, max_bytes=4,
+                                                                               accept_loss=True), timeout=5)
+        past = await code_of(client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id="p", offset=11,
+                                                                                   max_bytes=4), timeout=5))
+        zero = await code_of(client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id="p"), timeout=5))
+        unread = await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(exec_id="p"), timeout=5)
+        gone = await code_of(client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id="p", max_bytes=1),
+                                         timeout=5))
+        again = await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(exec_id="p"), timeout=5)
+        await client.close()
+        return first, retry, onward, lost, accepted, past, zero, unread, gone, again
+    first, retry, onward, lost, accepted, past, zero, unread, gone, again = run(main())
+    assert (first.data, retry.data) == (b"0123", b"0123")
+    assert onward.data == b"456789" and onward.eof
+    assert lost[0] == Code.DATA_LOSS and "offset" in lost[1]
+    assert (accepted.offset, accepted.data) == (4, b"4567")
+    assert past[0] == Code.OUT_OF_RANGE and "offset" in past[1]
+    assert zero[0] == Code.INVALID_ARGUMENT and "max_bytes" in zero[1]
+    assert unread.unread_bytes == 6  # held from 4 (the last read's offset) to 10
+    assert gone[0] == Code.NOT_FOUND and again.unread_bytes == 0
+
+
+def test_bad_requests_name_their_field_and_a_retry_answers_as_the_first_did(agent):
+    async def main():
+        client = await AgentClient.connect(str(agent))
+        results = {}
+        for name, request in {
+            "bad id": agent_pb2.ExecProcessRequest(exec_id="../x", process=process("true")),
+            "empty id": agent_pb2.ExecProcessRequest(exec_id="", process=process("true")),
+            "no args": agent_pb2.ExecProcessRequest(exec_id="a", process=b'{"args": []}'),
+            "not json": agent_pb2.ExecProcessRequest(exec_id="a", process=b"{"),
+            "relative cwd": agent_pb2.ExecProcessRequest(exec_id="a", process=process("true", cwd="tmp")),
+            "missing binary": agent_pb2.ExecProcessRequest(exec_id="a", process=process("/no/such/program")),
+        }.items():
+            results[name] = await code_of(client.call("ExecProcess", request, timeout=5))
+        results["unknown wait"] = await code_of(client.call("WaitProcess", agent_pb2.WaitProcessRequest(
+            exec_id="nobody"), timeout=5))
+        first = await exec_(client, "twice", "sleep", "100")
+        second = await exec_(client, "twice", "sleep", "100")
+        results["other process"] = await code_of(exec_(client, "twice", "sleep", "200"))
+        results["remove running"] = await code_of(client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(
+            exec_id="twice"), timeout=5))
+        await client.call("SignalProcess", agent_pb2.SignalProcessRequest(exec_id="twice", signal=9), timeout=5)
+        await client.close()
+        return results, first, second
+    results, first, second = run(main())
+    assert results["bad id"][0] == Code.INVALID_ARGUMENT and results["bad id"][1].startswith("exec_id:")
+    assert results["empty id"][0] == Code.INVALID_ARGUMENT and results["empty id"][1].startswith("exec_id:")
+    assert results["no args"] == (Code.INVALID_ARGUMENT, results["no args"][1]) and \
+        results["no args"][1].startswith("process.args:")
+    assert results["not json"][0] == Code.INVALID_ARGUMENT and results["not json"][1].startswith("process:")
+    assert results["relative cwd"][0] == Code.INVALID_ARGUMENT and results["relative cwd"][1].startswith("process.cwd")
+    assert results["missing binary"][0] == Code.FAILED_PRECONDITION and "/no/such/program" in results["missing binary"][1]
+    assert results["unknown wait"][0] == Code.NOT_FOUND
+    assert first == second
+    assert results["other process"][0] == Code.ALREADY_EXISTS
+    assert results["remove running"][0] == Code.FAILED_PRECONDITION
+
+
+def test_a_descendant_holding_the_output_ends_it_after_the_grace_and_says_so(agent):
+    async def main():
+        client = await AgentClient.connect(str(agent))
+        await exec_(client, "leaver", "sh", "-c", "sleep 30 & echo left")
+        exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="leaver"), timeout=20)
+        out = await read_all(client, "leaver")
+        await client.close()
+        return exit_, out
+    exit_, out = run(main())
+    assert exit_.exit_code == 0 and out == b"left\n"
+    assert not exit_.output_complete
