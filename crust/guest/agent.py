@@ -65,9 +65,13 @@ async def serve_port(server: ttrpc.Server, path: str, stopping: asyncio.Event) -
 
 
 async def serve_socket(server: ttrpc.Server, path: str, stopping: asyncio.Event) -> None:
+    # The path appears only once the socket listens: a client that sees
+    # it never meets a refused connection.
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    staging = f"{path}.{os.getpid()}"
+    listener.bind(staging)
     listener.listen(16)
+    os.rename(staging, path)
     await server.serve_socket(listener)
     await stopping.wait()
 

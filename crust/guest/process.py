@@ -20,6 +20,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from crust.guest import spawn
 from crust.guest.errors import AgentError, Code
 from crust.guest.streams import InputStream, OutputStream
 
@@ -164,14 +165,12 @@ class ProcessTable:
                           InputStream(self.limits.stdin_buffer_bytes) if stdin else None)
         self.processes[key] = process
         try:
-            child = await asyncio.create_subprocess_exec(
-                *spec.args, stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=spec.cwd,
-                env=dict(e.split("=", 1) for e in spec.env),
+            child = await spawn.start(
+                list(spec.args), stdin=stdin, cwd=spec.cwd, env=dict(e.split("=", 1) for e in spec.env),
                 user=spec.uid if spec.uid != os.getuid() else None,
                 group=spec.gid if spec.gid != os.getgid() else None,
                 extra_groups=list(spec.additional_gids) if spec.additional_gids else None,
-                start_new_session=True, limit=self.limits.pipe_chunk)
+                limit=self.limits.pipe_chunk)
         except OSError as exc:
             del self.processes[key]
             process.start_error = AgentError(Code.FAILED_PRECONDITION, f"process.args: {spec.args[0]!r} did not "
@@ -183,20 +182,17 @@ class ProcessTable:
         process.tasks.append(asyncio.ensure_future(self._watch(process, child)))
         return process
 
-    async def _watch(self, process: Process, child: asyncio.subprocess.Process) -> None:
+    async def _watch(self, process: Process, child: spawn.Child) -> None:
         pumps = [asyncio.ensure_future(_pump_out(child.stdout, process.stdout, self.limits.pipe_chunk)),
                  asyncio.ensure_future(_pump_out(child.stderr, process.stderr, self.limits.pipe_chunk))]
         feeder = asyncio.ensure_future(_pump_in(child.stdin, process.stdin)) if process.stdin else None
-        returncode = await child.wait()
+        returncode = await spawn.exited(child.popen)
         exited_at = time.time_ns()
         _done, pending = await asyncio.wait(pumps, timeout=self.limits.output_grace)
         complete = not pending
         for pump in pending:
             pump.cancel()
-        for pipe in (1, 2):
-            transport = child._transport.get_pipe_transport(pipe) if child._transport else None
-            if transport is not None:
-                transport.close()
+        child.close_pipes()
         process.stdout.end()
         process.stderr.end()
         if feeder is not None:
