@@ -1,13 +1,13 @@
 """The agent's main: AgentService over ttrpc, on the VM's virtio-serial
 port (the guest) or on a unix socket (the host's tests).
 
-    python3 -m crust.guest --port /dev/virtio-ports/crust.agent
+    python3 -m crust.guest --port-name crust.agent
     python3 -m crust.guest --listen /run/agent.sock
 
 A port is one byte stream with no connections of its own: the agent serves
 it as one ttrpc connection; when the host's side goes away the read ends,
 the answers still owed are dropped (their work goes on, see the protocol's
-retry rules), and the agent opens the port again for the next host. The
+retry rules), and the next host that connects is served afresh. The
 processes and their output live in the AgentService, not the connection.
 """
 
@@ -17,9 +17,11 @@ import argparse
 import asyncio
 import logging
 import os
+import select
 import signal
 import socket
 import sys
+import time
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
@@ -27,8 +29,10 @@ from crust.guest.service import AgentService
 
 log = logging.getLogger("crust.guest")
 
-# A host that went away: how soon the port is tried again.
-REOPEN_PAUSE = 0.05
+SYS_PORTS = "/sys/class/virtio-ports"
+# How long the agent waits at boot for its port to appear (the module was
+# loaded just before).
+PORT_APPEARS = 30.0
 
 
 def make_server(service: AgentService) -> ttrpc.Server:
@@ -37,31 +41,84 @@ def make_server(service: AgentService) -> ttrpc.Server:
     return server
 
 
-async def _port_streams(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Reader and writer over a character device opened read-write."""
+def find_port(name: str, sys_class: str = SYS_PORTS) -> str | None:
+    """The device of the virtio-serial port QEMU named name, or None."""
+    try:
+        entries = sorted(os.listdir(sys_class))
+    except FileNotFoundError:
+        return None
+    for entry in entries:
+        try:
+            with open(f"{sys_class}/{entry}/name") as f:
+                if f.read().strip() == name:
+                    return f"/dev/{entry}"
+        except OSError:
+            continue
+    return None
+
+
+async def wait_for_port(name: str, timeout: float = PORT_APPEARS) -> str:
+    deadline = time.monotonic() + timeout
+    while (path := find_port(name)) is None or not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise FileNotFoundError(f"no virtio-serial port named {name!r} within {timeout:g} s")
+        await asyncio.sleep(0.01)
+    return path
+
+
+async def _streams_over(fd: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Reader and writer over duplicates of fd: they close their copies,
+    the port stays open."""
     loop = asyncio.get_running_loop()
-    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-    write_fd = os.dup(fd)
     reader = asyncio.StreamReader(limit=ttrpc.MESSAGE_LENGTH_MAX + ttrpc.HEADER_LENGTH)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0))
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(fd), "rb", 0))
     transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
-                                                        os.fdopen(write_fd, "wb", buffering=0))
+                                                        os.fdopen(os.dup(fd), "wb", 0))
     return reader, asyncio.StreamWriter(transport, protocol, None, loop)
 
 
+async def _next_change(changes: select.epoll) -> None:
+    """Until the port's connection changes (edge-triggered: one event per
+    change), then every pending event taken."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(changes.fileno(), lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(changes.fileno())
+    changes.poll(0)
+
+
 async def serve_port(server: ttrpc.Server, path: str, stopping: asyncio.Event) -> None:
-    while not stopping.is_set():
-        reader, writer = await _port_streams(path)
-        serving = asyncio.ensure_future(server.serve_stream(reader, writer))
-        stop = asyncio.ensure_future(stopping.wait())
-        await asyncio.wait([serving, stop], return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not serving.done():
-            serving.cancel()
+    """Serve the port as one connection after another. The port is opened
+    once, for the agent's life: the guest's kernel drops what the host
+    sends while no one in the guest has it open. A host that goes away
+    reads as the end of the stream (and POLLHUP, level-triggered, for as
+    long as it is away); it coming back is an EPOLLOUT edge."""
+    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+    changes = select.epoll()
+    changes.register(fd, select.EPOLLOUT | select.EPOLLET)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        while not stopping.is_set():
+            reader, writer = await _streams_over(fd)
+            serving = asyncio.ensure_future(server.serve_stream(reader, writer))
+            await asyncio.wait([serving, stop], return_when=asyncio.FIRST_COMPLETED)
+            if not serving.done():
+                serving.cancel()
             await asyncio.gather(serving, return_exceptions=True)
-            return
-        log.info("the host closed the port; opening it again")
-        await asyncio.sleep(REOPEN_PAUSE)
+            # Replies owed to the host that left are dropped, never sent to the next one.
+            writer.transport.abort()
+            if stopping.is_set():
+                return
+            change = asyncio.ensure_future(_next_change(changes))
+            await asyncio.wait([change, stop], return_when=asyncio.FIRST_COMPLETED)
+            change.cancel()
+    finally:
+        stop.cancel()
+        changes.close()
+        os.close(fd)
 
 
 async def serve_socket(server: ttrpc.Server, path: str, stopping: asyncio.Event) -> None:
@@ -76,7 +133,7 @@ async def serve_socket(server: ttrpc.Server, path: str, stopping: asyncio.Event)
     await stopping.wait()
 
 
-async def run(port: str | None, listen: str | None) -> None:
+async def run(port: str | None, listen: str | None, port_name: str | None = None) -> None:
     service = AgentService()
     server = make_server(service)
     stopping = asyncio.Event()
@@ -84,6 +141,9 @@ async def run(port: str | None, listen: str | None) -> None:
     for number in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(number, stopping.set)
     try:
+        if port_name:
+            port = await wait_for_port(port_name)
+            log.info("serving on %s (%s)", port, port_name)
         if port:
             await serve_port(server, port, stopping)
         else:
@@ -97,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m crust.guest", description="crust's guest agent")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--port", help="a virtio-serial port's device (the guest)")
+    where.add_argument("--port-name", help="a virtio-serial port's name, its device found in sysfs (the guest)")
     where.add_argument("--listen", help="a unix socket path to listen on (tests on the host)")
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="crust-agent: %(message)s")
-    asyncio.run(run(args.port, args.listen))
+    asyncio.run(run(args.port, args.listen, args.port_name))
     return 0

@@ -12,6 +12,8 @@ its wait there with DEADLINE_EXCEEDED.
 
 from __future__ import annotations
 
+import asyncio
+
 from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
@@ -42,3 +44,17 @@ class AgentClient:
 
     async def close(self) -> None:
         await self._client.close()
+
+
+async def wait_port_open(qmp, chardev: str = "port", timeout: float = 60.0) -> None:
+    """Until the guest's agent has its virtio-serial port open (QEMU's
+    query-chardev: frontend-open). What the host sends before that, the
+    guest's kernel drops."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        for device in await qmp.execute("query-chardev"):
+            if device.get("label") == chardev and device.get("frontend-open"):
+                return
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"the guest did not open its agent port within {timeout:g} s")
+        await asyncio.sleep(0.05)

@@ -69,6 +69,12 @@ MAX_LUN = 16383
 # (the image lists them, crust.kata.image), and the SCSI layer's boot scan
 # switched off: with nothing attached at boot it would probe 256 targets.
 SCSI_CMDLINE = "scsi_mod.scan=none crust.disks=scsi"
+# The guest agent's virtio-serial port (specs/agent.proto): the guest finds
+# it by this name in /sys/class/virtio-ports.
+AGENT_PORT_NAME = "crust.agent"
+# The devices every VM has, beyond its config (a saved VM loads only into
+# the same set: crust.kata.template keys its saves with this).
+DEVICE_LAYOUT = "uart-console,uart-agent,virtio-serial-agent"
 # virtio-blk serials are at most 20 bytes; the same word names the QMP nodes.
 SERIAL = re.compile(r"^[A-Za-z0-9_.-]{1,20}$")
 # sun_path is 108 bytes, NUL included.
@@ -235,6 +241,8 @@ class Vm:
         self._place(workdir)
         self.socket_dir = socket_dir or socket_dir_for(workdir)
         self.agent_socket = self.socket_dir / "agent.sock"
+        # The Python agent's virtio-serial port (specs/agent.proto).
+        self.port_socket = self.socket_dir / "port.sock"
         self.qmp_socket = self.socket_dir / "qmp.sock"
         self.virtiofsds: dict[str, Virtiofsd] = {}   # by tag
         self.disks: dict[str, Disk] = {}
@@ -296,6 +304,9 @@ class Vm:
             "-serial", f"file:{self.console_log}",                        # ttyS0: console
             "-chardev", f"socket,id=agent,path={self.agent_socket},server=on,wait=off",
             "-serial", "chardev:agent",                                  # ttyS1: agent
+            "-device", "virtio-serial-pci,id=ports",
+            "-chardev", f"socket,id=port,path={self.port_socket},server=on,wait=off",
+            "-device", f"virtserialport,bus=ports.0,chardev=port,name={AGENT_PORT_NAME}",
             "-qmp", f"unix:{self.qmp_socket},server=on,wait=off",
             "-pidfile", str(self.pidfile),
             *self._shared_dir_args(),
@@ -436,12 +447,12 @@ class Vm:
         The guest is then made this VM's own before anyone uses it: the
         agent sets its clock and reseeds its random number generator
         (agent.resume), or the start fails."""
-        for sock in (self.agent_socket, self.qmp_socket):
+        for sock in (self.agent_socket, self.port_socket, self.qmp_socket):
             if len(str(sock)) > MAX_SOCKET_PATH:
                 raise VmError(f"socket path too long for a unix socket: {sock}")
         make_dirs(self.workdir)
         make_dirs(self.socket_dir)
-        for stale in (self.agent_socket, self.qmp_socket, self.pidfile, self.console_log):
+        for stale in (self.agent_socket, self.port_socket, self.qmp_socket, self.pidfile, self.console_log):
             stale.unlink(missing_ok=True)
         write_atomic(self.workdir / IDENTITY_FILE, json.dumps(
             {"name": self.name, "socket_dir": str(self.socket_dir)}).encode(), mode=0o600)
@@ -667,7 +678,7 @@ class Vm:
         """The short socket directory of a VM that is gone, and the root of
         such directories once it is empty (it is made again when needed)."""
         shares = [SharedDir(tag, Path(".")) for tag in SHARE_TAGS]
-        for sock in (self.agent_socket, self.qmp_socket, *map(self.fs_socket, shares)):
+        for sock in (self.agent_socket, self.port_socket, self.qmp_socket, *map(self.fs_socket, shares)):
             sock.unlink(missing_ok=True)
         for directory in (self.socket_dir, SHORT_SOCKET_ROOT):
             try:

@@ -62,7 +62,14 @@ from crust.kata.pool import (
     WARM_DISK_IMAGE,
     warm_disk,
 )
-from crust.kata.qemu import Vm, VmConfig, VmError, is_qemu_under, qemu_pids_under
+from crust.kata.qemu import (
+    DEVICE_LAYOUT,
+    Vm,
+    VmConfig,
+    VmError,
+    is_qemu_under,
+    qemu_pids_under,
+)
 from crust.kata.qmp import QmpError, QmpGone
 from crust.sys import proc
 from crust.sys.run import CommandError, run
@@ -102,7 +109,8 @@ async def template_key(config: VmConfig) -> str:
     qemu = shutil.which(config.qemu_binary) or config.qemu_binary
     version = (await run([qemu, "--version"], timeout=30)).stdout.splitlines()[0]
     facts = [version, f"memory={config.memory_mib}", f"cpus={config.cpus}", f"accel={config.accel}",
-             f"bus={config.disk_bus}", f"cmdline={config.cmdline}", f"host={os.uname().release}",
+             f"bus={config.disk_bus}", f"cmdline={config.cmdline}", f"devices={DEVICE_LAYOUT}",
+             f"host={os.uname().release}",
              f"cpu={await asyncio.to_thread(_host_cpu)}"]
     for path in (qemu, str(config.kernel), str(config.initrd)):
         st = os.stat(path)
