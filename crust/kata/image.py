@@ -72,10 +72,11 @@ SBIN_PATH = "/usr/sbin:/sbin:/usr/bin:/bin"
 # those built into the kernel are skipped. Boot modules are loaded by /init;
 # a file system's modules by the agent on the first mount of that type (xfs
 # alone costs about half a second of boot under software emulation). The
-# serial ports (8250) are built into both kernels: no virtio-serial needed.
+# serial ports (8250) are built into both kernels; virtio_console: the
+# Python agent's virtio-serial port (crust.agent).
 # virtio_net: a pod's NIC (crust.sys.podnet), there at boot when the pod has
 # a network; without one the module costs a few milliseconds.
-BOOT_MODULES = ("virtio_pci", "virtio_blk", "virtio_net")
+BOOT_MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "virtio_console")
 FS_MODULES = {"ext4": ("ext4",), "xfs": ("xfs",),
               # LUKS2 volumes (agent's luksopen): dm-crypt, the xts mode over
               # the built-in aes (ecb is what xts asks for by name, which no
