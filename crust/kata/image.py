@@ -13,13 +13,29 @@ Why this shape:
   own guest scripts and two small C programs of its own (guest/resume.c,
   guest/beneath.c), compiled by the host's gcc and linking only the copied
   C library.
+- The guest's Python agent (crust.guest) runs on Debian's python3.11, copied
+  like the tools with its shared libraries, and only the standard library
+  modules the agent imports: the set is measured at build time by importing
+  the agent under that interpreter and reading sys.modules, so it follows
+  the agent's imports without a list to keep. The one exception to "only
+  Debian packages": the protobuf runtime (google.protobuf) is the one the
+  builder's own interpreter imports, a pip wheel, not Debian's
+  python3-protobuf: the agent's generated modules (crust/api/*_pb2.py) are
+  made for that runtime, and the guest answers with the same encoder the
+  host's client uses. Its version and the content of the files taken from
+  it enter the image hash, as do those of crust's own modules. Everything
+  Python is byte-compiled here, by the guest's interpreter, into
+  unchecked-hash .pyc files (no source times involved, so the archive stays
+  reproducible, and nothing is compiled at boot: under software emulation
+  an import costs about twenty times what it does on the host).
 - The kernel is Debian's own, so the guest parses volumes with a kernel that
   gets security updates: after `apt-get update`, a new candidate changes the
   hash and the next build picks it up.
 - The build is cached: the output is rebuilt only when its inputs change
-  (package versions, the guest scripts, the module list, this builder's
-  format), which is decided without downloading anything. The initramfs is
-  byte-for-byte reproducible (see cpio.py).
+  (package versions, the guest scripts, the Python files of crust and of
+  the protobuf runtime, the module list, this builder's format), which is
+  decided without downloading anything. The initramfs is byte-for-byte
+  reproducible (see cpio.py).
 
 Layout of the cache (default /var/cache/crust/kata):
     debs/                 downloaded .deb files
@@ -60,8 +76,9 @@ DEFAULT_CACHE = Path("/var/cache/crust/kata")
 GUEST_DIR = Path(__file__).parent / "guest"
 # Bump when the image layout changes in a way the other inputs do not show
 # (4: the initramfs is no longer compressed; 5: the kernel is booted
-# uncompressed, crust.kata.bzimage).
-BUILDER_VERSION = 5
+# uncompressed, crust.kata.bzimage; 6: the Python agent, its files
+# byte-compiled into unchecked-hash .pyc files).
+BUILDER_VERSION = 6
 # The initramfs, an uncompressed cpio archive: under software emulation the
 # guest kernel takes about 0.3 s to gunzip the compressed one (of a 2.3 s
 # boot here), against a plain copy; the host keeps 28 MiB instead of 11.
@@ -159,6 +176,44 @@ GUEST_PROGRAMS = {"usr/lib/crust/resume": "resume.c", "usr/lib/crust/beneath": "
 GUEST_CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-fstack-protector-strong", "-s")
 TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
 HOST_CONFIG = ("/etc/mke2fs.conf",)
+
+# The guest's Python agent: Debian's interpreter (by its full path: another
+# python3.11 may come first on PATH), its standard library's directory, and
+# the Debian packages that ship both (installed if missing).
+PYTHON = "/usr/bin/python3.11"
+PYTHON_STDLIB = "/usr/lib/python3.11"
+PYTHON_PACKAGES = ("python3.11-minimal", "libpython3.11-stdlib")
+# What /init runs (python3.11 -m crust.guest): the package whose __main__ is
+# run, the modules whose imports are measured (runpy: what -m runs it with),
+# and the modules kept out (an import of them fails as if absent): ssl, which
+# asyncio does without and which would bring libssl.
+PYTHON_MAIN = "crust.guest"
+PYTHON_IMPORTS = ("runpy", "crust.guest.agent", "crust.guest.service")
+PYTHON_BLOCKED = ("ssl",)
+# crust's modules and the protobuf runtime, in the image (the agent's PYTHONPATH).
+PYTHON_PATH = "/usr/lib/crust/python"
+# Run by PYTHON -I -S: argv[1] the path (":"), then the blocked modules, the
+# imports and the main package (","); prints the file of every module loaded.
+_PYTHON_LISTING = r"""
+import sys
+sys.path[:0] = sys.argv[1].split(":")
+for name in filter(None, sys.argv[2].split(",")):
+    sys.modules[name] = None
+for name in sys.argv[3].split(","):
+    __import__(name)
+files = {getattr(m, "__file__", None) for m in list(sys.modules.values()) if m is not None}
+files.add(sys.modules[sys.argv[4]].__file__.rpartition("/")[0] + "/__main__.py")
+print("\n".join(sorted(f for f in files if f)))
+"""
+# Run by PYTHON -I -S in a directory holding the image's Python files at
+# their guest paths: each .py named (its guest path) compiled into its
+# __pycache__, the guest path in its code objects.
+_PYTHON_COMPILE = """
+import importlib.util, py_compile, sys
+for guest in sys.argv[1:]:
+    py_compile.compile("." + guest, cfile="." + importlib.util.cache_from_source(guest), dfile=guest,
+                       doraise=True, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+"""
 
 
 # ---------------------------------------------------------------- commands
@@ -281,12 +336,18 @@ class Inputs:
     host_packages: dict[str, str]      # package -> version, files copied from the host
     host_files: list[HostFile]
     scripts: dict[str, str]            # guest script (or host config file) -> sha256
+    # The Python files no Debian package ships (crust's, the protobuf
+    # runtime's), and what of them enters the hash: {"protobuf": version,
+    # "files": {guest path: sha256}}.
+    python_files: list[HostFile] = field(default_factory=list)
+    python: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"builder": BUILDER_VERSION, "flavor": self.flavor.name, "modules": self.flavor.module_inputs(),
                 "kernel_package": self.kernel_package, "downloads": self.downloads,
                 "host_packages": self.host_packages, "scripts": self.scripts,
-                "host_files": sorted(f.dest for f in self.host_files), "guest_cflags": list(GUEST_CFLAGS)}
+                "host_files": sorted(f.dest for f in self.host_files), "guest_cflags": list(GUEST_CFLAGS),
+                "python": self.python}
 
     @property
     def digest(self) -> str:
@@ -297,9 +358,44 @@ def ensure_host_tools() -> None:
     """Install the Debian packages of missing tools (root; ordinary apt-get)."""
     missing = sorted({pkg for pkg, tools in HOST_TOOLS.items()
                       for t in tools if shutil.which(t, path=SBIN_PATH) is None})
+    if not (Path(PYTHON).is_file() and Path(PYTHON_STDLIB, "asyncio").is_dir()):
+        missing = sorted({*missing, *PYTHON_PACKAGES})
     if missing:
         print(f"crust-kata: installing {' '.join(missing)} with apt-get", file=sys.stderr)
         _cmd(["apt-get", "install", "-y", "--no-install-recommends", *missing], timeout=900)
+
+
+def python_modules() -> tuple[list[HostFile], list[HostFile], str]:
+    """(standard library files, crust's and the protobuf runtime's files,
+    protobuf's version) of what the guest's agent imports: the files of
+    every module PYTHON loads importing PYTHON_IMPORTS, crust from this
+    checkout (or installation) and google.protobuf from where this
+    interpreter finds it, each alone on the path."""
+    import google.protobuf
+
+    import crust
+    crust_root = Path(crust.__file__).resolve().parent.parent
+    protobuf_root = Path(google.protobuf.__file__).resolve().parent.parent.parent
+    with tempfile.TemporaryDirectory(prefix="crust-python-") as tmp:
+        # Only the google package on the path, not what sits beside it.
+        (Path(tmp) / "google").symlink_to(protobuf_root / "google")
+        out = _cmd([PYTHON, "-I", "-S", "-c", _PYTHON_LISTING, f"{tmp}:{crust_root}",
+                    ",".join(PYTHON_BLOCKED), ",".join(PYTHON_IMPORTS), PYTHON_MAIN])
+        stdlib, own = [], []
+        roots = ((f"{crust_root}/crust/", crust_root), (f"{tmp}/google/", Path(tmp)))
+        for path in out.split():
+            for prefix, root in roots:
+                if path.startswith(prefix):
+                    rel = Path(path).relative_to(root)
+                    source = crust_root / rel if root == crust_root else protobuf_root / rel
+                    own.append(HostFile(str(source), f"{PYTHON_PATH}/{rel}", 0o644))
+                    break
+            else:
+                if not path.startswith(PYTHON_STDLIB + "/"):
+                    raise LookupError(f"the guest agent imports {path}, neither Debian's {PYTHON_STDLIB}, "
+                                      f"crust's nor the protobuf runtime's")
+                stdlib.append(HostFile(path, path, 0o755 if path.endswith(".so") else 0o644))
+    return stdlib, own, google.protobuf.__version__
 
 
 def collect_inputs(flavor: Flavor, apt_options: list[str] | None = None) -> Inputs:
@@ -315,14 +411,28 @@ def collect_inputs(flavor: Flavor, apt_options: list[str] | None = None) -> Inpu
                 files.setdefault(lib, HostFile(lib, lib, 0o755))
     for conf in HOST_CONFIG:
         files[conf] = HostFile(conf, conf, 0o644)
+    # The agent's interpreter and standard library; the shared libraries of
+    # the interpreter and of the extension modules (the protobuf runtime's
+    # among them, though it is no Debian file: its libraries are).
+    stdlib, own_python, protobuf_version = python_modules()
+    interpreter = HostFile(PYTHON, PYTHON, 0o755)
+    files.update((f.dest, f) for f in (interpreter, *stdlib))
+    for f in (interpreter, *stdlib, *own_python):
+        if f == interpreter or f.dest.endswith(".so"):
+            for lib in shared_libraries(f.source):
+                files.setdefault(lib, HostFile(lib, lib, 0o755))
     host_packages = dict(owners([f.source for f in files.values()]).values())
     # Config files are editable conffiles: their package version does not
     # say what they contain.
     hashed = {**{name: GUEST_DIR / name for name in (*GUEST_FILES.values(), *GUEST_PROGRAMS.values())},
               **{conf: Path(conf) for conf in HOST_CONFIG}}
     scripts = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in hashed.items()}
+    python = {"protobuf": protobuf_version,
+              "files": {f.dest: hashlib.sha256(Path(f.source).read_bytes()).hexdigest()
+                        for f in sorted(own_python, key=lambda f: f.dest)}}
     return Inputs(flavor, kpkg, downloads, dict(sorted(host_packages.items())),
-                  sorted(files.values(), key=lambda f: f.dest), scripts)
+                  sorted(files.values(), key=lambda f: f.dest), scripts,
+                  sorted(own_python, key=lambda f: f.dest), python)
 
 
 def guest_program(cache: Path, source: Path, libraries: set[str]) -> bytes:
@@ -399,6 +509,23 @@ def _busybox_entries(busybox: Path, taken: set[str]) -> list[cpio.Entry]:
         if os.path.basename(applet) in taken or applet == "bin/busybox":
             continue
         entries.append(cpio.symlink(applet, "/bin/busybox"))
+    return entries
+
+
+def _compiled_python(sources: list[str], contents: dict[str, bytes]) -> list[cpio.Entry]:
+    """The .pyc of each source (a guest path; contents: the image's files by
+    path), compiled by the guest's own interpreter at the guest's paths."""
+    if not sources:
+        return []
+    with tempfile.TemporaryDirectory(prefix="crust-pyc-") as tmp:
+        for guest in sources:
+            path = Path(tmp + guest)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(contents[guest.lstrip("/")])
+        _cmd([PYTHON, "-I", "-S", "-c", _PYTHON_COMPILE, *sorted(sources)], cwd=Path(tmp), timeout=300)
+        entries = []
+        for pyc in sorted(Path(tmp).rglob("*.pyc")):
+            entries.append(cpio.regular(str(pyc.relative_to(tmp)), pyc.read_bytes()))
     return entries
 
 
@@ -515,6 +642,11 @@ def assemble(cache: Path, inputs: Inputs) -> tuple[str, bytes, bytes, dict]:
     tools = {os.path.basename(f.dest) for f in inputs.host_files if f.dest.startswith("/sbin/")}
     for f in inputs.host_files:
         entries.append(cpio.regular(f.dest.lstrip("/"), Path(f.source).read_bytes(), f.mode))
+    for f in inputs.python_files:
+        entries.append(cpio.regular(f.dest.lstrip("/"), Path(f.source).read_bytes(), f.mode))
+    entries += _compiled_python([f.dest for f in (*inputs.host_files, *inputs.python_files)
+                                 if f.dest.endswith(".py")],
+                                {e.path: e.data for e in entries})
     for link, target in TOOL_LINKS.items():
         entries.append(cpio.symlink(f"sbin/{link}", target))
     entries += _busybox_entries(bb_dir / "bin" / "busybox", tools | set(TOOL_LINKS))
@@ -594,6 +726,10 @@ def report(result: BuildResult) -> str:
              + (f" (built in: {' '.join(m['builtin_modules'])})" if m["builtin_modules"] else ""),
              "  downloaded  " + ", ".join(f"{p} {v}" for p, v in inputs["downloads"].items()),
              "  from host   " + ", ".join(f"{p} {v}" for p, v in inputs["host_packages"].items())]
+    if inputs.get("python"):
+        stdlib = [f for f in inputs["host_files"] if f.startswith(PYTHON_STDLIB + "/") and f.endswith((".py", ".so"))]
+        lines.append(f"  python   {PYTHON}: {len(stdlib)} standard library files, "
+                     f"{len(inputs['python']['files'])} of crust and protobuf {inputs['python']['protobuf']}")
     if m.get("unresolved_softdeps"):
         lines.append(f"  warning: soft dependencies not found: {' '.join(m['unresolved_softdeps'])}")
     return "\n".join(lines)
