@@ -3,7 +3,8 @@
 #
 # Sets up the pseudo file systems, loads the kernel modules the image
 # builder listed (in dependency order: no modprobe, no depmod at boot), then
-# keeps the guest agent running on the second serial port. PID 1 must never
+# keeps the guest agent running on the second serial port, and the Python
+# agent on its virtio-serial port. PID 1 must never
 # exit (the kernel would panic), so the agent is a child and is restarted if
 # it dies; waiting on it also reaps the orphans the agent leaves behind.
 # Everything this script prints goes to the console (ttyS0).
@@ -79,6 +80,29 @@ hostname crust-guest
 # The VM is the pod: its containers share the guest's network, localhost included.
 ip link set dev lo up
 echo "crust-init: up in $(cut -d' ' -f1 /proc/uptime)s, starting the agent on /dev/ttyS1"
+
+# The Python agent (crust.guest) on its virtio-serial port, beside the shell
+# agent: in the background, with a restart loop of its own, so that its
+# start (a second or more of imports under software emulation) never holds
+# up the shell agent's. One that keeps exiting at once is restarted less
+# and less often (up to a minute apart), not in a loop that takes the CPU
+# from the pod; one that ran a minute or more is restarted after a second.
+python_agent() {
+  pause=1
+  while :; do
+    started=$(cut -d. -f1 /proc/uptime)
+    echo "crust-init: starting the python agent at $(cut -d' ' -f1 /proc/uptime)s"
+    PYTHONPATH=/usr/lib/crust/python python3.11 -S -m crust.guest --port-name crust.agent
+    code=$?
+    if [ $(($(cut -d. -f1 /proc/uptime) - started)) -ge 60 ]; then
+      pause=1
+    fi
+    echo "crust-init: the python agent exited ($code) at $(cut -d' ' -f1 /proc/uptime)s; restarting it in ${pause}s"
+    sleep "$pause"
+    pause=$((pause < 32 ? pause * 2 : 60))
+  done
+}
+python_agent &
 
 while :; do
   sh /usr/lib/crust/agent.sh /dev/ttyS1
