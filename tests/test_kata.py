@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -718,6 +719,70 @@ def test_the_guest_kernel_is_built_uncompressed_and_boots_at_its_pvh_entry():
     assert bzimage.pvh_entry(built.kernel.read_bytes()) is not None
     assert built.kernel.stat().st_size == built.manifest["sizes"]["vmlinux"]
     assert kata_image.image_paths() == (built.kernel, built.initrd)
+
+
+def test_the_guest_image_holds_python_and_the_agent_imports_from_pycs_compiled_at_build(tmp_path):
+    """The Python agent's interpreter (Debian's python3.11), the standard
+    library modules it imports and nothing of ssl, the protobuf runtime and
+    crust's own modules: in the image's file tree (chrooted), the agent
+    imports from the .pyc files the builder compiled, unchecked-hash, so
+    nothing is compiled or written there. Every file is a Debian package's
+    but crust's own and the protobuf runtime's the manifest names."""
+    import google.protobuf
+
+    built = kata_image.build()
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    with built.initrd.open("rb") as archive:
+        subprocess.run(["busybox", "cpio", "-i", "-d"], cwd=tree, stdin=archive, check=True, capture_output=True)
+    python = built.manifest["inputs"]["python"]
+    assert python["protobuf"] == google.protobuf.__version__
+    assert (tree / "usr/bin/python3.11").is_file() and (tree / "usr/lib/python3.11/asyncio/base_events.py").is_file()
+    assert not list(tree.rglob("ssl.py")) and not list(tree.rglob("_ssl.*.so"))
+    assert {"/usr/lib/crust/python/crust/guest/__main__.py", "/usr/lib/crust/python/crust/api/agent_pb2.py",
+            "/usr/lib/crust/python/google/protobuf/descriptor_pool.py"} <= set(python["files"])
+    # Every source has its pyc, hash-based and never checked against it (flags 0b01).
+    sources = {p.relative_to(tree) for p in tree.rglob("*.py")}
+    compiled = {p.relative_to(tree) for p in tree.rglob("*.pyc")}
+    assert compiled == {s.parent / "__pycache__" / f"{s.stem}.cpython-311.pyc" for s in sources}
+    assert {int.from_bytes((tree / c).read_bytes()[4:8], "little") for c in compiled} == {0b01}
+
+    def chrooted(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([shutil.which("chroot"), str(tree), "/usr/bin/python3.11", "-S", *argv], capture_output=True,
+                              text=True, timeout=120, env={"PYTHONPATH": "/usr/lib/crust/python"})
+    before = {p: p.stat().st_mtime_ns for p in tree.rglob("*")}
+    done = chrooted("-c", "import sys, crust.guest.agent; print([m for m in ('ssl', '_ssl') if m in sys.modules])")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "[]\n", ""), done
+    done = chrooted("-m", "crust.guest", "--help")       # as /init runs it
+    assert done.returncode == 0 and done.stdout.startswith("usage: python3 -m crust.guest"), done
+    assert {p: p.stat().st_mtime_ns for p in tree.rglob("*")} == before
+
+    # Owners: what the builder makes or takes from its downloads, the
+    # listed Python files, and the host's files, each a Debian package's.
+    release = built.manifest["kernel_release"]
+    extracted = kata_image.DEFAULT_CACHE / "extract"
+    kernel = extracted / f"{built.manifest['inputs']['kernel_package']}_"
+    own = {"init", "etc/crust/image", "etc/passwd", "etc/group", f"lib/modules/{release}/modules.dep",
+           *kata_image.GUEST_FILES, *kata_image.GUEST_PROGRAMS}
+    from_host = []
+    for path in sorted(p for p in tree.rglob("*") if p.is_file() and not p.is_symlink()):
+        rel = str(path.relative_to(tree))
+        if rel in own or rel.startswith("etc/crust/modules"):
+            continue
+        if rel.endswith(".pyc"):
+            assert (path.parent.parent / (path.name.split(".")[0] + ".py")).is_file(), rel
+        elif "/" + rel in python["files"]:
+            assert rel.startswith("usr/lib/crust/python/"), rel
+        elif rel.startswith("lib/modules/"):
+            assert any((d / rel).is_file() for d in extracted.glob(glob.escape(kernel.name) + "*")), rel
+        elif rel == "bin/busybox":
+            assert any((d / rel).is_file() for d in extracted.glob("busybox-static_*")), rel
+        elif rel.startswith("sbin/"):      # a tool, wherever its package put it on the host
+            from_host.append(shutil.which(path.name, path=kata_image.SBIN_PATH))
+        else:
+            from_host.append("/" + rel)
+    assert "/usr/bin/python3.11" in from_host
+    assert kata_image.owners(from_host)["/usr/bin/python3.11"][0] == "python3.11-minimal"
 
 
 def test_apt_cache_keeps_its_package_cache_in_the_image_cache(tmp_path):
