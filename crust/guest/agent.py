@@ -108,8 +108,10 @@ async def serve_port(server: ttrpc.Server, path: str, stopping: asyncio.Event) -
             if not serving.done():
                 serving.cancel()
             await asyncio.gather(serving, return_exceptions=True)
-            # Replies owed to the host that left are dropped, never sent to the next one.
-            writer.transport.abort()
+            # Replies owed to the host that left are dropped, never sent to
+            # the next one (a transport that could flush is closed already).
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()
             if stopping.is_set():
                 return
             change = asyncio.ensure_future(_next_change(changes))

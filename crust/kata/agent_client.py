@@ -21,6 +21,9 @@ from crust.api import agent_pb2
 from crust.common import ttrpc
 
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
+# How long a host that came back too soon stays away before it tries again
+# (the guest sees a host leave within about 10 ms).
+RECONNECT_PAUSE = 0.05
 
 
 class AgentClient:
@@ -31,6 +34,28 @@ class AgentClient:
     @classmethod
     async def connect(cls, path: str) -> AgentClient:
         return cls(await ttrpc.Client.connect(path))
+
+    @classmethod
+    async def open(cls, path: str, timeout: float = 30.0) -> tuple[AgentClient, agent_pb2.GuestDetailsResponse]:
+        """A connection the agent serves as new, with its first call's
+        answer. A port has no connections of its own: a host that comes
+        back before the agent saw it leave meets the old connection's
+        stream ids (its first call refused as a reused id); it leaves again,
+        long enough for the agent to see it, and comes back."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        pause = RECONNECT_PAUSE
+        while True:
+            client = await cls.connect(path)
+            try:
+                details = await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=timeout)
+                return client, details
+            except ttrpc.TtrpcError as exc:
+                await client.close()
+                if exc.code != ttrpc.INVALID_ARGUMENT or exc.message != ttrpc.STREAM_ID_REUSED or \
+                        asyncio.get_running_loop().time() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause *= 2
 
     @property
     def closed(self) -> bool:

@@ -1,0 +1,95 @@
+"""The Python guest agent in a real microVM (tcg): served on its
+virtio-serial port, reached through the port's unix socket on the host.
+Figures are printed beside the outcomes (speed targets live in bench/)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+
+from crust.api import agent_pb2
+from crust.common.ttrpc import TtrpcError
+from crust.guest.errors import Code
+from crust.kata.agent_client import AgentClient, wait_port_open
+from tests.guest_vm import Guest
+
+
+def process(*args: str) -> bytes:
+    return json.dumps({"args": list(args), "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "cwd": "/"}).encode()
+
+
+async def connect(g: Guest) -> tuple[AgentClient, agent_pb2.GuestDetailsResponse]:
+    await wait_port_open(g.vm.qmp, timeout=120)
+    return await AgentClient.open(str(g.vm.port_socket))
+
+
+async def run_to_end(client: AgentClient, exec_id: str, *args: str) -> tuple[agent_pb2.WaitProcessResponse, bytes]:
+    await client.call("ExecProcess", agent_pb2.ExecProcessRequest(exec_id=exec_id, process=process(*args)),
+                      timeout=30)
+    out, offset = bytearray(), 0
+    while True:
+        rsp = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id=exec_id, offset=offset,
+                                                                          max_bytes=1 << 20), timeout=60)
+        out += rsp.data
+        offset += len(rsp.data)
+        if rsp.eof:
+            break
+    exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id=exec_id), timeout=30)
+    await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(exec_id=exec_id), timeout=10)
+    return exit_, bytes(out)
+
+
+def test_the_agent_serves_the_port_many_calls_at_once_and_a_host_that_reconnects(root):
+    async def main():
+        async with Guest(root.path) as g:
+            client, details = await connect(g)
+
+            # Many calls in flight: a wait that never ends beside ten quick processes.
+            await client.call("ExecProcess", agent_pb2.ExecProcessRequest(exec_id="forever",
+                                                                          process=process("sleep", "1000")), timeout=30)
+            forever = asyncio.ensure_future(client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="forever")))
+            started = time.monotonic()
+            quick = await asyncio.gather(*(run_to_end(client, f"q{i}", "echo", f"q{i}") for i in range(10)))
+            ten_at_once = time.monotonic() - started
+
+            singles = []
+            for i in range(5):
+                started = time.monotonic()
+                exit_, _ = await run_to_end(client, f"t{i}", "true")
+                singles.append(time.monotonic() - started)
+                assert exit_.exit_code == 0
+
+            size = 10 << 20
+            started = time.monotonic()
+            big_exit, big = await run_to_end(client, "big", "head", "-c", str(size), "/dev/zero")
+            big_seconds = time.monotonic() - started
+
+            # A host that goes away and comes back: the processes stay, the
+            # wait it left is answered to no one, a new connection is served.
+            assert not forever.done()
+            await client.close()
+            client, _ = await AgentClient.open(str(g.vm.port_socket))
+            listed = await client.call("ListProcesses", agent_pb2.ListProcessesRequest(), timeout=30)
+            await client.call("SignalProcess", agent_pb2.SignalProcessRequest(exec_id="forever", signal=9),
+                              timeout=30)
+            ended = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="forever"), timeout=30)
+            missing = None
+            try:
+                await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="nobody"), timeout=30)
+            except TtrpcError as exc:
+                missing = exc.code
+            await client.close()
+            return details, quick, ten_at_once, singles, big_exit, big, big_seconds, listed, ended, missing
+
+    details, quick, ten_at_once, singles, big_exit, big, big_seconds, listed, ended, missing = asyncio.run(main())
+    print(f"\nten processes at once {ten_at_once:.2f} s; one `true` median {statistics.median(singles) * 1000:.0f} ms; "
+          f"10 MiB of output {big_seconds:.2f} s ({10 / big_seconds:.1f} MiB/s)")
+    assert "process.guest" in details.capabilities and details.agent_name == "crust-agent"
+    assert details.memory_bytes > 0 and details.kernel_release
+    assert [(e.exit_code, out) for e, out in quick] == [(0, f"q{i}\n".encode()) for i in range(10)]
+    assert big_exit.exit_code == 0 and big_exit.output_complete and big == bytes(10 << 20)
+    assert [p.exec_id for p in listed.processes] == ["forever"]
+    assert (ended.exit_code, ended.signal) == (137, 9)
+    assert missing == Code.NOT_FOUND
