@@ -32,7 +32,7 @@ class Limits:
     stream_buffer_bytes: int = 4 << 20
     stdin_buffer_bytes: int = 1 << 20
     output_grace: float = 2.0
-    pipe_chunk: int = 64 << 10
+    pipe_chunk: int = 256 << 10
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,11 @@ import os
 import subprocess
 from dataclasses import dataclass
 
+# The pipes' size: a process that writes fast runs on while the agent is
+# between reads (the kernel's 64 KiB would switch between the two every
+# 64 KiB on the VM's one CPU). The most an unprivileged pipe may hold.
+PIPE_BYTES = 1 << 20
+
 
 @dataclass
 class Child:
@@ -47,7 +52,7 @@ async def start(argv: list[str], *, stdin: bool, cwd: str, env: dict[str, str], 
     popen = subprocess.Popen(  # noqa: ASYNC220
         argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, cwd=cwd, env=env, user=user, group=group, extra_groups=extra_groups,
-        start_new_session=True, close_fds=True)
+        start_new_session=True, close_fds=True, pipesize=PIPE_BYTES)
     loop = asyncio.get_running_loop()
     stdout, out_transport = await _reader(loop, popen.stdout, limit)
     stderr, err_transport = await _reader(loop, popen.stderr, limit)
