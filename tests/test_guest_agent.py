@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -278,3 +279,86 @@ def test_a_descendant_holding_the_output_ends_it_after_the_grace_and_says_so(age
     exit_, out = run(main())
     assert exit_.exit_code == 0 and out == b"left\n"
     assert not exit_.output_complete
+
+
+# -- execs into a container, through the host's crun (the guest's runtime) -------------------------
+
+
+@pytest.fixture
+def container_agent(tmp_path):
+    """The agent beside a running crun container of a busybox root, both in
+    a mount namespace of their own whose /sys/fs/cgroup is cgroup v2 alone,
+    as in the guest (crun refuses a host's hybrid hierarchy):
+    (agent socket, container id, crun's state)."""
+    bundle, state, path = tmp_path / "bundle", tmp_path / "crun", tmp_path / "agent-oci.sock"
+    (bundle / "rootfs" / "bin").mkdir(parents=True)
+    shutil.copy2("/usr/bin/busybox", bundle / "rootfs" / "bin" / "busybox")
+    for applet in ("sh", "sleep", "echo", "hostname", "cat"):
+        (bundle / "rootfs" / "bin" / applet).symlink_to("busybox")
+    subprocess.run(["crun", "spec"], cwd=bundle, check=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["process"].update(terminal=False, args=["sleep", "1000"])
+    spec["hostname"] = "in-container"
+    spec["linux"].pop("resources", None)  # no controller is free in the namespace's cgroup2
+    (bundle / "config.json").write_text(json.dumps(spec))
+    cid = f"agent-test-{os.getpid()}"
+    crun = shutil.which("crun")
+    script = (f"mount -t cgroup2 none /sys/fs/cgroup && {crun} --root {state} run --detach --bundle {bundle} {cid} "
+              f"&& exec {sys.executable} -m crust.guest --listen {path} --oci-runtime {crun} --oci-root {state} "
+              f"--exec-dir {tmp_path / 'exec'}")
+    with open(tmp_path / "agent-oci.log", "wb") as log:
+        proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=REPO,
+                                stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while not path.exists():
+            assert proc.poll() is None, (tmp_path / "agent-oci.log").read_text()
+            assert time.monotonic() < deadline, "the agent did not listen"
+            time.sleep(0.02)
+        yield path, cid, state
+    finally:
+        subprocess.run(["nsenter", "-t", str(proc.pid), "-m", crun, "--root", str(state), "delete", "--force", cid],
+                       timeout=60, check=False)
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_an_exec_runs_in_the_container_through_the_oci_runtime(tmp_path, container_agent):
+    path, cid, _state = container_agent
+
+    def exec_request(exec_id: str, *args: str, container_id: str = cid) -> agent_pb2.ExecProcessRequest:
+        return agent_pb2.ExecProcessRequest(container_id=container_id, exec_id=exec_id,
+                                            process=process(*args, env=("PATH=/bin",)))
+
+    async def main():
+        client = await AgentClient.connect(str(path))
+        details = await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=10)
+        await client.call("ExecProcess", exec_request("x1", "sh", "-c", "hostname; cat /proc/1/cmdline; echo; exit 7"),
+                          timeout=30)
+        exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(container_id=cid, exec_id="x1"),
+                                  timeout=30)
+        out = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(container_id=cid, exec_id="x1",
+                                                                          max_bytes=1000), timeout=10)
+        pid = (await client.call("ExecProcess", exec_request("x2", "sleep", "100"), timeout=30)).pid
+        in_container = os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
+        await client.call("SignalProcess", agent_pb2.SignalProcessRequest(container_id=cid, exec_id="x2",
+                                                                          signal=9), timeout=10)
+        killed = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(container_id=cid, exec_id="x2"),
+                                   timeout=30)
+        unknown = await code_of(client.call("ExecProcess", exec_request("x3", "true", container_id="nobody"),
+                                            timeout=30))
+        refused = await code_of(client.call("ExecProcess", exec_request("x4", "/no/such/program"), timeout=30))
+        removed = await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(container_id=cid, exec_id="x1"),
+                                    timeout=10)
+        await client.close()
+        return details, in_container, exit_, out, killed, unknown, refused, removed
+
+    details, in_container, exit_, out, killed, unknown, refused, removed = asyncio.run(main())
+    assert "process.exec" in details.capabilities
+    assert in_container, "the exec's pid is not in the container's pid namespace"
+    assert exit_.exit_code == 7 and out.data == b"in-container\nsleep\x001000\x00\n"
+    assert killed.exit_code == 137
+    assert unknown[0] == Code.NOT_FOUND and unknown[1].startswith("container_id:")
+    assert refused[0] == Code.FAILED_PRECONDITION and "/no/such/program" in refused[1], refused
+    assert removed.unread_bytes == len(out.data)  # read, never acknowledged by a read past them
+    assert not list((tmp_path / "exec" / cid).iterdir()), "an exec's files stayed after its start"

@@ -25,6 +25,12 @@ import time
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
+from crust.guest.oci import (
+    GUEST_EXEC_DIR,
+    GUEST_RUNTIME,
+    GUEST_RUNTIME_ROOT,
+    OciRuntime,
+)
 from crust.guest.service import AgentService
 
 log = logging.getLogger("crust.guest")
@@ -135,8 +141,9 @@ async def serve_socket(server: ttrpc.Server, path: str, stopping: asyncio.Event)
     await stopping.wait()
 
 
-async def run(port: str | None, listen: str | None, port_name: str | None = None) -> None:
-    service = AgentService()
+async def run(port: str | None, listen: str | None, port_name: str | None = None,
+              runtime: OciRuntime | None = None) -> None:
+    service = AgentService(runtime=runtime)
     server = make_server(service)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -161,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--port", help="a virtio-serial port's device (the guest)")
     where.add_argument("--port-name", help="a virtio-serial port's name, its device found in sysfs (the guest)")
     where.add_argument("--listen", help="a unix socket path to listen on (tests on the host)")
+    parser.add_argument("--oci-runtime", default=GUEST_RUNTIME, help="the OCI runtime execs run through")
+    parser.add_argument("--oci-root", default=GUEST_RUNTIME_ROOT, help="the OCI runtime's state directory")
+    parser.add_argument("--exec-dir", default=GUEST_EXEC_DIR, help="where execs' process files are written")
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="crust-agent: %(message)s")
-    asyncio.run(run(args.port, args.listen, args.port_name))
+    asyncio.run(run(args.port, args.listen, args.port_name,
+                    OciRuntime(args.oci_runtime, args.oci_root, args.exec_dir)))
     return 0

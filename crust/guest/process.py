@@ -20,8 +20,9 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from crust.guest import spawn
+from crust.guest import oci, spawn
 from crust.guest.errors import AgentError, Code
+from crust.guest.oci import OciRuntime
 from crust.guest.streams import InputStream, OutputStream
 
 CREATED, RUNNING, EXITED = 1, 2, 3  # ProcessInfo.State
@@ -146,24 +147,41 @@ class ProcessTable:
             raise AgentError(Code.NOT_FOUND, f"exec_id: no {what}")
         return process
 
+    def _known(self, key: tuple[str, str], raw: bytes, stdin: bool) -> Process | None:
+        known = self.processes.get(key)
+        if known is not None and (known.request != raw or (known.stdin is not None) != stdin):
+            raise AgentError(Code.ALREADY_EXISTS, f"exec_id: {key[1]!r} runs another process")
+        return known
+
+    async def _answer_retry(self, known: Process) -> Process:
+        await known.started.wait()
+        if known.start_error is not None:
+            raise known.start_error
+        return known
+
+    def _new(self, key: tuple[str, str], raw: bytes, stdin: bool) -> Process:
+        process = Process(key[0], key[1], raw, OutputStream(self.limits.stream_buffer_bytes),
+                          OutputStream(self.limits.stream_buffer_bytes),
+                          InputStream(self.limits.stdin_buffer_bytes) if stdin else None)
+        self.processes[key] = process
+        return process
+
+    def _failed(self, process: Process, error: AgentError) -> AgentError:
+        self.processes.pop(process.key, None)
+        process.start_error = error
+        process.started.set()
+        return error
+
     async def start_guest_process(self, exec_id: str, raw: bytes, spec: ProcessSpec, stdin: bool) -> Process:
         """A process of the guest itself (no container); a retry of the same
         request answers the process it started."""
         key = ("", exec_id)
-        known = self.processes.get(key)
+        known = self._known(key, raw, stdin)
         if known is not None:
-            if known.request != raw or (known.stdin is not None) != stdin:
-                raise AgentError(Code.ALREADY_EXISTS, f"exec_id: {exec_id!r} runs another process")
-            await known.started.wait()
-            if known.start_error is not None:
-                raise known.start_error
-            return known
+            return await self._answer_retry(known)
         if spec.terminal:
             raise AgentError(Code.FAILED_PRECONDITION, "process.terminal: this agent runs no process on a terminal")
-        process = Process("", exec_id, raw, OutputStream(self.limits.stream_buffer_bytes),
-                          OutputStream(self.limits.stream_buffer_bytes),
-                          InputStream(self.limits.stdin_buffer_bytes) if stdin else None)
-        self.processes[key] = process
+        process = self._new(key, raw, stdin)
         try:
             child = await spawn.start(
                 list(spec.args), stdin=stdin, cwd=spec.cwd, env=dict(e.split("=", 1) for e in spec.env),
@@ -172,21 +190,66 @@ class ProcessTable:
                 extra_groups=list(spec.additional_gids) if spec.additional_gids else None,
                 limit=self.limits.pipe_chunk)
         except OSError as exc:
-            del self.processes[key]
-            process.start_error = AgentError(Code.FAILED_PRECONDITION, f"process.args: {spec.args[0]!r} did not "
-                                                                       f"start: {exc.strerror or exc}")
-            process.started.set()
-            raise process.start_error from None
+            raise self._failed(process, AgentError(Code.FAILED_PRECONDITION, f"process.args: {spec.args[0]!r} did "
+                                                   f"not start: {exc.strerror or exc}")) from None
+        exit_ = asyncio.ensure_future(spawn.exited(child.popen))
         process.pid, process.state = child.pid, RUNNING
         process.started.set()
-        process.tasks.append(asyncio.ensure_future(self._watch(process, child)))
+        process.tasks.append(asyncio.ensure_future(self._watch(process, child, exit_)))
         return process
 
-    async def _watch(self, process: Process, child: spawn.Child) -> None:
+    async def start_container_exec(self, runtime: OciRuntime, container_id: str, exec_id: str, raw: bytes,
+                                   spec: ProcessSpec, stdin: bool) -> Process:
+        """A process in a running container, through the OCI runtime; a
+        retry of the same request answers the process it started."""
+        key = (container_id, exec_id)
+        known = self._known(key, raw, stdin)
+        if known is not None:
+            return await self._answer_retry(known)
+        if spec.terminal:
+            raise AgentError(Code.FAILED_PRECONDITION, "process.terminal: this agent runs no process on a terminal")
+        status = await runtime.status(container_id)
+        if status is None:
+            raise AgentError(Code.NOT_FOUND, f"container_id: no container {container_id!r}")
+        if status != "running":
+            raise AgentError(Code.FAILED_PRECONDITION, f"container_id: container {container_id!r} is {status}, "
+                                                       f"not running")
+        process = self._new(key, raw, stdin)
+        process_file, pid_file = runtime.exec_files(container_id, exec_id)
+        try:
+            runtime.write_process(process_file, raw)
+            pid_file.unlink(missing_ok=True)
+            child = await spawn.start(
+                runtime.command("exec", "--process", str(process_file), "--pid-file", str(pid_file), container_id),
+                stdin=stdin, cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, limit=self.limits.pipe_chunk)
+        except OSError as exc:
+            runtime.forget(container_id, exec_id)
+            raise self._failed(process, AgentError(Code.FAILED_PRECONDITION, f"container_id: the OCI runtime did "
+                                                   f"not start: {exc.strerror or exc}")) from None
+        exit_ = asyncio.ensure_future(spawn.exited(child.popen))
+        process.tasks.append(asyncio.ensure_future(self._watch(process, child, exit_)))
+        try:
+            pid = await oci.wait_pid_file(pid_file, exit_)
+        except AgentError as exc:
+            child.popen.kill()
+            raise self._failed(process, exc) from None
+        if pid == 0:
+            # The runtime refused the process: its words are on the exec's stderr.
+            await process.done.wait()
+            words = process.stderr.peek().decode(errors="replace").strip()[-2000:]
+            runtime.forget(container_id, exec_id)
+            raise self._failed(process, AgentError(Code.FAILED_PRECONDITION, f"process: the OCI runtime refused "
+                                                   f"it: {words or 'exit ' + str(process.exit.exit_code)}"))
+        runtime.forget(container_id, exec_id)  # crun read the one and wrote the other
+        process.pid, process.state = pid, RUNNING
+        process.started.set()
+        return process
+
+    async def _watch(self, process: Process, child: spawn.Child, exit_: asyncio.Future) -> None:
         pumps = [asyncio.ensure_future(_pump_out(child.stdout, process.stdout, self.limits.pipe_chunk)),
                  asyncio.ensure_future(_pump_out(child.stderr, process.stderr, self.limits.pipe_chunk))]
         feeder = asyncio.ensure_future(_pump_in(child.stdin, process.stdin)) if process.stdin else None
-        returncode = await spawn.exited(child.popen)
+        returncode = await exit_
         exited_at = time.time_ns()
         _done, pending = await asyncio.wait(pumps, timeout=self.limits.output_grace)
         complete = not pending

@@ -10,6 +10,7 @@ import crust
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest.errors import AgentError, Code, check_id
+from crust.guest.oci import OciRuntime
 from crust.guest.process import EXITED, Limits, Process, ProcessTable, parse_process
 
 AGENT_NAME = "crust-agent"
@@ -53,9 +54,14 @@ def _stream_state(stream) -> agent_pb2.StreamState:
 
 
 class AgentService:
-    def __init__(self, limits: Limits | None = None):
+    def __init__(self, limits: Limits | None = None, runtime: OciRuntime | None = None):
         self.limits = limits or Limits()
+        self.runtime = runtime or OciRuntime()
         self.processes = ProcessTable(self.limits)
+
+    @property
+    def capabilities(self) -> list[str]:
+        return [*CAPABILITIES, *(["process.exec"] if self.runtime.present else [])]
 
     async def close(self) -> None:
         await self.processes.close()
@@ -64,7 +70,7 @@ class AgentService:
 
     async def GetGuestDetails(self, request: agent_pb2.GuestDetailsRequest, call) -> agent_pb2.GuestDetailsResponse:
         return agent_pb2.GuestDetailsResponse(
-            capabilities=list(CAPABILITIES), agent_name=AGENT_NAME, agent_version=crust.__version__,
+            capabilities=self.capabilities, agent_name=AGENT_NAME, agent_version=crust.__version__,
             image_id=_image_id(), kernel_release=os.uname().release,
             uptime_ms=int(time.clock_gettime(time.CLOCK_BOOTTIME) * 1000),
             limits=agent_pb2.Limits(
@@ -89,8 +95,12 @@ class AgentService:
         check_id("exec_id", request.exec_id)
         spec = parse_process(request.process)
         if request.container_id:
-            raise AgentError(Code.UNIMPLEMENTED, "container_id: this agent runs no containers (capability "
-                                                 "process.exec absent)")
+            if not self.runtime.present:
+                raise AgentError(Code.UNIMPLEMENTED, f"container_id: the guest has no OCI runtime "
+                                                     f"({self.runtime.binary}; capability process.exec absent)")
+            process = await self.processes.start_container_exec(self.runtime, request.container_id,
+                                                                request.exec_id, request.process, spec, request.stdin)
+            return agent_pb2.ExecProcessResponse(pid=process.pid)
         process = await self.processes.start_guest_process(request.exec_id, request.process, spec, request.stdin)
         return agent_pb2.ExecProcessResponse(pid=process.pid)
 

@@ -100,6 +100,10 @@ class OutputStream:
         self.end()
         return unread
 
+    def peek(self) -> bytes:
+        """What is held, not acknowledged by the look."""
+        return bytes(self._held)
+
     def state(self) -> tuple[int, int, bool]:
         return self.length, self.held_from, self.ended
 

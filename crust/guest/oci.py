@@ -1,0 +1,92 @@
+"""The guest's OCI runtime (crun) as the agent drives it: a container's
+state, and an exec of a process into a running container.
+
+An exec runs `crun exec --process FILE --pid-file FILE CONTAINER` as the
+agent's child, in the foreground: crun passes its standard streams to the
+process (the agent's pipes) and exits with the process's status, so the
+agent learns the exit from its own child; the process's pid, for signals,
+is the pid file crun writes once it started it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from crust.guest.errors import AgentError, Code
+
+GUEST_RUNTIME = "/sbin/crun"
+GUEST_RUNTIME_ROOT = "/run/crust/crun"
+GUEST_EXEC_DIR = "/run/crust/agent/exec"
+# How long an exec's process may take to start (crun's own start included:
+# about 0.1 s under emulation).
+PID_FILE_WAIT = 30.0
+
+
+@dataclass(frozen=True)
+class OciRuntime:
+    binary: str = GUEST_RUNTIME
+    root: str = GUEST_RUNTIME_ROOT
+    exec_dir: str = GUEST_EXEC_DIR
+
+    @property
+    def present(self) -> bool:
+        return os.access(self.binary, os.X_OK)
+
+    def command(self, *args: str) -> list[str]:
+        return [self.binary, "--root", self.root, *args]
+
+    async def status(self, container_id: str) -> str | None:
+        """crun's status of the container ("running", "stopped", ...), None
+        for a container crun does not know."""
+        proc = await asyncio.create_subprocess_exec(
+            *self.command("state", container_id), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, _err = await proc.communicate()
+        if proc.returncode != 0:
+            return None
+        try:
+            return json.loads(out).get("status")
+        except ValueError:
+            return None
+
+    def exec_files(self, container_id: str, exec_id: str) -> tuple[Path, Path]:
+        """The process file and the pid file of an exec (made private)."""
+        directory = Path(self.exec_dir) / container_id
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return directory / f"{exec_id}.json", directory / f"{exec_id}.pid"
+
+    def write_process(self, path: Path, process: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(process)
+
+    def forget(self, container_id: str, exec_id: str) -> None:
+        for path in self.exec_files(container_id, exec_id):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+async def wait_pid_file(path: Path, runtime_exited: asyncio.Future, timeout: float = PID_FILE_WAIT) -> int:
+    """The pid crun wrote, once it did; 0 when crun exited first (the
+    process never started)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pause = 0.002
+    while True:
+        try:
+            text = path.read_text().strip()
+            if text:
+                return int(text)
+        except (FileNotFoundError, ValueError):
+            pass
+        if runtime_exited.done():
+            return 0
+        if loop.time() > deadline:
+            raise AgentError(Code.DEADLINE_EXCEEDED, f"exec_id: the process did not start within {timeout:g} s")
+        await asyncio.wait([runtime_exited], timeout=pause)
+        pause = min(pause * 2, 0.05)
