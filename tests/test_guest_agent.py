@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from crust.api import agent_pb2
+from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
-from crust.guest.errors import Code
 from crust.kata.agent_client import AgentClient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -163,7 +163,7 @@ def test_a_process_that_never_ends_delays_no_other_call(agent):
     exits, outs, deadline, still, ended, read = run(main())
     assert [e.exit_code for e in exits] == [0] * 10
     assert outs == [f"q{i}\n".encode() for i in range(10)]
-    assert deadline[0] == Code.DEADLINE_EXCEEDED
+    assert deadline[0] == ttrpc.DEADLINE_EXCEEDED
     assert still == (False, False)
     assert (ended.exit_code, ended.signal) == (143, 15) and read.eof and read.data == b""
 
@@ -191,9 +191,9 @@ def test_stdin_is_written_at_offsets_and_a_resend_writes_only_what_is_new(agent)
         return w1, w2, past, closed, exit_, out, no_stdin, refused
     w1, w2, past, closed, exit_, out, _pid, refused = run(main())
     assert (w1.length, w2.length) == (6, 11)
-    assert past[0] == Code.OUT_OF_RANGE and closed[0] == Code.FAILED_PRECONDITION
+    assert past[0] == ttrpc.OUT_OF_RANGE and closed[0] == ttrpc.FAILED_PRECONDITION
     assert exit_.exit_code == 0 and out == b"hello world"
-    assert refused[0] == Code.FAILED_PRECONDITION and "without stdin" in refused[1]
+    assert refused[0] == ttrpc.FAILED_PRECONDITION and "without stdin" in refused[1]
 
 
 def test_reads_acknowledge_what_they_pass_and_a_read_below_it_is_data_loss(agent):
@@ -223,12 +223,12 @@ def test_reads_acknowledge_what_they_pass_and_a_read_below_it_is_data_loss(agent
     first, retry, onward, lost, accepted, past, zero, unread, gone, again = run(main())
     assert (first.data, retry.data) == (b"0123", b"0123")
     assert onward.data == b"456789" and onward.eof
-    assert lost[0] == Code.DATA_LOSS and "offset" in lost[1]
+    assert lost[0] == ttrpc.DATA_LOSS and "offset" in lost[1]
     assert (accepted.offset, accepted.data) == (4, b"4567")
-    assert past[0] == Code.OUT_OF_RANGE and "offset" in past[1]
-    assert zero[0] == Code.INVALID_ARGUMENT and "max_bytes" in zero[1]
+    assert past[0] == ttrpc.OUT_OF_RANGE and "offset" in past[1]
+    assert zero[0] == ttrpc.INVALID_ARGUMENT and "max_bytes" in zero[1]
     assert unread.unread_bytes == 6  # held from 4 (the last read's offset) to 10
-    assert gone[0] == Code.NOT_FOUND and again.unread_bytes == 0
+    assert gone[0] == ttrpc.NOT_FOUND and again.unread_bytes == 0
 
 
 def test_bad_requests_name_their_field_and_a_retry_answers_as_the_first_did(agent):
@@ -255,17 +255,17 @@ def test_bad_requests_name_their_field_and_a_retry_answers_as_the_first_did(agen
         await client.close()
         return results, first, second
     results, first, second = run(main())
-    assert results["bad id"][0] == Code.INVALID_ARGUMENT and results["bad id"][1].startswith("exec_id:")
-    assert results["empty id"][0] == Code.INVALID_ARGUMENT and results["empty id"][1].startswith("exec_id:")
-    assert results["no args"] == (Code.INVALID_ARGUMENT, results["no args"][1]) and \
+    assert results["bad id"][0] == ttrpc.INVALID_ARGUMENT and results["bad id"][1].startswith("exec_id:")
+    assert results["empty id"][0] == ttrpc.INVALID_ARGUMENT and results["empty id"][1].startswith("exec_id:")
+    assert results["no args"] == (ttrpc.INVALID_ARGUMENT, results["no args"][1]) and \
         results["no args"][1].startswith("process.args:")
-    assert results["not json"][0] == Code.INVALID_ARGUMENT and results["not json"][1].startswith("process:")
-    assert results["relative cwd"][0] == Code.INVALID_ARGUMENT and results["relative cwd"][1].startswith("process.cwd")
-    assert results["missing binary"][0] == Code.FAILED_PRECONDITION and "/no/such/program" in results["missing binary"][1]
-    assert results["unknown wait"][0] == Code.NOT_FOUND
+    assert results["not json"][0] == ttrpc.INVALID_ARGUMENT and results["not json"][1].startswith("process:")
+    assert results["relative cwd"][0] == ttrpc.INVALID_ARGUMENT and results["relative cwd"][1].startswith("process.cwd")
+    assert results["missing binary"][0] == ttrpc.FAILED_PRECONDITION and "/no/such/program" in results["missing binary"][1]
+    assert results["unknown wait"][0] == ttrpc.NOT_FOUND
     assert first == second
-    assert results["other process"][0] == Code.ALREADY_EXISTS
-    assert results["remove running"][0] == Code.FAILED_PRECONDITION
+    assert results["other process"][0] == ttrpc.ALREADY_EXISTS
+    assert results["remove running"][0] == ttrpc.FAILED_PRECONDITION
 
 
 def test_a_descendant_holding_the_output_ends_it_after_the_grace_and_says_so(agent):
@@ -358,7 +358,7 @@ def test_an_exec_runs_in_the_container_through_the_oci_runtime(tmp_path, contain
     assert in_container, "the exec's pid is not in the container's pid namespace"
     assert exit_.exit_code == 7 and out.data == b"in-container\nsleep\x001000\x00\n"
     assert killed.exit_code == 137
-    assert unknown[0] == Code.NOT_FOUND and unknown[1].startswith("container_id:")
-    assert refused[0] == Code.FAILED_PRECONDITION and "/no/such/program" in refused[1], refused
+    assert unknown[0] == ttrpc.NOT_FOUND and unknown[1].startswith("container_id:")
+    assert refused[0] == ttrpc.FAILED_PRECONDITION and "/no/such/program" in refused[1], refused
     assert removed.unread_bytes == len(out.data)  # read, never acknowledged by a read past them
     assert not list((tmp_path / "exec" / cid).iterdir()), "an exec's files stayed after its start"

@@ -10,8 +10,8 @@ import statistics
 import time
 
 from crust.api import agent_pb2
+from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
-from crust.guest.errors import Code
 from crust.kata.agent_client import AgentClient, wait_port_open
 from tests.guest_vm import Guest
 
@@ -92,4 +92,4 @@ def test_the_agent_serves_the_port_many_calls_at_once_and_a_host_that_reconnects
     assert big_exit.exit_code == 0 and big_exit.output_complete and big == bytes(10 << 20)
     assert [p.exec_id for p in listed.processes] == ["forever"]
     assert (ended.exit_code, ended.signal) == (137, 9)
-    assert missing == Code.NOT_FOUND
+    assert missing == ttrpc.NOT_FOUND

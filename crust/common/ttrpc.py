@@ -57,12 +57,15 @@ INVALID_ARGUMENT = 3
 DEADLINE_EXCEEDED = 4
 NOT_FOUND = 5
 ALREADY_EXISTS = 6
+PERMISSION_DENIED = 7
+RESOURCE_EXHAUSTED = 8
 FAILED_PRECONDITION = 9
+ABORTED = 10
+OUT_OF_RANGE = 11
 UNIMPLEMENTED = 12
 INTERNAL = 13
 UNAVAILABLE = 14
 DATA_LOSS = 15
-RESOURCE_EXHAUSTED = 8
 
 # What one connection may hold before it is read no more: the requests of
 # its calls in flight and the replies its peer has not taken. At least one

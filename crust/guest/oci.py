@@ -18,7 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from crust.guest.errors import AgentError, Code
+from crust.common import ttrpc
+from crust.guest.errors import AgentError
 
 GUEST_RUNTIME = "/sbin/crun"
 GUEST_RUNTIME_ROOT = "/run/crust/crun"
@@ -87,6 +88,6 @@ async def wait_pid_file(path: Path, runtime_exited: asyncio.Future, timeout: flo
         if runtime_exited.done():
             return 0
         if loop.time() > deadline:
-            raise AgentError(Code.DEADLINE_EXCEEDED, f"exec_id: the process did not start within {timeout:g} s")
+            raise AgentError(ttrpc.DEADLINE_EXCEEDED, f"exec_id: the process did not start within {timeout:g} s")
         await asyncio.wait([runtime_exited], timeout=pause)
         pause = min(pause * 2, 0.05)

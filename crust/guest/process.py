@@ -20,8 +20,9 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from crust.common import ttrpc
 from crust.guest import oci, spawn
-from crust.guest.errors import AgentError, Code
+from crust.guest.errors import AgentError
 from crust.guest.oci import OciRuntime
 from crust.guest.streams import InputStream, OutputStream
 
@@ -54,33 +55,33 @@ def parse_process(raw: bytes, field_name: str = "process") -> ProcessSpec:
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}: not JSON: {exc}") from None
+        raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field_name}: not JSON: {exc}") from None
     if not isinstance(obj, dict):
-        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}: not a JSON object")
+        raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field_name}: not a JSON object")
     args = obj.get("args")
     if not isinstance(args, list) or not args or not all(isinstance(a, str) for a in args):
-        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.args: a non-empty list of strings is needed")
+        raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field_name}.args: a non-empty list of strings is needed")
     env = obj.get("env", [])
     if not isinstance(env, list) or not all(isinstance(e, str) and "=" in e for e in env):
-        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.env: a list of NAME=value strings is needed")
+        raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field_name}.env: a list of NAME=value strings is needed")
     cwd = obj.get("cwd", "/")
     if not isinstance(cwd, str) or not cwd.startswith("/"):
-        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.cwd: an absolute path is needed")
+        raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field_name}.cwd: an absolute path is needed")
     user = obj.get("user", {})
     if not isinstance(user, dict):
-        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.user: not a JSON object")
+        raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field_name}.user: not a JSON object")
     ids = {}
     for key in ("uid", "gid"):
         value = user.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 32:
-            raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.user.{key}: not a 32-bit id")
+            raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field_name}.user.{key}: not a 32-bit id")
         ids[key] = value
     extra = user.get("additionalGids", [])
     if not isinstance(extra, list) or not all(isinstance(g, int) and 0 <= g < 1 << 32 for g in extra):
-        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.user.additionalGids: not a list of 32-bit ids")
+        raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field_name}.user.additionalGids: not a list of 32-bit ids")
     terminal = obj.get("terminal", False)
     if not isinstance(terminal, bool):
-        raise AgentError(Code.INVALID_ARGUMENT, f"{field_name}.terminal: not a boolean")
+        raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field_name}.terminal: not a boolean")
     return ProcessSpec(tuple(args), tuple(env), cwd, ids["uid"], ids["gid"], tuple(extra), terminal)
 
 
@@ -144,13 +145,13 @@ class ProcessTable:
         process = self.processes.get((container_id, exec_id))
         if process is None:
             what = f"exec {exec_id!r} of container {container_id!r}" if container_id else f"guest process {exec_id!r}"
-            raise AgentError(Code.NOT_FOUND, f"exec_id: no {what}")
+            raise AgentError(ttrpc.NOT_FOUND, f"exec_id: no {what}")
         return process
 
     def _known(self, key: tuple[str, str], raw: bytes, stdin: bool) -> Process | None:
         known = self.processes.get(key)
         if known is not None and (known.request != raw or (known.stdin is not None) != stdin):
-            raise AgentError(Code.ALREADY_EXISTS, f"exec_id: {key[1]!r} runs another process")
+            raise AgentError(ttrpc.ALREADY_EXISTS, f"exec_id: {key[1]!r} runs another process")
         return known
 
     async def _answer_retry(self, known: Process) -> Process:
@@ -180,7 +181,7 @@ class ProcessTable:
         if known is not None:
             return await self._answer_retry(known)
         if spec.terminal:
-            raise AgentError(Code.FAILED_PRECONDITION, "process.terminal: this agent runs no process on a terminal")
+            raise AgentError(ttrpc.FAILED_PRECONDITION, "process.terminal: this agent runs no process on a terminal")
         process = self._new(key, raw, stdin)
         try:
             child = await spawn.start(
@@ -190,7 +191,7 @@ class ProcessTable:
                 extra_groups=list(spec.additional_gids) if spec.additional_gids else None,
                 limit=self.limits.pipe_chunk)
         except OSError as exc:
-            raise self._failed(process, AgentError(Code.FAILED_PRECONDITION, f"process.args: {spec.args[0]!r} did "
+            raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"process.args: {spec.args[0]!r} did "
                                                    f"not start: {exc.strerror or exc}")) from None
         exit_ = asyncio.ensure_future(spawn.exited(child.popen))
         process.pid, process.state = child.pid, RUNNING
@@ -207,12 +208,12 @@ class ProcessTable:
         if known is not None:
             return await self._answer_retry(known)
         if spec.terminal:
-            raise AgentError(Code.FAILED_PRECONDITION, "process.terminal: this agent runs no process on a terminal")
+            raise AgentError(ttrpc.FAILED_PRECONDITION, "process.terminal: this agent runs no process on a terminal")
         status = await runtime.status(container_id)
         if status is None:
-            raise AgentError(Code.NOT_FOUND, f"container_id: no container {container_id!r}")
+            raise AgentError(ttrpc.NOT_FOUND, f"container_id: no container {container_id!r}")
         if status != "running":
-            raise AgentError(Code.FAILED_PRECONDITION, f"container_id: container {container_id!r} is {status}, "
+            raise AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: container {container_id!r} is {status}, "
                                                        f"not running")
         process = self._new(key, raw, stdin)
         process_file, pid_file = runtime.exec_files(container_id, exec_id)
@@ -224,7 +225,7 @@ class ProcessTable:
                 stdin=stdin, cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, limit=self.limits.pipe_chunk)
         except OSError as exc:
             runtime.forget(container_id, exec_id)
-            raise self._failed(process, AgentError(Code.FAILED_PRECONDITION, f"container_id: the OCI runtime did "
+            raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: the OCI runtime did "
                                                    f"not start: {exc.strerror or exc}")) from None
         exit_ = asyncio.ensure_future(spawn.exited(child.popen))
         process.tasks.append(asyncio.ensure_future(self._watch(process, child, exit_)))
@@ -238,7 +239,7 @@ class ProcessTable:
             await process.done.wait()
             words = process.stderr.peek().decode(errors="replace").strip()[-2000:]
             runtime.forget(container_id, exec_id)
-            raise self._failed(process, AgentError(Code.FAILED_PRECONDITION, f"process: the OCI runtime refused "
+            raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"process: the OCI runtime refused "
                                                    f"it: {words or 'exit ' + str(process.exit.exit_code)}"))
         runtime.forget(container_id, exec_id)  # crun read the one and wrote the other
         process.pid, process.state = pid, RUNNING
@@ -279,7 +280,7 @@ class ProcessTable:
         if process is None:
             return 0
         if process.state != EXITED:
-            raise AgentError(Code.FAILED_PRECONDITION, f"exec_id: {exec_id!r} still runs (signal it first)")
+            raise AgentError(ttrpc.FAILED_PRECONDITION, f"exec_id: {exec_id!r} still runs (signal it first)")
         del self.processes[process.key]
         return process.unread()
 

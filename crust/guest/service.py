@@ -9,7 +9,7 @@ import time
 import crust
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.guest.errors import AgentError, Code, check_id
+from crust.guest.errors import AgentError, check_id
 from crust.guest.oci import OciRuntime
 from crust.guest.process import EXITED, Limits, Process, ProcessTable, parse_process
 
@@ -53,6 +53,15 @@ def _stream_state(stream) -> agent_pb2.StreamState:
     return agent_pb2.StreamState(length=length, held_from=held_from, ended=ended)
 
 
+def _exec_ids(request, own_process: str) -> None:
+    """The ids of an exec: a container's (or "" for the guest) and a
+    non-empty exec_id (the empty one is the container's own process)."""
+    check_id("container_id", request.container_id, empty_ok=True)
+    if request.exec_id == "":
+        raise AgentError(ttrpc.INVALID_ARGUMENT, f"exec_id: empty (a container's own process {own_process})")
+    check_id("exec_id", request.exec_id)
+
+
 class AgentService:
     def __init__(self, limits: Limits | None = None, runtime: OciRuntime | None = None):
         self.limits = limits or Limits()
@@ -88,15 +97,11 @@ class AgentService:
         return self.processes.get(request.container_id, request.exec_id)
 
     async def ExecProcess(self, request: agent_pb2.ExecProcessRequest, call) -> agent_pb2.ExecProcessResponse:
-        check_id("container_id", request.container_id, empty_ok=True)
-        if request.exec_id == "":
-            raise AgentError(Code.INVALID_ARGUMENT, "exec_id: empty (a container's own process starts with "
-                                                    "StartContainer)")
-        check_id("exec_id", request.exec_id)
+        _exec_ids(request, "starts with StartContainer")
         spec = parse_process(request.process)
         if request.container_id:
             if not self.runtime.present:
-                raise AgentError(Code.UNIMPLEMENTED, f"container_id: the guest has no OCI runtime "
+                raise AgentError(ttrpc.UNIMPLEMENTED, f"container_id: the guest has no OCI runtime "
                                                      f"({self.runtime.binary}; capability process.exec absent)")
             process = await self.processes.start_container_exec(self.runtime, request.container_id,
                                                                 request.exec_id, request.process, spec, request.stdin)
@@ -111,7 +116,7 @@ class AgentService:
 
     async def _read(self, request: agent_pb2.ReadStreamRequest, stream_name: str) -> agent_pb2.ReadStreamResponse:
         if request.max_bytes == 0:
-            raise AgentError(Code.INVALID_ARGUMENT, "max_bytes: 0 (at least 1 is needed)")
+            raise AgentError(ttrpc.INVALID_ARGUMENT, "max_bytes: 0 (at least 1 is needed)")
         process = self._process(request)
         stream = getattr(process, stream_name)
         offset, data, eof = await stream.read(request.offset, min(request.max_bytes, MAX_READ_BYTES),
@@ -127,31 +132,27 @@ class AgentService:
     async def WriteStdin(self, request: agent_pb2.WriteStreamRequest, call) -> agent_pb2.WriteStreamResponse:
         process = self._process(request)
         if process.stdin is None:
-            raise AgentError(Code.FAILED_PRECONDITION, "exec_id: the process was started without stdin")
+            raise AgentError(ttrpc.FAILED_PRECONDITION, "exec_id: the process was started without stdin")
         length, gone = await process.stdin.write(request.offset, request.data)
         return agent_pb2.WriteStreamResponse(length=length, reader_gone=gone)
 
     async def CloseStdin(self, request: agent_pb2.CloseStdinRequest, call) -> agent_pb2.CloseStdinResponse:
         process = self._process(request)
         if process.stdin is None:
-            raise AgentError(Code.FAILED_PRECONDITION, "exec_id: the process was started without stdin")
+            raise AgentError(ttrpc.FAILED_PRECONDITION, "exec_id: the process was started without stdin")
         process.stdin.close()
         return agent_pb2.CloseStdinResponse()
 
     async def SignalProcess(self, request: agent_pb2.SignalProcessRequest, call) -> agent_pb2.SignalProcessResponse:
         if request.signal > 64:
-            raise AgentError(Code.INVALID_ARGUMENT, f"signal: {request.signal} is not 0..64")
+            raise AgentError(ttrpc.INVALID_ARGUMENT, f"signal: {request.signal} is not 0..64")
         if request.all and not request.container_id:
-            raise AgentError(Code.INVALID_ARGUMENT, "all: a guest process has no container to signal")
+            raise AgentError(ttrpc.INVALID_ARGUMENT, "all: a guest process has no container to signal")
         process = self._process(request)
         return agent_pb2.SignalProcessResponse(signalled=process.signal(request.signal))
 
     async def RemoveProcess(self, request: agent_pb2.RemoveProcessRequest, call) -> agent_pb2.RemoveProcessResponse:
-        check_id("container_id", request.container_id, empty_ok=True)
-        if request.exec_id == "":
-            raise AgentError(Code.INVALID_ARGUMENT, "exec_id: empty (a container's own process goes with "
-                                                    "RemoveContainer)")
-        check_id("exec_id", request.exec_id)
+        _exec_ids(request, "goes with RemoveContainer")
         return agent_pb2.RemoveProcessResponse(unread_bytes=self.processes.remove(request.container_id,
                                                                                  request.exec_id))
 

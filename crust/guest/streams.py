@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 
-from crust.guest.errors import AgentError, Code
+from crust.common import ttrpc
+from crust.guest.errors import AgentError
 
 
 class _Signal:
@@ -76,18 +77,18 @@ class OutputStream:
         """(offset, data, eof) from offset, once there is a byte there or
         the stream ended; bytes below offset are acknowledged (dropped)."""
         if offset > self.length:
-            raise AgentError(Code.OUT_OF_RANGE,
+            raise AgentError(ttrpc.OUT_OF_RANGE,
                              f"offset: {offset} is past the stream's length {self.length}")
         if offset < self.held_from:
             if not accept_loss:
-                raise AgentError(Code.DATA_LOSS, f"offset: {offset} was acknowledged and dropped; "
+                raise AgentError(ttrpc.DATA_LOSS, f"offset: {offset} was acknowledged and dropped; "
                                                  f"the stream holds bytes from {self.held_from}")
             offset = self.held_from
         self._acknowledge(offset)
         while self.length == offset and not self.ended:
             await self._changed.wait()
             if offset < self.held_from:  # another reader acknowledged past us
-                raise AgentError(Code.DATA_LOSS, f"offset: {offset} was acknowledged by another reader")
+                raise AgentError(ttrpc.DATA_LOSS, f"offset: {offset} was acknowledged by another reader")
         start = offset - self.held_from
         data = bytes(self._held[start:start + max_bytes])
         return offset, data, self.ended and offset + len(data) == self.length
@@ -121,16 +122,16 @@ class InputStream:
         """(the input's length, reader gone) once data (past what was
         already taken) is held; waits while the buffer is full."""
         if self.closed:
-            raise AgentError(Code.FAILED_PRECONDITION, "stdin: the process's input was closed")
+            raise AgentError(ttrpc.FAILED_PRECONDITION, "stdin: the process's input was closed")
         if offset > self.length:
-            raise AgentError(Code.OUT_OF_RANGE, f"offset: {offset} is past the input's length {self.length}")
+            raise AgentError(ttrpc.OUT_OF_RANGE, f"offset: {offset} is past the input's length {self.length}")
         new = data[self.length - offset:]
         while new:
             if self.reader_gone:
                 self.length += len(new)
                 break
             if self.closed:
-                raise AgentError(Code.FAILED_PRECONDITION, "stdin: the process's input was closed")
+                raise AgentError(ttrpc.FAILED_PRECONDITION, "stdin: the process's input was closed")
             room = self.limit - len(self._pending)
             if room <= 0:
                 await self._changed.wait()
