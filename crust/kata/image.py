@@ -81,7 +81,8 @@ GUEST_DIR = Path(__file__).parent / "guest"
 BUILDER_VERSION = 6
 # The initramfs, an uncompressed cpio archive: under software emulation the
 # guest kernel takes about 0.3 s to gunzip the compressed one (of a 2.3 s
-# boot here), against a plain copy; the host keeps 28 MiB instead of 11.
+# boot here), against a plain copy; the host keeps the archive at about
+# two and a half times its compressed size.
 INITRD = "initramfs.cpio"
 SBIN_PATH = "/usr/sbin:/sbin:/usr/bin:/bin"
 
