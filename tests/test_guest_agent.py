@@ -25,25 +25,34 @@ from crust.kata.agent_client import AgentClient
 REPO = Path(__file__).resolve().parent.parent
 
 
+def wait_listening(proc: subprocess.Popen, path: Path, log: Path, timeout: float) -> None:
+    """Until the agent's socket exists (it appears only once listening)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "the agent did not listen"
+        time.sleep(0.02)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture
 def agent(tmp_path):
     path = tmp_path / "agent.sock"
     with open(tmp_path / "agent.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "crust.guest", "--listen", str(path)], cwd=REPO, stderr=log)
     try:
-        deadline = time.monotonic() + 20
-        while not path.exists():
-            assert proc.poll() is None, (tmp_path / "agent.log").read_text()
-            assert time.monotonic() < deadline, "the agent did not listen"
-            time.sleep(0.02)
+        wait_listening(proc, path, tmp_path / "agent.log", 20)
         yield path
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def run(coro):
@@ -310,17 +319,12 @@ def container_agent(tmp_path):
         proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=REPO,
                                 stderr=log)
     try:
-        deadline = time.monotonic() + 60
-        while not path.exists():
-            assert proc.poll() is None, (tmp_path / "agent-oci.log").read_text()
-            assert time.monotonic() < deadline, "the agent did not listen"
-            time.sleep(0.02)
+        wait_listening(proc, path, tmp_path / "agent-oci.log", 60)
         yield path, cid, state
     finally:
         subprocess.run(["nsenter", "-t", str(proc.pid), "-m", crun, "--root", str(state), "delete", "--force", cid],
                        timeout=60, check=False)
-        proc.terminate()
-        proc.wait(10)
+        stop(proc)
 
 
 def test_an_exec_runs_in_the_container_through_the_oci_runtime(tmp_path, container_agent):
