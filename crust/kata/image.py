@@ -68,7 +68,8 @@ from pathlib import Path
 
 from crust.common.atomicfile import write_atomic
 from crust.common.private import make_dirs, open_new
-from crust.kata import bzimage, cpio
+from crust.kata import bzimage, cpio, guest_python
+from crust.kata.guest_python import PYTHON, PYTHON_PACKAGES, PYTHON_STDLIB
 from crust.kata.kmod import ModuleTree
 from crust.sys.run import CommandError
 
@@ -177,45 +178,6 @@ GUEST_PROGRAMS = {"usr/lib/crust/resume": "resume.c", "usr/lib/crust/beneath": "
 GUEST_CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-fstack-protector-strong", "-s")
 TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
 HOST_CONFIG = ("/etc/mke2fs.conf",)
-
-# The guest's Python agent: Debian's interpreter (by its full path: another
-# python3.11 may come first on PATH), its standard library's directory, and
-# the Debian packages that ship both (installed if missing).
-PYTHON = "/usr/bin/python3.11"
-PYTHON_STDLIB = "/usr/lib/python3.11"
-PYTHON_PACKAGES = ("python3.11-minimal", "libpython3.11-stdlib")
-# What /init runs (python3.11 -m crust.guest): the package whose __main__ is
-# run, the modules whose imports are measured (runpy: what -m runs it with),
-# and the modules kept out (an import of them fails as if absent): ssl, which
-# asyncio does without and which would bring libssl.
-PYTHON_MAIN = "crust.guest"
-PYTHON_IMPORTS = ("runpy", "crust.guest.agent", "crust.guest.service")
-PYTHON_BLOCKED = ("ssl",)
-# crust's modules and the protobuf runtime, in the image (the agent's PYTHONPATH).
-PYTHON_PATH = "/usr/lib/crust/python"
-# Run by PYTHON -I -S: argv[1] the path (":"), then the blocked modules, the
-# imports and the main package (","); prints the file of every module loaded.
-_PYTHON_LISTING = r"""
-import sys
-sys.path[:0] = sys.argv[1].split(":")
-for name in filter(None, sys.argv[2].split(",")):
-    sys.modules[name] = None
-for name in sys.argv[3].split(","):
-    __import__(name)
-files = {getattr(m, "__file__", None) for m in list(sys.modules.values()) if m is not None}
-files.add(sys.modules[sys.argv[4]].__file__.rpartition("/")[0] + "/__main__.py")
-print("\n".join(sorted(f for f in files if f)))
-"""
-# Run by PYTHON -I -S in a directory holding the image's Python files at
-# their guest paths: each .py named (its guest path) compiled into its
-# __pycache__, the guest path in its code objects.
-_PYTHON_COMPILE = """
-import importlib.util, py_compile, sys
-for guest in sys.argv[1:]:
-    py_compile.compile("." + guest, cfile="." + importlib.util.cache_from_source(guest), dfile=guest,
-                       doraise=True, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
-"""
-
 
 # ---------------------------------------------------------------- commands
 
@@ -368,35 +330,10 @@ def ensure_host_tools() -> None:
 
 def python_modules() -> tuple[list[HostFile], list[HostFile], str]:
     """(standard library files, crust's and the protobuf runtime's files,
-    protobuf's version) of what the guest's agent imports: the files of
-    every module PYTHON loads importing PYTHON_IMPORTS, crust from this
-    checkout (or installation) and google.protobuf from where this
-    interpreter finds it, each alone on the path."""
-    import google.protobuf
-
-    import crust
-    crust_root = Path(crust.__file__).resolve().parent.parent
-    protobuf_root = Path(google.protobuf.__file__).resolve().parent.parent.parent
-    with tempfile.TemporaryDirectory(prefix="crust-python-") as tmp:
-        # Only the google package on the path, not what sits beside it.
-        (Path(tmp) / "google").symlink_to(protobuf_root / "google")
-        out = _cmd([PYTHON, "-I", "-S", "-c", _PYTHON_LISTING, f"{tmp}:{crust_root}",
-                    ",".join(PYTHON_BLOCKED), ",".join(PYTHON_IMPORTS), PYTHON_MAIN])
-        stdlib, own = [], []
-        roots = ((f"{crust_root}/crust/", crust_root), (f"{tmp}/google/", Path(tmp)))
-        for path in out.split():
-            for prefix, root in roots:
-                if path.startswith(prefix):
-                    rel = Path(path).relative_to(root)
-                    source = crust_root / rel if root == crust_root else protobuf_root / rel
-                    own.append(HostFile(str(source), f"{PYTHON_PATH}/{rel}", 0o644))
-                    break
-            else:
-                if not path.startswith(PYTHON_STDLIB + "/"):
-                    raise LookupError(f"the guest agent imports {path}, neither Debian's {PYTHON_STDLIB}, "
-                                      f"crust's nor the protobuf runtime's")
-                stdlib.append(HostFile(path, path, 0o755 if path.endswith(".so") else 0o644))
-    return stdlib, own, google.protobuf.__version__
+    protobuf's version) of what the guest's agent imports (guest_python)."""
+    stdlib, own, version = guest_python.agent_files()
+    return ([HostFile(path, path, 0o755 if path.endswith(".so") else 0o644) for path in stdlib],
+            [HostFile(source, dest, 0o644) for source, dest in own], version)
 
 
 def collect_inputs(flavor: Flavor, apt_options: list[str] | None = None) -> Inputs:
@@ -514,20 +451,8 @@ def _busybox_entries(busybox: Path, taken: set[str]) -> list[cpio.Entry]:
 
 
 def _compiled_python(sources: list[str], contents: dict[str, bytes]) -> list[cpio.Entry]:
-    """The .pyc of each source (a guest path; contents: the image's files by
-    path), compiled by the guest's own interpreter at the guest's paths."""
-    if not sources:
-        return []
-    with tempfile.TemporaryDirectory(prefix="crust-pyc-") as tmp:
-        for guest in sources:
-            path = Path(tmp + guest)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(contents[guest.lstrip("/")])
-        _cmd([PYTHON, "-I", "-S", "-c", _PYTHON_COMPILE, *sorted(sources)], cwd=Path(tmp), timeout=300)
-        entries = []
-        for pyc in sorted(Path(tmp).rglob("*.pyc")):
-            entries.append(cpio.regular(str(pyc.relative_to(tmp)), pyc.read_bytes()))
-    return entries
+    """The .pyc of each source (guest_python.compiled), as archive entries."""
+    return [cpio.regular(path, data) for path, data in guest_python.compiled(sources, contents)]
 
 
 @dataclass
