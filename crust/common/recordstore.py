@@ -19,9 +19,11 @@ load_all reads every record before it yields the first.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
+from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Generic, Iterator, TypeVar
 
@@ -65,6 +67,9 @@ class RecordStore(Generic[Record]):
         self.model = model
         self.belongs = belongs
         self.on_damaged = on_damaged
+        # One write of a key at a time, in the order asked: a record encoded
+        # later is never overwritten by one encoded before it.
+        self._writing: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         make_dirs(self.directory)
         clean_temporaries(self.directory)
         for path in self.directory.glob("*.json"):
@@ -149,8 +154,11 @@ class RecordStore(Generic[Record]):
         remove_durably(self._path(key), spare=True)
 
     async def put(self, key: str, record: Record) -> None:
-        await write_atomic_async(self._path(key), encode(record), reuse=True)
+        async with self._writing[key]:
+            await write_atomic_async(self._path(key), encode(record), reuse=True)
 
     async def delete(self, key: str) -> None:
         if valid_key(key):
-            await remove_durably_async(self._path(key), spare=True)
+            async with self._writing[key]:
+                await remove_durably_async(self._path(key), spare=True)
+            self._writing.pop(key, None)
