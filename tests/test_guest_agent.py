@@ -20,6 +20,7 @@ import pytest
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
+from crust.guest.oci import OciRuntime
 from crust.kata.agent_client import AgentClient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -328,7 +329,11 @@ def container_agent(tmp_path):
 
 
 def test_an_exec_runs_in_the_container_through_the_oci_runtime(tmp_path, container_agent):
-    path, cid, _state = container_agent
+    path, cid, state = container_agent
+    # crun's own files say the container runs (no crun asked); of a
+    # container crun does not know, nothing certain.
+    assert OciRuntime(root=str(state)).runs(cid)
+    assert not OciRuntime(root=str(state)).runs("nobody")
 
     def exec_request(exec_id: str, *args: str, container_id: str = cid) -> agent_pb2.ExecProcessRequest:
         return agent_pb2.ExecProcessRequest(container_id=container_id, exec_id=exec_id,

@@ -209,7 +209,7 @@ class ProcessTable:
             return await self._answer_retry(known)
         if spec.terminal:
             raise AgentError(ttrpc.FAILED_PRECONDITION, "process.terminal: this agent runs no process on a terminal")
-        status = await runtime.status(container_id)
+        status = "running" if runtime.runs(container_id) else await runtime.status(container_id)
         if status is None:
             raise AgentError(ttrpc.NOT_FOUND, f"container_id: no container {container_id!r}")
         if status != "running":
