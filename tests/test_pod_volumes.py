@@ -70,6 +70,7 @@ class PodNode:
     runtime_class: str
     host_dir: Path  # where hostPath volumes of the tests point
     containerd: Containerd
+    handler_log: Path | None = None  # the microVM handler's log (crust-microvm only)
 
     def image_with(self, tag: str, *files: images.File) -> str:
         """The busybox image with a layer of these files on top, imported; its name."""
@@ -175,7 +176,8 @@ def pod_node(runtime_class: str, root, pod_network: bool = False, vm_pool: int =
                 runtime.close()
     elif runtime_class == "crust-microvm":
         with cri_microvm_node(root, pod_network=pod_network, vm_pool=vm_pool) as node:
-            yield PodNode(node.runtime, node.image, runtime_class, host_dir, node.containerd)
+            yield PodNode(node.runtime, node.image, runtime_class, host_dir, node.containerd,
+                          handler_log=node.env.handler.log_path)
             if vm_pool:
                 log = node.env.handler.log_path.read_text(errors="replace")
                 assert '"msg": "pod takes a pooled VM"' in log, "no pod took a VM the pool booted"

@@ -47,12 +47,18 @@ volumes kubelet's atomic writer updates (their lookups never cached):
   user and groups, capabilities, no_new_privs, seccomp, masked and
   read-only paths, rlimits and cgroup limits hold as under runc; what the
   guest cannot honour is refused at CreateContainer); an exec is `crun
-  exec` with the container's process settings. The command is written as
-  a script into the share (so a command of any size the kernel takes never
-  travels as one serial line), its stdout and stderr written to files in
-  the guest, read back by offset (ReadOutput); its exit code is crun's,
-  the container's. A container of a pod started before the guest had crun
-  keeps running as it started (`env -i <env> unshare --root=<root> ...`);
+  exec` with the container's process settings, started by the guest's
+  Python agent over its virtio-serial port (crust.kata.port_process,
+  specs/agent.proto): one call starts it, its output is read as written
+  (the reads wait in the guest), its exit comes from a WaitProcess that
+  waits in the guest, so nothing is polled and execs run side by side.
+  The container's own process, an exec on a terminal, and any process of
+  a VM without the port (started by an earlier crust) go through the shell
+  agent instead: the command written as a script into the share, its
+  stdout and stderr written to files in the guest, read back by offset
+  (ReadOutput), its exit found by the pod's process watch. A container of
+  a pod started before the guest had crun keeps running as it started
+  (`env -i <env> unshare --root=<root> ...`);
 - a process with a standard input (CRI's stdin, an exec with stdin) reads
   it from a fifo that the guest's feed.sh fills from a file the handler
   appends to in the live share (WriteInput; the live share is not cached,
@@ -88,20 +94,41 @@ from pydantic import BaseModel, Field
 
 from crust.api import handler_pb2
 from crust.common import inroot
-from crust.common.errors import (Aborted, AlreadyExists, CrustError, DataLoss, FailedPrecondition, InvalidArgument,
-                                 NotFound, Unavailable)
+from crust.common.errors import (
+    Aborted,
+    AlreadyExists,
+    CrustError,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from crust.common.private import make_dirs
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
-from crust.kata import guest_oci
-from crust.kata.agent import AGENT_REACH, AGENT_SUBPATH, SHM_TMPFS, AgentError, AgentRefused, GuestGone
+from crust.kata import guest_oci, port_process
+from crust.kata.agent import (
+    AGENT_REACH,
+    AGENT_SUBPATH,
+    SHM_TMPFS,
+    AgentError,
+    AgentRefused,
+    GuestGone,
+)
 from crust.kata.pool import VmPool
 from crust.kata.portforward import PortForwarder
 from crust.kata.process_watch import ProcessWatch
 from crust.kata.qemu import Nic, SharedDir, Vm, VmError
 from crust.kata.qmp import QmpError, QmpGone, QmpTimeout
 from crust.kata.sandbox import KataSandbox
-from crust.kata.share import PodShare, ShareError, cached_in_guest, is_atomic_writer_volume_root, tag_of
+from crust.kata.share import (
+    PodShare,
+    ShareError,
+    cached_in_guest,
+    is_atomic_writer_volume_root,
+    tag_of,
+)
 from crust.kata.template import VmTemplate, restore_config
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
 from crust.runtime_handler.oci import load_requested_bundle
@@ -125,6 +152,9 @@ SUBPATHS = "volume-subpaths"
 TAP = "crust0"                # the VM's tap in the pod's network namespace
 READ_CHUNK = 65536            # bytes per readout answer (a serial line carries them: 88 KiB of base64)
 POLL = 0.2                    # seconds between looks at a running process
+PORT_WAIT_LOOK = 1.0          # seconds a wait for a port process's exit checks it was not deleted meanwhile
+PORT_START_WAIT = 30.0        # seconds an exec waits for the guest's Python agent, still starting, to open its port
+PORT_WAIT = 10.0              # the same for a call about a process the agent runs (it reconnects)
 STARTED_WAIT = 1.0            # seconds the guest waits for a container's start before it answers
 VM_GONE_EXIT_CODE = 255
 # containerd's annotations on a pod sandbox's spec (its CRI plugin).
@@ -148,6 +178,7 @@ class ProcessRecord(BaseModel):
     terminal: bool = False      # runs on a terminal of the guest's (its output one stream)
     stdin: bool = False         # reads a standard input (WriteInput)
     oom_killed: bool = False    # the container's own process, once stopped: the OOM killer struck
+    on_port: bool = False       # run by the guest's Python agent: its output, input and exit on its port
 
 
 class GuestContainer(BaseModel):
@@ -352,6 +383,7 @@ class Pods:
         self.forwarders: dict[str, PortForwarder] = {}   # by pod, for those with a network
         self.watches: dict[str, ProcessWatch] = {}   # by pod: one look per interval at its waited-on processes
         self._ahead: dict[str, asyncio.Task] = {}   # by pod: its deferred volumes being mounted ahead
+        self.exits = port_process.ExitWatches()   # the port processes' WaitProcess calls
         handler.before_teardown = self._before_teardown
         self._watcher: asyncio.Task | None = None
 
@@ -393,6 +425,7 @@ class Pods:
             await asyncio.wait(list(self._ahead.values()), timeout=30)
         for watch in self.watches.values():
             watch.close()
+        await self.exits.close()
         for forwarder in self.forwarders.values():
             await forwarder.stop()
 
@@ -1157,8 +1190,22 @@ class Pods:
                         await sandbox.vm.agent.forget_output(p.name)
                     except AgentError:
                         pass
+            await self._forget_on_port(sandbox, c)
+        self.exits.forget(c.container_id)
         pod.containers.pop(c.container_id, None)
         await self.records.put(pod.sandbox_id, pod)
+
+    async def _forget_on_port(self, sandbox: KataSandbox, c: ContainerRecord) -> None:
+        """The container's execs in the Python agent's table (their exits
+        and unread output): the guest keeps them until told."""
+        execs = [p for p in c.processes.values() if p.on_port and p.pid]
+        client = await sandbox.vm.port.ready() if execs else None
+        for p in execs if client is not None else ():
+            try:
+                await port_process.remove_process(client, c.container_id, p.exec_id)
+            except CrustError as exc:
+                log.warning("exec not forgotten in the guest", extra={"fields": {
+                    "container": c.container_id, "exec": p.exec_id, "error": exc.message}})
 
     async def _give_back(self, sandbox: KataSandbox | None, record: SandboxRecord, key: str) -> None:
         """Unmount a volume of the pod in the guest (sandbox None: the VM is
@@ -1223,6 +1270,13 @@ class Pods:
 
     async def start_process(self, container_id: str, exec_id: str, spec: handler_pb2.ProcessSpec | None) -> int:
         pod, c = self._find(container_id)
+        if exec_id:
+            # Before the pod's lock: an exec of a VM just booted waits for
+            # its guest's Python agent to open its port without holding up
+            # the pod's other calls.
+            sandbox = self._sandbox(pod.sandbox_id)
+            if sandbox is not None and sandbox.alive():
+                await sandbox.vm.port.ready(wait=PORT_START_WAIT)
         async with self.locks[pod.sandbox_id]:
             sandbox, _, pod = self._live(pod.sandbox_id)
             if container_id not in pod.containers:
@@ -1249,28 +1303,79 @@ class Pods:
             for word in p.args:
                 if "\0" in word:
                     raise InvalidArgument("process.args: a NUL byte")
-            p.name = output_name(pod.sandbox_id, container_id, exec_id)
-            await self.records.put(pod.sandbox_id, pod)
-            share = self._share(pod.sandbox_id)
-            try:
-                stdin = await asyncio.to_thread(self._input_share(sandbox, pod).open_input, container_id, p.name) \
-                    if p.stdin else ""
-                script = await asyncio.to_thread(share.write_script, container_id, p.name,
-                                                 self._script(c, p, stdin))
-            except (ShareError, OSError) as exc:
-                raise FailedPrecondition(f"process {exec_id or container_id}: its command cannot be written to "
-                                         f"the pod's shared directory: {exc}") from None
-            try:
-                p.pid = await sandbox._agent(sandbox.vm.agent.spawn_file(p.name, script))
-            finally:
-                # The guest's sh has read it (or never will): the share keeps no commands.
-                await asyncio.to_thread(share.remove_script, container_id, p.name)
-            await self.records.put(pod.sandbox_id, pod)
-            if c.oci is not None and not exec_id:
-                await self._until_running(sandbox, c, p)
+            port = sandbox.vm.port
+            if exec_id and c.oci is not None and not p.terminal and not p.name and not p.on_port and \
+                    port.client is not None and not port.client.closed and port.has("process.exec"):
+                # Recorded first: a retry after a lost answer asks the agent
+                # again (which answers the same pid) instead of starting another.
+                p.on_port = True
+                await self.records.put(pod.sandbox_id, pod)
+            if not p.on_port:
+                await self._start_by_script(sandbox, pod, c, p)
+        if p.on_port:
+            # Outside the pod's lock: execs start side by side.
+            return await self._start_on_port(sandbox, pod, c, p)
         log.info("process started", extra={"fields": {"sandbox": pod.sandbox_id, "container": container_id,
                                                       "exec": exec_id, "pid": p.pid}})
         return p.pid
+
+    async def _start_by_script(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
+                               p: ProcessRecord) -> None:
+        """A process through the shell agent: a script in the pod's share
+        that the guest's sh runs."""
+        container_id, exec_id = c.container_id, p.exec_id
+        p.name = output_name(pod.sandbox_id, container_id, exec_id)
+        await self.records.put(pod.sandbox_id, pod)
+        share = self._share(pod.sandbox_id)
+        try:
+            stdin = await asyncio.to_thread(self._input_share(sandbox, pod).open_input, container_id, p.name) \
+                if p.stdin else ""
+            script = await asyncio.to_thread(share.write_script, container_id, p.name,
+                                             self._script(c, p, stdin))
+        except (ShareError, OSError) as exc:
+            raise FailedPrecondition(f"process {exec_id or container_id}: its command cannot be written to "
+                                     f"the pod's shared directory: {exc}") from None
+        try:
+            p.pid = await sandbox._agent(sandbox.vm.agent.spawn_file(p.name, script))
+        finally:
+            # The guest's sh has read it (or never will): the share keeps no commands.
+            await asyncio.to_thread(share.remove_script, container_id, p.name)
+        await self.records.put(pod.sandbox_id, pod)
+        if c.oci is not None and not exec_id:
+            await self._until_running(sandbox, c, p)
+
+    async def _start_on_port(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
+                             p: ProcessRecord) -> int:
+        """An exec through the guest's Python agent: one call starts it,
+        its exit is pushed (a WaitProcess waiting in the guest)."""
+        client = await sandbox.vm.port.ready(wait=PORT_WAIT)
+        if client is None:
+            raise Unavailable(f"exec {p.exec_id}: the guest's agent port is not open (the VM restarts it)")
+        process = guest_oci.exec_process(c.oci.spec.get("process") or {}, p.args, p.env, p.cwd, p.uid, p.gid,
+                                         p.additional_gids)
+        p.pid = await port_process.exec_process(client, c.container_id, p.exec_id, process, p.stdin)
+        await self.records.put(pod.sandbox_id, pod)
+        self._watch_exit(pod, c, p, client)
+        log.info("process started", extra={"fields": {"sandbox": pod.sandbox_id, "container": c.container_id,
+                                                      "exec": p.exec_id, "pid": p.pid, "via": "agent port"}})
+        return p.pid
+
+    def _watch_exit(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord, client) -> None:
+        async def record(answer, why: str) -> None:
+            if p.exit_code is not None:
+                return
+            if answer is None:
+                p.exit_code, p.reason = VM_GONE_EXIT_CODE, f"ended without an exit code: {why}"
+                p.exited_at_ns = time.time_ns()
+            else:
+                p.exit_code, p.exited_at_ns = answer.exit_code, answer.exited_at_ns or time.time_ns()
+                if not answer.output_complete:
+                    log.warning("exec output may be incomplete: a process it left held its streams", extra={
+                        "fields": {"sandbox": pod.sandbox_id, "container": c.container_id, "exec": p.exec_id}})
+            if self.pods.get(pod.sandbox_id) is pod and c.container_id in pod.containers:
+                await self.records.put(pod.sandbox_id, pod)
+
+        self.exits.watch(client, c.container_id, p.exec_id, record)
 
     @staticmethod
     async def _until_running(sandbox: KataSandbox, c: ContainerRecord, p: ProcessRecord,
@@ -1333,6 +1438,14 @@ class Pods:
         if sandbox is None or not sandbox.alive() or pod.gone:
             await self._mark_gone(pod.sandbox_id, pod.gone or self._death_reason(pod.sandbox_id, sandbox))
             return
+        if p.on_port:
+            # Its exit comes from the watch's WaitProcess; a handler that
+            # restarted starts that watch again here.
+            if not self.exits.watching(c.container_id, p.exec_id):
+                client = await sandbox.vm.port.ready()
+                if client is not None:
+                    self._watch_exit(pod, c, p, client)
+            return
         try:
             code = await sandbox.vm.agent.wait(p.pid)
         except AgentRefused as exc:
@@ -1375,7 +1488,13 @@ class Pods:
             # The pod's watch tells when it ended; then state() learns how
             # (one wait in the guest, the OOM count) and records it.
             ended = True
-            if state.status == Status.RUNNING and p.name:
+            if state.status == Status.RUNNING and p.on_port:
+                # Set when the guest answered the watch's WaitProcess.
+                try:
+                    await asyncio.wait_for(self.exits.event(container_id, exec_id).wait(), PORT_WAIT_LOOK)
+                except asyncio.TimeoutError:
+                    pass
+            elif state.status == Status.RUNNING and p.name:
                 try:
                     ended = (await self._watch(pod.sandbox_id).look(p.name, p.pid)).ended
                 except AgentError:
@@ -1400,6 +1519,12 @@ class Pods:
             await self._signal_all(sandbox, c, signal)
         elif not p.pid:
             raise FailedPrecondition(f"process {exec_id or container_id} was not started")
+        elif p.exit_code is None and p.on_port:
+            client = await sandbox.vm.port.ready(wait=PORT_WAIT)
+            if client is None:
+                raise Unavailable(f"process {exec_id}: the guest's agent port is not open")
+            await port_process.signal_process(client, container_id, exec_id, signal)
+            return
         elif p.exit_code is None:
             await sandbox._agent(sandbox.vm.agent.signal(p.pid, signal))
         watch = self.watches.get(pod.sandbox_id)
@@ -1414,6 +1539,12 @@ class Pods:
         pod, c, p = self._process(container_id, exec_id)
         if not p.stdin:
             raise FailedPrecondition(f"process {exec_id or container_id} was not started with a standard input")
+        if p.on_port and p.pid:
+            sandbox, _, _ = self._live(pod.sandbox_id)
+            client = await sandbox.vm.port.ready(wait=PORT_WAIT)
+            if client is None:
+                raise Unavailable(f"process {exec_id}: the guest's agent port is not open")
+            return await port_process.write_input(client, container_id, exec_id, offset, data, close)
         if not p.name:
             raise FailedPrecondition(f"process {exec_id or container_id} was not started yet")
         live = self._share(pod.sandbox_id, "live")
@@ -1469,10 +1600,21 @@ class Pods:
             return DataLoss(f"the output of {exec_id or container_id} was cut after {offsets['out']} bytes of "
                             f"stdout and {offsets['err']} of stderr: {why}")
 
-        while not p.name:   # not started yet: its output will come
+        while not p.name and not (p.on_port and p.pid):   # not started yet: its output will come
             if container_id not in pod.containers or p.exit_code is not None:
                 return
             await asyncio.sleep(POLL)
+        if p.on_port:
+            sandbox = self._sandbox(pod.sandbox_id)
+            client = await sandbox.vm.port.ready(wait=PORT_WAIT) if sandbox is not None and sandbox.alive() else None
+            if client is None:
+                raise cut(pod.gone or self._death_reason(pod.sandbox_id, sandbox) if sandbox is None or
+                          not sandbox.alive() else "the guest's agent port is not open")
+            async for chunk in port_process.read_output(client, container_id, exec_id, stdout_offset,
+                                                        stderr_offset, cut):
+                offsets["out" if chunk.stream == Stream.STDOUT else "err"] = chunk.offset + len(chunk.data)
+                yield chunk
+            return
         # The pod's watch says, once per interval, how far each file is
         # written and whether the process ended; only what grew is read.
         # Its first look comes at once, and after the end one more (what

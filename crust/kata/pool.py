@@ -63,6 +63,9 @@ RETRY_FIRST, RETRY_MAX = 2.0, 60.0
 # volume's: those are digests), its guest mount point, its image in the pool's directory.
 WARM_DISK, WARM_DISK_MOUNT, WARM_DISK_IMAGE = "crust-warm", "/run/crust/warm-disk", "warm-disk.img"
 WARM_DISK_BYTES = 4 * 1024 * 1024
+# How long a VM booted ahead may take for its guest's Python agent to open
+# its port (its imports at the guest's lowest priority, under emulation).
+PORT_OPEN_TIMEOUT = 120.0
 
 
 class VmPool:
@@ -183,6 +186,9 @@ class VmPool:
             if vm.agent.version >= AGENT_WARM:
                 await vm.agent.warm()
                 await warm_disk(vm, self.directory)
+            # The guest's Python agent, connected: a pod's first exec finds it.
+            if await vm.port.ready(wait=PORT_OPEN_TIMEOUT) is None:
+                log.warning("pooled vm %s: its guest's agent port did not open", vm.name)
             warm_s = time.monotonic() - warm_started
         except BaseException:
             await _discard(vm)

@@ -53,6 +53,7 @@ from crust.kata.agent import (
     AgentError,
     GuestGone,
 )
+from crust.kata.port_agent import PortAgent
 from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
 from crust.kata.virtiofsd import Virtiofsd, VirtiofsdError
 from crust.sys import proc
@@ -253,6 +254,7 @@ class Vm:
         self.boot_seconds: float | None = None
         self.agent = AgentClient(str(self.agent_socket))
         self.qmp = QmpClient(str(self.qmp_socket))
+        self.port = PortAgent(str(self.port_socket), self.qmp, name)
         self._proc: asyncio.subprocess.Process | None = None
         self._adopted: proc.ProcessId | None = None  # a VM started by an earlier handler process (adopt())
         self._exited: asyncio.Task | None = None
@@ -398,6 +400,7 @@ class Vm:
         reason = f"QEMU exited with code {code}"
         log.info("vm %s: %s", self.name, reason)
         self.agent.mark_dead(reason)
+        await self.port.close(reason)
         return code
 
     async def _guarded(self, coro, what: str):
@@ -648,6 +651,7 @@ class Vm:
         hang on the share, and no stop could reach them. Returns the reason
         the agent's calls now fail with."""
         self.agent.mark_dead(f"its virtiofsd ({daemon.name}, cache={daemon.cache}) {daemon.ending()}")
+        await self.port.close(self.agent.dead)
         log.error("vm %s: %s; the VM is killed", self.name, self.agent.dead)
         await self.kill()
         return self.agent.dead
@@ -668,6 +672,7 @@ class Vm:
 
     async def _close_clients(self) -> None:
         await self.agent.close()
+        await self.port.close()
         await self.qmp.close()
         if not self.alive():
             await self._stop_virtiofsd()

@@ -55,8 +55,10 @@ from crust.common.atomicfile import write_atomic
 from crust.common.formats import NewerFormat, decode, encode
 from crust.common.private import make_dirs
 from crust.kata.agent import SHM_TMPFS, AgentError
+from crust.kata.agent_client import wait_port_open
 from crust.kata.pool import (
     POOL_NICE,
+    PORT_OPEN_TIMEOUT,
     RETRY_FIRST,
     RETRY_MAX,
     WARM_DISK_IMAGE,
@@ -206,6 +208,9 @@ class VmTemplate:
             await vm.agent.pod_tmpfs(SHM_TMPFS)
             await vm.agent.warm()
             await warm_disk(vm, self.directory)
+            # Saved with the guest's Python agent running and its port open:
+            # a restored VM's agent answers at once, its imports long done.
+            await wait_port_open(vm.qmp, timeout=PORT_OPEN_TIMEOUT)
             uptime = float((await vm.agent.ping()).fields.get("uptime", "0"))
             size = await vm.save(partial)
         finally:

@@ -1,0 +1,101 @@
+"""A VM's connection to its guest's Python agent (specs/agent.proto) over
+the virtio-serial port, opened when first needed and kept for the VM's
+life.
+
+The agent starts seconds after the guest's shell agent (its interpreter
+imports under emulation): `ready()` answers the connection once the agent
+has its port open, waiting for that as long as its caller allows, and
+None for a VM without the port (one started by an earlier crust), whose
+calls take the shell agent's path. Whether the port is open is QEMU's to say
+(query-chardev frontend-open): bytes sent before the guest opened it are
+dropped by the guest's kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from crust.api import agent_pb2
+from crust.common import ttrpc
+from crust.kata.agent_client import AgentClient
+from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
+
+log = logging.getLogger(__name__)
+
+PORT_CHARDEV = "port"
+# Bounds the first call on a port the guest reports open: its agent
+# answers within milliseconds when it runs at all.
+OPEN_TIMEOUT = 10.0
+# How long after a failed look at the port the next may be: a caller in a
+# hurry takes the shell agent meanwhile instead of asking QEMU again.
+LOOK_AGAIN = 0.5
+# Between looks while a caller waits for the guest to open its port.
+PORT_LOOK = 0.05
+
+
+class PortAgent:
+    def __init__(self, path: str, qmp: QmpClient, vm_name: str):
+        self.path = path
+        self.qmp = qmp
+        self.vm_name = vm_name
+        self.client: AgentClient | None = None
+        self.details: agent_pb2.GuestDetailsResponse | None = None
+        self.dead = ""      # why the VM is gone: no connection is opened any more
+        self._lock = asyncio.Lock()
+        self._next_look = 0.0
+
+    def has(self, capability: str) -> bool:
+        return self.details is not None and capability in self.details.capabilities
+
+    async def _port_state(self) -> str:
+        """"open", "closed" (the guest has not opened it yet), "absent" (a
+        VM started without the port) or "unknown" (QEMU did not answer)."""
+        try:
+            chardevs = await self.qmp.execute("query-chardev", timeout=5)
+        except (QmpError, QmpGone, QmpTimeout, OSError):
+            return "unknown"
+        for chardev in chardevs:
+            if chardev.get("label") == PORT_CHARDEV:
+                return "open" if chardev.get("frontend-open") else "closed"
+        return "absent"
+
+    async def ready(self, wait: float = 0.0) -> AgentClient | None:
+        """The open connection; None when the guest's agent has not opened
+        its port or the VM is gone. wait: how long a port the VM has but
+        its guest has not opened yet (its agent still starting) is waited
+        for; a VM without the port is never waited for."""
+        client = self.client
+        if client is not None and not client.closed:
+            return client
+        loop = asyncio.get_running_loop()
+        if self.dead or (not wait and (self._lock.locked() or loop.time() < self._next_look)):
+            return None
+        async with self._lock:
+            if self.client is not None and not self.client.closed:
+                return self.client
+            self.client, self.details = None, None
+            deadline = loop.time() + wait
+            state = await self._port_state()
+            while state == "closed" and loop.time() < deadline and not self.dead:
+                await asyncio.sleep(PORT_LOOK)
+                state = await self._port_state()
+            if state != "open":
+                self._next_look = loop.time() + LOOK_AGAIN
+                return None
+            try:
+                self.client, self.details = await AgentClient.open(self.path, timeout=OPEN_TIMEOUT)
+            except (ttrpc.TtrpcError, OSError) as exc:
+                log.warning("vm %s: the guest's agent port is open but did not answer: %s", self.vm_name, exc)
+                self._next_look = loop.time() + LOOK_AGAIN
+                return None
+            log.info("vm %s: agent %s %s on its port, capabilities %s", self.vm_name, self.details.agent_name,
+                     self.details.agent_version, ",".join(self.details.capabilities))
+            return self.client
+
+    async def close(self, reason: str = "") -> None:
+        if reason:
+            self.dead = reason
+        client, self.client = self.client, None
+        if client is not None:
+            await client.close()

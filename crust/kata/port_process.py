@@ -1,0 +1,216 @@
+"""Processes the guest's Python agent runs (specs/agent.proto), as the pod
+runtime uses them: an exec started with one call, its output read as
+written (ReadStdout/ReadStderr block in the guest until there is more),
+its input written by offset, its exit learned by a WaitProcess that waits
+in the guest, never polled.
+
+The agent's status codes become the handler's errors with the agent's
+words, so a refusal in the guest reaches CRI with its code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator, Awaitable, Callable
+
+from crust.api import agent_pb2, handler_pb2
+from crust.common import ttrpc
+from crust.common.errors import (
+    AlreadyExists,
+    CrustError,
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    Unavailable,
+    Unimplemented,
+)
+from crust.kata.agent_client import AgentClient
+
+log = logging.getLogger(__name__)
+
+# The most bytes one read asks for (the agent answers at most its
+# limits.max_read_bytes).
+READ_BYTES = 1 << 20
+Stream = handler_pb2.OutputChunk.Stream
+
+_ERRORS: dict[int, type[CrustError]] = {
+    ttrpc.INVALID_ARGUMENT: InvalidArgument,
+    ttrpc.NOT_FOUND: NotFound,
+    ttrpc.ALREADY_EXISTS: AlreadyExists,
+    ttrpc.FAILED_PRECONDITION: FailedPrecondition,
+    ttrpc.OUT_OF_RANGE: OutOfRange,
+    ttrpc.RESOURCE_EXHAUSTED: ResourceExhausted,
+    ttrpc.DEADLINE_EXCEEDED: DeadlineExceeded,
+    ttrpc.UNIMPLEMENTED: Unimplemented,
+    ttrpc.UNAVAILABLE: Unavailable,
+    ttrpc.DATA_LOSS: DataLoss,
+}
+
+
+def handler_error(exc: ttrpc.TtrpcError, what: str) -> CrustError:
+    """The agent's refusal as the handler's error of the same code."""
+    return _ERRORS.get(exc.code, Internal)(f"{what}: the guest's agent: {exc.message}")
+
+
+async def exec_process(client: AgentClient, container_id: str, exec_id: str, process: dict,
+                       stdin: bool) -> int:
+    """Start an exec in a running container of the guest; its pid there."""
+    request = agent_pb2.ExecProcessRequest(container_id=container_id, exec_id=exec_id, stdin=stdin,
+                                           process=json.dumps(process, separators=(",", ":")).encode())
+    try:
+        return (await client.call("ExecProcess", request)).pid
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, f"exec {exec_id} in container {container_id}") from None
+
+
+async def wait_process(client: AgentClient, container_id: str, exec_id: str) -> agent_pb2.WaitProcessResponse:
+    """Blocks in the guest until the process exited and its output is whole."""
+    return await client.call("WaitProcess", agent_pb2.WaitProcessRequest(container_id=container_id,
+                                                                        exec_id=exec_id))
+
+
+async def read_output(client: AgentClient, container_id: str, exec_id: str, stdout_offset: int,
+                      stderr_offset: int, cut: Callable[[str], DataLoss]) -> AsyncIterator[handler_pb2.OutputChunk]:
+    """Both streams from their offsets, as the guest has them, until both
+    ended. A stream the guest no longer has (the process removed, the VM
+    gone) ends the iteration with cut(why)."""
+    chunks: asyncio.Queue = asyncio.Queue(maxsize=4)
+    offsets = {Stream.STDOUT: stdout_offset, Stream.STDERR: stderr_offset}
+
+    async def pump(stream: int, method: str) -> None:
+        while True:
+            request = agent_pb2.ReadStreamRequest(container_id=container_id, exec_id=exec_id,
+                                                  offset=offsets[stream], max_bytes=READ_BYTES)
+            answer = await client.call(method, request)
+            if answer.data:
+                await chunks.put(handler_pb2.OutputChunk(stream=stream, offset=answer.offset, data=answer.data))
+                offsets[stream] = answer.offset + len(answer.data)
+            if answer.eof:
+                return
+
+    pumps = [asyncio.ensure_future(pump(Stream.STDOUT, "ReadStdout")),
+             asyncio.ensure_future(pump(Stream.STDERR, "ReadStderr"))]
+    ended = asyncio.ensure_future(asyncio.wait(pumps))
+    try:
+        while True:
+            getter = asyncio.ensure_future(chunks.get())
+            await asyncio.wait([getter, ended], return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield getter.result()
+                continue
+            getter.cancel()
+            while not chunks.empty():
+                yield chunks.get_nowait()
+            for task in pumps:
+                exc = task.exception()
+                if isinstance(exc, ttrpc.TtrpcError):
+                    if exc.code in (ttrpc.NOT_FOUND, ttrpc.UNAVAILABLE, ttrpc.DATA_LOSS):
+                        raise cut(exc.message) from None
+                    raise handler_error(exc, f"output of {exec_id or container_id}") from None
+                if exc is not None:
+                    raise exc
+            return
+    finally:
+        for task in pumps:
+            task.cancel()
+        ended.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def write_input(client: AgentClient, container_id: str, exec_id: str, offset: int, data: bytes,
+                      close: bool) -> int:
+    """data at offset of the process's input (resent bytes are not written
+    twice); close: it ends there. The input's length after it."""
+    what = f"standard input of {exec_id or container_id}"
+    try:
+        length = offset
+        if data or not close:
+            answer = await client.call("WriteStdin", agent_pb2.WriteStreamRequest(
+                container_id=container_id, exec_id=exec_id, offset=offset, data=data))
+            length = answer.length
+        if close:
+            await client.call("CloseStdin", agent_pb2.CloseStdinRequest(container_id=container_id,
+                                                                        exec_id=exec_id))
+        return length
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, what) from None
+
+
+async def signal_process(client: AgentClient, container_id: str, exec_id: str, signal: int) -> int:
+    try:
+        answer = await client.call("SignalProcess", agent_pb2.SignalProcessRequest(
+            container_id=container_id, exec_id=exec_id, signal=signal))
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, f"signal to {exec_id or container_id}") from None
+    return answer.signalled
+
+
+async def remove_process(client: AgentClient, container_id: str, exec_id: str) -> int:
+    """Forget an exited exec in the guest; its unread bytes."""
+    try:
+        answer = await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(container_id=container_id,
+                                                                                   exec_id=exec_id))
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, f"removal of exec {exec_id}") from None
+    return answer.unread_bytes
+
+
+class ExitWatches:
+    """One WaitProcess per running port process, each recording the exit
+    (on_exit) when the guest answers: the exit is pushed, and a caller that
+    waits for it waits on an event, not on the guest."""
+
+    def __init__(self):
+        self._tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self._ended: dict[tuple[str, str], asyncio.Event] = {}
+
+    def event(self, container_id: str, exec_id: str) -> asyncio.Event:
+        return self._ended.setdefault((container_id, exec_id), asyncio.Event())
+
+    def watching(self, container_id: str, exec_id: str) -> bool:
+        task = self._tasks.get((container_id, exec_id))
+        return task is not None and not task.done()
+
+    def watch(self, client: AgentClient, container_id: str, exec_id: str,
+              on_exit: Callable[[agent_pb2.WaitProcessResponse | None, str], Awaitable[None]]) -> None:
+        """on_exit(answer, "") once it exited; on_exit(None, why) when the
+        guest cannot tell any more (its agent forgot it, the VM is gone)."""
+        key = (container_id, exec_id)
+        if self.watching(*key):
+            return
+        event = self.event(*key)
+
+        async def run() -> None:
+            try:
+                try:
+                    answer = await wait_process(client, container_id, exec_id)
+                except ttrpc.TtrpcError as exc:
+                    await on_exit(None, exc.message)
+                else:
+                    await on_exit(answer, "")
+            except Exception:  # a watch must not die silently
+                log.exception("recording the exit of exec %s of container %s failed", exec_id, container_id)
+            finally:
+                event.set()
+
+        self._tasks[key] = asyncio.ensure_future(run())
+
+    def forget(self, container_id: str) -> None:
+        """The watches of a container (deleted)."""
+        for key in [k for k in self._tasks if k[0] == container_id]:
+            self._tasks.pop(key).cancel()
+            self._ended.pop(key, None)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
