@@ -1225,7 +1225,7 @@ def test_a_terminal_and_a_standard_input_are_the_guests_script_and_fifo():
 
 def test_cgroup_numbers_become_containerds_cgroup_v2_metrics():
     from crust.containerd_shim.task import CGROUP_V2_METRICS_TYPE, cgroup_metrics
-    from crust.kata.pods import stats_response
+    from crust.kata.pod_processes import stats_response
 
     numbers = {"cpu.usage_usec": 1500, "cpu.user_usec": 1000, "cpu.system_usec": 500, "cpu.new_key": 7,
                "memory.anon": 4096, "memory.inactive_file": 8192, "memory.current": 65536, "memory.max": 0,
