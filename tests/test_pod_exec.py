@@ -7,7 +7,9 @@ exit pushed back over its port):
   code (kubelet takes up to 16 MiB);
 - ten execs at once all answer, each with its own output;
 - an exec that never ends (cut by its CRI timeout) delays no other;
-- a command the container does not have fails as under runc, naming it.
+- a command the container does not have fails as under runc, naming it;
+- 50 MiB a container writes to its stdout reach its CRI log whole, in
+  order, and the exit after them.
 """
 
 from __future__ import annotations
@@ -19,21 +21,24 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from crust.api import cri_pb2 as cri
+from tests.test_handler import wait_until
 from tests.test_pod_volumes import KEEP_RUNNING, node  # noqa: F401 - node is the fixture
 
 pytestmark = pytest.mark.slow
 MiB = 1024 * 1024
 
 
-def execs_on_port(node) -> int:  # noqa: F811
-    """How many execs the microVM handler started through the agent's port."""
-    lines = node.handler_log.read_text(errors="replace").splitlines()
-    count = 0
-    for line in lines:
+def started_on_port(node, container_id: str = "") -> list[str]:  # noqa: F811
+    """The exec ids (the container's own process: "") the microVM handler
+    started through the agent's port, of one container or of all."""
+    started = []
+    for line in node.handler_log.read_text(errors="replace").splitlines():
         if '"process started"' in line:
             record = json.loads(line)
-            count += record.get("via") == "agent port" or record.get("fields", {}).get("via") == "agent port"
-    return count
+            if record.get("via") == "agent port" and container_id in ("", record.get("container")):
+                started.append(record.get("exec", ""))
+    return started
 
 
 def test_exec_output_whole_many_at_once_and_never_ending_beside_quick(node):  # noqa: F811
@@ -72,5 +77,27 @@ def test_exec_output_whole_many_at_once_and_never_ending_beside_quick(node):  # 
         assert "/no/such/program" in missing.value.details(), missing.value.details()
 
         if node.runtime_class == "crust-microvm":
-            # Every exec but the missing program's went through the port.
-            assert execs_on_port(node) >= 15, node.handler_log.read_text(errors="replace")[-4000:]
+            # The container and every exec but the missing program's went through the port.
+            started = started_on_port(node, app)
+            assert "" in started and len(started) >= 16, node.handler_log.read_text(errors="replace")[-4000:]
+
+
+def test_fifty_mib_of_a_containers_output_reach_its_log_whole(node):  # noqa: F811
+    line = "x" * 1000
+    lines = 51200   # 51200 lines of 1001 bytes: 50 MiB
+    pod = node.pod("logs", volumes={}, containers=[node.container(
+        "writer", f"yes {line} | head -n {lines} | nl -ba -w 6 -s ' '; echo done >&2; exit 3")])
+    with node.running(pod):
+        wait_until(lambda: node.status(pod, "writer").state == cri.CONTAINER_EXITED, timeout=300,
+                   what="the writer's exit")
+        status = node.status(pod, "writer")
+        assert status.exit_code == 3
+        out, err = [], []
+        with open(status.log_path, "rb") as log:
+            for entry in log:
+                _stamp, stream, tag, text = entry.rstrip(b"\n").split(b" ", 3)
+                assert tag == b"F", entry[:200]   # every line whole (CRI splits only above 16 KiB)
+                (out if stream == b"stdout" else err).append(text)
+        assert len(out) == lines and err == [b"done"]
+        # In order, none lost or doubled: nl numbered them.
+        assert all(text == f"{n + 1:6d} {line}".encode() for n, text in enumerate(out)), "lines out of order"

@@ -43,6 +43,7 @@ from crust.kata.share import PodShare, ShareError
 log = logging.getLogger("crust.kata.pods")
 
 Status = handler_pb2.ProcessState.Status
+GUEST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 Stream = handler_pb2.OutputChunk.Stream
 
 READ_CHUNK = 65536            # bytes per readout answer (a serial line carries them: 88 KiB of base64)
@@ -75,13 +76,12 @@ class PodProcesses:
 
     async def start_process(self, container_id: str, exec_id: str, spec: handler_pb2.ProcessSpec | None) -> int:
         pod, c = self._find(container_id)
-        if exec_id:
-            # Before the pod's lock: an exec of a VM just booted waits for
-            # its guest's Python agent to open its port without holding up
-            # the pod's other calls.
-            sandbox = self._sandbox(pod.sandbox_id)
-            if sandbox is not None and sandbox.alive():
-                await sandbox.vm.port.ready(wait=PORT_START_WAIT)
+        # Before the pod's lock: a process of a VM just booted waits for its
+        # guest's Python agent to open its port without holding up the
+        # pod's other calls.
+        sandbox = self._sandbox(pod.sandbox_id)
+        if sandbox is not None and sandbox.alive():
+            await sandbox.vm.port.ready(wait=PORT_START_WAIT)
         async with self.locks[pod.sandbox_id]:
             sandbox, _, pod = self._live(pod.sandbox_id)
             if container_id not in pod.containers:
@@ -109,14 +109,17 @@ class PodProcesses:
                 if "\0" in word:
                     raise InvalidArgument("process.args: a NUL byte")
             port = sandbox.vm.port
-            if exec_id and c.oci is not None and not p.terminal and not p.name and not p.on_port and \
-                    port.client is not None and not port.client.closed and port.has("process.exec"):
-                # Recorded first: a retry after a lost answer asks the agent
-                # again (which answers the same pid) instead of starting another.
+            needs = "process.exec" if exec_id else "process.guest"
+            if c.oci is not None and not p.terminal and not p.name and not p.on_port and \
+                    port.client is not None and not port.client.closed and port.has(needs):
+                # Recorded with its pid once started. A retry of the call
+                # (or of a call whose handler died before the record) asks
+                # the agent again, which answers the same pid.
                 p.on_port = True
-                await self.records.put(pod.sandbox_id, pod)
             if not p.on_port:
                 await self._start_by_script(sandbox, pod, c, p)
+            elif not exec_id:
+                return await self._start_on_port(sandbox, pod, c, p)
         if p.on_port:
             # Outside the pod's lock: execs start side by side.
             return await self._start_on_port(sandbox, pod, c, p)
@@ -151,19 +154,48 @@ class PodProcesses:
 
     async def _start_on_port(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
                              p: ProcessRecord) -> int:
-        """An exec through the guest's Python agent: one call starts it,
-        its exit is pushed (a WaitProcess waiting in the guest)."""
+        """A process through the guest's Python agent: one call starts it,
+        its output and input are the agent's pipes, its exit is pushed (a
+        WaitProcess waiting in the guest)."""
         client = await sandbox.vm.port.ready(wait=PORT_WAIT)
         if client is None:
-            raise Unavailable(f"exec {p.exec_id}: the guest's agent port is not open (the VM restarts it)")
-        process = guest_oci.exec_process(c.oci.spec.get("process") or {}, p.args, p.env, p.cwd, p.uid, p.gid,
-                                         p.additional_gids)
-        p.pid = await port_process.exec_process(client, c.container_id, p.exec_id, process, p.stdin)
+            raise Unavailable(f"process {p.exec_id or c.container_id}: the guest's agent port is not open "
+                              f"(the VM restarts it)")
+        if p.exec_id:
+            process = guest_oci.exec_process(c.oci.spec.get("process") or {}, p.args, p.env, p.cwd, p.uid, p.gid,
+                                             p.additional_gids)
+            p.pid = await port_process.exec_process(client, c.container_id, p.exec_id, process, p.stdin)
+        else:
+            await self._run_container_on_port(sandbox, pod, c, p, client)
         await self.records.put(pod.sandbox_id, pod)
         self._watch_exit(pod, c, p, client)
         log.info("process started", extra={"fields": {"sandbox": pod.sandbox_id, "container": c.container_id,
                                                       "exec": p.exec_id, "pid": p.pid, "via": "agent port"}})
         return p.pid
+
+    async def _run_container_on_port(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
+                                     p: ProcessRecord, client) -> None:
+        """The container's own process: its script (the pod's settings, the
+        spec, then crun run in the foreground) written in the pod's share and
+        run by the guest's sh as a process of the agent; answers once crun
+        says the container runs (the script read whole by then: its last
+        line exec'd crun)."""
+        name = output_name(pod.sandbox_id, c.container_id, "")
+        share = self._share(pod.sandbox_id)
+        try:
+            script = await asyncio.to_thread(share.write_script, c.container_id, name,
+                                             guest_oci.run_script(c.container_id, c.oci.spec, c.oci.sysctls,
+                                                                  c.oci.hostname, guest_oci.Stdio(name)))
+        except (ShareError, OSError) as exc:
+            raise FailedPrecondition(f"container {c.container_id}: its command cannot be written to the pod's "
+                                     f"shared directory: {exc}") from None
+        process = {"args": ["/bin/sh", "-c", f"mkdir -p {guest_oci.GUEST_COMMANDS} && exec /bin/sh {script}"],
+                   "env": [f"PATH={GUEST_PATH}"], "cwd": "/"}
+        try:
+            p.pid = await port_process.exec_process(client, c.container_id, "", process, p.stdin)
+            await self._until_running(sandbox, c, p)
+        finally:
+            await asyncio.to_thread(share.remove_script, c.container_id, name)
 
     def _watch_exit(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord, client) -> None:
         async def record(answer, why: str) -> None:
@@ -173,6 +205,9 @@ class PodProcesses:
                 p.exit_code, p.reason = VM_GONE_EXIT_CODE, f"ended without an exit code: {why}"
                 p.exited_at_ns = time.time_ns()
             else:
+                if not p.exec_id:
+                    sandbox = self._sandbox(pod.sandbox_id)
+                    p.oom_killed = sandbox is not None and sandbox.alive() and await self._oom_killed(sandbox, c)
                 p.exit_code, p.exited_at_ns = answer.exit_code, answer.exited_at_ns or time.time_ns()
                 if not answer.output_complete:
                     log.warning("exec output may be incomplete: a process it left held its streams", extra={

@@ -1074,12 +1074,12 @@ class Pods(PodProcesses):
                         await sandbox.vm.agent.forget_output(p.name)
                     except AgentError:
                         pass
-            await self._forget_on_port(sandbox, c)
+            await self._forget_on_port(sandbox, pod.sandbox_id, c)
         self.exits.forget(c.container_id)
         pod.containers.pop(c.container_id, None)
         await self.records.put(pod.sandbox_id, pod)
 
-    async def _forget_on_port(self, sandbox: KataSandbox, c: ContainerRecord) -> None:
+    async def _forget_on_port(self, sandbox: KataSandbox, pod_id: str, c: ContainerRecord) -> None:
         """The container's execs in the Python agent's table (their exits
         and unread output): the guest keeps them until told."""
         execs = [p for p in c.processes.values() if p.on_port and p.pid]
@@ -1090,6 +1090,12 @@ class Pods(PodProcesses):
             except CrustError as exc:
                 log.warning("exec not forgotten in the guest", extra={"fields": {
                     "container": c.container_id, "exec": p.exec_id, "error": exc.message}})
+        if c.processes[""].on_port:
+            # The spec its script wrote in the guest for crun.
+            try:
+                await sandbox.vm.agent.forget_output(output_name(pod_id, c.container_id, ""))
+            except AgentError:
+                pass
 
     async def _give_back(self, sandbox: KataSandbox | None, record: SandboxRecord, key: str) -> None:
         """Unmount a volume of the pod in the guest (sandbox None: the VM is

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 # limits.max_read_bytes).
 READ_BYTES = 1 << 20
 Stream = handler_pb2.OutputChunk.Stream
+# The agent's exec id of a container's own process (agent_ids).
+CONTAINER_PROCESS = "ctr."
 
 _ERRORS: dict[int, type[CrustError]] = {
     ttrpc.INVALID_ARGUMENT: InvalidArgument,
@@ -54,6 +56,21 @@ _ERRORS: dict[int, type[CrustError]] = {
 }
 
 
+def agent_ids(container_id: str, exec_id: str) -> tuple[str, str]:
+    """The agent's ids of a pod's process. An exec is the container's exec;
+    the container's own process is a process of the guest (crun run in the
+    foreground: its exit is the container's, it forwards signals), named
+    after the container."""
+    if exec_id:
+        return container_id, exec_id
+    return "", CONTAINER_PROCESS + container_id
+
+
+def _ids(container_id: str, exec_id: str) -> dict[str, str]:
+    agent_container, agent_exec = agent_ids(container_id, exec_id)
+    return {"container_id": agent_container, "exec_id": agent_exec}
+
+
 def handler_error(exc: ttrpc.TtrpcError, what: str) -> CrustError:
     """The agent's refusal as the handler's error of the same code."""
     return _ERRORS.get(exc.code, Internal)(f"{what}: the guest's agent: {exc.message}")
@@ -61,19 +78,20 @@ def handler_error(exc: ttrpc.TtrpcError, what: str) -> CrustError:
 
 async def exec_process(client: AgentClient, container_id: str, exec_id: str, process: dict,
                        stdin: bool) -> int:
-    """Start an exec in a running container of the guest; its pid there."""
-    request = agent_pb2.ExecProcessRequest(container_id=container_id, exec_id=exec_id, stdin=stdin,
+    """Start an exec in a running container of the guest, or (exec_id "")
+    the container's own process from its OCI process object; its pid there."""
+    request = agent_pb2.ExecProcessRequest(**_ids(container_id, exec_id), stdin=stdin,
                                            process=json.dumps(process, separators=(",", ":")).encode())
     try:
         return (await client.call("ExecProcess", request)).pid
     except ttrpc.TtrpcError as exc:
-        raise handler_error(exc, f"exec {exec_id} in container {container_id}") from None
+        raise handler_error(exc, f"{'exec ' + exec_id if exec_id else 'the process'} of container "
+                                 f"{container_id}") from None
 
 
 async def wait_process(client: AgentClient, container_id: str, exec_id: str) -> agent_pb2.WaitProcessResponse:
     """Blocks in the guest until the process exited and its output is whole."""
-    return await client.call("WaitProcess", agent_pb2.WaitProcessRequest(container_id=container_id,
-                                                                        exec_id=exec_id))
+    return await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**_ids(container_id, exec_id)))
 
 
 async def read_output(client: AgentClient, container_id: str, exec_id: str, stdout_offset: int,
@@ -86,7 +104,7 @@ async def read_output(client: AgentClient, container_id: str, exec_id: str, stdo
 
     async def pump(stream: int, method: str) -> None:
         while True:
-            request = agent_pb2.ReadStreamRequest(container_id=container_id, exec_id=exec_id,
+            request = agent_pb2.ReadStreamRequest(**_ids(container_id, exec_id),
                                                   offset=offsets[stream], max_bytes=READ_BYTES)
             answer = await client.call(method, request)
             if answer.data:
@@ -133,11 +151,10 @@ async def write_input(client: AgentClient, container_id: str, exec_id: str, offs
         length = offset
         if data or not close:
             answer = await client.call("WriteStdin", agent_pb2.WriteStreamRequest(
-                container_id=container_id, exec_id=exec_id, offset=offset, data=data))
+                **_ids(container_id, exec_id), offset=offset, data=data))
             length = answer.length
         if close:
-            await client.call("CloseStdin", agent_pb2.CloseStdinRequest(container_id=container_id,
-                                                                        exec_id=exec_id))
+            await client.call("CloseStdin", agent_pb2.CloseStdinRequest(**_ids(container_id, exec_id)))
         return length
     except ttrpc.TtrpcError as exc:
         raise handler_error(exc, what) from None
@@ -146,19 +163,18 @@ async def write_input(client: AgentClient, container_id: str, exec_id: str, offs
 async def signal_process(client: AgentClient, container_id: str, exec_id: str, signal: int) -> int:
     try:
         answer = await client.call("SignalProcess", agent_pb2.SignalProcessRequest(
-            container_id=container_id, exec_id=exec_id, signal=signal))
+            **_ids(container_id, exec_id), signal=signal))
     except ttrpc.TtrpcError as exc:
         raise handler_error(exc, f"signal to {exec_id or container_id}") from None
     return answer.signalled
 
 
 async def remove_process(client: AgentClient, container_id: str, exec_id: str) -> int:
-    """Forget an exited exec in the guest; its unread bytes."""
+    """Forget an exited process in the guest; its unread bytes."""
     try:
-        answer = await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(container_id=container_id,
-                                                                                   exec_id=exec_id))
+        answer = await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(**_ids(container_id, exec_id)))
     except ttrpc.TtrpcError as exc:
-        raise handler_error(exc, f"removal of exec {exec_id}") from None
+        raise handler_error(exc, f"removal of process {exec_id or container_id}") from None
     return answer.unread_bytes
 
 

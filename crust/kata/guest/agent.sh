@@ -833,7 +833,7 @@ cmd_poll() {  # name:pid...: for each, name=<stdout size>,<stderr size>,<state>
   echo $answer
 }
 
-cmd_cstarted() {  # id pid [wait-ms]: started=1 once crun started the container, exited=1 once pid's spawn ended
+cmd_cstarted() {  # id pid [wait-ms]: started=1 once crun started the container, exited=1 once pid ended
   # The host asks this until the container runs. crun's state (cstate) would
   # run crun each time, which costs the guest's one CPU while crun is still
   # starting the container; this reads what crun state reads: its state
@@ -848,7 +848,7 @@ cmd_cstarted() {  # id pid [wait-ms]: started=1 once crun started the container,
   wait_ms=${3:-0}
   case $wait_ms in ''|*[!0-9]*) fail "bad wait: $wait_ms" ;; esac
   [ "$wait_ms" -le 5000 ] || fail "wait at most 5000 ms, not $wait_ms"
-  [ -e "$RUN/exec/$2.started" ] || fail "no process $2 was started by spawn"
+  # pid: spawn's, or the Python agent's (whose exit is seen as its pid gone).
   waited=0
   while :; do
     if [ -e "$RUN/exec/$2.exit" ] || [ ! -d "/proc/$2" ]; then echo "started=0 exited=1"; return 0; fi
