@@ -47,22 +47,23 @@ volumes kubelet's atomic writer updates (their lookups never cached):
   user and groups, capabilities, no_new_privs, seccomp, masked and
   read-only paths, rlimits and cgroup limits hold as under runc; what the
   guest cannot honour is refused at CreateContainer); an exec is `crun
-  exec` with the container's process settings, started by the guest's
-  Python agent over its virtio-serial port (crust.kata.port_process,
-  specs/agent.proto): one call starts it, its output is read as written
+  exec` with the container's process settings. Both are started by the
+  guest's Python agent over its virtio-serial port (crust.kata.port_process,
+  specs/agent.proto): one call starts one, its output is read as written
   (the reads wait in the guest), its exit comes from a WaitProcess that
   waits in the guest, so nothing is polled and execs run side by side.
-  The container's own process, an exec on a terminal, and any process of
-  a VM without the port (started by an earlier crust) go through the shell
+  A process on a terminal, and any process of a VM without the port
+  (started by an earlier crust), go through the shell
   agent instead: the command written as a script into the share, its
   stdout and stderr written to files in the guest, read back by offset
   (ReadOutput), its exit found by the pod's process watch. A container of
   a pod started before the guest had crun keeps running as it started
   (`env -i <env> unshare --root=<root> ...`);
 - a process with a standard input (CRI's stdin, an exec with stdin) reads
-  it from a fifo that the guest's feed.sh fills from a file the handler
-  appends to in the live share (WriteInput; the live share is not cached,
-  so the guest sees each append at once); one that asks for a terminal
+  it from the Python agent's pipe (WriteInput: WriteStdin), or, as a shell
+  agent's process, from a fifo that the guest's feed.sh fills from a file
+  the handler appends to in the live share (not cached, so the guest sees
+  each append at once); one that asks for a terminal
   runs on one made in the guest (guest_oci); the OOM killer's kills in a
   container's cgroup (memory.events) make its exit OOMKilled; its cgroup's
   numbers answer ContainerStats.
