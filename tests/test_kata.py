@@ -919,7 +919,8 @@ def test_one_poll_reports_each_processs_state_and_output_sizes(root):
     ended, "gone" for one killed with its wrapper, "none" for a pid no
     spawn started; "-" for output files that do not exist. cstarted: a
     container counts as started once crun's state file is there with no
-    start pending (exec.fifo), and the spawn's end ends the wait too; with
+    start pending (exec.fifo), and the process's end (a spawn's, or any
+    pid's, gone) ends the wait too; with
     a wait (agent 11) the guest answers once it started, or after the wait.
     reach: paths looked up in the agent's namespace, each one there."""
     async def run(g: Guest):
@@ -961,10 +962,12 @@ def test_one_poll_reports_each_processs_state_and_output_sizes(root):
             await asyncio.sleep(0.1)
         assert look == ProcessLook(out=3, err=2, state="gone"), look
         assert await agent.container_started("ctr-x", sleeper) == (False, True)
+        # A pid no spawn started (the Python agent's child): ended once it is gone.
+        assert await agent.container_started("ctr-x", 4194303) == (False, True)
         await g.sh("rm -r /run/crust/crun/ctr-x")
 
         for words in (["poll"], ["poll", "bad/name:1"], ["poll", "name:x1"], ["cstarted", "ctr-x", "nopid"],
-                      ["cstarted", "ctr-x", "4194303"], ["cstarted", "ctr-x", str(quick), "5001"],
+                      ["cstarted", "ctr-x", str(quick), "5001"],
                       ["cstarted", "ctr-x", str(quick), "1s"], ["reach"], ["reach", "/run/crust/nothing-here"],
                       ["reach", "relative/path"]):
             assert (await g.request(*words)).startswith("err "), words

@@ -51,6 +51,8 @@ POLL = 0.2                    # seconds between looks at a running process
 PORT_WAIT_LOOK = 1.0          # seconds a wait for a port process's exit checks it was not deleted meanwhile
 PORT_START_WAIT = 30.0        # seconds an exec waits for the guest's Python agent, still starting, to open its port
 PORT_WAIT = 10.0              # the same for a call about a process the agent runs (it reconnects)
+# How long a process whose WaitProcess lost the port waits to see its VM end.
+VM_END_SEEN = 2.0
 STARTED_WAIT = 1.0            # seconds the guest waits for a container's start before it answers
 
 
@@ -202,6 +204,15 @@ class PodProcesses:
             if p.exit_code is not None:
                 return
             if answer is None:
+                # The port closes as QEMU exits: the VM's end, once seen,
+                # stops every process of the pod with its reason.
+                sandbox = self._sandbox(pod.sandbox_id)
+                deadline = time.monotonic() + VM_END_SEEN
+                while sandbox is not None and sandbox.alive() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                if sandbox is None or not sandbox.alive():
+                    await self._mark_gone(pod.sandbox_id, pod.gone or self._death_reason(pod.sandbox_id, sandbox))
+                    return
                 p.exit_code, p.reason = VM_GONE_EXIT_CODE, f"ended without an exit code: {why}"
                 p.exited_at_ns = time.time_ns()
             else:
