@@ -214,7 +214,11 @@ class ExitWatches:
             except Exception:  # a watch must not die silently
                 log.exception("recording the exit of exec %s of container %s failed", exec_id, container_id)
             finally:
+                # Its waiters hold the event; a later caller finds the exit recorded.
                 event.set()
+                if self._ended.get(key) is event:
+                    del self._ended[key]
+                self._tasks.pop(key, None)
 
         self._tasks[key] = asyncio.ensure_future(run())
 
