@@ -147,6 +147,31 @@ async def test_overlapping_calls_on_one_connection(sock):
         await server.close()
 
 
+async def test_a_server_that_refuses_calls_over_its_limit_answers_resource_exhausted(sock):
+    """With refuse_calls_over (the guest agent's server), calls beyond the
+    limit are refused at once, and the connection is still read: a call
+    that ends the blocked ones gets through."""
+    service = _Service()
+    server = Server(refuse_calls_over=2)
+    server.register_service(task_pb.DESCRIPTOR.services_by_name["Task"], service)
+    await server.serve_path(sock)
+    client = await Client.connect(sock, {ttrpc.NAMESPACE_KEY: "k8s.io"})
+    try:
+        waits = [asyncio.ensure_future(client.call(TASK, "Wait", task_pb.WaitRequest(id=f"c{i}"),
+                                                   task_pb.WaitResponse)) for i in range(2)]
+        await asyncio.sleep(0.2)
+        with pytest.raises(TtrpcError) as caught:
+            await client.call(TASK, "Connect", task_pb.ConnectRequest(id="c"), task_pb.ConnectResponse, timeout=2)
+        assert caught.value.code == ttrpc.RESOURCE_EXHAUSTED and "2 calls in flight" in caught.value.message
+        service.released.set()
+        assert [(await asyncio.wait_for(w, 2)).exit_status for w in waits] == [7, 7]
+        answer = await client.call(TASK, "Connect", task_pb.ConnectRequest(id="d"), task_pb.ConnectResponse, timeout=2)
+        assert answer.version == "d"
+    finally:
+        await client.close()
+        await server.close()
+
+
 async def _stand_in_server(path: str) -> Server:
     """Our server with the stand-in task service, serving on path."""
     server = Server()

@@ -19,6 +19,8 @@ the bytes before it (the transport's drain), and a connection is read only
 while what it holds (requests being served, replies not taken yet) is below
 CONNECTION_BYTES_MAX and its calls below CONNECTION_CALLS_MAX: a client
 that sends and never reads costs a bounded amount of memory, then waits.
+A server made with refuse_calls_over (the guest agent's, whose calls may
+wait for hours) answers the calls beyond it RESOURCE_EXHAUSTED instead.
 Stream ids are checked as Go's server checks them: odd (the client's), and
 increasing for requests.
 """
@@ -164,7 +166,14 @@ class Server:
     request message and the Call, returning the response message or raising
     TtrpcError."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse_calls_over: int | None = None) -> None:
+        """refuse_calls_over: a request that comes while a connection has
+        that many calls in flight is answered RESOURCE_EXHAUSTED at once,
+        instead of the connection not being read until one ends. For a
+        server whose calls may block for long (a wait for a process's
+        exit): with every slot held by such waits, the call that would end
+        one could never be read."""
+        self.refuse_calls_over = refuse_calls_over
         self._methods: dict[tuple[str, str], _Method] = {}
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task] = set()
@@ -269,7 +278,8 @@ class _Connection:
         self._measure()
 
     def _measure(self) -> None:
-        if self.held < CONNECTION_BYTES_MAX and len(self.calls) < CONNECTION_CALLS_MAX:
+        calls_ok = self.server.refuse_calls_over is not None or len(self.calls) < CONNECTION_CALLS_MAX
+        if self.held < CONNECTION_BYTES_MAX and calls_ok:
             self.room.set()
         else:
             self.room.clear()
@@ -292,6 +302,10 @@ class _Connection:
                     await self.reply(stream_id, error_response(*refusal))
                     continue
                 self.last_request = stream_id
+                full = self._full()
+                if full is not None:
+                    await self.reply(stream_id, error_response(*full))
+                    continue
                 self._start(stream_id, payload)
         finally:
             for task in list(self.calls):
@@ -308,6 +322,12 @@ class _Connection:
             return UNIMPLEMENTED, f"ttrpc message type {message_type} is not served here (unary calls only)"
         if stream_id <= self.last_request:
             return INVALID_ARGUMENT, STREAM_ID_REUSED
+        return None
+
+    def _full(self) -> tuple[int, str] | None:
+        limit = self.server.refuse_calls_over
+        if limit is not None and len(self.calls) >= limit:
+            return RESOURCE_EXHAUSTED, f"{len(self.calls)} calls in flight on this connection, the most served at once"
         return None
 
     def _start(self, stream_id: int, payload: bytes) -> None:

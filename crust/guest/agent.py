@@ -42,7 +42,7 @@ PORT_APPEARS = 30.0
 
 
 def make_server(service: AgentService) -> ttrpc.Server:
-    server = ttrpc.Server()
+    server = ttrpc.Server(refuse_calls_over=ttrpc.CONNECTION_CALLS_MAX)
     server.register_service(agent_pb2.DESCRIPTOR.services_by_name["AgentService"], service)
     return server
 
