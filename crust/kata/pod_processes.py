@@ -340,9 +340,11 @@ class PodProcesses:
             # (one wait in the guest, the OOM count) and records it.
             ended = True
             if state.status == Status.RUNNING and p.on_port:
-                # Set when the guest answered the watch's WaitProcess.
+                # Set when the guest answered the watch's WaitProcess; without
+                # a watch (its port reconnecting), state() starts one.
+                watched = self.exits.ended(container_id, exec_id)
                 try:
-                    await asyncio.wait_for(self.exits.event(container_id, exec_id).wait(), PORT_WAIT_LOOK)
+                    await asyncio.wait_for(watched.wait() if watched else asyncio.sleep(POLL), PORT_WAIT_LOOK)
                 except asyncio.TimeoutError:
                     pass
             elif state.status == Status.RUNNING and p.name:

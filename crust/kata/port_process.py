@@ -187,8 +187,11 @@ class ExitWatches:
         self._tasks: dict[tuple[str, str], asyncio.Task] = {}
         self._ended: dict[tuple[str, str], asyncio.Event] = {}
 
-    def event(self, container_id: str, exec_id: str) -> asyncio.Event:
-        return self._ended.setdefault((container_id, exec_id), asyncio.Event())
+    def ended(self, container_id: str, exec_id: str) -> asyncio.Event | None:
+        """The event a running watch sets once it recorded the exit; None
+        when no watch runs (none started, or it ended: the exit is in the
+        record)."""
+        return self._ended.get((container_id, exec_id)) if self.watching(container_id, exec_id) else None
 
     def watching(self, container_id: str, exec_id: str) -> bool:
         task = self._tasks.get((container_id, exec_id))
@@ -201,7 +204,7 @@ class ExitWatches:
         key = (container_id, exec_id)
         if self.watching(*key):
             return
-        event = self.event(*key)
+        event = self._ended[key] = asyncio.Event()
 
         async def run() -> None:
             try:
