@@ -134,6 +134,21 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[int, int, int, bytes
     return stream_id, message_type, flags, await reader.readexactly(length) if length else b""
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def ok_response(payload: bytes) -> bytes:
+    """A ttrpc Response carrying payload (field 2, no status), encoded by
+    hand: protobuf would copy a megabyte of output once more to wrap it."""
+    return b"\x12" + _varint(len(payload)) + payload if payload else b""
+
+
 def error_response(code: int, message: str) -> bytes:
     return ttrpc_pb2.Response(status=ttrpc_pb2.Status(code=code, message=message)).SerializeToString()
 
@@ -255,7 +270,7 @@ class Server:
         except Exception as exc:  # a bug must not take the shim down
             log.exception("ttrpc handler failed", extra={"fields": {"method": request.method}})
             return error_response(INTERNAL, f"{request.method}: {exc}")
-        return ttrpc_pb2.Response(payload=result.SerializeToString()).SerializeToString()
+        return ok_response(result.SerializeToString())
 
 
 
@@ -348,21 +363,24 @@ class _Connection:
     async def reply(self, stream_id: int, response: bytes) -> None:
         """Write one reply once every reply before it has left: until the
         peer reads, the reply waits here, counted in what the connection holds."""
-        try:
-            data = frame(stream_id, TYPE_RESPONSE, response)
-        except TtrpcError as exc:
-            data = frame(stream_id, TYPE_RESPONSE, error_response(exc.code, exc.message))
-        self._hold(len(data))
+        if len(response) > MESSAGE_LENGTH_MAX:
+            response = error_response(RESOURCE_EXHAUSTED, f"message of {len(response)} bytes exceeds ttrpc's "
+                                                           f"maximum of {MESSAGE_LENGTH_MAX}")
+        # The header and the response written apart: no copy of the
+        # response to put the header before it.
+        header = encode_header(len(response), stream_id, TYPE_RESPONSE, 0)
+        self._hold(len(response))
         try:
             async with self.sending:
                 if self.writer.is_closing():
                     return
-                self.writer.write(data)
+                self.writer.write(header)
+                self.writer.write(response)
                 await self.writer.drain()
         except ConnectionError:
             pass  # the peer went away; serve() ends on its next read
         finally:
-            self._hold(-len(data))
+            self._hold(-len(response))
 
 
 class Client:

@@ -15,6 +15,7 @@ writes only what is new), one pump writes them to the process's pipe.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 from crust.common import ttrpc
 from crust.guest.errors import AgentError
@@ -40,23 +41,26 @@ class OutputStream:
         self.length = 0  # bytes written so far
         self.held_from = 0  # the lowest offset still held
         self.ended = False
-        self._held = bytearray()
+        # What is held, as the pipe gave it: chunks in order, the first
+        # starting at held_from. Appending and dropping copy nothing.
+        self._chunks: deque[bytes] = deque()
         self._changed = _Signal()
 
     @property
     def held(self) -> int:
-        return len(self._held)
+        return self.length - self.held_from
 
     @property
     def has_room(self) -> bool:
-        return len(self._held) < self.limit
+        return self.held < self.limit
 
     def append(self, data: bytes) -> None:
         if self.ended:
             raise RuntimeError("append to an ended stream")
-        self._held += data
-        self.length += len(data)
-        self._changed.fire()
+        if data:
+            self._chunks.append(bytes(data))
+            self.length += len(data)
+            self._changed.fire()
 
     def end(self) -> None:
         if not self.ended:
@@ -69,9 +73,31 @@ class OutputStream:
 
     def _acknowledge(self, offset: int) -> None:
         if offset > self.held_from:
-            del self._held[:offset - self.held_from]
+            drop = offset - self.held_from
+            while drop and self._chunks:
+                first = self._chunks[0]
+                if len(first) <= drop:
+                    self._chunks.popleft()
+                    drop -= len(first)
+                else:
+                    self._chunks[0] = first[drop:]
+                    drop = 0
             self.held_from = offset
             self._changed.fire()
+
+    def _take(self, max_bytes: int) -> bytes:
+        """Up to max_bytes from held_from, acknowledging nothing: the first
+        chunk as it is when it is enough, else one join."""
+        first = self._chunks[0] if self._chunks else b""
+        if len(first) >= max_bytes or len(self._chunks) <= 1:
+            return first[:max_bytes]
+        parts, size = [], 0
+        for chunk in self._chunks:
+            parts.append(chunk[:max_bytes - size])
+            size += len(parts[-1])
+            if size >= max_bytes:
+                break
+        return b"".join(parts)
 
     async def read(self, offset: int, max_bytes: int, accept_loss: bool = False) -> tuple[int, bytes, bool]:
         """(offset, data, eof) from offset, once there is a byte there or
@@ -89,21 +115,20 @@ class OutputStream:
             await self._changed.wait()
             if offset < self.held_from:  # another reader acknowledged past us
                 raise AgentError(ttrpc.DATA_LOSS, f"offset: {offset} was acknowledged by another reader")
-        start = offset - self.held_from
-        data = bytes(self._held[start:start + max_bytes])
+        data = self._take(max_bytes)
         return offset, data, self.ended and offset + len(data) == self.length
 
     def drop(self) -> int:
         """Forget what is held; the count of bytes never read."""
-        unread = len(self._held)
-        self._held.clear()
+        unread = self.held
+        self._chunks.clear()
         self.held_from = self.length
         self.end()
         return unread
 
     def peek(self) -> bytes:
         """What is held, not acknowledged by the look."""
-        return bytes(self._held)
+        return b"".join(self._chunks)
 
     def state(self) -> tuple[int, int, bool]:
         return self.length, self.held_from, self.ended
