@@ -71,15 +71,26 @@ class AgentClient:
         await self._client.close()
 
 
-async def wait_port_open(qmp, chardev: str = "port", timeout: float = 60.0) -> None:
-    """Until the guest's agent has its virtio-serial port open (QEMU's
-    query-chardev: frontend-open). What the host sends before that, the
-    guest's kernel drops."""
+PORT_CHARDEV = "port"
+
+
+async def port_state(qmp, chardev: str = PORT_CHARDEV) -> str:
+    """The agent's port as QEMU's query-chardev tells it: "open" (the
+    guest's agent opened it: frontend-open), "closed" (not yet), or
+    "absent" (a VM started without the port)."""
+    for device in await qmp.execute("query-chardev", timeout=5):
+        if device.get("label") == chardev:
+            return "open" if device.get("frontend-open") else "closed"
+    return "absent"
+
+
+async def wait_port_open(qmp, chardev: str = PORT_CHARDEV, timeout: float = 60.0) -> None:
+    """Until the guest's agent has its virtio-serial port open. What the
+    host sends before that, the guest's kernel drops."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        for device in await qmp.execute("query-chardev"):
-            if device.get("label") == chardev and device.get("frontend-open"):
-                return
+        if await port_state(qmp, chardev) == "open":
+            return
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError(f"the guest did not open its agent port within {timeout:g} s")
         await asyncio.sleep(0.05)

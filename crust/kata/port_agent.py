@@ -18,12 +18,11 @@ import logging
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.kata.agent_client import AgentClient
+from crust.kata.agent_client import AgentClient, port_state
 from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
 
 log = logging.getLogger(__name__)
 
-PORT_CHARDEV = "port"
 # Bounds the first call on a port the guest reports open: its agent
 # answers within milliseconds when it runs at all.
 OPEN_TIMEOUT = 10.0
@@ -49,16 +48,11 @@ class PortAgent:
         return self.details is not None and capability in self.details.capabilities
 
     async def _port_state(self) -> str:
-        """"open", "closed" (the guest has not opened it yet), "absent" (a
-        VM started without the port) or "unknown" (QEMU did not answer)."""
+        """agent_client.port_state, or "unknown" when QEMU did not answer."""
         try:
-            chardevs = await self.qmp.execute("query-chardev", timeout=5)
+            return await port_state(self.qmp)
         except (QmpError, QmpGone, QmpTimeout, OSError):
             return "unknown"
-        for chardev in chardevs:
-            if chardev.get("label") == PORT_CHARDEV:
-                return "open" if chardev.get("frontend-open") else "closed"
-        return "absent"
 
     async def ready(self, wait: float = 0.0) -> AgentClient | None:
         """The open connection; None when the guest's agent has not opened

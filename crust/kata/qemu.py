@@ -53,6 +53,7 @@ from crust.kata.agent import (
     AgentError,
     GuestGone,
 )
+from crust.kata.agent_client import PORT_CHARDEV
 from crust.kata.port_agent import PortAgent
 from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
 from crust.kata.virtiofsd import Virtiofsd, VirtiofsdError
@@ -307,8 +308,8 @@ class Vm:
             "-chardev", f"socket,id=agent,path={self.agent_socket},server=on,wait=off",
             "-serial", "chardev:agent",                                  # ttyS1: agent
             "-device", "virtio-serial-pci,id=ports",
-            "-chardev", f"socket,id=port,path={self.port_socket},server=on,wait=off",
-            "-device", f"virtserialport,bus=ports.0,chardev=port,name={AGENT_PORT_NAME}",
+            "-chardev", f"socket,id={PORT_CHARDEV},path={self.port_socket},server=on,wait=off",
+            "-device", f"virtserialport,bus=ports.0,chardev={PORT_CHARDEV},name={AGENT_PORT_NAME}",
             "-qmp", f"unix:{self.qmp_socket},server=on,wait=off",
             "-pidfile", str(self.pidfile),
             *self._shared_dir_args(),
