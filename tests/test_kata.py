@@ -255,8 +255,10 @@ def test_the_guest_mounts_measures_and_grows_and_the_host_never_mounts(kenv_bus)
     assert holds_device(qemu, v.majmin), "QEMU does not hold the volume's device"
     console = kenv.wait_console("sb-k1", "WRITTEN")
     assert anyone_mounts(v.majmin) == [], "a host process has the guest's file system mounted"
-    # The volume reached the guest on the handler's bus.
+    # The volume reached the guest on the handler's bus, mounted by the
+    # guest's Python agent.
     assert data_source(console) == ("/dev/vda" if bus == "virtio-blk" else "/dev/sda"), console
+    assert "volume mounted in the guest via agent port" in kenv.handler.log_path.read_text()
 
     # Stats come from the guest and equal its df.
     first = kenv.stats(v)

@@ -122,7 +122,7 @@ class FsGroup(_message.Message):
     def __init__(self, gid: _Optional[int] = ..., policy: _Optional[_Union[FsGroup.ChangePolicy, str]] = ...) -> None: ...
 
 class Storage(_message.Message):
-    __slots__ = ("volume_id", "disk", "encrypted", "fs_type", "options", "readonly", "fs_group")
+    __slots__ = ("volume_id", "disk", "encrypted", "fs_type", "options", "readonly", "fs_group", "mount_point")
     VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTED_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class Storage(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     READONLY_FIELD_NUMBER: _ClassVar[int]
     FS_GROUP_FIELD_NUMBER: _ClassVar[int]
+    MOUNT_POINT_FIELD_NUMBER: _ClassVar[int]
     volume_id: str
     disk: Disk
     encrypted: str
@@ -137,7 +138,8 @@ class Storage(_message.Message):
     options: _containers.RepeatedScalarFieldContainer[str]
     readonly: bool
     fs_group: FsGroup
-    def __init__(self, volume_id: _Optional[str] = ..., disk: _Optional[_Union[Disk, _Mapping]] = ..., encrypted: _Optional[str] = ..., fs_type: _Optional[str] = ..., options: _Optional[_Iterable[str]] = ..., readonly: bool = ..., fs_group: _Optional[_Union[FsGroup, _Mapping]] = ...) -> None: ...
+    mount_point: str
+    def __init__(self, volume_id: _Optional[str] = ..., disk: _Optional[_Union[Disk, _Mapping]] = ..., encrypted: _Optional[str] = ..., fs_type: _Optional[str] = ..., options: _Optional[_Iterable[str]] = ..., readonly: bool = ..., fs_group: _Optional[_Union[FsGroup, _Mapping]] = ..., mount_point: _Optional[str] = ...) -> None: ...
 
 class SharePath(_message.Message):
     __slots__ = ("tag", "path")
@@ -583,8 +585,12 @@ class UnmountVolumeRequest(_message.Message):
     def __init__(self, volume_id: _Optional[str] = ...) -> None: ...
 
 class UnmountVolumeResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("unmounted", "known")
+    UNMOUNTED_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    unmounted: bool
+    known: bool
+    def __init__(self, unmounted: bool = ..., known: bool = ...) -> None: ...
 
 class WaitDiskRemovedRequest(_message.Message):
     __slots__ = ("disk",)

@@ -490,8 +490,9 @@ class AgentServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def UnmountVolume(self, request, context):
-        """Unmount a volume. FAILED_PRECONDITION: a container that is not removed
-        binds it (named). Retry: a volume not mounted answers OK.
+        """Unmount a volume (never lazily). FAILED_PRECONDITION: it is busy (a
+        process of the guest holds a file or a mount below it). Retry: a
+        volume not mounted answers OK.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

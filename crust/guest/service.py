@@ -3,15 +3,20 @@ the field it refuses, and hands the work to the module of its concern."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
 import crust
 from crust.api import agent_pb2
 from crust.common import ttrpc
+from crust.guest import cgroups
+from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
 from crust.guest.oci import OciRuntime
 from crust.guest.process import EXITED, Limits, Process, ProcessTable, parse_process
+from crust.guest.uevents import DeviceEvents
+from crust.guest.volumes import Volumes, wait_for
 
 AGENT_NAME = "crust-agent"
 # The most bytes one read answers: with its envelope, well under a frame.
@@ -63,16 +68,21 @@ def _exec_ids(request, own_process: str) -> None:
 
 
 class AgentService:
-    def __init__(self, limits: Limits | None = None, runtime: OciRuntime | None = None):
+    def __init__(self, limits: Limits | None = None, runtime: OciRuntime | None = None,
+                 volumes: Volumes | None = None, pod_cgroup: str = cgroups.POD_CGROUP):
         self.limits = limits or Limits()
         self.runtime = runtime or OciRuntime()
         self.processes = ProcessTable(self.limits)
+        self.volumes = volumes or Volumes(Disks(DeviceEvents()))
+        self.pod_cgroup = pod_cgroup
 
     @property
     def capabilities(self) -> list[str]:
-        return [*CAPABILITIES, *(["process.exec"] if self.runtime.present else [])]
+        return [*CAPABILITIES, *(["process.exec"] if self.runtime.present else []),
+                *(["stats.cgroup2"] if cgroups.available(self.pod_cgroup) else []), *self.volumes.capabilities]
 
     async def close(self) -> None:
+        self.volumes.disks.events.close()
         await self.processes.close()
 
     # ---------------------------------------------------------------- guest
@@ -88,6 +98,12 @@ class AgentService:
                 stdin_buffer_bytes=self.limits.stdin_buffer_bytes, max_in_flight=ttrpc.CONNECTION_CALLS_MAX,
                 output_grace_ms=int(self.limits.output_grace * 1000)),
             cpus=len(os.sched_getaffinity(0)), memory_bytes=_memory_total())
+
+    # ----------------------------------------------------------- containers
+
+    async def StatsContainer(self, request: agent_pb2.StatsContainerRequest,
+                             call) -> agent_pb2.StatsContainerResponse:
+        return cgroups.stats(request.container_id, self.pod_cgroup)
 
     # ------------------------------------------------------------ processes
 
@@ -167,3 +183,23 @@ class AgentService:
                 info.exit.CopyFrom(_exit_message(process))
             infos.append(info)
         return agent_pb2.ListProcessesResponse(processes=infos)
+
+    # -------------------------------------------------------------- volumes
+
+    async def MountVolume(self, request: agent_pb2.MountVolumeRequest, call) -> agent_pb2.MountVolumeResponse:
+        return await self.volumes.mount(request.storage, call)
+
+    async def VolumeStats(self, request: agent_pb2.VolumeStatsRequest, call) -> agent_pb2.VolumeStatsResponse:
+        return await asyncio.to_thread(self.volumes.stats, request.volume_id)
+
+    async def GrowVolume(self, request: agent_pb2.GrowVolumeRequest, call) -> agent_pb2.GrowVolumeResponse:
+        return await self.volumes.grow(request.volume_id)
+
+    async def UnmountVolume(self, request: agent_pb2.UnmountVolumeRequest, call) -> agent_pb2.UnmountVolumeResponse:
+        return await self.volumes.unmount(request.volume_id)
+
+    async def WaitDiskRemoved(self, request: agent_pb2.WaitDiskRemovedRequest,
+                              call) -> agent_pb2.WaitDiskRemovedResponse:
+        check_disk("disk", request.disk)
+        await self.volumes.disks.wait_gone("disk", request.disk, wait_for(call))
+        return agent_pb2.WaitDiskRemovedResponse()

@@ -19,11 +19,43 @@ from google.protobuf import message_factory
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
+from crust.common.errors import (
+    AlreadyExists,
+    CrustError,
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    Unavailable,
+    Unimplemented,
+)
 
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 # How long a host that came back too soon stays away before it tries again
 # (the guest sees a host leave within about 10 ms).
 RECONNECT_PAUSE = 0.05
+
+_ERRORS: dict[int, type[CrustError]] = {
+    ttrpc.INVALID_ARGUMENT: InvalidArgument,
+    ttrpc.NOT_FOUND: NotFound,
+    ttrpc.ALREADY_EXISTS: AlreadyExists,
+    ttrpc.FAILED_PRECONDITION: FailedPrecondition,
+    ttrpc.OUT_OF_RANGE: OutOfRange,
+    ttrpc.RESOURCE_EXHAUSTED: ResourceExhausted,
+    ttrpc.DEADLINE_EXCEEDED: DeadlineExceeded,
+    ttrpc.UNIMPLEMENTED: Unimplemented,
+    ttrpc.UNAVAILABLE: Unavailable,
+    ttrpc.DATA_LOSS: DataLoss,
+}
+
+
+def handler_error(exc: ttrpc.TtrpcError, what: str) -> CrustError:
+    """The agent's refusal as the handler's error of the same code."""
+    return _ERRORS.get(exc.code, Internal)(f"{what}: the guest's agent: {exc.message}")
 
 
 class AgentClient:

@@ -37,6 +37,7 @@ from crust.kata.pod_records import (
     command_line,
     output_name,
 )
+from crust.kata.port_agent import AGENT_START_WAIT
 from crust.kata.sandbox import KataSandbox
 from crust.kata.share import PodShare, ShareError
 
@@ -49,7 +50,6 @@ Stream = handler_pb2.OutputChunk.Stream
 READ_CHUNK = 65536            # bytes per readout answer (a serial line carries them: 88 KiB of base64)
 POLL = 0.2                    # seconds between looks at a running process
 PORT_WAIT_LOOK = 1.0          # seconds a wait for a port process's exit checks it was not deleted meanwhile
-PORT_START_WAIT = 30.0        # seconds an exec waits for the guest's Python agent, still starting, to open its port
 PORT_WAIT = 10.0              # the same for a call about a process the agent runs (it reconnects)
 # How long a process whose WaitProcess lost the port waits to see its VM end.
 VM_END_SEEN = 2.0
@@ -83,7 +83,7 @@ class PodProcesses:
         # pod's other calls.
         sandbox = self._sandbox(pod.sandbox_id)
         if sandbox is not None and sandbox.alive():
-            await sandbox.vm.port.ready(wait=PORT_START_WAIT)
+            await sandbox.vm.port.ready(wait=AGENT_START_WAIT)
         async with self.locks[pod.sandbox_id]:
             sandbox, _, pod = self._live(pod.sandbox_id)
             if container_id not in pod.containers:
@@ -310,18 +310,28 @@ class PodProcesses:
             await self.records.put(pod.sandbox_id, pod)
 
     @staticmethod
-    async def _oom_killed(sandbox: KataSandbox, c: ContainerRecord) -> bool:
+    async def _cgroup_stats(sandbox: KataSandbox, container_id: str) -> handler_pb2.ContainerStatsResponse:
+        """The cgroup numbers of a container ("": the pod's): from the
+        guest's Python agent when it is connected, else the shell agent's
+        cstats."""
+        port = sandbox.vm.port
+        client = port.current()
+        if client is not None and port.has("stats.cgroup2"):
+            return await port_process.container_stats(client, container_id)
+        return stats_response(await sandbox._agent(sandbox.vm.agent.container_stats(container_id or "-")))
+
+    async def _oom_killed(self, sandbox: KataSandbox, c: ContainerRecord) -> bool:
         """Whether the OOM killer killed a process of the container: the
         memory.events of its cgroup's parent, which outlives crun's cgroup
         until the container is deleted (guest_oci). Unknown (no answer)
         counts as no."""
         try:
-            numbers = await sandbox.vm.agent.container_stats(c.container_id)
-        except AgentError as exc:
+            stats = await self._cgroup_stats(sandbox, c.container_id)
+        except CrustError as exc:
             log.warning("no OOM count for a stopped container", extra={"fields": {
-                "container": c.container_id, "error": str(exc)}})
+                "container": c.container_id, "error": exc.message}})
             return False
-        return numbers.get("memory.events.oom_kill", 0) > 0
+        return stats.memory_events.get("oom_kill", 0) > 0
 
     async def state(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord) -> handler_pb2.ProcessState:
         await self._refresh(pod, c, p)
@@ -427,15 +437,14 @@ class PodProcesses:
         those of all its containers (their common parent)."""
         if container_id in self.pods:
             sandbox, _, _ = self._live(container_id)
-            which = "-"
+            which = ""
         else:
             pod, c = self._find(container_id)
             sandbox, _, _ = self._live(pod.sandbox_id)
             if c.oci is None:
                 raise FailedPrecondition(f"container {container_id} runs without a cgroup of its own in the guest")
             which = container_id
-        numbers = await sandbox._agent(sandbox.vm.agent.container_stats(which))
-        return stats_response(numbers)
+        return await self._cgroup_stats(sandbox, which)
 
     async def read_output(self, container_id: str, exec_id: str, stdout_offset: int,
                           stderr_offset: int) -> AsyncIterator[handler_pb2.OutputChunk]:

@@ -45,8 +45,16 @@ import time
 from pathlib import Path
 
 from crust.common.private import make_dirs
+from crust.kata import port_volumes
 from crust.kata.agent import AGENT_WARM, SHM_TMPFS, AgentError
-from crust.kata.qemu import SHORT_SOCKET_ROOT, SharedDir, Vm, VmConfig, VmError, read_identity
+from crust.kata.qemu import (
+    SHORT_SOCKET_ROOT,
+    SharedDir,
+    Vm,
+    VmConfig,
+    VmError,
+    read_identity,
+)
 from crust.kata.qmp import QmpError, QmpGone
 from crust.kata.share import PodShare, ShareError
 from crust.sys import fs, proc
@@ -183,12 +191,13 @@ class VmPool:
             # code and the kernel's, translated once under emulation) are
             # paid now, not by the pod.
             warm_started = time.monotonic()
-            if vm.agent.version >= AGENT_WARM:
-                await vm.agent.warm()
-                await warm_disk(vm, self.directory)
-            # The guest's Python agent, connected: a pod's first exec finds it.
+            # The guest's Python agent, connected: a pod's first exec finds
+            # it, and the warm disk takes the path a pod's volume takes.
             if await vm.port.ready(wait=PORT_OPEN_TIMEOUT) is None:
                 log.warning("pooled vm %s: its guest's agent port did not open", vm.name)
+            if vm.agent.version >= AGENT_WARM:
+                await vm.agent.warm()
+                await warm_disk(vm, self.directory, via_port=True)
             warm_s = time.monotonic() - warm_started
         except BaseException:
             await _discard(vm)
@@ -200,12 +209,14 @@ class VmPool:
         return vm
 
 
-async def warm_disk(vm: Vm, directory: Path) -> None:
+async def warm_disk(vm: Vm, directory: Path, via_port: bool = False) -> None:
     """A small disk of crust's own hot-plugged read-only, mounted by the
     guest, unmounted and unplugged: the paths a pod's first volume takes
     (the hot-plug on the VM's disk bus, the disk's probe, a file system's
-    mount), run once. Its image is made in directory, once.
-    The host only writes the image (mkfs), never mounts it."""
+    mount), run once. Its image is made in directory, once. via_port:
+    mounted by the guest's Python agent when it is connected (a VM saved
+    as the template is saved without a connection, and mounts by the
+    shell agent). The host only writes the image (mkfs), never mounts it."""
     image = directory / WARM_DISK_IMAGE
     if not image.exists():
         partial = image.with_name(image.name + ".partial")
@@ -214,8 +225,14 @@ async def warm_disk(vm: Vm, directory: Path) -> None:
         os.replace(partial, image)
     await vm.attach_disk(str(image), WARM_DISK, readonly=True, kind="file")
     try:
-        await vm.agent.mount(WARM_DISK, "ext4", [], True, WARM_DISK_MOUNT)
-        await vm.agent.umount(WARM_DISK_MOUNT)
+        client = vm.port.client if via_port else None
+        if client is not None and not client.closed and port_volumes.serves(vm.port, vm.config.disk_bus, "ext4"):
+            await port_volumes.mount(client, port_volumes.storage(WARM_DISK, "ext4", [], True, WARM_DISK_MOUNT,
+                                                                  None))
+            await port_volumes.unmount(client, WARM_DISK_MOUNT)
+        else:
+            await vm.agent.mount(WARM_DISK, "ext4", [], True, WARM_DISK_MOUNT)
+            await vm.agent.umount(WARM_DISK_MOUNT)
     finally:
         await vm.detach_disk(WARM_DISK)
 

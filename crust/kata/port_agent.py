@@ -31,6 +31,9 @@ OPEN_TIMEOUT = 10.0
 LOOK_AGAIN = 0.5
 # Between looks while a caller waits for the guest to open its port.
 PORT_LOOK = 0.05
+# How long a call that the Python agent serves waits for it on a VM just
+# booted (its interpreter still starting under emulation).
+AGENT_START_WAIT = 30.0
 
 
 class PortAgent:
@@ -43,9 +46,22 @@ class PortAgent:
         self.dead = ""      # why the VM is gone: no connection is opened any more
         self._lock = asyncio.Lock()
         self._next_look = 0.0
+        self._opening: asyncio.Task | None = None
 
     def has(self, capability: str) -> bool:
         return self.details is not None and capability in self.details.capabilities
+
+    def current(self) -> AgentClient | None:
+        """The connection if it is open now. Otherwise None (the caller
+        takes the shell agent's way), and the connection is opened in the
+        background for the calls after it: a call bound by a short deadline
+        (kubelet's stats) never pays for opening it."""
+        client = self.client
+        if client is not None and not client.closed:
+            return client
+        if not self.dead and (self._opening is None or self._opening.done()):
+            self._opening = asyncio.ensure_future(self.ready())
+        return None
 
     async def _port_state(self) -> str:
         """agent_client.port_state, or "unknown" when QEMU did not answer."""
@@ -75,6 +91,9 @@ class PortAgent:
                 await asyncio.sleep(PORT_LOOK)
                 state = await self._port_state()
             if state != "open":
+                if wait and state == "closed" and not self.dead:
+                    log.warning("vm %s: the guest's Python agent did not open its port within %.0f s; the shell "
+                                "agent serves this call", self.vm_name, wait)
                 self._next_look = loop.time() + LOOK_AGAIN
                 return None
             try:
@@ -90,6 +109,8 @@ class PortAgent:
     async def close(self, reason: str = "") -> None:
         if reason:
             self.dead = reason
+        if self._opening is not None:
+            self._opening.cancel()
         client, self.client = self.client, None
         if client is not None:
             await client.close()

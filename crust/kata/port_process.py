@@ -17,43 +17,20 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from crust.api import agent_pb2, handler_pb2
 from crust.common import ttrpc
-from crust.common.errors import (
-    AlreadyExists,
-    CrustError,
-    DataLoss,
-    DeadlineExceeded,
-    FailedPrecondition,
-    Internal,
-    InvalidArgument,
-    NotFound,
-    OutOfRange,
-    ResourceExhausted,
-    Unavailable,
-    Unimplemented,
-)
-from crust.kata.agent_client import AgentClient
+from crust.common.errors import DataLoss
+from crust.kata.agent_client import AgentClient, handler_error
 
 log = logging.getLogger(__name__)
 
 # The most bytes one read asks for (the agent answers at most its
 # limits.max_read_bytes).
 READ_BYTES = 1 << 20
+# A cgroup's numbers are a few reads in the guest.
+STATS_TIMEOUT = 5.0
 Stream = handler_pb2.OutputChunk.Stream
 # The agent's exec id of a container's own process (agent_ids).
 CONTAINER_PROCESS = "ctr."
 
-_ERRORS: dict[int, type[CrustError]] = {
-    ttrpc.INVALID_ARGUMENT: InvalidArgument,
-    ttrpc.NOT_FOUND: NotFound,
-    ttrpc.ALREADY_EXISTS: AlreadyExists,
-    ttrpc.FAILED_PRECONDITION: FailedPrecondition,
-    ttrpc.OUT_OF_RANGE: OutOfRange,
-    ttrpc.RESOURCE_EXHAUSTED: ResourceExhausted,
-    ttrpc.DEADLINE_EXCEEDED: DeadlineExceeded,
-    ttrpc.UNIMPLEMENTED: Unimplemented,
-    ttrpc.UNAVAILABLE: Unavailable,
-    ttrpc.DATA_LOSS: DataLoss,
-}
 
 
 def agent_ids(container_id: str, exec_id: str) -> tuple[str, str]:
@@ -69,11 +46,6 @@ def agent_ids(container_id: str, exec_id: str) -> tuple[str, str]:
 def _ids(container_id: str, exec_id: str) -> dict[str, str]:
     agent_container, agent_exec = agent_ids(container_id, exec_id)
     return {"container_id": agent_container, "exec_id": agent_exec}
-
-
-def handler_error(exc: ttrpc.TtrpcError, what: str) -> CrustError:
-    """The agent's refusal as the handler's error of the same code."""
-    return _ERRORS.get(exc.code, Internal)(f"{what}: the guest's agent: {exc.message}")
 
 
 async def exec_process(client: AgentClient, container_id: str, exec_id: str, process: dict,
@@ -237,3 +209,18 @@ class ExitWatches:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+
+
+async def container_stats(client: AgentClient, container_id: str) -> handler_pb2.ContainerStatsResponse:
+    """The container's cgroup numbers in the guest ("": the pod's, above
+    all its containers), as the handler answers them."""
+    try:
+        answer = await client.call("StatsContainer", agent_pb2.StatsContainerRequest(container_id=container_id),
+                                   timeout=STATS_TIMEOUT)
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, f"the cgroup of {'container ' + container_id if container_id else 'the pod'}") \
+            from None
+    return handler_pb2.ContainerStatsResponse(
+        cpu=dict(answer.cpu_stat), memory=dict(answer.memory_stat), memory_events=dict(answer.memory_events),
+        memory_current=answer.memory_current, memory_max=answer.memory_max, pids_current=answer.pids_current,
+        pids_max=answer.pids_max, timestamp_ns=answer.timestamp_ns)

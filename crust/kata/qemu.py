@@ -45,7 +45,9 @@ from pathlib import Path
 
 from crust.common.aio import first_done
 from crust.common.atomicfile import write_atomic
+from crust.common.errors import CrustError
 from crust.common.private import make_dirs, open_new
+from crust.kata import port_volumes
 from crust.kata.agent import (
     AGENT_RESUME,
     AGENT_SCSI,
@@ -828,6 +830,15 @@ class Vm:
         """Wait until the guest removed the disk of a LUN QEMU removed (it
         does so in the background): the same serial plugged again must be
         the new disk. A guest that is gone has no disk left to wait for."""
+        client = await self.port.ready()
+        if client is not None and self.port.has("disk.virtio-scsi"):
+            try:
+                await port_volumes.wait_disk_removed(client, serial, timeout)
+            except CrustError as exc:
+                if self.alive():
+                    raise VmError(f"vm {self.name}: disk {serial} unplugged, but the guest still has it: "
+                                  f"{exc.message}") from None
+            return
         try:
             await self.agent.request("diskgone", serial, timeout=timeout)
         except GuestGone:

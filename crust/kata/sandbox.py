@@ -15,9 +15,17 @@ import shlex
 from pathlib import Path
 
 from crust.api import csi_pb2
-from crust.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from crust.common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+)
 from crust.common.private import make_dirs
+from crust.kata import port_volumes
 from crust.kata.agent import AgentError, AgentRefused
+from crust.kata.agent_client import AgentClient
+from crust.kata.port_agent import AGENT_START_WAIT
 from crust.kata.qemu import Vm, VmConfig, VmError, read_identity
 from crust.runtime_handler.sandbox import Sandbox, VolumeStats
 from crust.sys import proc
@@ -150,12 +158,35 @@ class KataSandbox(Sandbox):
         if self.alive():
             await self._agent(self.vm.agent.luksclose(name))
 
-    async def mount(self, device, fs_type, options, readonly, mount_point) -> None:
-        opts = list(options) + (["nouuid"] if fs_type == "xfs" and "nouuid" not in options else [])
-        await self._agent(self.vm.agent.mount(device, fs_type, opts, readonly, mount_point))
+    async def _volume_port(self, wait: float | None = None, fs_type: str = "") -> AgentClient | None:
+        """The guest's Python agent when it serves volumes on this VM's disk
+        bus (and fs_type); None: the shell agent's way. wait: how long an
+        agent still starting is waited for; None: only a connection open
+        now (the shell agent measures, grows and unmounts any volume by its
+        mount point, whichever agent mounted it)."""
+        port = self.vm.port
+        client = port.current() if wait is None else await port.ready(wait=wait)
+        if client is None or not port_volumes.serves(port, self.vm.config.disk_bus, fs_type):
+            return None
+        return client
 
-    async def apply_fs_group(self, mount_point: str, gid: int, policy: str) -> None:
-        await self._agent(self.vm.agent.fsgroup(mount_point, gid, policy))
+    async def mount(self, device, fs_type, options, readonly, mount_point, fs_group=None) -> None:
+        opts = list(options) + (["nouuid"] if fs_type == "xfs" and "nouuid" not in options else [])
+        if not self.alive():
+            raise Unavailable(f"sandbox {self.id}: its VM is not running")
+        # A VM just booted: its Python agent is waited for, so that a volume
+        # is mounted, measured and unmounted by one agent all its life.
+        client = await self._volume_port(wait=AGENT_START_WAIT, fs_type=fs_type)
+        if client is not None:
+            answer = await port_volumes.mount(client, port_volumes.storage(device, fs_type, opts, readonly,
+                                                                           mount_point, fs_group))
+            log.info("volume mounted in the guest via agent port", extra={"fields": {
+                "sandbox": self.id, "volume": port_volumes.volume_id(mount_point), "device": answer.device,
+                "fs_group_walked": answer.fs_group_walked}})
+            return
+        await self._agent(self.vm.agent.mount(device, fs_type, opts, readonly, mount_point))
+        if fs_group is not None:
+            await self._agent(self.vm.agent.fsgroup(mount_point, *fs_group))
 
     async def bind(self, source: str, destination: str, readonly: bool) -> None:
         await self._agent(self.vm.agent.bind(source, destination, readonly))
@@ -170,11 +201,18 @@ class KataSandbox(Sandbox):
         if not self.alive():
             return VolumeStats([], csi_pb2.VolumeCondition(abnormal=True, message=f"the VM of sandbox {self.id} is gone"))
         try:
+            client = await self._volume_port()
+            if client is not None:
+                found = await port_volumes.stats(client, mount_point, readonly)
+                if found is not None:
+                    return found
             s = await self._agent(self.vm.agent.stats(mount_point))
-        except Unavailable as exc:
+        except (Unavailable, DeadlineExceeded) as exc:
             # QEMU runs but its guest does not answer (hung, overloaded):
             # a volume condition kubelet reports, not a failed call.
-            return VolumeStats([], csi_pb2.VolumeCondition(abnormal=True, message=exc.message))
+            message = exc.message if isinstance(exc, Unavailable) else \
+                f"sandbox {self.id}: the guest agent did not answer: {exc.message}"
+            return VolumeStats([], csi_pb2.VolumeCondition(abnormal=True, message=message))
         usage = [Usage(unit=Usage.BYTES, total=s["total"], available=s["avail"], used=s["total"] - s["free"]),
                  Usage(unit=Usage.INODES, total=s["inodes"], available=s["ifree"], used=s["inodes"] - s["ifree"])]
         condition = csi_pb2.VolumeCondition(abnormal=False, message="mounted and healthy in the guest")
@@ -191,10 +229,15 @@ class KataSandbox(Sandbox):
         # An encrypted volume's mapping grows first (no key needed: the
         # volume key is in the guest's dm table); a plain one is left be.
         await self._agent(self.vm.agent.luksresize(mount_point))
-        await self._agent(self.vm.agent.grow(mount_point))
+        client = await self._volume_port()
+        if client is None or not await port_volumes.grow(client, mount_point):
+            await self._agent(self.vm.agent.grow(mount_point))
 
     async def unmount(self, mount_point: str) -> None:
-        if self.alive():
+        if not self.alive():
+            return
+        client = await self._volume_port()
+        if client is None or not await port_volumes.unmount(client, mount_point):
             await self._agent(self.vm.agent.umount(mount_point))
 
     async def detach(self, device: str) -> None:

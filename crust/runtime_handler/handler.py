@@ -490,11 +490,10 @@ class RuntimeHandler:
             inside = await sandbox.open_encrypted(inside, info.encryption, info.fstype, passphrase,
                                                   mounted.encrypted_name, integrity=info.integrity,
                                                   size_bytes=info.capacity_bytes)
-        await sandbox.mount(inside, info.fstype, info.options, info.readonly, mounted.mount_point)
         group = info.metadata.get(FS_GROUP)
-        if group and not info.readonly:
-            await sandbox.apply_fs_group(mounted.mount_point, int(group),
-                                         info.metadata.get(FS_GROUP_CHANGE_POLICY, "Always"))
+        fs_group = (int(group), info.metadata.get(FS_GROUP_CHANGE_POLICY, "Always")) \
+            if group and not info.readonly else None
+        await sandbox.mount(inside, info.fstype, info.options, info.readonly, mounted.mount_point, fs_group)
         for view in views:
             await sandbox.bind_volume(mounted.mount_point, view.subpath, view.destination,
                                       readonly=view.readonly or info.readonly)

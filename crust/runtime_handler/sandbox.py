@@ -74,7 +74,11 @@ class Sandbox(abc.ABC):
         """Make the host device reachable inside; returns its path inside."""
 
     @abc.abstractmethod
-    async def mount(self, device: str, fs_type: str, options: list[str], readonly: bool, mount_point: str) -> None: ...
+    async def mount(self, device: str, fs_type: str, options: list[str], readonly: bool, mount_point: str,
+                    fs_group: tuple[int, str] | None = None) -> None:
+        """Mount the file system at mount_point; with fs_group (gid, and
+        Kubernetes' change policy: Always or OnRootMismatch), give the tree
+        that group as kubelet does."""
 
     async def open_encrypted(self, device: str, scheme: str, fs_type: str, passphrase: bytearray,
                              name: str, *, integrity: str = "", size_bytes: int = 0) -> str:
@@ -87,9 +91,6 @@ class Sandbox(abc.ABC):
 
     async def close_encrypted(self, name: str) -> None:
         """Close what open_encrypted opened (after unmount; idempotent)."""
-
-    @abc.abstractmethod
-    async def apply_fs_group(self, mount_point: str, gid: int, policy: str) -> None: ...
 
     @abc.abstractmethod
     async def bind(self, source: str, destination: str, readonly: bool) -> None:
@@ -238,16 +239,15 @@ class MountNamespaceSandbox(Sandbox):
         # Same kernel, private mount table: the host device node is usable as is.
         return device
 
-    async def mount(self, device, fs_type, options, readonly, mount_point) -> None:
+    async def mount(self, device, fs_type, options, readonly, mount_point, fs_group=None) -> None:
         make_dirs(mount_point)  # empty on the host
         opts = list(options) + (["ro"] if readonly else [])
         if fs_type == "xfs" and "nouuid" not in opts:
             opts.append("nouuid")
         argv = ["mount", "-t", fs_type] + (["-o", ",".join(opts)] if opts else []) + ["--", device, mount_point]
         await self.ns(*argv)
-
-    async def apply_fs_group(self, mount_point: str, gid: int, policy: str) -> None:
-        await asyncio.to_thread(apply_fs_group, self.root_view(mount_point), gid, policy)
+        if fs_group is not None:
+            await asyncio.to_thread(apply_fs_group, self.root_view(mount_point), *fs_group)
 
     async def bind(self, source: str, destination: str, readonly: bool) -> None:
         # The source comes from the runtime's own bundle: it is trusted as

@@ -1,0 +1,115 @@
+"""A pod's volumes through the guest's Python agent (specs/agent.proto's
+volume calls): mounted, measured, grown and unmounted by the guest's kernel,
+each named by the handler's key for it (the last component of its mount
+point, <workdir>/volumes/<key>).
+
+A volume the agent does not know (mounted by the shell agent of a VM whose
+Python agent was not up yet, or before that agent restarted) is measured,
+grown and unmounted the shell agent's way: the caller is told so (None,
+False) and takes that path.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+
+from crust.api import agent_pb2, csi_pb2
+from crust.common import ttrpc
+from crust.kata.agent_client import AgentClient, handler_error
+from crust.kata.port_agent import PortAgent
+from crust.runtime_handler.sandbox import VolumeStats
+
+Usage = csi_pb2.VolumeUsage
+# The longest a mount waits for its disk in the guest (a hot-plug is seen
+# within a second when the host is not starved of CPU).
+MOUNT_TIMEOUT = 60.0
+# Under the proxy's 10 s per handler call: a guest too slow to answer is
+# a volume condition, not a failed call.
+STATS_TIMEOUT = 5.0
+GROW_TIMEOUT = 120.0
+UNMOUNT_TIMEOUT = 60.0
+
+FS_GROUP_POLICIES = {"Always": agent_pb2.FsGroup.ALWAYS, "OnRootMismatch": agent_pb2.FsGroup.ON_ROOT_MISMATCH}
+
+
+def serves(port: PortAgent, disk_bus: str, fs_type: str = "") -> bool:
+    """Whether the guest's Python agent mounts volumes on this disk bus (and of fs_type)."""
+    bus = "disk.virtio-scsi" if disk_bus == "virtio-scsi" else "disk.virtio-blk"
+    return port.has(bus) and (not fs_type or port.has(f"fs.{fs_type}"))
+
+
+def volume_id(mount_point: str) -> str:
+    return PurePosixPath(mount_point).name
+
+
+def is_encrypted(inside: str) -> bool:
+    """Whether what the sandbox mounts is an opened encrypted volume's
+    mapping (its name) rather than a disk (its serial)."""
+    return inside.startswith("crypt-")
+
+
+def storage(inside: str, fs_type: str, options: list[str], readonly: bool, mount_point: str,
+            fs_group: tuple[int, str] | None) -> agent_pb2.Storage:
+    s = agent_pb2.Storage(volume_id=volume_id(mount_point), fs_type=fs_type, options=options, readonly=readonly,
+                          mount_point=mount_point)
+    if is_encrypted(inside):
+        s.encrypted = inside
+    else:
+        s.disk.serial = inside
+    if fs_group is not None:
+        gid, policy = fs_group
+        s.fs_group.CopyFrom(agent_pb2.FsGroup(gid=gid, policy=FS_GROUP_POLICIES.get(policy, agent_pb2.FsGroup.ALWAYS)))
+    return s
+
+
+async def _call(client: AgentClient, method: str, request, timeout: float, what: str, *, unknown=...):
+    """The call's answer; its refusal as the handler's error naming `what`,
+    or `unknown` when given and the agent answered NOT_FOUND."""
+    try:
+        return await client.call(method, request, timeout=timeout)
+    except ttrpc.TtrpcError as exc:
+        if exc.code == ttrpc.NOT_FOUND and unknown is not ...:
+            return unknown
+        raise handler_error(exc, what) from None
+    except ConnectionError as exc:
+        raise handler_error(ttrpc.TtrpcError(ttrpc.UNAVAILABLE, f"the connection broke: {exc}"), what) from None
+
+
+async def mount(client: AgentClient, s: agent_pb2.Storage) -> agent_pb2.MountVolumeResponse:
+    return await _call(client, "MountVolume", agent_pb2.MountVolumeRequest(storage=s), MOUNT_TIMEOUT,
+                       f"volume {s.volume_id}")
+
+
+async def stats(client: AgentClient, mount_point: str, readonly: bool) -> VolumeStats | None:
+    """The volume's usage and condition; None when the agent does not know it."""
+    key = volume_id(mount_point)
+    s = await _call(client, "VolumeStats", agent_pb2.VolumeStatsRequest(volume_id=key), STATS_TIMEOUT,
+                    f"volume {key}", unknown=None)
+    if s is None:
+        return None
+    usage = [Usage(unit=Usage.BYTES, total=s.total_bytes, available=s.available_bytes, used=s.used_bytes),
+             Usage(unit=Usage.INODES, total=s.inodes_total, available=s.inodes_free, used=s.inodes_used)]
+    condition = csi_pb2.VolumeCondition(abnormal=s.condition.abnormal, message=s.condition.message)
+    if s.readonly and not readonly and not s.condition.abnormal:
+        condition = csi_pb2.VolumeCondition(abnormal=True, message="the file system went read-only in the guest")
+    return VolumeStats(usage, condition)
+
+
+async def grow(client: AgentClient, mount_point: str) -> bool:
+    """Grows the volume's file system to its device; False when the agent does not know it."""
+    key = volume_id(mount_point)
+    return await _call(client, "GrowVolume", agent_pb2.GrowVolumeRequest(volume_id=key), GROW_TIMEOUT,
+                       f"volume {key}", unknown=False) is not False
+
+
+async def unmount(client: AgentClient, mount_point: str) -> bool:
+    """Unmounts the volume; False when the agent does not know it."""
+    key = volume_id(mount_point)
+    answer = await _call(client, "UnmountVolume", agent_pb2.UnmountVolumeRequest(volume_id=key), UNMOUNT_TIMEOUT,
+                         f"volume {key}")
+    return answer.known
+
+
+async def wait_disk_removed(client: AgentClient, serial: str, timeout: float) -> None:
+    await _call(client, "WaitDiskRemoved", agent_pb2.WaitDiskRemovedRequest(disk=agent_pb2.Disk(serial=serial)),
+                timeout, f"disk {serial}")
