@@ -14,8 +14,9 @@ import logging
 import shlex
 from pathlib import Path
 
-from crust.api import csi_pb2
+from crust.api import agent_pb2, csi_pb2
 from crust.common.errors import (
+    CrustError,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -25,7 +26,6 @@ from crust.common.private import make_dirs
 from crust.kata import port_volumes
 from crust.kata.agent import AgentError, AgentRefused
 from crust.kata.agent_client import AgentClient
-from crust.kata.port_agent import AGENT_START_WAIT
 from crust.kata.qemu import Vm, VmConfig, VmError, read_identity
 from crust.runtime_handler.sandbox import Sandbox, VolumeStats
 from crust.sys import proc
@@ -62,6 +62,9 @@ class KataSandbox(Sandbox):
         self._process_pid = 0
         self._exit_code: int | None = None
         self._poller: asyncio.Task | None = None
+        # Volumes the shell agent mounted (the Python agent was not up yet),
+        # by mount point: what the Python agent takes over when connected.
+        self._shell_mounted: dict[str, agent_pb2.Storage] = {}
 
     # -- errors: the guest's answers become CSI-style errors ---------------------------
 
@@ -158,35 +161,47 @@ class KataSandbox(Sandbox):
         if self.alive():
             await self._agent(self.vm.agent.luksclose(name))
 
-    async def _volume_port(self, wait: float | None = None, fs_type: str = "") -> AgentClient | None:
-        """The guest's Python agent when it serves volumes on this VM's disk
-        bus (and fs_type); None: the shell agent's way. wait: how long an
-        agent still starting is waited for; None: only a connection open
-        now (the shell agent measures, grows and unmounts any volume by its
-        mount point, whichever agent mounted it)."""
+    async def _volume_port(self, mount_point: str = "", fs_type: str = "") -> AgentClient | None:
+        """The guest's Python agent when its connection is open and it serves
+        volumes on this VM's disk bus (and fs_type); None: the shell
+        agent's way (the connection is then opened in the background). A
+        VM just booted mounts its first volumes by the shell agent while
+        its Python agent starts, rather than wait for it; once connected,
+        the agent takes over such a volume (mount_point) before it serves a
+        call about it."""
         port = self.vm.port
-        client = port.current() if wait is None else await port.ready(wait=wait)
+        client = port.current()
         if client is None or not port_volumes.serves(port, self.vm.config.disk_bus, fs_type):
             return None
+        storage = self._shell_mounted.pop(mount_point, None)
+        if storage is not None:
+            try:
+                await port_volumes.mount(client, storage)
+            except CrustError as exc:
+                log.warning("the guest's Python agent could not take over a volume; the shell agent serves it",
+                            extra={"fields": {"sandbox": self.id, "volume": storage.volume_id, "error": exc.message}})
+                return None
+            log.info("volume mounted by the shell agent, now served via agent port", extra={"fields": {
+                "sandbox": self.id, "volume": storage.volume_id}})
         return client
 
     async def mount(self, device, fs_type, options, readonly, mount_point, fs_group=None) -> None:
         opts = list(options) + (["nouuid"] if fs_type == "xfs" and "nouuid" not in options else [])
         if not self.alive():
             raise Unavailable(f"sandbox {self.id}: its VM is not running")
-        # A VM just booted: its Python agent is waited for, so that a volume
-        # is mounted, measured and unmounted by one agent all its life.
-        client = await self._volume_port(wait=AGENT_START_WAIT, fs_type=fs_type)
+        storage = port_volumes.storage(device, fs_type, opts, readonly, mount_point, fs_group)
+        client = await self._volume_port(fs_type=fs_type)
         if client is not None:
-            answer = await port_volumes.mount(client, port_volumes.storage(device, fs_type, opts, readonly,
-                                                                           mount_point, fs_group))
+            answer = await port_volumes.mount(client, storage)
             log.info("volume mounted in the guest via agent port", extra={"fields": {
-                "sandbox": self.id, "volume": port_volumes.volume_id(mount_point), "device": answer.device,
+                "sandbox": self.id, "volume": storage.volume_id, "device": answer.device,
                 "fs_group_walked": answer.fs_group_walked}})
             return
         await self._agent(self.vm.agent.mount(device, fs_type, opts, readonly, mount_point))
         if fs_group is not None:
             await self._agent(self.vm.agent.fsgroup(mount_point, *fs_group))
+        storage.ClearField("fs_group")   # applied: a take-over leaves ownership as it is
+        self._shell_mounted[mount_point] = storage
 
     async def bind(self, source: str, destination: str, readonly: bool) -> None:
         await self._agent(self.vm.agent.bind(source, destination, readonly))
@@ -201,7 +216,7 @@ class KataSandbox(Sandbox):
         if not self.alive():
             return VolumeStats([], csi_pb2.VolumeCondition(abnormal=True, message=f"the VM of sandbox {self.id} is gone"))
         try:
-            client = await self._volume_port()
+            client = await self._volume_port(mount_point)
             if client is not None:
                 found = await port_volumes.stats(client, mount_point, readonly)
                 if found is not None:
@@ -229,14 +244,15 @@ class KataSandbox(Sandbox):
         # An encrypted volume's mapping grows first (no key needed: the
         # volume key is in the guest's dm table); a plain one is left be.
         await self._agent(self.vm.agent.luksresize(mount_point))
-        client = await self._volume_port()
+        client = await self._volume_port(mount_point)
         if client is None or not await port_volumes.grow(client, mount_point):
             await self._agent(self.vm.agent.grow(mount_point))
 
     async def unmount(self, mount_point: str) -> None:
         if not self.alive():
             return
-        client = await self._volume_port()
+        shell_mounted = self._shell_mounted.pop(mount_point, None) is not None
+        client = None if shell_mounted else await self._volume_port(mount_point)
         if client is None or not await port_volumes.unmount(client, mount_point):
             await self._agent(self.vm.agent.umount(mount_point))
 
