@@ -40,9 +40,9 @@ SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 RECONNECT_PAUSE = 0.05
 # An agent that runs answers a new connection's first call within
 # milliseconds; one sent the moment the host connects may go unanswered
-# (seen under emulation, once in a few VMs booted for their pods: the
-# agent answered the connection made 2 s later at once). The host then
-# leaves and comes back with the call again instead of waiting it out.
+# (the guest may see the host's bytes before it sees the host connected).
+# The host then leaves and comes back with the call again instead of
+# waiting it out.
 FIRST_ANSWER_TIMEOUT = 2.0
 
 _ERRORS: dict[int, type[CrustError]] = {
