@@ -292,6 +292,5 @@ class Volumes:
             if entry is not None:
                 await asyncio.to_thread(_unmount, volume)
             del self.mounted[volume_id]
-            self._locks.pop(volume_id, None)
             log.info("volume %s: unmounted from %s", volume_id, volume.mount_point)
             return agent_pb2.UnmountVolumeResponse(unmounted=entry is not None, known=True)
