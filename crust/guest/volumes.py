@@ -22,7 +22,7 @@ from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
-from crust.sys import growfs, modules, ownership
+from crust.sys import blockdev, growfs, modules, ownership
 from crust.sys import mount as sysmount
 
 log = logging.getLogger(__name__)
@@ -79,10 +79,9 @@ def _device_name(major: int, minor: int) -> str:
     return os.path.basename(os.path.realpath(f"/sys/dev/block/{major}:{minor}"))
 
 
-def _device_bytes(name: str) -> int:
+def _device_bytes(entry: sysmount.MountEntry) -> int:
     try:
-        with open(f"/sys/class/block/{name}/size") as f:
-            return int(f.read()) * 512
+        return blockdev.size_of(entry.major, entry.minor)
     except (OSError, ValueError):
         return 0
 
@@ -255,23 +254,23 @@ class Volumes:
             total_bytes=total, free_bytes=free, available_bytes=st.f_frsize * st.f_bavail, used_bytes=total - free,
             inodes_total=st.f_files, inodes_free=st.f_ffree, inodes_used=st.f_files - st.f_ffree,
             readonly=readonly, fs_errors=errors, condition=condition, fs_type=entry.fs_type, device=name,
-            device_bytes=_device_bytes(name))
+            device_bytes=_device_bytes(entry))
 
     async def grow(self, volume_id: str) -> agent_pb2.GrowVolumeResponse:
         async with self._lock(volume_id):
             volume, entry = self._known(volume_id)
             name = _device_name(entry.major, entry.minor)
-            return await asyncio.to_thread(self._grow, volume, name)
+            return await asyncio.to_thread(self._grow, volume, entry, name)
 
     @staticmethod
-    def _grow(volume: Volume, name: str) -> agent_pb2.GrowVolumeResponse:
+    def _grow(volume: Volume, entry: sysmount.MountEntry, name: str) -> agent_pb2.GrowVolumeResponse:
         rescan = f"/sys/block/{name}/device/rescan"
         if os.path.exists(rescan):
             # A SCSI disk's new capacity is read when asked; QEMU's notice
             # of it is handled in the background and must not be raced.
             with open(rescan, "w") as f:
                 f.write("1")
-        device_bytes = _device_bytes(name)
+        device_bytes = _device_bytes(entry)
         fd = os.open(volume.mount_point, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             growfs.grow(fd, volume.fs_type, device_bytes)
