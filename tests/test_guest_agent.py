@@ -9,11 +9,8 @@ import asyncio
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -22,26 +19,7 @@ from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
 from crust.guest.oci import OciRuntime
 from crust.kata.agent_client import AgentClient
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def wait_listening(proc: subprocess.Popen, path: Path, log: Path, timeout: float) -> None:
-    """Until the agent's socket exists (it appears only once listening)."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "the agent did not listen"
-        time.sleep(0.02)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+from tests.guest_container import REPO, crun_container_agent, stop, wait_listening
 
 
 @pytest.fixture
@@ -296,36 +274,10 @@ def test_a_descendant_holding_the_output_ends_it_after_the_grace_and_says_so(age
 
 @pytest.fixture
 def container_agent(tmp_path):
-    """The agent beside a running crun container of a busybox root, both in
-    a mount namespace of their own whose /sys/fs/cgroup is cgroup v2 alone,
-    as in the guest (crun refuses a host's hybrid hierarchy):
-    (agent socket, container id, crun's state)."""
-    bundle, state, path = tmp_path / "bundle", tmp_path / "crun", tmp_path / "agent-oci.sock"
-    (bundle / "rootfs" / "bin").mkdir(parents=True)
-    shutil.copy2("/usr/bin/busybox", bundle / "rootfs" / "bin" / "busybox")
-    for applet in ("sh", "sleep", "echo", "hostname", "cat"):
-        (bundle / "rootfs" / "bin" / applet).symlink_to("busybox")
-    subprocess.run(["crun", "spec"], cwd=bundle, check=True)
-    spec = json.loads((bundle / "config.json").read_text())
-    spec["process"].update(terminal=False, args=["sleep", "1000"])
-    spec["hostname"] = "in-container"
-    spec["linux"].pop("resources", None)  # no controller is free in the namespace's cgroup2
-    (bundle / "config.json").write_text(json.dumps(spec))
-    cid = f"agent-test-{os.getpid()}"
-    crun = shutil.which("crun")
-    script = (f"mount -t cgroup2 none /sys/fs/cgroup && {crun} --root {state} run --detach --bundle {bundle} {cid} "
-              f"&& exec {sys.executable} -m crust.guest --listen {path} --oci-runtime {crun} --oci-root {state} "
-              f"--exec-dir {tmp_path / 'exec'}")
-    with open(tmp_path / "agent-oci.log", "wb") as log:
-        proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=REPO,
-                                stderr=log)
-    try:
-        wait_listening(proc, path, tmp_path / "agent-oci.log", 60)
-        yield path, cid, state
-    finally:
-        subprocess.run(["nsenter", "-t", str(proc.pid), "-m", crun, "--root", str(state), "delete", "--force", cid],
-                       timeout=60, check=False)
-        stop(proc)
+    """(agent socket, container id, crun's state) of the agent beside a
+    running crun container."""
+    with crun_container_agent(tmp_path) as c:
+        yield c.socket, c.container_id, c.state
 
 
 def test_an_exec_runs_in_the_container_through_the_oci_runtime(tmp_path, container_agent):

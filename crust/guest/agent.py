@@ -26,6 +26,7 @@ import time
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest.oci import (
+    ENTER_PROGRAM,
     GUEST_EXEC_DIR,
     GUEST_RUNTIME,
     GUEST_RUNTIME_ROOT,
@@ -171,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--oci-runtime", default=GUEST_RUNTIME, help="the OCI runtime execs run through")
     parser.add_argument("--oci-root", default=GUEST_RUNTIME_ROOT, help="the OCI runtime's state directory")
     parser.add_argument("--exec-dir", default=GUEST_EXEC_DIR, help="where execs' process files are written")
+    parser.add_argument("--enter-program", default=ENTER_PROGRAM,
+                        help="the program an exec enters its container with (crun's exec when it is missing)")
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="crust-agent: %(message)s")
     asyncio.run(run(args.port, args.listen, args.port_name,
-                    OciRuntime(args.oci_runtime, args.oci_root, args.exec_dir)))
+                    OciRuntime(args.oci_runtime, args.oci_root, args.exec_dir, args.enter_program)))
     return 0

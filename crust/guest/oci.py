@@ -21,6 +21,8 @@ from pathlib import Path
 from crust.common import ttrpc
 from crust.guest.errors import AgentError
 
+ENTER_PROGRAM = "/usr/lib/crust/enter"
+
 GUEST_RUNTIME = "/sbin/crun"
 GUEST_RUNTIME_ROOT = "/run/crust/crun"
 GUEST_EXEC_DIR = "/run/crust/agent/exec"
@@ -38,6 +40,9 @@ class OciRuntime:
     binary: str = GUEST_RUNTIME
     root: str = GUEST_RUNTIME_ROOT
     exec_dir: str = GUEST_EXEC_DIR
+    # The program an exec enters the container with, crun's exec apart
+    # (crust.guest.enter).
+    enter_program: str = ENTER_PROGRAM
 
     @property
     def present(self) -> bool:

@@ -15,16 +15,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import time
 from dataclasses import dataclass, field
 
 from crust.common import ttrpc
-from crust.guest import oci, spawn
+from crust.guest import enter, oci, spawn
 from crust.guest.errors import AgentError
 from crust.guest.oci import OciRuntime
 from crust.guest.streams import InputStream, OutputStream
+
+log = logging.getLogger("crust.guest")
 
 CREATED, RUNNING, EXITED = 1, 2, 3  # ProcessInfo.State
 
@@ -215,6 +218,16 @@ class ProcessTable:
         if status != "running":
             raise AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: container {container_id!r} is {status}, "
                                                        f"not running")
+        try:
+            entry = enter.prepare(runtime.enter_program, runtime.root, container_id, json.loads(raw))
+        except enter.NotHere as reason:
+            log.info("exec %s of container %s through the OCI runtime: %s", exec_id, container_id, reason)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # The runtime tells what is wrong with the container in its words.
+            log.info("exec %s of container %s through the OCI runtime: its state read: %s", exec_id,
+                     container_id, exc)
+        else:
+            return await self._start_entered(key, raw, stdin, entry)
         process = self._new(key, raw, stdin)
         process_file, pid_file = runtime.exec_files(container_id, exec_id)
         try:
@@ -244,6 +257,40 @@ class ProcessTable:
         runtime.forget(container_id, exec_id)  # crun read the one and wrote the other
         process.pid, process.state = pid, RUNNING
         process.started.set()
+        return process
+
+    async def _start_entered(self, key: tuple[str, str], raw: bytes, stdin: bool, entry: enter.Entry) -> Process:
+        """The process started by the enter program, which clones it as the
+        agent's own child and reports its pid (crust.guest.enter)."""
+        process = self._new(key, raw, stdin)
+        report, report_end = os.pipe2(os.O_CLOEXEC)
+        try:
+            argv = [entry.argv[0], f"report={report_end}", *entry.argv[1:]]
+            child = await spawn.start(argv, stdin=stdin, cwd="/", env=entry.env,
+                                      limit=self.limits.pipe_chunk, pass_fds=(*entry.fds, report_end))
+        except OSError as exc:
+            os.close(report)
+            raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"process: {entry.argv[0]} did "
+                                                   f"not start: {exc.strerror or exc}")) from None
+        finally:
+            os.close(report_end)
+            entry.close()
+        # The report ends once the process executed or failed; the enter
+        # program itself exits once it cloned the process.
+        pid, failure = await enter.report(report)
+        code = await spawn.exited(child.popen)
+        if not pid and not failure:
+            failure = f"process: {entry.argv[0]} exited {code} without starting it"
+        if failure or not pid:
+            child.close_pipes()
+            if pid:
+                await spawn.exited_pid(pid)
+            raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"{failure} "
+                                                   f"(container {key[0]!r})"))
+        exit_ = asyncio.ensure_future(spawn.exited_pid(pid))
+        process.pid, process.state = pid, RUNNING
+        process.started.set()
+        process.tasks.append(asyncio.ensure_future(self._watch(process, child, exit_)))
         return process
 
     async def _watch(self, process: Process, child: spawn.Child, exit_: asyncio.Future) -> None:

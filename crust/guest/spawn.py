@@ -45,14 +45,15 @@ async def _reader(loop: asyncio.AbstractEventLoop, pipe, limit: int) -> tuple[as
 
 
 async def start(argv: list[str], *, stdin: bool, cwd: str, env: dict[str, str], user: int | None = None,
-                group: int | None = None, extra_groups: list[int] | None = None, limit: int = 1 << 16) -> Child:
+                group: int | None = None, extra_groups: list[int] | None = None, limit: int = 1 << 16,
+                pass_fds: tuple[int, ...] = ()) -> Child:
     """Start argv in a session of its own (it leads its process group).
     The start blocks the loop only for the fork and exec (Python vforks
     when no ids change): far less than handing it to a thread."""
     popen = subprocess.Popen(  # noqa: ASYNC220
         argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, cwd=cwd, env=env, user=user, group=group, extra_groups=extra_groups,
-        start_new_session=True, close_fds=True, pipesize=PIPE_BYTES)
+        start_new_session=True, close_fds=True, pass_fds=pass_fds, pipesize=PIPE_BYTES)
     loop = asyncio.get_running_loop()
     stdout, out_transport = await _reader(loop, popen.stdout, limit)
     stderr, err_transport = await _reader(loop, popen.stderr, limit)
@@ -68,17 +69,38 @@ async def start(argv: list[str], *, stdin: bool, cwd: str, env: dict[str, str], 
 async def exited(popen: subprocess.Popen) -> int:
     """The child's return code (negative: the signal) once it exited; it
     is reaped here."""
+    await _until(popen.pid, popen.poll)
+    return popen.returncode
+
+
+async def exited_pid(pid: int) -> int:
+    """As exited, of a child the agent has no Popen of (one that another
+    child cloned as the agent's)."""
+    status: list[int] = []
+
+    def poll() -> int | None:
+        done, raw = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status.append(os.waitstatus_to_exitcode(raw))
+        return status[0] if status else None
+
+    await _until(pid, poll)
+    return status[0]
+
+
+async def _until(pid: int, poll) -> None:
+    """Until poll() is not None, looked at each time the pid's pidfd
+    becomes readable (the process exited)."""
     loop = asyncio.get_running_loop()
-    pidfd = os.pidfd_open(popen.pid)
+    pidfd = os.pidfd_open(pid)
     try:
         readable = loop.create_future()
         loop.add_reader(pidfd, lambda: readable.done() or readable.set_result(None))
         try:
-            while popen.poll() is None:
+            while poll() is None:
                 await readable
                 readable = loop.create_future()
         finally:
             loop.remove_reader(pidfd)
     finally:
         os.close(pidfd)
-    return popen.returncode

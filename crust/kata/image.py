@@ -174,7 +174,8 @@ GUEST_FILES = {"init": "init.sh", "usr/lib/crust/agent.sh": "agent.sh", "usr/lib
 # C library the copied tools bring. Each is compiled once per source and
 # flags, into the cache (programs/), so a node rebuilding its image for a
 # new kernel needs no compiler.
-GUEST_PROGRAMS = {"usr/lib/crust/resume": "resume.c", "usr/lib/crust/beneath": "beneath.c"}
+GUEST_PROGRAMS = {"usr/lib/crust/resume": "resume.c", "usr/lib/crust/beneath": "beneath.c",
+                  "usr/lib/crust/enter": "enter.c"}
 GUEST_CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-fstack-protector-strong", "-s")
 TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
 HOST_CONFIG = ("/etc/mke2fs.conf",)

@@ -1,0 +1,105 @@
+"""The guest agent run on the host beside a real crun container, as in the
+guest: both in a mount namespace of their own whose /sys/fs/cgroup is
+cgroup v2 alone (crun refuses a host's hybrid hierarchy)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from crust.kata.image import GUEST_CFLAGS
+
+REPO = Path(__file__).resolve().parent.parent
+ENTER_SOURCE = REPO / "crust" / "kata" / "guest" / "enter.c"
+APPLETS = ("sh", "sleep", "echo", "hostname", "cat", "grep", "readlink", "env", "sort", "mkdir", "id")
+
+
+def wait_listening(proc: subprocess.Popen, path: Path, log: Path, timeout: float) -> None:
+    """Until the agent's socket exists (it appears only once listening)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "the agent did not listen"
+        time.sleep(0.02)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def compile_enter(directory: Path) -> Path:
+    """The guest's enter program, compiled for the host as the image
+    compiles it."""
+    out = directory / "enter"
+    subprocess.run(["cc", *GUEST_CFLAGS, "-o", str(out), str(ENTER_SOURCE)], check=True)
+    return out
+
+
+@dataclass
+class ContainerAgent:
+    socket: Path
+    container_id: str
+    state: Path
+    spec: dict[str, Any]
+    agent_pid: int    # the agent's process (the namespace's first process exec'd it)
+    log: Path
+
+    def crun_exec(self, process: dict[str, Any], tmp_path: Path) -> subprocess.CompletedProcess:
+        """`crun exec --process` of process, from the agent's mount namespace."""
+        path = tmp_path / f"crun-exec-{time.monotonic_ns()}.json"
+        path.write_text(json.dumps(process))
+        return subprocess.run(["nsenter", "-t", str(self.agent_pid), "-m", shutil.which("crun"), "--root",
+                               str(self.state), "exec", "--process", str(path), self.container_id],
+                              capture_output=True, timeout=60, check=False)
+
+
+@contextlib.contextmanager
+def crun_container_agent(tmp_path: Path, adjust: Callable[[dict[str, Any], Path], None] | None = None
+                         ) -> Iterator[ContainerAgent]:
+    """The agent beside a running crun container of a busybox root whose
+    first process sleeps; adjust(spec, rootfs) may change the spec and the
+    root before the container is made."""
+    bundle, state, path = tmp_path / "bundle", tmp_path / "crun", tmp_path / "agent-oci.sock"
+    rootfs = bundle / "rootfs"
+    (rootfs / "bin").mkdir(parents=True)
+    shutil.copy2("/usr/bin/busybox", rootfs / "bin" / "busybox")
+    for applet in APPLETS:
+        (rootfs / "bin" / applet).symlink_to("busybox")
+    subprocess.run(["crun", "spec"], cwd=bundle, check=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["process"].update(terminal=False, args=["sleep", "1000"])
+    spec["hostname"] = "in-container"
+    spec["linux"].pop("resources", None)  # no controller is free in the namespace's cgroup2
+    if adjust is not None:
+        adjust(spec, rootfs)
+    (bundle / "config.json").write_text(json.dumps(spec))
+    cid = f"agent-test-{os.getpid()}"
+    crun = shutil.which("crun")
+    script = (f"mount -t cgroup2 none /sys/fs/cgroup && {crun} --root {state} run --detach --bundle {bundle} {cid} "
+              f"&& exec {sys.executable} -m crust.guest --listen {path} --oci-runtime {crun} --oci-root {state} "
+              f"--exec-dir {tmp_path / 'exec'} --enter-program {compile_enter(tmp_path)}")
+    log = tmp_path / "agent-oci.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=REPO,
+                                stderr=out)
+    try:
+        wait_listening(proc, path, log, 60)
+        yield ContainerAgent(path, cid, state, spec, proc.pid, log)
+    finally:
+        subprocess.run(["nsenter", "-t", str(proc.pid), "-m", crun, "--root", str(state), "delete", "--force", cid],
+                       timeout=60, check=False)
+        stop(proc)
