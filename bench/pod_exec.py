@@ -13,7 +13,7 @@ Per round and runtime:
   answered;
 - 10 MiB out: one ExecSync printing 10 MiB, MiB/s to the whole answer.
 
-    .venv/bin/python bench/pod_exec.py [--rounds 7] [--json OUT.json]
+    .venv/bin/python bench/pod_exec.py [--rounds 7] [--keep-log DIR] [--json OUT.json]
 
 Median, min and max per figure and runtime, the ratio of the medians, the
 machine, its accelerator and its load before and after.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", help="write the results there (- for stdout)")
+    parser.add_argument("--keep-log", metavar="DIR", help="copy the microVM handler's log there")
     args = parser.parse_args(argv)
     if benchlib.not_root("pod_exec.py", "pods, containerd, QEMU"):
         return 1
@@ -98,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             # The accelerator the handler's VM runs under, as its log says it.
             found = re.search(r"agent ready [0-9.]+s after start \(pid \d+, (\w+)\)", logs[0].read_text())
             results["accel"] = found[1] if found else "unknown"
+            if args.keep_log:
+                Path(args.keep_log).mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(logs[0], Path(args.keep_log) / "handler-crust-microvm.log")
         results["figures"] = benchlib.ms_rows(samples)
         figures = results["figures"]
         results["ratios"] = {}
