@@ -25,6 +25,7 @@ import time
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
+from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR
 from crust.guest.oci import (
     ENTER_PROGRAM,
     GUEST_EXEC_DIR,
@@ -143,8 +144,9 @@ async def serve_socket(server: ttrpc.Server, path: str, stopping: asyncio.Event)
 
 
 async def run(port: str | None, listen: str | None, port_name: str | None = None,
-              runtime: OciRuntime | None = None) -> None:
-    service = AgentService(runtime=runtime)
+              runtime: OciRuntime | None = None, containers_dir: str = CONTAINERS_DIR,
+              holds_dir: str = HOLDS_DIR) -> None:
+    service = AgentService(runtime=runtime, containers_dir=containers_dir, holds_dir=holds_dir)
     server = make_server(service)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -174,8 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exec-dir", default=GUEST_EXEC_DIR, help="where execs' process files are written")
     parser.add_argument("--enter-program", default=ENTER_PROGRAM,
                         help="the program an exec enters its container with (crun's exec when it is missing)")
+    parser.add_argument("--containers-dir", default=CONTAINERS_DIR,
+                        help="where the agent keeps a container's bundle and the fifos of its hooks")
+    parser.add_argument("--holds-dir", default=HOLDS_DIR, help="where a container's mount namespace is held")
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="crust-agent: %(message)s")
     asyncio.run(run(args.port, args.listen, args.port_name,
-                    OciRuntime(args.oci_runtime, args.oci_root, args.exec_dir, args.enter_program)))
+                    OciRuntime(args.oci_runtime, args.oci_root, args.exec_dir, args.enter_program),
+                    args.containers_dir, args.holds_dir))
     return 0

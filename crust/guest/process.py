@@ -117,11 +117,15 @@ class Process:
         return self.container_id, self.exec_id
 
     def signal(self, number: int) -> int:
-        """Signals sent: 0 once it exited."""
-        if self.state != RUNNING or not self.pid:
+        """Signals sent: 0 once it exited. A container's process made and
+        not started (crust.guest.containers) gets it with its process group."""
+        if self.state not in (CREATED, RUNNING) or not self.pid:
             return 0
         try:
-            os.kill(self.pid, number)
+            if self.state == CREATED:
+                os.killpg(self.pid, number)
+            else:
+                os.kill(self.pid, number)
         except ProcessLookupError:
             return 0
         return 1

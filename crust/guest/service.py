@@ -10,7 +10,8 @@ import time
 import crust
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.guest import cgroups
+from crust.guest import cgroups, guestconf
+from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR, REMOVE_WAIT, Containers
 from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
 from crust.guest.oci import OciRuntime
@@ -23,7 +24,7 @@ AGENT_NAME = "crust-agent"
 MAX_READ_BYTES = 1 << 20
 IMAGE_ID_FILE = "/etc/crust-image-id"
 
-CAPABILITIES = ("process.guest", "process.stdin")
+CAPABILITIES = ("process.guest", "process.stdin", "guest.settings")
 
 
 def _memory_total() -> int:
@@ -69,16 +70,18 @@ def _exec_ids(request, own_process: str) -> None:
 
 class AgentService:
     def __init__(self, limits: Limits | None = None, runtime: OciRuntime | None = None,
-                 volumes: Volumes | None = None, pod_cgroup: str = cgroups.POD_CGROUP):
+                 volumes: Volumes | None = None, pod_cgroup: str = cgroups.POD_CGROUP,
+                 containers_dir: str = CONTAINERS_DIR, holds_dir: str = HOLDS_DIR):
         self.limits = limits or Limits()
         self.runtime = runtime or OciRuntime()
         self.processes = ProcessTable(self.limits)
+        self.containers = Containers(self.processes, self.runtime, containers_dir, pod_cgroup, holds_dir)
         self.volumes = volumes or Volumes(Disks(DeviceEvents()))
         self.pod_cgroup = pod_cgroup
 
     @property
     def capabilities(self) -> list[str]:
-        return [*CAPABILITIES, *(["process.exec"] if self.runtime.present else []),
+        return [*CAPABILITIES, *(["process.exec", "container.create"] if self.runtime.present else []),
                 *(["stats.cgroup2"] if cgroups.available(self.pod_cgroup) else []), *self.volumes.capabilities]
 
     async def close(self) -> None:
@@ -99,7 +102,47 @@ class AgentService:
                 output_grace_ms=int(self.limits.output_grace * 1000)),
             cpus=len(os.sched_getaffinity(0)), memory_bytes=_memory_total())
 
+    async def ConfigureGuest(self, request: agent_pb2.ConfigureGuestRequest,
+                             call) -> agent_pb2.ConfigureGuestResponse:
+        guestconf.configure(request.hostname, [(s.key, s.value) for s in request.sysctls])
+        return agent_pb2.ConfigureGuestResponse()
+
     # ----------------------------------------------------------- containers
+
+    def _runtime_needed(self) -> None:
+        if not self.runtime.present:
+            raise AgentError(ttrpc.UNIMPLEMENTED, f"container_id: the guest has no OCI runtime "
+                                                 f"({self.runtime.binary}; capability container.create absent)")
+
+    async def CreateContainer(self, request: agent_pb2.CreateContainerRequest,
+                              call) -> agent_pb2.CreateContainerResponse:
+        check_id("container_id", request.container_id)
+        self._runtime_needed()
+        # The host places every source itself for now (capability
+        # container.create): the spec's root.path and binds' sources are
+        # the guest's paths already.
+        for name in ("storages", "binds"):
+            if getattr(request, name):
+                raise AgentError(ttrpc.UNIMPLEMENTED, f"{name}: this agent takes a spec whose sources are placed")
+        if request.HasField("rootfs") or request.pod_pid_namespace:
+            field = "rootfs" if request.HasField("rootfs") else "pod_pid_namespace"
+            raise AgentError(ttrpc.UNIMPLEMENTED, f"{field}: this agent takes a spec whose sources are placed")
+        process = await self.containers.create(request.container_id, request.SerializeToString(),
+                                               request.oci_spec, request.stdin)
+        return agent_pb2.CreateContainerResponse(pid=process.pid)
+
+    async def StartContainer(self, request: agent_pb2.StartContainerRequest,
+                             call) -> agent_pb2.StartContainerResponse:
+        check_id("container_id", request.container_id)
+        process = await self.containers.start(request.container_id)
+        return agent_pb2.StartContainerResponse(pid=process.pid)
+
+    async def RemoveContainer(self, request: agent_pb2.RemoveContainerRequest,
+                              call) -> agent_pb2.RemoveContainerResponse:
+        check_id("container_id", request.container_id)
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else (getattr(call, "timeout", None) or REMOVE_WAIT)
+        return agent_pb2.RemoveContainerResponse(unread_bytes=await self.containers.remove(request.container_id,
+                                                                                          timeout))
 
     async def StatsContainer(self, request: agent_pb2.StatsContainerRequest,
                              call) -> agent_pb2.StatsContainerResponse:

@@ -1,0 +1,196 @@
+"""A container's own process through the guest agent (crust/guest/
+containers.py): CreateContainer makes it with crun (held by the agent's
+hook before its exec), StartContainer lets it run, RemoveContainer kills,
+deletes and forgets it. Run on the host beside a real crun
+(tests/guest_container.py); ConfigureGuest on a stand-in /proc/sys."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from crust.api import agent_pb2
+from crust.common import ttrpc
+from crust.common.ttrpc import TtrpcError
+from crust.guest import guestconf
+from crust.guest.errors import AgentError
+from crust.kata.agent_client import AgentClient
+from tests.guest_container import ContainerAgent, crun_container_agent
+
+
+def unified_hierarchy() -> Path:
+    """Where the host mounts cgroup v2 (the agent's namespace mounts the same
+    hierarchy at its /sys/fs/cgroup)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        if right.split()[0] == "cgroup2":
+            return Path(left.split()[4])
+    raise AssertionError("the host mounts no cgroup v2 hierarchy")
+
+
+@pytest.fixture(autouse=True)
+def pod_cgroup_cleaned():
+    """The containers' cgroups the tests make below /crust in the host's v2
+    hierarchy, removed after (and /crust itself when they made it)."""
+    pod = unified_hierarchy() / "crust"
+    existed = pod.exists()
+    before = set(pod.iterdir()) if existed else set()
+    yield pod
+    for made in (set(pod.iterdir()) if pod.exists() else set()) - before:
+        if made.is_dir():
+            for directory in (made / "ctr", made):
+                if directory.exists():
+                    directory.rmdir()
+    if not existed and pod.exists():
+        pod.rmdir()
+
+
+def container_spec(c: ContainerAgent, container_id: str, *args: str) -> bytes:
+    """The fixture container's spec for another container of the same root,
+    in the cgroup crust gives a container below the pod's."""
+    spec = copy.deepcopy(c.spec)
+    spec["root"]["path"] = str(c.state.parent / "bundle" / "rootfs")
+    spec["process"]["args"] = list(args)
+    spec["linux"]["cgroupsPath"] = f"/crust/{container_id}/ctr"
+    return json.dumps(spec).encode()
+
+
+def crun_knows(c: ContainerAgent, container_id: str) -> bool:
+    return (c.state / container_id).exists()
+
+
+async def code_of(awaitable) -> tuple[int, str]:
+    with pytest.raises(TtrpcError) as failed:
+        await awaitable
+    return failed.value.code, failed.value.message
+
+
+def _held(c: ContainerAgent, container_id: str) -> bool:
+    """Whether the agent's namespace has the container's mount namespace
+    bound at its hold."""
+    mountinfo = Path(f"/proc/{c.agent_pid}/mountinfo").read_text()
+    return any(line.split()[4] == str(c.state.parent / "holds" / container_id) for line in mountinfo.splitlines())
+
+
+def in_group(pid: int) -> list[str]:
+    """The live processes of pid's process group (crun and its hook); a
+    zombie left to init is none."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,pgid=,stat=,args="], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if int(line.split()[1]) == pid and line.split()[2][0] != "Z"]
+
+
+def test_a_container_is_made_started_and_removed_by_the_agent(tmp_path, pod_cgroup_cleaned):
+    cid, idle = f"made-{os.getpid()}", f"idle-{os.getpid()}"
+
+    async def main(c: ContainerAgent):
+        client = await AgentClient.connect(str(c.socket))
+        try:
+            details = await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=10)
+            key = {"container_id": cid, "exec_id": ""}
+            create = agent_pb2.CreateContainerRequest(
+                container_id=cid, stdin=True,
+                oci_spec=container_spec(c, cid, "sh", "-c", "read name; echo hello $name from $(hostname); exit 3"))
+            pid = (await client.call("CreateContainer", create, timeout=30)).pid
+            again = (await client.call("CreateContainer", create, timeout=30)).pid
+            listed = [p for p in (await client.call("ListProcesses", agent_pb2.ListProcessesRequest(),
+                                                    timeout=10)).processes if p.container_id == cid]
+            made = {p.exec_id: (p.state, p.stdout.length) for p in listed}
+            known_before = crun_knows(c, cid)
+            other = await code_of(client.call("CreateContainer", agent_pb2.CreateContainerRequest(
+                container_id=cid, oci_spec=container_spec(c, cid, "true")), timeout=30))
+            started = (await client.call("StartContainer", agent_pb2.StartContainerRequest(container_id=cid),
+                                         timeout=30)).pid
+            held_ns = _held(c, cid)   # from its start
+            await client.call("WriteStdin", agent_pb2.WriteStreamRequest(data=b"you\n", **key), timeout=10)
+            await client.call("CloseStdin", agent_pb2.CloseStdinRequest(**key), timeout=10)
+            exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=30)
+            out = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(max_bytes=100, **key), timeout=10)
+            restarted = (await client.call("StartContainer", agent_pb2.StartContainerRequest(container_id=cid),
+                                           timeout=30)).pid
+            removed = await client.call("RemoveContainer", agent_pb2.RemoveContainerRequest(container_id=cid),
+                                        timeout=30)
+            released = not _held(c, cid) and not (tmp_path / "holds" / cid).exists()
+            gone = await code_of(client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=10))
+
+            # Made and never started: removing it leaves neither crun nor its hook waiting.
+            idle_pid = (await client.call("CreateContainer", agent_pb2.CreateContainerRequest(
+                container_id=idle, oci_spec=container_spec(c, idle, "true")), timeout=30)).pid
+            held = in_group(idle_pid)
+            await client.call("RemoveContainer", agent_pb2.RemoveContainerRequest(container_id=idle), timeout=30)
+            assert held_ns and released, (held_ns, released)
+            return (details, pid, again, made, other, started, exit_, out, restarted, known_before, removed,
+                    gone, held, in_group(idle_pid))
+        finally:
+            await client.close()
+
+    with crun_container_agent(tmp_path) as c:
+        (details, pid, again, made, other, started, exit_, out, restarted, known_before, removed, gone, held,
+         left) = asyncio.run(main(c))
+        crun_after = crun_knows(c, cid) or crun_knows(c, idle)
+        cgroups_after = [(pod_cgroup_cleaned / i).exists() for i in (cid, idle)]
+        gates = list((tmp_path / "containers").iterdir()) if (tmp_path / "containers").exists() else []
+    assert "container.create" in details.capabilities
+    assert pid == again == started == restarted and made == {"": (1, 0)}   # CREATED, nothing written
+    assert other[0] == ttrpc.ALREADY_EXISTS, other
+    assert (exit_.exit_code, out.data) == (3, b"hello you from in-container\n")
+    assert known_before and not crun_after
+    assert removed.unread_bytes == len(out.data) and gone[0] == ttrpc.NOT_FOUND   # read, never acknowledged
+    assert len(held) >= 2, held    # crun and its hook, waiting for the start
+    assert left == [] and gates == [] and cgroups_after == [False, False]
+
+
+def test_a_spec_crun_refuses_is_answered_with_its_words_and_leaves_nothing(tmp_path, pod_cgroup_cleaned):
+    cid = f"refused-{os.getpid()}"
+
+    async def main(c: ContainerAgent):
+        spec = json.loads(container_spec(c, cid, "true"))
+        spec["mounts"].append({"destination": "/data", "type": "bind", "source": "/no/such/source",
+                               "options": ["rbind"]})
+        client = await AgentClient.connect(str(c.socket))
+        try:
+            refused = await code_of(client.call("CreateContainer", agent_pb2.CreateContainerRequest(
+                container_id=cid, oci_spec=json.dumps(spec).encode()), timeout=30))
+            bad = await code_of(client.call("CreateContainer", agent_pb2.CreateContainerRequest(
+                container_id=cid, oci_spec=b"[1]"), timeout=30))
+            placed = await code_of(client.call("CreateContainer", agent_pb2.CreateContainerRequest(
+                container_id=cid, oci_spec=json.dumps(spec).encode(),
+                binds=[agent_pb2.Bind(mount_index=0)]), timeout=30))
+            return refused, bad, placed
+        finally:
+            await client.close()
+
+    with crun_container_agent(tmp_path) as c:
+        refused, bad, placed = asyncio.run(main(c))
+        known = crun_knows(c, cid)
+        gates = list((tmp_path / "containers").iterdir()) if (tmp_path / "containers").exists() else []
+    assert refused[0] == ttrpc.FAILED_PRECONDITION and "/no/such/source" in refused[1], refused
+    assert bad == (ttrpc.INVALID_ARGUMENT, "oci_spec: not a JSON object")
+    assert placed[0] == ttrpc.UNIMPLEMENTED and placed[1].startswith("binds:"), placed
+    assert not known and gates == []
+    assert not (pod_cgroup_cleaned / cid).exists()
+
+
+def test_guest_settings_are_applied_in_order_and_the_first_refused_is_named(tmp_path):
+    proc_sys = tmp_path / "sys"
+    (proc_sys / "net" / "ipv4").mkdir(parents=True)
+    (proc_sys / "net" / "ipv4" / "ip_forward").write_text("0")
+    (proc_sys / "kernel").mkdir()
+    (proc_sys / "kernel" / "msgmax").write_text("8192")
+    guestconf.configure("", [("net.ipv4.ip_forward", "1"), ("kernel/msgmax", "65536")], str(proc_sys))
+    assert (proc_sys / "net" / "ipv4" / "ip_forward").read_text() == "1"
+    assert (proc_sys / "kernel" / "msgmax").read_text() == "65536"
+    with pytest.raises(AgentError) as refused:
+        guestconf.configure("", [("net.ipv4.ip_forward", "0"), ("net.nope", "1")], str(proc_sys))
+    assert (refused.value.code, refused.value.message) == (ttrpc.INVALID_ARGUMENT, "sysctls[1] net.nope: no such key")
+    assert (proc_sys / "net" / "ipv4" / "ip_forward").read_text() == "0"
+    for key in ("../etc/passwd", "net..x"):
+        with pytest.raises(AgentError, match=r"sysctls\[0\] .*: not a sysctl name"):
+            guestconf.configure("", [(key, "1")], str(proc_sys))
+    with pytest.raises(AgentError, match="hostname: 'bad host' is no host name"):
+        guestconf.configure("bad host", [], str(proc_sys))
