@@ -167,6 +167,8 @@ class PodProcesses:
             process = guest_oci.exec_process(c.oci.spec.get("process") or {}, p.args, p.env, p.cwd, p.uid, p.gid,
                                              p.additional_gids)
             p.pid = await port_process.exec_process(client, c.container_id, p.exec_id, process, p.stdin)
+        elif c.created_on_port:
+            p.pid = await port_process.start_container(client, c.container_id)
         else:
             await self._run_container_on_port(sandbox, pod, c, p, client)
         await self.records.put(pod.sandbox_id, pod)
@@ -226,7 +228,7 @@ class PodProcesses:
             if self.pods.get(pod.sandbox_id) is pod and c.container_id in pod.containers:
                 await self.records.put(pod.sandbox_id, pod)
 
-        self.exits.watch(client, c.container_id, p.exec_id, record)
+        self.exits.watch(client, c.container_id, p.exec_id, record, created=c.created_on_port)
 
     @staticmethod
     async def _until_running(sandbox: KataSandbox, c: ContainerRecord, p: ProcessRecord,
@@ -386,7 +388,7 @@ class PodProcesses:
             client = await sandbox.vm.port.ready(wait=PORT_WAIT)
             if client is None:
                 raise Unavailable(f"process {exec_id}: the guest's agent port is not open")
-            await port_process.signal_process(client, container_id, exec_id, signal)
+            await port_process.signal_process(client, container_id, exec_id, signal, created=c.created_on_port)
             return
         elif p.exit_code is None:
             await sandbox._agent(sandbox.vm.agent.signal(p.pid, signal))
@@ -407,7 +409,8 @@ class PodProcesses:
             client = await sandbox.vm.port.ready(wait=PORT_WAIT)
             if client is None:
                 raise Unavailable(f"process {exec_id}: the guest's agent port is not open")
-            return await port_process.write_input(client, container_id, exec_id, offset, data, close)
+            return await port_process.write_input(client, container_id, exec_id, offset, data, close,
+                                                  created=c.created_on_port)
         if not p.name:
             raise FailedPrecondition(f"process {exec_id or container_id} was not started yet")
         live = self._share(pod.sandbox_id, "live")
@@ -473,7 +476,7 @@ class PodProcesses:
                 raise cut(pod.gone or self._death_reason(pod.sandbox_id, sandbox) if sandbox is None or
                           not sandbox.alive() else "the guest's agent port is not open")
             async for chunk in port_process.read_output(client, container_id, exec_id, stdout_offset,
-                                                        stderr_offset, cut):
+                                                        stderr_offset, cut, created=c.created_on_port):
                 offsets["out" if chunk.stream == Stream.STDOUT else "err"] = chunk.offset + len(chunk.data)
                 yield chunk
             return

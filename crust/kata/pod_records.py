@@ -63,6 +63,9 @@ class ContainerRecord(BaseModel):
     # False (no OCI runtime, or a record of an earlier handler): the agent mounted
     # them below root in the guest's, and unmounts them at the delete.
     runtime_mounts: bool = False
+    # True: the guest's Python agent made it (CreateContainer): its own
+    # process is the agent's (container, "") and starts with StartContainer.
+    created_on_port: bool = False
 
     @property
     def root(self) -> str:

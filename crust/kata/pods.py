@@ -109,7 +109,7 @@ from crust.kata.agent import (
     AgentError,
     GuestGone,
 )
-from crust.kata.pod_processes import POLL, PodProcesses
+from crust.kata.pod_processes import POLL, PORT_WAIT, PodProcesses
 from crust.kata.pod_records import (
     GUEST_CONTAINERS,
     VM_GONE_EXIT_CODE,
@@ -121,6 +121,7 @@ from crust.kata.pod_records import (
     output_name,
 )
 from crust.kata.pool import VmPool
+from crust.kata.port_agent import AGENT_START_WAIT
 from crust.kata.portforward import PortForwarder
 from crust.kata.process_watch import ProcessWatch
 from crust.kata.qemu import Nic, SharedDir, Vm, VmError
@@ -789,6 +790,16 @@ class Pods(PodProcesses):
                 sandbox, record, pod = self._live(sandbox_id)
                 with self.handler.inflight.hold(sandbox_id, container_id):
                     await self._attach_container(sandbox, record, pod, c, rootfs, binds)
+            if oci is not None and not terminal:
+                # crun makes the container through the guest's Python agent,
+                # for which a VM booted a moment ago waits here (without the
+                # pod's lock), not at the container's start.
+                await sandbox.vm.port.ready(wait=AGENT_START_WAIT)
+                async with self.locks[sandbox_id]:
+                    sandbox, record, pod = self._live(sandbox_id)
+                    if pod.containers.get(container_id) is c:
+                        with self.handler.inflight.hold(sandbox_id, container_id):
+                            await self._create_on_port(sandbox, record, pod, c)
         finally:
             self._creating.discard(container_id)
         log.info("container created", extra={"fields": {
@@ -959,6 +970,35 @@ class Pods(PodProcesses):
                     "sandbox": pod.sandbox_id, "container": container_id, "error": undo.message}})
             raise
 
+    async def _create_on_port(self, sandbox: KataSandbox, record: SandboxRecord, pod: PodRecord,
+                              c: ContainerRecord) -> None:
+        """crun makes the container now, through the guest's Python agent
+        (CreateContainer: held before its process's exec), so that its
+        start is only what comes after. Not for a process on a terminal, nor
+        when the agent is not connected or cannot: the container's script
+        runs crun at its start then."""
+        p = c.processes[""]
+        port = sandbox.vm.port
+        client = port.client
+        if not c.runtime_mounts or p.terminal or client is None or client.closed or \
+                not port.has("container.create"):
+            return
+        if c.oci.sysctls or c.oci.hostname:
+            await port_process.configure_guest(client, c.oci.sysctls, c.oci.hostname)
+        c.created_on_port = p.on_port = True   # recorded first: a failed create is removed on the port
+        await self.records.put(pod.sandbox_id, pod)
+        try:
+            await port_process.create_container(client, c.container_id, c.oci.spec, p.stdin)
+        except BaseException as exc:
+            log.warning("container create failed; undoing it", extra={"fields": {
+                "sandbox": pod.sandbox_id, "container": c.container_id, "error": str(exc)[:500]}})
+            try:
+                await self._remove_container(sandbox, record, pod, c)
+            except CrustError as undo:
+                log.error("could not undo a failed container create", extra={"fields": {
+                    "sandbox": pod.sandbox_id, "container": c.container_id, "error": undo.message}})
+            raise
+
     @staticmethod
     async def _subpath(sandbox: KataSandbox, root: str, subpath: str, container_id: str, index: int, strict: bool,
                        what: str) -> str:
@@ -1014,6 +1054,16 @@ class Pods(PodProcesses):
         if alive and not c.runtime_mounts:
             try:
                 await sandbox._agent(sandbox.vm.agent.umount_all(c.root))
+            except CrustError as exc:
+                errors.append(exc.message)
+        if alive and c.created_on_port:
+            # Its processes killed and forgotten, crun's state and its cgroup
+            # gone: by the agent that made it.
+            try:
+                client = await sandbox.vm.port.ready(wait=PORT_WAIT)
+                if client is None:
+                    raise Unavailable(f"container {c.container_id}: the guest's agent port is not open")
+                await port_process.remove_container(client, c.container_id)
             except CrustError as exc:
                 errors.append(exc.message)
         if alive and c.oci is not None:
@@ -1091,7 +1141,7 @@ class Pods(PodProcesses):
             except CrustError as exc:
                 log.warning("exec not forgotten in the guest", extra={"fields": {
                     "container": c.container_id, "exec": p.exec_id, "error": exc.message}})
-        if c.processes[""].on_port:
+        if c.processes[""].on_port and not c.created_on_port:
             # The spec its script wrote in the guest for crun.
             try:
                 await sandbox.vm.agent.forget_output(output_name(pod_id, c.container_id, ""))

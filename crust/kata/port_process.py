@@ -33,18 +33,19 @@ CONTAINER_PROCESS = "ctr."
 
 
 
-def agent_ids(container_id: str, exec_id: str) -> tuple[str, str]:
-    """The agent's ids of a pod's process. An exec is the container's exec;
-    the container's own process is a process of the guest (crun run in the
-    foreground: its exit is the container's, it forwards signals), named
-    after the container."""
-    if exec_id:
+def agent_ids(container_id: str, exec_id: str, created: bool = False) -> tuple[str, str]:
+    """The agent's ids of a pod's process. An exec is the container's exec.
+    The container's own process is (container, "") when the agent made the
+    container (created: CreateContainer); else a process of the guest (crun
+    run in the foreground, from a script: its exit is the container's, it
+    forwards signals), named after the container."""
+    if exec_id or created:
         return container_id, exec_id
     return "", CONTAINER_PROCESS + container_id
 
 
-def _ids(container_id: str, exec_id: str) -> dict[str, str]:
-    agent_container, agent_exec = agent_ids(container_id, exec_id)
+def _ids(container_id: str, exec_id: str, created: bool = False) -> dict[str, str]:
+    agent_container, agent_exec = agent_ids(container_id, exec_id, created)
     return {"container_id": agent_container, "exec_id": agent_exec}
 
 
@@ -61,13 +62,15 @@ async def exec_process(client: AgentClient, container_id: str, exec_id: str, pro
                                  f"{container_id}") from None
 
 
-async def wait_process(client: AgentClient, container_id: str, exec_id: str) -> agent_pb2.WaitProcessResponse:
+async def wait_process(client: AgentClient, container_id: str, exec_id: str,
+                       created: bool = False) -> agent_pb2.WaitProcessResponse:
     """Blocks in the guest until the process exited and its output is whole."""
-    return await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**_ids(container_id, exec_id)))
+    return await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**_ids(container_id, exec_id, created)))
 
 
 async def read_output(client: AgentClient, container_id: str, exec_id: str, stdout_offset: int,
-                      stderr_offset: int, cut: Callable[[str], DataLoss]) -> AsyncIterator[handler_pb2.OutputChunk]:
+                      stderr_offset: int, cut: Callable[[str], DataLoss],
+                      created: bool = False) -> AsyncIterator[handler_pb2.OutputChunk]:
     """Both streams from their offsets, as the guest has them, until both
     ended. A stream the guest no longer has (the process removed, the VM
     gone) ends the iteration with cut(why)."""
@@ -76,7 +79,7 @@ async def read_output(client: AgentClient, container_id: str, exec_id: str, stdo
 
     async def pump(stream: int, method: str) -> None:
         while True:
-            request = agent_pb2.ReadStreamRequest(**_ids(container_id, exec_id),
+            request = agent_pb2.ReadStreamRequest(**_ids(container_id, exec_id, created),
                                                   offset=offsets[stream], max_bytes=READ_BYTES)
             answer = await client.call(method, request)
             if answer.data:
@@ -115,7 +118,7 @@ async def read_output(client: AgentClient, container_id: str, exec_id: str, stdo
 
 
 async def write_input(client: AgentClient, container_id: str, exec_id: str, offset: int, data: bytes,
-                      close: bool) -> int:
+                      close: bool, created: bool = False) -> int:
     """data at offset of the process's input (resent bytes are not written
     twice); close: it ends there. The input's length after it."""
     what = f"standard input of {exec_id or container_id}"
@@ -123,19 +126,20 @@ async def write_input(client: AgentClient, container_id: str, exec_id: str, offs
         length = offset
         if data or not close:
             answer = await client.call("WriteStdin", agent_pb2.WriteStreamRequest(
-                **_ids(container_id, exec_id), offset=offset, data=data))
+                **_ids(container_id, exec_id, created), offset=offset, data=data))
             length = answer.length
         if close:
-            await client.call("CloseStdin", agent_pb2.CloseStdinRequest(**_ids(container_id, exec_id)))
+            await client.call("CloseStdin", agent_pb2.CloseStdinRequest(**_ids(container_id, exec_id, created)))
         return length
     except ttrpc.TtrpcError as exc:
         raise handler_error(exc, what) from None
 
 
-async def signal_process(client: AgentClient, container_id: str, exec_id: str, signal: int) -> int:
+async def signal_process(client: AgentClient, container_id: str, exec_id: str, signal: int,
+                         created: bool = False) -> int:
     try:
         answer = await client.call("SignalProcess", agent_pb2.SignalProcessRequest(
-            **_ids(container_id, exec_id), signal=signal))
+            **_ids(container_id, exec_id, created), signal=signal))
     except ttrpc.TtrpcError as exc:
         raise handler_error(exc, f"signal to {exec_id or container_id}") from None
     return answer.signalled
@@ -148,6 +152,45 @@ async def remove_process(client: AgentClient, container_id: str, exec_id: str) -
     except ttrpc.TtrpcError as exc:
         raise handler_error(exc, f"removal of process {exec_id or container_id}") from None
     return answer.unread_bytes
+
+
+async def configure_guest(client: AgentClient, sysctls: dict[str, str], hostname: str) -> None:
+    """The pod's sysctls and hostname in the guest (ConfigureGuest)."""
+    request = agent_pb2.ConfigureGuestRequest(hostname=hostname, sysctls=[
+        agent_pb2.Sysctl(key=k, value=v) for k, v in sorted(sysctls.items())])
+    try:
+        await client.call("ConfigureGuest", request)
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, "the pod's sysctls and hostname") from None
+
+
+async def create_container(client: AgentClient, container_id: str, spec: dict, stdin: bool) -> int:
+    """The container made by the guest's crun from its spec (every source
+    placed), held before its process's exec; the pid of its process."""
+    request = agent_pb2.CreateContainerRequest(container_id=container_id, stdin=stdin,
+                                               oci_spec=json.dumps(spec, separators=(",", ":")).encode())
+    try:
+        return (await client.call("CreateContainer", request)).pid
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, f"container {container_id}") from None
+
+
+async def start_container(client: AgentClient, container_id: str) -> int:
+    """The container's process let run; answers once it was executed."""
+    try:
+        return (await client.call("StartContainer", agent_pb2.StartContainerRequest(container_id=container_id))).pid
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, f"the start of container {container_id}") from None
+
+
+async def remove_container(client: AgentClient, container_id: str) -> int:
+    """Every process of the container killed, crun's state and its cgroup
+    gone, its processes forgotten in the guest; their unread bytes."""
+    try:
+        return (await client.call("RemoveContainer",
+                                  agent_pb2.RemoveContainerRequest(container_id=container_id))).unread_bytes
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, f"the removal of container {container_id}") from None
 
 
 class ExitWatches:
@@ -170,7 +213,8 @@ class ExitWatches:
         return task is not None and not task.done()
 
     def watch(self, client: AgentClient, container_id: str, exec_id: str,
-              on_exit: Callable[[agent_pb2.WaitProcessResponse | None, str], Awaitable[None]]) -> None:
+              on_exit: Callable[[agent_pb2.WaitProcessResponse | None, str], Awaitable[None]],
+              created: bool = False) -> None:
         """on_exit(answer, "") once it exited; on_exit(None, why) when the
         guest cannot tell any more (its agent forgot it, the VM is gone)."""
         key = (container_id, exec_id)
@@ -181,7 +225,7 @@ class ExitWatches:
         async def run() -> None:
             try:
                 try:
-                    answer = await wait_process(client, container_id, exec_id)
+                    answer = await wait_process(client, container_id, exec_id, created)
                 except ttrpc.TtrpcError as exc:
                     await on_exit(None, exc.message)
                 else:
