@@ -72,10 +72,20 @@ async def code_of(awaitable) -> tuple[int, str]:
 
 
 def _held(c: ContainerAgent, container_id: str) -> bool:
-    """Whether the agent's namespace has the container's mount namespace
-    bound at its hold."""
-    mountinfo = Path(f"/proc/{c.agent_pid}/mountinfo").read_text()
-    return any(line.split()[4] == str(c.state.parent / "holds" / container_id) for line in mountinfo.splitlines())
+    """Whether the agent holds a descriptor of the container's mount
+    namespace (its process's, in crun's cgroup)."""
+    procs = unified_hierarchy() / "crust" / container_id / "ctr" / "cgroup.procs"
+    pids = procs.read_text().split() if procs.exists() else []
+    if not pids:
+        return False
+    own = os.readlink(f"/proc/{pids[0]}/ns/mnt")
+    return own in _holds(c)
+
+
+def _holds(c: ContainerAgent) -> list[str]:
+    """The mount namespaces the agent holds descriptors of."""
+    links = [os.readlink(fd) for fd in Path(f"/proc/{c.agent_pid}/fd").iterdir()]
+    return [link for link in links if link.startswith("mnt:")]
 
 
 def in_group(pid: int) -> list[str]:
@@ -115,7 +125,7 @@ def test_a_container_is_made_started_and_removed_by_the_agent(tmp_path, pod_cgro
                                            timeout=30)).pid
             removed = await client.call("RemoveContainer", agent_pb2.RemoveContainerRequest(container_id=cid),
                                         timeout=30)
-            released = not _held(c, cid) and not (tmp_path / "holds" / cid).exists()
+            released = _holds(c) == [] and not (tmp_path / "holds" / cid).exists()
             gone = await code_of(client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=10))
 
             # Made and never started: removing it leaves neither crun nor its hook waiting.
@@ -123,6 +133,18 @@ def test_a_container_is_made_started_and_removed_by_the_agent(tmp_path, pod_cgro
                 container_id=idle, oci_spec=container_spec(c, idle, "true")), timeout=30)).pid
             held = in_group(idle_pid)
             await client.call("RemoveContainer", agent_pb2.RemoveContainerRequest(container_id=idle), timeout=30)
+            # Killed before its start, it exited before it started: a start says so.
+            gone_early = f"early-{os.getpid()}"
+            await client.call("CreateContainer", agent_pb2.CreateContainerRequest(
+                container_id=gone_early, oci_spec=container_spec(c, gone_early, "true")), timeout=30)
+            await client.call("SignalProcess", agent_pb2.SignalProcessRequest(container_id=gone_early, signal=9),
+                              timeout=10)
+            await client.call("WaitProcess", agent_pb2.WaitProcessRequest(container_id=gone_early), timeout=30)
+            early = await code_of(client.call("StartContainer", agent_pb2.StartContainerRequest(
+                container_id=gone_early), timeout=30))
+            await client.call("RemoveContainer", agent_pb2.RemoveContainerRequest(container_id=gone_early),
+                              timeout=30)
+            assert early[0] == ttrpc.FAILED_PRECONDITION and "exited before it started" in early[1], early
             assert held_ns and released, (held_ns, released)
             return (details, pid, again, made, other, started, exit_, out, restarted, known_before, removed,
                     gone, held, in_group(idle_pid))

@@ -15,8 +15,8 @@ ever blocks in an open. A signal to a container made and not started goes
 to crun's process group (crun and its hook: neither waits for a start
 that never comes).
 
-The container's mount namespace is held (its nsfs file bound below
-HOLDS_DIR) from its making (or, when crun gives the process its own mount
+The container's mount namespace is held (a descriptor of it, and its
+nsfs file bound below HOLDS_DIR) from its making (or, when crun gives the process its own mount
 namespace only after the hook, from its start) until RemoveContainer: a container's processes
 mount the share's submounts they reach first in their own namespace, and
 its last exit would unmount them, maybe with a file's release still in
@@ -153,8 +153,9 @@ class Containers:
         self.runtime = runtime
         self.pod_cgroup = pod_cgroup
         self.holds = Path(holds)
-        self.held: set[str] = set()   # containers whose mount namespace is bound below holds
+        self.held: dict[str, int] = {}   # container id -> a descriptor of its mount namespace
         self.made: dict[str, bytes] = {}   # container id -> the state crun gave the hook (its process)
+        self.started: set[str] = set()   # containers whose process was started (a retry answers it)
         self.directory = Path(directory)
         self.gates: dict[str, Gate] = {}
         self.exits: dict[str, asyncio.Future] = {}
@@ -167,6 +168,10 @@ class Containers:
             return await self.table._answer_retry(known)
         if (Path(self.runtime.root) / container_id).exists():
             raise AgentError(ttrpc.ALREADY_EXISTS, f"container_id: {container_id!r} exists in the OCI runtime")
+        # An id used again after a removal the shell agent did: nothing of the
+        # earlier container counts.
+        with contextlib.suppress(OSError):
+            self._release_namespace(container_id)
         gate = Gate(self.directory / container_id)
         try:
             spec = guest_bundle(spec_json, gate)
@@ -202,35 +207,45 @@ class Containers:
         return process
 
     def _hold_namespace(self, container_id: str, state: bytes) -> None:
-        """The container's mount namespace bound at HOLDS_DIR/<id>, from its
-        process (the pid of the state crun gave the hook), once that has a
-        namespace of its own (binding the agent's own would be a loop)."""
-        hold = self.holds / container_id
+        """The container's mount namespace held, from its process (the pid
+        of the state crun gave the hook) once that has a namespace of its
+        own: by a descriptor of it, the hold itself, and by a bind of it at
+        HOLDS_DIR/<id>, which shows in the guest's mount table (some
+        kernels refuse that bind; the descriptor holds all the same)."""
         try:
             pid = int(json.loads(state)["pid"])
-            if os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino:
-                return
-            self.holds.mkdir(mode=0o700, parents=True, exist_ok=True)
-            hold.touch(mode=0o600)
-            sysmount.mount_path(f"/proc/{pid}/ns/mnt", str(hold), "", ["bind"])
+            fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("container %s: its mount namespace not held: %s", container_id, exc)
-            hold.unlink(missing_ok=True)
             return
-        self.held.add(container_id)
+        if os.fstat(fd).st_ino == os.stat("/proc/self/ns/mnt").st_ino:
+            os.close(fd)   # the agent's own: the container has none of its own yet
+            return
+        self.held[container_id] = fd
+        hold = self.holds / container_id
+        try:
+            self.holds.mkdir(mode=0o700, parents=True, exist_ok=True)
+            hold.touch(mode=0o600)
+            sysmount.mount_path(f"/proc/self/fd/{fd}", str(hold), "", ["bind"])
+        except OSError as exc:
+            log.info("container %s: its mount namespace held by a descriptor only: %s", container_id, exc)
+            hold.unlink(missing_ok=True)
 
     def _release_namespace(self, container_id: str) -> None:
         """What _hold_namespace held: the container's mounts go now."""
         self.made.pop(container_id, None)
-        self.held.discard(container_id)
+        self.started.discard(container_id)
+        fd = self.held.pop(container_id, None)
+        if fd is not None:
+            os.close(fd)
         hold = self.holds / container_id
         if not hold.exists():
             return
-        fd = os.open(self.holds, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        directory = os.open(self.holds, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            sysmount.unmount_beneath(fd, container_id)
+            sysmount.unmount_beneath(directory, container_id)
         finally:
-            os.close(fd)
+            os.close(directory)
         hold.unlink(missing_ok=True)
 
     async def _closed_at_exit(self, container_id: str, process: Process, gate: Gate) -> None:
@@ -243,7 +258,10 @@ class Containers:
     async def start(self, container_id: str) -> Process:
         process = self.table.get(container_id, "")
         if process.state != CREATED:
-            return process   # started already (a retry), or exited since
+            if container_id not in self.started:
+                raise AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: {container_id!r} exited before it "
+                                                           f"started (its exit is in WaitProcess)")
+            return process   # started already (a retry), also once it exited
         start = self.starts.get(container_id)
         if start is None:
             start = self.starts[container_id] = asyncio.ensure_future(self._start(container_id, process))
@@ -261,6 +279,7 @@ class Containers:
             # crun gives the process a mount namespace of its own after the
             # hook when it joins other namespaces by path (the pod's).
             self._hold_namespace(container_id, self.made.get(container_id, b""))
+        self.started.add(container_id)
         if process.state == CREATED:
             process.state = RUNNING
 
