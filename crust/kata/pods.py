@@ -983,11 +983,11 @@ class Pods(PodProcesses):
         if not c.runtime_mounts or p.terminal or client is None or client.closed or \
                 not port.has("container.create"):
             return
-        if c.oci.sysctls or c.oci.hostname:
-            await port_process.configure_guest(client, c.oci.sysctls, c.oci.hostname)
         c.created_on_port = p.on_port = True   # recorded first: a failed create is removed on the port
         await self.records.put(pod.sandbox_id, pod)
         try:
+            if c.oci.sysctls or c.oci.hostname:
+                await port_process.configure_guest(client, c.oci.sysctls, c.oci.hostname)
             await port_process.create_container(client, c.container_id, c.oci.spec, p.stdin)
         except BaseException as exc:
             log.warning("container create failed; undoing it", extra={"fields": {
