@@ -16,11 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from crust.common.ttrpc import TtrpcError
 from crust.kata.image import GUEST_CFLAGS
 
 REPO = Path(__file__).resolve().parent.parent
 ENTER_SOURCE = REPO / "crust" / "kata" / "guest" / "enter.c"
 APPLETS = ("sh", "sleep", "echo", "hostname", "cat", "grep", "readlink", "env", "sort", "mkdir", "id")
+
+
+async def code_of(awaitable) -> tuple[int, str]:
+    """(code, message) of the TtrpcError the call must fail with."""
+    try:
+        await awaitable
+    except TtrpcError as exc:
+        return exc.code, exc.message
+    raise AssertionError("the call did not fail")
 
 
 def wait_listening(proc: subprocess.Popen, path: Path, log: Path, timeout: float) -> None:

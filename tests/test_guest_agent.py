@@ -16,10 +16,15 @@ import pytest
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.common.ttrpc import TtrpcError
 from crust.guest.oci import OciRuntime
 from crust.kata.agent_client import AgentClient
-from tests.guest_container import REPO, crun_container_agent, stop, wait_listening
+from tests.guest_container import (
+    REPO,
+    code_of,
+    crun_container_agent,
+    stop,
+    wait_listening,
+)
 
 
 @pytest.fixture
@@ -58,12 +63,6 @@ async def read_all(client, exec_id: str, method: str = "ReadStdout") -> bytes:
         offset += len(rsp.data)
         if rsp.eof:
             return bytes(data)
-
-
-async def code_of(awaitable) -> tuple[int, str]:
-    with pytest.raises(TtrpcError) as failed:
-        await awaitable
-    return failed.value.code, failed.value.message
 
 
 def test_details_name_the_capabilities_and_limits(agent):

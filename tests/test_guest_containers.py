@@ -17,11 +17,10 @@ import pytest
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.common.ttrpc import TtrpcError
 from crust.guest import guestconf
 from crust.guest.errors import AgentError
 from crust.kata.agent_client import AgentClient
-from tests.guest_container import ContainerAgent, crun_container_agent
+from tests.guest_container import ContainerAgent, code_of, crun_container_agent
 
 
 def unified_hierarchy() -> Path:
@@ -63,12 +62,6 @@ def container_spec(c: ContainerAgent, container_id: str, *args: str) -> bytes:
 
 def crun_knows(c: ContainerAgent, container_id: str) -> bool:
     return (c.state / container_id).exists()
-
-
-async def code_of(awaitable) -> tuple[int, str]:
-    with pytest.raises(TtrpcError) as failed:
-        await awaitable
-    return failed.value.code, failed.value.message
 
 
 def _held(c: ContainerAgent, container_id: str) -> bool:

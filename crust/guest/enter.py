@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from crust.guest.oci import start_time
+
 # The namespace types of /proc/PID/ns and their clone flags.
 NAMESPACE_FLAGS = {"mnt": 0x00020000, "uts": 0x04000000, "ipc": 0x08000000, "net": 0x40000000,
                    "cgroup": 0x02000000}
@@ -163,9 +165,7 @@ def prepare(program: str, runtime_root: str, container_id: str, process: dict[st
         entry.fds.append(pidfd)
         # The pidfd names the process only if it is still the one crun
         # started (its pid may have been reused before the open).
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        if int(fields[19]) != started:
+        if start_time(pid) != started:
             raise ProcessLookupError(f"container {container_id!r}: its first process is gone")
         flags = sum(flag for kind, flag in NAMESPACE_FLAGS.items() if _namespace(pid, kind) != _namespace("self", kind))
         argv += [f"pidfd={pidfd}", f"ns={flags}"]

@@ -61,12 +61,9 @@ class OciRuntime:
         try:
             state = json.loads((directory / "status").read_bytes())
             pid, started = int(state["pid"]), int(state["process-start-time"])
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
+        except (OSError, ValueError, KeyError, TypeError):
             return False
-        # Field 22 of stat, the start time, is the 20th after the name.
-        return len(fields) > 19 and int(fields[19]) == started and not (directory / "exec.fifo").exists()
+        return start_time(pid) == started and not (directory / "exec.fifo").exists()
 
     async def status(self, container_id: str) -> str | None:
         """crun's status of the container ("running", "stopped", ...), None
@@ -96,6 +93,17 @@ class OciRuntime:
         for path in self.exec_files(container_id, exec_id):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+
+
+def start_time(pid: int) -> int | None:
+    """A process's start time (field 22 of /proc/PID/stat, the 20th after
+    its name), what tells it from a later process of the same pid; None
+    when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 async def wait_pid_file(path: Path, runtime_exited: asyncio.Future, timeout: float = PID_FILE_WAIT) -> int:
