@@ -986,7 +986,7 @@ def test_one_poll_reports_each_processs_state_and_output_sizes(root):
 
 def test_a_submount_pinned_in_the_agents_namespace_survives_exits_killed_in_exec(root):
     """Why the handler has the agent look up a container's submounts first
-    (crust.kata.pods, "pinned in the agent's namespace"). A process in a
+    (crust.kata.pod_containers, "no container's exit unmounts a virtio-fs submount"). A process in a
     mount namespace of its own, its root a virtio-fs submount of the share
     (a bind on the host, announced by virtiofsd), killed while it execs a
     binary from there: its exit drops the namespace with the file's release

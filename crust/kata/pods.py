@@ -7,41 +7,7 @@ shared directories (crust.kata.share), each served by a virtiofsd of the
 VM and mounted once by the guest: the share, and the live share for the
 volumes kubelet's atomic writer updates (their lookups never cached):
 
-- a container's root file system is a bind of the bundle's rootfs
-  (containerd's snapshot) in the share, bound by the guest at
-  /run/crust/containers/<id>/rootfs, with /proc and a small /dev:
-  nothing is copied, and the container's writes land where runc's would;
-- a host-path bind (emptyDir, configMap, secret, projected, downward API,
-  hostPath, /etc/hosts and the like) is a bind in a share, one per path
-  and mode for the whole pod, read-only where the mount says so, and bound
-  into the container by the guest: every
-  container of the pod sees the same directory, the host's updates (the
-  atomic writer's renamed ..data) arrive and the container's writes reach
-  the host;
-- an emptyDir of medium Memory and the pod's /dev/shm are tmpfs in the
-  guest, one per pod, shared by its containers (no host memory);
-- a bind whose source is a deferred volume (or a Kata direct volume) is
-  resolved, claimed for the pod, device-checked, hot-plugged and mounted by
-  the guest once per pod (the handler's own machinery), then bound into the
-  container's root; the share never holds a deferred target or a block
-  device's file system;
-- every destination is resolved inside the container's root (the agent's
-  secure_join: a link in the image never leads a bind out of it);
-- no container's exit unmounts a virtio-fs submount: when the last mount
-  of one went with a file's release still in flight (the guest kernel
-  releases virtio-fs files asynchronously), Debian 12's 6.1 kernel stopped
-  at `VFS: Busy inodes after unmount` (a BUG) and the exiting process
-  never left. So the agent looks up the container's root, each share
-  bind and each mount below a bind that does not follow the host
-  (`reach`) before crun runs: they are mounted in the agent's namespace
-  first, the container's namespace holds copies (the root's is unmounted
-  in the agent's when the container is removed). What a container mounts
-  itself on first use (a mount the host made below a followed bind,
-  which must stay the host's to unmount) is in its own namespace only:
-  the agent holds that namespace from the container's start until it is
-  removed (agent 14), so the unmount happens then, long after the exit
-  (and before the container's volumes are unmounted: the namespace holds
-  their binds too);
+- a container's root, its binds and its volumes: crust.kata.pod_containers;
 - a container's process runs under crun in the guest, from the spec
   containerd wrote rewritten for the guest (crust.kata.guest_oci: its
   user and groups, capabilities, no_new_privs, seccomp, masked and
@@ -79,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -88,9 +53,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from crust.api import handler_pb2
-from crust.common import inroot
 from crust.common.errors import (
-    Aborted,
     AlreadyExists,
     CrustError,
     FailedPrecondition,
@@ -103,25 +66,20 @@ from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata import guest_oci, port_process
 from crust.kata.agent import (
-    AGENT_REACH,
-    AGENT_SUBPATH,
-    SHM_TMPFS,
     AgentError,
     GuestGone,
 )
-from crust.kata.pod_processes import POLL, PORT_WAIT, PodProcesses
+from crust.kata.pod_containers import PodContainers, raw_spec
+from crust.kata.pod_processes import POLL
 from crust.kata.pod_records import (
-    GUEST_CONTAINERS,
     VM_GONE_EXIT_CODE,
     ContainerRecord,
-    GuestContainer,
     PodNetwork,
     PodRecord,
     ProcessRecord,
     output_name,
 )
 from crust.kata.pool import VmPool
-from crust.kata.port_agent import AGENT_START_WAIT
 from crust.kata.portforward import PortForwarder
 from crust.kata.process_watch import ProcessWatch
 from crust.kata.qemu import Nic, SharedDir, Vm, VmError
@@ -130,14 +88,11 @@ from crust.kata.sandbox import KataSandbox
 from crust.kata.share import (
     PodShare,
     ShareError,
-    cached_in_guest,
-    is_atomic_writer_volume_root,
     tag_of,
 )
 from crust.kata.template import VmTemplate, restore_config
-from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
-from crust.runtime_handler.oci import load_requested_bundle
-from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, pod_volumes
+from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord
+from crust.runtime_handler.resolve import pod_volumes
 from crust.sys import mount as mounts
 from crust.sys import podnet
 
@@ -146,12 +101,6 @@ log = logging.getLogger(__name__)
 Status = handler_pb2.ProcessState.Status
 Stream = handler_pb2.OutputChunk.Stream
 
-# Mounts the OCI spec lists that the guest gives the container itself
-# (/proc, /dev) or that a VM has no use for.
-PSEUDO_TYPES = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2", "shm"}
-# kubelet's directories (crust/kubelet/volumes.py has the layout).
-EMPTY_DIR = "kubernetes.io~empty-dir"
-SUBPATHS = "volume-subpaths"
 TAP = "crust0"                # the VM's tap in the pod's network namespace
 # containerd's annotations on a pod sandbox's spec (its CRI plugin).
 SANDBOX_UID = "io.kubernetes.cri.sandbox-uid"
@@ -163,7 +112,7 @@ def _sandbox_spec(bundle: str) -> dict:
     nothing when the bundle has none to read."""
     if not bundle or not (Path(bundle) / "config.json").is_file():
         return {}
-    return _raw_spec(bundle)
+    return raw_spec(bundle)
 
 
 def network_namespace(spec: dict) -> str:
@@ -189,73 +138,7 @@ def pod_uid(spec: dict) -> str:
     return uid if uid and "/" not in uid and uid not in (".", "..") else ""
 
 
-def _raw_spec(bundle: str) -> dict:
-    """The bundle's config.json as written (load_requested_bundle checked it
-    reads; its model keeps only the fields crust itself uses)."""
-    try:
-        return json.loads((Path(bundle) / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"bundle {bundle}: config.json: {exc}") from None
-
-
-def _is_bind(m) -> bool:
-    return m.type == "bind" or "bind" in m.options or "rbind" in m.options
-
-
-def _tmpfs_size(entry) -> str:
-    return next((o.split("=", 1)[1] for o in entry.super_options if o.startswith("size=")), "")
-
-
-def memory_empty_dir(source: str) -> tuple[str, str, str] | None:
-    """(name, subpath, size) when source is an emptyDir of medium Memory (a
-    tmpfs kubelet mounted at pods/<uid>/volumes/kubernetes.io~empty-dir/<name>)
-    or kubelet's bind of a subPath of one (pods/<uid>/volume-subpaths/<name>/
-    <container>/<index>, a bind of a directory in that tmpfs); size is the
-    tmpfs's size= option (kubelet's sizeLimit or the node's bound), which
-    the guest's tmpfs keeps."""
-    parts = source.split("/")
-    for i in range(len(parts) - 1, 0, -1):
-        if parts[i - 1] != "pods":
-            continue
-        pod_dir, rest = "/".join(parts[: i + 1]), parts[i + 1:]
-        if len(rest) >= 3 and rest[0] == "volumes" and rest[1] == EMPTY_DIR:
-            top = mounts.at(f"{pod_dir}/volumes/{EMPTY_DIR}/{rest[2]}")
-            if top is not None and top.fs_type == "tmpfs":
-                return rest[2], "/".join(rest[3:]), _tmpfs_size(top)
-        elif len(rest) == 4 and rest[0] == SUBPATHS:
-            top = mounts.at(f"{pod_dir}/volumes/{EMPTY_DIR}/{rest[1]}")
-            bound = mounts.at(source)
-            if (top is not None and bound is not None and top.fs_type == "tmpfs"
-                    and (bound.major, bound.minor) == (top.major, top.minor)):
-                inside = os.path.relpath(bound.root, top.root)
-                if inside == ".." or inside.startswith("../"):
-                    return None
-                return rest[1], "" if inside == "." else inside, _tmpfs_size(top)
-        return None
-    return None
-
-
-def _make_mount_points(rootfs: Path, binds: list[tuple]) -> None:
-    """Each bind's mount point made in the container's root file system on
-    the host, before the guest sees it (crust.common.inroot: resolved
-    inside the root, as runc makes them): a directory, a file for a host
-    file, only the directories above it for a volume's subpath (which the
-    guest knows)."""
-    for m, kind, what in binds:
-        if kind == "volume":
-            shape = "parents" if what[0].subpath else "dir"
-        elif kind == "host":
-            shape = "dir" if os.path.isdir(m.source) else "file"
-        else:
-            shape = "dir"
-        try:
-            inroot.make_mount_point(str(rootfs), m.destination, shape)
-        except OSError as exc:
-            raise FailedPrecondition(f"mount {m.destination}: no mount point can be made in the container's "
-                                     f"root file system: {exc.strerror or exc}") from None
-
-
-class Pods(PodProcesses):
+class Pods(PodContainers):
     def __init__(self, handler: RuntimeHandler, pool: VmPool | None = None, template: VmTemplate | None = None):
         self.handler = handler
         self.pool = pool   # VMs booted ahead (crust.kata.pool); a pod takes one when it can
@@ -738,471 +621,3 @@ class Pods(PodProcesses):
                 container_ids=sorted(pod.containers),
                 target_paths=sorted(v.target_path for v in entry[1].volumes.values()) if entry else []))
         return out
-
-    # -- containers --------------------------------------------------------------------------
-
-    async def create_container(self, sandbox_id: str, container_id: str, bundle: str, stdin: bool = False) -> None:
-        if not valid_key(container_id):
-            raise InvalidArgument(f"container_id {container_id!r} must be {KEY_RULE}")
-        spec = load_requested_bundle(bundle)
-        rootfs = Path(bundle) / (spec.root.path if spec.root else "rootfs")
-        if not rootfs.is_dir():
-            raise InvalidArgument(f"bundle {bundle}: its root file system {rootfs} is no directory")
-        async with self.locks[sandbox_id]:
-            try:
-                pod, existing = self._find(container_id)
-            except NotFound:
-                existing = None
-            if existing is not None:
-                if pod.sandbox_id == sandbox_id and existing.bundle == bundle:
-                    return  # made already (a retried call)
-                raise AlreadyExists(f"container_id {container_id!r} exists in pod {pod.sandbox_id}")
-            if container_id in self._creating:
-                raise Aborted(f"container_id {container_id!r} is being created; retry later")
-            sandbox, _, pod = self._live(sandbox_id)
-            oci = None
-            spec_dict = _raw_spec(bundle)
-            terminal = bool((spec_dict.get("process") or {}).get("terminal"))
-            if (stdin or terminal) and not pod.guest_runtime:
-                raise FailedPrecondition(f"pod {sandbox_id} runs a guest without an OCI runtime: its containers "
-                                         f"have no {'terminal' if terminal else 'standard input'}")
-            if pod.guest_runtime:
-                pod_pid = ""
-                if guest_oci.needs_pod_pid_namespace(spec_dict):
-                    pod_pid = await sandbox._agent(sandbox.vm.agent.pod_pid_namespace())
-                guest, sysctls, hostname = guest_oci.guest_spec(
-                    spec_dict, f"{GUEST_CONTAINERS}/{container_id}/rootfs", container_id, pod_pid)
-                oci = GuestContainer(spec=guest, sysctls=sysctls, hostname=hostname)
-            self._creating.add(container_id)
-        try:
-            # Resolving (up to ENTRY_WAIT for a new entry) without the pod's
-            # lock: the other containers' starts, execs and deletes go on meanwhile.
-            binds = await self._plan(spec)
-            user = spec.process.user
-            c = ContainerRecord(
-                container_id=container_id, bundle=bundle, readonly_root=bool(spec.root and spec.root.readonly), oci=oci,
-                processes={"": ProcessRecord(args=spec.process.args, env=spec.process.env, cwd=spec.process.cwd,
-                                             uid=user.uid if user else 0, gid=user.gid if user else 0,
-                                             terminal=terminal, stdin=stdin)})
-            started = time.monotonic()
-            await self._ahead_settled(sandbox_id)
-            async with self.locks[sandbox_id]:
-                sandbox, record, pod = self._live(sandbox_id)
-                with self.handler.inflight.hold(sandbox_id, container_id):
-                    await self._attach_container(sandbox, record, pod, c, rootfs, binds)
-            if oci is not None and not terminal:
-                # crun makes the container through the guest's Python agent,
-                # for which a VM booted a moment ago waits here (without the
-                # pod's lock), not at the container's start.
-                await sandbox.vm.port.ready(wait=AGENT_START_WAIT)
-                async with self.locks[sandbox_id]:
-                    sandbox, record, pod = self._live(sandbox_id)
-                    if pod.containers.get(container_id) is c:
-                        with self.handler.inflight.hold(sandbox_id, container_id):
-                            await self._create_on_port(sandbox, record, pod, c)
-        finally:
-            self._creating.discard(container_id)
-        log.info("container created", extra={"fields": {
-            "sandbox": sandbox_id, "container": container_id, "seconds": round(time.monotonic() - started, 3),
-            "volumes": len(c.volumes), "binds": len(binds)}})
-
-    async def _plan(self, spec) -> list[tuple]:
-        """The binds in the spec's order, each (mount, kind, what): kind
-        "volume" (what: the resolved deferred volume and whether it is a
-        Kata direct volume), "tmpfs" (what: the pod tmpfs's name and a
-        subpath in it) or "host" (what: None, a bind through the share).
-        Refuses a deferred target that has no entry, and a host path that
-        leads to a CSI volume's path, before anything is touched."""
-        binds = []
-        for m in spec.mounts:
-            if not _is_bind(m):
-                if m.type not in PSEUDO_TYPES:
-                    log.info("mount type not given to a guest container", extra={"fields": {
-                        "destination": m.destination, "type": m.type}})
-                continue
-            if not m.source.startswith("/"):
-                raise InvalidArgument(f"mount {m.destination}: source {m.source!r} must be an absolute path")
-            try:
-                resolved, direct = self.handler._resolve(m.source)
-                if resolved is None and CSI_DIR in m.source.split("/"):
-                    resolved, direct = await self.handler._wait_resolve(m.source)
-            except SubpathEscapes as exc:
-                raise InvalidArgument(str(exc)) from None
-            if resolved is not None:
-                binds.append((m, "volume", (resolved, direct)))
-                continue
-            if CSI_DIR in m.source.split("/"):
-                self.handler._refuse_unseen_deferred(m.source)
-            if not os.path.lexists(m.source):
-                raise FailedPrecondition(f"mount {m.destination}: source {m.source} does not exist")
-            real = os.path.realpath(m.source)
-            if CSI_DIR in real.split("/"):
-                # A link (or a bind of kubelet's) to a CSI volume's path: that
-                # is a deferred volume's target or its placeholder, which
-                # reaches a container only as the volume, through its claim.
-                raise InvalidArgument(f"mount {m.destination}: source {m.source} leads to a CSI volume's path "
-                                      f"({real}); a CSI volume is mounted by its own path only")
-            if m.destination == "/dev/shm":
-                binds.append((m, "tmpfs", (SHM_TMPFS, "", "")))
-                continue
-            memory = memory_empty_dir(m.source)
-            binds.append((m, "tmpfs", memory) if memory is not None else (m, "host", None))
-        return binds
-
-    async def _attach_container(self, sandbox: KataSandbox, record: SandboxRecord, pod: PodRecord,
-                                c: ContainerRecord, rootfs: Path, binds: list[tuple]) -> None:
-        """The container's root and binds into the share and the guest; undone on failure."""
-        container_id = c.container_id
-        share, live = self._shares(pod.sandbox_id, sandbox)
-        if live.tag not in sandbox.vm.virtiofsds:
-            live = share   # a pod started before the live share (its VM has none)
-        agent = sandbox.vm.agent
-        pod.containers[container_id] = c   # recorded before the guest sees it: a delete knows what to undo
-        await self.records.put(pod.sandbox_id, pod)
-        new_volumes: list[str] = []
-        # crun mounts the container's root and binds (agent 11 makes its
-        # sources ready: reach); an older guest's agent binds them itself.
-        runtime_mounts = c.oci is not None and agent.version >= AGENT_REACH
-        if c.oci is not None and not runtime_mounts:
-            guest_oci.leave_binds_to_agent(c.oci.spec)
-        try:
-            if runtime_mounts:
-                await asyncio.to_thread(_make_mount_points, rootfs, binds)
-            try:
-                guest_rootfs = await asyncio.to_thread(share.add_rootfs, container_id, rootfs)
-            except (ShareError, OSError) as exc:
-                raise FailedPrecondition(f"container {container_id}: its root file system {rootfs} cannot be "
-                                         f"shared with the VM: {exc}") from None
-            if not runtime_mounts:
-                await sandbox._agent(agent.bind(guest_rootfs, c.root, readonly=False))
-                await sandbox._agent(agent.container_setup(c.root))
-            # In the spec's order: a later bind may land inside an earlier
-            # one. Each source is made ready first (bound in a share, copied
-            # in the guest, the pod's tmpfs, a volume hot-plugged and
-            # mounted), then all are bound in the container: by crun when it
-            # starts it (guest_oci.place_mounts), else by the agent, in one
-            # request.
-            planned: list[tuple[str, str, bool]] = []   # guest source, destination, read-only
-            shared_sources: list[str] = []   # the share's binds and the mounts below them, pinned
-            views: list[tuple[int, str, VolumeView]] = []   # (index in planned, volume key, its view)
-            for index, (m, kind, what) in enumerate(binds):
-                readonly = "ro" in m.options
-                if kind == "host":
-                    try:
-                        into = share if cached_in_guest(m.source) else live
-                        follow = bool({"rslave", "rshared", "slave", "shared"} & set(m.options))
-                        shared = await asyncio.to_thread(into.add_bind, m.source, readonly, "rbind" in m.options,
-                                                         follow)
-                    except (ShareError, OSError) as exc:
-                        raise FailedPrecondition(f"mount {m.destination}: {m.source} cannot be shared with the "
-                                                 f"VM: {exc}") from None
-                    if readonly and into is not share and is_atomic_writer_volume_root(m.source) \
-                            and not shared.submounts:
-                        planned.append((await self._mirror(sandbox, shared.guest), m.destination, True))
-                        continue
-                    # Read-only at the top on the host (virtiofsd writes as the
-                    # host's mounts allow); in the guest only when nothing is
-                    # below it: the guest mounts what is below on first use,
-                    # and a mount there takes the flags of the one it is in,
-                    # so a read-only bind would make the submounts read-only
-                    # too (a non-recursive read-only bind keeps their mode).
-                    guest_readonly = readonly and not (shared.submounts or follow)
-                    planned.append((shared.guest, m.destination, guest_readonly))
-                    # A followed bind's mounts are not: held in the guest for
-                    # the pod's life, the host could not unmount them.
-                    shared_sources += [shared.guest, *(() if follow else shared.below)]
-                    continue
-                if kind == "tmpfs":
-                    name, subpath, size = what
-                    source = await sandbox._agent(agent.pod_tmpfs(name, size))
-                    if subpath:
-                        source = await self._subpath(sandbox, source, subpath, container_id, index, strict=False,
-                                                     what=f"mount {m.destination}: subPath {subpath!r} of the "
-                                                          f"emptyDir {name}")
-                    planned.append((source, m.destination, readonly))
-                    continue
-                resolved, direct = what
-                key = resolved.digest
-                view = VolumeView(destination=c.root + m.destination, subpath=resolved.subpath, readonly=readonly)
-                if key in record.volumes and not record.volumes[key].ready:
-                    # A mount (ahead of the pod's containers, or of one that
-                    # failed) that could not be undone then: undone now.
-                    await self._give_back(sandbox, record, key)
-                if key not in record.volumes:
-                    new_volumes.append(key)
-                    await self.handler._mount_volume(sandbox, record, key, resolved.info, [], direct)
-                    await self.handler.records.put(pod.sandbox_id, record)
-                volume = record.volumes[key]
-                source = volume.mount_point
-                if view.subpath:
-                    source = await self._subpath(sandbox, volume.mount_point, view.subpath, container_id, index,
-                                                 strict=True, what=f"mount {m.destination}: subpath "
-                                                                   f"{view.subpath!r} of volume {resolved.info.volume_id}")
-                views.append((len(planned), key, view))
-                planned.append((source, m.destination, view.readonly or volume.readonly))
-            if runtime_mounts:
-                # The root too (the module docstring: no exit unmounts a submount).
-                await sandbox._agent(agent.reach(sorted({guest_rootfs, *shared_sources})))
-                guest_oci.place_mounts(c.oci.spec, guest_rootfs, [(source, ro) for source, _, ro in planned])
-                c.runtime_mounts = True
-            else:
-                targets = await self._bind_all(sandbox, c.root, planned)
-                for index, _, view in views:
-                    view.destination = targets[index]
-            for _, key, view in views:
-                record.volumes[key].views.append(view)
-                c.volumes.setdefault(key, []).append(view)
-            if c.readonly_root and not c.runtime_mounts:
-                # This mount of the root only, once every mount point below
-                # it was made: the binds and /proc, /dev keep their modes.
-                await sandbox._agent(agent.remount_readonly(c.root))
-            await self.handler.records.put(pod.sandbox_id, record)
-            await self.records.put(pod.sandbox_id, pod)
-        except BaseException as exc:
-            log.warning("container create failed; undoing it", extra={"fields": {
-                "sandbox": pod.sandbox_id, "container": container_id, "error": str(exc)[:500]}})
-            for key in new_volumes:   # also those that failed half way (claimed, not mounted)
-                c.volumes.setdefault(key, [])
-            try:
-                await self._remove_container(sandbox, record, pod, c)
-            except CrustError as undo:
-                log.error("could not undo a failed container create", extra={"fields": {
-                    "sandbox": pod.sandbox_id, "container": container_id, "error": undo.message}})
-            raise
-
-    async def _create_on_port(self, sandbox: KataSandbox, record: SandboxRecord, pod: PodRecord,
-                              c: ContainerRecord) -> None:
-        """crun makes the container now, through the guest's Python agent
-        (CreateContainer: held before its process's exec), so that its
-        start is only what comes after. Not for a process on a terminal, nor
-        when the agent is not connected or cannot: the container's script
-        runs crun at its start then."""
-        p = c.processes[""]
-        port = sandbox.vm.port
-        client = port.client
-        if not c.runtime_mounts or p.terminal or client is None or client.closed or \
-                not port.has("container.create"):
-            return
-        c.created_on_port = p.on_port = True   # recorded first: a failed create is removed on the port
-        await self.records.put(pod.sandbox_id, pod)
-        try:
-            if c.oci.sysctls or c.oci.hostname:
-                await port_process.configure_guest(client, c.oci.sysctls, c.oci.hostname)
-            await port_process.create_container(client, c.container_id, c.oci.spec, p.stdin)
-        except BaseException as exc:
-            log.warning("container create failed; undoing it", extra={"fields": {
-                "sandbox": pod.sandbox_id, "container": c.container_id, "error": str(exc)[:500]}})
-            try:
-                await self._remove_container(sandbox, record, pod, c)
-            except CrustError as undo:
-                log.error("could not undo a failed container create", extra={"fields": {
-                    "sandbox": pod.sandbox_id, "container": c.container_id, "error": undo.message}})
-            raise
-
-    @staticmethod
-    async def _subpath(sandbox: KataSandbox, root: str, subpath: str, container_id: str, index: int, strict: bool,
-                       what: str) -> str:
-        """The guest path of subpath below root, bound by the agent from a
-        descriptor opened without leaving root (another container of the
-        pod may swap a name in a shared volume for a symlink meanwhile); a
-        subpath that leaves its volume is refused, naming it."""
-        agent = sandbox.vm.agent
-        if agent.version < AGENT_SUBPATH:
-            raise FailedPrecondition(f"{what}: the pod's guest agent ({agent.version}) cannot bind a subPath from "
-                                     f"a descriptor (agent {AGENT_SUBPATH} can): start the pod again")
-        try:
-            return await sandbox._agent(agent.subpath(root, subpath, container_id, index, strict))
-        except FailedPrecondition as exc:
-            raise InvalidArgument(f"{what}: {exc.message}") from None
-
-    @staticmethod
-    async def _bind_all(sandbox: KataSandbox, root: str, planned: list[tuple[str, str, bool]]) -> list[str]:
-        """Each (guest source, destination, read-only) bound in the container
-        whose root is mounted at root, in order; the guest paths bound. A
-        guest whose agent predates cbinds (a VM booted before agent 8) binds
-        them one request at a time."""
-        if not planned:
-            return []
-        agent = sandbox.vm.agent
-        try:
-            return await sandbox._agent(agent.container_binds(root, planned))
-        except CrustError as exc:
-            if "unknown command" not in exc.message:
-                raise
-        return [await sandbox._agent(agent.container_bind(root, source, destination, readonly))
-                for source, destination, readonly in planned]
-
-    @staticmethod
-    async def _mirror(sandbox: KataSandbox, shared: str) -> str:
-        """The guest's copy of an atomic-writer volume bound in the live share
-        at shared (agent 7); a guest whose agent has no mirror (a VM booted
-        before it) reads the share itself."""
-        try:
-            return await sandbox._agent(sandbox.vm.agent.mirror(shared.rsplit("/", 1)[1], shared))
-        except CrustError as exc:
-            if "unknown command" in exc.message:
-                return shared
-            raise
-
-    async def _remove_container(self, sandbox: KataSandbox | None, record: SandboxRecord | None, pod: PodRecord,
-                                c: ContainerRecord) -> None:
-        """Unmount the container's root and binds in the guest, give back the
-        volumes no other container of the pod uses, take its binds out of the
-        share. Every step may run again."""
-        errors: list[str] = []
-        alive = sandbox is not None and sandbox.alive()
-        if alive and not c.runtime_mounts:
-            try:
-                await sandbox._agent(sandbox.vm.agent.umount_all(c.root))
-            except CrustError as exc:
-                errors.append(exc.message)
-        if alive and c.created_on_port:
-            # Its processes killed and forgotten, crun's state and its cgroup
-            # gone: by the agent that made it.
-            try:
-                client = await sandbox.vm.port.ready(wait=PORT_WAIT)
-                if client is None:
-                    raise Unavailable(f"container {c.container_id}: the guest's agent port is not open")
-                await port_process.remove_container(client, c.container_id)
-            except CrustError as exc:
-                errors.append(exc.message)
-        if alive and c.oci is not None:
-            # First: the agent holds the container's mount namespace until
-            # then, and with it the container's binds of its volumes, whose
-            # file systems must be unmounted everywhere before their disks go.
-            try:
-                await sandbox._agent(sandbox.vm.agent.container_forget(c.container_id))
-            except CrustError as exc:
-                errors.append(exc.message)
-        if record is not None:
-            for key in list(c.volumes):
-                volume = record.volumes.get(key)
-                if volume is not None:
-                    volume.views = [v for v in volume.views if not v.destination.startswith(c.root + "/")]
-                others = any(key in o.volumes for o in pod.containers.values() if o is not c)
-                if volume is not None and not others:
-                    try:
-                        await self._give_back(sandbox if alive else None, record, key)
-                    except CrustError as exc:
-                        errors.append(exc.message)
-                        continue
-                c.volumes.pop(key, None)
-            if pod.sandbox_id in self.handler.sandboxes:
-                await self.handler.records.put(pod.sandbox_id, record)
-        if alive:
-            # The root's mount in the agent's namespace (pinned there while
-            # the container lived); the container's own copies went with it.
-            try:
-                root = self._share(pod.sandbox_id, sandbox=sandbox).guest_rootfs(c.container_id)
-                await sandbox._agent(sandbox.vm.agent.umount_all(root))
-            except CrustError as exc:
-                errors.append(exc.message)
-            if sandbox.vm.agent.version >= AGENT_SUBPATH:
-                try:
-                    await sandbox._agent(sandbox.vm.agent.subpath_drop(c.container_id))
-                except CrustError as exc:
-                    errors.append(exc.message)
-        if alive and c.serial and c.serial in sandbox.vm.disks:
-            try:
-                await sandbox._agent(sandbox.vm.detach_disk(c.serial))
-            except (CrustError, VmError) as exc:
-                errors.append(getattr(exc, "message", str(exc)))
-        if not errors:
-            try:
-                for share in self._shares(pod.sandbox_id, sandbox if alive else None):
-                    await asyncio.to_thread(share.remove_container, c.container_id)
-            except (ShareError, OSError) as exc:
-                errors.append(f"its binds in the pod's shared directory: {exc}")
-        if errors:
-            await self.records.put(pod.sandbox_id, pod)
-            raise FailedPrecondition(f"container {c.container_id} cleaned up with errors: {'; '.join(errors)}")
-        if c.image:
-            await asyncio.to_thread(shutil.rmtree, Path(c.image).parent, True)
-        if alive:
-            for p in c.processes.values():
-                if p.name:
-                    try:
-                        await sandbox.vm.agent.forget_output(p.name)
-                    except AgentError:
-                        pass
-            await self._forget_on_port(sandbox, pod.sandbox_id, c)
-        self.exits.forget(c.container_id)
-        pod.containers.pop(c.container_id, None)
-        await self.records.put(pod.sandbox_id, pod)
-
-    async def _forget_on_port(self, sandbox: KataSandbox, pod_id: str, c: ContainerRecord) -> None:
-        """The container's execs in the Python agent's table (their exits
-        and unread output): the guest keeps them until told."""
-        execs = [p for p in c.processes.values() if p.on_port and p.pid]
-        client = await sandbox.vm.port.ready() if execs else None
-        for p in execs if client is not None else ():
-            try:
-                await port_process.remove_process(client, c.container_id, p.exec_id)
-            except CrustError as exc:
-                log.warning("exec not forgotten in the guest", extra={"fields": {
-                    "container": c.container_id, "exec": p.exec_id, "error": exc.message}})
-        if c.processes[""].on_port and not c.created_on_port:
-            # The spec its script wrote in the guest for crun.
-            try:
-                await sandbox.vm.agent.forget_output(output_name(pod_id, c.container_id, ""))
-            except AgentError:
-                pass
-
-    async def _give_back(self, sandbox: KataSandbox | None, record: SandboxRecord, key: str) -> None:
-        """Unmount a volume of the pod in the guest (sandbox None: the VM is
-        gone), unplug it, release its claim, forget it. Every step may run
-        again."""
-        volume = record.volumes.get(key)
-        if volume is None:
-            return
-        if sandbox is not None:
-            await sandbox.unmount(volume.mount_point)
-            if volume.encrypted_name:
-                await sandbox.close_encrypted(volume.encrypted_name)
-            await sandbox.detach(volume.device)
-        await self.handler._release(volume, record.sandbox_id, "")
-        record.volumes.pop(key, None)
-
-    async def delete_container(self, container_id: str) -> handler_pb2.ProcessState:
-        try:
-            pod, c = self._find(container_id)
-        except NotFound:
-            return handler_pb2.ProcessState(status=Status.STOPPED, reason="no such container (deleted already)")
-        async with self.locks[pod.sandbox_id]:
-            if container_id not in pod.containers:
-                return handler_pb2.ProcessState(status=Status.STOPPED, reason="deleted already")
-            entry = self.handler.sandboxes.get(pod.sandbox_id)
-            sandbox, record = entry if entry is not None else (None, None)
-            with self.handler.inflight.hold(pod.sandbox_id, container_id):
-                if sandbox is not None and sandbox.alive():
-                    await self._stop_processes(sandbox, pod, c)
-                state = await self.state(pod, c, c.processes[""])
-                await self._remove_container(sandbox, record, pod, c)
-        log.info("container deleted", extra={"fields": {"sandbox": pod.sandbox_id, "container": container_id}})
-        return state
-
-    async def _stop_processes(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
-                              timeout: float = 10.0) -> None:
-        """SIGKILL every process of the container (its cgroup in the guest;
-        for a container of an older pod, all whose root is its root), then
-        wait for their exit codes and for none to be left. Also when its own
-        processes all exited: what they left running in the background (in
-        a shared PID namespace nothing ends it with them)
-        would keep the container's mounts busy."""
-        await self._signal_all(sandbox, c, 9)
-        deadline = time.monotonic() + timeout
-        for p in c.processes.values():
-            while p.pid and p.exit_code is None and time.monotonic() < deadline:
-                await self._refresh(pod, c, p)
-                if p.exit_code is None:
-                    await asyncio.sleep(POLL)
-        while time.monotonic() < deadline and await self._signal_all(sandbox, c, 0):
-            await asyncio.sleep(POLL)
-
-    @staticmethod
-    async def _signal_all(sandbox: KataSandbox, c: ContainerRecord, signal: int) -> int:
-        """Every process of the container: those in its cgroup (crun's), or
-        for a container of an older pod, those whose root is its root."""
-        if c.oci is not None:
-            return await sandbox._agent(sandbox.vm.agent.container_signal(c.container_id, signal))
-        return await sandbox._agent(sandbox.vm.agent.signal_root(c.root, signal))

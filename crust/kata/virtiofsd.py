@@ -23,7 +23,7 @@ The options and why:
 - `-o announce_submounts`: the share holds bind mounts (each container's
   rootfs, each volume); the guest sees each as a mount of its own (its own
   st_dev), as a container would on the host. The guest mounts each on its
-  first lookup, in the namespace that looks; crust.kata.pods keeps a
+  first lookup, in the namespace that looks; crust.kata.pod_containers keeps a
   container's exit from unmounting the last of those (a guest kernel BUG);
 - `-o no_xattr`, `-o no_posix_lock`, `-o no_flock`: nothing a pod's files
   need, and less of the host's kernel reachable from the guest;
