@@ -102,7 +102,8 @@ def crun_container_agent(tmp_path: Path, adjust: Callable[[dict[str, Any], Path]
     script = (f"mount -t cgroup2 none /sys/fs/cgroup && {crun} --root {state} run --detach --bundle {bundle} {cid} "
               f"&& exec {sys.executable} -m crust.guest --listen {path} --oci-runtime {crun} --oci-root {state} "
               f"--exec-dir {tmp_path / 'exec'} --enter-program {compile_enter(tmp_path)} "
-              f"--containers-dir {tmp_path / 'containers'} --holds-dir {tmp_path / 'holds'}")
+              f"--containers-dir {tmp_path / 'containers'} --holds-dir {tmp_path / 'holds'} "
+              f"--run-dir {tmp_path / 'run'} --pod-init {shutil.which('catatonit')}")
     log = tmp_path / "agent-oci.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=REPO,

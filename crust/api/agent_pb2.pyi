@@ -142,12 +142,14 @@ class Storage(_message.Message):
     def __init__(self, volume_id: _Optional[str] = ..., disk: _Optional[_Union[Disk, _Mapping]] = ..., encrypted: _Optional[str] = ..., fs_type: _Optional[str] = ..., options: _Optional[_Iterable[str]] = ..., readonly: bool = ..., fs_group: _Optional[_Union[FsGroup, _Mapping]] = ..., mount_point: _Optional[str] = ...) -> None: ...
 
 class SharePath(_message.Message):
-    __slots__ = ("tag", "path")
+    __slots__ = ("tag", "path", "submounts")
     TAG_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    SUBMOUNTS_FIELD_NUMBER: _ClassVar[int]
     tag: str
     path: str
-    def __init__(self, tag: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    submounts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tag: _Optional[str] = ..., path: _Optional[str] = ..., submounts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Source(_message.Message):
     __slots__ = ("volume_id", "share", "pod_tmpfs", "mirror", "subpath", "strict")

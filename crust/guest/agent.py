@@ -33,6 +33,7 @@ from crust.guest.oci import (
     GUEST_RUNTIME_ROOT,
     OciRuntime,
 )
+from crust.guest.places import CATATONIT, RUN_DIR
 from crust.guest.service import AgentService
 
 log = logging.getLogger("crust.guest")
@@ -145,8 +146,9 @@ async def serve_socket(server: ttrpc.Server, path: str, stopping: asyncio.Event)
 
 async def run(port: str | None, listen: str | None, port_name: str | None = None,
               runtime: OciRuntime | None = None, containers_dir: str = CONTAINERS_DIR,
-              holds_dir: str = HOLDS_DIR) -> None:
-    service = AgentService(runtime=runtime, containers_dir=containers_dir, holds_dir=holds_dir)
+              holds_dir: str = HOLDS_DIR, run_dir: str = RUN_DIR, pod_init: str = CATATONIT) -> None:
+    service = AgentService(runtime=runtime, containers_dir=containers_dir, holds_dir=holds_dir, run_dir=run_dir,
+                           pod_init=pod_init)
     server = make_server(service)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -179,9 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--containers-dir", default=CONTAINERS_DIR,
                         help="where the agent keeps a container's bundle and the fifos of its hooks")
     parser.add_argument("--holds-dir", default=HOLDS_DIR, help="where a container's mount namespace is held")
+    parser.add_argument("--run-dir", default=RUN_DIR,
+                        help="where the pod's shares, tmpfs and a container's subPath binds are mounted")
+    parser.add_argument("--pod-init", default=CATATONIT, help="the init of the pod's shared PID namespace")
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="crust-agent: %(message)s")
     asyncio.run(run(args.port, args.listen, args.port_name,
                     OciRuntime(args.oci_runtime, args.oci_root, args.exec_dir, args.enter_program),
-                    args.containers_dir, args.holds_dir))
+                    args.containers_dir, args.holds_dir, args.run_dir, args.pod_init))
     return 0

@@ -23,9 +23,10 @@ its last exit would unmount them, maybe with a file's release still in
 flight, which stops the guest's 6.1 kernel at a BUG. Held, the namespace
 ends at the removal, long after the exit.
 
-The spec comes from the host with every source in place (root.path a
-directory of the guest, each bind's source a guest path); the agent adds
-its hooks and keeps the rest as the host wrote it.
+The spec comes with every source in place (root.path a directory of the
+guest, each bind's source a guest path: the host's, or crust.guest.places'
+from the request's sources); the agent adds its hooks and keeps the rest
+as the host wrote it.
 """
 
 from __future__ import annotations
@@ -160,6 +161,13 @@ class Containers:
         self.gates: dict[str, Gate] = {}
         self.exits: dict[str, asyncio.Future] = {}
         self.starts: dict[str, asyncio.Future] = {}
+
+    def known(self, container_id: str, raw: bytes, stdin: bool):
+        """The answer to a retried CreateContainer (awaitable: the process
+        once made), or None for a new one; ALREADY_EXISTS for the id with
+        another request."""
+        known = self.table._known((container_id, ""), raw, stdin)
+        return None if known is None else self.table._answer_retry(known)
 
     async def create(self, container_id: str, raw: bytes, spec_json: bytes, stdin: bool) -> Process:
         key = (container_id, "")

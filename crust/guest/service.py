@@ -15,6 +15,7 @@ from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR, REMOVE_WAIT, Conta
 from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
 from crust.guest.oci import OciRuntime
+from crust.guest.places import CATATONIT, RUN_DIR, Places
 from crust.guest.process import EXITED, Limits, Process, ProcessTable, parse_process
 from crust.guest.uevents import DeviceEvents
 from crust.guest.volumes import Volumes, wait_for
@@ -24,7 +25,8 @@ AGENT_NAME = "crust-agent"
 MAX_READ_BYTES = 1 << 20
 IMAGE_ID_FILE = "/etc/crust-image-id"
 
-CAPABILITIES = ("process.guest", "process.stdin", "guest.settings")
+CAPABILITIES = ("process.guest", "process.stdin", "guest.settings", "share.virtiofs", "tmpfs.pod",
+                "subpath.beneath")
 
 
 def _memory_total() -> int:
@@ -71,22 +73,29 @@ def _exec_ids(request, own_process: str) -> None:
 class AgentService:
     def __init__(self, limits: Limits | None = None, runtime: OciRuntime | None = None,
                  volumes: Volumes | None = None, pod_cgroup: str = cgroups.POD_CGROUP,
-                 containers_dir: str = CONTAINERS_DIR, holds_dir: str = HOLDS_DIR):
+                 containers_dir: str = CONTAINERS_DIR, holds_dir: str = HOLDS_DIR, run_dir: str = RUN_DIR,
+                 pod_init: str = CATATONIT):
         self.limits = limits or Limits()
         self.runtime = runtime or OciRuntime()
         self.processes = ProcessTable(self.limits)
         self.containers = Containers(self.processes, self.runtime, containers_dir, pod_cgroup, holds_dir)
         self.volumes = volumes or Volumes(Disks(DeviceEvents()))
+        self.places = Places(self.volumes, run_dir, pod_init)
+        self._creating: dict[str, asyncio.Lock] = {}
         self.pod_cgroup = pod_cgroup
 
     @property
     def capabilities(self) -> list[str]:
-        return [*CAPABILITIES, *(["process.exec", "container.create"] if self.runtime.present else []),
+        runtime = ["process.exec", "container.create", "container.oci"] if self.runtime.present else []
+        if runtime and os.path.exists(self.places.pod_init):
+            runtime.append("container.pod-pid")
+        return [*CAPABILITIES, *runtime,
                 *(["stats.cgroup2"] if cgroups.available(self.pod_cgroup) else []), *self.volumes.capabilities]
 
     async def close(self) -> None:
         self.volumes.disks.events.close()
         await self.processes.close()
+        await self.places.close()
 
     # ---------------------------------------------------------------- guest
 
@@ -118,17 +127,22 @@ class AgentService:
                               call) -> agent_pb2.CreateContainerResponse:
         check_id("container_id", request.container_id)
         self._runtime_needed()
-        # The host places every source itself for now (capability
-        # container.create): the spec's root.path and binds' sources are
-        # the guest's paths already.
-        for name in ("storages", "binds"):
-            if getattr(request, name):
-                raise AgentError(ttrpc.UNIMPLEMENTED, f"{name}: this agent takes a spec whose sources are placed")
-        if request.HasField("rootfs") or request.pod_pid_namespace:
-            field = "rootfs" if request.HasField("rootfs") else "pod_pid_namespace"
-            raise AgentError(ttrpc.UNIMPLEMENTED, f"{field}: this agent takes a spec whose sources are placed")
-        process = await self.containers.create(request.container_id, request.SerializeToString(),
-                                               request.oci_spec, request.stdin)
+        placed = bool(request.storages or request.binds or request.HasField("rootfs") or request.pod_pid_namespace)
+        raw = request.SerializeToString()
+        # One create of an id at a time: a retry waits, then finds it known.
+        async with self._creating.setdefault(request.container_id, asyncio.Lock()):
+            known = self.containers.known(request.container_id, raw, request.stdin)
+            if known is not None:
+                return agent_pb2.CreateContainerResponse(pid=(await known).pid)
+            spec = await self.places.place(request, call) if placed else request.oci_spec
+            try:
+                process = await self.containers.create(request.container_id, raw, spec, request.stdin)
+            except BaseException:
+                if placed:
+                    await asyncio.to_thread(self.places.drop, request.container_id)
+                raise
+            finally:
+                self._creating.pop(request.container_id, None)
         return agent_pb2.CreateContainerResponse(pid=process.pid)
 
     async def StartContainer(self, request: agent_pb2.StartContainerRequest,
@@ -141,8 +155,12 @@ class AgentService:
                               call) -> agent_pb2.RemoveContainerResponse:
         check_id("container_id", request.container_id)
         timeout = request.timeout_ms / 1000 if request.timeout_ms else (getattr(call, "timeout", None) or REMOVE_WAIT)
-        return agent_pb2.RemoveContainerResponse(unread_bytes=await self.containers.remove(request.container_id,
-                                                                                          timeout))
+        unread = await self.containers.remove(request.container_id, timeout)
+        try:
+            await asyncio.to_thread(self.places.drop, request.container_id)
+        except OSError as exc:
+            raise AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: its subpath binds: {exc}") from None
+        return agent_pb2.RemoveContainerResponse(unread_bytes=unread)
 
     async def StatsContainer(self, request: agent_pb2.StatsContainerRequest,
                              call) -> agent_pb2.StatsContainerResponse:
@@ -240,6 +258,16 @@ class AgentService:
 
     async def UnmountVolume(self, request: agent_pb2.UnmountVolumeRequest, call) -> agent_pb2.UnmountVolumeResponse:
         return await self.volumes.unmount(request.volume_id)
+
+    # ---------------------------------------------------- shares and tmpfs
+
+    async def MountShare(self, request: agent_pb2.MountShareRequest, call) -> agent_pb2.MountShareResponse:
+        return agent_pb2.MountShareResponse(mount_point=await self.places.mount_share(request.tag, call))
+
+    async def MountPodTmpfs(self, request: agent_pb2.MountPodTmpfsRequest,
+                            call) -> agent_pb2.MountPodTmpfsResponse:
+        point, size = await asyncio.to_thread(self.places.mount_pod_tmpfs, request.name, request.size_bytes)
+        return agent_pb2.MountPodTmpfsResponse(mount_point=point, size_bytes=size)
 
     async def WaitDiskRemoved(self, request: agent_pb2.WaitDiskRemovedRequest,
                               call) -> agent_pb2.WaitDiskRemovedResponse:

@@ -1,9 +1,9 @@
 """The kernel's device events (uevents), for waiting on a hot-plugged disk
-without looking at /sys again and again.
+or shared directory without looking at /sys again and again.
 
 One netlink socket (NETLINK_KOBJECT_UEVENT, the kernel's group 1) is
 opened when the agent starts, so no event between a look and the wait
-after it is missed: a waiter notes the count of block events, looks, and
+after it is missed: a waiter notes the count of events, looks, and
 waits only if no event came since. A full socket (ENOBUFS: events were
 dropped) counts as an event, so a waiter looks again instead of missing
 one.
@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 NETLINK_KOBJECT_UEVENT = 15
 KERNEL_GROUP = 1
 RECEIVE_BUFFER = 1 << 20
+WATCHED = {"block", "virtio"}
 
 Found = TypeVar("Found")
 
@@ -40,7 +41,9 @@ def parse(message: bytes) -> dict[str, str]:
 
 
 class DeviceEvents:
-    """Counts the kernel's block device events and wakes those waiting on them."""
+    """Counts the kernel's block and virtio bus events (a virtio device's
+    bind: its driver's probe ended, a virtio-fs tag is registered) and wakes
+    those waiting on them."""
 
     def __init__(self):
         self.count = 0
@@ -84,7 +87,7 @@ class DeviceEvents:
                     break
                 changed = True   # events were dropped: any of them may be the awaited one
                 continue
-            if parse(message).get("SUBSYSTEM") == "block":
+            if parse(message).get("SUBSYSTEM") in WATCHED:
                 changed = True
         if changed:
             self.count += 1
@@ -95,7 +98,7 @@ class DeviceEvents:
 
     async def wait_until(self, look: Callable[[], Found | None], timeout: float) -> Found | None:
         """look()'s first answer that is not None, looked at now and after
-        each block device event; None when timeout passed without one."""
+        each watched event; None when timeout passed without one."""
         if self._sock is None:
             self.open()
         loop = asyncio.get_running_loop()

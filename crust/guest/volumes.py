@@ -143,21 +143,29 @@ class Volumes:
             raise AgentError(ttrpc.NOT_FOUND, f"volume_id {volume_id!r}: not mounted by this agent")
         return volume, entry
 
-    def _load_modules(self, fs_type: str) -> None:
+    def mount_point(self, field: str, volume_id: str) -> str:
+        """Where a volume this agent mounted is."""
+        check_id(field, volume_id)
+        volume = self.mounted.get(volume_id)
+        if volume is None or sysmount.at(volume.mount_point) is None:
+            raise AgentError(ttrpc.NOT_FOUND, f"{field}: {volume_id!r} is not mounted by this agent (MountVolume)")
+        return volume.mount_point
+
+    def load_modules(self, fs_type: str, field: str = "storage.fs_type") -> None:
         if fs_type in available_filesystems(""):
             return
         try:
             with open(f"{self.modules_dir}/{fs_type}") as f:
                 paths = [line.strip() for line in f if line.strip()]
         except OSError:
-            raise AgentError(ttrpc.FAILED_PRECONDITION, f"storage.fs_type: this guest has no {fs_type}") from None
+            raise AgentError(ttrpc.FAILED_PRECONDITION, f"{field}: this guest has no {fs_type}") from None
         for path in paths:
             name = os.path.basename(path).removesuffix(".ko")
             if not modules.loaded(name):
                 try:
                     modules.load(path)
                 except OSError as exc:
-                    raise AgentError(ttrpc.FAILED_PRECONDITION, f"storage.fs_type: loading {path}: {exc}") from None
+                    raise AgentError(ttrpc.FAILED_PRECONDITION, f"{field}: loading {path}: {exc}") from None
 
     async def _source(self, storage: agent_pb2.Storage, call) -> str:
         if storage.WhichOneof("device") == "encrypted":
@@ -214,7 +222,7 @@ class Volumes:
                                                  mount_point=storage.mount_point, fs_group_walked=walked)
 
     def _mount(self, volume: Volume) -> None:
-        self._load_modules(volume.fs_type)
+        self.load_modules(volume.fs_type)
         os.makedirs(volume.mount_point, exist_ok=True)
         options = [*volume.options, "ro" if volume.readonly else "rw"]
         try:

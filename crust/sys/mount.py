@@ -552,6 +552,15 @@ def mount_path(source: str, target: str, fs_type: str, options: list[str] | None
             raise OSError(err, f"remount {target} read-only: {os.strerror(err)}")
 
 
+def remount(target: str, options: list[str]) -> None:
+    """Remount the file system at target with mount(8)-style options (a
+    tmpfs's new size): what the options leave out goes back to its default."""
+    flags, data = mount_flags(options)
+    if _libc.mount(b"", target.encode(), b"", ctypes.c_ulong(flags | _MS_REMOUNT), data.encode() or None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"remount {target}: {os.strerror(err)}")
+
+
 def unmount_all(target: str) -> int:
     """Unmount every mount stacked at target (a busy one lazily); how many."""
     count = 0
