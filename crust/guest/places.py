@@ -33,6 +33,7 @@ from pathlib import Path
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest.errors import AgentError, check_id
+from crust.guest.mirrors import INTERVAL, Mirrors
 from crust.guest.volumes import Volumes, wait_for
 from crust.sys import beneath
 from crust.sys import mount as sysmount
@@ -72,6 +73,8 @@ class Places:
         self.run = Path(run_dir)
         self.meminfo = meminfo
         self.pod_init_holder: asyncio.subprocess.Process | None = None   # unshare, the init's parent
+        self.mirrors = Mirrors(self.run)
+        self.mirror_users: dict[str, set[str]] = {}   # container id -> the mirrors it binds
         self._pod_pid_lock = asyncio.Lock()
 
     # ----------------------------------------------------------- shares
@@ -185,8 +188,13 @@ class Places:
                                                   f"(MountPodTmpfs)")
             return point
         if kind == "mirror":
-            raise AgentError(ttrpc.UNIMPLEMENTED, f"{field}.mirror: this agent keeps no mirrors "
-                                                  f"(capability mirror.atomic-writer absent)")
+            # Started by StartMirror, or kept by the image's shell agent at the
+            # same place.
+            check_id(f"{field}.mirror", source.mirror)
+            point = self.mirrors.point(source.mirror)
+            if not point.is_dir() or point.is_symlink():
+                raise AgentError(ttrpc.NOT_FOUND, f"{field}.mirror: no mirror {source.mirror}")
+            return point
         raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field}: no source named")
 
     def resolve(self, field: str, source: agent_pb2.Source, container_id: str, index: int) -> str:
@@ -225,6 +233,7 @@ class Places:
         """The container's subpath binds unmounted and their places
         removed (never recursively: a place still mounted would be emptied
         through its mount)."""
+        self.mirror_users.pop(container_id, None)
         directory = self.run / "subpath" / container_id
         if not directory.is_dir():
             return
@@ -274,9 +283,21 @@ class Places:
                 await asyncio.sleep(POD_PID_LOOK)
             raise AgentError(ttrpc.DEADLINE_EXCEEDED, "pod_pid_namespace: the pod's PID namespace did not start")
 
+    async def start_mirror(self, request: agent_pb2.StartMirrorRequest) -> str:
+        source = self._share_path("source", request.source)
+        return await self.mirrors.start(request.name, source, request.interval_ms / 1000 or INTERVAL)
+
+    async def stop_mirror(self, name: str) -> None:
+        users = sorted(c for c, names in self.mirror_users.items() if name in names)
+        if users:
+            raise AgentError(ttrpc.FAILED_PRECONDITION, f"name: the mirror {name} is bound by container "
+                                                       f"{users[0]}, not removed")
+        await self.mirrors.stop(name)
+
     async def close(self) -> None:
-        """The pod's PID namespace ended (its init killed takes every
-        process in it along)."""
+        """The mirrors stopped, the pod's PID namespace ended (its init
+        killed takes every process in it along)."""
+        await self.mirrors.close()
         holder, self.pod_init_holder = self.pod_init_holder, None
         if holder is None:
             return
@@ -329,6 +350,8 @@ class Places:
                 m["source"] = source
                 m["options"] = [o for o in m.get("options") or [] if o not in ("ro", "rw")] + \
                     ["ro" if bind.readonly else "rw"]
+                if bind.source.WhichOneof("kind") == "mirror":
+                    self.mirror_users.setdefault(request.container_id, set()).add(bind.source.mirror)
                 if bind.source.WhichOneof("kind") == "share" and not bind.source.subpath:
                     reach += [source, *(os.path.join(source, *self._relative(f"{field}.share.submounts", below))
                                         for below in bind.source.share.submounts)]

@@ -26,7 +26,7 @@ MAX_READ_BYTES = 1 << 20
 IMAGE_ID_FILE = "/etc/crust-image-id"
 
 CAPABILITIES = ("process.guest", "process.stdin", "guest.settings", "share.virtiofs", "tmpfs.pod",
-                "subpath.beneath")
+                "subpath.beneath", "mirror.atomic-writer")
 
 
 def _memory_total() -> int:
@@ -268,6 +268,13 @@ class AgentService:
                             call) -> agent_pb2.MountPodTmpfsResponse:
         point, size = await asyncio.to_thread(self.places.mount_pod_tmpfs, request.name, request.size_bytes)
         return agent_pb2.MountPodTmpfsResponse(mount_point=point, size_bytes=size)
+
+    async def StartMirror(self, request: agent_pb2.StartMirrorRequest, call) -> agent_pb2.StartMirrorResponse:
+        return agent_pb2.StartMirrorResponse(mount_point=await self.places.start_mirror(request))
+
+    async def StopMirror(self, request: agent_pb2.StopMirrorRequest, call) -> agent_pb2.StopMirrorResponse:
+        await self.places.stop_mirror(request.name)
+        return agent_pb2.StopMirrorResponse()
 
     async def WaitDiskRemoved(self, request: agent_pb2.WaitDiskRemovedRequest,
                               call) -> agent_pb2.WaitDiskRemovedResponse:
