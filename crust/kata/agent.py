@@ -36,7 +36,7 @@ STATS_TIMEOUT = 5.0  # under the proxy's 10 s per handler call, so the answer is
 INTEGRITY_WIPE_BYTES_PER_SECOND = 4 * 1024 * 1024
 # The longest line read from the guest (a readout answer is about 88 KiB).
 LINE_LIMIT = 1024 * 1024
-SHM_TMPFS = ".shm"   # the pod's /dev/shm, a pod_tmpfs (a name no emptyDir can have)
+SHM_TMPFS = "dev_shm"   # the pod's /dev/shm, a pod_tmpfs (no emptyDir's name, a DNS label, has "_")
 AGENT_REACH = 11     # the first agent with reach and a cstarted that waits in the guest
 AGENT_WARM = 12      # the first agent with warm (a throwaway container through crun)
 AGENT_SCSI = 13      # the first agent that finds (and rescans) disks on a virtio-scsi controller

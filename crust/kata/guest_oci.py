@@ -112,12 +112,13 @@ def needs_pod_pid_namespace(host: dict[str, Any]) -> bool:
     return not own
 
 
-def guest_spec(host: dict[str, Any], root: str, container_id: str,
-               pod_pid_namespace: str = "") -> tuple[dict[str, Any], dict[str, str], str]:
+def guest_spec(host: dict[str, Any], root: str, container_id: str, pod_pid_namespace: str = "",
+               pid_by_agent: bool = False) -> tuple[dict[str, Any], dict[str, str], str]:
     """(the spec for crun, the sysctls to apply in the guest, the hostname
     to give the guest or ""). pod_pid_namespace: the path of the pod's PID
     namespace in the guest, for a container that shares one
-    (needs_pod_pid_namespace). InvalidArgument for what the guest cannot honour."""
+    (needs_pod_pid_namespace); pid_by_agent: the guest's agent adds it
+    (CreateContainerRequest.pod_pid_namespace). InvalidArgument for what the guest cannot honour."""
     process = dict(host.get("process") or {})
     process["terminal"] = False   # the guest's script gives it its terminal (terminal_size)
     for label in ("apparmorProfile", "selinuxLabel"):
@@ -148,9 +149,10 @@ def guest_spec(host: dict[str, Any], root: str, container_id: str,
         # every child it has, and in the guest's namespace a container's
         # orphans would be crun's, so a container would outlive its first
         # process; and the agent's processes are no container's to see.
-        if not pod_pid_namespace:
+        if pod_pid_namespace:
+            namespaces.append({"type": "pid", "path": pod_pid_namespace})
+        elif not pid_by_agent:
             raise InvalidArgument("linux.namespaces: the container shares a PID namespace, and the pod has none")
-        namespaces.append({"type": "pid", "path": pod_pid_namespace})
 
     sysctls, hostname = pod_settings(host)
     own_uts = any(ns["type"] == "uts" for ns in namespaces)

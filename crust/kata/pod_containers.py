@@ -49,7 +49,9 @@ import shutil
 import time
 from pathlib import Path
 
-from crust.api import handler_pb2
+from google.protobuf import json_format
+
+from crust.api import agent_pb2, handler_pb2
 from crust.common import inroot
 from crust.common.errors import (
     Aborted,
@@ -91,6 +93,8 @@ PSEUDO_TYPES = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2
 # kubelet's directories (crust/kubelet/volumes.py has the layout).
 EMPTY_DIR = "kubernetes.io~empty-dir"
 SUBPATHS = "volume-subpaths"
+# What the guest's agent lists when it places a container's sources itself.
+PLACING = ("container.oci", "container.pod-pid", "share.virtiofs", "tmpfs.pod", "subpath.beneath")
 
 
 def raw_spec(bundle: str) -> dict:
@@ -139,6 +143,29 @@ def memory_empty_dir(source: str) -> tuple[str, str, str] | None:
     return None
 
 
+def _places(sandbox: KataSandbox) -> bool:
+    """Whether the guest's Python agent is connected and places a
+    container's sources itself (CreateContainer with named sources)."""
+    port = sandbox.vm.port
+    client = port.client
+    return client is not None and not client.closed and all(port.has(c) for c in PLACING)
+
+
+def placement(spec: dict, rootfs: agent_pb2.SharePath, sources: list[tuple[agent_pb2.Source, bool]],
+              pod_pid_namespace: bool) -> dict:
+    """What CreateContainer names of a container beside its spec (the root
+    in the share, each bind's source and mode, in the spec's order of its
+    binds, the pod's PID namespace), as a record keeps it."""
+    indexes = [i for i, m in enumerate(spec.get("mounts") or []) if m.get("type") == "bind"]
+    if len(indexes) != len(sources):
+        raise ValueError(f"{len(indexes)} binds in the spec, {len(sources)} sources given")
+    request = agent_pb2.CreateContainerRequest(
+        rootfs=agent_pb2.Source(share=rootfs), pod_pid_namespace=pod_pid_namespace,
+        binds=[agent_pb2.Bind(mount_index=i, source=source, readonly=readonly)
+               for i, (source, readonly) in zip(indexes, sources)])
+    return json_format.MessageToDict(request, preserving_proto_field_name=True)
+
+
 def _make_mount_points(rootfs: Path, binds: list[tuple]) -> None:
     """Each bind's mount point made in the container's root file system on
     the host, before the guest sees it (crust.common.inroot: resolved
@@ -169,6 +196,14 @@ class PodContainers(PodProcesses):
         rootfs = Path(bundle) / (spec.root.path if spec.root else "rootfs")
         if not rootfs.is_dir():
             raise InvalidArgument(f"bundle {bundle}: its root file system {rootfs} is no directory")
+        spec_dict = raw_spec(bundle)
+        terminal = bool((spec_dict.get("process") or {}).get("terminal"))
+        early = self._sandbox(sandbox_id)
+        if not terminal and early is not None and early.alive():
+            # crun makes the container through the guest's Python agent, for
+            # which a VM booted a moment ago waits here (without the pod's
+            # lock), before anything of the container is placed.
+            await early.vm.port.ready(wait=AGENT_START_WAIT)
         async with self.locks[sandbox_id]:
             try:
                 pod, existing = self._find(container_id)
@@ -182,18 +217,20 @@ class PodContainers(PodProcesses):
                 raise Aborted(f"container_id {container_id!r} is being created; retry later")
             sandbox, _, pod = self._live(sandbox_id)
             oci = None
-            spec_dict = raw_spec(bundle)
-            terminal = bool((spec_dict.get("process") or {}).get("terminal"))
             if (stdin or terminal) and not pod.guest_runtime:
                 raise FailedPrecondition(f"pod {sandbox_id} runs a guest without an OCI runtime: its containers "
                                          f"have no {'terminal' if terminal else 'standard input'}")
             if pod.guest_runtime:
+                placing = not terminal and _places(sandbox)
+                shares_pid = guest_oci.needs_pod_pid_namespace(spec_dict)
                 pod_pid = ""
-                if guest_oci.needs_pod_pid_namespace(spec_dict):
+                if shares_pid and not placing:
                     pod_pid = await sandbox._agent(sandbox.vm.agent.pod_pid_namespace())
                 guest, sysctls, hostname = guest_oci.guest_spec(
-                    spec_dict, f"{GUEST_CONTAINERS}/{container_id}/rootfs", container_id, pod_pid)
-                oci = GuestContainer(spec=guest, sysctls=sysctls, hostname=hostname)
+                    spec_dict, f"{GUEST_CONTAINERS}/{container_id}/rootfs", container_id, pod_pid,
+                    pid_by_agent=placing)
+                oci = GuestContainer(spec=guest, sysctls=sysctls, hostname=hostname, placed_by_agent=placing,
+                                     pod_pid_namespace=placing and shares_pid)
             self._creating.add(container_id)
         try:
             # Resolving (up to ENTRY_WAIT for a new entry) without the pod's
@@ -212,9 +249,6 @@ class PodContainers(PodProcesses):
                 with self.handler.inflight.hold(sandbox_id, container_id):
                     await self._attach_container(sandbox, record, pod, c, rootfs, binds)
             if oci is not None and not terminal:
-                # crun makes the container through the guest's Python agent,
-                # for which a VM booted a moment ago waits here (without the
-                # pod's lock), not at the container's start.
                 await sandbox.vm.port.ready(wait=AGENT_START_WAIT)
                 async with self.locks[sandbox_id]:
                     sandbox, record, pod = self._live(sandbox_id)
@@ -225,7 +259,7 @@ class PodContainers(PodProcesses):
             self._creating.discard(container_id)
         log.info("container created", extra={"fields": {
             "sandbox": sandbox_id, "container": container_id, "seconds": round(time.monotonic() - started, 3),
-            "volumes": len(c.volumes), "binds": len(binds)}})
+            "volumes": len(c.volumes), "binds": len(binds), "placed_by_agent": bool(oci and oci.placed_by_agent)}})
 
     async def _plan(self, spec) -> list[tuple]:
         """The binds in the spec's order, each (mount, kind, what): kind
@@ -284,6 +318,9 @@ class PodContainers(PodProcesses):
         # crun mounts the container's root and binds (agent 11 makes its
         # sources ready: reach); an older guest's agent binds them itself.
         runtime_mounts = c.oci is not None and agent.version >= AGENT_REACH
+        # The guest's Python agent places every source itself, named by what
+        # it is (crust.guest.places); else the host gives guest paths.
+        placing = c.oci is not None and c.oci.placed_by_agent
         if c.oci is not None and not runtime_mounts:
             guest_oci.leave_binds_to_agent(c.oci.spec)
         try:
@@ -304,6 +341,7 @@ class PodContainers(PodProcesses):
             # starts it (guest_oci.place_mounts), else by the agent, in one
             # request.
             planned: list[tuple[str, str, bool]] = []   # guest source, destination, read-only
+            named: list[agent_pb2.Source] = []   # placing: each planned source as the agent knows it
             shared_sources: list[str] = []   # the share's binds and the mounts below them, pinned
             views: list[tuple[int, str, VolumeView]] = []   # (index in planned, volume key, its view)
             for index, (m, kind, what) in enumerate(binds):
@@ -319,7 +357,14 @@ class PodContainers(PodProcesses):
                                                  f"VM: {exc}") from None
                     if readonly and into is not share and is_atomic_writer_volume_root(m.source) \
                             and not shared.submounts:
-                        planned.append((await self._mirror(sandbox, shared.guest), m.destination, True))
+                        name = shared.guest.rsplit("/", 1)[1]
+                        if placing and sandbox.vm.port.has("mirror.atomic-writer"):
+                            await port_process.start_mirror(await sandbox.vm.port.ready(), name, into.tag,
+                                                            os.path.relpath(shared.guest, into.guest))
+                            planned.append(("", m.destination, True))
+                        else:
+                            planned.append((await self._mirror(sandbox, shared.guest), m.destination, True))
+                        named.append(agent_pb2.Source(mirror=name))
                         continue
                     # Read-only at the top on the host (virtiofsd writes as the
                     # host's mounts allow); in the guest only when nothing is
@@ -329,12 +374,20 @@ class PodContainers(PodProcesses):
                     # too (a non-recursive read-only bind keeps their mode).
                     guest_readonly = readonly and not (shared.submounts or follow)
                     planned.append((shared.guest, m.destination, guest_readonly))
+                    named.append(agent_pb2.Source(share=agent_pb2.SharePath(
+                        tag=into.tag, path=os.path.relpath(shared.guest, into.guest),
+                        submounts=[] if follow else [os.path.relpath(b, shared.guest) for b in shared.below])))
                     # A followed bind's mounts are not: held in the guest for
                     # the pod's life, the host could not unmount them.
                     shared_sources += [shared.guest, *(() if follow else shared.below)]
                     continue
                 if kind == "tmpfs":
                     name, subpath, size = what
+                    if placing:
+                        await port_process.mount_pod_tmpfs(await sandbox.vm.port.ready(), name, size)
+                        planned.append(("", m.destination, readonly))
+                        named.append(agent_pb2.Source(pod_tmpfs=name, subpath=subpath))
+                        continue
                     source = await sandbox._agent(agent.pod_tmpfs(name, size))
                     if subpath:
                         source = await self._subpath(sandbox, source, subpath, container_id, index, strict=False,
@@ -355,13 +408,27 @@ class PodContainers(PodProcesses):
                     await self.handler.records.put(pod.sandbox_id, record)
                 volume = record.volumes[key]
                 source = volume.mount_point
+                if placing:
+                    volume_id = await sandbox.volume_in_agent(volume.mount_point, volume.fs_type)
+                    if volume_id is None:
+                        raise FailedPrecondition(f"mount {m.destination}: the guest's agent does not serve volume "
+                                                 f"{resolved.info.volume_id} ({volume.fs_type})")
+                    views.append((len(planned), key, view))
+                    planned.append(("", m.destination, view.readonly or volume.readonly))
+                    named.append(agent_pb2.Source(volume_id=volume_id, subpath=view.subpath, strict=True))
+                    continue
                 if view.subpath:
                     source = await self._subpath(sandbox, volume.mount_point, view.subpath, container_id, index,
                                                  strict=True, what=f"mount {m.destination}: subpath "
                                                                    f"{view.subpath!r} of volume {resolved.info.volume_id}")
                 views.append((len(planned), key, view))
                 planned.append((source, m.destination, view.readonly or volume.readonly))
-            if runtime_mounts:
+            if placing:
+                c.oci.sources = placement(c.oci.spec, agent_pb2.SharePath(
+                    tag=share.tag, path=os.path.relpath(guest_rootfs, share.guest)),
+                    [(source, ro) for source, (_, _, ro) in zip(named, planned)], c.oci.pod_pid_namespace)
+                c.runtime_mounts = True
+            elif runtime_mounts:
                 # The root too (the module docstring: no exit unmounts a submount).
                 await sandbox._agent(agent.reach(sorted({guest_rootfs, *shared_sources})))
                 guest_oci.place_mounts(c.oci.spec, guest_rootfs, [(source, ro) for source, _, ro in planned])
@@ -401,15 +468,20 @@ class PodContainers(PodProcesses):
         p = c.processes[""]
         port = sandbox.vm.port
         client = port.client
-        if not c.runtime_mounts or p.terminal or client is None or client.closed or \
-                not port.has("container.create"):
+        placed = c.oci.placed_by_agent
+        if not placed and (not c.runtime_mounts or p.terminal or client is None or client.closed or
+                           not port.has("container.create")):
             return
         c.created_on_port = p.on_port = True   # recorded first: a failed create is removed on the port
         await self.records.put(pod.sandbox_id, pod)
         try:
+            if client is None or client.closed:
+                # Its sources are named for the agent only: no other way.
+                raise Unavailable(f"container {c.container_id}: the guest's agent, which places its sources, is "
+                                  f"not connected")
             if c.oci.sysctls or c.oci.hostname:
                 await port_process.configure_guest(client, c.oci.sysctls, c.oci.hostname)
-            await port_process.create_container(client, c.container_id, c.oci.spec, p.stdin)
+            await port_process.create_container(client, c.container_id, c.oci.spec, p.stdin, c.oci.sources)
         except BaseException as exc:
             log.warning("container create failed; undoing it", extra={"fields": {
                 "sandbox": pod.sandbox_id, "container": c.container_id, "error": str(exc)[:500]}})

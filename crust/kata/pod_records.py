@@ -43,6 +43,12 @@ class GuestContainer(BaseModel):
     spec: dict = Field(default_factory=dict)
     sysctls: dict[str, str] = Field(default_factory=dict)
     hostname: str = ""
+    # The guest's Python agent places the root and the binds' sources
+    # (crust.guest.places): spec's are empty, sources names them (a
+    # CreateContainerRequest's rootfs, binds and pod_pid_namespace).
+    placed_by_agent: bool = False
+    pod_pid_namespace: bool = False
+    sources: dict = Field(default_factory=dict)
 
 
 class ContainerRecord(BaseModel):

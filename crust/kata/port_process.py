@@ -15,9 +15,11 @@ import json
 import logging
 from typing import AsyncIterator, Awaitable, Callable
 
+from google.protobuf import json_format
+
 from crust.api import agent_pb2, handler_pb2
 from crust.common import ttrpc
-from crust.common.errors import DataLoss
+from crust.common.errors import DataLoss, Unavailable
 from crust.kata.agent_client import AgentClient, handler_error
 
 log = logging.getLogger(__name__)
@@ -164,15 +166,53 @@ async def configure_guest(client: AgentClient, sysctls: dict[str, str], hostname
         raise handler_error(exc, "the pod's sysctls and hostname") from None
 
 
-async def create_container(client: AgentClient, container_id: str, spec: dict, stdin: bool) -> int:
-    """The container made by the guest's crun from its spec (every source
-    placed), held before its process's exec; the pid of its process."""
-    request = agent_pb2.CreateContainerRequest(container_id=container_id, stdin=stdin,
-                                               oci_spec=json.dumps(spec, separators=(",", ":")).encode())
+async def create_container(client: AgentClient, container_id: str, spec: dict, stdin: bool,
+                           sources: dict | None = None) -> int:
+    """The container made by the guest's crun from its spec, held before
+    its process's exec; the pid of its process. sources: what the agent
+    places (crust.kata.pod_containers.placement); without, the spec's
+    sources are guest paths already."""
+    request = agent_pb2.CreateContainerRequest()
+    if sources:
+        json_format.ParseDict(sources, request)
+    request.container_id, request.stdin = container_id, stdin
+    request.oci_spec = json.dumps(spec, separators=(",", ":")).encode()
     try:
         return (await client.call("CreateContainer", request)).pid
     except ttrpc.TtrpcError as exc:
         raise handler_error(exc, f"container {container_id}") from None
+
+
+async def mount_pod_tmpfs(client: AgentClient | None, name: str, size: str) -> None:
+    """The pod's tmpfs of that name in the guest (MountPodTmpfs), size as
+    the host's tmpfs says it (bytes, or with k, m, g; "" for the guest's
+    bound)."""
+    if client is None:
+        raise Unavailable(f"the pod's tmpfs {name}: the guest's agent is not connected")
+    try:
+        await client.call("MountPodTmpfs", agent_pb2.MountPodTmpfsRequest(name=name, size_bytes=tmpfs_bytes(size)))
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, f"the pod's tmpfs {name}") from None
+
+
+async def start_mirror(client: AgentClient | None, name: str, tag: str, path: str) -> None:
+    """The guest's copy of the atomic-writer volume at path in the share of
+    that tag, kept in step (StartMirror)."""
+    if client is None:
+        raise Unavailable(f"the mirror {name}: the guest's agent is not connected")
+    request = agent_pb2.StartMirrorRequest(name=name, source=agent_pb2.SharePath(tag=tag, path=path))
+    try:
+        await client.call("StartMirror", request)
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, f"the mirror {name}") from None
+
+
+def tmpfs_bytes(size: str) -> int:
+    """A tmpfs size= option in bytes (0 for none)."""
+    if not size:
+        return 0
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(size[-1].lower(), 1)
+    return int(size[:-1] if scale > 1 else size) * scale
 
 
 async def start_container(client: AgentClient, container_id: str) -> int:

@@ -185,6 +185,13 @@ class KataSandbox(Sandbox):
                 "sandbox": self.id, "volume": storage.volume_id}})
         return client
 
+    async def volume_in_agent(self, mount_point: str, fs_type: str) -> str | None:
+        """The id under which the guest's Python agent knows the volume
+        mounted at mount_point (taken over from the shell agent first when
+        that one mounted it); None when the agent does not serve it."""
+        client = await self._volume_port(mount_point, fs_type)
+        return None if client is None else port_volumes.volume_id(mount_point)
+
     async def mount(self, device, fs_type, options, readonly, mount_point, fs_group=None) -> None:
         opts = list(options) + (["nouuid"] if fs_type == "xfs" and "nouuid" not in options else [])
         if not self.alive():
