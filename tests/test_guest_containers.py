@@ -209,3 +209,40 @@ def test_guest_settings_are_applied_in_order_and_the_first_refused_is_named(tmp_
             guestconf.configure("", [(key, "1")], str(proc_sys))
     with pytest.raises(AgentError, match="hostname: 'bad host' is no host name"):
         guestconf.configure("bad host", [], str(proc_sys))
+
+
+def test_signal_to_all_reaches_every_process_of_the_containers_cgroup(tmp_path):
+    cid = f"all-{os.getpid()}"
+
+    async def main(c: ContainerAgent):
+        client = await AgentClient.connect(str(c.socket))
+        try:
+            key = {"container_id": cid, "exec_id": ""}
+            await client.call("CreateContainer", agent_pb2.CreateContainerRequest(
+                container_id=cid, oci_spec=container_spec(c, cid, "sh", "-c", "sleep 100 & sleep 100 & wait")),
+                timeout=30)
+            await client.call("StartContainer", agent_pb2.StartContainerRequest(container_id=cid), timeout=30)
+            counted = 0
+            for _ in range(200):   # until the shell started both sleeps
+                counted = (await client.call("SignalProcess", agent_pb2.SignalProcessRequest(
+                    signal=0, all=True, **key), timeout=10)).signalled
+                if counted == 3:
+                    break
+                await asyncio.sleep(0.05)
+            killed = (await client.call("SignalProcess", agent_pb2.SignalProcessRequest(
+                signal=9, all=True, **key), timeout=10)).signalled
+            exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=30)
+            left = (await client.call("SignalProcess", agent_pb2.SignalProcessRequest(
+                signal=0, all=True, **key), timeout=10)).signalled
+            no_container = await code_of(client.call("SignalProcess", agent_pb2.SignalProcessRequest(
+                signal=0, all=True), timeout=10))
+            await client.call("RemoveContainer", agent_pb2.RemoveContainerRequest(container_id=cid), timeout=30)
+            return counted, killed, exit_, left, no_container
+        finally:
+            await client.close()
+
+    with crun_container_agent(tmp_path) as c:
+        counted, killed, exit_, left, no_container = asyncio.run(main(c))
+    assert (counted, killed, left) == (3, 3, 0)
+    assert exit_.exit_code == 128 + 9, exit_   # as crun run reports a killed container
+    assert no_container[0] == ttrpc.INVALID_ARGUMENT and no_container[1].startswith("all:"), no_container

@@ -63,3 +63,29 @@ def stats(container_id: str, root: str = POD_CGROUP) -> agent_pb2.StatsContainer
         raise AgentError(ttrpc.FAILED_PRECONDITION, f"container_id {container_id!r}: its cgroup has no cpu, "
                                                    "memory or pids files")
     return answer
+
+
+def signal_all(container_id: str, number: int, root: str = POD_CGROUP) -> int:
+    """Every process in the container's cgroup and below it signalled (for
+    SIGKILL, by the cgroup's cgroup.kill: a fork meanwhile is caught too);
+    how many were there. 0 counts them."""
+    check_id("container_id", container_id)
+    top = os.path.join(root, container_id)
+    pids = [int(word) for directory, _, _ in os.walk(top)
+            for word in (_read(os.path.join(directory, "cgroup.procs")) or "").split()]
+    kill = os.path.join(top, "cgroup.kill")
+    if number == 9 and os.path.exists(kill):
+        try:
+            with open(kill, "w") as f:
+                f.write("1")
+            return len(pids)
+        except FileNotFoundError:
+            return 0   # removed meanwhile: nothing was left in it
+    count = 0
+    for pid in pids:
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            continue
+        count += 1
+    return count

@@ -75,6 +75,7 @@ class Places:
         self.pod_init_holder: asyncio.subprocess.Process | None = None   # unshare, the init's parent
         self.mirrors = Mirrors(self.run)
         self.mirror_users: dict[str, set[str]] = {}   # container id -> the mirrors it binds
+        self.roots: dict[str, str] = {}   # container id -> its root, reached in the agent's namespace
         self._pod_pid_lock = asyncio.Lock()
 
     # ----------------------------------------------------------- shares
@@ -230,10 +231,14 @@ class Places:
         return str(target)
 
     def drop(self, container_id: str) -> None:
-        """The container's subpath binds unmounted and their places
-        removed (never recursively: a place still mounted would be emptied
-        through its mount)."""
+        """The container's root unmounted in the agent's namespace (its
+        processes are gone: nothing of it is in flight), its subpath binds
+        unmounted and their places removed (never recursively: a place
+        still mounted would be emptied through its mount)."""
         self.mirror_users.pop(container_id, None)
+        root = self.roots.pop(container_id, None)
+        if root is not None:
+            sysmount.unmount_all(root)
         directory = self.run / "subpath" / container_id
         if not directory.is_dir():
             return
@@ -342,6 +347,8 @@ class Places:
                                                len(mounts))
                 spec.setdefault("root", {})["path"] = root
                 reach.append(root)
+                if not request.rootfs.subpath:
+                    self.roots[request.container_id] = root
             for i, bind in enumerate(request.binds):
                 field = f"binds[{i}].source"
                 source = await asyncio.to_thread(self.resolve, field, bind.source, request.container_id,

@@ -16,7 +16,14 @@ from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
 from crust.guest.oci import OciRuntime
 from crust.guest.places import CATATONIT, RUN_DIR, Places
-from crust.guest.process import EXITED, Limits, Process, ProcessTable, parse_process
+from crust.guest.process import (
+    CREATED,
+    EXITED,
+    Limits,
+    Process,
+    ProcessTable,
+    parse_process,
+)
 from crust.guest.uevents import DeviceEvents
 from crust.guest.volumes import Volumes, wait_for
 
@@ -225,6 +232,12 @@ class AgentService:
             raise AgentError(ttrpc.INVALID_ARGUMENT, f"signal: {request.signal} is not 0..64")
         if request.all and not request.container_id:
             raise AgentError(ttrpc.INVALID_ARGUMENT, "all: a guest process has no container to signal")
+        if request.all:
+            check_id("container_id", request.container_id)
+            own = self.processes.processes.get((request.container_id, ""))
+            signalled = own.signal(request.signal) if own is not None and own.state == CREATED else 0
+            return agent_pb2.SignalProcessResponse(signalled=signalled + await asyncio.to_thread(
+                cgroups.signal_all, request.container_id, request.signal, self.pod_cgroup))
         process = self._process(request)
         return agent_pb2.SignalProcessResponse(signalled=process.signal(request.signal))
 

@@ -42,6 +42,7 @@ crust.kata.pods.Pods (a mixin: the records, locks and VMs are Pods').
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -559,7 +560,10 @@ class PodContainers(PodProcesses):
                 await port_process.remove_container(client, c.container_id)
             except CrustError as exc:
                 errors.append(exc.message)
-        if alive and c.oci is not None:
+        # The guest's Python agent made it from named sources: its
+        # RemoveContainer dropped all the guest had of it (root, subPaths).
+        by_port = c.created_on_port and c.oci is not None and c.oci.placed_by_agent
+        if alive and c.oci is not None and not by_port:
             # First: the agent holds the container's mount namespace until
             # then, and with it the container's binds of its volumes, whose
             # file systems must be unmounted everywhere before their disks go.
@@ -582,7 +586,7 @@ class PodContainers(PodProcesses):
                 c.volumes.pop(key, None)
             if pod.sandbox_id in self.handler.sandboxes:
                 await self.handler.records.put(pod.sandbox_id, record)
-        if alive:
+        if alive and not by_port:
             # The root's mount in the agent's namespace (pinned there while
             # the container lived); the container's own copies went with it.
             try:
@@ -682,13 +686,28 @@ class PodContainers(PodProcesses):
         processes all exited: what they left running in the background (in
         a shared PID namespace nothing ends it with them)
         would keep the container's mounts busy."""
-        await self._signal_all(sandbox, c, 9)
+        # A container the guest's Python agent made: killed through its
+        # cgroup there, each exit pushed (RemoveContainer then waits for the
+        # cgroup to empty); else through the shell agent, its exits looked at.
+        client = await sandbox.vm.port.ready(wait=PORT_WAIT) if c.created_on_port else None
+        if client is not None:
+            await port_process.signal_all(client, c.container_id, 9)
+        else:
+            await self._signal_all(sandbox, c, 9)
         deadline = time.monotonic() + timeout
         for p in c.processes.values():
             while p.pid and p.exit_code is None and time.monotonic() < deadline:
                 await self._refresh(pod, c, p)
-                if p.exit_code is None:
+                ended = self.exits.ended(c.container_id, p.exec_id) if p.on_port else None
+                if p.exit_code is not None:
+                    break
+                if ended is not None:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(ended.wait(), max(0.0, deadline - time.monotonic()))
+                else:
                     await asyncio.sleep(POLL)
+        if client is not None:
+            return
         while time.monotonic() < deadline and await self._signal_all(sandbox, c, 0):
             await asyncio.sleep(POLL)
 

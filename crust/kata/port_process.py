@@ -147,6 +147,17 @@ async def signal_process(client: AgentClient, container_id: str, exec_id: str, s
     return answer.signalled
 
 
+async def signal_all(client: AgentClient, container_id: str, signal: int) -> int:
+    """Every process in the container's cgroup in the guest (and its own
+    process while it waits for its start); how many."""
+    try:
+        answer = await client.call("SignalProcess", agent_pb2.SignalProcessRequest(
+            container_id=container_id, signal=signal, all=True))
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, f"signal to container {container_id}") from None
+    return answer.signalled
+
+
 async def remove_process(client: AgentClient, container_id: str, exec_id: str) -> int:
     """Forget an exited process in the guest; its unread bytes."""
     try:
