@@ -1640,3 +1640,22 @@ def test_the_pods_sandbox_process_is_read_from_the_namespaces_a_container_joins(
     from crust.runtime_handler.containers import pod_process
     assert pod_process({"linux": {"namespaces": namespaces}}) == expected
     assert pod_process({}) == pod_process({"linux": "x"}) == 0
+
+
+def test_the_guest_agents_refusal_of_a_bind_is_said_as_the_pods_spec_says_the_mount():
+    from crust.common.errors import FailedPrecondition, InvalidArgument
+    from crust.kata.pod_containers import in_pod_terms
+
+    names = ["mount /config: /var/lib/kubelet/pods/u/volumes/cm", "mount /mnt: subPath 's' of the emptyDir shared"]
+    told = in_pod_terms(InvalidArgument("container c1: the guest's agent: binds[1].source.subpath: subpath s: "
+                                        "resolves outside its volume"), names)
+    missing = in_pod_terms(FailedPrecondition("container c1: the guest's agent: binds[0].source.share.path: "
+                                              "config in the share crust: No such file or directory"), names)
+    other = FailedPrecondition("container c1: the guest's agent: oci_spec: the OCI runtime refused it: x")
+    beyond = InvalidArgument("binds[5].source.subpath: subpath q: resolves outside its volume")
+    assert (type(told), told.message) == (InvalidArgument, "mount /mnt: subPath 's' of the emptyDir shared: "
+                                                            "resolves outside its volume")
+    assert (type(missing), missing.message) == (FailedPrecondition, "mount /config: /var/lib/kubelet/pods/u/"
+                                                                    "volumes/cm: config in the share crust: No "
+                                                                    "such file or directory")
+    assert in_pod_terms(other, names) is other and in_pod_terms(beyond, names) is beyond

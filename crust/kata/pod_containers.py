@@ -46,6 +46,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -94,6 +95,7 @@ PSEUDO_TYPES = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2
 # kubelet's directories (crust/kubelet/volumes.py has the layout).
 EMPTY_DIR = "kubernetes.io~empty-dir"
 SUBPATHS = "volume-subpaths"
+BIND_REFUSAL = re.compile(r"binds\[(\d+)\]\.source(?:\.[a-z_]+)*: (?:subpath [^:]*: )?(.*)$")
 # What the guest's agent lists when it places a container's sources itself.
 PLACING = ("container.oci", "container.pod-pid", "share.virtiofs", "tmpfs.pod", "subpath.beneath")
 
@@ -165,6 +167,16 @@ def placement(spec: dict, rootfs: agent_pb2.SharePath, sources: list[tuple[agent
         binds=[agent_pb2.Bind(mount_index=i, source=source, readonly=readonly)
                for i, (source, readonly) in zip(indexes, sources)])
     return json_format.MessageToDict(request, preserving_proto_field_name=True)
+
+
+def in_pod_terms(error: CrustError, bind_names: list[str]) -> CrustError:
+    """The agent's refusal of a bind (binds[i].source...: why) said as the
+    pod's spec says the mount (mount /data: subPath 'x' of the emptyDir
+    cache: why); other errors as they are."""
+    found = BIND_REFUSAL.search(error.message)
+    if found is None or int(found.group(1)) >= len(bind_names):
+        return error
+    return type(error)(f"{bind_names[int(found.group(1))]}: {found.group(2)}")
 
 
 def _make_mount_points(rootfs: Path, binds: list[tuple]) -> None:
@@ -343,6 +355,7 @@ class PodContainers(PodProcesses):
             # request.
             planned: list[tuple[str, str, bool]] = []   # guest source, destination, read-only
             named: list[agent_pb2.Source] = []   # placing: each planned source as the agent knows it
+            told: list[str] = []   # placing: each as the pod's spec says it, for the agent's refusals
             shared_sources: list[str] = []   # the share's binds and the mounts below them, pinned
             views: list[tuple[int, str, VolumeView]] = []   # (index in planned, volume key, its view)
             for index, (m, kind, what) in enumerate(binds):
@@ -366,6 +379,7 @@ class PodContainers(PodProcesses):
                         else:
                             planned.append((await self._mirror(sandbox, shared.guest), m.destination, True))
                         named.append(agent_pb2.Source(mirror=name))
+                        told.append(f"mount {m.destination}: {m.source}")
                         continue
                     # Read-only at the top on the host (virtiofsd writes as the
                     # host's mounts allow); in the guest only when nothing is
@@ -378,6 +392,7 @@ class PodContainers(PodProcesses):
                     named.append(agent_pb2.Source(share=agent_pb2.SharePath(
                         tag=into.tag, path=os.path.relpath(shared.guest, into.guest),
                         submounts=[] if follow else [os.path.relpath(b, shared.guest) for b in shared.below])))
+                    told.append(f"mount {m.destination}: {m.source}")
                     # A followed bind's mounts are not: held in the guest for
                     # the pod's life, the host could not unmount them.
                     shared_sources += [shared.guest, *(() if follow else shared.below)]
@@ -388,6 +403,8 @@ class PodContainers(PodProcesses):
                         await port_process.mount_pod_tmpfs(await sandbox.vm.port.ready(), name, size)
                         planned.append(("", m.destination, readonly))
                         named.append(agent_pb2.Source(pod_tmpfs=name, subpath=subpath))
+                        told.append(f"mount {m.destination}: subPath {subpath!r} of the emptyDir {name}"
+                                    if name != SHM_TMPFS else f"mount {m.destination}: the pod's /dev/shm")
                         continue
                     source = await sandbox._agent(agent.pod_tmpfs(name, size))
                     if subpath:
@@ -417,6 +434,9 @@ class PodContainers(PodProcesses):
                     views.append((len(planned), key, view))
                     planned.append(("", m.destination, view.readonly or volume.readonly))
                     named.append(agent_pb2.Source(volume_id=volume_id, subpath=view.subpath, strict=True))
+                    told.append(f"mount {m.destination}: subpath {view.subpath!r} of volume "
+                                f"{resolved.info.volume_id}" if view.subpath else
+                                f"mount {m.destination}: volume {resolved.info.volume_id}")
                     continue
                 if view.subpath:
                     source = await self._subpath(sandbox, volume.mount_point, view.subpath, container_id, index,
@@ -428,6 +448,7 @@ class PodContainers(PodProcesses):
                 c.oci.sources = placement(c.oci.spec, agent_pb2.SharePath(
                     tag=share.tag, path=os.path.relpath(guest_rootfs, share.guest)),
                     [(source, ro) for source, (_, _, ro) in zip(named, planned)], c.oci.pod_pid_namespace)
+                c.oci.bind_names = told
                 c.runtime_mounts = True
             elif runtime_mounts:
                 # The root too (the module docstring: no exit unmounts a submount).
@@ -482,7 +503,10 @@ class PodContainers(PodProcesses):
                                   f"not connected")
             if c.oci.sysctls or c.oci.hostname:
                 await port_process.configure_guest(client, c.oci.sysctls, c.oci.hostname)
-            await port_process.create_container(client, c.container_id, c.oci.spec, p.stdin, c.oci.sources)
+            try:
+                await port_process.create_container(client, c.container_id, c.oci.spec, p.stdin, c.oci.sources)
+            except CrustError as exc:
+                raise in_pod_terms(exc, c.oci.bind_names) from None
         except BaseException as exc:
             log.warning("container create failed; undoing it", extra={"fields": {
                 "sandbox": pod.sandbox_id, "container": c.container_id, "error": str(exc)[:500]}})

@@ -49,6 +49,7 @@ class GuestContainer(BaseModel):
     placed_by_agent: bool = False
     pod_pid_namespace: bool = False
     sources: dict = Field(default_factory=dict)
+    bind_names: list[str] = Field(default_factory=list)   # each bind as the pod's spec says it
 
 
 class ContainerRecord(BaseModel):

@@ -419,8 +419,14 @@ class Pods(PodContainers):
                     if tap >= 0:
                         os.close(tap)   # QEMU's now: the tap lives as long as QEMU
                         tap = -1
+                    # A pooled or restored VM's Python agent is connected now; a
+                    # VM just booted is served by the shell agent (never waited for).
+                    client = sandbox.vm.port.current()
                     for share in shares:
-                        await sandbox._agent(sandbox.vm.agent.share_mount(share.guest, share.tag))
+                        if client is not None and sandbox.vm.port.has("share.virtiofs"):
+                            await port_process.mount_share(client, share.tag)
+                        else:
+                            await sandbox._agent(sandbox.vm.agent.share_mount(share.guest, share.tag))
                     await self._apply_pod_settings(sandbox, sandbox_id, sysctls, hostname)
                     if interface is not None:
                         await sandbox._agent(sandbox.vm.agent.network(
@@ -554,6 +560,10 @@ class Pods(PodContainers):
         pod: its network, IPC and UTS namespaces are the guest's own). One
         the guest's kernel refuses fails the pod, naming it."""
         if not sysctls and not hostname:
+            return
+        client = sandbox.vm.port.current()
+        if client is not None and sandbox.vm.port.has("guest.settings"):
+            await port_process.configure_guest(client, sysctls, hostname)
             return
         agent = sandbox.vm.agent
         name = output_name(sandbox_id, "", "pod-settings")

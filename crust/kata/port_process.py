@@ -194,6 +194,14 @@ async def create_container(client: AgentClient, container_id: str, spec: dict, s
         raise handler_error(exc, f"container {container_id}") from None
 
 
+async def mount_share(client: AgentClient, tag: str) -> str:
+    """The pod's share of that virtio-fs tag mounted in the guest; where."""
+    try:
+        return (await client.call("MountShare", agent_pb2.MountShareRequest(tag=tag))).mount_point
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, f"the pod's shared directory {tag}") from None
+
+
 async def mount_pod_tmpfs(client: AgentClient | None, name: str, size: str) -> None:
     """The pod's tmpfs of that name in the guest (MountPodTmpfs), size as
     the host's tmpfs says it (bytes, or with k, m, g; "" for the guest's
