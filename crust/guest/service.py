@@ -10,7 +10,7 @@ import time
 import crust
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.guest import cgroups, guestconf
+from crust.guest import cgroups, guestconf, network
 from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR, REMOVE_WAIT, Containers
 from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
@@ -33,7 +33,7 @@ MAX_READ_BYTES = 1 << 20
 IMAGE_ID_FILE = "/etc/crust-image-id"
 
 CAPABILITIES = ("process.guest", "process.stdin", "guest.settings", "share.virtiofs", "tmpfs.pod",
-                "subpath.beneath", "mirror.atomic-writer")
+                "subpath.beneath", "mirror.atomic-writer", "network.interface")
 
 
 def _memory_total() -> int:
@@ -117,6 +117,10 @@ class AgentService:
                 stdin_buffer_bytes=self.limits.stdin_buffer_bytes, max_in_flight=ttrpc.CONNECTION_CALLS_MAX,
                 output_grace_ms=int(self.limits.output_grace * 1000)),
             cpus=len(os.sched_getaffinity(0)), memory_bytes=_memory_total())
+
+    async def ConfigureInterface(self, request: agent_pb2.ConfigureInterfaceRequest,
+                                 call) -> agent_pb2.ConfigureInterfaceResponse:
+        return await network.configure(request, self.volumes.disks.events, wait_for(call))
 
     async def ConfigureGuest(self, request: agent_pb2.ConfigureGuestRequest,
                              call) -> agent_pb2.ConfigureGuestResponse:

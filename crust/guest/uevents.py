@@ -1,5 +1,5 @@
 """The kernel's device events (uevents), for waiting on a hot-plugged disk
-or shared directory without looking at /sys again and again.
+shared directory or NIC without looking at /sys again and again.
 
 One netlink socket (NETLINK_KOBJECT_UEVENT, the kernel's group 1) is
 opened when the agent starts, so no event between a look and the wait
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 NETLINK_KOBJECT_UEVENT = 15
 KERNEL_GROUP = 1
 RECEIVE_BUFFER = 1 << 20
-WATCHED = {"block", "virtio"}
+WATCHED = {"block", "virtio", "net"}
 
 Found = TypeVar("Found")
 
@@ -41,9 +41,9 @@ def parse(message: bytes) -> dict[str, str]:
 
 
 class DeviceEvents:
-    """Counts the kernel's block and virtio bus events (a virtio device's
-    bind: its driver's probe ended, a virtio-fs tag is registered) and wakes
-    those waiting on them."""
+    """Counts the kernel's block, net and virtio bus events (a virtio
+    device's bind: its driver's probe ended, a virtio-fs tag is registered)
+    and wakes those waiting on them."""
 
     def __init__(self):
         self.count = 0

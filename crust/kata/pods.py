@@ -428,7 +428,11 @@ class Pods(PodContainers):
                         else:
                             await sandbox._agent(sandbox.vm.agent.share_mount(share.guest, share.tag))
                     await self._apply_pod_settings(sandbox, sandbox_id, sysctls, hostname)
-                    if interface is not None:
+                    if interface is not None and client is not None and sandbox.vm.port.has("network.interface"):
+                        await port_process.configure_interface(
+                            client, interface.mac, interface.mtu, list(interface.addresses),
+                            [(r.destination, r.gateway) for r in interface.routes])
+                    elif interface is not None:
                         await sandbox._agent(sandbox.vm.agent.network(
                             interface.mac, interface.mtu, list(interface.addresses),
                             [r.word() for r in interface.routes]))

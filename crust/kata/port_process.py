@@ -194,6 +194,21 @@ async def create_container(client: AgentClient, container_id: str, spec: dict, s
         raise handler_error(exc, f"container {container_id}") from None
 
 
+async def configure_interface(client: AgentClient, mac: str, mtu: int, addresses: list[str],
+                              routes: list[tuple[str, str]]) -> None:
+    """The pod's network on the VM's NIC with that MAC address: addresses as
+    "ip/prefix", routes as (destination or "default", gateway or "")."""
+    request = agent_pb2.ConfigureInterfaceRequest(
+        mac=mac, mtu=mtu,
+        addresses=[agent_pb2.IPAddress(address=a.split("/")[0], prefix_length=int(a.split("/")[1]))
+                   for a in addresses],
+        routes=[agent_pb2.Route(destination="" if d == "default" else d, gateway=g) for d, g in routes])
+    try:
+        await client.call("ConfigureInterface", request)
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, "the pod's network interface") from None
+
+
 async def mount_share(client: AgentClient, tag: str) -> str:
     """The pod's share of that virtio-fs tag mounted in the guest; where."""
     try:
