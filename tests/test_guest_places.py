@@ -19,6 +19,7 @@ import pytest
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
+from crust.guest.places import ROOT_RETIRE
 from crust.kata.agent_client import AgentClient
 from crust.sys.beneath import SubpathError, open_subpath
 from tests.guest_container import ContainerAgent, code_of, crun_container_agent
@@ -111,6 +112,11 @@ def _in_agent(c: ContainerAgent, script: str) -> str:
                           text=True, timeout=30, check=True).stdout
 
 
+def _mounted(c: ContainerAgent, path: Path) -> bool:
+    return subprocess.run(["nsenter", "-t", str(c.agent_pid), "-m", "mountpoint", "-q", str(path)],
+                          timeout=30, check=False).returncode == 0
+
+
 def _with_binds(c: ContainerAgent, container_id: str, destinations: list[str], *args: str) -> bytes:
     spec = json.loads(container_spec(c, container_id, *args))
     spec["root"]["path"] = ""
@@ -165,6 +171,20 @@ def test_create_container_places_the_root_binds_and_subpaths_from_named_sources(
             await client.call("RemoveContainer", agent_pb2.RemoveContainerRequest(container_id=cid), timeout=30)
             dropped = not (run / "subpath" / cid).exists()
 
+            # A root that is a mount of the share (as a container's root is a
+            # submount in the guest): unmounted in the agent's namespace only
+            # a while after the container's removal.
+            rooted = f"rooted-{os.getpid()}"
+            _in_agent(c, f"mkdir -p {run}/share/root-{rooted} && "
+                         f"mount --bind {c.state.parent / 'bundle' / 'rootfs'} {run}/share/root-{rooted}")
+            await client.call("CreateContainer", agent_pb2.CreateContainerRequest(
+                container_id=rooted, oci_spec=_with_binds(c, rooted, [], "true"),
+                rootfs=agent_pb2.Source(share=agent_pb2.SharePath(tag="crust", path=f"root-{rooted}"))), timeout=30)
+            await client.call("RemoveContainer", agent_pb2.RemoveContainerRequest(container_id=rooted), timeout=30)
+            root_mounted = [_mounted(c, run / "share" / f"root-{rooted}")]
+            await asyncio.sleep(ROOT_RETIRE + 1)
+            root_mounted.append(_mounted(c, run / "share" / f"root-{rooted}"))
+
             # A subpath through a link out of the tmpfs is refused, naming the
             # bind; nothing of the container is left.
             escape = await code_of(client.call("CreateContainer", agent_pb2.CreateContainerRequest(
@@ -187,13 +207,13 @@ def test_create_container_places_the_root_binds_and_subpaths_from_named_sources(
                     [agent_pb2.Bind(mount_index=len(c.spec["mounts"]), source=agent_pb2.Source(
                         volume_id="never-mounted"))])]
             return details, tmpfs, resized, pid, subpaths, exit_, out, err, written, pod_pid, pod_ns, dropped, \
-                escape, left, wrong
+                escape, left, wrong, root_mounted
         finally:
             await client.close()
 
     with crun_container_agent(tmp_path) as c:
         (details, tmpfs, resized, pid, subpaths, exit_, out, err, written, pod_pid, pod_ns, dropped, escape, left,
-         wrong) = asyncio.run(main(c))
+         wrong, root_mounted) = asyncio.run(main(c))
     n = len(c.spec["mounts"])
     assert {"container.oci", "container.pod-pid", "tmpfs.pod", "subpath.beneath"} <= set(details.capabilities)
     assert (tmpfs.mount_point, tmpfs.size_bytes, resized.size_bytes) == (str(run / "podtmpfs" / "scratch"),
@@ -203,7 +223,7 @@ def test_create_container_places_the_root_binds_and_subpaths_from_named_sources(
     assert (exit_.exit_code, err.data) == (0, b""), err.data
     assert out.data == f"hello from the share\nold\nmade\n{pod_ns}\n".encode()
     assert pod_ns != os.readlink("/proc/self/ns/pid")
-    assert written == "new\n" and dropped
+    assert written == "new\n" and dropped and root_mounted == [True, False]
     assert escape[0] == ttrpc.INVALID_ARGUMENT and escape[1] == \
         "binds[0].source.subpath: subpath escape/etc: resolves outside its volume", escape
     assert not left

@@ -49,6 +49,7 @@ MEMINFO = "/proc/meminfo"
 CATATONIT = "/sbin/catatonit"
 POD_PID_WAIT = 5.0            # seconds the pod's PID namespace's init has to appear
 POD_PID_LOOK = 0.02
+ROOT_RETIRE = 2.0             # seconds between a container's removal and its root's unmount here
 SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -76,6 +77,7 @@ class Places:
         self.mirrors = Mirrors(self.run)
         self.mirror_users: dict[str, set[str]] = {}   # container id -> the mirrors it binds
         self.roots: dict[str, str] = {}   # container id -> its root, reached in the agent's namespace
+        self.retiring: dict[str, asyncio.TimerHandle] = {}   # removed containers' roots, unmounted soon
         self._pod_pid_lock = asyncio.Lock()
 
     # ----------------------------------------------------------- shares
@@ -230,15 +232,33 @@ class Places:
             os.close(fd)
         return str(target)
 
-    def drop(self, container_id: str) -> None:
-        """The container's root unmounted in the agent's namespace (its
-        processes are gone: nothing of it is in flight), its subpath binds
-        unmounted and their places removed (never recursively: a place
-        still mounted would be emptied through its mount)."""
-        self.mirror_users.pop(container_id, None)
+    async def remove(self, container_id: str) -> None:
+        """What drop drops; the container's root, reached in the agent's
+        namespace, unmounted ROOT_RETIRE seconds later: its processes are
+        gone, but the guest kernel releases their virtio-fs files
+        asynchronously, and the last unmount of a submount with a release
+        in flight stops Debian 12's 6.1 kernel at a BUG (busy inodes after
+        unmount)."""
+        await asyncio.to_thread(self.drop, container_id)
         root = self.roots.pop(container_id, None)
         if root is not None:
-            sysmount.unmount_all(root)
+            loop = asyncio.get_running_loop()
+            self.retiring[root] = loop.call_later(
+                ROOT_RETIRE, lambda: self.retiring.pop(root, None) and loop.create_task(
+                    asyncio.to_thread(self._unmount_quietly, root)))
+
+    @staticmethod
+    def _unmount_quietly(path: str) -> None:
+        try:
+            sysmount.unmount_all(path)
+        except OSError as exc:
+            log.warning("a removed container's root stays mounted at %s: %s", path, exc)
+
+    def drop(self, container_id: str) -> None:
+        """The container's subpath binds unmounted and their places removed
+        (never recursively: a place still mounted would be emptied through
+        its mount)."""
+        self.mirror_users.pop(container_id, None)
         directory = self.run / "subpath" / container_id
         if not directory.is_dir():
             return
@@ -303,6 +323,8 @@ class Places:
         """The mirrors stopped, the pod's PID namespace ended (its init
         killed takes every process in it along)."""
         await self.mirrors.close()
+        for timer in self.retiring.values():
+            timer.cancel()
         holder, self.pod_init_holder = self.pod_init_holder, None
         if holder is None:
             return
@@ -349,6 +371,9 @@ class Places:
                 reach.append(root)
                 if not request.rootfs.subpath:
                     self.roots[request.container_id] = root
+                    retiring = self.retiring.pop(root, None)
+                    if retiring is not None:   # a create tried again: its root stays reached
+                        retiring.cancel()
             for i, bind in enumerate(request.binds):
                 field = f"binds[{i}].source"
                 source = await asyncio.to_thread(self.resolve, field, bind.source, request.container_id,
@@ -370,6 +395,6 @@ class Places:
                 linux["namespaces"] = [*namespaces, {"type": "pid", "path": f"/proc/{pid}/ns/pid"}]
         except BaseException:
             with contextlib.suppress(OSError):
-                self.drop(request.container_id)
+                self.drop(request.container_id)   # the root's unmount is the caller's (remove)
             raise
         return json.dumps(spec, separators=(",", ":")).encode()

@@ -145,12 +145,12 @@ class AgentService:
             known = self.containers.known(request.container_id, raw, request.stdin)
             if known is not None:
                 return agent_pb2.CreateContainerResponse(pid=(await known).pid)
-            spec = await self.places.place(request, call) if placed else request.oci_spec
             try:
+                spec = await self.places.place(request, call) if placed else request.oci_spec
                 process = await self.containers.create(request.container_id, raw, spec, request.stdin)
             except BaseException:
                 if placed:
-                    await asyncio.to_thread(self.places.drop, request.container_id)
+                    await self.places.remove(request.container_id)
                 raise
             finally:
                 self._creating.pop(request.container_id, None)
@@ -168,7 +168,7 @@ class AgentService:
         timeout = request.timeout_ms / 1000 if request.timeout_ms else (getattr(call, "timeout", None) or REMOVE_WAIT)
         unread = await self.containers.remove(request.container_id, timeout)
         try:
-            await asyncio.to_thread(self.places.drop, request.container_id)
+            await self.places.remove(request.container_id)
         except OSError as exc:
             raise AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: its subpath binds: {exc}") from None
         return agent_pb2.RemoveContainerResponse(unread_bytes=unread)
