@@ -140,6 +140,8 @@ def test_create_container_places_the_root_binds_and_subpaths_from_named_sources(
         client = await AgentClient.connect(str(c.socket))
         try:
             details = await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=10)
+            shares = [await code_of(client.call("MountShare", agent_pb2.MountShareRequest(tag=tag), timeout=10))
+                      for tag in ("crust", "other")]
             tmpfs = await client.call("MountPodTmpfs", agent_pb2.MountPodTmpfsRequest(name="scratch",
                                                                                     size_bytes=1 << 20), timeout=10)
             resized = await client.call("MountPodTmpfs", agent_pb2.MountPodTmpfsRequest(name="scratch",
@@ -207,15 +209,18 @@ def test_create_container_places_the_root_binds_and_subpaths_from_named_sources(
                     [agent_pb2.Bind(mount_index=len(c.spec["mounts"]), source=agent_pb2.Source(
                         volume_id="never-mounted"))])]
             return details, tmpfs, resized, pid, subpaths, exit_, out, err, written, pod_pid, pod_ns, dropped, \
-                escape, left, wrong, root_mounted
+                escape, left, wrong, root_mounted, shares
         finally:
             await client.close()
 
     with crun_container_agent(tmp_path) as c:
         (details, tmpfs, resized, pid, subpaths, exit_, out, err, written, pod_pid, pod_ns, dropped, escape, left,
-         wrong, root_mounted) = asyncio.run(main(c))
+         wrong, root_mounted, shares) = asyncio.run(main(c))
     n = len(c.spec["mounts"])
     assert {"container.oci", "container.pod-pid", "tmpfs.pod", "subpath.beneath"} <= set(details.capabilities)
+    # The share's place holds another file system (here a bind): refused, not mounted over.
+    assert shares[0][0] == ttrpc.FAILED_PRECONDITION and "already" in shares[0][1], shares
+    assert shares[1] == (ttrpc.INVALID_ARGUMENT, "tag: 'other' is not one of crust's shares (crust, crust-live)")
     assert (tmpfs.mount_point, tmpfs.size_bytes, resized.size_bytes) == (str(run / "podtmpfs" / "scratch"),
                                                                         1 << 20, 2 << 20)
     # The rootfs's subpath at the index after the spec's mounts, each bind's at its mount's.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -79,6 +80,7 @@ class Places:
         self.roots: dict[str, str] = {}   # container id -> its root, reached in the agent's namespace
         self.retiring: dict[str, asyncio.TimerHandle] = {}   # removed containers' roots, unmounted soon
         self._pod_pid_lock = asyncio.Lock()
+        self._share_lock = asyncio.Lock()
 
     # ----------------------------------------------------------- shares
 
@@ -95,6 +97,10 @@ class Places:
         tag: a device hot-plugged a moment ago is waited for on the
         kernel's events until its probe ended (the bind event)."""
         point = self.share_point("tag", tag)
+        async with self._share_lock:   # two calls for one tag mount it once
+            return await self._mount_share(tag, point, call)
+
+    async def _mount_share(self, tag: str, point: Path, call) -> str:
         entry = sysmount.at(str(point))
         if entry is not None:
             if entry.fs_type == "virtiofs" and entry.source == tag:
@@ -131,7 +137,7 @@ class Places:
             # The share's layout is the host's: a link on the way is refused.
             os.close(beneath.open_beneath(root, "/".join(parts), resolve=beneath.RESOLVE_NO_SYMLINKS))
         except OSError as exc:
-            code = ttrpc.NOT_FOUND if exc.errno == 2 else ttrpc.INVALID_ARGUMENT
+            code = ttrpc.NOT_FOUND if exc.errno == errno.ENOENT else ttrpc.INVALID_ARGUMENT
             raise AgentError(code, f"{field}.path: {share.path} in the share {share.tag}: "
                                    f"{os.strerror(exc.errno or 0)}") from None
         finally:
