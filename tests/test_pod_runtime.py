@@ -25,6 +25,7 @@ import pytest
 
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.contract.mountinfo import digest
+from crust.guest.places import ROOT_RETIRE
 from crust.kata.direct_volume import entry_name
 from crust.kata.qemu import qemu_pids_under
 from crust.sys import loop as sysloop
@@ -789,10 +790,21 @@ def test_a_containers_submounts_of_the_share_are_pinned_in_the_agents_namespace(
         assert "/run/crust/share/pinned-1/rootfs" in first, first
         assert [p for p in first if p.startswith("/run/crust/ns/")] == ["/run/crust/ns/pinned-1"], first
         assert client.delete_container("pinned-1").status == Status.STOPPED
-        second = agent_mounts("pinned-2")
-        # Only the running container's root and namespace: the removed ones' went with them.
-        assert [p for p in second if p.endswith("/rootfs")] == ["/run/crust/share/pinned-2/rootfs"], second
-        assert [p for p in second if p.startswith("/run/crust/ns/")] == ["/run/crust/ns/pinned-2"], second
+        # Only the running container's root and namespace: the removed ones'
+        # went with them (a root ROOT_RETIRE seconds after its removal; each
+        # look is a container, removed in turn, until no other root is left).
+        deadline, attempt = time.monotonic() + 60, 2
+        while True:
+            name = f"pinned-{attempt}"
+            second = agent_mounts(name)
+            if [p for p in second if p.endswith("/rootfs")] == [f"/run/crust/share/{name}/rootfs"] or \
+                    time.monotonic() > deadline:
+                break
+            assert client.delete_container(name).status == Status.STOPPED
+            attempt += 1
+            time.sleep(ROOT_RETIRE)
+        assert [p for p in second if p.endswith("/rootfs")] == [f"/run/crust/share/{name}/rootfs"], second
+        assert [p for p in second if p.startswith("/run/crust/ns/")] == [f"/run/crust/ns/{name}"], second
         assert [p for p in second if "/.binds/" in p] == binds, second
         # A container writes in its deferred volume and is removed at once
         # (before the file system would write it back by itself): the hold of

@@ -436,6 +436,7 @@ class Pods(PodContainers):
                         await sandbox._agent(sandbox.vm.agent.network(
                             interface.mac, interface.mtu, list(interface.addresses),
                             [r.word() for r in interface.routes]))
+                    if interface is not None:
                         await self._forward_ports(sandbox_id, pod.network)
                 except BaseException:
                     if tap >= 0:
