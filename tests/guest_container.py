@@ -21,7 +21,7 @@ from crust.kata.image import GUEST_CFLAGS
 
 REPO = Path(__file__).resolve().parent.parent
 ENTER_SOURCE = REPO / "crust" / "kata" / "guest" / "enter.c"
-APPLETS = ("sh", "sleep", "echo", "hostname", "cat", "grep", "readlink", "env", "sort", "mkdir", "id")
+APPLETS = ("sh", "sleep", "echo", "hostname", "cat", "grep", "readlink", "env", "sort", "mkdir", "id", "tty", "stty")
 
 
 async def code_of(awaitable) -> tuple[int, str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from crust.common import ttrpc
-from crust.guest import enter, oci, spawn
+from crust.guest import enter, oci, spawn, terminal
 from crust.guest.errors import AgentError
 from crust.guest.oci import OciRuntime
 from crust.guest.streams import InputStream, OutputStream
@@ -111,6 +112,7 @@ class Process:
     start_error: AgentError | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    terminal: int | None = None   # its terminal's master, while it runs on one
 
     @property
     def key(self) -> tuple[str, str]:
@@ -214,14 +216,14 @@ class ProcessTable:
         known = self._known(key, raw, stdin)
         if known is not None:
             return await self._answer_retry(known)
-        if spec.terminal:
-            raise AgentError(ttrpc.FAILED_PRECONDITION, "process.terminal: this agent runs no process on a terminal")
         status = "running" if runtime.runs(container_id) else await runtime.status(container_id)
         if status is None:
             raise AgentError(ttrpc.NOT_FOUND, f"container_id: no container {container_id!r}")
         if status != "running":
             raise AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: container {container_id!r} is {status}, "
                                                        f"not running")
+        if spec.terminal:
+            return await self._start_on_terminal(runtime, key, raw, stdin)
         try:
             entry = enter.prepare(runtime.enter_program, runtime.root, container_id, json.loads(raw))
         except enter.NotHere as reason:
@@ -259,6 +261,61 @@ class ProcessTable:
             raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"process: the OCI runtime refused "
                                                    f"it: {words or 'exit ' + str(process.exit.exit_code)}"))
         runtime.forget(container_id, exec_id)  # crun read the one and wrote the other
+        process.pid, process.state = pid, RUNNING
+        process.started.set()
+        return process
+
+    async def _start_on_terminal(self, runtime: OciRuntime, key: tuple[str, str], raw: bytes,
+                                 stdin: bool) -> Process:
+        """An exec on a terminal the OCI runtime makes in the container and
+        hands over (crust.guest.terminal)."""
+        container_id, exec_id = key
+        process = self._new(key, raw, stdin)
+        process_file, pid_file = runtime.exec_files(container_id, exec_id)
+        console = process_file.with_suffix(".console")
+        try:
+            runtime.write_process(process_file, raw)
+            pid_file.unlink(missing_ok=True)
+            listener = terminal.listen(console)
+        except OSError as exc:
+            runtime.forget(container_id, exec_id)
+            raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"process.terminal: {exc}")) from None
+        try:
+            child = await spawn.start(
+                runtime.command("exec", "--tty", "--console-socket", str(console), "--process", str(process_file),
+                                "--pid-file", str(pid_file), container_id),
+                stdin=False, cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, limit=self.limits.pipe_chunk)
+            exit_ = asyncio.ensure_future(spawn.exited(child.popen))
+            try:
+                master = await terminal.receive_master(listener, exit_)
+            except AgentError as exc:
+                child.popen.kill()
+                await exit_
+                words = (await child.stderr.read()).decode(errors="replace").strip()[-2000:]
+                child.close_pipes()
+                raise self._failed(process, AgentError(exc.code, f"{exc.message}: {words}" if words else
+                                                       exc.message)) from None
+        except OSError as exc:
+            raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: the OCI runtime did "
+                                                   f"not start: {exc.strerror or exc}")) from None
+        finally:
+            listener.close()
+            console.unlink(missing_ok=True)
+        process.terminal = master
+        child = await spawn.on_terminal(child, master, self.limits.pipe_chunk, stdin)
+        process.tasks.append(asyncio.ensure_future(self._watch(process, child, exit_)))
+        try:
+            pid = await oci.wait_pid_file(pid_file, exit_)
+        except AgentError as exc:
+            child.popen.kill()
+            raise self._failed(process, exc) from None
+        finally:
+            runtime.forget(container_id, exec_id)
+        if pid == 0:
+            await process.done.wait()
+            words = process.stderr.peek().decode(errors="replace").strip()[-2000:]
+            raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"process: the OCI runtime refused "
+                                                   f"it: {words or 'exit ' + str(process.exit.exit_code)}"))
         process.pid, process.state = pid, RUNNING
         process.started.set()
         return process
@@ -315,6 +372,9 @@ class ProcessTable:
             feeder.cancel()
             with contextlib.suppress(asyncio.CancelledError, OSError):
                 await feeder
+        if process.terminal is not None:
+            os.close(process.terminal)
+            process.terminal = None
         code, number = _exit_status(returncode)
         process.exit = ExitStatus(code, number, exited_at, complete)
         process.state = EXITED
@@ -351,7 +411,12 @@ class ProcessTable:
 async def _pump_out(pipe: asyncio.StreamReader, stream: OutputStream, chunk: int) -> None:
     while True:
         await stream.wait_for_room()
-        data = await pipe.read(chunk)
+        try:
+            data = await pipe.read(chunk)
+        except OSError as exc:
+            if exc.errno == errno.EIO:   # a terminal whose last process left
+                return
+            raise
         if not data:
             return
         stream.append(data)

@@ -10,7 +10,7 @@ import time
 import crust
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.guest import cgroups, guestconf, network
+from crust.guest import cgroups, guestconf, network, terminal
 from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR, REMOVE_WAIT, Containers
 from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
@@ -93,7 +93,8 @@ class AgentService:
 
     @property
     def capabilities(self) -> list[str]:
-        runtime = ["process.exec", "container.create", "container.oci"] if self.runtime.present else []
+        runtime = ["process.exec", "process.terminal", "container.create", "container.oci"] \
+            if self.runtime.present else []
         if runtime and os.path.exists(self.places.pod_init):
             runtime.append("container.pod-pid")
         return [*CAPABILITIES, *runtime,
@@ -230,6 +231,14 @@ class AgentService:
             raise AgentError(ttrpc.FAILED_PRECONDITION, "exec_id: the process was started without stdin")
         process.stdin.close()
         return agent_pb2.CloseStdinResponse()
+
+    async def TtyWinResize(self, request: agent_pb2.TtyWinResizeRequest, call) -> agent_pb2.TtyWinResizeResponse:
+        terminal.check_size(request.columns, request.rows)
+        process = self._process(request)
+        if process.terminal is None:
+            raise AgentError(ttrpc.FAILED_PRECONDITION, "exec_id: the process runs on no terminal (any more)")
+        terminal.resize(process.terminal, request.columns, request.rows)
+        return agent_pb2.TtyWinResizeResponse()
 
     async def SignalProcess(self, request: agent_pb2.SignalProcessRequest, call) -> agent_pb2.SignalProcessResponse:
         if request.signal > 64:

@@ -66,6 +66,22 @@ async def start(argv: list[str], *, stdin: bool, cwd: str, env: dict[str, str], 
     return Child(popen, stdout, stderr, writer, transports)
 
 
+async def on_terminal(child: Child, master: int, limit: int, stdin: bool) -> Child:
+    """child (an OCI runtime run with a console socket) with the process's
+    terminal as its output and input: the master read for stdout, written
+    for stdin; the runtime's own stderr stays stderr (its refusals)."""
+    loop = asyncio.get_running_loop()
+    stdout, transport = await _reader(loop, os.fdopen(os.dup(master), "rb", buffering=0), limit)
+    transports = [transport, *child.transports]
+    writer = None
+    if stdin:
+        written, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
+                                                          os.fdopen(os.dup(master), "wb", buffering=0))
+        writer = asyncio.StreamWriter(written, protocol, None, loop)
+        transports.append(written)
+    return Child(child.popen, stdout, child.stderr, writer, transports)
+
+
 async def exited(popen: subprocess.Popen) -> int:
     """The child's return code (negative: the signal) once it exited; it
     is reaped here."""

@@ -248,12 +248,13 @@ def unplaced(spec: dict[str, Any]) -> list[str]:
 
 
 def exec_process(container_process: dict[str, Any], args: list[str], env: list[str], cwd: str, uid: int,
-                 gid: int, additional_gids: list[int] | None = None) -> dict[str, Any]:
+                 gid: int, additional_gids: list[int] | None = None, terminal: bool = False) -> dict[str, Any]:
     """An exec's process: the container's (its capabilities, no_new_privs,
     rlimits, seccomp are the container's, as containerd builds an exec's
     spec) with the command, environment, directory and user asked for."""
     process = json.loads(json.dumps(container_process))
-    process.update({"terminal": False, "args": list(args), "env": list(env), "cwd": cwd or "/"})
+    process.update({"terminal": terminal, "args": list(args), "env": list(env), "cwd": cwd or "/"})
+    process.pop("consoleSize", None)   # the container's; an exec's terminal is sized by its resizes
     user = dict(process.get("user") or {})
     user.update({"uid": uid, "gid": gid})
     if additional_gids is not None:

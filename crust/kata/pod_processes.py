@@ -3,11 +3,11 @@
 terminal size and the container's cgroup numbers. The process half of
 crust.kata.pods.Pods (a mixin: the records, locks and VMs are Pods').
 
-A container's own process, an exec on a terminal and every process of a VM
+A container's own process on a terminal and every process of a VM
 without the agent's port go through the shell agent (a script in the
 pod's share, output in files read back by offset, exits from the pod's
-process watch); any other exec through the guest's Python agent
-(crust.kata.port_process).
+process watch); any other process, an exec on a terminal too, through the
+guest's Python agent (crust.kata.port_process).
 """
 
 from __future__ import annotations
@@ -112,7 +112,10 @@ class PodProcesses:
                     raise InvalidArgument("process.args: a NUL byte")
             port = sandbox.vm.port
             needs = "process.exec" if exec_id else "process.guest"
-            if c.oci is not None and not p.terminal and not p.name and not p.on_port and \
+            # An exec on a terminal too where the agent makes one (the
+            # container's own process on a terminal runs its script).
+            on_terminal = not p.terminal or (exec_id and port.has("process.terminal"))
+            if c.oci is not None and on_terminal and not p.name and not p.on_port and \
                     port.client is not None and not port.client.closed and port.has(needs):
                 # Recorded with its pid once started. A retry of the call
                 # (or of a call whose handler died before the record) asks
@@ -165,7 +168,7 @@ class PodProcesses:
                               f"(the VM restarts it)")
         if p.exec_id:
             process = guest_oci.exec_process(c.oci.spec.get("process") or {}, p.args, p.env, p.cwd, p.uid, p.gid,
-                                             p.additional_gids)
+                                             p.additional_gids, p.terminal)
             p.pid = await port_process.exec_process(client, c.container_id, p.exec_id, process, p.stdin)
         elif c.created_on_port:
             p.pid = await port_process.start_container(client, c.container_id)
@@ -433,6 +436,12 @@ class PodProcesses:
         if p.exit_code is not None:
             return   # its terminal went with it
         sandbox, _, _ = self._live(pod.sandbox_id)
+        if p.on_port:
+            client = await sandbox.vm.port.ready(wait=PORT_WAIT)
+            if client is None:
+                raise Unavailable(f"process {exec_id or container_id}: the guest's agent port is not open")
+            await port_process.resize_terminal(client, container_id, exec_id, width, height)
+            return
         await sandbox._agent(sandbox.vm.agent.terminal_size(p.pid, width, height))
 
     async def container_stats(self, container_id: str) -> handler_pb2.ContainerStatsResponse:

@@ -18,8 +18,10 @@ volumes kubelet's atomic writer updates (their lookups never cached):
   specs/agent.proto): one call starts one, its output is read as written
   (the reads wait in the guest), its exit comes from a WaitProcess that
   waits in the guest, so nothing is polled and execs run side by side.
-  A process on a terminal, and any process of a VM without the port
-  (started by an earlier crust), go through the shell
+  An exec on a terminal runs on one crun makes in the container, its
+  master the agent's (crust.guest.terminal). A container's own process
+  on a terminal, and any process of a VM without the port (started by an
+  earlier crust), go through the shell
   agent instead: the command written as a script into the share, its
   stdout and stderr written to files in the guest, read back by offset
   (ReadOutput), its exit found by the pod's process watch. A container of
@@ -29,8 +31,8 @@ volumes kubelet's atomic writer updates (their lookups never cached):
   it from the Python agent's pipe (WriteInput: WriteStdin), or, as a shell
   agent's process, from a fifo that the guest's feed.sh fills from a file
   the handler appends to in the live share (not cached, so the guest sees
-  each append at once); one that asks for a terminal
-  runs on one made in the guest (guest_oci); the OOM killer's kills in a
+  each append at once); the shell agent's process that asks for a
+  terminal runs on one made in the guest (guest_oci); the OOM killer's kills in a
   container's cgroup (memory.events) make its exit OOMKilled; its cgroup's
   numbers answer ContainerStats.
 

@@ -158,6 +158,18 @@ async def signal_all(client: AgentClient, container_id: str, signal: int) -> int
     return answer.signalled
 
 
+async def resize_terminal(client: AgentClient, container_id: str, exec_id: str, width: int, height: int) -> None:
+    """The size of the terminal an exec runs on; an exec that ended
+    meanwhile (its terminal gone with it) is no error."""
+    try:
+        await client.call("TtyWinResize", agent_pb2.TtyWinResizeRequest(
+            **_ids(container_id, exec_id), columns=width, rows=height))
+    except ttrpc.TtrpcError as exc:
+        if exc.code == ttrpc.FAILED_PRECONDITION:
+            return
+        raise handler_error(exc, f"the terminal of {exec_id or container_id}") from None
+
+
 async def remove_process(client: AgentClient, container_id: str, exec_id: str) -> int:
     """Forget an exited process in the guest; its unread bytes."""
     try:

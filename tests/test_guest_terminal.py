@@ -1,0 +1,65 @@
+"""An exec on a terminal through the guest agent (crust/guest/terminal.py):
+crun makes the terminal in the container and hands its master over the
+console socket; the agent reads the process's output from it, writes its
+input to it and sets its size. Run on the host beside a real crun
+(tests/guest_container.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+from crust.api import agent_pb2
+from crust.common import ttrpc
+from crust.kata.agent_client import AgentClient
+from tests.guest_container import ContainerAgent, code_of, crun_container_agent
+
+SCRIPT = "tty; stty size; read line; echo got $line; stty size; exit 4"
+
+
+async def _read_until(client: AgentClient, key: dict, wanted: bytes, offset: int = 0) -> tuple[bytes, int]:
+    """The output from offset on, read until it holds wanted."""
+    out = b""
+    while wanted not in out:
+        answer = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(max_bytes=4096, offset=offset, **key),
+                                   timeout=30)
+        assert not answer.eof or wanted in out + answer.data, out + answer.data
+        out += answer.data
+        offset = answer.offset + len(answer.data)
+    return out, offset
+
+
+def test_an_exec_on_a_terminal_is_read_written_and_resized_through_its_master(tmp_path):
+    async def main(c: ContainerAgent):
+        client = await AgentClient.connect(str(c.socket))
+        try:
+            details = await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=10)
+            key = {"container_id": c.container_id, "exec_id": "tty"}
+            process = copy.deepcopy(c.spec["process"])
+            process.update(args=["sh", "-c", SCRIPT], terminal=True, consoleSize={"height": 24, "width": 80})
+            await client.call("ExecProcess", agent_pb2.ExecProcessRequest(
+                process=json.dumps(process).encode(), stdin=True, **key), timeout=30)
+            first, offset = await _read_until(client, key, b"24 80")
+            await client.call("TtyWinResize", agent_pb2.TtyWinResizeRequest(rows=30, columns=100, **key),
+                              timeout=10)
+            await client.call("WriteStdin", agent_pb2.WriteStreamRequest(data=b"hello\r", **key), timeout=10)
+            rest, _ = await _read_until(client, key, b"30 100", offset)
+            exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=30)
+            err = await client.call("ReadStderr", agent_pb2.ReadStreamRequest(max_bytes=4096, **key), timeout=10)
+            gone = await code_of(client.call("TtyWinResize", agent_pb2.TtyWinResizeRequest(
+                rows=30, columns=100, **key), timeout=10))
+            bad = await code_of(client.call("TtyWinResize", agent_pb2.TtyWinResizeRequest(
+                rows=0, columns=100, **key), timeout=10))
+            await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(**key), timeout=10)
+            return details, first, rest, exit_, err, gone, bad
+        finally:
+            await client.close()
+
+    with crun_container_agent(tmp_path) as c:
+        details, first, rest, exit_, err, gone, bad = asyncio.run(main(c))
+    assert "process.terminal" in details.capabilities
+    assert first.startswith(b"/dev/pts/") and b"\r\n24 80\r\n" in first, first
+    assert b"got hello\r\n30 100\r\n" in rest, rest   # the terminal echoes the input before it
+    assert (exit_.exit_code, exit_.output_complete, err.data) == (4, True, b"")
+    assert gone[0] == ttrpc.FAILED_PRECONDITION and bad == (ttrpc.INVALID_ARGUMENT, "rows: 0 is not 1..65535")
