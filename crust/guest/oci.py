@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import itertools
 import json
 import os
 import subprocess
@@ -33,6 +35,8 @@ PID_FILE_WAIT = 30.0
 # (crun writes it 0.1 to 0.3 s after its start under emulation), then
 # every 50 ms.
 PID_LOOK_FIRST, PID_LOOK_FIRST_FOR, PID_LOOK_LATER = 0.005, 1.0, 0.05
+UNIX_PATH_MAX = 107   # sun_path's 108 bytes, the last one the terminating NUL
+_CONSOLES = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,17 @@ class OciRuntime:
         directory = Path(self.exec_dir) / container_id
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         return directory / f"{exec_id}.json", directory / f"{exec_id}.pid"
+
+    def console_socket(self) -> Path:
+        """A fresh path for a console socket, short whatever the ids: a
+        unix socket's path holds at most 107 bytes, an exec's directory
+        and two 64-character ids do not fit."""
+        directory = Path(self.exec_dir) / ".tty"   # no container id starts with "."
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = directory / str(next(_CONSOLES))
+        if len(os.fsencode(path)) > UNIX_PATH_MAX:
+            raise OSError(errno.ENAMETOOLONG, f"the console socket's path {path} is longer than a unix socket takes")
+        return path
 
     def write_process(self, path: Path, process: bytes) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)

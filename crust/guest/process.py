@@ -272,8 +272,8 @@ class ProcessTable:
         container_id, exec_id = key
         process = self._new(key, raw, stdin)
         process_file, pid_file = runtime.exec_files(container_id, exec_id)
-        console = process_file.with_suffix(".console")
         try:
+            console = runtime.console_socket()
             runtime.write_process(process_file, raw)
             pid_file.unlink(missing_ok=True)
             listener = terminal.listen(console)
