@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.kata.agent_client import AgentClient
 from tests.guest_container import ContainerAgent, code_of, crun_container_agent
+from tests.test_guest_containers import container_spec, pod_cgroup_cleaned  # noqa: F401
 
 SCRIPT = "tty; stty size; read line; echo got $line; stty size; exit 4"
 
@@ -64,3 +66,42 @@ def test_an_exec_on_a_terminal_is_read_written_and_resized_through_its_master(tm
     assert b"got hello\r\n30 100\r\n" in rest, rest   # the terminal echoes the input before it
     assert (exit_.exit_code, exit_.output_complete, err.data) == (4, True, b"")
     assert gone[0] == ttrpc.FAILED_PRECONDITION and bad == (ttrpc.INVALID_ARGUMENT, "rows: 0 is not 1..65535")
+
+
+def test_a_containers_own_process_on_a_terminal_is_read_written_and_resized(tmp_path, pod_cgroup_cleaned):  # noqa: F811
+    cid = "c" * 63 + str(os.getpid() % 10)
+
+    async def main(c: ContainerAgent):
+        client = await AgentClient.connect(str(c.socket))
+        try:
+            details = await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=10)
+            key = {"container_id": cid, "exec_id": ""}
+            spec = json.loads(container_spec(c, cid, "sh", "-c", SCRIPT))
+            spec["process"].update(terminal=True, consoleSize={"height": 24, "width": 80})
+            await client.call("CreateContainer", agent_pb2.CreateContainerRequest(
+                container_id=cid, stdin=True, oci_spec=json.dumps(spec).encode()), timeout=30)
+            await client.call("StartContainer", agent_pb2.StartContainerRequest(container_id=cid), timeout=30)
+            first, offset = await _read_until(client, key, b"24 80")
+            await client.call("TtyWinResize", agent_pb2.TtyWinResizeRequest(rows=30, columns=100, **key),
+                              timeout=10)
+            await client.call("WriteStdin", agent_pb2.WriteStreamRequest(data=b"hello\r", **key), timeout=10)
+            rest, _ = await _read_until(client, key, b"30 100", offset)
+            exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=30)
+            await client.call("RemoveContainer", agent_pb2.RemoveContainerRequest(container_id=cid), timeout=30)
+            bad = json.loads(container_spec(c, cid, "true"))
+            bad["process"]["terminal"] = "yes"
+            refused = await code_of(client.call("CreateContainer", agent_pb2.CreateContainerRequest(
+                container_id=cid, oci_spec=json.dumps(bad).encode()), timeout=30))
+            return details, first, rest, exit_, refused
+        finally:
+            await client.close()
+
+    with crun_container_agent(tmp_path) as c:
+        details, first, rest, exit_, refused = asyncio.run(main(c))
+        consoles = list((tmp_path / "exec" / ".tty").iterdir())
+    assert "container.terminal" in details.capabilities
+    assert first.startswith(b"/dev/pts/") and b"\r\n24 80\r\n" in first, first
+    assert b"got hello\r\n30 100\r\n" in rest, rest
+    assert (exit_.exit_code, exit_.output_complete) == (4, True)
+    assert refused == (ttrpc.INVALID_ARGUMENT, "oci_spec.process.terminal: not a boolean")
+    assert consoles == []

@@ -94,9 +94,11 @@ def test_exec_and_attach_with_terminals_and_standard_input(node):  # noqa: F811
         app, shell = node.status(pod, "app").id, node.status(pod, "shell").id
         console = node.status(pod, "console").id
 
-        # On a terminal: the process sees one on its three streams, reads
-        # what is typed (echoed by the terminal), and ends when it exits.
-        script = "test -t 0 && test -t 1 && test -t 2 && echo on-a-terminal; read line; echo got:$line"
+        # On a terminal: the process sees one on its three streams, named in
+        # the container's devpts as under runc, reads what is typed (echoed
+        # by the terminal), and ends when it exits.
+        script = ("test -t 0 && test -t 1 && test -t 2 && case $(tty) in /dev/pts/*) echo on-a-terminal;; esac; "
+                  "read line; echo got:$line")
         out = crictl_on_a_terminal(node, "exec", "-it", app, "sh", "-c", script, typed=b"typed\r",
                                    after=b"on-a-terminal")
         assert b"got:typed" in out, out
@@ -113,9 +115,10 @@ def test_exec_and_attach_with_terminals_and_standard_input(node):  # noqa: F811
                    what="the attached shell exits after `exit 3`")
         assert node.status(pod, "shell").exit_code == 3
 
-        # Attach on a terminal: the container's own shell runs on one.
+        # Attach on a terminal: the container's own shell runs on one, of
+        # the container's devpts.
         out = crictl_on_a_terminal(node, "attach", "-it", console, after=b"", wait=3.0,
-                                   typed=b"test -t 0 && echo tty-$((6*7)); exit 5\r")
+                                   typed=b"test -t 0 && case $(tty) in /dev/pts/*) echo tty-$((6*7));; esac; exit 5\r")
         assert b"tty-42" in out, out
         wait_until(lambda: node.status(pod, "console").state == cri.CONTAINER_EXITED,
                    what="the console's shell exits after `exit 5`")

@@ -40,7 +40,7 @@ import shutil
 from pathlib import Path
 
 from crust.common import ttrpc
-from crust.guest import spawn
+from crust.guest import spawn, terminal
 from crust.guest.cgroups import POD_CGROUP
 from crust.guest.errors import AgentError
 from crust.guest.oci import OciRuntime
@@ -131,9 +131,11 @@ def guest_bundle(spec_json: bytes, gate: Gate) -> dict:
     root = (spec.get("root") or {}).get("path")
     if not isinstance(root, str) or not root.startswith("/"):
         raise AgentError(ttrpc.INVALID_ARGUMENT, "oci_spec.root.path: an absolute path of the guest is needed")
-    if (spec.get("process") or {}).get("terminal"):
-        raise AgentError(ttrpc.INVALID_ARGUMENT, "oci_spec.process.terminal: this agent runs no process on a "
-                                                 "terminal")
+    process = spec.get("process")
+    if not isinstance(process, dict):
+        raise AgentError(ttrpc.INVALID_ARGUMENT, "oci_spec.process: not a JSON object")
+    if not isinstance(process.get("terminal", False), bool):
+        raise AgentError(ttrpc.INVALID_ARGUMENT, "oci_spec.process.terminal: not a boolean")
     hooks = spec.get("hooks") or {}
     if not isinstance(hooks, dict):
         raise AgentError(ttrpc.INVALID_ARGUMENT, "oci_spec.hooks: not a JSON object")
@@ -188,17 +190,27 @@ class Containers:
             gate.close()
             raise
         process = self.table._new(key, raw, stdin)
+        on_terminal = bool(spec["process"].get("terminal"))
+        console = listener = None
         try:
-            child = await spawn.start(self.runtime.command("run", "--bundle", str(gate.directory), container_id),
-                                      stdin=stdin, cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+            command = ["run", "--bundle", str(gate.directory)]
+            if on_terminal:
+                console = self.runtime.console_socket()
+                listener = terminal.listen(console)
+                command += ["--console-socket", str(console)]
+            child = await spawn.start(self.runtime.command(*command, container_id), stdin=stdin and not on_terminal,
+                                      cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
                                       limit=self.table.limits.pipe_chunk)
         except OSError as exc:
             gate.close()
+            _close_console(listener, console)
             raise self.table._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: the OCI "
                                                          f"runtime did not start: {exc.strerror or exc}")) from None
         exit_ = asyncio.ensure_future(spawn.exited(child.popen))
         process.pid, process.state = child.pid, CREATED
-        process.tasks.append(asyncio.ensure_future(self.table._watch(process, child, exit_)))
+        watch = self.table._watch(process, child, exit_) if listener is None else \
+            self._watch_on_terminal(process, child, listener, console, exit_, stdin)
+        process.tasks.append(asyncio.ensure_future(watch))
         process.tasks.append(asyncio.ensure_future(self._closed_at_exit(container_id, process, gate)))
         self.gates[container_id], self.exits[container_id] = gate, exit_
         made = await gate.signalled("made", exit_)
@@ -213,6 +225,22 @@ class Containers:
         self._hold_namespace(container_id, made)
         process.started.set()
         return process
+
+    async def _watch_on_terminal(self, process: Process, child: spawn.Child, listener, console: Path,
+                                 exit_: asyncio.Future, stdin: bool) -> None:
+        """The process's output and input on its terminal, once crun handed
+        over the master: at the start, when the process is made (crun's own
+        refusals before it are on its stderr)."""
+        try:
+            master = await terminal.receive_master(listener, exit_, timeout=None)
+        except AgentError as exc:
+            log.info("container %s: no terminal from the OCI runtime: %s", process.container_id, exc.message)
+        else:
+            process.terminal = master
+            child = await spawn.on_terminal(child, master, self.table.limits.pipe_chunk, stdin)
+        finally:
+            _close_console(listener, console)
+        await self.table._watch(process, child, exit_)
 
     def _hold_namespace(self, container_id: str, state: bytes) -> None:
         """The container's mount namespace held, from its process (the pid
@@ -345,6 +373,13 @@ class Containers:
         for directory in (cgroup / "ctr", cgroup):
             with contextlib.suppress(FileNotFoundError):
                 directory.rmdir()
+
+
+def _close_console(listener, console: Path | None) -> None:
+    if listener is not None:
+        listener.close()
+    if console is not None:
+        console.unlink(missing_ok=True)
 
 
 def _populated(cgroup: Path) -> bool:

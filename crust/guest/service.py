@@ -93,7 +93,7 @@ class AgentService:
 
     @property
     def capabilities(self) -> list[str]:
-        runtime = ["process.exec", "process.terminal", "container.create", "container.oci"] \
+        runtime = ["process.exec", "process.terminal", "container.create", "container.oci", "container.terminal"] \
             if self.runtime.present else []
         if runtime and os.path.exists(self.places.pod_init):
             runtime.append("container.pod-pid")

@@ -41,7 +41,7 @@ def listen(path: Path) -> socket.socket:
 
 
 async def receive_master(listener: socket.socket, runtime_exited: asyncio.Future,
-                         timeout: float = MASTER_WAIT) -> int:
+                         timeout: float | None = MASTER_WAIT) -> int:
     """The terminal's master the runtime sends; FAILED_PRECONDITION when
     the runtime exited first or sent none."""
     loop = asyncio.get_running_loop()

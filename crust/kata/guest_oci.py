@@ -38,9 +38,11 @@ rewritten       root -> the container's root file system where the guest
                 network, IPC and UTS; a shared PID namespace (the pod's, or
                 the node's for hostPID) is the pod's in the guest, whose
                 init (catatonit -P) reaps what the containers leave;
-                process.terminal -> false for crun: a process that asks for
-                a terminal runs on one that util-linux's script makes in the
-                guest (crun's own needs a program that takes the terminal
+                process.terminal kept where the guest's agent makes the
+                container (crun makes the terminal in the container's devpts
+                and hands its master to the agent); otherwise false for
+                crun: a process that asks for a terminal runs on one that
+                util-linux's script makes in the guest (crun's own needs a program that takes the terminal
                 over a socket, which the guest does not have): standard
                 input, output and error are a terminal, of consoleSize where
                 the spec gives one, resized by ResizeTerminal; it is a
@@ -113,14 +115,17 @@ def needs_pod_pid_namespace(host: dict[str, Any]) -> bool:
 
 
 def guest_spec(host: dict[str, Any], root: str, container_id: str, pod_pid_namespace: str = "",
-               pid_by_agent: bool = False) -> tuple[dict[str, Any], dict[str, str], str]:
+               pid_by_agent: bool = False, terminal_by_runtime: bool = False
+               ) -> tuple[dict[str, Any], dict[str, str], str]:
     """(the spec for crun, the sysctls to apply in the guest, the hostname
     to give the guest or ""). pod_pid_namespace: the path of the pod's PID
     namespace in the guest, for a container that shares one
     (needs_pod_pid_namespace); pid_by_agent: the guest's agent adds it
-    (CreateContainerRequest.pod_pid_namespace). InvalidArgument for what the guest cannot honour."""
+    (CreateContainerRequest.pod_pid_namespace); terminal_by_runtime: crun
+    makes the process's terminal (the agent's CreateContainer), else the
+    guest's script does. InvalidArgument for what the guest cannot honour."""
     process = dict(host.get("process") or {})
-    process["terminal"] = False   # the guest's script gives it its terminal (terminal_size)
+    process["terminal"] = bool(process.get("terminal")) and terminal_by_runtime
     for label in ("apparmorProfile", "selinuxLabel"):
         process.pop(label, None)
     if host.get("hooks"):

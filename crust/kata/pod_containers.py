@@ -212,7 +212,7 @@ class PodContainers(PodProcesses):
         spec_dict = raw_spec(bundle)
         terminal = bool((spec_dict.get("process") or {}).get("terminal"))
         early = self._sandbox(sandbox_id)
-        if not terminal and early is not None and early.alive():
+        if early is not None and early.alive():
             # crun makes the container through the guest's Python agent, for
             # which a VM booted a moment ago waits here (without the pod's
             # lock), before anything of the container is placed.
@@ -233,15 +233,16 @@ class PodContainers(PodProcesses):
             if (stdin or terminal) and not pod.guest_runtime:
                 raise FailedPrecondition(f"pod {sandbox_id} runs a guest without an OCI runtime: its containers "
                                          f"have no {'terminal' if terminal else 'standard input'}")
+            by_agent = not terminal or sandbox.vm.port.has("container.terminal")
             if pod.guest_runtime:
-                placing = not terminal and _places(sandbox)
+                placing = by_agent and _places(sandbox)
                 shares_pid = guest_oci.needs_pod_pid_namespace(spec_dict)
                 pod_pid = ""
                 if shares_pid and not placing:
                     pod_pid = await sandbox._agent(sandbox.vm.agent.pod_pid_namespace())
                 guest, sysctls, hostname = guest_oci.guest_spec(
                     spec_dict, f"{GUEST_CONTAINERS}/{container_id}/rootfs", container_id, pod_pid,
-                    pid_by_agent=placing)
+                    pid_by_agent=placing, terminal_by_runtime=placing)
                 oci = GuestContainer(spec=guest, sysctls=sysctls, hostname=hostname, placed_by_agent=placing,
                                      pod_pid_namespace=placing and shares_pid)
             self._creating.add(container_id)
@@ -261,7 +262,7 @@ class PodContainers(PodProcesses):
                 sandbox, record, pod = self._live(sandbox_id)
                 with self.handler.inflight.hold(sandbox_id, container_id):
                     await self._attach_container(sandbox, record, pod, c, rootfs, binds)
-            if oci is not None and not terminal:
+            if oci is not None and by_agent:
                 await sandbox.vm.port.ready(wait=AGENT_START_WAIT)
                 async with self.locks[sandbox_id]:
                     sandbox, record, pod = self._live(sandbox_id)
@@ -484,9 +485,9 @@ class PodContainers(PodProcesses):
                               c: ContainerRecord) -> None:
         """crun makes the container now, through the guest's Python agent
         (CreateContainer: held before its process's exec), so that its
-        start is only what comes after. Not for a process on a terminal, nor
-        when the agent is not connected or cannot: the container's script
-        runs crun at its start then."""
+        start is only what comes after. Not when the agent is not connected
+        or cannot (a process on a terminal unless the agent places the
+        container): the container's script runs crun at its start then."""
         p = c.processes[""]
         port = sandbox.vm.port
         client = port.client

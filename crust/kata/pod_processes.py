@@ -112,9 +112,9 @@ class PodProcesses:
                     raise InvalidArgument("process.args: a NUL byte")
             port = sandbox.vm.port
             needs = "process.exec" if exec_id else "process.guest"
-            # An exec on a terminal too where the agent makes one (the
-            # container's own process on a terminal runs its script).
-            on_terminal = not p.terminal or (exec_id and port.has("process.terminal"))
+            # A process on a terminal too where the agent has crun make one
+            # (a container's own process: made so by CreateContainer).
+            on_terminal = not p.terminal or (port.has("process.terminal") if exec_id else c.created_on_port)
             if c.oci is not None and on_terminal and not p.name and not p.on_port and \
                     port.client is not None and not port.client.closed and port.has(needs):
                 # Recorded with its pid once started. A retry of the call

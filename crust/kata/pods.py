@@ -18,10 +18,10 @@ volumes kubelet's atomic writer updates (their lookups never cached):
   specs/agent.proto): one call starts one, its output is read as written
   (the reads wait in the guest), its exit comes from a WaitProcess that
   waits in the guest, so nothing is polled and execs run side by side.
-  An exec on a terminal runs on one crun makes in the container, its
-  master the agent's (crust.guest.terminal). A container's own process
-  on a terminal, and any process of a VM without the port (started by an
-  earlier crust), go through the shell
+  A process on a terminal runs on one crun makes in the container, its
+  master the agent's (crust.guest.terminal). A container made without
+  the agent (its port not connected at CreateContainer), and any process
+  of a VM without the port (started by an earlier crust), go through the shell
   agent instead: the command written as a script into the share, its
   stdout and stderr written to files in the guest, read back by offset
   (ReadOutput), its exit found by the pod's process watch. A container of
