@@ -24,15 +24,12 @@ import base64
 import hashlib
 import json
 import os
-import re
 import struct
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-AGENT = ROOT / "crust" / "kata" / "guest" / "agent.sh"
-SHAPE = ROOT / "crust" / "kata" / "guest" / "luks2-shape.jq"
+from crust.guest import luks_shape
 
 BINARY_HEADER = 4096
 MAGIC_PRIMARY = b"LUKS\xba\xbe"
@@ -44,13 +41,9 @@ SEGMENT_OFFSET = 16 * 1024 * 1024
 
 
 def crust_format_options() -> list[str]:
-    """The guest's luksFormat options for a volume without integrity, read
-    from the agent itself, so these headers are the ones it makes."""
-    text = AGENT.read_text()
-    common = re.search(r'^LUKS_FORMAT="([^"]+)"', text, re.M)
-    plain = re.search(r'else sectors="([^"]+)"', text)
-    assert common and plain, "the agent's luksFormat options moved: update tests/luks2_header.py"
-    return common.group(1).split() + plain.group(1).split()
+    """The guest's luksFormat options for a volume without integrity, so
+    these headers are the ones it makes."""
+    return luks_shape.format_options(integrity=False)
 
 
 def luks_format(image: Path, passphrase: bytes, *options: str, replace: dict[str, str] | None = None) -> None:
@@ -158,11 +151,9 @@ def plant_null_key_slot(image: Path, volume_key: bytes, *, segment_cipher: str |
 
 def shape_verdict(image: Path, integrity: str = "") -> str:
     """What crust's shape check says of the header in image: "" when it is
-    crust's, else the fields that differ (the guest runs the same program)."""
+    crust's, else the fields that differ (the guest runs the same check)."""
     dump = subprocess.run(["cryptsetup", "luksDump", "--dump-json-metadata", str(image)],
-                          capture_output=True, text=True, timeout=60)
+                          check=False, capture_output=True, text=True, timeout=60)
     if dump.returncode != 0:
         return f"does not read: {dump.stderr.strip()}"
-    done = subprocess.run(["jq", "-r", "--arg", "integrity", integrity, "-f", str(SHAPE)], input=dump.stdout,
-                          capture_output=True, text=True, timeout=60, check=True)
-    return done.stdout.strip()
+    return luks_shape.differences(json.loads(dump.stdout), integrity == luks_shape.INTEGRITY)

@@ -8,13 +8,13 @@ the bytes of the device (its sha256 before and after a refusal), the
 plaintext of the pod's writes on the raw device, the mapping the guest's
 kernel really holds, and the gRPC status the sandbox start gets.
 
-- the shape check (crust/kata/guest/luks2-shape.jq) on the host, against
-  every variant: fast, and the same program the guest runs;
+- the shape check (crust/guest/luks_shape.py) on the host, against every
+  variant: fast, and the same code the guest runs;
 - one guest, each variant hot-plugged as a disk and offered to the agent's
-  luksopen with the pod's passphrase;
+  OpenEncrypted with the pod's passphrase;
 - a header rewritten many times a second during the opens;
-- the blank rule, host (crust/sys/fs.py) and guest (the agent's probe), on
-  one table of devices;
+- the blank rule, host (crust/sys/fs.py) and guest (an OpenEncrypted that
+  may not format), on one table of devices;
 - integrity (crust.dev/integrity: hmac-sha256): a flipped ciphertext byte
   reads as an I/O error; without it, as altered data;
 - through the whole stack: a hostile header fails the sandbox's claim with
@@ -25,7 +25,6 @@ kernel really holds, and the gRPC status the sandbox start gets.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import os
 import random
@@ -39,9 +38,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc
+from crust.api import agent_pb2, csi_pb2, registry_pb2, registry_pb2_grpc
+from crust.common import ttrpc
 from crust.contract import encryption
-from crust.kata.agent import AgentRefused
 from crust.sys import fs as sysfs
 from crust.sys import loop as sysloop
 from crust.sys.run import CommandError
@@ -192,19 +191,38 @@ def test_the_shape_check_accepts_crusts_header_and_names_what_differs_in_every_o
 
 
 class LuksGuest(Guest):
+    """A guest whose encrypted volumes are opened and closed by its agent's
+    OpenEncrypted and CloseEncrypted, answers put in words a test compares."""
+
     def __init__(self, base: Path):
         super().__init__(base, "luks-hostile")
 
     async def luksopen(self, serial: str, name: str, passphrase: bytes = PASSPHRASE, integrity: str = "",
-                       fs_type: str = "ext4") -> str:
-        """The agent's answer ("ok ..." or "err ...")."""
+                       fs_type: str = "ext4", format_if_blank: bool = True) -> str:
+        """"ok device=mapper/<name> formatted=0|1 cipher=... [integrity=...]"
+        or "err <code>: <message>"."""
+        client = await self.vm.port.ready(wait=60)
+        request = agent_pb2.OpenEncryptedRequest(
+            name=name, disk=agent_pb2.Disk(serial=serial), passphrase=passphrase, fs_type=fs_type,
+            format_if_blank=format_if_blank,
+            integrity=agent_pb2.OpenEncryptedRequest.HMAC_SHA256 if integrity else agent_pb2.OpenEncryptedRequest.NONE)
         try:
-            answer = await self.vm.agent.request("luksopen", serial, fs_type, name,
-                                                 base64.urlsafe_b64encode(passphrase).decode(), integrity or "none",
-                                                 timeout=600)
-            return "ok " + " ".join(answer.words)
-        except AgentRefused as exc:
-            return "err " + exc.message
+            answer = await client.call("OpenEncrypted", request, timeout=600)
+        except ttrpc.TtrpcError as exc:
+            return f"err {Code(_CODES[exc.code]).name}: {exc.message}"
+        authenticated = " integrity=hmac-sha256" if answer.cipher.startswith("capi:authenc") else ""
+        return f"ok device=mapper/{name} formatted={int(answer.formatted)} cipher={answer.cipher}{authenticated}"
+
+    async def luksclose(self, name: str) -> str:
+        client = await self.vm.port.ready(wait=60)
+        try:
+            await client.call("CloseEncrypted", agent_pb2.CloseEncryptedRequest(name=name), timeout=60)
+        except ttrpc.TtrpcError as exc:
+            return f"err {exc.message}"
+        return "ok"
+
+
+_CODES = {code.value[0]: code for code in Code}
 
 
 def guest(root, coro_fn):
@@ -237,12 +255,12 @@ def test_the_guest_opens_only_crusts_header_and_writes_nothing_to_any_other(root
         assert (await g.luksopen("made", "crypt-made")).startswith("ok device=mapper/crypt-made formatted=1")
         code, status = await g.sh("cryptsetup status crypt-made")
         assert "cipher:  aes-xts-plain64" in status and "keysize: 512 bits" in status, status
-        assert (await g.request("luksclose", "crypt-made")) == "ok closed=1"
+        assert (await g.luksclose("crypt-made")) == "ok"
         assert (await g.luksopen("made", "crypt-made")).startswith("ok device=mapper/crypt-made formatted=0")
         # The wrong passphrase on crust's own header is told apart from a foreign header.
-        await g.request("luksclose", "crypt-made")
+        await g.luksclose("crypt-made")
         wrong = await g.luksopen("made", "crypt-made", passphrase=b"not the pod's secret")
-        assert wrong.startswith("err wrong passphrase: no key slot"), wrong
+        assert wrong.startswith("err PERMISSION_DENIED: passphrase: no key slot"), wrong
         # The same header claimed as an integrity volume is not its shape.
         other = await g.luksopen("made", "crypt-made", integrity=encryption.HMAC_SHA256)
         assert "segments.0.integrity is missing" in other, other
@@ -292,7 +310,7 @@ def test_a_header_rewritten_during_the_opens_changes_nothing(root):
         assert (await g.luksopen("raced", "crypt-raced")).startswith("ok device=mapper/crypt-raced formatted=1")
         code, first = await g.sh("head -c 65536 /dev/mapper/crypt-raced | sha256sum")
         assert code == 0
-        await g.request("luksclose", "crypt-raced")
+        await g.luksclose("crypt-raced")
         with open(image, "rb") as f:
             good = f.read(header_mib)
         evil_image = root.path / "evil.img"
@@ -309,7 +327,7 @@ def test_a_header_rewritten_during_the_opens_changes_nothing(root):
                     opened += 1
                     code, now = await g.sh("head -c 65536 /dev/mapper/crypt-raced | sha256sum")
                     assert now == first, "an open used a key the host planted"
-                    await g.request("luksclose", "crypt-raced")
+                    await g.luksclose("crypt-raced")
                 else:
                     # The planted header was copied, or a torn mix of both
                     # (crust's metadata over the planted key material: its
@@ -319,7 +337,7 @@ def test_a_header_rewritten_during_the_opens_changes_nothing(root):
                     assert "not the cipher crust makes" not in answer, answer
                     refused += 1
                     assert 'keyslots.0.area.encryption is "cipher_null-ecb"' in answer \
-                        or "does not read" in answer or "wrong passphrase" in answer, answer
+                        or "does not read" in answer or "no key slot" in answer, answer
         finally:
             flipper.stop.set()
             flipper.join()
@@ -367,15 +385,17 @@ def mkfs(kind: str) -> Callable[[Path], None]:
     return make
 
 
-# name, how it is made, the host's verdict (blank, the kind, or "error"), the guest's answer
+# name, how it is made, the host's verdict (blank, the kind, or "error"), the guest's answer to an
+# open that may not format
 BLANK_TABLE = [
-    ("zeros", lambda image: None, "blank", "ok kind=blank"),
-    ("ext4", mkfs("ext4"), "ext4", "err TYPE=ext4"),
-    ("swap", mkfs("swap"), "swap", "err TYPE=swap"),
-    ("MBR and data", mbr_with_data, "dos", "err PTTYPE=dos"),
-    ("ext4 and an xfs super block", ext4_with_xfs_in_sector_zero, "error", "err blkid -p exited 8"),
-    ("LUKS2", crust_header, "crypto_LUKS", "ok kind=luks version=2"),
-    ("LUKS1", luks1, "crypto_LUKS", "ok kind=luks version=1"),
+    ("zeros", lambda image: None, "blank", "err FAILED_PRECONDITION: is blank and format_if_blank is not set"),
+    ("ext4", mkfs("ext4"), "ext4", "err FAILED_PRECONDITION: holds ext4: not blank and not LUKS2"),
+    ("swap", mkfs("swap"), "swap", "err FAILED_PRECONDITION: holds swap: not blank and not LUKS2"),
+    ("MBR and data", mbr_with_data, "dos", "err FAILED_PRECONDITION: holds dos: not blank and not LUKS2"),
+    ("ext4 and an xfs super block", ext4_with_xfs_in_sector_zero, "error",
+     "err FAILED_PRECONDITION: blkid -p exited 8"),
+    ("LUKS2", crust_header, "crypto_LUKS", "ok formatted=0"),
+    ("LUKS1", luks1, "crypto_LUKS", "err FAILED_PRECONDITION: has a LUKS1 header"),
 ]
 
 
@@ -401,18 +421,21 @@ def test_host_and_guest_tell_blank_apart_by_the_same_rule(root):
             sysloop.detach_sync(device)
 
     async def run(g: Guest):
-        for n, (name, image, _, guest_says, _) in enumerate(images):
+        for n, (name, image, host_says, guest_says, _) in enumerate(images):
             await g.attach(image, f"b{n}")
-            answer = await g.request("probe", f"b{n}")
-            assert answer.startswith(guest_says.split()[0]) and guest_says.split(" ", 1)[1] in answer, (name, answer)
-            if not answer.startswith("ok kind=luks"):
-                # What is not blank and not LUKS is refused by luksopen too, written to by nobody.
+            answer = await g.luksopen(f"b{n}", f"crypt-b{n}", format_if_blank=False)
+            said, words = guest_says.split(": ", 1) if ": " in guest_says else guest_says.split(" ", 1)
+            assert answer.startswith(said) and words in answer, (name, answer)
+            if answer.startswith("ok "):
+                await g.luksclose(f"crypt-b{n}")
+            elif "LUKS1" not in name:
+                # What is not blank and not LUKS is refused by an open that may format too, written to by nobody.
                 opened = await g.luksopen(f"b{n}", f"crypt-b{n}")
-                assert opened.startswith("ok ") == (guest_says == "ok kind=blank"), (name, opened)
+                assert opened.startswith("ok ") == (host_says == "blank"), (name, opened)
 
     guest(root, run)
-    for name, image, _, guest_says, before in images:
-        if guest_says != "ok kind=blank":
+    for name, image, host_says, _, before in images:
+        if host_says != "blank":
             assert sha256_of(image) == before, f"{name}: changed"
     assert holds(root.path / "b3.img", MARKER * 100), "the partitioned disk's data is gone"
 

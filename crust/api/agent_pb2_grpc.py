@@ -545,8 +545,11 @@ class AgentServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def CloseEncrypted(self, request, context):
-        """Close a mapping and drop its header copy. FAILED_PRECONDITION: a
-        volume is still mounted from it (named). Retry: not open answers OK.
+        """Close a mapping and drop its header copy. What is left mounted of it
+        in the agent's namespace (a view bound for a process of the guest) is
+        unmounted first, newest first, never lazily. FAILED_PRECONDITION: a
+        mount of it stays (busy: named), or the tool refused (quoted). Retry:
+        not open answers OK.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

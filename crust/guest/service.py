@@ -14,6 +14,7 @@ from crust.guest import cgroups, guestconf, network, terminal
 from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR, REMOVE_WAIT, Containers
 from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
+from crust.guest.luks import EncryptedVolumes
 from crust.guest.oci import OciRuntime
 from crust.guest.places import CATATONIT, RUN_DIR, Places
 from crust.guest.process import (
@@ -88,6 +89,7 @@ class AgentService:
         self.containers = Containers(self.processes, self.runtime, containers_dir, pod_cgroup, holds_dir)
         self.volumes = volumes or Volumes(Disks(DeviceEvents()))
         self.places = Places(self.volumes, run_dir, pod_init)
+        self.encrypted = EncryptedVolumes(self.volumes, run_dir)
         self._creating: dict[str, asyncio.Lock] = {}
         self.pod_cgroup = pod_cgroup
 
@@ -98,7 +100,8 @@ class AgentService:
         if runtime and os.path.exists(self.places.pod_init):
             runtime.append("container.pod-pid")
         return [*CAPABILITIES, *runtime,
-                *(["stats.cgroup2"] if cgroups.available(self.pod_cgroup) else []), *self.volumes.capabilities]
+                *(["stats.cgroup2"] if cgroups.available(self.pod_cgroup) else []), *self.volumes.capabilities,
+                *self.encrypted.capabilities]
 
     async def close(self) -> None:
         self.volumes.disks.events.close()
@@ -284,6 +287,19 @@ class AgentService:
 
     async def UnmountVolume(self, request: agent_pb2.UnmountVolumeRequest, call) -> agent_pb2.UnmountVolumeResponse:
         return await self.volumes.unmount(request.volume_id)
+
+    # ------------------------------------------- encrypted volumes (LUKS2)
+
+    async def OpenEncrypted(self, request: agent_pb2.OpenEncryptedRequest, call) -> agent_pb2.OpenEncryptedResponse:
+        return await self.encrypted.open(request, call)
+
+    async def ResizeEncrypted(self, request: agent_pb2.ResizeEncryptedRequest,
+                              call) -> agent_pb2.ResizeEncryptedResponse:
+        return await self.encrypted.resize(request.name)
+
+    async def CloseEncrypted(self, request: agent_pb2.CloseEncryptedRequest,
+                             call) -> agent_pb2.CloseEncryptedResponse:
+        return await self.encrypted.close(request.name)
 
     # ---------------------------------------------------- shares and tmpfs
 

@@ -151,14 +151,38 @@ class KataSandbox(Sandbox):
         private serial line only."""
         if scheme != "luks2":
             raise FailedPrecondition(f"sandbox {self.id}: encryption {scheme!r} is not supported (luks2 is)")
-        formatted = await self._agent(self.vm.agent.luksopen(device, fs_type, name, passphrase,
-                                                             integrity=integrity, size_bytes=size_bytes))
+        if not self.alive():
+            raise Unavailable(f"sandbox {self.id}: its VM is not running")
+        client = await self._encrypted_port(fs_type, integrity)
+        if client is not None:
+            answer = await port_volumes.open_encrypted(client, device, fs_type, name, passphrase,
+                                                       integrity=integrity, size_bytes=size_bytes)
+            formatted = answer.formatted
+        else:
+            formatted = await self._agent(self.vm.agent.luksopen(device, fs_type, name, passphrase,
+                                                                 integrity=integrity, size_bytes=size_bytes))
         log.info("encrypted volume opened in the guest", extra={"fields": {
-            "sandbox": self.id, "name": name, "formatted": formatted, "integrity": integrity or "none"}})
+            "sandbox": self.id, "name": name, "formatted": formatted, "integrity": integrity or "none",
+            "via": "agent port" if client is not None else "shell agent"}})
         return name
 
+    async def _encrypted_port(self, fs_type: str = "", integrity: str = "") -> AgentClient | None:
+        """The guest's Python agent when it is connected and opens encrypted
+        volumes (a mapping the shell agent opened is the same to it: the
+        kernel's table and the checked header copy at the same place)."""
+        client = self.vm.port.current()
+        if client is None or not port_volumes.serves_encrypted(self.vm.port, self.vm.config.disk_bus, fs_type,
+                                                                integrity):
+            return None
+        return client
+
     async def close_encrypted(self, name: str) -> None:
-        if self.alive():
+        if not self.alive():
+            return
+        client = await self._encrypted_port()
+        if client is not None:
+            await port_volumes.close_encrypted(client, name)
+        else:
             await self._agent(self.vm.agent.luksclose(name))
 
     async def _volume_port(self, mount_point: str = "", fs_type: str = "") -> AgentClient | None:
@@ -244,13 +268,17 @@ class KataSandbox(Sandbox):
             condition = csi_pb2.VolumeCondition(abnormal=True, message=f"the guest's ext4 reports {s['errors']} errors")
         return VolumeStats(usage, condition)
 
-    async def grow(self, fs_type: str, device: str, mount_point: str) -> None:
+    async def grow(self, fs_type: str, device: str, mount_point: str, encrypted: str = "") -> None:
         # The host device already grew (the shim asked the backend); QEMU
         # tells the guest, then the guest grows its mounted file system.
         await self._agent(self.vm.resize_disk(serial_of(device)))
         # An encrypted volume's mapping grows first (no key needed: the
         # volume key is in the guest's dm table); a plain one is left be.
-        await self._agent(self.vm.agent.luksresize(mount_point))
+        luks = await self._encrypted_port()
+        if luks is None:
+            await self._agent(self.vm.agent.luksresize(mount_point))
+        elif encrypted:
+            await port_volumes.resize_encrypted(luks, encrypted)
         client = await self._volume_port(mount_point)
         if client is None or not await port_volumes.grow(client, mount_point):
             await self._agent(self.vm.agent.grow(mount_point))

@@ -114,7 +114,10 @@ class Sandbox(abc.ABC):
     async def stats(self, mount_point: str, readonly: bool) -> VolumeStats: ...
 
     @abc.abstractmethod
-    async def grow(self, fs_type: str, device: str, mount_point: str) -> None: ...
+    async def grow(self, fs_type: str, device: str, mount_point: str, encrypted: str = "") -> None:
+        """The mounted file system grown to its grown device; encrypted:
+        the name of the opened encrypted volume it is mounted from, whose
+        mapping grows first."""
 
     @abc.abstractmethod
     async def unmount(self, mount_point: str) -> None: ...
@@ -337,7 +340,7 @@ class MountNamespaceSandbox(Sandbox):
                      Usage(unit=Usage.INODES, total=st.f_files, available=st.f_ffree, used=st.f_files - st.f_ffree)]
             return VolumeStats(usage, volume_condition(at.parent_fd, fd, st, readonly))
 
-    async def grow(self, fs_type: str, device: str, mount_point: str) -> None:
+    async def grow(self, fs_type: str, device: str, mount_point: str, encrypted: str = "") -> None:
         try:
             if fs_type == "xfs":
                 await self.ns("xfs_growfs", mount_point)

@@ -54,7 +54,7 @@ class HandlerService(handler_pb2_grpc.HandlerServicer):
             if in_container is not None:
                 await self.handler.containers.expand(*in_container)
             else:
-                await sandbox.grow(volume.fs_type, volume.device, volume.mount_point)
+                await sandbox.grow(volume.fs_type, volume.device, volume.mount_point, volume.encrypted_name)
         return handler_pb2.ExpandVolumeResponse(capacity_bytes=blockdev.size_bytes(device))
 
     async def GetSandbox(self, request, context):
