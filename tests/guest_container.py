@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -78,11 +79,11 @@ class ContainerAgent:
 
 
 @contextlib.contextmanager
-def crun_container_agent(tmp_path: Path, adjust: Callable[[dict[str, Any], Path], None] | None = None
-                         ) -> Iterator[ContainerAgent]:
+def crun_container_agent(tmp_path: Path, adjust: Callable[[dict[str, Any], Path], None] | None = None,
+                         agent_args: tuple[str, ...] = ()) -> Iterator[ContainerAgent]:
     """The agent beside a running crun container of a busybox root whose
     first process sleeps; adjust(spec, rootfs) may change the spec and the
-    root before the container is made."""
+    root before the container is made; agent_args go to the agent."""
     bundle, state, path = tmp_path / "bundle", tmp_path / "crun", tmp_path / "agent-oci.sock"
     rootfs = bundle / "rootfs"
     (rootfs / "bin").mkdir(parents=True)
@@ -103,7 +104,7 @@ def crun_container_agent(tmp_path: Path, adjust: Callable[[dict[str, Any], Path]
               f"&& exec {sys.executable} -m crust.guest --listen {path} --oci-runtime {crun} --oci-root {state} "
               f"--exec-dir {tmp_path / 'exec'} --enter-program {compile_enter(tmp_path)} "
               f"--containers-dir {tmp_path / 'containers'} --holds-dir {tmp_path / 'holds'} "
-              f"--run-dir {tmp_path / 'run'} --pod-init {shutil.which('catatonit')}")
+              f"--run-dir {tmp_path / 'run'} --pod-init {shutil.which('catatonit')} {shlex.join(agent_args)}")
     log = tmp_path / "agent-oci.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=REPO,

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import statistics
+import subprocess
 import time
 
 from crust.api import agent_pb2
@@ -93,3 +95,35 @@ def test_the_agent_serves_the_port_many_calls_at_once_and_a_host_that_reconnects
     assert [p.exec_id for p in listed.processes] == ["forever"]
     assert (ended.exit_code, ended.signal) == (137, 9)
     assert missing == ttrpc.NOT_FOUND
+
+
+def test_a_guest_powered_off_by_its_agent_leaves_its_volumes_clean(root):
+    """PowerOff through the port (what the handler's VM stop asks): the
+    guest's processes killed, a mounted volume unmounted before the power
+    goes, the answer received, QEMU gone; the volume's ext4 says clean,
+    which it would not if the guest had died with it mounted."""
+    image = root.path / "vol.img"
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True, timeout=60)
+
+    async def main():
+        async with Guest(root.path) as g:
+            await g.attach(image, "vol")
+            client = await g.vm.port.ready(wait=120)
+            await client.call("MountVolume", agent_pb2.MountVolumeRequest(storage=agent_pb2.Storage(
+                volume_id="vol", disk=agent_pb2.Disk(serial="vol"), fs_type="ext4", mount_point="/mnt/vol")),
+                timeout=60)
+            await client.call("ExecProcess", agent_pb2.ExecProcessRequest(
+                exec_id="writer", process=process("sh", "-c", "echo data > /mnt/vol/f; exec sleep 1000")),
+                timeout=30)
+            code = await g.vm.stop()
+            return code, g.vm.console_log.read_text(errors="replace")
+
+    code, console = asyncio.run(main())
+    assert code == 0, console[-2000:]
+    assert re.search(r"powering off: [1-9][0-9]* file systems unmounted, 0 would not go", console), console[-2000:]
+    state = subprocess.run(["dumpe2fs", "-h", str(image)], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"^Filesystem state:\s+clean$", state, re.M), state
+    assert subprocess.run(["debugfs", "-R", "cat /f", str(image)], capture_output=True, text=True,
+                          check=True).stdout == "data\n"

@@ -39,7 +39,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
+from crust.api import agent_pb2, csi_pb2, handler_pb2, handler_pb2_grpc
+from crust.common import ttrpc
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.kata import accel as kata_accel
 from crust.kata import bzimage, virtiofsd
@@ -1166,6 +1167,11 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
             assert out.startswith("2\nusage: resume <unix-seconds>"), out
             refused = await g.request("resume", "now", "0", "00" * 32)
             assert refused.startswith("err resume: usage"), refused
+            client = await g.vm.port.ready(wait=30)
+            with pytest.raises(ttrpc.TtrpcError) as caught:
+                await client.call("Resume", agent_pb2.ResumeRequest(seconds=int(time.time()), seed=b"short"),
+                                  timeout=10)
+            assert caught.value.code == ttrpc.INVALID_ARGUMENT and caught.value.message.startswith("seed: ")
             return boot_id, numbers
         kept = Guest(root.path / f"restored-{n}", name=f"restored-{n}", disk_bus=bus, saved=state)
         seen.append(asyncio.run(_run_guest(kept, run)))

@@ -172,6 +172,38 @@ async def test_a_server_that_refuses_calls_over_its_limit_answers_resource_exhau
         await server.close()
 
 
+async def test_a_calls_after_reply_runs_once_its_reply_left_and_a_refusing_server_answers_its_status(sock):
+    """What the guest agent's PowerOff rests on: its power-off runs only
+    after the answer was written, and the calls after it are refused."""
+    seen: list[str] = []
+
+    async def connect(request, call):
+        def after() -> None:
+            seen.append(f"after {request.id}")
+            server.refusing = (ttrpc.UNAVAILABLE, "going away")
+        call.after_reply = after
+        seen.append(f"answered {request.id}")
+        return task_pb.ConnectResponse(version=request.id)
+
+    server = Server()
+    server.register(TASK, "Connect", task_pb.ConnectRequest, connect)
+    await server.serve_path(sock)
+    client = await Client.connect(sock)
+    try:
+        answer = await client.call(TASK, "Connect", task_pb.ConnectRequest(id="off"), task_pb.ConnectResponse,
+                                   timeout=2)
+        assert answer.version == "off" and seen[0] == "answered off"
+        await asyncio.sleep(0.1)
+        assert seen == ["answered off", "after off"]
+        with pytest.raises(TtrpcError) as caught:
+            await client.call(TASK, "Connect", task_pb.ConnectRequest(id="late"), task_pb.ConnectResponse, timeout=2)
+        assert (caught.value.code, caught.value.message) == (ttrpc.UNAVAILABLE, "going away")
+        assert seen == ["answered off", "after off"]
+    finally:
+        await client.close()
+        await server.close()
+
+
 async def _stand_in_server(path: str) -> Server:
     """Our server with the stand-in task service, serving on path."""
     server = Server()

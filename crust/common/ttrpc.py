@@ -161,6 +161,9 @@ class Call:
     method: str
     metadata: dict[str, list[str]]
     timeout: float | None
+    # Run once the reply was written to the peer (a power-off must not
+    # cut its own answer off).
+    after_reply: Callable[[], None] | None = None
 
     @property
     def namespace(self) -> str:
@@ -189,6 +192,9 @@ class Server:
         exit): with every slot held by such waits, the call that would end
         one could never be read."""
         self.refuse_calls_over = refuse_calls_over
+        # Set: every request from now on answered with this status (a
+        # server that is going away).
+        self.refusing: tuple[int, str] | None = None
         self._methods: dict[tuple[str, str], _Method] = {}
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task] = set()
@@ -240,19 +246,26 @@ class Server:
 
     async def dispatch(self, payload: bytes) -> bytes:
         """The reply (a serialized ttrpc.Response) to one request."""
+        reply, _call = await self.dispatch_call(payload)
+        return reply
+
+    async def dispatch_call(self, payload: bytes) -> tuple[bytes, Call | None]:
+        """The reply to one request, and its Call once a handler got it."""
+        if self.refusing is not None:
+            return error_response(*self.refusing), None
         request = ttrpc_pb2.Request()
         try:
             request.ParseFromString(payload)
         except pb_message.DecodeError as exc:
-            return error_response(INVALID_ARGUMENT, f"not a ttrpc Request: {exc}")
+            return error_response(INVALID_ARGUMENT, f"not a ttrpc Request: {exc}"), None
         method = self._methods.get((request.service, request.method))
         if method is None:
-            return error_response(UNIMPLEMENTED, f"{request.service}/{request.method} is not implemented")
+            return error_response(UNIMPLEMENTED, f"{request.service}/{request.method} is not implemented"), None
         message = method.request_type()
         try:
             message.ParseFromString(request.payload)
         except pb_message.DecodeError as exc:
-            return error_response(INVALID_ARGUMENT, f"{request.method}: the request does not decode: {exc}")
+            return error_response(INVALID_ARGUMENT, f"{request.method}: the request does not decode: {exc}"), None
         metadata: dict[str, list[str]] = {}
         for pair in request.metadata:
             metadata.setdefault(pair.key, []).append(pair.value)
@@ -264,13 +277,13 @@ class Server:
             else:
                 result = await asyncio.wait_for(method.handler(message, call), timeout)
         except TtrpcError as exc:
-            return error_response(exc.code, exc.message)
+            return error_response(exc.code, exc.message), None
         except asyncio.TimeoutError:
-            return error_response(DEADLINE_EXCEEDED, f"{request.method}: the caller's deadline passed")
+            return error_response(DEADLINE_EXCEEDED, f"{request.method}: the caller's deadline passed"), None
         except Exception as exc:  # a bug must not take the shim down
             log.exception("ttrpc handler failed", extra={"fields": {"method": request.method}})
-            return error_response(INTERNAL, f"{request.method}: {exc}")
-        return ok_response(result.SerializeToString())
+            return error_response(INTERNAL, f"{request.method}: {exc}"), None
+        return ok_response(result.SerializeToString()), call
 
 
 
@@ -357,8 +370,10 @@ class _Connection:
         task.add_done_callback(done)
 
     async def _call(self, stream_id: int, payload: bytes) -> None:
-        response = await self.server.dispatch(payload)
+        response, call = await self.server.dispatch_call(payload)
         await self.reply(stream_id, response)
+        if call is not None and call.after_reply is not None:
+            call.after_reply()
 
     async def reply(self, stream_id: int, response: bytes) -> None:
         """Write one reply once every reply before it has left: until the

@@ -26,6 +26,7 @@ import time
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR
+from crust.guest.lifecycle import WARM_SPEC
 from crust.guest.oci import (
     ENTER_PROGRAM,
     GUEST_EXEC_DIR,
@@ -47,6 +48,7 @@ PORT_APPEARS = 30.0
 def make_server(service: AgentService) -> ttrpc.Server:
     server = ttrpc.Server(refuse_calls_over=ttrpc.CONNECTION_CALLS_MAX)
     server.register_service(agent_pb2.DESCRIPTOR.services_by_name["AgentService"], service)
+    service.server = server
     return server
 
 
@@ -146,9 +148,10 @@ async def serve_socket(server: ttrpc.Server, path: str, stopping: asyncio.Event)
 
 async def run(port: str | None, listen: str | None, port_name: str | None = None,
               runtime: OciRuntime | None = None, containers_dir: str = CONTAINERS_DIR,
-              holds_dir: str = HOLDS_DIR, run_dir: str = RUN_DIR, pod_init: str = CATATONIT) -> None:
+              holds_dir: str = HOLDS_DIR, run_dir: str = RUN_DIR, pod_init: str = CATATONIT,
+              warm_spec: str = WARM_SPEC) -> None:
     service = AgentService(runtime=runtime, containers_dir=containers_dir, holds_dir=holds_dir, run_dir=run_dir,
-                           pod_init=pod_init)
+                           pod_init=pod_init, warm_spec=warm_spec)
     server = make_server(service)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -184,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default=RUN_DIR,
                         help="where the pod's shares, tmpfs and a container's subPath binds are mounted")
     parser.add_argument("--pod-init", default=CATATONIT, help="the init of the pod's shared PID namespace")
+    parser.add_argument("--warm-spec", default=WARM_SPEC, help="the OCI spec of Warm's throwaway container")
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="crust-agent: %(message)s")
     asyncio.run(run(args.port, args.listen, args.port_name,
                     OciRuntime(args.oci_runtime, args.oci_root, args.exec_dir, args.enter_program),
-                    args.containers_dir, args.holds_dir, args.run_dir, args.pod_init))
+                    args.containers_dir, args.holds_dir, args.run_dir, args.pod_init, args.warm_spec))
     return 0

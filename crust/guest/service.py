@@ -4,16 +4,18 @@ the field it refuses, and hands the work to the module of its concern."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 
 import crust
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.guest import cgroups, guestconf, network, terminal
+from crust.guest import cgroups, guestconf, lifecycle, network, terminal
 from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR, REMOVE_WAIT, Containers
 from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
+from crust.guest.lifecycle import WARM_SPEC, Warmer
 from crust.guest.luks import EncryptedVolumes
 from crust.guest.oci import OciRuntime
 from crust.guest.places import CATATONIT, RUN_DIR, Places
@@ -27,14 +29,17 @@ from crust.guest.process import (
 )
 from crust.guest.uevents import DeviceEvents
 from crust.guest.volumes import Volumes, wait_for
+from crust.sys import guestpower
 
 AGENT_NAME = "crust-agent"
 # The most bytes one read answers: with its envelope, well under a frame.
 MAX_READ_BYTES = 1 << 20
 IMAGE_ID_FILE = "/etc/crust-image-id"
 
+log = logging.getLogger(__name__)
+
 CAPABILITIES = ("process.guest", "process.stdin", "guest.settings", "share.virtiofs", "tmpfs.pod",
-                "subpath.beneath", "mirror.atomic-writer", "network.interface")
+                "subpath.beneath", "mirror.atomic-writer", "network.interface", "resume")
 
 
 def _memory_total() -> int:
@@ -82,7 +87,7 @@ class AgentService:
     def __init__(self, limits: Limits | None = None, runtime: OciRuntime | None = None,
                  volumes: Volumes | None = None, pod_cgroup: str = cgroups.POD_CGROUP,
                  containers_dir: str = CONTAINERS_DIR, holds_dir: str = HOLDS_DIR, run_dir: str = RUN_DIR,
-                 pod_init: str = CATATONIT):
+                 pod_init: str = CATATONIT, warm_spec: str = WARM_SPEC):
         self.limits = limits or Limits()
         self.runtime = runtime or OciRuntime()
         self.processes = ProcessTable(self.limits)
@@ -90,6 +95,9 @@ class AgentService:
         self.volumes = volumes or Volumes(Disks(DeviceEvents()))
         self.places = Places(self.volumes, run_dir, pod_init)
         self.encrypted = EncryptedVolumes(self.volumes, run_dir)
+        self.warmer = Warmer(self.runtime, run_dir, warm_spec)
+        self.server: ttrpc.Server | None = None   # set by the one that serves it
+        self.power_off = guestpower.power_off
         self._creating: dict[str, asyncio.Lock] = {}
         self.pod_cgroup = pod_cgroup
 
@@ -101,7 +109,7 @@ class AgentService:
             runtime.append("container.pod-pid")
         return [*CAPABILITIES, *runtime,
                 *(["stats.cgroup2"] if cgroups.available(self.pod_cgroup) else []), *self.volumes.capabilities,
-                *self.encrypted.capabilities]
+                *self.encrypted.capabilities, *self.warmer.capabilities]
 
     async def close(self) -> None:
         self.volumes.disks.events.close()
@@ -273,6 +281,28 @@ class AgentService:
                 info.exit.CopyFrom(_exit_message(process))
             infos.append(info)
         return agent_pb2.ListProcessesResponse(processes=infos)
+
+    # ------------------------------------------------------ the guest's life
+
+    async def Resume(self, request: agent_pb2.ResumeRequest, call) -> agent_pb2.ResumeResponse:
+        return lifecycle.resume(request)
+
+    async def Warm(self, request: agent_pb2.WarmRequest, call) -> agent_pb2.WarmResponse:
+        return await self.warmer.warm()
+
+    async def PowerOff(self, request: agent_pb2.PowerOffRequest, call) -> agent_pb2.PowerOffResponse:
+        if self.server is not None:
+            self.server.refusing = (ttrpc.UNAVAILABLE, "the guest is powering off")
+        answer = await asyncio.to_thread(lifecycle.stop_everything)
+        log.info("powering off: %d file systems unmounted, %d would not go", answer.unmounted, answer.failed)
+        call.after_reply = self._power_off
+        return answer
+
+    def _power_off(self) -> None:
+        try:
+            self.power_off()
+        except OSError as exc:
+            log.error("the power-off failed: %s", exc)
 
     # -------------------------------------------------------------- volumes
 

@@ -44,9 +44,13 @@ import shutil
 import time
 from pathlib import Path
 
+from crust.api import agent_pb2
+from crust.common import ttrpc
+from crust.common.errors import CrustError
 from crust.common.private import make_dirs
 from crust.kata import port_volumes
 from crust.kata.agent import AGENT_WARM, SHM_TMPFS, AgentError
+from crust.kata.agent_client import AgentClient, handler_error
 from crust.kata.qemu import (
     SHORT_SOCKET_ROOT,
     SharedDir,
@@ -74,6 +78,7 @@ WARM_DISK_BYTES = 4 * 1024 * 1024
 # How long a VM booted ahead may take for its guest's Python agent to open
 # its port (its imports at the guest's lowest priority, under emulation).
 PORT_OPEN_TIMEOUT = 120.0
+WARM_TIMEOUT = 60.0
 
 
 class VmPool:
@@ -159,7 +164,7 @@ class VmPool:
                 self._booting += 1
                 try:
                     vm = await self._boot()
-                except (VmError, AgentError, QmpError, QmpGone, CommandError, OSError) as exc:
+                except (VmError, AgentError, CrustError, QmpError, QmpGone, CommandError, OSError) as exc:
                     log.error("a pooled VM did not boot; trying again later", extra={"fields": {
                         "error": str(exc)[:500], "retry_s": delay}})
                     await asyncio.sleep(delay)
@@ -195,7 +200,11 @@ class VmPool:
             # it, and the warm disk takes the path a pod's volume takes.
             if await vm.port.ready(wait=PORT_OPEN_TIMEOUT) is None:
                 log.warning("pooled vm %s: its guest's agent port did not open", vm.name)
-            if vm.agent.version >= AGENT_WARM:
+            client = vm.port.current()
+            if client is not None and vm.port.has("warm"):
+                await port_warm(client)
+                await warm_disk(vm, self.directory, via_port=True)
+            elif vm.agent.version >= AGENT_WARM:
                 await vm.agent.warm()
                 await warm_disk(vm, self.directory, via_port=True)
             warm_s = time.monotonic() - warm_started
@@ -207,6 +216,14 @@ class VmPool:
                                                       round(time.monotonic() - started, 2),
                                                       "warm_s": round(warm_s, 2)}})
         return vm
+
+
+async def port_warm(client: AgentClient) -> None:
+    """One throwaway container through the guest's crun (Warm)."""
+    try:
+        await client.call("Warm", agent_pb2.WarmRequest(), timeout=WARM_TIMEOUT)
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, "warm-up") from None
 
 
 async def warm_disk(vm: Vm, directory: Path, via_port: bool = False) -> None:

@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from crust.api import agent_pb2
+from crust.common import ttrpc
 from crust.common.aio import first_done
 from crust.common.atomicfile import write_atomic
 from crust.common.errors import CrustError
@@ -90,6 +92,9 @@ SHORT_SOCKET_ROOT = Path("/run/crust-vm-sockets")
 # What a restored VM's kernel is given from the host's getrandom to reseed
 # its random number generator (agent.resume): 512 bits credited.
 RESEED_BYTES = 64
+# How long a restored VM's agent port is waited for (saved open: at once
+# but for a machine short of CPU).
+RESTORED_PORT_WAIT = 10.0
 
 
 def socket_dir_for(workdir: Path) -> Path:
@@ -506,11 +511,7 @@ class Vm:
                 raise VmError(f"vm {self.name}: its guest's agent ({self.agent.version}) finds no disk on a "
                               f"SCSI controller (agent {AGENT_SCSI} does): rebuild the guest image")
             if saved is not None:
-                if self.agent.version < AGENT_RESUME:
-                    raise VmError(f"vm {self.name}: its saved guest's agent ({self.agent.version}) cannot make "
-                                  f"a restored VM its own (agent {AGENT_RESUME} can): save it again")
-                await self._guarded(self.agent.resume(time.time_ns(), secrets.token_bytes(RESEED_BYTES)),
-                                    "resume")
+                await self._guarded(self._resume(), "resume")
         except BaseException:
             await self.kill()
             raise
@@ -522,6 +523,27 @@ class Vm:
             log.info("vm %s: agent ready %.2fs after start (pid %d, %s)", self.name, self.boot_seconds,
                      self.pid, self.config.accel)
         return self.boot_seconds
+
+    async def _resume(self) -> None:
+        """A VM restored from a template made its own: the host's clock and
+        fresh entropy, through the agent's port (its agent was saved with
+        the port open: it answers at once), else the shell agent's."""
+        client = await self.port.ready(wait=RESTORED_PORT_WAIT)
+        if client is not None and self.port.has("resume"):
+            now = time.time_ns()
+            try:
+                answer = await client.call("Resume", agent_pb2.ResumeRequest(
+                    seconds=now // 1_000_000_000, nanos=now % 1_000_000_000,
+                    seed=secrets.token_bytes(RESEED_BYTES)), timeout=RESTORED_PORT_WAIT)
+            except (ttrpc.TtrpcError, ConnectionError) as exc:
+                raise VmError(f"vm {self.name}: its restored guest was not made its own: {exc}") from None
+            log.info("vm %s: resumed through its agent's port (clock moved %.3f s)", self.name,
+                     answer.clock_step_nanos / 1e9)
+            return
+        if self.agent.version < AGENT_RESUME:
+            raise VmError(f"vm {self.name}: its saved guest's agent ({self.agent.version}) cannot make "
+                          f"a restored VM its own (agent {AGENT_RESUME} can): save it again")
+        await self.agent.resume(time.time_ns(), secrets.token_bytes(RESEED_BYTES))
 
     async def _load(self, timeout: float) -> None:
         """Until QEMU has read the saved state, then run the guest (it was
@@ -603,7 +625,15 @@ class Vm:
         """Power off through the agent (it unmounts first); QMP quit, then
         SIGKILL, if the guest does not go. Returns QEMU's exit code."""
         self.stopping = True
-        if self.alive() and not self.agent.dead:
+        client = self.port.current() if self.alive() else None
+        if client is not None:
+            try:
+                answer = await client.call("PowerOff", agent_pb2.PowerOffRequest(), timeout=timeout)
+                log.info("vm %s: powered off by its agent (%d unmounted, %d would not go)", self.name,
+                         answer.unmounted, answer.failed)
+            except (ttrpc.TtrpcError, ConnectionError) as exc:
+                log.warning("vm %s: power-off through the agent's port failed: %s", self.name, exc)
+        elif self.alive() and not self.agent.dead:
             try:
                 await self.agent.poweroff(timeout=timeout)
             except AgentError as exc:
