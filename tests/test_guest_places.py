@@ -245,3 +245,47 @@ def _ended(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_a_source_is_bound_at_a_path_of_the_guest_for_its_own_process(tmp_path):
+    """BindGuestPath (a sandbox's own process, outside any container): the
+    pod's tmpfs's subPath opened below it and bound at the target; a retry
+    is OK, another source there ALREADY_EXISTS, a subPath through a link
+    and a target in the agent's places are refused by field; Unbind undoes
+    it, twice."""
+    view, other = tmp_path / "views" / "data", tmp_path / "views" / "other"
+
+    async def main(c: ContainerAgent):
+        client = await AgentClient.connect(str(c.socket))
+        try:
+            await client.call("MountPodTmpfs", agent_pb2.MountPodTmpfsRequest(name="t", size_bytes=1 << 20),
+                              timeout=10)
+            tmpfs = tmp_path / "run" / "podtmpfs" / "t"
+            _in_agent(c, f"mkdir -p {tmpfs}/sub {tmpfs}/else && echo in-sub > {tmpfs}/sub/f && "
+                         f"ln -s / {tmpfs}/link")
+
+            def bind(subpath: str, target: Path, readonly: bool = True):
+                return client.call("BindGuestPath", agent_pb2.BindGuestPathRequest(
+                    source=agent_pb2.Source(pod_tmpfs="t", subpath=subpath, strict=True), target=str(target),
+                    readonly=readonly), timeout=10)
+            await bind("sub", view)
+            await bind("sub", view)   # a retry
+            seen = _in_agent(c, f"cat {view}/f; touch {view}/new 2>&1 || true")
+            taken = await code_of(bind("else", view))
+            through_link = await code_of(bind("link", other))
+            reserved = await code_of(client.call("BindGuestPath", agent_pb2.BindGuestPathRequest(
+                source=agent_pb2.Source(pod_tmpfs="t"), target="/run/crust/x"), timeout=10))
+            await client.call("UnbindGuestPath", agent_pb2.UnbindGuestPathRequest(target=str(view)), timeout=10)
+            await client.call("UnbindGuestPath", agent_pb2.UnbindGuestPathRequest(target=str(view)), timeout=10)
+            return seen, taken, through_link, reserved, _mounted(c, view), _mounted(c, other)
+        finally:
+            await client.close()
+
+    with crun_container_agent(tmp_path) as c:
+        seen, taken, through_link, reserved, view_mounted, other_mounted = asyncio.run(main(c))
+    assert seen.startswith("in-sub\n") and "Read-only file system" in seen, seen
+    assert taken[0] == ttrpc.ALREADY_EXISTS and taken[1].startswith("target: "), taken
+    assert through_link[0] == ttrpc.INVALID_ARGUMENT and "symlink" in through_link[1], \
+        through_link
+    assert reserved[0] == ttrpc.INVALID_ARGUMENT and reserved[1].startswith("target: /run/crust/x is below")
+    assert not view_mounted and not other_mounted

@@ -11,7 +11,7 @@ import time
 import crust
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.guest import cgroups, guestconf, lifecycle, network, terminal
+from crust.guest import cgroups, guestbinds, guestconf, lifecycle, network, terminal
 from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR, REMOVE_WAIT, Containers
 from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
@@ -343,6 +343,16 @@ class AgentService:
 
     async def StartMirror(self, request: agent_pb2.StartMirrorRequest, call) -> agent_pb2.StartMirrorResponse:
         return agent_pb2.StartMirrorResponse(mount_point=await self.places.start_mirror(request))
+
+    async def BindGuestPath(self, request: agent_pb2.BindGuestPathRequest,
+                            call) -> agent_pb2.BindGuestPathResponse:
+        await asyncio.to_thread(guestbinds.bind, self.places, request)
+        return agent_pb2.BindGuestPathResponse()
+
+    async def UnbindGuestPath(self, request: agent_pb2.UnbindGuestPathRequest,
+                              call) -> agent_pb2.UnbindGuestPathResponse:
+        await asyncio.to_thread(guestbinds.unbind, request.target)
+        return agent_pb2.UnbindGuestPathResponse()
 
     async def StopMirror(self, request: agent_pb2.StopMirrorRequest, call) -> agent_pb2.StopMirrorResponse:
         await self.places.stop_mirror(request.name)

@@ -421,8 +421,9 @@ class Pods(PodContainers):
                     if tap >= 0:
                         os.close(tap)   # QEMU's now: the tap lives as long as QEMU
                         tap = -1
-                    # A pooled or restored VM's Python agent is connected now; a
-                    # VM just booted is served by the shell agent (never waited for).
+                    # The guest's Python agent is connected now (a VM is ready
+                    # once it answers); a VM an older crust booted has the shell
+                    # agent's way.
                     client = sandbox.vm.port.current()
                     for share in shares:
                         if client is not None and sandbox.vm.port.has("share.virtiofs"):

@@ -48,8 +48,8 @@ from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.common.errors import CrustError
 from crust.common.private import make_dirs
-from crust.kata import port_volumes
-from crust.kata.agent import AGENT_WARM, SHM_TMPFS, AgentError
+from crust.kata import port_process, port_volumes
+from crust.kata.agent import SHM_TMPFS, AgentError
 from crust.kata.agent_client import AgentClient, handler_error
 from crust.kata.qemu import (
     SHORT_SOCKET_ROOT,
@@ -186,27 +186,20 @@ class VmPool:
         vm = Vm(name, workdir, self._vm_config(tuple(
             SharedDir(share.tag, path, share.cache) for share, path in zip(shares, served))), socket_dir=sockets)
         try:
-            await vm.start()
+            await vm.start()   # its guest's Python agent connected
+            client = await vm.port.ready()
             for share in shares:
-                await vm.agent.share_mount(share.guest, share.tag)
+                await port_process.mount_share(client, share.tag)
             # Every container of a pod binds the pod's /dev/shm: made now,
             # while the VM waits, not in the pod's first container's create.
-            await vm.agent.pod_tmpfs(SHM_TMPFS)
+            await port_process.mount_pod_tmpfs(client, SHM_TMPFS, "")
             # And the guest's first container start and first disk (crun's
             # code and the kernel's, translated once under emulation) are
             # paid now, not by the pod.
             warm_started = time.monotonic()
-            # The guest's Python agent, connected: a pod's first exec finds
-            # it, and the warm disk takes the path a pod's volume takes.
-            if await vm.port.ready(wait=PORT_OPEN_TIMEOUT) is None:
-                log.warning("pooled vm %s: its guest's agent port did not open", vm.name)
-            client = vm.port.current()
-            if client is not None and vm.port.has("warm"):
+            if vm.port.has("warm"):
                 await port_warm(client)
-                await warm_disk(vm, self.directory, via_port=True)
-            elif vm.agent.version >= AGENT_WARM:
-                await vm.agent.warm()
-                await warm_disk(vm, self.directory, via_port=True)
+            await warm_disk(vm, self.directory, via_port=True)
             warm_s = time.monotonic() - warm_started
         except BaseException:
             await _discard(vm)

@@ -512,6 +512,11 @@ class Vm:
                               f"SCSI controller (agent {AGENT_SCSI} does): rebuild the guest image")
             if saved is not None:
                 await self._guarded(self._resume(), "resume")
+            elif await self._guarded(self.port.ready(wait=ready_timeout), "agent port") is None:
+                # The guest's Python agent serves the pod: the VM is ready
+                # once it answers on its port.
+                raise VmError(f"vm {self.name}: its guest's agent did not answer on its port within "
+                              f"{ready_timeout:.0f} s")
         except BaseException:
             await self.kill()
             raise

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import shlex
 from pathlib import Path
 
 from crust.api import agent_pb2, csi_pb2
+from crust.common import ttrpc
 from crust.common.errors import (
     CrustError,
     DeadlineExceeded,
@@ -25,7 +27,7 @@ from crust.common.errors import (
 from crust.common.private import make_dirs
 from crust.kata import port_volumes
 from crust.kata.agent import AgentError, AgentRefused
-from crust.kata.agent_client import AgentClient
+from crust.kata.agent_client import AgentClient, handler_error
 from crust.kata.qemu import Vm, VmConfig, VmError, read_identity
 from crust.runtime_handler.sandbox import Sandbox, VolumeStats
 from crust.sys import proc
@@ -33,6 +35,10 @@ from crust.sys import proc
 log = logging.getLogger(__name__)
 
 Usage = csi_pb2.VolumeUsage
+# The exec id of a sandbox's own process in the guest's agent (container "").
+SANDBOX_PROCESS = "sandbox-process"
+# How long a call about the process waits for the agent's port.
+PORT_WAIT = 10.0
 
 
 def serial_of(device: str) -> str:
@@ -62,6 +68,7 @@ class KataSandbox(Sandbox):
         self._process_pid = 0
         self._exit_code: int | None = None
         self._poller: asyncio.Task | None = None
+        self._on_port = False   # the process was started by the guest's Python agent
         # Volumes the shell agent mounted (the Python agent was not up yet),
         # by mount point: what the Python agent takes over when connected.
         self._shell_mounted: dict[str, agent_pb2.Storage] = {}
@@ -125,7 +132,17 @@ class KataSandbox(Sandbox):
             raise Unavailable(f"sandbox {self.id}: could not reconnect to its VM: {exc}") from None
         if process_pid:
             self._process_pid = process_pid
-            self._poller = asyncio.create_task(self._poll_exit())
+            client = await self.vm.port.ready(wait=PORT_WAIT)
+            known = None
+            if client is not None:
+                try:
+                    listed = await client.call("ListProcesses", agent_pb2.ListProcessesRequest(), timeout=30)
+                    known = next((p for p in listed.processes if not p.container_id and
+                                  p.exec_id == SANDBOX_PROCESS and p.pid == process_pid), None)
+                except (ttrpc.TtrpcError, ConnectionError):
+                    known = None
+            self._on_port = known is not None
+            self._poller = asyncio.create_task(self._wait_exit() if self._on_port else self._poll_exit())
 
     async def stop(self) -> None:
         if self._poller is not None:
@@ -234,6 +251,23 @@ class KataSandbox(Sandbox):
         storage.ClearField("fs_group")   # applied: a take-over leaves ownership as it is
         self._shell_mounted[mount_point] = storage
 
+    async def bind_volume(self, mount_point: str, subpath: str, destination: str, readonly: bool) -> None:
+        """The volume (or its subPath, opened below it by descriptors in the
+        guest) bound at destination in the guest, by its Python agent."""
+        volume_id = await self.volume_in_agent(mount_point, "")
+        client = self.vm.port.current()
+        if volume_id is None or client is None or not self.vm.port.has("process.guest"):
+            await super().bind_volume(mount_point, subpath, destination, readonly)
+            return
+        try:
+            await client.call("BindGuestPath", agent_pb2.BindGuestPathRequest(
+                source=agent_pb2.Source(volume_id=volume_id, subpath=subpath, strict=True), target=destination,
+                readonly=readonly), timeout=60)
+        except ttrpc.TtrpcError as exc:
+            if exc.code == ttrpc.FAILED_PRECONDITION and "subpath" in exc.message:
+                exc = ttrpc.TtrpcError(ttrpc.INVALID_ARGUMENT, exc.message)   # a subPath refused, as checkpath said
+            raise handler_error(exc, f"sandbox {self.id}: {destination}") from None
+
     async def bind(self, source: str, destination: str, readonly: bool) -> None:
         await self._agent(self.vm.agent.bind(source, destination, readonly))
 
@@ -299,11 +333,44 @@ class KataSandbox(Sandbox):
 
     async def run_process(self, args, env, cwd, log_path: Path) -> int:
         # Output goes to the guest console (the VM's console.log in workdir).
+        if not self.alive():
+            raise Unavailable(f"sandbox {self.id}: its VM is not running")
+        client = self.vm.port.current()
+        if client is not None and self.vm.port.has("process.guest"):
+            process = {"args": ["/bin/sh", "-c", 'mkdir -p "$0" && cd "$0" && exec "$@" >/dev/console 2>&1',
+                                cwd, *args], "env": list(env), "cwd": "/"}
+            try:
+                self._process_pid = (await client.call("ExecProcess", agent_pb2.ExecProcessRequest(
+                    exec_id=SANDBOX_PROCESS, process=json.dumps(process).encode()), timeout=60)).pid
+            except ttrpc.TtrpcError as exc:
+                raise handler_error(exc, f"sandbox {self.id}: its process") from None
+            self._on_port = True
+            self._poller = asyncio.create_task(self._wait_exit())
+            return self._process_pid
         command = f"mkdir -p {shlex.quote(cwd)} && cd {shlex.quote(cwd)} && exec env -i " + \
             " ".join(shlex.quote(e) for e in env) + " " + " ".join(shlex.quote(a) for a in args)
         self._process_pid = await self._agent(self.vm.agent.exec(command))
         self._poller = asyncio.create_task(self._poll_exit())
         return self._process_pid
+
+    async def _wait_exit(self) -> None:
+        """The process's exit, pushed by the guest (a WaitProcess that waits
+        there); a lost connection is waited out by a new one."""
+        while self.vm.alive():
+            client = await self.vm.port.ready(wait=PORT_WAIT)
+            if client is None:
+                await asyncio.sleep(PORT_WAIT)
+                continue
+            try:
+                answer = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id=SANDBOX_PROCESS))
+            except ttrpc.TtrpcError as exc:
+                if exc.code == ttrpc.NOT_FOUND:
+                    return   # an agent that restarted no longer has it
+                continue
+            except ConnectionError:
+                continue
+            self._exit_code = answer.exit_code
+            return
 
     async def _poll_exit(self) -> None:
         while self.vm.alive():
@@ -320,6 +387,15 @@ class KataSandbox(Sandbox):
         return self._exit_code
 
     async def stop_process(self) -> None:
+        if self._process_pid and self._exit_code is None and self.alive() and self._on_port:
+            client = await self.vm.port.ready(wait=PORT_WAIT)
+            if client is not None:
+                try:
+                    await client.call("SignalProcess", agent_pb2.SignalProcessRequest(exec_id=SANDBOX_PROCESS,
+                                                                                      signal=9), timeout=30)
+                except (ttrpc.TtrpcError, ConnectionError):
+                    pass
+            return
         if self._process_pid and self._exit_code is None and self.alive():
             try:
                 await self.vm.agent.kill(self._process_pid)

@@ -51,17 +51,19 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from crust.api import agent_pb2
 from crust.common.atomicfile import write_atomic
+from crust.common.errors import CrustError
 from crust.common.formats import NewerFormat, decode, encode
 from crust.common.private import make_dirs
+from crust.kata import port_process
 from crust.kata.agent import SHM_TMPFS, AgentError
-from crust.kata.agent_client import wait_port_open
 from crust.kata.pool import (
     POOL_NICE,
-    PORT_OPEN_TIMEOUT,
     RETRY_FIRST,
     RETRY_MAX,
     WARM_DISK_IMAGE,
+    port_warm,
     warm_disk,
 )
 from crust.kata.qemu import (
@@ -180,7 +182,7 @@ class VmTemplate:
                 await self._build(key)
                 self._ready = True
                 return
-            except (VmError, AgentError, QmpError, QmpGone, CommandError, OSError) as exc:
+            except (VmError, AgentError, CrustError, QmpError, QmpGone, CommandError, OSError) as exc:
                 log.error("the VM template was not made; trying again later", extra={"fields": {
                     "error": str(exc)[:500], "retry_s": delay}})
             await asyncio.sleep(delay)
@@ -204,14 +206,18 @@ class VmTemplate:
                 dataclasses.replace(restore_config(self.config), nice=POOL_NICE))
         started = time.monotonic()
         try:
-            boot_s = await vm.start()
-            await vm.agent.pod_tmpfs(SHM_TMPFS)
-            await vm.agent.warm()
-            await warm_disk(vm, self.directory)
-            # Saved with the guest's Python agent running and its port open:
+            boot_s = await vm.start()   # its guest's Python agent connected
+            client = await vm.port.ready()
+            await port_process.mount_pod_tmpfs(client, SHM_TMPFS, "")
+            if vm.port.has("warm"):
+                await port_warm(client)
+            await warm_disk(vm, self.directory, via_port=True)
+            details = await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=30)
+            uptime = details.uptime_ms / 1000
+            # Saved with the guest's Python agent running and its port open
+            # (the connection closed: a restored VM's host opens its own):
             # a restored VM's agent answers at once, its imports long done.
-            await wait_port_open(vm.qmp, timeout=PORT_OPEN_TIMEOUT)
-            uptime = float((await vm.agent.ping()).fields.get("uptime", "0"))
+            await vm.port.close()
             size = await vm.save(partial)
         finally:
             await vm.kill()
