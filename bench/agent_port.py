@@ -31,7 +31,7 @@ from bench import benchlib  # noqa: E402
 from crust.api import agent_pb2  # noqa: E402
 from crust.kata import image as kata_image  # noqa: E402
 from crust.kata.agent import b64  # noqa: E402
-from crust.kata.agent_client import AgentClient, wait_port_open  # noqa: E402
+from crust.kata.agent_client import AgentClient  # noqa: E402
 from crust.kata.qemu import Vm, VmConfig  # noqa: E402
 
 PORT_OUTPUT = 10 << 20
@@ -121,14 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         async def run() -> None:
             vm = Vm("crust-agent-port", base / "vm", VmConfig(kernel=built.kernel, initrd=built.initrd,
                                                                accel=args.accel))
-            await vm.start(ready_timeout=120)
+            await vm.start(ready_timeout=120)   # ready once its agent answers on the port
             try:
-                await wait_port_open(vm.qmp, timeout=120)
-                client = await AgentClient.connect(str(vm.port_socket))
-                try:
-                    await measure(vm, client, args.rounds, samples)
-                finally:
-                    await client.close()
+                await measure(vm, await vm.port.ready(), args.rounds, samples)
             finally:
                 await vm.kill()
 

@@ -14,7 +14,7 @@ import time
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
-from crust.kata.agent_client import AgentClient, wait_port_open
+from crust.kata.agent_client import AgentClient
 from tests.guest_vm import Guest
 
 
@@ -23,8 +23,10 @@ def process(*args: str) -> bytes:
 
 
 async def connect(g: Guest) -> tuple[AgentClient, agent_pb2.GuestDetailsResponse]:
-    await wait_port_open(g.vm.qmp, timeout=120)
-    return await AgentClient.open(str(g.vm.port_socket))
+    """The VM's own connection (a port takes one host at a time; the VM
+    opened it at its start)."""
+    client = await g.vm.port.ready(wait=120)
+    return client, g.vm.port.details
 
 
 async def run_to_end(client: AgentClient, exec_id: str, *args: str) -> tuple[agent_pb2.WaitProcessResponse, bytes]:
@@ -71,7 +73,7 @@ def test_the_agent_serves_the_port_many_calls_at_once_and_a_host_that_reconnects
             # A host that goes away and comes back: the processes stay, the
             # wait it left is answered to no one, a new connection is served.
             assert not forever.done()
-            await client.close()
+            await g.vm.port.close()
             client, _ = await AgentClient.open(str(g.vm.port_socket))
             listed = await client.call("ListProcesses", agent_pb2.ListProcessesRequest(), timeout=30)
             await client.call("SignalProcess", agent_pb2.SignalProcessRequest(exec_id="forever", signal=9),
@@ -114,9 +116,12 @@ def test_a_guest_powered_off_by_its_agent_leaves_its_volumes_clean(root):
             await client.call("MountVolume", agent_pb2.MountVolumeRequest(storage=agent_pb2.Storage(
                 volume_id="vol", disk=agent_pb2.Disk(serial="vol"), fs_type="ext4", mount_point="/mnt/vol")),
                 timeout=60)
+            written, _ = await run_to_end(client, "writer", "sh", "-c", "echo data > /mnt/vol/f")
+            assert written.exit_code == 0
+            # A process whose working directory is in the volume: killed first, or the unmount fails.
+            holder = {"args": ["sleep", "1000"], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "cwd": "/mnt/vol"}
             await client.call("ExecProcess", agent_pb2.ExecProcessRequest(
-                exec_id="writer", process=process("sh", "-c", "echo data > /mnt/vol/f; exec sleep 1000")),
-                timeout=30)
+                exec_id="holder", process=json.dumps(holder).encode()), timeout=30)
             code = await g.vm.stop()
             return code, g.vm.console_log.read_text(errors="replace")
 

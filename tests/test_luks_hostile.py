@@ -552,7 +552,7 @@ def test_a_sandbox_on_a_hostile_disk_fails_its_claim_and_the_pods_data_never_rea
     write_over(v.device, kenv.path / "partitioned.img", mbr_with_data)
     before = sha256_of(enc.backing_file(v))
     out = kenv.run(kenv.bundle("partitioned", "exec sleep 600", [("/data", str(v.target))]), "sb-partitioned")
-    assert out.returncode != 0 and "FAILED_PRECONDITION" in out.stderr and "PTTYPE=dos" in out.stderr, out.stderr
+    assert out.returncode != 0 and "FAILED_PRECONDITION" in out.stderr and "holds dos" in out.stderr, out.stderr
     assert sha256_of(enc.backing_file(v)) == before
     kenv.unpublish(v)
 
