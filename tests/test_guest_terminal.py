@@ -32,6 +32,16 @@ async def _read_until(client: AgentClient, key: dict, wanted: bytes, offset: int
     return out, offset
 
 
+async def _converse(client: AgentClient, key: dict) -> tuple[bytes, bytes, agent_pb2.WaitProcessResponse]:
+    """SCRIPT's run on its terminal: its size read, the terminal resized,
+    a line typed, the new size read, its exit."""
+    first, offset = await _read_until(client, key, b"24 80")
+    await client.call("TtyWinResize", agent_pb2.TtyWinResizeRequest(rows=30, columns=100, **key), timeout=10)
+    await client.call("WriteStdin", agent_pb2.WriteStreamRequest(data=b"hello\r", **key), timeout=10)
+    rest, _ = await _read_until(client, key, b"30 100", offset)
+    return first, rest, await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=30)
+
+
 def test_an_exec_on_a_terminal_is_read_written_and_resized_through_its_master(tmp_path):
     async def main(c: ContainerAgent):
         client = await AgentClient.connect(str(c.socket))
@@ -43,12 +53,7 @@ def test_an_exec_on_a_terminal_is_read_written_and_resized_through_its_master(tm
             process.update(args=["sh", "-c", SCRIPT], terminal=True, consoleSize={"height": 24, "width": 80})
             await client.call("ExecProcess", agent_pb2.ExecProcessRequest(
                 process=json.dumps(process).encode(), stdin=True, **key), timeout=30)
-            first, offset = await _read_until(client, key, b"24 80")
-            await client.call("TtyWinResize", agent_pb2.TtyWinResizeRequest(rows=30, columns=100, **key),
-                              timeout=10)
-            await client.call("WriteStdin", agent_pb2.WriteStreamRequest(data=b"hello\r", **key), timeout=10)
-            rest, _ = await _read_until(client, key, b"30 100", offset)
-            exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=30)
+            first, rest, exit_ = await _converse(client, key)
             err = await client.call("ReadStderr", agent_pb2.ReadStreamRequest(max_bytes=4096, **key), timeout=10)
             gone = await code_of(client.call("TtyWinResize", agent_pb2.TtyWinResizeRequest(
                 rows=30, columns=100, **key), timeout=10))
@@ -81,12 +86,7 @@ def test_a_containers_own_process_on_a_terminal_is_read_written_and_resized(tmp_
             await client.call("CreateContainer", agent_pb2.CreateContainerRequest(
                 container_id=cid, stdin=True, oci_spec=json.dumps(spec).encode()), timeout=30)
             await client.call("StartContainer", agent_pb2.StartContainerRequest(container_id=cid), timeout=30)
-            first, offset = await _read_until(client, key, b"24 80")
-            await client.call("TtyWinResize", agent_pb2.TtyWinResizeRequest(rows=30, columns=100, **key),
-                              timeout=10)
-            await client.call("WriteStdin", agent_pb2.WriteStreamRequest(data=b"hello\r", **key), timeout=10)
-            rest, _ = await _read_until(client, key, b"30 100", offset)
-            exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=30)
+            first, rest, exit_ = await _converse(client, key)
             await client.call("RemoveContainer", agent_pb2.RemoveContainerRequest(container_id=cid), timeout=30)
             bad = json.loads(container_spec(c, cid, "true"))
             bad["process"]["terminal"] = "yes"

@@ -247,20 +247,26 @@ class ProcessTable:
             raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: the OCI runtime did "
                                                    f"not start: {exc.strerror or exc}")) from None
         exit_ = asyncio.ensure_future(spawn.exited(child.popen))
+        return await self._running(runtime, process, child, exit_, pid_file)
+
+    async def _running(self, runtime: OciRuntime, process: Process, child: spawn.Child, exit_: asyncio.Future,
+                       pid_file) -> Process:
+        """The exec watched, then running once crun wrote its pid; refused
+        with crun's words when it did not start it."""
         process.tasks.append(asyncio.ensure_future(self._watch(process, child, exit_)))
         try:
             pid = await oci.wait_pid_file(pid_file, exit_)
         except AgentError as exc:
             child.popen.kill()
             raise self._failed(process, exc) from None
+        finally:
+            runtime.forget(process.container_id, process.exec_id)   # crun read the one and wrote the other
         if pid == 0:
             # The runtime refused the process: its words are on the exec's stderr.
             await process.done.wait()
             words = process.stderr.peek().decode(errors="replace").strip()[-2000:]
-            runtime.forget(container_id, exec_id)
             raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"process: the OCI runtime refused "
                                                    f"it: {words or 'exit ' + str(process.exit.exit_code)}"))
-        runtime.forget(container_id, exec_id)  # crun read the one and wrote the other
         process.pid, process.state = pid, RUNNING
         process.started.set()
         return process
@@ -303,22 +309,7 @@ class ProcessTable:
             console.unlink(missing_ok=True)
         process.terminal = master
         child = await spawn.on_terminal(child, master, self.limits.pipe_chunk, stdin)
-        process.tasks.append(asyncio.ensure_future(self._watch(process, child, exit_)))
-        try:
-            pid = await oci.wait_pid_file(pid_file, exit_)
-        except AgentError as exc:
-            child.popen.kill()
-            raise self._failed(process, exc) from None
-        finally:
-            runtime.forget(container_id, exec_id)
-        if pid == 0:
-            await process.done.wait()
-            words = process.stderr.peek().decode(errors="replace").strip()[-2000:]
-            raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"process: the OCI runtime refused "
-                                                   f"it: {words or 'exit ' + str(process.exit.exit_code)}"))
-        process.pid, process.state = pid, RUNNING
-        process.started.set()
-        return process
+        return await self._running(runtime, process, child, exit_, pid_file)
 
     async def _start_entered(self, key: tuple[str, str], raw: bytes, stdin: bool, entry: enter.Entry) -> Process:
         """The process started by the enter program, which clones it as the
