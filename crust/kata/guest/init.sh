@@ -1,10 +1,10 @@
 #!/bin/sh
 # /init of the crust guest (PID 1, busybox sh).
 #
-# Sets up the pseudo file systems, loads the kernel modules the image
-# builder listed (in dependency order: no modprobe, no depmod at boot), then
-# keeps the guest agent running on the second serial port, and the Python
-# agent on its virtio-serial port. PID 1 must never
+# Sets up the pseudo file systems, starts the guest's agent on its
+# virtio-serial port, loads the kernel modules the image builder listed (in
+# dependency order: no modprobe, no depmod at boot), then keeps the earlier
+# shell agent running on the second serial port. PID 1 must never
 # exit (the kernel would panic), so the agent is a child and is restarted if
 # it dies; waiting on it also reaps the orphans the agent leaves behind.
 # Everything this script prints goes to the console (ttyS0).
@@ -38,6 +38,31 @@ mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /tmp
 # (its limits, its OOM kills, its processes to signal).
 mount -t cgroup2 -o nosuid,nodev,noexec,nsdelegate cgroup2 /sys/fs/cgroup
 exec </dev/console >/dev/console 2>&1
+
+# The guest's agent (crust.guest, Python) on its virtio-serial port: the
+# host takes the VM as ready once it answers there, so it starts first, its
+# imports (seconds of the one CPU under emulation) beside the rest of the
+# boot. In the background, with a restart loop of its own: one that keeps
+# exiting at once is restarted less and less often (up to a minute apart),
+# not in a loop that takes the CPU from the pod; one that ran a minute or
+# more is restarted after a second. The shell agent (ttyS1, below) stays
+# for VMs an earlier crust started.
+python_agent() {
+  pause=1
+  while :; do
+    started=$(cut -d. -f1 /proc/uptime)
+    echo "crust-init: starting the python agent at $(cut -d' ' -f1 /proc/uptime)s"
+    PYTHONPATH=/usr/lib/crust/python python3.11 -S -m crust.guest --port-name crust.agent
+    code=$?
+    if [ $(($(cut -d. -f1 /proc/uptime) - started)) -ge 60 ]; then
+      pause=1
+    fi
+    echo "crust-init: the python agent exited ($code) at $(cut -d' ' -f1 /proc/uptime)s; restarting it in ${pause}s"
+    sleep "$pause"
+    pause=$((pause < 32 ? pause * 2 : 60))
+  done
+}
+python_agent &
 
 # crun guards against CVE-2019-5736 (a container overwriting the runtime's
 # binary through /proc/self/exe) by running from a copy nobody can write:
@@ -81,30 +106,6 @@ hostname crust-guest
 ip link set dev lo up
 echo "crust-init: up in $(cut -d' ' -f1 /proc/uptime)s, starting the agent on /dev/ttyS1"
 
-# The Python agent (crust.guest) on its virtio-serial port, beside the shell
-# agent: in the background, with a restart loop of its own, so that its
-# start (a second or more of imports under software emulation) never holds
-# up the shell agent's. One that keeps exiting at once is restarted less
-# and less often (up to a minute apart), not in a loop that takes the CPU
-# from the pod; one that ran a minute or more is restarted after a second.
-python_agent() {
-  pause=1
-  while :; do
-    started=$(cut -d. -f1 /proc/uptime)
-    echo "crust-init: starting the python agent at $(cut -d' ' -f1 /proc/uptime)s"
-    # Its imports at the lowest priority: under emulation they would take
-    # the one CPU from the shell agent's start; it serves at the normal one.
-    PYTHONPATH=/usr/lib/crust/python python3.11 -S -m crust.guest --import-nice 19 --port-name crust.agent
-    code=$?
-    if [ $(($(cut -d. -f1 /proc/uptime) - started)) -ge 60 ]; then
-      pause=1
-    fi
-    echo "crust-init: the python agent exited ($code) at $(cut -d' ' -f1 /proc/uptime)s; restarting it in ${pause}s"
-    sleep "$pause"
-    pause=$((pause < 32 ? pause * 2 : 60))
-  done
-}
-python_agent &
 
 while :; do
   sh /usr/lib/crust/agent.sh /dev/ttyS1
