@@ -39,6 +39,8 @@ Usage = csi_pb2.VolumeUsage
 SANDBOX_PROCESS = "sandbox-process"
 # How long a call about the process waits for the agent's port.
 PORT_WAIT = 10.0
+# How long a refused wait for the process pauses before it asks again.
+WAIT_RETRY = 1.0
 
 
 def serial_of(device: str) -> str:
@@ -165,7 +167,7 @@ class KataSandbox(Sandbox):
                              name: str, *, integrity: str = "", size_bytes: int = 0) -> str:
         """The guest opens it (luksFormat and mkfs first when blank) after
         checking its header is one crust made: the key goes over the VM's
-        private serial line only."""
+        private port only."""
         if scheme != "luks2":
             raise FailedPrecondition(f"sandbox {self.id}: encryption {scheme!r} is not supported (luks2 is)")
         if not self.alive():
@@ -366,6 +368,7 @@ class KataSandbox(Sandbox):
             except ttrpc.TtrpcError as exc:
                 if exc.code == ttrpc.NOT_FOUND:
                     return   # an agent that restarted no longer has it
+                await asyncio.sleep(WAIT_RETRY)   # refusing (powering off): the VM's end comes
                 continue
             except ConnectionError:
                 continue
