@@ -61,6 +61,13 @@ def test_warm_runs_one_container_and_leaves_nothing(tmp_path, pod_cgroup_cleaned
             Path(good).write_text(Path(bad).read_text())   # the spec is read at each Warm
             answers.append(await _warm(client))
             left += [(tmp_path / "run" / "warm").exists(), (c.state / lifecycle.WARM_ID).exists()]
+            # An agent on a unix socket (this host) powers nothing off and kills nothing.
+            try:
+                await client.call("PowerOff", agent_pb2.PowerOffRequest(), timeout=10)
+                answers.append((ttrpc.OK, ""))
+            except ttrpc.TtrpcError as exc:
+                answers.append((exc.code, exc.message))
+            await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=10)
             return details, answers, left
         finally:
             await client.close()
@@ -70,6 +77,7 @@ def test_warm_runs_one_container_and_leaves_nothing(tmp_path, pod_cgroup_cleaned
     assert "warm" in details.capabilities
     assert answers[:2] == [(ttrpc.OK, ""), (ttrpc.OK, "")], answers
     assert answers[2][0] == ttrpc.FAILED_PRECONDITION and "ran no container (exit 0): no" in answers[2][1]
+    assert answers[3][0] == ttrpc.FAILED_PRECONDITION and "serves no guest of its own" in answers[3][1]
     assert left == [False] * 4
     assert not (pod_cgroup_cleaned / lifecycle.WARM_ID).exists()
 

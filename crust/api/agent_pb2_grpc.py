@@ -254,7 +254,9 @@ class AgentServiceServicer(object):
         first), sync, answer, then power the VM off. The answer is written
         whole to the port before the power-off; after it the host waits for
         QEMU to exit. Requests in flight and arriving after it answer
-        UNAVAILABLE. Retry: the guest is gone (the transport fails).
+        UNAVAILABLE. FAILED_PRECONDITION: the agent is served on a unix
+        socket (tests on a host), where it kills and unmounts nothing. Retry:
+        the guest is gone (the transport fails).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

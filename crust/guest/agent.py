@@ -152,6 +152,7 @@ async def run(port: str | None, listen: str | None, port_name: str | None = None
               warm_spec: str = WARM_SPEC) -> None:
     service = AgentService(runtime=runtime, containers_dir=containers_dir, holds_dir=holds_dir, run_dir=run_dir,
                            pod_init=pod_init, warm_spec=warm_spec)
+    service.in_guest = listen is None
     server = make_server(service)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

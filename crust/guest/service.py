@@ -98,6 +98,7 @@ class AgentService:
         self.warmer = Warmer(self.runtime, run_dir, warm_spec)
         self.server: ttrpc.Server | None = None   # set by the one that serves it
         self.power_off = guestpower.power_off
+        self.in_guest = True   # false when served on a unix socket (tests on a host)
         self._creating: dict[str, asyncio.Lock] = {}
         self.pod_cgroup = pod_cgroup
 
@@ -291,6 +292,11 @@ class AgentService:
         return await self.warmer.warm()
 
     async def PowerOff(self, request: agent_pb2.PowerOffRequest, call) -> agent_pb2.PowerOffResponse:
+        if not self.in_guest:
+            # Served on a unix socket (tests on a host): killing every
+            # process and unmounting would be the host's.
+            raise AgentError(ttrpc.FAILED_PRECONDITION, "PowerOff: this agent serves no guest of its own (it "
+                                                       "listens on a unix socket)")
         if self.server is not None:
             self.server.refusing = (ttrpc.UNAVAILABLE, "the guest is powering off")
         answer = await asyncio.to_thread(lifecycle.stop_everything)
