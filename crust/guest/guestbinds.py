@@ -14,20 +14,13 @@ from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest.errors import AgentError
 from crust.guest.places import RUN_DIR, Places
+from crust.guest.volumes import check_guest_path
 from crust.sys import beneath
 from crust.sys import mount as sysmount
 
 # Where a bind for a guest process never goes: the agent's own places and
 # the kernel's interfaces.
 RESERVED = ("/proc", "/sys", "/dev", RUN_DIR)
-
-
-def check_target(field: str, path: str) -> str:
-    if not path.startswith("/") or os.path.normpath(path) != path or path == "/" or "\0" in path:
-        raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field}: {path!r} is not an absolute, normal path other than /")
-    if any(path == top or path.startswith(top + "/") for top in RESERVED):
-        raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field}: {path} is below {', '.join(RESERVED)}")
-    return path
 
 
 def _same(fd: int, path: str) -> bool:
@@ -39,7 +32,7 @@ def _same(fd: int, path: str) -> bool:
 
 
 def bind(places: Places, request: agent_pb2.BindGuestPathRequest) -> None:
-    target = check_target("target", request.target)
+    target = check_guest_path("target", request.target, RESERVED)
     root = places.source_root("source", request.source)
     try:
         if request.source.subpath:
@@ -77,7 +70,7 @@ def bind(places: Places, request: agent_pb2.BindGuestPathRequest) -> None:
 def unbind(target: str) -> None:
     """Every mount stacked at target, the last first (a busy one detached);
     nothing there is OK."""
-    check_target("target", target)
+    check_guest_path("target", target, RESERVED)
     try:
         sysmount.unmount_all(target)
     except OSError as exc:

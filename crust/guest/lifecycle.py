@@ -139,21 +139,13 @@ def stop_everything() -> agent_pb2.PowerOffResponse:
     for entry in reversed(sysmount.mounts()):
         if _kept(entry.mount_point):
             continue
-        parent, name = os.path.split(entry.mount_point)
         try:
-            fd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            failed += 1
-            continue
-        try:
-            sysmount.unmount_beneath(fd, name)
+            sysmount.unmount_at(entry.mount_point)
             unmounted += 1
         except OSError as exc:
             log.warning("power-off: %s stays mounted (%s); detached", entry.mount_point, exc.strerror)
             with contextlib.suppress(OSError):
-                sysmount.detach_beneath(fd, name)
+                sysmount.unmount_all(entry.mount_point)   # a busy one detached
             failed += 1
-        finally:
-            os.close(fd)
     os.sync()
     return agent_pb2.PowerOffResponse(unmounted=unmounted, failed=failed)

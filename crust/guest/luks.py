@@ -337,14 +337,10 @@ def _unmount_views(name: str, path: str) -> None:
     FAILED_PRECONDITION naming a view that stays busy."""
     st = os.stat(path)
     for entry in reversed(sysmount.of_device(os.major(st.st_rdev), os.minor(st.st_rdev))):
-        parent, last = os.path.split(entry.mount_point)
-        fd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            sysmount.unmount_beneath(fd, last)
+            sysmount.unmount_at(entry.mount_point)
         except OSError as exc:
             raise _failed(f"name: {name} is mounted at {entry.mount_point}, which stays: {exc.strerror}") from None
-        finally:
-            os.close(fd)
 
 
 def _rescan_disks_below(device: str) -> None:

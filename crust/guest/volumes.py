@@ -65,12 +65,13 @@ def wait_for(call) -> float:
     return DISK_WAIT if timeout is None else max(timeout - DEADLINE_MARGIN, 0.0)
 
 
-def _check_mount_point(path: str) -> str:
+def check_guest_path(field: str, path: str, reserved: tuple[str, ...] = RESERVED) -> str:
+    """An absolute, normal path other than / and outside reserved, or
+    INVALID_ARGUMENT naming the field."""
     if not path.startswith("/") or os.path.normpath(path) != path or path == "/" or "\0" in path:
-        raise AgentError(ttrpc.INVALID_ARGUMENT, f"storage.mount_point: {path!r} is not an absolute, normal path "
-                                                "other than /")
-    if any(path == top or path.startswith(top + "/") for top in RESERVED):
-        raise AgentError(ttrpc.INVALID_ARGUMENT, f"storage.mount_point: {path} is below {', '.join(RESERVED)}")
+        raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field}: {path!r} is not an absolute, normal path other than /")
+    if any(path == top or path.startswith(top + "/") for top in reserved):
+        raise AgentError(ttrpc.INVALID_ARGUMENT, f"{field}: {path} is below {', '.join(reserved)}")
     return path
 
 
@@ -110,14 +111,10 @@ def _same_device(entry: sysmount.MountEntry, source: str) -> bool:
 
 def _unmount(volume: Volume) -> None:
     """The volume's mount, not lazily: a busy file system stays and says so."""
-    parent, name = os.path.split(volume.mount_point)
-    fd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        sysmount.unmount_beneath(fd, name)
+        sysmount.unmount_at(volume.mount_point)
     except OSError as exc:
         raise AgentError(ttrpc.FAILED_PRECONDITION, f"volume_id {volume.volume_id}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
 
 
 class Volumes:
@@ -185,7 +182,7 @@ class Volumes:
 
     def _check(self, storage: agent_pb2.Storage) -> tuple[str, ...]:
         check_id("storage.volume_id", storage.volume_id)
-        _check_mount_point(storage.mount_point)
+        check_guest_path("storage.mount_point", storage.mount_point)
         if storage.fs_type not in BLOCK_FS_TYPES:
             raise AgentError(ttrpc.INVALID_ARGUMENT, f"storage.fs_type: {storage.fs_type!r} is not one of "
                                                     f"{', '.join(BLOCK_FS_TYPES)}")

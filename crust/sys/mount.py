@@ -491,6 +491,18 @@ MS_SLAVE = 1 << 19
 MS_SHARED = 1 << 20
 
 
+def unmount_at(path: str) -> bool:
+    """unmount_beneath of path's last component in its parent, the parent
+    opened first: the unmount happens where the caller named, a symlink
+    there never followed. False when nothing is mounted there."""
+    parent, name = os.path.split(path)
+    fd = os.open(parent or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return unmount_beneath(fd, name)
+    finally:
+        os.close(fd)
+
+
 def set_propagation(target: str, kind: int) -> None:
     """mount --make-private / --make-shared of the one mount at target."""
     if _libc.mount(None, target.encode(), None, ctypes.c_ulong(kind), None) != 0:
