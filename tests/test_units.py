@@ -1659,3 +1659,46 @@ def test_the_guest_agents_refusal_of_a_bind_is_said_as_the_pods_spec_says_the_mo
                                                                     "volumes/cm: config in the share crust: No "
                                                                     "such file or directory")
     assert in_pod_terms(other, names) is other and in_pod_terms(beyond, names) is beyond
+
+
+def test_a_delete_while_the_reaper_tears_a_dead_sandbox_down_waits_for_it(tmp_path):
+    """The reaper's own teardown of a dead sandbox is housekeeping: a
+    DeleteSandbox (or a pod's DeleteContainer) that comes meanwhile waits
+    for it and succeeds, instead of being told ABORTED."""
+    from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord
+
+    class Registration:
+        on_register = None
+
+    class DeadSandbox:
+        def __init__(self) -> None:
+            self.stopping, self.release = asyncio.Event(), asyncio.Event()
+            self.stops = 0
+
+        def alive(self) -> bool:
+            return False
+
+        async def stop_process(self) -> None:
+            self.stopping.set()
+            await self.release.wait()
+
+        async def stop(self) -> None:
+            self.stops += 1
+
+    async def scenario() -> None:
+        handler = RuntimeHandler(name="h", volumes_dir=tmp_path / "volumes", state_dir=tmp_path / "state",
+                                 registration=Registration(), make_sandbox=None)
+        sandbox, record = DeadSandbox(), SandboxRecord(sandbox_id="pod-1", bundle="")
+        handler.sandboxes["pod-1"] = (sandbox, record)
+        await handler.records.put("pod-1", record)
+        reaper = asyncio.create_task(handler.reap_once())
+        await asyncio.wait_for(sandbox.stopping.wait(), 5)
+        deleting = asyncio.create_task(handler.delete_sandbox("pod-1"))
+        await asyncio.sleep(0.05)
+        assert not deleting.done(), "the delete did not wait for the reaper's teardown"
+        sandbox.release.set()
+        await asyncio.wait_for(asyncio.gather(reaper, deleting), 5)
+        assert handler.sandboxes == {} and sandbox.stops == 1
+        assert [key for key, _ in handler.records.load_all()] == []
+
+    asyncio.run(scenario())

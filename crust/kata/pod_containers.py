@@ -690,6 +690,7 @@ class PodContainers(PodProcesses):
             pod, c = self._find(container_id)
         except NotFound:
             return handler_pb2.ProcessState(status=Status.STOPPED, reason="no such container (deleted already)")
+        await self.handler.reaped(pod.sandbox_id)   # a VM that died: its teardown first
         async with self.locks[pod.sandbox_id]:
             if container_id not in pod.containers:
                 return handler_pb2.ProcessState(status=Status.STOPPED, reason="deleted already")

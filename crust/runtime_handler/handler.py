@@ -160,6 +160,10 @@ class RuntimeHandler:
         # Stopped sandboxes whose claims are still to be released, with the
         # reason to release them with.
         self._releasing: dict[str, str] = {}
+        # The reaper's teardowns under way: a caller's delete of that
+        # sandbox waits for it instead of being told ABORTED by the
+        # handler's own housekeeping.
+        self._reaping: dict[str, asyncio.Task] = {}
         self.inflight = InFlight()
         # Volumes of containers runc runs (crust.runtime_handler.containers),
         # when this handler serves crust's OCI runtime.
@@ -201,25 +205,40 @@ class RuntimeHandler:
             await self.on_watcher(working)
 
     async def _reap_forever(self, interval: float = 1.0) -> None:
-        """A sandbox that died on its own (a crashed VM, a killed holder)
-        gives its volumes back, marked abnormal, instead of holding them."""
         while True:
             await asyncio.sleep(interval)
-            for sandbox_id, (sandbox, record) in list(self.sandboxes.items()):
-                if sandbox.alive() or self.inflight.busy(sandbox_id):
-                    continue
-                reason = self._releasing.get(sandbox_id)
-                if reason is None:
-                    log.warning("sandbox died", extra={"fields": {"sandbox": sandbox_id}})
-                    reason = f"sandbox {sandbox_id} died unexpectedly (its VM or holder process exited)"
-                try:
-                    with self.inflight.hold(sandbox_id):
-                        # Also a stopped sandbox whose claims could not be
-                        # released yet (the proxy's disk was full): again.
-                        await self._teardown(sandbox, record, reason)
-                except CrustError as exc:
-                    log.warning("cleanup of a dead sandbox failed", extra={"fields": {"sandbox": sandbox_id,
-                                                                                      "error": exc.message}})
+            await self.reap_once()
+
+    async def reap_once(self) -> None:
+        """A sandbox that died on its own (a crashed VM, a killed holder)
+        gives its volumes back, marked abnormal, instead of holding them."""
+        for sandbox_id, (sandbox, record) in list(self.sandboxes.items()):
+            if sandbox.alive() or self.inflight.busy(sandbox_id):
+                continue
+            reason = self._releasing.get(sandbox_id)
+            if reason is None:
+                log.warning("sandbox died", extra={"fields": {"sandbox": sandbox_id}})
+                reason = f"sandbox {sandbox_id} died unexpectedly (its VM or holder process exited)"
+            task = self._reaping[sandbox_id] = asyncio.create_task(self._reap(sandbox, record, reason))
+            await asyncio.shield(task)
+
+    async def _reap(self, sandbox: Sandbox, record: SandboxRecord, reason: str) -> None:
+        try:
+            with self.inflight.hold(record.sandbox_id):
+                # Also a stopped sandbox whose claims could not be released
+                # yet (the proxy's disk was full): again.
+                await self._teardown(sandbox, record, reason)
+        except CrustError as exc:
+            log.warning("cleanup of a dead sandbox failed", extra={"fields": {"sandbox": record.sandbox_id,
+                                                                              "error": exc.message}})
+        finally:
+            self._reaping.pop(record.sandbox_id, None)
+
+    async def reaped(self, sandbox_id: str) -> None:
+        """Wait for the reaper's teardown of this sandbox, if one runs."""
+        task = self._reaping.get(sandbox_id)
+        if task is not None:
+            await asyncio.shield(task)
 
     async def stop(self) -> None:
         for task in (getattr(self, "reaper", None), getattr(self, "watch_keeper", None)):
@@ -547,6 +566,7 @@ class RuntimeHandler:
             raise error
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
+        await self.reaped(sandbox_id)
         with self.inflight.hold(sandbox_id):
             entry = self.sandboxes.get(sandbox_id)
             if entry is None:
