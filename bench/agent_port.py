@@ -1,24 +1,22 @@
 #!/usr/bin/env python3
-"""The guest agent's two transports side by side in one VM: the Python
-agent (crust/guest/, ttrpc on the virtio-serial port, many calls in
-flight) and the shell agent (agent.sh on the emulated UART, one request at
-a time, output by `readout`).
+"""What a guest process costs through the guest agent's port in one VM:
+the Python agent (crust/guest/), ttrpc on the virtio-serial port, many
+calls in flight.
 
 Each round, in turns: a guest process `sh -c true` started, waited for,
 its output read and forgotten; ten such processes asked for at once; and
-output read to its end (10 MiB through the port; 1 MiB through the UART,
-whose rate is what counts). Times are the host's, around the calls.
+10 MiB of output read to its end. Times are the host's, around the calls.
 
-    .venv/bin/python bench/agent_port.py [--rounds 5] [--accel tcg|kvm] [--json OUT.json]
+    .venv/bin/python bench/agent_port.py [--rounds 5] [--accel tcg|kvm] [--cache DIR] [--json OUT.json]
 
-Median, min and max per figure, the machine and its load before and after.
+Median, min and max per figure, the output's rate, the machine and its load
+before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import sys
 import tempfile
@@ -30,12 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import benchlib  # noqa: E402
 from crust.api import agent_pb2  # noqa: E402
 from crust.kata import image as kata_image  # noqa: E402
-from crust.kata.agent import b64  # noqa: E402
 from crust.kata.agent_client import AgentClient  # noqa: E402
 from crust.kata.qemu import Vm, VmConfig  # noqa: E402
 
 PORT_OUTPUT = 10 << 20
-UART_OUTPUT = 1 << 20
 
 
 async def port_run(client: AgentClient, exec_id: str, script: str) -> int:
@@ -56,23 +52,7 @@ async def port_run(client: AgentClient, exec_id: str, script: str) -> int:
     return length
 
 
-async def uart_run(vm: Vm, name: str, script: str) -> int:
-    pid = (await vm.agent.request("spawn", name, b64(script))).int("pid")
-    await vm.agent.wait_exit(pid, timeout=300)
-    length = 0
-    for stream in ("out", "err"):
-        got = 0
-        while True:
-            answer = await vm.agent.request("readout", name, stream, str(got), "32768")
-            if answer.fields.get("data", "-") == "-":
-                break
-            got += len(base64.urlsafe_b64decode(answer.fields["data"]))
-        length += got
-    await vm.agent.request("forget", name)
-    return length
-
-
-async def measure(vm: Vm, client: AgentClient, rounds: int, samples: dict[str, list[float]]) -> None:
+async def measure(client: AgentClient, rounds: int, samples: dict[str, list[float]]) -> None:
     serial = 0
 
     def next_id() -> str:
@@ -87,11 +67,8 @@ async def measure(vm: Vm, client: AgentClient, rounds: int, samples: dict[str, l
 
     ways = {
         "port: sh -c true": lambda: port_run(client, next_id(), "true"),
-        "uart: sh -c true": lambda: uart_run(vm, next_id(), "true"),
         "port: 10 at once": lambda: asyncio.gather(*(port_run(client, next_id(), "true") for _ in range(10))),
-        "uart: 10 at once": lambda: asyncio.gather(*(uart_run(vm, next_id(), "true") for _ in range(10))),
         "port: 10 MiB out": lambda: port_run(client, next_id(), f"head -c {PORT_OUTPUT} /dev/zero"),
-        "uart: 1 MiB out": lambda: uart_run(vm, next_id(), f"head -c {UART_OUTPUT} /dev/zero"),
     }
     for way in ways.values():
         await way()  # a first run of each, not counted (the guest's caches)
@@ -106,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--accel", choices=("tcg", "kvm"), default="tcg")
+    parser.add_argument("--cache", type=Path, default=kata_image.DEFAULT_CACHE,
+                        help=f"guest image cache (default {kata_image.DEFAULT_CACHE})")
     parser.add_argument("--json", help="write the results there (- for stdout)")
     args = parser.parse_args(argv)
     if benchlib.not_root("agent_port.py", "QEMU and the image cache"):
@@ -115,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(tempfile.mkdtemp(prefix="crust-agent-port-"))
 
     def body() -> None:
-        built = kata_image.build()
+        built = kata_image.build(args.cache)
         samples: dict[str, list[float]] = {}
 
         async def run() -> None:
@@ -123,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                accel=args.accel))
             await vm.start(ready_timeout=120)   # ready once its agent answers on the port
             try:
-                await measure(vm, await vm.port.ready(), args.rounds, samples)
+                await measure(await vm.port.ready(), args.rounds, samples)
             finally:
                 await vm.kill()
 
@@ -132,14 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         results["load_after"] = benchlib.loadavg()
         results["accel"] = args.accel
         results["ways"] = benchlib.ms_rows(samples)
-        port_out, uart_out = results["ways"]["port: 10 MiB out"], results["ways"]["uart: 1 MiB out"]
-        results["output_mib_per_s"] = {"port": round(PORT_OUTPUT / 2**20 / (port_out["median_ms"] / 1e3), 2),
-                                       "uart": round(UART_OUTPUT / 2**20 / (uart_out["median_ms"] / 1e3), 3)}
-        print(f"\nthe guest agent's transports, {args.accel}, median of {args.rounds} (min-max); "
+        port_out = results["ways"]["port: 10 MiB out"]
+        results["output_mib_per_s"] = {"port": round(PORT_OUTPUT / 2**20 / (port_out["median_ms"] / 1e3), 2)}
+        print(f"\nthe guest agent's port, {args.accel}, median of {args.rounds} (min-max); "
               f"{benchlib.machine_summary(results['machine'])}")
         benchlib.print_ms_rows(results["ways"], 18)
-        print(f"output: port {results['output_mib_per_s']['port']} MiB/s, "
-              f"uart {results['output_mib_per_s']['uart']} MiB/s")
+        print(f"output: port {results['output_mib_per_s']['port']} MiB/s")
         print(f"load {results['load_before']} before, {results['load_after']} after")
 
     return benchlib.guarded_run_then_write(body, benchlib.vm_dir_cleanup(base), benchlib.report_failure, args.json,

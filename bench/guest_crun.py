@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import copy
 import json
 import sys
@@ -34,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
 from crust.kata import image as kata_image  # noqa: E402
-from crust.kata.agent import b64  # noqa: E402
 from crust.kata.qemu import Vm, VmConfig  # noqa: E402
+from tests.guest_vm import PORT_WAIT, run_script  # noqa: E402
 
 CAPABILITIES = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
                 "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
@@ -92,19 +91,14 @@ REPEAT = 10   # `crun --version` and `sh -c true` run this many times in a row (
 
 
 async def sh(vm: Vm, name: str, script: str) -> str:
-    """A script's stdout in the guest (its exit code must be 0)."""
-    pid = (await vm.agent.request("spawn", name, b64(script))).int("pid")
-    code = await vm.agent.wait_exit(pid, timeout=120)
-    out = b""
-    while True:
-        answer = await vm.agent.request("readout", name, "out", str(len(out)), "32768")
-        if answer.fields.get("data", "-") == "-":
-            break
-        out += base64.urlsafe_b64decode(answer.fields["data"])
-    err = (await vm.agent.request("readout", name, "err", "0", "4096")).fields.get("data", "-")
-    await vm.agent.request("forget", name)
+    """A script's stdout in the guest, run by its agent on its port (its
+    exit code must be 0)."""
+    client = await vm.port.ready(wait=PORT_WAIT)
+    if client is None:
+        raise RuntimeError(f"vm {vm.name}: its guest's agent did not answer on its port")
+    code, out, err = await run_script(client, name, script, timeout=120)
     if code != 0:
-        raise RuntimeError(f"{name} exited {code}: {base64.urlsafe_b64decode(err) if err != '-' else b''!r}")
+        raise RuntimeError(f"{name} exited {code}: {err[:4096]!r}")
     return out.decode()
 
 

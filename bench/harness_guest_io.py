@@ -1,12 +1,13 @@
 """The guest part 4 of bench/kata_bench.py drives directly, and the host
 objects behind it.
 
-- IoVm: one microVM (crust.kata.qemu.Vm and its agent) with two ext4 file
-  systems on loop devices: one hot-plugged as virtio-blk and mounted by the
-  guest, one mounted on the host and shared over virtio-9p; a file written
-  and read back cold on either side, or on the host; everything stopped and
-  removed again;
-- GuestIo: commands in the guest, timed inside it;
+- IoVm: one microVM (crust.kata.qemu.Vm and its Python agent, reached
+  through its port) with two ext4 file systems on loop devices: one
+  hot-plugged as virtio-blk and mounted by the guest's agent, one mounted
+  on the host and shared over virtio-9p; a file written and read back cold
+  on either side, or on the host; everything stopped and removed again;
+- GuestIo: commands in the guest (processes of the guest itself, not of a
+  container), timed inside it;
 - host_dd(): the same dd on the host, for reference;
 - run_then(): the part run so that a signal still lets the VM power off.
 """
@@ -14,10 +15,10 @@ objects behind it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from bench.benchlib import SIGNALS, Interrupted
+from crust.kata import port_process, port_volumes
+from crust.kata.agent_client import AgentClient
 from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
@@ -35,6 +38,10 @@ from tests.harness import MIB
 BLKFLSBUF = 0x1261
 MEMORY_MIB = 512
 FS_MIB = 640
+# The guest's own processes get this PATH (its busybox applets and tools).
+GUEST_PATH = "PATH=/usr/sbin:/usr/bin:/sbin:/bin"
+# How long the agent's port is waited for when its connection is not open.
+PORT_WAIT = 30.0
 STAMP = "adjtimex | awk '/tv_sec/ {s = $2} /tv_usec/ {u = $2} END {printf \"%d.%06d\", s, u}'"
 
 
@@ -74,36 +81,55 @@ async def stop_or_kill(vm: Vm | None) -> None:
 
 
 class GuestIo:
-    """Timed commands in the guest: output lines tagged and read back from
-    the console log (the agent's `exec` sends a command's output there)."""
+    """Timed commands in the guest: `sh -c` as processes of the guest's
+    Python agent, their stdout read back through its port."""
 
     def __init__(self, vm: Vm):
         self.vm = vm
-        self.prefix = secrets.token_hex(3)
         self.n = 0
 
+    async def client(self) -> AgentClient:
+        client = await self.vm.port.ready(wait=PORT_WAIT)
+        if client is None:
+            raise RuntimeError(f"the guest's agent does not answer on its port\n{self.vm.console_tail(6)}")
+        return client
+
+    async def output(self, command: str, timeout: float = 600) -> tuple[int, str, str, float]:
+        """(exit code, stdout, stderr, seconds from asking for its start to
+        its exit seen on the host)."""
+        self.n += 1
+        exec_id = f"kb-{self.n}"
+        client = await self.client()
+        process = {"args": ["/bin/sh", "-c", command], "env": [GUEST_PATH], "cwd": "/"}
+        streams = {port_process.Stream.STDOUT: b"", port_process.Stream.STDERR: b""}
+        started = time.monotonic()
+        await port_process.exec_process(client, "", exec_id, process, stdin=False)
+        try:
+            answer = await asyncio.wait_for(port_process.wait_process(client, "", exec_id), timeout)
+            host = time.monotonic() - started
+            async for chunk in port_process.read_output(client, "", exec_id, 0, 0, cut=RuntimeError):
+                streams[chunk.stream] += chunk.data
+        except BaseException:
+            # The VM is stopped after a failure; what matters is the error that got here.
+            with contextlib.suppress(Exception):
+                await port_process.signal_process(client, "", exec_id, signal.SIGKILL)
+            raise
+        await port_process.remove_process(client, "", exec_id)
+        out, err = (streams[s].decode(errors="replace") for s in (port_process.Stream.STDOUT,
+                                                                   port_process.Stream.STDERR))
+        return answer.exit_code, out, err, host
+
     async def run(self, command: str, timeout: float = 600) -> int:
-        pid = await self.vm.agent.exec(command)
-        return await self.vm.agent.wait_exit(pid, timeout=timeout, interval=0.05)
+        return (await self.output(command, timeout))[0]
 
     async def timed(self, command: str, timeout: float = 600) -> tuple[float, float]:
         """(seconds the command took inside the guest, seconds seen from the host)."""
-        self.n += 1
-        tag = f"KB-{self.prefix}-{self.n}"
         script = (f"t0=$({STAMP}); {command} 2>/tmp/kb.err; rc=$?; t1=$({STAMP}); "
-                  f"echo \"{tag} rc=$rc t0=$t0 t1=$t1\"; [ $rc = 0 ] || cat /tmp/kb.err; exit $rc")
-        started = time.monotonic()
-        code = await self.run(script, timeout)
-        host = time.monotonic() - started
-        pattern = re.compile(rf"^{tag} rc=(\d+) t0=([0-9.]+) t1=([0-9.]+)", re.M)
-        deadline = time.monotonic() + 10
-        while True:
-            m = pattern.search(self.vm.console_log.read_text(errors="replace"))
-            if m or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.05)
+                  f"echo \"KB rc=$rc t0=$t0 t1=$t1\"; [ $rc = 0 ] || cat /tmp/kb.err >&2; exit $rc")
+        code, out, err, host = await self.output(script, timeout)
+        m = re.search(r"^KB rc=(\d+) t0=([0-9.]+) t1=([0-9.]+)$", out, re.M)
         if code != 0 or m is None:
-            raise RuntimeError(f"guest command failed ({code}): {command}\n{self.vm.console_tail(6)}")
+            raise RuntimeError(f"guest command failed ({code}): {command}\n{(out + err)[-2000:]}")
         return float(m.group(3)) - float(m.group(2)), host
 
 
@@ -149,12 +175,14 @@ class IoVm:
         boot = await self.vm.start()
         io = self.io = GuestIo(self.vm)
         await self.vm.attach_disk(self.devices["blk"], "kbblk")
-        guest_dev = await self.vm.agent.mount("kbblk", "ext4", [], False, "/mnt/blk")
-        code = await io.run("grep -qw 9p /proc/filesystems || while read -r m; do insmod \"$m\" || exit 1; "
-                            "done < /etc/crust/modules.d/9p; mkdir -p /mnt/9p && "
-                            "mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 kbshare /mnt/9p", timeout=120)
+        blk = port_volumes.storage("kbblk", "ext4", [], False, "/mnt/blk", None)
+        guest_dev = (await port_volumes.mount(await io.client(), blk)).device
+        code, out, err, _ = await io.output(
+            "grep -qw 9p /proc/filesystems || while read -r m; do insmod \"$m\" || exit 1; "
+            "done < /etc/crust/modules.d/9p; mkdir -p /mnt/9p && "
+            "mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 kbshare /mnt/9p", timeout=120)
         if code != 0:
-            raise RuntimeError(f"9p mount in the guest failed ({code}): {self.vm.console_tail(6)}")
+            raise RuntimeError(f"9p mount in the guest failed ({code}): {(out + err)[-2000:]}")
         stamp_s, _ = await io.timed(":")
         stamp_s = min([stamp_s] + [(await io.timed(":"))[0] for _ in range(4)])
         return boot, guest_dev, stamp_s

@@ -34,20 +34,20 @@ is a QEMU microVM with the cloud guest image (crust.kata.image, flavor
    reports the larger size. --runs expansions; each step and the whole
    round trip are timed.
 
-Part 4 drives one microVM directly (crust.kata.qemu.Vm and its agent), with
+Part 4 drives one microVM directly (crust.kata.qemu.Vm, its agent's port), with
 the GENERIC guest image (Debian's full kernel, which has 9p) and 512 MiB of
 guest memory, to compare two ways of giving a guest a file system:
   (a) virtio-blk: an ext4 file system on a loop device, hot-plugged as
       virtio-blk (as the handler does: QEMU without O_DIRECT on the host)
-      and mounted by the guest kernel (agent `mount`);
+      and mounted by the guest kernel (the agent's MountVolume);
   (b) virtio-9p: an ext4 file system on a loop device mounted on the HOST,
       that mount point shared into the guest with
       `-fsdev local,security_model=passthrough -device virtio-9p-pci` and
       mounted in the guest with
       `mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000`.
-      The agent's `mount` command only mounts virtio disks (found by
-      serial), so the guest loads the 9p modules the image lists in
-      /etc/crust/modules.d/9p itself (insmod, as the agent does for disks).
+      The agent's MountVolume only mounts disks (found by serial), so a
+      process in the guest loads the 9p modules the image lists in
+      /etc/crust/modules.d/9p (insmod) and mounts the share itself.
 Both file systems are made the same way (mkfs.ext4 with lazy init off, so
 neither guest nor host initialises inode tables in the background). Each of
 --runs runs does, for both sides and in two modes, in an order of sides and

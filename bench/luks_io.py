@@ -9,9 +9,10 @@ crust.dev/integrity: hmac-sha256 makes), against a plain one, side by side.
 One guest (the handler's cloud image, as sandboxes run it), three volumes
 with room for the same file system, on loop devices over sparse files,
 hot-plugged as virtio-blk: "plain" (ext4 made on the host, as the shim
-does), "luks2" and "luks2-hmac" (blank; the agent's `luksopen` formats
-them with LUKS2, with integrity for the second, and makes ext4 inside, as
-a sandbox does). Per run and volume (order alternating): busybox dd of
+does), "luks2" and "luks2-hmac" (blank; OpenEncrypted of the guest's
+Python agent, through its port, formats them with LUKS2, with integrity
+for the second, and makes ext4 inside, as a sandbox does), each mounted by
+the agent's MountVolume. Per run and volume (order alternating): busybox dd of
 --mib MiB from /dev/zero, fsync'd, buffered and O_DIRECT; the caches in the
 guest and on the host dropped; the file read back. Times are taken inside
 the guest. Everything made is removed at the end, also on a signal.
@@ -43,6 +44,7 @@ from bench.benchlib import (
 from bench.harness_chain import kata_machine
 from bench.harness_guest_io import GuestIo, evict_block_device, evict_file, run_then, stop_or_kill
 from crust.contract import encryption
+from crust.kata import port_volumes
 from crust.kata.image import DEFAULT_CACHE, build
 from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
@@ -90,22 +92,25 @@ class LuksVm:
         self.io = GuestIo(self.vm)
         for side in SIDES:
             await self.vm.attach_disk(self.devices[side], f"lb{side}")
-        await self.vm.agent.mount("lbplain", "ext4", [], False, "/mnt/plain")
+        client = await self.io.client()
+        await port_volumes.mount(client, port_volumes.storage("lbplain", "ext4", [], False, "/mnt/plain", None))
         timings = {"boot_s": round(boot, 2)}
         for side, integrity in INTEGRITY.items():
             name = f"crypt-lb-{side}"
             size = os.stat(self.files[side]).st_size
+            volume = port_volumes.storage(name, "ext4", [], False, f"/mnt/{side}", None)
             t0 = time.monotonic()
-            await self.vm.agent.luksopen(f"lb{side}", "ext4", name, bytearray(KEY), integrity=integrity,
-                                         size_bytes=size)
+            await port_volumes.open_encrypted(client, f"lb{side}", "ext4", name, bytearray(KEY),
+                                              integrity=integrity, size_bytes=size)
             timings[f"{side}_format_and_mkfs_s"] = round(time.monotonic() - t0, 2)
-            await self.vm.agent.mount(name, "ext4", [], False, f"/mnt/{side}")
+            await port_volumes.mount(client, volume)
             t0 = time.monotonic()
-            await self.vm.agent.umount(f"/mnt/{side}")
-            await self.vm.agent.luksclose(name)
-            await self.vm.agent.luksopen(f"lb{side}", "ext4", name, bytearray(KEY), integrity=integrity)
+            await port_volumes.unmount(client, volume.mount_point)
+            await port_volumes.close_encrypted(client, name)
+            await port_volumes.open_encrypted(client, f"lb{side}", "ext4", name, bytearray(KEY),
+                                              integrity=integrity, size_bytes=size)
             timings[f"{side}_close_and_reopen_s"] = round(time.monotonic() - t0, 2)
-            await self.vm.agent.mount(name, "ext4", [], False, f"/mnt/{side}")
+            await port_volumes.mount(client, volume)
         return timings
 
     async def write_read(self, side: str, direct: bool, mib: int) -> tuple[float, float]:

@@ -41,7 +41,7 @@ the pod, or a LUN of the controller the VM booted with.
 
 --agent-times runs the handler at --log-level debug and adds, per round,
 each guest agent request's round trip summed by the handler RPC it served
-and its command ("agent CreateContainer cbinds"): where the calls' time goes
+and its call ("agent CreateContainer MountVolume"): where the calls' time goes
 in the guest.
 """
 

@@ -1,20 +1,30 @@
 """One microVM from the handler's image, outside any handler: disks
-hot-plugged from image files, requests to its agent, shell scripts run in
-the guest. For tests of what the guest itself does."""
+hot-plugged from image files, calls to its agent on its port, shell scripts
+run in the guest. For tests of what the guest itself does."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
+import json
 import os
 from pathlib import Path
 
-from crust.kata.agent import AgentRefused, b64
+from crust.api import agent_pb2
+from crust.common import ttrpc
+from crust.kata.agent_client import AgentClient
 from crust.kata.image import DEFAULT_CACHE, build
 from crust.kata.qemu import SharedDir, Vm, VmConfig
 from crust.kata.template import restore_config
 from crust.sys import loop as sysloop
+
+# How long a call waits for the guest's agent to open its port (its
+# interpreter starts in seconds, slower under emulation on a busy host).
+PORT_WAIT = 120.0
+SCRIPT_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
+READ_BYTES = 1 << 20
+# A call about a process that runs already answers within moments.
+CALL_TIMEOUT = 60.0
 
 
 def guest_config(disk_bus: str = "virtio-blk", shared_dirs: tuple[SharedDir, ...] = ()) -> VmConfig:
@@ -26,8 +36,8 @@ def guest_config(disk_bus: str = "virtio-blk", shared_dirs: tuple[SharedDir, ...
 
 class Guest:
     """One microVM from the handler's image, its files under base; disks
-    hot-plugged from image files, requests to its agent; the VM stopped and
-    the loop devices detached on leaving the context."""
+    hot-plugged from image files, calls to its agent on its port; the VM
+    stopped and the loop devices detached on leaving the context."""
 
     def __init__(self, base: Path, name: str = "guest", disk_bus: str = "virtio-blk",
                  shared_dirs: tuple[SharedDir, ...] = (), saved: Path | None = None,
@@ -59,29 +69,55 @@ class Guest:
         await self.vm.attach_disk(device, serial)
         return device
 
-    async def request(self, *words: str) -> str:
-        try:
-            return "ok " + " ".join((await self.vm.agent.request(*words, timeout=120)).words)
-        except AgentRefused as exc:
-            return "err " + exc.message
+    async def port(self) -> AgentClient:
+        """The VM's connection to its guest's agent: the port takes one host
+        connection at a time, so every call of a test goes on this one."""
+        client = await self.vm.port.ready(wait=PORT_WAIT)
+        if client is None:
+            raise RuntimeError(f"vm {self.vm.name}: its guest's agent did not answer on its port")
+        return client
 
     async def sh(self, script: str, timeout: float = 300) -> tuple[int, str]:
         """Run a shell script in the guest; (exit code, its stdout then stderr)."""
         self.runs += 1
-        name = f"sh{self.runs}"
-        pid = (await self.vm.agent.request("spawn", name, b64(script))).int("pid")
-        code = await self.vm.agent.wait_exit(pid, timeout=timeout)
-        out = b""
-        for stream in ("out", "err"):
-            got = b""
-            while True:
-                answer = await self.vm.agent.request("readout", name, stream, str(len(got)), "32768")
-                if answer.fields.get("data", "-") == "-":
-                    break
-                got += base64.urlsafe_b64decode(answer.fields["data"])
-            out += got
-        await self.vm.agent.request("forget", name)
-        return code, out.decode(errors="replace")
+        code, out, err = await run_script(await self.port(), f"guest-sh-{self.runs}", script, timeout)
+        return code, (out + err).decode(errors="replace")
+
+
+async def run_script(client: AgentClient, exec_id: str, script: str, timeout: float) -> tuple[int, bytes, bytes]:
+    """A shell script run by the guest's agent as a process of the guest
+    itself (no container); (exit code, stdout, stderr), the process
+    forgotten after. One still running after timeout seconds is killed,
+    and TimeoutError raised."""
+    process = {"args": ["/bin/sh", "-c", script], "env": SCRIPT_ENV, "cwd": "/"}
+    request = agent_pb2.ExecProcessRequest(exec_id=exec_id, process=json.dumps(process).encode())
+    await client.call("ExecProcess", request, timeout=CALL_TIMEOUT)
+    try:
+        ended = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id=exec_id), timeout=timeout)
+    except ttrpc.TtrpcError as exc:
+        if exc.code != ttrpc.DEADLINE_EXCEEDED:
+            raise
+        # Killed and forgotten: the guest is left as it was for what follows.
+        await client.call("SignalProcess", agent_pb2.SignalProcessRequest(exec_id=exec_id, signal=9),
+                          timeout=CALL_TIMEOUT)
+        await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id=exec_id), timeout=CALL_TIMEOUT)
+        await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(exec_id=exec_id), timeout=CALL_TIMEOUT)
+        raise TimeoutError(f"the guest's script {exec_id} ran longer than {timeout:g} s: {script[:200]!r}") from None
+    out = await _read_all(client, "ReadStdout", exec_id)
+    err = await _read_all(client, "ReadStderr", exec_id)
+    await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(exec_id=exec_id), timeout=CALL_TIMEOUT)
+    return ended.exit_code, out, err
+
+
+async def _read_all(client: AgentClient, method: str, exec_id: str) -> bytes:
+    """One stream of an exited process, from its start to its end."""
+    got = bytearray()
+    while True:
+        answer = await client.call(method, agent_pb2.ReadStreamRequest(exec_id=exec_id, offset=len(got),
+                                                                       max_bytes=READ_BYTES), timeout=CALL_TIMEOUT)
+        got += answer.data
+        if answer.eof:
+            return bytes(got)
 
 
 def guest(root, coro_fn, kind: type[Guest] | None = None):

@@ -41,11 +41,11 @@ import pytest
 
 from crust.api import agent_pb2, csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.common import ttrpc
-from crust.common.errors import FailedPrecondition, InvalidArgument
+from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument
 from crust.kata import accel as kata_accel
 from crust.kata import bzimage, virtiofsd
 from crust.kata import image as kata_image
-from crust.kata.agent import AGENT_WARM, AgentRefused, ProcessLook, b64
+from crust.kata import port_process, port_volumes
 from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
 from crust.kata.qemu import SharedDir, Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
@@ -264,11 +264,8 @@ def test_the_guest_mounts_measures_and_grows_and_the_host_never_mounts(kenv_bus)
     assert not first.volume_condition.abnormal, first.volume_condition.message
     assert usage_dict(first.usage) == guest_df(console)
 
-    # The VM was ready once its Python agent answered: that agent mounted
-    # the volume and its subPath view, the shell agent none of it.
-    handler_log = kenv.handler.log_path.read_text()
-    assert "volume mounted in the guest via agent port" in handler_log
-    assert "now served via agent port" not in handler_log
+    # The VM was ready once its agent answered: that agent mounted the volume.
+    assert "volume mounted in the guest" in kenv.handler.log_path.read_text()
     assert usage_dict(kenv.stats(v).usage) == usage_dict(first.usage)
 
     # Online growth of ext4 in the guest (this host's kernel refuses it).
@@ -860,222 +857,32 @@ def test_crun_in_the_guest_starts_once_per_call_from_a_binary_nobody_can_write(r
     guest(root, run)
 
 
-def test_a_containers_binds_in_one_request_land_inside_its_root_in_order_and_again(root):
-    """cbinds (agent 8): every bind of a container in one request, each
-    destination resolved inside the root (a link in the image leads back
-    into it), a later bind inside an earlier one, read-only where asked; the
-    same request again binds nothing twice; a bind that cannot be made stops
-    the request, naming it, with the ones before it in place."""
-    async def run(g: Guest):
-        code, out = await g.sh("set -e; mkdir -p /tmp/ctr/rootfs /tmp/src/a /tmp/src/b /tmp/src/c\n"
-                               "mount -t tmpfs tmpfs /tmp/ctr/rootfs\n"
-                               "ln -s /etc/../data /tmp/ctr/rootfs/link   # absolute: taken as inside the root\n"
-                               "echo a > /tmp/src/a/f; echo b > /tmp/src/b/f; echo c > /tmp/src/c/f")
-        assert code == 0, out
-        ctr = "/tmp/ctr/rootfs"
-        binds = [("/tmp/src/a", "/link/a", False), ("/tmp/src/b", "/data/a/inner", True),
-                 ("/tmp/src/c", "/etc/c", False)]
-        targets = await g.vm.agent.container_binds(ctr, binds)
-        assert targets == [f"{ctr}/data/a", f"{ctr}/data/a/inner", f"{ctr}/etc/c"]
-        code, out = await g.sh(f"cat {ctr}/data/a/f {ctr}/data/a/inner/f {ctr}/etc/c/f; "
-                               f"awk '$2 ~ \"^{ctr}/\" {{ print $2, substr($4, 1, 2) }}' /proc/mounts")
-        assert code == 0 and out.split("\n") == ["a", "b", "c", f"{ctr}/data/a rw", f"{ctr}/data/a/inner ro",
-                                                 f"{ctr}/etc/c rw", ""], out
-        code, out = await g.sh("ls /data 2>&1")   # the guest's own / untouched
-        assert code != 0, out
-
-        # Again (a retried request): the same answer, nothing bound twice.
-        assert await g.vm.agent.container_binds(ctr, binds) == targets
-        code, out = await g.sh(f"grep -c ' {ctr}/' /proc/mounts")
-        assert out.strip() == "3", out
-
-        # A source that is gone stops the request at that bind, by name.
-        with pytest.raises(AgentRefused, match="no such source: /tmp/src/gone"):
-            await g.vm.agent.container_binds(ctr, [("/tmp/src/c", "/later/c", False), ("/tmp/src/gone", "/x", False),
-                                                   ("/tmp/src/a", "/never", False)])
-        code, out = await g.sh(f"grep -c ' {ctr}/' /proc/mounts; ls {ctr}")
-        assert out.split() == ["4", "data", "etc", "later", "link"], out
-
-        # Agent 10 takes a plain path; the base64 a host sends an older
-        # agent (or for a path with other characters) still binds the same.
-        agent = g.vm.agent
-        assert agent.version >= 10 and agent._destination("/etc/c") == "/etc/c"
-        assert agent._destination("/with space") != "/with space"
-        agent.version = 9
-        try:
-            assert agent._destination("/b64/a") != "/b64/a"
-            assert await agent.container_binds(ctr, [("/tmp/src/a", "/b64/a", True)]) == [f"{ctr}/b64/a"]
-        finally:
-            agent.version = 10
-        with pytest.raises(AgentRefused, match="unsupported characters"):
-            await agent.container_binds(ctr, [("/tmp/src/a", "/with space", False)])
-        code, out = await g.sh(f"cat {ctr}/b64/a/f; awk '$2 == \"{ctr}/b64/a\" {{ print substr($4, 1, 2) }}' /proc/mounts")
-        assert out.split() == ["a", "ro"], out
-
-        # The container's removal takes the binds and their records.
-        code, out = await g.sh(f"find /run/crust/cbind{ctr} -name '#' | wc -l")
-        assert out.strip() == "5", out
-        assert await g.vm.agent.umount_all(ctr) == 6   # the five binds and the root
-        code, out = await g.sh(f"grep -c ' {ctr}' /proc/mounts; ls -d /run/crust/cbind{ctr} 2>&1")
-        assert out.split("\n")[0] == "0" and "No such file" in out, out
-    guest(root, run)
-
-
-def test_one_poll_reports_each_processs_state_and_output_sizes(root):
-    """poll (agent 9): every process the host waits on, in one request, its
-    state taken before its output sizes: running, the exit code of one that
-    ended, "gone" for one killed with its wrapper, "none" for a pid no
-    spawn started; "-" for output files that do not exist. cstarted: a
-    container counts as started once crun's state file is there with no
-    start pending (exec.fifo), and the process's end (a spawn's, or any
-    pid's, gone) ends the wait too; with
-    a wait (agent 11) the guest answers once it started, or after the wait.
-    reach: paths looked up in the agent's namespace, each one there."""
-    async def run(g: Guest):
-        agent = g.vm.agent
-        sleeper = await agent.spawn("sleeper", "printf abc; printf de >&2; exec sleep 60")
-        quick = await agent.spawn("quick", "printf 12345; exit 3")
-        assert await agent.wait_exit(quick, timeout=60) == 3
-        deadline = time.monotonic() + 60
-        while (await agent.readout("sleeper", "err", 0, 0))[1] < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        looks = await agent.poll([("sleeper", sleeper), ("quick", quick), ("never", 4194303)])
-        assert looks == {"sleeper": ProcessLook(out=3, err=2, state="run"),
-                         "quick": ProcessLook(out=5, err=0, state="3"),
-                         "never": ProcessLook(out=None, err=None, state="none")}, looks
-        assert [look.ended for look in looks.values()] == [False, True, True]
-
-        # Not started as a container (no crun state): not started, still running.
-        assert await agent.container_started("ctr-x", sleeper) == (False, False)
-        code, out = await g.sh("mkdir -p /run/crust/crun/ctr-x && echo '{\"pid\": 1}' > /run/crust/crun/ctr-x/status"
-                               " && mkfifo /run/crust/crun/ctr-x/exec.fifo")
-        assert code == 0, out
-        assert await agent.container_started("ctr-x", sleeper) == (False, False)   # created, start pending
-        # Agent 11: the guest waits for the start (up to the wait asked), then answers.
-        began = time.monotonic()
-        assert await agent.container_started("ctr-x", sleeper, wait=0.4) == (False, False)
-        assert time.monotonic() - began >= 0.35
-        await agent.spawn("starter", "sleep 1; rm /run/crust/crun/ctr-x/exec.fifo")
-        began = time.monotonic()
-        assert await agent.container_started("ctr-x", sleeper, wait=5.0) == (True, False)
-        assert 0.5 < time.monotonic() - began < 4.5
-
-        # The wrapper killed too (no exit code recorded): gone, and ended for cstarted.
-        # The wrapper first, so it never writes an exit code; then its child.
-        code, out = await g.sh(f"kill -KILL {sleeper} $(cat /proc/[0-9]*/stat | awk '$4 == {sleeper} {{print $1}}')")
-        assert code == 0, out
-        deadline = time.monotonic() + 60
-        while (look := (await agent.poll([("sleeper", sleeper)]))["sleeper"]).state == "run":
-            assert time.monotonic() < deadline, look
-            await asyncio.sleep(0.1)
-        assert look == ProcessLook(out=3, err=2, state="gone"), look
-        assert await agent.container_started("ctr-x", sleeper) == (False, True)
-        # A pid no spawn started (the Python agent's child): ended once it is gone.
-        assert await agent.container_started("ctr-x", 4194303) == (False, True)
-        await g.sh("rm -r /run/crust/crun/ctr-x")
-
-        for words in (["poll"], ["poll", "bad/name:1"], ["poll", "name:x1"], ["cstarted", "ctr-x", "nopid"],
-                      ["cstarted", "ctr-x", str(quick), "5001"],
-                      ["cstarted", "ctr-x", str(quick), "1s"], ["reach"], ["reach", "/run/crust/nothing-here"],
-                      ["reach", "relative/path"]):
-            assert (await g.request(*words)).startswith("err "), words
-        assert await g.request("reach", "/run/crust", "/proc/mounts") == "ok reached=2"
-    guest(root, run)
-
-
-def test_a_submount_pinned_in_the_agents_namespace_survives_exits_killed_in_exec(root):
-    """Why the handler has the agent look up a container's submounts first
-    (crust.kata.pod_containers, "no container's exit unmounts a virtio-fs submount"). A process in a
-    mount namespace of its own, its root a virtio-fs submount of the share
-    (a bind on the host, announced by virtiofsd), killed while it execs a
-    binary from there: its exit drops the namespace with the file's release
-    still in flight: the file server stalls now and then (stopped 30 ms of
-    every 40, as a host under load delays it), so releases wait for it.
-    Unpinned, Debian 12's 6.1 kernel stops at the first kills at `VFS: Busy
-    inodes after unmount of virtiofs` (a BUG: the process never exits).
-    Once the agent's `reach` mounted the submount in its own namespace, the
-    exit only drops a copy: many such kills, no BUG, the guest still
-    answers and the pinned mount is still there."""
-    share, source = root.path / "share", root.path / "source"
-    (share / "sub").mkdir(parents=True)
-    source.mkdir()
-    sysmount.mount_path("tmpfs", str(source), "tmpfs", ["size=8m"])
-    try:
-        shutil.copy2(shutil.which("busybox") or "/bin/busybox", source / "busybox")
-        (source / "f").write_text("f\n")
-        sysmount.mount_path(str(source), str(share / "sub"), "bind", ["bind"])
-
-        async def stall(pids: list[int]) -> None:
-            try:
-                while True:
-                    for pid in pids:
-                        os.kill(pid, signal.SIGSTOP)
-                    await asyncio.sleep(0.03)
-                    for pid in pids:
-                        os.kill(pid, signal.SIGCONT)
-                    await asyncio.sleep(0.01)
-            finally:
-                for pid in pids:
-                    os.kill(pid, signal.SIGCONT)
-
-        async def main():
-            async with Guest(root.path, shared_dirs=(SharedDir("crust", share),)) as g:
-                assert await g.request("sharemount", "/run/pin") == "ok mounted=1"
-                assert await g.request("reach", "/run/pin/sub") == "ok reached=1"
-                # The kill lands 0 to 55 ms into the start: early ones in the exec.
-                stalling = asyncio.create_task(stall(virtiofsd.pids_under(root.path)))
-                kills = g.sh(f"""
-                    i=0
-                    while [ $i -lt {EXEC_KILLS} ]; do
-                      /sbin/unshare -m --root=/run/pin/sub /busybox sh -c 'exec 3</f; exec /busybox sleep 1' &
-                      p=$!
-                      usleep $(( (i % 12) * 5000 ))
-                      kill -TERM $p
-                      wait $p
-                      i=$((i + 1))
-                    done 2>/dev/null
-                    echo killed=$i
-                    grep -c ' /run/pin/sub ' /proc/self/mountinfo""", timeout=120)
-                try:
-                    code, out = await kills
-                finally:
-                    stalling.cancel()
-                    await asyncio.gather(stalling, return_exceptions=True)
-                assert (code, out) == (0, f"killed={EXEC_KILLS}\n1\n"), out
-                console = g.vm.console_log.read_text(errors="replace")
-                assert "Busy inodes" not in console and "kernel BUG" not in console, console[-4000:]
-                assert (await g.request("ping")).startswith("ok agent=")
-        asyncio.run(main())
-    finally:
-        sysmount.unmount_all(str(share / "sub"))
-        sysmount.unmount_all(str(source))
-
-
-EXEC_KILLS = 60
-
-
 def test_warm_runs_one_container_through_crun_and_leaves_nothing(root):
-    """Agent 12's warm, what a pooled VM runs while it waits: crun runs a
-    container of a pod's shape (the answer only once it printed what its
-    spec says), and the guest keeps nothing of it: no container in crun's
-    state, no bundle, no cgroup, no mount; again, the same. A warm that
-    cannot make its bundle says so."""
+    """The agent's Warm, what a pooled VM runs while it waits: crun runs a
+    container of a pod's shape from the image's warm spec (the answer only
+    once it printed what its spec says), and the guest keeps nothing of it:
+    no container in crun's state, no bundle, no cgroup, no mount; again,
+    the same. A warm that cannot make its bundle says so, and leaves the
+    way clear for the next."""
     leftovers = ("ls /run/crust/crun 2>/dev/null; ls -d /run/crust/warm /sys/fs/cgroup/crust/crust-warm 2>/dev/null;"
                  " grep -e crust-warm -e /run/crust/warm /proc/mounts; true")
 
     async def run(g):
-        assert g.vm.agent.version >= AGENT_WARM
+        client = await g.port()
+        assert g.vm.port.has("warm")
         code, before = await g.sh("cat /proc/mounts | wc -l")
         for _ in range(2):
-            assert await g.request("warm") == "ok ran=1"
+            await client.call("Warm", agent_pb2.WarmRequest(), timeout=120)
             assert await g.sh(leftovers) == (0, "")
         assert await g.sh("cat /proc/mounts | wc -l") == (code, before)
-        assert (await g.request("warm", "now")).startswith("err usage")
         assert await g.sh(": > /run/crust/warm") == (0, "")
-        refused = await g.request("warm")
-        assert refused.startswith("err cannot make /run/crust/warm"), refused
+        with pytest.raises(ttrpc.TtrpcError) as refused:
+            await client.call("Warm", agent_pb2.WarmRequest(), timeout=120)
+        assert refused.value.code == ttrpc.FAILED_PRECONDITION and "/run/crust/warm" in refused.value.message, \
+            refused.value
         assert await g.sh("rm /run/crust/warm") == (0, "")
-        assert await g.request("warm") == "ok ran=1"
+        await client.call("Warm", agent_pb2.WarmRequest(), timeout=120)
+        assert await g.sh(leftovers) == (0, "")
     guest(root, run)
 
 
@@ -1093,13 +900,16 @@ def test_a_waiting_vm_plugs_mounts_and_unplugs_a_disk_of_its_own_once(root, kind
     image = pool.directory / WARM_DISK_IMAGE
 
     async def run(g):
-        await warm_disk(g.vm, pool.directory)
+        # The guest's agent mounts it: connected and serving this bus.
+        await g.port()
+        assert port_volumes.serves(g.vm.port, g.vm.config.disk_bus, "ext4")
+        await warm_disk(g.vm, await g.port(), pool.directory)
         made = image.stat().st_mtime_ns
         assert g.vm.disks == {}
         leftovers = ("i=0; while ls /sys/block | grep -q -e vd -e sd && [ $i -lt 40 ]; do usleep 50000; "
                      f"i=$((i + 1)); done; ls /sys/block | grep -e vd -e sd; grep {WARM_DISK_MOUNT} /proc/mounts; true")
         assert await g.sh(leftovers) == (0, "")
-        await warm_disk(g.vm, pool.directory)
+        await warm_disk(g.vm, await g.port(), pool.directory)
         assert image.stat().st_mtime_ns == made and g.vm.disks == {}
         assert await g.sh(leftovers) == (0, "")
         assert sorted(p.name for p in pool.directory.iterdir()) == [WARM_DISK_IMAGE]
@@ -1116,9 +926,10 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
     booting (its guest's uptime is past QEMU's age), with the host's wall
     clock although the template is 5 s old (without `resume` it would be the
     template's), and with a boot_id and random bytes of its own; it takes a
-    share and a disk on its bus as a booted VM does. The resume program
-    refuses what is not a clock and a seed. A second VmTemplate over the
-    kept files uses them; one for another VM size makes its own."""
+    share and a disk on its bus as a booted VM does, through its agent's
+    port. Its agent's Resume refuses a seed too short to reseed from. A
+    second VmTemplate over the kept files uses them; one for another VM
+    size makes its own."""
     from crust.common.formats import decode
     from crust.kata.pool import warm_disk
     from crust.kata.template import RECORD_FILE, STATE_FILE, TemplateRecord, VmTemplate
@@ -1144,28 +955,25 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
     for n in range(2):
         async def run(g, n=n):
             await g.vm.plug_shared_dir(SharedDir("crust", share))
-            await g.vm.agent.share_mount("/run/crust/share", "crust")
+            shared = await port_process.mount_share(await g.port(), "crust")
             started = time.time()
             code, out = await g.sh(f"cat /proc/uptime; date +%s; cat /proc/sys/kernel/random/boot_id; "
                                    f"head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; "
-                                   f"cat /run/crust/share/from-host; echo {n} > /run/crust/share/from-guest-{n}")
+                                   f"cat {shared}/from-host; echo {n} > {shared}/from-guest-{n}")
             ended = time.time()
             assert code == 0, out
             uptime, clock, boot_id, numbers, from_host = out.splitlines()
-            # No boot: the agent never started again (it says so on the
+            # No boot: /init never started the agent again (it says so on the
             # console when it does), and the guest's clock since boot goes on.
-            assert "crust-agent: listening" not in g.vm.console_log.read_text(errors="replace")
+            assert "crust-init: starting the agent" not in g.vm.console_log.read_text(errors="replace")
             assert float(uptime.split()[0]) > record.guest_uptime_s > 1.0, (uptime, record)
             # Read between the request and its answer (seconds apart on a
             # busy machine), to `date`'s whole second.
             assert started - 2 <= int(clock) <= ended + 1, (started, clock, ended)
             assert from_host == "host"
-            await warm_disk(g.vm, root.path)
-            code, out = await g.sh("/usr/lib/crust/resume 1 2 ab; echo $?")   # stdout, then stderr
-            assert out.startswith("2\nusage: resume <unix-seconds>"), out
-            refused = await g.request("resume", "now", "0", "00" * 32)
-            assert refused.startswith("err resume: usage"), refused
-            client = await g.vm.port.ready(wait=30)
+            assert port_volumes.serves(g.vm.port, bus, "ext4")
+            await warm_disk(g.vm, await g.port(), root.path)
+            client = await g.port()
             with pytest.raises(ttrpc.TtrpcError) as caught:
                 await client.call("Resume", agent_pb2.ResumeRequest(seconds=int(time.time()), seed=b"short"),
                                   timeout=10)
@@ -1208,7 +1016,7 @@ RESTORES_IN_A_ROW = 40
 def test_every_vm_restored_in_a_row_on_a_busy_machine_mounts_its_share(root):
     """A pod's VM restored from the template gets its share hot-plugged at
     once, while the guest's virtio-fs driver may still be probing the
-    device: the agent's sharemount waits until the driver has registered
+    device: the agent's MountShare waits until the driver has registered
     the tag, however long the probe takes. 40 VMs restored one after the
     other, with a process spinning on one of the host's CPUs all along,
     each mount their share and read through it a file the host wrote for
@@ -1230,12 +1038,12 @@ def test_every_vm_restored_in_a_row_on_a_busy_machine_mounts_its_share(root):
         try:
             await g.vm.plug_shared_dir(SharedDir("crust", share))
             try:
-                await g.vm.agent.share_mount("/run/crust/share", "crust")
-            except AgentRefused as exc:
+                shared = await port_process.mount_share(await g.port(), "crust")
+            except CrustError as exc:
                 _, kernel = await g.sh("dmesg | grep -e virtio -e fuse | tail -4; "
                                        "cat /sys/bus/virtio/drivers/virtiofs/virtio*/status")
                 return f"{exc.message}; guest kernel: {kernel.splitlines()}"
-            code, out = await g.sh("cat /run/crust/share/for-guest")
+            code, out = await g.sh(f"cat {shared}/for-guest")
             return None if (code, out) == (0, f"{n}\n") else f"read {code} {out!r}"
         finally:
             await g.vm.kill()
@@ -1247,7 +1055,7 @@ def test_every_vm_restored_in_a_row_on_a_busy_machine_mounts_its_share(root):
             if (why := asyncio.run(restore(n))) is not None:
                 failed[n] = why
                 if len(failed) == 3:
-                    break   # each failure waits out the agent's 10 s
+                    break   # each failure waits out the agent's wait for the tag (a minute)
     finally:
         spinner.kill()
         spinner.wait()
@@ -1273,14 +1081,15 @@ def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_it
 
     async def where(g, serial: str, target: str) -> tuple[int, str]:
         """(LUN, label) of the disk the agent mounted at target."""
-        answer = await g.request("mount", serial, "ext4", b64(""), "ro", target)
-        assert answer.startswith("ok device=sd"), answer
-        device = answer.split("device=")[1].split()[0]
+        client = await g.port()
+        answer = await port_volumes.mount(client, port_volumes.storage(serial, "ext4", [], True, target, None))
+        device = answer.device
+        assert device.startswith("sd") and answer.mount_point == target, answer
         code, out = await g.sh(f"readlink /sys/block/{device}/device; cat /sys/block/{device}/ro; "
                                f"blkid -s LABEL -o value /dev/{device}")
         address, ro, label = out.split()
         assert code == 0 and ro == "0", out     # read-only is the mount's, not the disk's
-        assert await g.request("umount", target) == "ok unmounted=1"
+        assert await port_volumes.unmount(client, target)
         return int(address.rsplit(":", 1)[1]), label
 
     async def luns(g) -> list[int]:
@@ -1306,12 +1115,18 @@ def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_it
         await g.attach(images[2], "lun-c")
         assert g.vm.disks["lun-c"].lun == 3
         assert await where(g, "lun-c", "/run/c") == (3, "disk-c")
-        refused = await g.request("mount", "lun-a", "ext4", b64(""), "ro", "/run/a")
-        assert refused.startswith("err no virtio disk with serial lun-a"), refused
+        # The unplugged serial is not found: the mount waits for it until
+        # its deadline, then names it; nothing is mounted.
+        with pytest.raises(ttrpc.TtrpcError) as refused:
+            await (await g.port()).call("MountVolume", agent_pb2.MountVolumeRequest(
+                storage=port_volumes.storage("lun-a", "ext4", [], True, "/run/a", None)), timeout=5)
+        assert refused.value.code == ttrpc.DEADLINE_EXCEEDED and "'lun-a'" in refused.value.message, refused.value
+        assert await g.sh("grep -c ' /run/a ' /proc/mounts") == (1, "0\n")
 
-        # A new process takes the VM over, set to the other bus.
+        # A new process takes the VM over, set to the other bus: this one's
+        # connections go first, as its exit would close them.
         identity = g.vm.identity
-        await g.vm.agent.close()
+        await g.vm.port.close()
         await g.vm.qmp.close()
         config = VmConfig(kernel=g.vm.config.kernel, initrd=g.vm.config.initrd)
         taken = Vm(g.vm.name, g.vm.workdir, config, socket_dir=g.vm.socket_dir)
@@ -1323,11 +1138,16 @@ def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_it
         await g.attach(images[3], "lun-d")
         assert taken.disks["lun-d"].lun == 4
         assert await where(g, "lun-d", "/run/d") == (4, "disk-d")
-        # The agent's diskgone answers once the guest removed a LUN QEMU dropped.
+        # The agent's WaitDiskRemoved answers once the guest removed a LUN QEMU dropped.
+        mark = taken.qmp.mark()
         await taken.qmp.execute("device_del", {"id": "vscsi-lun-b"})
-        assert await g.request("diskgone", "lun-b") == "ok gone=1"
+        await port_volumes.wait_disk_removed(await g.port(), "lun-b", timeout=60)
         assert await luns(g) == [3, 4]
+        # QEMU lets go of the LUN's node only when it reports the device
+        # deleted, which may come after the guest removed the disk.
+        await taken.qmp.wait_event("DEVICE_DELETED", mark, lambda d: d.get("device") == "vscsi-lun-b", timeout=30)
         await taken.detach_disk("lun-b")   # its device gone already: the node goes all the same
         assert "lun-b" not in taken.disks
-        assert (await g.request("diskgone", "no/such")).startswith("err bad serial")
+        with pytest.raises(InvalidArgument, match="'no/such' is not 1..20 characters"):
+            await port_volumes.wait_disk_removed(await g.port(), "no/such", timeout=60)
     guest(root, run, ScsiGuest)

@@ -692,7 +692,7 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     # root in the share (the guest caches its lookups); the host paths and
     # the configMap in the live share (cache=none: the host's changes seen
     # at once), each bound once for the pod.
-    assert sorted(os.listdir(workdir / "share" / "share-one")) == ["rootfs", "run"]
+    assert sorted(os.listdir(workdir / "share" / "share-one")) == ["rootfs"]
     assert not (workdir / "share" / ".binds").exists()
     assert len(os.listdir(workdir / "live" / ".binds")) == 3
     # The binds are the file servers' alone, made in each daemon's mount
@@ -736,7 +736,7 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
 def test_a_containers_submounts_of_the_share_are_pinned_in_the_agents_namespace(pod_env):
     """No container's exit unmounts the last mount of a virtio-fs submount
     (Debian 12's 6.1 kernel stops at a BUG when one goes with a file's
-    release in flight; tests/test_kata.py shows it): each container's root,
+    release in flight: docs/design.md): each container's root,
     its binds and the mounts below a bind are mounted in the guest agent's
     namespace before crun runs, and the agent holds the container's own
     namespace from its start until it is removed; a removed container's

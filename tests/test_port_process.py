@@ -1,8 +1,8 @@
 """The handler's side of a pod's processes on the guest's Python agent
 (crust/kata/port_process.py), against the agent run as a process on the
-host (no VM): a container's own process is a process of the guest named
-after the container, its two streams arrive merged as chunks at their
-offsets, its input by offset, its exit pushed to a watch; the agent's
+host (no VM): a process of the guest (container "", as a sandbox's own
+process is), its two streams arrive merged as chunks at their offsets, its
+input by offset, its exit pushed to a watch; the agent's
 refusals become the handler's errors with their codes, and output the
 guest no longer has ends the stream with DATA_LOSS."""
 
@@ -45,33 +45,32 @@ def test_a_containers_process_streams_and_exit_through_the_agent(agent):  # noqa
         client, _details = await AgentClient.open(str(agent))
         exits = port_process.ExitWatches()
         try:
-            # The container's own process: a process of the guest, ctr.<id>.
+            # A process of the guest itself (container "").
             script = "head -c 3000000 /dev/zero | tr '\\0' o; printf 'to stderr' >&2; read line; echo \"got $line\"; exit 5"
-            pid = await port_process.exec_process(client, "pod-c1", "", shell(script), stdin=True)
+            pid = await port_process.exec_process(client, "", "guest-1", shell(script), stdin=True)
             assert pid > 0
-            assert port_process.agent_ids("pod-c1", "") == ("", "ctr.pod-c1")
             recorded = []
 
             async def on_exit(answer, why):
                 recorded.append((answer.exit_code if answer else None, why))
 
-            exits.watch(client, "pod-c1", "", on_exit)
-            ended = exits.ended("pod-c1", "")
+            exits.watch(client, "", "guest-1", on_exit)
+            ended = exits.ended("", "guest-1")
             assert ended is not None and not ended.is_set()
             # Input by offset: a resend of what was written writes nothing twice.
-            assert await port_process.write_input(client, "pod-c1", "", 0, b"hel", close=False) == 3
-            assert await port_process.write_input(client, "pod-c1", "", 0, b"hello\n", close=True) == 6
-            streams = await collect(client, "pod-c1")
+            assert await port_process.write_input(client, "", "guest-1", 0, b"hel", close=False) == 3
+            assert await port_process.write_input(client, "", "guest-1", 0, b"hello\n", close=True) == 6
+            streams = await collect(client, "", "guest-1")
             await asyncio.wait_for(ended.wait(), 10)
             # The watch recorded the exit once, and forgot itself.
-            assert recorded == [(5, "")] and exits.ended("pod-c1", "") is None
+            assert recorded == [(5, "")] and exits.ended("", "guest-1") is None
             # Both streams whole, each chunk at its offset.
             assert streams[Stream.STDOUT] == b"o" * 3000000 + b"got hello\n"
             assert streams[Stream.STDERR] == b"to stderr"
             # Forgotten: what the last answers carried, never acknowledged by
             # a read past it, is counted; a second removal finds nothing.
-            assert 0 < await port_process.remove_process(client, "pod-c1", "") <= 3000010 + 9
-            assert await port_process.remove_process(client, "pod-c1", "") == 0
+            assert 0 < await port_process.remove_process(client, "", "guest-1") <= 3000010 + 9
+            assert await port_process.remove_process(client, "", "guest-1") == 0
 
             # An exec into a container of an agent with no OCI runtime (this
             # one, on the host): UNIMPLEMENTED, with the agent's words.
@@ -81,18 +80,18 @@ def test_a_containers_process_streams_and_exit_through_the_agent(agent):  # noqa
             assert "process.exec absent" in missing.value.message, missing.value.message
             # A bad id: INVALID_ARGUMENT naming the field.
             with pytest.raises(InvalidArgument) as bad:
-                await port_process.exec_process(client, "pod c2", "", shell("true"), stdin=False)
+                await port_process.exec_process(client, "", "guest 2", shell("true"), stdin=False)
             assert "exec_id" in bad.value.message
             # Output of a process the guest no longer has ends as a cut, never as if whole.
             with pytest.raises(DataLoss) as lost:
-                await collect(client, "pod-c1")
+                await collect(client, "", "guest-1")
             assert lost.value.message.startswith("cut:")
 
             # A process that never ends is signalled; its watch records the signal's exit.
-            await port_process.exec_process(client, "pod-c3", "", shell("exec sleep 600"), stdin=False)
-            exits.watch(client, "pod-c3", "", on_exit)
-            ended = exits.ended("pod-c3", "")
-            assert await port_process.signal_process(client, "pod-c3", "", 9) == 1
+            await port_process.exec_process(client, "", "guest-3", shell("exec sleep 600"), stdin=False)
+            exits.watch(client, "", "guest-3", on_exit)
+            ended = exits.ended("", "guest-3")
+            assert await port_process.signal_process(client, "", "guest-3", 9) == 1
             await asyncio.wait_for(ended.wait(), 10)
             assert recorded[-1] == (137, "")
         finally:

@@ -9,11 +9,9 @@ import asyncio
 import errno
 import gzip
 import importlib.util
-import json
 import lzma
 import os
 import re
-import shlex
 import shutil
 import socket
 import stat
@@ -45,8 +43,6 @@ from crust.common.redact import MASK, redacted
 from crust.driver.controller import TOKEN_PREFIX, _page
 from crust.kata import bzimage
 from crust.kata import image as kata_image
-from crust.kata.agent import AgentError, AgentRefused, GuestGone, ProcessLook
-from crust.kata.process_watch import ProcessWatch
 from crust.sys import mount as sysmount
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1158,19 +1154,8 @@ def test_a_containers_spec_for_the_guest_keeps_its_confinement_and_drops_the_hos
                                                          "/sys/fs/cgroup"]
     assert spec["mounts"][3]["type"] == "devpts" and spec["mounts"][2]["type"] == "tmpfs"
     assert spec["mounts"][4] == {"destination": "/etc/hosts", "type": "bind", "source": "", "options": ["bind"]}
-    bare, _, _ = guest_oci.guest_spec({"process": {"args": ["/x"]}}, "/r", "c", "/proc/1/ns/pid")
+    bare, _, _ = guest_oci.guest_spec({"process": {"args": ["/x"]}}, "/r", "c")
     assert [m["destination"] for m in bare["mounts"]] == ["/dev", "/dev/shm", "/dev/pts", "/proc"]
-    assert guest_oci.unplaced(spec) == ["/etc/hosts"]
-    with pytest.raises(ValueError, match="/etc/hosts"):
-        guest_oci.run_script("c", spec, {}, "", guest_oci.Stdio("n1"))
-    with pytest.raises(ValueError, match="1 binds in the spec, 0 sources"):
-        guest_oci.place_mounts(spec, "/run/crust/share/c/rootfs", [])
-    guest_oci.place_mounts(spec, "/run/crust/share/c/rootfs", [("/run/crust/share/binds/k", True)])
-    assert spec["mounts"][4] == {"destination": "/etc/hosts", "type": "bind", "source": "/run/crust/share/binds/k",
-                                 "options": ["bind", "ro"]}
-    assert spec["root"] == {"path": "/run/crust/share/c/rootfs", "readonly": True}
-    guest_oci.place_mounts(spec, "/run/crust/share/c/rootfs", [("/run/crust/share/binds/k", False)])   # again
-    assert spec["mounts"][4]["options"] == ["bind", "rw"] and not guest_oci.unplaced(spec)
     # A new namespace stays; the pod's (a path) is the guest's own; no new network.
     assert spec["linux"]["namespaces"] == [{"type": "pid"}, {"type": "mount"}]
     # crun's cgroup below one the agent keeps until the container is deleted (its OOM count).
@@ -1181,61 +1166,31 @@ def test_a_containers_spec_for_the_guest_keeps_its_confinement_and_drops_the_hos
     # The pod's settings go to the guest: its UTS namespace is the pod's.
     assert sysctls == {"net.ipv4.ip_unprivileged_port_start": "0"} and hostname == "web-0"
     assert "hostname" not in spec
-    script = guest_oci.run_script("c", spec, sysctls, hostname, guest_oci.Stdio("n1"))
-    assert "> /proc/sys/net/ipv4/ip_unprivileged_port_start" in script and "hostname web-0" in script
-    assert script.rstrip().endswith("run --bundle /run/crust/cmd --config /run/crust/cmd/n1.json c")
-    # The spec written by the shell itself (no cat, no mkdir), quoted whole, and read back as it was.
-    written = next(line for line in script.splitlines() if line.endswith("> /run/crust/cmd/n1.json || exit 126"))
-    words = shlex.split(written)
-    assert words[:2] == ["printf", "%s\\n"] and words[3:] == [">", "/run/crust/cmd/n1.json", "||", "exit", "126"]
-    assert json.loads(words[2]) == spec and "cat " not in script and "mkdir" not in script
-    assert "mkfifo" not in script and "/sbin/script" not in script
     process = guest_oci.exec_process(spec["process"], ["id"], ["B=2"], "/tmp", 5, 6, None)
     assert process["args"] == ["id"] and process["user"] == {"uid": 5, "gid": 6} and process["noNewPrivileges"]
     assert spec["process"]["args"] == ["/app"]   # the container's own untouched
 
 
-def test_a_terminal_and_a_standard_input_are_the_guests_script_and_fifo():
+def test_a_process_on_a_terminal_keeps_it_for_crun_and_an_exec_sizes_its_own():
     from crust.kata import guest_oci
 
     host = _containerd_like_spec()
     host["process"].update(terminal=True, consoleSize={"width": 100, "height": 30})
     spec, _, _ = guest_oci.guest_spec(host, "/r", "c")
-    guest_oci.place_mounts(spec, "/r", [("/run/crust/share/binds/k", True)])
-    assert spec["process"]["terminal"] is False   # crun makes none: the guest's script does
-    assert guest_oci.terminal_size(host["process"]) == (100, 30)
-    script = guest_oci.run_script("c", spec, {}, "", guest_oci.Stdio(
-        "n1", input="/run/crust/live/c/io/n1.in", terminal=True, size=(100, 30)))
-    lines = script.rstrip().splitlines()
-    assert lines[-3] == "mkdir -p /run/crust/in && mkfifo -m 0600 /run/crust/in/n1 || exit 126"
-    # feed.sh is detached (never crun's child) and stops once the wrapper recorded the exit.
-    assert lines[-2] == ("( sh /usr/lib/crust/feed.sh /run/crust/live/c/io/n1.in /run/crust/exec/$PPID.exit"
-                         " > /run/crust/in/n1 & )")
-    assert lines[-1] == ("exec /sbin/script -q -e -c 'stty cols 100 rows 30 2>/dev/null; exec /sbin/crun --root "
-                         "/run/crust/crun run --bundle /run/crust/cmd --config /run/crust/cmd/n1.json c' /dev/null "
-                         "< /run/crust/in/n1")
-    process = guest_oci.exec_process(spec["process"], ["sh"], [], "/", 0, 0)
-    script = guest_oci.exec_script("c", process, guest_oci.Stdio("e1", terminal=True))
-    assert script.rstrip().splitlines()[-1] == (
-        "exec /sbin/script -q -e -c 'exec /sbin/crun --root /run/crust/crun exec --process "
-        "/run/crust/cmd/e1.json c' /dev/null")
-    with pytest.raises(Exception, match="process.consoleSize"):
-        guest_oci.terminal_size({"consoleSize": {"width": "wide"}})
+    # crun makes the terminal in the container's devpts, of the spec's size.
+    assert spec["process"]["terminal"] is True and spec["process"]["consoleSize"] == {"width": 100, "height": 30}
+    process = guest_oci.exec_process(spec["process"], ["sh"], [], "/", 0, 0, terminal=True)
+    assert process["terminal"] is True and "consoleSize" not in process
 
 
 def test_cgroup_numbers_become_containerds_cgroup_v2_metrics():
     from crust.containerd_shim.task import CGROUP_V2_METRICS_TYPE, cgroup_metrics
-    from crust.kata.pod_processes import stats_response
+    from crust.api import handler_pb2
 
-    numbers = {"cpu.usage_usec": 1500, "cpu.user_usec": 1000, "cpu.system_usec": 500, "cpu.new_key": 7,
-               "memory.anon": 4096, "memory.inactive_file": 8192, "memory.current": 65536, "memory.max": 0,
-               "memory.events.oom_kill": 1, "memory.events.max": 3, "pids.current": 2, "pids.max": 100}
-    response = stats_response(numbers)
-    assert dict(response.cpu) == {"usage_usec": 1500, "user_usec": 1000, "system_usec": 500, "new_key": 7}
-    assert dict(response.memory) == {"anon": 4096, "inactive_file": 8192}
-    assert (response.memory_current, response.memory_max, response.pids_current, response.pids_max) == (
-        65536, 0, 2, 100)
-    assert dict(response.memory_events) == {"oom_kill": 1, "max": 3} and response.timestamp_ns > 0
+    response = handler_pb2.ContainerStatsResponse(
+        cpu={"usage_usec": 1500, "user_usec": 1000, "system_usec": 500, "new_key": 7},
+        memory={"anon": 4096, "inactive_file": 8192}, memory_current=65536, memory_max=0,
+        memory_events={"oom_kill": 1, "max": 3}, pids_current=2, pids_max=100, timestamp_ns=1)
     metrics = cgroup_metrics(response)
     assert (metrics.cpu.usage_usec, metrics.cpu.user_usec, metrics.cpu.system_usec) == (1500, 1000, 500)
     assert (metrics.memory.usage, metrics.memory.anon, metrics.memory.inactive_file) == (65536, 4096, 8192)
@@ -1249,10 +1204,10 @@ def test_a_shared_pid_namespace_is_the_pods_in_the_guest():
     shared = _containerd_like_spec(namespaces=[{"type": "pid", "path": "/proc/9/ns/pid"}, {"type": "mount"}])
     assert guest_oci.needs_pod_pid_namespace(shared)
     assert not guest_oci.needs_pod_pid_namespace(_containerd_like_spec())
-    spec, _, _ = guest_oci.guest_spec(shared, "/r", "c", "/proc/42/ns/pid")
-    assert {"type": "pid", "path": "/proc/42/ns/pid"} in spec["linux"]["namespaces"]
-    with pytest.raises(Exception, match="linux.namespaces"):
-        guest_oci.guest_spec(shared, "/r", "c")
+    # The guest's agent adds the pod's namespace's path (CreateContainer's
+    # pod_pid_namespace): the spec names none, and no namespace of the host.
+    spec, _, _ = guest_oci.guest_spec(shared, "/r", "c")
+    assert [ns for ns in spec["linux"]["namespaces"] if ns["type"] == "pid"] == []
 
 
 @pytest.mark.parametrize("change, field", [
@@ -1268,50 +1223,8 @@ def test_what_the_guest_cannot_honour_is_refused_naming_the_field(change, field)
 
     spec = {**_containerd_like_spec(), **change}
     with pytest.raises(InvalidArgument) as refused:
-        guest_oci.guest_spec(spec, "/r", "c", "/proc/1/ns/pid")
+        guest_oci.guest_spec(spec, "/r", "c")
     assert str(refused.value.message if hasattr(refused.value, "message") else refused.value).startswith(field)
-
-
-def test_a_guest_without_cbinds_gets_its_containers_binds_one_request_each():
-    """A VM booted before agent 8 (adopted after a handler upgrade) answers
-    cbinds "unknown command": the binds go one request at a time, in
-    order; any other refusal is the caller's."""
-    from crust.kata.agent import AgentRefused
-    from crust.kata.pods import Pods
-    from crust.kata.sandbox import KataSandbox
-
-    class OlderAgent:
-        def __init__(self, refusal: str):
-            self.refusal, self.calls = refusal, []
-
-        async def container_binds(self, root, binds):
-            self.calls.append(("cbinds", root, list(binds)))
-            raise AgentRefused("cbinds", self.refusal)
-
-        async def container_bind(self, root, source, destination, readonly):
-            self.calls.append(("cbind", root, source, destination, readonly))
-            return root + destination
-
-    class Sandbox:
-        id = "pod"
-        alive = staticmethod(lambda: True)
-        _agent = KataSandbox._agent
-
-        def __init__(self, agent):
-            self.vm = type("Vm", (), {"agent": agent})()
-
-    planned = [("/run/crust/share/x", "/etc/hosts", False), ("/run/crust/pod-tmpfs/shm", "/dev/shm", True)]
-    older = OlderAgent("unknown command: cbinds")
-    targets = asyncio.run(Pods._bind_all(Sandbox(older), "/r", planned))
-    assert targets == ["/r/etc/hosts", "/r/dev/shm"]
-    assert older.calls == [("cbinds", "/r", planned), ("cbind", "/r", *planned[0]), ("cbind", "/r", *planned[1])]
-
-    refusing = OlderAgent("no such source: /run/crust/share/x")
-    with pytest.raises(CrustError, match="no such source"):
-        asyncio.run(Pods._bind_all(Sandbox(refusing), "/r", planned))
-    assert [call[0] for call in refusing.calls] == ["cbinds"]
-    assert asyncio.run(Pods._bind_all(Sandbox(refusing), "/r", [])) == []
-
 
 
 # -- kata.bzimage -------------------------------------------------------------------------------
@@ -1373,98 +1286,6 @@ def test_bzimage_says_why_a_kernel_cannot_be_booted_directly_and_the_bzimage_is_
         bzimage.vmlinux(image)
     name, kernel, reason = kata_image.boot_kernel(image)
     assert (name, kernel) == ("vmlinuz", image) and reason.startswith("bzImage: ") and why in reason
-
-
-# -- kata.process_watch ---------------------------------------------------------------------------
-
-class PollingAgent:
-    """An agent's poll, logic only: the looks it is given, each request counted."""
-
-    def __init__(self, looks: dict, has_poll: bool = True):
-        self.looks = looks
-        self.has_poll = has_poll
-        self.requests: list[tuple] = []
-        self.fail: Exception | None = None
-
-    async def poll(self, processes):
-        self.requests.append(("poll", tuple(processes)))
-        if self.fail is not None:
-            raise self.fail
-        if not self.has_poll:
-            raise AgentRefused("poll", "unknown command: poll")
-        return {name: self.looks[name] for name, _ in processes}
-
-    async def readout(self, name, stream, offset, limit):
-        self.requests.append(("readout", name, stream))
-        size = getattr(self.looks[name], stream)
-        if size is None:
-            raise AgentRefused("readout", f"no output {name}.{stream}")
-        return b"", size
-
-    async def wait(self, pid):
-        self.requests.append(("wait", pid))
-        state = next(look.state for look in self.looks.values())
-        return None if state == "run" else int(state)
-
-
-def test_a_process_watch_asks_once_per_round_for_every_waiter_and_backs_off_while_nothing_changes():
-    async def main():
-        agent = PollingAgent({"a": ProcessLook(1, 0, "run"), "b": ProcessLook(0, 0, "run")})
-        watch = ProcessWatch(lambda: agent, 0.05, longest=0.2)
-        first = await asyncio.gather(watch.look("a", 10, soon=True), watch.look("a", 10, soon=True),
-                                     watch.look("b", 11, soon=True))
-        assert first == [ProcessLook(1, 0, "run"), ProcessLook(1, 0, "run"), ProcessLook(0, 0, "run")]
-        assert agent.requests == [("poll", (("a", 10), ("b", 11)))]   # three callers, one request
-        # Unchanged: the interval doubles up to the longest; a change brings it back.
-        intervals = []
-        for _ in range(4):
-            await watch.look("a", 10)
-            intervals.append(watch.interval)
-        assert intervals == [0.1, 0.2, 0.2, 0.2]
-        agent.looks["a"] = ProcessLook(4, 0, "0")
-        assert (await watch.look("a", 10)).ended
-        assert watch.interval == 0.05
-        # A poke (a signal sent) keeps it short for a while, though nothing changed.
-        watch.poke(hold=10)
-        for _ in range(3):
-            await watch.look("a", 10)
-        assert watch.interval == 0.05
-        # Nobody asking: no more requests.
-        await asyncio.sleep(0.1)
-        count = len(agent.requests)
-        await asyncio.sleep(0.3)
-        assert len(agent.requests) == count
-        watch.close()
-    asyncio.run(main())
-
-
-def test_a_process_watch_gives_every_waiter_the_error_and_asks_an_old_agent_the_old_way():
-    async def main():
-        agent = PollingAgent({"a": ProcessLook(3, None, "run")})
-        watch = ProcessWatch(lambda: agent, 0.01)
-        agent.fail = GuestGone("the VM is gone")
-        results = await asyncio.gather(watch.look("a", 7, soon=True), watch.look("a", 7), return_exceptions=True)
-        assert [type(r) for r in results] == [GuestGone, GuestGone]
-        agent.fail = None
-        # An agent before poll: readouts of no bytes and a wait, the same answer.
-        agent.has_poll = False
-        assert await watch.look("a", 7, soon=True) == ProcessLook(3, None, "run")
-        assert watch.legacy
-        assert agent.requests[-3:] == [("readout", "a", "out"), ("readout", "a", "err"), ("wait", 7)]
-        # A failure that is no AgentError reaches the caller as one, never a wait forever.
-        agent.has_poll, watch.legacy, agent.fail = True, False, ValueError("a bug")
-        with pytest.raises(AgentError, match="a bug"):
-            await asyncio.wait_for(watch.look("a", 7, soon=True), 5)
-        # Closed while somebody waits (the handler stops): the waiter is told.
-        agent.fail = None
-        watch.interval = watch.shortest = watch.longest = 30
-        await watch.look("a", 7, soon=True)
-        waiting = asyncio.ensure_future(watch.look("a", 7))
-        await asyncio.sleep(0.05)
-        watch.close()
-        with pytest.raises(GuestGone, match="closed"):
-            await asyncio.wait_for(waiting, 5)
-    asyncio.run(main())
 
 
 def test_a_pods_uid_comes_from_containerds_annotations_and_its_volumes_from_the_index():

@@ -50,8 +50,7 @@ from crust.sys import mount as sysmount
 log = logging.getLogger("crust.guest")
 
 CONTAINERS_DIR = "/run/crust/agent/containers"
-# Where a container's mount namespace is held (a bind of its nsfs file);
-# the shell agent holds the containers it starts at the same place.
+# Where a container's mount namespace is held (a bind of its nsfs file).
 HOLDS_DIR = "/run/crust/ns"
 # How long RemoveContainer waits for the container's processes after its
 # SIGKILL when the call names no time.
@@ -178,8 +177,7 @@ class Containers:
             return await self.table._answer_retry(known)
         if (Path(self.runtime.root) / container_id).exists():
             raise AgentError(ttrpc.ALREADY_EXISTS, f"container_id: {container_id!r} exists in the OCI runtime")
-        # An id used again after a removal the shell agent did: nothing of the
-        # earlier container counts.
+        # An id used again: nothing of an earlier container's hold counts.
         with contextlib.suppress(OSError):
             self._release_namespace(container_id)
         gate = Gate(self.directory / container_id)

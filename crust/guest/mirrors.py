@@ -159,8 +159,6 @@ class Mirrors:
                     raise AgentError(ttrpc.ALREADY_EXISTS, f"name: the mirror {name} copies {known.source}")
                 return str(known.copy)
             copy = self.point(name)
-            if (self.directory / f".{name}.running").exists() and copy.is_dir():
-                return str(copy)   # the image's shell agent keeps this one
             if not (source / DATA).is_symlink():
                 raise AgentError(ttrpc.INVALID_ARGUMENT, f"source: {source} is not laid out by kubelet's atomic "
                                                         f"writer (no {DATA})")

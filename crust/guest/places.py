@@ -197,8 +197,7 @@ class Places:
                                                   f"(MountPodTmpfs)")
             return point
         if kind == "mirror":
-            # Started by StartMirror, or kept by the image's shell agent at the
-            # same place.
+            # Started by StartMirror.
             check_id(f"{field}.mirror", source.mirror)
             point = self.mirrors.point(source.mirror)
             if not point.is_dir() or point.is_symlink():

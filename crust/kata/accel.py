@@ -31,8 +31,7 @@ from pydantic import BaseModel
 from crust.common.atomicfile import write_atomic
 from crust.common.formats import NewerFormat, decode, encode
 from crust.common.private import make_dirs
-from crust.kata.agent import AgentError, AgentTimeout
-from crust.kata.qemu import Vm, VmConfig, VmError, VmHung, is_qemu_under, qemu_pids_under
+from crust.kata.qemu import GuestSilent, Vm, VmConfig, VmError, VmHung, is_qemu_under, qemu_pids_under
 from crust.sys import proc
 
 log = logging.getLogger(__name__)
@@ -88,10 +87,10 @@ async def probe_kvm(config: VmConfig, workdir: Path, timeout: float = PROBE_TIME
         cpus=1, cmdline=config.cmdline, qemu_binary=config.qemu_binary))
     try:
         seconds = await vm.start(ready_timeout=timeout)
-    except (AgentTimeout, VmHung):
+    except (GuestSilent, VmHung):
         await vm.kill()
         return False, f"a probe VM under KVM did not answer within {timeout:.0f}s", False
-    except (VmError, AgentError) as exc:
+    except VmError as exc:
         await vm.kill()
         return False, f"a probe VM under KVM failed: {exc}", True
     except ConnectionError as exc:

@@ -1,4 +1,4 @@
-"""The guest's Python agent in the image (crust.kata.image builds with it):
+"""The guest's agent in the image (crust.kata.image builds with it):
 which files the agent needs and their byte-compiled forms.
 
 The interpreter is Debian's python3.11; the standard library modules are
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from crust.sys.run import CommandError
 
-# The guest's Python agent: Debian's interpreter (by its full path: another
+# The guest's agent: Debian's interpreter (by its full path: another
 # python3.11 may come first on PATH), its standard library's directory, and
 # the Debian packages that ship both (installed if missing).
 PYTHON = "/usr/bin/python3.11"

@@ -10,10 +10,10 @@ Why this shape:
   blkid) are the host's installed Debian binaries, copied with the shared
   libraries `ldd` names. Every copied file must belong to an installed
   package, whose name and version enter the image hash. Beside them, crust's
-  own guest scripts and two small C programs of its own (guest/resume.c,
-  guest/beneath.c), compiled by the host's gcc and linking only the copied
+  own /init (guest/init.sh) and a small C program of its own
+  (guest/enter.c), compiled by the host's gcc and linking only the copied
   C library.
-- The guest's Python agent (crust.guest) runs on Debian's python3.11, copied
+- The guest's agent (crust.guest) runs on Debian's python3.11, copied
   like the tools with its shared libraries, and only the standard library
   modules the agent imports: the set is measured at build time by importing
   the agent under that interpreter and reading sys.modules, so it follows
@@ -91,8 +91,8 @@ SBIN_PATH = "/usr/sbin:/sbin:/usr/bin:/bin"
 # those built into the kernel are skipped. Boot modules are loaded by /init;
 # a file system's modules by the agent on the first mount of that type (xfs
 # alone costs about half a second of boot under software emulation). The
-# serial ports (8250) are built into both kernels; virtio_console: the
-# Python agent's virtio-serial port (crust.agent).
+# console's serial port (8250) is built into both kernels; virtio_console:
+# the agent's virtio-serial port (crust.agent).
 # virtio_net: a pod's NIC (crust.sys.podnet), there at boot when the pod has
 # a network; without one the module costs a few milliseconds.
 BOOT_MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "virtio_console")
@@ -146,15 +146,13 @@ FLAVORS = {
 HOST_TOOLS = {
     "e2fsprogs": ("resize2fs", "e2fsck", "mke2fs", "tune2fs"),
     "xfsprogs": ("xfs_growfs", "xfs_repair", "mkfs.xfs"),
-    # unshare: a container's process starts chrooted with its user and
-    # working directory (--root, --wd, --setuid, --setgid; busybox's lacks them).
+    # blkid: a disk's signature before a blank one is formatted; unshare:
+    # the init of a pod's shared PID namespace started in a new one.
     "util-linux": ("blkid", "unshare"),
     "cryptsetup-bin": ("cryptsetup",),
     # The kernel's own table of an opened volume (cryptsetup status reads
     # the disk's header, which the disk's owner writes).
     "dmsetup": ("dmsetup",),
-    # luksopen checks a LUKS2 header's metadata (JSON) against crust's shape.
-    "jq": ("jq",),
     # A pod's containers run as their OCI spec says (user and groups,
     # capabilities, no_new_privs, seccomp, masked and read-only paths,
     # rlimits, cgroup limits): the spec, rewritten for the guest, to runc.
@@ -162,20 +160,15 @@ HOST_TOOLS = {
     # The init of a pod's shared PID namespace (catatonit -P: it reaps the
     # orphans of the pod's containers, as the pause container does).
     "catatonit": ("catatonit",),
-    # A process that asked for a terminal runs on one of util-linux's script
-    # (busybox has no program that makes a pseudo-terminal and relays it).
-    "bsdutils": ("script",),
 }
 # The guest's own files: path in the image -> file in guest/.
-GUEST_FILES = {"init": "init.sh", "usr/lib/crust/agent.sh": "agent.sh", "usr/lib/crust/feed.sh": "feed.sh",
-               "usr/lib/crust/luks2-shape.jq": "luks2-shape.jq", "usr/lib/crust/warm.json": "warm.json"}
+GUEST_FILES = {"init": "init.sh", "usr/lib/crust/warm.json": "warm.json"}
 # The guest's own programs, compiled from guest/ by the host's C compiler
 # (gcc, a Debian package): path in the image -> source. They link only the
 # C library the copied tools bring. Each is compiled once per source and
 # flags, into the cache (programs/), so a node rebuilding its image for a
 # new kernel needs no compiler.
-GUEST_PROGRAMS = {"usr/lib/crust/resume": "resume.c", "usr/lib/crust/beneath": "beneath.c",
-                  "usr/lib/crust/enter": "enter.c"}
+GUEST_PROGRAMS = {"usr/lib/crust/enter": "enter.c"}
 GUEST_CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-fstack-protector-strong", "-s")
 TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
 HOST_CONFIG = ("/etc/mke2fs.conf",)

@@ -20,23 +20,21 @@ crust.kata.pods.Pods (a mixin: the records, locks and VMs are Pods').
   the guest once per pod (the handler's own machinery), then bound into the
   container's root; the share never holds a deferred target or a block
   device's file system;
-- every destination is resolved inside the container's root (the agent's
-  secure_join: a link in the image never leads a bind out of it);
+- every destination is resolved inside the container's root by crun (as
+  runc resolves it: a link in the image never leads a bind out of it),
+  each subPath opened below its source by descriptors in the guest;
+- the guest's agent makes the container (CreateContainer) from the
+  rewritten spec and each source named by what it is (crust.guest.places);
 - no container's exit unmounts a virtio-fs submount: when the last mount
   of one went with a file's release still in flight (the guest kernel
   releases virtio-fs files asynchronously), Debian 12's 6.1 kernel stopped
   at `VFS: Busy inodes after unmount` (a BUG) and the exiting process
-  never left. So the agent looks up the container's root, each share
-  bind and each mount below a bind that does not follow the host
-  (`reach`) before crun runs: they are mounted in the agent's namespace
-  first, the container's namespace holds copies (the root's is unmounted
-  in the agent's when the container is removed). What a container mounts
-  itself on first use (a mount the host made below a followed bind,
-  which must stay the host's to unmount) is in its own namespace only:
-  the agent holds that namespace from the container's start until it is
-  removed (agent 14), so the unmount happens then, long after the exit
-  (and before the container's volumes are unmounted: the namespace holds
-  their binds too);
+  never left. So the agent looks up the container's root, each share bind
+  and each mount below a bind that does not follow the host before crun
+  runs (mounted in the agent's namespace, the container's holds copies),
+  and holds the container's mount namespace until RemoveContainer, which
+  releases it long after the exit (and before the container's volumes are
+  unmounted: the namespace holds their binds too).
 """
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -65,8 +62,8 @@ from crust.common.errors import (
     Unavailable,
 )
 from crust.common.recordstore import KEY_RULE, valid_key
-from crust.kata import guest_oci, port_process
-from crust.kata.agent import AGENT_REACH, AGENT_SUBPATH, SHM_TMPFS, AgentError
+from crust.kata import guest_oci, port_process, port_volumes
+from crust.kata.agent_client import AgentClient
 from crust.kata.pod_processes import POLL, PORT_WAIT, PodProcesses
 from crust.kata.pod_records import (
     GUEST_CONTAINERS,
@@ -74,10 +71,9 @@ from crust.kata.pod_records import (
     GuestContainer,
     PodRecord,
     ProcessRecord,
-    output_name,
 )
 from crust.kata.port_agent import AGENT_START_WAIT
-from crust.kata.qemu import VmError
+from crust.kata.port_process import SHM_TMPFS
 from crust.kata.sandbox import KataSandbox
 from crust.kata.share import ShareError, cached_in_guest, is_atomic_writer_volume_root
 from crust.runtime_handler.handler import SandboxRecord, VolumeView
@@ -96,8 +92,9 @@ PSEUDO_TYPES = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2
 EMPTY_DIR = "kubernetes.io~empty-dir"
 SUBPATHS = "volume-subpaths"
 BIND_REFUSAL = re.compile(r"binds\[(\d+)\]\.source(?:\.[a-z_]+)*: (?:subpath [^:]*: )?(.*)$")
-# What the guest's agent lists when it places a container's sources itself.
-PLACING = ("container.oci", "container.pod-pid", "share.virtiofs", "tmpfs.pod", "subpath.beneath")
+# What the guest's agent lists when it makes a container from its named sources.
+PLACING = ("container.oci", "container.pod-pid", "container.terminal", "share.virtiofs", "tmpfs.pod",
+           "subpath.beneath", "mirror.atomic-writer")
 
 
 def raw_spec(bundle: str) -> dict:
@@ -144,14 +141,6 @@ def memory_empty_dir(source: str) -> tuple[str, str, str] | None:
                 return rest[1], "" if inside == "." else inside, _tmpfs_size(top)
         return None
     return None
-
-
-def _places(sandbox: KataSandbox) -> bool:
-    """Whether the guest's Python agent is connected and places a
-    container's sources itself (CreateContainer with named sources)."""
-    port = sandbox.vm.port
-    client = port.client
-    return client is not None and not client.closed and all(port.has(c) for c in PLACING)
 
 
 def placement(spec: dict, rootfs: agent_pb2.SharePath, sources: list[tuple[agent_pb2.Source, bool]],
@@ -210,10 +199,9 @@ class PodContainers(PodProcesses):
         if not rootfs.is_dir():
             raise InvalidArgument(f"bundle {bundle}: its root file system {rootfs} is no directory")
         spec_dict = raw_spec(bundle)
-        terminal = bool((spec_dict.get("process") or {}).get("terminal"))
         early = self._sandbox(sandbox_id)
         if early is not None and early.alive():
-            # crun makes the container through the guest's Python agent, for
+            # crun makes the container through the guest's agent, for
             # which a VM booted a moment ago waits here (without the pod's
             # lock), before anything of the container is placed.
             await early.vm.port.ready(wait=AGENT_START_WAIT)
@@ -229,22 +217,17 @@ class PodContainers(PodProcesses):
             if container_id in self._creating:
                 raise Aborted(f"container_id {container_id!r} is being created; retry later")
             sandbox, _, pod = self._live(sandbox_id)
-            oci = None
-            if (stdin or terminal) and not pod.guest_runtime:
-                raise FailedPrecondition(f"pod {sandbox_id} runs a guest without an OCI runtime: its containers "
-                                         f"have no {'terminal' if terminal else 'standard input'}")
-            by_agent = not terminal or sandbox.vm.port.has("container.terminal")
-            if pod.guest_runtime:
-                placing = by_agent and _places(sandbox)
-                shares_pid = guest_oci.needs_pod_pid_namespace(spec_dict)
-                pod_pid = ""
-                if shares_pid and not placing:
-                    pod_pid = await sandbox._agent(sandbox.vm.agent.pod_pid_namespace())
-                guest, sysctls, hostname = guest_oci.guest_spec(
-                    spec_dict, f"{GUEST_CONTAINERS}/{container_id}/rootfs", container_id, pod_pid,
-                    pid_by_agent=placing, terminal_by_runtime=placing)
-                oci = GuestContainer(spec=guest, sysctls=sysctls, hostname=hostname, placed_by_agent=placing,
-                                     pod_pid_namespace=placing and shares_pid)
+            if sandbox.vm.port.details is None:
+                raise Unavailable(f"pod {sandbox_id}: its guest's agent is not connected")
+            missing = [name for name in PLACING if not sandbox.vm.port.has(name)]
+            if not pod.guest_runtime or missing:
+                raise FailedPrecondition(f"pod {sandbox_id}: its guest's agent does not make containers "
+                                         f"({', '.join(missing) or 'no OCI runtime'} missing): delete the pod and "
+                                         f"run it again")
+            guest, sysctls, hostname = guest_oci.guest_spec(
+                spec_dict, f"{GUEST_CONTAINERS}/{container_id}/rootfs", container_id)
+            oci = GuestContainer(spec=guest, sysctls=sysctls, hostname=hostname, placed_by_agent=True,
+                                 pod_pid_namespace=guest_oci.needs_pod_pid_namespace(spec_dict))
             self._creating.add(container_id)
         try:
             # Resolving (up to ENTRY_WAIT for a new entry) without the pod's
@@ -255,25 +238,23 @@ class PodContainers(PodProcesses):
                 container_id=container_id, bundle=bundle, readonly_root=bool(spec.root and spec.root.readonly), oci=oci,
                 processes={"": ProcessRecord(args=spec.process.args, env=spec.process.env, cwd=spec.process.cwd,
                                              uid=user.uid if user else 0, gid=user.gid if user else 0,
-                                             terminal=terminal, stdin=stdin)})
+                                             terminal=bool(guest["process"]["terminal"]), stdin=stdin)})
             started = time.monotonic()
             await self._ahead_settled(sandbox_id)
             async with self.locks[sandbox_id]:
                 sandbox, record, pod = self._live(sandbox_id)
                 with self.handler.inflight.hold(sandbox_id, container_id):
                     await self._attach_container(sandbox, record, pod, c, rootfs, binds)
-            if oci is not None and by_agent:
-                await sandbox.vm.port.ready(wait=AGENT_START_WAIT)
-                async with self.locks[sandbox_id]:
-                    sandbox, record, pod = self._live(sandbox_id)
-                    if pod.containers.get(container_id) is c:
-                        with self.handler.inflight.hold(sandbox_id, container_id):
-                            await self._create_on_port(sandbox, record, pod, c)
+            async with self.locks[sandbox_id]:
+                sandbox, record, pod = self._live(sandbox_id)
+                if pod.containers.get(container_id) is c:
+                    with self.handler.inflight.hold(sandbox_id, container_id):
+                        await self._create_on_port(sandbox, record, pod, c)
         finally:
             self._creating.discard(container_id)
         log.info("container created", extra={"fields": {
             "sandbox": sandbox_id, "container": container_id, "seconds": round(time.monotonic() - started, 3),
-            "volumes": len(c.volumes), "binds": len(binds), "placed_by_agent": bool(oci and oci.placed_by_agent)}})
+            "volumes": len(c.volumes), "binds": len(binds)}})
 
     async def _plan(self, spec) -> list[tuple]:
         """The binds in the spec's order, each (mount, kind, what): kind
@@ -320,46 +301,33 @@ class PodContainers(PodProcesses):
 
     async def _attach_container(self, sandbox: KataSandbox, record: SandboxRecord, pod: PodRecord,
                                 c: ContainerRecord, rootfs: Path, binds: list[tuple]) -> None:
-        """The container's root and binds into the share and the guest; undone on failure."""
+        """The container's root and binds made ready for the guest, each named
+        as the guest's agent knows it (crust.guest.places); undone on failure."""
         container_id = c.container_id
         share, live = self._shares(pod.sandbox_id, sandbox)
         if live.tag not in sandbox.vm.virtiofsds:
             live = share   # a pod started before the live share (its VM has none)
-        agent = sandbox.vm.agent
         pod.containers[container_id] = c   # recorded before the guest sees it: a delete knows what to undo
         await self.records.put(pod.sandbox_id, pod)
         new_volumes: list[str] = []
-        # crun mounts the container's root and binds (agent 11 makes its
-        # sources ready: reach); an older guest's agent binds them itself.
-        runtime_mounts = c.oci is not None and agent.version >= AGENT_REACH
-        # The guest's Python agent places every source itself, named by what
-        # it is (crust.guest.places); else the host gives guest paths.
-        placing = c.oci is not None and c.oci.placed_by_agent
-        if c.oci is not None and not runtime_mounts:
-            guest_oci.leave_binds_to_agent(c.oci.spec)
         try:
-            if runtime_mounts:
-                await asyncio.to_thread(_make_mount_points, rootfs, binds)
+            client = await self._client(sandbox)
+            await asyncio.to_thread(_make_mount_points, rootfs, binds)
             try:
                 guest_rootfs = await asyncio.to_thread(share.add_rootfs, container_id, rootfs)
             except (ShareError, OSError) as exc:
                 raise FailedPrecondition(f"container {container_id}: its root file system {rootfs} cannot be "
                                          f"shared with the VM: {exc}") from None
-            if not runtime_mounts:
-                await sandbox._agent(agent.bind(guest_rootfs, c.root, readonly=False))
-                await sandbox._agent(agent.container_setup(c.root))
             # In the spec's order: a later bind may land inside an earlier
             # one. Each source is made ready first (bound in a share, copied
             # in the guest, the pod's tmpfs, a volume hot-plugged and
-            # mounted), then all are bound in the container: by crun when it
-            # starts it (guest_oci.place_mounts), else by the agent, in one
-            # request.
-            planned: list[tuple[str, str, bool]] = []   # guest source, destination, read-only
-            named: list[agent_pb2.Source] = []   # placing: each planned source as the agent knows it
-            told: list[str] = []   # placing: each as the pod's spec says it, for the agent's refusals
-            shared_sources: list[str] = []   # the share's binds and the mounts below them, pinned
-            views: list[tuple[int, str, VolumeView]] = []   # (index in planned, volume key, its view)
-            for index, (m, kind, what) in enumerate(binds):
+            # mounted), then crun binds them all when CreateContainer makes
+            # the container.
+            named: list[agent_pb2.Source] = []   # each source as the agent knows it
+            modes: list[bool] = []   # read-only in the guest
+            told: list[str] = []   # each as the pod's spec says it, for the agent's refusals
+            views: list[tuple[str, VolumeView]] = []   # (volume key, its view)
+            for m, kind, what in binds:
                 readonly = "ro" in m.options
                 if kind == "host":
                     try:
@@ -370,17 +338,14 @@ class PodContainers(PodProcesses):
                     except (ShareError, OSError) as exc:
                         raise FailedPrecondition(f"mount {m.destination}: {m.source} cannot be shared with the "
                                                  f"VM: {exc}") from None
+                    told.append(f"mount {m.destination}: {m.source}")
                     if readonly and into is not share and is_atomic_writer_volume_root(m.source) \
                             and not shared.submounts:
                         name = shared.guest.rsplit("/", 1)[1]
-                        if placing and sandbox.vm.port.has("mirror.atomic-writer"):
-                            await port_process.start_mirror(await sandbox.vm.port.ready(), name, into.tag,
-                                                            os.path.relpath(shared.guest, into.guest))
-                            planned.append(("", m.destination, True))
-                        else:
-                            planned.append((await self._mirror(sandbox, shared.guest), m.destination, True))
+                        await port_process.start_mirror(client, name, into.tag,
+                                                        os.path.relpath(shared.guest, into.guest))
                         named.append(agent_pb2.Source(mirror=name))
-                        told.append(f"mount {m.destination}: {m.source}")
+                        modes.append(True)
                         continue
                     # Read-only at the top on the host (virtiofsd writes as the
                     # host's mounts allow); in the guest only when nothing is
@@ -388,31 +353,20 @@ class PodContainers(PodProcesses):
                     # and a mount there takes the flags of the one it is in,
                     # so a read-only bind would make the submounts read-only
                     # too (a non-recursive read-only bind keeps their mode).
-                    guest_readonly = readonly and not (shared.submounts or follow)
-                    planned.append((shared.guest, m.destination, guest_readonly))
+                    # A followed bind's mounts are not named: held in the
+                    # guest for the pod's life, the host could not unmount them.
                     named.append(agent_pb2.Source(share=agent_pb2.SharePath(
                         tag=into.tag, path=os.path.relpath(shared.guest, into.guest),
                         submounts=[] if follow else [os.path.relpath(b, shared.guest) for b in shared.below])))
-                    told.append(f"mount {m.destination}: {m.source}")
-                    # A followed bind's mounts are not: held in the guest for
-                    # the pod's life, the host could not unmount them.
-                    shared_sources += [shared.guest, *(() if follow else shared.below)]
+                    modes.append(readonly and not (shared.submounts or follow))
                     continue
                 if kind == "tmpfs":
                     name, subpath, size = what
-                    if placing:
-                        await port_process.mount_pod_tmpfs(await sandbox.vm.port.ready(), name, size)
-                        planned.append(("", m.destination, readonly))
-                        named.append(agent_pb2.Source(pod_tmpfs=name, subpath=subpath))
-                        told.append(f"mount {m.destination}: subPath {subpath!r} of the emptyDir {name}"
-                                    if name != SHM_TMPFS else f"mount {m.destination}: the pod's /dev/shm")
-                        continue
-                    source = await sandbox._agent(agent.pod_tmpfs(name, size))
-                    if subpath:
-                        source = await self._subpath(sandbox, source, subpath, container_id, index, strict=False,
-                                                     what=f"mount {m.destination}: subPath {subpath!r} of the "
-                                                          f"emptyDir {name}")
-                    planned.append((source, m.destination, readonly))
+                    await port_process.mount_pod_tmpfs(client, name, size)
+                    named.append(agent_pb2.Source(pod_tmpfs=name, subpath=subpath))
+                    modes.append(readonly)
+                    told.append(f"mount {m.destination}: subPath {subpath!r} of the emptyDir {name}"
+                                if name != SHM_TMPFS else f"mount {m.destination}: the pod's /dev/shm")
                     continue
                 resolved, direct = what
                 key = resolved.digest
@@ -426,47 +380,21 @@ class PodContainers(PodProcesses):
                     await self.handler._mount_volume(sandbox, record, key, resolved.info, [], direct)
                     await self.handler.records.put(pod.sandbox_id, record)
                 volume = record.volumes[key]
-                source = volume.mount_point
-                if placing:
-                    volume_id = await sandbox.volume_in_agent(volume.mount_point, volume.fs_type)
-                    if volume_id is None:
-                        raise FailedPrecondition(f"mount {m.destination}: the guest's agent does not serve volume "
-                                                 f"{resolved.info.volume_id} ({volume.fs_type})")
-                    views.append((len(planned), key, view))
-                    planned.append(("", m.destination, view.readonly or volume.readonly))
-                    named.append(agent_pb2.Source(volume_id=volume_id, subpath=view.subpath, strict=True))
-                    told.append(f"mount {m.destination}: subpath {view.subpath!r} of volume "
-                                f"{resolved.info.volume_id}" if view.subpath else
-                                f"mount {m.destination}: volume {resolved.info.volume_id}")
-                    continue
-                if view.subpath:
-                    source = await self._subpath(sandbox, volume.mount_point, view.subpath, container_id, index,
-                                                 strict=True, what=f"mount {m.destination}: subpath "
-                                                                   f"{view.subpath!r} of volume {resolved.info.volume_id}")
-                views.append((len(planned), key, view))
-                planned.append((source, m.destination, view.readonly or volume.readonly))
-            if placing:
-                c.oci.sources = placement(c.oci.spec, agent_pb2.SharePath(
-                    tag=share.tag, path=os.path.relpath(guest_rootfs, share.guest)),
-                    [(source, ro) for source, (_, _, ro) in zip(named, planned)], c.oci.pod_pid_namespace)
-                c.oci.bind_names = told
-                c.runtime_mounts = True
-            elif runtime_mounts:
-                # The root too (the module docstring: no exit unmounts a submount).
-                await sandbox._agent(agent.reach(sorted({guest_rootfs, *shared_sources})))
-                guest_oci.place_mounts(c.oci.spec, guest_rootfs, [(source, ro) for source, _, ro in planned])
-                c.runtime_mounts = True
-            else:
-                targets = await self._bind_all(sandbox, c.root, planned)
-                for index, _, view in views:
-                    view.destination = targets[index]
-            for _, key, view in views:
+                views.append((key, view))
+                named.append(agent_pb2.Source(volume_id=port_volumes.volume_id(volume.mount_point),
+                                              subpath=view.subpath, strict=True))
+                modes.append(view.readonly or volume.readonly)
+                told.append(f"mount {m.destination}: subpath {view.subpath!r} of volume "
+                            f"{resolved.info.volume_id}" if view.subpath else
+                            f"mount {m.destination}: volume {resolved.info.volume_id}")
+            c.oci.sources = placement(c.oci.spec, agent_pb2.SharePath(
+                tag=share.tag, path=os.path.relpath(guest_rootfs, share.guest)),
+                list(zip(named, modes)), c.oci.pod_pid_namespace)
+            c.oci.bind_names = told
+            c.runtime_mounts = True
+            for key, view in views:
                 record.volumes[key].views.append(view)
                 c.volumes.setdefault(key, []).append(view)
-            if c.readonly_root and not c.runtime_mounts:
-                # This mount of the root only, once every mount point below
-                # it was made: the binds and /proc, /dev keep their modes.
-                await sandbox._agent(agent.remount_readonly(c.root))
             await self.handler.records.put(pod.sandbox_id, record)
             await self.records.put(pod.sandbox_id, pod)
         except BaseException as exc:
@@ -481,27 +409,23 @@ class PodContainers(PodProcesses):
                     "sandbox": pod.sandbox_id, "container": container_id, "error": undo.message}})
             raise
 
+    @staticmethod
+    async def _client(sandbox: KataSandbox) -> AgentClient:
+        client = await sandbox.vm.port.ready(wait=PORT_WAIT)
+        if client is None:
+            raise Unavailable(f"sandbox {sandbox.id}: its guest's agent is not connected")
+        return client
+
     async def _create_on_port(self, sandbox: KataSandbox, record: SandboxRecord, pod: PodRecord,
                               c: ContainerRecord) -> None:
-        """crun makes the container now, through the guest's Python agent
+        """crun makes the container now, through the guest's agent
         (CreateContainer: held before its process's exec), so that its
-        start is only what comes after. Not when the agent is not connected
-        or cannot (a process on a terminal unless the agent places the
-        container): the container's script runs crun at its start then."""
+        start is only what comes after."""
         p = c.processes[""]
-        port = sandbox.vm.port
-        client = port.client
-        placed = c.oci.placed_by_agent
-        if not placed and (not c.runtime_mounts or p.terminal or client is None or client.closed or
-                           not port.has("container.create")):
-            return
         c.created_on_port = p.on_port = True   # recorded first: a failed create is removed on the port
         await self.records.put(pod.sandbox_id, pod)
         try:
-            if client is None or client.closed:
-                # Its sources are named for the agent only: no other way.
-                raise Unavailable(f"container {c.container_id}: the guest's agent, which places its sources, is "
-                                  f"not connected")
+            client = await self._client(sandbox)
             if c.oci.sysctls or c.oci.hostname:
                 await port_process.configure_guest(client, c.oci.sysctls, c.oci.hostname)
             try:
@@ -518,82 +442,17 @@ class PodContainers(PodProcesses):
                     "sandbox": pod.sandbox_id, "container": c.container_id, "error": undo.message}})
             raise
 
-    @staticmethod
-    async def _subpath(sandbox: KataSandbox, root: str, subpath: str, container_id: str, index: int, strict: bool,
-                       what: str) -> str:
-        """The guest path of subpath below root, bound by the agent from a
-        descriptor opened without leaving root (another container of the
-        pod may swap a name in a shared volume for a symlink meanwhile); a
-        subpath that leaves its volume is refused, naming it."""
-        agent = sandbox.vm.agent
-        if agent.version < AGENT_SUBPATH:
-            raise FailedPrecondition(f"{what}: the pod's guest agent ({agent.version}) cannot bind a subPath from "
-                                     f"a descriptor (agent {AGENT_SUBPATH} can): start the pod again")
-        try:
-            return await sandbox._agent(agent.subpath(root, subpath, container_id, index, strict))
-        except FailedPrecondition as exc:
-            raise InvalidArgument(f"{what}: {exc.message}") from None
-
-    @staticmethod
-    async def _bind_all(sandbox: KataSandbox, root: str, planned: list[tuple[str, str, bool]]) -> list[str]:
-        """Each (guest source, destination, read-only) bound in the container
-        whose root is mounted at root, in order; the guest paths bound. A
-        guest whose agent predates cbinds (a VM booted before agent 8) binds
-        them one request at a time."""
-        if not planned:
-            return []
-        agent = sandbox.vm.agent
-        try:
-            return await sandbox._agent(agent.container_binds(root, planned))
-        except CrustError as exc:
-            if "unknown command" not in exc.message:
-                raise
-        return [await sandbox._agent(agent.container_bind(root, source, destination, readonly))
-                for source, destination, readonly in planned]
-
-    @staticmethod
-    async def _mirror(sandbox: KataSandbox, shared: str) -> str:
-        """The guest's copy of an atomic-writer volume bound in the live share
-        at shared (agent 7); a guest whose agent has no mirror (a VM booted
-        before it) reads the share itself."""
-        try:
-            return await sandbox._agent(sandbox.vm.agent.mirror(shared.rsplit("/", 1)[1], shared))
-        except CrustError as exc:
-            if "unknown command" in exc.message:
-                return shared
-            raise
-
     async def _remove_container(self, sandbox: KataSandbox | None, record: SandboxRecord | None, pod: PodRecord,
                                 c: ContainerRecord) -> None:
-        """Unmount the container's root and binds in the guest, give back the
-        volumes no other container of the pod uses, take its binds out of the
-        share. Every step may run again."""
+        """The container removed in the guest (its processes, crun's state,
+        its cgroup, its root and subPaths), the volumes no other container
+        of the pod uses given back, its binds taken out of the share. Every
+        step may run again."""
         errors: list[str] = []
         alive = sandbox is not None and sandbox.alive()
-        if alive and not c.runtime_mounts:
-            try:
-                await sandbox._agent(sandbox.vm.agent.umount_all(c.root))
-            except CrustError as exc:
-                errors.append(exc.message)
         if alive and c.created_on_port:
-            # Its processes killed and forgotten, crun's state and its cgroup
-            # gone: by the agent that made it.
             try:
-                client = await sandbox.vm.port.ready(wait=PORT_WAIT)
-                if client is None:
-                    raise Unavailable(f"container {c.container_id}: the guest's agent port is not open")
-                await port_process.remove_container(client, c.container_id)
-            except CrustError as exc:
-                errors.append(exc.message)
-        # The guest's Python agent made it from named sources: its
-        # RemoveContainer dropped all the guest had of it (root, subPaths).
-        by_port = c.created_on_port and c.oci is not None and c.oci.placed_by_agent
-        if alive and c.oci is not None and not by_port:
-            # First: the agent holds the container's mount namespace until
-            # then, and with it the container's binds of its volumes, whose
-            # file systems must be unmounted everywhere before their disks go.
-            try:
-                await sandbox._agent(sandbox.vm.agent.container_forget(c.container_id))
+                await port_process.remove_container(await self._client(sandbox), c.container_id)
             except CrustError as exc:
                 errors.append(exc.message)
         if record is not None:
@@ -611,24 +470,6 @@ class PodContainers(PodProcesses):
                 c.volumes.pop(key, None)
             if pod.sandbox_id in self.handler.sandboxes:
                 await self.handler.records.put(pod.sandbox_id, record)
-        if alive and not by_port:
-            # The root's mount in the agent's namespace (pinned there while
-            # the container lived); the container's own copies went with it.
-            try:
-                root = self._share(pod.sandbox_id, sandbox=sandbox).guest_rootfs(c.container_id)
-                await sandbox._agent(sandbox.vm.agent.umount_all(root))
-            except CrustError as exc:
-                errors.append(exc.message)
-            if sandbox.vm.agent.version >= AGENT_SUBPATH:
-                try:
-                    await sandbox._agent(sandbox.vm.agent.subpath_drop(c.container_id))
-                except CrustError as exc:
-                    errors.append(exc.message)
-        if alive and c.serial and c.serial in sandbox.vm.disks:
-            try:
-                await sandbox._agent(sandbox.vm.detach_disk(c.serial))
-            except (CrustError, VmError) as exc:
-                errors.append(getattr(exc, "message", str(exc)))
         if not errors:
             try:
                 for share in self._shares(pod.sandbox_id, sandbox if alive else None):
@@ -638,24 +479,16 @@ class PodContainers(PodProcesses):
         if errors:
             await self.records.put(pod.sandbox_id, pod)
             raise FailedPrecondition(f"container {c.container_id} cleaned up with errors: {'; '.join(errors)}")
-        if c.image:
-            await asyncio.to_thread(shutil.rmtree, Path(c.image).parent, True)
         if alive:
-            for p in c.processes.values():
-                if p.name:
-                    try:
-                        await sandbox.vm.agent.forget_output(p.name)
-                    except AgentError:
-                        pass
-            await self._forget_on_port(sandbox, pod.sandbox_id, c)
+            await self._forget_on_port(sandbox, c)
         self.exits.forget(c.container_id)
         pod.containers.pop(c.container_id, None)
         await self.records.put(pod.sandbox_id, pod)
 
-    async def _forget_on_port(self, sandbox: KataSandbox, pod_id: str, c: ContainerRecord) -> None:
-        """The container's execs in the Python agent's table (their exits
-        and unread output): the guest keeps them until told."""
-        execs = [p for p in c.processes.values() if p.on_port and p.pid]
+    async def _forget_on_port(self, sandbox: KataSandbox, c: ContainerRecord) -> None:
+        """The container's execs in the agent's table (their exits and
+        unread output): the guest keeps them until told."""
+        execs = [p for p in c.processes.values() if p.on_port and p.pid and p.exec_id]
         client = await sandbox.vm.port.ready() if execs else None
         for p in execs if client is not None else ():
             try:
@@ -663,12 +496,6 @@ class PodContainers(PodProcesses):
             except CrustError as exc:
                 log.warning("exec not forgotten in the guest", extra={"fields": {
                     "container": c.container_id, "exec": p.exec_id, "error": exc.message}})
-        if c.processes[""].on_port and not c.created_on_port:
-            # The spec its script wrote in the guest for crun.
-            try:
-                await sandbox.vm.agent.forget_output(output_name(pod_id, c.container_id, ""))
-            except AgentError:
-                pass
 
     async def _give_back(self, sandbox: KataSandbox | None, record: SandboxRecord, key: str) -> None:
         """Unmount a volume of the pod in the guest (sandbox None: the VM is
@@ -706,41 +533,24 @@ class PodContainers(PodProcesses):
 
     async def _stop_processes(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
                               timeout: float = 10.0) -> None:
-        """SIGKILL every process of the container (its cgroup in the guest;
-        for a container of an older pod, all whose root is its root), then
-        wait for their exit codes and for none to be left. Also when its own
+        """SIGKILL every process of the container (its cgroup in the guest),
+        then wait for their exits, which the guest pushes. Also when its own
         processes all exited: what they left running in the background (in
-        a shared PID namespace nothing ends it with them)
-        would keep the container's mounts busy."""
-        # A container the guest's Python agent made: killed through its
-        # cgroup there, each exit pushed (RemoveContainer then waits for the
-        # cgroup to empty); else through the shell agent, its exits looked at.
-        client = await sandbox.vm.port.ready(wait=PORT_WAIT) if c.created_on_port else None
-        if client is not None:
-            await port_process.signal_all(client, c.container_id, 9)
-        else:
-            await self._signal_all(sandbox, c, 9)
+        a shared PID namespace nothing ends it with them) would keep the
+        container's mounts busy (RemoveContainer waits for the cgroup to
+        empty)."""
+        if not c.created_on_port:
+            return
+        await port_process.signal_all(await self._client(sandbox), c.container_id, 9)
         deadline = time.monotonic() + timeout
         for p in c.processes.values():
             while p.pid and p.exit_code is None and time.monotonic() < deadline:
                 await self._refresh(pod, c, p)
-                ended = self.exits.ended(c.container_id, p.exec_id) if p.on_port else None
+                ended = self.exits.ended(c.container_id, p.exec_id)
                 if p.exit_code is not None:
                     break
                 if ended is not None:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(ended.wait(), max(0.0, deadline - time.monotonic()))
                 else:
-                    await asyncio.sleep(POLL)
-        if client is not None:
-            return
-        while time.monotonic() < deadline and await self._signal_all(sandbox, c, 0):
-            await asyncio.sleep(POLL)
-
-    @staticmethod
-    async def _signal_all(sandbox: KataSandbox, c: ContainerRecord, signal: int) -> int:
-        """Every process of the container: those in its cgroup (crun's), or
-        for a container of an older pod, those whose root is its root."""
-        if c.oci is not None:
-            return await sandbox._agent(sandbox.vm.agent.container_signal(c.container_id, signal))
-        return await sandbox._agent(sandbox.vm.agent.signal_root(c.root, signal))
+                    await asyncio.sleep(POLL)   # its watch starts again once the port is back

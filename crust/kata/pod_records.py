@@ -4,9 +4,6 @@ containers, their processes, its network; one JSON record per pod
 
 from __future__ import annotations
 
-import hashlib
-import secrets
-import shlex
 import time
 from typing import ClassVar
 
@@ -15,7 +12,6 @@ from pydantic import BaseModel, Field
 from crust.runtime_handler.handler import VolumeView
 
 GUEST_CONTAINERS = "/run/crust/containers"
-UNSHARE = "/sbin/unshare"     # util-linux's, in the guest image (crust.kata.image)
 VM_GONE_EXIT_CODE = 255
 
 
@@ -27,15 +23,14 @@ class ProcessRecord(BaseModel):
     uid: int = 0
     gid: int = 0
     additional_gids: list[int] | None = None   # an exec's, when it names them (else the container's)
-    name: str = ""              # its output files in the guest (set when started)
     pid: int = 0                # the agent's pid for it; 0 until started
     exit_code: int | None = None
     exited_at_ns: int = 0
     reason: str = ""            # why it stopped, when not by itself
-    terminal: bool = False      # runs on a terminal of the guest's (its output one stream)
+    terminal: bool = False      # runs on a terminal (its output one stream)
     stdin: bool = False         # reads a standard input (WriteInput)
     oom_killed: bool = False    # the container's own process, once stopped: the OOM killer struck
-    on_port: bool = False       # run by the guest's Python agent: its output, input and exit on its port
+    on_port: bool = False       # started by the guest's agent: its output, input and exit on its port
 
 
 class GuestContainer(BaseModel):
@@ -43,7 +38,7 @@ class GuestContainer(BaseModel):
     spec: dict = Field(default_factory=dict)
     sysctls: dict[str, str] = Field(default_factory=dict)
     hostname: str = ""
-    # The guest's Python agent places the root and the binds' sources
+    # The guest's agent places the root and the binds' sources
     # (crust.guest.places): spec's are empty, sources names them (a
     # CreateContainerRequest's rootfs, binds and pod_pid_namespace).
     placed_by_agent: bool = False
@@ -55,23 +50,17 @@ class GuestContainer(BaseModel):
 class ContainerRecord(BaseModel):
     container_id: str
     bundle: str
-    # A root file system image of crust 0.x (made by copying, hot-plugged
-    # under this serial): only in records of pods started before the share.
-    image: str = ""
-    serial: str = ""
     # Deferred volumes (the pod record's keys) -> this container's views.
     volumes: dict[str, list[VolumeView]] = Field(default_factory=dict)
     processes: dict[str, ProcessRecord] = Field(default_factory=dict)  # by exec id, "" the container's own
     readonly_root: bool = False
-    # Run by crun in the guest, from this spec; None: a container of a pod
-    # whose VM has no OCI runtime (started before crust ran containers so).
+    # Run by crun in the guest, from this spec.
     oci: GuestContainer | None = None
-    # True: crun mounts its root and binds in the container's namespace;
-    # False (no OCI runtime, or a record of an earlier handler): the agent mounted
-    # them below root in the guest's, and unmounts them at the delete.
+    # crun mounts its root and binds in the container's namespace.
     runtime_mounts: bool = False
-    # True: the guest's Python agent made it (CreateContainer): its own
-    # process is the agent's (container, "") and starts with StartContainer.
+    # The guest's agent made it (CreateContainer): its own process is the
+    # agent's (container, "") and starts with StartContainer. False only in
+    # the record of a container whose create failed half way.
     created_on_port: bool = False
 
     @property
@@ -96,27 +85,6 @@ class PodRecord(BaseModel):
     containers: dict[str, ContainerRecord] = Field(default_factory=dict)
     # Why the VM is gone, once it is (the pod stays listed until DeletePod).
     gone: str = ""
-    # The guest's OCI runtime ("crun"); "" for a pod started before the
-    # guest had one (its containers run with unshare, as they started).
+    # The guest's OCI runtime ("crun").
     guest_runtime: str = ""
     created_at: float = Field(default_factory=time.time)
-
-
-def output_name(sandbox_id: str, container_id: str, exec_id: str) -> str:
-    """A plain word naming a process's output files in the guest, new at
-    each start (the agent never reuses a name)."""
-    digest = hashlib.sha256(f"{sandbox_id}\0{container_id}\0{exec_id}".encode()).hexdigest()[:16]
-    return f"{digest}-{secrets.token_hex(4)}"
-
-
-def command_line(root: str, process: ProcessRecord) -> str:
-    """The guest's shell line: the working directory made (as runc makes
-    it; unshare --wd refuses one that is still missing, a read-only root),
-    then a clean environment, chrooted, the user's ids, the args."""
-    env = [e for e in process.env if "=" in e and not e.startswith("=")]
-    cwd = process.cwd or "/"
-    return (f"mkdir -p {shlex.quote(root + cwd)} 2>/dev/null; exec env -i "
-            + " ".join(shlex.quote(e) for e in env)
-            + f" {UNSHARE} --root={shlex.quote(root)} --wd={shlex.quote(cwd)}"
-            + f" --setuid {process.uid} --setgid {process.gid} -- "
-            + " ".join(shlex.quote(a) for a in process.args))

@@ -14,27 +14,16 @@ volumes kubelet's atomic writer updates (their lookups never cached):
   read-only paths, rlimits and cgroup limits hold as under runc; what the
   guest cannot honour is refused at CreateContainer); an exec is `crun
   exec` with the container's process settings. Both are started by the
-  guest's Python agent over its virtio-serial port (crust.kata.port_process,
+  guest's agent over its virtio-serial port (crust.kata.port_process,
   specs/agent.proto): one call starts one, its output is read as written
   (the reads wait in the guest), its exit comes from a WaitProcess that
   waits in the guest, so nothing is polled and execs run side by side.
   A process on a terminal runs on one crun makes in the container, its
-  master the agent's (crust.guest.terminal). A container made without
-  the agent (its port not connected at CreateContainer), and any process
-  of a VM without the port (started by an earlier crust), go through the shell
-  agent instead: the command written as a script into the share, its
-  stdout and stderr written to files in the guest, read back by offset
-  (ReadOutput), its exit found by the pod's process watch. A container of
-  a pod started before the guest had crun keeps running as it started
-  (`env -i <env> unshare --root=<root> ...`);
+  master the agent's (crust.guest.terminal);
 - a process with a standard input (CRI's stdin, an exec with stdin) reads
-  it from the Python agent's pipe (WriteInput: WriteStdin), or, as a shell
-  agent's process, from a fifo that the guest's feed.sh fills from a file
-  the handler appends to in the live share (not cached, so the guest sees
-  each append at once); the shell agent's process that asks for a
-  terminal runs on one made in the guest (guest_oci); the OOM killer's kills in a
-  container's cgroup (memory.events) make its exit OOMKilled; its cgroup's
-  numbers answer ContainerStats.
+  it from the agent's pipe (WriteInput: WriteStdin); the OOM killer's kills
+  in a container's cgroup (memory.events) make its exit OOMKilled; its
+  cgroup's numbers answer ContainerStats.
 
 A pod is a sandbox of the RuntimeHandler (its record, its volumes, stats,
 expansion, the reaper, adoption after a restart are the handler's); what
@@ -67,23 +56,17 @@ from crust.common.private import make_dirs
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata import guest_oci, port_process
-from crust.kata.agent import (
-    AgentError,
-    GuestGone,
-)
 from crust.kata.pod_containers import PodContainers, raw_spec
-from crust.kata.pod_processes import POLL
+from crust.kata.pod_processes import PORT_WAIT
 from crust.kata.pod_records import (
     VM_GONE_EXIT_CODE,
     ContainerRecord,
     PodNetwork,
     PodRecord,
     ProcessRecord,
-    output_name,
 )
 from crust.kata.pool import VmPool
 from crust.kata.portforward import PortForwarder
-from crust.kata.process_watch import ProcessWatch
 from crust.kata.qemu import Nic, SharedDir, Vm, VmError
 from crust.kata.qmp import QmpError, QmpGone, QmpTimeout
 from crust.kata.sandbox import KataSandbox
@@ -152,7 +135,6 @@ class Pods(PodContainers):
         self._creating: set[str] = set()   # container ids whose CreateContainer runs
         self._unwritten: set[str] = set()  # pods stopped in memory whose record is not written yet
         self.forwarders: dict[str, PortForwarder] = {}   # by pod, for those with a network
-        self.watches: dict[str, ProcessWatch] = {}   # by pod: one look per interval at its waited-on processes
         self._ahead: dict[str, asyncio.Task] = {}   # by pod: its deferred volumes being mounted ahead
         self.exits = port_process.ExitWatches()   # the port processes' WaitProcess calls
         handler.before_teardown = self._before_teardown
@@ -171,20 +153,15 @@ class Pods(PodContainers):
 
     async def start(self) -> None:
         """After the handler recovered its sandboxes: a pod whose VM was
-        adopted gets back what it had (a root file system disk of a pod
-        started before the share, in the VM's table)."""
+        adopted gets its port forwarding back."""
         for pod_id, pod in self.pods.items():
             sandbox = self._sandbox(pod_id)
-            if sandbox is not None and sandbox.alive():
-                for c in pod.containers.values():
-                    if c.serial:
-                        sandbox.vm.disks[c.serial] = Vm._disk(c.serial, c.image, readonly=False)
-                if pod.network is not None and not pod.gone:
-                    try:
-                        await self._forward_ports(pod_id, pod.network)
-                    except (podnet.PodNetworkError, OSError) as exc:
-                        log.error("port forwarding not restored", extra={"fields": {
-                            "sandbox": pod_id, "error": str(exc)}})
+            if sandbox is not None and sandbox.alive() and pod.network is not None and not pod.gone:
+                try:
+                    await self._forward_ports(pod_id, pod.network)
+                except (podnet.PodNetworkError, OSError) as exc:
+                    log.error("port forwarding not restored", extra={"fields": {
+                        "sandbox": pod_id, "error": str(exc)}})
         self._watcher = asyncio.create_task(self._watch_forever())
 
     async def stop(self) -> None:
@@ -194,8 +171,6 @@ class Pods(PodContainers):
             # A mount ahead ends with its volume recorded (or given back):
             # the next handler adopts it like any other.
             await asyncio.wait(list(self._ahead.values()), timeout=30)
-        for watch in self.watches.values():
-            watch.close()
         await self.exits.close()
         for forwarder in self.forwarders.values():
             await forwarder.stop()
@@ -250,7 +225,7 @@ class Pods(PodContainers):
         if sandbox is None:
             return f"the VM of pod {pod_id} was stopped"
         # The agent client says why it lost the guest ("QEMU exited with code -9").
-        return f"the VM of pod {pod_id} is gone ({sandbox.vm.agent.dead or 'QEMU exited'})"
+        return f"the VM of pod {pod_id} is gone ({sandbox.vm.port.dead or 'QEMU exited'})"
 
     async def _mark_gone(self, pod_id: str, reason: str) -> None:
         pod = self.pods.get(pod_id)
@@ -280,11 +255,9 @@ class Pods(PodContainers):
             for c in pod.containers.values():
                 try:
                     await self._stop_processes(sandbox, pod, c)
-                    if not c.runtime_mounts:
-                        await sandbox.vm.agent.umount_all(c.root)
-                    if c.oci is not None:   # its namespace's hold, before the volumes are unmounted
-                        await sandbox.vm.agent.container_forget(c.container_id)
-                except (AgentError, CrustError) as exc:
+                    if c.created_on_port:   # its namespace's hold, before the volumes are unmounted
+                        await port_process.remove_container(await self._client(sandbox), c.container_id)
+                except CrustError as exc:
                     log.warning("could not unmount a container before stopping its pod", extra={"fields": {
                         "sandbox": sandbox_id, "container": c.container_id, "error": str(exc)}})
         alive = sandbox is not None and sandbox.alive()
@@ -296,26 +269,6 @@ class Pods(PodContainers):
     def _sandbox(self, pod_id: str) -> KataSandbox | None:
         entry = self.handler.sandboxes.get(pod_id)
         return entry[0] if entry is not None else None
-
-    def _watch(self, pod_id: str) -> ProcessWatch:
-        """The pod's ProcessWatch, asking whichever agent its VM has now;
-        made on first use, never again for a pod that was deleted (a wait
-        still looping then learns it from GuestGone)."""
-        watch = self.watches.get(pod_id)
-        if watch is not None:
-            return watch
-        if pod_id not in self.pods:
-            raise GuestGone(f"pod {pod_id} was deleted")
-
-        def agent():
-            sandbox = self._sandbox(pod_id)
-            if sandbox is None:
-                raise GuestGone(f"pod {pod_id} has no VM")
-            return sandbox.vm.agent
-        # Up to twice POLL while nothing changes: a process that exits on
-        # its own is seen at most 0.4 s later (kubelet relists every 1 s).
-        watch = self.watches[pod_id] = ProcessWatch(agent, POLL, longest=2 * POLL)
-        return watch
 
     def _live(self, pod_id: str) -> tuple[KataSandbox, SandboxRecord, PodRecord]:
         pod = self.pods.get(pod_id)
@@ -421,24 +374,22 @@ class Pods(PodContainers):
                     if tap >= 0:
                         os.close(tap)   # QEMU's now: the tap lives as long as QEMU
                         tap = -1
-                    # The guest's Python agent is connected now (a VM is ready
-                    # once it answers); a VM an older crust booted has the shell
-                    # agent's way.
-                    client = sandbox.vm.port.current()
+                    # The guest's agent is connected now (a VM is ready once
+                    # it answers).
+                    client = await sandbox.vm.port.ready(wait=PORT_WAIT)
+                    if client is None:
+                        raise Unavailable(f"pod {sandbox_id}: its guest's agent is not connected")
                     for share in shares:
-                        if client is not None and sandbox.vm.port.has("share.virtiofs"):
-                            await port_process.mount_share(client, share.tag)
-                        else:
-                            await sandbox._agent(sandbox.vm.agent.share_mount(share.guest, share.tag))
-                    await self._apply_pod_settings(sandbox, sandbox_id, sysctls, hostname)
-                    if interface is not None and client is not None and sandbox.vm.port.has("network.interface"):
+                        await port_process.mount_share(client, share.tag)
+                    if sysctls or hostname:
+                        # The pod sandbox's, in the guest (the VM is the pod:
+                        # its network, IPC and UTS namespaces are the guest's
+                        # own). One the guest's kernel refuses fails the pod.
+                        await port_process.configure_guest(client, sysctls, hostname)
+                    if interface is not None:
                         await port_process.configure_interface(
                             client, interface.mac, interface.mtu, list(interface.addresses),
                             [(r.destination, r.gateway) for r in interface.routes])
-                    elif interface is not None:
-                        await sandbox._agent(sandbox.vm.agent.network(
-                            interface.mac, interface.mtu, list(interface.addresses),
-                            [r.word() for r in interface.routes]))
                     if interface is not None:
                         await self._forward_ports(sandbox_id, pod.network)
                 except BaseException:
@@ -561,28 +512,6 @@ class Pods(PodContainers):
         except (podnet.PodNetworkError, OSError) as exc:
             raise FailedPrecondition(f"pod {sandbox_id}: the VM's tap in {network.netns}: {exc}") from None
 
-    @staticmethod
-    async def _apply_pod_settings(sandbox: KataSandbox, sandbox_id: str, sysctls: dict[str, str],
-                                  hostname: str) -> None:
-        """The pod sandbox's sysctls and hostname, in the guest (the VM is the
-        pod: its network, IPC and UTS namespaces are the guest's own). One
-        the guest's kernel refuses fails the pod, naming it."""
-        if not sysctls and not hostname:
-            return
-        client = sandbox.vm.port.current()
-        if client is not None and sandbox.vm.port.has("guest.settings"):
-            await port_process.configure_guest(client, sysctls, hostname)
-            return
-        agent = sandbox.vm.agent
-        name = output_name(sandbox_id, "", "pod-settings")
-        pid = await sandbox._agent(agent.spawn(name, guest_oci.sysctl_lines(sysctls, hostname)))
-        code = await sandbox._agent(agent.wait_exit(pid, timeout=30))
-        if code != 0:
-            err, _ = await sandbox._agent(agent.readout(name, "err", 0, 4096))
-            raise FailedPrecondition(f"pod {sandbox_id}: linux.sysctl/hostname: "
-                                     f"{err.decode(errors='replace').strip() or f'exit code {code}'}")
-        await agent.forget_output(name)
-
     async def delete_pod(self, sandbox_id: str) -> None:
         await self._ahead_settled(sandbox_id)
         async with self.locks[sandbox_id]:
@@ -600,9 +529,6 @@ class Pods(PodContainers):
             except (ShareError, OSError) as exc:
                 raise FailedPrecondition(f"pod {sandbox_id}: its shared directory: {exc}") from None
             self.pods.pop(sandbox_id, None)
-            watch = self.watches.pop(sandbox_id, None)
-            if watch is not None:
-                watch.close()
             await self.records.delete(sandbox_id)
             await asyncio.to_thread(self._remove_workdir, sandbox_id)
         self.locks.pop(sandbox_id, None)

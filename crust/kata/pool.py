@@ -49,8 +49,8 @@ from crust.common import ttrpc
 from crust.common.errors import CrustError
 from crust.common.private import make_dirs
 from crust.kata import port_process, port_volumes
-from crust.kata.agent import SHM_TMPFS, AgentError
 from crust.kata.agent_client import AgentClient, handler_error
+from crust.kata.port_process import SHM_TMPFS
 from crust.kata.qemu import (
     SHORT_SOCKET_ROOT,
     SharedDir,
@@ -75,7 +75,7 @@ RETRY_FIRST, RETRY_MAX = 2.0, 60.0
 # volume's: those are digests), its guest mount point, its image in the pool's directory.
 WARM_DISK, WARM_DISK_MOUNT, WARM_DISK_IMAGE = "crust-warm", "/run/crust/warm-disk", "warm-disk.img"
 WARM_DISK_BYTES = 4 * 1024 * 1024
-# How long a VM booted ahead may take for its guest's Python agent to open
+# How long a VM booted ahead may take for its guest's agent to open
 # its port (its imports at the guest's lowest priority, under emulation).
 PORT_OPEN_TIMEOUT = 120.0
 WARM_TIMEOUT = 60.0
@@ -137,7 +137,7 @@ class VmPool:
         while self.ready:
             vm = self.ready.pop(0)
             self._wanted.set()
-            if vm.alive() and not vm.agent.dead:
+            if vm.alive() and not vm.port.dead:
                 self.taken += 1
                 return vm
             log.warning("a pooled VM died while it waited; discarded", extra={"fields": {"vm": vm.name}})
@@ -164,7 +164,7 @@ class VmPool:
                 self._booting += 1
                 try:
                     vm = await self._boot()
-                except (VmError, AgentError, CrustError, QmpError, QmpGone, CommandError, OSError) as exc:
+                except (VmError, CrustError, ConnectionError, QmpError, QmpGone, CommandError, OSError) as exc:
                     log.error("a pooled VM did not boot; trying again later", extra={"fields": {
                         "error": str(exc)[:500], "retry_s": delay}})
                     await asyncio.sleep(delay)
@@ -186,7 +186,7 @@ class VmPool:
         vm = Vm(name, workdir, self._vm_config(tuple(
             SharedDir(share.tag, path, share.cache) for share, path in zip(shares, served))), socket_dir=sockets)
         try:
-            await vm.start()   # its guest's Python agent connected
+            await vm.start()   # its guest's agent connected
             client = await vm.port.ready()
             for share in shares:
                 await port_process.mount_share(client, share.tag)
@@ -199,7 +199,7 @@ class VmPool:
             warm_started = time.monotonic()
             if vm.port.has("warm"):
                 await port_warm(client)
-            await warm_disk(vm, self.directory, via_port=True)
+            await warm_disk(vm, client, self.directory)
             warm_s = time.monotonic() - warm_started
         except BaseException:
             await _discard(vm)
@@ -219,14 +219,12 @@ async def port_warm(client: AgentClient) -> None:
         raise handler_error(exc, "warm-up") from None
 
 
-async def warm_disk(vm: Vm, directory: Path, via_port: bool = False) -> None:
+async def warm_disk(vm: Vm, client: AgentClient, directory: Path) -> None:
     """A small disk of crust's own hot-plugged read-only, mounted by the
     guest, unmounted and unplugged: the paths a pod's first volume takes
     (the hot-plug on the VM's disk bus, the disk's probe, a file system's
-    mount), run once. Its image is made in directory, once. via_port:
-    mounted by the guest's Python agent when it is connected (a VM saved
-    as the template is saved without a connection, and mounts by the
-    shell agent). The host only writes the image (mkfs), never mounts it."""
+    mount), run once. Its image is made in directory, once. The host only
+    writes the image (mkfs), never mounts it."""
     image = directory / WARM_DISK_IMAGE
     if not image.exists():
         partial = image.with_name(image.name + ".partial")
@@ -235,14 +233,8 @@ async def warm_disk(vm: Vm, directory: Path, via_port: bool = False) -> None:
         os.replace(partial, image)
     await vm.attach_disk(str(image), WARM_DISK, readonly=True, kind="file")
     try:
-        client = vm.port.client if via_port else None
-        if client is not None and not client.closed and port_volumes.serves(vm.port, vm.config.disk_bus, "ext4"):
-            await port_volumes.mount(client, port_volumes.storage(WARM_DISK, "ext4", [], True, WARM_DISK_MOUNT,
-                                                                  None))
-            await port_volumes.unmount(client, WARM_DISK_MOUNT)
-        else:
-            await vm.agent.mount(WARM_DISK, "ext4", [], True, WARM_DISK_MOUNT)
-            await vm.agent.umount(WARM_DISK_MOUNT)
+        await port_volumes.mount(client, port_volumes.storage(WARM_DISK, "ext4", [], True, WARM_DISK_MOUNT, None))
+        await port_volumes.unmount(client, WARM_DISK_MOUNT)
     finally:
         await vm.detach_disk(WARM_DISK)
 

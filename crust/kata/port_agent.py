@@ -1,14 +1,12 @@
-"""A VM's connection to its guest's Python agent (specs/agent.proto) over
-the virtio-serial port, opened when first needed and kept for the VM's
-life.
+"""A VM's connection to its guest's agent (specs/agent.proto) over the
+virtio-serial port, opened when the VM boots and kept for its life (opened
+again when it breaks).
 
-The agent starts seconds after the guest's shell agent (its interpreter
-imports under emulation): `ready()` answers the connection once the agent
-has its port open, waiting for that as long as its caller allows, and
-None for a VM without the port (one started by an earlier crust), whose
-calls take the shell agent's path. Whether the port is open is QEMU's to say
-(query-chardev frontend-open): bytes sent before the guest opened it are
-dropped by the guest's kernel.
+`ready()` answers the connection once the agent has its port open, waiting
+for that as long as its caller allows (a guest still booting), and None
+when it is not open by then or the VM is gone. Whether the port is open is
+QEMU's to say (query-chardev frontend-open): bytes sent before the guest
+opened it are dropped by the guest's kernel.
 """
 
 from __future__ import annotations
@@ -26,13 +24,13 @@ log = logging.getLogger(__name__)
 # Bounds the first call on a port the guest reports open: its agent
 # answers within milliseconds when it runs at all.
 OPEN_TIMEOUT = 10.0
-# How long after a failed look at the port the next may be: a caller in a
-# hurry takes the shell agent meanwhile instead of asking QEMU again.
+# How long after a failed look at the port the next may be: callers in a
+# hurry are told None meanwhile instead of asking QEMU again each.
 LOOK_AGAIN = 0.5
 # Between looks while a caller waits for the guest to open its port.
 PORT_LOOK = 0.05
-# How long a call that the Python agent serves waits for it on a VM just
-# booted (its interpreter still starting under emulation).
+# How long a call waits for the agent's port on a VM whose connection is
+# being opened again.
 AGENT_START_WAIT = 30.0
 
 
@@ -46,22 +44,9 @@ class PortAgent:
         self.dead = ""      # why the VM is gone: no connection is opened any more
         self._lock = asyncio.Lock()
         self._next_look = 0.0
-        self._opening: asyncio.Task | None = None
 
     def has(self, capability: str) -> bool:
         return self.details is not None and capability in self.details.capabilities
-
-    def current(self) -> AgentClient | None:
-        """The connection if it is open now. Otherwise None (the caller
-        takes the shell agent's way), and the connection is opened in the
-        background for the calls after it: a call bound by a short deadline
-        (kubelet's stats) never pays for opening it."""
-        client = self.client
-        if client is not None and not client.closed:
-            return client
-        if not self.dead and (self._opening is None or self._opening.done()):
-            self._opening = asyncio.ensure_future(self.ready())
-        return None
 
     async def _port_state(self) -> str:
         """agent_client.port_state, or "unknown" when QEMU did not answer."""
@@ -92,8 +77,8 @@ class PortAgent:
                 state = await self._port_state()
             if state != "open":
                 if wait and state == "closed" and not self.dead:
-                    log.warning("vm %s: the guest's Python agent did not open its port within %.0f s; the shell "
-                                "agent serves this call", self.vm_name, wait)
+                    log.warning("vm %s: the guest's agent did not open its port within %.0f s",
+                                self.vm_name, wait)
                 self._next_look = loop.time() + LOOK_AGAIN
                 return None
             try:
@@ -109,8 +94,6 @@ class PortAgent:
     async def close(self, reason: str = "") -> None:
         if reason:
             self.dead = reason
-        if self._opening is not None:
-            self._opening.cancel()
         client, self.client = self.client, None
         if client is not None:
             await client.close()

@@ -1,4 +1,4 @@
-"""Processes the guest's Python agent runs (specs/agent.proto), as the pod
+"""Processes the guest's agent runs (specs/agent.proto), as the pod
 runtime uses them: an exec started with one call, its output read as
 written (ReadStdout/ReadStderr block in the guest until there is more),
 its input written by offset, its exit learned by a WaitProcess that waits
@@ -30,25 +30,13 @@ READ_BYTES = 1 << 20
 # A cgroup's numbers are a few reads in the guest.
 STATS_TIMEOUT = 5.0
 Stream = handler_pb2.OutputChunk.Stream
-# The agent's exec id of a container's own process (agent_ids).
-CONTAINER_PROCESS = "ctr."
-
-
-
-def agent_ids(container_id: str, exec_id: str, created: bool = False) -> tuple[str, str]:
-    """The agent's ids of a pod's process. An exec is the container's exec.
-    The container's own process is (container, "") when the agent made the
-    container (created: CreateContainer); else a process of the guest (crun
-    run in the foreground, from a script: its exit is the container's, it
-    forwards signals), named after the container."""
-    if exec_id or created:
-        return container_id, exec_id
-    return "", CONTAINER_PROCESS + container_id
-
-
-def _ids(container_id: str, exec_id: str, created: bool = False) -> dict[str, str]:
-    agent_container, agent_exec = agent_ids(container_id, exec_id, created)
-    return {"container_id": agent_container, "exec_id": agent_exec}
+# The pod's /dev/shm as a pod tmpfs of the guest (no emptyDir's name, a
+# DNS label, has "_").
+SHM_TMPFS = "dev_shm"
+def _ids(container_id: str, exec_id: str) -> dict[str, str]:
+    """The agent's ids of a pod's process: the container's own is
+    (container, ""), an exec (container, exec)."""
+    return {"container_id": container_id, "exec_id": exec_id}
 
 
 async def exec_process(client: AgentClient, container_id: str, exec_id: str, process: dict,
@@ -64,15 +52,13 @@ async def exec_process(client: AgentClient, container_id: str, exec_id: str, pro
                                  f"{container_id}") from None
 
 
-async def wait_process(client: AgentClient, container_id: str, exec_id: str,
-                       created: bool = False) -> agent_pb2.WaitProcessResponse:
+async def wait_process(client: AgentClient, container_id: str, exec_id: str) -> agent_pb2.WaitProcessResponse:
     """Blocks in the guest until the process exited and its output is whole."""
-    return await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**_ids(container_id, exec_id, created)))
+    return await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**_ids(container_id, exec_id)))
 
 
 async def read_output(client: AgentClient, container_id: str, exec_id: str, stdout_offset: int,
-                      stderr_offset: int, cut: Callable[[str], DataLoss],
-                      created: bool = False) -> AsyncIterator[handler_pb2.OutputChunk]:
+                      stderr_offset: int, cut: Callable[[str], DataLoss]) -> AsyncIterator[handler_pb2.OutputChunk]:
     """Both streams from their offsets, as the guest has them, until both
     ended. A stream the guest no longer has (the process removed, the VM
     gone) ends the iteration with cut(why)."""
@@ -81,7 +67,7 @@ async def read_output(client: AgentClient, container_id: str, exec_id: str, stdo
 
     async def pump(stream: int, method: str) -> None:
         while True:
-            request = agent_pb2.ReadStreamRequest(**_ids(container_id, exec_id, created),
+            request = agent_pb2.ReadStreamRequest(**_ids(container_id, exec_id),
                                                   offset=offsets[stream], max_bytes=READ_BYTES)
             answer = await client.call(method, request)
             if answer.data:
@@ -120,7 +106,7 @@ async def read_output(client: AgentClient, container_id: str, exec_id: str, stdo
 
 
 async def write_input(client: AgentClient, container_id: str, exec_id: str, offset: int, data: bytes,
-                      close: bool, created: bool = False) -> int:
+                      close: bool) -> int:
     """data at offset of the process's input (resent bytes are not written
     twice); close: it ends there. The input's length after it."""
     what = f"standard input of {exec_id or container_id}"
@@ -128,20 +114,19 @@ async def write_input(client: AgentClient, container_id: str, exec_id: str, offs
         length = offset
         if data or not close:
             answer = await client.call("WriteStdin", agent_pb2.WriteStreamRequest(
-                **_ids(container_id, exec_id, created), offset=offset, data=data))
+                **_ids(container_id, exec_id), offset=offset, data=data))
             length = answer.length
         if close:
-            await client.call("CloseStdin", agent_pb2.CloseStdinRequest(**_ids(container_id, exec_id, created)))
+            await client.call("CloseStdin", agent_pb2.CloseStdinRequest(**_ids(container_id, exec_id)))
         return length
     except ttrpc.TtrpcError as exc:
         raise handler_error(exc, what) from None
 
 
-async def signal_process(client: AgentClient, container_id: str, exec_id: str, signal: int,
-                         created: bool = False) -> int:
+async def signal_process(client: AgentClient, container_id: str, exec_id: str, signal: int) -> int:
     try:
         answer = await client.call("SignalProcess", agent_pb2.SignalProcessRequest(
-            **_ids(container_id, exec_id, created), signal=signal))
+            **_ids(container_id, exec_id), signal=signal))
     except ttrpc.TtrpcError as exc:
         raise handler_error(exc, f"signal to {exec_id or container_id}") from None
     return answer.signalled
@@ -299,8 +284,7 @@ class ExitWatches:
         return task is not None and not task.done()
 
     def watch(self, client: AgentClient, container_id: str, exec_id: str,
-              on_exit: Callable[[agent_pb2.WaitProcessResponse | None, str], Awaitable[None]],
-              created: bool = False) -> None:
+              on_exit: Callable[[agent_pb2.WaitProcessResponse | None, str], Awaitable[None]]) -> None:
         """on_exit(answer, "") once it exited; on_exit(None, why) when the
         guest cannot tell any more (its agent forgot it, the VM is gone)."""
         key = (container_id, exec_id)
@@ -311,7 +295,7 @@ class ExitWatches:
         async def run() -> None:
             try:
                 try:
-                    answer = await wait_process(client, container_id, exec_id, created)
+                    answer = await wait_process(client, container_id, exec_id)
                 except ttrpc.TtrpcError as exc:
                     await on_exit(None, exc.message)
                 else:

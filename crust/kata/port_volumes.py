@@ -1,12 +1,8 @@
-"""A pod's volumes through the guest's Python agent (specs/agent.proto's
-volume calls): mounted, measured, grown and unmounted by the guest's kernel,
-each named by the handler's key for it (the last component of its mount
-point, <workdir>/volumes/<key>).
-
-A volume the agent does not know (mounted by the shell agent of a VM whose
-Python agent was not up yet, or before that agent restarted) is measured,
-grown and unmounted the shell agent's way: the caller is told so (None,
-False) and takes that path.
+"""A pod's volumes through the guest's agent (specs/agent.proto's volume
+calls): mounted, measured, grown and unmounted by the guest's kernel, each
+named by the handler's key for it (the last component of its mount point,
+<workdir>/volumes/<key>). A volume the agent does not know is told to the
+caller (None, False).
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ FS_GROUP_POLICIES = {"Always": agent_pb2.FsGroup.ALWAYS, "OnRootMismatch": agent
 
 
 def serves(port: PortAgent, disk_bus: str, fs_type: str = "") -> bool:
-    """Whether the guest's Python agent mounts volumes on this disk bus (and of fs_type)."""
+    """Whether the guest's agent mounts volumes on this disk bus (and of fs_type)."""
     bus = "disk.virtio-scsi" if disk_bus == "virtio-scsi" else "disk.virtio-blk"
     return port.has(bus) and (not fs_type or port.has(f"fs.{fs_type}"))
 
@@ -121,7 +117,7 @@ async def wait_disk_removed(client: AgentClient, serial: str, timeout: float) ->
 
 
 def serves_encrypted(port: PortAgent, disk_bus: str, fs_type: str, integrity: str) -> bool:
-    """Whether the guest's Python agent opens encrypted volumes (with integrity when asked)."""
+    """Whether the guest's agent opens encrypted volumes (with integrity when asked)."""
     return serves(port, disk_bus, fs_type) and port.has("luks2") and (not integrity or port.has("luks2.integrity"))
 
 

@@ -1,7 +1,7 @@
 """One QEMU microVM per sandbox: start, hot-plug disks, resize, stop.
 
-The guest is the image from image.py: a Debian kernel and a busybox
-initramfs whose agent answers on the second serial port. Volumes reach the
+The guest is the image from image.py: a Debian kernel and an initramfs
+whose agent (crust.guest) answers on a virtio-serial port. Volumes reach the
 guest as virtio-blk disks backed by a host block device (a loop device); the
 host never mounts them. QMP adds and removes disks while the guest runs and
 tells the guest when a disk grew (block_resize), so the agent can grow the
@@ -9,8 +9,8 @@ mounted file system online with the guest's own kernel.
 
 Choices worth knowing:
 - `-nodefaults -display none` instead of `-nographic`: no monitor or serial
-  port on QEMU's stdio, every channel is explicit (console to a file, agent
-  and QMP on unix sockets in the VM's work directory).
+  port on QEMU's stdio, every channel is explicit (console to a file, the
+  agent's port and QMP on unix sockets in the VM's work directory).
 - `-machine pc`: its ACPI PCI hotplug works with Debian's kernels out of
   the box (device_add / device_del of virtio-blk-pci).
 - The disks' bus is a setting (VmConfig.disk_bus). virtio-blk, the
@@ -50,13 +50,6 @@ from crust.common.atomicfile import write_atomic
 from crust.common.errors import CrustError
 from crust.common.private import make_dirs, open_new
 from crust.kata import port_volumes
-from crust.kata.agent import (
-    AGENT_RESUME,
-    AGENT_SCSI,
-    AgentClient,
-    AgentError,
-    GuestGone,
-)
 from crust.kata.agent_client import PORT_CHARDEV
 from crust.kata.port_agent import PortAgent
 from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
@@ -80,7 +73,7 @@ SCSI_CMDLINE = "scsi_mod.scan=none crust.disks=scsi"
 AGENT_PORT_NAME = "crust.agent"
 # The devices every VM has, beyond its config (a saved VM loads only into
 # the same set: crust.kata.template keys its saves with this).
-DEVICE_LAYOUT = "uart-console,uart-agent,virtio-serial-agent"
+DEVICE_LAYOUT = "uart-console,virtio-serial-agent"
 # virtio-blk serials are at most 20 bytes; the same word names the QMP nodes.
 SERIAL = re.compile(r"^[A-Za-z0-9_.-]{1,20}$")
 # sun_path is 108 bytes, NUL included.
@@ -90,11 +83,14 @@ MAX_SOCKET_PATH = 107
 # hash of its path, so a restarted handler finds the same sockets.
 SHORT_SOCKET_ROOT = Path("/run/crust-vm-sockets")
 # What a restored VM's kernel is given from the host's getrandom to reseed
-# its random number generator (agent.resume): 512 bits credited.
+# its random number generator (the agent's Resume): 512 bits credited.
 RESEED_BYTES = 64
 # How long a restored VM's agent port is waited for (saved open: at once
 # but for a machine short of CPU).
 RESTORED_PORT_WAIT = 10.0
+# How long a stop waits for the agent's port to open again when its
+# connection broke.
+POWER_OFF_PORT_WAIT = 5.0
 
 
 def socket_dir_for(workdir: Path) -> Path:
@@ -109,6 +105,10 @@ class VmError(Exception):
 
 class VmHung(VmError):
     """QEMU runs but does not answer on its monitor."""
+
+
+class GuestSilent(VmError):
+    """QEMU runs but its guest's agent did not answer in time."""
 
 
 def qemu_pids_under(*dirs: Path) -> list[int]:
@@ -249,8 +249,7 @@ class Vm:
         self.config = config
         self._place(workdir)
         self.socket_dir = socket_dir or socket_dir_for(workdir)
-        self.agent_socket = self.socket_dir / "agent.sock"
-        # The Python agent's virtio-serial port (specs/agent.proto).
+        # The guest agent's virtio-serial port (specs/agent.proto).
         self.port_socket = self.socket_dir / "port.sock"
         self.qmp_socket = self.socket_dir / "qmp.sock"
         self.virtiofsds: dict[str, Virtiofsd] = {}   # by tag
@@ -260,7 +259,6 @@ class Vm:
         # may not have handled yet) is not announced again at once.
         self._next_lun = 0
         self.boot_seconds: float | None = None
-        self.agent = AgentClient(str(self.agent_socket))
         self.qmp = QmpClient(str(self.qmp_socket))
         self.port = PortAgent(str(self.port_socket), self.qmp, name)
         self._proc: asyncio.subprocess.Process | None = None
@@ -312,8 +310,6 @@ class Vm:
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(c.kernel), "-initrd", str(c.initrd), "-append", self.cmdline(),
             "-serial", f"file:{self.console_log}",                        # ttyS0: console
-            "-chardev", f"socket,id=agent,path={self.agent_socket},server=on,wait=off",
-            "-serial", "chardev:agent",                                  # ttyS1: agent
             "-device", "virtio-serial-pci,id=ports",
             "-chardev", f"socket,id={PORT_CHARDEV},path={self.port_socket},server=on,wait=off",
             "-device", f"virtserialport,bus=ports.0,chardev={PORT_CHARDEV},name={AGENT_PORT_NAME}",
@@ -407,7 +403,6 @@ class Vm:
             code = await self._proc.wait()
         reason = f"QEMU exited with code {code}"
         log.info("vm %s: %s", self.name, reason)
-        self.agent.mark_dead(reason)
         await self.port.close(reason)
         return code
 
@@ -420,7 +415,7 @@ class Vm:
             exc = task.exception()
             if exc is None:
                 return task.result()
-            if not isinstance(exc, (QmpGone, GuestGone, ConnectionError)):
+            if not isinstance(exc, (QmpGone, ConnectionError)):
                 raise exc
             # A closed socket (or one reset while read: QEMU exiting between
             # the accept and its greeting) usually means QEMU is exiting: say why.
@@ -457,13 +452,13 @@ class Vm:
         one's, devices included (no shares, no NIC: they are plugged after).
         The guest is then made this VM's own before anyone uses it: the
         agent sets its clock and reseeds its random number generator
-        (agent.resume), or the start fails."""
-        for sock in (self.agent_socket, self.port_socket, self.qmp_socket):
+        (Resume), or the start fails."""
+        for sock in (self.port_socket, self.qmp_socket):
             if len(str(sock)) > MAX_SOCKET_PATH:
                 raise VmError(f"socket path too long for a unix socket: {sock}")
         make_dirs(self.workdir)
         make_dirs(self.socket_dir)
-        for stale in (self.agent_socket, self.port_socket, self.qmp_socket, self.pidfile, self.console_log):
+        for stale in (self.port_socket, self.qmp_socket, self.pidfile, self.console_log):
             stale.unlink(missing_ok=True)
         write_atomic(self.workdir / IDENTITY_FILE, json.dumps(
             {"name": self.name, "socket_dir": str(self.socket_dir)}).encode(), mode=0o600)
@@ -505,18 +500,10 @@ class Vm:
             if saved is not None:
                 await self._monitor(self._guarded(self._load(ready_timeout), "restore"))
                 loaded = time.monotonic() - started
-            await self._guarded(self.agent.connect(), "agent connect")
-            await self._guarded(self.agent.wait_ready(ready_timeout), "boot")
-            if self.config.disk_bus == "virtio-scsi" and self.agent.version < AGENT_SCSI:
-                raise VmError(f"vm {self.name}: its guest's agent ({self.agent.version}) finds no disk on a "
-                              f"SCSI controller (agent {AGENT_SCSI} does): rebuild the guest image")
-            if saved is not None:
                 await self._guarded(self._resume(), "resume")
-            elif await self._guarded(self.port.ready(wait=ready_timeout), "agent port") is None:
-                # The guest's Python agent serves the pod: the VM is ready
-                # once it answers on its port.
-                raise VmError(f"vm {self.name}: its guest's agent did not answer on its port within "
-                              f"{ready_timeout:.0f} s")
+            else:
+                # The VM is ready once its guest's agent answers on its port.
+                await self._guarded(self._agent_answers(ready_timeout), "boot")
         except BaseException:
             await self.kill()
             raise
@@ -529,26 +516,29 @@ class Vm:
                      self.pid, self.config.accel)
         return self.boot_seconds
 
+    async def _agent_answers(self, timeout: float) -> None:
+        if await self.port.ready(wait=timeout) is not None:
+            return
+        if not self.alive():
+            raise ConnectionError("QEMU is gone")   # _guarded says why
+        raise GuestSilent(f"vm {self.name}: its guest's agent did not answer on its port within {timeout:.0f} s")
+
     async def _resume(self) -> None:
         """A VM restored from a template made its own: the host's clock and
         fresh entropy, through the agent's port (its agent was saved with
-        the port open: it answers at once), else the shell agent's."""
+        the port open: it answers at once)."""
         client = await self.port.ready(wait=RESTORED_PORT_WAIT)
-        if client is not None and self.port.has("resume"):
-            now = time.time_ns()
-            try:
-                answer = await client.call("Resume", agent_pb2.ResumeRequest(
-                    seconds=now // 1_000_000_000, nanos=now % 1_000_000_000,
-                    seed=secrets.token_bytes(RESEED_BYTES)), timeout=RESTORED_PORT_WAIT)
-            except (ttrpc.TtrpcError, ConnectionError) as exc:
-                raise VmError(f"vm {self.name}: its restored guest was not made its own: {exc}") from None
-            log.info("vm %s: resumed through its agent's port (clock moved %.3f s)", self.name,
-                     answer.clock_step_nanos / 1e9)
-            return
-        if self.agent.version < AGENT_RESUME:
-            raise VmError(f"vm {self.name}: its saved guest's agent ({self.agent.version}) cannot make "
-                          f"a restored VM its own (agent {AGENT_RESUME} can): save it again")
-        await self.agent.resume(time.time_ns(), secrets.token_bytes(RESEED_BYTES))
+        if client is None or not self.port.has("resume"):
+            raise VmError(f"vm {self.name}: its restored guest's agent "
+                          f"{'does not answer on its port' if client is None else 'cannot resume'}: save it again")
+        now = time.time_ns()
+        try:
+            answer = await client.call("Resume", agent_pb2.ResumeRequest(
+                seconds=now // 1_000_000_000, nanos=now % 1_000_000_000,
+                seed=secrets.token_bytes(RESEED_BYTES)), timeout=RESTORED_PORT_WAIT)
+        except (ttrpc.TtrpcError, ConnectionError) as exc:
+            raise VmError(f"vm {self.name}: its restored guest was not made its own: {exc}") from None
+        log.info("vm %s: resumed (clock moved %.3f s)", self.name, answer.clock_step_nanos / 1e9)
 
     async def _load(self, timeout: float) -> None:
         """Until QEMU has read the saved state, then run the guest (it was
@@ -589,17 +579,16 @@ class Vm:
 
     async def adopt(self, qemu: proc.ProcessId, disks: list[tuple[str, str]], timeout: float = 30.0) -> None:
         """Take over a VM that an earlier handler process started (QEMU runs
-        in its own session and outlived it): reconnect to its QMP and agent
-        sockets, whose servers accept a new client once the old one is
-        gone, and rebuild the disk table from (host device, serial) pairs
+        in its own session and outlived it): reconnect to its QMP socket and
+        its agent's port, whose servers accept a new client once the old one
+        is gone, and rebuild the disk table from (host device, serial) pairs
         (node and device names derive from the serial)."""
         self._adopted = qemu
         if not self.alive():
             raise VmError(f"vm {self.name}: {qemu} is not this VM's QEMU (gone, or its pid was reused)")
         self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")
         await self._monitor(self._guarded(self.qmp.connect(), "QMP reconnect"))
-        await self._guarded(self.agent.connect(), "agent reconnect")
-        await self._guarded(self.agent.wait_ready(timeout), "agent ping")
+        await self._guarded(self._agent_answers(timeout), "agent reconnect")
         plugged = await self._monitor(self._peripherals())
         # The bus the VM booted with, whatever this process's setting: its
         # next disks go where the guest looks for them.
@@ -630,7 +619,9 @@ class Vm:
         """Power off through the agent (it unmounts first); QMP quit, then
         SIGKILL, if the guest does not go. Returns QEMU's exit code."""
         self.stopping = True
-        client = self.port.current() if self.alive() else None
+        # A connection that broke is opened again: PowerOff syncs and
+        # unmounts the guest's file systems before it goes.
+        client = await self.port.ready(wait=POWER_OFF_PORT_WAIT) if self.alive() else None
         if client is not None:
             try:
                 answer = await client.call("PowerOff", agent_pb2.PowerOffRequest(), timeout=timeout)
@@ -638,11 +629,6 @@ class Vm:
                          answer.unmounted, answer.failed)
             except (ttrpc.TtrpcError, ConnectionError) as exc:
                 log.warning("vm %s: power-off through the agent's port failed: %s", self.name, exc)
-        elif self.alive() and not self.agent.dead:
-            try:
-                await self.agent.poweroff(timeout=timeout)
-            except AgentError as exc:
-                log.warning("vm %s: poweroff through the agent failed: %s", self.name, exc)
         for attempt in ("wait", "quit"):
             if not self.alive():
                 break
@@ -688,11 +674,10 @@ class Vm:
         sandbox whose virtiofsd quit: its guest's processes would otherwise
         hang on the share, and no stop could reach them. Returns the reason
         the agent's calls now fail with."""
-        self.agent.mark_dead(f"its virtiofsd ({daemon.name}, cache={daemon.cache}) {daemon.ending()}")
-        await self.port.close(self.agent.dead)
-        log.error("vm %s: %s; the VM is killed", self.name, self.agent.dead)
+        await self.port.close(f"its virtiofsd ({daemon.name}, cache={daemon.cache}) {daemon.ending()}")
+        log.error("vm %s: %s; the VM is killed", self.name, self.port.dead)
         await self.kill()
-        return self.agent.dead
+        return self.port.dead
 
     async def stop_recorded_shares(self) -> None:
         """The file servers an earlier handler process recorded for this VM
@@ -709,7 +694,6 @@ class Vm:
             await daemon.stop()
 
     async def _close_clients(self) -> None:
-        await self.agent.close()
         await self.port.close()
         await self.qmp.close()
         if not self.alive():
@@ -721,7 +705,7 @@ class Vm:
         """The short socket directory of a VM that is gone, and the root of
         such directories once it is empty (it is made again when needed)."""
         shares = [SharedDir(tag, Path(".")) for tag in SHARE_TAGS]
-        for sock in (self.agent_socket, self.port_socket, self.qmp_socket, *map(self.fs_socket, shares)):
+        for sock in (self.port_socket, self.qmp_socket, *map(self.fs_socket, shares)):
             sock.unlink(missing_ok=True)
         for directory in (self.socket_dir, SHORT_SOCKET_ROOT):
             try:
@@ -866,17 +850,11 @@ class Vm:
         does so in the background): the same serial plugged again must be
         the new disk. A guest that is gone has no disk left to wait for."""
         client = await self.port.ready()
-        if client is not None and self.port.has("disk.virtio-scsi"):
-            try:
-                await port_volumes.wait_disk_removed(client, serial, timeout)
-            except CrustError as exc:
-                if self.alive():
-                    raise VmError(f"vm {self.name}: disk {serial} unplugged, but the guest still has it: "
-                                  f"{exc.message}") from None
+        if client is None:
             return
         try:
-            await self.agent.request("diskgone", serial, timeout=timeout)
-        except GuestGone:
-            pass
-        except AgentError as exc:
-            raise VmError(f"vm {self.name}: disk {serial} unplugged, but the guest still has it: {exc}") from None
+            await port_volumes.wait_disk_removed(client, serial, timeout)
+        except CrustError as exc:
+            if self.alive():
+                raise VmError(f"vm {self.name}: disk {serial} unplugged, but the guest still has it: "
+                              f"{exc.message}") from None

@@ -86,7 +86,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from crust.common.atomicfile import write_atomic
 from crust.common.private import make_dirs
 from crust.sys import mount, mountns, proc
 
@@ -185,12 +184,6 @@ class PodShare:
 
     def guest_bind(self, key: str) -> str:
         return f"{self.guest}/{BINDS}/{key}"
-
-    def guest_script(self, container_id: str, name: str) -> str:
-        return f"{self.guest}/{container_id}/run/{name}.sh"
-
-    def guest_input(self, container_id: str, name: str) -> str:
-        return f"{self.guest}/{container_id}/io/{name}.in"
 
     def _container_dir(self, container_id: str) -> Path:
         if not container_id or "/" in container_id or container_id.startswith("."):
@@ -340,8 +333,7 @@ class PodShare:
     def add_rootfs(self, container_id: str, rootfs: Path) -> str:
         """The container's root file system, where the guest finds it."""
         top = self._container_dir(container_id)
-        for sub in ("rootfs", "run"):
-            make_dirs(top / sub)
+        make_dirs(top / "rootfs")
         self._bind(str(rootfs), top.name, "rootfs", readonly=False, directory=True)
         return self.guest_rootfs(container_id)
 
@@ -357,54 +349,6 @@ class PodShare:
         submounts = self._bind(source, BINDS, key, readonly=readonly, directory=os.path.isdir(source),
                                recursive=recursive, follow=follow)
         return SharedBind(self.guest_bind(key), tuple(self.guest + point for point in submounts))
-
-    def write_script(self, container_id: str, name: str, text: str) -> str:
-        run = self._container_dir(container_id) / "run"
-        make_dirs(run)
-        write_atomic(run / f"{name}.sh", text.encode("utf-8", "surrogateescape"), mode=0o600)
-        return self.guest_script(container_id, name)
-
-    def remove_script(self, container_id: str, name: str) -> None:
-        try:
-            os.unlink(self._container_dir(container_id) / "run" / f"{name}.sh")
-        except FileNotFoundError:
-            pass
-
-    def open_input(self, container_id: str, name: str) -> str:
-        """An empty standard input for a process (nothing when it exists)."""
-        io = self._container_dir(container_id) / "io"
-        make_dirs(io)
-        try:
-            os.close(os.open(io / f"{name}.in", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                             | os.O_CLOEXEC, 0o600))
-        except FileExistsError:
-            pass
-        return self.guest_input(container_id, name)
-
-    def append_input(self, container_id: str, name: str, offset: int, data: bytes, close: bool) -> int:
-        """data at offset of the process's input: what the input already
-        holds from a resent call is not written twice; an offset past its
-        end is refused (bytes would be missing). close: the input ends
-        there (the guest's feed.sh ends once it copied it all). Returns the
-        input's length."""
-        path = self._container_dir(container_id) / "io" / f"{name}.in"
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            length = os.fstat(fd).st_size
-            if offset > length:
-                raise ShareError(f"offset {offset} is past the end of the input ({length} bytes)")
-            new = data[length - offset:]
-            if new and os.path.exists(f"{path}.closed"):
-                raise ShareError("the input was closed")
-            while new:
-                written = os.write(fd, new)
-                new = new[written:]
-            length = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        if close and not os.path.exists(f"{path}.closed"):
-            os.close(os.open(f"{path}.closed", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-        return length
 
     def remove_container(self, container_id: str) -> None:
         """Its binds detached, its directory removed; again after any failure."""

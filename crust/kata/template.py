@@ -24,7 +24,7 @@ What a restored VM has to be given, because the file cannot hold it:
   with the template's wall clock and the same kernel random number
   generator state. Before anything of a pod runs, the agent sets the clock
   from the host and credits 64 bytes of the host's getrandom to the kernel,
-  then reseeds its generator at once (agent `resume`; qemu.Vm.start). The
+  then reseeds its generator at once (the agent's Resume; qemu.Vm.start). The
   guest kernel has no vmgenid driver, which would do the reseed by itself.
   What stays the same in every clone: the kernel's address layout (KASLR)
   and what the kernel drew before the save (boot_id is drawn on first read:
@@ -57,7 +57,7 @@ from crust.common.errors import CrustError
 from crust.common.formats import NewerFormat, decode, encode
 from crust.common.private import make_dirs
 from crust.kata import port_process
-from crust.kata.agent import SHM_TMPFS, AgentError
+from crust.kata.port_process import SHM_TMPFS
 from crust.kata.pool import (
     POOL_NICE,
     RETRY_FIRST,
@@ -182,7 +182,7 @@ class VmTemplate:
                 await self._build(key)
                 self._ready = True
                 return
-            except (VmError, AgentError, CrustError, QmpError, QmpGone, CommandError, OSError) as exc:
+            except (VmError, CrustError, ConnectionError, QmpError, QmpGone, CommandError, OSError) as exc:
                 log.error("the VM template was not made; trying again later", extra={"fields": {
                     "error": str(exc)[:500], "retry_s": delay}})
             await asyncio.sleep(delay)
@@ -206,15 +206,15 @@ class VmTemplate:
                 dataclasses.replace(restore_config(self.config), nice=POOL_NICE))
         started = time.monotonic()
         try:
-            boot_s = await vm.start()   # its guest's Python agent connected
+            boot_s = await vm.start()   # its guest's agent connected
             client = await vm.port.ready()
             await port_process.mount_pod_tmpfs(client, SHM_TMPFS, "")
             if vm.port.has("warm"):
                 await port_warm(client)
-            await warm_disk(vm, self.directory, via_port=True)
+            await warm_disk(vm, client, self.directory)
             details = await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=30)
             uptime = details.uptime_ms / 1000
-            # Saved with the guest's Python agent running and its port open
+            # Saved with the guest's agent running and its port open
             # (the connection closed: a restored VM's host opens its own):
             # a restored VM's agent answers at once, its imports long done.
             await vm.port.close()

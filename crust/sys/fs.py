@@ -42,7 +42,7 @@ async def probe(device: str) -> Probe:
     signature, exit 2 with nothing printed means nothing was found. Anything
     else (I/O error, exit 8 for an ambivalent result: two signatures) raises,
     and the caller must not format. The microVM guest keeps the same rule
-    before it formats an encrypted volume (probe_blank in guest/agent.sh).
+    before it formats an encrypted volume (crust.guest.luks calls this).
     """
     blockdev.read_head(device)  # OSError here: unreadable, never "blank"
     result = await run(

@@ -4,9 +4,9 @@
 
 For each file system: a sparse file on a loop device, formatted on the host
 (as the shim does at stage time: mkfs only, no mount), a VM booted, the loop device
-hot-plugged as virtio-blk, mounted by the agent, a file written from inside,
-fsGroup, stats, an online grow (file, losetup -c, block_resize, agent grow),
-unmount, unplug, poweroff. Then, on the host and without mounting: the data
+hot-plugged as virtio-blk, mounted by the agent with an fsGroup, a file
+written from inside, stats, an online grow (file, losetup -c, block_resize,
+the agent's GrowVolume), unmount, unplug, poweroff. Then, on the host and without mounting: the data
 is on the device (debugfs for ext4, a raw scan for xfs) and fsck finds the
 grown file system clean. Meanwhile the host's mountinfo is sampled: the loop
 device must never appear in it. Everything created is released in finally.
@@ -26,13 +26,31 @@ import tempfile
 import time
 from pathlib import Path
 
-from crust.kata import image
+from crust.api import agent_pb2
+from crust.kata import image, port_volumes
 from crust.kata.qemu import Vm, VmConfig
 from crust.sys import loop
 
 MiB = 2**20
 SIZES = {"ext4": (64 * MiB, 96 * MiB), "xfs": (320 * MiB, 400 * MiB)}   # mkfs.xfs wants >= 300 MiB
 TARGET = "/run/crust/volumes/smoke"
+
+
+async def volume_stats(client) -> dict:
+    answer = await client.call("VolumeStats", agent_pb2.VolumeStatsRequest(
+        volume_id=port_volumes.volume_id(TARGET)), timeout=30)
+    return {"total": answer.total_bytes, "free": answer.free_bytes, "devsize": answer.device_bytes,
+            "readonly": answer.readonly}
+
+
+async def guest_sh(client, script: str) -> int:
+    """A guest process (no container), waited for; its exit code."""
+    process = {"args": ["/bin/sh", "-c", script], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "cwd": "/"}
+    await client.call("ExecProcess", agent_pb2.ExecProcessRequest(exec_id="smoke", process=json.dumps(
+        process).encode()), timeout=60)
+    answer = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="smoke"), timeout=120)
+    await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(exec_id="smoke"), timeout=30)
+    return answer.exit_code
 
 
 def sh(*argv: str, timeout: float = 120) -> str:
@@ -92,15 +110,14 @@ async def one(fs: str, kernel: Path, initrd: Path, accel: str) -> dict:
         step("boot to agent ready")
         await vm.attach_disk(device, "vol-smoke")
         step("hotplug virtio-blk")
-        result["guest_device"] = await vm.agent.mount("vol-smoke", fs, [], False, TARGET)
-        step("agent mount")
-        pid = await vm.agent.exec(f"echo {token} > {TARGET}/file && mkdir -p {TARGET}/dir && sync")
-        result["exec_exit"] = await vm.agent.wait_exit(pid)
+        client = await vm.port.ready()
+        mounted = await port_volumes.mount(client, port_volumes.storage(
+            "vol-smoke", fs, [], False, TARGET, (1234, "OnRootMismatch")))
+        result["guest_device"], result["fsgroup_walked"] = mounted.device, mounted.fs_group_walked
+        step("agent mount with fsGroup")
+        result["exec_exit"] = await guest_sh(client, f"echo {token} > {TARGET}/file && mkdir -p {TARGET}/dir && sync")
         step("exec write")
-        result["fsgroup_walked"] = [await vm.agent.fsgroup(TARGET, 1234, "OnRootMismatch"),
-                                    await vm.agent.fsgroup(TARGET, 1234, "OnRootMismatch")]
-        step("fsgroup twice (OnRootMismatch)")
-        before = await vm.agent.stats(TARGET)
+        before = await volume_stats(client)
         step("stats")
 
         with open(backing, "r+b") as f:
@@ -108,16 +125,16 @@ async def one(fs: str, kernel: Path, initrd: Path, accel: str) -> dict:
         await loop.refresh_capacity(device)
         await vm.resize_disk("vol-smoke")
         for _ in range(100):   # the guest learns the new capacity from a config interrupt
-            if (await vm.agent.stats(TARGET))["devsize"] == big:
+            if (await volume_stats(client))["devsize"] == big:
                 break
             await asyncio.sleep(0.05)
         step("grow file + losetup -c + block_resize")
-        result["grow_answer"] = await vm.agent.grow(TARGET)
-        after = await vm.agent.stats(TARGET)
+        result["grow_answer"] = await port_volumes.grow(client, TARGET)
+        after = await volume_stats(client)
         step("agent grow + stats")
         result["stats_before"], result["stats_after"] = before, after
 
-        result["unmounted"] = await vm.agent.umount(TARGET)
+        result["unmounted"] = await port_volumes.unmount(client, TARGET)
         await vm.detach_disk("vol-smoke")
         step("umount + unplug")
         result["qemu_exit"] = await vm.stop()
@@ -137,7 +154,7 @@ async def one(fs: str, kernel: Path, initrd: Path, accel: str) -> dict:
         step("host check (no mount): data + fsck")
         result["ok"] = (result["exec_exit"] == 0 and result["host_read"] == token and not watch.seen
                         and after["devsize"] == big and after["total"] > before["total"]
-                        and result["fsgroup_walked"] == [True, False])
+                        and result["fsgroup_walked"])
     finally:
         if watch_task is not None:
             watch_task.cancel()

@@ -3,10 +3,9 @@
 #
 # Sets up the pseudo file systems, starts the guest's agent on its
 # virtio-serial port, loads the kernel modules the image builder listed (in
-# dependency order: no modprobe, no depmod at boot), then keeps the earlier
-# shell agent running on the second serial port. PID 1 must never
-# exit (the kernel would panic), so the agent is a child and is restarted if
-# it dies; waiting on it also reaps the orphans the agent leaves behind.
+# dependency order: no modprobe, no depmod at boot), then waits. PID 1 must
+# never exit (the kernel would panic), so the agent is a child and is
+# restarted if it dies; waiting also reaps the orphans reparented to PID 1.
 # Everything this script prints goes to the console (ttyS0).
 
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin
@@ -30,7 +29,7 @@ mount -t proc -o nosuid,nodev,noexec proc /proc
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
 mount -t devtmpfs -o nosuid,mode=0755 devtmpfs /dev
 mkdir -p /dev/pts /dev/shm
-# Terminals of processes that ask for one (util-linux script opens /dev/ptmx).
+# The guest's own terminals (a container's are in its own devpts).
 mount -t devpts -o nosuid,noexec,mode=0620,ptmxmode=0666 devpts /dev/pts
 mount -t tmpfs -o nosuid,nodev,mode=0755 tmpfs /run
 mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /tmp
@@ -45,19 +44,18 @@ exec </dev/console >/dev/console 2>&1
 # boot. In the background, with a restart loop of its own: one that keeps
 # exiting at once is restarted less and less often (up to a minute apart),
 # not in a loop that takes the CPU from the pod; one that ran a minute or
-# more is restarted after a second. The shell agent (ttyS1, below) stays
-# for VMs an earlier crust started.
+# more is restarted after a second.
 python_agent() {
   pause=1
   while :; do
     started=$(cut -d. -f1 /proc/uptime)
-    echo "crust-init: starting the python agent at $(cut -d' ' -f1 /proc/uptime)s"
+    echo "crust-init: starting the agent at $(cut -d' ' -f1 /proc/uptime)s"
     PYTHONPATH=/usr/lib/crust/python python3.11 -S -m crust.guest --port-name crust.agent
     code=$?
     if [ $(($(cut -d. -f1 /proc/uptime) - started)) -ge 60 ]; then
       pause=1
     fi
-    echo "crust-init: the python agent exited ($code) at $(cut -d' ' -f1 /proc/uptime)s; restarting it in ${pause}s"
+    echo "crust-init: the agent exited ($code) at $(cut -d' ' -f1 /proc/uptime)s; restarting it in ${pause}s"
     sleep "$pause"
     pause=$((pause < 32 ? pause * 2 : 60))
   done
@@ -104,11 +102,9 @@ esac
 hostname crust-guest
 # The VM is the pod: its containers share the guest's network, localhost included.
 ip link set dev lo up
-echo "crust-init: up in $(cut -d' ' -f1 /proc/uptime)s, starting the agent on /dev/ttyS1"
-
+echo "crust-init: up in $(cut -d' ' -f1 /proc/uptime)s"
 
 while :; do
-  sh /usr/lib/crust/agent.sh /dev/ttyS1
-  echo "crust-init: the agent exited ($?); restarting it"
+  wait
   sleep 1
 done
