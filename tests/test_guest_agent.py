@@ -322,3 +322,45 @@ def test_an_exec_runs_in_the_container_through_the_oci_runtime(tmp_path, contain
     assert refused[0] == ttrpc.FAILED_PRECONDITION and "/no/such/program" in refused[1], refused
     assert removed.unread_bytes == len(out.data)  # read, never acknowledged by a read past them
     assert not list((tmp_path / "exec" / cid).iterdir()), "an exec's files stayed after its start"
+
+
+def test_the_agents_options_are_parsed_as_its_usage_says():
+    from crust.guest.agent import OPTIONS, UsageError, parse_args
+
+    args = parse_args(["--port-name", "crust.agent", "--oci-root=/run/x"])
+    assert args["--port-name"] == "crust.agent" and args["--oci-root"] == "/run/x"
+    assert "--listen" not in args and args["--pod-init"] == OPTIONS["--pod-init"][0]
+    assert parse_args(["--listen", "/s", "--help"]) is None
+    for argv, words in ((["--oci-root", "/x"], "one of --port, --port-name, --listen is required"),
+                        (["--listen", "/s", "--port", "/dev/vport0p1"], "not allowed with"),
+                        (["--listen", "/s", "--listen", "/t"], "--listen: given twice"),
+                        (["--listen"], "--listen: expected one argument"),
+                        (["--listen", "/s", "--verbose"], "unrecognized argument: --verbose")):
+        with pytest.raises(UsageError, match=words):
+            parse_args(argv)
+    done = subprocess.run([sys.executable, "-m", "crust.guest", "--listen"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (2, "") and "error: --listen: expected one argument" in done.stderr
+
+
+def test_protobufs_pure_python_messages_load_only_when_used():
+    """With the upb extension the agent never loads protobuf's pure-Python
+    implementation (its imports are paid in the guest's boot); a use of it
+    loads it then, and messages work throughout."""
+    script = """
+import sys
+from crust.guest.deferred import Deferred, defer_unused
+assert defer_unused() == ["google.protobuf.internal.python_message"]
+import crust.guest.agent, crust.guest.service
+from crust.api import agent_pb2
+name = "google.protobuf.internal.python_message"
+print(type(sys.modules[name]).__name__, "google.protobuf.text_format" in sys.modules)
+details = agent_pb2.GuestDetailsResponse(capabilities=["a"], uptime_ms=5)
+assert agent_pb2.GuestDetailsResponse.FromString(details.SerializeToString()) == details
+from google.protobuf import descriptor_pool
+helper = descriptor_pool.python_message._AttachFieldHelpers
+print(type(sys.modules[name]).__name__, callable(helper))
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["Deferred False", "module True"], done.stdout

@@ -13,7 +13,6 @@ processes and their output live in the AgentService, not the connection.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -171,27 +170,78 @@ async def run(port: str | None, listen: str | None, port_name: str | None = None
         await service.close()
 
 
+# The options: (default, what it is). Parsed by hand: argparse and the
+# gettext it imports are a measurable share of the agent's start in the
+# guest, which the host waits for.
+WHERE = {"--port": "a virtio-serial port's device (the guest)",
+         "--port-name": "a virtio-serial port's name, its device found in sysfs (the guest)",
+         "--listen": "a unix socket path to listen on (tests on the host)"}
+OPTIONS = {
+    "--oci-runtime": (GUEST_RUNTIME, "the OCI runtime execs run through"),
+    "--oci-root": (GUEST_RUNTIME_ROOT, "the OCI runtime's state directory"),
+    "--exec-dir": (GUEST_EXEC_DIR, "where execs' process files are written"),
+    "--enter-program": (ENTER_PROGRAM, ("the program an exec enters its container with (crun's exec when it is "
+                                        "missing)")),
+    "--containers-dir": (CONTAINERS_DIR, "where the agent keeps a container's bundle and the fifos of its hooks"),
+    "--holds-dir": (HOLDS_DIR, "where a container's mount namespace is held"),
+    "--run-dir": (RUN_DIR, "where the pod's shares, tmpfs and a container's subPath binds are mounted"),
+    "--pod-init": (CATATONIT, "the init of the pod's shared PID namespace"),
+    "--warm-spec": (WARM_SPEC, "the OCI spec of Warm's throwaway container"),
+}
+USAGE = "usage: python3 -m crust.guest (--port DEVICE | --port-name NAME | --listen PATH) [--OPTION VALUE ...]"
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse_args(argv: list[str]) -> dict[str, str] | None:
+    """Each option's value by its name (--name value or --name=value), the
+    defaults filled in; None for --help. UsageError names what is wrong."""
+    given: dict[str, str] = {}
+    rest = list(argv)
+    while rest:
+        word = rest.pop(0)
+        if word in ("-h", "--help"):
+            return None
+        name, eq, value = word.partition("=")
+        if name not in WHERE and name not in OPTIONS:
+            raise UsageError(f"unrecognized argument: {word}")
+        if not eq:
+            if not rest:
+                raise UsageError(f"{name}: expected one argument")
+            value = rest.pop(0)
+        if name in given:
+            raise UsageError(f"{name}: given twice")
+        given[name] = value
+    where = [name for name in WHERE if name in given]
+    if len(where) != 1:
+        raise UsageError(f"one of {', '.join(WHERE)} is required" if not where else
+                         f"{where[0]}: not allowed with {where[1]}")
+    return {**{name: default for name, (default, _) in OPTIONS.items()}, **given}
+
+
+def help_text() -> str:
+    lines = [USAGE, "", "crust's guest agent", ""]
+    lines += [f"  {name} {name[2:].upper().replace('-', '_')}\n        {what}" for name, what in WHERE.items()]
+    lines += [f"  {name} {name[2:].upper().replace('-', '_')}\n        {what} (default: {default})"
+              for name, (default, what) in OPTIONS.items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m crust.guest", description="crust's guest agent")
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--port", help="a virtio-serial port's device (the guest)")
-    where.add_argument("--port-name", help="a virtio-serial port's name, its device found in sysfs (the guest)")
-    where.add_argument("--listen", help="a unix socket path to listen on (tests on the host)")
-    parser.add_argument("--oci-runtime", default=GUEST_RUNTIME, help="the OCI runtime execs run through")
-    parser.add_argument("--oci-root", default=GUEST_RUNTIME_ROOT, help="the OCI runtime's state directory")
-    parser.add_argument("--exec-dir", default=GUEST_EXEC_DIR, help="where execs' process files are written")
-    parser.add_argument("--enter-program", default=ENTER_PROGRAM,
-                        help="the program an exec enters its container with (crun's exec when it is missing)")
-    parser.add_argument("--containers-dir", default=CONTAINERS_DIR,
-                        help="where the agent keeps a container's bundle and the fifos of its hooks")
-    parser.add_argument("--holds-dir", default=HOLDS_DIR, help="where a container's mount namespace is held")
-    parser.add_argument("--run-dir", default=RUN_DIR,
-                        help="where the pod's shares, tmpfs and a container's subPath binds are mounted")
-    parser.add_argument("--pod-init", default=CATATONIT, help="the init of the pod's shared PID namespace")
-    parser.add_argument("--warm-spec", default=WARM_SPEC, help="the OCI spec of Warm's throwaway container")
-    args = parser.parse_args(argv)
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except UsageError as exc:
+        print(f"{USAGE}\npython3 -m crust.guest: error: {exc}", file=sys.stderr)
+        return 2
+    if args is None:
+        print(help_text())
+        return 0
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="crust-agent: %(message)s")
-    asyncio.run(run(args.port, args.listen, args.port_name,
-                    OciRuntime(args.oci_runtime, args.oci_root, args.exec_dir, args.enter_program),
-                    args.containers_dir, args.holds_dir, args.run_dir, args.pod_init, args.warm_spec))
+    asyncio.run(run(args.get("--port"), args.get("--listen"), args.get("--port-name"),
+                    OciRuntime(args["--oci-runtime"], args["--oci-root"], args["--exec-dir"],
+                               args["--enter-program"]),
+                    args["--containers-dir"], args["--holds-dir"], args["--run-dir"], args["--pod-init"],
+                    args["--warm-spec"]))
     return 0
