@@ -37,7 +37,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -47,11 +46,20 @@ from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.common.aio import first_done
 from crust.common.atomicfile import write_atomic
-from crust.common.errors import CrustError
 from crust.common.private import make_dirs, open_new
-from crust.kata import port_volumes
 from crust.kata.agent_client import PORT_CHARDEV
 from crust.kata.port_agent import PortAgent
+from crust.kata.vm_devices import (
+    SCSI_CONTROLLER,
+    SHARE_TAGS,
+    Disk,
+    GuestSilent,
+    Nic,
+    SharedDir,
+    VmDevices,
+    VmError,
+    VmHung,
+)
 from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
 from crust.kata.virtiofsd import Virtiofsd, VirtiofsdError
 from crust.sys import proc
@@ -60,10 +68,6 @@ log = logging.getLogger(__name__)
 
 ACCELERATORS = ("tcg", "kvm")
 DISK_BUSES = ("virtio-blk", "virtio-scsi")
-# The virtio-scsi controller's QMP id; its LUNs are on bus scsi0.0, target 0.
-SCSI_CONTROLLER = "scsi0"
-# Linux's virtio_scsi takes LUNs below 16384.
-MAX_LUN = 16383
 # What the guest's /init reads on its command line to load the SCSI modules
 # (the image lists them, crust.kata.image), and the SCSI layer's boot scan
 # switched off: with nothing attached at boot it would probe 256 targets.
@@ -74,8 +78,6 @@ AGENT_PORT_NAME = "crust.agent"
 # The devices every VM has, beyond its config (a saved VM loads only into
 # the same set: crust.kata.template keys its saves with this).
 DEVICE_LAYOUT = "uart-console,virtio-serial-agent"
-# virtio-blk serials are at most 20 bytes; the same word names the QMP nodes.
-SERIAL = re.compile(r"^[A-Za-z0-9_.-]{1,20}$")
 # sun_path is 108 bytes, NUL included.
 MAX_SOCKET_PATH = 107
 # Where a VM's sockets go when its work directory is too deep for them (a
@@ -94,21 +96,12 @@ POWER_OFF_PORT_WAIT = 5.0
 
 
 def socket_dir_for(workdir: Path) -> Path:
-    if len(str(workdir / "agent.sock")) <= MAX_SOCKET_PATH:
+    """The work directory itself when the longest of a VM's socket names
+    fits in it, else a short directory of its own."""
+    longest = max((f"fs{SharedDir(tag, Path('.')).suffix}.sock" for tag in SHARE_TAGS), key=len)
+    if len(str(workdir / longest)) <= MAX_SOCKET_PATH:
         return workdir
     return SHORT_SOCKET_ROOT / hashlib.sha256(str(workdir.absolute()).encode()).hexdigest()[:24]
-
-
-class VmError(Exception):
-    pass
-
-
-class VmHung(VmError):
-    """QEMU runs but does not answer on its monitor."""
-
-
-class GuestSilent(VmError):
-    """QEMU runs but its guest's agent did not answer in time."""
 
 
 def qemu_pids_under(*dirs: Path) -> list[int]:
@@ -173,42 +166,6 @@ class VmConfig:
     disk_bus: str = "virtio-blk"
 
 
-@dataclass(frozen=True)
-class Nic:
-    """A virtio-net NIC on a tap device QEMU takes by its descriptor (made
-    in the pod's network namespace; QEMU itself stays in the host's)."""
-    tap_fd: int
-    mac: str
-
-
-# The tags a VM's shares may have (adopt() looks for their daemons).
-SHARE_TAGS = ("crust", "crust-live")
-
-
-@dataclass(frozen=True)
-class SharedDir:
-    tag: str           # what the guest mounts (mount -t virtiofs <tag>)
-    source: Path
-    cache: str = "auto"   # virtiofsd's cache mode (crust.kata.virtiofsd says which and why)
-
-    @property
-    def suffix(self) -> str:
-        """What names its socket and daemon files: nothing for tag crust (the
-        names a VM of one share always had), -live for crust-live."""
-        rest = self.tag.removeprefix("crust").lstrip("-")
-        return f"-{rest}" if rest else ""
-
-
-@dataclass
-class Disk:
-    serial: str
-    host_device: str
-    node: str          # QMP block node (blockdev-add)
-    device_id: str     # QMP device (device_add)
-    readonly: bool
-    lun: int | None = None   # its LUN on the virtio-scsi controller; None: a virtio-blk disk
-
-
 # A VM's name and socket directory, kept in its work directory: a VM booted
 # ahead of its pod (crust.kata.pool) moves into the pod's directory under a
 # name and with sockets of its own, which a restarted handler reads here.
@@ -239,7 +196,7 @@ def read_identity(workdir: Path) -> tuple[str, Path] | None:
     return name, sockets
 
 
-class Vm:
+class Vm(VmDevices):
     def __init__(self, name: str, workdir: Path, config: VmConfig, socket_dir: Path | None = None):
         if config.accel not in ACCELERATORS:
             raise ValueError(f"accelerator {config.accel!r}: one of {', '.join(ACCELERATORS)}")
@@ -714,147 +671,3 @@ class Vm:
                 return  # not empty (another VM's), or gone already
 
     # ------------------------------------------------- devices of a booted VM
-
-    async def plug_shared_dir(self, shared: SharedDir) -> None:
-        """A shared directory added to a running VM (booted with shared
-        memory): its virtiofsd started, then a vhost-user-fs device on its
-        socket; the guest sees the tag once the device is probed."""
-        if not self.config.shared_memory:
-            raise VmError(f"vm {self.name}: booted without shared memory, it cannot take a shared directory")
-        if shared.tag in self.virtiofsds:
-            return
-        daemon = self._daemon(shared)
-        try:
-            await daemon.start()
-        except (VirtiofsdError, OSError) as exc:
-            raise VmError(f"vm {self.name}: its shared directory {shared.tag}: {exc}") from None
-        chardev = f"vfs-{shared.tag}"
-        try:
-            await self.qmp.execute("chardev-add", {"id": chardev, "backend": {"type": "socket", "data": {
-                "addr": {"type": "unix", "data": {"path": str(self.fs_socket(shared))}}, "server": False}}})
-            await self.qmp.execute("device_add", {"driver": "vhost-user-fs-pci", "chardev": chardev,
-                                                  "tag": shared.tag, "id": f"fs-{shared.tag}"})
-        except BaseException:
-            await daemon.stop()
-            raise
-        self.virtiofsds[shared.tag] = daemon
-        self.config.shared_dirs = (*self.config.shared_dirs, shared)
-
-    async def plug_nic(self, nic: Nic) -> None:
-        """The pod's NIC added to a running VM: the tap's descriptor handed
-        to QEMU over QMP (getfd), a tap netdev on it, a virtio-net device
-        with the pod's MAC address. The caller keeps (and closes) its copy."""
-        if self.config.nic is not None:
-            raise VmError(f"vm {self.name} has a NIC already")
-        await self.qmp.execute_with_fd("getfd", {"fdname": "pod-tap"}, nic.tap_fd)
-        await self.qmp.execute("netdev_add", {"type": "tap", "id": "pod", "fd": "pod-tap", "vhost": False})
-        await self.qmp.execute("device_add", {"driver": "virtio-net-pci", "netdev": "pod", "mac": nic.mac,
-                                              "id": "pod-nic", "romfile": ""})
-        self.config.nic = nic
-
-    # ---------------------------------------------------------------- disks
-
-    async def _peripherals(self) -> set[str]:
-        """The ids of the devices added by id (-device id=, device_add)."""
-        return {entry["name"] for entry in await self.qmp.execute("qom-list", {"path": "/machine/peripheral"})
-                if entry.get("type", "").startswith("child<")}
-
-    async def attach_disk(self, host_device: str, serial: str, readonly: bool = False,
-                          direct: bool = False, kind: str = "host_device") -> Disk:
-        """Hot-plug a host block device with this serial (the agent finds
-        the guest disk by it), on the VM's disk bus: a virtio-blk device,
-        or a LUN of the virtio-scsi controller. direct: O_DIRECT on the
-        host. kind "file": a regular file holds the disk (the pool's warm-up
-        image), not a block device."""
-        if kind not in ("host_device", "file"):
-            raise ValueError(f"disk kind {kind!r}: host_device or file")
-        if not SERIAL.match(serial):
-            raise ValueError(f"serial {serial!r}: 1-20 of [A-Za-z0-9_.-]")
-        if serial in self.disks:
-            raise VmError(f"vm {self.name}: a disk with serial {serial} is attached already")
-        scsi = self.config.disk_bus == "virtio-scsi"
-        disk = self._disk(serial, host_device, readonly, lun=self._next_lun if scsi else None)
-        await self.qmp.execute("blockdev-add", {
-            "driver": kind, "filename": host_device, "node-name": disk.node,
-            "read-only": readonly, "cache": {"direct": direct}})
-        try:
-            if scsi:
-                await self._add_lun(disk)
-            else:
-                await self.qmp.execute("device_add", {
-                    "driver": "virtio-blk-pci", "id": disk.device_id, "drive": disk.node, "serial": serial})
-        except BaseException:
-            await self.qmp.execute("blockdev-del", {"node-name": disk.node})
-            raise
-        self.disks[serial] = disk
-        return disk
-
-    async def _add_lun(self, disk: Disk) -> None:
-        """The disk as the next free LUN of the controller (a LUN an earlier
-        handler process plugged is skipped: QEMU says it is in use)."""
-        while True:
-            if self._next_lun > MAX_LUN:
-                raise VmError(f"vm {self.name}: no LUN left on its SCSI controller")
-            disk.lun = self._next_lun
-            self._next_lun += 1
-            try:
-                await self.qmp.execute("device_add", {
-                    "driver": "scsi-hd", "id": disk.device_id, "drive": disk.node, "serial": disk.serial,
-                    "bus": f"{SCSI_CONTROLLER}.0", "channel": 0, "scsi-id": 0, "lun": disk.lun})
-                return
-            except QmpError as exc:
-                if "already used" not in exc.desc:
-                    raise
-
-    @staticmethod
-    def _disk(serial: str, host_device: str, readonly: bool, lun: int | None = None) -> Disk:
-        return Disk(serial, host_device, node=f"disk-{serial}",
-                    device_id=f"vblk-{serial}" if lun is None else f"vscsi-{serial}", readonly=readonly, lun=lun)
-
-    async def resize_disk(self, serial: str, size: int | None = None) -> int:
-        """Tell the guest its disk grew (after the host device grew, e.g.
-        losetup -c). size defaults to the host device's current size."""
-        disk = self.disks[serial]
-        if size is None:
-            fd = os.open(disk.host_device, os.O_RDONLY)
-            try:
-                size = os.lseek(fd, 0, os.SEEK_END)
-            finally:
-                os.close(fd)
-        await self.qmp.execute("block_resize", {"node-name": disk.node, "size": size})
-        return size
-
-    async def detach_disk(self, serial: str, timeout: float = 30.0) -> None:
-        """Unplug (the guest must let go: unmount first), then drop the node.
-        A virtio-blk disk goes once the guest ejects it; a LUN at once (QEMU
-        tells the guest it went), and then this waits until the guest has
-        removed its disk."""
-        disk = self.disks[serial]
-        mark = self.qmp.mark()
-        try:
-            await self.qmp.execute("device_del", {"id": disk.device_id})
-            await self.qmp.wait_event("DEVICE_DELETED", mark, lambda d: d.get("device") == disk.device_id,
-                                      timeout=timeout)
-        except QmpError as exc:
-            if exc.error_class != "DeviceNotFound":
-                raise
-        except asyncio.TimeoutError:
-            raise VmError(f"vm {self.name}: the guest did not release disk {serial} within {timeout:.0f}s") from None
-        await self.qmp.execute("blockdev-del", {"node-name": disk.node})
-        del self.disks[serial]
-        if disk.lun is not None:
-            await self._lun_gone(serial, timeout)
-
-    async def _lun_gone(self, serial: str, timeout: float) -> None:
-        """Wait until the guest removed the disk of a LUN QEMU removed (it
-        does so in the background): the same serial plugged again must be
-        the new disk. A guest that is gone has no disk left to wait for."""
-        client = await self.port.ready()
-        if client is None:
-            return
-        try:
-            await port_volumes.wait_disk_removed(client, serial, timeout)
-        except CrustError as exc:
-            if self.alive():
-                raise VmError(f"vm {self.name}: disk {serial} unplugged, but the guest still has it: "
-                              f"{exc.message}") from None
