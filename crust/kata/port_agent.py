@@ -92,7 +92,10 @@ class PortAgent:
             return self.client
 
     async def close(self, reason: str = "") -> None:
-        if reason:
+        """Close the connection; with a reason, for good (the VM is gone).
+        The first reason stays: a VM killed because its file server died
+        is then seen to exit, and the pod's record names the cause."""
+        if reason and not self.dead:
             self.dead = reason
         client, self.client = self.client, None
         if client is not None:
