@@ -28,10 +28,13 @@ PYTHON_PACKAGES = ("python3.11-minimal", "libpython3.11-stdlib")
 # What /init runs (python3.11 -m crust.guest): the package whose __main__ is
 # run, the modules whose imports are measured (runpy: what -m runs it with;
 # concurrent.futures.thread: asyncio's default executor, imported at its
-# first to_thread), and the modules kept out (an import of them fails as if absent): ssl, which
-# asyncio does without and which would bring libssl.
+# first to_thread; what __main__ imports, which is not imported to measure
+# it, as that would run the agent), and the modules kept out (an import of
+# them fails as if absent): ssl, which asyncio does without and which would
+# bring libssl.
 PYTHON_MAIN = "crust.guest"
-PYTHON_IMPORTS = ("runpy", "concurrent.futures.thread", "crust.guest.agent", "crust.guest.service")
+PYTHON_IMPORTS = ("runpy", "concurrent.futures.thread", "crust.guest.deferred", "crust.guest.agent",
+                  "crust.guest.service")
 PYTHON_BLOCKED = ("ssl",)
 # crust's modules and the protobuf runtime, in the image (the agent's PYTHONPATH).
 PYTHON_PATH = "/usr/lib/crust/python"
