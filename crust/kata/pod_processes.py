@@ -136,10 +136,15 @@ class PodProcesses:
                 p.exit_code, p.reason = VM_GONE_EXIT_CODE, f"ended without an exit code: {why}"
                 p.exited_at_ns = time.time_ns()
             else:
+                # The host's time of the answer, not the guest's of the exit:
+                # a booted guest's clock comes from its RTC (whole seconds),
+                # and CRI compares this with the host's times (the next
+                # container's creation after an init container's exit).
+                exited_at = time.time_ns()
                 if not p.exec_id:
                     sandbox = self._sandbox(pod.sandbox_id)
                     p.oom_killed = sandbox is not None and sandbox.alive() and await self._oom_killed(sandbox, c)
-                p.exit_code, p.exited_at_ns = answer.exit_code, answer.exited_at_ns or time.time_ns()
+                p.exit_code, p.exited_at_ns = answer.exit_code, exited_at
                 if not answer.output_complete:
                     log.warning("exec output may be incomplete: a process it left held its streams", extra={
                         "fields": {"sandbox": pod.sandbox_id, "container": c.container_id, "exec": p.exec_id}})
