@@ -63,8 +63,7 @@ from crust.common.errors import (
 )
 from crust.common.recordstore import KEY_RULE, valid_key
 from crust.kata import guest_oci, port_process, port_volumes
-from crust.kata.agent_client import AgentClient
-from crust.kata.pod_processes import POLL, PORT_WAIT, PodProcesses
+from crust.kata.pod_processes import POLL, PodProcesses
 from crust.kata.pod_records import (
     GUEST_CONTAINERS,
     ContainerRecord,
@@ -311,7 +310,7 @@ class PodContainers(PodProcesses):
         await self.records.put(pod.sandbox_id, pod)
         new_volumes: list[str] = []
         try:
-            client = await self._client(sandbox)
+            client = await sandbox.port()
             await asyncio.to_thread(_make_mount_points, rootfs, binds)
             try:
                 guest_rootfs = await asyncio.to_thread(share.add_rootfs, container_id, rootfs)
@@ -409,13 +408,6 @@ class PodContainers(PodProcesses):
                     "sandbox": pod.sandbox_id, "container": container_id, "error": undo.message}})
             raise
 
-    @staticmethod
-    async def _client(sandbox: KataSandbox) -> AgentClient:
-        client = await sandbox.vm.port.ready(wait=PORT_WAIT)
-        if client is None:
-            raise Unavailable(f"sandbox {sandbox.id}: its guest's agent is not connected")
-        return client
-
     async def _create_on_port(self, sandbox: KataSandbox, record: SandboxRecord, pod: PodRecord,
                               c: ContainerRecord) -> None:
         """crun makes the container now, through the guest's agent
@@ -425,7 +417,7 @@ class PodContainers(PodProcesses):
         c.created_on_port = p.on_port = True   # recorded first: a failed create is removed on the port
         await self.records.put(pod.sandbox_id, pod)
         try:
-            client = await self._client(sandbox)
+            client = await sandbox.port()
             if c.oci.sysctls or c.oci.hostname:
                 await port_process.configure_guest(client, c.oci.sysctls, c.oci.hostname)
             try:
@@ -452,7 +444,7 @@ class PodContainers(PodProcesses):
         alive = sandbox is not None and sandbox.alive()
         if alive and c.created_on_port:
             try:
-                await port_process.remove_container(await self._client(sandbox), c.container_id)
+                await port_process.remove_container(await sandbox.port(), c.container_id)
             except CrustError as exc:
                 errors.append(exc.message)
         if record is not None:
@@ -541,7 +533,7 @@ class PodContainers(PodProcesses):
         empty)."""
         if not c.created_on_port:
             return
-        await port_process.signal_all(await self._client(sandbox), c.container_id, 9)
+        await port_process.signal_all(await sandbox.port(), c.container_id, 9)
         deadline = time.monotonic() + timeout
         for p in c.processes.values():
             while p.pid and p.exit_code is None and time.monotonic() < deadline:

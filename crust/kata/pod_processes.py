@@ -22,11 +22,9 @@ from crust.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    Unavailable,
 )
 from crust.common.recordstore import KEY_RULE, valid_key
 from crust.kata import guest_oci, port_process
-from crust.kata.agent_client import AgentClient
 from crust.kata.pod_records import (
     VM_GONE_EXIT_CODE,
     ContainerRecord,
@@ -99,7 +97,7 @@ class PodProcesses:
         """A process through the guest's agent: one call starts it,
         its output and input are the agent's pipes, its exit is pushed (a
         WaitProcess waiting in the guest)."""
-        client = await self._port(sandbox, p.exec_id or c.container_id)
+        client = await sandbox.port()
         if p.exec_id:
             process = guest_oci.exec_process(c.oci.spec.get("process") or {}, p.args, p.env, p.cwd, p.uid, p.gid,
                                              p.additional_gids, p.terminal)
@@ -111,13 +109,6 @@ class PodProcesses:
         log.info("process started", extra={"fields": {"sandbox": pod.sandbox_id, "container": c.container_id,
                                                       "exec": p.exec_id, "pid": p.pid}})
         return p.pid
-
-    @staticmethod
-    async def _port(sandbox: KataSandbox, what: str) -> AgentClient:
-        client = await sandbox.vm.port.ready(wait=PORT_WAIT)
-        if client is None:
-            raise Unavailable(f"process {what}: the guest's agent port is not open (the VM restarts it)")
-        return client
 
     def _watch_exit(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord, client) -> None:
         async def record(answer, why: str) -> None:
@@ -171,10 +162,7 @@ class PodProcesses:
     @staticmethod
     async def _cgroup_stats(sandbox: KataSandbox, container_id: str) -> handler_pb2.ContainerStatsResponse:
         """The cgroup numbers of a container ("": the pod's)."""
-        client = await sandbox.vm.port.ready(wait=PORT_WAIT)
-        if client is None:
-            raise Unavailable(f"sandbox {sandbox.id}: its guest's agent port is not open")
-        return await port_process.container_stats(client, container_id)
+        return await port_process.container_stats(await sandbox.port(), container_id)
 
     async def _oom_killed(self, sandbox: KataSandbox, c: ContainerRecord) -> bool:
         """Whether the OOM killer killed a process of the container: the
@@ -223,11 +211,11 @@ class PodProcesses:
         if sandbox is None or not sandbox.alive() or pod.gone:
             return   # nothing runs any more: a signal has nothing to reach
         if all_processes:
-            await port_process.signal_all(await self._port(sandbox, container_id), container_id, signal)
+            await port_process.signal_all(await sandbox.port(), container_id, signal)
         elif not p.pid:
             raise FailedPrecondition(f"process {exec_id or container_id} was not started")
         elif p.exit_code is None:
-            await port_process.signal_process(await self._port(sandbox, exec_id or container_id), container_id,
+            await port_process.signal_process(await sandbox.port(), container_id,
                                               exec_id, signal)
 
     async def write_input(self, container_id: str, exec_id: str, offset: int, data: bytes, close: bool) -> int:
@@ -241,7 +229,7 @@ class PodProcesses:
         if not p.pid:
             raise FailedPrecondition(f"process {exec_id or container_id} was not started yet")
         sandbox, _, _ = self._live(pod.sandbox_id)
-        return await port_process.write_input(await self._port(sandbox, exec_id or container_id), container_id,
+        return await port_process.write_input(await sandbox.port(), container_id,
                                               exec_id, offset, data, close)
 
     async def resize_terminal(self, container_id: str, exec_id: str, width: int, height: int) -> None:
@@ -256,7 +244,7 @@ class PodProcesses:
         if p.exit_code is not None:
             return   # its terminal went with it
         sandbox, _, _ = self._live(pod.sandbox_id)
-        await port_process.resize_terminal(await self._port(sandbox, exec_id or container_id), container_id,
+        await port_process.resize_terminal(await sandbox.port(), container_id,
                                            exec_id, width, height)
 
     async def container_stats(self, container_id: str) -> handler_pb2.ContainerStatsResponse:

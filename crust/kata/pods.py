@@ -57,7 +57,6 @@ from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata import guest_oci, port_process
 from crust.kata.pod_containers import PodContainers, raw_spec
-from crust.kata.pod_processes import PORT_WAIT
 from crust.kata.pod_records import (
     VM_GONE_EXIT_CODE,
     ContainerRecord,
@@ -256,7 +255,7 @@ class Pods(PodContainers):
                 try:
                     await self._stop_processes(sandbox, pod, c)
                     if c.created_on_port:   # its namespace's hold, before the volumes are unmounted
-                        await port_process.remove_container(await self._client(sandbox), c.container_id)
+                        await port_process.remove_container(await sandbox.port(), c.container_id)
                 except CrustError as exc:
                     log.warning("could not unmount a container before stopping its pod", extra={"fields": {
                         "sandbox": sandbox_id, "container": c.container_id, "error": str(exc)}})
@@ -376,9 +375,7 @@ class Pods(PodContainers):
                         tap = -1
                     # The guest's agent is connected now (a VM is ready once
                     # it answers).
-                    client = await sandbox.vm.port.ready(wait=PORT_WAIT)
-                    if client is None:
-                        raise Unavailable(f"pod {sandbox_id}: its guest's agent is not connected")
+                    client = await sandbox.port()
                     for share in shares:
                         await port_process.mount_share(client, share.tag)
                     if sysctls or hostname:
