@@ -110,7 +110,7 @@ def file_servers_of(root_path: Path) -> dict[str, tuple[int, str]]:
 
 
 def test_a_killed_virtiofsd_ends_its_pod_which_stops_and_goes_leaving_nothing(node, root):
-    """SIGKILL of the pod's virtiofsd (cache=auto, the share of its roots
+    """SIGKILL of the pod's virtiofsd (cache=always, the share of its roots
     and emptyDirs): the VM is killed at once, the containers are reported
     exited (the handler's record names the daemon), an exec fails instead
     of hanging, and kubelet's stop and removal succeed and leave no
@@ -123,7 +123,7 @@ def test_a_killed_virtiofsd_ends_its_pod_which_stops_and_goes_leaving_nothing(no
         app = node.status(pod, "app")
         node.run(app.id, "/bin/sh", "-c", "echo before > /work/file")
         servers = file_servers_of(root.path)
-        ((pid, _),) = [s for s in servers.values() if s[1] == "auto"]
+        ((pid, _),) = [s for s in servers.values() if s[1] == "always"]
         (vm_pid,) = qemu_pids_under(root.path)
         os.kill(pid, signal.SIGKILL)
         exited = wait_until(lambda: (s := node.runtime.container_status(app.id)).state == cri.CONTAINER_EXITED and s,

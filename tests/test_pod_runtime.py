@@ -621,7 +621,10 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     virtiofsd daemons; each container's rootfs and host-path binds in the
     share, live both ways, read-only where the mount says so; a volume
     kubelet's atomic writer updates in the live share (cache=none), its
-    update read at once; a host path that leads to a CSI volume's path is
+    update read at once; an emptyDir in the share, whose file's pages the
+    guest keeps across opens until the file changes (cache=always, looked at
+    again after a second): a rewrite of the same size is read within a few
+    seconds; a host path that leads to a CSI volume's path is
     refused; nothing of it outlives the pod."""
     from crust.kata import virtiofsd
 
@@ -634,14 +637,15 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     qemu = client.create_pod("share-pod", sandbox_bundle)
     workdir = kenv.handler.state_dir / "run" / "share-pod"
     daemons, serving_of = [], {}
-    for name, cache in (("share", b"cache=auto"), ("live", b"cache=none")):
+    for name, options in (("share", (b"cache=always", b"timeout=1")), ("live", (b"cache=none",))):
         served, writable = sysmount.at(str(workdir / name)), sysmount.at(str(workdir / f"{name}.rw"))
         assert served is not None and served.readonly and writable is not None and not writable.readonly
         serving = [pid for pid in virtiofsd.pids_under(Path("/run"), kenv.handler.state_dir)
                    if f"source={workdir / name}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
         # Its namespace sandbox: the daemon and its child in a pid namespace of its own.
         assert 1 <= len(serving) <= 2, (name, serving)
-        assert all(cache in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in serving), name
+        assert all(set(options) <= set(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+                   for pid in serving), name
         daemons += serving
         serving_of[name] = serving[0]
 
@@ -655,10 +659,14 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     (config_map / "..v1" / "key").write_text("cm 1\n")
     (config_map / "..data").symlink_to("..v1")
     (config_map / "key").symlink_to("..data/key")
+    empty_dir = kenv.path / "pods" / "uid-share" / "volumes" / "kubernetes.io~empty-dir" / "scratch"
+    empty_dir.mkdir(parents=True)
+    (empty_dir / "note").write_text("first\n")
     script = "echo from-guest > /shared/out; cat /conf; { echo x > /conf; } 2>/dev/null || echo conf-read-only; " \
              "cat /cfg/key; touch /rootfile; echo READY; exec sleep 600"
     one = container_bundle(kenv.path, "share-one", ["/bin/sh", "-c", script],
-                           [bind("/shared", shared), bind("/conf", conf, "ro"), bind("/cfg", config_map, "ro")])
+                           [bind("/shared", shared), bind("/conf", conf, "ro"), bind("/cfg", config_map, "ro"),
+                            bind("/scratch", empty_dir)])
     client.create_container("share-pod", "share-one", one)
     client.start("share-one")
     assert client.output_until("share-one", b"READY") == b"version 1\nconf-read-only\ncm 1\nREADY\n"
@@ -688,12 +696,26 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
 
         wait_until(read_new, timeout=10, what=f"version {version} in the guest")
         assert all(code == 0 for code, _, _ in reads), reads
+    # The share keeps a file's pages across opens; a change the host makes
+    # (same size: only its modification time tells) drops them once the
+    # guest looks at the file's attributes again.
+    assert client.exec("share-one", "note-1", ["cat", "/scratch/note"])[1] == b"first\n"
+    assert client.exec("share-one", "note-2", ["cat", "/scratch/note"])[1] == b"first\n"
+    (empty_dir / "note").write_text("again\n")
+    notes = []
+
+    def note_rewritten() -> bool:
+        notes.append(client.exec("share-one", f"note-after-{len(notes)}", ["cat", "/scratch/note"])[1])
+        return notes[-1] == b"again\n"
+
+    wait_until(note_rewritten, timeout=5, what="the host's rewrite of an emptyDir file in the guest")
+    assert set(notes) <= {b"first\n", b"again\n"}, notes
     # Only the binds: no deferred volume, no placeholder. The container's
-    # root in the share (the guest caches its lookups); the host paths and
+    # root and the emptyDir in the share (the guest caches them); the host paths and
     # the configMap in the live share (cache=none: the host's changes seen
     # at once), each bound once for the pod.
     assert sorted(os.listdir(workdir / "share" / "share-one")) == ["rootfs"]
-    assert not (workdir / "share" / ".binds").exists()
+    assert len(os.listdir(workdir / "share" / ".binds")) == 1
     assert len(os.listdir(workdir / "live" / ".binds")) == 3
     # The binds are the file servers' alone, made in each daemon's mount
     # namespace: on the host the share's directories are plain ones (its
@@ -705,7 +727,8 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     def served_mounts(name: str) -> list[str]:
         return [m.mount_point for m in sysmount.mounts(f"/proc/{serving_of[name]}/mountinfo") if m.mount_point != "/"]
 
-    assert served_mounts("share") == ["/share-one/rootfs"]
+    assert sorted(served_mounts("share"))[1:] == ["/share-one/rootfs"]
+    assert len([p for p in served_mounts("share") if p.startswith("/.binds/")]) == 1
     assert len([p for p in served_mounts("live") if p.startswith("/.binds/")]) == 3
 
     # A host path that is a link to a CSI volume's path: refused, nothing left.

@@ -3,7 +3,8 @@
 Two per pod, each served by a virtiofsd of the pod's VM
 (crust.kata.virtiofsd) and mounted once by the guest:
 
-- the share (tag crust, at GUEST_SHARE, virtiofsd cache=auto): container
+- the share (tag crust, at GUEST_SHARE, virtiofsd cache=always,
+  revalidated after a second; crust.kata.virtiofsd): container
   roots, commands, and what only the pod's containers change, kubelet's
   directory of the pod (emptyDir, subPaths, /etc/hosts; cached_in_guest);
 - the live share (tag crust-live, at GUEST_LIVE, cache=none): what the
@@ -125,8 +126,8 @@ def _kubelet_pod_dir_index(parts: list[str]) -> int | None:
 
 
 def cached_in_guest(source: str) -> bool:
-    """Whether the guest may keep a lookup and a file's pages of source for
-    a second (the share, cache=auto): only what nobody but the pod's own
+    """Whether the guest may keep a lookup for a second and a file's pages
+    until its attributes change (the share): only what nobody but the pod's own
     containers changes, kubelet's directory of the pod (emptyDir, subPaths,
     its /etc/hosts, termination logs). The host's paths (hostPath,
     containerd's files) and the volumes kubelet's atomic writer updates go
@@ -175,7 +176,7 @@ class PodShare:
         self.served = workdir / name
         self.guest = GUEST_SHARE if name == "share" else GUEST_LIVE
         self.tag = tag_of(name)
-        self.cache = "auto" if name == "share" else "none"   # virtiofsd's cache mode for it
+        self.cache = "always" if name == "share" else "none"   # virtiofsd's cache mode for it
 
     # -- paths -------------------------------------------------------------------------
 

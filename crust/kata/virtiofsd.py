@@ -13,8 +13,13 @@ The options and why:
   adds under the share later still reach it by propagation. The C daemon
   always installs its seccomp filter (no option turns it off);
 - `-o cache=`: a VM has two daemons, one per cache mode (qemu.SharedDir).
-  `auto` for the pod's share (container roots, emptyDir, hostPath): the
-  guest keeps a lookup and a file's pages for a second, then revalidates.
+  `always` with `-o timeout=1` for the pod's share (container roots,
+  kubelet's directory of the pod): the guest keeps a file's pages across
+  opens, so a container's programs are read once, not at each exec (with
+  `auto` every open drops the file's pages: no keep_cache), and looks at a
+  lookup and a file's attributes again after a second, as `auto` does; a
+  file whose size or modification time changed then loses its pages
+  (FUSE's automatic invalidation, which virtiofsd negotiates).
   `none` for the live share (the volumes kubelet's atomic writer updates:
   configMap, secret, projected, downward API): every lookup asks the host,
   so a renamed `..data` is followed at once, never into the version the
@@ -61,13 +66,18 @@ class VirtiofsdError(Exception):
 
 
 CACHE_MODES = ("auto", "none", "always")
+# How long the guest trusts a lookup or a file's attributes under
+# cache=always (virtiofsd's own default there is a day: a host's change
+# would never be seen).
+ALWAYS_REVALIDATE_SECONDS = 1
 
 
 def argv(socket: Path, source: Path, binary: str = VIRTIOFSD, cache: str = "auto") -> list[str]:
     if cache not in CACHE_MODES:
         raise ValueError(f"virtiofsd cache mode {cache!r}: one of {', '.join(CACHE_MODES)}")
     return [binary, f"--socket-path={socket}", "-o", f"source={source}", "-o", "sandbox=namespace",
-            "-o", f"cache={cache}", "-o", "announce_submounts", "-o", "no_xattr", "-o", "no_posix_lock",
+            "-o", f"cache={cache}", *(["-o", f"timeout={ALWAYS_REVALIDATE_SECONDS}"] if cache == "always" else []),
+            "-o", "announce_submounts", "-o", "no_xattr", "-o", "no_posix_lock",
             "-o", "no_flock", "--rlimit-nofile=0", "--thread-pool-size=0"]
 
 
