@@ -6,6 +6,8 @@ calls in flight.
 Each round, in turns: a guest process `sh -c true` started, waited for,
 its output read and forgotten; ten such processes asked for at once; and
 10 MiB of output read to its end. Times are the host's, around the calls.
+After the rounds, the agent's memory as its guest counts it (VmRSS and its
+peak VmHWM in /proc/<agent>/status, read by a process it started).
 
     .venv/bin/python bench/agent_port.py [--rounds 5] [--accel tcg|kvm] [--cache DIR] [--json OUT.json]
 
@@ -30,6 +32,7 @@ from crust.api import agent_pb2  # noqa: E402
 from crust.kata import image as kata_image  # noqa: E402
 from crust.kata.agent_client import AgentClient  # noqa: E402
 from crust.kata.qemu import Vm, VmConfig  # noqa: E402
+from tests.guest_vm import run_script  # noqa: E402
 
 PORT_OUTPUT = 10 << 20
 
@@ -79,6 +82,15 @@ async def measure(client: AgentClient, rounds: int, samples: dict[str, list[floa
             print(f"round {turn + 1}/{rounds} {name}: {ms:.0f} ms", flush=True)
 
 
+async def agent_memory(client: AgentClient) -> dict[str, int]:
+    """The agent's VmRSS and VmHWM in KiB: the parent of the guest process
+    that reads them is the agent."""
+    code, out, err = await run_script(client, "memory", "grep -E '^(VmRSS|VmHWM):' /proc/$PPID/status", 60)
+    if code != 0:
+        raise RuntimeError(f"the agent's status: exit {code}: {err.decode(errors='replace')}")
+    return {line.split(":")[0]: int(line.split()[1]) for line in out.decode().splitlines()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -102,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                accel=args.accel))
             await vm.start(ready_timeout=120)   # ready once its agent answers on the port
             try:
-                await measure(await vm.port.ready(), args.rounds, samples)
+                client = await vm.port.ready()
+                await measure(client, args.rounds, samples)
+                results["agent_memory_kib"] = await agent_memory(client)
             finally:
                 await vm.kill()
 
@@ -117,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{benchlib.machine_summary(results['machine'])}")
         benchlib.print_ms_rows(results["ways"], 18)
         print(f"output: port {results['output_mib_per_s']['port']} MiB/s")
+        memory = results["agent_memory_kib"]
+        print(f"the agent's memory: VmRSS {memory['VmRSS'] / 1024:.1f} MiB, peak {memory['VmHWM'] / 1024:.1f} MiB")
         print(f"load {results['load_before']} before, {results['load_after']} after")
 
     return benchlib.guarded_run_then_write(body, benchlib.vm_dir_cleanup(base), benchlib.report_failure, args.json,
