@@ -1072,12 +1072,12 @@ def test_a_sandbox_work_directory_is_short_and_an_earlier_releases_is_kept(tmp_p
     handler = RuntimeHandler.__new__(RuntimeHandler)
     handler.state_dir = tmp_path
     short, long_id, old_id = "pod-1", "a" * 64, "b" * 64
-    assert handler._workdir(short) == tmp_path / "run" / short
-    hashed = handler._workdir(long_id)
+    assert handler.workdir(short) == tmp_path / "run" / short
+    hashed = handler.workdir(long_id)
     assert hashed.parent == tmp_path / "run" and len(hashed.name) == WORKDIR_NAME_MAX
-    assert handler._workdir(long_id) == hashed and handler._workdir("c" * 64) != hashed
+    assert handler.workdir(long_id) == hashed and handler.workdir("c" * 64) != hashed
     (tmp_path / "run" / old_id).mkdir(parents=True)
-    assert handler._workdir(old_id) == tmp_path / "run" / old_id
+    assert handler.workdir(old_id) == tmp_path / "run" / old_id
 
 
 @pytest.mark.parametrize("source, expected", [
@@ -1465,7 +1465,7 @@ def test_the_pods_sandbox_process_is_read_from_the_namespaces_a_container_joins(
 
 def test_the_guest_agents_refusal_of_a_bind_is_said_as_the_pods_spec_says_the_mount():
     from crust.common.errors import FailedPrecondition, InvalidArgument
-    from crust.kata.pod_containers import in_pod_terms
+    from crust.kata.mount_plan import in_pod_terms
 
     names = ["mount /config: /var/lib/kubelet/pods/u/volumes/cm", "mount /mnt: subPath 's' of the emptyDir shared"]
     told = in_pod_terms(InvalidArgument("container c1: the guest's agent: binds[1].source.subpath: subpath s: "

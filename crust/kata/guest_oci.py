@@ -2,8 +2,8 @@
 
 containerd wrote the spec for the host: its root, its binds and the
 namespaces it joins are host paths and host processes. In the pod's VM the
-handler makes each bind's source ready in the guest first (crust.kata.pod_containers:
-a share's bind, the pod's tmpfs, a deferred volume mounted by the guest),
+handler makes each bind's source ready in the guest first (crust.kata.mount_plan
+says what each is, crust.kata.pod_containers makes it: a share's bind, the pod's tmpfs, a deferred volume mounted by the guest),
 then crun mounts the root and all of them in the container's own mount
 namespace, as runc does on a host (each destination resolved inside the
 root); each process the guest's agent would fork for a mount costs the

@@ -44,11 +44,8 @@ import contextlib
 import json
 import logging
 import os
-import re
 import time
 from pathlib import Path
-
-from google.protobuf import json_format
 
 from crust.api import agent_pb2, handler_pb2
 from crust.common import inroot
@@ -62,7 +59,8 @@ from crust.common.errors import (
     Unavailable,
 )
 from crust.common.recordstore import KEY_RULE, valid_key
-from crust.kata import guest_oci, port_process, port_volumes
+from crust.kata import guest_oci, mount_plan, port_process, port_volumes
+from crust.kata.mount_plan import PlannedBind, SourceFacts, in_pod_terms, placement
 from crust.kata.pod_processes import POLL, PodProcesses
 from crust.kata.pod_records import (
     GUEST_CONTAINERS,
@@ -77,20 +75,11 @@ from crust.kata.sandbox import KataSandbox
 from crust.kata.share import ShareError, cached_in_guest, is_atomic_writer_volume_root
 from crust.runtime_handler.handler import SandboxRecord, VolumeView
 from crust.runtime_handler.oci import load_requested_bundle
-from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes
-from crust.sys import mount as mounts
 
 log = logging.getLogger("crust.kata.pods")
 
 Status = handler_pb2.ProcessState.Status
 
-# Mounts the OCI spec lists that the guest gives the container itself
-# (/proc, /dev) or that a VM has no use for.
-PSEUDO_TYPES = {"proc", "sysfs", "tmpfs", "devpts", "mqueue", "cgroup", "cgroup2", "shm"}
-# kubelet's directories (crust/kubelet/volumes.py has the layout).
-EMPTY_DIR = "kubernetes.io~empty-dir"
-SUBPATHS = "volume-subpaths"
-BIND_REFUSAL = re.compile(r"binds\[(\d+)\]\.source(?:\.[a-z_]+)*: (?:subpath [^:]*: )?(.*)$")
 # What the guest's agent lists when it makes a container from its named sources.
 PLACING = ("container.oci", "container.pod-pid", "container.terminal", "share.virtiofs", "tmpfs.pod",
            "subpath.beneath", "mirror.atomic-writer")
@@ -105,78 +94,16 @@ def raw_spec(bundle: str) -> dict:
         raise InvalidArgument(f"bundle {bundle}: config.json: {exc}") from None
 
 
-def _is_bind(m) -> bool:
-    return m.type == "bind" or "bind" in m.options or "rbind" in m.options
-
-
-def _tmpfs_size(entry) -> str:
-    return next((o.split("=", 1)[1] for o in entry.super_options if o.startswith("size=")), "")
-
-
-def memory_empty_dir(source: str) -> tuple[str, str, str] | None:
-    """(name, subpath, size) when source is an emptyDir of medium Memory (a
-    tmpfs kubelet mounted at pods/<uid>/volumes/kubernetes.io~empty-dir/<name>)
-    or kubelet's bind of a subPath of one (pods/<uid>/volume-subpaths/<name>/
-    <container>/<index>, a bind of a directory in that tmpfs); size is the
-    tmpfs's size= option (kubelet's sizeLimit or the node's bound), which
-    the guest's tmpfs keeps."""
-    parts = source.split("/")
-    for i in range(len(parts) - 1, 0, -1):
-        if parts[i - 1] != "pods":
-            continue
-        pod_dir, rest = "/".join(parts[: i + 1]), parts[i + 1:]
-        if len(rest) >= 3 and rest[0] == "volumes" and rest[1] == EMPTY_DIR:
-            top = mounts.at(f"{pod_dir}/volumes/{EMPTY_DIR}/{rest[2]}")
-            if top is not None and top.fs_type == "tmpfs":
-                return rest[2], "/".join(rest[3:]), _tmpfs_size(top)
-        elif len(rest) == 4 and rest[0] == SUBPATHS:
-            top = mounts.at(f"{pod_dir}/volumes/{EMPTY_DIR}/{rest[1]}")
-            bound = mounts.at(source)
-            if (top is not None and bound is not None and top.fs_type == "tmpfs"
-                    and (bound.major, bound.minor) == (top.major, top.minor)):
-                inside = os.path.relpath(bound.root, top.root)
-                if inside == ".." or inside.startswith("../"):
-                    return None
-                return rest[1], "" if inside == "." else inside, _tmpfs_size(top)
-        return None
-    return None
-
-
-def placement(spec: dict, rootfs: agent_pb2.SharePath, sources: list[tuple[agent_pb2.Source, bool]],
-              pod_pid_namespace: bool) -> dict:
-    """What CreateContainer names of a container beside its spec (the root
-    in the share, each bind's source and mode, in the spec's order of its
-    binds, the pod's PID namespace), as a record keeps it."""
-    indexes = [i for i, m in enumerate(spec.get("mounts") or []) if m.get("type") == "bind"]
-    if len(indexes) != len(sources):
-        raise ValueError(f"{len(indexes)} binds in the spec, {len(sources)} sources given")
-    request = agent_pb2.CreateContainerRequest(
-        rootfs=agent_pb2.Source(share=rootfs), pod_pid_namespace=pod_pid_namespace,
-        binds=[agent_pb2.Bind(mount_index=i, source=source, readonly=readonly)
-               for i, (source, readonly) in zip(indexes, sources)])
-    return json_format.MessageToDict(request, preserving_proto_field_name=True)
-
-
-def in_pod_terms(error: CrustError, bind_names: list[str]) -> CrustError:
-    """The agent's refusal of a bind (binds[i].source...: why) said as the
-    pod's spec says the mount (mount /data: subPath 'x' of the emptyDir
-    cache: why); other errors as they are."""
-    found = BIND_REFUSAL.search(error.message)
-    if found is None or int(found.group(1)) >= len(bind_names):
-        return error
-    return type(error)(f"{bind_names[int(found.group(1))]}: {found.group(2)}")
-
-
-def _make_mount_points(rootfs: Path, binds: list[tuple]) -> None:
+def _make_mount_points(rootfs: Path, binds: list[PlannedBind]) -> None:
     """Each bind's mount point made in the container's root file system on
     the host, before the guest sees it (crust.common.inroot: resolved
     inside the root, as runc makes them): a directory, a file for a host
     file, only the directories above it for a volume's subpath (which the
     guest knows)."""
     for m, kind, what in binds:
-        if kind == "volume":
+        if kind == mount_plan.VOLUME:
             shape = "parents" if what[0].subpath else "dir"
-        elif kind == "host":
+        elif kind == mount_plan.HOST:
             shape = "dir" if os.path.isdir(m.source) else "file"
         else:
             shape = "dir"
@@ -255,51 +182,22 @@ class PodContainers(PodProcesses):
             "sandbox": sandbox_id, "container": container_id, "seconds": round(time.monotonic() - started, 3),
             "volumes": len(c.volumes), "binds": len(binds)}})
 
-    async def _plan(self, spec) -> list[tuple]:
-        """The binds in the spec's order, each (mount, kind, what): kind
-        "volume" (what: the resolved deferred volume and whether it is a
-        Kata direct volume), "tmpfs" (what: the pod tmpfs's name and a
-        subpath in it) or "host" (what: None, a bind through the share).
-        Refuses a deferred target that has no entry, and a host path that
-        leads to a CSI volume's path, before anything is touched."""
-        binds = []
-        for m in spec.mounts:
-            if not _is_bind(m):
-                if m.type not in PSEUDO_TYPES:
-                    log.info("mount type not given to a guest container", extra={"fields": {
-                        "destination": m.destination, "type": m.type}})
+    async def _plan(self, spec) -> list[PlannedBind]:
+        """The spec's binds planned (crust.kata.mount_plan) from what the
+        handler and the host say of each source, gathered first: a
+        deferred target published a moment ago is waited for (without the
+        pod's lock), an unseen one refused, before anything is touched."""
+        facts: dict[str, SourceFacts] = {}
+        for source in mount_plan.bind_sources(spec.mounts):
+            if source in facts:
                 continue
-            if not m.source.startswith("/"):
-                raise InvalidArgument(f"mount {m.destination}: source {m.source!r} must be an absolute path")
-            try:
-                resolved, direct = self.handler._resolve(m.source)
-                if resolved is None and CSI_DIR in m.source.split("/"):
-                    resolved, direct = await self.handler._wait_resolve(m.source)
-            except SubpathEscapes as exc:
-                raise InvalidArgument(str(exc)) from None
-            if resolved is not None:
-                binds.append((m, "volume", (resolved, direct)))
-                continue
-            if CSI_DIR in m.source.split("/"):
-                self.handler._refuse_unseen_deferred(m.source)
-            if not os.path.lexists(m.source):
-                raise FailedPrecondition(f"mount {m.destination}: source {m.source} does not exist")
-            real = os.path.realpath(m.source)
-            if CSI_DIR in real.split("/"):
-                # A link (or a bind of kubelet's) to a CSI volume's path: that
-                # is a deferred volume's target or its placeholder, which
-                # reaches a container only as the volume, through its claim.
-                raise InvalidArgument(f"mount {m.destination}: source {m.source} leads to a CSI volume's path "
-                                      f"({real}); a CSI volume is mounted by its own path only")
-            if m.destination == "/dev/shm":
-                binds.append((m, "tmpfs", (SHM_TMPFS, "", "")))
-                continue
-            memory = memory_empty_dir(m.source)
-            binds.append((m, "tmpfs", memory) if memory is not None else (m, "host", None))
-        return binds
+            volume, direct = await self.handler.find_volume(source)
+            facts[source] = SourceFacts(volume=volume, direct=direct) if volume is not None else \
+                await asyncio.to_thread(mount_plan.host_facts, source)
+        return mount_plan.plan(spec.mounts, facts)
 
     async def _attach_container(self, sandbox: KataSandbox, record: SandboxRecord, pod: PodRecord,
-                                c: ContainerRecord, rootfs: Path, binds: list[tuple]) -> None:
+                                c: ContainerRecord, rootfs: Path, binds: list[PlannedBind]) -> None:
         """The container's root and binds made ready for the guest, each named
         as the guest's agent knows it (crust.guest.places); undone on failure."""
         container_id = c.container_id
@@ -328,7 +226,7 @@ class PodContainers(PodProcesses):
             views: list[tuple[str, VolumeView]] = []   # (volume key, its view)
             for m, kind, what in binds:
                 readonly = "ro" in m.options
-                if kind == "host":
+                if kind == mount_plan.HOST:
                     try:
                         into = share if cached_in_guest(m.source) else live
                         follow = bool({"rslave", "rshared", "slave", "shared"} & set(m.options))
@@ -359,7 +257,7 @@ class PodContainers(PodProcesses):
                         submounts=[] if follow else [os.path.relpath(b, shared.guest) for b in shared.below])))
                     modes.append(readonly and not (shared.submounts or follow))
                     continue
-                if kind == "tmpfs":
+                if kind == mount_plan.TMPFS:
                     name, subpath, size = what
                     await port_process.mount_pod_tmpfs(client, name, size)
                     named.append(agent_pb2.Source(pod_tmpfs=name, subpath=subpath))
@@ -376,7 +274,7 @@ class PodContainers(PodProcesses):
                     await self._give_back(sandbox, record, key)
                 if key not in record.volumes:
                     new_volumes.append(key)
-                    await self.handler._mount_volume(sandbox, record, key, resolved.info, [], direct)
+                    await self.handler.mount_volume(sandbox, record, key, resolved.info, [], direct)
                     await self.handler.records.put(pod.sandbox_id, record)
                 volume = record.volumes[key]
                 views.append((key, view))
@@ -501,7 +399,7 @@ class PodContainers(PodProcesses):
             if volume.encrypted_name:
                 await sandbox.close_encrypted(volume.encrypted_name)
             await sandbox.detach(volume.device)
-        await self.handler._release(volume, record.sandbox_id, "")
+        await self.handler.release_volume(volume, record.sandbox_id, "")
         record.volumes.pop(key, None)
 
     async def delete_container(self, container_id: str) -> handler_pb2.ProcessState:

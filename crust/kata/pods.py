@@ -7,7 +7,8 @@ shared directories (crust.kata.share), each served by a virtiofsd of the
 VM and mounted once by the guest: the share, and the live share for the
 volumes kubelet's atomic writer updates (their lookups never cached):
 
-- a container's root, its binds and its volumes: crust.kata.pod_containers;
+- a container's root, its binds and its volumes: crust.kata.pod_containers,
+  each bind's kind decided first by crust.kata.mount_plan (a pure function);
 - a container's process runs under crun in the guest, from the spec
   containerd wrote rewritten for the guest (crust.kata.guest_oci: its
   user and groups, capabilities, no_new_privs, seccomp, masked and
@@ -293,7 +294,7 @@ class Pods(PodContainers):
         return pod, c, p
 
     def _workdir(self, pod_id: str) -> Path:
-        return self.handler._workdir(pod_id)
+        return self.handler.workdir(pod_id)
 
     def _share(self, pod_id: str, name: str = "share", sandbox: KataSandbox | None = None) -> PodShare:
         """One of the pod's shared directories; with the pod's sandbox, the
@@ -446,7 +447,7 @@ class Pods(PodContainers):
                     continue
                 try:
                     with self.handler.inflight.hold(sandbox_id):
-                        await self.handler._mount_volume(sandbox, record, key, resolved.info, [])
+                        await self.handler.mount_volume(sandbox, record, key, resolved.info, [])
                         await self.handler.records.put(sandbox_id, record)
                     mounted.append(resolved.info.target_path)
                 except Exception as exc:  # noqa: BLE001 - nobody awaits this task: every failure is logged here

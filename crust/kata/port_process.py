@@ -178,7 +178,7 @@ async def create_container(client: AgentClient, container_id: str, spec: dict, s
                            sources: dict | None = None) -> int:
     """The container made by the guest's crun from its spec, held before
     its process's exec; the pid of its process. sources: what the agent
-    places (crust.kata.pod_containers.placement); without, the spec's
+    places (crust.kata.mount_plan.placement); without, the spec's
     sources are guest paths already."""
     request = agent_pb2.CreateContainerRequest()
     if sources:

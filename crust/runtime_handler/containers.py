@@ -401,7 +401,7 @@ class ContainerVolumes:
         if not entry_dir and not is_placeholder(target):
             return None  # a volume mounted on the host: not deferred
         # Published just now: give the entry a moment to be indexed.
-        resolved, _ = await self.handler._wait_resolve(source)
+        resolved, _ = await self.handler.wait_resolve(source)
         if resolved is not None:
             return resolved
         problem = self.handler.index.problem(name)

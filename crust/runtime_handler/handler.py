@@ -257,7 +257,7 @@ class RuntimeHandler:
             holder = await self._recorded_holder(key, record)
             if holder is False:
                 continue  # set aside: nothing it names is touched
-            sandbox = self.make_sandbox(record.sandbox_id, self._workdir(record.sandbox_id),
+            sandbox = self.make_sandbox(record.sandbox_id, self.workdir(record.sandbox_id),
                                         self._rootfs(record), holder)
             if sandbox.alive():
                 self.sandboxes[record.sandbox_id] = (sandbox, record)
@@ -281,7 +281,7 @@ class RuntimeHandler:
         sandbox is dead). A record without a start time names its process
         only if the sandbox recognises the one under its pid, whose start
         time is then recorded; otherwise the record is set aside (False)."""
-        probe = self.make_sandbox(record.sandbox_id, self._workdir(record.sandbox_id), None, None)
+        probe = self.make_sandbox(record.sandbox_id, self.workdir(record.sandbox_id), None, None)
         if record.pid_start:
             holder = proc.ProcessId(record.pid, record.pid_start)
             if proc.alive(holder) and not probe.recognise(holder):
@@ -328,12 +328,12 @@ class RuntimeHandler:
         if record.sandbox_id != key:
             return f"it describes sandbox {record.sandbox_id!r}, not {key!r}"
         for name, volume in record.volumes.items():
-            expected = str(self._workdir(key) / "volumes" / name)
+            expected = str(self.workdir(key) / "volumes" / name)
             if digest(volume.target_path) != name or volume.mount_point != expected:
                 return f"its volume {volume.target_path!r} is not mounted at {expected}"
         return ""
 
-    def _workdir(self, sandbox_id: str) -> Path:
+    def workdir(self, sandbox_id: str) -> Path:
         named = self.state_dir / "run" / sandbox_id
         if len(sandbox_id) > WORKDIR_NAME_MAX and named.is_dir():
             # Made by a release that named every work directory by its id
@@ -367,23 +367,15 @@ class RuntimeHandler:
             for m in spec.mounts:
                 if m.type == "bind" or BIND_OPTIONS & set(m.options):
                     refuse_link_to_deferred(m.source, self.index)
-                try:
-                    resolved, direct = self._resolve(m.source)
-                    if resolved is None and CSI_DIR in m.source.split("/"):
-                        # kubelet published just now: give the entry a moment.
-                        resolved, direct = await self._wait_resolve(m.source)
-                except SubpathEscapes as exc:
-                    raise InvalidArgument(str(exc)) from None
+                resolved, direct = await self.find_volume(m.source)
                 if resolved is None:
-                    if CSI_DIR in m.source.split("/"):
-                        self._refuse_unseen_deferred(m.source)
                     others.append(m)
                     continue
                 view = VolumeView(destination=m.destination, subpath=resolved.subpath,
                                   readonly="ro" in m.options)
                 plan.setdefault(resolved.digest, (resolved.info, [], direct))[1].append(view)
             rootfs = (Path(bundle) / spec.root.path) if spec.root else None
-            sandbox = self.make_sandbox(sandbox_id, self._workdir(sandbox_id), rootfs, None)
+            sandbox = self.make_sandbox(sandbox_id, self.workdir(sandbox_id), rootfs, None)
             record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
             await sandbox.start()
             record.pid = sandbox.pid
@@ -392,18 +384,38 @@ class RuntimeHandler:
             self.sandboxes[sandbox_id] = (sandbox, record)
             try:
                 for key, (info, views, direct) in plan.items():
-                    await self._mount_volume(sandbox, record, key, info, views, direct)
+                    await self.mount_volume(sandbox, record, key, info, views, direct)
                 for m in others:
                     if m.type == "bind" or BIND_OPTIONS & set(m.options):
                         await sandbox.bind(m.source, m.destination, readonly="ro" in m.options)
                 record.process_pid = await sandbox.run_process(
-                    spec.process.args, spec.process.env, spec.process.cwd, self._workdir(sandbox_id) / "process.log")
+                    spec.process.args, spec.process.env, spec.process.cwd, self.workdir(sandbox_id) / "process.log")
                 await self.records.put(sandbox_id, record)
             except BaseException:
                 await self._teardown(sandbox, record)
                 raise
             log.info("sandbox running", extra={"fields": {"sandbox": sandbox_id, "volumes": len(record.volumes)}})
             return record
+
+    # -- the volumes a mount's source is (the runtimes' interface) ---------------------
+
+    async def find_volume(self, source: str):
+        """(Resolved, direct?) of the deferred (or direct) volume a mount's
+        source is or lies in; (None, False) when it is none. A CSI target
+        published a moment ago is given ENTRY_WAIT for its entry; one that
+        holds the shim's placeholder and has none is refused
+        (FailedPrecondition), a subpath that leaves its volume too
+        (InvalidArgument)."""
+        try:
+            resolved, direct = self.resolve(source)
+            if resolved is None and CSI_DIR in source.split("/"):
+                # kubelet published just now: give the entry a moment.
+                resolved, direct = await self.wait_resolve(source)
+        except SubpathEscapes as exc:
+            raise InvalidArgument(str(exc)) from None
+        if resolved is None and CSI_DIR in source.split("/"):
+            self._refuse_unseen_deferred(source)
+        return resolved, direct
 
     def _refuse_unseen_deferred(self, source: str) -> None:
         """A CSI target that holds the shim's placeholder was deferred to a
@@ -420,7 +432,7 @@ class RuntimeHandler:
                     + (f" (its directory watcher is not working: {lost})" if lost else "")
                     + "; the placeholder is never bound in its place")
 
-    def _resolve(self, source: str):
+    def resolve(self, source: str):
         """(Resolved, direct?): the proxy's entry first, then the direct source's."""
         resolved = resolve(source, self.index)
         if resolved is not None or self.direct_source is None:
@@ -428,7 +440,7 @@ class RuntimeHandler:
         resolved = self.direct_source.resolve(source)
         return resolved, resolved is not None
 
-    async def _wait_resolve(self, source: str):
+    async def wait_resolve(self, source: str):
         """Wait (up to ENTRY_WAIT) for an entry for source or a parent to be
         indexed: woken by the index's own update, never polling. A direct
         volume is read from its file when asked (Kata's drivers add it before
@@ -439,7 +451,7 @@ class RuntimeHandler:
         while True:
             woken = self.index.awaiting(names)
             try:
-                resolved, direct = self._resolve(source)
+                resolved, direct = self.resolve(source)
                 left = deadline - time.monotonic()
                 if resolved is not None or left <= 0:
                     return resolved, direct
@@ -466,15 +478,19 @@ class RuntimeHandler:
             return "", None
         return await self.registration.claim_keyed(target_path, sandbox_id, pid)
 
-    async def _release(self, volume: MountedVolume, sandbox_id: str, abnormal_reason: str) -> None:
+    async def release_volume(self, volume: MountedVolume, sandbox_id: str, abnormal_reason: str) -> None:
+        """The volume's claim given back (the proxy's, or the direct source's)."""
         if volume.direct:
             if self.direct_source is not None:
                 await asyncio.to_thread(self.direct_source.release, volume.target_path, sandbox_id)
         else:
             await self.registration.release(volume.target_path, sandbox_id, abnormal_reason)
 
-    async def _mount_volume(self, sandbox: Sandbox, record: SandboxRecord, key: str, info: MountInfo,
-                            views: list[VolumeView], direct: bool = False) -> None:
+    async def mount_volume(self, sandbox: Sandbox, record: SandboxRecord, key: str, info: MountInfo,
+                           views: list[VolumeView], direct: bool = False) -> None:
+        """The volume claimed for the sandbox, then mounted in it at the
+        record's volumes/<key> and bound at each view; recorded first, so a
+        teardown knows what to undo."""
         if info.fstype not in self.registration.filesystems:
             raise FailedPrecondition(f"handler {self.name} cannot mount {info.fstype}")
         self._refuse_encrypted(info)
@@ -489,7 +505,7 @@ class RuntimeHandler:
                              views: list[VolumeView], direct: bool, answer: str,
                              passphrase: bytearray | None) -> None:
         mounted = MountedVolume(target_path=info.target_path, device=info.device, fs_type=info.fstype,
-                                mount_point=str(self._workdir(record.sandbox_id) / "volumes" / key),
+                                mount_point=str(self.workdir(record.sandbox_id) / "volumes" / key),
                                 readonly=info.readonly, views=views, direct=direct, ready=False)
         record.volumes[key] = mounted  # recorded before mounting: teardown knows what to undo
         if not direct:
@@ -546,7 +562,7 @@ class RuntimeHandler:
         unreleased = False
         for volume in record.volumes.values():
             try:
-                await self._release(volume, record.sandbox_id, abnormal_reason)
+                await self.release_volume(volume, record.sandbox_id, abnormal_reason)
             except CrustError as exc:
                 errors.append(exc)
                 unreleased = True

@@ -97,7 +97,7 @@ class HandlerDaemon:
             # Network namespaces of sandboxes this handler has no record of
             # (killed between making one and recording its sandbox).
             removed = await asyncio.to_thread(netns.sweep, self.config.state_dir / "run",
-                                              {self.handler._workdir(s).name for s in self.handler.sandboxes})
+                                              {self.handler.workdir(s).name for s in self.handler.sandboxes})
             if removed:
                 log.info("removed network namespaces of gone sandboxes", extra={"fields": {"netns": removed}})
         self.daemon.install_signal_handlers()
