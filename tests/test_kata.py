@@ -43,9 +43,8 @@ from crust.api import agent_pb2, csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.common import ttrpc
 from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument
 from crust.kata import accel as kata_accel
-from crust.kata import bzimage, virtiofsd
+from crust.kata import bzimage, image_packages, port_process, port_volumes, virtiofsd
 from crust.kata import image as kata_image
-from crust.kata import port_process, port_volumes
 from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
 from crust.kata.qemu import SharedDir, Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
@@ -787,13 +786,13 @@ def test_the_guest_image_holds_python_and_the_agent_imports_from_pycs_compiled_a
         else:
             from_host.append("/" + rel)
     assert "/usr/bin/python3.11" in from_host
-    assert kata_image.owners(from_host)["/usr/bin/python3.11"][0] == "python3.11-minimal"
+    assert image_packages.owners(from_host)["/usr/bin/python3.11"][0] == "python3.11-minimal"
 
 
 def test_apt_cache_keeps_its_package_cache_in_the_image_cache(tmp_path):
     """The inputs are read with a package cache of crust's own (Debian's
     images keep none), built once and then reused: the same answers."""
-    options = kata_image.apt_cache_options(tmp_path)
+    options = image_packages.apt_cache_options(tmp_path)
     first = kata_image.collect_inputs(kata_image.FLAVORS["cloud"], options)
     made = tmp_path / "apt-pkgcache.bin"
     assert made.is_file() and made.stat().st_size > 0

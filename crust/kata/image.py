@@ -9,7 +9,8 @@ Why this shape:
   unpacked with `dpkg -x`; the file system tools (e2fsprogs, xfsprogs,
   blkid) are the host's installed Debian binaries, copied with the shared
   libraries `ldd` names. Every copied file must belong to an installed
-  package, whose name and version enter the image hash. Beside them, crust's
+  package, whose name and version enter the image hash
+  (crust.kata.image_packages asks apt and dpkg). Beside them, crust's
   own /init (guest/init.sh) and a small C program of its own
   (guest/enter.c), compiled by the host's gcc and linking only the copied
   C library.
@@ -57,9 +58,7 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -70,6 +69,16 @@ from crust.common.atomicfile import write_atomic
 from crust.common.private import make_dirs, open_new
 from crust.kata import bzimage, cpio, guest_python
 from crust.kata.guest_python import PYTHON, PYTHON_PACKAGES, PYTHON_STDLIB
+from crust.kata.image_packages import (
+    apt_cache_options,
+    candidate_versions,
+    command,
+    extract,
+    fetch,
+    kernel_package,
+    owners,
+    shared_libraries,
+)
 from crust.kata.kmod import ModuleTree
 from crust.sys.run import CommandError
 
@@ -173,109 +182,6 @@ GUEST_CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-fstack-protector-strong"
 TOOL_LINKS = {"mkfs.ext4": "mke2fs", "mkfs.ext3": "mke2fs", "fsck.ext4": "e2fsck"}
 HOST_CONFIG = ("/etc/mke2fs.conf",)
 
-# ---------------------------------------------------------------- commands
-
-def _cmd(argv: list[str], *, timeout: float = 120, cwd: Path | None = None,
-         ok_codes: tuple[int, ...] = (0,)) -> str:
-    """Run argv (no shell), return stdout; CommandError with stderr on failure."""
-    try:
-        done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "LC_ALL": "C", "DEBIAN_FRONTEND": "noninteractive"})
-    except subprocess.TimeoutExpired:
-        raise CommandError(argv, None, f"no answer within {timeout:.0f}s", timed_out=True) from None
-    if done.returncode not in ok_codes:
-        raise CommandError(argv, done.returncode, done.stderr or done.stdout)
-    return done.stdout
-
-
-def apt_cache_options(cache: Path) -> list[str]:
-    """apt-cache keeps the package cache it builds from apt's lists in the
-    image cache. Debian's container images switch apt's own off
-    (Dir::Cache::pkgcache ""), and without one each apt-cache call rebuilds
-    it: about a second each, twice at every handler start, against a few
-    milliseconds. apt checks the file against the lists and rebuilds it
-    after `apt-get update`; build() holds the cache's lock meanwhile."""
-    return ["-o", f"Dir::Cache::pkgcache={cache / 'apt-pkgcache.bin'}"]
-
-
-def kernel_package(metapackage: str, apt_options: list[str] | None = None) -> str:
-    """The versioned kernel package the metapackage points at
-    (linux-image-cloud-amd64 -> linux-image-6.1.0-56-cloud-amd64)."""
-    for line in _cmd(["apt-cache", *(apt_options or []), "depends", metapackage]).splitlines():
-        m = re.match(r"\s*Depends:\s*(linux-image-\S+)", line)
-        if m:
-            return m.group(1)
-    raise LookupError(f"apt-cache depends {metapackage} names no linux-image package (apt-get update?)")
-
-
-def candidate_versions(packages: list[str], apt_options: list[str] | None = None) -> dict[str, str]:
-    """apt's candidate version of each package (what apt-get download gets)."""
-    found, current = {}, None
-    for line in _cmd(["apt-cache", *(apt_options or []), "policy", *packages]).splitlines():
-        if line and not line[0].isspace() and line.endswith(":"):
-            current = line[:-1]
-        m = re.match(r"\s*Candidate:\s*(\S+)", line)
-        if m and current and m.group(1) != "(none)":
-            found[current] = m.group(1)
-    missing = [p for p in packages if p not in found]
-    if missing:
-        raise LookupError(f"apt has no candidate for {' '.join(missing)} (apt-get update?)")
-    return found
-
-
-def owners(paths: list[str]) -> dict[str, tuple[str, str]]:
-    """path -> (package, version) of the installed package that shipped it.
-    usr-merged hosts reach one file as /lib/... and /usr/lib/...; dpkg knows
-    one of the names, so every variant is asked (in one dpkg-query call)."""
-    variants: dict[str, str] = {}
-    for path in paths:
-        for p in (path, os.path.realpath(path)):
-            for v in (p, p[4:] if p.startswith("/usr/") else "/usr" + p):
-                variants.setdefault(v, path)
-    package_of: dict[str, str] = {}
-    # Exit code 1: some variants are unknown to dpkg, as expected.
-    for line in _cmd(["dpkg-query", "-S", *variants], ok_codes=(0, 1)).splitlines():
-        if ": " not in line or line.startswith("diversion "):
-            continue
-        pkgs, name = line.split(": ", 1)          # "libc6:amd64: /lib/x86_64-linux-gnu/libc.so.6"
-        if name in variants:
-            package_of.setdefault(variants[name], pkgs.split(", ")[0].split(":")[0])
-    missing = [p for p in paths if p not in package_of]
-    if missing:
-        raise LookupError(f"{' '.join(missing)}: no installed Debian package ships it; "
-                          "refusing to copy it into the guest")
-    versions = {}
-    out = _cmd(["dpkg-query", "-W", "-f", "${Package} ${db:Status-Abbrev} ${Version}\n",
-                *sorted(set(package_of.values()))])
-    for line in out.splitlines():
-        name, status, version = line.split()
-        if status.startswith("ii"):
-            versions[name] = version
-    return {path: (pkg, versions[pkg]) for path, pkg in package_of.items()}
-
-
-def shared_libraries(binary: str) -> list[str]:
-    """Paths ldd resolves for binary (the loader included); none for a static one."""
-    libs = []
-    try:
-        out = _cmd(["ldd", binary])
-    except CommandError as exc:
-        if "not a dynamic executable" in str(exc):
-            return []   # static (catatonit): nothing to copy with it
-        raise
-    for line in out.splitlines():
-        line = line.strip()
-        if "=>" in line:
-            target = line.split("=>", 1)[1].split("(")[0].strip()
-            if target.startswith("/"):
-                libs.append(target)
-            elif "not found" in line:
-                raise LookupError(f"ldd {binary}: {line}")
-        elif line.startswith("/"):
-            libs.append(line.split("(")[0].strip())
-    return libs
-
-
 # ------------------------------------------------------------------ inputs
 
 @dataclass
@@ -319,7 +225,7 @@ def ensure_host_tools() -> None:
         missing = sorted({*missing, *PYTHON_PACKAGES})
     if missing:
         print(f"crust-kata: installing {' '.join(missing)} with apt-get", file=sys.stderr)
-        _cmd(["apt-get", "install", "-y", "--no-install-recommends", *missing], timeout=900)
+        command(["apt-get", "install", "-y", "--no-install-recommends", *missing], timeout=900)
 
 
 def python_modules() -> tuple[list[HostFile], list[HostFile], str]:
@@ -379,56 +285,12 @@ def guest_program(cache: Path, source: Path, libraries: set[str]) -> bytes:
         make_dirs(built.parent)
         with tempfile.TemporaryDirectory(prefix=".build-", dir=built.parent) as tmp:
             out = Path(tmp) / source.stem
-            _cmd(["cc", *GUEST_CFLAGS, "-o", str(out), str(source)], cwd=Path(tmp))
+            command(["cc", *GUEST_CFLAGS, "-o", str(out), str(source)], cwd=Path(tmp))
             os.replace(out, built)
     missing = sorted(set(shared_libraries(str(built))) - libraries)
     if missing:
         raise LookupError(f"{source.name} links {', '.join(missing)}, which the image does not hold")
     return built.read_bytes()
-
-
-# ------------------------------------------------------------- downloading
-
-def fetch(cache: Path, package: str, version: str) -> Path:
-    """The .deb of package=version, downloaded once into cache/debs."""
-    debs = cache / "debs"
-    make_dirs(debs)
-    name = f"{package}_{version.replace(':', '%3a')}_"
-    for existing in debs.glob(f"{glob_escape(name)}*.deb"):
-        return existing
-    with tempfile.TemporaryDirectory(dir=debs) as tmp:
-        _cmd(["apt-get", "download", "-o", "APT::Sandbox::User=root", f"{package}={version}"],
-             cwd=Path(tmp), timeout=900)
-        got = list(Path(tmp).glob("*.deb"))
-        if len(got) != 1:
-            raise RuntimeError(f"apt-get download {package}={version} left {len(got)} files")
-        fields = _cmd(["dpkg-deb", "-f", str(got[0]), "Package", "Version"])
-        if f"Package: {package}" not in fields or f"Version: {version}" not in fields:
-            raise RuntimeError(f"apt-get download {package}={version} gave {fields!r}")
-        final = debs / got[0].name
-        os.replace(got[0], final)
-        return final
-
-
-def glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", text)
-
-
-def extract(cache: Path, deb: Path, package: str, version: str) -> Path:
-    """`dpkg -x` of the .deb into cache/extract, once (marked complete last)."""
-    dest = cache / "extract" / f"{package}_{re.sub(r'[^A-Za-z0-9.+-]', '_', version)}"
-    if (dest / ".complete").exists():
-        return dest
-    make_dirs(dest.parent)
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".x-"))
-    try:
-        _cmd(["dpkg", "-x", str(deb), str(tmp)], timeout=600)
-        (tmp / ".complete").touch()
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
 
 
 # -------------------------------------------------------------- assembling
@@ -437,7 +299,7 @@ def _busybox_entries(busybox: Path, taken: set[str]) -> list[cpio.Entry]:
     """busybox plus a link per applet at its usual place (bin/sh, sbin/insmod,
     usr/bin/...); names the real tools provide are left to them."""
     entries = [cpio.regular("bin/busybox", busybox.read_bytes(), 0o755)]
-    for applet in _cmd([str(busybox), "--list-full"]).split():
+    for applet in command([str(busybox), "--list-full"]).split():
         if os.path.basename(applet) in taken or applet == "bin/busybox":
             continue
         entries.append(cpio.symlink(applet, "/bin/busybox"))

@@ -297,25 +297,6 @@ class Vm(VmDevices):
         return ["-netdev", f"tap,id=pod,fd={nic.tap_fd},vhost=off",
                 "-device", f"virtio-net-pci,netdev=pod,mac={nic.mac},romfile="]
 
-    def fs_socket(self, shared: SharedDir) -> Path:
-        return self.socket_dir / f"fs{shared.suffix}.sock"
-
-    def _daemon(self, shared: SharedDir) -> Virtiofsd:
-        return Virtiofsd(self.workdir, self.fs_socket(shared), shared.source, cache=shared.cache,
-                         name=f"virtiofsd{shared.suffix}")
-
-    def _shared_dir_args(self) -> list[str]:
-        """vhost-user-fs needs the guest's RAM shareable with virtiofsd: a
-        memfd backend for all of it, one NUMA node; a device per share."""
-        if not self.config.shared_dirs and not self.config.shared_memory:
-            return []
-        args = ["-object", f"memory-backend-memfd,id=mem,size={self.config.memory_mib}M,share=on",
-                "-numa", "node,memdev=mem"]
-        for n, shared in enumerate(self.config.shared_dirs):
-            args += ["-chardev", f"socket,id=vfs{n},path={self.fs_socket(shared)}",
-                     "-device", f"vhost-user-fs-pci,chardev=vfs{n},tag={shared.tag}"]
-        return args
-
     @property
     def pid(self) -> int:
         if self._proc is not None:
@@ -618,37 +599,6 @@ class Vm(VmDevices):
             except asyncio.TimeoutError:
                 log.error("vm %s: QEMU pid %d survived SIGKILL", self.name, self.pid)
         await self._close_clients()
-
-    def dead_file_server(self) -> Virtiofsd | None:
-        """A file server of this running VM that ended before it (killed):
-        the guest's requests to its share then wait for ever."""
-        if self.stopping or not self.alive():
-            return None
-        return next((d for d in self.virtiofsds.values() if not d.alive()), None)
-
-    async def lose_file_server(self, daemon: Virtiofsd) -> str:
-        """The VM of a file server that died is killed, as Kata stops a
-        sandbox whose virtiofsd quit: its guest's processes would otherwise
-        hang on the share, and no stop could reach them. Returns the reason
-        the agent's calls now fail with."""
-        await self.port.close(f"its virtiofsd ({daemon.name}, cache={daemon.cache}) {daemon.ending()}")
-        log.error("vm %s: %s; the VM is killed", self.name, self.port.dead)
-        await self.kill()
-        return self.port.dead
-
-    async def stop_recorded_shares(self) -> None:
-        """The file servers an earlier handler process recorded for this VM
-        (a VM killed from its record): each stopped if it still runs, its
-        record and socket removed."""
-        for tag in SHARE_TAGS:
-            daemon = self._daemon(SharedDir(tag, Path(".")))
-            daemon.adopt()
-            await daemon.stop()
-
-    async def _stop_virtiofsd(self) -> None:
-        """Once QEMU is gone (it would lose its file server under it)."""
-        for daemon in self.virtiofsds.values():
-            await daemon.stop()
 
     async def _close_clients(self) -> None:
         await self.port.close()
