@@ -12,6 +12,7 @@ import asyncio
 
 import pytest
 
+from crust.api import agent_pb2
 from crust.common.errors import DataLoss, InvalidArgument, Unimplemented
 from crust.kata import port_process
 from crust.kata.agent_client import AgentClient
@@ -68,9 +69,16 @@ def test_a_containers_process_streams_and_exit_through_the_agent(agent):  # noqa
             assert streams[Stream.STDOUT] == b"o" * 3000000 + b"got hello\n"
             assert streams[Stream.STDERR] == b"to stderr"
             # Forgotten: what the last answers carried, never acknowledged by
-            # a read past it, is counted; a second removal finds nothing.
-            assert 0 < await port_process.remove_process(client, "", "guest-1") <= 3000010 + 9
+            # a read past it, is counted (none when an answer of the end alone
+            # came last); a second removal finds nothing.
+            assert 0 <= await port_process.remove_process(client, "", "guest-1") <= 3000010 + 9
             assert await port_process.remove_process(client, "", "guest-1") == 0
+            # Read once and never past: every byte counted as unread.
+            await port_process.exec_process(client, "", "guest-4", shell("printf 12345"), stdin=False)
+            await port_process.wait_process(client, "", "guest-4")
+            answer = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id="guest-4", max_bytes=100))
+            assert (answer.offset, answer.data) == (0, b"12345")
+            assert await port_process.remove_process(client, "", "guest-4") == 5
 
             # An exec into a container of an agent with no OCI runtime (this
             # one, on the host): UNIMPLEMENTED, with the agent's words.

@@ -33,6 +33,16 @@ log = logging.getLogger("crust.guest")
 CREATED, RUNNING, EXITED = 1, 2, 3  # ProcessInfo.State
 
 
+# A process writing fast is read in fuller reads: after one of
+# PUMP_BUSY_BYTES or more but below PUMP_FULL_BYTES the pump lets the pipe
+# fill for PUMP_PAUSE. Under emulation a system call and a wakeup of the
+# agent cost about what copying 50 KiB does, and read at once a pipe gives
+# what one write of the process put in it. Small output is read at once.
+PUMP_BUSY_BYTES = 16 << 10
+PUMP_FULL_BYTES = 128 << 10
+PUMP_PAUSE = 0.002
+
+
 @dataclass(frozen=True)
 class Limits:
     stream_buffer_bytes: int = 4 << 20
@@ -411,6 +421,8 @@ async def _pump_out(pipe: asyncio.StreamReader, stream: OutputStream, chunk: int
         if not data:
             return
         stream.append(data)
+        if PUMP_BUSY_BYTES <= len(data) < PUMP_FULL_BYTES:
+            await asyncio.sleep(PUMP_PAUSE)
 
 
 async def _pump_in(pipe: asyncio.StreamWriter, stream: InputStream) -> None:
