@@ -54,8 +54,12 @@ def test_each_bind_is_planned_as_what_its_source_is_in_the_specs_order():
         ("/cache", TMPFS, ("cache", "", "64m")),
         ("/logs", HOST, None),
     ]
-    # The facts asked for are exactly those of the binds with absolute sources.
+    # The facts asked for are exactly those of the binds.
     assert mount_plan.bind_sources(mounts) == [m.source for m in mounts if m.destination not in ("/proc", "/dev/pts")]
+    # A relative source is refused before any source is looked at.
+    with pytest.raises(InvalidArgument) as relative:
+        mount_plan.bind_sources([*mounts, bind("/rel", "data/dir")])
+    assert relative.value.message == "mount /rel: source 'data/dir' must be an absolute path"
 
 
 @pytest.mark.parametrize(("mount", "facts", "status", "words"), [

@@ -74,8 +74,19 @@ def is_bind(m) -> bool:
 
 
 def bind_sources(spec_mounts) -> list[str]:
-    """The sources plan() needs facts of: each bind's, when absolute."""
-    return [m.source for m in spec_mounts if is_bind(m) and m.source.startswith("/")]
+    """The sources plan() needs facts of, each bind's; a relative one is
+    refused here, before any is looked at (InvalidArgument naming it)."""
+    sources = []
+    for m in spec_mounts:
+        if is_bind(m):
+            _absolute(m)
+            sources.append(m.source)
+    return sources
+
+
+def _absolute(m) -> None:
+    if not m.source.startswith("/"):
+        raise InvalidArgument(f"mount {m.destination}: source {m.source!r} must be an absolute path")
 
 
 def plan(spec_mounts, facts: Mapping[str, SourceFacts]) -> list[PlannedBind]:
@@ -91,8 +102,7 @@ def plan(spec_mounts, facts: Mapping[str, SourceFacts]) -> list[PlannedBind]:
                 log.info("mount type not given to a guest container", extra={"fields": {
                     "destination": m.destination, "type": m.type}})
             continue
-        if not m.source.startswith("/"):
-            raise InvalidArgument(f"mount {m.destination}: source {m.source!r} must be an absolute path")
+        _absolute(m)
         fact = facts[m.source]
         if fact.volume is not None:
             binds.append(PlannedBind(m, VOLUME, (fact.volume, fact.direct)))
