@@ -36,8 +36,9 @@ CREATED, RUNNING, EXITED = 1, 2, 3  # ProcessInfo.State
 # A process writing fast is read in fuller reads: after one of
 # PUMP_BUSY_BYTES or more but below PUMP_FULL_BYTES the pump lets the pipe
 # fill for PUMP_PAUSE. Under emulation a system call and a wakeup of the
-# agent cost about what copying 50 KiB does, and read at once a pipe gives
-# what one write of the process put in it. Small output is read at once.
+# agent cost more than the bytes a read moves, and read at once a pipe
+# gives little more than one write of the process. Small output is read
+# at once.
 PUMP_BUSY_BYTES = 16 << 10
 PUMP_FULL_BYTES = 128 << 10
 PUMP_PAUSE = 0.002

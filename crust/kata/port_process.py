@@ -28,11 +28,11 @@ log = logging.getLogger(__name__)
 # limits.max_read_bytes).
 READ_BYTES = 1 << 20
 # A process writing fast is read in fuller answers: after one of
-# READ_BUSY_BYTES or more (its pipe was not drained by a byte or a line)
-# but below READ_FULL_BYTES, the next read waits READ_PAUSE first. Each
-# answer costs the guest's one vCPU a round of the agent, and asked at
-# once the agent answered what one pipe read gave it (36 KiB on average
-# for 50 MiB of logs). Small output (a prompt, a line) is read at once.
+# READ_BUSY_BYTES or more (more than a prompt or a line) but below
+# READ_FULL_BYTES, the next read waits READ_PAUSE first. Each answer costs
+# the guest's one vCPU a round of the agent, and asked at once the agent
+# answers what a single read of the process's pipe gave it. Small output
+# is read at once.
 READ_BUSY_BYTES = 16 << 10
 READ_FULL_BYTES = 256 << 10
 READ_PAUSE = 0.004
