@@ -382,6 +382,18 @@ def close_and_report(root, problems: list[str], close: Callable[[], None]) -> bo
     return True
 
 
+def roots_cleanup(roots) -> Callable[[], bool]:
+    """A cleanup for guarded_run_then_write: every Root in roots (a list or
+    a dict, as it is when the cleanup runs) closed and reported, even after
+    one that left something; True if nothing is left."""
+    def cleanup() -> bool:
+        clean = True
+        for root in list(roots.values() if isinstance(roots, dict) else roots):
+            clean = close_and_report(root, [], root.close) and clean
+        return clean
+    return cleanup
+
+
 def print_log_tails(base: Path, *patterns: str) -> None:
     """The last 1500 characters of every log matching patterns below base, on stderr."""
     for pattern in patterns:

@@ -120,12 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"last line; {whole['median_ms']} ms ({whole['min_ms']}-{whole['max_ms']}) to the exit")
         print(f"load {results['load_before']} before, {results['load_after']} after")
 
-    def cleanup() -> bool:
-        for root in roots.values():
-            root.close()
-        return True
-
-    return benchlib.guarded_run_then_write(body, cleanup, benchlib.report_failure, args.json, results)
+    return benchlib.guarded_run_then_write(body, benchlib.roots_cleanup(roots), benchlib.report_failure, args.json, results)
 
 
 if __name__ == "__main__":

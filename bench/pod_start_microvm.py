@@ -287,13 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{m['rss_shmem_kb'] / 1024:.0f} MiB), PSS {m['pss_kb'] / 1024:.0f} MiB")
         print(f"load {load_before} before, {results['load']} after")
 
-    def cleanup() -> bool:
-        clean = True
-        for root in roots:   # every one, even after one that left something
-            clean = benchlib.close_and_report(root, [], root.close) and clean
-        return clean
-
-    return benchlib.guarded_run_then_write(body, cleanup, benchlib.report_failure, args.json, results)
+    return benchlib.guarded_run_then_write(body, benchlib.roots_cleanup(roots), benchlib.report_failure, args.json, results)
 
 
 if __name__ == "__main__":
