@@ -14,7 +14,8 @@ Running a sandbox from an OCI bundle:
 
 A handler may also take volumes from a second, registry-less source (the
 microVM handler reads Kata's direct-volume layout): such a volume is claimed
-and released through that source instead of the proxy's registry.
+and released through that source instead of the proxy's registry. Step 1,
+the lookup the runtimes share, is crust.runtime_handler.volume_lookup.
 """
 
 from __future__ import annotations
@@ -36,20 +37,19 @@ from crust.common.inflight import InFlight
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract import device as device_identity
 from crust.contract import encryption
-from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, PLACEHOLDER_SOURCE, MountInfo, digest
+from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.runtime_handler.index import VolumeIndex
 from crust.runtime_handler.oci import BundleError, load_bundle, load_requested_bundle
 from crust.runtime_handler.registration import Registration
-from crust.runtime_handler.resolve import CSI_DIR, SubpathEscapes, candidates, refuse_link_to_deferred, resolve
+from crust.runtime_handler.resolve import refuse_link_to_deferred
 from crust.runtime_handler.sandbox import Sandbox
+from crust.runtime_handler.volume_lookup import VolumeLookup
 from crust.sys import blockdev, proc
-from crust.sys import mount as sysmount
 
 log = logging.getLogger(__name__)
 
 State = handler_pb2.GetSandboxResponse.State
-ENTRY_WAIT = 5.0  # how long a CSI mount source may take to appear in the index
 BIND_OPTIONS = {"bind", "rbind"}
 
 
@@ -145,7 +145,7 @@ def check_device(info: MountInfo) -> None:
         raise FailedPrecondition(f"{info.device} has {size} bytes, the volume has {info.capacity_bytes}")
 
 
-class RuntimeHandler:
+class RuntimeHandler(VolumeLookup):
     def __init__(self, *, name: str, volumes_dir: Path, state_dir: Path, registration: Registration,
                  make_sandbox: Callable[[str, Path, Path | None, proc.ProcessId | None], Sandbox],
                  direct_source: DirectSource | None = None):
@@ -396,71 +396,6 @@ class RuntimeHandler:
                 raise
             log.info("sandbox running", extra={"fields": {"sandbox": sandbox_id, "volumes": len(record.volumes)}})
             return record
-
-    # -- the volumes a mount's source is (the runtimes' interface) ---------------------
-
-    async def find_volume(self, source: str):
-        """(Resolved, direct?) of the deferred (or direct) volume a mount's
-        source is or lies in; (None, False) when it is none. A CSI target
-        published a moment ago is given ENTRY_WAIT for its entry; one that
-        holds the shim's placeholder and has none is refused
-        (FailedPrecondition), a subpath that leaves its volume too
-        (InvalidArgument)."""
-        try:
-            resolved, direct = self.resolve(source)
-            if resolved is None and CSI_DIR in source.split("/"):
-                # kubelet published just now: give the entry a moment.
-                resolved, direct = await self.wait_resolve(source)
-        except SubpathEscapes as exc:
-            raise InvalidArgument(str(exc)) from None
-        if resolved is None and CSI_DIR in source.split("/"):
-            self._refuse_unseen_deferred(source)
-        return resolved, direct
-
-    def _refuse_unseen_deferred(self, source: str) -> None:
-        """A CSI target that holds the shim's placeholder was deferred to a
-        sandbox: without its entry there is nothing to mount, and binding
-        the placeholder would start the pod on an empty read-only directory
-        instead of its volume."""
-        for probe in candidates(source):
-            entry = sysmount.at(probe)
-            if entry is not None and entry.fs_type == "tmpfs" and entry.source == PLACEHOLDER_SOURCE:
-                lost = self.index.watching()
-                raise FailedPrecondition(
-                    f"mount source {source}: {probe} was published deferred to a sandbox, but this handler sees no "
-                    f"entry for it in {self.index.root}"
-                    + (f" (its directory watcher is not working: {lost})" if lost else "")
-                    + "; the placeholder is never bound in its place")
-
-    def resolve(self, source: str):
-        """(Resolved, direct?): the proxy's entry first, then the direct source's."""
-        resolved = resolve(source, self.index)
-        if resolved is not None or self.direct_source is None:
-            return resolved, False
-        resolved = self.direct_source.resolve(source)
-        return resolved, resolved is not None
-
-    async def wait_resolve(self, source: str):
-        """Wait (up to ENTRY_WAIT) for an entry for source or a parent to be
-        indexed: woken by the index's own update, never polling. A direct
-        volume is read from its file when asked (Kata's drivers add it before
-        the pod starts), so it is looked for again at each wake-up and at the
-        end."""
-        names = [digest(probe) for probe in candidates(source)]
-        deadline = time.monotonic() + ENTRY_WAIT
-        while True:
-            woken = self.index.awaiting(names)
-            try:
-                resolved, direct = self.resolve(source)
-                left = deadline - time.monotonic()
-                if resolved is not None or left <= 0:
-                    return resolved, direct
-                try:
-                    await asyncio.wait_for(woken, left)
-                except asyncio.TimeoutError:
-                    pass
-            finally:
-                self.index.forget(names, woken)
 
     async def _claim(self, target_path: str, direct: bool, sandbox_id: str, pid: int) -> str:
         """Claim the volume; the proxy's description of it (its record) for
