@@ -57,10 +57,11 @@ HOLDS_DIR = "/run/crust/ns"
 REMOVE_WAIT = 30.0
 HOOK_SHELL = "/bin/sh"
 # What the hooks run: the first tells that the container is made (the
-# container's state crun gives a hook, one line) and waits for the start's
-# line (a failed read, the agent gone, fails the hook and with it crun's
-# create); the second tells the process started.
-_MADE_HOOK = '{ cat; echo; } > "$1" && read -r line < "$2"'
+# container's state crun gives a hook, one line of JSON without its end,
+# read by the shell itself: a program more is a fork and exec more) and
+# waits for the start's line (a failed read, the agent gone, fails the
+# hook and with it crun's create); the second tells the process started.
+_MADE_HOOK = 'IFS= read -r state; printf \'%s\\n\' "$state" > "$1" && read -r line < "$2"'
 _STARTED_HOOK = 'echo started > "$1"'
 
 
