@@ -107,12 +107,20 @@ def code_version() -> str:
     return head + (f" + uncommitted changes in {len(dirty)} crust/ files" if dirty else "")
 
 
+def portable_command(benchmark: str, argv: list[str]) -> str:
+    """The command line as a result file keeps it: an absolute path (where
+    the results or logs went) by its file name, naming nothing of the
+    machine it ran on."""
+    words = [Path(a).name if a.startswith("/") else a for a in argv]
+    return " ".join([f"bench/{benchmark}.py", *words])
+
+
 def run_header(benchmark: str, argv: list[str] | None, machine_info: dict) -> dict:
     """The first keys of a benchmark's results: its name, the command line
     (argv None: this process's), the date (UTC), the machine and the code."""
     return {
         "benchmark": benchmark,
-        "command": " ".join([f"bench/{benchmark}.py"] + (sys.argv[1:] if argv is None else list(argv))),
+        "command": portable_command(benchmark, sys.argv[1:] if argv is None else list(argv)),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info,
         "code": code_version(),
