@@ -250,3 +250,28 @@ def test_a_live_sandbox_recorded_without_a_start_time_is_recognised_by_its_names
     env.delete("sb-old")
     assert not pid_alive(a["pid"]) and not pid_alive(a["process_pid"]) and env.mounting(v) == []
     env.unpublish(v)
+
+
+def test_a_process_end_is_seen_by_its_pidfd_and_a_reused_pid_ends_at_once():
+    """proc.ended waits for this very process (no child of the caller
+    needed) until it ends, and returns at once for one gone or whose pid
+    names another process (a wait that hung would time out here)."""
+    async def main() -> bool:
+        sleeper = subprocess.Popen(["sleep", "600"])  # noqa: ASYNC220 - a moment, before the wait
+        try:
+            identity = proc.identify(sleeper.pid)
+            waiting = asyncio.ensure_future(proc.ended(identity))
+            await asyncio.sleep(0.3)
+            ran_on = not waiting.done()
+            sleeper.kill()
+            await asyncio.wait_for(waiting, 30)
+            sleeper.wait()
+            await asyncio.wait_for(proc.ended(identity), 30)   # gone, reaped
+            await asyncio.wait_for(proc.ended(proc.ProcessId(os.getpid(), identity.start)), 30)   # another start
+            return ran_on
+        finally:
+            if sleeper.poll() is None:
+                sleeper.kill()
+                sleeper.wait()
+
+    assert asyncio.run(main())

@@ -516,9 +516,7 @@ class TaskService:
     async def _watch_vm(self, pid: int) -> None:
         """The pod's VM ending (stopped or killed) ends the sandbox task and,
         when the handler does not report them first, every process in it."""
-        identity = proc.identify(pid)
-        while proc.alive(identity):
-            await asyncio.sleep(0.5)
+        await proc.ended(proc.identify(pid))
         await asyncio.sleep(1.0)  # the handler's own reports of the processes come first
         sandbox = self.containers.get(self.sandbox_id or "")
         for container in list(self.containers.values()):

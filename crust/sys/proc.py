@@ -11,11 +11,13 @@ Before crust signals or adopts a recorded process it opens a pidfd for the
 pid (os.pidfd_open, Linux 5.3), checks the start time through /proc
 *after* that, and sends the signal through the pidfd: a pidfd keeps naming
 the process it was opened for, so the process checked is the process
-signalled, even if the pid were reused in between.
+signalled, even if the pid were reused in between. The same pidfd tells
+when the process ends (it becomes readable), with no polling.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -121,6 +123,24 @@ def _pidfd(pid: int) -> Iterator[int | None]:
         yield fd
     finally:
         os.close(fd)
+
+
+async def ended(process: ProcessId | None) -> None:
+    """Return once this very process has ended: at once when it is gone
+    already or its pid names another process, else when its pidfd becomes
+    readable (the process need not be a child of this one)."""
+    if process is None or process.pid <= 0:
+        return
+    with _pidfd(process.pid) as fd:
+        if fd is None or not alive(process):
+            return
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
 
 
 def signal_process(process: ProcessId | None, sig: int = signal.SIGKILL) -> bool:
