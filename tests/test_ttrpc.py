@@ -696,7 +696,7 @@ async def test_an_execs_exit_waits_for_its_whole_output_and_a_cut_one_fails_its_
     ended, however late; a stream that ended in an error fails the exec's
     Wait with DATA_LOSS and the handler's words (containerd's ExecSync then
     fails), where a whole one answers the exit code."""
-    from crust.containerd_shim.task import RUNNING, Container, Process
+    from crust.containerd_shim.process import RUNNING, Container, Process
 
     service = TaskService("unix:///nonexistent/handler.sock", Publisher("", "k8s.io"))
     handler = _Handler([b"abc", b"def"], end)

@@ -17,9 +17,11 @@ exit; a container the OOM killer struck is reported (TaskOOM) before its
 exit, so CRI's reason is OOMKilled. A process's standard input (the stdin
 fifo containerd made) is copied to the handler (WriteInput) until containerd
 closes it; a terminal is the guest's (crust.kata.guest_oci). Stats are the
-container's cgroup in the guest, as cgroup v2 metrics. Every task's pid is QEMU's: a guest pid means nothing on the host and a
-host tool that follows a task pid must find the pod's VM (Pids lists the
-guest pids).
+container's cgroup in the guest, as cgroup v2 metrics. Every task's pid
+is QEMU's: a guest pid means nothing on the host and a host tool that
+follows a task pid must find the pod's VM (Pids lists the guest pids).
+The processes and the copies of their stdio are
+crust.containerd_shim.process's.
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ import json
 import logging
 import os
 import signal
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -44,10 +44,9 @@ from crust.api import containerd_task_pb2 as task_pb
 from crust.api import containerd_task_types_pb2 as task_types
 from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common.channel import local_aio_channel
-from crust.common.limits import MAX_STRING
 from crust.common import ttrpc
 from crust.containerd_shim.events import Publisher, timestamp
-from crust.containerd_shim.stdio import FifoWriter, open_fifo
+from crust.containerd_shim.process import CREATED, RUNNING, STOPPED, Container, Process, copy_input, copy_output
 from crust.common.ttrpc import TtrpcError
 from crust.sys import mount as sysmount
 from crust.sys import proc
@@ -59,22 +58,14 @@ SANDBOX_ID = "io.kubernetes.cri.sandbox-id"
 PROCESS_SPEC_TYPE = "types.containerd.io/opencontainers/runtime-spec/1/Process"
 # What containerd's CRI unpacks Task.Stats into (the message's full name).
 CGROUP_V2_METRICS_TYPE = "io.containerd.cgroups.v2.Metrics"
-# A WriteInput carries at most what the handler takes in one bytes field.
-INPUT_CHUNK = MAX_STRING
 VERSION = "crust-shim-v2"
 # The handler's calls that start or stop a VM take seconds under TCG.
 HANDLER_TIMEOUT = 300.0
 # How long a call waits for a handler that does not answer (restarting).
 HANDLER_RESTART_SECONDS = 10.0
-# How long the output's copy retries a handler that does not answer
-# (restarting) before the output counts as cut.
-OUTPUT_HANDLER_GONE_SECONDS = 60.0
-# How long a finished process's fifos stay open for a containerd that is away.
-FIFO_HOLD_SECONDS = 600.0
 # The VM is gone, and the handler did not say how a process ended.
 VM_GONE_STATUS = 128 + signal.SIGKILL
 
-CREATED, RUNNING, STOPPED = task_types.CREATED, task_types.RUNNING, task_types.STOPPED
 
 
 def bad(message: str) -> TtrpcError:
@@ -143,66 +134,6 @@ def grpc_to_ttrpc(exc: grpc.RpcError, what: str) -> TtrpcError:
     number = code.value[0] if isinstance(code, grpc.StatusCode) else ttrpc.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     return TtrpcError(number, f"{what}: {details}")
-
-
-@dataclass
-class Process:
-    container_id: str
-    exec_id: str
-    stdin: str = ""
-    stdout: str = ""
-    stderr: str = ""
-    terminal: bool = False
-    spec: handler_pb2.ProcessSpec | None = None
-    status: int = CREATED
-    guest_pid: int = 0
-    exit_status: int = 0
-    exited_at_ns: int = 0
-    exited: asyncio.Event = field(default_factory=asyncio.Event)
-    # Set when containerd deleted the process: its fifos need no reader any more.
-    deleted: asyncio.Event = field(default_factory=asyncio.Event)
-    # Set by CloseIO: the input ends once what containerd wrote is copied.
-    input_closed: asyncio.Event = field(default_factory=asyncio.Event)
-    watcher: asyncio.Task | None = None
-    feeder: asyncio.Task | None = None
-    # Set when the process exited by itself but its output did not reach
-    # the fifos whole: why (an exec's Wait fails with it).
-    output_cut: str = ""
-    # The copy of its output, once the process has exited and it is drained.
-    draining: asyncio.Future | None = None
-    drain_killed: bool = False
-
-    @property
-    def id(self) -> str:
-        """The id events name the process by: the exec's, or the container's."""
-        return self.exec_id or self.container_id
-
-    def stop(self, exit_status: int, exited_at_ns: int | None = None) -> bool:
-        if self.status == STOPPED:
-            return False
-        self.status = STOPPED
-        self.exit_status = exit_status
-        self.exited_at_ns = exited_at_ns or time.time_ns()
-        self.exited.set()
-        return True
-
-
-@dataclass
-class Container:
-    id: str
-    bundle: str
-    sandbox: bool
-    init: Process
-    rootfs_mounted: bool = False
-    execs: dict[str, Process] = field(default_factory=dict)
-
-    def process(self, exec_id: str) -> Process:
-        if not exec_id:
-            return self.init
-        try:
-            return self.execs[exec_id]
-        except KeyError:
-            raise TtrpcError(ttrpc.NOT_FOUND, f"container {self.id} has no exec {exec_id}") from None
 
 
 class TaskService:
@@ -348,7 +279,7 @@ class TaskService:
                 process.status = RUNNING
             process.watcher = asyncio.ensure_future(self._watch_process(process))
             if process.stdin:
-                process.feeder = asyncio.ensure_future(self._copy_input(process))
+                process.feeder = asyncio.ensure_future(copy_input(process, self._write_input))
         log.info("process started", extra={"fields": {"container": container.id, "exec": request.exec_id,
                                                       "guest_pid": process.guest_pid}})
         if request.exec_id:
@@ -365,7 +296,7 @@ class TaskService:
         out: all of it, however long that takes (containerd's exec timeout
         bounds an exec). An exec whose output could not be copied whole
         exits with an error instead of its code (Wait)."""
-        pump = asyncio.ensure_future(self._copy_output(process))
+        pump = asyncio.ensure_future(copy_output(lambda: self.pods, process))
         state = None
         while state is None:
             try:
@@ -401,102 +332,6 @@ class TaskService:
             self._exited(process, state.exit_code, state.exited_at_ns or None)
         else:
             self._exited(process, VM_GONE_STATUS)
-
-    async def _copy_output(self, process: Process) -> str:
-        """The process's output from the handler into containerd's fifos
-        until the handler's stream ends: "" when it ended whole, else why
-        not (the handler said DataLoss or refused, or stayed away)."""
-        writers: dict[int, FifoWriter | None] = {
-            handler_pb2.OutputChunk.STDOUT: open_fifo(process.stdout),
-            handler_pb2.OutputChunk.STDERR: open_fifo(process.stderr),
-        }
-        offsets = {handler_pb2.OutputChunk.STDOUT: 0, handler_pb2.OutputChunk.STDERR: 0}
-        away_since = None
-        try:
-            while True:
-                try:
-                    stream = self.pods.ReadOutput(handler_pb2.ReadOutputRequest(
-                        container_id=process.container_id, exec_id=process.exec_id,
-                        stdout_offset=offsets[handler_pb2.OutputChunk.STDOUT],
-                        stderr_offset=offsets[handler_pb2.OutputChunk.STDERR]))
-                    async for chunk in stream:
-                        away_since = None
-                        if chunk.stream not in offsets:
-                            continue
-                        # A resumed stream may repeat what was written already.
-                        skip = offsets[chunk.stream] - chunk.offset
-                        data = chunk.data[skip:] if skip > 0 else chunk.data
-                        if not data:
-                            continue
-                        offsets[chunk.stream] += len(data)
-                        writer = writers[chunk.stream]
-                        if writer is not None:
-                            await writer.write(data)
-                    return ""  # the process exited and everything was sent
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE or process.status == STOPPED:
-                        return exc.details() or exc.code().name
-                    # The handler restarts: resume at our offsets.
-                    away_since = away_since or time.monotonic()
-                    if time.monotonic() - away_since > OUTPUT_HANDLER_GONE_SECONDS:
-                        return (f"the output was cut after {offsets[handler_pb2.OutputChunk.STDOUT]} bytes of "
-                                f"stdout and {offsets[handler_pb2.OutputChunk.STDERR]} of stderr: the handler "
-                                f"did not answer for {OUTPUT_HANDLER_GONE_SECONDS:.0f} s ({exc.details()})")
-                    await asyncio.sleep(0.5)
-        finally:
-            # Closing ends containerd's copy; what the pipe holds must be read first.
-            for writer in writers.values():
-                if writer is not None:
-                    asyncio.ensure_future(writer.close_once_read(process.deleted, FIFO_HOLD_SECONDS))
-
-    async def _copy_input(self, process: Process) -> None:
-        """containerd's stdin fifo -> the process's input in the guest, until
-        every writer closed it (or CloseIO, once what it holds is copied):
-        then the process reads end of file. Non-blocking: before containerd
-        opens its end the fifo is neither readable nor hung up."""
-        loop = asyncio.get_running_loop()
-        try:
-            fd = os.open(process.stdin, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            log.error("stdin not opened", extra={"fields": {"container": process.container_id,
-                                                            "exec": process.exec_id, "error": str(exc)}})
-            return
-        readable = asyncio.Event()
-        loop.add_reader(fd, readable.set)
-        offset, ended, closed = 0, False, False
-        try:
-            while not ended:
-                closing = asyncio.ensure_future(process.input_closed.wait())
-                ready = asyncio.ensure_future(readable.wait())
-                await asyncio.wait({closing, ready}, return_when=asyncio.FIRST_COMPLETED)
-                closing.cancel()
-                ready.cancel()
-                readable.clear()
-                while True:
-                    try:
-                        data = os.read(fd, INPUT_CHUNK)
-                    except BlockingIOError:
-                        ended = process.input_closed.is_set()   # CloseIO: nothing more is coming
-                        break
-                    if not data:
-                        ended = True   # every writer is gone
-                        break
-                    offset = await self._write_input(process, offset, data, close=False)
-            await self._write_input(process, offset, b"", close=True)
-            closed = True
-        except TtrpcError as exc:
-            log.warning("stdin not copied", extra={"fields": {"container": process.container_id,
-                                                              "exec": process.exec_id, "error": exc.message}})
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
-        if not closed and process.status != STOPPED:
-            # The copy failed: the process reads the end of its input rather
-            # than waiting for bytes that will never come.
-            try:
-                await self._write_input(process, offset, b"", close=True)
-            except TtrpcError:
-                pass
 
     async def _write_input(self, process: Process, offset: int, data: bytes, close: bool) -> int:
         response = await self._handler("WriteInput", handler_pb2.WriteInputRequest(
