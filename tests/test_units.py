@@ -40,7 +40,7 @@ from crust.common.errors import (
 )
 from crust.common.recordstore import RecordStore
 from crust.common.redact import MASK, redacted
-from crust.driver.controller import TOKEN_PREFIX, _page
+from crust.driver.paging import TOKEN_PREFIX, paged
 from crust.kata import bzimage
 from crust.kata import image as kata_image
 from crust.sys import mount as sysmount
@@ -185,7 +185,7 @@ def test_capacity_out_of_range_versus_invalid_argument():
     assert OutOfRange.code is grpc.StatusCode.OUT_OF_RANGE
 
 
-# -- controller._page ---------------------------------------------------------------------
+# -- paging.paged -------------------------------------------------------------------------
 
 
 IDS = [f"vol-{i:03d}" for i in range(10)]
@@ -195,7 +195,7 @@ IDS = [f"vol-{i:03d}" for i in range(10)]
 def test_page_walk_covers_every_id_once(max_entries):
     seen, token, calls = [], "", 0
     while True:
-        page, token = _page(IDS, token, max_entries)
+        page, token = paged(IDS, token, max_entries)
         assert 0 < len(page) <= max_entries
         seen += page
         calls += 1
@@ -207,34 +207,34 @@ def test_page_walk_covers_every_id_once(max_entries):
 
 
 def test_page_zero_means_all():
-    assert _page(IDS, "", 0) == (IDS, "")
-    assert _page([], "", 0) == ([], "")
-    assert _page([], "", 5) == ([], "")
+    assert paged(IDS, "", 0) == (IDS, "")
+    assert paged([], "", 0) == ([], "")
+    assert paged([], "", 5) == ([], "")
 
 
 def test_page_token_of_deleted_id_still_works():
-    page, token = _page(IDS, "", 3)
+    page, token = paged(IDS, "", 3)
     assert page == IDS[:3] and token
     remaining = [i for i in IDS if i != page[-1]]  # the last returned item is deleted
     remaining.append("vol-999")  # and one is created meanwhile
     seen, token2 = [], token
     while token2:
-        chunk, token2 = _page(remaining, token2, 3)
+        chunk, token2 = paged(remaining, token2, 3)
         seen += chunk
     assert seen == IDS[3:] + ["vol-999"]
 
 
 def test_page_invalid_token_is_aborted():
     for bad in ("garbage", "vol-003", "AFTER:vol-003"):
-        err = _raises(Aborted, _page, IDS, bad, 3)
+        err = _raises(Aborted, paged, IDS, bad, 3)
         assert "starting_token" in err.message
     assert Aborted.code is grpc.StatusCode.ABORTED
     # A well-formed token past the end is an empty last page, not an error.
-    assert _page(IDS, TOKEN_PREFIX + "zzz", 3) == ([], "")
+    assert paged(IDS, TOKEN_PREFIX + "zzz", 3) == ([], "")
 
 
 def test_page_negative_max_entries_is_invalid():
-    _raises(InvalidArgument, _page, IDS, "", -1)
+    _raises(InvalidArgument, paged, IDS, "", -1)
 
 
 # -- mount.parse_mountinfo ------------------------------------------------------------------

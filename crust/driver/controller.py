@@ -2,7 +2,8 @@
 
 Works on files only (backing files in the node pools, records in the
 catalog); it never touches a device, so it can run where no loop device
-exists (`--mode controller`).
+exists (`--mode controller`). Its snapshot calls are
+crust.driver.snapshots', the list calls' paging crust.driver.paging's.
 """
 
 from __future__ import annotations
@@ -10,12 +11,10 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.common import csi_input
 from crust.common.errors import (
-    Aborted,
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -29,13 +28,14 @@ from crust.contract import encryption
 from crust.driver.backend import loop as backend
 from crust.driver.catalog import Catalog
 from crust.driver.config import TOPOLOGY_KEY, DriverConfig
+from crust.driver.paging import paged
+from crust.driver.snapshots import SnapshotCalls
 from crust.driver.records import (
     ContentSource,
     ControllerPublish,
     Lifecycle,
     NodeVolumeRecord,
     PoolRecord,
-    SnapshotRecord,
     VolumeRecord,
     node_records_dir,
 )
@@ -86,9 +86,6 @@ ALPHA_CAPABILITIES = [RPC.GET_NODE_INFO]
 DISTRIBUTED_WITHOUT = {RPC.PUBLISH_UNPUBLISH_VOLUME, RPC.PUBLISH_READONLY, RPC.LIST_VOLUMES_PUBLISHED_NODES,
                        RPC.EXPAND_VOLUME}
 
-TOKEN_PREFIX = "after:"
-
-
 def _check_parameters(params: dict[str, str], field: str, allowed: set[str]) -> dict[str, str]:
     for key, value in params.items():
         if key.startswith("csi.storage.k8s.io/"):
@@ -106,30 +103,7 @@ def _check_parameters(params: dict[str, str], field: str, allowed: set[str]) -> 
     return {k: v for k, v in params.items() if not k.startswith("csi.storage.k8s.io/")}
 
 
-def _page(ids: list[str], starting_token: str, max_entries: int, field: str = "starting_token"):
-    """Token-based paging over sorted ids: the token names the last id
-    returned, so deleting that item or adding new ones never breaks a walk."""
-    if max_entries < 0:
-        raise InvalidArgument("max_entries must not be negative")
-    start = 0
-    if starting_token:
-        if not starting_token.startswith(TOKEN_PREFIX):
-            raise Aborted(f"{field} {starting_token!r} was not issued by this driver")
-        after = starting_token[len(TOKEN_PREFIX):]
-        start = next((i for i, v in enumerate(ids) if v > after), len(ids))
-    end = len(ids) if max_entries == 0 else min(len(ids), start + max_entries)
-    page = ids[start:end]
-    token = f"{TOKEN_PREFIX}{page[-1]}" if end < len(ids) and page else ""
-    return page, token
-
-
-def timestamp(seconds: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
-
-
-class ControllerService(csi_pb2_grpc.ControllerServicer):
+class ControllerService(SnapshotCalls, csi_pb2_grpc.ControllerServicer):
     def __init__(self, config: DriverConfig, catalog: Catalog):
         self.config = config
         self.catalog = catalog
@@ -193,16 +167,6 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
             return csi_pb2.VolumeCondition(
                 abnormal=True, message=f"backing file is {size} bytes, expected {v.capacity_bytes}")
         return csi_pb2.VolumeCondition(abnormal=False, message="backing file present and complete")
-
-    def snapshot_message(self, s: SnapshotRecord) -> csi_pb2.Snapshot:
-        return csi_pb2.Snapshot(
-            snapshot_id=s.snapshot_id,
-            source_volume_id=s.source_volume_id,
-            size_bytes=s.size_bytes,
-            creation_time=timestamp(s.created_at),
-            ready_to_use=True,
-            group_snapshot_id=s.group_snapshot_id,
-        )
 
     def _place(self, req: csi_pb2.CreateVolumeRequest, size: int, near: str | None,
                pools: dict[str, PoolRecord]) -> PoolRecord:
@@ -483,7 +447,7 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
 
     async def ListVolumes(self, request: csi_pb2.ListVolumesRequest, context):
         ids = sorted(self.catalog.volumes)
-        page, token = _page(ids, request.starting_token, request.max_entries)
+        page, token = paged(ids, request.starting_token, request.max_entries)
         entries = []
         for vid in page:
             v = self.catalog.volumes[vid]
@@ -582,80 +546,3 @@ class ControllerService(csi_pb2_grpc.ControllerServicer):
         )
 
     # -- snapshots ------------------------------------------------------------------
-
-    async def CreateSnapshot(self, request: csi_pb2.CreateSnapshotRequest, context):
-        source_id = csi_input.name(request.source_volume_id, "source_volume_id")
-        name = csi_input.name(request.name)
-        with self.inflight.hold(f"snapshot-name:{name}"):
-            existing = self.catalog.snapshot_by_name(name)
-            if existing is not None:
-                if existing.source_volume_id != source_id:
-                    raise AlreadyExists(f"snapshot {name!r} exists for volume {existing.source_volume_id}")
-                return csi_pb2.CreateSnapshotResponse(snapshot=self.snapshot_message(existing))
-            volume = self._volume(source_id, "source_volume_id")
-            snap = await self.snapshot_volume(volume, name, dict(request.parameters))
-            return csi_pb2.CreateSnapshotResponse(snapshot=self.snapshot_message(snap))
-
-    async def snapshot_volume(self, volume: VolumeRecord, name: str, parameters: dict[str, str],
-                              group_snapshot_id: str = "") -> SnapshotRecord:
-        """Copy a volume's backing file into a new snapshot, all or nothing."""
-        pool = self.catalog.pools().get(volume.node)
-        if pool and self.catalog.available(pool) < volume.capacity_bytes:
-            raise ResourceExhausted(f"node {volume.node} has no room for a {volume.capacity_bytes}-byte snapshot")
-        snap = SnapshotRecord(snapshot_id=backend.new_id("snap"), name=name, source_volume_id=volume.volume_id,
-                              node=volume.node, size_bytes=volume.capacity_bytes, parameters=parameters,
-                              group_snapshot_id=group_snapshot_id, state=Lifecycle.CREATING)
-        path = self.catalog.snapshot_file(snap)
-        await self.catalog.snapshot_store.put(snap.snapshot_id, snap)
-        try:
-            self.catalog.pool(volume.node).ensure()
-            # A snapshot of an attached volume is crash-consistent: it holds
-            # what had reached the backing file when the copy ran.
-            await backend.copy_into(self.catalog.volume_file(volume), path, volume.capacity_bytes)
-            snap.state = Lifecycle.READY
-            await self.catalog.save_snapshot(snap)
-        except BaseException:
-            backend.remove(path)
-            backend.remove(self.catalog.pool(volume.node).temp_file(path))
-            await self.catalog.snapshot_store.delete(snap.snapshot_id)
-            raise
-        return snap
-
-    async def delete_snapshot_files(self, snap: SnapshotRecord) -> None:
-        snap.state = Lifecycle.DELETING
-        await self.catalog.snapshot_store.put(snap.snapshot_id, snap)
-        backend.remove(self.catalog.snapshot_file(snap))
-        await self.catalog.forget_snapshot(snap)
-
-    async def DeleteSnapshot(self, request: csi_pb2.DeleteSnapshotRequest, context):
-        snapshot_id = csi_input.name(request.snapshot_id, "snapshot_id")
-        with self.inflight.hold(snapshot_id):
-            snap = self.catalog.snapshots.get(snapshot_id)
-            if snap is None:
-                return csi_pb2.DeleteSnapshotResponse()
-            if snap.group_snapshot_id in self.catalog.groups:
-                raise FailedPrecondition(f"snapshot {snapshot_id} belongs to group snapshot "
-                                         f"{snap.group_snapshot_id}; delete the group instead")
-            await self.delete_snapshot_files(snap)
-            return csi_pb2.DeleteSnapshotResponse()
-
-    async def ListSnapshots(self, request: csi_pb2.ListSnapshotsRequest, context):
-        snaps = self.catalog.snapshots
-        if request.snapshot_id:
-            ids = [request.snapshot_id] if request.snapshot_id in snaps else []
-        else:
-            ids = sorted(snaps)
-        if request.source_volume_id:
-            ids = [i for i in ids if snaps[i].source_volume_id == request.source_volume_id]
-        page, token = _page(ids, request.starting_token, request.max_entries)
-        return csi_pb2.ListSnapshotsResponse(
-            entries=[csi_pb2.ListSnapshotsResponse.Entry(snapshot=self.snapshot_message(snaps[i])) for i in page],
-            next_token=token,
-        )
-
-    async def GetSnapshot(self, request: csi_pb2.GetSnapshotRequest, context):
-        snapshot_id = csi_input.name(request.snapshot_id, "snapshot_id")
-        snap = self.catalog.snapshots.get(snapshot_id)
-        if snap is None:
-            raise NotFound(f"snapshot {snapshot_id!r} does not exist")
-        return csi_pb2.GetSnapshotResponse(snapshot=self.snapshot_message(snap))

@@ -12,7 +12,8 @@ from crust.api import csi_pb2, csi_pb2_grpc
 from crust.common import csi_input
 from crust.common.errors import AlreadyExists, InvalidArgument, NotFound
 from crust.driver.backend import loop as backend
-from crust.driver.controller import ControllerService, timestamp
+from crust.driver.controller import ControllerService
+from crust.driver.snapshots import timestamp
 from crust.driver.records import GroupSnapshotRecord, Lifecycle
 
 RPC = csi_pb2.GroupControllerServiceCapability.RPC
