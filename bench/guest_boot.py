@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A microVM's boot, three ways side by side: what booting the kernel
 uncompressed (crust.kata.bzimage) and the guest command line
-(crust.kata.qemu.GUEST_CMDLINE) each save.
+(crust.kata.vm_config.GUEST_CMDLINE) each save.
 
 Each round starts the current guest image's VM (crust.kata.qemu.Vm, the
 handler's own path: QEMU's start, the kernel, /init, until the agent
@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
 from crust.kata import image as kata_image  # noqa: E402
-from crust.kata.qemu import GUEST_CMDLINE, Vm, VmConfig  # noqa: E402
+from crust.kata.qemu import Vm, VmConfig  # noqa: E402
+from crust.kata.vm_config import GUEST_CMDLINE  # noqa: E402
 
 PLAIN_CMDLINE = "console=ttyS0 quiet panic=-1"
 

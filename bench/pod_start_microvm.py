@@ -61,7 +61,8 @@ from bench import benchlib  # noqa: E402
 from bench.pod_start import log_time  # noqa: E402
 from crust.kata import cpio  # noqa: E402
 from crust.kata import image as kata_image  # noqa: E402
-from crust.kata.qemu import GUEST_CMDLINE, qemu_pids_under  # noqa: E402
+from crust.kata.qemu import qemu_pids_under  # noqa: E402
+from crust.kata.vm_config import GUEST_CMDLINE  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
 from crust.kubelet import image as images  # noqa: E402
 from tests.cri_harness import cri_microvm_node  # noqa: E402

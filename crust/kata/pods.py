@@ -67,7 +67,8 @@ from crust.kata.pod_records import (
 )
 from crust.kata.pool import VmPool
 from crust.kata.portforward import PortForwarder
-from crust.kata.qemu import Nic, SharedDir, Vm, VmError
+from crust.kata.qemu import SharedDir, Vm, VmError
+from crust.kata.vm_devices import Nic
 from crust.kata.qmp import QmpError, QmpGone, QmpTimeout
 from crust.kata.sandbox import KataSandbox
 from crust.kata.share import (

@@ -67,13 +67,13 @@ from crust.kata.pool import (
     warm_disk,
 )
 from crust.kata.qemu import (
-    DEVICE_LAYOUT,
     Vm,
     VmConfig,
     VmError,
     is_qemu_under,
     qemu_pids_under,
 )
+from crust.kata.vm_config import DEVICE_LAYOUT
 from crust.kata.qmp import QmpError, QmpGone
 from crust.sys import proc
 from crust.sys.run import CommandError, run
