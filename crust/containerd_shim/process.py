@@ -29,7 +29,7 @@ from crust.common.limits import MAX_STRING
 from crust.common.ttrpc import TtrpcError
 from crust.containerd_shim.stdio import FifoWriter, open_fifo
 
-log = logging.getLogger("crust.containerd_shim.task")
+log = logging.getLogger(__name__)
 
 # A WriteInput carries at most what the handler takes in one bytes field.
 INPUT_CHUNK = MAX_STRING

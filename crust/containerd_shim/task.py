@@ -67,7 +67,6 @@ HANDLER_RESTART_SECONDS = 10.0
 VM_GONE_STATUS = 128 + signal.SIGKILL
 
 
-
 def bad(message: str) -> TtrpcError:
     return TtrpcError(ttrpc.INVALID_ARGUMENT, message)
 
