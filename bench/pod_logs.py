@@ -12,7 +12,7 @@ each line as it takes it from the runtime):
   exited with every line in its log.
 Every line is checked there, whole and in order.
 
-    .venv/bin/python bench/pod_logs.py [--rounds 3] [--mib 50] [--json OUT.json]
+    .venv/bin/python bench/pod_logs.py [--rounds 3] [--mib 50] [--cpus 1] [--json OUT.json]
 
 Median, min and max per figure and runtime, the machine, its accelerator
 and its load before and after.
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mib", type=int, default=50)
+    parser.add_argument("--cpus", type=int, default=1, help="the microVM handler's --cpus (the guest's vCPUs)")
     parser.add_argument("--json", help="write the results there (- for stdout)")
     args = parser.parse_args(argv)
     if benchlib.not_root("pod_logs.py", "pods, containerd, QEMU"):
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         rates: dict[str, list[float]] = {name: [] for name in RUNTIMES}
         wholes: dict[str, list[float]] = {}
         with contextlib.ExitStack() as stack:
-            nodes = {name: stack.enter_context(pod_node(name, roots[name])) for name in RUNTIMES}
+            nodes = {name: stack.enter_context(pod_node(
+                name, roots[name], handler_extra=("--cpus", str(args.cpus)) if name == "crust-microvm" else ()))
+                for name in RUNTIMES}
             results["load_before"] = benchlib.loadavg()
             for turn in range(args.rounds):
                 for name in benchlib.rotated(list(RUNTIMES), turn):
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             found = re.search(r"agent ready [0-9.]+s after start \(pid \d+, (\w+)\)",
                               nodes["crust-microvm"].handler_log.read_text(errors="replace"))
             results["accel"] = found[1] if found else "unknown"
-        results["lines"], results["line_bytes"] = lines, len(LINE) + 1
+        results["lines"], results["line_bytes"], results["guest_cpus"] = lines, len(LINE) + 1, args.cpus
         results["rate_mib_per_s"] = {name: {"median": round(statistics.median(v), 1), "min": round(min(v), 1),
                                             "max": round(max(v), 1), "samples": [round(x, 1) for x in v]}
                                      for name, v in rates.items()}

@@ -33,7 +33,7 @@ the VM the handler saved (crust.kata.template; the rounds start once it is
 saved).
 
     .venv/bin/python bench/pod_start_microvm.py [--rounds 5] [--pools 0,1,template] [--floor-boots 5] [--fs ext4]
-        [--mib 128] [--disk-buses virtio-blk] [--agent-times] [--keep-log DIR] [--json OUT.json]
+        [--mib 128] [--disk-buses virtio-blk] [--cpus 1] [--agent-times] [--keep-log DIR] [--json OUT.json]
 
 --disk-buses virtio-blk,virtio-scsi runs each pool setting once per disk
 bus of the handler (--disk-bus): the volume a PCI device hot-plugged for
@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the handler's --disk-bus settings to run, in turn, for each pool setting "
                              "(default: virtio-blk)")
     parser.add_argument("--floor-boots", type=int, default=5, help="bare boots of the floor (0: none)")
+    parser.add_argument("--cpus", type=int, default=1, help="the handler's --cpus (the guest's vCPUs; default: 1)")
     parser.add_argument("--agent-times", action="store_true",
                         help="the handler at --log-level debug: each guest agent request's time, summed per CRI "
                              "call's handler RPC and command, beside the calls")
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             # The column's name says the bus only when the run compares buses.
             column = ("template" if template else f"pool {pool}") + (f", {bus}" if len(buses) > 1 else "")
             label = ("template" if template else f"pool{pool}") + (f"-{bus}" if len(buses) > 1 else "")
-            extra = ("--disk-bus", bus, *(("--log-level", "debug") if args.agent_times else ()),
+            extra = ("--disk-bus", bus, "--cpus", str(args.cpus),
+                     *(("--log-level", "debug") if args.agent_times else ()),
                      *(("--vm-template",) if template else ()))
             with cri_microvm_node(root, vm_pool=pool, handler_extra=extra) as node:
                 version = node.runtime.runtime_version

@@ -227,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="QEMU accelerator. auto (default): kvm if a probe VM boots under it (the verdict is "
                            "kept next to the guest image), tcg (software emulation) otherwise")
     kt_h.add_argument("--memory", type=int, default=256, help="guest memory in MiB (default: 256)")
+    kt_h.add_argument("--cpus", type=int, default=1, metavar="N",
+                      help="the guest's vCPUs (default: 1). Under software emulation each is a thread of QEMU's, "
+                           "so a pod whose processes work at once (a container writing logs while the agent "
+                           "reads them) runs on more than one host CPU")
     kt_h.add_argument("--vm-pool", type=int, default=0, metavar="N",
                       help="keep N VMs booted ahead of their pods: a pod takes one instead of waiting for a boot, "
                            "and the pool boots another in the background; a VM serves one pod, once (default: 0)")
@@ -478,8 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve("kata handler", serve_kata,
                       HandlerConfig(name=args.name, endpoint=args.endpoint, proxy_endpoint=args.proxy_endpoint,
                                     volumes_dir=args.volumes_dir.absolute(), state_dir=args.state_dir.absolute()),
-                      cache=args.cache, accel=args.accel, memory_mib=args.memory, kata_dir=args.kata_dir.absolute(),
-                      vm_pool=args.vm_pool, disk_bus=args.disk_bus,
+                      cache=args.cache, accel=args.accel, memory_mib=args.memory, cpus=args.cpus,
+                      kata_dir=args.kata_dir.absolute(), vm_pool=args.vm_pool, disk_bus=args.disk_bus,
                       vm_template=args.vm_template)
     if args.command == "demo":
         from crust.demo import run_demo

@@ -5,17 +5,21 @@ Figures are printed beside the outcomes (speed targets live in bench/)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import statistics
 import subprocess
 import time
 
+import pytest
+
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
 from crust.kata.agent_client import AgentClient
-from tests.guest_vm import Guest
+from crust.kata.qemu import Vm
+from tests.guest_vm import Guest, guest_config
 
 
 def process(*args: str) -> bytes:
@@ -132,3 +136,19 @@ def test_a_guest_powered_off_by_its_agent_leaves_its_volumes_clean(root):
     assert re.search(r"^Filesystem state:\s+clean$", state, re.M), state
     assert subprocess.run(["debugfs", "-R", "cat /f", str(image)], capture_output=True, text=True,
                           check=True).stdout == "data\n"
+
+
+def test_a_vm_given_two_cpus_runs_its_guest_on_both_and_refuses_none(root):
+    """VmConfig.cpus (the handler's --cpus): the guest's kernel brings up
+    that many CPUs and a process can run on the second; no CPU at all is
+    refused before QEMU starts."""
+    config = dataclasses.replace(guest_config(), cpus=2)
+
+    async def main():
+        async with Guest(root.path, config=config) as g:
+            return await g.sh("nproc; taskset -c 1 cat /proc/self/stat | cut -d' ' -f39")
+
+    code, out = asyncio.run(main())
+    assert (code, out.split()) == (0, ["2", "1"]), out
+    with pytest.raises(ValueError, match="cpus 0"):
+        Vm("none", root.path / "none", dataclasses.replace(config, cpus=0))

@@ -223,6 +223,21 @@ def test_the_microvm_handlers_disk_bus_is_a_node_setting(root):
     assert "handler.kata.diskBus" in result.stderr, result.stderr
 
 
+def test_the_microvm_handlers_vcpus_are_a_node_setting(root):
+    """handler.kata.cpus reaches the microVM handler as --cpus (1 unless
+    set); none, or a count that is no number, is refused naming the key."""
+    from crust.node.supervisor import child_argvs
+
+    for cpus in (2, None):
+        kata = {"cpus": cpus} if cpus else {}
+        config = NodeConfig.load(write_config(root.path, handler={"runtime": "kata", "kata": kata}))
+        (argv,) = [argv for name, argv, _ in child_argvs(config, Path("/p.json")) if name == "handler"]
+        assert argv[argv.index("--cpus") + 1] == str(cpus or 1)
+    for bad in (0, "two"):
+        result = _refused(write_config(root.path, handler={"runtime": "kata", "kata": {"cpus": bad}}))
+        assert "handler.kata.cpus" in result.stderr, result.stderr
+
+
 def test_a_registration_socket_held_by_another_server_stops_the_start(root):
     """A node-driver-registrar already registers the driver: crust node says
     so and exits, instead of restarting the proxy forever."""

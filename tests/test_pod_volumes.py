@@ -156,11 +156,13 @@ class PodNode:
 
 
 @contextlib.contextmanager
-def pod_node(runtime_class: str, root, pod_network: bool = False, vm_pool: int = 0) -> Iterator[PodNode]:
+def pod_node(runtime_class: str, root, pod_network: bool = False, vm_pool: int = 0,
+             handler_extra: tuple[str, ...] = ()) -> Iterator[PodNode]:
     """A node whose RuntimeClass `runtime_class` runs pods: a private
     containerd (and, for crust's runtimes, the crust stack they use);
     pod_network: a bridge for the pods off the host's network (CNI);
-    vm_pool: VMs the microVM handler boots ahead of its pods."""
+    vm_pool: VMs the microVM handler boots ahead of its pods;
+    handler_extra: more flags of the microVM handler."""
     host_dir = root.path / "host"
     host_dir.mkdir()
     if runtime_class == "runc":
@@ -175,7 +177,7 @@ def pod_node(runtime_class: str, root, pod_network: bool = False, vm_pool: int =
             finally:
                 runtime.close()
     elif runtime_class == "crust-microvm":
-        with cri_microvm_node(root, pod_network=pod_network, vm_pool=vm_pool) as node:
+        with cri_microvm_node(root, pod_network=pod_network, vm_pool=vm_pool, handler_extra=handler_extra) as node:
             yield PodNode(node.runtime, node.image, runtime_class, host_dir, node.containerd,
                           handler_log=node.env.handler.log_path)
             if vm_pool:

@@ -150,6 +150,8 @@ class Vm(VmDevices):
             raise ValueError(f"accelerator {config.accel!r}: one of {', '.join(ACCELERATORS)}")
         if config.disk_bus not in DISK_BUSES:
             raise ValueError(f"disk bus {config.disk_bus!r}: one of {', '.join(DISK_BUSES)}")
+        if config.cpus < 1:
+            raise ValueError(f"cpus {config.cpus}: a VM needs at least one")
         self.name = name
         self.config = config
         self._place(workdir)

@@ -102,6 +102,8 @@ class Runtime(str, Enum):
 class KataSection(_Section):
     accel: str = Field("auto", pattern="^(auto|kvm|tcg)$")
     memory_mib: int = Field(256, alias="memoryMiB", ge=64, le=65536)
+    # The guest's vCPUs (QEMU's -smp).
+    cpus: int = Field(1, ge=1, le=64)
     # VMs kept booted for the next pods (crust.kata.pool); 0: each pod boots its own.
     vm_pool: int = Field(0, alias="vmPool", ge=0, le=64)
     # Restore each pod's VM from one saved VM instead of booting (crust.kata.template).
