@@ -22,6 +22,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc))
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1")
+    return value
+
+
 def _add_logging(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity (default: info)")
@@ -227,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="QEMU accelerator. auto (default): kvm if a probe VM boots under it (the verdict is "
                            "kept next to the guest image), tcg (software emulation) otherwise")
     kt_h.add_argument("--memory", type=int, default=256, help="guest memory in MiB (default: 256)")
-    kt_h.add_argument("--cpus", type=int, default=1, metavar="N",
+    kt_h.add_argument("--cpus", type=_at_least_one, default=1, metavar="N",
                       help="the guest's vCPUs (default: 1). Under software emulation each is a thread of QEMU's, "
                            "so a pod whose processes work at once (a container writing logs while the agent "
                            "reads them) runs on more than one host CPU")

@@ -236,6 +236,14 @@ def test_the_microvm_handlers_vcpus_are_a_node_setting(root):
     for bad in (0, "two"):
         result = _refused(write_config(root.path, handler={"runtime": "kata", "kata": {"cpus": bad}}))
         assert "handler.kata.cpus" in result.stderr, result.stderr
+    from crust.cli import build_parser
+
+    required = ["--endpoint", "unix:///h.sock", "--proxy-endpoint", "unix:///p.sock", "--volumes-dir", "/v",
+                "--state-dir", "/s"]
+    assert build_parser().parse_args(["kata", "handler", *required, "--cpus", "2"]).cpus == 2
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["kata", "handler", *required, "--cpus", bad])
 
 
 def test_a_registration_socket_held_by_another_server_stops_the_start(root):
