@@ -347,7 +347,8 @@ def test_the_daemonset_runs_the_image_through_a_volume_life_a_rollout_and_an_uni
     # A DaemonSet rollout mid-life: the container is killed, a new one starts.
     cluster.containers.remove(first, signal.SIGKILL)
     assert sysmount.at(str(staging)) is not None and sysmount.at(str(target)) is not None
-    assert cluster.containers.exec("app-1", "read", "cat", "/data/hello").stdout == "written-by-the-pod\n"
+    read = cluster.containers.exec("app-1", "read", "grep", "-qx", "written-by-the-pod", "/data/hello")
+    assert read.returncode == 0, f"the pod no longer reads its file after the rollout: {read.stderr}"
     second = cluster.start_node()
     wait_for(lambda: _registered(kubelet) == DRIVER, 90, "the new container to register the driver", cluster.log)
     usage = kubelet.retried(kubelet.volume_stats, pv_host, pod_host)
@@ -385,7 +386,7 @@ def _status(cluster: Cluster, container: str) -> subprocess.CompletedProcess | N
     it exits 0: every child runs and every socket serves."""
     status = cluster.containers.exec(container, f"status-{time.monotonic_ns()}", "crust", "status", "--config",
                                      "/etc/crust/node.yaml", "--json")
-    return status if status.returncode == 0 else None
+    return status if status.returncode == 0 and status.stdout else None
 
 
 def _registered(kubelet: Kubelet) -> str:
