@@ -55,6 +55,12 @@ VARIANTS = {
              "capabilities": {"bounding": ["CAP_NET_BIND_SERVICE", "CAP_KILL"],
                               "effective": ["CAP_NET_BIND_SERVICE"], "permitted": ["CAP_NET_BIND_SERVICE"],
                               "inheritable": ["CAP_NET_BIND_SERVICE"], "ambient": ["CAP_NET_BIND_SERVICE"]}},
+    # crun spec's default: ambient capabilities that are not inheritable,
+    # which the kernel does not raise (the runtimes skip them).
+    "ambient only": {"user": {"uid": 0, "gid": 0}, "noNewPrivileges": True,
+                     "capabilities": {**{k: ["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]
+                                         for k in ("bounding", "effective", "permitted", "ambient")},
+                                      "inheritable": []}},
 }
 
 
@@ -196,7 +202,7 @@ def _state(tmp_path, linux: dict) -> str:
 
 
 @pytest.mark.parametrize(("process", "linux", "reason"), [
-    ({"terminal": True}, {}, "process.terminal"),
+    ({"terminal": True, "consoleSize": {"height": 0, "width": 80}}, {}, "process.consoleSize"),
     ({"apparmorProfile": "runtime/default"}, {}, "process.apparmorProfile"),
     ({"capabilities": None}, {}, "process.capabilities: none named"),
     ({"capabilities": {"bounding": ["CAP_NOPE"]}}, {}, "process.capabilities.bounding: 'CAP_NOPE'"),

@@ -1,6 +1,6 @@
 """An exec on a terminal through the guest agent (crust/guest/terminal.py):
-crun makes the terminal in the container and hands its master over the
-console socket; the agent reads the process's output from it, writes its
+the agent's enter program (or crun) makes the terminal in the container and
+hands its master over; the agent reads the process's output from it, writes its
 input to it and sets its size. Run on the host beside a real crun
 (tests/guest_container.py)."""
 
@@ -11,13 +11,16 @@ import copy
 import json
 import os
 
+import pytest
+
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.kata.agent_client import AgentClient
 from tests.guest_container import ContainerAgent, code_of, crun_container_agent
 from tests.test_guest_containers import container_spec, pod_cgroup_cleaned  # noqa: F401
+from tests.test_guest_enter import _parent_of
 
-SCRIPT = "tty; stty size; read line; echo got $line; stty size; exit 4"
+SCRIPT = "tty; stat -c 'owner %u' $(tty); stty size; read line; echo got $line; stty size; exit 4"
 
 
 async def _read_until(client: AgentClient, key: dict, wanted: bytes, offset: int = 0) -> tuple[bytes, int]:
@@ -42,7 +45,10 @@ async def _converse(client: AgentClient, key: dict) -> tuple[bytes, bytes, agent
     return first, rest, await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=30)
 
 
-def test_an_exec_on_a_terminal_is_read_written_and_resized_through_its_master(tmp_path):
+@pytest.mark.parametrize("path", ["enter", "crun"])
+def test_an_exec_on_a_terminal_is_read_written_and_resized_through_its_master(tmp_path, path):
+    """The agent's enter program makes the terminal; crun does for a
+    process enter leaves to it (one that names no capabilities)."""
     async def main(c: ContainerAgent):
         client = await AgentClient.connect(str(c.socket))
         try:
@@ -51,8 +57,12 @@ def test_an_exec_on_a_terminal_is_read_written_and_resized_through_its_master(tm
             key = {"container_id": c.container_id, "exec_id": "e" * 64}
             process = copy.deepcopy(c.spec["process"])
             process.update(args=["sh", "-c", SCRIPT], terminal=True, consoleSize={"height": 24, "width": 80})
-            await client.call("ExecProcess", agent_pb2.ExecProcessRequest(
-                process=json.dumps(process).encode(), stdin=True, **key), timeout=30)
+            if path == "crun":
+                del process["capabilities"]
+            process["user"] = {"uid": 1000, "gid": 1000}
+            pid = (await client.call("ExecProcess", agent_pb2.ExecProcessRequest(
+                process=json.dumps(process).encode(), stdin=True, **key), timeout=30)).pid
+            parent = _parent_of(pid)   # the script waits for its line meanwhile
             first, rest, exit_ = await _converse(client, key)
             err = await client.call("ReadStderr", agent_pb2.ReadStreamRequest(max_bytes=4096, **key), timeout=10)
             gone = await code_of(client.call("TtyWinResize", agent_pb2.TtyWinResizeRequest(
@@ -60,13 +70,17 @@ def test_an_exec_on_a_terminal_is_read_written_and_resized_through_its_master(tm
             bad = await code_of(client.call("TtyWinResize", agent_pb2.TtyWinResizeRequest(
                 rows=0, columns=100, **key), timeout=10))
             await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(**key), timeout=10)
-            return details, first, rest, exit_, err, gone, bad
+            return details, parent, first, rest, exit_, err, gone, bad
         finally:
             await client.close()
 
     with crun_container_agent(tmp_path) as c:
-        details, first, rest, exit_, err, gone, bad = asyncio.run(main(c))
+        details, parent, first, rest, exit_, err, gone, bad = asyncio.run(main(c))
+        agent_pid = c.agent_pid
     assert "process.terminal" in details.capabilities
+    assert (parent == agent_pid) == (path == "enter"), (parent, agent_pid)
+    if path == "enter":   # the terminal is the process's user's, as runc leaves it (crun leaves it root's)
+        assert b"\r\nowner 1000\r\n" in first, first
     assert first.startswith(b"/dev/pts/") and b"\r\n24 80\r\n" in first, first
     assert b"got hello\r\n30 100\r\n" in rest, rest   # the terminal echoes the input before it
     assert (exit_.exit_code, exit_.output_complete, err.data) == (4, True, b"")

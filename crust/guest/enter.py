@@ -14,8 +14,12 @@ score, umask, directory; HOME from the container's /etc/passwd when the
 environment has none). The OOM score is the process's oomScoreAdj, as
 runc gives an exec (crun leaves its exec with its parent's score).
 
+A process on a terminal gets one of the container's own: the enter program
+makes it in the container's devpts and hands its master back over a
+socket (the `console` argument), as crun's console socket would.
+
 What this path does not do is left to crun (prepare raises NotHere with
-the reason): a process on a terminal, a container with a seccomp filter
+the reason): a container with a seccomp filter
 crun did not keep compiled or that hands its notifications to a listener,
 one with a personality, a user or time namespace of its own, a process
 that asks for an I/O priority, a scheduler, CPU affinity or an LSM label,
@@ -117,6 +121,13 @@ def _seccomp_flags(seccomp: dict[str, Any]) -> int:
     return flags
 
 
+def _console_size(size: Any) -> list[str]:
+    rows, columns = (size.get(k) if isinstance(size, dict) else None for k in ("height", "width"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 0xFFFF for v in (rows, columns)):
+        raise NotHere(f"process.consoleSize: {size!r} is no size the agent sets")
+    return [f"rows={rows}", f"columns={columns}"]
+
+
 def _last_capability() -> int:
     with open("/proc/sys/kernel/cap_last_cap") as f:
         return int(f.read())
@@ -129,8 +140,6 @@ def prepare(program: str, runtime_root: str, container_id: str, process: dict[st
     its first process is gone."""
     if not os.access(program, os.X_OK):
         raise NotHere(f"no {program} in the image")
-    if process.get("terminal"):
-        raise NotHere("process.terminal: a terminal")
     for key in _FOR_CRUN:
         if process.get(key):
             raise NotHere(f"process.{key}: not applied by the agent")
@@ -159,6 +168,8 @@ def prepare(program: str, runtime_root: str, container_id: str, process: dict[st
         argv.append(f"groups={','.join(groups)}")
     if process.get("oomScoreAdj") is not None:
         argv.append(f"oom={int(process['oomScoreAdj'])}")
+    if process.get("terminal") and process.get("consoleSize"):
+        argv += _console_size(process["consoleSize"])
     entry = Entry(argv, dict(e.split("=", 1) for e in process.get("env") or []))
     try:
         pidfd = os.pidfd_open(pid)

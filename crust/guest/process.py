@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -233,8 +234,6 @@ class ProcessTable:
         if status != "running":
             raise AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: container {container_id!r} is {status}, "
                                                        f"not running")
-        if spec.terminal:
-            return await self._start_on_terminal(runtime, key, raw, stdin)
         try:
             entry = enter.prepare(runtime.enter_program, runtime.root, container_id, json.loads(raw))
         except enter.NotHere as reason:
@@ -244,7 +243,9 @@ class ProcessTable:
             log.info("exec %s of container %s through the OCI runtime: its state read: %s", exec_id,
                      container_id, exc)
         else:
-            return await self._start_entered(key, raw, stdin, entry)
+            return await self._start_entered(key, raw, stdin, entry, spec.terminal)
+        if spec.terminal:
+            return await self._start_on_terminal(runtime, key, raw, stdin)
         process = self._new(key, raw, stdin)
         process_file, pid_file = runtime.exec_files(container_id, exec_id)
         try:
@@ -322,34 +323,58 @@ class ProcessTable:
         child = await spawn.on_terminal(child, master, self.limits.pipe_chunk, stdin)
         return await self._running(runtime, process, child, exit_, pid_file)
 
-    async def _start_entered(self, key: tuple[str, str], raw: bytes, stdin: bool, entry: enter.Entry) -> Process:
+    async def _start_entered(self, key: tuple[str, str], raw: bytes, stdin: bool, entry: enter.Entry,
+                             on_terminal: bool = False) -> Process:
         """The process started by the enter program, which clones it as the
-        agent's own child and reports its pid (crust.guest.enter)."""
+        agent's own child and reports its pid (crust.guest.enter); on a
+        terminal, the master comes over the console socket."""
         process = self._new(key, raw, stdin)
         report, report_end = os.pipe2(os.O_CLOEXEC)
+        console = console_end = None
         try:
-            argv = [entry.argv[0], f"report={report_end}", *entry.argv[1:]]
-            child = await spawn.start(argv, stdin=stdin, cwd="/", env=entry.env,
-                                      limit=self.limits.pipe_chunk, pass_fds=(*entry.fds, report_end))
+            argv = [entry.argv[0], f"report={report_end}"]
+            fds = [*entry.fds, report_end]
+            if on_terminal:
+                console, console_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                argv.append(f"console={console_end.fileno()}")
+                fds.append(console_end.fileno())
+            child = await spawn.start([*argv, *entry.argv[1:]], stdin=stdin and not on_terminal, cwd="/",
+                                      env=entry.env, limit=self.limits.pipe_chunk, pass_fds=tuple(fds))
         except OSError as exc:
             os.close(report)
+            if console is not None:
+                console.close()
             raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"process: {entry.argv[0]} did "
                                                    f"not start: {exc.strerror or exc}")) from None
         finally:
             os.close(report_end)
+            if console_end is not None:
+                console_end.close()
             entry.close()
         # The report ends once the process executed or failed; the enter
-        # program itself exits once it cloned the process.
+        # program itself exits once it cloned the process (the master, if
+        # any, was sent before).
         pid, failure = await enter.report(report)
         code = await spawn.exited(child.popen)
+        master = None
+        if console is not None:
+            with console:
+                master = terminal.take_master(console)
         if not pid and not failure:
             failure = f"process: {entry.argv[0]} exited {code} without starting it"
+        if pid and not failure and on_terminal and master is None:
+            failure = "process.terminal: the enter program handed over no terminal"
         if failure or not pid:
             child.close_pipes()
+            if master is not None:
+                os.close(master)
             if pid:
                 await spawn.exited_pid(pid)
             raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"{failure} "
                                                    f"(container {key[0]!r})"))
+        if master is not None:
+            process.terminal = master
+            child = await spawn.on_terminal(child, master, self.limits.pipe_chunk, stdin)
         exit_ = asyncio.ensure_future(spawn.exited_pid(pid))
         process.pid, process.state = pid, RUNNING
         process.started.set()

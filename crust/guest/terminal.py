@@ -1,7 +1,7 @@
-"""An exec on a terminal: the OCI runtime makes the pseudo-terminal inside
-the container (its devpts) and hands its master to the agent over a
-console socket (the runtime's --console-socket: one unix connection, the
-master as SCM_RIGHTS); the process's output is read from the master (one
+"""An exec on a terminal: the enter program (crust.guest.enter) or the OCI
+runtime makes the pseudo-terminal inside the container (its devpts) and
+hands its master to the agent over a unix socket (a socket pair, or the
+runtime's --console-socket: one connection, the master as SCM_RIGHTS); the process's output is read from the master (one
 stream: on a terminal, stderr is stdout), its input written to it, its
 size set on it (TtyWinResize). A read of the master fails with EIO once
 the last process holding the terminal is gone: its end of output.
@@ -64,6 +64,26 @@ async def receive_master(listener: socket.socket, runtime_exited: asyncio.Future
         raise AgentError(ttrpc.FAILED_PRECONDITION, "process.terminal: the OCI runtime sent no terminal")
     for extra in fds[1:]:
         os.close(extra)
+    os.set_blocking(fds[0], False)
+    return fds[0]
+
+
+def take_master(connection: socket.socket) -> int | None:
+    """The master a program sent on connection before it exited (so
+    without waiting), non-blocking; None when it sent none."""
+    fds = array.array("i")
+    connection.setblocking(False)
+    try:
+        _, ancillary, _, _ = connection.recvmsg(1, socket.CMSG_SPACE(fds.itemsize))
+    except BlockingIOError:
+        return None
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    for extra in fds[1:]:
+        os.close(extra)
+    if not fds:
+        return None
     os.set_blocking(fds[0], False)
     return fds[0]
 

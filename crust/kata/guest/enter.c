@@ -23,7 +23,16 @@
  *   enter report=FD pidfd=FD ns=FLAGS [cgroup=DIRFD] [oom=N] umask=N cwd=PATH
  *         uid=N gid=N [groups=N,N...] lastcap=N bounding=HEX effective=HEX
  *         permitted=HEX inheritable=HEX ambient=HEX nnp=0|1 [seccomp=FD
- *         seccomp_flags=N] [rlimit=RES:SOFT:HARD ...] -- PROGRAM ARGS...
+ *         seccomp_flags=N] [rlimit=RES:SOFT:HARD ...] [console=FD [rows=N
+ *         columns=N]] -- PROGRAM ARGS...
+ *
+ * With console (a connected unix socket), the process runs on a terminal
+ * of the container's own: once inside its namespaces, this program opens
+ * the container's /dev/ptmx (its devpts), sizes the terminal, opens the
+ * terminal's other end by the master (TIOCGPTPEER: no path looked up),
+ * hands the master to the agent over the socket (SCM_RIGHTS) and gives
+ * the other end to the process as its controlling terminal and standard
+ * streams, owned by the process's user as runc leaves it.
  *
  * The report (a pipe the agent reads to its end) gets "pid N" (the
  * process, as the agent's PID namespace numbers it) and, on a failure,
@@ -47,13 +56,19 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #define MAX_RLIMITS 16
 #define MAX_GROUPS 1024
 #define MAX_FILTER (4096 * sizeof(struct sock_filter))
+/* The multiplexer's device, devpts' ptmx as /dev/ptmx (devices.txt). */
+#define PTMX_MAJOR 5
+#define PTMX_MINOR 2
 
 static int report = -1;
 
@@ -106,6 +121,7 @@ static unsigned long long mask(const char *text, const char *what)
 
 struct spec {
     int pidfd, ns, cgroup, has_oom, oom, umask_, nnp, seccomp, seccomp_flags, lastcap;
+    int console, rows, columns, terminal;
     const char *cwd;
     uid_t uid;
     gid_t gid;
@@ -148,7 +164,7 @@ static void parse(struct spec *s, int argc, char **argv)
 {
     int i;
     memset(s, 0, sizeof(*s));
-    s->pidfd = s->cgroup = s->seccomp = -1;
+    s->pidfd = s->cgroup = s->seccomp = s->console = s->terminal = -1;
     s->cwd = "/";
     for (i = 1; i < argc && strcmp(argv[i], "--") != 0; i++) {
         char *arg = argv[i], *value = strchr(arg, '=');
@@ -177,6 +193,9 @@ static void parse(struct spec *s, int argc, char **argv)
         else if (!strcmp(arg, "seccomp")) s->seccomp = (int)number(value, 10, arg);
         else if (!strcmp(arg, "seccomp_flags")) s->seccomp_flags = (int)number(value, 10, arg);
         else if (!strcmp(arg, "rlimit")) parse_rlimit(s, value);
+        else if (!strcmp(arg, "console")) s->console = (int)number(value, 10, arg);
+        else if (!strcmp(arg, "rows")) s->rows = (int)number(value, 10, arg);
+        else if (!strcmp(arg, "columns")) s->columns = (int)number(value, 10, arg);
         else {
             errno = EINVAL;
             fail("argument", arg);
@@ -249,10 +268,74 @@ static void set_home(uid_t uid)
         fail("process.env", "HOME");
 }
 
+static void hand_over(int console, int master)
+{
+    char byte = 't';
+    struct iovec iov = {&byte, 1};
+    union {
+        char buffer[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    memset(&control, 0, sizeof(control));
+    struct msghdr message = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buffer,
+                             .msg_controllen = sizeof(control.buffer)};
+    struct cmsghdr *header = CMSG_FIRSTHDR(&message);
+    header->cmsg_level = SOL_SOCKET;
+    header->cmsg_type = SCM_RIGHTS;
+    header->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(header), &master, sizeof(int));
+    if (sendmsg(console, &message, MSG_NOSIGNAL) != 1)
+        fail("process.terminal", "handing the master to the agent");
+}
+
+/* The process's terminal, made in the container's devpts (the caller is
+ * inside its mount namespace): its other end, the master handed over. */
+static int make_terminal(const struct spec *s)
+{
+    struct stat st;
+    int master = open("/dev/ptmx", O_RDWR | O_NOCTTY | O_NONBLOCK | O_CLOEXEC);
+    if (master < 0)
+        fail("process.terminal", "the container's /dev/ptmx");
+    if (fstat(master, &st) != 0 || !S_ISCHR(st.st_mode) || major(st.st_rdev) != PTMX_MAJOR ||
+        minor(st.st_rdev) != PTMX_MINOR) {
+        errno = ENOTTY;
+        fail("process.terminal", "the container's /dev/ptmx is no terminal multiplexer");
+    }
+    int unlock = 0;
+    if (ioctl(master, TIOCSPTLCK, &unlock) != 0)
+        fail("process.terminal", "unlocking the terminal");
+    if (s->rows > 0 && s->columns > 0) {
+        struct winsize size = {.ws_row = (unsigned short)s->rows, .ws_col = (unsigned short)s->columns};
+        if (ioctl(master, TIOCSWINSZ, &size) != 0)
+            fail("process.consoleSize", NULL);
+    }
+    int terminal = ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (terminal < 0)
+        fail("process.terminal", "opening the terminal");
+    if (s->uid != 0 && fchown(terminal, s->uid, (gid_t)-1) != 0)
+        fail("process.terminal", "giving the terminal to the process's user");
+    hand_over(s->console, master);
+    close(master);
+    return terminal;
+}
+
+static void take_terminal(int terminal)
+{
+    if (ioctl(terminal, TIOCSCTTY, 0) != 0)
+        fail("process.terminal", "as the controlling terminal");
+    for (int fd = 0; fd < 3; fd++)
+        if (dup2(terminal, fd) != fd)
+            fail("process.terminal", "as the standard streams");
+    if (terminal > 2)
+        close(terminal);
+}
+
 static void confine_and_exec(const struct spec *s, struct sock_fprog *program)
 {
     if (setsid() < 0)
         fail("setsid", NULL);
+    if (s->terminal >= 0)
+        take_terminal(s->terminal);
     if (!s->nnp)
         load_filter(s, program);
     for (int cap = 0; cap <= s->lastcap; cap++)
@@ -274,8 +357,10 @@ static void confine_and_exec(const struct spec *s, struct sock_fprog *program)
         fail("process.capabilities", NULL);
     if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0)
         fail("process.capabilities.ambient", NULL);
+    /* The kernel raises an ambient capability only if it is permitted and
+     * inheritable (EPERM otherwise); the OCI runtimes skip the others. */
     for (int cap = 0; cap <= s->lastcap; cap++)
-        if ((s->ambient >> cap & 1) && prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0) != 0)
+        if ((s->ambient >> cap & 1) && prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0) != 0 && errno != EPERM)
             fail("process.capabilities.ambient", NULL);
     if (s->nnp) {
         if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
@@ -311,6 +396,8 @@ int main(int argc, char **argv)
     if (setns(s.pidfd, s.ns | CLONE_NEWPID) != 0)
         fail("linux.namespaces", "entering the container's namespaces");
     umask((mode_t)s.umask_);
+    if (s.console >= 0)
+        s.terminal = make_terminal(&s);
     if (chdir(s.cwd) != 0)
         fail("process.cwd", s.cwd);
     for (int i = 0; i < s.nrlimits; i++)
