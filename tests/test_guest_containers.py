@@ -246,3 +246,38 @@ def test_signal_to_all_reaches_every_process_of_the_containers_cgroup(tmp_path):
     assert (counted, killed, left) == (3, 3, 0)
     assert exit_.exit_code == 128 + 9, exit_   # as crun run reports a killed container
     assert no_container[0] == ttrpc.INVALID_ARGUMENT and no_container[1].startswith("all:"), no_container
+
+
+def test_crun_starts_at_fixed_addresses_and_the_process_is_randomized_again(tmp_path, pod_cgroup_cleaned):
+    """The agent starts crun without address randomization (its
+    translations reused under emulation: crust.sys.personality); the spec's
+    personality, the default one unless the host's names another, gives
+    the container's process its randomization back."""
+    seen = tmp_path / "hook-personality"
+
+    async def run(c: ContainerAgent, cid: str, personality: dict | None) -> bytes:
+        spec = json.loads(container_spec(c, cid, "cat", "/proc/self/personality"))
+        spec.setdefault("hooks", {})["createRuntime"] = [
+            {"path": "/bin/sh", "args": ["sh", "-c", f"cat /proc/self/personality > {seen}"]}]
+        if personality is not None:
+            spec["linux"]["personality"] = personality
+        client = await AgentClient.connect(str(c.socket))
+        try:
+            key = {"container_id": cid, "exec_id": ""}
+            await client.call("CreateContainer", agent_pb2.CreateContainerRequest(
+                container_id=cid, oci_spec=json.dumps(spec).encode()), timeout=30)
+            await client.call("StartContainer", agent_pb2.StartContainerRequest(container_id=cid), timeout=30)
+            await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=30)
+            out = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(max_bytes=100, **key), timeout=10)
+            await client.call("RemoveContainer", agent_pb2.RemoveContainerRequest(container_id=cid), timeout=30)
+            return out.data
+        finally:
+            await client.close()
+
+    with crun_container_agent(tmp_path) as c:
+        default = asyncio.run(run(c, f"pers-{os.getpid()}", None))
+        hook = seen.read_text()
+        own = asyncio.run(run(c, f"pers32-{os.getpid()}", {"domain": "LINUX32"}))
+    assert hook == "00040000\n", hook   # crun (and its hooks): ADDR_NO_RANDOMIZE
+    assert default == b"00000000\n", default
+    assert own == b"00000008\n", own    # PER_LINUX32, as the host's spec asks, randomized

@@ -63,6 +63,7 @@ HOOK_SHELL = "/bin/sh"
 # hook and with it crun's create); the second tells the process started.
 _MADE_HOOK = 'IFS= read -r state; printf \'%s\\n\' "$state" > "$1" && read -r line < "$2"'
 _STARTED_HOOK = 'echo started > "$1"'
+DEFAULT_PERSONALITY = {"domain": "LINUX"}
 
 
 class Gate:
@@ -143,6 +144,12 @@ def guest_bundle(spec_json: bytes, gate: Gate) -> dict:
         hooks[stage] = [*own, *(hooks.get(stage) or [])] if stage == "createRuntime" else \
             [*(hooks.get(stage) or []), *own]
     spec["hooks"] = hooks
+    linux = spec.setdefault("linux", {})
+    if not isinstance(linux, dict):
+        raise AgentError(ttrpc.INVALID_ARGUMENT, "oci_spec.linux: not a JSON object")
+    # Set explicitly, it resets what crun inherited from the agent (fixed
+    # addresses): the process is randomized as on any host.
+    linux.setdefault("personality", dict(DEFAULT_PERSONALITY))
     return spec
 
 
@@ -197,9 +204,12 @@ class Containers:
                 console = self.runtime.console_socket()
                 listener = terminal.listen(console)
                 command += ["--console-socket", str(console)]
+            # crun at the addresses of its last run (its translations kept
+            # under emulation); the spec's personality gives the process
+            # its randomization back.
             child = await spawn.start(self.runtime.command(*command, container_id), stdin=stdin and not on_terminal,
                                       cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-                                      limit=self.table.limits.pipe_chunk)
+                                      limit=self.table.limits.pipe_chunk, fixed_addresses=True)
         except OSError as exc:
             gate.close()
             _close_console(listener, console)

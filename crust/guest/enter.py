@@ -149,7 +149,7 @@ def prepare(program: str, runtime_root: str, container_id: str, process: dict[st
     status = json.loads((state / "status").read_bytes())
     config = json.loads((state / "config.json").read_bytes())
     linux = config.get("linux") or {}
-    if linux.get("personality"):
+    if linux.get("personality") not in (None, {}, {"domain": "LINUX"}):
         raise NotHere("linux.personality: not applied by the agent")
     seccomp = linux.get("seccomp") or {}
     seccomp_flags = _seccomp_flags(seccomp) if seccomp else 0

@@ -34,6 +34,8 @@ from pathlib import Path
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
+from crust.guest import spawn
+from crust.guest.containers import DEFAULT_PERSONALITY
 from crust.guest.errors import AgentError
 from crust.guest.oci import OciRuntime
 from crust.sys import guestpower
@@ -78,6 +80,7 @@ def _bundle_spec(spec_path: str, bundle: Path) -> dict:
     with open(spec_path) as f:
         text = f.read()
     spec = json.loads(text.replace(WARM_SPEC_DIR, str(bundle)))
+    spec.setdefault("linux", {}).setdefault("personality", dict(DEFAULT_PERSONALITY))
     for name in ("root", "dir"):
         (bundle / name).mkdir(parents=True, exist_ok=True)
     (bundle / "file").touch()
@@ -103,11 +106,15 @@ class Warmer:
                 shutil.rmtree(self.bundle, ignore_errors=True)
                 spec = _bundle_spec(self.spec, self.bundle)
                 (self.bundle / "config.json").write_text(json.dumps(spec))
-                proc = await asyncio.create_subprocess_exec(
-                    *self.runtime.command("run", "--bundle", str(self.bundle), WARM_ID),
-                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT)
-                out, _ = await proc.communicate()
+                # At fixed addresses, as a container's crun runs (crust.guest.containers).
+                child = await spawn.start(self.runtime.command("run", "--bundle", str(self.bundle), WARM_ID),
+                                          stdin=False, cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                                          fixed_addresses=True)
+                try:
+                    out = await child.stdout.read() + await child.stderr.read()
+                    returncode = await spawn.exited(child.popen)
+                finally:
+                    child.close_pipes()
             except OSError as exc:
                 raise AgentError(ttrpc.FAILED_PRECONDITION, f"warm: {exc}") from None
             finally:
@@ -117,10 +124,10 @@ class Warmer:
                         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
                     await gone.wait()
                 shutil.rmtree(self.bundle, ignore_errors=True)
-            if proc.returncode != 0 or out != WARM_OUTPUT:
+            if returncode != 0 or out != WARM_OUTPUT:
                 words = out.decode(errors="replace").strip()[-1000:]
                 raise AgentError(ttrpc.FAILED_PRECONDITION, f"the OCI runtime ran no container (exit "
-                                                           f"{proc.returncode}): {words}")
+                                                           f"{returncode}): {words}")
             return agent_pb2.WarmResponse()
 
 

@@ -11,9 +11,12 @@ asyncio pipe transports and whose exit is a pidfd becoming readable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 from dataclasses import dataclass
+
+from crust.sys import personality
 
 # The pipes' size: a process that writes fast runs on while the agent is
 # between reads (the kernel's 64 KiB would switch between the two every
@@ -46,14 +49,18 @@ async def _reader(loop: asyncio.AbstractEventLoop, pipe, limit: int) -> tuple[as
 
 async def start(argv: list[str], *, stdin: bool, cwd: str, env: dict[str, str], user: int | None = None,
                 group: int | None = None, extra_groups: list[int] | None = None, limit: int = 1 << 16,
-                pass_fds: tuple[int, ...] = ()) -> Child:
+                pass_fds: tuple[int, ...] = (), fixed_addresses: bool = False) -> Child:
     """Start argv in a session of its own (it leads its process group).
     The start blocks the loop only for the fork and exec (Python vforks
-    when no ids change): far less than handing it to a thread."""
-    popen = subprocess.Popen(  # noqa: ASYNC220
-        argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, cwd=cwd, env=env, user=user, group=group, extra_groups=extra_groups,
-        start_new_session=True, close_fds=True, pass_fds=pass_fds, pipesize=PIPE_BYTES)
+    when no ids change): far less than handing it to a thread.
+    fixed_addresses: argv is loaded without address randomization
+    (crust.sys.personality), for a program that resets it before any
+    workload of it runs."""
+    with personality.fixed_addresses() if fixed_addresses else contextlib.nullcontext():
+        popen = subprocess.Popen(  # noqa: ASYNC220
+            argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, cwd=cwd, env=env, user=user, group=group, extra_groups=extra_groups,
+            start_new_session=True, close_fds=True, pass_fds=pass_fds, pipesize=PIPE_BYTES)
     loop = asyncio.get_running_loop()
     stdout, out_transport = await _reader(loop, popen.stdout, limit)
     stderr, err_transport = await _reader(loop, popen.stderr, limit)
