@@ -364,6 +364,7 @@ class ProcessTable:
             failure = f"process: {entry.argv[0]} exited {code} without starting it"
         if pid and not failure and on_terminal and master is None:
             failure = "process.terminal: the enter program handed over no terminal"
+            os.kill(pid, signal.SIGKILL)   # it runs, on no terminal the agent holds
         if failure or not pid:
             child.close_pipes()
             if master is not None:
