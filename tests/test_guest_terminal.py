@@ -119,3 +119,33 @@ def test_a_containers_own_process_on_a_terminal_is_read_written_and_resized(tmp_
     assert (exit_.exit_code, exit_.output_complete) == (4, True)
     assert refused == (ttrpc.INVALID_ARGUMENT, "oci_spec.process.terminal: not a boolean")
     assert consoles == []
+
+
+@pytest.mark.parametrize("path", ["enter", "crun"])
+def test_a_quick_process_on_a_terminal_leaves_its_output_whole(tmp_path, path):
+    """A process that writes and exits at once: its terminal's master ends
+    in EIO right behind the output, which must still reach the stream
+    (critest's exec with tty=true runs `echo -n hello`)."""
+    async def main(c: ContainerAgent) -> list[bytes]:
+        client = await AgentClient.connect(str(c.socket))
+        outs = []
+        try:
+            for i in range(30):
+                key = {"container_id": c.container_id, "exec_id": f"quick-{i}"}
+                process = copy.deepcopy(c.spec["process"])
+                process.update(args=["echo", "-n", "hello"], terminal=True)
+                if path == "crun":
+                    del process["capabilities"]
+                await client.call("ExecProcess", agent_pb2.ExecProcessRequest(
+                    process=json.dumps(process).encode(), stdin=True, **key), timeout=30)
+                await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=30)
+                outs.append((await client.call("ReadStdout", agent_pb2.ReadStreamRequest(max_bytes=4096, **key),
+                                                timeout=10)).data)
+                await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(**key), timeout=10)
+        finally:
+            await client.close()
+        return outs
+
+    with crun_container_agent(tmp_path) as c:
+        outs = asyncio.run(main(c))
+    assert outs == [b"hello"] * 30, outs

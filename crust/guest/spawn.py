@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import subprocess
 from dataclasses import dataclass
@@ -41,9 +42,22 @@ class Child:
             transport.close()
 
 
-async def _reader(loop: asyncio.AbstractEventLoop, pipe, limit: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+class _TerminalProtocol(asyncio.StreamReaderProtocol):
+    """A terminal's master read: EIO (its last process left) is its end of
+    output. As an error it would make the reader raise before handing out
+    what it had buffered, the process's last output."""
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if isinstance(exc, OSError) and exc.errno == errno.EIO:
+            exc = None
+        super().connection_lost(exc)
+
+
+async def _reader(loop: asyncio.AbstractEventLoop, pipe, limit: int,
+                  protocol: type[asyncio.StreamReaderProtocol] = asyncio.StreamReaderProtocol,
+                  ) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
     reader = asyncio.StreamReader(limit=limit)
-    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    transport, _ = await loop.connect_read_pipe(lambda: protocol(reader), pipe)
     return reader, transport
 
 
@@ -78,7 +92,7 @@ async def on_terminal(child: Child, master: int, limit: int, stdin: bool) -> Chi
     terminal as its output and input: the master read for stdout, written
     for stdin; the runtime's own stderr stays stderr (its refusals)."""
     loop = asyncio.get_running_loop()
-    stdout, transport = await _reader(loop, os.fdopen(os.dup(master), "rb", buffering=0), limit)
+    stdout, transport = await _reader(loop, os.fdopen(os.dup(master), "rb", buffering=0), limit, _TerminalProtocol)
     transports = [transport, *child.transports]
     writer = None
     if stdin:
