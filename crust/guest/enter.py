@@ -21,7 +21,8 @@ socket (the `console` argument), as crun's console socket would.
 What this path does not do is left to crun (prepare raises NotHere with
 the reason): a container with a seccomp filter
 crun did not keep compiled or that hands its notifications to a listener,
-one with a personality, a user or time namespace of its own, a process
+one with a personality other than the default (LINUX, which the agent
+names in every guest spec), a user or time namespace of its own, a process
 that asks for an I/O priority, a scheduler, CPU affinity or an LSM label,
 or one that names no capabilities; and every exec when the image has no
 `enter`.
