@@ -9,9 +9,10 @@ the spec a CRI container gets (PID, IPC, UTS and mount namespaces; /proc,
 /dev, /dev/pts, /dev/mqueue, /sys, /dev/shm; masked and read-only paths;
 a cgroup with a device rule; capabilities, no new privileges) and with one
 part taken out at a time; beside them `crun --version` (the binary's start
-alone), `sh -c true` (a fork and exec of busybox) and the same container
+alone), `sh -c true` (a fork and exec of busybox), the same container
 made with no OCI runtime by bench/guest_maker.c (compiled as the image's
-own programs are: the kernel's part of the start). The variants take
+own programs are: the kernel's part of the start), and crun's run with the
+guest's address randomization off (as the agent starts it). The variants take
 turns, their order rotated from round to round; times are the guest's
 /proc/uptime around each run (10 ms steps), so they include no hop to the
 host.
@@ -95,6 +96,8 @@ PARTS = ["", "masked and read-only paths", "cgroup", "mounts but /proc", "capabi
 MAKER_SOURCE = Path(__file__).resolve().parent / "guest_maker.c"
 MAKER = "/tmp/b/guest_maker"
 NO_RUNTIME = "no OCI runtime (bench/guest_maker.c), the full spec's parts"
+# The guest's address randomization off around the run (as the agent starts crun: crust.sys.personality).
+FIXED = "crun run, full spec, at fixed addresses"
 # A script's argument holds at most 128 KiB (MAX_ARG_STRLEN): the maker goes in pieces.
 PIECE = 96 * 1024
 REPEAT = 10   # `crun --version` and `sh -c true` run this many times in a row (10 ms steps)
@@ -139,10 +142,17 @@ async def measure(workdir: Path, accel: str, rounds: int) -> dict[str, list[floa
         await put_maker(vm, maker)
         runs = 0
         for turn in range(rounds):
-            for part in benchlib.rotated([*PARTS, NO_RUNTIME], turn):
+            for part in benchlib.rotated([*PARTS, NO_RUNTIME, FIXED], turn):
                 runs += 1
                 times = 1
-                if part == NO_RUNTIME:
+                if part == FIXED:
+                    name = part
+                    spec = json.dumps(spec_without(""))
+                    prepare = (f"cat > /tmp/b/config.json <<'SPEC'\n{spec}\nSPEC\n"
+                               "echo 0 > /proc/sys/kernel/randomize_va_space")
+                    run = (f"crun --root /run/crust-bench run --bundle /tmp/b c{runs} >/dev/null; "
+                           "ran=$?; echo 2 > /proc/sys/kernel/randomize_va_space; [ $ran = 0 ]")
+                elif part == NO_RUNTIME:
                     # Ten in a row: one is about as long as the clock's step.
                     name, times = part, REPEAT
                     loop = " ".join(str(n) for n in range(REPEAT))
