@@ -43,7 +43,7 @@ from crust.common import ttrpc
 from crust.guest import spawn, terminal
 from crust.guest.cgroups import POD_CGROUP
 from crust.guest.errors import AgentError
-from crust.guest.oci import OciRuntime
+from crust.guest.oci import DEFAULT_PERSONALITY, OciRuntime
 from crust.guest.process import CREATED, RUNNING, Process, ProcessTable
 from crust.sys import mount as sysmount
 
@@ -63,7 +63,6 @@ HOOK_SHELL = "/bin/sh"
 # hook and with it crun's create); the second tells the process started.
 _MADE_HOOK = 'IFS= read -r state; printf \'%s\\n\' "$state" > "$1" && read -r line < "$2"'
 _STARTED_HOOK = 'echo started > "$1"'
-DEFAULT_PERSONALITY = {"domain": "LINUX"}
 
 
 class Gate:
@@ -147,8 +146,6 @@ def guest_bundle(spec_json: bytes, gate: Gate) -> dict:
     linux = spec.setdefault("linux", {})
     if not isinstance(linux, dict):
         raise AgentError(ttrpc.INVALID_ARGUMENT, "oci_spec.linux: not a JSON object")
-    # Set explicitly, it resets what crun inherited from the agent (fixed
-    # addresses): the process is randomized as on any host.
     linux.setdefault("personality", dict(DEFAULT_PERSONALITY))
     return spec
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from crust.guest.oci import start_time
+from crust.guest.oci import DEFAULT_PERSONALITY, start_time
 
 # The namespace types of /proc/PID/ns and their clone flags.
 NAMESPACE_FLAGS = {"mnt": 0x00020000, "uts": 0x04000000, "ipc": 0x08000000, "net": 0x40000000,
@@ -150,7 +150,7 @@ def prepare(program: str, runtime_root: str, container_id: str, process: dict[st
     status = json.loads((state / "status").read_bytes())
     config = json.loads((state / "config.json").read_bytes())
     linux = config.get("linux") or {}
-    if linux.get("personality") not in (None, {}, {"domain": "LINUX"}):
+    if linux.get("personality") not in (None, {}, DEFAULT_PERSONALITY):
         raise NotHere("linux.personality: not applied by the agent")
     seccomp = linux.get("seccomp") or {}
     seccomp_flags = _seccomp_flags(seccomp) if seccomp else 0

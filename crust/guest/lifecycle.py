@@ -35,9 +35,8 @@ from pathlib import Path
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest import spawn
-from crust.guest.containers import DEFAULT_PERSONALITY
 from crust.guest.errors import AgentError
-from crust.guest.oci import OciRuntime
+from crust.guest.oci import DEFAULT_PERSONALITY, OciRuntime
 from crust.sys import guestpower
 from crust.sys import mount as sysmount
 

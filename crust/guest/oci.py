@@ -24,6 +24,10 @@ from crust.common import ttrpc
 from crust.guest.errors import AgentError
 
 ENTER_PROGRAM = "/usr/lib/crust/enter"
+# The personality every guest spec names unless the host's names another:
+# crun applies it before the process's exec, which gives the process the
+# address randomization crun itself was started without.
+DEFAULT_PERSONALITY = {"domain": "LINUX"}
 
 GUEST_RUNTIME = "/sbin/crun"
 GUEST_RUNTIME_ROOT = "/run/crust/crun"

@@ -1,9 +1,10 @@
 """An exec on a terminal: the enter program (crust.guest.enter) or the OCI
 runtime makes the pseudo-terminal inside the container (its devpts) and
 hands its master to the agent over a unix socket (a socket pair, or the
-runtime's --console-socket: one connection, the master as SCM_RIGHTS); the process's output is read from the master (one
-stream: on a terminal, stderr is stdout), its input written to it, its
-size set on it (TtyWinResize). A read of the master fails with EIO once
+runtime's --console-socket: one connection, the master as SCM_RIGHTS);
+the process's output is read from the master (one stream: on a terminal,
+stderr is stdout), its input written to it, its size set on it
+(TtyWinResize). A read of the master fails with EIO once
 the last process holding the terminal is gone: its end of output.
 """
 
@@ -23,6 +24,7 @@ from crust.common import ttrpc
 from crust.guest.errors import AgentError
 
 MASTER_WAIT = 30.0   # seconds the runtime has to hand over the terminal
+_FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)   # one descriptor's room
 
 
 def listen(path: Path) -> socket.socket:
@@ -54,29 +56,28 @@ async def receive_master(listener: socket.socket, runtime_exited: asyncio.Future
         raise AgentError(ttrpc.FAILED_PRECONDITION, "process.terminal: the OCI runtime gave no terminal")
     connection, _ = accept.result()
     with connection:
-        fds = array.array("i")
-        _, ancillary, _, _ = await loop.run_in_executor(
-            None, lambda: _recvmsg(connection, socket.CMSG_SPACE(fds.itemsize)))
-        for level, kind, data in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    if not fds:
+        _, ancillary, _, _ = await loop.run_in_executor(None, lambda: _recvmsg(connection, _FD_SPACE))
+    master = _master(ancillary)
+    if master is None:
         raise AgentError(ttrpc.FAILED_PRECONDITION, "process.terminal: the OCI runtime sent no terminal")
-    for extra in fds[1:]:
-        os.close(extra)
-    os.set_blocking(fds[0], False)
-    return fds[0]
+    return master
 
 
 def take_master(connection: socket.socket) -> int | None:
     """The master a program sent on connection before it exited (so
     without waiting), non-blocking; None when it sent none."""
-    fds = array.array("i")
     connection.setblocking(False)
     try:
-        _, ancillary, _, _ = connection.recvmsg(1, socket.CMSG_SPACE(fds.itemsize))
+        _, ancillary, _, _ = connection.recvmsg(1, _FD_SPACE)
     except BlockingIOError:
         return None
+    return _master(ancillary)
+
+
+def _master(ancillary: list[tuple[int, int, bytes]]) -> int | None:
+    """The first descriptor a message carried, non-blocking (any other
+    closed); None when it carried none."""
+    fds = array.array("i")
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
