@@ -364,3 +364,22 @@ print(type(sys.modules[name]).__name__, callable(helper))
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["Deferred False", "module True"], done.stdout
+
+
+@pytest.mark.parametrize("offset,data,eof", [(0, b"", False), (0, b"", True), (0, b"x", False),
+                                             (300, b"\0" * 200, True), (1 << 40, os.urandom(1 << 20), False),
+                                             (127, b"", True)])
+def test_a_read_encoded_by_hand_is_the_message_protobuf_reads(offset, data, eof):
+    """ReadStdout's answer is written around the output, not through a
+    message; as ttrpc sends it (a Response, field 2) it reads back as
+    the ReadStreamResponse it stands for."""
+    from crust.api.ttrpc_pb2 import Response
+    from crust.guest.service import encode_read
+
+    encoded = encode_read(offset, data, eof)
+    assert all(encoded.pieces)
+    wanted = agent_pb2.ReadStreamResponse(offset=offset, data=data, eof=eof)
+    assert agent_pb2.ReadStreamResponse.FromString(b"".join(encoded.pieces)) == wanted
+    response = Response.FromString(b"".join(ttrpc.ok_response_pieces(encoded)))
+    assert not response.HasField("status")
+    assert agent_pb2.ReadStreamResponse.FromString(response.payload) == wanted

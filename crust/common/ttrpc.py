@@ -134,7 +134,8 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[int, int, int, bytes
     return stream_id, message_type, flags, await reader.readexactly(length) if length else b""
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """protobuf's base-128 encoding of an unsigned integer."""
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
@@ -143,10 +144,27 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """A handler's reply encoded already, as pieces whose join is the
+    message: a megabyte of a process's output goes out as it is, where a
+    message would copy it in, serialize it and be wrapped in a Response,
+    a copy each (under emulation the copies cost the guest's vCPU more
+    than anything else a read does)."""
+
+    pieces: tuple[bytes, ...]
+
+
 def ok_response(payload: bytes) -> bytes:
     """A ttrpc Response carrying payload (field 2, no status), encoded by
     hand: protobuf would copy a megabyte of output once more to wrap it."""
-    return b"\x12" + _varint(len(payload)) + payload if payload else b""
+    return b"\x12" + varint(len(payload)) + payload if payload else b""
+
+
+def ok_response_pieces(message: Encoded) -> tuple[bytes, ...]:
+    """As ok_response, its pieces: nothing of the message copied."""
+    size = sum(map(len, message.pieces))
+    return (b"\x12" + varint(size), *message.pieces) if size else ()
 
 
 def error_response(code: int, message: str) -> bytes:
@@ -247,10 +265,11 @@ class Server:
     async def dispatch(self, payload: bytes) -> bytes:
         """The reply (a serialized ttrpc.Response) to one request."""
         reply, _call = await self.dispatch_call(payload)
-        return reply
+        return reply if isinstance(reply, bytes) else b"".join(reply)
 
-    async def dispatch_call(self, payload: bytes) -> tuple[bytes, Call | None]:
-        """The reply to one request, and its Call once a handler got it."""
+    async def dispatch_call(self, payload: bytes) -> tuple[bytes | tuple[bytes, ...], Call | None]:
+        """The reply to one request (serialized, or the pieces of a handler's
+        Encoded reply), and its Call once a handler got it."""
         if self.refusing is not None:
             return error_response(*self.refusing), None
         request = ttrpc_pb2.Request()
@@ -283,6 +302,8 @@ class Server:
         except Exception as exc:  # a bug must not take the shim down
             log.exception("ttrpc handler failed", extra={"fields": {"method": request.method}})
             return error_response(INTERNAL, f"{request.method}: {exc}"), None
+        if isinstance(result, Encoded):
+            return ok_response_pieces(result), call
         return ok_response(result.SerializeToString()), call
 
 
@@ -375,27 +396,32 @@ class _Connection:
         if call is not None and call.after_reply is not None:
             call.after_reply()
 
-    async def reply(self, stream_id: int, response: bytes) -> None:
-        """Write one reply once every reply before it has left: until the
-        peer reads, the reply waits here, counted in what the connection holds."""
-        if len(response) > MESSAGE_LENGTH_MAX:
-            response = error_response(RESOURCE_EXHAUSTED, f"message of {len(response)} bytes exceeds ttrpc's "
-                                                           f"maximum of {MESSAGE_LENGTH_MAX}")
-        # The header and the response written apart: no copy of the
-        # response to put the header before it.
-        header = encode_header(len(response), stream_id, TYPE_RESPONSE, 0)
-        self._hold(len(response))
+    async def reply(self, stream_id: int, response: bytes | tuple[bytes, ...]) -> None:
+        """Write one reply (serialized, or in pieces) once every reply before
+        it has left: until the peer reads, the reply waits here, counted in
+        what the connection holds."""
+        pieces = (response,) if isinstance(response, bytes) else response
+        size = sum(map(len, pieces))
+        if size > MESSAGE_LENGTH_MAX:
+            pieces = (error_response(RESOURCE_EXHAUSTED, f"message of {size} bytes exceeds ttrpc's maximum of "
+                                                         f"{MESSAGE_LENGTH_MAX}"),)
+            size = len(pieces[0])
+        # The header and the response in one call, not joined here: no copy
+        # of the response to put the header before it, and a writer that
+        # can (the guest's port) puts the header in one write with what
+        # follows it.
+        header = encode_header(size, stream_id, TYPE_RESPONSE, 0)
+        self._hold(size)
         try:
             async with self.sending:
                 if self.writer.is_closing():
                     return
-                self.writer.write(header)
-                self.writer.write(response)
+                self.writer.writelines((header, *pieces))
                 await self.writer.drain()
         except ConnectionError:
             pass  # the peer went away; serve() ends on its next read
         finally:
-            self._hold(-len(response))
+            self._hold(-size)
 
 
 class Client:

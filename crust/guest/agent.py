@@ -34,6 +34,7 @@ from crust.guest.oci import (
     OciRuntime,
 )
 from crust.guest.places import CATATONIT, RUN_DIR
+from crust.guest.port_writer import PortWriter
 from crust.guest.service import AgentService
 
 log = logging.getLogger("crust.guest")
@@ -76,15 +77,13 @@ async def wait_for_port(name: str, timeout: float = PORT_APPEARS) -> str:
     return path
 
 
-async def _streams_over(fd: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _streams_over(fd: int) -> tuple[asyncio.StreamReader, PortWriter]:
     """Reader and writer over duplicates of fd: they close their copies,
     the port stays open."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=ttrpc.MESSAGE_LENGTH_MAX + ttrpc.HEADER_LENGTH)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(fd), "rb", 0))
-    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
-                                                        os.fdopen(os.dup(fd), "wb", 0))
-    return reader, asyncio.StreamWriter(transport, protocol, None, loop)
+    return reader, PortWriter(os.dup(fd), loop)
 
 
 async def _next_change(changes: select.epoll) -> None:

@@ -1,0 +1,133 @@
+"""crust.guest.port_writer: the agent's writes to its port, here through a
+pipe of one page that a reader empties at its own pace."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import socket
+
+import pytest
+
+from crust.guest.port_writer import PORT_WRITE_MAX, PortWriter
+
+PAGE = 4096
+
+
+def small_pipe() -> tuple[int, int]:
+    """(read end, non-blocking write end) of a pipe holding one page."""
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PAGE)
+    os.set_blocking(write_end, False)
+    return read_end, write_end
+
+
+def read_to_end(fd: int) -> bytes:
+    data = bytearray()
+    while chunk := os.read(fd, 1 << 16):
+        data += chunk
+    os.close(fd)
+    return bytes(data)
+
+
+def test_writes_arrive_whole_and_in_order_and_drain_holds_the_writer_back():
+    async def main():
+        read_end, write_end = small_pipe()
+        loop = asyncio.get_running_loop()
+        writer = PortWriter(write_end, loop, high_water=2 * PAGE)
+        reading = loop.run_in_executor(None, read_to_end, read_end)
+        sent = bytearray()
+        most_pending_after_drain = 0
+        for i in range(200):
+            data = bytes([i % 251]) * (1 + i * 97 % 20000)
+            writer.write(data)
+            sent += data
+            await writer.drain()
+            most_pending_after_drain = max(most_pending_after_drain, writer.get_write_buffer_size())
+        writer.close()
+        await writer.wait_closed()
+        assert writer.get_write_buffer_size() == 0
+        assert await reading == bytes(sent)
+        assert most_pending_after_drain <= 2 * PAGE
+
+    asyncio.run(main())
+
+
+def test_a_write_takes_what_the_port_takes_now_and_close_writes_the_rest_before_closing():
+    async def main():
+        read_end, write_end = small_pipe()
+        loop = asyncio.get_running_loop()
+        writer = PortWriter(write_end, loop)
+        data = os.urandom(10 * PAGE)
+        writer.write(data)
+        assert writer.get_write_buffer_size() == len(data) - PAGE   # the pipe took its page at once
+        writer.close()
+        assert writer.is_closing()
+        writer.write(b"after close")   # dropped, as a closing transport drops it
+        assert writer.get_write_buffer_size() == len(data) - PAGE
+        got = await loop.run_in_executor(None, read_to_end, read_end)
+        await writer.wait_closed()
+        assert got == data
+
+    asyncio.run(main())
+
+
+def test_abort_drops_what_is_pending_and_closes_at_once():
+    async def main():
+        read_end, write_end = small_pipe()
+        loop = asyncio.get_running_loop()
+        writer = PortWriter(write_end, loop)
+        data = os.urandom(5 * PAGE)
+        writer.write(data)
+        writer.abort()
+        await asyncio.wait_for(writer.wait_closed(), 5)
+        assert writer.get_write_buffer_size() == 0
+        assert read_to_end(read_end) == data[:PAGE]   # then the end of the stream: the writer's end is closed
+
+    asyncio.run(main())
+
+
+def test_a_failed_write_ends_the_writer_and_drain_says_the_connection_is_gone():
+    async def main():
+        read_end, write_end = small_pipe()
+        loop = asyncio.get_running_loop()
+        writer = PortWriter(write_end, loop, high_water=PAGE)
+        writer.write(os.urandom(3 * PAGE))
+        os.close(read_end)   # the next write fails (EPIPE)
+        draining = asyncio.ensure_future(writer.drain())
+        with pytest.raises(ConnectionResetError, match="the port"):
+            await asyncio.wait_for(draining, 5)
+        assert writer.is_closing() and writer.get_write_buffer_size() == 0
+        await asyncio.wait_for(writer.wait_closed(), 5)
+        writer.write(b"more")   # dropped: nothing raises, nothing is held
+        assert writer.get_write_buffer_size() == 0
+
+    asyncio.run(main())
+
+
+def test_a_short_piece_goes_out_in_one_write_with_what_follows_it():
+    """Given together (writelines), as a ttrpc frame's header and its
+    payload: one buffer on the port's queue, the rest as it comes. A
+    packet socket keeps each write(2) apart for the reader."""
+    async def main():
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        loop = asyncio.get_running_loop()
+        writer = PortWriter(os.dup(ours.fileno()), loop)
+        ours.close()
+        header, payload, small = b"h" * 10, os.urandom(3 * PORT_WRITE_MAX), b"s" * 100
+        writer.writelines((header, payload))
+        writer.writelines((header, small))
+        writer.write(header)
+        writer.close()
+        await writer.wait_closed()
+        packets = []
+        while packet := theirs.recv(1 << 20):
+            packets.append(packet)
+        theirs.close()
+        assert b"".join(packets) == header + payload + header + small + header
+        assert [len(p) for p in packets] == [PORT_WRITE_MAX, len(payload) - PORT_WRITE_MAX + len(header),
+                                             len(header) + len(small), len(header)]
+
+    asyncio.run(main())
