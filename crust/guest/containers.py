@@ -206,7 +206,7 @@ class Containers:
             # its randomization back.
             child = await spawn.start(self.runtime.command(*command, container_id), stdin=stdin and not on_terminal,
                                       cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-                                      limit=self.table.limits.pipe_chunk, fixed_addresses=True)
+                                      fixed_addresses=True)
         except OSError as exc:
             gate.close()
             _close_console(listener, console)
@@ -243,7 +243,7 @@ class Containers:
             log.info("container %s: no terminal from the OCI runtime: %s", process.container_id, exc.message)
         else:
             process.terminal = master
-            child = await spawn.on_terminal(child, master, self.table.limits.pipe_chunk, stdin)
+            child = await spawn.on_terminal(child, master, stdin)
         finally:
             _close_console(listener, console)
         await self.table._watch(process, child, exit_)

@@ -36,13 +36,14 @@ CREATED, RUNNING, EXITED = 1, 2, 3  # ProcessInfo.State
 
 # A process writing fast is read in fuller reads: after one of
 # PUMP_BUSY_BYTES or more but below PUMP_FULL_BYTES the pump lets the pipe
-# fill for PUMP_PAUSE. Under emulation a system call and a wakeup of the
-# agent cost more than the bytes a read moves, and read at once a pipe
-# gives little more than one write of the process. Small output is read
-# at once.
+# fill for PUMP_PAUSE (its PIPE_BYTES hold more than such a process writes
+# meanwhile: it is not stopped). Under emulation a system call and a wakeup
+# of the agent cost more than the bytes a read moves, and read at once a
+# pipe gives little more than one write of the process. Small output is
+# read at once.
 PUMP_BUSY_BYTES = 16 << 10
-PUMP_FULL_BYTES = 128 << 10
-PUMP_PAUSE = 0.002
+PUMP_FULL_BYTES = 512 << 10
+PUMP_PAUSE = 0.01
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Limits:
     stream_buffer_bytes: int = 4 << 20
     stdin_buffer_bytes: int = 1 << 20
     output_grace: float = 2.0
-    pipe_chunk: int = 256 << 10
+    pipe_chunk: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -209,8 +210,7 @@ class ProcessTable:
                 list(spec.args), stdin=stdin, cwd=spec.cwd, env=dict(e.split("=", 1) for e in spec.env),
                 user=spec.uid if spec.uid != os.getuid() else None,
                 group=spec.gid if spec.gid != os.getgid() else None,
-                extra_groups=list(spec.additional_gids) if spec.additional_gids else None,
-                limit=self.limits.pipe_chunk)
+                extra_groups=list(spec.additional_gids) if spec.additional_gids else None)
         except OSError as exc:
             raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"process.args: {spec.args[0]!r} did "
                                                    f"not start: {exc.strerror or exc}")) from None
@@ -253,7 +253,7 @@ class ProcessTable:
             pid_file.unlink(missing_ok=True)
             child = await spawn.start(
                 runtime.command("exec", "--process", str(process_file), "--pid-file", str(pid_file), container_id),
-                stdin=stdin, cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, limit=self.limits.pipe_chunk)
+                stdin=stdin, cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
         except OSError as exc:
             runtime.forget(container_id, exec_id)
             raise self._failed(process, AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: the OCI runtime did "
@@ -302,7 +302,7 @@ class ProcessTable:
             child = await spawn.start(
                 runtime.command("exec", "--tty", "--console-socket", str(console), "--process", str(process_file),
                                 "--pid-file", str(pid_file), container_id),
-                stdin=False, cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, limit=self.limits.pipe_chunk)
+                stdin=False, cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
             exit_ = asyncio.ensure_future(spawn.exited(child.popen))
             try:
                 master = await terminal.receive_master(listener, exit_)
@@ -320,7 +320,7 @@ class ProcessTable:
             listener.close()
             console.unlink(missing_ok=True)
         process.terminal = master
-        child = await spawn.on_terminal(child, master, self.limits.pipe_chunk, stdin)
+        child = await spawn.on_terminal(child, master, stdin)
         return await self._running(runtime, process, child, exit_, pid_file)
 
     async def _start_entered(self, key: tuple[str, str], raw: bytes, stdin: bool, entry: enter.Entry,
@@ -339,7 +339,7 @@ class ProcessTable:
                 argv.append(f"console={console_end.fileno()}")
                 fds.append(console_end.fileno())
             child = await spawn.start([*argv, *entry.argv[1:]], stdin=stdin and not on_terminal, cwd="/",
-                                      env=entry.env, limit=self.limits.pipe_chunk, pass_fds=tuple(fds))
+                                      env=entry.env, pass_fds=tuple(fds))
         except OSError as exc:
             os.close(report)
             if console is not None:
@@ -375,7 +375,7 @@ class ProcessTable:
                                                    f"(container {key[0]!r})"))
         if master is not None:
             process.terminal = master
-            child = await spawn.on_terminal(child, master, self.limits.pipe_chunk, stdin)
+            child = await spawn.on_terminal(child, master, stdin)
         exit_ = asyncio.ensure_future(spawn.exited_pid(pid))
         process.pid, process.state = pid, RUNNING
         process.started.set()
@@ -436,7 +436,7 @@ class ProcessTable:
             await asyncio.wait(tasks, timeout=5)
 
 
-async def _pump_out(pipe: asyncio.StreamReader, stream: OutputStream, chunk: int) -> None:
+async def _pump_out(pipe: spawn.PipeReader, stream: OutputStream, chunk: int) -> None:
     while True:
         await stream.wait_for_room()
         try:

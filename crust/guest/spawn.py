@@ -5,7 +5,7 @@ may return only once every pipe closed, which a descendant left running
 holds open) and watches each child from a thread of its own. The agent
 needs the exit at once and the pipes on their own terms (the output grace
 of specs/agent.proto), so a child here is a plain Popen whose pipes are
-asyncio pipe transports and whose exit is a pidfd becoming readable.
+read as they are (PipeReader) and whose exit is a pidfd becoming readable.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import errno
 import os
 import subprocess
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from crust.sys import personality
 
@@ -25,45 +26,88 @@ from crust.sys import personality
 PIPE_BYTES = 1 << 20
 
 
+class PipeReader:
+    """A child's pipe (or its terminal's master) as the agent reads it:
+    read(n) is one read(2) straight into the bytes it returns, once the
+    pipe has something. asyncio's StreamReader copies every byte twice on
+    the way (into its buffer, out of it), and under emulation a copy of a
+    fast writer's output costs the vCPU that writer runs on; here what
+    the child writes waits in its pipe until it is read. On a terminal,
+    EIO (its last process left) reads as the end."""
+
+    def __init__(self, pipe: BinaryIO, terminal: bool = False):
+        self._pipe = pipe   # closed with the reader
+        self._fd = pipe.fileno()
+        os.set_blocking(self._fd, False)
+        self._terminal = terminal
+        self._ended = False
+        self._waiting: asyncio.Future | None = None
+
+    async def read(self, n: int = -1) -> bytes:
+        """Up to n bytes (at least one), b"" at the end; n < 0: everything
+        up to the end."""
+        if n < 0:
+            parts = []
+            while chunk := await self.read(1 << 16):
+                parts.append(chunk)
+            return b"".join(parts)
+        while not self._ended:
+            try:
+                data = os.read(self._fd, n)
+            except BlockingIOError:
+                await self._readable()
+                continue
+            except OSError as exc:
+                if not (self._terminal and exc.errno == errno.EIO):
+                    raise
+                data = b""
+            self._ended = not data
+            return data
+        return b""
+
+    async def _readable(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiting = ready = loop.create_future()
+        loop.add_reader(self._fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            self._waiting = None
+            if not self._pipe.closed:
+                loop.remove_reader(self._fd)
+
+    def close(self) -> None:
+        """The pipe closed; a read waiting for it fails with EBADF."""
+        if self._pipe.closed:
+            return
+        if self._waiting is not None:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            if not self._waiting.done():
+                self._waiting.set_exception(OSError(errno.EBADF, "the pipe was closed"))
+        self._pipe.close()
+
+
 @dataclass
 class Child:
     popen: subprocess.Popen
-    stdout: asyncio.StreamReader
-    stderr: asyncio.StreamReader
+    stdout: PipeReader
+    stderr: PipeReader
     stdin: asyncio.StreamWriter | None
-    transports: list[asyncio.BaseTransport]
+    # What close_pipes closes: the readers, the input's transport.
+    pipes: list[PipeReader | asyncio.BaseTransport]
 
     @property
     def pid(self) -> int:
         return self.popen.pid
 
     def close_pipes(self) -> None:
-        for transport in self.transports:
-            transport.close()
-
-
-class _TerminalProtocol(asyncio.StreamReaderProtocol):
-    """A terminal's master read: EIO (its last process left) is its end of
-    output. As an error it would make the reader raise before handing out
-    what it had buffered, the process's last output."""
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if isinstance(exc, OSError) and exc.errno == errno.EIO:
-            exc = None
-        super().connection_lost(exc)
-
-
-async def _reader(loop: asyncio.AbstractEventLoop, pipe, limit: int,
-                  protocol: type[asyncio.StreamReaderProtocol] = asyncio.StreamReaderProtocol,
-                  ) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
-    reader = asyncio.StreamReader(limit=limit)
-    transport, _ = await loop.connect_read_pipe(lambda: protocol(reader), pipe)
-    return reader, transport
+        for pipe in self.pipes:
+            pipe.close()
 
 
 async def start(argv: list[str], *, stdin: bool, cwd: str, env: dict[str, str], user: int | None = None,
-                group: int | None = None, extra_groups: list[int] | None = None, limit: int = 1 << 16,
-                pass_fds: tuple[int, ...] = (), fixed_addresses: bool = False) -> Child:
+                group: int | None = None, extra_groups: list[int] | None = None, pass_fds: tuple[int, ...] = (),
+                fixed_addresses: bool = False) -> Child:
     """Start argv in a session of its own (it leads its process group).
     The start blocks the loop only for the fork and exec (Python vforks
     when no ids change): far less than handing it to a thread.
@@ -76,31 +120,30 @@ async def start(argv: list[str], *, stdin: bool, cwd: str, env: dict[str, str], 
             stderr=subprocess.PIPE, cwd=cwd, env=env, user=user, group=group, extra_groups=extra_groups,
             start_new_session=True, close_fds=True, pass_fds=pass_fds, pipesize=PIPE_BYTES)
     loop = asyncio.get_running_loop()
-    stdout, out_transport = await _reader(loop, popen.stdout, limit)
-    stderr, err_transport = await _reader(loop, popen.stderr, limit)
-    transports = [out_transport, err_transport]
+    stdout, stderr = PipeReader(popen.stdout), PipeReader(popen.stderr)
+    pipes: list[PipeReader | asyncio.BaseTransport] = [stdout, stderr]
     writer = None
     if stdin:
         transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, popen.stdin)
         writer = asyncio.StreamWriter(transport, protocol, None, loop)
-        transports.append(transport)
-    return Child(popen, stdout, stderr, writer, transports)
+        pipes.append(transport)
+    return Child(popen, stdout, stderr, writer, pipes)
 
 
-async def on_terminal(child: Child, master: int, limit: int, stdin: bool) -> Child:
+async def on_terminal(child: Child, master: int, stdin: bool) -> Child:
     """child (an OCI runtime run with a console socket) with the process's
     terminal as its output and input: the master read for stdout, written
     for stdin; the runtime's own stderr stays stderr (its refusals)."""
     loop = asyncio.get_running_loop()
-    stdout, transport = await _reader(loop, os.fdopen(os.dup(master), "rb", buffering=0), limit, _TerminalProtocol)
-    transports = [transport, *child.transports]
+    stdout = PipeReader(os.fdopen(os.dup(master), "rb", buffering=0), terminal=True)
+    pipes: list[PipeReader | asyncio.BaseTransport] = [stdout, *child.pipes]
     writer = None
     if stdin:
         written, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
                                                           os.fdopen(os.dup(master), "wb", buffering=0))
         writer = asyncio.StreamWriter(written, protocol, None, loop)
-        transports.append(written)
-    return Child(child.popen, stdout, child.stderr, writer, transports)
+        pipes.append(written)
+    return Child(child.popen, stdout, child.stderr, writer, pipes)
 
 
 async def exited(popen: subprocess.Popen) -> int:

@@ -34,8 +34,8 @@ READ_BYTES = 1 << 20
 # answers what a single read of the process's pipe gave it. Small output
 # is read at once.
 READ_BUSY_BYTES = 16 << 10
-READ_FULL_BYTES = 256 << 10
-READ_PAUSE = 0.004
+READ_FULL_BYTES = 512 << 10
+READ_PAUSE = 0.01
 # A cgroup's numbers are a few reads in the guest.
 STATS_TIMEOUT = 5.0
 Stream = handler_pb2.OutputChunk.Stream
