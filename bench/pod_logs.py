@@ -12,7 +12,10 @@ each line as it takes it from the runtime):
   exited with every line in its log.
 Every line is checked there, whole and in order.
 
-    .venv/bin/python bench/pod_logs.py [--rounds 3] [--mib 50] [--cpus 1] [--json OUT.json]
+    .venv/bin/python bench/pod_logs.py [--rounds 3] [--mib 50] [--cpus 1] [--busy 0] [--json OUT.json]
+
+--busy N keeps N host CPUs busy for the whole run (a process spinning on
+each, started before the nodes): the machine as a loaded node has it.
 
 Median, min and max per figure and runtime, the machine, its accelerator
 and its load before and after.
@@ -25,6 +28,7 @@ import contextlib
 import datetime as dt
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mib", type=int, default=50)
     parser.add_argument("--cpus", type=int, default=1, help="the microVM handler's --cpus (the guest's vCPUs)")
+    parser.add_argument("--busy", type=int, default=0, help="host CPUs kept busy by a spinning process each")
     parser.add_argument("--json", help="write the results there (- for stdout)")
     args = parser.parse_args(argv)
     if benchlib.not_root("pod_logs.py", "pods, containerd, QEMU"):
@@ -94,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         rates: dict[str, list[float]] = {name: [] for name in RUNTIMES}
         wholes: dict[str, list[float]] = {}
         with contextlib.ExitStack() as stack:
+            spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+            for spinner in spinners:
+                stack.callback(spinner.wait)
+                stack.callback(spinner.kill)
             nodes = {name: stack.enter_context(pod_node(
                 name, roots[name], handler_extra=("--cpus", str(args.cpus)) if name == "crust-microvm" else ()))
                 for name in RUNTIMES}
@@ -111,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                               nodes["crust-microvm"].handler_log.read_text(errors="replace"))
             results["accel"] = found[1] if found else "unknown"
         results["lines"], results["line_bytes"], results["guest_cpus"] = lines, len(LINE) + 1, args.cpus
+        results["busy_host_cpus"] = args.busy
         results["rate_mib_per_s"] = {name: {"median": round(statistics.median(v), 1), "min": round(min(v), 1),
                                             "max": round(max(v), 1), "samples": [round(x, 1) for x in v]}
                                      for name, v in rates.items()}
