@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from crust.kubelet.atomic_writer import AtomicWriter, FileProjection
-from crust.kubelet.volumes import DEFAULT_MODE
+from crust.kubelet.payloads import DEFAULT_MODE
 from crust.sys import mount as sysmount
 
 PROPAGATION = {None: "rprivate", "None": "rprivate", "HostToContainer": "rslave", "Bidirectional": "rshared"}

@@ -3,7 +3,8 @@ configMap, secret, projected, downwardAPI, hostPath), replayed from
 kubelet's public source (pkg/volume/emptydir, configmap, secret, projected,
 downwardapi, hostpath, util/atomic_writer.go, util/subpath, and the
 subPath part of makeMounts in pkg/kubelet/kubelet_pods.go). CSI volumes are
-crust.kubelet.csi's.
+crust.kubelet.csi's; the files an atomic-writer volume holds are
+crust.kubelet.payloads'.
 
 What it lays out below kubelet's root directory, for pod <uid>:
 
@@ -68,9 +69,23 @@ import stat
 import tempfile
 from pathlib import Path
 
-from crust.kubelet.atomic_writer import AtomicWriter, FileProjection, PayloadError
-from crust.kubelet.pod import (ConfigMap, Container, DownwardAPI, EmptyDir, HostPath, PersistentVolume, Pod,
-                               Projected, Secret, ServiceAccountToken, VolumeMount, VolumeSource)
+from crust.kubelet import payloads
+from crust.kubelet.atomic_writer import AtomicWriter, PayloadError
+from crust.kubelet.payloads import VolumeError
+from crust.kubelet.pod import (
+    ConfigMap,
+    Container,
+    DownwardAPI,
+    EmptyDir,
+    HostPath,
+    PersistentVolume,
+    Pod,
+    Projected,
+    Secret,
+    ServiceAccountToken,
+    VolumeMount,
+    VolumeSource,
+)
 from crust.sys import mount as sysmount
 from crust.sys import ownership
 
@@ -89,10 +104,6 @@ SUBPATH_DIR_MODE = 0o750
 SUBPATH_FILE_MODE = 0o640
 HOST_PATH_DIR_MODE = 0o755
 HOST_PATH_FILE_MODE = 0o644
-# The API server's default for defaultMode of configMap, secret,
-# projected and downwardAPI volumes.
-DEFAULT_MODE = 0o644
-TOKEN_MODE_WITH_OWNER = 0o600
 # The default hard eviction threshold (memory.available<100Mi) is the
 # only reservation of a default kubelet: allocatable = capacity - 100 Mi.
 HARD_EVICTION_MEMORY = 100 * 1024**2
@@ -104,12 +115,6 @@ PLUGIN_DIRS = {EmptyDir: EMPTY_DIR, ConfigMap: CONFIG_MAP, Secret: SECRET, Proje
 # The medium of the emptyDir under each atomic-writer volume: only a
 # configMap stays on the node's disk.
 WRAPPED_MEDIUM = {ConfigMap: "", Secret: "Memory", Projected: "Memory", DownwardAPI: "Memory"}
-_GO_ESCAPES = {"\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\v": "\\v",
-               "\\": "\\\\", '"': '\\"'}
-
-
-class VolumeError(Exception):
-    """A volume could not be set up, used or torn down (kubelet's wording)."""
 
 
 def node_allocatable_memory() -> int:
@@ -128,60 +133,6 @@ def kernel_at_least(wanted: tuple[int, int]) -> bool:
         digits = "".join(c for c in part if c.isdigit()) or "0"
         numbers.append(int(digits))
     return tuple(numbers) >= wanted
-
-
-def go_quote(text: str) -> str:
-    """Go's %q of a string (strconv.Quote), as kubelet formats label values."""
-    out = ['"']
-    for ch in text:
-        if ch in _GO_ESCAPES:
-            out.append(_GO_ESCAPES[ch])
-        elif ch.isprintable():
-            out.append(ch)
-        elif ord(ch) < 0x80:
-            out.append(f"\\x{ord(ch):02x}")
-        elif ord(ch) < 0x10000:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(f"\\U{ord(ch):08x}")
-    out.append('"')
-    return "".join(out)
-
-
-def format_map(values: dict[str, str]) -> str:
-    """fieldpath.FormatMap: key="value" lines, sorted by key."""
-    return "\n".join(f"{key}={go_quote(values[key])}" for key in sorted(values))
-
-
-def field_value(pod: Pod, field_path: str) -> str:
-    """fieldpath.ExtractFieldPathAsString for the fields a downward API
-    volume may name."""
-    for prefix, values in (("metadata.labels", pod.labels), ("metadata.annotations", pod.annotations)):
-        if field_path == prefix:
-            return format_map(values)
-        if field_path.startswith(prefix + "['") and field_path.endswith("']"):
-            return values.get(field_path[len(prefix) + 2:-2], "")
-    simple = {"metadata.name": pod.name, "metadata.namespace": pod.namespace, "metadata.uid": pod.uid}
-    if field_path in simple:
-        return simple[field_path]
-    raise VolumeError(f"unsupported fieldPath: {field_path}")
-
-
-def fs_user_of(pod: Pod) -> int | None:
-    """FsUserFrom: the runAsUser every container of the pod runs as (the
-    container's, else the pod's), or None when one has none or they differ."""
-    user = None
-    for container in pod.all_containers():
-        effective = container.run_as_user if container.run_as_user is not None else pod.run_as_user
-        if effective is None or (user is not None and user != effective):
-            return None
-        user = effective
-    return user
-
-
-def _aggregate(errors: list[str]) -> str:
-    """utilerrors.NewAggregate's message."""
-    return errors[0] if len(errors) == 1 else "[" + ", ".join(errors) + "]"
 
 
 def _within(path: str, base: str) -> bool:
@@ -419,7 +370,7 @@ class VolumeManager:
     # -- configMap, secret, projected, downwardAPI ------------------------------------------------
 
     def _atomic_volume(self, pod: Pod, name: str, source: ConfigMap | Secret | Projected | DownwardAPI) -> None:
-        payload = self.payload(pod, source)
+        payload = payloads.payload(pod, source)
         directory = self.path(pod, name)
         self._empty_dir(pod, directory, self.ready_file(pod, name).parent, WRAPPED_MEDIUM[type(source)], None)
         self._make_nested_mount_points(pod, name, directory)
@@ -431,70 +382,6 @@ class VolumeManager:
         finally:
             if not done:
                 self._tear_down_volume(pod, name)
-
-    def payload(self, pod: Pod, source: ConfigMap | Secret | Projected | DownwardAPI) -> dict[str, FileProjection]:
-        """The files of the volume, as the plugin's makePayload/collectData."""
-        if isinstance(source, Projected):
-            return self._projected_payload(pod, source)
-        mode = source.default_mode if source.default_mode is not None else DEFAULT_MODE
-        if isinstance(source, DownwardAPI):
-            return self._downward_payload(pod, source.items, mode)
-        return self._keys_payload(source, mode)
-
-    @staticmethod
-    def _keys_payload(source: ConfigMap | Secret, default_mode: int) -> dict[str, FileProjection]:
-        if isinstance(source, ConfigMap):
-            values = {k: v.encode() for k, v in source.data.items()} | dict(source.binary_data)
-            missing = "configmap references non-existent config key: {}"
-        else:
-            values = dict(source.data)
-            missing = "references non-existent secret key: {}"
-        if not source.items:
-            return {key: FileProjection(value, default_mode) for key, value in values.items()}
-        payload = {}
-        for item in source.items:
-            if item.key not in values:
-                if source.optional:
-                    continue
-                raise VolumeError(missing.format(item.key))
-            payload[item.path] = FileProjection(values[item.key], item.mode if item.mode is not None else default_mode)
-        return payload
-
-    @staticmethod
-    def _downward_payload(pod: Pod, items, default_mode: int) -> dict[str, FileProjection]:
-        payload, errors = {}, []
-        for item in items:
-            try:
-                value = "\n".join(sorted(field_value(pod, item.field_path).split("\n")))
-            except VolumeError as exc:
-                errors.append(str(exc))
-                value = ""
-            payload[os.path.normpath(item.path)] = FileProjection(
-                value.encode(), item.mode if item.mode is not None else default_mode)
-        if errors:
-            raise VolumeError(_aggregate(errors))
-        return payload
-
-    def _projected_payload(self, pod: Pod, source: Projected) -> dict[str, FileProjection]:
-        mode = source.default_mode if source.default_mode is not None else DEFAULT_MODE
-        payload, errors = {}, []
-        for projection in source.sources:
-            try:
-                if isinstance(projection, ServiceAccountToken):
-                    fs_user = fs_user_of(pod)
-                    # With an owner or a group the token is 0600, and the
-                    # group's read bit comes from the fsGroup walk.
-                    token_mode = TOKEN_MODE_WITH_OWNER if fs_user is not None or pod.fs_group is not None else mode
-                    payload[projection.path] = FileProjection(projection.token.encode(), token_mode, fs_user)
-                elif isinstance(projection, DownwardAPI):
-                    payload.update(self._downward_payload(pod, projection.items, mode))
-                else:
-                    payload.update(self._keys_payload(projection, mode))
-            except VolumeError as exc:
-                errors.append(str(exc))
-        if errors:
-            raise VolumeError(_aggregate(errors))
-        return payload
 
     @staticmethod
     def _make_nested_mount_points(pod: Pod, name: str, directory: Path) -> None:
