@@ -25,13 +25,28 @@ from pathlib import Path
 import pytest
 
 from crust.api import cri_pb2 as cri
-from crust.kubelet import (ConfigMap, Container, DownwardAPI, DownwardAPIFile, EmptyDir, HostPath, KeyToPath, Kubelet,
-                           Pod, Secret, VolumeError, VolumeManager, VolumeMount, service_account_volume)
+from crust.kubelet import (
+    ConfigMap,
+    Container,
+    DownwardAPI,
+    DownwardAPIFile,
+    EmptyDir,
+    HostPath,
+    KeyToPath,
+    Kubelet,
+    Pod,
+    Secret,
+    VolumeError,
+    VolumeManager,
+    VolumeMount,
+    service_account_volume,
+)
 from crust.kubelet import image as images
 from crust.kubelet.atomic_writer import AtomicWriter, FileProjection, PayloadError
-from crust.kubelet.cri import KubeletRuntime, PodFailed, PodStatus, SyncError
 from crust.kubelet.containerd import Containerd
+from crust.kubelet.cri import KubeletRuntime, PodFailed, SyncError
 from crust.kubelet.pod import SERVICE_ACCOUNT_MOUNT_PATH
+from crust.kubelet.pod_actions import PodStatus, compute_pod_actions
 from crust.sys import mount as sysmount
 from tests.cri_harness import cri_microvm_node, cri_node, private_containerd
 from tests.test_handler import wait_until
@@ -325,23 +340,22 @@ def _status(name: str, state: int, exit_code: int = 0, created: int = 1) -> cri.
                                exit_code=exit_code, created_at=created)
 
 
-def test_init_container_actions_follow_kubelet(tmp_path):
+def test_init_container_actions_follow_kubelet():
     """computePodActions on statuses made up: one init container at a time,
     sidecars started in order and kept running, a failure restarts the init
     container unless the policy is Never, which kills the pod."""
-    runtime = KubeletRuntime(Kubelet(tmp_path, "node-a"), "unix:///nonexistent.sock")
     pod = Pod(uid="u", name="p", restart_policy="Always", containers=[Container("app", "img")],
               init_containers=[Container("setup", "img"), Container("proxy", "img", restart_policy="Always"),
                                Container("migrate", "img")])
     ready = cri.PodSandboxStatus(id="sb", state=cri.SANDBOX_READY)
 
     def actions(*statuses, sandboxes=(ready,)):
-        found = runtime.compute_pod_actions(pod, PodStatus(sandboxes=list(sandboxes), containers=list(statuses)))
+        found = compute_pod_actions(pod, PodStatus(sandboxes=list(sandboxes), containers=list(statuses)))
         return ([c.name for c in found.init_to_start], [c.name for c in found.containers_to_start],
                 found.kill_pod, found.initialized)
 
     R, E = cri.CONTAINER_RUNNING, cri.CONTAINER_EXITED
-    assert runtime.compute_pod_actions(pod, PodStatus()).create_sandbox
+    assert compute_pod_actions(pod, PodStatus()).create_sandbox
     assert actions(sandboxes=()) == (["setup"], [], False, False)
     assert actions() == (["setup"], [], False, False)
     assert actions(_status("setup", R)) == ([], [], False, False)

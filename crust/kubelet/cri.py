@@ -11,9 +11,10 @@ source:
   others with "network is not ready");
 - SyncPod (kuberuntime_manager.go), for a pod whose volumes the volume
   managers have set up (crust.kubelet.csi for CSI volumes,
-  crust.kubelet.volumes for the others): computePodActions from the pod's
-  status (ListPodSandbox and PodSandboxStatus, ListContainers and
-  ContainerStatus, by the pod-uid label); kill the pod when its sandbox must
+  crust.kubelet.volumes for the others): computePodActions
+  (crust.kubelet.pod_actions) from the pod's status (ListPodSandbox and
+  PodSandboxStatus, ListContainers and ContainerStatus, by the pod-uid
+  label); kill the pod when its sandbox must
   be made again (its init containers removed, so they run again), or when
   an init container failed and the restart policy is Never (the pod has
   failed); RunPodSandbox with generatePodSandboxConfig's config and the
@@ -93,7 +94,6 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -109,6 +109,11 @@ from crust.kubelet.cri_config import (
 )
 from crust.kubelet.csi import Kubelet
 from crust.kubelet.pod import Container, Pod
+from crust.kubelet.pod_actions import (
+    PodStatus,
+    compute_pod_actions,
+    regular_container_created,
+)
 from crust.kubelet.volumes import VolumeManager
 
 # Kubelet's --runtime-request-timeout (2 min) bounds every CRI call.
@@ -130,22 +135,6 @@ MINIMUM_GRACE_PERIOD = 2
 CGROUP_FS = Path("/sys/fs/cgroup")
 
 
-@dataclass
-class PodStatus:
-    """kubecontainer.PodStatus: the pod's sandboxes (newest first) and containers."""
-
-    sandboxes: list[cri.PodSandboxStatus] = field(default_factory=list)
-    containers: list[cri.ContainerStatus] = field(default_factory=list)
-
-    def latest(self, name: str) -> cri.ContainerStatus | None:
-        """The newest container of this name (kubelet's FindContainerStatusByName)."""
-        found = [c for c in self.containers if c.metadata.name == name]
-        return max(found, key=lambda c: c.created_at) if found else None
-
-    def ready_sandbox(self) -> cri.PodSandboxStatus | None:
-        return self.sandboxes[0] if self.sandboxes and self.sandboxes[0].state == cri.SANDBOX_READY else None
-
-
 class PodFailed(SyncError):
     """An init container failed and the pod's restart policy is Never: the
     pod is over (phase Failed); kubelet killed it and syncs it no more."""
@@ -154,23 +143,6 @@ class PodFailed(SyncError):
         self.container, self.exit_code = container, exit_code
         super().__init__("InitContainer", f'init container "{container}" exited with {exit_code}: the pod failed '
                          "(restartPolicy Never)")
-
-
-@dataclass
-class PodActions:
-    """computePodActions' answer: what one SyncPod does."""
-
-    create_sandbox: bool = False
-    sandbox_id: str = ""
-    attempt: int = 0
-    kill_pod: bool = False
-    # The init container whose failure ends the pod (restartPolicy Never).
-    failed: cri.ContainerStatus | None = None
-    containers_to_kill: list[cri.ContainerStatus] = field(default_factory=list)
-    init_to_start: list[Container] = field(default_factory=list)
-    containers_to_start: list[Container] = field(default_factory=list)
-    # Every init container done (sidecars running): the containers may run.
-    initialized: bool = False
 
 
 class KubeletRuntime(GeneratedConfigs):
@@ -315,110 +287,6 @@ class KubeletRuntime(GeneratedConfigs):
 
     # -- SyncPod ------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _should_start(pod: Pod, status: cri.ContainerStatus | None) -> bool:
-        """ShouldContainerBeRestarted for a container that is not running."""
-        if status is None or status.state in (cri.CONTAINER_CREATED, cri.CONTAINER_UNKNOWN):
-            return True
-        if pod.restart_policy == "Never":
-            return False
-        if pod.restart_policy == "OnFailure":
-            return status.exit_code != 0
-        return True
-
-    @staticmethod
-    def _regular_container_created(pod: Pod, status: PodStatus) -> bool:
-        """hasAnyRegularContainerCreated: the pod went past its init containers."""
-        return any((s := status.latest(c.name)) is not None and s.state in (
-            cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING, cri.CONTAINER_EXITED) for c in pod.containers)
-
-    def compute_pod_actions(self, pod: Pod, status: PodStatus) -> PodActions:
-        """computePodActions (probes, resizing and changed specs aside)."""
-        sandbox = status.ready_sandbox()
-        if sandbox is None:
-            actions = PodActions(create_sandbox=True, kill_pod=bool(status.sandboxes),
-                                 attempt=status.sandboxes[0].metadata.attempt + 1 if status.sandboxes else 0)
-            if pod.restart_policy == "Never" and actions.attempt != 0 and status.containers:
-                # Its containers ran and none may run again: no new sandbox.
-                actions.create_sandbox = False
-                return actions
-            to_start = [c for c in pod.containers if not (
-                pod.restart_policy == "OnFailure" and (s := status.latest(c.name)) is not None
-                and s.state == cri.CONTAINER_EXITED and s.exit_code == 0)]
-            if self._regular_container_created(pod, status) and not to_start:
-                actions.create_sandbox = False
-                return actions
-            # A new sandbox starts from the beginning: the first init container.
-            if pod.init_containers:
-                actions.init_to_start = [pod.init_containers[0]]
-            else:
-                actions.containers_to_start, actions.initialized = to_start, True
-            return actions
-        actions = PodActions(sandbox_id=sandbox.id, attempt=sandbox.metadata.attempt)
-        actions.initialized = self._init_container_actions(pod, status, actions)
-        if actions.kill_pod or not actions.initialized:
-            return actions
-        actions.containers_to_start = [c for c in pod.containers if (s := status.latest(c.name)) is None
-                                       or (s.state != cri.CONTAINER_RUNNING and self._should_start(pod, s))]
-        return actions
-
-    @staticmethod
-    def _init_container_actions(pod: Pod, status: PodStatus, actions: PodActions) -> bool:
-        """computeInitContainerActions (with sidecars); True once the pod is
-        initialized. Walks the init containers from the last, as kubelet
-        does: the newest one with a status tells how far the pod got (older
-        ones may have been removed)."""
-        inits = pod.init_containers
-        if not inits:
-            return True
-        initialized = any((s := status.latest(c.name)) is not None
-                          and s.state in (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING) for c in pod.containers)
-        previously_initialized = initialized
-        restart_on_failure = pod.restart_policy != "Never"
-        to_start: list[int] = []
-        last = len(inits) - 1
-        for index in range(last, -1, -1):
-            container = inits[index]
-            current = status.latest(container.name)
-            if current is None:
-                if previously_initialized and container.is_sidecar:
-                    to_start.append(index)  # a sidecar whose container went: start it again
-                continue
-            if previously_initialized and not container.is_sidecar:
-                continue  # done long ago; only sidecars are kept running
-            if current.state == cri.CONTAINER_CREATED:
-                to_start.append(index)  # created but never started: start it
-            elif current.state == cri.CONTAINER_RUNNING:
-                if container.is_sidecar:
-                    if index == last:
-                        initialized = True
-                    elif not previously_initialized:
-                        to_start.append(index + 1)  # started: the next one may start
-                # a running init container: wait for it to end
-            elif current.state == cri.CONTAINER_EXITED:
-                if container.is_sidecar:
-                    to_start.append(index)
-                elif current.exit_code != 0:
-                    if not restart_on_failure:
-                        actions.kill_pod, actions.failed = True, current
-                        return False
-                    to_start.append(index)
-                elif index == last:
-                    initialized = True
-                else:
-                    to_start.append(index + 1)
-            else:  # unknown: stop it, then start it again (unless the pod may not restart it)
-                if not container.is_sidecar and not restart_on_failure:
-                    actions.kill_pod, actions.failed = True, current
-                    return False
-                actions.containers_to_kill.append(current)
-                to_start.append(index)
-            previously_initialized = True
-        if not previously_initialized:
-            to_start.append(0)
-        actions.init_to_start = [inits[i] for i in reversed(to_start)]
-        return initialized
-
     def sync_pod(self, pod: Pod) -> str:
         """One SyncPod; returns the pod's sandbox id. Raises SyncError on the
         first failed step, as kubelet ends a sync, and PodFailed when an init
@@ -426,7 +294,7 @@ class KubeletRuntime(GeneratedConfigs):
         if not pod.host_network and not self.network_ready:
             raise SyncError("SyncPod", "network is not ready: the runtime reports NetworkReady false")
         status = self.pod_status(pod)
-        actions = self.compute_pod_actions(pod, status)
+        actions = compute_pod_actions(pod, status)
         if actions.kill_pod:
             self.kill_pod(pod, status)
             if actions.create_sandbox:
@@ -540,9 +408,9 @@ class KubeletRuntime(GeneratedConfigs):
                 return sandbox_id
             while True:
                 status = self.pod_status(pod)
-                if self._regular_container_created(pod, status) or not sandbox_id:
+                if regular_container_created(pod, status) or not sandbox_id:
                     return sandbox_id
-                actions = self.compute_pod_actions(pod, status)
+                actions = compute_pod_actions(pod, status)
                 if actions.kill_pod or actions.init_to_start or actions.containers_to_start \
                         or actions.create_sandbox:
                     break  # something changed: sync again
