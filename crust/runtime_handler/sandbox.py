@@ -143,6 +143,9 @@ class Sandbox(abc.ABC):
     async def stop(self) -> None: ...
 
 
+# How long a stop waits for a holder an earlier handler started to end
+# after its SIGKILL (one in uninterruptible sleep takes longer).
+HOLDER_END_WAIT = 10.0
 # Host directories a light container sees read-only (its "image").
 IMAGE_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "usr", "etc")
 
@@ -447,8 +450,15 @@ class MountNamespaceSandbox(Sandbox):
             self._holder.kill()
             self._holder.wait()
         else:
-            # Only the very holder recorded: its pid may name another process by now.
+            # Only the very holder recorded: its pid may name another process
+            # by now. It is no child of ours: its end is awaited on its pidfd,
+            # so a sandbox deleted leaves no holder (nor its namespaces) behind.
             proc.signal_process(self._recorded_holder, signal.SIGKILL)
+            try:
+                await asyncio.wait_for(proc.ended(self._recorded_holder), HOLDER_END_WAIT)
+            except asyncio.TimeoutError:
+                raise FailedPrecondition(f"sandbox {self.id}: its holder {self._recorded_holder.pid} did not end "
+                                         f"within {HOLDER_END_WAIT:g} s of SIGKILL") from None
         (self.workdir / "process").unlink(missing_ok=True)
         await asyncio.to_thread(netns.remove, self.netns)
 
