@@ -456,7 +456,7 @@ class MountNamespaceSandbox(Sandbox):
             proc.signal_process(self._recorded_holder, signal.SIGKILL)
             try:
                 await asyncio.wait_for(proc.ended(self._recorded_holder), HOLDER_END_WAIT)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise FailedPrecondition(f"sandbox {self.id}: its holder {self._recorded_holder.pid} did not end "
                                          f"within {HOLDER_END_WAIT:g} s of SIGKILL") from None
         (self.workdir / "process").unlink(missing_ok=True)
