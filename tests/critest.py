@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import time
 from collections import Counter
@@ -174,8 +175,13 @@ class Run:
                 SKIPPED: len(self.named(SKIPPED))}
 
     def why(self, name: str) -> str:
-        """The first lines of a failed spec's failure."""
-        return " ".join(self.specs[name].message.split())[:300]
+        """A failed spec's failure: its first words, and the gRPC status it
+        names (gomega prints the status's code and text after a dump of the
+        error's struct, past the first words)."""
+        text = " ".join(self.specs[name].message.split())
+        head = text[:300]
+        status = re.search(r"rpc error: code = .{0,300}", text)
+        return head if status is None or status.group(0) in head else f"{head} ... {status.group(0)}"
 
 
 def read_report(path: Path) -> dict[str, Spec]:

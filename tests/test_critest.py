@@ -108,7 +108,7 @@ def summary(run: Run) -> str:
             f"passed {counts[PASSED]}, failed {counts[FAILED]}, skipped {counts[SKIPPED]} in {run.seconds:.0f} s")
     if run.flaked:
         line += f"; {len(run.flaked)} passed only when run again: " + "; ".join(
-            f"{name} (first: {why[:160]})" for name, why in sorted(run.flaked.items()))
+            f"{name} (first: {why})" for name, why in sorted(run.flaked.items()))
     return line
 
 
