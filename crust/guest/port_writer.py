@@ -22,6 +22,8 @@ import asyncio
 import os
 from collections import deque
 
+from crust.guest.streams import head
+
 # drain() returns once at most this much waits for the port (asyncio's
 # default high-water mark).
 HIGH_WATER = 64 << 10
@@ -101,21 +103,6 @@ class PortWriter:
 
     # -- inside ----------------------------------------------------------------------
 
-    def _next(self) -> memoryview | bytes:
-        """What the next write(2) offers: the first pending piece, or when it
-        is short and more follows, the pending bytes up to PORT_WRITE_MAX
-        joined (a copy of at most that much)."""
-        first = self._pending[0]
-        if len(first) >= PORT_WRITE_MAX or len(self._pending) == 1:
-            return first
-        parts, size = [], 0
-        for piece in self._pending:
-            parts.append(piece[:PORT_WRITE_MAX - size])
-            size += len(parts[-1])
-            if size >= PORT_WRITE_MAX:
-                break
-        return b"".join(parts)
-
     def _consume(self, written: int) -> None:
         self._size -= written
         while written:
@@ -130,7 +117,9 @@ class PortWriter:
     def _flush(self) -> None:
         while self._pending:
             try:
-                written = os.write(self._fd, self._next())
+                # A short piece goes out joined with what follows it
+                # (a copy of at most PORT_WRITE_MAX).
+                written = os.write(self._fd, head(self._pending, PORT_WRITE_MAX))
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:

@@ -21,6 +21,22 @@ from crust.common import ttrpc
 from crust.guest.errors import AgentError
 
 
+def head(pieces, limit: int):
+    """Up to limit bytes from the start of pieces (bytes or memoryviews, in
+    order): the first piece (cut to limit) when it is enough or alone, else
+    one join of at most limit bytes."""
+    first = pieces[0] if pieces else b""
+    if len(first) >= limit or len(pieces) <= 1:
+        return first[:limit]
+    parts, size = [], 0
+    for piece in pieces:
+        parts.append(piece[:limit - size])
+        size += len(parts[-1])
+        if size >= limit:
+            break
+    return b"".join(parts)
+
+
 class _Signal:
     """Wakes every waiter once per change (an Event that re-arms itself)."""
 
@@ -86,18 +102,8 @@ class OutputStream:
             self._changed.fire()
 
     def _take(self, max_bytes: int) -> bytes:
-        """Up to max_bytes from held_from, acknowledging nothing: the first
-        chunk as it is when it is enough, else one join."""
-        first = self._chunks[0] if self._chunks else b""
-        if len(first) >= max_bytes or len(self._chunks) <= 1:
-            return first[:max_bytes]
-        parts, size = [], 0
-        for chunk in self._chunks:
-            parts.append(chunk[:max_bytes - size])
-            size += len(parts[-1])
-            if size >= max_bytes:
-                break
-        return b"".join(parts)
+        """Up to max_bytes from held_from, acknowledging nothing."""
+        return head(self._chunks, max_bytes)
 
     async def read(self, offset: int, max_bytes: int, accept_loss: bool = False) -> tuple[int, bytes, bool]:
         """(offset, data, eof) from offset, once there is a byte there or
