@@ -12,8 +12,9 @@ small answer is one buffer on the port's queue, not two.
 
 It is the part of asyncio.StreamWriter (and of its transport) that a ttrpc
 connection and the port's server use: write, writelines, drain, close,
-abort, the bytes not written yet. A write error ends it: what is pending is dropped, and
-drain raises ConnectionResetError, as a lost connection does.
+abort, the bytes not written yet. A write error ends it: what is pending
+is dropped, and drain raises ConnectionResetError, as a lost connection
+does.
 """
 
 from __future__ import annotations

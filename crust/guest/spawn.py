@@ -46,6 +46,8 @@ class PipeReader:
     async def read(self, n: int = -1) -> bytes:
         """Up to n bytes (at least one), b"" at the end; n < 0: everything
         up to the end."""
+        if n == 0:
+            return b""
         if n < 0:
             parts = []
             while chunk := await self.read(1 << 16):
