@@ -23,7 +23,7 @@ import asyncio
 import os
 from collections import deque
 
-from crust.guest.streams import head
+from crust.guest.streams import drop_head, head
 
 # drain() returns once at most this much waits for the port (asyncio's
 # default high-water mark).
@@ -104,17 +104,6 @@ class PortWriter:
 
     # -- inside ----------------------------------------------------------------------
 
-    def _consume(self, written: int) -> None:
-        self._size -= written
-        while written:
-            first = self._pending[0]
-            if len(first) <= written:
-                self._pending.popleft()
-                written -= len(first)
-            else:
-                self._pending[0] = first[written:]
-                written = 0
-
     def _flush(self) -> None:
         while self._pending:
             try:
@@ -129,7 +118,8 @@ class PortWriter:
                 return
             if written == 0:
                 break
-            self._consume(written)
+            self._size -= written
+            drop_head(self._pending, written)
         if self._pending and not self._watching:
             self._loop.add_writer(self._fd, self._flush)
             self._watching = True

@@ -37,6 +37,18 @@ def head(pieces, limit: int):
     return b"".join(parts)
 
 
+def drop_head(pieces: deque, count: int) -> None:
+    """The first count bytes of pieces dropped (a piece cut where they end)."""
+    while count and pieces:
+        first = pieces[0]
+        if len(first) <= count:
+            pieces.popleft()
+            count -= len(first)
+        else:
+            pieces[0] = first[count:]
+            count = 0
+
+
 class _Signal:
     """Wakes every waiter once per change (an Event that re-arms itself)."""
 
@@ -89,15 +101,7 @@ class OutputStream:
 
     def _acknowledge(self, offset: int) -> None:
         if offset > self.held_from:
-            drop = offset - self.held_from
-            while drop and self._chunks:
-                first = self._chunks[0]
-                if len(first) <= drop:
-                    self._chunks.popleft()
-                    drop -= len(first)
-                else:
-                    self._chunks[0] = first[drop:]
-                    drop = 0
+            drop_head(self._chunks, offset - self.held_from)
             self.held_from = offset
             self._changed.fire()
 
