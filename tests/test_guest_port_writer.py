@@ -23,6 +23,12 @@ def small_pipe() -> tuple[int, int]:
     return read_end, write_end
 
 
+def pipe_writer(loop: asyncio.AbstractEventLoop, **options) -> tuple[int, PortWriter]:
+    """(read end, a PortWriter on the write end) of a small_pipe()."""
+    read_end, write_end = small_pipe()
+    return read_end, PortWriter(write_end, loop, **options)
+
+
 def read_to_end(fd: int) -> bytes:
     data = bytearray()
     while chunk := os.read(fd, 1 << 16):
@@ -33,9 +39,8 @@ def read_to_end(fd: int) -> bytes:
 
 def test_writes_arrive_whole_and_in_order_and_drain_holds_the_writer_back():
     async def main():
-        read_end, write_end = small_pipe()
         loop = asyncio.get_running_loop()
-        writer = PortWriter(write_end, loop, high_water=2 * PAGE)
+        read_end, writer = pipe_writer(loop, high_water=2 * PAGE)
         reading = loop.run_in_executor(None, read_to_end, read_end)
         sent = bytearray()
         most_pending_after_drain = 0
@@ -56,9 +61,8 @@ def test_writes_arrive_whole_and_in_order_and_drain_holds_the_writer_back():
 
 def test_a_write_takes_what_the_port_takes_now_and_close_writes_the_rest_before_closing():
     async def main():
-        read_end, write_end = small_pipe()
         loop = asyncio.get_running_loop()
-        writer = PortWriter(write_end, loop)
+        read_end, writer = pipe_writer(loop)
         data = os.urandom(10 * PAGE)
         writer.write(data)
         assert writer.get_write_buffer_size() == len(data) - PAGE   # the pipe took its page at once
@@ -75,9 +79,8 @@ def test_a_write_takes_what_the_port_takes_now_and_close_writes_the_rest_before_
 
 def test_abort_drops_what_is_pending_and_closes_at_once():
     async def main():
-        read_end, write_end = small_pipe()
         loop = asyncio.get_running_loop()
-        writer = PortWriter(write_end, loop)
+        read_end, writer = pipe_writer(loop)
         data = os.urandom(5 * PAGE)
         writer.write(data)
         writer.abort()
@@ -90,9 +93,8 @@ def test_abort_drops_what_is_pending_and_closes_at_once():
 
 def test_a_failed_write_ends_the_writer_and_drain_says_the_connection_is_gone():
     async def main():
-        read_end, write_end = small_pipe()
         loop = asyncio.get_running_loop()
-        writer = PortWriter(write_end, loop, high_water=PAGE)
+        read_end, writer = pipe_writer(loop, high_water=PAGE)
         writer.write(os.urandom(3 * PAGE))
         os.close(read_end)   # the next write fails (EPIPE)
         draining = asyncio.ensure_future(writer.drain())
