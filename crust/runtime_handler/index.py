@@ -117,7 +117,6 @@ class VolumeIndex(FileSystemEventHandler):
         self.root = root
         self.entries: dict[str, MountInfo] = {}
         self.refused: dict[str, str] = {}  # digest -> why (a newer format)
-        self.updated_at: dict[str, float] = {}
         self.lock = threading.Condition()
         self.observer: Observer | None = None
         self._watched: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the directory watched
@@ -268,7 +267,6 @@ class VolumeIndex(FileSystemEventHandler):
         with self.lock:
             self.refused.pop(digest, None)
             self.entries[digest] = info
-            self.updated_at[digest] = time.monotonic()
             self.lock.notify_all()
             waiting = self._awaited.pop(digest, ())
         for loop, future in waiting:
@@ -276,7 +274,6 @@ class VolumeIndex(FileSystemEventHandler):
 
     def _drop(self, digest: str) -> None:
         if self.entries.pop(digest, None) is not None:
-            self.updated_at[digest] = time.monotonic()
             self.lock.notify_all()
 
     def problem(self, digest: str) -> str | None:
