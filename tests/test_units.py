@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 from crust.api import csi_pb2
 from crust.common import atomicfile, csi_input, endpoint, units
-from crust.common.aio import first_done, in_thread
+from crust.common.aio import KeyedLocks, first_done, in_thread
 from crust.common.errors import (
     Aborted,
     CrustError,
@@ -925,6 +925,42 @@ async def test_in_thread_outlives_a_cancelled_caller():
     with pytest.raises(ZeroDivisionError):
         await in_thread(lambda: 1 / 0, then=lambda: steps.append("no"))
     assert await in_thread(sum, [1, 2]) == 3 and steps == ["thread", "then"]
+
+
+async def test_keyed_locks_exclude_per_key_and_keep_no_key_nobody_uses():
+    locks, order = KeyedLocks(), []
+
+    async def hold(key: str, name: str, seconds: float) -> None:
+        async with locks[key]:
+            order.append(f"{name} in")
+            await asyncio.sleep(seconds)
+            order.append(f"{name} out")
+
+    # Two users of one key take turns; another key is not held up by them.
+    first = asyncio.ensure_future(hold("pod-a", "a1", 0.05))
+    await asyncio.sleep(0)
+    second = asyncio.ensure_future(hold("pod-a", "a2", 0))
+    other = asyncio.ensure_future(hold("pod-b", "b", 0))
+    await asyncio.gather(first, second, other)
+    assert order.index("a1 out") < order.index("a2 in") and order.index("b out") < order.index("a1 out")
+    assert len(locks) == 0
+    # A waiter cancelled before its turn leaves the lock to the holder alone,
+    # then nothing at all.
+    holder = asyncio.ensure_future(hold("pod-a", "h", 0.05))
+    await asyncio.sleep(0)
+    waiter = asyncio.ensure_future(hold("pod-a", "w", 0))
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert len(locks) == 1
+    await holder
+    assert len(locks) == 0 and "w in" not in order
+    # A user that fails inside lets go too.
+    with pytest.raises(ZeroDivisionError):
+        async with locks["pod-c"]:
+            1 / 0
+    assert len(locks) == 0
 
 
 async def test_first_done_takes_its_own_task_down_with_a_cancelled_caller():

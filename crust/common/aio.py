@@ -48,3 +48,47 @@ async def in_thread(fn: Callable[..., T], *args, then: Callable[[], None] = lamb
         raise
     then()
     return result
+
+
+class KeyedLocks:
+    """One asyncio lock per key (a pod, a record), which exists only while
+    somebody holds it or waits for it: a daemon that serves ids for months
+    keeps no lock of every id it ever served, and a key's last user
+    removing it never gives a waiter's key a second lock.
+
+        async with locks[key]:
+            ...
+    """
+
+    def __init__(self):
+        self._entries: dict[str, list] = {}   # key -> [its lock, how many hold or wait for it]
+
+    def __getitem__(self, key: str) -> _KeyHold:
+        return _KeyHold(self, key)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class _KeyHold:
+    def __init__(self, locks: KeyedLocks, key: str):
+        self.locks, self.key = locks, key
+
+    async def __aenter__(self) -> None:
+        entry = self.locks._entries.setdefault(self.key, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            await entry[0].acquire()
+        except BaseException:
+            self._leave(entry)
+            raise
+
+    async def __aexit__(self, *exc) -> None:
+        entry = self.locks._entries[self.key]
+        entry[0].release()
+        self._leave(entry)
+
+    def _leave(self, entry: list) -> None:
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.locks._entries[self.key]

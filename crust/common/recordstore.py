@@ -19,16 +19,15 @@ load_all reads every record before it yields the first.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
-from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Generic, Iterator, TypeVar
 
 from pydantic import BaseModel
 
+from crust.common.aio import KeyedLocks
 from crust.common.atomicfile import (clean_temporaries, remove_durably, remove_durably_async, write_atomic,
                                     write_atomic_async)
 from crust.common.formats import check_newest, encode
@@ -69,7 +68,7 @@ class RecordStore(Generic[Record]):
         self.on_damaged = on_damaged
         # One write of a key at a time, in the order asked: a record encoded
         # later is never overwritten by one encoded before it.
-        self._writing: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._writing = KeyedLocks()
         make_dirs(self.directory)
         clean_temporaries(self.directory)
         for path in self.directory.glob("*.json"):
@@ -161,4 +160,3 @@ class RecordStore(Generic[Record]):
         if valid_key(key):
             async with self._writing[key]:
                 await remove_durably_async(self._path(key), spare=True)
-            self._writing.pop(key, None)

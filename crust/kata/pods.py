@@ -41,10 +41,10 @@ import logging
 import os
 import shutil
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from crust.api import handler_pb2
+from crust.common.aio import KeyedLocks
 from crust.common.errors import (
     AlreadyExists,
     CrustError,
@@ -132,7 +132,7 @@ class Pods(PodContainers):
         self.handler_nice = os.getpriority(os.PRIO_PROCESS, 0)   # what a taken VM runs at
         self.records = RecordStore(handler.state_dir / "pods", PodRecord, self._belongs)
         self.pods: dict[str, PodRecord] = dict(self.records.load_all())
-        self.locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.locks = KeyedLocks()   # by pod
         self._creating: set[str] = set()   # container ids whose CreateContainer runs
         self._unwritten: set[str] = set()  # pods stopped in memory whose record is not written yet
         self.forwarders: dict[str, PortForwarder] = {}   # by pod, for those with a network
@@ -530,7 +530,6 @@ class Pods(PodContainers):
             self.pods.pop(sandbox_id, None)
             await self.records.delete(sandbox_id)
             await asyncio.to_thread(self._remove_workdir, sandbox_id)
-        self.locks.pop(sandbox_id, None)
         log.info("pod deleted", extra={"fields": {"sandbox": sandbox_id}})
 
     def _remove_workdir(self, sandbox_id: str) -> None:
