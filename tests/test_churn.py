@@ -1,0 +1,28 @@
+"""Fifty microVM pod lives one after another through CRI leave the node as
+they found it and grow neither the handler nor the shims (tests/churn.py
+says what a life is; bench/pod_churn.py runs the long series)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import churn
+from tests.cri_harness import cri_microvm_node
+
+pytestmark = pytest.mark.slow
+
+LIVES = 50
+EARLY = range(5, 15)   # the lives the last ones are held against (the first few fill caches)
+
+
+def test_fifty_pod_lives_leave_nothing_and_grow_nothing(root):
+    with cri_microvm_node(root, pod_network=True, handler_extra=("--vm-template",)) as node:
+        churn.wait_for_template(node)
+        pv = node.pv("pv-churn", "ext4", size=64 * 1024**2)
+        lives = churn.Lives(node, pv, node.image.name)
+        lived = [lives.live(n) for n in range(LIVES)]
+        assert {life.kind for life in lived} == {"plain", "restarted", "killed"}
+        assert lives.left() == {}
+        for field in ("handler_rss_kib", "handler_fds", "shim_rss_kib", "shim_fds"):
+            early, last = churn.growth(lived, EARLY, field)
+            assert last <= early * churn.GROWTH_ALLOWED, (field, early, last, [getattr(x, field) for x in lived])
