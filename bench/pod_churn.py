@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"life {n + 1}/{args.lives}: {life.seconds:.1f} s, handler {life.handler_rss_kib} KiB "
                           f"{life.handler_fds} fds, shim {life.shim_rss_kib} KiB {life.shim_fds} fds, "
                           f"load {benchlib.loadavg()}", flush=True)
-            left = lives.left()
+            left = lives.left_once_settled()
         results["wall_seconds"] = round(time.monotonic() - started, 1)
         results["load_after"] = benchlib.loadavg()
         results["lives"] = [dataclasses.asdict(life) for life in lived]

@@ -130,6 +130,15 @@ class Lives:
             diff["volume mounted on the host"] = {m.mount_point for m in sysmount.of_device(*self.device)}
         return {kind: items for kind, items in diff.items() if items}
 
+    def left_once_settled(self, timeout: float = 30.0) -> dict[str, set]:
+        """left(), once it is empty or timeout seconds have passed (a loop
+        device's detach, a daemon's exit may finish just after the call that
+        asked for them)."""
+        deadline = time.monotonic() + timeout
+        while (found := self.left()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return found
+
     # -- a life -------------------------------------------------------------------------------
 
     def live(self, n: int) -> Life:

@@ -22,7 +22,7 @@ def test_fifty_pod_lives_leave_nothing_and_grow_nothing(root):
         lives = churn.Lives(node, pv, node.image.name)
         lived = [lives.live(n) for n in range(LIVES)]
         assert {life.kind for life in lived} == {"plain", "restarted", "killed"}
-        assert lives.left() == {}
+        assert lives.left_once_settled() == {}
         for field in ("handler_rss_kib", "handler_fds", "shim_rss_kib", "shim_fds"):
             early, last = churn.growth(lived, EARLY, field)
             assert last <= early * churn.GROWTH_ALLOWED, (field, early, last, [getattr(x, field) for x in lived])
