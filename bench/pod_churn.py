@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             left = lives.left_once_settled()
         results["wall_seconds"] = round(time.monotonic() - started, 1)
         results["load_after"] = benchlib.loadavg()
-        results["lives"] = [dataclasses.asdict(life) for life in lived]
+        # About a hundred lives' figures: every life's, or every n-th's of a longer run.
+        step = max(1, len(lived) // 100)
+        rows = [dataclasses.asdict(life) for life in lived[::step]]
+        results["lives"] = {"every": step, **{key: [row[key] for row in rows] for key in rows[0]}}
         results["left"] = {kind: sorted(map(str, items)) for kind, items in left.items()}
         results["seconds_by_kind"] = {
             kind: benchlib.summary([x.seconds for x in lived if x.kind == kind], 2)
