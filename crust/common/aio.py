@@ -53,8 +53,9 @@ async def in_thread(fn: Callable[..., T], *args, then: Callable[[], None] = lamb
 class KeyedLocks:
     """One asyncio lock per key (a pod, a record), which exists only while
     somebody holds it or waits for it: a daemon that serves ids for months
-    keeps no lock of every id it ever served, and a key's last user
-    removing it never gives a waiter's key a second lock.
+    keeps no lock of every id it ever served, and no lock is dropped while
+    somebody waits for it (a later caller would take a second lock of the
+    same key).
 
         async with locks[key]:
             ...
