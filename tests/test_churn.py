@@ -25,4 +25,6 @@ def test_fifty_pod_lives_leave_nothing_and_grow_nothing(root):
         assert lives.left_once_settled() == {}
         for field in ("handler_rss_kib", "handler_fds", "shim_rss_kib", "shim_fds"):
             early, last = churn.growth(lived, EARLY, field)
-            assert last <= early * churn.GROWTH_ALLOWED, (field, early, last, [getattr(x, field) for x in lived])
+            assert last <= early * churn.GROWTH_ALLOWED, \
+                f"{field}: {early} in lives {EARLY.start}-{EARLY.stop - 1}, {last} in the last ones; each life's: " \
+                f"{[getattr(x, field) for x in lived]}"

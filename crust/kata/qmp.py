@@ -94,6 +94,9 @@ class QmpClient:
         except (ConnectionError, OSError, ValueError) as exc:
             log.debug("QMP reader stopped: %s", exc)
         self._gone("the QMP socket closed (QEMU exited?)")
+        # Nothing more can be said on it: the socket goes now, not when this
+        # client is collected (a stream keeps a half-closed socket open).
+        self._writer.close()
         async with self._changed:
             self._changed.notify_all()   # wake wait_event() callers: nothing more will come
 
