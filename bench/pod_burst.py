@@ -98,7 +98,7 @@ def burst(node, runtime_class: str, pods: int, defer: bool, tag: str) -> dict:
     for pod, _ in made:
         container = node.runtime.pod_status(pod).latest("app")
         seconds.append(first_write(container.log_path) - asked[pod.name])
-    all_running = max(s + asked[pod.name] for s, (pod, _) in zip(seconds, made)) - started
+    all_running = max(s + asked[pod.name] for s, (pod, _) in zip(seconds, made, strict=True)) - started
     for pod, pv in made:
         node.runtime.kill_pod(pod)
         node.runtime.remove_pod(pod)

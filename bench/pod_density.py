@@ -169,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
             vms = vm_groups(root.path)
             if len(vms) != args.pods:
                 raise RuntimeError(f"expected {args.pods} VMs, found {len(vms)}")
-            for made, _, sandbox_id in pods["crust-microvm"]:
+            for _, _, sandbox_id in pods["crust-microvm"]:
                 shim = shim_of(shims, sandbox_id)
                 (vm,) = [g for g in vms if f"crust-{sandbox_id}" in cmdline(g[0])]
                 groups["crust-microvm"].append(vm + [shim])
-            for made, _, sandbox_id in pods["runc"]:
+            for _, _, sandbox_id in pods["runc"]:
                 shim = shim_of(shims, sandbox_id)
                 groups["runc"].append([shim, *descendants(shim)])
             daemons = {"handler": [handler], "containerd": [node.containerd.process.pid]}
