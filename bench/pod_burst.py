@@ -29,10 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
-from bench.pod_start import log_time  # noqa: E402
+from bench.pod_start import first_write  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
-from tests import churn  # noqa: E402
-from tests.cri_harness import cri_microvm_node  # noqa: E402
+from tests.cri_harness import cri_microvm_node, wait_for_template  # noqa: E402
 from tests.harness import Root  # noqa: E402
 from tests.test_handler import wait_until  # noqa: E402
 
@@ -48,21 +47,6 @@ def handler_args(setting: str) -> tuple[str, ...]:
     if setting == "boot":
         return ()
     raise ValueError(f"--settings: {setting!r} is none of template, poolN, boot")
-
-
-def first_write(log_path: str) -> float:
-    """The CRI log's time of the container's `written` line, once there."""
-    deadline = time.monotonic() + WRITE_TIMEOUT
-    while time.monotonic() < deadline:
-        try:
-            text = Path(log_path).read_text(errors="replace")
-        except OSError:
-            text = ""
-        line = next((line for line in text.splitlines() if line.endswith(" written")), None)
-        if line is not None:
-            return log_time(line)
-        time.sleep(0.02)
-    raise TimeoutError(f"{log_path}: no write within {WRITE_TIMEOUT:g} s")
 
 
 def burst(node, runtime_class: str, pods: int, defer: bool, tag: str) -> dict:
@@ -97,7 +81,7 @@ def burst(node, runtime_class: str, pods: int, defer: bool, tag: str) -> dict:
     seconds = []
     for pod, _ in made:
         container = node.runtime.pod_status(pod).latest("app")
-        seconds.append(first_write(container.log_path) - asked[pod.name])
+        seconds.append(first_write(container.log_path, WRITE_TIMEOUT, pod.name, poll=0.02) - asked[pod.name])
     all_running = max(s + asked[pod.name] for s, (pod, _) in zip(seconds, made, strict=True)) - started
     for pod, pv in made:
         node.runtime.kill_pod(pod)
@@ -134,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             roots.append(root := Root())
             with cri_microvm_node(root, handler_extra=handler_args(setting)) as node:
                 if setting == "template":
-                    churn.wait_for_template(node)
+                    wait_for_template(node.env.handler.state_dir)
                 elif setting.startswith("pool"):
                     wanted = int(setting[4:])
                     log = node.env.handler.log_path

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
 from tests import churn  # noqa: E402
-from tests.cri_harness import cri_microvm_node  # noqa: E402
+from tests.cri_harness import cri_microvm_node, wait_for_template  # noqa: E402
 from tests.harness import Root  # noqa: E402
 
 FIELDS = ("handler_rss_kib", "handler_fds", "shim_rss_kib", "shim_fds")
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         roots.append(Root())
         started = time.monotonic()
         with cri_microvm_node(roots[0], pod_network=True, handler_extra=("--vm-template",)) as node:
-            churn.wait_for_template(node)
+            wait_for_template(node.env.handler.state_dir)
             pv = node.pv("pv-churn", "ext4", size=64 * 1024**2)
             lives = churn.Lives(node, pv, node.image.name)
             lived = []
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "ok" if row["ratio"] is not None and row["ratio"] <= churn.GROWTH_ALLOWED else "GROWS"
             print(f"  {field:16s} lives {early.start}-{early.stop - 1}: {row['early']:g}, "
                   f"the last {len(early)}: {row['last']:g} (x{row['ratio']}) {verdict}")
-        print("  left after the last life: " + ("nothing" if not left else
-                                                  "; ".join(f"{k}: {sorted(map(str, v))[:5]}" for k, v in left.items())))
+        named = "; ".join(f"{kind}: {sorted(map(str, items))[:5]}" for kind, items in left.items())
+        print(f"  left after the last life: {named or 'nothing'}")
         print(f"load {results['load_before']} before, {results['load_after']} after")
 
     return benchlib.guarded_run_then_write(body, benchlib.roots_cleanup(roots), benchlib.report_failure, args.json,

@@ -35,8 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import benchlib  # noqa: E402
 from crust.kata.qemu import qemu_pids_under  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
-from tests import churn  # noqa: E402
-from tests.cri_harness import cri_microvm_node, shim_pids  # noqa: E402
+from tests.cri_harness import container_log, cri_microvm_node, shim_pids, wait_for_template  # noqa: E402
 from tests.harness import Root  # noqa: E402
 from tests.test_handler import wait_until  # noqa: E402
 
@@ -82,8 +81,8 @@ def vm_groups(root: Path) -> list[list[int]]:
     groups = []
     others = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
     for vm in qemu_pids_under(root):
-        run_dirs = {arg.split("/", 1)[0] for arg in
-                    (part.split("/kata-state/run/", 1)[1] for part in cmdline(vm).split() if "/kata-state/run/" in part)}
+        inside = [part.split("/kata-state/run/", 1)[1] for part in cmdline(vm).split() if "/kata-state/run/" in part]
+        run_dirs = {path.split("/", 1)[0] for path in inside}
         members = [vm] + [pid for pid in others if pid != vm and any(f"/kata-state/run/{d}/" in cmdline(pid)
                                                                      for d in run_dirs)]
         groups.append(members)
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         template = args.vm_source == "template"
         with cri_microvm_node(root, handler_extra=("--vm-template",) if template else ()) as node:
             if template:
-                churn.wait_for_template(node)
+                wait_for_template(node.env.handler.state_dir)
             image = node.image.name
             pods = {"crust-microvm": [], "runc": []}
             started = time.monotonic()
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 pods["runc"].append((made, None, node.runtime.run_pod(made)))
             for made, _, _ in pods["crust-microvm"] + pods["runc"]:
                 status = node.runtime.pod_status(made).latest("idle")
-                wait_until(lambda s=status: "up" in churn._log(s), timeout=START_TIMEOUT, what=f"{made.name} to run")
+                wait_until(lambda s=status: "up" in container_log(s), timeout=START_TIMEOUT, what=f"{made.name} to run")
             results["start_seconds"] = round(time.monotonic() - started, 1)
             print(f"{args.pods} microVM pods and {args.pods} runc pods running after "
                   f"{results['start_seconds']} s; load {benchlib.loadavg()}", flush=True)
@@ -211,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                 if pv is not None:
                     node.kubelet.stop_pod(pv, made)
         results["load_after"] = benchlib.loadavg()
-        print(f"\n{args.pods} idle pods of each runtime (microVMs: {args.vm_source}), {benchlib.machine_summary(results['machine'])}; "
+        print(f"\n{args.pods} idle pods of each runtime (microVMs: {args.vm_source}), "
+              f"{benchlib.machine_summary(results['machine'])}; "
               f"counted {args.seconds:g} s after {args.settle:g} s")
         for runtime, column in results["columns"].items():
             m, c = column["pss_mib"], column["cores"]

@@ -69,6 +69,23 @@ def log_time(line: str) -> float:
     return seconds + float("0." + (fraction or "0"))
 
 
+def first_write(log_path: str, timeout: float, what: str = "the container", poll: float = 0.005) -> float:
+    """The CRI log's time of the container's `written` line (WORKLOAD's), once
+    it is there; TimeoutError naming what after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            text = Path(log_path).read_text(errors="replace")
+        except OSError:
+            text = ""
+        line = next((line for line in text.splitlines() if line.endswith(" written")), None)
+        if line is not None:
+            return log_time(line)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not write within {timeout:g} s")
+        time.sleep(poll)
+
+
 STEP = re.compile(r"crust: create took (\d+) ms: start and imports (\d+), handler prepare (\d+), "
                   r"runc create (\d+), handler created (\d+)")
 STEPS = ("runtime_create_ms", "runtime_start_and_imports_ms", "handler_prepare_ms", "runc_create_ms",
@@ -99,16 +116,8 @@ def start_one(node, pv: PersistentVolume, variant: str, name: str) -> dict:
     started = time.time()
     node.runtime.run_pod(pod)
     container = node.container(pod)
-    deadline = time.monotonic() + 30
-    written = None
-    while written is None:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{variant}: the container did not write within 30 s")
-        text = Path(container.log_path).read_text(errors="replace") if Path(container.log_path).exists() else ""
-        written = next((line for line in text.splitlines() if line.endswith(" written")), None)
-        if written is None:
-            time.sleep(0.005)
-    result = {"to_first_write_ms": (log_time(written) - started) * 1e3}
+    written = first_write(container.log_path, 30, f"{variant}: the container")
+    result = {"to_first_write_ms": (written - started) * 1e3}
     result.update(runtime_steps(node.containerd.task_dir / container.id / "log.json"))
     for method, ms in node.runtime.timings:
         if method in CALLS:

@@ -58,14 +58,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
-from bench.pod_start import log_time  # noqa: E402
+from bench.pod_start import first_write  # noqa: E402
 from crust.kata import cpio  # noqa: E402
 from crust.kata import image as kata_image  # noqa: E402
 from crust.kata.qemu import qemu_pids_under  # noqa: E402
 from crust.kata.vm_config import GUEST_CMDLINE  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
 from crust.kubelet import image as images  # noqa: E402
-from tests.cri_harness import cri_microvm_node  # noqa: E402
+from tests.cri_harness import cri_microvm_node, wait_for_template  # noqa: E402
 from tests.harness import Root  # noqa: E402
 
 WORKLOAD = "echo x > /data/first-write && echo written && trap 'exit 0' TERM; while true; do sleep 1; done"
@@ -144,17 +144,8 @@ def start_one(node, root: Root, pv, name: str) -> dict:
     started = time.time()
     node.runtime.run_pod(pod)
     container = node.runtime.pod_status(pod).latest("app")
-    deadline = time.monotonic() + 300
-    written = None
-    while written is None:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the container did not write within 300 s")
-        path = Path(container.log_path)
-        text = path.read_text(errors="replace") if path.exists() else ""
-        written = next((line for line in text.splitlines() if line.endswith(" written")), None)
-        if written is None:
-            time.sleep(0.01)
-    result = {"to_first_write_ms": (log_time(written) - started) * 1e3}
+    written = first_write(container.log_path, 300, poll=0.01)
+    result = {"to_first_write_ms": (written - started) * 1e3}
     # The pod's VM, by the pid file in its work directory (the pool's VMs run beside it).
     pod_vms = {int(p.read_text()) for p in (root.path / "kata-state" / "run").glob("*/qemu.pid")}
     stopping = time.monotonic()
@@ -246,11 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                         if time.monotonic() > deadline:
                             raise TimeoutError("the pool did not refill within 300 s")
                         time.sleep(0.05)
-                    saved = root.path / "kata-state" / "template" / "template.json"
-                    while template and not saved.exists():   # the handler saved its VM
-                        if time.monotonic() > deadline:
-                            raise TimeoutError("the handler saved no VM template within 300 s")
-                        time.sleep(0.05)
+                    if template:
+                        wait_for_template(node.env.handler.state_dir, timeout=max(1.0, deadline - time.monotonic()))
                     if pool and turn == 1:
                         results["pooled_vm_memory"] = memory_of(pooled_ready(root)[0])
                     one = start_one(node, root, pv, f"microvm-{pool}-{turn}")

@@ -35,7 +35,7 @@ from crust.kubelet import Container, Pod, VolumeMount
 from crust.kubelet.containerd import CGROUP_FS
 from crust.kubelet.volumes import VolumeManager
 from crust.sys import mount as sysmount
-from tests.cri_harness import CriNode, processes_naming, shim_pids
+from tests.cri_harness import CriNode, container_log, processes_naming, shim_pids
 from tests.test_handler import wait_until
 
 # A life's container: writes its line into the volume, says so, and ends at
@@ -45,7 +45,6 @@ RUN = "trap 'exit 0' TERM; echo life-{n} > /data/life && sync && echo up; sleep 
 CRASH_ONCE = "if [ ! -e /data/crashed-{n} ]; then touch /data/crashed-{n}; sync; exit 1; fi; " + RUN
 RESTARTED, KILLED = 3, 7   # the life in each ten whose container crashes once / whose QEMU is killed
 LIFE_TIMEOUT = 300.0       # seconds for any one step of a life (a busy machine's VM restore)
-TEMPLATE_TIMEOUT = 600.0   # the handler saving its template VM (a boot at nice 10)
 # How much the handler's and the shims' RSS and descriptors may grow from
 # the early lives to the last ones.
 GROWTH_ALLOWED = 1.05
@@ -71,19 +70,6 @@ def rss_kib(pid: int) -> int:
 
 def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _log(status: cri.ContainerStatus) -> str:
-    try:
-        return Path(status.log_path).read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def wait_for_template(node: CriNode) -> None:
-    """The handler's template VM saved (each pod's VM is restored from it)."""
-    saved = node.env.handler.state_dir / "template" / "template.json"
-    wait_until(saved.exists, timeout=TEMPLATE_TIMEOUT, interval=0.5, what="the handler's template VM")
 
 
 class Lives:
@@ -162,7 +148,7 @@ class Lives:
             assert node.runtime.sync_pod(pod) == sandbox_id, "the restart made a new sandbox"
             app = node.runtime.pod_status(pod).latest("app")
             assert app.id != crashed.id and app.metadata.attempt == 1, app
-        wait_until(lambda: "up" in _log(app), timeout=LIFE_TIMEOUT, what=f"life {n}'s container to write")
+        wait_until(lambda: "up" in container_log(app), timeout=LIFE_TIMEOUT, what=f"life {n}'s container to write")
         read = node.runtime.exec_sync(app.id, ["/bin/cat", "/data/life"], timeout=60)
         assert (read.exit_code, read.stdout) == (0, f"life-{n}\n".encode()), read
         (shim,) = shim_pids(node.containerd)

@@ -138,6 +138,26 @@ OCI_RUNTIME = Path(sys.executable).parent / "crust-runc"
 frontend.build(OCI_RUNTIME)
 
 
+def container_log(status: cri.ContainerStatus) -> str:
+    """What the container has written to its CRI log so far."""
+    try:
+        return Path(status.log_path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+TEMPLATE_TIMEOUT = 600.0   # the handler saving its template VM (a boot at nice 10)
+
+
+def wait_for_template(handler_state_dir: Path, timeout: float = TEMPLATE_TIMEOUT) -> None:
+    """The handler (--vm-template) saved its VM: each pod's VM is restored from it."""
+    from crust.kata.template import RECORD_FILE
+    from tests.test_handler import wait_until
+
+    saved = handler_state_dir / "template" / RECORD_FILE
+    wait_until(saved.exists, timeout=timeout, interval=0.2, what="the handler's template VM")
+
+
 class CriNode:
     """A node as kubelet sees it: the crust stack (driver, shim, proxy
     serving kubelet's registration, the mount-namespace handler), kubelet's

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests import churn
-from tests.cri_harness import cri_microvm_node
+from tests.cri_harness import cri_microvm_node, wait_for_template
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +17,7 @@ EARLY = range(5, 15)   # the lives the last ones are held against (the first few
 
 def test_fifty_pod_lives_leave_nothing_and_grow_nothing(root):
     with cri_microvm_node(root, pod_network=True, handler_extra=("--vm-template",)) as node:
-        churn.wait_for_template(node)
+        wait_for_template(node.env.handler.state_dir)
         pv = node.pv("pv-churn", "ext4", size=64 * 1024**2)
         lives = churn.Lives(node, pv, node.image.name)
         lived = [lives.live(n) for n in range(LIVES)]

@@ -19,8 +19,8 @@ from crust.api import cri_pb2 as cri
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.kata.qemu import qemu_pids_under
 from crust.kubelet import Container, Pod, VolumeMount
-from tests.cri_harness import (KATA_HANDLER, cri_microvm_node, host_network_pod, leftovers_of, private_containerd,
-                               processes_naming, shim_pids)
+from tests.cri_harness import (KATA_HANDLER, container_log, cri_microvm_node, host_network_pod, leftovers_of,
+                               private_containerd, processes_naming, shim_pids)
 from tests.test_handler import wait_until
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -145,13 +145,6 @@ def _df(node, container_id: str, path: str) -> dict[str, int]:
     return {"total": int(fields[1]), "used": int(fields[2]), "available": int(fields[3])}
 
 
-def _log(status: cri.ContainerStatus) -> str:
-    try:
-        return Path(status.log_path).read_text(errors="replace")
-    except OSError:
-        return ""
-
-
 def _handler_wait(root, container_id: str) -> handler_pb2.ProcessState:
     """The container's process as the handler sees it, once it exited."""
     with grpc.insecure_channel(f"unix://{root.path / KATA_HANDLER['endpoint_name']}") as channel:
@@ -189,8 +182,8 @@ def test_a_pod_runs_in_the_microvm_through_containerd(root, disk_bus):
             sandbox_id = node.runtime.run_pod(pod)
             status = node.runtime.pod_status(pod)
             app, reader = status.latest("app"), status.latest("reader")
-            wait_until(lambda: "written" in _log(app), timeout=180, what="the app's writes in the guest")
-            log = _log(app)
+            wait_until(lambda: "written" in container_log(app), timeout=180, what="the app's writes in the guest")
+            log = container_log(app)
             assert "hello-from-the-guest" in log
             # Written by the guest with the pod's fsGroup as the file's group.
             assert " 0 2000 " in " ".join(log.split()) + " ", log
@@ -201,7 +194,7 @@ def test_a_pod_runs_in_the_microvm_through_containerd(root, disk_bus):
             assert len(shim_pids(node.containerd)) == 1
             done = node.runtime.wait_container(reader.id, timeout=120)
             assert (done.state, done.exit_code) == (cri.CONTAINER_EXITED, 3)
-            assert "second-sees-ext4" in _log(done)
+            assert "second-sees-ext4" in container_log(done)
             assert {(c[0], c[2]) for c in node.claims()} == {(t, sandbox_id) for t in targets}
 
             # Stats through the Runtime API equal df inside the guest.
@@ -236,7 +229,7 @@ def test_a_pod_runs_in_the_microvm_through_containerd(root, disk_bus):
             node.containerd.start()
             ended = node.runtime.wait_container(app.id, timeout=120)
             assert (ended.state, ended.exit_code) == (cri.CONTAINER_EXITED, 7)
-            wait_until(lambda: "stopping" in _log(ended), timeout=30, what="the app's last line in its log")
+            wait_until(lambda: "stopping" in container_log(ended), timeout=30, what="the app's last line in its log")
 
             # Kubelet stops the pod: the VM stops and every claim goes.
             node.runtime.kill_pod(pod)
@@ -266,13 +259,13 @@ def test_a_killed_vm_is_reported_exited_and_its_claims_released(root):
         sandbox_id = node.runtime.run_pod(pod)
         status = node.runtime.pod_status(pod)
         app, graceful = status.latest("app"), status.latest("graceful")
-        wait_until(lambda: "up" in _log(app) and "ready" in _log(graceful), timeout=180,
+        wait_until(lambda: "up" in container_log(app) and "ready" in container_log(graceful), timeout=180,
                    what="the containers to run")
         # Kubelet stops one container: SIGTERM in the guest, its own exit code.
         assert node.runtime._stop_container(graceful.id, 10) == ""
         stopped = node.runtime.container_status(graceful.id)
         assert (stopped.state, stopped.exit_code) == (cri.CONTAINER_EXITED, 42)
-        wait_until(lambda: "got-term" in _log(stopped), timeout=30, what="the trap's line in the log")
+        wait_until(lambda: "got-term" in container_log(stopped), timeout=30, what="the trap's line in the log")
         assert {(c[0], c[2]) for c in node.claims()} == {(target, sandbox_id)}
         (vm_pid,) = qemu_pids_under(root.path)
         os.kill(vm_pid, signal.SIGKILL)
@@ -305,13 +298,13 @@ def test_a_restarted_handler_and_a_killed_shim(root):
         node.kubelet.start_pod(pv, first)
         node.runtime.run_pod(first)
         app = node.runtime.pod_status(first).latest("app")
-        wait_until(lambda: "up" in _log(app), timeout=180, what="the container to run")
+        wait_until(lambda: "up" in container_log(app), timeout=180, what="the container to run")
         node.env.handler.kill()
         node.env.handler.start(timeout=120)
         assert node.runtime.exec_sync(app.id, ["/bin/touch", "/data/stop"], timeout=60).exit_code == 0
         ended = node.runtime.wait_container(app.id, timeout=120)
         assert (ended.state, ended.exit_code) == (cri.CONTAINER_EXITED, 9)
-        wait_until(lambda: "bye" in _log(ended), timeout=30, what="the last line after the handler's restart")
+        wait_until(lambda: "bye" in container_log(ended), timeout=30, what="the last line after the handler's restart")
         node.runtime.kill_pod(first)
         node.runtime.remove_pod(first)
         node.kubelet.stop_pod(pv, first)
@@ -323,7 +316,7 @@ def test_a_restarted_handler_and_a_killed_shim(root):
         target = str(node.kubelet.start_pod(pv, second))
         sandbox_id = node.runtime.run_pod(second)
         app = node.runtime.pod_status(second).latest("app")
-        wait_until(lambda: "up" in _log(app), timeout=180, what="the second pod's container to run")
+        wait_until(lambda: "up" in container_log(app), timeout=180, what="the second pod's container to run")
         assert {(c[0], c[2]) for c in node.claims()} == {(target, sandbox_id)}
         (shim,) = shim_pids(node.containerd)
         argv = Path(f"/proc/{shim}/cmdline").read_bytes().decode().split("\0")
