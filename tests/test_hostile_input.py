@@ -293,26 +293,51 @@ class Stack:
 
     # -- putting the set-up (back) in place ------------------------------------------------------
 
-    def renew_spare(self, grown_to: int) -> None:
-        """The spare made again at 32 MiB: a hostile ControllerExpandVolume
-        grew it (to as much as the pool had left), and its name's CreateVolume
-        answers the grown one. The group snapshot of it goes first (it names
-        the old spare), then the spare; both are made again below. Otherwise
-        the set-up's group snapshot would find no room in the 2 GiB pool,
-        rightly, and say so as RESOURCE_EXHAUSTED."""
-        C, G = "csi.v1.Controller", "csi.v1.GroupController"
-        spare = self.vols["spare"]
-        if self.group_id:
+    def renew_grown(self, grown: dict[str, int]) -> None:
+        """Set-up volumes a hostile ControllerExpandVolume grew (to as much as
+        the pool had left: its volume id may be any real one) are taken down
+        and made again at 32 MiB. Otherwise the set-up's snapshots would find
+        no room in the 2 GiB pool, rightly, and say so as RESOURCE_EXHAUSTED.
+        What holds or names such a volume goes first: the group snapshot and
+        the snapshot of it, the sandbox holding the deferred one and its
+        Runtime API entry, its publications (the set-up's and the second pod's
+        a hostile NodePublishVolume made), its staging, a hostile
+        ControllerPublishVolume."""
+        C, G, N = "csi.v1.Controller", "csi.v1.GroupController", "csi.v1.Node"
+        vols = {key: self.vols[key] for key in grown}
+        why = ", ".join(f"{v.name} grown to {grown[key]}" for key, v in vols.items())
+        if self.group_id and {"host", "spare"} & set(vols):
             self.ok("proxy", G, "DeleteVolumeGroupSnapshot", csi_pb2.DeleteVolumeGroupSnapshotRequest(
-                group_snapshot_id=self.group_id), f"delete the group snapshot of the spare grown to {grown_to}")
+                group_snapshot_id=self.group_id), f"delete the group snapshot ({why})")
             self.group_id, self.group_members = "", []
-        self.ok("proxy", C, "DeleteVolume", csi_pb2.DeleteVolumeRequest(volume_id=spare.volume_id),
-                f"delete the spare grown to {grown_to}")
-        rsp = self.ok("proxy", C, "CreateVolume", csi_pb2.CreateVolumeRequest(
-            name=spare.name, capacity_range=csi_pb2.CapacityRange(required_bytes=32 * MIB),
-            volume_capabilities=[spare.cap()]), f"create {spare.name} again")
-        if rsp is not None:
-            spare.volume_id = rsp.volume.volume_id
+        if self.snapshot_id and "host" in vols:
+            self.ok("proxy", C, "DeleteSnapshot", csi_pb2.DeleteSnapshotRequest(snapshot_id=self.snapshot_id),
+                    f"delete the snapshot ({why})")
+            self.snapshot_id = ""
+        if "deferred" in vols:
+            self.ok("handler", "crust.handler.v1.SandboxControl", "DeleteSandbox",
+                    handler_pb2.DeleteSandboxRequest(sandbox_id=self.sandbox_id), f"delete the sandbox ({why})")
+            if self.runtime_target:
+                self.ok("runtime", "crust.runtime.v1.Runtime", "RuntimeUnstageVolume",
+                        runtime_pb2.RuntimeUnstageVolumeRequest(volume_target_path=self.runtime_target),
+                        f"runtime unstage ({why})")
+        for v in vols.values():
+            for target in (v.target, self.target("p2", v.target.parent.name)):
+                self.ok(v.via, N, "NodeUnpublishVolume", csi_pb2.NodeUnpublishVolumeRequest(
+                    volume_id=v.volume_id, target_path=str(target)), f"unpublish {target.parent.name} ({why})")
+            self.ok(v.via, N, "NodeUnstageVolume", csi_pb2.NodeUnstageVolumeRequest(
+                volume_id=v.volume_id, staging_target_path=str(v.staging)), f"unstage {v.name} ({why})")
+            self.ok("proxy", C, "ControllerUnpublishVolume", csi_pb2.ControllerUnpublishVolumeRequest(
+                volume_id=v.volume_id, node_id="node-a"), f"controller unpublish {v.name} ({why})")
+            self.ok("proxy", C, "DeleteVolume", csi_pb2.DeleteVolumeRequest(volume_id=v.volume_id),
+                    f"delete {v.name} ({why})")
+            rsp = self.ok("proxy", C, "CreateVolume", csi_pb2.CreateVolumeRequest(
+                name=v.name, capacity_range=csi_pb2.CapacityRange(required_bytes=32 * MIB),
+                volume_capabilities=[v.cap()]), f"create {v.name} again ({why})")
+            if rsp is not None:
+                v.volume_id = rsp.volume.volume_id
+                if rsp.volume.capacity_bytes != 32 * MIB:
+                    self.setup_defects.append(f"{v.name} made again is {rsp.volume.capacity_bytes} bytes ({why})")
 
     def ensure(self) -> None:
         """Idempotent: volumes created, staged, published (host, deferred,
@@ -321,14 +346,17 @@ class Stack:
         self.place.plant()
         self.revive()
         C, N, R, G = "csi.v1.Controller", "csi.v1.Node", "crust.registry.v1.Registry", "csi.v1.GroupController"
-        for v in self.vols.values():
+        grown = {}
+        for key, v in self.vols.items():
             rsp = self.ok("proxy", C, "CreateVolume", csi_pb2.CreateVolumeRequest(
                 name=v.name, capacity_range=csi_pb2.CapacityRange(required_bytes=32 * MIB),
                 volume_capabilities=[v.cap()]), f"create {v.name}")
             if rsp is not None:
                 v.volume_id = rsp.volume.volume_id
-                if v is self.vols["spare"] and rsp.volume.capacity_bytes > 32 * MIB:
-                    self.renew_spare(rsp.volume.capacity_bytes)
+                if rsp.volume.capacity_bytes > 32 * MIB:
+                    grown[key] = rsp.volume.capacity_bytes
+        if grown:
+            self.renew_grown(grown)
         for key in ("host", "deferred", "block", "direct"):
             v = self.vols[key]
             self.ok(v.via, N, "NodeStageVolume", csi_pb2.NodeStageVolumeRequest(
@@ -934,6 +962,40 @@ def file_truth(stack: Stack, where: str, codes: list[grpc.StatusCode]) -> list[t
             fault_path(stack, where).parent.is_dir():
         problems.append(("stray entry left", f"{where}: a start left an entry no record explains"))
     return problems
+
+
+def test_setup_made_again_after_its_volumes_grew(stack: Stack):
+    """A hostile ControllerExpandVolume may draw any set-up volume's id and
+    take what the pool has left. With every set-up volume grown so, putting
+    the set-up back makes them again at 32 MiB instead of finding no room
+    for its snapshots."""
+    if stack.dirty:
+        stack.ensure()
+    C = "csi.v1.Controller"
+    capacity = csi_pb2.GetCapacityRequest(volume_capabilities=[mount_cap("ext4")])
+    room_before = stack.ok("proxy", C, "GetCapacity", capacity, "capacity before").available_capacity
+    claim_before = stack.deferred_claim()
+    assert claim_before is not None
+    stack.dirty = True
+    for n, v in enumerate(stack.vols.values(), start=1):
+        room = stack.ok("proxy", C, "GetCapacity", capacity, "capacity").available_capacity
+        share = room if n == len(stack.vols) else room // 2  # the last takes all that is left
+        code, details, _ = stack.call("proxy", C, "ControllerExpandVolume", csi_pb2.ControllerExpandVolumeRequest(
+            volume_id=v.volume_id, capacity_range=csi_pb2.CapacityRange(
+                required_bytes=32 * MIB + share // MIB * MIB), volume_capability=v.cap()), timeout=120)
+        assert code == grpc.StatusCode.OK, f"growing {v.name}: {code.name} {details}"
+    room_grown = stack.ok("proxy", C, "GetCapacity", capacity, "capacity grown").available_capacity
+    assert room_grown < MIB, room_grown
+    stack.ensure()
+    assert not stack.setup_defects, stack.setup_defects
+    assert not [p for p in stack.setup_problems if "RESOURCE_EXHAUSTED" in p], stack.setup_problems
+    stack.setup_problems.clear()
+    for v in stack.vols.values():
+        rsp = stack.ok("proxy", C, "ControllerGetVolume", csi_pb2.ControllerGetVolumeRequest(volume_id=v.volume_id),
+                       f"get {v.name}")
+        assert rsp.volume.capacity_bytes == 32 * MIB, (v.name, rsp.volume.capacity_bytes)
+    assert stack.ok("proxy", C, "GetCapacity", capacity, "capacity after").available_capacity == room_before
+    assert stack.deferred_claim() == claim_before
 
 
 def test_hostile_files(stack: Stack):
