@@ -931,6 +931,7 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
     size makes its own."""
     from crust.common.formats import decode
     from crust.kata.pool import warm_disk
+    from crust.kata.guest_ram import ram_path
     from crust.kata.template import RECORD_FILE, STATE_FILE, TemplateRecord, VmTemplate
     from tests.guest_vm import guest_config
 
@@ -941,8 +942,13 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
     state = asyncio.run(_saved_by(template))
     assert template.builds == 1 and state == directory / STATE_FILE
     record = decode(TemplateRecord, (directory / RECORD_FILE).read_bytes())
-    assert record.saved_bytes == state.stat().st_size > 32 * MIB
-    assert sorted(p.name for p in directory.iterdir()) == sorted([STATE_FILE, RECORD_FILE])
+    # The state holds the devices; the guest's RAM is apart, its pages of
+    # zeros left as holes.
+    ram = ram_path(state)
+    assert record.saved_bytes == state.stat().st_size < 4 * MIB
+    assert ram.stat().st_size == config.memory_mib * MIB
+    assert 32 * MIB < record.ram_bytes < config.memory_mib * MIB // 2
+    assert sorted(p.name for p in directory.iterdir()) == sorted([STATE_FILE, ram.name, RECORD_FILE])
     assert qemu_pids_under(directory) == []
     while time.time() < record.saved_at + 5:
         time.sleep(0.1)
@@ -953,6 +959,9 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
     seen = []
     for n in range(2):
         async def run(g, n=n):
+            # A restored VM holds the saved pages, not all of its RAM.
+            held = os.stat(f"/proc/{g.vm.pid}/fd/{g.vm.ram_fd}").st_blocks * 512
+            assert record.ram_bytes <= held < record.ram_bytes + 16 * MIB, (held, record.ram_bytes)
             await g.vm.plug_shared_dir(SharedDir("crust", share))
             shared = await port_process.mount_share(await g.port(), "crust")
             started = time.time()

@@ -1467,10 +1467,12 @@ def test_a_handler_without_a_template_removes_only_what_a_template_left(tmp_path
     assert remove_saved(directory) == [] and not directory.exists()
     (directory / BUILD_DIR).mkdir(parents=True)
     (directory / BUILD_DIR / "console.log").write_text("a build's\n")
-    for name in (STATE_FILE, RECORD_FILE, STATE_FILE + ".partial"):
+    template_files = [STATE_FILE, STATE_FILE + ".ram", RECORD_FILE, STATE_FILE + ".partial",
+                      STATE_FILE + ".partial.ram"]
+    for name in template_files:
         (directory / name).write_bytes(b"x")
     (directory / "notes.txt").write_text("an operator's\n")
-    assert sorted(remove_saved(directory)) == sorted([STATE_FILE, RECORD_FILE, STATE_FILE + ".partial"])
+    assert sorted(remove_saved(directory)) == sorted(template_files)
     assert sorted(p.name for p in directory.iterdir()) == ["notes.txt"]
     (directory / "notes.txt").unlink()
     (directory / STATE_FILE).write_bytes(b"x")

@@ -38,7 +38,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 import time
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from crust.common import ttrpc
 from crust.common.aio import first_done
 from crust.common.atomicfile import write_atomic
 from crust.common.private import make_dirs, open_new
+from crust.kata import guest_ram
 from crust.kata.agent_client import PORT_CHARDEV
 from crust.kata.port_agent import PortAgent
 from crust.kata.vm_devices import (
@@ -62,6 +62,7 @@ from crust.kata.vm_devices import (
 from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
 from crust.kata.virtiofsd import Virtiofsd, VirtiofsdError
 from crust.kata.vm_config import ACCELERATORS, DISK_BUSES, SCSI_CMDLINE, VmConfig
+from crust.kata.vm_saving import VmSaving
 from crust.sys import proc
 
 log = logging.getLogger(__name__)
@@ -75,12 +76,6 @@ MAX_SOCKET_PATH = 107
 # sun_path holds 107 bytes): one directory per work directory, named by a
 # hash of its path, so a restarted handler finds the same sockets.
 SHORT_SOCKET_ROOT = Path("/run/crust-vm-sockets")
-# What a restored VM's kernel is given from the host's getrandom to reseed
-# its random number generator (the agent's Resume): 512 bits credited.
-RESEED_BYTES = 64
-# How long a restored VM's agent port is waited for (saved open: at once
-# but for a machine short of CPU).
-RESTORED_PORT_WAIT = 10.0
 # How long a stop waits for the agent's port to open again when its
 # connection broke.
 POWER_OFF_PORT_WAIT = 5.0
@@ -144,7 +139,7 @@ def read_identity(workdir: Path) -> tuple[str, Path] | None:
     return name, sockets
 
 
-class Vm(VmDevices):
+class Vm(VmDevices, VmSaving):
     def __init__(self, name: str, workdir: Path, config: VmConfig, socket_dir: Path | None = None):
         if config.accel not in ACCELERATORS:
             raise ValueError(f"accelerator {config.accel!r}: one of {', '.join(ACCELERATORS)}")
@@ -172,8 +167,13 @@ class Vm(VmDevices):
         self._adopted: proc.ProcessId | None = None  # a VM started by an earlier handler process (adopt())
         self._exited: asyncio.Task | None = None
         self.stopping = False   # stop() has begun: its file servers end with QEMU
-        # A saved VM's state QEMU reads instead of booting (start(saved=)).
+        # A saved VM's state QEMU reads instead of booting (start(saved=)):
+        # our descriptor until QEMU runs, then its number in QEMU.
         self._incoming_fd: int | None = None
+        self._incoming_number: int | None = None
+        # The memfd of guest RAM kept apart (config.ram_apart): its number,
+        # which QEMU inherited; ours is closed once QEMU runs.
+        self.ram_fd: int | None = None
 
     def _place(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -225,7 +225,7 @@ class Vm(VmDevices):
             *self._shared_dir_args(),
             *self._nic_args(),
             *self._disk_bus_args(),
-            *(["-incoming", f"fd:{self._incoming_fd}"] if self._incoming_fd is not None else []),
+            *self._incoming_args(),
             *c.extra_args,
         ]
 
@@ -364,12 +364,21 @@ class Vm(VmDevices):
             except OSError as exc:
                 await self._stop_virtiofsd()
                 raise VmError(f"vm {self.name}: its saved state {saved}: {exc.strerror}") from None
+        if self.config.ram_apart:
+            try:
+                self.ram_fd = await asyncio.to_thread(
+                    guest_ram.new_ram, self.name, self.config.memory_mib * guest_ram.MIB,
+                    guest_ram.ram_path(saved) if saved is not None else None)
+            except (guest_ram.RamFileError, OSError) as exc:
+                self._close_passed()
+                await self._stop_virtiofsd()
+                raise VmError(f"vm {self.name}: {exc}") from None
         with os.fdopen(open_new(self.qemu_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
             try:
                 # QEMU makes its console log, pid file and sockets in the
                 # work directory: they are 0600, whatever our umask.
-                passed = ((self.config.nic.tap_fd,) if self.config.nic else ()) + \
-                    ((self._incoming_fd,) if self._incoming_fd is not None else ())
+                passed = ((self.config.nic.tap_fd,) if self.config.nic else ()) + tuple(
+                    fd for fd in (self._incoming_fd, self.ram_fd) if fd is not None)
                 self._proc = await asyncio.create_subprocess_exec(
                     *self.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
                     start_new_session=True, umask=0o077, pass_fds=passed)
@@ -377,9 +386,7 @@ class Vm(VmDevices):
                 await self._stop_virtiofsd()
                 raise VmError(f"{self.config.qemu_binary} not found: apt-get install qemu-system-x86") from None
             finally:
-                if self._incoming_fd is not None:
-                    os.close(self._incoming_fd)   # QEMU's copy reads it
-                    self._incoming_fd = None
+                self._close_passed()   # QEMU's copies are used
         if self.config.nice:
             _set_autogroup_nice(self._proc.pid, self.config.nice)
         self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")
@@ -410,60 +417,6 @@ class Vm(VmDevices):
         if not self.alive():
             raise ConnectionError("QEMU is gone")   # _guarded says why
         raise GuestSilent(f"vm {self.name}: its guest's agent did not answer on its port within {timeout:.0f} s")
-
-    async def _resume(self) -> None:
-        """A VM restored from a template made its own: the host's clock and
-        fresh entropy, through the agent's port (its agent was saved with
-        the port open: it answers at once)."""
-        client = await self.port.ready(wait=RESTORED_PORT_WAIT)
-        if client is None or not self.port.has("resume"):
-            raise VmError(f"vm {self.name}: its restored guest's agent "
-                          f"{'does not answer on its port' if client is None else 'cannot resume'}: save it again")
-        now = time.time_ns()
-        try:
-            answer = await client.call("Resume", agent_pb2.ResumeRequest(
-                seconds=now // 1_000_000_000, nanos=now % 1_000_000_000,
-                seed=secrets.token_bytes(RESEED_BYTES)), timeout=RESTORED_PORT_WAIT)
-        except (ttrpc.TtrpcError, ConnectionError) as exc:
-            raise VmError(f"vm {self.name}: its restored guest was not made its own: {exc}") from None
-        log.info("vm %s: resumed (clock moved %.3f s)", self.name, answer.clock_step_nanos / 1e9)
-
-    async def _load(self, timeout: float) -> None:
-        """Until QEMU has read the saved state, then run the guest (it was
-        saved stopped, and a restored VM stays as it was saved)."""
-        await self._migrated("its saved state did not load", timeout, 0.01)
-        await self.qmp.execute("cont")
-
-    async def _migrated(self, failure: str, timeout: float, interval: float) -> None:
-        """Until QEMU's migration (out to a file, or in from one) completed;
-        VmError with QEMU's reason if it failed, VmHung after timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            answer = await self.qmp.execute("query-migrate")
-            status = answer.get("status", "none")
-            if status == "completed":
-                return
-            if status in ("failed", "cancelled"):
-                reason = answer.get("error-desc") or self._qemu_log_text() or status
-                raise VmError(f"vm {self.name}: {failure}: {reason}")
-            if time.monotonic() > deadline:
-                raise VmHung(f"vm {self.name}: {failure} within {timeout:.0f}s ({status})")
-            await asyncio.sleep(interval)
-
-    async def save(self, path: Path, timeout: float = 300.0) -> int:
-        """The VM stopped and its whole state (devices and RAM) written to
-        path, a new file, for start(saved=) to load; returns its size. The
-        VM stays stopped: the caller ends it. QEMU writes through a
-        descriptor of ours (getfd), so nothing runs a shell on the path."""
-        await self.qmp.execute("stop")
-        fd = open_new(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            await self.qmp.execute_with_fd("getfd", {"fdname": "saved-state"}, fd)
-        finally:
-            os.close(fd)
-        await self.qmp.execute("migrate", {"uri": "fd:saved-state"})
-        await self._migrated("not saved", timeout, 0.02)
-        return path.stat().st_size
 
     async def adopt(self, qemu: proc.ProcessId, disks: list[tuple[str, str]], timeout: float = 30.0) -> None:
         """Take over a VM that an earlier handler process started (QEMU runs

@@ -6,16 +6,17 @@ running on from where the template stopped. Under software emulation a boot
 to the agent is 1.2 s at best here; QEMU loading a saved 256 MiB guest and
 its agent answering takes about a quarter of that (docs/benchmarks.md).
 
-What the template is: the handler's VM config with guest RAM shareable (a
-memfd, as a pooled VM's) and nothing of a pod, booted at nice 10, with the
-pool's warm-up run in it (/dev/shm's tmpfs made, one throwaway container
-through crun, a disk of its own plugged, mounted and unplugged), then
-stopped and saved whole (devices and RAM, QMP `migrate` to a descriptor of
-ours) to `<dir>/vm.state`, with a record (`template.json`) of what it was
-made from. Kata maps one template's RAM into every clone, copy on write;
-that needs RAM QEMU maps privately, and virtio-fs needs it shared with the
-file server, so each VM here loads its own copy (about 0.2 s for the
-115 MiB a 256 MiB guest saves to).
+What the template is: the handler's VM config with guest RAM shareable
+and kept apart (crust.kata.guest_ram) and nothing of a pod, booted at nice
+10, with the pool's warm-up run in it (/dev/shm's tmpfs made, one throwaway
+container through crun, a disk of its own plugged, mounted and unplugged),
+then stopped and saved: its devices (QMP `migrate` to a descriptor of ours)
+to `<dir>/vm.state`, the pages of its RAM that hold anything to the sparse
+`<dir>/vm.state.ram`, with a record (`template.json`) of what it was made
+from. Kata maps one template's RAM into every clone, copy on write; that
+needs RAM QEMU maps privately, and virtio-fs needs it shared with the file
+server, so each VM here gets its own copy of the saved pages, and only of
+those.
 
 What a restored VM has to be given, because the file cannot hold it:
 - its shares and NIC, hot-plugged after the restore (QEMU 7.2 does not
@@ -57,6 +58,7 @@ from crust.common.errors import CrustError
 from crust.common.formats import NewerFormat, decode, encode
 from crust.common.private import make_dirs
 from crust.kata import port_process
+from crust.kata.guest_ram import MIB, ram_path
 from crust.kata.port_process import SHM_TMPFS
 from crust.kata.pool import (
     POOL_NICE,
@@ -85,7 +87,8 @@ RECORD_FILE = "template.json"
 BUILD_DIR = "build"
 # What a stopped or killed build leaves beside the template: a part of a
 # state, the warm-up disk's image or its part.
-BUILD_LEFTOVERS = (STATE_FILE + ".partial", WARM_DISK_IMAGE, WARM_DISK_IMAGE + ".partial")
+PARTIAL_STATE = STATE_FILE + ".partial"
+BUILD_LEFTOVERS = (PARTIAL_STATE, ram_path(Path(PARTIAL_STATE)).name, WARM_DISK_IMAGE, WARM_DISK_IMAGE + ".partial")
 
 
 class TemplateRecord(BaseModel):
@@ -93,6 +96,7 @@ class TemplateRecord(BaseModel):
 
     key: str             # template_key of the config it was saved with
     saved_bytes: int     # the state file's size
+    ram_bytes: int = 0   # the data in its RAM file (the rest of the guest's RAM is holes)
     boot_s: float        # its boot to the agent
     guest_uptime_s: float = 0.0   # the guest's uptime just before the save (a restored guest's goes on from it)
     saved_at: float      # seconds since the epoch
@@ -100,8 +104,9 @@ class TemplateRecord(BaseModel):
 
 def restore_config(config: VmConfig) -> VmConfig:
     """The config a template is saved with and restored into: the handler's,
-    guest RAM shareable, no share and no NIC (plugged after)."""
-    return dataclasses.replace(config, shared_dirs=(), nic=None, shared_memory=True, nice=0, extra_args=())
+    guest RAM shareable and apart, no share and no NIC (plugged after)."""
+    return dataclasses.replace(config, shared_dirs=(), nic=None, shared_memory=True, ram_apart=True, nice=0,
+                               extra_args=())
 
 
 async def template_key(config: VmConfig) -> str:
@@ -113,7 +118,7 @@ async def template_key(config: VmConfig) -> str:
     qemu = shutil.which(config.qemu_binary) or config.qemu_binary
     version = (await run([qemu, "--version"], timeout=30)).stdout.splitlines()[0]
     facts = [version, f"memory={config.memory_mib}", f"cpus={config.cpus}", f"accel={config.accel}",
-             f"bus={config.disk_bus}", f"cmdline={config.cmdline}", f"devices={DEVICE_LAYOUT}",
+             f"bus={config.disk_bus}", f"cmdline={config.cmdline}", f"devices={DEVICE_LAYOUT}", "ram=apart",
              f"host={os.uname().release}",
              f"cpu={await asyncio.to_thread(_host_cpu)}"]
     for path in (qemu, str(config.kernel), str(config.initrd)):
@@ -128,6 +133,7 @@ class VmTemplate:
         # The handler's config: its accelerator is decided before start().
         self.config = config
         self.state = directory / STATE_FILE
+        self.ram = ram_path(self.state)
         self.record_path = directory / RECORD_FILE
         self._ready = False
         self._keeper: asyncio.Task | None = None
@@ -163,7 +169,7 @@ class VmTemplate:
         """A restore from the template failed: it is made again."""
         log.warning("VM template discarded; making it again", extra={"fields": {"reason": reason[:500]}})
         self._ready = False
-        for path in (self.record_path, self.state):
+        for path in (self.record_path, self.state, self.ram):
             path.unlink(missing_ok=True)
         if self._keeper is None or self._keeper.done():
             self._keeper = asyncio.create_task(self._keep(), name="vm-template")
@@ -192,16 +198,18 @@ class VmTemplate:
         try:
             record = decode(TemplateRecord, self.record_path.read_bytes(), self.record_path)
             size = self.state.stat().st_size
+            ram_size = self.ram.stat().st_size
         except (OSError, ValueError, NewerFormat):
             return False
-        return record.key == key and record.saved_bytes == size
+        return record.key == key and record.saved_bytes == size and ram_size == self.config.memory_mib * MIB
 
     async def _build(self, key: str) -> None:
-        for path in (self.record_path, self.state):
+        for path in (self.record_path, self.state, self.ram):
             path.unlink(missing_ok=True)
         workdir = self.directory / BUILD_DIR
-        partial = self.directory / (STATE_FILE + ".partial")
-        partial.unlink(missing_ok=True)
+        partial = self.directory / PARTIAL_STATE
+        for path in (partial, ram_path(partial)):
+            path.unlink(missing_ok=True)
         vm = Vm("crust-template-" + secrets.token_hex(6), workdir,
                 dataclasses.replace(restore_config(self.config), nice=POOL_NICE))
         started = time.monotonic()
@@ -218,17 +226,19 @@ class VmTemplate:
             # (the connection closed: a restored VM's host opens its own):
             # a restored VM's agent answers at once, its imports long done.
             await vm.port.close()
-            size = await vm.save(partial)
+            size, ram_bytes = await vm.save(partial)
         finally:
             await vm.kill()
             await asyncio.to_thread(_remove_build, workdir)
+        await asyncio.to_thread(_settle, ram_path(partial), self.ram)
         await asyncio.to_thread(_settle, partial, self.state)
-        record = TemplateRecord(key=key, saved_bytes=size, boot_s=round(boot_s, 3), guest_uptime_s=uptime,
-                                saved_at=time.time())
+        record = TemplateRecord(key=key, saved_bytes=size, ram_bytes=ram_bytes, boot_s=round(boot_s, 3),
+                                guest_uptime_s=uptime, saved_at=time.time())
         write_atomic(self.record_path, encode(record), mode=0o600)
         (self.directory / WARM_DISK_IMAGE).unlink(missing_ok=True)
         self.builds += 1
         log.info("VM template ready", extra={"fields": {"state": str(self.state), "made": True, "bytes": size,
+                                                        "ram_bytes": ram_bytes,
                                                         "seconds": round(time.monotonic() - started, 2)}})
 
 
@@ -256,7 +266,7 @@ def remove_saved(directory: Path) -> list[str]:
         return []
     _remove_build(directory / BUILD_DIR)
     removed = []
-    for name in (STATE_FILE, RECORD_FILE, *BUILD_LEFTOVERS):
+    for name in (STATE_FILE, ram_path(Path(STATE_FILE)).name, RECORD_FILE, *BUILD_LEFTOVERS):
         try:
             (directory / name).unlink()
             removed.append(name)

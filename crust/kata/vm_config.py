@@ -32,10 +32,14 @@ DEVICE_LAYOUT = "uart-console,virtio-serial-agent"
 #   instructions for one CPU, shorter RCU grace periods at boot;
 # - pci=lastbus=0: every device the VM gets (disks hot-plugged included) is
 #   on the machine's one PCI bus, so no other bus is scanned.
+# And one that costs a little work: init_on_free=1, every page the guest
+# frees is cleared, so the free memory of a saved guest is zeros, which its
+# RAM file leaves as holes (crust.kata.guest_ram), the initramfs it freed
+# after unpacking it included.
 # Kata's QEMU guests boot with these among their defaults (and with
 # tsc=reliable and no_timer_check, which saved nothing here).
 GUEST_CMDLINE = ("console=ttyS0 quiet panic=-1 cryptomgr.notests i8042.direct=1 i8042.dumbkbd=1 i8042.nopnp=1 "
-                 "i8042.noaux=1 noreplace-smp rcupdate.rcu_expedited=1 pci=lastbus=0")
+                 "i8042.noaux=1 noreplace-smp rcupdate.rcu_expedited=1 pci=lastbus=0 init_on_free=1")
 
 
 @dataclass
@@ -56,6 +60,9 @@ class VmConfig:
     # Guest RAM shareable with a file server even without shared_dirs: a
     # VM booted ahead of its pod (crust.kata.pool) gets its shares later.
     shared_memory: bool = False
+    # Guest RAM (shared) in a memfd of crust's own, left out of a saved
+    # state and saved beside it: a VM saved or restored (crust.kata.guest_ram).
+    ram_apart: bool = False
     # QEMU's nice value: a VM booted ahead runs at 10 until a pod takes it
     # (renice), so its boot yields the CPU to pods starting meanwhile.
     nice: int = 0

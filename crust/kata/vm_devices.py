@@ -94,8 +94,13 @@ class VmDevices:
         memfd backend for all of it, one NUMA node; a device per share."""
         if not self.config.shared_dirs and not self.config.shared_memory:
             return []
-        args = ["-object", f"memory-backend-memfd,id=mem,size={self.config.memory_mib}M,share=on",
-                "-numa", "node,memdev=mem"]
+        if self.config.ram_apart:
+            # crust's memfd, inherited under its number (crust.kata.guest_ram).
+            backend = f"memory-backend-file,id=mem,size={self.config.memory_mib}M,share=on," \
+                      f"mem-path=/proc/self/fd/{self.ram_fd}"
+        else:
+            backend = f"memory-backend-memfd,id=mem,size={self.config.memory_mib}M,share=on"
+        args = ["-object", backend, "-numa", "node,memdev=mem"]
         for n, shared in enumerate(self.config.shared_dirs):
             args += ["-chardev", f"socket,id=vfs{n},path={self.fs_socket(shared)}",
                      "-device", f"vhost-user-fs-pci,chardev=vfs{n},tag={shared.tag}"]

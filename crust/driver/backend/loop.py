@@ -27,6 +27,7 @@ from crust.common.aio import in_thread
 from crust.common.atomicfile import fsync_dir
 from crust.common.errors import space_in
 from crust.common.private import make_dirs, open_new
+from crust.sys.sparse import data_extents
 
 ID_PATTERN = re.compile(r"^[a-z]{1,4}-[0-9a-f]{24}$")
 # A node id names its pool directory (the same rule as --node-id).
@@ -157,17 +158,8 @@ def _copy_data(source: Path, dest: Path) -> None:
         dst = open_new(dest)
         try:
             os.ftruncate(dst, size)
-            offset = 0
-            while offset < size:
-                try:
-                    start = os.lseek(src, offset, os.SEEK_DATA)
-                except OSError as exc:
-                    if exc.errno == errno.ENXIO:
-                        break  # only a hole from here to the end
-                    raise
-                end = os.lseek(src, start, os.SEEK_HOLE)
+            for start, end in data_extents(src, size):
                 _copy_range(src, dst, start, end)
-                offset = end
         finally:
             os.close(dst)
     finally:
