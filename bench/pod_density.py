@@ -13,7 +13,10 @@ With every pod running and --settle seconds passed, counted per pod:
 - memory: the PSS (/proc/PID/smaps_rollup) of every process the pod adds
   on the host: its QEMU and virtiofsd daemons (found by the pod's run
   directory in their command lines) and its shim, plus the handler's PSS
-  divided among the pods; for runc, its shim and the container's processes;
+  divided among the pods; for runc, its shim and the container's processes.
+  A VM's guest RAM (a memfd, mapped by QEMU and its virtiofsd daemons) is
+  counted as the memory the memfd holds, instead of its mapped share: a
+  restored VM holds pages its QEMU has not mapped yet;
 - CPU: the same processes' CPU time over --seconds, and the whole machine's.
 Reported: the median per pod (min-max) and the sum over the pods, for each
 runtime; and the node's daemons (handler, containerd) apart.
@@ -51,6 +54,45 @@ def pss_kib(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def memfd_pss_kib(pid: int) -> int:
+    """The PSS of pid's mappings of memfds (a VM's guest RAM)."""
+    total, inside = 0, False
+    try:
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            fields = line.split()
+            if fields and not fields[0].endswith(":"):   # a mapping's first line
+                inside = len(fields) >= 6 and fields[5].startswith("/memfd:")
+            elif inside and fields[0] == "Pss:":
+                total += int(fields[1])
+    except OSError:
+        pass
+    return total
+
+
+def memfd_held_kib(pids: list[int]) -> int:
+    """The memory held by the memfds the processes have open (a QEMU's
+    guest RAM; its virtiofsd may hold it too), each counted once, mapped
+    or not."""
+    held, seen = 0, set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                if not str(fd.readlink()).startswith("/memfd:"):
+                    continue
+                st = fd.stat()
+            except OSError:
+                continue
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                held += st.st_blocks * 512 // 1024
+    return held
+
+
+def pod_kib(pids: list[int]) -> int:
+    """A pod's processes' PSS, their memfds counted by what they hold."""
+    return sum(pss_kib(p) - memfd_pss_kib(p) for p in pids) + memfd_held_kib(pids)
 
 
 def cmdline(pid: int) -> str:
@@ -168,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             vms = vm_groups(root.path)
             if len(vms) != args.pods:
                 raise RuntimeError(f"expected {args.pods} VMs, found {len(vms)}")
+            results["accelerator"] = "kvm" if "-accel kvm" in cmdline(vms[0][0]) else "tcg"
             for _, _, sandbox_id in pods["crust-microvm"]:
                 shim = shim_of(shims, sandbox_id)
                 (vm,) = [g for g in vms if f"crust-{sandbox_id}" in cmdline(g[0])]
@@ -191,12 +234,14 @@ def main(argv: list[str] | None = None) -> int:
             results["columns"] = {}
             for runtime, members in groups.items():
                 share = handler_pss / args.pods if runtime == "crust-microvm" else 0
-                memory = [(sum(pss_kib(p) for p in g) + share) / 1024 for g in members]
+                memory = [(pod_kib(g) + share) / 1024 for g in members]
                 cpu = [cores(g) for g in members]
                 kinds: dict[str, list[float]] = {}
                 for g in members:
                     for kind, pids in by_kind(g).items():
-                        kinds.setdefault(kind, []).append(sum(pss_kib(p) for p in pids) / 1024)
+                        kinds.setdefault(kind, []).append(sum(pss_kib(p) - memfd_pss_kib(p) for p in pids) / 1024)
+                    if runtime == "crust-microvm":
+                        kinds.setdefault("guest RAM", []).append(memfd_held_kib(g) / 1024)
                 results["columns"][runtime] = {"pss_mib": row(memory), "cores": row(cpu, 4),
                                                "processes_per_pod": row([len(g) for g in members], 0),
                                                "pss_mib_by_process": {k: row(v) for k, v in sorted(kinds.items())}}
@@ -210,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 if pv is not None:
                     node.kubelet.stop_pod(pv, made)
         results["load_after"] = benchlib.loadavg()
-        print(f"\n{args.pods} idle pods of each runtime (microVMs: {args.vm_source}), "
+        print(f"\n{args.pods} idle pods of each runtime (microVMs: {args.vm_source}, {results['accelerator']}), "
               f"{benchlib.machine_summary(results['machine'])}; "
               f"counted {args.seconds:g} s after {args.settle:g} s")
         for runtime, column in results["columns"].items():
