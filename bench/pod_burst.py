@@ -13,7 +13,11 @@ asked for at once, one thread per pod, and each pod is timed from its
 request to its container's first write in its volume (the timestamp
 containerd gave the line the container printed right after the write: the
 CRI log's own clock). Reported per runtime and setting: p50, p99 (nearest
-rank) and max, and how long until every pod was running.
+rank) and max, how long until every pod was running, and the machine's CPU
+time until then divided among the pods. For the microVM
+pods, from the handler's log (each "vm up" and how long that VM took to
+restore or boot): how many VMs were being started at the same moment at
+most, which is 1 if the handler started them one after another.
 
     .venv/bin/python bench/pod_burst.py [--pods 20] [--settings template,pool4] [--json OUT.json]
 """
@@ -21,6 +25,8 @@ rank) and max, and how long until every pod was running.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
 import sys
 import threading
 import time
@@ -49,6 +55,30 @@ def handler_args(setting: str) -> tuple[str, ...]:
     raise ValueError(f"--settings: {setting!r} is none of template, poolN, boot")
 
 
+def vm_starts(log_path: Path, since: float) -> dict:
+    """The handler's VM starts (restore or boot) logged after since, each
+    the interval its "vm up" line closes: how many there were, the most
+    under way at one moment, and their durations."""
+    intervals = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(entry, dict) or entry.get("msg") != "vm up":
+            continue
+        end = dt.datetime.strptime(entry["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.timezone.utc).timestamp()
+        if end >= since:
+            intervals.append((end - float(entry["boot_s"]), end))
+    under_way = most = 0
+    for _, change in sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals]):
+        under_way += change
+        most = max(most, under_way)
+    durations = [end - start for start, end in intervals]
+    return {"vm_starts": len(intervals), "at_once_max": most,
+            "start_s": benchlib.summary(durations, 2, ("p50", "min", "max")) if durations else {}}
+
+
 def burst(node, runtime_class: str, pods: int, defer: bool, tag: str) -> dict:
     """pods pods of runtime_class asked for at once; each one's seconds to its first write."""
     made = []
@@ -71,6 +101,7 @@ def burst(node, runtime_class: str, pods: int, defer: bool, tag: str) -> dict:
             errors.append(f"{pod.name}: {exc}")
 
     threads = [threading.Thread(target=sync, args=(pod,)) for pod, _ in made]
+    busy_before = benchlib.machine_ticks()[0]
     started = time.time()
     for thread in threads:
         thread.start()
@@ -83,12 +114,18 @@ def burst(node, runtime_class: str, pods: int, defer: bool, tag: str) -> dict:
         container = node.runtime.pod_status(pod).latest("app")
         seconds.append(first_write(container.log_path, WRITE_TIMEOUT, pod.name, poll=0.02) - asked[pod.name])
     all_running = max(s + asked[pod.name] for s, (pod, _) in zip(seconds, made, strict=True)) - started
+    # The whole machine's CPU until the last pod ran (read after it: a few
+    # polls of the logs more), per pod.
+    cpu_per_pod = (benchlib.machine_ticks()[0] - busy_before) / benchlib.TICK / pods
     for pod, pv in made:
         node.runtime.kill_pod(pod)
         node.runtime.remove_pod(pod)
         node.kubelet.stop_pod(pv, pod)
     row = benchlib.summary(seconds, 2, ("p50", "p99", "min", "max"))
     row["all_running_s"] = round(all_running, 2)
+    row["machine_cpu_s_per_pod"] = round(cpu_per_pod, 2)
+    if runtime_class == "crust-microvm":
+        row["handler"] = vm_starts(node.env.handler.log_path, started)
     return row
 
 
@@ -128,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                 load = benchlib.loadavg()
                 vm = burst(node, "crust-microvm", args.pods, True, f"vm-{setting}")
                 print(f"{setting}: {args.pods} microVM pods at once: p50 {vm['p50']} s, p99 {vm['p99']} s "
-                      f"(load {load})", flush=True)
+                      f"(load {load}); VMs started by the handler {vm['handler']['vm_starts']}, at most "
+                      f"{vm['handler']['at_once_max']} at once, each {vm['handler']['start_s']}", flush=True)
                 runc = burst(node, "runc", args.pods, False, f"runc-{setting}")
                 print(f"{setting}: {args.pods} runc pods at once: p50 {runc['p50']} s, p99 {runc['p99']} s",
                       flush=True)
