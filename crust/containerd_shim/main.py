@@ -7,7 +7,8 @@ containerd runs it with its working directory in the container's bundle:
       prints the ttrpc address of the shim serving ID's pod and writes it to
       the bundle's `address` file; starts that shim (a daemon) unless the
       pod's shim already answers. Every container of a pod goes to one shim:
-      the pod is CRI's io.kubernetes.cri.sandbox-id annotation.
+      the pod is the sandbox id the CRI runtime's annotation names
+      (crust.common.cri_annotations: containerd's or CRI-O's).
   containerd-shim-crust-v2 -namespace NS -address SOCK -id ID -bundle DIR delete
       cleans up after a shim that died: the container (or the pod) is
       deleted in the handler (at the endpoint `start` recorded in the
@@ -33,6 +34,8 @@ import socket
 import sys
 from pathlib import Path
 
+from crust.common import cri_annotations
+
 # containerd runs `start` for every container of a pod, in the path of
 # StartContainer (and of RunPodSandbox): this module imports only what
 # `start` needs. asyncio, logging, protobuf and the ttrpc server (about
@@ -54,13 +57,14 @@ def socket_path(containerd_address: str, namespace: str, group: str) -> Path:
 
 
 def group_of(bundle: Path, container_id: str) -> str:
-    """The pod whose shim serves this container: CRI's sandbox id annotation
-    (the sandbox's own id for the sandbox), else the container itself."""
+    """The pod whose shim serves this container: the sandbox id the CRI
+    runtime's annotation names (the sandbox's own id for the sandbox), else
+    the container itself."""
     try:
-        annotations = json.loads((bundle / "config.json").read_text()).get("annotations") or {}
-    except (OSError, ValueError, AttributeError):
+        spec = json.loads((bundle / "config.json").read_text())
+    except (OSError, ValueError):
         return container_id
-    return annotations.get("io.kubernetes.cri.sandbox-id") or container_id
+    return cri_annotations.sandbox_id(spec) or container_id
 
 
 def handler_endpoint(options: bytes = b"") -> str:
@@ -217,10 +221,10 @@ def delete(args: argparse.Namespace) -> int:
 
     bundle = Path(args.bundle) if args.bundle else Path.cwd()
     try:
-        annotations = json.loads((bundle / "config.json").read_text()).get("annotations") or {}
-    except (OSError, ValueError, AttributeError):
-        annotations = {}
-    sandbox = annotations.get("io.kubernetes.cri.container-type", "sandbox") == "sandbox"
+        spec = json.loads((bundle / "config.json").read_text())
+    except (OSError, ValueError):
+        spec = {}
+    sandbox = cri_annotations.container_type(spec) == cri_annotations.SANDBOX
     try:
         endpoint = (bundle / ENDPOINT_FILE).read_text().strip() or handler_endpoint()
     except OSError:

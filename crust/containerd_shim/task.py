@@ -44,7 +44,7 @@ from crust.api import containerd_task_pb2 as task_pb
 from crust.api import containerd_task_types_pb2 as task_types
 from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common.channel import local_aio_channel
-from crust.common import ttrpc
+from crust.common import cri_annotations, ttrpc
 from crust.containerd_shim.events import Publisher, timestamp
 from crust.containerd_shim.process import CREATED, RUNNING, STOPPED, Container, Process, copy_input, copy_output
 from crust.common.ttrpc import TtrpcError
@@ -53,8 +53,6 @@ from crust.sys import proc
 
 log = logging.getLogger(__name__)
 
-CONTAINER_TYPE = "io.kubernetes.cri.container-type"
-SANDBOX_ID = "io.kubernetes.cri.sandbox-id"
 PROCESS_SPEC_TYPE = "types.containerd.io/opencontainers/runtime-spec/1/Process"
 # What containerd's CRI unpacks Task.Stats into (the message's full name).
 CGROUP_V2_METRICS_TYPE = "io.containerd.cgroups.v2.Metrics"
@@ -85,9 +83,8 @@ def read_config(bundle: str) -> dict:
 
 
 def is_sandbox(config: dict) -> bool:
-    annotations = config.get("annotations") or {}
     # Without CRI's annotations (ctr run) a container is a pod of its own.
-    return annotations.get(CONTAINER_TYPE, "sandbox") == "sandbox"
+    return cri_annotations.container_type(config) == cri_annotations.SANDBOX
 
 
 def process_spec(spec: dict, stdin: bool = False) -> handler_pb2.ProcessSpec:
@@ -219,8 +216,7 @@ class TaskService:
                 self.sandbox_id, self.vm_pid = request.id, int(response.pid)
                 self._vm_watch = asyncio.ensure_future(self._watch_vm(self.vm_pid))
             else:
-                annotations = config.get("annotations") or {}
-                wanted = annotations.get(SANDBOX_ID, "")
+                wanted = cri_annotations.sandbox_id(config)
                 if self.sandbox_id is None or (wanted and wanted != self.sandbox_id):
                     raise TtrpcError(ttrpc.FAILED_PRECONDITION,
                                      f"container {request.id} belongs to pod {wanted or '?'}, "
@@ -325,9 +321,13 @@ class TaskService:
             process.output_cut = cut
         if state is not None and state.status == handler_pb2.ProcessState.STOPPED:
             if state.oom_killed:
-                # Before the exit: CRI takes the reason from the event it saw last.
+                # Before the exit: containerd's CRI takes the reason from the
+                # event it saw last; CRI-O, which takes no events, from a file
+                # `oom` in the container's bundle.
                 log.info("OOM killed", extra={"fields": {"container": process.container_id}})
                 self.publisher.publish(events.TaskOOM(container_id=process.container_id))
+                if not process.exec_id:
+                    self._mark_oom(process.container_id)
             self._exited(process, state.exit_code, state.exited_at_ns or None)
         else:
             self._exited(process, VM_GONE_STATUS)
@@ -337,6 +337,17 @@ class TaskService:
             container_id=process.container_id, exec_id=process.exec_id, offset=offset, data=data, close=close),
             f"stdin of {process.id}")
         return int(response.length)
+
+    def _mark_oom(self, container_id: str) -> None:
+        container = self.containers.get(container_id)
+        if container is None:
+            return
+        try:
+            fd = os.open(Path(container.bundle) / "oom", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            os.close(fd)
+        except OSError as exc:
+            log.warning("could not mark the bundle of an OOM-killed container",
+                        extra={"fields": {"container": container_id, "error": str(exc)}})
 
     def _exited(self, process: Process, exit_status: int, exited_at_ns: int | None = None) -> None:
         if not process.stop(exit_status, exited_at_ns):
@@ -395,10 +406,13 @@ class TaskService:
     async def Kill(self, request: task_pb.KillRequest, call) -> empty_pb2.Empty:
         container = self.container(request.id)
         process = container.process(request.exec_id)
-        if not 0 < request.signal < 65:
+        if not 0 <= request.signal < 65:
             raise bad(f"signal: {request.signal} is not a signal")
         if process.status == STOPPED:
             raise TtrpcError(ttrpc.NOT_FOUND, f"process {process.id} of container {container.id} already finished")
+        if request.signal == 0:
+            # kill(2)'s probe: is it there? (CRI-O asks before reopening a log.)
+            return empty_pb2.Empty()
         if container.sandbox and not request.exec_id:
             # The sandbox's process is the VM: any signal that ends a pause
             # process ends the pod.

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from crust.api import handler_pb2
+from crust.common import cri_annotations
 from crust.common.aio import KeyedLocks
 from crust.common.errors import (
     AlreadyExists,
@@ -88,8 +89,8 @@ Status = handler_pb2.ProcessState.Status
 Stream = handler_pb2.OutputChunk.Stream
 
 TAP = "crust0"                # the VM's tap in the pod's network namespace
-# containerd's annotations on a pod sandbox's spec (its CRI plugin).
-SANDBOX_UID = "io.kubernetes.cri.sandbox-uid"
+# containerd's annotation on a pod sandbox's spec (its CRI plugin) naming
+# the pod's log directory.
 SANDBOX_LOG_DIRECTORY = "io.kubernetes.cri.sandbox-log-directory"
 
 
@@ -103,7 +104,11 @@ def _sandbox_spec(bundle: str) -> dict:
 
 def network_namespace(spec: dict) -> str:
     """The path of the pod's network namespace in the sandbox's spec, ""
-    when it names none (a host-network pod: the VM keeps its own network)."""
+    when it names none or the pod is on the host's network (the VM keeps
+    its own network). CRI-O names one for a host-network pod too (the
+    host's, pinned): its annotation says which pods those are."""
+    if cri_annotations.host_network(spec):
+        return ""
     for ns in (spec.get("linux") or {}).get("namespaces") or []:
         if ns.get("type") == "network":
             return str(ns.get("path") or "")
@@ -111,13 +116,13 @@ def network_namespace(spec: dict) -> str:
 
 
 def pod_uid(spec: dict) -> str:
-    """The pod's uid kubelet gave in RunPodSandbox, from containerd's
-    annotations on the sandbox's spec (the uid itself; else the last part
-    of the pod's log directory, <namespace>_<name>_<uid>); "" when neither
-    names one."""
-    annotations = spec.get("annotations") or {}
-    uid = str(annotations.get(SANDBOX_UID) or "")
-    if not uid:
+    """The pod's uid kubelet gave in RunPodSandbox, from the CRI runtime's
+    annotations on the sandbox's spec (the uid itself; else, containerd's,
+    the last part of the pod's log directory, <namespace>_<name>_<uid>); ""
+    when neither names one."""
+    annotations = cri_annotations.annotations_of(spec)
+    uid = cri_annotations.pod_uid(spec)
+    if not uid and cri_annotations.keys_of(annotations) is cri_annotations.CONTAINERD:
         log_dir = str(annotations.get(SANDBOX_LOG_DIRECTORY) or "").rstrip("/")
         name = log_dir.rsplit("/", 1)[-1]
         uid = name.rsplit("_", 1)[-1] if name.count("_") >= 2 else ""

@@ -49,11 +49,11 @@ import os
 import sys
 import time
 
+from crust.common import cri_annotations
 from crust.oci_runtime.client import RuntimeFailure
 
 CSI_SOURCE_MARK = "/kubernetes.io~csi/"
 ORIGINAL_CONFIG = "config.crust-original.json"
-SANDBOX_ID_ANNOTATIONS = ("io.kubernetes.cri.sandbox-id", "io.kubernetes.cri-o.SandboxID")
 DEFAULTS = {"runc": "", "handlerEndpoint": "unix:///run/crust/handler.sock", "stateDir": "/run/crust/oci-runtime"}
 ENVIRONMENT = {"runc": "CRUST_RUNC", "handlerEndpoint": "CRUST_HANDLER_ENDPOINT", "stateDir": "CRUST_OCI_RUNTIME_STATE"}
 CONFIG_FILE = "/etc/crust/oci-runtime.json"
@@ -257,8 +257,7 @@ def rewrite(spec: dict, deferred) -> dict:
 def sandbox_of(spec: dict, container_id: str) -> str:
     """The pod the container belongs to (the claims' sandbox), from the
     CRI runtime's annotation; the container itself outside any pod."""
-    annotations = spec.get("annotations") or {}
-    return next((annotations[a] for a in SANDBOX_ID_ANNOTATIONS if annotations.get(a)), container_id)
+    return cri_annotations.sandbox_id(spec) or container_id
 
 
 def write_bundle(bundle: str, state_dir: str, container_id: str, sandbox_id: str, spec: dict, deferred,
