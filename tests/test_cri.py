@@ -70,6 +70,33 @@ def test_a_dynamic_busybox_is_refused(tmp_path):
         images.build(tmp_path, busybox=Path("/bin/ls"))
 
 
+def test_the_pause_image_exits_on_sigterm_as_a_namespaces_first_process(tmp_path):
+    """/pause as the first process of a PID namespace (as in a pod's infra
+    container) ends on SIGTERM, its sleep with it: CRI-O stops a sandbox
+    with SIGTERM first and waits."""
+    pause = images.pause_image()
+    assert images.PAUSE_COMMAND == "/pause"
+    manifest = json.loads(pause.manifest)
+    with tarfile.open(fileobj=io.BytesIO(pause.blobs[manifest["layers"][-1]["digest"]])) as tar:
+        member = tar.getmember("pause")
+        script = tar.extractfile(member).read().decode()
+    assert member.mode == 0o755 and script == images.PAUSE_SCRIPT
+    config = json.loads(pause.blobs[manifest["config"]["digest"]])
+    assert config["config"]["Cmd"] == ["/pause"]
+    first = subprocess.Popen(["unshare", "--pid", "--fork", "sh", "-c", script])
+    try:
+        inner = wait_until(lambda: next(iter(Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text()
+                                             .split()), None), timeout=10, what="the namespace's first process")
+        wait_until(lambda: b"sleep" in subprocess.run(["pgrep", "-a", "-P", inner], capture_output=True,
+                                                      check=False).stdout, timeout=10, what="its sleep")
+        os.kill(int(inner), signal.SIGTERM)
+        assert first.wait(10) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+
+
 # -- the private containerd -----------------------------------------------------------------------
 
 

@@ -16,6 +16,13 @@ The same parts make other images from busybox (assemble(): the busybox
 layer with users and groups of one's own, extra layers of files with exact
 owners and modes, setuid bits included, and any image config), for a
 registry (crust.kubelet.registry) as well as an archive.
+
+pause_image() is the sandbox image for a runtime that stops a pod's
+infra container gracefully (CRI-O sends SIGTERM first and waits): busybox
+with /pause, a shell that traps TERM and INT and exits. `sleep infinity`
+as PID 1 would ignore SIGTERM (the kernel delivers no signal to a
+namespace's init that has no handler for it) and each StopPodSandbox would
+wait for its timeout.
 """
 
 from __future__ import annotations
@@ -36,6 +43,13 @@ REPOSITORY = "localhost/crust/busybox"
 # Kubernetes' pause image stays up doing nothing; so does this one by default.
 DEFAULT_COMMAND = ["/bin/sleep", "infinity"]
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PAUSE_COMMAND = "/pause"
+# Its sleep is killed too: in a pod sharing the host's PID namespace no
+# kernel does it when the shell exits.
+PAUSE_SCRIPT = """#!/bin/sh
+trap 'kill $! 2>/dev/null; exit 0' TERM INT
+while :; do sleep 3600 & wait $!; done
+"""
 PASSWD = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
 GROUP = "root:x:0:\nnogroup:x:65534:\n"
 DIRS = {"bin": 0o755, "dev": 0o755, "etc": 0o755, "proc": 0o755, "root": 0o700, "sbin": 0o755, "sys": 0o755,
@@ -234,12 +248,28 @@ def build(directory: Path, busybox: Path | None = None) -> Image:
     check_static(busybox)
     version = busybox_version(busybox)
     name = f"{REPOSITORY}:{version}"
-    image = assemble([layer_tar(busybox)], {"Env": [f"PATH={PATH}"], "Cmd": DEFAULT_COMMAND, "WorkingDir": "/"},
-                     created_by=f"crust: Debian busybox-static {version}")
+    image = busybox_image(busybox)
     directory.mkdir(parents=True, exist_ok=True)
     archive = directory / f"crust-busybox-{version}.oci.tar"
     image.write_archive(archive, name, version)
     return Image(archive=archive, name=name, image_id=image.config_digest, busybox_version=version)
+
+
+def busybox_image(busybox: Path | None = None) -> OciImage:
+    """The image build() writes, in memory (for a registry)."""
+    busybox = busybox or find_busybox()
+    check_static(busybox)
+    return assemble([layer_tar(busybox)], {"Env": [f"PATH={PATH}"], "Cmd": DEFAULT_COMMAND, "WorkingDir": "/"},
+                    created_by=f"crust: Debian busybox-static {busybox_version(busybox)}")
+
+
+def pause_image(busybox: Path | None = None) -> OciImage:
+    """The busybox layer and /pause (PAUSE_COMMAND, its default command)."""
+    busybox = busybox or find_busybox()
+    check_static(busybox)
+    pause = layer_of([File(PAUSE_COMMAND.lstrip("/"), PAUSE_SCRIPT.encode(), mode=0o755)])
+    return assemble([layer_tar(busybox), pause], {"Env": [f"PATH={PATH}"], "Cmd": [PAUSE_COMMAND], "WorkingDir": "/"},
+                    created_by=f"crust: pause from Debian busybox-static {busybox_version(busybox)}")
 
 
 def _json(value) -> bytes:
