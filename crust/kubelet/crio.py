@@ -1,0 +1,462 @@
+"""A CRI-O of our own, for the tests: the other CRI runtime kubelet drives,
+beside containerd (crust.kubelet.containerd), so that crust's runtimes
+are tried under both.
+
+CRI-O is not packaged in Debian 12: the binary (and its pinns helper) is a
+build of one's own, named by the caller. It runs beside anything else on
+the machine, everything it keeps below one directory this module owns: its
+storage root and runroot (the vfs driver, through a storage.conf of ours
+named by CONTAINERS_STORAGE_CONF, so the host's containers configuration is
+never read), its socket, its config file and an empty --config-dir (no
+drop-in of the host's), registries.conf and its drop-in directory, a
+signature policy that accepts anything, its version and clean-shutdown
+files, the exits, attach-socket, pinned-namespace, pod-log, hooks, CDI and
+auth directories, and each runtime's state root. Pods' cgroups go below
+`cgroup_root` (cgroupfs), the monitor (conmon) of each container in its
+pod's cgroup. NRI is off.
+
+Runtime handlers, as in a node's config: `runc` is the stock runc, each
+extra OCI handler another runtime in runc's place (crust's crust-runc),
+each VM handler a containerd shim v2 binary (runtime_type "vm", as Kata
+runs under CRI-O). CRI-O gives a runtime no environment of its own but the
+handler's monitor_env: `env` goes there, for every OCI handler. Where this
+machine cannot give a container what CRI-O asks (an OOM score below
+root's, huge page limits without a hugetlb cgroup hierarchy), each OCI
+handler's runtime is called through crust.kubelet.runtime_wrapper, which
+adjusts the bundle as containerd's settings for those cases do.
+
+Images are pulled: `mirrors` maps a registry host (registry.k8s.io,
+localhost, ...) to the URL of a registry standing in for it
+(crust.kubelet.registry), insecure, in registries.conf. The pause image is
+one whose /pause exits on SIGTERM (crust.kubelet.image.pause_image): CRI-O
+stops an infra container gracefully. Pods not on the host's network get a
+bridge of their own (crust.kubelet.cni, `pod_network`); CRI-O's own host
+port mapping is off unless asked for (the CNI portmap plugin maps them),
+since it keeps a table of the host's nftables.
+
+close() leaves nothing behind, also when a test failed half-way or CRI-O
+died: pods removed through CRI while it answers, CRI-O stopped, the
+monitors (conmon) of our containers killed, containers left in our runtime
+roots deleted, every mount below our directory released (storage, pinned
+namespaces), our cgroups, the pod network, and what CRI-O makes outside its
+directory, only when this instance made it (what was there is noted before
+its first start): the nftables table `ip crio-hostports`, the `crio`
+cgroups, /run/crun, and the image library's blob info cache (its path is
+compiled in for root, /var/lib/containers/cache; CRI-O has no setting).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from crust.api import cri_pb2, cri_pb2_grpc
+from crust.common.channel import local_channel
+from crust.kubelet import runtime_wrapper
+from crust.kubelet.cni import BridgeNetwork
+from crust.kubelet.containerd import CGROUP_FS, can_lower_oom_score, remove_cgroup_trees
+from crust.kubelet.image import PAUSE_COMMAND
+from crust.sys import proc
+from crust.sys.sweep import release_under
+
+log = logging.getLogger(__name__)
+
+CONMON = "/usr/bin/conmon"
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Made by CRI-O outside its directory whatever its config says: the host
+# port table (nftables, with host port mapping on), its cgroup, and paths:
+# crun's default state root, and the blob info cache of the image library
+# (its directory is compiled in for root; CRI-O has no setting for it).
+HOSTPORT_TABLE = ("ip", "crio-hostports")
+CRIO_CGROUP = "crio"
+BLOB_INFO_CACHE = Path("/var/lib/containers/cache/blob-info-cache-v1.sqlite")
+# Files first, then directories (removed only when empty), deepest first.
+OUTSIDE_PATHS = (BLOB_INFO_CACHE, BLOB_INFO_CACHE.with_name(BLOB_INFO_CACHE.name + "-wal"),
+                 BLOB_INFO_CACHE.with_name(BLOB_INFO_CACHE.name + "-shm"), BLOB_INFO_CACHE.with_name(
+                     BLOB_INFO_CACHE.name + "-journal"), BLOB_INFO_CACHE.parent, BLOB_INFO_CACHE.parent.parent,
+                 Path("/run/crun"))
+
+
+class CrioError(Exception):
+    pass
+
+
+def available(binary: str | Path, pinns: str | Path) -> str:
+    """Why a private CRI-O cannot run here, or "" when it can."""
+    missing = [str(p) for p in (binary, pinns) if not os.access(p, os.X_OK)]
+    if missing:
+        return f"not executable: {', '.join(missing)}"
+    if not os.access(CONMON, os.X_OK):
+        return f"{CONMON} is missing (apt-get install conmon)"
+    if shutil.which("runc") is None:
+        return "runc is not installed (apt-get install runc)"
+    return ""
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(str(value))  # a TOML basic string is a JSON string
+
+
+def _table(name: str, values: dict) -> list[str]:
+    return [f"[{name}]", *(f"  {key} = {_toml(value)}" for key, value in values.items())]
+
+
+def hostport_table_exists() -> bool:
+    result = subprocess.run(["nft", "list", "table", *HOSTPORT_TABLE], capture_output=True, timeout=30,
+                            check=False)
+    return result.returncode == 0
+
+
+def cgroups_named(name: str) -> set[Path]:
+    return {h / name for h in CGROUP_FS.iterdir() if (h / name).is_dir()} if CGROUP_FS.is_dir() else set()
+
+
+@dataclass
+class Crio:
+    """One private CRI-O below `directory` (which it owns)."""
+
+    directory: Path
+    binary: Path
+    pinns: Path
+    pause_image: str
+    # handler name -> the OCI runtime in runc's place ("" = stock runc)
+    runtimes: dict[str, str] = field(default_factory=lambda: {"runc": ""})
+    # handler name -> a containerd shim v2 binary (runtime_type "vm")
+    vm_runtimes: dict[str, str] = field(default_factory=dict)
+    # the OCI runtimes' environment (their handlers' monitor_env)
+    env: dict[str, str] = field(default_factory=dict)
+    # registry host -> the URL of the registry that stands in for it
+    mirrors: dict[str, str] = field(default_factory=dict)
+    pod_network: bool = False
+    host_port_mapping: bool = False
+    # runtime_wrapper's adjustments, by default where this machine needs them
+    raise_oom_floor: bool = field(default_factory=lambda: not can_lower_oom_score())
+    drop_hugepage_limits: bool = field(default_factory=lambda: not runtime_wrapper.hugetlb_cgroup_mounted())
+    cgroup_root: str = field(default_factory=lambda: f"/crust-crio-{secrets.token_hex(4)}")
+    process: subprocess.Popen | None = None
+    network: BridgeNetwork | None = None
+    # What was there outside our directory before our first start (never
+    # removed by close()): the host port table, the crio cgroup, OUTSIDE_PATHS.
+    _found: set[str] | None = None
+    removed_outside: list[str] = field(default_factory=list)
+    _channel: grpc.Channel | None = None
+
+    # -- layout -----------------------------------------------------------------------
+
+    @property
+    def socket(self) -> Path:
+        return self.directory / "crio.sock"
+
+    @property
+    def endpoint(self) -> str:
+        return f"unix://{self.socket}"
+
+    @property
+    def config_path(self) -> Path:
+        return self.directory / "crio.conf"
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / "crio.log"
+
+    @property
+    def storage_conf(self) -> Path:
+        return self.directory / "storage.conf"
+
+    @property
+    def registries_conf(self) -> Path:
+        return self.directory / "registries.conf"
+
+    def runtime_root(self, handler: str) -> Path:
+        return self.directory / "runtimes" / handler
+
+    def runtime_path(self, handler: str) -> str:
+        """What CRI-O runs for an OCI handler: its runtime, or the wrapper in
+        front of it when this machine needs an adjustment."""
+        runtime = self.runtimes[handler] or shutil.which("runc") or "runc"
+        if not (self.raise_oom_floor or self.drop_hugepage_limits):
+            return runtime
+        return str(self.directory / "wrappers" / handler)
+
+    def config(self) -> str:
+        d = self.directory
+        lines = _table("crio", {
+            "root": d / "storage", "runroot": d / "run" / "storage", "storage_driver": "vfs",
+            "log_dir": d / "pod-logs", "version_file": d / "run" / "version",
+            "version_file_persist": d / "version", "clean_shutdown_file": d / "clean.shutdown"})
+        lines += _table("crio.api", {"listen": self.socket, "stream_address": "127.0.0.1", "stream_port": "0"})
+        lines += _table("crio.runtime", {
+            "default_runtime": "runc", "cgroup_manager": "cgroupfs", "pinns_path": self.pinns,
+            "container_exits_dir": d / "run" / "exits", "container_attach_socket_dir": d / "run" / "attach",
+            "namespaces_dir": d / "run" / "ns", "hooks_dir": [d / "hooks"], "cdi_spec_dirs": [d / "cdi"],
+            "default_mounts_file": d / "mounts.conf", "disable_hostport_mapping": not self.host_port_mapping,
+            "selinux": False, "apparmor_profile": "unconfined", "log_level": "info"})
+        monitor_env = [f"PATH={PATH}", *(f"{k}={v}" for k, v in sorted(self.env.items()))]
+        for name in sorted(self.runtimes):
+            lines += _table(f"crio.runtime.runtimes.{_toml(name)}", {
+                "runtime_path": self.runtime_path(name), "runtime_type": "oci",
+                "runtime_root": self.runtime_root(name), "monitor_path": CONMON, "monitor_cgroup": "pod",
+                "monitor_env": monitor_env})
+        for name, shim in sorted(self.vm_runtimes.items()):
+            lines += _table(f"crio.runtime.runtimes.{_toml(name)}", {
+                "runtime_path": shim, "runtime_type": "vm", "runtime_root": self.runtime_root(name),
+                "monitor_env": monitor_env})
+        lines += _table("crio.image", {
+            "pause_image": self.pause_image, "pause_command": PAUSE_COMMAND,
+            "signature_policy": d / "policy.json", "namespaced_auth_dir": d / "auth",
+            "global_auth_file": "", "short_name_mode": "disabled"})
+        lines += _table("crio.network", {"network_dir": d / "cni", "plugin_dirs": ["/usr/lib/cni"]})
+        lines += _table("crio.nri", {"enable_nri": False})
+        lines += _table("crio.metrics", {"enable_metrics": False})
+        return "\n".join(lines) + "\n"
+
+    def registries(self) -> str:
+        """Every mirrored host served by its stand-in over plain http; no
+        short names resolved anywhere."""
+        lines = ["unqualified-search-registries = []"]
+        for host, url in sorted(self.mirrors.items()):
+            location = url.split("://", 1)[-1].rstrip("/")
+            lines += ["[[registry]]", f"prefix = {_toml(host)}", f"location = {_toml(location)}", "insecure = true"]
+        return "\n".join(lines) + "\n"
+
+    def storage(self) -> str:
+        return "\n".join([
+            "[storage]", 'driver = "vfs"', f"graphroot = {_toml(self.directory / 'storage')}",
+            f"runroot = {_toml(self.directory / 'run' / 'storage')}"]) + "\n"
+
+    def write_config(self) -> None:
+        d = self.directory
+        for sub in ("cni", "conf.d", "registries.d", "hooks", "cdi", "auth", "pod-logs", "run"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        (d / "mounts.conf").touch()
+        (d / "policy.json").write_text(json.dumps({"default": [{"type": "insecureAcceptAnything"}]}) + "\n")
+        self.storage_conf.write_text(self.storage())
+        self.registries_conf.write_text(self.registries())
+        for name, runtime in self.runtimes.items():
+            if self.runtime_path(name) != (runtime or shutil.which("runc") or "runc"):
+                runtime_wrapper.write_wrapper(Path(self.runtime_path(name)), runtime or shutil.which("runc") or "runc",
+                                              self.raise_oom_floor, self.drop_hugepage_limits)
+        self.config_path.write_text(self.config())
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start(self, timeout: float = 60.0) -> Crio:
+        """Start (or start again, keeping its state) and wait until CRI answers."""
+        if self.process is not None and self.process.poll() is None:
+            raise CrioError("this CRI-O is already running")
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self._found is None:
+            self._found = self.outside()
+        if self.pod_network and self.network is None:
+            self.network = BridgeNetwork(self.directory / "cni", self.directory / "cni-state")
+            self.network.create()
+        self.write_config()
+        env = {"PATH": os.environ.get("PATH", PATH), "CONTAINERS_STORAGE_CONF": str(self.storage_conf),
+               "CONTAINERS_REGISTRIES_CONF": str(self.registries_conf), "HOME": str(self.directory)}
+        argv = [str(self.binary), "--config", str(self.config_path), "--config-dir", str(self.directory / "conf.d"),
+                "--registries-conf", str(self.registries_conf),
+                "--registries-conf-dir", str(self.directory / "registries.d")]
+        with open(self.log_path, "ab") as log_file:
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
+                                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise CrioError(f"crio exited with {self.process.returncode}: {self.log_tail()}")
+            if self.socket.exists() and self._answers():
+                return self
+            time.sleep(0.05)
+        raise CrioError(f"crio did not answer CRI within {timeout:g} s: {self.log_tail()}")
+
+    def _answers(self) -> bool:
+        try:
+            self.version()
+            return True
+        except grpc.RpcError:
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        """Stop CRI-O itself; its monitors and containers keep running."""
+        self._close_channel()
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def restart(self, sig: int = signal.SIGTERM) -> Crio:
+        self.stop(sig)
+        return self.start()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    # -- CRI ----------------------------------------------------------------------------
+
+    @property
+    def channel(self) -> grpc.Channel:
+        if self._channel is None:
+            self._channel = local_channel(self.endpoint)
+        return self._channel
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    @property
+    def runtime_service(self) -> cri_pb2_grpc.RuntimeServiceStub:
+        return cri_pb2_grpc.RuntimeServiceStub(self.channel)
+
+    @property
+    def image_service(self) -> cri_pb2_grpc.ImageServiceStub:
+        return cri_pb2_grpc.ImageServiceStub(self.channel)
+
+    def version(self) -> cri_pb2.VersionResponse:
+        return self.runtime_service.Version(cri_pb2.VersionRequest(version="v1"), timeout=2)
+
+    def crictl_config(self) -> Path:
+        """A crictl.yaml for this CRI-O (crictl --config PATH ps)."""
+        path = self.directory / "crictl.yaml"
+        path.write_text(f"runtime-endpoint: {self.endpoint}\nimage-endpoint: {self.endpoint}\ntimeout: 30\n")
+        return path
+
+    # -- cleanup ------------------------------------------------------------------------
+
+    def close(self) -> list[str]:
+        """Stop and remove everything this CRI-O made; returns what had to
+        be cleaned up by force (empty after an orderly end). What it made
+        outside its directory, which CRI-O never removes itself, is noted
+        in removed_outside."""
+        forced: list[str] = []
+        if self.process is not None and self.process.poll() is None:
+            forced += self._remove_pods()
+        self.stop()
+        forced += self._kill_monitors()
+        forced += self._delete_containers()
+        forced += release_under(self.directory)
+        forced += remove_cgroup_trees(self.cgroup_root)
+        if self.network is not None:
+            forced += self.network.remove()
+        self.removed_outside += self._remove_outside()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        return forced
+
+    def _remove_pods(self) -> list[str]:
+        """Every pod through CRI, each on its own: one that cannot be
+        stopped does not keep the others."""
+        removed = []
+        try:
+            pods = self.runtime_service.ListPodSandbox(cri_pb2.ListPodSandboxRequest(), timeout=10).items
+        except grpc.RpcError as exc:
+            log.warning("could not list pods through CRI", extra={"fields": {"error": str(exc.details())}})
+            return removed
+        for pod in pods:
+            try:
+                self.runtime_service.StopPodSandbox(cri_pb2.StopPodSandboxRequest(pod_sandbox_id=pod.id), timeout=60)
+                self.runtime_service.RemovePodSandbox(cri_pb2.RemovePodSandboxRequest(pod_sandbox_id=pod.id),
+                                                      timeout=60)
+                removed.append(f"pod sandbox {pod.id[:13]}")
+            except grpc.RpcError as exc:
+                log.warning("could not remove a pod through CRI",
+                            extra={"fields": {"pod": pod.id[:13], "error": str(exc.details())}})
+        return removed
+
+    def _kill_monitors(self) -> list[str]:
+        """SIGKILL the conmons of our containers (they outlive CRI-O by
+        design): processes whose program is conmon and whose command line
+        names a path below our directory (exit directory, bundle, socket)."""
+        killed = []
+        ours = str(self.directory).encode() + b"/"
+
+        def monitor_of_ours(pid: int) -> bool:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                return False
+            return bool(argv) and argv[0].endswith(b"conmon") and any(ours in arg for arg in argv[1:])
+
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and monitor_of_ours(int(entry.name)) and proc.signal_if(
+                    int(entry.name), lambda pid=int(entry.name): monitor_of_ours(pid)):
+                killed.append(f"conmon pid {entry.name}")
+        return killed
+
+    def _delete_containers(self) -> list[str]:
+        """Containers left in our runtime roots (CRI-O died or could not
+        remove a pod): the handler's own runtime deletes them first (crust's
+        releases its volume claims), stock runc after it."""
+        deleted = []
+        env = {"PATH": PATH, **self.env}
+        for name in sorted(self.runtimes):
+            root = self.runtime_root(name)
+            binaries = [b for b in (self.runtimes[name], shutil.which("runc")) if b]
+            for container in sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+                for binary in binaries:
+                    result = subprocess.run([binary, "--root", str(root), "delete", "--force", container],
+                                            capture_output=True, timeout=60, env=env, check=False)
+                    if result.returncode == 0 or not (root / container).exists():
+                        deleted.append(f"container {container[:13]}")
+                        break
+        return deleted
+
+    @staticmethod
+    def outside() -> set[str]:
+        """What of CRI-O's outside its directory is there now."""
+        found = {str(p) for p in OUTSIDE_PATHS if p.exists()}
+        if hostport_table_exists():
+            found.add("nftables table " + " ".join(HOSTPORT_TABLE))
+        if cgroups_named(CRIO_CGROUP):
+            found.add(f"cgroup {CRIO_CGROUP}")
+        return found
+
+    def made_outside(self) -> set[str]:
+        """What of CRI-O's outside its directory appeared since our first start."""
+        return self.outside() - (self._found if self._found is not None else self.outside())
+
+    def _remove_outside(self) -> list[str]:
+        """What CRI-O made outside its directory, only when it was not
+        there before this instance first started; a directory only when
+        empty (another tool's files keep it)."""
+        made = self.made_outside()
+        removed = []
+        if "nftables table " + " ".join(HOSTPORT_TABLE) in made:
+            subprocess.run(["nft", "delete", "table", *HOSTPORT_TABLE], capture_output=True, timeout=30,
+                           check=False)
+            removed.append("nftables table " + " ".join(HOSTPORT_TABLE))
+        if f"cgroup {CRIO_CGROUP}" in made:
+            left = remove_cgroup_trees(CRIO_CGROUP)
+            removed.append(f"cgroup {CRIO_CGROUP}" + (f" ({len(left)} busy)" if left else ""))
+        for path in OUTSIDE_PATHS:
+            if str(path) not in made:
+                continue
+            try:
+                path.rmdir() if path.is_dir() else path.unlink()
+                removed.append(str(path))
+            except OSError:
+                pass
+        return removed
