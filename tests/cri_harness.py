@@ -162,7 +162,9 @@ class CriNode:
     """A node as kubelet sees it: the crust stack (driver, shim, proxy
     serving kubelet's registration, the mount-namespace handler), kubelet's
     CSI side registered with it, a private containerd whose `crust-runc`
-    handler is crust's OCI runtime, and kubelet's CRI side against it."""
+    handler is crust's OCI runtime, and kubelet's CRI side against it.
+    `containerd` may as well be a private CRI-O (tests/crio_harness.py):
+    kubelet needs only its endpoint and cgroup root."""
 
     def __init__(self, root, containerd: Containerd, image: images.Image, handler_kw: dict | None = None,
                  runtime_classes: dict[str, str] | None = None):

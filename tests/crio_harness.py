@@ -1,6 +1,7 @@
 """Test harness for the CRI-O tests: a private CRI-O (crust.kubelet.crio)
 pulling the tiny busybox image and its pause image from a local registry,
-and checks that it left nothing behind.
+checks that it left nothing behind, and the node of tests/cri_harness.py
+with CRI-O in containerd's place.
 
 CRI-O is not part of crust: `../shared/bin/crio` and `../shared/bin/pinns`
 beside the repository, or builds of one's own named by CRIO and PINNS
@@ -20,7 +21,7 @@ from crust.kubelet.containerd import CGROUP_FS
 from crust.kubelet.crio import Crio
 from crust.kubelet.registry import LocalRegistry, split_reference
 from crust.sys import mount as sysmount
-from tests.cri_harness import processes_naming
+from tests.cri_harness import OCI_RUNTIME, CriNode, processes_naming
 from tests.csi_sanity import Tool, locate
 
 CRIO = Tool("crio", "CRIO", "cri-o/cri-o (bin/crio, with cgo: tags seccomp libsqlite3)")
@@ -94,3 +95,24 @@ def leftovers_of(crio: Crio) -> list[str]:
         found += [f"iptables rule {line[:120]}" for line in rules.splitlines() if network.name in line]
     found += sorted(crio.made_outside())
     return found
+
+
+def crio_node_env(root) -> dict[str, str]:
+    """crust's OCI runtime's settings as cri_node gives them to containerd."""
+    return {"CRUST_HANDLER_ENDPOINT": f"unix://{root.path / 'handler.sock'}",
+            "CRUST_OCI_RUNTIME_STATE": str(root.path / "oci-runtime")}
+
+
+@contextlib.contextmanager
+def crio_node(root, tools: dict[str, Path]) -> Iterator[CriNode]:
+    """The node of tests/cri_harness.cri_node with CRI-O in containerd's
+    place: handlers `runc` and `crust-runc` (crust's OCI runtime, its
+    settings in the handler's monitor_env); everything closed (pods first)
+    whatever happens."""
+    with private_crio(tools, runtimes={"runc": "", "crust-runc": str(OCI_RUNTIME)},
+                      env=crio_node_env(root)) as (crio, image):
+        node = CriNode(root, crio, image)
+        try:
+            yield node
+        finally:
+            node.close()
