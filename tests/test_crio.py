@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import signal
 import subprocess
 import sys
 import tomllib
@@ -30,6 +31,7 @@ from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, cni
 from crust.kubelet import registry as local_registry
 from crust.kubelet.cri import KubeletRuntime
 from crust.kubelet.crio import Crio
+from tests.cri_harness import processes_naming
 from tests.crio_harness import crio_node, leftovers_of, locate_crio, private_crio
 from tests.test_handler import wait_until
 
@@ -125,6 +127,34 @@ def test_runc_under_crio_runs_a_pod_and_the_host_keeps_nothing(crio_tools):
         assert leftovers_of(crio) == []
 
 
+def test_close_cleans_up_after_crio_was_killed(crio_tools):
+    """SIGKILL CRI-O while a pod of its bridge runs: conmon and the
+    container live on (by design); close() still finds and removes
+    everything (monitors, containers, storage and pinned namespaces'
+    mounts, cgroups, the network)."""
+    with private_crio(crio_tools, pod_network=True) as (crio, image):
+        rs = crio.runtime_service
+        logs = crio.directory / "logs" / "uid-k"
+        (logs / "c").mkdir(parents=True)  # conmon makes no directory for a log
+        config = cri.PodSandboxConfig(metadata=cri.PodSandboxMetadata(name="killed", namespace="default", uid="uid-k"),
+                                      log_directory=str(logs),
+                                      linux=cri.LinuxPodSandboxConfig(cgroup_parent=f"{crio.cgroup_root}/poduid-k"))
+        sandbox = rs.RunPodSandbox(cri.RunPodSandboxRequest(config=config, runtime_handler="runc"),
+                                   timeout=60).pod_sandbox_id
+        crio.image_service.PullImage(cri.PullImageRequest(image=cri.ImageSpec(image=image.name)), timeout=60)
+        container = rs.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sandbox, sandbox_config=config,
+            config=cri.ContainerConfig(metadata=cri.ContainerMetadata(name="c"),
+                                       image=cri.ImageSpec(image=image.name, user_specified_image=image.name),
+                                       command=["/bin/sleep", "600"], log_path="c/0.log")), timeout=60).container_id
+        rs.StartContainer(cri.StartContainerRequest(container_id=container), timeout=60)
+        crio.stop(signal.SIGKILL)
+        assert any("conmon" in p for p in processes_naming(str(crio.directory))), "conmon should outlive CRI-O"
+        forced = crio.close()
+        assert len([f for f in forced if f.startswith("conmon pid")]) == 2, forced  # the infra's and the sleep's
+        assert len([f for f in forced if f.startswith("container ")]) == 2, forced
+        assert leftovers_of(crio) == []
+
+
 # -- crust-runc under CRI-O ----------------------------------------------------------------------------
 
 # Write into the volume, print what was written, then wait for kubelet's
@@ -154,8 +184,9 @@ def test_crust_runc_under_crio_mounts_a_deferred_volume_only_inside_its_containe
     """Kubelet -> CRI-O -> conmon -> crust-runc (its settings in the
     handler's monitor_env) -> runc, beside a plain runc pod: the deferred
     volume is mounted in the container and nowhere on the host, the pod's
-    bytes land on it, the claim is the pod's and is released when kubelet
-    stops the pod (the workload's own exit code)."""
+    bytes land on it, the claim is the pod's, CRI-O restarts under the pod,
+    and the claim is released when kubelet stops and removes the pod (the
+    workload's own exit code)."""
     with crio_node(root, crio_tools) as node:
         plain = Pod(uid="uid-plain", name="plain", host_network=True, runtime_class_name="runc",
                     restart_policy="Never", containers=[Container("c", node.image.name,
@@ -178,6 +209,12 @@ def test_crust_runc_under_crio_mounts_a_deferred_volume_only_inside_its_containe
         assert len(data) == 1 and data[0][2] == f"{entry['device-major']}:{entry['device-minor']}", mounts
         done = node.runtime.wait_container(node.runtime.pod_status(plain).latest("c").id)
         assert (done.exit_code, Path(done.log_path).read_text().split()[-1]) == (0, "runc")
+
+        # CRI-O killed and started again under the running pod: nothing is lost.
+        node.containerd.restart(signal.SIGKILL)
+        assert node.container(pod).state == cri.CONTAINER_RUNNING
+        assert node.claims() == {(target, "mountns", sandbox_id)}
+        assert node.host_mounts_of(entry) == []
 
         node.runtime.kill_pod(pod)
         stopped = node.container(pod)
