@@ -12,7 +12,11 @@ demo and the tests, and the container runtime it talks to:
   tiny image its pods run; with it crust.kubelet.ctr (containers from specs
   of one's own through ctr), crust.kubelet.registry (a local registry it
   pulls from through mirrors) and crust.kubelet.cni (a pod network of its
-  own).
+  own);
+- crust.kubelet.crio: a private CRI-O, the other CRI runtime, pulling from
+  the same registry, its OCI runtimes called through
+  crust.kubelet.runtime_wrapper where this machine cannot give what CRI-O
+  asks.
 """
 
 from crust.kubelet.csi import Kubelet, RegistrationRefused, highest_supported_version, is_mount_point
