@@ -31,6 +31,7 @@ from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, cni
 from crust.kubelet import registry as local_registry
 from crust.kubelet.cri import KubeletRuntime
 from crust.kubelet.crio import Crio
+from crust.kubelet.crio import available as crio_available
 from tests.cri_harness import processes_naming
 from tests.crio_harness import crio_node, leftovers_of, locate_crio, private_crio
 from tests.test_handler import wait_until
@@ -45,7 +46,8 @@ if CRIO_PROBLEM and not IN_CI:
 def crio_tools():
     if CRIO_PROBLEM:
         pytest.fail(f"CI=true and CRI-O is missing: {CRIO_PROBLEM}", pytrace=False)
-    problems = [p for p in (local_registry.available(), cni.available()) if p]
+    problems = [p for p in (crio_available(CRIO_TOOLS["crio"], CRIO_TOOLS["pinns"]), local_registry.available(),
+                            cni.available()) if p]
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
     return CRIO_TOOLS

@@ -80,11 +80,11 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOSTPORT_TABLE = ("ip", "crio-hostports")
 CRIO_CGROUP = "crio"
 BLOB_INFO_CACHE = Path("/var/lib/containers/cache/blob-info-cache-v1.sqlite")
-# Files first, then directories (removed only when empty), deepest first.
-OUTSIDE_PATHS = (BLOB_INFO_CACHE, BLOB_INFO_CACHE.with_name(BLOB_INFO_CACHE.name + "-wal"),
-                 BLOB_INFO_CACHE.with_name(BLOB_INFO_CACHE.name + "-shm"), BLOB_INFO_CACHE.with_name(
-                     BLOB_INFO_CACHE.name + "-journal"), BLOB_INFO_CACHE.parent, BLOB_INFO_CACHE.parent.parent,
-                 Path("/run/crun"))
+# Files first (the cache and SQLite's companions), then directories
+# (removed only when empty), deepest first.
+OUTSIDE_PATHS = (BLOB_INFO_CACHE, *(BLOB_INFO_CACHE.with_name(BLOB_INFO_CACHE.name + suffix)
+                                    for suffix in ("-wal", "-shm", "-journal")),
+                 BLOB_INFO_CACHE.parent, BLOB_INFO_CACHE.parent.parent, Path("/run/crun"))
 
 
 class CrioError(Exception):
@@ -186,13 +186,18 @@ class Crio:
     def runtime_root(self, handler: str) -> Path:
         return self.directory / "runtimes" / handler
 
+    def real_runtime(self, handler: str) -> str:
+        """The OCI runtime of a handler."""
+        return self.runtimes[handler] or shutil.which("runc") or "runc"
+
+    @property
+    def wrapped(self) -> bool:
+        return self.raise_oom_floor or self.drop_hugepage_limits
+
     def runtime_path(self, handler: str) -> str:
         """What CRI-O runs for an OCI handler: its runtime, or the wrapper in
         front of it when this machine needs an adjustment."""
-        runtime = self.runtimes[handler] or shutil.which("runc") or "runc"
-        if not (self.raise_oom_floor or self.drop_hugepage_limits):
-            return runtime
-        return str(self.directory / "wrappers" / handler)
+        return str(self.directory / "wrappers" / handler) if self.wrapped else self.real_runtime(handler)
 
     def config(self) -> str:
         d = self.directory
@@ -201,6 +206,7 @@ class Crio:
             "log_dir": d / "pod-logs", "version_file": d / "run" / "version",
             "version_file_persist": d / "version", "clean_shutdown_file": d / "clean.shutdown"})
         lines += _table("crio.api", {"listen": self.socket, "stream_address": "127.0.0.1", "stream_port": "0"})
+        # No AppArmor profile of CRI-O's is loaded into the host's kernel.
         lines += _table("crio.runtime", {
             "default_runtime": "runc", "cgroup_manager": "cgroupfs", "pinns_path": self.pinns,
             "container_exits_dir": d / "run" / "exits", "container_attach_socket_dir": d / "run" / "attach",
@@ -217,6 +223,7 @@ class Crio:
             lines += _table(f"crio.runtime.runtimes.{_toml(name)}", {
                 "runtime_path": shim, "runtime_type": "vm", "runtime_root": self.runtime_root(name),
                 "monitor_env": monitor_env})
+        # Images are named in full: no short name is ever looked up.
         lines += _table("crio.image", {
             "pause_image": self.pause_image, "pause_command": PAUSE_COMMAND,
             "signature_policy": d / "policy.json", "namespaced_auth_dir": d / "auth",
@@ -248,10 +255,9 @@ class Crio:
         (d / "policy.json").write_text(json.dumps({"default": [{"type": "insecureAcceptAnything"}]}) + "\n")
         self.storage_conf.write_text(self.storage())
         self.registries_conf.write_text(self.registries())
-        for name, runtime in self.runtimes.items():
-            if self.runtime_path(name) != (runtime or shutil.which("runc") or "runc"):
-                runtime_wrapper.write_wrapper(Path(self.runtime_path(name)), runtime or shutil.which("runc") or "runc",
-                                              self.raise_oom_floor, self.drop_hugepage_limits)
+        for name in self.runtimes if self.wrapped else ():
+            runtime_wrapper.write_wrapper(Path(self.runtime_path(name)), self.real_runtime(name),
+                                          self.raise_oom_floor, self.drop_hugepage_limits)
         self.config_path.write_text(self.config())
 
     # -- lifecycle --------------------------------------------------------------------
