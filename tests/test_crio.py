@@ -2,10 +2,15 @@
 uses: a private CRI-O (crust.kubelet.crio, tests/crio_harness.py) that
 pulls its images from a local registry, kubelet's CRI side replayed
 against it (crust.kubelet.cri), and
+- the configuration CRI-O reads back (`crio config`);
 - stock runc: a pod on a bridge of its own writes a line, kubelet reads its
-  log, stops and removes it, and the host keeps nothing of it;
+  log, stops and removes it, and the host keeps nothing of it; nor after
+  CRI-O was killed under a running pod;
 - crust-runc beside runc: a deferred volume mounted only inside the
-  container, its bytes on the volume, the claim released at the end.
+  container, its bytes on the volume, CRI-O restarted under it, the claim
+  released with crust-runc's delete (CRI-O runs it at RemoveContainer);
+  a strict xfail states what kubelet's own order (volumes unmounted before
+  the containers are removed) still meets under CRI-O.
 
 CRI-O is not part of crust: `../shared/bin/crio` and `../shared/bin/pinns`
 beside the repository, or builds of one's own named by CRIO and PINNS.
