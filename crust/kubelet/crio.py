@@ -273,6 +273,8 @@ class Crio:
             self.network = BridgeNetwork(self.directory / "cni", self.directory / "cni-state")
             self.network.create()
         self.write_config()
+        # HOME below ours: the image library looks for a user's registries.conf
+        # and credentials there, and none of root's must count.
         env = {"PATH": os.environ.get("PATH", PATH), "CONTAINERS_STORAGE_CONF": str(self.storage_conf),
                "CONTAINERS_REGISTRIES_CONF": str(self.registries_conf), "HOME": str(self.directory)}
         argv = [str(self.binary), "--config", str(self.config_path), "--config-dir", str(self.directory / "conf.d"),
