@@ -318,7 +318,8 @@ def test_an_exec_runs_in_the_container_through_the_oci_runtime(tmp_path, contain
     assert in_container, "the exec's pid is not in the container's pid namespace"
     assert exit_.exit_code == 7 and out.data == b"in-container\nsleep\x001000\x00\n"
     assert killed.exit_code == 137
-    assert unknown[0] == ttrpc.NOT_FOUND and unknown[1].startswith("container_id:")
+    assert unknown[0] == ttrpc.NOT_FOUND and unknown[1] == (
+        "container_id: no container 'nobody' (the OCI runtime knows none; the agent's record of its process: none)")
     assert refused[0] == ttrpc.FAILED_PRECONDITION and "/no/such/program" in refused[1], refused
     assert removed.unread_bytes == len(out.data)  # read, never acknowledged by a read past them
     assert not list((tmp_path / "exec" / cid).iterdir()), "an exec's files stayed after its start"

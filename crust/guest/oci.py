@@ -15,6 +15,7 @@ import contextlib
 import errno
 import itertools
 import json
+import logging
 import os
 import subprocess
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from crust.common import ttrpc
 from crust.guest.errors import AgentError
+
+log = logging.getLogger("crust.guest")
 
 ENTER_PROGRAM = "/usr/lib/crust/enter"
 # The personality every guest spec names unless the host's names another:
@@ -78,8 +81,10 @@ class OciRuntime:
         for a container crun does not know."""
         proc = await asyncio.create_subprocess_exec(
             *self.command("state", container_id), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out, _err = await proc.communicate()
+        out, err = await proc.communicate()
         if proc.returncode != 0:
+            log.info("crun state %s: exit %s: %s", container_id, proc.returncode,
+                     err.decode(errors="replace").strip()[-500:])
             return None
         try:
             return json.loads(out).get("status")

@@ -149,6 +149,16 @@ class Process:
         return self.stdout.drop() + self.stderr.drop()
 
 
+def _record(process: Process | None) -> str:
+    """What the agent knows of a process, in a few words (for an error)."""
+    if process is None:
+        return "none"
+    state = {CREATED: "created", RUNNING: "running", EXITED: "exited"}.get(process.state, str(process.state))
+    if process.exit is not None:
+        state += f", exit {process.exit.exit_code}"
+    return f"{state}, pid {process.pid}"
+
+
 def _exit_status(returncode: int) -> tuple[int, int]:
     """(exit_code as a shell reports it, signal)."""
     if returncode < 0:
@@ -230,7 +240,9 @@ class ProcessTable:
             return await self._answer_retry(known)
         status = "running" if runtime.runs(container_id) else await runtime.status(container_id)
         if status is None:
-            raise AgentError(ttrpc.NOT_FOUND, f"container_id: no container {container_id!r}")
+            init = self.processes.get((container_id, ""))
+            raise AgentError(ttrpc.NOT_FOUND, f"container_id: no container {container_id!r} (the OCI runtime knows "
+                                             f"none; the agent's record of its process: {_record(init)})")
         if status != "running":
             raise AgentError(ttrpc.FAILED_PRECONDITION, f"container_id: container {container_id!r} is {status}, "
                                                        f"not running")
