@@ -42,7 +42,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -51,9 +50,9 @@ from pathlib import Path
 
 import grpc
 
-from crust.api import cri_pb2, cri_pb2_grpc
-from crust.common.channel import local_channel
+from crust.api import cri_pb2
 from crust.kubelet.cni import BridgeNetwork
+from crust.kubelet.cri_daemon import CriDaemon
 from crust.kubelet.image import Image
 from crust.sys import caps, proc
 from crust.sys.sweep import release_under
@@ -130,7 +129,7 @@ def _toml(value) -> str:
 
 
 @dataclass
-class Containerd:
+class Containerd(CriDaemon):
     """One private containerd below `directory` (which it owns)."""
 
     directory: Path
@@ -284,53 +283,7 @@ class Containerd:
         except grpc.RpcError:
             return False
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
-        """Stop containerd itself; its shims and containers keep running."""
-        self._close_channel()
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-    def restart(self, sig: int = signal.SIGTERM) -> "Containerd":
-        self.stop(sig)
-        return self.start()
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
     # -- CRI ----------------------------------------------------------------------------
-
-    @property
-    def channel(self) -> grpc.Channel:
-        if self._channel is None:
-            self._channel = local_channel(self.endpoint)
-        return self._channel
-
-    def _close_channel(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-
-    @property
-    def runtime_service(self) -> cri_pb2_grpc.RuntimeServiceStub:
-        return cri_pb2_grpc.RuntimeServiceStub(self.channel)
-
-    @property
-    def image_service(self) -> cri_pb2_grpc.ImageServiceStub:
-        return cri_pb2_grpc.ImageServiceStub(self.channel)
-
-    def version(self) -> cri_pb2.VersionResponse:
-        return self.runtime_service.Version(cri_pb2.VersionRequest(version="v1"), timeout=2)
 
     def import_image(self, image: Image, timeout: float = 120.0) -> None:
         """`ctr images import` into the CRI's namespace; waits until CRI sees it."""
@@ -352,12 +305,6 @@ class Containerd:
         if check and result.returncode != 0:
             raise ContainerdError(f"ctr {' '.join(args)}: {result.stderr.strip() or result.stdout.strip()}")
         return result
-
-    def crictl_config(self) -> Path:
-        """A crictl.yaml for this containerd (crictl --config PATH ps)."""
-        path = self.directory / "crictl.yaml"
-        path.write_text(f"runtime-endpoint: {self.endpoint}\nimage-endpoint: {self.endpoint}\ntimeout: 30\n")
-        return path
 
     # -- cleanup ------------------------------------------------------------------------
 
@@ -387,27 +334,6 @@ class Containerd:
                 except OSError:
                     pass
         return forced
-
-    def _remove_pods(self) -> list[str]:
-        """Every pod through CRI, each on its own: one that cannot be
-        stopped does not keep the others (what is left of it goes with
-        the forced cleanup)."""
-        removed = []
-        try:
-            pods = self.runtime_service.ListPodSandbox(cri_pb2.ListPodSandboxRequest(), timeout=10).items
-        except grpc.RpcError as exc:
-            log.warning("could not list pods through CRI", extra={"fields": {"error": str(exc.details())}})
-            return removed
-        for pod in pods:
-            try:
-                self.runtime_service.StopPodSandbox(cri_pb2.StopPodSandboxRequest(pod_sandbox_id=pod.id), timeout=60)
-                self.runtime_service.RemovePodSandbox(cri_pb2.RemovePodSandboxRequest(pod_sandbox_id=pod.id),
-                                                      timeout=60)
-                removed.append(f"pod sandbox {pod.id[:13]}")
-            except grpc.RpcError as exc:
-                log.warning("could not remove a pod through CRI",
-                            extra={"fields": {"pod": pod.id[:13], "error": str(exc.details())}})
-        return removed
 
     def _remove_ctr_tasks(self) -> list[str]:
         """Tasks still running in `ctr`'s namespace, killed and deleted with

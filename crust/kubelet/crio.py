@@ -52,7 +52,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -60,11 +59,10 @@ from pathlib import Path
 
 import grpc
 
-from crust.api import cri_pb2, cri_pb2_grpc
-from crust.common.channel import local_channel
 from crust.kubelet import runtime_wrapper
 from crust.kubelet.cni import BridgeNetwork
 from crust.kubelet.containerd import CGROUP_FS, can_lower_oom_score, remove_cgroup_trees
+from crust.kubelet.cri_daemon import CriDaemon
 from crust.kubelet.image import PAUSE_COMMAND
 from crust.sys import proc
 from crust.sys.sweep import release_under
@@ -128,8 +126,10 @@ def cgroups_named(name: str) -> set[Path]:
 
 
 @dataclass
-class Crio:
+class Crio(CriDaemon):
     """One private CRI-O below `directory` (which it owns)."""
+
+    stop_timeout = 30.0   # how long stop() waits for crio itself (CriDaemon)
 
     directory: Path
     binary: Path
@@ -299,60 +299,6 @@ class Crio:
         except grpc.RpcError:
             return False
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
-        """Stop CRI-O itself; its monitors and containers keep running."""
-        self._close_channel()
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-    def restart(self, sig: int = signal.SIGTERM) -> Crio:
-        self.stop(sig)
-        return self.start()
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    # -- CRI ----------------------------------------------------------------------------
-
-    @property
-    def channel(self) -> grpc.Channel:
-        if self._channel is None:
-            self._channel = local_channel(self.endpoint)
-        return self._channel
-
-    def _close_channel(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-
-    @property
-    def runtime_service(self) -> cri_pb2_grpc.RuntimeServiceStub:
-        return cri_pb2_grpc.RuntimeServiceStub(self.channel)
-
-    @property
-    def image_service(self) -> cri_pb2_grpc.ImageServiceStub:
-        return cri_pb2_grpc.ImageServiceStub(self.channel)
-
-    def version(self) -> cri_pb2.VersionResponse:
-        return self.runtime_service.Version(cri_pb2.VersionRequest(version="v1"), timeout=2)
-
-    def crictl_config(self) -> Path:
-        """A crictl.yaml for this CRI-O (crictl --config PATH ps)."""
-        path = self.directory / "crictl.yaml"
-        path.write_text(f"runtime-endpoint: {self.endpoint}\nimage-endpoint: {self.endpoint}\ntimeout: 30\n")
-        return path
-
     # -- cleanup ------------------------------------------------------------------------
 
     def close(self) -> list[str]:
@@ -373,26 +319,6 @@ class Crio:
         self.removed_outside += self._remove_outside()
         shutil.rmtree(self.directory, ignore_errors=True)
         return forced
-
-    def _remove_pods(self) -> list[str]:
-        """Every pod through CRI, each on its own: one that cannot be
-        stopped does not keep the others."""
-        removed = []
-        try:
-            pods = self.runtime_service.ListPodSandbox(cri_pb2.ListPodSandboxRequest(), timeout=10).items
-        except grpc.RpcError as exc:
-            log.warning("could not list pods through CRI", extra={"fields": {"error": str(exc.details())}})
-            return removed
-        for pod in pods:
-            try:
-                self.runtime_service.StopPodSandbox(cri_pb2.StopPodSandboxRequest(pod_sandbox_id=pod.id), timeout=60)
-                self.runtime_service.RemovePodSandbox(cri_pb2.RemovePodSandboxRequest(pod_sandbox_id=pod.id),
-                                                      timeout=60)
-                removed.append(f"pod sandbox {pod.id[:13]}")
-            except grpc.RpcError as exc:
-                log.warning("could not remove a pod through CRI",
-                            extra={"fields": {"pod": pod.id[:13], "error": str(exc.details())}})
-        return removed
 
     def _kill_monitors(self) -> list[str]:
         """SIGKILL the conmons of our containers (they outlive CRI-O by
