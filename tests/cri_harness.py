@@ -107,18 +107,25 @@ def shim_pids(containerd: Containerd) -> list[int]:
     return found
 
 
-def leftovers_of(containerd: Containerd) -> list[str]:
-    """What a closed containerd left: its directory, processes naming it,
-    mounts below it, cgroups below its cgroup root, its shim sockets, its
-    pod network's bridge."""
+def daemon_leftovers(daemon) -> list[str]:
+    """What a closed private CRI daemon (containerd, CRI-O) left of its
+    own: its directory, processes naming it, mounts below it, cgroups
+    below its cgroup root."""
     found = []
-    if containerd.directory.exists():
-        found.append(f"directory {containerd.directory}")
-    found += processes_naming(str(containerd.directory))
-    prefix = str(containerd.directory) + "/"
+    if daemon.directory.exists():
+        found.append(f"directory {daemon.directory}")
+    found += processes_naming(str(daemon.directory))
+    prefix = str(daemon.directory) + "/"
     found += [m.mount_point for m in sysmount.mounts() if (m.mount_point + "/").startswith(prefix)]
-    name = containerd.cgroup_root.strip("/")
+    name = daemon.cgroup_root.strip("/")
     found += [str(h / name) for h in CGROUP_FS.iterdir() if (h / name).exists()] if CGROUP_FS.is_dir() else []
+    return found
+
+
+def leftovers_of(containerd: Containerd) -> list[str]:
+    """What a closed containerd left: daemon_leftovers, its shim sockets,
+    its pod network's bridge."""
+    found = daemon_leftovers(containerd)
     if containerd.network is not None and Path(f"/sys/class/net/{containerd.network.bridge}").exists():
         found.append(f"bridge {containerd.network.bridge}")
     if containerd._made_shim_dir and SHIM_SOCKETS.exists():

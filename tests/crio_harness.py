@@ -17,11 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from crust.kubelet import image as images
-from crust.kubelet.containerd import CGROUP_FS
 from crust.kubelet.crio import Crio
 from crust.kubelet.registry import LocalRegistry, split_reference
-from crust.sys import mount as sysmount
-from tests.cri_harness import OCI_RUNTIME, CriNode, processes_naming
+from tests.cri_harness import OCI_RUNTIME, CriNode, daemon_leftovers
 from tests.csi_sanity import Tool, locate
 
 CRIO = Tool("crio", "CRIO", "cri-o/cri-o (bin/crio, with cgo: tags seccomp libsqlite3)")
@@ -77,14 +75,7 @@ def leftovers_of(crio: Crio) -> list[str]:
     namespaces), cgroups below its cgroup root, its pod network's bridge,
     CNI results and port-mapping rules, and anything of CRI-O's outside its
     directory that it made."""
-    found = []
-    if crio.directory.exists():
-        found.append(f"directory {crio.directory}")
-    found += processes_naming(str(crio.directory))
-    prefix = str(crio.directory) + "/"
-    found += [m.mount_point for m in sysmount.mounts() if (m.mount_point + "/").startswith(prefix)]
-    name = crio.cgroup_root.strip("/")
-    found += [str(h / name) for h in CGROUP_FS.iterdir() if (h / name).exists()] if CGROUP_FS.is_dir() else []
+    found = daemon_leftovers(crio)
     if crio.network is not None:
         network = crio.network
         if Path(f"/sys/class/net/{network.bridge}").exists():

@@ -160,10 +160,6 @@ class Containerd(CriDaemon):
         return self.directory / "containerd.sock"
 
     @property
-    def endpoint(self) -> str:
-        return f"unix://{self.socket}"
-
-    @property
     def config_path(self) -> Path:
         return self.directory / "config.toml"
 

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 class CriDaemon:
     """A mixin of a daemon dataclass with `directory`, `process`,
-    `_channel`, `endpoint`, `log_path` and start()."""
+    `_channel`, `socket`, `log_path` and start()."""
 
     directory: Path
     process: subprocess.Popen | None
@@ -54,6 +54,10 @@ class CriDaemon:
             return ""
 
     # -- CRI ----------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        return f"unix://{self.socket}"
 
     @property
     def channel(self) -> grpc.Channel:

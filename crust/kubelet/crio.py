@@ -164,10 +164,6 @@ class Crio(CriDaemon):
         return self.directory / "crio.sock"
 
     @property
-    def endpoint(self) -> str:
-        return f"unix://{self.socket}"
-
-    @property
     def config_path(self) -> Path:
         return self.directory / "crio.conf"
 
