@@ -118,13 +118,13 @@ def remove_cgroup_trees(name: str) -> list[str]:
     return left
 
 
-def _toml(value) -> str:
+def toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return str(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return json.dumps(str(value))  # a TOML basic string is a JSON string
 
 
@@ -187,20 +187,20 @@ class Containerd(CriDaemon):
         cri = 'plugins."io.containerd.grpc.v1.cri"'
         lines = [
             "version = 2",
-            f"root = {_toml(self.directory / 'root')}",
-            f"state = {_toml(self.directory / 'state')}",
+            f"root = {toml_value(self.directory / 'root')}",
+            f"state = {toml_value(self.directory / 'state')}",
             # Snapshotters this machine cannot use only add noise to the log.
-            "disabled_plugins = " + _toml([f"io.containerd.snapshotter.v1.{s}"
+            "disabled_plugins = " + toml_value([f"io.containerd.snapshotter.v1.{s}"
                                            for s in ("aufs", "btrfs", "devmapper", "zfs")]
                                           + ([] if self.cri else ["io.containerd.grpc.v1.cri"])),
-            "[grpc]", f"  address = {_toml(self.socket)}",
-            "[ttrpc]", f"  address = {_toml(str(self.socket) + '.ttrpc')}",
-            '[plugins."io.containerd.internal.v1.opt"]', f"  path = {_toml(self.directory / 'opt')}",
+            "[grpc]", f"  address = {toml_value(self.socket)}",
+            "[ttrpc]", f"  address = {toml_value(str(self.socket) + '.ttrpc')}",
+            '[plugins."io.containerd.internal.v1.opt"]', f"  path = {toml_value(self.directory / 'opt')}",
             f"[{cri}]",
-            *([f"  sandbox_image = {_toml(self.sandbox_image)}"] if self.sandbox_image else []),
+            *([f"  sandbox_image = {toml_value(self.sandbox_image)}"] if self.sandbox_image else []),
             # Streaming (exec -it, attach) on an ephemeral loopback port.
             '  stream_server_address = "127.0.0.1"', '  stream_server_port = "0"',
-            f"  restrict_oom_score_adj = {_toml(not can_lower_oom_score())}",
+            f"  restrict_oom_score_adj = {toml_value(not can_lower_oom_score())}",
             # Pods' network namespaces below our state directory, not in the
             # host's /run/netns, where a tool that later binds /run/netns
             # onto itself (as `ip netns` and pyroute2 do on first use) would
@@ -208,25 +208,25 @@ class Containerd(CriDaemon):
             "  netns_mounts_under_state_dir = true",
             f"[{cri}.cni]",
             '  bin_dir = "/usr/lib/cni"',
-            f"  conf_dir = {_toml(self.directory / 'cni')}",
+            f"  conf_dir = {toml_value(self.directory / 'cni')}",
             f"[{cri}.registry]",
-            f"  config_path = {_toml(self.hosts_dir)}",
+            f"  config_path = {toml_value(self.hosts_dir)}",
             f"[{cri}.containerd]",
             '  default_runtime_name = "runc"',
         ]
         for name, binary in sorted(self.runtimes.items()):
-            lines += [f"[{cri}.containerd.runtimes.{_toml(name)}]",
+            lines += [f"[{cri}.containerd.runtimes.{toml_value(name)}]",
                       '  runtime_type = "io.containerd.runc.v2"',
-                      f"[{cri}.containerd.runtimes.{_toml(name)}.options]",
-                      f"  Root = {_toml(self.runc_root)}"]
+                      f"[{cri}.containerd.runtimes.{toml_value(name)}.options]",
+                      f"  Root = {toml_value(self.runc_root)}"]
             if binary:
-                lines.append(f"  BinaryName = {_toml(binary)}")
+                lines.append(f"  BinaryName = {toml_value(binary)}")
         for name, runtime_type in sorted(self.shim_runtimes.items()):
-            lines += [f"[{cri}.containerd.runtimes.{_toml(name)}]",
-                      f"  runtime_type = {_toml(runtime_type)}"]
+            lines += [f"[{cri}.containerd.runtimes.{toml_value(name)}]",
+                      f"  runtime_type = {toml_value(runtime_type)}"]
             if self.shim_options.get(name):
-                lines.append(f"[{cri}.containerd.runtimes.{_toml(name)}.options]")
-                lines += [f"  {key} = {_toml(value)}" for key, value in sorted(self.shim_options[name].items())]
+                lines.append(f"[{cri}.containerd.runtimes.{toml_value(name)}.options]")
+                lines += [f"  {key} = {toml_value(value)}" for key, value in sorted(self.shim_options[name].items())]
         return "\n".join(lines) + "\n"
 
     def write_hosts(self) -> None:
@@ -237,7 +237,7 @@ class Containerd(CriDaemon):
             directory = self.hosts_dir / host
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "hosts.toml").write_text(
-                f"server = {_toml(url)}\n[host.{_toml(url)}]\n  capabilities = [\"pull\", \"resolve\"]\n")
+                f"server = {toml_value(url)}\n[host.{toml_value(url)}]\n  capabilities = [\"pull\", \"resolve\"]\n")
 
     # -- lifecycle --------------------------------------------------------------------
 

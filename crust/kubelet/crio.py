@@ -61,7 +61,7 @@ import grpc
 
 from crust.kubelet import runtime_wrapper
 from crust.kubelet.cni import BridgeNetwork
-from crust.kubelet.containerd import CGROUP_FS, can_lower_oom_score, remove_cgroup_trees
+from crust.kubelet.containerd import CGROUP_FS, toml_value, can_lower_oom_score, remove_cgroup_trees
 from crust.kubelet.cri_daemon import CriDaemon
 from crust.kubelet.image import PAUSE_COMMAND
 from crust.sys import proc
@@ -101,18 +101,8 @@ def available(binary: str | Path, pinns: str | Path) -> str:
     return ""
 
 
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return json.dumps(str(value))  # a TOML basic string is a JSON string
-
-
 def _table(name: str, values: dict) -> list[str]:
-    return [f"[{name}]", *(f"  {key} = {_toml(value)}" for key, value in values.items())]
+    return [f"[{name}]", *(f"  {key} = {toml_value(value)}" for key, value in values.items())]
 
 
 def hostport_table_exists() -> bool:
@@ -211,12 +201,12 @@ class Crio(CriDaemon):
             "selinux": False, "apparmor_profile": "unconfined", "log_level": "info"})
         monitor_env = [f"PATH={PATH}", *(f"{k}={v}" for k, v in sorted(self.env.items()))]
         for name in sorted(self.runtimes):
-            lines += _table(f"crio.runtime.runtimes.{_toml(name)}", {
+            lines += _table(f"crio.runtime.runtimes.{toml_value(name)}", {
                 "runtime_path": self.runtime_path(name), "runtime_type": "oci",
                 "runtime_root": self.runtime_root(name), "monitor_path": CONMON, "monitor_cgroup": "pod",
                 "monitor_env": monitor_env})
         for name, shim in sorted(self.vm_runtimes.items()):
-            lines += _table(f"crio.runtime.runtimes.{_toml(name)}", {
+            lines += _table(f"crio.runtime.runtimes.{toml_value(name)}", {
                 "runtime_path": shim, "runtime_type": "vm", "runtime_root": self.runtime_root(name),
                 "monitor_env": monitor_env})
         # Images are named in full: no short name is ever looked up.
@@ -235,13 +225,13 @@ class Crio(CriDaemon):
         lines = ["unqualified-search-registries = []"]
         for host, url in sorted(self.mirrors.items()):
             location = url.split("://", 1)[-1].rstrip("/")
-            lines += ["[[registry]]", f"prefix = {_toml(host)}", f"location = {_toml(location)}", "insecure = true"]
+            lines += ["[[registry]]", f"prefix = {toml_value(host)}", f"location = {toml_value(location)}", "insecure = true"]
         return "\n".join(lines) + "\n"
 
     def storage(self) -> str:
         return "\n".join([
-            "[storage]", 'driver = "vfs"', f"graphroot = {_toml(self.directory / 'storage')}",
-            f"runroot = {_toml(self.directory / 'run' / 'storage')}"]) + "\n"
+            "[storage]", 'driver = "vfs"', f"graphroot = {toml_value(self.directory / 'storage')}",
+            f"runroot = {toml_value(self.directory / 'run' / 'storage')}"]) + "\n"
 
     def write_config(self) -> None:
         d = self.directory
