@@ -172,8 +172,9 @@ class Vm(VmDevices, VmSaving):
         self._incoming_fd: int | None = None
         self._incoming_number: int | None = None
         # The memfd of guest RAM kept apart (config.ram_apart): its number,
-        # which QEMU inherited; ours is closed once QEMU runs.
+        # which QEMU inherited, and our descriptor until QEMU runs.
         self.ram_fd: int | None = None
+        self._ram_open: int | None = None
 
     def _place(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -366,7 +367,7 @@ class Vm(VmDevices, VmSaving):
                 raise VmError(f"vm {self.name}: its saved state {saved}: {exc.strerror}") from None
         if self.config.ram_apart:
             try:
-                self.ram_fd = await asyncio.to_thread(
+                self.ram_fd = self._ram_open = await asyncio.to_thread(
                     guest_ram.new_ram, self.name, self.config.memory_mib * guest_ram.MIB,
                     guest_ram.ram_path(saved) if saved is not None else None)
             except (guest_ram.RamFileError, OSError) as exc:
@@ -378,7 +379,7 @@ class Vm(VmDevices, VmSaving):
                 # QEMU makes its console log, pid file and sockets in the
                 # work directory: they are 0600, whatever our umask.
                 passed = ((self.config.nic.tap_fd,) if self.config.nic else ()) + tuple(
-                    fd for fd in (self._incoming_fd, self.ram_fd) if fd is not None)
+                    fd for fd in (self._incoming_fd, self._ram_open) if fd is not None)
                 self._proc = await asyncio.create_subprocess_exec(
                     *self.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
                     start_new_session=True, umask=0o077, pass_fds=passed)

@@ -41,8 +41,9 @@ class VmSaving:
         if self._incoming_fd is not None:
             os.close(self._incoming_fd)
             self._incoming_number, self._incoming_fd = self._incoming_fd, None
-        if self.ram_fd is not None:
-            os.close(self.ram_fd)
+        if self._ram_open is not None:
+            os.close(self._ram_open)
+            self._ram_open = None
 
     async def _resume(self) -> None:
         """A VM restored from a template made its own: the host's clock and
