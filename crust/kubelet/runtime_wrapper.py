@@ -21,9 +21,10 @@ each (crust.kubelet.containerd), CRI-O has none.
   dropped (containerd: tolerate_missing_hugetlb_controller).
 
 Only `create` is touched; every other call goes straight to the runtime.
-It runs as `python -I -S runtime_wrapper.py [FLAGS] REAL_RUNTIME ARGS...`
-(the standard library only: it starts fast, with nothing of crust
-imported); write_wrapper() writes the executable a runtime handler names.
+It runs as `python -I runtime_wrapper.py [FLAGS] REAL_RUNTIME ARGS...`
+and reads runc's command line as crust-runc does (crust.oci_runtime.main,
+which imports little); write_wrapper() writes the executable a runtime
+handler names.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-# runc's global flags that take a value (before the command).
-GLOBAL_FLAGS_WITH_VALUE = {"--root", "--log", "--log-format", "--criu", "--rootless"}
+from crust.oci_runtime.main import CREATE_VALUE_FLAGS, command_options, split_command_line
+
 OOM_FLOOR = "--oom-floor"
 NO_HUGEPAGE_LIMITS = "--no-hugepage-limits"
 MOUNTINFO = Path("/proc/self/mountinfo")
@@ -45,19 +46,11 @@ MOUNTINFO = Path("/proc/self/mountinfo")
 def bundle_of_create(args: list[str]) -> Path | None:
     """The bundle of a `create` call (runc's command line), None for any
     other call; without --bundle the runtime takes its working directory."""
-    index = 0
-    while index < len(args) and args[index].startswith("-"):
-        flag = args[index].split("=", 1)[0]
-        index += 2 if flag in GLOBAL_FLAGS_WITH_VALUE and "=" not in args[index] else 1
-    if index >= len(args) or args[index] != "create":
+    _flags, command, rest = split_command_line(args)
+    if command != "create":
         return None
-    rest = args[index + 1:]
-    for position, arg in enumerate(rest):
-        if arg in ("--bundle", "-b") and position + 1 < len(rest):
-            return Path(rest[position + 1])
-        if arg.startswith("--bundle="):
-            return Path(arg.split("=", 1)[1])
-    return Path.cwd()
+    options, _container_id = command_options(rest, CREATE_VALUE_FLAGS)
+    return Path(options.get("--bundle") or options.get("-b") or Path.cwd())
 
 
 def hugetlb_cgroup_mounted(mountinfo: Path = MOUNTINFO) -> bool:
@@ -135,7 +128,7 @@ def write_wrapper(path: Path, runtime: str, oom_floor: bool, drop_hugepage_limit
     path.parent.mkdir(parents=True, exist_ok=True)
     flags = [flag for flag, on in ((OOM_FLOOR, oom_floor), (NO_HUGEPAGE_LIMITS, drop_hugepage_limits)) if on]
     command = " ".join(shlex.quote(part) for part in
-                       (python, "-I", "-S", str(Path(__file__).resolve()), *flags, runtime))
+                       (python, "-I", str(Path(__file__).resolve()), *flags, runtime))
     path.write_text(f"#!/bin/sh\nexec {command} \"$@\"\n")
     path.chmod(0o755)
     return path
