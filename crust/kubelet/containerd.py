@@ -260,24 +260,12 @@ class Containerd(CriDaemon):
         self.process = subprocess.Popen(
             [self.binary, "--config", str(self.config_path)], stdin=subprocess.DEVNULL,
             stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ContainerdError(f"containerd exited with {self.process.returncode}: {self.log_tail()}")
-            if self.socket.exists() and self._answers():
-                return self
-            time.sleep(0.05)
-        what = "CRI" if self.cri else "ctr"
-        raise ContainerdError(f"containerd did not answer {what} within {timeout:g} s: {self.log_tail()}")
+        return self._await_answer(timeout, ContainerdError, "containerd", "CRI" if self.cri else "ctr")
 
     def _answers(self) -> bool:
         if not self.cri:
             return self.ctr("version", check=False, timeout=10).returncode == 0
-        try:
-            self.version()
-            return True
-        except grpc.RpcError:
-            return False
+        return super()._answers()
 
     # -- CRI ----------------------------------------------------------------------------
 

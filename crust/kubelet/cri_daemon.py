@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -20,7 +21,8 @@ log = logging.getLogger(__name__)
 
 class CriDaemon:
     """A mixin of a daemon dataclass with `directory`, `process`,
-    `_channel`, `socket`, `log_path` and start()."""
+    `_channel`, `socket`, `log_path` and start() (which calls
+    _await_answer())."""
 
     directory: Path
     process: subprocess.Popen | None
@@ -42,6 +44,25 @@ class CriDaemon:
                 self.process.kill()
                 self.process.wait()
         return self.process.returncode
+
+    def _await_answer(self, timeout: float, error: type[Exception], name: str, what: str = "CRI"):
+        """Until the started daemon answers (_answers()); error, with its
+        log's tail, when it exits first or timeout passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise error(f"{name} exited with {self.process.returncode}: {self.log_tail()}")
+            if self.socket.exists() and self._answers():
+                return self
+            time.sleep(0.05)
+        raise error(f"{name} did not answer {what} within {timeout:g} s: {self.log_tail()}")
+
+    def _answers(self) -> bool:
+        try:
+            self.version()
+            return True
+        except grpc.RpcError:
+            return False
 
     def restart(self, sig: int = signal.SIGTERM):
         self.stop(sig)

@@ -53,7 +53,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -269,21 +268,7 @@ class Crio(CriDaemon):
         with open(self.log_path, "ab") as log_file:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
                                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise CrioError(f"crio exited with {self.process.returncode}: {self.log_tail()}")
-            if self.socket.exists() and self._answers():
-                return self
-            time.sleep(0.05)
-        raise CrioError(f"crio did not answer CRI within {timeout:g} s: {self.log_tail()}")
-
-    def _answers(self) -> bool:
-        try:
-            self.version()
-            return True
-        except grpc.RpcError:
-            return False
+        return self._await_answer(timeout, CrioError, "crio")
 
     # -- cleanup ------------------------------------------------------------------------
 
