@@ -8,9 +8,10 @@ against it (crust.kubelet.cri), and
   CRI-O was killed under a running pod;
 - crust-runc beside runc: a deferred volume mounted only inside the
   container, its bytes on the volume, CRI-O restarted under it, the claim
-  released with crust-runc's delete (CRI-O runs it at RemoveContainer);
-  a strict xfail states what kubelet's own order (volumes unmounted before
-  the containers are removed) still meets under CRI-O.
+  released once the container is over (CRI-O has crust-runc delete it
+  only at RemoveContainer);
+  in kubelet's own order (volumes unmounted before the containers are
+  removed) the claim of the stopped container is let go at the unmount.
 
 CRI-O is not part of crust: `../shared/bin/crio` and `../shared/bin/pinns`
 beside the repository, or builds of one's own named by CRIO and PINNS.
@@ -192,8 +193,8 @@ def test_crust_runc_under_crio_mounts_a_deferred_volume_only_inside_its_containe
     handler's monitor_env) -> runc, beside a plain runc pod: the deferred
     volume is mounted in the container and nowhere on the host, the pod's
     bytes land on it, the claim is the pod's, CRI-O restarts under the pod,
-    and the claim is released when kubelet stops and removes the pod (the
-    workload's own exit code)."""
+    and the claim is released when kubelet stops the pod (the workload's
+    own exit code), before CRI-O deletes the container."""
     with crio_node(root, crio_tools) as node:
         plain = Pod(uid="uid-plain", name="plain", host_network=True, runtime_class_name="runc",
                     restart_policy="Never", containers=[Container("c", node.image.name,
@@ -226,8 +227,9 @@ def test_crust_runc_under_crio_mounts_a_deferred_volume_only_inside_its_containe
         node.runtime.kill_pod(pod)
         stopped = node.container(pod)
         assert (stopped.state, stopped.exit_code) == (cri.CONTAINER_EXITED, 42)
-        # CRI-O has the runtime delete a container at RemoveContainer only
-        # (see the test below): the claim goes then, by crust-runc's delete.
+        # CRI-O has the runtime delete a container at RemoveContainer only;
+        # the container is over, so the handler lets go of its claim first.
+        wait_until(lambda: node.claims() == set(), what="the exited container's claim released")
         node.runtime.remove_pod(pod)
         assert node.claims() == set()
         assert REAPED not in node.env.handler.log_path.read_text(), "the claim was not released by the delete"
@@ -238,18 +240,14 @@ def test_crust_runc_under_crio_mounts_a_deferred_volume_only_inside_its_containe
         node.runtime.remove_pod(plain)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "CRI-O has the runtime delete a stopped container only at RemoveContainer, which kubelet's container "
-    "GC calls after the pod's volumes are unmounted; crust's handler releases a claim at the runtime's "
-    "delete, else by its reaper REAP_GRACE (5 s) after the container exited, as an abnormal release "
-    "(crust/runtime_handler/containers.py, gone() and reap_once()): NodeUnpublishVolume answers "
-    "UNAVAILABLE meanwhile"))
 def test_kubelet_unmounts_a_stopped_crust_runc_pods_volume_at_once_under_crio(root, crio_tools):
     """Kubelet's order: a pod's containers stopped, then its volumes torn
     down (NodeUnpublishVolume), its containers removed only later by the
     container GC. Under containerd the runc shim deletes a container as it
-    exits, so the claim is gone before the unmount; under CRI-O the
-    unmount should not have to wait for crust's reaper either."""
+    exits; CRI-O deletes it only at RemoveContainer, so the proxy's
+    question to the handler (GetSandbox) has the handler let go of the
+    exited container's claim, and the unmount succeeds at once, as an
+    ordinary end, not the reaper's."""
     with crio_node(root, crio_tools) as node:
         pv = node.pv("pv-crio-order", "ext4", size=128 * 1024**2)
         pod = node.pod("crio-order", pv, WORKLOAD)

@@ -686,6 +686,9 @@ def test_unpublish_waits_for_the_sandbox_then_removes_everything(root, handler):
 
     fails(proxy.node.NodeUnpublishVolume, csi_pb2.NodeUnpublishVolumeRequest(volume_id=a.id,
           target_path=str(target)), Code.UNAVAILABLE, "sb-holding", "mountns")
+    # The handler was asked about its sandbox before the refusal (only it
+    # sees whether the sandbox is over).
+    assert ("GetSandbox", "sb-holding", "") in handler.calls
     assert_placeholder(target)
     assert (entry_dir(proxy, target) / "mountInfo.json").is_file()
     assert marker.is_file()

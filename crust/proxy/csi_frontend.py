@@ -21,6 +21,7 @@ from crust.contract.mountinfo import MountInfo
 from crust.proxy.paths import check_target
 from crust.proxy.policy import Decider
 from crust.proxy.records import Decision
+from crust.proxy.routing import Router
 from crust.proxy.state import DEFERRED_PUBLISHED, ProxyState
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,9 @@ NodeRPC = csi_pb2.NodeServiceCapability.RPC
 
 
 class CsiFrontend:
-    def __init__(self, state: ProxyState, plugin: Backend, decider: Decider):
+    def __init__(self, state: ProxyState, plugin: Backend, decider: Decider, router: Router):
         self.state = state
+        self.router = router
         self.plugin = plugin
         self.decider = decider
 
@@ -139,6 +141,12 @@ class CsiFrontend:
             return await self.plugin.call(self.plugin.node.NodeUnpublishVolume, request, context)
         target = request.target_path
         volume = self.state.get(target)
+        if volume is not None and volume.claim is not None and self.state.holder_alive(volume.claim):
+            # Only the handler sees whether its pod is over: asked, it lets
+            # go of what its stopped containers held (a runtime under CRI-O
+            # deletes a container only after this call).
+            await self.router.sandbox_state(volume.claim.handler, volume.claim.sandbox_id)
+            volume = self.state.get(target)
         if volume is not None and volume.claim is not None and self.state.holder_alive(volume.claim):
             raise Unavailable(f"{target} is still mounted by sandbox {volume.claim.sandbox_id} of handler "
                               f"{volume.claim.handler}; unpublish is retried once the sandbox stops")

@@ -82,7 +82,8 @@ class Proxy:
         self.plugin = Backend(config.plugin_endpoint)
         pods = PodLookup(config.policy.kubernetes) if config.policy.deferral.runtime_classes or \
             config.policy.deferral.fs_group_from_pod else None
-        self.frontend = csi_frontend.CsiFrontend(self.state, self.plugin, Decider(config.policy.deferral, pods))
+        self.frontend = csi_frontend.CsiFrontend(self.state, self.plugin, Decider(config.policy.deferral, pods),
+                                                 self.router)
         self.csi = Daemon("proxy-csi", config.csi_endpoint, [])
         self.passthrough: Passthrough | None = None
         self.runtime = Daemon("proxy-runtime", config.runtime_endpoint, [

@@ -28,10 +28,9 @@ this part of the handler, over the handler's socket:
    reached the same way, measured with statvfs and grown with the file
    system's ioctl (crust.sys.growfs).
 4. ReleaseContainer, after `runc delete`: the claims go, unless another
-   container of the pod still uses the volume. Should no delete come (the
-   shim was killed and nothing cleaned up), the reaper releases the claims
-   once the container's processes are all gone, or once the runtime that
-   prepared them died without reporting the container created.
+   container of the pod still uses the volume. A container that is over
+   lets go of them without waiting for a delete, and one whose preparing
+   runtime died, after a grace (crust.runtime_handler.container_ends).
 
 Between 1 and 2, while runc builds the container, the handler reads each
 claimed device's file system into a super block mounted nowhere (a
@@ -65,6 +64,8 @@ from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.oci_runtime import main as runtime
 from crust.oci_runtime.client import RuntimeFailure
+from crust.runtime_handler.container_ends import (CREATED, PREPARED, REAP_GRACE, ContainerEnds,
+                                                   mount_namespace)
 from crust.runtime_handler.handler import BIND_OPTIONS, check_device, claimed_description, refuse_encrypted
 from crust.runtime_handler.resolve import (CSI_DIR, Resolved, SubpathEscapes, candidates, refuse_link_to_deferred,
                                            resolve)
@@ -76,11 +77,6 @@ log = logging.getLogger(__name__)
 
 # The shim's fail-closed placeholder at a deferred target (crust.csi_shim.node).
 PLACEHOLDER_SOURCE = "crust-deferred"
-# How long a container whose processes are all gone, or whose preparing
-# runtime died, keeps its claims before the reaper releases them: the
-# runtime's own `delete` normally comes first.
-REAP_GRACE = 5.0
-PREPARED, CREATED = "prepared", "created"
 # The largest config.json PrepareBundle reads (the bound of crust-runc's own
 # reading, frontend.c's MAX_SPEC).
 MAX_SPEC_BYTES = 64 << 20
@@ -195,23 +191,7 @@ def device_options(info: MountInfo, readonly: bool) -> list[str]:
     return (["ro"] if readonly else ["rw"]) + options
 
 
-def mount_namespace(pid: int) -> str:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/mnt")
-    except OSError:
-        return ""
-
-
-def namespace_has_members(namespace: str) -> bool:
-    if not namespace:
-        return False
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and mount_namespace(int(entry.name)) == namespace:
-            return True
-    return False
-
-
-class ContainerVolumes:
+class ContainerVolumes(ContainerEnds):
     def __init__(self, handler, state_dir: Path, reap_grace: float = REAP_GRACE):
         self.handler = handler
         self.reap_grace = reap_grace
@@ -561,55 +541,6 @@ class ContainerVolumes:
                 await self.handler.registration.claim(target, sandbox_id, pid)
             return
         await self.handler.registration.release(target, sandbox_id, abnormal_reason)
-
-    # -- restarts and the reaper ---------------------------------------------------------------------
-
-    async def reclaim(self) -> None:
-        """After each (re-)registration: the claims of the recorded containers."""
-        for record in list(self.containers.values()):
-            for target in record.targets():
-                try:
-                    await self.handler.registration.claim(
-                        target, record.sandbox_id, self._holder_pid(target, record.sandbox_id))
-                except CrustError as exc:
-                    log.error("lost a container's claim", extra={"fields": {
-                        "container": record.container_id, "target_path": target, "error": exc.message}})
-
-    def gone(self, record: ContainerRecord) -> str:
-        """Why a container's claims are no longer held ("" while they are)."""
-        if record.state == CREATED:
-            if proc.alive(record.init()) or namespace_has_members(record.mount_namespace):
-                return ""
-            return f"container {record.container_id} exited and no runtime deleted it"
-        if proc.alive(record.runtime()):
-            return ""
-        return f"the runtime preparing container {record.container_id} died before runc created it"
-
-    async def reap_once(self) -> list[str]:
-        released = []
-        now = time.monotonic()
-        for container_id, record in list(self.containers.items()):
-            reason = await asyncio.to_thread(self.gone, record)
-            if not reason:
-                self.gone_since.pop(container_id, None)
-                continue
-            since = self.gone_since.setdefault(container_id, now)
-            if now - since < self.reap_grace:
-                continue
-            log.warning("releasing the claims of a gone container", extra={"fields": {
-                "container": container_id, "reason": reason}})
-            try:
-                await self.release(container_id, reason)
-                released.append(container_id)
-            except CrustError as exc:
-                log.warning("could not release a gone container's claims", extra={"fields": {
-                    "container": container_id, "error": exc.message}})
-        return released
-
-    async def _reap_forever(self, interval: float = 1.0) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            await self.reap_once()
 
     def info(self, record: ContainerRecord) -> handler_pb2.ContainerInfo:
         return handler_pb2.ContainerInfo(

@@ -61,7 +61,12 @@ class HandlerService(handler_pb2_grpc.HandlerServicer):
         entry = self.handler.sandboxes.get(request.sandbox_id)
         if entry is None:
             containers = self.handler.containers
-            if containers is not None and containers.alive(request.sandbox_id):
+            if containers is None:
+                return handler_pb2.GetSandboxResponse(state=State.GONE)
+            # The pod's containers that are over let go of their volumes
+            # first, so the answer and the claims agree.
+            await containers.release_exited(request.sandbox_id)
+            if containers.alive(request.sandbox_id):
                 return handler_pb2.GetSandboxResponse(state=State.RUNNING)
             return handler_pb2.GetSandboxResponse(state=State.GONE)
         return handler_pb2.GetSandboxResponse(state=State.RUNNING if entry[0].alive() else State.STOPPED)
