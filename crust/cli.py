@@ -309,11 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "kata, a QEMU microVM whose kernel mounts the volume")
     demo.add_argument("--fs", default="xfs", choices=["ext4", "xfs"],
                       help="file system of the demo volume (default: xfs, which grows online here)")
-    demo.add_argument("--cri", action="store_true",
-                      help="the pod is a real pod: a private containerd starts it through CRI, kubelet's CRI side "
+    demo.add_argument("--cri", nargs="?", const="containerd", default="", choices=["containerd", "crio"],
+                      help="the pod is a real pod: a private containerd (the default) or CRI-O (`--cri crio`: crio "
+                           "and pinns on PATH or named by $CRIO and $PINNS) starts it through CRI, kubelet's CRI side "
                            "replayed; with the RuntimeClass crust-runc (crust's OCI runtime, which mounts the volume "
-                           "inside the container), or with --runtime kata crust-microvm (containerd's runtime crust, "
-                           "crust's shim v2: the pod runs in a microVM whose kernel mounts the volume)")
+                           "inside the container), or with --runtime kata crust-microvm (the runtime crust, crust's "
+                           "shim v2: the pod runs in a microVM whose kernel mounts the volume)")
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
     demo.add_argument("--keep", action="store_true", help="keep the temporary root for inspection")
     return parser

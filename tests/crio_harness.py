@@ -18,7 +18,7 @@ from pathlib import Path
 
 from crust.kubelet import image as images
 from crust.kubelet.crio import Crio
-from crust.kubelet.registry import LocalRegistry, split_reference
+from crust.kubelet.registry import LocalRegistry, push_busybox_and_pause
 from tests.cri_harness import OCI_RUNTIME, CriNode, daemon_leftovers
 from tests.csi_sanity import Tool, locate
 
@@ -48,13 +48,10 @@ def private_crio(tools: dict[str, Path], runtimes: dict[str, str] | None = None,
     directory = Path(tempfile.mkdtemp(prefix="crust-crio-"))
     image = images.build(directory / "images")
     registry = LocalRegistry(directory / "registry")
-    pause = f"localhost/crust/pause:{image.busybox_version}"
     crio = None
     try:
         registry.start()
-        for name, made in ((image.name, images.busybox_image()), (pause, images.pause_image())):
-            _, repository, tag = split_reference(name)
-            registry.push(made, repository, [tag])
+        pause = push_busybox_and_pause(registry, image)
         crio = Crio(directory / "crio", tools["crio"], tools["pinns"], pause_image=pause,
                     runtimes=runtimes or {"runc": ""}, env=env or {}, mirrors={"localhost": registry.url},
                     pod_network=pod_network)

@@ -1041,7 +1041,7 @@ def test_cri_demo_runs_every_step_and_leaves_nothing(root):
     assert result["stats_match_df"] and result["data_verified"] and not result["host_mounted_during_sandbox"]
     assert result["size_after"] > result["size_before"]  # xfs grew online inside the container
     facts = result["cri"]
-    assert facts["containerd"].startswith("1.") and facts["runtime_handler"] == "crust-runc"
+    assert facts["runtime"].startswith("containerd 1.") and facts["runtime_handler"] == "crust-runc"
     assert len(facts["pod_sandbox_id"]) == 64 and facts["container_exit_code"] == 0
     assert list(tmp.iterdir()) == [] and processes_naming(str(tmp)) == []
 

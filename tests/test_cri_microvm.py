@@ -444,7 +444,7 @@ def test_cri_kata_demo_runs_every_step_and_leaves_nothing(root):
     assert result["stats_match_df"] and result["data_verified"] and not result["host_mounted_during_sandbox"]
     assert result["size_after"] > result["size_before"]  # ext4 grew online in the guest
     facts = result["cri"]
-    assert facts["containerd"].startswith("1.") and facts["runtime_handler"] == "crust"
+    assert facts["runtime"].startswith("containerd 1.") and facts["runtime_handler"] == "crust"
     assert facts["runtime_class"] == "crust-microvm"
     assert len(facts["pod_sandbox_id"]) == 64 and facts["container_exit_code"] == 0
     assert list(tmp.iterdir()) == [] and processes_naming(str(tmp)) == [] and qemu_pids_under(tmp) == []

@@ -267,3 +267,35 @@ def test_kubelet_unmounts_a_stopped_crust_runc_pods_volume_at_once_under_crio(ro
             node.kubelet.stop_pod(pv, pod)
         assert not refused, refused
         assert REAPED not in node.env.handler.log_path.read_text()
+
+
+# -- the demo ------------------------------------------------------------------------------------------
+
+
+def test_crio_demo_runs_every_step_and_leaves_nothing(root, crio_tools):
+    """`crust demo --cri crio --json` as a user runs it (crio and pinns
+    named by $CRIO and $PINNS): the pod of RuntimeClass crust-runc started
+    by CRI-O, every step held (CRI-O restarted under the pod), the CRI facts
+    reported, and nothing of it left: its root, processes, and nothing of
+    CRI-O's outside its directory."""
+    import json
+
+    tmp = root.path / "tmp"
+    tmp.mkdir()
+    outside_before = Crio.outside()
+    proc = subprocess.run([sys.executable, "-m", "crust", "demo", "--cri", "crio", "--json"],
+                          cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp), "CRIO": str(crio_tools["crio"]),
+                               "PINNS": str(crio_tools["pinns"])})
+    result = json.loads(proc.stdout) if proc.stdout.startswith("{") else {}
+    failed = [(s["name"], s["detail"]) for s in result.get("steps", []) if not s["ok"]]
+    assert proc.returncode == 0, (failed, proc.stderr[-3000:])
+    names = [s["name"] for s in result["steps"]]
+    assert "kubelet starts the pod through CRI (writes data)" in names and "CRI-O restarts under the pod" in names
+    assert result["stats_match_df"] and result["data_verified"] and not result["host_mounted_during_sandbox"]
+    assert result["size_after"] > result["size_before"]  # xfs grew online inside the container
+    facts = result["cri"]
+    assert facts["runtime"].startswith("cri-o 1.") and facts["runtime_handler"] == "crust-runc"
+    assert len(facts["pod_sandbox_id"]) == 64 and facts["container_exit_code"] == 0
+    assert list(tmp.iterdir()) == [] and processes_naming(str(tmp)) == []
+    assert Crio.outside() == outside_before

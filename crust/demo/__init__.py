@@ -20,7 +20,8 @@ Where each variant is:
   and the release of everything under the root;
 - csi.py: the story every variant plays, over CSI, with the default pod: a
   sandbox of the mount-namespace handler run with `crust sandbox`;
-- cri.py: --cri, the pod started by a private containerd through CRI;
+- cri.py: --cri, the pod started by a private containerd or CRI-O
+  (crio.py) through CRI;
 - microvm.py: --runtime kata, what the microVM handler changes (alone or
   with --cri);
 - node.py: `crust node` as a child process; pod.py: what the pod's process
@@ -44,7 +45,7 @@ from crust.sys.sweep import release_under
 
 
 def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = False, keep: bool = False,
-             cri: bool = False) -> int:
+             cri: str = "") -> int:
     if os.geteuid() != 0:
         print("crust demo: needs root (loop devices, mounts, namespaces)", file=sys.stderr)
         return 2
@@ -53,7 +54,7 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
     demo = Demo(root, fs_type, runtime, timeline, cri=cri)
     ok = False
     if not as_json:
-        where = (f"a real pod started by containerd through CRI (RuntimeClass {demo.runtime_class})" if cri
+        where = (f"a real pod started by {demo.cri_name} through CRI (RuntimeClass {demo.runtime_class})" if cri
                  else f"a {runtime} sandbox")
         print(f"crust demo: a deferred {fs_type} volume, mounted only inside {where}, in {root}\n")
     try:
@@ -67,8 +68,8 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
     finally:
         if not ok:
             demo.abort()
-        containerd_version = demo.containerd_version
-        demo.stop_containerd()
+        cri_version = demo.cri_version
+        demo.close_cri()
         _kill_sandboxes(root)
         netns.sweep(demo.handler_state / "run", keep=set())
         leftovers = release_under(root)
@@ -88,7 +89,7 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
             "stats_match_df": demo.stats_match_df,
             "leftovers_cleaned": leftovers,
             "ok": ok,
-            **({"cri": {"containerd": containerd_version, "runtime_handler": demo.runtime_handler,
+            **({"cri": {"runtime": cri_version, "runtime_handler": demo.runtime_handler,
                         "runtime_class": demo.runtime_class,
                         "pod_sandbox_id": demo.pod_sandbox_id,
                         "container_exit_code": demo.container_exit_code}} if cri else {}),

@@ -42,11 +42,11 @@ AccessMode = csi_pb2.VolumeCapability.AccessMode
 class Demo(CriPod):
     """Plays kubelet (crust.kubelet) against `crust node`."""
 
-    def __init__(self, root: Path, fs_type: str, runtime: str, timeline: Timeline, cri: bool = False):
+    def __init__(self, root: Path, fs_type: str, runtime: str, timeline: Timeline, cri: str = ""):
         self.root = root
         self.fs_type = fs_type
         self.runtime = runtime
-        # --cri: the pod is a real pod, started by containerd through CRI
+        # --cri: the pod is a real pod, started by containerd or CRI-O through CRI
         # with the RuntimeClass crust-runc (crust's OCI runtime) or, for
         # kata, crust-microvm (crust's shim, one microVM per pod).
         super().__init__(cri)
@@ -190,7 +190,7 @@ class Demo(CriPod):
         (self.root / "kubelet" / "plugins_registry").mkdir(parents=True)
         t.run("start crust node", self.node.start)
         if self.cri:
-            t.run(f"start containerd (CRI, runtime {self.runtime_handler})", self.start_containerd)
+            t.run(f"start {self.cri_name} (CRI, runtime {self.runtime_handler})", self.start_cri)
 
         def register():
             name = k.register()
@@ -328,7 +328,7 @@ class Demo(CriPod):
             self.sandbox_started = False
             return "process stopped, volume unmounted in the sandbox, claim released"
         if self.cri:
-            t.run("containerd restarts under the pod", self.restart_containerd)
+            t.run(f"{self.cri_name} restarts under the pod", self.restart_cri)
             t.run("kubelet stops and removes the pod", self.stop_pod_cri)
         else:
             t.run("stop pod sandbox", stop_sandbox)
@@ -374,14 +374,11 @@ class Demo(CriPod):
         t.run("NodeUnpublish + NodeUnstage + DeleteVolume", cleanup)
 
         if self.cri:
-            def stop_containerd():
-                forced = self.containerd.close()
-                self.containerd = None
-                self.cri_runtime.close()
-                self.cri_runtime = None
-                check(not forced, f"containerd's close had to clean up: {forced}")
-                return "containerd stopped; its directory, shims, mounts and cgroups removed"
-            t.run("stop containerd", stop_containerd)
+            def stop_cri():
+                forced = self.close_cri()
+                check(not forced, f"{self.cri_name}'s close had to clean up: {forced}")
+                return f"{self.cri_name} stopped; its directory, shims, mounts and cgroups removed"
+            t.run(f"stop {self.cri_name}", stop_cri)
 
         def stop_node():
             if self.channel is not None:
@@ -399,7 +396,7 @@ class Demo(CriPod):
         k = self.kubelet
         if self.cri:
             # Its pods go first: their delete releases the claims through the handler.
-            self.stop_containerd()
+            self.close_cri()
             self.sandbox_started = False
         try:
             if self.sandbox_started:

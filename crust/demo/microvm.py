@@ -20,16 +20,15 @@ def handler_config(run_dir: Path) -> dict:
     return {"runtime": "kata", "kata": {"kataDir": str(run_dir / "kata-direct-volumes")}}
 
 
-def shim_containerd(directory: Path, sandbox_image: str, runtime_handler: str, handler_socket: Path):
+def shim_containerd(directory: Path, sandbox_image: str, runtime_handler: str, env: dict[str, str]):
     """A private containerd whose runtime handler is crust's shim v2 in
-    front of the node's microVM handler; and what that is, for the step's line."""
+    front of the node's microVM handler (its endpoint in `env`); and what
+    that is, for the step's line."""
     from crust.kubelet.containerd import Containerd
 
     how = f"containerd-shim-crust-v2 ({SHIM_RUNTIME_TYPE}) in front of the microVM handler"
-    containerd = Containerd(
-        directory, sandbox_image=sandbox_image,
-        shim_runtimes={runtime_handler: SHIM_RUNTIME_TYPE},
-        env={"CRUST_KATA_HANDLER_ENDPOINT": f"unix://{handler_socket}"})
+    containerd = Containerd(directory, sandbox_image=sandbox_image, shim_runtimes={runtime_handler: SHIM_RUNTIME_TYPE},
+                            env=env)
     return containerd, how
 
 

@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crust.kubelet import image as images
 from crust.kubelet.image import MANIFEST, OciImage
 
 BINARY = "docker-registry"
@@ -171,3 +172,15 @@ class LocalRegistry:
                 self.process.kill()
                 self.process.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def push_busybox_and_pause(registry: LocalRegistry, image: images.Image) -> str:
+    """The busybox image (under the name `image` has) and a pause image
+    whose /pause exits on SIGTERM (crust.kubelet.image.pause_image), for a
+    CRI runtime that pulls and stops an infra container gracefully
+    (CRI-O); returns the pause image's name."""
+    pause = f"localhost/crust/pause:{image.busybox_version}"
+    for name, made in ((image.name, images.busybox_image()), (pause, images.pause_image())):
+        _, repository, tag = split_reference(name)
+        registry.push(made, repository, [tag])
+    return pause
