@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     kt_h.add_argument("--disk-bus", default="virtio-blk", choices=["virtio-blk", "virtio-scsi"],
                       help="how volumes reach the guest. virtio-blk (default): a PCI device hot-plugged per volume; "
                            "virtio-scsi: one controller booted with the VM, each volume a LUN on it (no PCI "
-                           "hot-plug: about 0.13 s less per volume under software emulation). A VM keeps the bus "
+                           "hot-plug, so a volume reaches the guest sooner under software emulation). A VM keeps the bus "
                            "it booted with, a restarted handler's setting notwithstanding")
     kt_h.add_argument("--cache", type=Path, default=Path("/var/cache/crust/kata"), help="guest image cache")
     kt_h.add_argument("--kata-dir", type=Path, default=Path("/run/kata-containers/shared/direct-volumes"),

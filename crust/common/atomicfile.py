@@ -8,19 +8,19 @@ directory so the rename itself is durable.
 The daemons write on their event loop through the async forms, with
 aiofiles: the blocking steps (open, write, fsync, rename, the directory's
 fsync) run in aiofiles' worker threads, all in one trip, and the loop
-serves other calls meanwhile. Measured here (bench/file_io.py, docs/benchmarks.md): the loop
-is held at most about 0.2 ms during such a write, against the whole write
-(fsyncs included) when done on the loop. Small reads stay synchronous: a
-1 KiB read takes about 10 us on the loop and about 350 us through aiofiles.
+serves other calls meanwhile: the loop is held for a small part of such a
+write, against the whole write (fsyncs included) when done on the loop
+(bench/file_io.py). Small reads stay synchronous: a small read on the
+loop costs less than a trip through aiofiles' threads.
 
 A record rewritten often (crust.common.recordstore) may keep its previous
 inode for the next write (reuse=True): the new content goes into the spare
 inode, is fsynced, then swapped with the record in one renameat2
 RENAME_EXCHANGE; the old inode takes the spare's name. The record is old or
 new at every instant exactly as with a rename, and the directory is
-fsynced after as before, but no inode is created. Creating one cost about
-0.3 ms of CPU on ext4 without a journal, where the allocator skips every
-recently freed inode of the group (docs/benchmarks.md, "CPU per CSI call").
+fsynced after as before, but no inode is created. Creating one is costly
+on ext4 without a journal, where the allocator skips every recently freed
+inode of the group (bench/call_cpu.py).
 """
 
 from __future__ import annotations
@@ -145,10 +145,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def _write_through_temporary(directory: str | os.PathLike | int, name: str, data: bytes,
                              opener: Callable[[str, int], int], reuse: bool = False) -> None:
-    # Plain descriptors, not Python file objects: a buffered file added
+    # Plain descriptors, not Python file objects: a buffered file adds
     # eight system calls (an isatty and a close-on-exec ioctl, six tells)
-    # and about 40 us of CPU to a write of about 240 us, fsyncs included
-    # (docs/benchmarks.md, "CPU per CSI call").
+    # to each write.
     tmp = temporary_name(name)
     at = {"src_dir_fd": directory, "dst_dir_fd": directory} if isinstance(directory, int) else {}
     tmp_path = tmp if isinstance(directory, int) else os.path.join(directory, tmp)

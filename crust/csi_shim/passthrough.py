@@ -61,9 +61,8 @@ def forward_timeout(context: grpc.aio.ServicerContext) -> float | None:
     under 1 s, 10 ms under 10 s, 100 ms under 100 s, 1 s under 1000 s, ...),
     so the deadline we received may already be one unit late and ours would
     be rounded up once more. Forwarding time_remaining() as is let the
-    backend work on after its caller had given up (measured: +19 ms on a 5 s
-    call); two units and a little slack off keep its deadline within the
-    caller's.
+    backend work on after its caller had given up; two units and a little
+    slack off keep its deadline within the caller's.
     """
     remaining = context.time_remaining()
     if remaining is None:

@@ -1,9 +1,9 @@
 """An exec into a running container done by the agent, as the OCI runtime
 would do it, without starting the runtime.
 
-`crun exec` costs the guest's one vCPU 115 to 175 ms under emulation
-(loading its libraries, parsing the container's spec), and a fork of the
-agent's Python about a hundred (its memory copied). So the agent reads
+`crun exec` costs the guest's one vCPU much under emulation (loading its
+libraries, parsing the container's spec), and so does a fork of the
+agent's Python (its memory copied). So the agent reads
 what the exec needs here (crun's state of the container: its first
 process, its cgroup, the seccomp filter crun kept compiled in
 seccomp.bpf) and vforks the guest's small `enter` program

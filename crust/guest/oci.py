@@ -35,12 +35,11 @@ DEFAULT_PERSONALITY = {"domain": "LINUX"}
 GUEST_RUNTIME = "/sbin/crun"
 GUEST_RUNTIME_ROOT = "/run/crust/crun"
 GUEST_EXEC_DIR = "/run/crust/agent/exec"
-# How long an exec's process may take to start (crun's own start included:
-# about 0.1 s under emulation).
+# How long an exec's process may take to start (crun's own start included,
+# slow under emulation).
 PID_FILE_WAIT = 30.0
-# How often the pid file is looked for: every 5 ms for its first second
-# (crun writes it 0.1 to 0.3 s after its start under emulation), then
-# every 50 ms.
+# How often the pid file is looked for: often in its first second, when
+# crun writes it under emulation, then less often.
 PID_LOOK_FIRST, PID_LOOK_FIRST_FOR, PID_LOOK_LATER = 0.005, 1.0, 0.05
 UNIX_PATH_MAX = 107   # sun_path's 108 bytes, the last one the terminating NUL
 _CONSOLES = itertools.count(1)

@@ -2,8 +2,7 @@
 
 KVM is what a node should use: guests run at native speed. But a /dev/kvm
 that exists is no proof that KVM works. On nested or paravirtualised hosts
-the vCPU may abort, hang or triple-fault at boot (seen on our development
-machines). So `auto` boots one probe VM from the real guest image under KVM:
+the vCPU may abort, hang or triple-fault at boot. So `auto` boots one probe VM from the real guest image under KVM:
 if its agent answers, the handler uses kvm, otherwise tcg (software
 emulation), and it logs why.
 

@@ -39,8 +39,8 @@ from crust.common.errors import (
 log = logging.getLogger(__name__)
 
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
-# How long a host that came back too soon stays away before it tries again
-# (the guest sees a host leave within about 10 ms).
+# How long a host that came back too soon stays away before it tries again:
+# longer than the guest takes to see a host leave.
 RECONNECT_PAUSE = 0.05
 # An agent that runs answers a new connection's first call within
 # milliseconds; one sent the moment the host connects may go unanswered

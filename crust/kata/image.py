@@ -88,10 +88,10 @@ GUEST_DIR = Path(__file__).parent / "guest"
 # uncompressed, crust.kata.bzimage; 6: the Python agent, its files
 # byte-compiled into unchecked-hash .pyc files).
 BUILDER_VERSION = 6
-# The initramfs, an uncompressed cpio archive: under software emulation the
-# guest kernel takes about 0.3 s to gunzip the compressed one (of a 2.3 s
-# boot here), against a plain copy; the host keeps the archive at about
-# two and a half times its compressed size.
+# The initramfs, an uncompressed cpio archive: under software emulation
+# gunzipping a compressed one is a large part of the guest kernel's boot,
+# against a plain copy; the host keeps the archive at about two and a half
+# times its compressed size.
 INITRD = "initramfs.cpio"
 SBIN_PATH = "/usr/sbin:/sbin:/usr/bin:/bin"
 

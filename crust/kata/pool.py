@@ -1,15 +1,15 @@
 """VMs booted ahead of their pods: RunPodSandbox takes one instead of waiting for a boot.
 
 Kata's VM factory keeps such a cache (`vm_cache_number`); under software
-emulation a boot is 2 to 4 s, most of a microVM pod's start. The handler
+emulation a boot is most of a microVM pod's start. The handler
 keeps `size` VMs booted, each in a directory of its own below the pool's
 (`<state>/pool/crust-pool-<id>/`), laid out as a pod's: its two shared
 directories (crust.kata.share), still empty, each served by its virtiofsd
 and mounted by the guest, the pod's /dev/shm tmpfs made in the guest, one
 throwaway container run by crun (the agent's warm) and a small disk of the
 pool's own plugged, mounted, unmounted and unplugged (under emulation a
-guest's first container start and first disk each cost about 0.1 s more
-than the next, the code they run translated once), and no NIC. A pod that
+guest's first container start and first disk each cost more than the
+next, the code they run translated once), and no NIC. A pod that
 takes one (take()):
 
 - renames the VM's directory to its own: its shares come along (their
@@ -98,8 +98,8 @@ class VmPool:
 
     def _vm_config(self, shared: tuple[SharedDir, ...]) -> VmConfig:
         # At nice 10 while it waits: a boot here never slows a pod starting
-        # meanwhile (seen: the pod's StartContainer 1.6 s -> 2.5 s on a busy
-        # machine); the pod that takes it gives it the handler's priority back.
+        # meanwhile on a busy machine; the pod that takes it gives it the
+        # handler's priority back.
         return dataclasses.replace(self.config, shared_dirs=shared, nic=None, shared_memory=True, nice=POOL_NICE)
 
     # -- lifecycle ---------------------------------------------------------------------

@@ -16,11 +16,11 @@ Choices worth knowing:
   the box (device_add / device_del of virtio-blk-pci).
 - The disks' bus is a setting (VmConfig.disk_bus). virtio-blk, the
   default: a PCI device per disk, hot-plugged through ACPI; under software
-  emulation the guest spends about 0.11 s per device evaluating the pc
+  emulation the guest spends a while per device evaluating the pc
   machine's interrupt routing (`_PRT`, an AML loop) before the driver
   binds. virtio-scsi (Kata's default): one controller at boot, each disk a
-  LUN on it; adding one is a SCSI event and a scan of that one LUN (about
-  0.02 s), nothing on the PCI bus. The guest's kernel scans nothing at boot
+  LUN on it; adding one is a SCSI event and a scan of that one LUN, a
+  fraction of that, nothing on the PCI bus. The guest's kernel scans nothing at boot
   (scsi_mod.scan=none) and finds each LUN when QEMU announces it.
 - The accelerator is a setting. KVM is the one to use where it works; on the
   development machines `-accel kvm` aborts ("failed to set MSR 0x10a") or

@@ -2,9 +2,9 @@
 
 Kata's VM templating (`enable_template`) is the model: a VM is booted once,
 stopped, and its state saved; each pod's VM is QEMU loading that state and
-running on from where the template stopped. Under software emulation a boot
-to the agent is 1.2 s at best here; QEMU loading a saved 256 MiB guest and
-its agent answering takes about a quarter of that (docs/benchmarks.md).
+running on from where the template stopped. Under software emulation QEMU
+loading a saved guest and its agent answering takes a fraction of a boot
+to the agent.
 
 What the template is: the handler's VM config with guest RAM shareable
 and kept apart (crust.kata.guest_ram) and nothing of a pod, booted at nice

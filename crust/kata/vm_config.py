@@ -21,13 +21,12 @@ DEVICE_LAYOUT = "uart-console,virtio-serial-agent"
 
 
 # The guest kernel's command line. Past the console and the panic policy,
-# each setting skips work a pod's VM has no use for (a bare boot to the
-# agent under software emulation here, median of 4, with the rest of the
-# suite running beside: 3.9 s without them, 2.9 s with them):
-# - cryptomgr.notests: no self-test of every crypto algorithm at boot (about
-#   0.8 s alone); the algorithms a volume uses are still Debian's;
-# - i8042.*: no probe for a PS/2 keyboard and mouse (about 0.5 s; the VM has
-#   none: its console and agent are serial ports);
+# each setting skips work a pod's VM has no use for, which under software
+# emulation is a good part of a boot to the agent:
+# - cryptomgr.notests: no self-test of every crypto algorithm at boot (the
+#   largest of them); the algorithms a volume uses are still Debian's;
+# - i8042.*: no probe for a PS/2 keyboard and mouse (the VM has none: its
+#   console and agent are serial ports);
 # - noreplace-smp, rcupdate.rcu_expedited=1: no patching of the kernel's SMP
 #   instructions for one CPU, shorter RCU grace periods at boot;
 # - pci=lastbus=0: every device the VM gets (disks hot-plugged included) is

@@ -1,8 +1,8 @@
 """The runtime's side of the handler's ContainerVolumes service, without gRPC.
 
 crust-oci-runtime runs for one call and exits: importing grpc and the
-generated messages cost it about 60 ms of its 80 ms start (python -X
-importtime), more than the handler's work. So it speaks the same service
+generated messages would be most of its start (python -X importtime),
+more than the handler's work. So it speaks the same service
 over the handler's second socket, `<endpoint>.json` beside the gRPC one:
 one connection per call, one JSON object per line each way, the messages
 in protobuf's JSON mapping of specs/handler.proto (lowerCamelCase names):
@@ -42,7 +42,7 @@ def json_socket_path(endpoint: str) -> str:
 
 class DeferredMount:
     """A bind the handler claimed for the pod: runc mounts device instead.
-    (A plain class: dataclasses would import inspect, 10 ms more a start.)"""
+    (A plain class: dataclasses would import inspect at every start.)"""
 
     __slots__ = ("destination", "target_path", "device", "fs_type", "options")
 

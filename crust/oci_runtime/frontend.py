@@ -11,9 +11,9 @@ program's start per call.
     crust runtime-frontend --output /usr/local/bin/crust-runc [--runtime PATH] [--cc cc]
 
 What runs the Python runtime is compiled in: by default this interpreter,
-started as `python -I -S crust/oci_runtime/entry.py` (no site module:
-about 20 ms less a `create` than through the installed crust-oci-runtime
-script, docs/benchmarks.md); with --runtime, that program, given the arguments as they are.
+started as `python -I -S crust/oci_runtime/entry.py` (no site module: a
+`create` starts sooner than through the installed crust-oci-runtime
+script); with --runtime, that program, given the arguments as they are.
 The build is skipped when the program at --output was built from the same
 source, runtime and compiler (a stamp beside it says so); it is written
 atomically.

@@ -36,7 +36,7 @@ Between 1 and 2, while runc builds the container, the handler reads each
 claimed device's file system into a super block mounted nowhere (a
 detached mount, crust.sys.mount.open_filesystem: in no mount table), so
 that runc's mount of the device shares it instead of reading it on the
-pod's start path (about 4 ms of xfs's mount here); the handler lets go of
+pod's start path; the handler lets go of
 it once the container is created (the container's mount holds the file
 system then), or before its claims go.
 

@@ -91,8 +91,8 @@ async def _make_xfs_through(image: str, device: str) -> bool:
     device is held by someone, is read-only or does not show the whole file.
 
     Given a block device, mkfs.xfs refuses a mounted one by stat-ing every
-    mount point in /proc/mounts: 16 ms more at 2,000 mounts than at 40, on
-    every first stage. Given a file it has no device to look for. The
+    mount point in /proc/mounts, on every first stage: the more mounts a
+    node has, the slower. Given a file it has no device to look for. The
     exclusive open held meanwhile is that same check, and more: nothing can
     mount the device until the file system is complete.
     """
