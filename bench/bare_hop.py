@@ -8,7 +8,7 @@ and message. Nothing else: no interceptor, log line, metric, peer check,
 limit, metadata, kept answer or deferral, none of what `crust shim` and
 `crust proxy` do. A forwarded call is one server call and one client call
 of grpcio's asyncio stack, which is what every hop of the node chain is at
-the least (crust's daemons are grpc.aio servers, docs/design.md).
+the least (crust's daemons are grpc.aio servers, docs/architecture.md).
 
 With `--stack sync` the same hop is made of grpcio's other stack: a
 grpc.server with a thread pool, whose handler makes a blocking call on a

@@ -35,7 +35,7 @@ And with --bare, the floor under the shim's and the proxy's hops:
    Passthrough RPCs (forwarded byte for byte by the shim and the proxy):
    Probe, ListVolumes, ControllerGetVolume; GetPluginInfo,
    ControllerGetCapabilities and NodeGetInfo are forwarded once, then
-   answered by each hop from the backend's last answer (docs/design.md,
+   answered by each hop from the backend's last answer (docs/csi-shim.md,
    "The plugin's own answers"). Intercepted ones: NodeGetCapabilities
    (answered by the shim, passed through by the proxy),
    ValidateVolumeCapabilities (parsed, translated to block and forwarded by
@@ -264,7 +264,7 @@ def part1(variants: list[Variant], rounds: int) -> dict:
 def part2(variants: list[Variant], calls: int, blocks: int = 10) -> dict:
     """CPU ms per Probe of every daemon, by door and variant (Probe: the
     shim and the proxy forward it every time; they answer GetPluginInfo
-    from the backend's last answer, docs/design.md)."""
+    from the backend's last answer, docs/csi-shim.md)."""
     per_block = max(1, calls // blocks)
     used = {v.name: {door: {d: 0 for d in DOORS} for door in DOORS} for v in variants}
     made = {v.name: {door: 0 for door in DOORS} for v in variants}

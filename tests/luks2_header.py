@@ -1,6 +1,6 @@
 """LUKS2 headers as a host with write access to a disk can rewrite them.
 
-The tests play the attacker of docs/design.md's threat model: someone who
+The tests play the attacker of docs/encryption.md's threat model: someone who
 can write the volume's backing file or block device, but knows neither its
 passphrase nor its volume key. The host has no device-mapper, so nothing
 here opens a volume: headers are made by the host's cryptsetup on image

@@ -1,7 +1,7 @@
 """Encrypted volumes against a hostile disk: the guest opens only the LUKS2
 header crust made, from a copy it checked, and formats only a blank device.
 
-The attacker is docs/design.md's: whoever can write a volume's backing
+The attacker is docs/encryption.md's ("Threat model"): whoever can write a volume's backing
 file or block device, without its passphrase. Headers are crafted on the
 host (tests/luks2_header.py). What is checked is what a pod would lose:
 the bytes of the device (its sha256 before and after a refusal), the

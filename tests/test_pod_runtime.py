@@ -759,7 +759,7 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
 def test_a_containers_submounts_of_the_share_are_pinned_in_the_agents_namespace(pod_env):
     """No container's exit unmounts the last mount of a virtio-fs submount
     (Debian 12's 6.1 kernel stops at a BUG when one goes with a file's
-    release in flight: docs/design.md): each container's root,
+    release in flight: docs/microvm-pods.md, "No exit unmounts a submount"): each container's root,
     its binds and the mounts below a bind are mounted in the guest agent's
     namespace before crun runs, and the agent holds the container's own
     namespace from its start until it is removed; a removed container's

@@ -4,7 +4,7 @@ A StorageClass parameter asks for encryption; the driver keeps it in the
 volume's context, so every node component (shim, proxy, handlers) reads it
 there. The passphrase is the pod's node-publish secret under one key; it
 travels kubelet -> proxy -> the claiming handler -> the guest, in memory
-only (docs/design.md, "Encrypted volumes").
+only (docs/encryption.md, "The key's path").
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class RegistryService(registry_pb2_grpc.RegistryServicer):
         passphrase = self.state.passphrase(target) if volume.info.encryption and not again else None
         if passphrase is not None:
             # bytes(): protobuf wants an immutable copy, freed (not wiped)
-            # once the answer is sent (docs/design.md, "Encrypted volumes").
+            # once the answer is sent (docs/encryption.md, "Where the key is").
             answer.volume_passphrase = bytes(passphrase)
         return answer
 
