@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if benchlib.not_root("agent_port.py", "QEMU and the image cache"):
         return 1
     benchlib.raise_on_signals()
-    results = benchlib.run_header("agent_port", argv, benchlib.machine())
+    results = benchlib.run_header("agent_port", argv, benchlib.machine(), vm=True)
     base = Path(tempfile.mkdtemp(prefix="crust-agent-port-"))
 
     def body() -> None:
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         results["load_before"] = benchlib.loadavg()
         asyncio.run(run())
         results["load_after"] = benchlib.loadavg()
-        results["accel"] = args.accel
+        results["accelerator"] = args.accel
         results["ways"] = benchlib.ms_rows(samples)
         port_out = results["ways"]["port: 10 MiB out"]
         results["output_mib_per_s"] = {"port": round(PORT_OUTPUT / 2**20 / (port_out["median_ms"] / 1e3), 2)}

@@ -1,8 +1,9 @@
 """What the benchmarks in bench/ share: one copy of each helper.
 
 - the command line: add_parts_option();
-- the run's description: machine(), machine_summary(), code_version(),
-  run_header(), loadavg();
+- the run's record (machine, commit, accelerator, load; bench/run_record.py,
+  whose names the benches take from here): machine(), machine_summary(),
+  run_header(), loadavg(), write_json();
 - clock ticks, to tell this run's CPU from other people's work on the
   machine: TICK, machine_ticks(), own_ticks(), proc_ticks(), cores(), and
   cpu_sample() with others_cores(), pid_cores(), iowait_cores() between two
@@ -14,7 +15,7 @@
 - signals and the run itself: SIGNALS, Interrupted, raise_on_signals(),
   ignore_signals(), guarded_run(), report_failure();
 - the end of a run: left_below(), close_and_report(), print_log_tails(),
-  report_targets(), write_json().
+  report_targets().
 
 Each benchmark keeps what is its own (its tables, its extra machine keys);
 this module only holds what behaves the same in all of them. Starting
@@ -27,23 +28,30 @@ as scripts, `.venv/bin/python bench/NAME.py`).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
-import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+# The run's record is its own module (bench/render.py reads it back); the
+# benches import all they share from here.
+from bench.run_record import (  # noqa: F401
+    PROJECT,
+    code_label,
+    file_text,
+    loadavg,
+    machine,
+    machine_summary,
+    portable_command,
+    run_header,
+    write_json,
+)
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-
-PROJECT = Path(__file__).resolve().parent.parent
 
 # -- the command line ----------------------------------------------------------------------
 
@@ -64,80 +72,6 @@ def add_parts_option(parser: argparse.ArgumentParser, count: int, note: str = ""
 
     parser.add_argument("--parts", dest="part_set", type=parse, default=allowed, metavar=names,
                         help=f"which parts to run (default {names}{note})")
-
-
-# -- the run ----------------------------------------------------------------------------------
-
-
-def file_text(path: str) -> str:
-    """A file's text, stripped; "" if it cannot be read."""
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
-
-
-def machine(**extra) -> dict:
-    """CPUs, CPU model, memory, kernel and Python, then what the benchmark adds."""
-    cpu = next((line.split(":", 1)[1].strip() for line in file_text("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), "")
-    mem = next((f"{int(line.split()[1]) / 1024**2:.1f} GiB" for line in file_text("/proc/meminfo").splitlines()
-                if line.startswith("MemTotal")), "")
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "memory": mem, "kernel": platform.release(),
-            "python": platform.python_version(), **extra}
-
-
-def machine_summary(info: dict) -> str:
-    """How the benchmarks' first lines name the machine machine() described."""
-    return (f"{info['cpus']} CPUs {info['cpu_model']}, {info['memory']}, kernel {info['kernel']}, "
-            f"Python {info['python']}")
-
-
-def code_version() -> str:
-    """HEAD and whether crust/ differs from it (read-only git; no index refresh)."""
-    try:
-        head = subprocess.run(["git", "--no-optional-locks", "-C", str(PROJECT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "--no-optional-locks", "-C", str(PROJECT), "status", "--porcelain",
-                                "--", "crust"], capture_output=True, text=True, timeout=10).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    if not head:
-        return "unknown"
-    return head + (f" + uncommitted changes in {len(dirty)} crust/ files" if dirty else "")
-
-
-def portable_command(benchmark: str, argv: list[str]) -> str:
-    """The command line as a result file keeps it: an absolute path (where
-    the results or logs went) by its file name, naming nothing of the
-    machine it ran on."""
-    words = [Path(a).name if a.startswith("/") else a for a in argv]
-    return " ".join([f"bench/{benchmark}.py", *words])
-
-
-def run_header(benchmark: str, argv: list[str] | None, machine_info: dict) -> dict:
-    """The first keys of a benchmark's results: its name, the command line
-    (argv None: this process's), the date (UTC), the machine and the code."""
-    return {
-        "benchmark": benchmark,
-        "command": portable_command(benchmark, sys.argv[1:] if argv is None else list(argv)),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info,
-        "code": code_version(),
-    }
-
-
-def loadavg(pressure: bool = False) -> str:
-    """The 1, 5 and 15 minute load averages; with pressure, also the
-    kernel's CPU and I/O pressure (share of the last 10 s in which some task
-    waited for a CPU / for I/O), when available."""
-    text = " ".join(file_text("/proc/loadavg").split()[:3])
-    if pressure:
-        for kind in ("cpu", "io"):
-            line = file_text(f"/proc/pressure/{kind}").splitlines()[:1]
-            if line and "avg10=" in line[0]:
-                text += f", {kind} pressure {line[0].split('avg10=')[1].split()[0]}%"
-    return text
 
 
 # -- clock ticks ----------------------------------------------------------------------------------
@@ -425,14 +359,3 @@ def print_rows(rows: dict[str, dict], indent: str = "") -> None:
     width = max(map(len, rows), default=0) + 2
     for name, row in rows.items():
         print(f"{indent}{name:<{width}}" + "  ".join(f"{k} {v}" for k, v in row.items() if k != "n"))
-
-
-def write_json(path: Path, results: dict) -> None:
-    """The results as indented JSON, in path (its directory made if needed)
-    or, if path is "-", on stdout."""
-    if str(path) == "-":
-        sys.stdout.write(json.dumps(results, indent=1) + "\n")
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {path}", file=sys.stderr)

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project r
 
 from bench.benchlib import (  # noqa: E402
     close_and_report,
+    code_label,
     cpu_ns,
     guarded_run_then_write,
     loadavg,
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     targets: list[Target] = []
 
     def body() -> None:
-        print(f"{machine_summary(results['machine'])}; code {results['code']}; load {loadavg(True)}", flush=True)
+        print(f"{machine_summary(results['machine'])}; code {code_label(results)}; load {loadavg(True)}", flush=True)
         for name in args.targets:
             targets.append(Target(name, hostpath, args.volumes))
             targets[-1].start()

@@ -61,6 +61,7 @@ from bench.benchlib import (  # noqa: E402
     PROJECT,
     TICK,
     close_and_report,
+    code_label,
     cpu_sample,
     guarded_run,
     loadavg,
@@ -358,7 +359,7 @@ def main(argv=None) -> int:
     started = time.monotonic()
 
     def body() -> None:
-        print(f"{machine_summary(results['machine'])}; code {results['code']}; load {loadavg(True)}", flush=True)
+        print(f"{machine_summary(results['machine'])}; code {code_label(results)}; load {loadavg(True)}", flush=True)
         for rnd in range(args.rounds):
             for target in rotated(args.targets, rnd):
                 current.append(Run(target, args))

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if benchlib.not_root("guest_boot.py", "QEMU and the image cache"):
         return 1
     benchlib.raise_on_signals()
-    results = benchlib.run_header("guest_boot", argv, benchlib.machine())
+    results = benchlib.run_header("guest_boot", argv, benchlib.machine(), vm=True)
     base = Path(tempfile.mkdtemp(prefix="crust-boot-"))
 
     def body() -> None:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 samples[name].append(seconds * 1e3)
                 print(f"round {turn + 1}/{args.rounds} {name}: {seconds * 1e3:.0f} ms", flush=True)
         results["load_after"] = benchlib.loadavg()
-        results["accel"] = args.accel
+        results["accelerator"] = args.accel
         results["ways"] = benchlib.ms_rows(samples)
         print(f"\nboot to the agent's answer, {args.accel}, median of {args.rounds} (min-max); "
               f"{benchlib.machine_summary(results['machine'])}")

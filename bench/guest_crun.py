@@ -190,14 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     if benchlib.not_root("guest_crun.py", "QEMU and the image cache"):
         return 1
     benchlib.raise_on_signals()
-    results = benchlib.run_header("guest_crun", argv, benchlib.machine())
+    results = benchlib.run_header("guest_crun", argv, benchlib.machine(), vm=True)
     base = Path(tempfile.mkdtemp(prefix="crust-crun-"))
 
     def body() -> None:
         results["load_before"] = benchlib.loadavg()
         samples = asyncio.run(measure(base / "vm", args.accel, args.rounds))
         results["load_after"] = benchlib.loadavg()
-        results["accel"] = args.accel
+        results["accelerator"] = args.accel
         results["variants"] = benchlib.ms_rows(samples)
         print(f"in the guest, {args.accel}, median of {args.rounds} (min-max); "
               f"{benchlib.machine_summary(results['machine'])}")

@@ -84,6 +84,7 @@ import grpc  # noqa: E402
 from bench.benchlib import (  # noqa: E402
     add_parts_option,
     close_and_report,
+    code_label,
     cores,
     cpu_sample,
     guarded_run_then_write,
@@ -352,7 +353,7 @@ def main(argv=None) -> int:
         "loadavg_start": loadavg(pressure=True),
     }
     m = results["machine"]
-    print(f"crust handler benchmark ({results['code']})\n"
+    print(f"crust handler benchmark ({code_label(results)})\n"
           f"machine: {machine_summary(m)}, watchdog {m['watchdog']}, load {results['loadavg_start']}", flush=True)
     chain: MountnsChain | None = None
     started = time.monotonic()

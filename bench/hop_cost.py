@@ -79,6 +79,7 @@ import grpc  # noqa: E402
 from bench.benchlib import (  # noqa: E402
     PROJECT,
     close_and_report,
+    code_label,
     cpu_ns,
     cpu_sample,
     file_text,
@@ -338,7 +339,7 @@ def main(argv=None) -> int:
         variants.append(Variant("uvloop", PROJECT, current, uvloop=True))
     if args.bare:
         variants.append(BareVariant("bare", PROJECT, current))
-    print(f"crust hop cost ({results['code']})\nmachine: {machine_summary(results['machine'])}, "
+    print(f"crust hop cost ({code_label(results)})\nmachine: {machine_summary(results['machine'])}, "
           f"load {results['load_start']}", flush=True)
     started = time.monotonic()
 

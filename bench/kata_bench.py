@@ -93,6 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project r
 
 from bench.benchlib import (  # noqa: E402
     add_parts_option,
+    code_label,
     guarded_run_then_write,
     loadavg,
     not_root,
@@ -343,10 +344,10 @@ def main(argv=None) -> int:
     raise_on_signals()
     project_on_pythonpath(os.environ)
 
-    results: dict = {**run_header("kata_bench", argv, kata_machine()), "accel": args.accel,
+    results: dict = {**run_header("kata_bench", argv, kata_machine(), vm=True), "accelerator": args.accel,
                      "loadavg_start": loadavg()}
     m = results["machine"]
-    say(f"crust microVM handler benchmark ({results['code']})\n"
+    say(f"crust microVM handler benchmark ({code_label(results)})\n"
         f"machine: {m['cpus']} CPUs {m['cpu_model']}, {m['memory']}, Linux {m['kernel']}, Debian {m['debian']}, "
         f"Python {m['python']}, {m['qemu']}; accelerator {args.accel}; load {results['loadavg_start']}")
     chain: KataChain | None = None

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.benchlib import code_version, loadavg, machine, machine_summary  # noqa: E402
+from bench.benchlib import loadavg, machine, run_header, write_json  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:
@@ -92,7 +92,7 @@ def main() -> int:
     from tests.harness import Root
 
     data = large_request(args.size)
-    results = {"machine": machine_summary(machine()), "code": code_version(), "load_before": loadavg(),
+    results = {**run_header("large_requests", None, machine()),
                "rounds": args.rounds, "concurrency": args.concurrency, "size_bytes": args.size, "sockets": {}}
     for name in args.sockets.split(","):
         root = Root()
@@ -105,7 +105,7 @@ def main() -> int:
     results["load_after"] = loadavg()
     print(json.dumps(results, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        write_json(args.json, results)
     return 0
 
 

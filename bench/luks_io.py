@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.benchlib import (
+    code_label,
     guarded_run_then_write,
     loadavg,
     not_root,
@@ -207,10 +208,10 @@ def main(argv=None) -> int:
     if args.json == "-":
         OUT = sys.stderr
     raise_on_signals()
-    results: dict = {**run_header("luks_io", argv, kata_machine()), "loadavg_start": loadavg()}
+    results: dict = {**run_header("luks_io", argv, kata_machine(), vm=True), "accelerator": args.accel}
     m = results["machine"]
-    say(f"crust encrypted volume I/O in the guest ({results['code']})\nmachine: {m['cpus']} CPUs {m['cpu_model']}, "
-        f"{m['memory']}, Linux {m['kernel']}, {m['qemu']}; accelerator {args.accel}; load {results['loadavg_start']}")
+    say(f"crust encrypted volume I/O in the guest ({code_label(results)})\nmachine: {m['cpus']} CPUs {m['cpu_model']}, "
+        f"{m['memory']}, Linux {m['kernel']}, {m['qemu']}; accelerator {args.accel}; load {results['load_before']}")
     lvm = LuksVm(args.mib)
 
     def run() -> None:

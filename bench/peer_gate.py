@@ -10,13 +10,12 @@ measured over each socket's own calls only: the two are timed in separate
 blocks of --block calls, alternating). What the gate adds is the relay (one
 extra pair of socket writes each way) and the policy check.
 
-    .venv/bin/python bench/peer_gate.py [--calls 4000] [--block 200]
+    .venv/bin/python bench/peer_gate.py [--calls 4000] [--block 200] [--json OUT.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.benchlib import loadavg, machine, machine_summary, proc_ticks, quantiles, TICK  # noqa: E402
+from bench.benchlib import TICK, loadavg, machine, proc_ticks, quantiles, run_header, write_json  # noqa: E402
 
 SERVER = r"""
 import asyncio, sys
@@ -52,6 +51,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=4000, help="calls per socket (default 4000)")
     parser.add_argument("--block", type=int, default=200, help="calls per timed block (default 200)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("peer_gate: run as root (the gate allows root)", file=sys.stderr)
@@ -88,7 +88,7 @@ def main() -> int:
                     stub.Check(request, timeout=10)
                     latency[name].append(time.perf_counter() - started)
                 ticks[name] += proc_ticks(server.pid) - before
-        results = {"machine": machine_summary(machine()), "load_before": load_before, "load_after": loadavg(),
+        results = {**run_header("peer_gate", None, machine()), "load_before": load_before, "load_after": loadavg(),
                    "calls_per_socket": len(latency["plain"])}
         for name in stubs:
             median, p90 = quantiles(latency[name])
@@ -98,6 +98,8 @@ def main() -> int:
         results["added_cpu_ms_per_call"] = round(results["gated"]["server_cpu_ms_per_call"]
                                                  - results["plain"]["server_cpu_ms_per_call"], 3)
         print(json.dumps(results, indent=1))
+        if args.json:
+            write_json(args.json, results)
         for channel in channels:
             channel.close()
         return 0

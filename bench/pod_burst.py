@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if benchlib.not_root("pod_burst.py", "loop devices, QEMU, containerd"):
         return 1
     benchlib.raise_on_signals()
-    results = benchlib.run_header("pod_burst", argv, benchlib.machine())
+    results = benchlib.run_header("pod_burst", argv, benchlib.machine(), vm=True)
     results["results"] = {}
     roots: list[Root] = []
 

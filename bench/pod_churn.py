@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if not early or early.stop > args.lives:
         parser.error(f"--early {early.start}:{early.stop} is not within the {args.lives} lives")
     benchlib.raise_on_signals()
-    results = benchlib.run_header("pod_churn", argv, benchlib.machine())
+    results = benchlib.run_header("pod_churn", argv, benchlib.machine(), vm=True)
     roots: list[Root] = []
 
     def body() -> None:

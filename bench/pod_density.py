@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if benchlib.not_root("pod_density.py", "loop devices, QEMU, containerd"):
         return 1
     benchlib.raise_on_signals()
-    results = benchlib.run_header("pod_density", argv, benchlib.machine())
+    results = benchlib.run_header("pod_density", argv, benchlib.machine(), vm=True)
     roots: list[Root] = []
 
     def body() -> None:

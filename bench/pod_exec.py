@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if benchlib.not_root("pod_exec.py", "pods, containerd, QEMU"):
         return 1
     benchlib.raise_on_signals()
-    results = benchlib.run_header("pod_exec", argv, benchlib.machine())
+    results = benchlib.run_header("pod_exec", argv, benchlib.machine(), vm=True)
     roots = {name: Root() for name in RUNTIMES}
 
     def body() -> None:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             results["load_after"] = benchlib.loadavg()
             # The accelerator the handler's VM runs under, as its log says it.
             found = re.search(r"agent ready [0-9.]+s after start \(pid \d+, (\w+)\)", logs[0].read_text())
-            results["accel"] = found[1] if found else "unknown"
+            results["accelerator"] = found[1] if found else "unknown"
             if args.keep_log:
                 Path(args.keep_log).mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(logs[0], Path(args.keep_log) / "handler-crust-microvm.log")

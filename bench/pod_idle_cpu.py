@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if benchlib.not_root("pod_idle_cpu.py", "loop devices, QEMU, containerd"):
         return 1
     benchlib.raise_on_signals()
-    results = benchlib.run_header("pod_idle_cpu", argv, benchlib.machine())
+    results = benchlib.run_header("pod_idle_cpu", argv, benchlib.machine(), vm=True)
     base = Path(tempfile.mkdtemp(prefix="crust-idle-"))
     roots: list[Root] = []
 

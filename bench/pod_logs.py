@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if benchlib.not_root("pod_logs.py", "pods, containerd, QEMU"):
         return 1
     benchlib.raise_on_signals()
-    results = benchlib.run_header("pod_logs", argv, benchlib.machine())
+    results = benchlib.run_header("pod_logs", argv, benchlib.machine(), vm=True)
     roots = {name: Root() for name in RUNTIMES}
     lines = args.mib * 2**20 // (len(LINE) + 1)
 
@@ -118,14 +118,14 @@ def main(argv: list[str] | None = None) -> int:
             # The accelerator the handler's VM runs under, as its log says it.
             found = re.search(r"agent ready [0-9.]+s after start \(pid \d+, (\w+)\)",
                               nodes["crust-microvm"].handler_log.read_text(errors="replace"))
-            results["accel"] = found[1] if found else "unknown"
+            results["accelerator"] = found[1] if found else "unknown"
         results["lines"], results["line_bytes"], results["guest_cpus"] = lines, len(LINE) + 1, args.cpus
         results["busy_host_cpus"] = args.busy
         results["rate_mib_per_s"] = {name: {"median": round(statistics.median(v), 1), "min": round(min(v), 1),
                                             "max": round(max(v), 1), "samples": [round(x, 1) for x in v]}
                                      for name, v in rates.items()}
         results["figures"] = benchlib.ms_rows(wholes)
-        print(f"\n{args.mib} MiB of a container's logs, median of {args.rounds} (min-max), {results['accel']}; "
+        print(f"\n{args.mib} MiB of a container's logs, median of {args.rounds} (min-max), {results['accelerator']}; "
               f"{benchlib.machine_summary(results['machine'])}")
         for name, rate in results["rate_mib_per_s"].items():
             whole = results["figures"][f"{name}: {args.mib} MiB logged"]

@@ -27,7 +27,6 @@ machines).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.run_record import machine, run_header, write_json  # noqa: E402
 from tests.harness import Root  # noqa: E402
 from tests.test_pod_network import eventually_get, http_get, serve  # noqa: E402
 from tests.test_pod_volumes import KEEP_RUNNING, pod_node  # noqa: E402
@@ -135,8 +135,9 @@ def main() -> int:
         runc, vm = results["runc"][key], results["crust-microvm"][key]
         print(f"{label:24}{runc:12.2f}{vm:16.2f}{vm / runc:8.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"load_before": before, "load_after": after, "args": vars(args) | {
-            "json": str(args.json)}, "results": results}, indent=2))
+        write_json(args.json, {**run_header("pod_network", None, machine(), vm=True), "load_before": before,
+                               "load_after": after, "args": vars(args) | {"json": args.json.name},
+                               "results": results})
     return 0
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.run_record import machine, run_header, write_json  # noqa: E402
 from tests.harness import MIB, Root  # noqa: E402
 from tests.test_kata import kata_env  # noqa: E402
 from tests.test_pod_runtime import PodClient, bind, container_bundle  # noqa: E402
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lookups in the root: 20 x ls -lL /bin {looked['ls_lL_bin_x20']:.2f} s, "
           f"100 x /bin/true {looked['exec_true_x100']:.2f} s")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, {**run_header("pod_share", argv, machine(), vm=True), **result})
     return 0
 
 

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if benchlib.not_root("bench/pod_start_microvm.py", "loop devices, QEMU, containerd"):
         return 2
     benchlib.raise_on_signals()
-    results = benchlib.run_header("pod_start_microvm", argv, benchlib.machine())
+    results = benchlib.run_header("pod_start_microvm", argv, benchlib.machine(), vm=True)
     roots: list[Root] = []   # one per handler setting (each its own node)
 
     def body() -> None:

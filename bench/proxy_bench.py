@@ -90,6 +90,7 @@ import grpc  # noqa: E402
 from bench.benchlib import (  # noqa: E402
     add_parts_option,
     close_and_report,
+    code_label,
     cpu_sample,
     file_text,
     guarded_run_then_write,
@@ -342,7 +343,7 @@ def main(argv=None) -> int:
     root = Root()
     stack = RealStack(root)
     started = time.monotonic()
-    print(f"crust proxy benchmark ({results['code']}), root {root.path}\n"
+    print(f"crust proxy benchmark ({code_label(results)}), root {root.path}\n"
           f"machine: {machine_summary(results['machine'])}, load {results['loadavg_start'].split(' ')[0]}\n"
           "parts 1-2: the real stack (crust driver -> crust shim -> crust proxy); "
           "part 3: a FAKE CSI plugin behind crust proxy, to isolate the proxy's own cost", flush=True)

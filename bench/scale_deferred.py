@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project r
 
 import grpc  # noqa: E402
 
-from bench.benchlib import (close_and_report, file_text, guarded_run_then_write, loadavg, machine,  # noqa: E402
+from bench.benchlib import (code_label, close_and_report, file_text, guarded_run_then_write, loadavg, machine,  # noqa: E402
                             machine_summary, not_root, print_log_tails, raise_on_signals, report_failure,
                             run_header, summary)
 from bench.harness_chain import close_root  # noqa: E402
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
         results["rss"][when] = {str(s.n): s.rss() for s in stacks}
 
     def run() -> None:
-        print(f"crust at {args.volumes} deferred volumes ({results['code']})\nmachine: "
+        print(f"crust at {args.volumes} deferred volumes ({code_label(results)})\nmachine: "
               f"{machine_summary(results['machine'])}, load {loadavg()}", flush=True)
         for n in (SMALL, args.volumes):
             stacks.append(Stack(n, args.fs, args.size * MIB))

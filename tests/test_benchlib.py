@@ -23,3 +23,22 @@ def test_no_committed_result_names_a_path_of_the_machine_it_ran_on():
     assert commands
     named = {name: c for name, c in commands.items() if any(word.startswith("/") for word in c.split())}
     assert named == {}
+
+
+def test_a_results_header_names_the_commit_the_accelerator_and_the_load():
+    from bench.run_record import machine, run_header
+
+    header = run_header("pod_logs", ["--rounds", "5"], machine(), vm=True)
+    assert len(header["commit"]) == 40 and isinstance(header["dirty"], bool)
+    assert header["accelerator"] == "not recorded"  # a VM bench sets it once its VM says
+    assert run_header("file_io", [], machine())["accelerator"] == "none (no VM)"
+    assert len(header["load_before"].split()) == 3
+
+
+def test_an_older_result_reads_back_with_what_it_lacks_not_recorded():
+    from bench.run_record import describe
+
+    old = describe({"machine": {"cpus": 2, "cpu_model": "AMD EPYC", "memory": "23.5 GiB", "kernel": "6.18"},
+                    "code": "e2e1c83 + uncommitted changes in 1 crust/ files", "accel": "tcg"})
+    assert (old["commit"], old["dirty"], old["accelerator"], old["load"]) == ("e2e1c83", "yes", "tcg", "not recorded")
+    assert describe({})["machine"] == "not recorded"
