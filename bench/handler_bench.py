@@ -101,7 +101,7 @@ from bench.benchlib import (  # noqa: E402
     run_header,
     summary,
 )
-from bench.harness_chain import SANDBOX_ID, MountnsChain, close_root, mount_table_costs  # noqa: E402
+from bench.harness_mountns_chain import SANDBOX_ID, MountnsChain, close_root, mount_table_costs  # noqa: E402
 from bench.harness_index import (  # noqa: E402
     EntryWriter,
     IndexProbe,

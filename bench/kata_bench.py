@@ -107,7 +107,7 @@ from bench.benchlib import (  # noqa: E402
     timed,
     with_others_cores,
 )
-from bench.harness_chain import VOLUME_MIB, KataChain, kata_machine, run_sample  # noqa: E402
+from bench.harness_kata_chain import VOLUME_MIB, KataChain, kata_machine, run_sample  # noqa: E402
 from bench.harness_guest_io import FS_MIB, MEMORY_MIB, IoVm, run_then  # noqa: E402
 from bench.harness_stack import project_on_pythonpath  # noqa: E402
 from crust.api import csi_pb2, handler_pb2  # noqa: E402

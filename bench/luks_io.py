@@ -42,7 +42,7 @@ from bench.benchlib import (
     run_header,
     summary,
 )
-from bench.harness_chain import kata_machine
+from bench.harness_kata_chain import kata_machine
 from bench.harness_guest_io import GuestIo, evict_block_device, evict_file, run_then, stop_or_kill
 from crust.contract import encryption
 from crust.kata import port_volumes

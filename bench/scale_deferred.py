@@ -32,7 +32,7 @@ measurements. Everything lives under two temporary roots. On exit, also on
 Ctrl-C, SIGTERM or failure, sandboxes are deleted and volumes unpublished,
 unstaged and deleted as far as they got; then the daemons are stopped and
 what is left below the roots (mounts, loop devices, this run's sandbox
-processes) is removed (close_root of bench/harness_chain.py). As root:
+processes) is removed (close_root of bench/harness_mountns_chain.py). As root:
 
     .venv/bin/python bench/scale_deferred.py [--volumes 1000] [--json OUT]
 """
@@ -55,7 +55,7 @@ import grpc  # noqa: E402
 from bench.benchlib import (code_label, close_and_report, file_text, guarded_run_then_write, loadavg, machine,  # noqa: E402
                             machine_summary, not_root, print_log_tails, raise_on_signals, report_failure,
                             run_header, summary)
-from bench.harness_chain import close_root  # noqa: E402
+from bench.harness_mountns_chain import close_root  # noqa: E402
 from bench.harness_fleet import rss_mib  # noqa: E402
 from bench.harness_stack import ProxyVolume, project_on_pythonpath, start_stack  # noqa: E402
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc  # noqa: E402
