@@ -1,1 +1,1 @@
-"""The benchmarks: scripts run as `.venv/bin/python bench/NAME.py` (see docs/benchmarks.md)."""
+"""The benchmarks: scripts run as `.venv/bin/python bench/NAME.py` (see docs/performance.md)."""

@@ -13,7 +13,7 @@ the least (crust's daemons are grpc.aio servers, docs/architecture.md).
 With `--stack sync` the same hop is made of grpcio's other stack: a
 grpc.server with a thread pool, whose handler makes a blocking call on a
 grpc.Channel. It answers whether a hop costs less there (it does not:
-docs/benchmarks.md).
+docs/performance.md).
 
 bench/conformance_ratio.py runs it in front of `crust driver` (targets
 `bare-hop` and `bare-hops`: one or two of these between csi-sanity and the

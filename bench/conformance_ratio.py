@@ -333,7 +333,7 @@ def find_tool(given: str | None, name: str, option: str, what: str) -> str | Non
     if found is None:
         print(f"conformance_ratio.py: {f'{given} is not executable' if given else f'no {name} on $PATH'}. {name} "
               f"({what}) is not part of crust; it was built by hand outside this repository, see docs/conformance.md "
-              f"and docs/benchmarks.md (conformance suite against the Go reference). Put it on $PATH or give "
+              f"and docs/performance.md (conformance suite against the Go reference). Put it on $PATH or give "
               f"{option} PATH.", file=sys.stderr)
     return found
 

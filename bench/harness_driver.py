@@ -241,7 +241,7 @@ class CO:
     def delete(self, v: Volume, into=None) -> None:
         # The driver refuses to delete a volume whose loop device it still
         # sees; right after NodeUnstageVolume the kernel may not have finished
-        # the detach (see docs/benchmarks.md), and a CO retries.
+        # the detach (see docs/performance.md), and a CO retries.
         self._timed(into, "DeleteVolume", self.d.controller.DeleteVolume,
                     csi_pb2.DeleteVolumeRequest(volume_id=v.volume_id), retry_precondition=True)
         with self.lock:

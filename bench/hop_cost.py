@@ -11,8 +11,8 @@ proxy` (tests/harness.py Root.stack(), each in its own temporary root):
   directory with this virtual environment;
 - `uvloop` (with --uvloop, if uvloop is installed): this checkout's daemons
   with uvloop's event loop policy installed before crust starts. For
-  measurement only: crust does not run on uvloop (docs/benchmarks.md, "The
-  shim", says why).
+  measurement only: crust does not run on uvloop (docs/performance.md, "What each
+  hop costs", says why).
 
 And with --bare, the floor under the shim's and the proxy's hops:
 

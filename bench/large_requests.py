@@ -14,7 +14,7 @@ once more two seconds after the last round.
         [--sockets proxy,shim,driver] [--json FILE]
 
 The stack runs from this checkout, so running it at two commits compares
-them (docs/benchmarks.md, "Memory under large requests").
+them (docs/performance.md, "Memory under large requests").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """bench/pod_share.py runs end to end and reports what it promises (one
-small run: the numbers themselves are in docs/benchmarks.md)."""
+small run: the numbers themselves are in docs/performance.md)."""
 
 import json
 

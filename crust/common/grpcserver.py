@@ -155,7 +155,7 @@ def fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str,
     other, so every aborted call, its request included (forwarded ones are up
     to 4 MiB), stayed in memory until Python's cyclic garbage collector ran:
     the proxy's CSI socket grew by hundreds of MiB under large forwarded
-    requests (docs/benchmarks.md, "Memory under large requests")."""
+    requests (docs/performance.md, "Memory under large requests")."""
     context.set_code(code)
     context.set_details(details)
     if trailing:

@@ -10,7 +10,7 @@ Methods the CSI proto declares unary (all but SnapshotMetadata's two) are
 served as unary calls on both sides, from handlers and client stubs built
 once: one batch of operations each way per call, which is what a hop costs
 least (a stream handler costs several more completion-queue round trips per
-call; measured in docs/benchmarks.md). For any other method the handler
+call; measured in docs/performance.md). For any other method the handler
 cannot know whether it streams, so it looks at the caller: a unary caller
 sends its one message and its half-close together, and is forwarded as a
 unary request; any other caller is forwarded as a bidirectional stream. Both

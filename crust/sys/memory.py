@@ -8,7 +8,7 @@ freed, but each such free raises the threshold to the block's size (up to
 32 MiB), so later buffers of that size come from the heap arenas (one per
 gRPC thread), where freed memory stays in the RSS and fragments; the
 smaller slices gRPC reads a message into stay there too. A proxy forwarding
-bursts of 4 MiB requests kept hundreds of MiB that way (docs/benchmarks.md,
+bursts of 4 MiB requests kept hundreds of MiB that way (docs/performance.md,
 "Memory under large requests"). So a daemon:
 
 - sets M_MMAP_THRESHOLD to 1 MiB at start (give_back_large_buffers): buffers
