@@ -6,7 +6,6 @@
 - no page of docs/ is over 600 lines;
 - no table cell of README.md or docs/*.md is over 300 characters.
 
-docs/benchmarks.md, the measurements page, is held to the links only.
 Nothing here needs root, a device or a daemon.
 """
 
@@ -22,8 +21,6 @@ REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 MAX_LINES = 600
 MAX_CELL = 300
-# Pages held to the links only (measurement reports, kept apart).
-LONG_PAGES = {"benchmarks.md"}
 
 LINK = re.compile(r"(?<!\!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 IMAGE = re.compile(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)>?\s*\)")
@@ -118,14 +115,14 @@ def test_every_relative_link_resolves(page: Path):
     assert not broken, "broken links:\n  " + "\n  ".join(broken)
 
 
-@pytest.mark.parametrize("page", sorted(p for p in DOCS.glob("*.md") if p.name not in LONG_PAGES),
+@pytest.mark.parametrize("page", sorted(DOCS.glob("*.md")),
                          ids=lambda p: p.name)
 def test_no_page_is_over_600_lines(page: Path):
     lines = len(page.read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_LINES, f"{page.name} has {lines} lines (at most {MAX_LINES}): split it"
 
 
-@pytest.mark.parametrize("page", [p for p in pages() if p.name not in LONG_PAGES],
+@pytest.mark.parametrize("page", pages(),
                          ids=lambda p: str(p.relative_to(REPO)))
 def test_no_table_cell_is_over_300_characters(page: Path):
     long = []
