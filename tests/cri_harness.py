@@ -270,22 +270,37 @@ def cri_microvm_node(root, pod_network: bool = False, vm_pool: int = 0,
     being crust's shim v2 in front of it (RuntimeClass crust-microvm);
     pod_network: pods off the host's network get a bridge of their own;
     handler_extra: more of the handler's arguments."""
-    env = {"CRUST_KATA_HANDLER_ENDPOINT": f"unix://{root.path / KATA_HANDLER['endpoint_name']}"}
+    env = {"CRUST_KATA_HANDLER_ENDPOINT": kata_handler_endpoint(root)}
     with private_containerd(shim_runtimes={"crust": "io.containerd.crust.v2"}, env=env,
                             pod_network=pod_network) as (containerd, image):
-        node = CriNode(root, containerd, image,
-                       handler_kw={**KATA_HANDLER, "extra": ["--kata-dir", str(root.path / "kata"),
-                                                             "--vm-pool", str(vm_pool), *handler_extra]},
-                       runtime_classes={"crust-microvm": "crust", "runc": "runc"})
-        try:
-            if vm_pool:
-                # The pool boots at nice 10: on a busy machine its first VM can
-                # take longer than the test's set-up, and a pod that comes
-                # earlier boots a VM of its own, which is not what a test with
-                # a pool is about.
-                from tests.test_handler import wait_until
-                wait_until(lambda: '"msg": "pooled VM ready"' in node.env.handler.log_path.read_text(errors="replace"),
-                           timeout=300, interval=0.5, what="the pool's first VM")
+        with microvm_node(root, containerd, image, vm_pool, handler_extra) as node:
             yield node
-        finally:
-            node.close()
+
+
+def kata_handler_endpoint(root) -> str:
+    """Where the node's microVM handler listens."""
+    return f"unix://{root.path / KATA_HANDLER['endpoint_name']}"
+
+
+@contextlib.contextmanager
+def microvm_node(root, daemon, image: images.Image, vm_pool: int = 0,
+                 handler_extra: tuple[str, ...] = ()) -> Iterator[CriNode]:
+    """The node of a CRI daemon (containerd, CRI-O) whose runtime handler
+    `crust` is crust's shim v2, with the microVM handler serving it
+    (RuntimeClass crust-microvm); closed (pods first) whatever happens."""
+    node = CriNode(root, daemon, image,
+                   handler_kw={**KATA_HANDLER, "extra": ["--kata-dir", str(root.path / "kata"),
+                                                         "--vm-pool", str(vm_pool), *handler_extra]},
+                   runtime_classes={"crust-microvm": "crust", "runc": "runc"})
+    try:
+        if vm_pool:
+            # The pool boots at nice 10: on a busy machine its first VM can
+            # take longer than the test's set-up, and a pod that comes
+            # earlier boots a VM of its own, which is not what a test with
+            # a pool is about.
+            from tests.test_handler import wait_until
+            wait_until(lambda: '"msg": "pooled VM ready"' in node.env.handler.log_path.read_text(errors="replace"),
+                       timeout=300, interval=0.5, what="the pool's first VM")
+        yield node
+    finally:
+        node.close()

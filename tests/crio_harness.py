@@ -12,14 +12,16 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+import sys
 import tempfile
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 from crust.kubelet import image as images
 from crust.kubelet.crio import Crio
 from crust.kubelet.registry import LocalRegistry, push_busybox_and_pause
-from tests.cri_harness import OCI_RUNTIME, CriNode, daemon_leftovers
+from tests.cri_harness import OCI_RUNTIME, CriNode, daemon_leftovers, kata_handler_endpoint, microvm_node
 from tests.csi_sanity import Tool, locate
 
 CRIO = Tool("crio", "CRIO", "cri-o/cri-o (bin/crio, with cgo: tags seccomp libsqlite3)")
@@ -40,7 +42,9 @@ def locate_crio() -> tuple[dict[str, Path], str]:
 
 @contextlib.contextmanager
 def private_crio(tools: dict[str, Path], runtimes: dict[str, str] | None = None,
-                 env: dict[str, str] | None = None, pod_network: bool = False) -> Iterator[tuple[Crio, images.Image]]:
+                 env: dict[str, str] | None = None, pod_network: bool = False,
+                 vm_runtimes: dict[str, str] | None = None, vm_runtime_settings: dict[str, dict] | None = None
+                 ) -> Iterator[tuple[Crio, images.Image]]:
     """A started CRI-O that pulls the busybox image (localhost/crust/busybox,
     as containerd's tests name it) and its pause image from a local
     registry standing in for `localhost`; closed and checked clean
@@ -54,7 +58,8 @@ def private_crio(tools: dict[str, Path], runtimes: dict[str, str] | None = None,
         pause = push_busybox_and_pause(registry, image)
         crio = Crio(directory / "crio", tools["crio"], tools["pinns"], pause_image=pause,
                     runtimes=runtimes or {"runc": ""}, env=env or {}, mirrors={"localhost": registry.url},
-                    pod_network=pod_network)
+                    pod_network=pod_network, vm_runtimes=vm_runtimes or {},
+                    vm_runtime_settings=vm_runtime_settings or {})
         crio.start()
         yield crio, image
     finally:
@@ -104,3 +109,34 @@ def crio_node(root, tools: dict[str, Path]) -> Iterator[CriNode]:
             yield node
         finally:
             node.close()
+
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+SHIM = Path(sys.executable).parent / "containerd-shim-crust-v2"
+
+
+def microvm_drop_in() -> tuple[str, dict]:
+    """deploy/crio/crust-microvm.conf: the handler it names and its table."""
+    runtimes = tomllib.loads((DEPLOY / "crio" / "crust-microvm.conf").read_text())["crio"]["runtime"]["runtimes"]
+    (name, table), = runtimes.items()
+    return name, table
+
+
+@contextlib.contextmanager
+def crio_microvm_node(root, tools: dict[str, Path], vm_pool: int = 0,
+                      handler_extra: tuple[str, ...] = ()) -> Iterator[CriNode]:
+    """The node of tests/cri_harness.cri_microvm_node with CRI-O in
+    containerd's place: its VM handler is the one of
+    deploy/crio/crust-microvm.conf with the drop-in's settings, but this
+    interpreter's shim, a runtime root below CRI-O's directory, and a
+    runtime_config_path of the drop-in's shape naming the node's handler
+    (which is the only way it reaches the shim: the node's handler
+    endpoint is nowhere in CRI-O's environment)."""
+    name, table = microvm_drop_in()
+    settings = root.path / "containerd-shim-crust.toml"
+    settings.write_text(f'handler_endpoint = "{kata_handler_endpoint(root)}"\n')
+    extra = {k: v for k, v in table.items() if k not in ("runtime_path", "runtime_type", "runtime_root")}
+    extra["runtime_config_path"] = str(settings)
+    with private_crio(tools, vm_runtimes={name: str(SHIM)}, vm_runtime_settings={name: extra}) as (crio, image):
+        with microvm_node(root, crio, image, vm_pool, handler_extra) as node:
+            yield node

@@ -281,3 +281,28 @@ def test_crun_starts_at_fixed_addresses_and_the_process_is_randomized_again(tmp_
     assert hook == "00040000\n", hook   # crun (and its hooks): ADDR_NO_RANDOMIZE
     assert default == b"00000000\n", default
     assert own == b"00000008\n", own    # PER_LINUX32, as the host's spec asks, randomized
+
+
+def test_huge_page_limits_of_sizes_the_kernel_has_not_are_dropped(tmp_path):
+    """CRI-O writes a limit per huge page size of the host; crun fails on
+    one the guest's kernel has no cgroup file for: only the guest's sizes
+    are kept (malformed entries stay, for crun to refuse)."""
+    from crust.guest.containers import Gate, guest_bundle, huge_page_sizes
+
+    pages = tmp_path / "hugepages"
+    for kib in (2048, 1048576, 64):
+        (pages / f"hugepages-{kib}kB").mkdir(parents=True)
+    controllers = tmp_path / "cgroup.controllers"
+    controllers.write_text("cpuset cpu io memory hugetlb pids\n")
+    assert huge_page_sizes(pages, controllers) == {"2MB", "1GB", "64KB"}
+    controllers.write_text("cpu memory pids\n")
+    assert huge_page_sizes(pages, controllers) == set()
+    assert huge_page_sizes(tmp_path / "none", tmp_path / "none") == set()
+    spec = {"root": {"path": "/run/r"}, "process": {"args": ["sh"]}, "linux": {"resources": {"hugepageLimits": [
+        {"pageSize": "2MB", "limit": 0}, {"pageSize": "1GB", "limit": 0}, "odd"]}}}
+    gate = Gate(tmp_path / "gate")
+    try:
+        made = guest_bundle(json.dumps(spec).encode(), gate, page_sizes=lambda: {"2MB"})
+    finally:
+        gate.close()
+    assert made["linux"]["resources"]["hugepageLimits"] == [{"pageSize": "2MB", "limit": 0}, "odd"]

@@ -17,10 +17,12 @@ containerd runs it with its working directory in the container's bundle:
 
 Settings:
   the handler's socket: `handler_endpoint` in the TOML file named by the
-  runtime's `ConfigPath` option in containerd's configuration, else
-  $CRUST_KATA_HANDLER_ENDPOINT, else unix:///run/crust/kata-handler.sock
-  (the handler's default).
-  containerd's event socket: $TTRPC_ADDRESS (containerd sets it).
+  runtime's `ConfigPath` option in containerd's configuration (CRI-O: the
+  handler's `runtime_config_path`), else $CRUST_KATA_HANDLER_ENDPOINT (in
+  containerd's or CRI-O's own environment, which their shims inherit), else
+  unix:///run/crust/kata-handler.sock (the handler's default).
+  containerd's event socket: $TTRPC_ADDRESS (containerd sets it; CRI-O sets
+  it empty and publishes nothing: it waits on each task with Wait).
 """
 
 from __future__ import annotations
@@ -69,21 +71,31 @@ def group_of(bundle: Path, container_id: str) -> str:
 
 def handler_endpoint(options: bytes = b"") -> str:
     """The handler's socket: the runtime's ConfigPath file, the environment, the default."""
-    if options:
-        try:
-            wrapped = message_strings(options)   # google.protobuf.Any: type_url 1, value 2
-            if wrapped.get(1, b"").decode().endswith("runtimeoptions.v1.Options"):
-                config_path = message_strings(wrapped.get(2, b"")).get(2, b"").decode()   # Options.config_path
-                if config_path:
-                    import tomllib
+    return configured_endpoint(options) or os.environ.get(ENV_HANDLER_ENDPOINT) or DEFAULT_HANDLER_ENDPOINT
 
-                    with open(config_path, "rb") as handle:
-                        endpoint = tomllib.load(handle).get("handler_endpoint")
-                    if endpoint:
-                        return str(endpoint)
-        except Exception as exc:  # a broken option must not hide the default
-            print(f"crust shim: runtime options not used: {exc}", file=sys.stderr)
-    return os.environ.get(ENV_HANDLER_ENDPOINT) or DEFAULT_HANDLER_ENDPOINT
+
+def configured_endpoint(options: bytes) -> str:
+    """`handler_endpoint` of the TOML file the runtime options (a
+    google.protobuf.Any of runtimeoptions.v1.Options, serialized) name as
+    their ConfigPath; "" when they name none. containerd hands the options
+    to `start` on its standard input; CRI-O (its handler's
+    runtime_config_path) only in the sandbox's CreateTaskRequest."""
+    if not options:
+        return ""
+    try:
+        wrapped = message_strings(options)   # google.protobuf.Any: type_url 1, value 2
+        if wrapped.get(1, b"").decode().endswith("runtimeoptions.v1.Options"):
+            config_path = message_strings(wrapped.get(2, b"")).get(2, b"").decode()   # Options.config_path
+            if config_path:
+                import tomllib
+
+                with open(config_path, "rb") as handle:
+                    endpoint = tomllib.load(handle).get("handler_endpoint")
+                if endpoint:
+                    return str(endpoint)
+    except Exception as exc:  # a broken option must not hide the default
+        print(f"crust shim: runtime options not used: {exc}", file=sys.stderr)
+    return ""
 
 
 def message_strings(data: bytes) -> dict[int, bytes]:

@@ -46,6 +46,7 @@ from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common.channel import local_aio_channel
 from crust.common import cri_annotations, ttrpc
 from crust.containerd_shim.events import Publisher, timestamp
+from crust.containerd_shim.main import ENDPOINT_FILE, configured_endpoint
 from crust.containerd_shim.process import CREATED, RUNNING, STOPPED, Container, Process, copy_input, copy_output
 from crust.common.ttrpc import TtrpcError
 from crust.sys import mount as sysmount
@@ -171,6 +172,27 @@ class TaskService:
                     continue
                 raise grpc_to_ttrpc(exc, f"{what} ({method} at {self.handler_endpoint})") from None
 
+    def _configure(self, request: task_pb.CreateTaskRequest) -> None:
+        """The handler the sandbox's runtime options name, if they name one:
+        CRI-O hands its handler's runtime_config_path over only here, never
+        to `start`. It is kept in the bundle for `delete`, as `start` keeps
+        what containerd gave it."""
+        if not request.HasField("options"):
+            return
+        endpoint = configured_endpoint(request.options.SerializeToString())
+        if not endpoint:
+            return
+        if endpoint != self.handler_endpoint:
+            if self._channel is not None:
+                asyncio.ensure_future(self._channel.close())
+                self._channel = None
+            log.info("handler named by the runtime options", extra={"fields": {"handler": endpoint}})
+            self.handler_endpoint = endpoint
+        try:
+            (Path(request.bundle) / ENDPOINT_FILE).write_text(endpoint)
+        except OSError as exc:
+            log.warning("handler endpoint not kept in the bundle", extra={"fields": {"error": str(exc)}})
+
     async def close(self) -> None:
         for container in self.containers.values():
             for process in [container.init, *container.execs.values()]:
@@ -211,6 +233,7 @@ class TaskService:
                 if self.sandbox_id is not None:
                     raise TtrpcError(ttrpc.FAILED_PRECONDITION,
                                      f"this shim already serves pod {self.sandbox_id}; {request.id} is another sandbox")
+                self._configure(request)
                 response = await self._handler("CreatePod", handler_pb2.CreatePodRequest(
                     sandbox_id=request.id, bundle=request.bundle), f"pod {request.id}")
                 self.sandbox_id, self.vm_pid = request.id, int(response.pid)

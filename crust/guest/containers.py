@@ -55,6 +55,8 @@ HOLDS_DIR = "/run/crust/ns"
 # How long RemoveContainer waits for the container's processes after its
 # SIGKILL when the call names no time.
 REMOVE_WAIT = 30.0
+HUGEPAGES = Path("/sys/kernel/mm/hugepages")
+CGROUP_CONTROLLERS = Path("/sys/fs/cgroup/cgroup.controllers")
 HOOK_SHELL = "/bin/sh"
 # What the hooks run: the first tells that the container is made (the
 # container's state crun gives a hook, one line of JSON without its end,
@@ -119,9 +121,30 @@ def _set(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-def guest_bundle(spec_json: bytes, gate: Gate) -> dict:
+def huge_page_sizes(hugepages: Path = HUGEPAGES, controllers: Path = CGROUP_CONTROLLERS) -> set[str]:
+    """The huge page sizes this kernel has a hugetlb cgroup limit for, named
+    as the OCI spec names them ("2MB", "1GB")."""
+    try:
+        if "hugetlb" not in controllers.read_text().split():
+            return set()
+        entries = [e.name for e in hugepages.iterdir()]
+    except OSError:
+        return set()
+    sizes = set()
+    for name in entries:
+        kib = name.removeprefix("hugepages-").removesuffix("kB")
+        if kib.isdigit():
+            n = int(kib)
+            sizes.add(f"{n >> 20}GB" if n % (1 << 20) == 0 else f"{n >> 10}MB" if n % (1 << 10) == 0 else f"{n}KB")
+    return sizes
+
+
+def guest_bundle(spec_json: bytes, gate: Gate, page_sizes=huge_page_sizes) -> dict:
     """The host's spec with the agent's hooks, or INVALID_ARGUMENT naming
-    the field."""
+    the field. Huge page limits of a size this kernel does not have are
+    dropped: the host's runtime writes one per size of the host (CRI-O, as
+    kubelet asks), crun fails on a limit it finds no cgroup file for, and
+    no process can take pages of a size the kernel does not have."""
     try:
         spec = json.loads(spec_json)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -147,6 +170,11 @@ def guest_bundle(spec_json: bytes, gate: Gate) -> dict:
     if not isinstance(linux, dict):
         raise AgentError(ttrpc.INVALID_ARGUMENT, "oci_spec.linux: not a JSON object")
     linux.setdefault("personality", dict(DEFAULT_PERSONALITY))
+    resources = linux.get("resources")
+    if isinstance(resources, dict) and isinstance(resources.get("hugepageLimits"), list):
+        sizes = page_sizes()
+        resources["hugepageLimits"] = [limit for limit in resources["hugepageLimits"]
+                                       if not isinstance(limit, dict) or limit.get("pageSize") in sizes]
     return spec
 
 

@@ -64,6 +64,10 @@ from typing import Any
 from crust.common.errors import InvalidArgument
 
 GUEST_CGROUP_PARENT = "/crust"
+# The guest's spec is this module's, made of the fields it knows, whatever
+# minor version the host's spec states (CRI-O writes 1.3.0): the guest's
+# crun (Debian 12's) takes only 1.0 specs.
+GUEST_OCI_VERSION = "1.0.2"
 FRESH_MOUNT_TYPES = {"proc", "sysfs", "devpts", "mqueue", "cgroup", "cgroup2"}
 BIND_FLAGS = {"nosuid", "nodev", "noexec"}   # of a host bind's options, kept for its guest bind
 NAMESPACES = {"mount", "pid", "cgroup", "uts", "ipc", "time", "network"}
@@ -100,6 +104,9 @@ def guest_spec(host: dict[str, Any], root: str, container_id: str) -> tuple[dict
     (needs_pod_pid_namespace) gets the pod's from the guest's agent
     (CreateContainerRequest.pod_pid_namespace). InvalidArgument for what
     the guest cannot honour."""
+    version = host.get("ociVersion", GUEST_OCI_VERSION)
+    if not isinstance(version, str) or not version.startswith("1."):
+        raise InvalidArgument(f"ociVersion: {version!r} is no version 1 of the OCI runtime spec")
     process = dict(host.get("process") or {})
     process["terminal"] = bool(process.get("terminal"))
     for label in ("apparmorProfile", "selinuxLabel"):
@@ -156,7 +163,7 @@ def guest_spec(host: dict[str, Any], root: str, container_id: str) -> tuple[dict
         if linux.get(key):
             out_linux[key] = linux[key]
     spec: dict[str, Any] = {
-        "ociVersion": host.get("ociVersion", "1.0.2"),
+        "ociVersion": GUEST_OCI_VERSION,
         "process": process,
         # Read-only again by crun in its mount namespace (its bind of the
         # root would carry the agent's read-only mount, its remount not).

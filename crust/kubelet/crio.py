@@ -18,8 +18,12 @@ pod's cgroup. NRI is off.
 Runtime handlers, as in a node's config: `runc` is the stock runc, each
 extra OCI handler another runtime in runc's place (crust's crust-runc),
 each VM handler a containerd shim v2 binary (runtime_type "vm", as Kata
-runs under CRI-O). CRI-O gives a runtime no environment of its own but the
-handler's monitor_env: `env` goes there, for every OCI handler. Where this
+runs under CRI-O), with more settings of its table where given. CRI-O
+gives an OCI runtime no environment of its own but the handler's
+monitor_env: `env` goes there, for every OCI handler. A VM handler's shim
+gets no monitor_env: it inherits CRI-O's own environment, and its settings
+reach it through runtime_config_path (in the sandbox's CreateTaskRequest).
+Where this
 machine cannot give a container what CRI-O asks (an OOM score below
 root's, huge page limits without a hugetlb cgroup hierarchy), each OCI
 handler's runtime is called through crust.kubelet.runtime_wrapper, which
@@ -128,6 +132,8 @@ class Crio(CriDaemon):
     runtimes: dict[str, str] = field(default_factory=lambda: {"runc": ""})
     # handler name -> a containerd shim v2 binary (runtime_type "vm")
     vm_runtimes: dict[str, str] = field(default_factory=dict)
+    # VM handler name -> more of its table's settings (runtime_config_path, ...)
+    vm_runtime_settings: dict[str, dict] = field(default_factory=dict)
     # the OCI runtimes' environment (their handlers' monitor_env)
     env: dict[str, str] = field(default_factory=dict)
     # registry host -> the URL of the registry that stands in for it
@@ -206,8 +212,8 @@ class Crio(CriDaemon):
                 "monitor_env": monitor_env})
         for name, shim in sorted(self.vm_runtimes.items()):
             lines += _table(f"crio.runtime.runtimes.{toml_value(name)}", {
-                "runtime_path": shim, "runtime_type": "vm", "runtime_root": self.runtime_root(name),
-                "monitor_env": monitor_env})
+                **self.vm_runtime_settings.get(name, {}), "runtime_path": shim, "runtime_type": "vm",
+                "runtime_root": self.runtime_root(name)})
         # Images are named in full: no short name is ever looked up.
         lines += _table("crio.image", {
             "pause_image": self.pause_image, "pause_command": PAUSE_COMMAND,
@@ -282,6 +288,7 @@ class Crio(CriDaemon):
             forced += self._remove_pods()
         self.stop()
         forced += self._kill_monitors()
+        forced += self._kill_shims()
         forced += self._delete_containers()
         forced += release_under(self.directory)
         forced += remove_cgroup_trees(self.cgroup_root)
@@ -310,6 +317,49 @@ class Crio(CriDaemon):
                     int(entry.name), lambda pid=int(entry.name): monitor_of_ours(pid)):
                 killed.append(f"conmon pid {entry.name}")
         return killed
+
+    def _kill_shims(self) -> list[str]:
+        """SIGKILL the shims of our VM handlers (they outlive CRI-O by
+        design; CRI-O names no address of its own, so a shim is known by a
+        path below our directory on its command line: its bundle's log),
+        then remove the sockets our bundles name that nobody serves any more."""
+        from crust.kubelet.containerd import is_shim
+        from crust.sys.sockets import remove_if_dead
+
+        killed = []
+        ours = str(self.directory).encode() + b"/"
+
+        def shim_of_ours(pid: int) -> bool:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                return False
+            return bool(argv) and is_shim(argv) and any(ours in arg for arg in argv[1:])
+
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and shim_of_ours(int(entry.name)) and proc.signal_if(
+                    int(entry.name), lambda pid=int(entry.name): shim_of_ours(pid)):
+                killed.append(f"shim pid {entry.name}")
+        for path in self.shim_sockets():
+            if remove_if_dead(str(path)):
+                killed.append(f"shim socket {path.name[:12]}")
+        return killed
+
+    def shim_sockets(self) -> set[Path]:
+        """The sockets of the shims our bundles name (each VM container's
+        `address`), those in the shims' socket directory only."""
+        from crust.containerd_shim.main import SOCKET_DIR
+
+        found = set()
+        bundles = self.directory / "run" / "storage"
+        for address in bundles.glob("*-containers/*/userdata/address") if bundles.is_dir() else []:
+            try:
+                path = Path(address.read_text().strip().removeprefix("unix://"))
+            except OSError:
+                continue
+            if path.parent == SOCKET_DIR and path.is_socket():
+                found.add(path)
+        return found
 
     def _delete_containers(self) -> list[str]:
         """Containers left in our runtime roots (CRI-O died or could not
