@@ -432,6 +432,10 @@ class TaskService:
         if not 0 <= request.signal < 65:
             raise bad(f"signal: {request.signal} is not a signal")
         if process.status == STOPPED:
+            if request.signal in (signal.SIGTERM, signal.SIGKILL):
+                # Stopping is idempotent (CRI's StopContainer): CRI-O, restarted,
+                # waits on no task again, so it stops one that ended meanwhile.
+                return empty_pb2.Empty()
             raise TtrpcError(ttrpc.NOT_FOUND, f"process {process.id} of container {container.id} already finished")
         if request.signal == 0:
             # kill(2)'s probe: is it there? (CRI-O asks before reopening a log.)

@@ -323,27 +323,28 @@ class Crio(CriDaemon):
         design; CRI-O names no address of its own, so a shim is known by a
         path below our directory on its command line: its bundle's log),
         then remove the sockets our bundles name that nobody serves any more."""
-        from crust.kubelet.containerd import is_shim
         from crust.sys.sockets import remove_if_dead
 
-        killed = []
-        ours = str(self.directory).encode() + b"/"
-
-        def shim_of_ours(pid: int) -> bool:
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                return False
-            return bool(argv) and is_shim(argv) and any(ours in arg for arg in argv[1:])
-
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and shim_of_ours(int(entry.name)) and proc.signal_if(
-                    int(entry.name), lambda pid=int(entry.name): shim_of_ours(pid)):
-                killed.append(f"shim pid {entry.name}")
+        killed = [f"shim pid {pid}" for pid in self.shim_pids()
+                  if proc.signal_if(pid, lambda pid=pid: self._is_shim_of_ours(pid))]
         for path in self.shim_sockets():
             if remove_if_dead(str(path)):
                 killed.append(f"shim socket {path.name[:12]}")
         return killed
+
+    def _is_shim_of_ours(self, pid: int) -> bool:
+        from crust.kubelet.containerd import is_shim
+
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        ours = str(self.directory).encode() + b"/"
+        return bool(argv) and is_shim(argv) and any(ours in arg for arg in argv[1:])
+
+    def shim_pids(self) -> list[int]:
+        """The shims (daemons) of our VM handlers' pods."""
+        return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and self._is_shim_of_ours(int(e.name))]
 
     def shim_sockets(self) -> set[Path]:
         """The sockets of the shims our bundles name (each VM container's
