@@ -15,9 +15,13 @@ kept as it is   process (args, env, cwd, user and additional gids, umask,
                 capabilities, no_new_privileges, rlimits, oom_score_adj),
                 linux.maskedPaths, readonlyPaths, seccomp (compiled by crun
                 with the guest's libseccomp), resources (memory, CPU, pids,
-                huge pages, the device allow list, block I/O: the guest's
-                cgroup v2), personality;
-rewritten       root -> the container's root file system where the guest
+                huge pages (the agent drops a limit of a size the guest's
+                kernel has not), the device allow list, block I/O: the
+                guest's cgroup v2), personality;
+rewritten       ociVersion -> the version of the spec written here (a 1.x
+                host spec's fields are read as 1.0's; another major
+                version is refused);
+                root -> the container's root file system where the guest
                 finds it (the pod's share; read-only by crun when the spec
                 says so);
                 linux.cgroupsPath -> /crust/<container id>/ctr in the guest's
