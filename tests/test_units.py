@@ -1246,12 +1246,23 @@ def test_a_shared_pid_namespace_is_the_pods_in_the_guest():
     assert [ns for ns in spec["linux"]["namespaces"] if ns["type"] == "pid"] == []
 
 
+def test_the_guest_spec_states_its_own_version_whatever_1x_the_host_wrote():
+    """CRI-O writes 1.3.0; the guest's crun takes only 1.0 specs, and the
+    guest's spec is guest_oci's own."""
+    from crust.kata import guest_oci
+
+    for version in ("1.0.2-dev", "1.3.0"):
+        spec, _, _ = guest_oci.guest_spec({**_containerd_like_spec(), "ociVersion": version}, "/r", "c")
+        assert spec["ociVersion"] == guest_oci.GUEST_OCI_VERSION == "1.0.2"
+
+
 @pytest.mark.parametrize("change, field", [
     ({"linux": {"uidMappings": [{"containerID": 0, "hostID": 1000, "size": 1}]}}, "linux.uidMappings"),
     ({"linux": {"namespaces": [{"type": "user"}, {"type": "pid"}]}}, "linux.namespaces"),
     ({"hooks": {"prestart": [{"path": "/bin/true"}]}}, "hooks"),
     ({"linux": {"namespaces": [{"type": "pid"}], "sysctl": {"net.core/../x": "1"}}}, "linux.sysctl"),
     ({"hostname": "a b"}, "hostname"),
+    ({"ociVersion": "2.0.0"}, "ociVersion"),
 ])
 def test_what_the_guest_cannot_honour_is_refused_naming_the_field(change, field):
     from crust.common.errors import InvalidArgument
