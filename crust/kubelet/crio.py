@@ -23,10 +23,9 @@ gives an OCI runtime no environment of its own but the handler's
 monitor_env: `env` goes there, for every OCI handler. A VM handler's shim
 gets no monitor_env: it inherits CRI-O's own environment, and its settings
 reach it through runtime_config_path (in the sandbox's CreateTaskRequest).
-Where this
-machine cannot give a container what CRI-O asks (an OOM score below
-root's, huge page limits without a hugetlb cgroup hierarchy), each OCI
-handler's runtime is called through crust.kubelet.runtime_wrapper, which
+Where this machine cannot give a container what CRI-O asks (an OOM score
+below root's, huge page limits without a hugetlb cgroup hierarchy), each
+OCI handler's runtime is called through crust.kubelet.runtime_wrapper, which
 adjusts the bundle as containerd's settings for those cases do.
 
 Images are pulled: `mirrors` maps a registry host (registry.k8s.io,
@@ -40,7 +39,8 @@ since it keeps a table of the host's nftables.
 
 close() leaves nothing behind, also when a test failed half-way or CRI-O
 died: pods removed through CRI while it answers, CRI-O stopped, the
-monitors (conmon) of our containers killed, containers left in our runtime
+monitors (conmon) of our containers and the shims of our VM handlers
+killed (and the shims' sockets removed), containers left in our runtime
 roots deleted, every mount below our directory released (storage, pinned
 namespaces), our cgroups, the pod network, and what CRI-O makes outside its
 directory, only when this instance made it (what was there is noted before
@@ -64,7 +64,7 @@ import grpc
 
 from crust.kubelet import runtime_wrapper
 from crust.kubelet.cni import BridgeNetwork
-from crust.kubelet.containerd import CGROUP_FS, toml_value, can_lower_oom_score, remove_cgroup_trees
+from crust.kubelet.containerd import CGROUP_FS, can_lower_oom_score, is_shim, remove_cgroup_trees, toml_value
 from crust.kubelet.cri_daemon import CriDaemon
 from crust.kubelet.image import PAUSE_COMMAND
 from crust.sys import proc
@@ -333,8 +333,6 @@ class Crio(CriDaemon):
         return killed
 
     def _is_shim_of_ours(self, pid: int) -> bool:
-        from crust.kubelet.containerd import is_shim
-
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
