@@ -97,7 +97,6 @@ from bench.benchlib import (  # noqa: E402
     guarded_run_then_write,
     loadavg,
     not_root,
-    others_cores,
     print_log_tails,
     raise_on_signals,
     report_failure,
@@ -108,18 +107,16 @@ from bench.benchlib import (  # noqa: E402
     with_others_cores,
 )
 from bench.harness_kata_chain import VOLUME_MIB, KataChain, kata_machine, run_sample  # noqa: E402
-from bench.harness_guest_io import FS_MIB, MEMORY_MIB, IoVm, run_then  # noqa: E402
+from bench.harness_guest_io import IoVm, run_then  # noqa: E402
+from bench.kata_guest_io import part4  # noqa: E402
 from bench.harness_stack import project_on_pythonpath  # noqa: E402
 from crust.api import csi_pb2, handler_pb2  # noqa: E402
-from crust.kata.image import DEFAULT_CACHE, build  # noqa: E402
+from crust.kata.image import DEFAULT_CACHE  # noqa: E402
 from tests.harness import MIB, Root  # noqa: E402
 
 GROW_MIB = 64
 # The handler's log line once a VM's guest Python agent is connected (crust.kata.port_agent).
 PORT_CONNECTED = " on its port, capabilities "
-# buffered: through the guest's page cache (write + fsync; caches dropped
-# before reading); direct: O_DIRECT in the guest (still fsync'd).
-MODES = ("buffered", "direct")
 
 # Progress goes to stdout, unless the JSON does (--json without OUT).
 OUT = sys.stdout
@@ -244,69 +241,6 @@ def part3(chain: KataChain, runs: int) -> dict:
     return out
 
 
-# -- part 4: virtio-blk against virtio-9p -----------------------------------------------------------------
-
-
-async def part4(args, io_vm: IoVm) -> dict:
-    """Writes and cold reads through virtio-blk and virtio-9p in one guest, and on the host for reference."""
-    say(f"\n[4] virtio-blk against virtio-9p in one generic-kernel guest ({args.runs} runs, {args.mib} MiB, "
-        f"order alternating; load {loadavg()})")
-    image = build(args.cache, "generic")
-    say(f"    guest image generic {image.digest[:16]} ({image.manifest.get('kernel_release')}), "
-        f"{'rebuilt' if image.rebuilt else 'up to date'}")
-    io_vm.prepare(image, args.accel)
-    sample = run_sample([], io_vm.base)
-    before = sample()
-    boot, guest_dev, stamp_s = await io_vm.boot()
-    say(f"    VM booted in {boot:.1f} s; /dev/{guest_dev} (virtio-blk) on /mnt/blk, 9p tag kbshare on /mnt/9p; "
-        f"the time stamps cost {stamp_s * 1e3:.1f} ms")
-
-    mbps = lambda seconds: args.mib * MIB / 1e6 / seconds  # noqa: E731
-    results = {side: {mode: {"write": [], "read": [], "write_host_seen": [], "read_host_seen": []}
-                      for mode in MODES} for side in ("blk", "9p", "host")}
-    for r in range(args.runs):
-        order = ("blk", "9p") if r % 2 == 0 else ("9p", "blk")
-        modes = MODES if r % 2 == 0 else MODES[::-1]
-        line = []
-        for side in order:
-            for mode in modes:
-                w, wh, rd, rh = await io_vm.guest_write_read(side, mode == "direct", args.mib)
-                for k, v in (("write", w), ("read", rd), ("write_host_seen", wh), ("read_host_seen", rh)):
-                    results[side][mode][k].append(mbps(v))
-                line.append(f"{side} {mode[:3]} w {mbps(w):.0f} r {mbps(rd):.0f}")
-        # Reference: the same on the host, in the shared mount (the guest's 9p file is removed first).
-        await io_vm.remove_guest_files("9p")
-        for mode in modes:
-            w, rd = io_vm.host_write_read(mode == "direct", args.mib)
-            results["host"][mode]["write"].append(mbps(w))
-            results["host"][mode]["read"].append(mbps(rd))
-            line.append(f"host {mode[:3]} w {mbps(w):.0f} r {mbps(rd):.0f}")
-        say(f"    run {r + 1} ({' then '.join(order)}; MB/s): " + ", ".join(line))
-    await io_vm.remove_guest_files("blk", "9p")
-    out = {"mib": args.mib, "runs": args.runs, "guest_memory_mib": MEMORY_MIB, "fs_mib": FS_MIB,
-           "accel": args.accel, "guest_kernel": image.manifest.get("kernel_release"), "boot_s": round(boot, 2),
-           "stamp_overhead_ms": round(stamp_s * 1e3, 2), "loadavg": loadavg(),
-           "other_processes_cpu_cores": others_cores(before, sample()),
-           "mb_per_s": {side: {mode: {k: summary(v, 1) for k, v in d.items() if v} for mode, d in per.items()}
-                        for side, per in results.items()},
-           "samples_mb_per_s": {side: {mode: {k: [round(x, 1) for x in v] for k, v in d.items() if v}
-                                       for mode, d in per.items()} for side, per in results.items()}}
-    mb = out["mb_per_s"]
-    out["ratio_blk_over_9p"] = {mode: {k: round(mb["blk"][mode][k]["median"] / mb["9p"][mode][k]["median"], 2)
-                                       for k in ("write", "read")} for mode in MODES}
-    say(f"    {'side':<50}{'write MB/s: median (min-max)':>30}{'read MB/s: median (min-max)':>30}")
-    for mode in MODES:
-        for side, label in (("blk", "virtio-blk (guest ext4)"), ("9p", "virtio-9p (host ext4, shared)"),
-                            ("host", "host, same ext4 on loop (reference)")):
-            w, rd = mb[side][mode]["write"], mb[side][mode]["read"]
-            say(f"    {mode + ', ' + label:<50}{w['median']:>16.0f} ({w['min']:.0f}-{w['max']:.0f})"
-                f"{rd['median']:>18.0f} ({rd['min']:.0f}-{rd['max']:.0f})")
-        ratio = out["ratio_blk_over_9p"][mode]
-        say(f"    {mode}: blk/9p (medians) write {ratio['write']:.2f}x, read {ratio['read']:.2f}x")
-    say(f"    other processes kept {out['other_processes_cpu_cores']:.2f} of {os.cpu_count()} cores busy meanwhile")
-    return out
-
-
 # -- main -------------------------------------------------------------------------------------------------
 
 
@@ -379,7 +313,7 @@ def main(argv=None) -> int:
             chain = None
         if 4 in args.part_set:
             try:
-                results["part4"] = asyncio.run(run_then(lambda: part4(args, io_vm), io_vm.stop_vm))
+                results["part4"] = asyncio.run(run_then(lambda: part4(args, io_vm, say), io_vm.stop_vm))
             finally:
                 problems = io_vm.clean_up()
                 if problems:
