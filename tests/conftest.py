@@ -1,13 +1,38 @@
 import os
+from pathlib import Path
 
 import pytest
 
 from tests.harness import Root
 
+UNIT_TIER = Path(__file__).resolve().parent / "unit"
+IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
+NEEDS_ROOT = "needs root (loop devices, mounts, daemons): run as root, `sudo ./run tests`"
 
-def pytest_configure(config):
-    if os.geteuid() != 0:
-        raise pytest.UsageError("crust's tests create loop devices and mounts: run them as root")
+
+def needs_root(item: pytest.Item) -> bool:
+    """Every test outside tests/unit makes devices, mounts or daemons, or
+    runs beside tests that do; a unit test needs root only if it says so
+    (the `root` mark) or takes the `root` fixture."""
+    return (UNIT_TIER not in item.path.parents or item.get_closest_marker("root") is not None
+            or "root" in getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not needs_root(item):
+            continue
+        item.add_marker(pytest.mark.root)
+        # A skip by mark is reported at the test's own line, so a non-root
+        # run lists each test it did not run. CI runs everything: there a
+        # test that cannot run fails (pytest_runtest_setup below).
+        if os.geteuid() != 0 and not IN_CI:
+            item.add_marker(pytest.mark.skip(reason=NEEDS_ROOT))
+
+
+def pytest_runtest_setup(item):
+    if os.geteuid() != 0 and item.get_closest_marker("root") is not None:
+        pytest.fail(f"{NEEDS_ROOT}; CI runs every test, so it fails here instead of skipping", pytrace=False)
 
 
 @pytest.fixture

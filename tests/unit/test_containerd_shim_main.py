@@ -1,0 +1,41 @@
+"""The shim's runtime options, read without the protobuf library
+(crust.containerd_shim.main).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_shim_reads_the_runtime_options_as_protobuf_does(tmp_path):
+    """`start` decodes containerd's runtime options (an Any around Options)
+    without the protobuf library: the same fields as protobuf's parser,
+    unknown fields of every wire type skipped, a broken message refused."""
+    from google.protobuf import any_pb2
+
+    from crust.api import containerd_runtimeoptions_pb2 as runtimeoptions
+    from crust.containerd_shim.main import handler_endpoint, message_strings
+
+    settings = tmp_path / "shim.toml"
+    settings.write_text('handler_endpoint = "unix:///run/elsewhere.sock"\n')
+    inner = runtimeoptions.Options(type_url="x", config_path=str(settings)).SerializeToString()
+    wrapped = any_pb2.Any(type_url="runtimeoptions.v1.Options", value=inner).SerializeToString()
+    assert message_strings(wrapped) == {1: b"runtimeoptions.v1.Options", 2: inner}
+    assert message_strings(inner) == {1: b"x", 2: str(settings).encode()}
+    assert handler_endpoint(wrapped) == "unix:///run/elsewhere.sock"
+    # Fields protobuf would skip (a varint, a fixed64, a fixed32 of numbers
+    # it does not know) and a string given twice (the last one counts).
+    unknown = bytes([0x18, 0x96, 0x01, 0x21, *b"\0" * 8, 0x2D, *b"\0" * 4])
+    twice = runtimeoptions.Options(config_path="/first").SerializeToString() + inner
+    parsed = runtimeoptions.Options()
+    parsed.ParseFromString(unknown + twice)
+    assert message_strings(unknown + twice)[2].decode() == parsed.config_path == str(settings)
+    long_value = "a" * 300   # a two-byte length
+    assert message_strings(runtimeoptions.Options(config_path=long_value).SerializeToString()) == \
+        {2: long_value.encode()}
+    for broken in (b"\x12\x05ab", b"\x12", b"\x80", b"\x0b", b"\x00\x01", b"\x21\x00"):
+        with pytest.raises(ValueError):
+            message_strings(broken)
+    # Options of another type, or none: the environment's endpoint, then the default.
+    other = any_pb2.Any(type_url="other.Options", value=inner).SerializeToString()
+    assert handler_endpoint(other) == handler_endpoint(b"") == handler_endpoint(b"\x12\x05ab")
