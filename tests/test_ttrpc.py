@@ -1,7 +1,7 @@
-"""ttrpc (crust/common/ttrpc.py): the framing byte for byte, our
-server and client against each other on a real unix socket, a round trip
-into a real containerd's ttrpc socket (its event service), and the shim's
-task service answering containerd's error codes."""
+"""ttrpc (crust/common/ttrpc.py): our server and client against each other
+on a real unix socket, a round trip into a real containerd's ttrpc socket
+(its event service), and the shim's task service answering containerd's
+error codes. The framing byte for byte is in tests/unit/test_common_ttrpc.py."""
 
 from __future__ import annotations
 
@@ -28,43 +28,12 @@ from crust.api import containerd_task_pb2 as task_pb
 from crust.api import ttrpc_pb2
 from crust.common import ttrpc
 from crust.containerd_shim.events import Publisher, envelope, forward
-from crust.containerd_shim.task import TaskService, process_spec
+from crust.containerd_shim.task import TaskService
 from crust.common.ttrpc import Client, Server, TtrpcError
 from crust.sys.sockets import socket_alive
 from tests.harness import stop_child
 
 TASK = "containerd.task.v2.Task"
-
-
-# -- framing ---------------------------------------------------------------------------
-
-
-def test_header_is_ten_big_endian_bytes():
-    header = ttrpc.encode_header(0x01020304, 7, ttrpc.TYPE_REQUEST, 0)
-    assert header == bytes([1, 2, 3, 4, 0, 0, 0, 7, 1, 0])
-    assert ttrpc.decode_header(header) == (0x01020304, 7, 1, 0)
-    assert ttrpc.decode_header(ttrpc.encode_header(5, 0xFFFFFFFF, ttrpc.TYPE_RESPONSE, 4)) == (5, 0xFFFFFFFF, 2, 4)
-    with pytest.raises(ttrpc.FrameError):
-        ttrpc.decode_header(b"\0" * 9)
-
-
-def test_frame_carries_its_payload_and_refuses_more_than_4_mib():
-    body = b"x" * 300
-    assert ttrpc.frame(3, ttrpc.TYPE_RESPONSE, body) == struct.pack(">IIBB", 300, 3, 2, 0) + body
-    assert len(ttrpc.frame(1, 1, b"y" * ttrpc.MESSAGE_LENGTH_MAX)) == ttrpc.MESSAGE_LENGTH_MAX + 10
-    with pytest.raises(TtrpcError) as caught:
-        ttrpc.frame(1, 1, b"y" * (ttrpc.MESSAGE_LENGTH_MAX + 1))
-    assert caught.value.code == ttrpc.RESOURCE_EXHAUSTED
-
-
-def test_request_and_response_field_numbers():
-    """The wire layout of ttrpc's Request and Response (field numbers)."""
-    request = ttrpc_pb2.Request(service="s", method="m", payload=b"p", timeout_nano=5,
-                                metadata=[ttrpc_pb2.KeyValue(key="k", value="v")])
-    assert request.SerializeToString() == (b"\x0a\x01s" b"\x12\x01m" b"\x1a\x01p" b"\x20\x05"
-                                           b"\x2a\x06\x0a\x01k\x12\x01v")
-    response = ttrpc_pb2.Response(status=ttrpc_pb2.Status(code=5, message="no"), payload=b"q")
-    assert response.SerializeToString() == b"\x0a\x06\x08\x05\x12\x02no" b"\x12\x01q"
 
 
 # -- our server and client --------------------------------------------------------------
@@ -397,35 +366,6 @@ async def test_task_service_status_codes(sock, tmp_path, monkeypatch):
         await client.close()
         await server.close()
         await service.close()
-
-
-def test_process_spec_from_an_oci_process():
-    spec = process_spec({"args": ["df", "-k", "/data"], "env": ["A=1"], "cwd": "/work",
-                         "user": {"uid": 1000, "gid": 2000, "additionalGids": [3000]}})
-    assert (list(spec.args), list(spec.env), spec.cwd, spec.uid, spec.gid, list(spec.additional_gids)) == (
-        ["df", "-k", "/data"], ["A=1"], "/work", 1000, 2000, [3000])
-    assert process_spec({"args": ["true"]}).cwd == "/"
-    on_terminal = process_spec({"args": ["sh"], "terminal": True}, stdin=True)
-    assert on_terminal.terminal and on_terminal.stdin
-    for broken, field in [({}, "spec.args"), ({"args": []}, "spec.args"), ({"args": [1]}, "spec.args"),
-                          ({"args": ["x"], "env": "A=1"}, "spec.env"),
-                          ({"args": ["x"], "user": {"uid": "root"}}, "spec.user")]:
-        with pytest.raises(TtrpcError) as caught:
-            process_spec(broken)
-        assert caught.value.code == ttrpc.INVALID_ARGUMENT and field in caught.value.message
-
-
-def test_socket_alive(tmp_path):
-    path = str(tmp_path / "s.sock")
-    assert not socket_alive(path)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-    try:
-        assert socket_alive(path)
-    finally:
-        listener.close()
-    assert not socket_alive(path)
 
 
 # -- the shim's stdio fifos (real fifos) ---------------------------------------------------------
