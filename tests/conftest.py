@@ -14,7 +14,7 @@ def needs_root(item: pytest.Item) -> bool:
     """Every test outside tests/unit makes devices, mounts or daemons, or
     runs beside tests that do; a unit test needs root only if it says so
     (the `root` mark) or takes the `root` fixture."""
-    return (UNIT_TIER not in item.path.parents or item.get_closest_marker("root") is not None
+    return (UNIT_TIER not in item.path.resolve().parents or item.get_closest_marker("root") is not None
             or "root" in getattr(item, "fixturenames", ()))
 
 
