@@ -40,8 +40,9 @@ from crust.common import cri_annotations
 
 # containerd runs `start` for every container of a pod, in the path of
 # StartContainer (and of RunPodSandbox): this module imports only what
-# `start` needs. asyncio, logging, protobuf and the ttrpc server (about
-# 70 ms of imports) are the daemon's and `delete`'s, imported there.
+# `start` needs. asyncio, logging, protobuf and the ttrpc server (most of
+# a start's time, were they imported here) are the daemon's and
+# `delete`'s, imported there.
 
 DEFAULT_HANDLER_ENDPOINT = "unix:///run/crust/kata-handler.sock"
 ENV_HANDLER_ENDPOINT = "CRUST_KATA_HANDLER_ENDPOINT"
