@@ -36,7 +36,7 @@ from crust.api import cri_pb2 as cri
 from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, cni
 from crust.kubelet import registry as local_registry
 from crust.kubelet.cri import KubeletRuntime
-from crust.kubelet.crio import Crio
+from crust.kubelet.crio import Crio, CrioError
 from crust.kubelet.crio import available as crio_available
 from tests.demo_run import run_demo
 from tests.cri_harness import processes_naming
@@ -100,6 +100,21 @@ def test_crio_reads_back_the_configuration_we_write(crio_tools, tmp_path):
              for path in (value if isinstance(value, list) else [value]) if path]
     outside = [path for path in paths if not path.startswith(str(crio.directory) + "/")]
     assert len(paths) >= 10 and outside == [], outside
+
+
+def test_a_directory_too_long_for_attach_sockets_is_refused(crio_tools, tmp_path):
+    """CRI-O dials a container's attach socket, <attach dir>/<64-hex
+    id>/attach, by its path: a directory that makes it longer than a unix
+    socket's address is refused before CRI-O starts
+    (at start(): a config alone runs nothing), naming the directory
+    (else every Attach fails while the container runs)."""
+    long = tmp_path / ("d" * max(1, 80 - len(str(tmp_path))))
+    crio = Crio(long, crio_tools["crio"], crio_tools["pinns"], pause_image="localhost/crust/pause:1")
+    with pytest.raises(CrioError, match="too long"):
+        crio.start()
+    assert crio.process is None and not long.exists()
+    short = Crio(Path("/tmp/crust-crio-abcdefgh"), crio_tools["crio"], crio_tools["pinns"], pause_image="p")
+    short.check_paths()
 
 
 # -- runc under CRI-O ----------------------------------------------------------------------------------

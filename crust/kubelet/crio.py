@@ -88,6 +88,10 @@ OUTSIDE_PATHS = (BLOB_INFO_CACHE, *(BLOB_INFO_CACHE.with_name(BLOB_INFO_CACHE.na
                  BLOB_INFO_CACHE.parent, BLOB_INFO_CACHE.parent.parent, Path("/run/crun"))
 
 
+# sun_path's size less its terminating NUL.
+UNIX_PATH_MAX = 107
+
+
 class CrioError(Exception):
     pass
 
@@ -140,6 +144,9 @@ class Crio(CriDaemon):
     mirrors: dict[str, str] = field(default_factory=dict)
     pod_network: bool = False
     host_port_mapping: bool = False
+    # Pod metrics (CRI's ListPodSandboxMetrics), which CRI-O collects only
+    # for the kinds its config names: none unless asked for.
+    pod_metrics: bool = False
     # runtime_wrapper's adjustments, by default where this machine needs them
     raise_oom_floor: bool = field(default_factory=lambda: not can_lower_oom_score())
     drop_hugepage_limits: bool = field(default_factory=lambda: not runtime_wrapper.hugetlb_cgroup_mounted())
@@ -174,6 +181,10 @@ class Crio(CriDaemon):
     def registries_conf(self) -> Path:
         return self.directory / "registries.conf"
 
+    @property
+    def attach_dir(self) -> Path:
+        return self.directory / "attach"
+
     def runtime_root(self, handler: str) -> Path:
         return self.directory / "runtimes" / handler
 
@@ -200,7 +211,7 @@ class Crio(CriDaemon):
         # No AppArmor profile of CRI-O's is loaded into the host's kernel.
         lines += _table("crio.runtime", {
             "default_runtime": "runc", "cgroup_manager": "cgroupfs", "pinns_path": self.pinns,
-            "container_exits_dir": d / "run" / "exits", "container_attach_socket_dir": d / "run" / "attach",
+            "container_exits_dir": d / "run" / "exits", "container_attach_socket_dir": self.attach_dir,
             "namespaces_dir": d / "run" / "ns", "hooks_dir": [d / "hooks"], "cdi_spec_dirs": [d / "cdi"],
             "default_mounts_file": d / "mounts.conf", "disable_hostport_mapping": not self.host_port_mapping,
             "selinux": False, "apparmor_profile": "unconfined", "log_level": "info"})
@@ -222,6 +233,8 @@ class Crio(CriDaemon):
         lines += _table("crio.network", {"network_dir": d / "cni", "plugin_dirs": ["/usr/lib/cni"]})
         lines += _table("crio.nri", {"enable_nri": False})
         lines += _table("crio.metrics", {"enable_metrics": False})
+        if self.pod_metrics:
+            lines += _table("crio.stats", {"included_pod_metrics": ["all"]})
         return "\n".join(lines) + "\n"
 
     def registries(self) -> str:
@@ -237,6 +250,17 @@ class Crio(CriDaemon):
         return "\n".join([
             "[storage]", 'driver = "vfs"', f"graphroot = {toml_value(self.directory / 'storage')}",
             f"runroot = {toml_value(self.directory / 'run' / 'storage')}"]) + "\n"
+
+    def check_paths(self) -> None:
+        """A container's attach socket is <attach_dir>/<64-hex id>/attach,
+        which CRI-O dials by that path: one longer than a unix socket
+        address holds makes every Attach fail ("connect: invalid
+        argument") while the container runs. Our directory must be short
+        enough."""
+        longest = len(str(self.attach_dir / ("0" * 64) / "attach"))
+        if longest > UNIX_PATH_MAX:
+            raise CrioError(f"directory {self.directory} is too long: a container's attach socket below it would "
+                            f"take {longest} bytes, a unix socket's path at most {UNIX_PATH_MAX}")
 
     def write_config(self) -> None:
         d = self.directory
@@ -257,6 +281,7 @@ class Crio(CriDaemon):
         """Start (or start again, keeping its state) and wait until CRI answers."""
         if self.process is not None and self.process.poll() is None:
             raise CrioError("this CRI-O is already running")
+        self.check_paths()
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self._found is None:
             self._found = self.outside()
