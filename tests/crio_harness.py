@@ -52,22 +52,33 @@ def private_crio(tools: dict[str, Path], runtimes: dict[str, str] | None = None,
     directory = Path(tempfile.mkdtemp(prefix="crust-crio-"))
     image = images.build(directory / "images")
     registry = LocalRegistry(directory / "registry")
-    crio = None
     try:
         registry.start()
         pause = push_busybox_and_pause(registry, image)
-        crio = Crio(directory / "crio", tools["crio"], tools["pinns"], pause_image=pause,
-                    runtimes=runtimes or {"runc": ""}, env=env or {}, mirrors={"localhost": registry.url},
-                    pod_network=pod_network, vm_runtimes=vm_runtimes or {},
-                    vm_runtime_settings=vm_runtime_settings or {})
-        crio.start()
-        yield crio, image
+        with started_crio(directory / "crio", tools, pause, mirrors={"localhost": registry.url},
+                          runtimes=runtimes, env=env, pod_network=pod_network, vm_runtimes=vm_runtimes or {},
+                          vm_runtime_settings=vm_runtime_settings or {}) as crio:
+            yield crio, image
     finally:
-        if crio is not None:
-            crio.close()
         registry.close()
         shutil.rmtree(directory, ignore_errors=True)
-    leftovers = leftovers_of(crio) if crio is not None else []
+
+
+@contextlib.contextmanager
+def started_crio(directory: Path, tools: dict[str, Path], pause_image: str, mirrors: dict[str, str],
+                 runtimes: dict[str, str] | None = None, env: dict[str, str] | None = None,
+                 **settings) -> Iterator[Crio]:
+    """A started CRI-O below `directory` pulling through `mirrors` (registry
+    host -> the URL standing in for it); `settings` are more of Crio's
+    fields. Closed and checked clean afterwards, whatever the test did."""
+    crio = Crio(directory, tools["crio"], tools["pinns"], pause_image=pause_image,
+                runtimes=runtimes or {"runc": ""}, env=env or {}, mirrors=mirrors, **settings)
+    try:
+        crio.start()
+        yield crio
+    finally:
+        crio.close()
+    leftovers = leftovers_of(crio)
     assert not leftovers, f"the private CRI-O left: {leftovers}"
 
 

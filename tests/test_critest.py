@@ -1,14 +1,20 @@
 """The CRI conformance suite (critest, kubernetes-sigs/cri-tools) on every
-run, against one private containerd 1.6 with three runtime handlers: `runc`
-(the baseline), `crust-runc` (crust's OCI runtime) and `crust-microvm`
-(handler `crust`: crust's shim v2 and the microVM handler, under tcg here).
+run, against each engine kubelet drives (tests/critest.ENGINES), one node
+after the other (critest's fixed host ports allow one run at a time):
+- a private containerd 1.6 with three runtime handlers: `runc` (the
+  baseline), `crust-runc` (crust's OCI runtime) and `crust-microvm`
+  (handler `crust`: crust's shim v2 and the microVM handler, under tcg
+  here);
+- a private CRI-O with `runc` and `crust-runc` (crust's OCI runtime behind
+  conmon, its settings in the handler's monitor_env).
 No network: a local registry holds the images critest pulls
-(tests/critest_images.py), and containerd's hosts.toml mirrors every
-registry critest names to it.
+(tests/critest_images.py), and each engine mirrors every registry critest
+names to it.
 
-Spec by spec, by name:
-- runc's failures are exactly the baseline list of docs/critest.yaml (this
-  machine's and containerd 1.6's) and the specs that need a real registry;
+Spec by spec, by name, per engine:
+- runc's failures are exactly that engine's baseline list of
+  docs/critest.yaml (this machine's and the engine's) and the specs that
+  need a real registry;
 - crust-runc passes every spec runc passes in the same run, and fails
   nothing but what runc fails;
 - crust-microvm fails nothing but those and its exceptions (the microvm
@@ -24,8 +30,9 @@ passes then is reported as a warning naming the spec and its first failure
 docs/conformance.md), and one that fails again fails the test.
 
 critest is not part of crust: `../shared/bin/critest` beside the repository,
-or CRITEST naming a build of one's own. Without it this module is skipped;
-with CI=true it fails.
+or CRITEST naming a build of one's own; nor is CRI-O (tests/crio_harness.py).
+Without critest this module is skipped, without CRI-O its CRI-O runs are;
+with CI=true either fails.
 """
 
 from __future__ import annotations
@@ -38,10 +45,12 @@ import pytest
 
 from crust.kubelet import cni
 from crust.kubelet import registry as local_registry
-from tests.critest import (CRITEST, FAILED, HANDLERS, MICROVM_ALL, MICROVM_CI_GROUPS, PASSED, SKIPPED, Run,
+from crust.kubelet.crio import available as crio_available
+from tests.critest import (CRITEST, ENGINES, FAILED, MICROVM_ALL, MICROVM_CI_GROUPS, PASSED, SKIPPED, Run,
                            critest_node, documented_expectations, exact_focus, group_specs, list_specs,
                            load_expectations, read_report, render_expectations, rerun_unexpected_failures,
                            run_critest, run_critest_sharded)
+from tests.crio_harness import locate_crio
 from tests.csi_sanity import locate
 
 pytestmark = pytest.mark.slow
@@ -68,9 +77,29 @@ def critest():
     return CRITEST_PATH
 
 
-@pytest.fixture(scope="module")
-def node(critest):
-    with critest_node() as made:
+# The engines whose nodes run the microVM's handler (ENGINES names the
+# RuntimeClasses each one serves).
+MICROVM_ENGINES = [engine for engine, classes in ENGINES.items() if "crust-microvm" in classes]
+
+
+def engine_problem(engine: str) -> str:
+    """Why this engine cannot run here ("" when it can)."""
+    if engine != "crio":
+        return ""
+    tools, problem = locate_crio()
+    return problem or crio_available(tools["crio"], tools["pinns"])
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def node(request, critest):
+    """One engine's node at a time: pytest closes one before it starts
+    the next (the tests are ordered by engine)."""
+    problem = engine_problem(request.param)
+    if problem:
+        if IN_CI:
+            pytest.fail(f"CI=true and {request.param} cannot run: {problem}", pytrace=False)
+        pytest.skip(problem)
+    with critest_node(request.param) as made:
         yield made
 
 
@@ -89,14 +118,14 @@ def runs(critest, node):
                 names = {n for n, s in everything.items() if s.state != SKIPPED}
                 if not MICROVM_ALL:
                     listed = load_expectations()
-                    expected_to_fail = set(listed.microvm) | set(listed.baseline) | set(listed.needs_registry)
+                    expected_to_fail = listed.known_failures(node.engine, runtime_class)
                     names = group_specs(everything, MICROVM_CI_GROUPS) - expected_to_fail
                 first = run_critest_sharded(critest, node, runtime_class, names, MICROVM_SHARDS,
                                             timeout=TIMEOUTS[runtime_class])
             else:
                 first = run_critest(critest, node, runtime_class, timeout=TIMEOUTS[runtime_class])
             made[runtime_class] = rerun_unexpected_failures(
-                critest, node, first, load_expectations().known_failures(runtime_class))
+                critest, node, first, load_expectations().known_failures(node.engine, runtime_class))
         return made[runtime_class]
 
     return run
@@ -104,8 +133,11 @@ def runs(critest, node):
 
 def summary(run: Run) -> str:
     counts = run.counts()
-    line = (f"critest --runtime-handler={HANDLERS[run.handler]} ({run.handler}): ran {counts['ran']}, "
-            f"passed {counts[PASSED]}, failed {counts[FAILED]}, skipped {counts[SKIPPED]} in {run.seconds:.0f} s")
+    line = (f"critest on {run.engine} --runtime-handler={ENGINES[run.engine][run.handler]} ({run.handler}): "
+            f"ran {counts['ran']}, passed {counts[PASSED]}, failed {counts[FAILED]}, skipped {counts[SKIPPED]} "
+            f"in {run.seconds:.0f} s")
+    if run.host_traces:
+        line += f"; released {len(run.host_traces)} mounts its specs left on the host"
     if run.flaked:
         line += f"; {len(run.flaked)} passed only when run again: " + "; ".join(
             f"{name} (first: {why})" for name, why in sorted(run.flaked.items()))
@@ -118,11 +150,11 @@ def check_against_lists(run: Run) -> None:
     if not run.specs:
         pytest.fail(f"critest for {run.handler} wrote no report (exit {run.returncode}):\n{run.output[-3000:]}",
                     pytrace=False)
-    known = expected.known_failures(run.handler)
+    known = expected.known_failures(run.engine, run.handler)
     unexpected = sorted(run.named(FAILED) - known)
     # The baseline is runc's: the microVM passing one of those (it runs no
     # runc) says nothing about the list.
-    must_fail = known - set(expected.baseline) if run.handler == "crust-microvm" else known
+    must_fail = known - set(expected.baseline(run.engine)) if run.handler == "crust-microvm" else known
     listed_but_passed = sorted(run.named(PASSED) & must_fail)
     problems = []
     if unexpected:
@@ -133,7 +165,8 @@ def check_against_lists(run: Run) -> None:
                         "(take them off the list):\n  " + "\n  ".join(listed_but_passed))
     print(summary(run))
     if run.flaked:
-        warnings.warn(f"critest, {run.handler}: passed only when run again: {summary(run)}", stacklevel=1)
+        warnings.warn(f"critest on {run.engine}, {run.handler}: passed only when run again: {summary(run)}",
+                      stacklevel=1)
     if problems:
         pytest.fail(f"{summary(run)}\n" + "\n".join(problems), pytrace=False)
 
@@ -142,9 +175,20 @@ def check_against_lists(run: Run) -> None:
 
 
 def test_the_lists_are_well_formed_and_disjoint():
+    """The lists an engine's runs are checked against are disjoint: its
+    baseline and the registry's list, and the microVM's too where the
+    engine runs the microVM (the microVM's exceptions are specs runc
+    passes there). The engines' baselines may share a spec (the image's
+    fault is both's). Every engine has a baseline, every entry a reason."""
     expected = load_expectations()
-    lists = [set(expected.baseline), set(expected.needs_registry), set(expected.microvm)]
-    assert all(not (a & b) for i, a in enumerate(lists) for b in lists[i + 1:]), "a spec is on two lists"
+    assert set(expected.baselines) == set(ENGINES)
+    for engine, baseline in expected.baselines.items():
+        lists = [set(baseline), set(expected.needs_registry)]
+        if engine in MICROVM_ENGINES:
+            lists.append(set(expected.microvm))
+        assert all(not (a & b) for i, a in enumerate(lists) for b in lists[i + 1:]), f"{engine}: a spec is on two lists"
+        assert all(baseline.values()), f"{engine}: a baseline spec without a reason"
+    assert not set(expected.needs_registry) & set(expected.microvm)
     for spec, entry in expected.microvm.items():
         assert entry.get("reason"), f"{spec}: no reason"
         assert (entry.get("issue") in (35, 36, 37)) != bool(entry.get("vm_cannot")), \
@@ -191,6 +235,7 @@ def test_critest_crust_runc_passes_every_spec_runc_passes(runs):
     check_against_lists(crust)
 
 
+@pytest.mark.parametrize("node", MICROVM_ENGINES, indirect=True)
 def test_critest_crust_microvm_fails_only_its_listed_exceptions(runs):
     microvm = runs("crust-microvm")
     check_against_lists(microvm)
