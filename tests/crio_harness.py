@@ -133,23 +133,29 @@ def microvm_drop_in() -> tuple[str, dict]:
     return name, table
 
 
+def microvm_handler(directory: Path, handler_endpoint: str) -> tuple[dict[str, str], dict[str, dict]]:
+    """CRI-O's VM handler for the microVM (vm_runtimes, vm_runtime_settings):
+    the one of deploy/crio/crust-microvm.conf with the drop-in's settings,
+    but this interpreter's shim and a runtime_config_path of the drop-in's
+    shape, written below `directory`, naming the microVM handler (the only
+    way its endpoint reaches the shim: it is nowhere in CRI-O's
+    environment)."""
+    name, table = microvm_drop_in()
+    settings = directory / "containerd-shim-crust.toml"
+    settings.write_text(f'handler_endpoint = "{handler_endpoint}"\n')
+    extra = {k: v for k, v in table.items() if k not in ("runtime_path", "runtime_type", "runtime_root")}
+    extra["runtime_config_path"] = str(settings)
+    return {name: str(SHIM)}, {name: extra}
+
+
 @contextlib.contextmanager
 def crio_microvm_node(root, tools: dict[str, Path], pod_network: bool = False, vm_pool: int = 0,
                       handler_extra: tuple[str, ...] = ()) -> Iterator[CriNode]:
     """The node of tests/cri_harness.cri_microvm_node with CRI-O in
-    containerd's place: its VM handler is the one of
-    deploy/crio/crust-microvm.conf with the drop-in's settings, but this
-    interpreter's shim, a runtime root below CRI-O's directory, and a
-    runtime_config_path of the drop-in's shape naming the node's handler
-    (which is the only way it reaches the shim: the node's handler
-    endpoint is nowhere in CRI-O's environment); pod_network: pods off the
-    host's network get CRI-O's bridge of their own."""
-    name, table = microvm_drop_in()
-    settings = root.path / "containerd-shim-crust.toml"
-    settings.write_text(f'handler_endpoint = "{kata_handler_endpoint(root)}"\n')
-    extra = {k: v for k, v in table.items() if k not in ("runtime_path", "runtime_type", "runtime_root")}
-    extra["runtime_config_path"] = str(settings)
-    with private_crio(tools, vm_runtimes={name: str(SHIM)}, vm_runtime_settings={name: extra},
+    containerd's place, its VM handler microvm_handler()'s; pod_network:
+    pods off the host's network get CRI-O's bridge of their own."""
+    vm_runtimes, vm_settings = microvm_handler(root.path, kata_handler_endpoint(root))
+    with private_crio(tools, vm_runtimes=vm_runtimes, vm_runtime_settings=vm_settings,
                       pod_network=pod_network) as (crio, image):
         with microvm_node(root, crio, image, vm_pool, handler_extra) as node:
             yield node

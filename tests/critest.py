@@ -57,7 +57,7 @@ CONFORMANCE_DOC = PROJECT / "docs" / "conformance.md"
 # names -> the handler critest is told (--runtime-handler), which the
 # engine's config maps to what it runs (critest_node()).
 ENGINES = {"containerd": {"runc": "runc", "crust-runc": "crust-runc", "crust-microvm": "crust"},
-           "crio": {"runc": "runc", "crust-runc": "crust-runc"}}
+           "crio": {"runc": "runc", "crust-runc": "crust-runc", "crust-microvm": "crust"}}
 ENGINE_NAMES = {"containerd": "containerd 1.6", "crio": "CRI-O 1.37"}
 # critest runs its pods below this cgroup parent when the runtime does not
 # say which cgroup driver it uses (containerd 1.6 does not).
@@ -135,16 +135,19 @@ def _containerd(registry: LocalRegistry, handler_env: dict[str, str]) -> Iterato
 def _crio(registry: LocalRegistry, handler_env: dict[str, str]) -> Iterator[object]:
     """A private CRI-O in a short directory of its own (its attach sockets'
     paths, crust.kubelet.crio.Crio.check_paths), its critest images pulled
-    through the mirrors, CRI's pod metrics on (critest's metrics specs)."""
-    from tests.crio_harness import locate_crio, started_crio
+    through the mirrors, CRI's pod metrics on (critest's metrics specs);
+    the microVM's handler as deploy/crio/crust-microvm.conf states it."""
+    from tests.crio_harness import locate_crio, microvm_handler, started_crio
 
     tools, problem = locate_crio()
     if problem:
         raise RuntimeError(problem)
     directory = Path(tempfile.mkdtemp(prefix="crust-crio-"))
+    vm_runtimes, vm_settings = microvm_handler(directory, handler_env["CRUST_KATA_HANDLER_ENDPOINT"])
     try:
         with started_crio(directory, tools, PAUSE, {host: registry.url for host in REGISTRY_HOSTS},
                           runtimes={"runc": "", "crust-runc": str(OCI_RUNTIME)}, env=handler_env,
+                          vm_runtimes=vm_runtimes, vm_runtime_settings=vm_settings,
                           pod_network=True, pod_metrics=True) as crio:
             yield crio
     finally:
@@ -348,14 +351,20 @@ class Expectations:
     # this host lacks)
     baselines: dict[str, dict[str, str]]
     needs_registry: dict[str, str]  # spec -> why only a real registry can serve it
-    microvm: dict[str, dict]  # spec -> {reason, issue | vm_cannot}
+    # spec -> {reason, issue | vm_cannot | engine_lacks, engines (only
+    # these; every engine without)}
+    microvm: dict[str, dict]
 
     def baseline(self, engine: str) -> dict[str, str]:
         return self.baselines[engine]
 
+    def microvm_for(self, engine: str) -> dict[str, dict]:
+        """The microVM's exceptions on one engine."""
+        return {spec: entry for spec, entry in self.microvm.items() if engine in entry.get("engines", ENGINES)}
+
     def known_failures(self, engine: str, runtime_class: str) -> set[str]:
         known = set(self.baseline(engine)) | set(self.needs_registry)
-        return known | set(self.microvm) if runtime_class == "crust-microvm" else known
+        return known | set(self.microvm_for(engine)) if runtime_class == "crust-microvm" else known
 
 
 def load_expectations(path: Path = EXPECTATIONS) -> Expectations:
@@ -380,14 +389,18 @@ def render_expectations(expectations: Expectations) -> str:
     lines += ["Specs that need a real registry (never counted as passing):", "",
               "| spec | why |", "|---|---|"]
     lines += [f"| {cell(spec)} | {cell(why)} |" for spec, why in sorted(expectations.needs_registry.items())]
-    by_issue = Counter(e.get("issue") or "vm" for e in expectations.microvm.values())
-    fixes = "".join(f"issue {i}: {by_issue[i]}; " for i in sorted(k for k in by_issue if k != "vm"))
+    by_issue = Counter(e.get("issue") or ("engine" if e.get("engine_lacks") else "vm")
+                       for e in expectations.microvm.values())
+    fixes = "".join(f"issue {i}: {by_issue[i]}; " for i in sorted(k for k in by_issue if k not in ("vm", "engine")))
     lines += ["", f"The microVM's exceptions ({len(expectations.microvm)} specs runc passes and "
-              f"crust-microvm does not; {fixes}no VM runtime can: {by_issue['vm']}):", "",
+              f"crust-microvm does not; {fixes}no VM runtime can: {by_issue['vm']}; the engine does not do "
+              f"for a VM runtime: {by_issue['engine']}):", "",
               "| spec | why | fixed by |", "|---|---|---|"]
     for spec, entry in sorted(expectations.microvm.items()):
-        fixed = f"issue {entry['issue']}" if entry.get("issue") else f"none: {cell(entry['vm_cannot'])}"
-        lines.append(f"| {cell(spec)} | {cell(entry['reason'])} | {fixed} |")
+        fixed = (f"issue {entry['issue']}" if entry.get("issue") else
+                 f"none: {cell(entry.get('vm_cannot') or entry['engine_lacks'])}")
+        where = f"On {', '.join(ENGINE_NAMES[e] for e in entry['engines'])} only. " if "engines" in entry else ""
+        lines.append(f"| {cell(spec)} | {where}{cell(entry['reason'])} | {fixed} |")
     return "\n".join(lines) + "\n"
 
 

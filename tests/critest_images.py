@@ -30,7 +30,8 @@ plus what those specs look for:
   `test` and `all`, an untagged name (latest).
 - registry.k8s.io/pause:3.9, also as k8s.gcr.io/pause:3.9 (one image from
   two registries), also the pods' sandbox image: a program named pause that
-  waits for a signal and exits, compiled here like nonewprivs. Its name
+  waits for a signal and exits, compiled here like nonewprivs, whose stop
+  signal is SIGKILL. Its name
   matters: in a pod sharing one PID namespace it is every container's
   process 1, and a spec that looks for a leftover `sleep` must not find it.
 
@@ -265,7 +266,13 @@ def build_all(busybox: Path | None = None) -> list[Published]:
     same = image(shell, marker("same-image"))
     published += [Published(f"{CRI_TOOLS}/test-image-tags:{tag}", same) for tag in ("1", "2", "3")]
 
-    pause = image({"Entrypoint": ["/pause"]}, images.layer_of([images.File("pause", pause_program, mode=0o755)]))
+    # StopSignal SIGKILL: CRI-O stops an infra container with its image's
+    # stop signal, and a SIGTERM that reaches the pause before its handler
+    # is set (a pod stopped right after it started, as critest's specs do)
+    # is dropped for a namespace's first process: the stop waits out its
+    # timeout. A pause has nothing to end gracefully.
+    pause = image({"Entrypoint": ["/pause"], "StopSignal": "SIGKILL"},
+                  images.layer_of([images.File("pause", pause_program, mode=0o755)]))
     published += [Published(PAUSE, pause), Published("k8s.gcr.io/pause:3.9", pause)]
     return published
 

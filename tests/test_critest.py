@@ -185,14 +185,18 @@ def test_the_lists_are_well_formed_and_disjoint():
     for engine, baseline in expected.baselines.items():
         lists = [set(baseline), set(expected.needs_registry)]
         if engine in MICROVM_ENGINES:
-            lists.append(set(expected.microvm))
+            lists.append(set(expected.microvm_for(engine)))
         assert all(not (a & b) for i, a in enumerate(lists) for b in lists[i + 1:]), f"{engine}: a spec is on two lists"
         assert all(baseline.values()), f"{engine}: a baseline spec without a reason"
     assert not set(expected.needs_registry) & set(expected.microvm)
     for spec, entry in expected.microvm.items():
         assert entry.get("reason"), f"{spec}: no reason"
-        assert (entry.get("issue") in (35, 36, 37)) != bool(entry.get("vm_cannot")), \
-            f"{spec}: name the issue that fixes it (35, 36, 37) or why a VM cannot, one of the two"
+        assert set(entry.get("engines", ENGINES)) <= set(MICROVM_ENGINES), f"{spec}: an engine without the microVM"
+        why_not = [bool(entry.get("issue") in (35, 36, 37)), bool(entry.get("vm_cannot")),
+                   bool(entry.get("engine_lacks"))]
+        assert sum(why_not) == 1, (f"{spec}: name the issue that fixes it (35, 36, 37), why a VM cannot, or what "
+                                   "the engine lacks: one of the three")
+        assert not entry.get("engine_lacks") or entry.get("engines"), f"{spec}: which engine lacks it?"
 
 
 def test_the_doc_shows_the_lists():
@@ -242,5 +246,6 @@ def test_critest_crust_microvm_fails_only_its_listed_exceptions(runs):
     # Each exception is a spec runc passes (else it belongs on the baseline).
     baseline = runs("runc")
     expected = load_expectations()
-    not_runc_passes = sorted(s for s in expected.microvm if s in baseline.specs and s not in baseline.named(PASSED))
+    not_runc_passes = sorted(s for s in expected.microvm_for(microvm.engine)
+                             if s in baseline.specs and s not in baseline.named(PASSED))
     assert not not_runc_passes, f"listed as the microVM's exceptions, but runc does not pass them: {not_runc_passes}"

@@ -18,11 +18,12 @@ owners and modes, setuid bits included, and any image config), for a
 registry (crust.kubelet.registry) as well as an archive.
 
 pause_image() is the sandbox image for a runtime that stops a pod's
-infra container gracefully (CRI-O sends SIGTERM first and waits): busybox
-with /pause, a shell that traps TERM and INT and exits. `sleep infinity`
-as PID 1 would ignore SIGTERM (the kernel delivers no signal to a
-namespace's init that has no handler for it) and each StopPodSandbox would
-wait for its timeout.
+infra container with its image's stop signal and waits (CRI-O): busybox
+with /pause, a shell that traps TERM and INT and exits, and SIGKILL as the
+image's stop signal. The kernel delivers no signal to a namespace's first
+process that has no handler for it: a SIGTERM that came before the trap
+was set (a pod stopped right after it started) would be lost and the stop
+would wait out its timeout.
 """
 
 from __future__ import annotations
@@ -268,7 +269,8 @@ def pause_image(busybox: Path | None = None) -> OciImage:
     busybox = busybox or find_busybox()
     check_static(busybox)
     pause = layer_of([File(PAUSE_COMMAND.lstrip("/"), PAUSE_SCRIPT.encode(), mode=0o755)])
-    return assemble([layer_tar(busybox), pause], {"Env": [f"PATH={PATH}"], "Cmd": [PAUSE_COMMAND], "WorkingDir": "/"},
+    return assemble([layer_tar(busybox), pause], {"Env": [f"PATH={PATH}"], "Cmd": [PAUSE_COMMAND], "WorkingDir": "/",
+                                                  "StopSignal": "SIGKILL"},
                     created_by=f"crust: pause from Debian busybox-static {busybox_version(busybox)}")
 
 
