@@ -1,7 +1,8 @@
 """`crust demo` run as a user runs it, for the tests of its CRI variants:
 a child process with --json, its temporary root below the test's, and
 what it must leave behind: nothing (its root, processes naming it, QEMU
-processes below it, a VM socket directory of its own)."""
+processes below it, a VM socket directory of its own, its CRI-O's short
+directory)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from crust.demo.crio import short_directory
 from crust.kata.qemu import SHORT_SOCKET_ROOT, qemu_pids_under
 from tests.cri_harness import processes_naming
 
@@ -41,4 +43,5 @@ def run_demo(root, *args: str, env: dict[str, str] | None = None, timeout: float
     # A VM's socket directory left is the demo's when no process names it
     # (one a test running beside made belongs to its live QEMU).
     assert [d for d in short_socket_dirs() - sockets_before if not processes_naming(str(d))] == []
+    assert not short_directory(Path(result["root"]) / "cri-o").exists()
     return result

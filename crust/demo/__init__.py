@@ -78,6 +78,7 @@ def run_demo(fs_type: str = "xfs", runtime: str = "mountns", as_json: bool = Fal
     if as_json:
         print(json.dumps({
             "steps": [{"name": s.name, "ms": s.ms, "ok": s.ok, "detail": s.detail} for s in timeline.steps],
+            "root": str(root),
             "runtime": runtime,
             "fs_type": fs_type,
             "host_mounted_during_sandbox": demo.host_mounted_during_sandbox,

@@ -91,8 +91,9 @@ class CriPod:
             else:
                 runtimes, vm_runtimes = {"runc": "", self.runtime_handler: str(runtime)}, {}
                 how = f"runtime_type oci, conmon running {runtime.name} (then crust's Python runtime where crust has work)"
-            self.cri_daemon = DemoCrio(self.root / "cri-o", self.cri_image, runtimes, vm_runtimes, env,
-                                       vm_settings).start()
+            # Kept before it starts, so that a start that fails half-way is closed too.
+            self.cri_daemon = DemoCrio(self.root / "cri-o", self.cri_image, runtimes, vm_runtimes, env, vm_settings)
+            self.cri_daemon.start()
             pulled = "pulled from a local registry"
         else:
             from crust.kubelet.containerd import Containerd

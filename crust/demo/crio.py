@@ -15,15 +15,25 @@ and $PINNS."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
 
 from crust.demo.steps import StepFailed
 from crust.kubelet import registry as local_registry
-from crust.kubelet.crio import Crio
+from crust.kubelet.crio import Crio, CrioError
 from crust.kubelet.crio import available as crio_available
 from crust.kubelet.image import Image
+
+SHORT_ROOT = Path("/run")
+
+
+def short_directory(directory: Path) -> Path:
+    """Where the CRI-O of the demo whose CRI-O directory is `directory`
+    keeps its own: a short path (CRI-O dials each container's attach
+    socket by a path below it, Crio.check_paths), named after `directory`."""
+    return SHORT_ROOT / f"crust-crio-{hashlib.sha256(str(directory).encode()).hexdigest()[:12]}"
 
 
 def locate() -> tuple[str, str]:
@@ -51,18 +61,23 @@ class DemoCrio:
         self.vm_runtime_settings = vm_runtime_settings or {}
         self.registry = local_registry.LocalRegistry(directory / "registry")
         self.crio: Crio | None = None
+        self.short: Path | None = None
 
     def start(self) -> DemoCrio:
         binary, pinns = locate()
         problem = crio_available(binary, pinns) or local_registry.available()
         if problem:
             raise StepFailed(problem)
-        self.registry.start()
-        pause = local_registry.push_busybox_and_pause(self.registry, self.image)
-        self.crio = Crio(self.directory / "crio", Path(binary), Path(pinns), pause_image=pause,
-                         runtimes=self.runtimes, vm_runtimes=self.vm_runtimes, env=self.env,
-                         vm_runtime_settings=self.vm_runtime_settings, mirrors={"localhost": self.registry.url})
-        self.crio.start()
+        try:
+            self.registry.start()
+            pause = local_registry.push_busybox_and_pause(self.registry, self.image)
+            self.short = short_directory(self.directory)
+            self.crio = Crio(self.short, Path(binary), Path(pinns), pause_image=pause,
+                             runtimes=self.runtimes, vm_runtimes=self.vm_runtimes, env=self.env,
+                             vm_runtime_settings=self.vm_runtime_settings, mirrors={"localhost": self.registry.url})
+            self.crio.start()
+        except (CrioError, local_registry.RegistryError) as exc:
+            raise StepFailed(str(exc)) from None
         return self
 
     @property
@@ -81,4 +96,7 @@ class DemoCrio:
         forced = self.crio.close() if self.crio is not None else []
         self.crio = None
         self.registry.close()
+        if self.short is not None:
+            shutil.rmtree(self.short, ignore_errors=True)
+            self.short = None
         return forced
