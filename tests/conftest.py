@@ -18,6 +18,25 @@ def needs_root(item: pytest.Item) -> bool:
             or "root" in getattr(item, "fixturenames", ()))
 
 
+# The modules that start a private CRI-O run in one worker, one after
+# another: what CRI-O makes outside its directory is shared by every
+# instance, and one waits for another to close (crust.kubelet.crio).
+CRIO_MODULES = {"test_crio.py", "test_crio_microvm.py", "test_critest.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole modules to each worker (a module's fixtures and its tests'
+    order stay together), the CRI-O modules as one."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "cri-o" if Path(module).name in CRIO_MODULES else module
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if not needs_root(item):

@@ -18,8 +18,13 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from crust.kubelet import image as images
+from crust.kubelet import cni
+from crust.kubelet import registry as local_registry
 from crust.kubelet.crio import Crio
+from crust.kubelet.crio import available as crio_available
 from crust.kubelet.registry import LocalRegistry, push_busybox_and_pause
 from tests.cri_harness import OCI_RUNTIME, CriNode, daemon_leftovers, kata_handler_endpoint, microvm_node
 from tests.csi_sanity import Tool, locate
@@ -97,7 +102,7 @@ def leftovers_of(crio: Crio) -> list[str]:
         rules = subprocess.run(["iptables-save", "-t", "nat"], capture_output=True, text=True,
                                timeout=30, check=False).stdout if shutil.which("iptables-save") else ""
         found += [f"iptables rule {line[:120]}" for line in rules.splitlines() if network.name in line]
-    found += sorted(crio.made_outside())
+    found += sorted(crio.left_outside)
     return found
 
 
@@ -159,3 +164,16 @@ def crio_microvm_node(root, tools: dict[str, Path], pod_network: bool = False, v
                       pod_network=pod_network) as (crio, image):
         with microvm_node(root, crio, image, vm_pool, handler_extra) as node:
             yield node
+
+
+def crio_tools_for(tools: dict[str, Path], missing: str) -> dict[str, Path]:
+    """A CRI-O test module's tools once they and what CRI-O needs here are
+    there; the test fails naming what is missing (a module without them is
+    skipped outside CI, before it gets here)."""
+    if missing:
+        pytest.fail(f"CI=true and a tool is missing: {missing}", pytrace=False)
+    problems = [p for p in (crio_available(tools["crio"], tools["pinns"]), local_registry.available(),
+                            cni.available()) if p]
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
+    return tools

@@ -33,14 +33,12 @@ import grpc
 import pytest
 
 from crust.api import cri_pb2 as cri
-from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, cni
-from crust.kubelet import registry as local_registry
+from crust.kubelet import Container, Kubelet, PersistentVolume, Pod
 from crust.kubelet.cri import KubeletRuntime
 from crust.kubelet.crio import Crio, CrioError
-from crust.kubelet.crio import available as crio_available
 from tests.demo_run import run_demo
 from tests.cri_harness import processes_naming
-from tests.crio_harness import crio_node, leftovers_of, locate_crio, private_crio
+from tests.crio_harness import crio_tools_for, crio_node, leftovers_of, locate_crio, private_crio
 from tests.test_handler import wait_until
 
 CRIO_TOOLS, CRIO_PROBLEM = locate_crio()
@@ -51,13 +49,7 @@ if CRIO_PROBLEM and not IN_CI:
 
 @pytest.fixture(scope="module")
 def crio_tools():
-    if CRIO_PROBLEM:
-        pytest.fail(f"CI=true and CRI-O is missing: {CRIO_PROBLEM}", pytrace=False)
-    problems = [p for p in (crio_available(CRIO_TOOLS["crio"], CRIO_TOOLS["pinns"]), local_registry.available(),
-                            cni.available()) if p]
-    if problems:
-        pytest.fail("; ".join(problems), pytrace=False)
-    return CRIO_TOOLS
+    return crio_tools_for(CRIO_TOOLS, CRIO_PROBLEM)
 
 
 # -- the private CRI-O's configuration ---------------------------------------------------------------

@@ -46,13 +46,11 @@ import pytest
 from crust.api import cri_pb2 as cri
 from crust.containerd_shim.process import STOPPED
 from crust.kata.qemu import qemu_pids_under
-from crust.kubelet import Container, Pod, VolumeMount, cni
-from crust.kubelet import registry as local_registry
+from crust.kubelet import Container, Pod, VolumeMount
 from crust.kubelet.crio import Crio
-from crust.kubelet.crio import available as crio_available
 from tests.demo_run import run_demo
 from tests.cri_harness import container_log, processes_naming
-from tests.crio_harness import DEPLOY, SHIM, crio_microvm_node, locate_crio, microvm_drop_in, private_crio
+from tests.crio_harness import crio_tools_for, DEPLOY, SHIM, crio_microvm_node, locate_crio, microvm_drop_in, private_crio
 from tests.csi_sanity import Tool, locate
 from tests.test_cri_microvm import APP, READER, MountWatch, _df, _pod, _stats
 from tests.test_handler import wait_until
@@ -68,13 +66,7 @@ CRI_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\
 
 @pytest.fixture(scope="module")
 def crio_tools():
-    if CRIO_PROBLEM or CRICTL_PROBLEM:
-        pytest.fail(f"CI=true and a tool is missing: {CRIO_PROBLEM or CRICTL_PROBLEM}", pytrace=False)
-    problems = [p for p in (crio_available(CRIO_TOOLS["crio"], CRIO_TOOLS["pinns"]), local_registry.available(),
-                            cni.available()) if p]
-    if problems:
-        pytest.fail("; ".join(problems), pytrace=False)
-    return CRIO_TOOLS
+    return crio_tools_for(CRIO_TOOLS, CRIO_PROBLEM or CRICTL_PROBLEM)
 
 
 def crictl(crio: Crio, *args: str, stdin: bytes = b"", timeout: float = 120) -> subprocess.CompletedProcess:

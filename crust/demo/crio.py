@@ -92,8 +92,11 @@ class DemoCrio:
         self.crio.restart()
 
     def close(self) -> list[str]:
-        """What had to be cleaned up by force (crust.kubelet.crio.Crio.close)."""
-        forced = self.crio.close() if self.crio is not None else []
+        """What had to be cleaned up by force (crust.kubelet.crio.Crio.close),
+        and what of CRI-O's was still there outside its directory after."""
+        forced = []
+        if self.crio is not None:
+            forced = self.crio.close() + [f"left outside its directory: {left}" for left in sorted(self.crio.left_outside)]
         self.crio = None
         self.registry.close()
         if self.short is not None:

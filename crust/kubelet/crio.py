@@ -51,12 +51,14 @@ compiled in for root, /var/lib/containers/cache; CRI-O has no setting).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import secrets
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +81,9 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # crun's default state root, and the blob info cache of the image library
 # (its directory is compiled in for root; CRI-O has no setting for it).
 HOSTPORT_TABLE = ("ip", "crio-hostports")
+# How long a private CRI-O waits for another of the same binary to close
+# (a whole critest run on CRI-O, three handlers, fits in it).
+MACHINE_WAIT = 1800.0
 CRIO_CGROUP = "crio"
 BLOB_INFO_CACHE = Path("/var/lib/containers/cache/blob-info-cache-v1.sqlite")
 # Files first (the cache and SQLite's companions), then directories
@@ -157,6 +162,10 @@ class Crio(CriDaemon):
     # removed by close()): the host port table, the crio cgroup, OUTSIDE_PATHS.
     _found: set[str] | None = None
     removed_outside: list[str] = field(default_factory=list)
+    # What of CRI-O's outside its directory was still there when close()
+    # was done (before another private CRI-O could start).
+    left_outside: set[str] = field(default_factory=set)
+    _machine_lock: int | None = None
     _channel: grpc.Channel | None = None
 
     # -- layout -----------------------------------------------------------------------
@@ -283,6 +292,7 @@ class Crio(CriDaemon):
         if self.process is not None and self.process.poll() is None:
             raise CrioError("this CRI-O is already running")
         self.check_paths()
+        self._hold_machine()
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self._found is None:
             self._found = self.outside()
@@ -321,8 +331,37 @@ class Crio(CriDaemon):
         if self.network is not None:
             forced += self.network.remove()
         self.removed_outside += self._remove_outside()
+        self.left_outside = self.made_outside()
         shutil.rmtree(self.directory, ignore_errors=True)
+        self._let_go_of_machine()
         return forced
+
+    def _hold_machine(self, timeout: float = MACHINE_WAIT) -> None:
+        """One private CRI-O of a binary at a time on a machine (a lock on
+        the binary, held from the first start to close()): what CRI-O makes
+        outside its directory (the /crio cgroup of pods without a cgroup
+        parent, /run/crun, the image library's cache) is the same for every
+        instance, so one could not tell what it made from what another did,
+        nor remove its own without taking another's."""
+        if self._machine_lock is not None:
+            return
+        descriptor = os.open(self.binary, os.O_RDONLY | os.O_CLOEXEC)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(descriptor)
+                    raise CrioError(f"another private CRI-O of {self.binary} kept running for {timeout:.0f} s")
+                time.sleep(0.2)
+        self._machine_lock = descriptor
+
+    def _let_go_of_machine(self) -> None:
+        if self._machine_lock is not None:
+            os.close(self._machine_lock)
+            self._machine_lock = None
 
     def _kill_monitors(self) -> list[str]:
         """SIGKILL the conmons of our containers (they outlive CRI-O by
