@@ -354,9 +354,15 @@ class Expectations:
     # spec -> {reason, issue | vm_cannot | engine_lacks, engines (only
     # these; every engine without)}
     microvm: dict[str, dict]
+    # engine -> spec -> the race of the engine's own its outcome turns on:
+    # counted for no handler on that engine
+    unstable: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def baseline(self, engine: str) -> dict[str, str]:
         return self.baselines[engine]
+
+    def unstable_on(self, engine: str) -> set[str]:
+        return set(self.unstable.get(engine, {}))
 
     def microvm_for(self, engine: str) -> dict[str, dict]:
         """The microVM's exceptions on one engine."""
@@ -372,7 +378,9 @@ def load_expectations(path: Path = EXPECTATIONS) -> Expectations:
     return Expectations(
         baselines={engine: {e["spec"]: e["reason"] for e in entries} for engine, entries in data["baseline"].items()},
         needs_registry={e["spec"]: e["reason"] for e in data["needs_registry"]},
-        microvm={e["spec"]: {k: v for k, v in e.items() if k != "spec"} for e in data["microvm"]})
+        microvm={e["spec"]: {k: v for k, v in e.items() if k != "spec"} for e in data["microvm"]},
+        unstable={engine: {e["spec"]: e["reason"] for e in entries}
+                  for engine, entries in (data.get("unstable") or {}).items()})
 
 
 def render_expectations(expectations: Expectations) -> str:
@@ -385,6 +393,11 @@ def render_expectations(expectations: Expectations) -> str:
         lines += [f"Specs runc fails on this machine too ({ENGINE_NAMES[engine]}, this host):", "",
                   "| spec | why |", "|---|---|"]
         lines += [f"| {cell(spec)} | {cell(why)} |" for spec, why in sorted(baseline.items())]
+        lines.append("")
+    for engine, unstable in expectations.unstable.items():
+        lines += [f"Specs whose outcome on {ENGINE_NAMES[engine]} turns on a race of the engine's own (counted for "
+                  "no handler):", "", "| spec | why |", "|---|---|"]
+        lines += [f"| {cell(spec)} | {cell(why)} |" for spec, why in sorted(unstable.items())]
         lines.append("")
     lines += ["Specs that need a real registry (never counted as passing):", "",
               "| spec | why |", "|---|---|"]

@@ -26,7 +26,8 @@ from crust.kubelet.crio import Crio, CrioError
 from crust.kubelet.crio import available as crio_available
 from crust.kubelet.image import Image
 
-SHORT_ROOT = Path("/run")
+# /tmp, not the temporary directory a caller names: its path must be short.
+SHORT_ROOT = Path("/tmp")
 
 
 def short_directory(directory: Path) -> Path:
