@@ -85,7 +85,7 @@ from bench.harness_stack import (  # noqa: E402
 )
 from crust.sys import loop as sysloop  # noqa: E402
 from crust.sys import mount as sysmount  # noqa: E402
-from tests.csi_sanity import (  # noqa: E402 - the flags, targets and invocation tests/test_conformance.py runs
+from tests.csi_sanity import (  # noqa: E402 - the flags, targets and invocation tests/integration/test_conformance.py runs
     DRIVER_FLAGS,
     MUTABLE_YAML,
     REFERENCE_FLAGS,

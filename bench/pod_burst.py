@@ -39,7 +39,7 @@ from bench.pod_start import first_write  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
 from tests.cri_harness import cri_microvm_node, wait_for_template  # noqa: E402
 from tests.harness import Root  # noqa: E402
-from tests.test_handler import wait_until  # noqa: E402
+from tests.harness import wait_until
 
 WORKLOAD = "echo x > /data/first-write && sync && echo written && trap 'exit 0' TERM; sleep 100000 & wait"
 WRITE_TIMEOUT = 600.0

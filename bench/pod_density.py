@@ -40,7 +40,7 @@ from crust.kata.qemu import qemu_pids_under  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
 from tests.cri_harness import container_log, cri_microvm_node, shim_pids, wait_for_template  # noqa: E402
 from tests.harness import Root  # noqa: E402
-from tests.test_handler import wait_until  # noqa: E402
+from tests.harness import wait_until
 
 IDLE = "trap 'exit 0' TERM; {write}echo up; sleep 100000 & wait"
 START_TIMEOUT = 300.0

@@ -117,7 +117,7 @@ def report(name: str, found: dict, cpu_s: float, top: int) -> None:
     for func, n in found["own"].most_common(top):
         print(f"  {100 * n / samples:7.1f} {100 * found['total'][func] / samples:8.1f}  {func}")
     crust_total = [(f, n) for f, n in found["total"].most_common() if "(crust/" in f][:top]
-    print(f"  -- crust's functions by total time (with what they call) --")
+    print("  -- crust's functions by total time (with what they call) --")
     for func, n in crust_total:
         print(f"  {100 * found['own'][func] / samples:7.1f} {100 * n / samples:8.1f}  {func}")
 

@@ -15,7 +15,7 @@ The tables sit between markers in docs/performance.md,
 and everything outside the markers (the notes) is written by hand and kept
 as it is. A scenario whose markers are missing gets a section appended at
 the end. The output depends on the committed files only, never on the
-clock or the machine rendering it (tests/test_performance_doc.py holds the
+clock or the machine rendering it (tests/unit/test_bench_render.py holds the
 document to that).
 """
 
@@ -42,7 +42,7 @@ result of that scenario in `bench/results/`, with the command that reproduces
 it. Each result file records its machine, accelerator, load and commit;
 older results of a scenario stay there as files. The tables are rendered by
 `{command}` (`.venv/bin/python -m bench.render`); the notes around them are
-written by hand. `tests/test_performance_doc.py` fails when a table is stale.
+written by hand. `tests/unit/test_bench_render.py` fails when a table is stale.
 """
 
 _MARK = re.compile(r"<!-- bench:table (?P<id>[\w-]+) -->\n.*?<!-- bench:end (?P=id) -->", re.S)

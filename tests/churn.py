@@ -16,7 +16,7 @@ makes (VMs, shims and their sockets, claims, mounts, loop devices, network
 namespaces, veths on the pod bridge, cgroups, files of the handler, proxy
 and kubelet, processes) must be as it was.
 
-tests/test_churn.py runs a short series in the suite; bench/pod_churn.py
+tests/vm/test_churn.py runs a short series in the suite; bench/pod_churn.py
 the long one.
 """
 
@@ -36,9 +36,7 @@ from crust.kubelet.containerd import CGROUP_FS
 from crust.kubelet.volumes import VolumeManager
 from crust.sys import mount as sysmount
 from tests.cri_harness import CriNode, container_log, processes_naming, shim_pids
-from tests.test_handler import wait_until
-
-# A life's container: writes its line into the volume, says so, and ends at
+from tests.harness import wait_until
 # SIGTERM at once (a shell waiting on its child takes the trap at once). A
 # crashing one exits 1 on its first run (its mark in the volume).
 RUN = "trap 'exit 0' TERM; echo life-{n} > /data/life && sync && echo up; sleep 600 & wait"

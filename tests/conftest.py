@@ -24,6 +24,15 @@ def needs_root(item: pytest.Item) -> bool:
 CRIO_MODULES = {"test_crio.py", "test_crio_microvm.py", "test_critest.py"}
 
 
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """`-m unit` selects only tests/unit, whose tests alone carry the mark:
+    the other tiers are then not even imported (some build crust-runc or
+    read the host's tools when imported, which a user without root may not)."""
+    if config.getoption("markexpr", "").strip() != "unit" or collection_path.suffix != ".py":
+        return None
+    return True if UNIT_TIER not in collection_path.resolve().parents else None
+
+
 def pytest_xdist_make_scheduler(config, log):
     """Whole modules to each worker (a module's fixtures and its tests'
     order stay together), the CRI-O modules as one."""
@@ -39,6 +48,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if UNIT_TIER in item.path.resolve().parents:
+            item.add_marker(pytest.mark.unit)
         if not needs_root(item):
             continue
         item.add_marker(pytest.mark.root)

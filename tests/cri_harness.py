@@ -159,7 +159,7 @@ TEMPLATE_TIMEOUT = 600.0   # the handler saving its template VM (a boot at nice 
 def wait_for_template(handler_state_dir: Path, timeout: float = TEMPLATE_TIMEOUT) -> None:
     """The handler (--vm-template) saved its VM: each pod's VM is restored from it."""
     from crust.kata.template import RECORD_FILE
-    from tests.test_handler import wait_until
+    from tests.harness import wait_until
 
     saved = handler_state_dir / "template" / RECORD_FILE
     wait_until(saved.exists, timeout=timeout, interval=0.2, what="the handler's template VM")
@@ -175,8 +175,8 @@ class CriNode:
 
     def __init__(self, root, containerd: Containerd, image: images.Image, handler_kw: dict | None = None,
                  runtime_classes: dict[str, str] | None = None):
-        from tests.test_handler import Env
-        from tests.test_kubelet import policy_file
+        from tests.integration.test_handler import Env
+        from tests.integration.test_kubelet import policy_file
 
         self.root = root
         kubelet_root = root.path / "kubelet"
@@ -222,7 +222,7 @@ class CriNode:
 
     def restart_handler(self) -> None:
         """SIGKILL the handler and start it again; back once it answers."""
-        from tests.test_handler import wait_until
+        from tests.harness import wait_until
 
         self.env.handler.kill()
         self.env.handler.start()
@@ -298,7 +298,7 @@ def microvm_node(root, daemon, image: images.Image, vm_pool: int = 0,
             # take longer than the test's set-up, and a pod that comes
             # earlier boots a VM of its own, which is not what a test with
             # a pool is about.
-            from tests.test_handler import wait_until
+            from tests.harness import wait_until
             wait_until(lambda: '"msg": "pooled VM ready"' in node.env.handler.log_path.read_text(errors="replace"),
                        timeout=300, interval=0.5, what="the pool's first VM")
         yield node

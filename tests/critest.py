@@ -1,6 +1,6 @@
 """The CRI conformance suite (critest, from kubernetes-sigs/cri-tools)
 against a private CRI runtime (containerd or CRI-O) with its runtime
-handlers, without a network: what tests/test_critest.py needs.
+handlers, without a network: what tests/vm/test_critest.py needs.
 
 - critest itself is not part of crust: `../shared/bin/critest` beside the
   repository, or a build of one's own named by CRITEST (tests/csi_sanity.locate);
@@ -163,7 +163,7 @@ DAEMONS = {"containerd": _containerd, "crio": _crio}
 @contextlib.contextmanager
 def critest_node(engine: str = "containerd") -> Iterator[CritestNode]:
     """Everything critest talks to, closed (pods first) whatever happens."""
-    from tests.test_handler import Env
+    from tests.integration.test_handler import Env
 
     root = Root()
     registry = LocalRegistry(root.path / "registry")

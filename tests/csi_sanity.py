@@ -1,5 +1,5 @@
 """The upstream conformance suite (csi-sanity) against crust's stacks, and
-the upstream tools it needs: what tests/test_conformance.py and
+the upstream tools it needs: what tests/integration/test_conformance.py and
 bench/conformance_ratio.py share.
 
 - the tools, none of them part of crust: `../shared/bin/NAME` beside the
@@ -220,7 +220,7 @@ def skipped_specs(junit: Path) -> list[str]:
 
 # -- the counts docs/conformance.md states ----------------------------------------------------------
 
-COUNTS_MARKER = "<!-- counts: read by tests/test_conformance.py -->"
+COUNTS_MARKER = "<!-- counts: read by tests/integration/test_conformance.py -->"
 COUNT_COLUMNS = ("passed", "failed", "pending", "skipped")
 
 

@@ -34,6 +34,26 @@ MIB = 1024**2
 GIB = 1024**3
 
 
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def pid_alive(pid: int) -> bool:
+    """Alive and not a zombie (a reaped-later zombie still answers kill 0)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 def mount_cap(fs_type: str = "", mode: int = AccessMode.SINGLE_NODE_WRITER, flags=()) -> csi_pb2.VolumeCapability:
     return csi_pb2.VolumeCapability(
         mount=csi_pb2.VolumeCapability.MountVolume(fs_type=fs_type, mount_flags=list(flags)),

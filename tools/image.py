@@ -16,7 +16,7 @@ The image itself is built with `buildah bud --isolation chroot` (RUN steps
 need no OCI runtime that way) and tagged localhost/crust:VERSION (-microvm
 with QEMU).
 `--archive` also writes it as an OCI archive named after the hash of
-everything the build reads, which is what tests/test_image.py imports into
+everything the build reads, which is what tests/integration/test_image.py imports into
 containerd; a second call with an unchanged tree reuses it.
 """
 

@@ -1,7 +1,7 @@
 """Format versions (crust.common.formats): every record and mountInfo.json
 names the format it was written in; a crust reads its own and every older
 one, and refuses a newer one, naming the file and both versions, before it
-acts on anything. The daemons' refusal at start is in tests/test_formats.py.
+acts on anything. The daemons' refusal at start is in tests/integration/test_formats.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """ttrpc's framing byte for byte (crust.common.ttrpc) and the wire layout of
 its Request and Response. Our server and client on real sockets, and a
-real containerd, are in tests/test_ttrpc.py."""
+real containerd, are in tests/integration/test_ttrpc.py."""
 
 from __future__ import annotations
 
