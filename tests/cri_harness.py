@@ -175,7 +175,7 @@ class CriNode:
 
     def __init__(self, root, containerd: Containerd, image: images.Image, handler_kw: dict | None = None,
                  runtime_classes: dict[str, str] | None = None):
-        from tests.integration.test_handler import Env
+        from tests.handler_env import Env
         from tests.integration.test_kubelet import policy_file
 
         self.root = root

@@ -163,7 +163,7 @@ DAEMONS = {"containerd": _containerd, "crio": _crio}
 @contextlib.contextmanager
 def critest_node(engine: str = "containerd") -> Iterator[CritestNode]:
     """Everything critest talks to, closed (pods first) whatever happens."""
-    from tests.integration.test_handler import Env
+    from tests.handler_env import Env
 
     root = Root()
     registry = LocalRegistry(root.path / "registry")

@@ -508,7 +508,7 @@ def foreign(path: str, root: Path, outside: Path) -> bool:
     test runs' roots and scratch directories)? Not this test's business.
     Nor are sandboxes' network namespaces: they are named in /run/netns by
     design (crust.sys.netns), whichever test's handler made them, and
-    tests/integration/test_handler.py checks that they go with their sandbox; nor
+    tests/integration/test_handler_network.py checks that they go with their sandbox; nor
     /run/netns itself, which the first namespace made after the machine
     booted binds onto itself (iproute2's `ip netns add` does),
     whichever test beside this one made it. Nor are

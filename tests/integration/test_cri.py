@@ -32,7 +32,7 @@ from tests.demo_run import run_demo
 from tests.cri_harness import (OCI_RUNTIME, PYTHON_OCI_RUNTIME, cri_node, host_network_pod, leftovers_of,
                                private_containerd, processes_naming, shim_pids, shims_killed_here)
 from tests.harness import device_held
-from tests.integration.test_handler import make_env  # noqa: F401 - make_env is a fixture
+from tests.handler_env import make_env  # noqa: F401 - make_env is a fixture
 from tests.harness import wait_until
 
 

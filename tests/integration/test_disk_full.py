@@ -27,7 +27,7 @@ from crust.csi_shim.records import volume_key
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests.harness import MIB, fill_until_full, mount_cap
-from tests.integration.test_handler import Env
+from tests.handler_env import Env
 from tests.harness import pid_alive, wait_until
 
 Code = grpc.StatusCode

@@ -58,7 +58,7 @@ from tests import podspec
 from tests.harness import MIB, Root, cleanup_root, mount_cap
 from tests.kustomize import render
 from tests.integration.test_kube import pki, serving  # noqa: F401 - the module's CA and server certificate
-from tests.integration.test_proxy_csi import KubeAPI
+from tests.kube_api import KubeAPI
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))

@@ -25,7 +25,7 @@ from crust.proxy.kubelet_registration import SERVICE_NAME
 from crust.sys import mount as sysmount
 from crust.sys import ownership
 from tests.harness import MIB, mount_cap
-from tests.integration.test_handler import Env, digest, kill_container_processes, view
+from tests.handler_env import Env, digest, kill_container_processes, view
 from tests.harness import wait_until
 
 DRIVER = "loop.csi.crust.dev"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from crust.api import csi_pb2
 from tests.harness import MIB
-from tests.integration.test_handler import Env
+from tests.handler_env import Env
 from tests.integration.test_node import NodeRun, write_config
 
 # Files crust writes for other readers, with the mode it gives them.

@@ -34,9 +34,9 @@ import pytest
 from crust.kata.qemu import VmConfig
 from crust.kata.sandbox import KataSandbox
 from crust.sys import proc
-from tests.integration.test_handler import Env, view
+from tests.handler_env import Env, view
 from tests.harness import pid_alive, wait_until
-from tests.integration.test_proxy_runtime import Env as RuntimeEnv
+from tests.proxy_runtime_env import Env as RuntimeEnv
 
 Code = grpc.StatusCode
 

@@ -220,7 +220,7 @@ def test_shim_and_proxy_records_damaged_while_they_run(root):
     mounted, when the shim's record or the proxy's decision is damaged."""
     from crust.contract.mountinfo import digest
     from crust.csi_shim.records import volume_key
-    from tests.integration.test_handler import Env
+    from tests.handler_env import Env
 
     env = Env(root, start_handler=False)
     for what in ("shim, deferred", "shim, on the host", "proxy's decision"):

@@ -22,7 +22,7 @@ import grpc
 
 from crust.api import registry_pb2, registry_pb2_grpc, runtime_pb2
 from tests.handler_server import HandlerServer, stats_response
-from tests.integration.test_proxy_runtime import REPO, Env, env, failure  # noqa: F401 - env: the stack fixture
+from tests.proxy_runtime_env import REPO, Env, env, failure  # noqa: F401 - env: the stack fixture
 
 Code = grpc.StatusCode
 NOBODY = 65534

@@ -37,7 +37,7 @@ from crust.contract.mountinfo import digest, kata_name
 from crust.kata.direct_volume import DirectVolumes
 from crust.sys import mount as sysmount
 from tests.harness import MIB
-from tests.integration.test_handler import Env, Vol
+from tests.handler_env import Env, Vol
 from tests.harness import wait_until
 from tests.vm.test_kata import (  # noqa: F401 - kenv_bus: a fixture
     DF_SCRIPT,

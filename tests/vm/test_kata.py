@@ -51,7 +51,7 @@ from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests.guest_vm import Guest, ScsiGuest, guest
 from tests.harness import MIB
-from tests.integration.test_handler import Env, namespaces_mounting
+from tests.handler_env import Env, namespaces_mounting
 from tests.harness import wait_until
 
 Code = grpc.StatusCode
