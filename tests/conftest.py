@@ -3,7 +3,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Root
+# The harness modules directly under tests/ hold assertions the tiers share:
+# rewritten like a test module's, a failing one shows the values it compared.
+pytest.register_assert_rewrite(*(f"tests.{m.stem}" for m in Path(__file__).parent.glob("*.py")
+                                 if m.stem not in ("__init__", "conftest")))
+
+from tests.harness import Root  # noqa: E402 - after the rewrite is registered
 
 UNIT_TIER = Path(__file__).resolve().parent / "unit"
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
