@@ -4,7 +4,7 @@ that shows what reached it: bytes, metadata both ways, deadline, status,
 metrics, and a graceful stop that lets a forwarded call finish.
 
 (Unknown methods and streams, which take the passthrough's other path, are
-covered in tests/integration/test_shim.py.)
+covered in tests/integration/test_shim_passthrough.py.)
 """
 
 from __future__ import annotations

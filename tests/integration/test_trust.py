@@ -317,7 +317,7 @@ def test_hostile_requests_of_a_denied_caller_change_nothing(env, tmp_path):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from tests import hostile
+    from tests import hostile_requests as hostile
 
     e = env()
     target, holder, before, sock = held_volume_open_to_all(e, "prop")

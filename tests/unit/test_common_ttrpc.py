@@ -1,6 +1,7 @@
 """ttrpc's framing byte for byte (crust.common.ttrpc) and the wire layout of
-its Request and Response. Our server and client on real sockets, and a
-real containerd, are in tests/integration/test_ttrpc.py."""
+its Request and Response. Our server and client on real sockets are in
+tests/integration/test_ttrpc_transport.py, a real containerd in
+tests/integration/test_ttrpc_containerd.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,255 @@
+"""The containerd shim's services over ttrpc without a pod: the task
+service's status codes (containerd's error codes), the stdio fifos, the
+`start` bench and `delete`'s clean-up of a dead shim's socket, and an exec's
+exit that waits for its whole output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import empty_pb2
+
+from crust.api import handler_pb2
+from crust.api import containerd_task_pb2 as task_pb
+from crust.common import ttrpc
+from crust.containerd_shim.events import Publisher
+from crust.containerd_shim.task import TaskService
+from crust.common.ttrpc import Client, Server, TtrpcError
+from tests.ttrpc_harness import TASK
+from tests.ttrpc_harness import sock  # noqa: F401 - a fixture
+
+
+# -- the task service's answers without a pod --------------------------------------------------
+
+
+async def test_task_service_status_codes(sock, tmp_path, monkeypatch):
+    """Unknown ids are NOT_FOUND, bad input INVALID_ARGUMENT, what crust
+    does not offer UNIMPLEMENTED: the codes containerd's errdefs map."""
+    from crust.containerd_shim import task
+
+    monkeypatch.setattr(task, "HANDLER_RESTART_SECONDS", 0.5)  # no handler ever comes here
+    service = TaskService("unix:///nonexistent/handler.sock", Publisher("", "k8s.io"))
+    server = Server()
+    server.register_service(task_pb.DESCRIPTOR.services_by_name["Task"], service)
+    await server.serve_path(sock)
+    client = await Client.connect(sock)
+
+    async def code(method, request, response_type=empty_pb2.Empty):
+        with pytest.raises(TtrpcError) as caught:
+            await client.call(TASK, method, request, response_type, timeout=5)
+        return caught.value.code
+
+    try:
+        for method, request, response in [("State", task_pb.StateRequest(id="nope"), task_pb.StateResponse),
+                                          ("Start", task_pb.StartRequest(id="nope"), task_pb.StartResponse),
+                                          ("Wait", task_pb.WaitRequest(id="nope"), task_pb.WaitResponse),
+                                          ("Delete", task_pb.DeleteRequest(id="nope"), task_pb.DeleteResponse),
+                                          ("Kill", task_pb.KillRequest(id="nope", signal=9), empty_pb2.Empty),
+                                          ("Pids", task_pb.PidsRequest(id="nope"), task_pb.PidsResponse),
+                                          ("CloseIO", task_pb.CloseIORequest(id="nope"), empty_pb2.Empty),
+                                          ("Connect", task_pb.ConnectRequest(id="nope"), task_pb.ConnectResponse)]:
+            assert await code(method, request, response) == ttrpc.NOT_FOUND, method
+        assert await code("State", task_pb.StateRequest(id=""), task_pb.StateResponse) == ttrpc.INVALID_ARGUMENT
+        assert await code("Create", task_pb.CreateTaskRequest(id="c", bundle="relative"),
+                          task_pb.CreateTaskResponse) == ttrpc.INVALID_ARGUMENT
+        assert await code("Create", task_pb.CreateTaskRequest(id="c", bundle=str(tmp_path)),
+                          task_pb.CreateTaskResponse) == ttrpc.INVALID_ARGUMENT  # no config.json
+        (tmp_path / "config.json").write_text(json.dumps({"annotations": {
+            "io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-id": "pod-x"}}))
+        # A container of a pod this shim does not run.
+        assert await code("Create", task_pb.CreateTaskRequest(id="c", bundle=str(tmp_path)),
+                          task_pb.CreateTaskResponse) == ttrpc.FAILED_PRECONDITION
+        (tmp_path / "config.json").write_text(json.dumps({"annotations": {
+            "io.kubernetes.cri.container-type": "sandbox", "io.kubernetes.cri.sandbox-id": "pod-x"}}))
+        # The handler is not there: UNAVAILABLE, and no task is left.
+        assert await code("Create", task_pb.CreateTaskRequest(id="pod-x", bundle=str(tmp_path)),
+                          task_pb.CreateTaskResponse) == ttrpc.UNAVAILABLE
+        assert await code("State", task_pb.StateRequest(id="pod-x"), task_pb.StateResponse) == ttrpc.NOT_FOUND
+        for method, request in [("Stats", task_pb.StatsRequest(id="x")), ("Update", task_pb.UpdateTaskRequest(id="x")),
+                                ("Pause", task_pb.PauseRequest(id="x")), ("Resume", task_pb.ResumeRequest(id="x")),
+                                ("Checkpoint", task_pb.CheckpointTaskRequest(id="x"))]:
+            assert await code(method, request) in (ttrpc.UNIMPLEMENTED, ttrpc.NOT_FOUND), method
+        # With no task, Shutdown ends the shim.
+        assert not service.containers
+        await client.call(TASK, "Shutdown", task_pb.ShutdownRequest(id="x"), empty_pb2.Empty, timeout=5)
+    finally:
+        await client.close()
+        await server.close()
+        await service.close()
+
+
+# -- the shim's stdio fifos (real fifos) ---------------------------------------------------------
+
+
+async def test_a_finished_fifo_keeps_its_last_words_until_a_reader_comes(tmp_path):
+    """Output written while nobody reads (containerd away) stays in the pipe;
+    the shim closes its end only once a reader is back, who then reads it
+    all and an end of file."""
+    import errno
+    import os
+
+    from crust.containerd_shim.stdio import open_fifo
+
+    path = tmp_path / "stdout"
+    os.mkfifo(path)
+    writer = open_fifo(str(path))  # no reader: the open does not block
+    await writer.write(b"last words\n")
+    deleted = asyncio.Event()
+    closing = asyncio.ensure_future(writer.close_once_read(deleted, bound=30, interval=0.05))
+    await asyncio.sleep(0.5)
+    assert not closing.done(), "closed with nobody reading: the bytes would be lost"
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        await asyncio.wait_for(closing, 5)
+        assert os.read(reader, 100) == b"last words\n"
+        assert os.read(reader, 100) == b""  # the shim's end is closed: end of file
+    finally:
+        os.close(reader)
+    # A deleted process's fifo is let go at once, reader or not.
+    second = open_fifo(str(path))
+    deleted.set()
+    await asyncio.wait_for(second.close_once_read(deleted, bound=30), 5)
+    assert second.fd is None
+    with pytest.raises(OSError) as caught:
+        os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    assert caught.value.errno == errno.ENXIO  # nobody holds it any more
+    assert open_fifo("") is None
+
+
+# -- the shim's `start` and `delete` ---------------------------------------------------------------
+
+
+def test_the_shim_start_bench_times_start_for_a_running_pod_and_leaves_nothing(tmp_path):
+    """bench/shim_start.py: each round's `start` answers the address of the
+    pod shim the bench made to listen (no daemon is started), and the bench
+    removes that socket with its bundle."""
+    from bench import shim_start
+    from tests.cri_harness import processes_naming
+
+    out = tmp_path / "start.json"
+    assert shim_start.main(["--rounds", "2", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    (timed,) = results.values()
+    assert timed["wall_ms"]["n"] == 2 and timed["cpu_ms"]["n"] == 2 and 0 < timed["wall_ms"]["median"] < 10_000
+    assert not list(Path(tempfile.gettempdir()).glob("crust-shim-start-*"))
+    assert not processes_naming(shim_start.POD)
+
+
+def test_a_dead_shims_socket_is_removed_and_nothing_else(tmp_path):
+    """`delete`'s clean-up of a killed shim's socket (the bundle's address):
+    removed when nobody accepts on it; kept when a shim answers there, and
+    never outside containerd's socket directory."""
+    from crust.containerd_shim.main import SOCKET_DIR, remove_dead_socket
+
+    SOCKET_DIR.mkdir(parents=True, exist_ok=True)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    ours = SOCKET_DIR / f"crust-test-{os.getpid()}-{time.monotonic_ns()}"
+    outside = tmp_path / "elsewhere.sock"
+    listeners = []
+    try:
+        for path in (ours, outside):
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(path))
+            listener.listen(4)
+            listeners.append(listener)
+        (bundle / "address").write_text(f"unix://{ours}")
+        assert not remove_dead_socket(bundle) and ours.is_socket()     # a shim answers there
+        (bundle / "address").write_text(f"unix://{outside}")
+        listeners.pop().close()
+        assert not remove_dead_socket(bundle) and outside.is_socket()  # not containerd's directory
+        (bundle / "address").write_text(f"unix://{ours}")
+        listeners.pop().close()
+        assert remove_dead_socket(bundle) and not ours.exists()
+        assert not remove_dead_socket(bundle)                           # gone already
+        (bundle / "address").unlink()
+        assert not remove_dead_socket(bundle)                           # no address at all
+    finally:
+        for listener in listeners:
+            listener.close()
+        ours.unlink(missing_ok=True)
+
+
+# -- a process's exit and its output ---------------------------------------------------------------
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Handler:
+    """PodRuntime as the shim sees it: the exec exited 0 at once; its
+    output comes as chunks once `more` is set, then the stream ends (with
+    end: an error)."""
+
+    def __init__(self, chunks: list[bytes], end: _RpcError | None):
+        self.chunks, self.end, self.more = chunks, end, asyncio.Event()
+
+    async def GetProcess(self, request):
+        return handler_pb2.ProcessState(status=handler_pb2.ProcessState.STOPPED, exit_code=0, exited_at_ns=1)
+
+    async def _stream(self, request):
+        await self.more.wait()
+        offset = request.stdout_offset
+        for data in self.chunks:
+            yield handler_pb2.OutputChunk(stream=handler_pb2.OutputChunk.STDOUT, offset=offset, data=data)
+            offset += len(data)
+        if self.end is not None:
+            raise self.end
+
+    def ReadOutput(self, request):
+        return self._stream(request)
+
+
+@pytest.mark.parametrize("end", [None, _RpcError(grpc.StatusCode.DATA_LOSS, "the output of e was cut after 6 bytes "
+                                                                              "of stdout and 0 of stderr: the VM is gone")],
+                         ids=["whole", "cut"])
+async def test_an_execs_exit_waits_for_its_whole_output_and_a_cut_one_fails_its_wait(tmp_path, monkeypatch, end):
+    """The exit is reported only once the handler's stream of the output
+    ended, however late; a stream that ended in an error fails the exec's
+    Wait with DATA_LOSS and the handler's words (containerd's ExecSync then
+    fails), where a whole one answers the exit code."""
+    from crust.containerd_shim.process import RUNNING, Container, Process
+
+    service = TaskService("unix:///nonexistent/handler.sock", Publisher("", "k8s.io"))
+    handler = _Handler([b"abc", b"def"], end)
+    monkeypatch.setattr(TaskService, "pods", property(lambda _: handler))
+    os.mkfifo(tmp_path / "out")
+    os.mkfifo(tmp_path / "err")
+    reader = os.open(tmp_path / "out", os.O_RDONLY | os.O_NONBLOCK)
+    process = Process("c", "e", stdout=str(tmp_path / "out"), stderr=str(tmp_path / "err"), status=RUNNING)
+    service.containers["c"] = Container("c", str(tmp_path), sandbox=False, init=Process("c", ""),
+                                        execs={"e": process})
+    try:
+        watcher = asyncio.ensure_future(service._watch_process(process))
+        await asyncio.sleep(0.3)
+        assert not process.exited.is_set()   # exited in the guest, output not yet out
+        handler.more.set()
+        await asyncio.wait_for(watcher, 5)
+        assert os.read(reader, 100) == b"abcdef"
+        if end is None:
+            answer = await service.Wait(task_pb.WaitRequest(id="c", exec_id="e"), None)
+            assert answer.exit_status == 0
+        else:
+            with pytest.raises(TtrpcError) as failed:
+                await service.Wait(task_pb.WaitRequest(id="c", exec_id="e"), None)
+            assert failed.value.code == ttrpc.DATA_LOSS
+            assert "exited with code 0, but the output of e was cut after 6 bytes" in failed.value.message
+    finally:
+        process.deleted.set()
+        os.close(reader)
