@@ -3,7 +3,8 @@ the host where it can run here: Warm's throwaway container through a real
 crun (the image's warm spec, with the host's libraries bound in its empty
 root, since the host's /bin/sh is not the guest's static busybox), what it
 leaves behind (nothing), and Resume's refusals. Setting the clock, the
-entropy and the power-off run in VMs (tests/vm/test_kata.py)."""
+entropy and the power-off run in VMs (tests/vm/test_kata_template.py,
+tests/vm/test_guest_agent_vm.py)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ IMAGE = re.compile(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)>?\s*\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 INLINE_CODE = re.compile(r"(`+)(.+?)\1")
-# A path into the repository as pages name one: tests/vm/test_kata.py, deploy/crio/.
+# A path into the repository as pages name one: tests/vm/test_kata_handler.py, deploy/crio/.
 REPO_PATH = re.compile(r"(?<![\w./~-])((?:tests|bench|crust|deploy|specs|tools|examples|docs)/[\w./-]*\w)")
 
 
@@ -155,5 +155,5 @@ def test_the_checks_themselves():
     assert slug("The microVM handler (`crust kata`)") == "the-microvm-handler-crust-kata"
     assert slug("3'. Or in a pod") == "3-or-in-a-pod"
     assert table_cells("| a | `x\\|y` | c |") == ["a", "`x\\|y`", "c"]
-    assert [m.group(1) for m in REPO_PATH.finditer("(`tests/vm/test_kata.py`, /var/lib/crust/x, bench/results/.)")] \
-        == ["tests/vm/test_kata.py", "bench/results"]
+    assert [m.group(1) for m in REPO_PATH.finditer("(`tests/vm/test_kata_handler.py`, /var/lib/crust/x, bench/results/.)")] \
+        == ["tests/vm/test_kata_handler.py", "bench/results"]

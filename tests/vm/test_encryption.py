@@ -39,7 +39,7 @@ from crust.sys import mount as sysmount
 from tests.harness import MIB
 from tests.handler_env import Env, Vol
 from tests.harness import wait_until
-from tests.vm.test_kata import (  # noqa: F401 - kenv_bus: a fixture
+from tests.kata_env import (  # noqa: F401 - kenv_bus: a fixture
     DF_SCRIPT,
     anyone_mounts,
     guest_df,
@@ -47,7 +47,7 @@ from tests.vm.test_kata import (  # noqa: F401 - kenv_bus: a fixture
     kenv_bus,
     usage_dict,
 )
-from tests.vm.test_pod_runtime import PodClient, bind, container_bundle
+from tests.pod_runtime_client import PodClient, bind, container_bundle
 
 Code = grpc.StatusCode
 AccessMode = csi_pb2.VolumeCapability.AccessMode

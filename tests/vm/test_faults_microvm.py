@@ -28,7 +28,7 @@ from crust.kubelet import EmptyDir, VolumeMount
 from crust.kubelet.cri import SyncError
 from crust.sys import mount as sysmount
 from tests.harness import wait_until
-from tests.vm.test_pod_volumes import KEEP_RUNNING, cri_log, pod_node
+from tests.pod_nodes import KEEP_RUNNING, cri_log, pod_node
 
 
 def proc_alive(pid: int) -> bool:

@@ -25,7 +25,7 @@ from pyroute2 import netns
 from crust.api import cri_pb2 as cri
 from crust.kubelet import ContainerPort
 from tests.harness import wait_until
-from tests.vm.test_pod_volumes import KEEP_RUNNING, RUNTIME_CLASSES, pod_node
+from tests.pod_nodes import KEEP_RUNNING, RUNTIME_CLASSES, pod_node
 
 pytestmark = pytest.mark.slow
 

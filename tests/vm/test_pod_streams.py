@@ -31,7 +31,7 @@ import pytest
 from crust.api import cri_pb2 as cri
 from tests.csi_sanity import Tool, locate
 from tests.harness import wait_until
-from tests.vm.test_pod_volumes import KEEP_RUNNING, node  # noqa: F401 - node is the fixture
+from tests.pod_nodes import KEEP_RUNNING, node  # noqa: F401 - node is the fixture
 
 pytestmark = pytest.mark.slow
 

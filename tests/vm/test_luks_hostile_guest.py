@@ -1,12 +1,13 @@
-"""Encrypted volumes against a hostile disk: the guest opens only the LUKS2
-header crust made, from a copy it checked, and formats only a blank device.
+"""Encrypted volumes against a hostile disk, in the guest: the guest opens
+only the LUKS2 header crust made, from a copy it checked, and formats only
+a blank device.
 
 The attacker is docs/encryption.md's ("Threat model"): whoever can write a volume's backing
 file or block device, without its passphrase. Headers are crafted on the
-host (tests/luks2_header.py). What is checked is what a pod would lose:
-the bytes of the device (its sha256 before and after a refusal), the
-plaintext of the pod's writes on the raw device, the mapping the guest's
-kernel really holds, and the gRPC status the sandbox start gets.
+host (tests/luks_variants.py, tests/luks2_header.py). What is checked is
+what a pod would lose: the bytes of the device (its sha256 before and
+after a refusal), the plaintext of the pod's writes on the raw device, and
+the mapping the guest's kernel really holds.
 
 - the shape check (crust/guest/luks_shape.py) on the host, against every
   variant: fast, and the same code the guest runs;
@@ -16,10 +17,9 @@ kernel really holds, and the gRPC status the sandbox start gets.
 - the blank rule, host (crust/sys/fs.py) and guest (an OpenEncrypted that
   may not format), on one table of devices;
 - integrity (crust.dev/integrity: hmac-sha256): a flipped ciphertext byte
-  reads as an I/O error; without it, as altered data;
-- through the whole stack: a hostile header fails the sandbox's claim with
-  FAILED_PRECONDITION naming the field, and the pod's data never reaches the
-  disk.
+  reads as an I/O error; without it, as altered data.
+
+Through the whole stack: tests/vm/test_luks_hostile_stack.py.
 """
 
 from __future__ import annotations
@@ -28,17 +28,12 @@ import asyncio
 import hashlib
 import os
 import random
-import struct
-import subprocess
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import pytest
 
-from crust.api import agent_pb2, csi_pb2, registry_pb2, registry_pb2_grpc
+from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.contract import encryption
 from crust.kata import port_volumes
@@ -48,130 +43,12 @@ from crust.sys.run import CommandError
 from tests.guest_vm import Guest
 from tests.guest_vm import guest as run_in_guest
 from tests.harness import MIB
-from tests.luks2_header import Header, luks_format, plant_null_key_slot, shape_verdict
-from tests.vm.test_encryption import Encrypted, cap, holds, sha256_of
-from tests.vm.test_kata import kata_env
+from tests.luks2_header import plant_null_key_slot, shape_verdict
+from tests.luks_variants import BLANK_TABLE, HOST_VOLUME_KEY, MARKER, PASSPHRASE, SIZE, VARIANTS
+from tests.luks_variants import crust_header, luks1, new_image, reencryption
+from tests.vm.test_encryption import holds, sha256_of
 
 Code = grpc.StatusCode
-PASSPHRASE = b"pod-secret-3b1f9e0c-luks-hostile"
-MARKER = b"crust-hostile-marker-71c4"
-SIZE = 64 * MIB
-
-
-# -- the variants: what a host without the passphrase (or, for the last ones, with it) writes -----
-
-
-def null_everything(image: Path) -> None:
-    """Made without the passphrase: key slot and segment cipher_null-ecb,
-    and a plain ext4 behind the header, where the pod's writes would land
-    in the clear."""
-    luks_format(image, os.urandom(16))
-    plant_null_key_slot(image, os.urandom(64), segment_cipher="cipher_null-ecb")
-    inside = (image.stat().st_size - 16 * MIB) // 1024
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-E", f"offset={16 * MIB}", str(image), f"{inside}k"],
-                   check=True, capture_output=True, timeout=60)
-
-
-def null_key_slot(image: Path) -> None:
-    """The segment left as crust makes it, but the key slot area
-    cipher_null-ecb holding a volume key the host chose: every passphrase
-    opens it, and the host decrypts what the pod writes."""
-    luks_format(image, os.urandom(16))
-    plant_null_key_slot(image, HOST_VOLUME_KEY)
-
-
-def null_segment(image: Path) -> None:
-    """crust's header made with the pod's passphrase (a host that knows it),
-    the segment patched to cipher_null-ecb."""
-    luks_format(image, PASSPHRASE)
-    Header.edit(image, lambda m: m["segments"]["0"].__setitem__("encryption", "cipher_null-ecb"))
-
-
-def short_key(image: Path) -> None:
-    luks_format(image, PASSPHRASE, replace={"--key-size": "256"})
-
-
-def four_k_sectors(image: Path) -> None:
-    luks_format(image, PASSPHRASE, replace={"--sector-size": "4096"})
-
-
-def argon2(image: Path) -> None:
-    luks_format(image, PASSPHRASE, replace={"--pbkdf": "argon2id", "--pbkdf-force-iterations": "4"})
-
-
-def second_key_slot(image: Path) -> None:
-    luks_format(image, PASSPHRASE)
-    extra = image.with_suffix(".key")
-    extra.write_bytes(b"a second passphrase")
-    subprocess.run(["cryptsetup", "luksAddKey", "--batch-mode", "--pbkdf", "pbkdf2", "--pbkdf-force-iterations",
-                    "1000", "--key-file=-", str(image), str(extra)], input=PASSPHRASE, check=True,
-                   capture_output=True, timeout=60)
-
-
-def token(image: Path) -> None:
-    luks_format(image, PASSPHRASE)
-    Header.edit(image, lambda m: m["tokens"].__setitem__(
-        "0", {"type": "luks2-keyring", "keyslots": ["0"], "key_description": "crust:planted"}))
-
-
-def discards(image: Path) -> None:
-    luks_format(image, PASSPHRASE)
-    Header.edit(image, lambda m: m["config"].__setitem__("flags", ["allow-discards"]))
-
-
-def fixed_size(image: Path) -> None:
-    luks_format(image, PASSPHRASE)
-    Header.edit(image, lambda m: m["segments"]["0"].__setitem__("size", str(8 * MIB)))
-
-
-def reencryption(image: Path) -> None:
-    luks_format(image, PASSPHRASE)
-    Header.edit(image, lambda m: m["config"].__setitem__("requirements", {"mandatory": ["online-reencrypt-v2"]}))
-
-
-def luks1(image: Path) -> None:
-    subprocess.run(["cryptsetup", "luksFormat", "--batch-mode", "--type", "luks1", "--pbkdf-force-iterations",
-                    "1000", "--key-file=-", str(image)], input=PASSPHRASE, check=True, capture_output=True,
-                   timeout=60)
-
-
-HOST_VOLUME_KEY = os.urandom(64)
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    make: Callable[[Path], None]
-    refusal: str    # words the refusal names (the field, the value found)
-
-
-VARIANTS = [
-    Variant("null-cipher header made without the passphrase", null_everything,
-            'segments.0.encryption is "cipher_null-ecb"'),
-    Variant("null key slot, the host's volume key", null_key_slot,
-            'keyslots.0.area.encryption is "cipher_null-ecb"'),
-    Variant("crust's header, segment patched to the null cipher", null_segment,
-            'segments.0.encryption is "cipher_null-ecb"'),
-    Variant("a 256-bit key", short_key, "keyslots.0.key_size is 32"),
-    Variant("4096-byte sectors", four_k_sectors, "segments.0.sector_size is 4096"),
-    Variant("argon2id key slot", argon2, 'keyslots.0.kdf.type is "argon2id"'),
-    Variant("a second key slot", second_key_slot, "keyslots.1 is"),
-    Variant("a token", token, "tokens.0 is"),
-    Variant("allow-discards", discards, 'config.flags is ["allow-discards"]'),
-    Variant("a fixed segment size", fixed_size, 'segments.0.size is "8388608"'),
-    Variant("a reencryption requirement", reencryption, "LUKS2 header"),
-    Variant("LUKS1", luks1, "LUKS1 header: crust makes and opens LUKS2 only"),
-]
-
-
-def crust_header(image: Path) -> None:
-    luks_format(image, PASSPHRASE)
-
-
-def new_image(path: Path, size: int = SIZE) -> Path:
-    with open(path, "wb") as f:
-        f.truncate(size)
-    return path
 
 
 def test_the_shape_check_accepts_crusts_header_and_names_what_differs_in_every_other(tmp_path):
@@ -354,57 +231,6 @@ def test_a_header_rewritten_during_the_opens_changes_nothing(root):
     guest(root, run)
 
 
-# -- blank means blank, on the host and in the guest ------------------------------------------------
-
-
-def mbr_with_data(image: Path) -> None:
-    entry = struct.pack("<B3sB3sII", 0, b"\0\0\0", 0x83, b"\0\0\0", 2048, image.stat().st_size // 512 - 2048)
-    with open(image, "r+b") as f:
-        f.seek(446)
-        f.write(entry)
-        f.seek(510)
-        f.write(b"\x55\xaa")
-        f.seek(2048 * 512)
-        f.write(MARKER * 100)
-
-
-def ext4_with_xfs_in_sector_zero(image: Path) -> None:
-    """A clean ext4 with data whose first sector also holds an xfs super
-    block (ext4 leaves the first KiB to a boot loader): blkid -p sees two
-    signatures and exits 8."""
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True, timeout=60)
-    xfs = image.with_suffix(".xfs")
-    with open(xfs, "wb") as f:
-        f.truncate(300 * MIB)
-    subprocess.run(["mkfs.xfs", "-q", str(xfs)], check=True, capture_output=True, timeout=60)
-    with open(xfs, "rb") as f:
-        sector = f.read(512)
-    xfs.unlink()
-    with open(image, "r+b") as f:
-        f.write(sector)
-
-
-def mkfs(kind: str) -> Callable[[Path], None]:
-    def make(image: Path) -> None:
-        argv = {"ext4": ["mkfs.ext4", "-q", "-F"], "swap": ["mkswap"]}[kind]
-        subprocess.run([*argv, str(image)], check=True, capture_output=True, timeout=60)
-    return make
-
-
-# name, how it is made, the host's verdict (blank, the kind, or "error"), the guest's answer to an
-# open that may not format
-BLANK_TABLE = [
-    ("zeros", lambda image: None, "blank", "err FAILED_PRECONDITION: is blank and format_if_blank is not set"),
-    ("ext4", mkfs("ext4"), "ext4", "err FAILED_PRECONDITION: holds ext4: not blank and not LUKS2"),
-    ("swap", mkfs("swap"), "swap", "err FAILED_PRECONDITION: holds swap: not blank and not LUKS2"),
-    ("MBR and data", mbr_with_data, "dos", "err FAILED_PRECONDITION: holds dos: not blank and not LUKS2"),
-    ("ext4 and an xfs super block", ext4_with_xfs_in_sector_zero, "error",
-     "err FAILED_PRECONDITION: blkid -p exited 8"),
-    ("LUKS2", crust_header, "crypto_LUKS", "ok formatted=0"),
-    ("LUKS1", luks1, "crypto_LUKS", "err FAILED_PRECONDITION: has a LUKS1 header"),
-]
-
-
 def host_verdict(device: str) -> str:
     try:
         probe = asyncio.run(sysfs.probe(device))
@@ -509,110 +335,3 @@ def test_integrity_makes_altered_ciphertext_an_io_error_where_plain_luks2_reads_
     assert plain_code == 0 and digest not in plain_out, f"the flip was not seen at all: {plain_out}"
     auth_code, auth_out = verdicts["authenticated"]
     assert auth_code != 0 and "Input/output error" in auth_out, auth_out
-
-
-# -- through the whole stack ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def kenv(root):
-    yield from kata_env(root)
-
-
-def write_over(device: str, scratch: Path, make: Callable[[Path], None]) -> None:
-    """What make() writes into an image file of the device's size, written
-    over the device itself (the loop device's page cache is what QEMU reads)."""
-    with open(device, "rb") as f:
-        size = f.seek(0, os.SEEK_END)
-    with open(scratch, "wb") as f:
-        f.truncate(size)
-    make(scratch)
-    assert scratch.stat().st_size == size
-    with open(scratch, "rb") as src, open(device, "r+b") as dst:
-        while chunk := src.read(4 * MIB):
-            dst.write(chunk)
-        dst.flush()
-        os.fsync(dst.fileno())
-    scratch.unlink()
-
-
-def test_a_sandbox_on_a_hostile_disk_fails_its_claim_and_the_pods_data_never_reaches_it(kenv):
-    enc = Encrypted(kenv)
-    hostile = [(VARIANTS[1], "pv-null-slot"), (VARIANTS[2], "pv-null-segment")]
-    for variant, pv in hostile:
-        v = enc.create(pv)
-        enc.publish(v, passphrase=PASSPHRASE.decode())
-        backing = enc.backing_file(v)
-        write_over(v.device, kenv.path / f"{pv}.img", variant.make)
-        before = sha256_of(backing)
-        out = kenv.run(kenv.bundle(pv, f"printf {MARKER.decode()} > /data/m; sync; exec sleep 600",
-                                   [("/data", str(v.target))]), f"sb-{pv}")
-        assert out.returncode != 0 and "FAILED_PRECONDITION" in out.stderr and variant.refusal in out.stderr, \
-            out.stderr
-        assert kenv.claims() == [] and kenv.sandboxes() == {}
-        assert sha256_of(backing) == before and not holds(backing, MARKER), variant.name
-        kenv.unpublish(v)
-
-    # A volume that holds a partition table and data: never formatted over.
-    v = enc.create("pv-partitioned")
-    enc.publish(v, passphrase=PASSPHRASE.decode())
-    write_over(v.device, kenv.path / "partitioned.img", mbr_with_data)
-    before = sha256_of(enc.backing_file(v))
-    out = kenv.run(kenv.bundle("partitioned", "exec sleep 600", [("/data", str(v.target))]), "sb-partitioned")
-    assert out.returncode != 0 and "FAILED_PRECONDITION" in out.stderr and "holds dos" in out.stderr, out.stderr
-    assert sha256_of(enc.backing_file(v)) == before
-    kenv.unpublish(v)
-
-
-def test_an_integrity_volume_through_the_stack(kenv):
-    enc = Encrypted(kenv)
-    # The parameter needs LUKS2 and a known mode; both are refused naming the key.
-    for params in ({encryption.INTEGRITY_PARAMETER: encryption.HMAC_SHA256},
-                   {encryption.PARAMETER: encryption.LUKS2, encryption.INTEGRITY_PARAMETER: "crc32"}):
-        for plugin in (kenv.driver, kenv.shim):
-            with pytest.raises(grpc.RpcError) as err:
-                plugin.controller.CreateVolume(csi_pb2.CreateVolumeRequest(
-                    name="pv-bad-integrity", capacity_range=csi_pb2.CapacityRange(required_bytes=SIZE),
-                    volume_capabilities=[cap()], parameters=params), timeout=60)
-            assert err.value.code() == Code.INVALID_ARGUMENT and encryption.INTEGRITY_PARAMETER in err.value.details()
-
-    v = enc.create("pv-integrity", integrity=encryption.HMAC_SHA256)
-    d = enc.publish(v, passphrase=PASSPHRASE.decode())
-    assert (d.encryption, d.integrity) == ("luks2", "hmac-sha256")
-    # A handler that registered luks2 but not the integrity is not handed the key.
-    with kenv.proxy.runtime_channel() as channel:
-        stub = registry_pb2_grpc.RegistryStub(channel)
-        lease = stub.RegisterHandler(registry_pb2.RegisterHandlerRequest(
-            name="vm-luks-only", endpoint=f"unix://{kenv.path}/vm-luks-only.sock", filesystems=["ext4"],
-            features=["luks2"])).lease_id
-        with pytest.raises(grpc.RpcError) as err:
-            stub.ClaimVolume(registry_pb2.ClaimVolumeRequest(target_path=str(v.target), handler="vm-luks-only",
-                                                             sandbox_id="sb-x", lease_id=lease), timeout=10)
-        assert err.value.code() == Code.FAILED_PRECONDITION and "integrity-hmac-sha256" in err.value.details()
-    kenv.run_ok(kenv.bundle("integrity", f"printf {MARKER.decode()} > /data/m && sync && echo WRITTEN && "
-                                         "exec sleep 600", [("/data", str(v.target))]), "sb-integrity")
-    kenv.wait_console("sb-integrity", "WRITTEN", timeout=300)
-    stats = kenv.stats(v)
-    assert not stats.volume_condition.abnormal, stats.volume_condition.message
-    # Growing is refused (cryptsetup resizes no dm-integrity device): at the
-    # node, naming the parameter; the guest's file system stays as it was.
-    with pytest.raises(grpc.RpcError) as err:
-        kenv.expand(v, SIZE * 2)
-    assert err.value.code() == Code.FAILED_PRECONDITION and encryption.INTEGRITY_PARAMETER in err.value.details()
-    assert kenv.stats(v).usage == stats.usage
-    # The driver on its own (no shim in front) knows the parameter and
-    # refuses at the controller, before the backing file grows.
-    direct = kenv.driver.controller.CreateVolume(csi_pb2.CreateVolumeRequest(
-        name="pv-integrity-direct", capacity_range=csi_pb2.CapacityRange(required_bytes=SIZE),
-        volume_capabilities=[cap()], parameters={encryption.PARAMETER: encryption.LUKS2,
-                                                 encryption.INTEGRITY_PARAMETER: encryption.HMAC_SHA256}),
-        timeout=60).volume
-    with pytest.raises(grpc.RpcError) as err:
-        kenv.driver.controller.ControllerExpandVolume(csi_pb2.ControllerExpandVolumeRequest(
-            volume_id=direct.volume_id, capacity_range=csi_pb2.CapacityRange(required_bytes=SIZE * 2)), timeout=60)
-    assert err.value.code() == Code.FAILED_PRECONDITION and encryption.INTEGRITY_PARAMETER in err.value.details()
-    kenv.delete("sb-integrity")
-    backing = enc.backing_file(v)
-    assert not holds(backing, MARKER)
-    assert shape_verdict(backing, encryption.HMAC_SHA256) == ""
-    kenv.unpublish(v)
