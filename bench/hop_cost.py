@@ -346,7 +346,9 @@ def main(argv=None) -> int:
     def run() -> None:
         for v in variants:
             v.start()
-            results.setdefault("variants", {})[v.name] = {"code": str(v.code), "event_loops": v.loops}
+            # The checkout by its role, not its path (a result names nothing of the machine).
+            code = "this checkout" if v.code == PROJECT else f"baseline checkout {v.code.name}"
+            results.setdefault("variants", {})[v.name] = {"code": code, "event_loops": v.loops}
             print(f"  {v.name:<10} {v.code}: event loop {', '.join(f'{d} {l}' for d, l in v.loops.items())}",
                   flush=True)
             if isinstance(v, BareVariant):
