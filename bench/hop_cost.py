@@ -121,8 +121,7 @@ def daemons_from(code: Path, env: dict, uvloop: bool = False):
         kw.setdefault("cwd", str(code))
         kw.setdefault("env", env)
         kw.setdefault("start_new_session", True)
-        kw.setdefault("preexec_fn", die_with_parent)
-        return original(argv, *args, **kw)
+        return original(die_with_parent(argv), *args, **kw)
 
     subprocess.Popen = popen
     try:
