@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.benchlib import accelerator_under  # noqa: E402
 from bench.run_record import machine, run_header, write_json  # noqa: E402
 from tests.harness import MIB, Root  # noqa: E402
 from tests.test_kata import kata_env  # noqa: E402
@@ -102,6 +103,8 @@ def run(args) -> dict:
                 began = time.monotonic()
                 client.create_pod("bench", sandbox)
                 out["pod_boot_s"] = round(time.monotonic() - began, 2)
+                # The pod VM's accelerator, from its QEMU's command line.
+                out["accelerator"] = accelerator_under(root.path)
 
                 # 1. create: copy against share
                 bundles = {"busybox": container_bundle(kenv.path, "bb", ["/bin/sh", "-c", "exit 0"], []),
