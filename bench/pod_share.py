@@ -67,6 +67,11 @@ def median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
 
+def span(values: list[float]) -> list[float]:
+    """[min, max] of the runs behind a median (kept beside it, in KEY_min_max)."""
+    return [round(min(values), 3), round(max(values), 3)]
+
+
 def copy_image_seconds(rootfs: Path, image: Path) -> float:
     """The copy crust made at create before the share (only this step)."""
     content = sum(f.stat().st_size for f in rootfs.rglob("*") if f.is_file() and not f.is_symlink())
@@ -119,6 +124,8 @@ def run(args) -> dict:
                         create[name]["share"].append(time.monotonic() - began)
                         client.delete_container(f"c-{name}-{r}")
                 out["create_s"] = {name: {k: median(v) for k, v in sides.items()} for name, sides in create.items()}
+                out["create_s_min_max"] = {name: {k: span(v) for k, v in sides.items()}
+                                           for name, sides in create.items()}
 
                 # 2. first output
                 firsts = []
@@ -131,6 +138,7 @@ def run(args) -> dict:
                     firsts.append(time.monotonic() - began)
                     client.delete_container(f"ready-{r}")
                 out["first_output_s"] = median(firsts)
+                out["first_output_s_min_max"] = span(firsts)
 
                 # 3. guest I/O
                 host_dir = kenv.path / "io-host"
@@ -153,6 +161,7 @@ def run(args) -> dict:
                         rates[side]["write"].append(args.mib / max(b - a, 0.01))
                         rates[side]["read"].append(args.mib / max(d - c, 0.01))
                 out["io_mib_per_s"] = {side: {k: median(v) for k, v in v2.items()} for side, v2 in rates.items()}
+                out["io_mib_per_s_min_max"] = {side: {k: span(v) for k, v in v2.items()} for side, v2 in rates.items()}
                 out["io_ratio_blk_over_fs"] = {
                     k: round(out["io_mib_per_s"]["virtio-blk"][k] / out["io_mib_per_s"]["virtio-fs"][k], 2)
                     for k in ("write", "read")}
@@ -167,6 +176,7 @@ def run(args) -> dict:
                     lookups["ls_lL_bin_x20"].append(b - a)
                     lookups["exec_true_x100"].append(c - b)
                 out["lookups_s"] = {k: median(v) for k, v in lookups.items()}
+                out["lookups_s_min_max"] = {k: span(v) for k, v in lookups.items()}
                 client.delete_container("io")
                 client.delete_pod("bench")
                 kenv.unpublish(xfs)
