@@ -111,7 +111,11 @@ def measure(runtime_class: str, args, seen: dict) -> dict:
         return {"host_to_pod_ms_median": statistics.median(latencies),
                 "host_to_pod_ms_p90": percentile(latencies, 0.9),
                 "host_to_pod_mib_s": statistics.median(throughput),
-                "pod_to_pod_ms": pod_small, "pod_to_pod_mib_s": statistics.median(pod_big)}
+                "pod_to_pod_ms": pod_small, "pod_to_pod_mib_s": statistics.median(pod_big),
+                # The spread behind each median: [min, max] of its runs.
+                "host_to_pod_ms_min_max": [min(latencies), max(latencies)],
+                "host_to_pod_mib_s_min_max": [min(throughput), max(throughput)],
+                "pod_to_pod_mib_s_min_max": [min(pod_big), max(pod_big)]}
     finally:
         root.close()
 
