@@ -60,7 +60,7 @@ echo "$a $b $c"
 
 
 def load() -> str:
-    return Path("/proc/loadavg").read_text().split()[0]
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])  # the 1, 5 and 15 minute averages
 
 
 def median(values: list[float]) -> float:
