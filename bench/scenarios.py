@@ -578,11 +578,62 @@ def pod_network(result: dict):
             "crust-microvm / runc"], rows
 
 
+
+def luks_io(result: dict):
+    io = result.get("io", result)  # the figures sit under "io"
+    mb = io.get("mb_per_s", {})
+    sides = list(mb)
+    modes = list(next(iter(mb.values()), {}))
+
+    def cell(d: dict | None) -> str:
+        if not isinstance(d, dict):
+            return NR
+        return f"{sig(d.get('median'))} ({sig(d.get('min'))}–{sig(d.get('max'))})"
+
+    rows = [[f"{mode}, {kind}", *(cell(mb[side].get(mode, {}).get(kind)) for side in sides)]
+            for mode in modes for kind in ("write", "read")]
+    rows.append(["luksFormat + open + mkfs.ext4; close + open (s)",
+                 *(f"{sig(io.get(f'{side}_format_and_mkfs_s'))}; {sig(io.get(f'{side}_close_and_reopen_s'))}"
+                   if f"{side}_format_and_mkfs_s" in io else "-" for side in sides)])
+    return [f"MB/s, {io.get('mib', NR)} MiB in the guest: median (min–max) of {io.get('runs', NR)} runs",
+            *(f"{side} (anchor)" if side == "plain" else side for side in sides)], rows
+
+
+
+def scale_deferred(result: dict):
+    per_call = result.get("per_call", {})
+    scales = list(next(iter(per_call.values()), {})) or ["10"]
+
+    def row(label: str, of: dict, extra=p50_p90) -> list:
+        cells = [extra(of.get(n)) for n in scales]
+        first, last = ((of.get(n) or {}).get("p50_ms") for n in (scales[0], scales[-1]))
+        return [label, *cells, ratio(last, first)]
+
+    rows = [row("CreateVolume (fill)", per_call.get("create", {})),
+            row("NodeStageVolume (fill)", per_call.get("stage", {})),
+            row("deferred NodePublishVolume until the index holds it (fill; at N its last 10)",
+                per_call.get("publish_indexed", {})),
+            row("RunSandbox of up to 100 volumes (the stack at 10: one of 10)", per_call.get("run_sandbox", {})),
+            row(f"NodeGetVolumeStats through the chain, sandbox's statvfs ({result.get('host_mounts', NR)} host "
+                "mounts)", result.get("stats", {}), p50_p99),
+            row("… 50 at once: each call's latency", {n: (result.get("burst", {}).get(n) or {}).get("latency")
+                                                     for n in scales}, p50_p99),
+            row(f"… {result.get('fanout', {}).get('calls_per_stack', NR)} spread over "
+                f"{sig(result.get('fanout', {}).get('seconds'))} s, both stacks at once",
+                result.get("fanout", {}), p50_p99),
+            row("churn: RunSandbox over one volume", per_call.get("churn_run_sandbox", {})),
+            row("churn: DeleteSandbox", per_call.get("churn_delete_sandbox", {})),
+            ["RSS full (MiB): driver; shim; proxy; handler",
+             *("; ".join(sig(v) for v in (result.get("rss", {}).get("full", {}).get(n) or {}).values())
+               for n in scales), ""]]
+    return ["ms: median (p90; p99)", *(f"stack at {n} volumes" for n in scales), f"{scales[-1]} / {scales[0]}"], rows
+
+
 TABLES = {"hop_cost": hop_cost, "shim_latency": shim_latency, "proxy_bench": proxy_bench,
           "peer_gate": peer_gate, "large_requests": large_requests, "driver_lifecycle": driver_lifecycle,
           "handler_bench": handler_bench, "file_io": file_io, "call_cpu": call_cpu, "pod_start": pod_start,
           "conformance_ratio": conformance_ratio, "guest_boot": named_rows("ways", "way (ms)"),
-          "pod_share": pod_share, "pod_network": pod_network}
+          "pod_share": pod_share, "pod_network": pod_network, "luks_io": luks_io, "scale_deferred": scale_deferred}
 
 SCENARIOS += (
     _pending("hop-cost", "What each hop costs: driver, shim, proxy", "hop_cost", "--rounds 500 --cpu-calls 3000 --bare",
