@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -40,6 +41,7 @@ from pathlib import Path
 # The run's record is its own module (bench/render.py reads it back); the
 # benches import all they share from here.
 from bench.run_record import (  # noqa: F401
+    NOT_RECORDED,
     PROJECT,
     code_label,
     file_text,
@@ -152,6 +154,37 @@ def with_others_cores(run: Callable[[], dict], sample: Callable[[], dict]) -> di
     out = run()
     out["other_processes_cpu_cores"] = others_cores(before, sample())
     return out
+
+
+# -- the VMs -----------------------------------------------------------------------------------------
+
+
+def accelerator_of(pid: int) -> str:
+    """The accelerator a running QEMU was started with, from its command
+    line (as bench/pod_density.py reads it): "kvm" or "tcg"; NOT_RECORDED
+    if the process is gone."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return NOT_RECORDED
+    return "kvm" if "-accel kvm" in argv else "tcg"
+
+
+def accelerator_under(*dirs: Path) -> str:
+    """The accelerator of the QEMU processes made under dirs (running now),
+    "kvm" or "tcg"; NOT_RECORDED if none runs, "a, b" if they differ."""
+    from crust.kata.qemu import qemu_pids_under
+
+    found = sorted({accelerator_of(pid) for pid in qemu_pids_under(*dirs)} - {NOT_RECORDED})
+    return ", ".join(found) or NOT_RECORDED
+
+
+def accelerator_in_log(log: Path) -> str:
+    """The accelerator of the VMs a handler started, from its log (each VM's
+    "agent ready ... (pid N, ACCEL)" line), for a bench whose VMs are gone
+    before it can read their command lines; NOT_RECORDED if none is logged."""
+    found = sorted(set(re.findall(r"\(pid \d+, (kvm|tcg)\)", file_text(str(log)))))
+    return ", ".join(found) or NOT_RECORDED
 
 
 # -- statistics -------------------------------------------------------------------------------------

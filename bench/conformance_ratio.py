@@ -191,8 +191,8 @@ class Run:
         before_own = {p: proc_ticks(p) for p in pids}
         started = time.monotonic()
         with open(path / "csi-sanity.log", "ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=path,
-                                    start_new_session=True, preexec_fn=die_with_parent)
+            proc = subprocess.Popen(die_with_parent(argv), stdout=log, stderr=subprocess.STDOUT, cwd=path,
+                                    start_new_session=True)
         self.procs.append(proc)
         try:
             proc.wait(self.args.timeout)

@@ -55,6 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: bench, crust, tests
 
 from bench.benchlib import (  # noqa: E402
+    code_label,
     cpu_sample,
     file_text,
     guarded_run,
@@ -334,7 +335,7 @@ def main(argv=None) -> int:
     def run() -> None:
         for n, co in cos.items():
             co.d.start()
-            print(f"crust driver for {n} background volumes ({result['code']}) up in {co.d.root} "
+            print(f"crust driver for {n} background volumes ({code_label(result)}) up in {co.d.root} "
                   f"({result['machine']['cpus']} CPUs, kernel {result['machine']['kernel']})", flush=True)
             # One warm-up lifecycle (imports, first subprocesses, page cache), not counted.
             measure_one(co, co.d.root, "warmup", args)

@@ -15,10 +15,10 @@
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,14 +39,18 @@ BARE_HOP = Path(__file__).resolve().parent / "bare_hop.py"
 # -- daemons ----------------------------------------------------------------------------------------
 
 
-def die_with_parent() -> None:
-    """preexec_fn of a daemon started in its own session (a Ctrl-C at the
-    terminal must not stop it before the orderly teardown): it gets SIGTERM
-    if the benchmark is killed."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
+def die_with_parent(argv):
+    """argv run through setpriv(1) so that it gets SIGTERM if the benchmark
+    is killed (PR_SET_PDEATHSIG; a daemon started in its own session, which a
+    Ctrl-C at the terminal must not stop before the orderly teardown).
+
+    Not a preexec_fn: with one, subprocess forks (rather than vforks) the
+    benchmark, grpc's fork handlers run in the child and can hang there for
+    good before the exec (bench/handler_bench.py did, starting its handler).
+    setpriv execs argv in the same process, so its pid is the daemon's."""
+    if isinstance(argv, (str, bytes)) or not shutil.which("setpriv"):
+        return argv
+    return ["setpriv", "--pdeathsig", "TERM", "--", *argv]
 
 
 @contextmanager
@@ -57,10 +61,9 @@ def own_session():
     subprocess.Popen; it is wrapped only while the daemons start."""
     original = subprocess.Popen
 
-    def popen(*args, **kw):
+    def popen(argv, *args, **kw):
         kw.setdefault("start_new_session", True)
-        kw.setdefault("preexec_fn", die_with_parent)
-        return original(*args, **kw)
+        return original(die_with_parent(argv), *args, **kw)
 
     subprocess.Popen = popen
     try:
@@ -74,8 +77,8 @@ def start_daemon(argv: list[str], log_path: Path, env: dict | None = None) -> su
     log_path, in its own session and ending if the benchmark is killed (as
     own_session() makes the harness's daemons)."""
     with open(log_path, "ab") as log:
-        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, cwd=PROJECT, env=env,
-                                start_new_session=True, preexec_fn=die_with_parent)
+        return subprocess.Popen(die_with_parent(argv), stdout=subprocess.DEVNULL, stderr=log, cwd=PROJECT, env=env,
+                                start_new_session=True)
 
 
 def wait_until(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float,

@@ -121,8 +121,7 @@ def daemons_from(code: Path, env: dict, uvloop: bool = False):
         kw.setdefault("cwd", str(code))
         kw.setdefault("env", env)
         kw.setdefault("start_new_session", True)
-        kw.setdefault("preexec_fn", die_with_parent)
-        return original(argv, *args, **kw)
+        return original(die_with_parent(argv), *args, **kw)
 
     subprocess.Popen = popen
     try:
@@ -346,7 +345,9 @@ def main(argv=None) -> int:
     def run() -> None:
         for v in variants:
             v.start()
-            results.setdefault("variants", {})[v.name] = {"code": str(v.code), "event_loops": v.loops}
+            # The checkout by its role, not its path (a result names nothing of the machine).
+            code = "this checkout" if v.code == PROJECT else f"baseline checkout {v.code.name}"
+            results.setdefault("variants", {})[v.name] = {"code": code, "event_loops": v.loops}
             print(f"  {v.name:<10} {v.code}: event loop {', '.join(f'{d} {l}' for d, l in v.loops.items())}",
                   flush=True)
             if isinstance(v, BareVariant):

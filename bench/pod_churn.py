@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"{life.handler_fds} fds, shim {life.shim_rss_kib} KiB {life.shim_fds} fds, "
                           f"load {benchlib.loadavg()}", flush=True)
             left = lives.left_once_settled()
+            # The VMs live inside lives.live() only: their accelerator is read
+            # from the handler's log of them (the way it logs each VM's start).
+            results["accelerator"] = benchlib.accelerator_in_log(node.env.handler.log_path)
         results["wall_seconds"] = round(time.monotonic() - started, 1)
         results["load_after"] = benchlib.loadavg()
         # About a hundred lives' figures: every life's, or every n-th's of a longer run.

@@ -58,7 +58,7 @@ def idle_pod_round(node, root: Root, name: str, settle: float, seconds: float) -
             raise RuntimeError(f"expected the pod's one VM, found QEMU pids {pids}")
         time.sleep(settle)
         vm, machine = qemu_cores(pids[0], seconds)
-        return {"qemu_cores": vm, "machine_cores": machine}
+        return {"qemu_cores": vm, "machine_cores": machine, "accelerator": benchlib.accelerator_of(pids[0])}
     finally:
         node.runtime.kill_pod(pod)
         node.runtime.remove_pod(pod)
@@ -71,7 +71,7 @@ async def bare_vm_round(work: Path, settle: float, seconds: float) -> dict:
         await vm.start(ready_timeout=120)
         await asyncio.sleep(settle)
         cores, machine = await asyncio.to_thread(qemu_cores, vm.pid, seconds)
-        return {"qemu_cores": cores, "machine_cores": machine}
+        return {"qemu_cores": cores, "machine_cores": machine, "accelerator": benchlib.accelerator_of(vm.pid)}
     finally:
         await vm.kill()
         shutil.rmtree(work, ignore_errors=True)
@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {turn + 1}/{args.rounds}: pod's QEMU {one['qemu_cores']:.3f} cores, "
                       f"a VM alone {floor['qemu_cores']:.3f}", flush=True)
         results["load_after"] = benchlib.loadavg()
+        # What the pods' and the floor's VMs ran under, read from their QEMU's command line.
+        results["accelerator"] = ", ".join(sorted({s["accelerator"] for rows in samples.values() for s in rows}))
         results["columns"] = {
             name: {key: {"median": round(statistics.median(s[key] for s in rows), 3),
                          "min": round(min(s[key] for s in rows), 3), "max": round(max(s[key] for s in rows), 3)}

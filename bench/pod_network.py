@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.benchlib import accelerator_under  # noqa: E402
 from bench.run_record import machine, run_header, write_json  # noqa: E402
 from tests.harness import Root  # noqa: E402
 from tests.vm.test_pod_network import eventually_get, http_get, serve  # noqa: E402
@@ -80,7 +81,7 @@ def in_client(node, client_id: str, ip: str, path: str, n: int) -> float:
     return float(end) - float(start)
 
 
-def measure(runtime_class: str, args) -> dict:
+def measure(runtime_class: str, args, seen: dict) -> dict:
     root = Root()
     try:
         with pod_node(runtime_class, root, pod_network=True) as node:
@@ -91,6 +92,8 @@ def measure(runtime_class: str, args) -> dict:
                               containers=[node.container("client", KEEP_RUNNING)])
             with node.running(web), node.running(client):
                 ip = node.runtime.pod_status(web).ready_sandbox().network.ip
+                if runtime_class == "crust-microvm":  # the pods' VMs, from their QEMU's command line
+                    seen["accelerator"] = accelerator_under(root.path)
                 eventually_get(ip, 80, b"small\n", f"{runtime_class}: the web pod")
                 client_id = node.status(client, "client").id
                 latencies = []
@@ -108,7 +111,11 @@ def measure(runtime_class: str, args) -> dict:
         return {"host_to_pod_ms_median": statistics.median(latencies),
                 "host_to_pod_ms_p90": percentile(latencies, 0.9),
                 "host_to_pod_mib_s": statistics.median(throughput),
-                "pod_to_pod_ms": pod_small, "pod_to_pod_mib_s": statistics.median(pod_big)}
+                "pod_to_pod_ms": pod_small, "pod_to_pod_mib_s": statistics.median(pod_big),
+                # The spread behind each median: [min, max] of its runs.
+                "host_to_pod_ms_min_max": [min(latencies), max(latencies)],
+                "host_to_pod_mib_s_min_max": [min(throughput), max(throughput)],
+                "pod_to_pod_mib_s_min_max": [min(pod_big), max(pod_big)]}
     finally:
         root.close()
 
@@ -123,7 +130,8 @@ def main() -> int:
     if os.geteuid() != 0:
         parser.error("run as root (pods, loop devices, mounts)")
     before = load()
-    results = {rc: measure(rc, args) for rc in ("runc", "crust-microvm")}
+    seen: dict = {}
+    results = {rc: measure(rc, args, seen) for rc in ("runc", "crust-microvm")}
     after = load()
     print(f"load average before {before}, after {after}")
     print(f"{'':24}{'runc':>12}{'crust-microvm':>16}{'ratio':>8}")
@@ -135,7 +143,7 @@ def main() -> int:
         runc, vm = results["runc"][key], results["crust-microvm"][key]
         print(f"{label:24}{runc:12.2f}{vm:16.2f}{vm / runc:8.2f}")
     if args.json:
-        write_json(args.json, {**run_header("pod_network", None, machine(), vm=True), "load_before": before,
+        write_json(args.json, {**run_header("pod_network", None, machine(), vm=True), **seen, "load_before": before,
                                "load_after": after, "args": vars(args) | {"json": args.json.name},
                                "results": results})
     return 0

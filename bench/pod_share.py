@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.benchlib import accelerator_under  # noqa: E402
 from bench.run_record import machine, run_header, write_json  # noqa: E402
 from tests.harness import MIB, Root  # noqa: E402
 from tests.kata_env import kata_env  # noqa: E402
@@ -59,11 +60,16 @@ echo "$a $b $c"
 
 
 def load() -> str:
-    return Path("/proc/loadavg").read_text().split()[0]
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])  # the 1, 5 and 15 minute averages
 
 
 def median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
+
+
+def span(values: list[float]) -> list[float]:
+    """[min, max] of the runs behind a median (kept beside it, in KEY_min_max)."""
+    return [round(min(values), 3), round(max(values), 3)]
 
 
 def copy_image_seconds(rootfs: Path, image: Path) -> float:
@@ -102,6 +108,8 @@ def run(args) -> dict:
                 began = time.monotonic()
                 client.create_pod("bench", sandbox)
                 out["pod_boot_s"] = round(time.monotonic() - began, 2)
+                # The pod VM's accelerator, from its QEMU's command line.
+                out["accelerator"] = accelerator_under(root.path)
 
                 # 1. create: copy against share
                 bundles = {"busybox": container_bundle(kenv.path, "bb", ["/bin/sh", "-c", "exit 0"], []),
@@ -116,6 +124,8 @@ def run(args) -> dict:
                         create[name]["share"].append(time.monotonic() - began)
                         client.delete_container(f"c-{name}-{r}")
                 out["create_s"] = {name: {k: median(v) for k, v in sides.items()} for name, sides in create.items()}
+                out["create_s_min_max"] = {name: {k: span(v) for k, v in sides.items()}
+                                           for name, sides in create.items()}
 
                 # 2. first output
                 firsts = []
@@ -128,6 +138,7 @@ def run(args) -> dict:
                     firsts.append(time.monotonic() - began)
                     client.delete_container(f"ready-{r}")
                 out["first_output_s"] = median(firsts)
+                out["first_output_s_min_max"] = span(firsts)
 
                 # 3. guest I/O
                 host_dir = kenv.path / "io-host"
@@ -150,6 +161,7 @@ def run(args) -> dict:
                         rates[side]["write"].append(args.mib / max(b - a, 0.01))
                         rates[side]["read"].append(args.mib / max(d - c, 0.01))
                 out["io_mib_per_s"] = {side: {k: median(v) for k, v in v2.items()} for side, v2 in rates.items()}
+                out["io_mib_per_s_min_max"] = {side: {k: span(v) for k, v in v2.items()} for side, v2 in rates.items()}
                 out["io_ratio_blk_over_fs"] = {
                     k: round(out["io_mib_per_s"]["virtio-blk"][k] / out["io_mib_per_s"]["virtio-fs"][k], 2)
                     for k in ("write", "read")}
@@ -164,6 +176,7 @@ def run(args) -> dict:
                     lookups["ls_lL_bin_x20"].append(b - a)
                     lookups["exec_true_x100"].append(c - b)
                 out["lookups_s"] = {k: median(v) for k, v in lookups.items()}
+                out["lookups_s_min_max"] = {k: span(v) for k, v in lookups.items()}
                 client.delete_container("io")
                 client.delete_pod("bench")
                 kenv.unpublish(xfs)

@@ -71,29 +71,46 @@ def table(header: list[str], rows: list[list]) -> list[str]:
     return lines
 
 
-def reproduce(result: dict) -> str:
+def reproduce(result: dict, name: str) -> str:
+    """The run's recorded command, its --json naming the committed file
+    (bench/results/NAME) whatever name the run wrote it under, so that the
+    command reproduces the result where it is kept."""
     command = result.get("command")
-    return f".venv/bin/python {command}" if isinstance(command, str) else "not recorded"
+    if not isinstance(command, str):
+        return "not recorded"
+    words, out = command.split(), f"bench/results/{name}"
+    flag = next((i for i, w in enumerate(words) if w == "--json" or w.startswith("--json=")), None)
+    if flag is None:
+        words += ["--json", out]
+    elif words[flag] == "--json" and flag + 1 < len(words) and not words[flag + 1].startswith("--"):
+        words[flag + 1] = out
+    else:
+        words[flag] = f"--json {out}"
+    return ".venv/bin/python " + " ".join(words)
 
 
 def render_block(scenario: Scenario, results: list[tuple[str, dict]]) -> str:
     runs = [(name, r) for name, r in results if scenario.matches(name, r)]
     if not runs:
-        body = [f"No result of this scenario is committed. Reproduce: `{scenario.command}`"]
+        # Where its result would be kept, as the Reproduce line of a committed one names it.
+        words = scenario.command.split()
+        if "--json" in words:
+            del words[words.index("--json"):words.index("--json") + 2]
+        command = " ".join([*words, "--json", f"bench/results/{scenario.benchmark}.json"])
+        body = [f"No result of this scenario is committed. Reproduce: `{command}`"]
     else:
         name, newest = runs[-1]
         info = describe(newest)
         header, rows = scenario.table(newest)
         dirty = {"yes": ", uncommitted changes", "no": ""}.get(info["dirty"], ", tree state not recorded")
-        body = table(header, rows)
+        body = table(header, rows) + [""]
         if scenario.anchor:
-            body += ["", f"Anchor: {scenario.anchor}"]
-        body += [
-            "",
-            f"- Reproduce: `{reproduce(newest)}`",
-            f"- Result: `bench/results/{name}`, run {info['date']} at commit {info['commit']}{dirty}",
-            f"- Machine: {info['machine']}; accelerator: {info['accelerator']}; load: {info['load']}",
-        ]
+            body.append(f"- Anchor: {scenario.anchor}")
+        # One line for the run (the document stays under 600 lines with a
+        # table for every scenario).
+        body.append(f"- Reproduce: `{reproduce(newest, name)}`; result `bench/results/{name}`, run {info['date']} at "
+                    f"commit {info['commit']}{dirty}; machine: {info['machine']}; accelerator: "
+                    f"{info['accelerator']}; load: {info['load']}")
         older = [n for n, _ in runs[:-1]]
         if older:
             body.append(f"- Older results: {', '.join(f'`{n}`' for n in reversed(older))}")

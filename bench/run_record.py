@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -152,9 +153,14 @@ def describe(results: dict) -> dict:
     accel = _first(results, _ACCEL) or NOT_RECORDED
     # The accelerator's probe explains itself at length; the table keeps its verdict.
     accel = accel.split(" (", 1)[0] if accel != NO_VM else accel
-    before, after = _first(results, _LOAD_BEFORE), _first(results, _LOAD_AFTER)
+    # Some benches kept /proc/loadavg whole: its runnable/total tasks and last pid are no load.
+    before, after = (re.sub(r"^([\d.]+ [\d.]+ [\d.]+) \d+/\d+ \d+", r"\1", text) if text else text
+                     for text in (_first(results, _LOAD_BEFORE), _first(results, _LOAD_AFTER)))
     if before or after:
-        load = f"{before or NOT_RECORDED} before, {after or NOT_RECORDED} after (1, 5, 15 min)"
+        # An older pod_share.py kept the 1 minute average alone.
+        span = "(1 min)" if all(len((t or "").split(",")[0].split()) == 1 for t in (before, after) if t) \
+            else "(1, 5, 15 min)"
+        load = f"{before or NOT_RECORDED} before, {after or NOT_RECORDED} after {span}"
     else:
         load = NOT_RECORDED
     if isinstance(results.get("commit"), str):

@@ -21,14 +21,12 @@ Reports medians, p90 and the ratios. Run from the project root as root:
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root: bench, crust, tests
 
-from bench.benchlib import quantiles, timed  # noqa: E402
+from bench.benchlib import machine, quantiles, run_header, timed, write_json  # noqa: E402
 from crust.api import csi_pb2  # noqa: E402
 from tests.harness import MIB, Root, mount_cap  # noqa: E402
 
@@ -42,8 +40,9 @@ def main() -> int:
     args = parser.parse_args()
 
     root = Root()
-    results: dict = {"machine": {"python": platform.python_version(), "kernel": platform.release()},
-                     "passthrough": {}, "publish": {}}
+    # The header every result records (its benchmark, command, commit, load):
+    # without it, docs/performance.md's scenario finds no run of this bench.
+    results: dict = {**run_header("shim_latency", None, machine()), "passthrough": {}, "publish": {}}
     try:
         driver = root.driver().start()
         shim = root.shim(driver).start()
@@ -76,8 +75,9 @@ def main() -> int:
                 shimmed.append(timed(lambda: call(shim)))
             d50, d90 = quantiles(direct)
             s50, s90 = quantiles(shimmed)
-            results["passthrough"][name] = {"direct_p50_ms": d50, "shim_p50_ms": s50, "added_p50_ms": s50 - d50,
-                                            "direct_p90_ms": d90, "shim_p90_ms": s90}
+            results["passthrough"][name] = {"direct_p50_ms": round(d50, 4), "shim_p50_ms": round(s50, 4),
+                                            "added_p50_ms": round(s50 - d50, 4), "direct_p90_ms": round(d90, 4),
+                                            "shim_p90_ms": round(s90, 4)}
             print(f"{name:<28}{d50:>12.3f}{s50:>12.3f}{s50 - d50:>12.3f}{d90:>12.3f}{s90:>12.3f}")
 
         shim.stage(vol.volume_id, staging, cap)
@@ -93,8 +93,9 @@ def main() -> int:
                 shim.unpublish(vol.volume_id, target)
         d50, d90 = quantiles(deferred)
         h50, h90 = quantiles(host)
-        results["publish"] = {"deferred_p50_ms": d50, "deferred_p90_ms": d90, "host_p50_ms": h50,
-                              "host_p90_ms": h90, "host_over_deferred": h50 / d50, "fs": args.fs}
+        results["publish"] = {"deferred_p50_ms": round(d50, 4), "deferred_p90_ms": round(d90, 4),
+                              "host_p50_ms": round(h50, 4), "host_p90_ms": round(h90, 4),
+                              "host_over_deferred": round(h50 / d50, 3), "fs": args.fs, "n": args.publishes}
         print(f"\nNodePublishVolume ({args.fs}, {args.publishes} each, alternating)")
         print(f"  deferred (placeholder + description)  p50 {d50:8.3f} ms   p90 {d90:8.3f} ms")
         print(f"  host mount (mount staging + bind)     p50 {h50:8.3f} ms   p90 {h90:8.3f} ms")
@@ -104,7 +105,7 @@ def main() -> int:
     finally:
         root.close()
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        write_json(args.json, results)
     return 0
 
 
