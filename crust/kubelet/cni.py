@@ -12,6 +12,13 @@ the gateway, turns on the host's IP forwarding, a setting of the whole
 host that nothing here needs: traffic only goes between the host and its
 pods.
 
+The bridge gets an address of its own at creation. Without one, Linux
+gives a bridge the lowest address of its ports, so another pod's veth
+joining or leaving changes it; the bridge plugin's CHECK compares the
+bridge's address with the one its ADD recorded, and CRI-O runs CHECK right
+after each ADD: a pod started while another came or went would fail
+"failed to get network status for pod sandbox".
+
 IPAM state (host-local) lives below our directory. remove() takes the
 bridge, our entries of libcni's result cache (and its directories, when
 they were made for us and are empty) and our directory's state;
@@ -87,6 +94,12 @@ class BridgeNetwork:
         return f"crbr-{self.suffix}"  # 13 characters: an interface name holds 15
 
     @property
+    def address(self) -> str:
+        """The bridge's own hardware address: locally administered, unicast,
+        from the network's suffix (so two networks never share one)."""
+        return "0a:58:" + ":".join(self.suffix[i:i + 2] for i in range(0, 8, 2))
+
+    @property
     def gateway(self) -> str:
         return str(next(self.subnet.hosts()))
 
@@ -109,7 +122,7 @@ class BridgeNetwork:
         self._new_cache_dirs = [d for d in (RESULT_CACHE, RESULT_CACHE.parent) if not d.exists()]
         with IPRoute() as ipr:
             self.subnet = _free_subnet(ipr)
-            ipr.link("add", ifname=self.bridge, kind="bridge")
+            ipr.link("add", ifname=self.bridge, kind="bridge", address=self.address)
             (index,) = ipr.link_lookup(ifname=self.bridge)
             ipr.addr("add", index=index, address=self.gateway, prefixlen=24)
             ipr.link("set", index=index, state="up")
