@@ -38,8 +38,14 @@ def foreign(path: str, root: Path, outside: Path) -> bool:
     the ones CNI plugins name for the pods of a containerd running beside
     the test (cni-<uuid>): no daemon under test calls CNI. Nor is what the
     tests running beside this one (the suite runs in parallel workers) make
-    in pytest's own temporary directories (tmp_path)."""
+    in pytest's own temporary directories (tmp_path). Nor is crun's own
+    binary, which every crun run on the host (the guest agent's tests, a
+    CRI-O beside) binds read-only onto a file `crun.XXXXXX` for a moment
+    (its guard against a container rewriting it): no daemon under test runs
+    crun on the host."""
     if path == NETNS_DIR or path.startswith(NETNS_MOUNTS) or (path + "/").startswith(PYTEST_TEMP + "/"):
+        return True
+    if CRUN_CLONED_BINARY.fullmatch(os.path.basename(path)):
         return True
     tmp_crust = str(root.parent) + "/crust-"
     return path.startswith(tmp_crust) and not (path + "/").startswith((str(root) + "/", str(outside) + "/"))
@@ -56,6 +62,8 @@ def unreachable(backing: str) -> bool:
 
 
 NETNS_DIR = "/run/netns"
+# mkstemp's template of crun's cloned-binary guard (crun's cloned_binary.c).
+CRUN_CLONED_BINARY = re.compile(r"crun\.[A-Za-z0-9]{6}")
 NETNS_MOUNTS = (f"{NETNS_DIR}/crust-", f"{NETNS_DIR}/cni-")
 # Where pytest makes every test's tmp_path (its rule: $PYTEST_DEBUG_TEMPROOT
 # or the system's temporary directory, then pytest-of-<user>).

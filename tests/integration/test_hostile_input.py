@@ -487,3 +487,15 @@ def test_stack_survived(stack: Stack):
     assert not stack.before.new_loops_outside(now, stack.path, stack.place.outside)
     assert stack.place.outside_listing() == stack.outside_baseline
     assert not stack.place.etc_entries()
+
+
+def test_what_counts_as_another_tests_mount():
+    """The mounts a request is blamed for: crun's moment-long bind of its own
+    binary (a crun run beside this test) is not one; a daemon's mount on any
+    other name outside the root is."""
+    root, outside = Path("/tmp/crust-t-0123abcd"), Path("/tmp/crust-outside-0123abcd")
+    assert hostile.foreign("/tmp/crun.ecRwD1", root, outside)
+    assert hostile.foreign("/var/lib/containers/crun.0aZ9xy", root, outside)
+    for ours in ("/tmp/crun.ecRwD1x", "/tmp/crun.ec/x", "/tmp/notcrun.ecRwD1x", "/etc/crun.conf",
+                 str(outside / "x"), "/relative/x"):
+        assert not hostile.foreign(ours, root, outside), ours
