@@ -323,6 +323,22 @@ def run_critest_sharded(critest: Path, node: CritestNode, runtime_class: str, na
     return merged
 
 
+def logged_errors(node: CritestNode, last: int = 12) -> list[str]:
+    """The last error lines of the engine's log and of crust's daemons'
+    logs: what a spec that passes only when run again leaves to find its
+    cause by (the node's directories are gone after the test)."""
+    logs = dict.fromkeys([Path(node.daemon.log_path).resolve()] + sorted(node.root.path.resolve().glob("*.log")))
+    found = []
+    for log in logs:
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        found += [f"{log.name}: {line[:400]}" for line in lines
+                  if "level=error" in line or '"level": "error"' in line or '"level": "warning"' in line][-last:]
+    return found
+
+
 def rerun_unexpected_failures(critest: Path, node: CritestNode, run: Run, known: set[str],
                               timeout: float = 900) -> Run:
     """Failed specs on no list, run once more, alone. One that passes then
@@ -332,10 +348,12 @@ def rerun_unexpected_failures(critest: Path, node: CritestNode, run: Run, known:
     again = run.named(FAILED) - known
     if not again:
         return run
+    logged = logged_errors(node)
     second = run_critest(critest, node, run.handler, focus=exact_focus(again), timeout=timeout, attempt=2)
     for name in sorted(again):
         if name in second.specs and second.specs[name].state == PASSED:
-            run.flaked[name] = run.why(name)
+            run.flaked[name] = run.why(name) + ("\n    what the engine and crust's daemons logged as errors by "
+                                                "then:\n      " + "\n      ".join(logged) if logged else "")
             run.specs[name] = second.specs[name]
     run.seconds += second.seconds
     run.host_traces += second.host_traces
