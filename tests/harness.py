@@ -8,6 +8,7 @@ file is below it, so a test never touches what it did not create.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -32,6 +33,21 @@ from crust.sys.sweep import release_under
 AccessMode = csi_pb2.VolumeCapability.AccessMode
 MIB = 1024**2
 GIB = 1024**3
+
+
+def sha256_of(path: Path | str) -> str:
+    """The hex SHA-256 of a file's bytes (a volume's backing file, an image)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 * MIB):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def blkid(path: Path | str, tag: str = "TYPE") -> str:
+    """What blkid's low-level probe reads in a device or file ("" for nothing)."""
+    out = subprocess.run(["blkid", "-p", "-o", "value", "-s", tag, "--", str(path)], capture_output=True, text=True)
+    return out.stdout.strip()
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):

@@ -11,7 +11,6 @@ that is a private mount namespace, `unshare -m`). Everything lives under the
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import stat
@@ -186,19 +185,6 @@ def mounts_under(path: Path) -> list[sysmount.MountEntry]:
 def fs_mounts(device: str) -> list[sysmount.MountEntry]:
     """Mounts of the file system on `device` (binds included), anywhere on the host."""
     return sysmount.of_device(*majmin(device))
-
-
-def blkid(path: Path | str, tag: str = "TYPE") -> str:
-    out = subprocess.run(["blkid", "-p", "-o", "value", "-s", tag, "--", str(path)], capture_output=True, text=True)
-    return out.stdout.strip()
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fs_total(path: Path) -> int:

@@ -15,7 +15,6 @@ directory, which cleans it up.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 from pathlib import Path
@@ -41,26 +40,13 @@ from tests.driver_node_calls import (
     record_file,
     write_synced,
 )
-from tests.harness import MIB, AccessMode, block_cap, mount_cap
+from tests.harness import MIB, AccessMode, blkid, block_cap, mount_cap, sha256_of
 
 OTHER_FS = {"ext4": "xfs", "xfs": "ext4"}
 
 
 # -- helpers ---------------------------------------------------------------------
 
-
-def blkid_type(path: str | Path) -> str:
-    out = subprocess.run(["blkid", "-p", "-o", "value", "-s", "TYPE", "--", str(path)],
-                         capture_output=True, text=True)
-    return out.stdout.strip()
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def stage_req(volume_id, staging, cap=None, **kw) -> csi_pb2.NodeStageVolumeRequest:
@@ -80,7 +66,7 @@ def test_stage_mount_attaches_formats_and_mounts(driver, root, fs_type):
     device = only_device(driver, vid)
     assert sysloop._backing_file(os.path.basename(device)) == str(backing_file(driver, vid).resolve())
     assert sysblock.size_bytes(device) == SIZE[fs_type]
-    assert blkid_type(device) == fs_type
+    assert blkid(device) == fs_type
     first = assert_fs_mount_of(staging, device, fs_type)
     rec = record(driver, vid)
     assert (rec["volume_id"], rec["staging_path"], rec["access_type"], rec["fs_type"]) == \
@@ -117,14 +103,14 @@ def test_stage_never_reformats_an_existing_file_system(driver, root):
     driver.unstage(vid, staging)
     assert not loop_devices(driver, vid)
     backing = backing_file(driver, vid)
-    digest = sha256(backing)
+    digest = sha256_of(backing)
 
     # The volume holds ext4; asking for xfs must neither format nor leave anything behind.
     details = fails(driver.node.NodeStageVolume, stage_req(vid, staging, mount_cap("xfs")),
                     Code.FAILED_PRECONDITION, "ext4", "volume_capability.mount.fs_type")
     assert "xfs" in details
-    assert sha256(backing) == digest
-    assert blkid_type(backing) == "ext4"
+    assert sha256_of(backing) == digest
+    assert blkid(backing) == "ext4"
     assert not mounts_at(staging)
     assert not record_file(driver, vid).exists()
     assert not loop_devices(driver, vid), "a failed NodeStageVolume left its loop device attached"
@@ -153,7 +139,7 @@ def test_stage_formats_a_fresh_volume_thin_and_a_written_one_in_full(driver, roo
             f.seek(offset + 4096 * 3)
             f.write(b"\xa5" * 65536)
         os.fsync(f.fileno())
-    assert blkid_type(backing_file(driver, written)) == ""
+    assert blkid(backing_file(driver, written)) == ""
     thin_before = backing_file(driver, fresh).stat().st_blocks * 512
     for vid in (fresh, written):
         staging = root.path / f"staging-{vid}"
@@ -179,7 +165,7 @@ def test_stage_keeps_a_thick_volume_fully_allocated(driver, root, fs_type):
     assert path.stat().st_blocks * 512 >= SIZE[fs_type]
     staging = root.path / "staging"
     driver.stage(vid, staging, mount_cap(fs_type))
-    assert blkid_type(only_device(driver, vid)) == fs_type
+    assert blkid(only_device(driver, vid)) == fs_type
     assert path.stat().st_blocks * 512 >= SIZE[fs_type], "the format gave the thick volume's blocks back"
     driver.node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(volume_id=vid, staging_target_path=str(staging)),
                                   timeout=60)

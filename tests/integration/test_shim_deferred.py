@@ -17,9 +17,9 @@ from crust.api import csi_pb2
 from crust.sys import blockdev as sysblock
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, block_cap, mount_cap
+from tests.harness import MIB, blkid, block_cap, mount_cap
 from tests.runtime_server import usage_response
-from tests.shim_harness import (Code, assert_device_node_bind, assert_placeholder, blkid, deferred_cap, expand_req,
+from tests.shim_harness import (Code, assert_device_node_bind, assert_placeholder, deferred_cap, expand_req,
                                 fails, fs_mounts, majmin, mounts_at, publish_req, regular_files, sandbox, stats_req)
 from tests.shim_harness import env  # noqa: F401 - a fixture
 

@@ -17,9 +17,9 @@ import grpc
 
 from crust.api import csi_pb2
 from crust.sys import mount as sysmount
-from tests.harness import MIB, block_cap, mount_cap
-from tests.shim_harness import (PLACEHOLDER, SIZE, Code, Usage, assert_device_node_bind, assert_placeholder, blkid,
-                                expand_req, fails, fs_mounts, fs_total, mounts_at, mounts_under, publish_req, sha256,
+from tests.harness import MIB, blkid, block_cap, mount_cap, sha256_of
+from tests.shim_harness import (PLACEHOLDER, SIZE, Code, Usage, assert_device_node_bind, assert_placeholder,
+                                expand_req, fails, fs_mounts, fs_total, mounts_at, mounts_under, publish_req,
                                 stage_req, stats_req)
 from tests.shim_harness import env  # noqa: F401 - a fixture
 
@@ -52,12 +52,12 @@ def test_stage_formats_only_a_blank_volume(env):
     env.unstage(vid)
     env.assert_released(vid)
     assert blkid(backing, "UUID") == fs_uuid
-    digest = sha256(backing)
+    digest = sha256_of(backing)
 
     # Asking for another file system type: refused, nothing written, nothing left behind.
     fails(env.shim.node.NodeStageVolume, stage_req(vid, env.staging(vid), mount_cap("xfs")),
           Code.FAILED_PRECONDITION, "ext4", "fs_type")
-    assert sha256(backing) == digest
+    assert sha256_of(backing) == digest
     assert not env.record_file(vid).exists()
     assert not env.loops(vid), "a failed NodeStageVolume left the backend's loop device attached"
     assert not mounts_under(env.private(vid)) and not env.private(vid).exists()

@@ -14,7 +14,6 @@ the gRPC status codes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -36,7 +35,7 @@ from crust.contract import encryption
 from crust.contract.mountinfo import digest, kata_name
 from crust.kata.direct_volume import DirectVolumes
 from crust.sys import mount as sysmount
-from tests.harness import MIB
+from tests.harness import MIB, sha256_of
 from tests.handler_env import Env, Vol
 from tests.harness import wait_until
 from tests.kata_env import (  # noqa: F401 - kenv_bus: a fixture
@@ -132,14 +131,6 @@ def holds(path: Path | str, needle: bytes) -> bool:
                 return True
             tail = chunk[-len(needle):]
     return False
-
-
-def sha256_of(path: Path | str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 * MIB):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def files_holding(top: Path, needle: bytes) -> list[str]:

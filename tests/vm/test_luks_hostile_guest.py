@@ -46,7 +46,8 @@ from tests.harness import MIB
 from tests.luks2_header import plant_null_key_slot, shape_verdict
 from tests.luks_variants import BLANK_TABLE, HOST_VOLUME_KEY, MARKER, PASSPHRASE, SIZE, VARIANTS
 from tests.luks_variants import crust_header, luks1, new_image, reencryption
-from tests.vm.test_encryption import holds, sha256_of
+from tests.harness import sha256_of
+from tests.vm.test_encryption import holds
 
 Code = grpc.StatusCode
 

@@ -27,7 +27,8 @@ from tests.harness import MIB
 from tests.kata_env import kenv  # noqa: F401 - a fixture
 from tests.luks2_header import shape_verdict
 from tests.luks_variants import MARKER, PASSPHRASE, SIZE, VARIANTS, mbr_with_data
-from tests.vm.test_encryption import Encrypted, cap, holds, sha256_of
+from tests.harness import sha256_of
+from tests.vm.test_encryption import Encrypted, cap, holds
 
 Code = grpc.StatusCode
 
