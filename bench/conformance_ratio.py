@@ -28,8 +28,10 @@ of each daemon's CPU per suite, each crust target's ratio to the reference
 for both; the 10 specs with the largest crust driver minus reference time.
 --targets runs some of the targets only.
 
-csi-sanity and hostpathplugin (not part of crust) come from $PATH unless
-given. Run from the project root as root (loop devices, mkfs, mount):
+csi-sanity and hostpathplugin are not part of crust: they are found as the
+tests find them (tests/upstream.py: CSI_SANITY and HOSTPATHPLUGIN, else
+PATH) unless given. Run from the project root as root (loop devices, mkfs,
+mount):
 
     .venv/bin/python bench/conformance_ratio.py [--rounds 3] [--fs ext4] [--targets T,T] \\
         [--bare-stack aio|sync] [--json OUT]
@@ -45,7 +47,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -94,6 +95,7 @@ from tests.csi_sanity import (  # noqa: E402 - the flags, targets and invocation
     start_target,
 )
 from tests.harness import Root  # noqa: E402
+from tests.upstream import CSI_SANITY, HOSTPATHPLUGIN, Found, Program, find, usable  # noqa: E402
 
 TARGETS = ("reference", "driver", "shim", "proxy", "bare-hop", "bare-hops")
 # Each target's daemons, backend first: the CPU table's columns are the
@@ -304,9 +306,9 @@ def render(summary: dict) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="conformance_ratio.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--csi-sanity", metavar="PATH", help="the csi-sanity binary (default: csi-sanity on $PATH)")
+    p.add_argument("--csi-sanity", metavar="PATH", help="the csi-sanity binary (default: $CSI_SANITY, else csi-sanity on $PATH)")
     p.add_argument("--hostpath", metavar="PATH",
-                   help="the reference driver's hostpathplugin binary (default: hostpathplugin on $PATH)")
+                   help="the reference driver's hostpathplugin binary (default: $HOSTPATHPLUGIN, else on $PATH)")
     p.add_argument("--rounds", type=int, default=3, metavar="N", help="runs per target (default 3)")
     p.add_argument("--fs", default="ext4", choices=["ext4", "xfs"],
                    help="crust's file system for mount volumes (csi-sanity names none; default ext4, "
@@ -327,22 +329,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def find_tool(given: str | None, name: str, option: str, what: str) -> str | None:
-    """given, or name on $PATH; None (and why, on stderr) if there is none."""
-    found = (given if os.access(given, os.X_OK) else None) if given else shutil.which(name)
-    if found is None:
-        print(f"conformance_ratio.py: {f'{given} is not executable' if given else f'no {name} on $PATH'}. {name} "
-              f"({what}) is not part of crust; it was built by hand outside this repository, see docs/conformance.md "
-              f"and docs/performance.md (conformance suite against the Go reference). Put it on $PATH or give "
-              f"{option} PATH.", file=sys.stderr)
-    return found
+def find_tool(given: str | None, program: Program) -> str | None:
+    """given, or the program as the tests find it; None (and why, on
+    stderr) if there is none."""
+    found = usable(Found(program, path=Path(given)) if given and os.access(given, os.X_OK)
+                   else Found(program, unusable=f"{given} is not executable") if given else find(program))
+    if found.path is None:
+        print(f"conformance_ratio.py: {found.absent or found.unusable}. {program.name} ({program.project}, "
+              f"{program.command}) is not part of crust: see docs/conformance.md.", file=sys.stderr)
+        return None
+    return str(found.path)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.csi_sanity = find_tool(args.csi_sanity, "csi-sanity", "--csi-sanity", "kubernetes-csi/csi-test")
-    args.hostpath = find_tool(args.hostpath, "hostpathplugin", "--hostpath",
-                              "the Go reference driver, kubernetes-csi/csi-driver-host-path")
+    args.csi_sanity = find_tool(args.csi_sanity, CSI_SANITY)
+    args.hostpath = find_tool(args.hostpath, HOSTPATHPLUGIN)
     if args.csi_sanity is None or args.hostpath is None:
         return 2
     if not_root("conformance_ratio.py", "loop devices, mkfs, mount"):

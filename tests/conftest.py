@@ -8,7 +8,8 @@ import pytest
 pytest.register_assert_rewrite(*(f"tests.{m.stem}" for m in Path(__file__).parent.glob("*.py")
                                  if m.stem not in ("__init__", "conftest")))
 
-from tests.harness import Root  # noqa: E402 - after the rewrite is registered
+from tests import upstream  # noqa: E402 - after the rewrite is registered
+from tests.harness import Root  # noqa: E402
 
 UNIT_TIER = Path(__file__).resolve().parent / "unit"
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
@@ -68,6 +69,12 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_setup(item):
     if os.geteuid() != 0 and item.get_closest_marker("root") is not None:
         pytest.fail(f"{NEEDS_ROOT}; CI runs every test, so it fails here instead of skipping", pytrace=False)
+
+
+def pytest_configure(config):
+    # The upstream suites' marks, checked before each test, and their lines
+    # at the end of the run.
+    config.pluginmanager.register(upstream.Reporter(), "crust-upstream")
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@ pulling the tiny busybox image and its pause image from a local registry,
 checks that it left nothing behind, and the node of tests/cri_harness.py
 with CRI-O in containerd's place.
 
-CRI-O is not part of crust: `../shared/bin/crio` and `../shared/bin/pinns`
-beside the repository, or builds of one's own named by CRIO and PINNS
-(tests/csi_sanity.locate)."""
+CRI-O is not part of crust: crio and pinns (cri-o/cri-o) are found on PATH
+or by CRIO and PINNS (tests/upstream.py); a module marked with
+`upstream.suite(..., CRIO, PINNS)` is skipped without them."""
 
 from __future__ import annotations
 
@@ -27,22 +27,14 @@ from crust.kubelet.crio import Crio
 from crust.kubelet.crio import available as crio_available
 from crust.kubelet.registry import LocalRegistry, push_busybox_and_pause
 from tests.cri_harness import OCI_RUNTIME, CriNode, daemon_leftovers, kata_handler_endpoint, microvm_node
-from tests.csi_sanity import Tool, locate
-
-CRIO = Tool("crio", "CRIO", "cri-o/cri-o (bin/crio, with cgo: tags seccomp libsqlite3)")
-PINNS = Tool("pinns", "PINNS", "cri-o/cri-o (pinns/, static)")
+from tests import upstream
+from tests.upstream import CRIO, PINNS
 
 
-def locate_crio() -> tuple[dict[str, Path], str]:
-    """crio and pinns by name, and what is missing ("" when nothing)."""
-    found, problems = {}, []
-    for tool in (CRIO, PINNS):
-        path, problem = locate(tool)
-        if path is None:
-            problems.append(problem)
-        else:
-            found[tool.name] = path
-    return found, "; ".join(problems)
+def crio_tools() -> dict[str, Path]:
+    """crio and pinns by name, once a test's `upstream.suite()` mark made
+    sure of them."""
+    return {program.name: upstream.path(program) for program in (CRIO, PINNS)}
 
 
 @contextlib.contextmanager
@@ -166,12 +158,11 @@ def crio_microvm_node(root, tools: dict[str, Path], pod_network: bool = False, v
             yield node
 
 
-def crio_tools_for(tools: dict[str, Path], missing: str) -> dict[str, Path]:
-    """A CRI-O test module's tools once they and what CRI-O needs here are
-    there; the test fails naming what is missing (a module without them is
-    skipped outside CI, before it gets here)."""
-    if missing:
-        pytest.fail(f"CI=true and a tool is missing: {missing}", pytrace=False)
+def checked_crio_tools() -> dict[str, Path]:
+    """A CRI-O test module's tools once what CRI-O needs here is there too;
+    the test fails naming what is missing (its `upstream.suite()` mark
+    skipped it already when crio or pinns is absent)."""
+    tools = crio_tools()
     problems = [p for p in (crio_available(tools["crio"], tools["pinns"]), local_registry.available(),
                             cni.available()) if p]
     if problems:

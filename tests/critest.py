@@ -2,8 +2,8 @@
 against a private CRI runtime (containerd or CRI-O) with its runtime
 handlers, without a network: what tests/vm/test_critest.py needs.
 
-- critest itself is not part of crust: `../shared/bin/critest` beside the
-  repository, or a build of one's own named by CRITEST (tests/csi_sanity.locate);
+- critest itself is not part of crust: it is kubernetes-sigs/cri-tools'
+  cmd/critest, found on PATH or by CRITEST (tests/upstream.py);
 - the node (critest_node(engine)): a local registry holding the images
   critest pulls (tests/critest_images.py), crust's node stack with the
   runtime handlers the engine's RuntimeClasses need (the mount-namespace
@@ -46,10 +46,8 @@ from crust.kubelet.registry import LocalRegistry
 from tests.critest_images import PAUSE, REGISTRY_HOSTS, build_all, push_all
 from tests.critest_host import HostTraces
 from tests.cri_harness import KATA_HANDLER, OCI_RUNTIME, private_containerd
-from tests.csi_sanity import PROJECT, Tool
+from tests.csi_sanity import PROJECT
 from tests.harness import Root
-
-CRITEST = Tool("critest", "CRITEST", "kubernetes-sigs/cri-tools (cmd/critest, built with `go test -c`)")
 EXPECTATIONS = PROJECT / "docs" / "critest.yaml"
 CONFORMANCE_DOC = PROJECT / "docs" / "conformance.md"
 
@@ -137,11 +135,9 @@ def _crio(registry: LocalRegistry, handler_env: dict[str, str]) -> Iterator[obje
     paths, crust.kubelet.crio.Crio.check_paths), its critest images pulled
     through the mirrors, CRI's pod metrics on (critest's metrics specs);
     the microVM's handler as deploy/crio/crust-microvm.conf states it."""
-    from tests.crio_harness import locate_crio, microvm_handler, started_crio
+    from tests.crio_harness import crio_tools, microvm_handler, started_crio
 
-    tools, problem = locate_crio()
-    if problem:
-        raise RuntimeError(problem)
+    tools = crio_tools()
     directory = Path(tempfile.mkdtemp(prefix="crust-crio-"))
     vm_runtimes, vm_settings = microvm_handler(directory, handler_env["CRUST_KATA_HANDLER_ENDPOINT"])
     try:

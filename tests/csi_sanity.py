@@ -2,9 +2,8 @@
 the upstream tools it needs: what tests/integration/test_conformance.py and
 bench/conformance_ratio.py share.
 
-- the tools, none of them part of crust: `../shared/bin/NAME` beside the
-  repository, or a build of one's own named by an environment variable
-  (locate_tools());
+- the upstream programs, none of them part of crust, are found by
+  tests/upstream.py (CSI_SANITY, HOSTPATHPLUGIN, ... or PATH);
 - the targets csi-sanity talks to, started in a tests/harness.py Root:
   start_target(), with the flags of docs/conformance.md;
 - csi-sanity's command line (sanity_argv()) and what its ginkgo summary
@@ -15,11 +14,9 @@ bench/conformance_ratio.py share.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import xml.etree.ElementTree as ET
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,61 +26,11 @@ from crust.api import csi_pb2
 from tests.harness import CsiProcess, Root
 
 PROJECT = Path(__file__).resolve().parent.parent
-SHARED_BIN = PROJECT.parent / "shared" / "bin"
 CONFORMANCE_DOC = PROJECT / "docs" / "conformance.md"
 
 MIB = 1024**2
 GIB = 1024**3
 NODE_ID = "n1"
-
-
-# -- the tools ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tool:
-    name: str  # its file name in ../shared/bin
-    env: str  # the variable naming a build of one's own
-    source: str  # where it is built from
-
-
-CSI_SANITY = Tool("csi-sanity", "CSI_SANITY", "kubernetes-csi/csi-test (cmd/csi-sanity)")
-HOSTPATHPLUGIN = Tool("hostpathplugin", "HOSTPATHPLUGIN",
-                      "kubernetes-csi/csi-driver-host-path (cmd/hostpathplugin, built with a version)")
-NODE_DRIVER_REGISTRAR = Tool("csi-node-driver-registrar", "NODE_DRIVER_REGISTRAR",
-                             "kubernetes-csi/node-driver-registrar (cmd/csi-node-driver-registrar)")
-TOOLS = (CSI_SANITY, HOSTPATHPLUGIN, NODE_DRIVER_REGISTRAR)
-
-
-def locate(tool: Tool, environ: Mapping[str, str] = os.environ) -> tuple[Path | None, str]:
-    """The tool's path, or None and one sentence saying what is wrong and
-    how to provide it."""
-    given = environ.get(tool.env, "")
-    path = Path(given) if given else SHARED_BIN / tool.name
-    where = f"{tool.env}={given}" if given else f"../shared/bin/{tool.name} (beside the repository)"
-    how = (f"put a build of {tool.source} at ../shared/bin/{tool.name} or set {tool.env} to its path "
-           f"(docs/conformance.md)")
-    if not (path.is_file() and os.access(path, os.X_OK)):
-        return None, f"{tool.name} is missing: no executable file at {where}; {how}"
-    if tool is HOSTPATHPLUGIN:
-        # Built without `-X main.version=...` it refuses to start ("Driver
-        # is missing version"); `-version` then prints its name alone.
-        shown = subprocess.run([str(path), "-version"], capture_output=True, text=True, timeout=30).stdout.split()
-        if len(shown) < 2:
-            return None, f"{tool.name} at {where} has no version, so it refuses to start; {how}"
-    return path, ""
-
-
-def locate_tools(environ: Mapping[str, str] = os.environ) -> tuple[dict[str, Path], list[str]]:
-    """Every tool found, by name, and one sentence per tool that is not."""
-    found, problems = {}, []
-    for tool in TOOLS:
-        path, problem = locate(tool, environ)
-        if path is None:
-            problems.append(problem)
-        else:
-            found[tool.name] = path
-    return found, problems
 
 
 # -- the targets -------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The upstream conformance suite and kubelet's upstream registrar, on every run.
+"""The upstream conformance suite and the upstream CSI sidecars, on every run.
 
 - csi-sanity (kubernetes-csi/csi-test), in mount and block access, against
   `crust driver`, `crust shim` in front of it, the whole `crust proxy` ->
@@ -11,20 +11,23 @@
 - the upstream node-driver-registrar in front of `crust proxy`: kubelet's
   plugin watcher (crust.kubelet.csi) registers the driver through it, at
   the proxy's socket, and the registrar's /healthz answers.
+- the upstream livenessprobe in front of `crust proxy`, as the DaemonSet
+  runs it: /healthz is 200 while the chain answers Probe, 500 once the
+  driver behind it is gone.
 
-The tools are not part of crust: ../shared/bin/NAME beside the repository,
-or CSI_SANITY, HOSTPATHPLUGIN, NODE_DRIVER_REGISTRAR naming one's own
-builds. Without them the module is skipped, saying which is missing; with
-CI=true a missing tool fails the run instead.
+None of these programs is part of crust: each is found on PATH or by its
+variable (tests/upstream.py: CSI_SANITY, HOSTPATHPLUGIN,
+NODE_DRIVER_REGISTRAR, LIVENESSPROBE); a test whose program is absent is
+skipped, naming it, in CI too.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -33,27 +36,17 @@ from crust.api import csi_pb2
 from crust.kubelet import Kubelet
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.csi_sanity import (CSI_SANITY, HOSTPATHPLUGIN, MUTABLE_YAML, NODE_DRIVER_REGISTRAR, TARGETS,
-                              failed_specs, locate_tools, sanity_argv, skipped_specs, start_target,
+from tests import upstream
+from tests.csi_sanity import (MUTABLE_YAML, TARGETS, failed_specs, sanity_argv, skipped_specs, start_target,
                               stated_counts, summary_counts, volume_size)
 from tests.harness import stop_child
+from tests.upstream import CSI_SANITY, HOSTPATHPLUGIN, LIVENESSPROBE, NODE_DRIVER_REGISTRAR
 
 DRIVER = "loop.csi.crust.dev"
 RUNS = [(target, access) for target in ("driver", "shim", "proxy", "shim-hostpath") for access in ("mount", "block")]
 # One suite takes 2 to 6 s here; a wedged daemon must not hold CI for long.
 SANITY_TIMEOUT = 90
 
-TOOL_PATHS, TOOL_PROBLEMS = locate_tools()
-IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
-if TOOL_PROBLEMS and not IN_CI:
-    pytest.skip("; ".join(TOOL_PROBLEMS), allow_module_level=True)
-
-
-@pytest.fixture
-def tools():
-    if TOOL_PROBLEMS:
-        pytest.fail(f"CI=true and an upstream tool is missing: {'; '.join(TOOL_PROBLEMS)}", pytrace=False)
-    return TOOL_PATHS
 
 
 @functools.cache
@@ -78,16 +71,17 @@ def test_the_doc_states_counts_for_exactly_these_runs():
     assert sorted(stated()) == sorted(RUNS)
 
 
+@upstream.suite("csi-sanity", CSI_SANITY, HOSTPATHPLUGIN)
 @pytest.mark.parametrize(("target", "access"), RUNS, ids=[f"{t}-{a}" for t, a in RUNS])
-def test_csi_sanity(tools, root, target, access):
+def test_csi_sanity(request, root, target, access):
     expected = stated()[(target, access)]
-    chain = start_target(root, target, hostpath=tools[HOSTPATHPLUGIN.name])
+    chain = start_target(root, target, hostpath=upstream.path(HOSTPATHPLUGIN))
     kube = root.path / "kubelet"
     kube.mkdir(exist_ok=True)
     mutable = root.path / "mutable.yaml"
     mutable.write_text(MUTABLE_YAML)
     junit = root.path / "junit.xml"
-    argv = sanity_argv(tools[CSI_SANITY.name], chain[-1].socket, kube, mutable, access, volume_size(target),
+    argv = sanity_argv(upstream.path(CSI_SANITY), chain[-1].socket, kube, mutable, access, volume_size(target),
                        extra=(f"--ginkgo.junit-report={junit}",))
     what = f"csi-sanity against {TARGETS[target]}, {access} access"
     try:
@@ -97,6 +91,9 @@ def test_csi_sanity(tools, root, target, access):
                     pytrace=False)
     # The report is on stdout (stderr holds the suite's own klog lines).
     counts = summary_counts(run.stdout)
+    if counts is not None:
+        upstream.record(request.node, "csi-sanity", f"{target} {access}", counts.get("passed", 0),
+                        counts.get("failed", 0), counts.get("skipped", 0))
     if counts is None:
         pytest.fail(f"{what} printed no summary (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-2000:]}",
                     pytrace=False)
@@ -130,7 +127,8 @@ def healthz(port: int) -> tuple[int, bytes]:
         return response.status, response.read()
 
 
-def test_node_driver_registrar_registers_the_proxy_with_kubelet(tools, root):
+@upstream.suite("node-driver-registrar", NODE_DRIVER_REGISTRAR)
+def test_node_driver_registrar_registers_the_proxy_with_kubelet(root):
     """The registrar, not the proxy, serves kubelet's plugin registration
     (no --kubelet-registration-dir): kubelet reaches the driver at the
     proxy's socket through it."""
@@ -140,7 +138,7 @@ def test_node_driver_registrar_registers_the_proxy_with_kubelet(tools, root):
     port = free_port()
     log = root.path / "registrar.log"
     registrar = subprocess.Popen(
-        [str(tools[NODE_DRIVER_REGISTRAR.name]), f"--csi-address={proxy.socket}",
+        [str(upstream.path(NODE_DRIVER_REGISTRAR)), f"--csi-address={proxy.socket}",
          f"--kubelet-registration-path={proxy.socket}", f"--plugin-registration-path={registry}",
          f"--http-endpoint=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
     try:
@@ -161,3 +159,42 @@ def test_node_driver_registrar_registers_the_proxy_with_kubelet(tools, root):
         assert registrar.poll() is None, f"kubelet's verdict stopped the registrar: {log.read_text()[-2000:]}"
     finally:
         stop_child(registrar, 15)
+
+
+def healthz_status(port: int) -> tuple[int, bytes]:
+    """/healthz's status and body, a failure's included."""
+    try:
+        return healthz(port)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@upstream.suite("livenessprobe", LIVENESSPROBE)
+def test_livenessprobe_sees_the_chain_healthy_then_not_once_its_driver_is_gone(root):
+    """The DaemonSet's livenessprobe asks Probe at the proxy's socket: the
+    answer comes through the shim from the driver, so a driver that is gone
+    makes the node's /healthz fail (kubelet restarts the container), while
+    the proxy itself still listens."""
+    driver, shim, proxy = root.stack()
+    port = free_port()
+    log = root.path / "livenessprobe.log"
+    probe = subprocess.Popen(
+        [str(upstream.path(LIVENESSPROBE)), f"--csi-address={proxy.socket}", f"--http-endpoint=127.0.0.1:{port}",
+         "--probe-timeout=3s"], stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            assert probe.poll() is None, f"livenessprobe exited {probe.returncode}: {log.read_text()[-2000:]}"
+            try:
+                status = healthz_status(port)
+                break
+            except OSError:  # not listening yet
+                assert time.monotonic() < deadline, f"livenessprobe never listened: {log.read_text()[-2000:]}"
+                time.sleep(0.05)
+        assert status == (200, b"ok"), log.read_text()[-2000:]
+        driver.stop()
+        code, body = healthz_status(port)
+        assert code == 500, (code, body, log.read_text()[-2000:])
+        assert proxy.proc.poll() is None, "the proxy went down with its driver"
+    finally:
+        stop_child(probe, 15)

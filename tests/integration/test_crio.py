@@ -13,9 +13,9 @@ against it (crust.kubelet.cri), and
   in kubelet's own order (volumes unmounted before the containers are
   removed) the claim of the stopped container is let go at the unmount.
 
-CRI-O is not part of crust: `../shared/bin/crio` and `../shared/bin/pinns`
-beside the repository, or builds of one's own named by CRIO and PINNS.
-Without them this module is skipped; with CI=true it fails.
+CRI-O is not part of crust: crio and pinns (cri-o/cri-o) are found on PATH
+or by CRIO and PINNS (tests/upstream.py); without them this module is
+skipped, naming the missing program, in CI too.
 """
 
 from __future__ import annotations
@@ -38,18 +38,17 @@ from crust.kubelet.cri import KubeletRuntime
 from crust.kubelet.crio import Crio, CrioError
 from tests.demo_run import run_demo
 from tests.cri_harness import processes_naming
-from tests.crio_harness import crio_tools_for, crio_node, leftovers_of, locate_crio, private_crio
+from tests import upstream
+from tests.crio_harness import checked_crio_tools, crio_node, leftovers_of, private_crio
 from tests.harness import wait_until
+from tests.upstream import CRIO, PINNS
 
-CRIO_TOOLS, CRIO_PROBLEM = locate_crio()
-IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
-if CRIO_PROBLEM and not IN_CI:
-    pytest.skip(CRIO_PROBLEM, allow_module_level=True)
+pytestmark = upstream.suite("CRI-O", CRIO, PINNS)
 
 
 @pytest.fixture(scope="module")
 def crio_tools():
-    return crio_tools_for(CRIO_TOOLS, CRIO_PROBLEM)
+    return checked_crio_tools()
 
 
 # -- the private CRI-O's configuration ---------------------------------------------------------------

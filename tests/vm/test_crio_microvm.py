@@ -25,10 +25,10 @@ What CRI-O does with a VM runtime, and what these tests hold it to:
   idempotent in CRI);
 - port-forward is a no-op in CRI-O for a VM runtime (docs/install-node.md).
 
-CRI-O is not part of crust: `../shared/bin/crio` and `../shared/bin/pinns`
-beside the repository, or builds of one's own named by CRIO and PINNS;
-crictl the same (`../shared/bin/crictl`, CRICTL). Without them this module
-is skipped; with CI=true it fails.
+CRI-O and crictl are not part of crust: crio and pinns (cri-o/cri-o) and
+crictl (kubernetes-sigs/cri-tools) are found on PATH or by CRIO, PINNS and
+CRICTL (tests/upstream.py); without them this module is skipped, naming the
+missing program, in CI too.
 """
 
 from __future__ import annotations
@@ -50,27 +50,24 @@ from crust.kubelet import Container, Pod, VolumeMount
 from crust.kubelet.crio import Crio
 from tests.demo_run import run_demo
 from tests.cri_harness import container_log, processes_naming
-from tests.crio_harness import crio_tools_for, DEPLOY, SHIM, crio_microvm_node, locate_crio, microvm_drop_in, private_crio
-from tests.csi_sanity import Tool, locate
+from tests import upstream
+from tests.crio_harness import DEPLOY, SHIM, checked_crio_tools, crio_microvm_node, microvm_drop_in, private_crio
+from tests.upstream import CRICTL, CRIO, PINNS
 from tests.vm.test_cri_microvm import APP, READER, MountWatch, _df, _pod, _stats
 from tests.harness import wait_until
 
-CRIO_TOOLS, CRIO_PROBLEM = locate_crio()
-CRICTL_PATH, CRICTL_PROBLEM = locate(Tool("crictl", "CRICTL", "kubernetes-sigs/cri-tools (cmd/crictl)"))
-IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
-if (CRIO_PROBLEM or CRICTL_PROBLEM) and not IN_CI:
-    pytest.skip(CRIO_PROBLEM or CRICTL_PROBLEM, allow_module_level=True)
+pytestmark = upstream.suite("CRI-O", CRIO, PINNS, CRICTL)
 # One line of a CRI log: time, stream, full (F) or partial (P), the text.
 CRI_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d) (stdout|stderr) [FP] ")
 
 
 @pytest.fixture(scope="module")
 def crio_tools():
-    return crio_tools_for(CRIO_TOOLS, CRIO_PROBLEM or CRICTL_PROBLEM)
+    return checked_crio_tools()
 
 
 def crictl(crio: Crio, *args: str, stdin: bytes = b"", timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(CRICTL_PATH), "--config", str(crio.crictl_config()), *args], input=stdin,
+    return subprocess.run([str(upstream.path(CRICTL)), "--config", str(crio.crictl_config()), *args], input=stdin,
                           capture_output=True, timeout=timeout)
 
 

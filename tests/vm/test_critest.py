@@ -29,10 +29,10 @@ passes then is reported as a warning naming the spec and its first failure
 (critest's OOM spec races containerd 1.6's runc shim, see
 docs/conformance.md), and one that fails again fails the test.
 
-critest is not part of crust: `../shared/bin/critest` beside the repository,
-or CRITEST naming a build of one's own; nor is CRI-O (tests/crio_harness.py).
-Without critest this module is skipped, without CRI-O its CRI-O runs are;
-with CI=true either fails.
+critest is not part of crust (kubernetes-sigs/cri-tools' cmd/critest), nor
+is CRI-O (cri-o/cri-o's crio and pinns): each is found on PATH or by CRITEST,
+CRIO and PINNS (tests/upstream.py). Without critest this module is skipped,
+without CRI-O its CRI-O runs are, naming the missing program, in CI too.
 """
 
 from __future__ import annotations
@@ -46,19 +46,18 @@ import pytest
 from crust.kubelet import cni
 from crust.kubelet import registry as local_registry
 from crust.kubelet.crio import available as crio_available
-from tests.critest import (CRITEST, ENGINES, FAILED, MICROVM_ALL, MICROVM_CI_GROUPS, PASSED, SKIPPED, Run,
+from tests.critest import (ENGINES, FAILED, MICROVM_ALL, MICROVM_CI_GROUPS, PASSED, SKIPPED, Run,
                            critest_node, documented_expectations, exact_focus, group_specs, list_specs,
                            load_expectations, read_report, render_expectations, rerun_unexpected_failures,
                            run_critest, run_critest_sharded)
-from tests.crio_harness import locate_crio
-from tests.csi_sanity import locate
+from tests import upstream
+from tests.crio_harness import crio_tools
+from tests.upstream import CRIO, CRITEST, PINNS
 
 pytestmark = pytest.mark.slow
-
-CRITEST_PATH, CRITEST_PROBLEM = locate(CRITEST)
+# The tests that run critest (the lists' own checks need no program).
+RUNS_CRITEST = upstream.suite("critest", CRITEST)
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
-if CRITEST_PROBLEM and not IN_CI:
-    pytest.skip(CRITEST_PROBLEM, allow_module_level=True)
 
 # runc and crust-runc take 1.5 to 2.5 minutes each here; the microVM about
 # 11 s a spec under tcg.
@@ -69,28 +68,32 @@ MICROVM_SHARDS = int(os.environ.get("CRUST_CRITEST_SHARDS", "2"))
 
 @pytest.fixture(scope="module")
 def critest():
-    if CRITEST_PROBLEM:
-        pytest.fail(f"CI=true and critest is missing: {CRITEST_PROBLEM}", pytrace=False)
     problems = [p for p in (local_registry.available(), cni.available()) if p]
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
-    return CRITEST_PATH
+    return upstream.path(CRITEST)
 
 
 # The engines whose nodes run the microVM's handler (ENGINES names the
 # RuntimeClasses each one serves).
 MICROVM_ENGINES = [engine for engine, classes in ENGINES.items() if "crust-microvm" in classes]
+# CRI-O's runs need its programs; without them they are skipped, containerd's run.
+ENGINE_MARKS = {"crio": [upstream.suite("critest", CRITEST, CRIO, PINNS)]}
+
+
+def engine_params(engines) -> list:
+    return [pytest.param(engine, marks=ENGINE_MARKS.get(engine, []), id=engine) for engine in engines]
 
 
 def engine_problem(engine: str) -> str:
     """Why this engine cannot run here ("" when it can)."""
     if engine != "crio":
         return ""
-    tools, problem = locate_crio()
-    return problem or crio_available(tools["crio"], tools["pinns"])
+    tools = crio_tools()
+    return crio_available(tools["crio"], tools["pinns"])
 
 
-@pytest.fixture(scope="module", params=list(ENGINES))
+@pytest.fixture(scope="module", params=engine_params(ENGINES))
 def node(request, critest):
     """One engine's node at a time: pytest closes one before it starts
     the next (the tests are ordered by engine)."""
@@ -147,8 +150,11 @@ def summary(run: Run) -> str:
     return line
 
 
-def check_against_lists(run: Run) -> None:
-    """Failures on no list, and listed specs that passed, fail the test."""
+def check_against_lists(run: Run, test: pytest.Item) -> None:
+    """Failures on no list, and listed specs that passed, fail the test;
+    the run's counts go to the run's closing lines."""
+    counts = run.counts()
+    upstream.record(test, "critest", f"{run.engine} {run.handler}", counts[PASSED], counts[FAILED], counts[SKIPPED])
     expected = load_expectations()
     if not run.specs:
         pytest.fail(f"critest for {run.handler} wrote no report (exit {run.returncode}):\n{run.output[-3000:]}",
@@ -208,6 +214,7 @@ def test_the_doc_shows_the_lists():
         "docs/conformance.md does not show docs/critest.yaml: paste `python -m tests.critest` between its markers"
 
 
+@RUNS_CRITEST
 def test_the_ci_focus_selects_exactly_the_ci_groups(critest, tmp_path):
     """The microVM's focus in CI, as critest itself applies it (a dry run):
     every spec of the groups MICROVM_CI_GROUPS names, and nothing else
@@ -230,23 +237,26 @@ def test_the_ci_focus_selects_exactly_the_ci_groups(critest, tmp_path):
 # -- the runs -----------------------------------------------------------------------------------------
 
 
-def test_critest_runc_fails_only_the_baseline(runs):
-    check_against_lists(runs("runc"))
+@RUNS_CRITEST
+def test_critest_runc_fails_only_the_baseline(request, runs):
+    check_against_lists(runs("runc"), request.node)
 
 
-def test_critest_crust_runc_passes_every_spec_runc_passes(runs):
+@RUNS_CRITEST
+def test_critest_crust_runc_passes_every_spec_runc_passes(request, runs):
     baseline, crust = runs("runc"), runs("crust-runc")
     missing = sorted(baseline.named(PASSED) - crust.named(PASSED) - load_expectations().unstable_on(crust.engine))
     how = {n: f"{crust.specs[n].state}: {crust.why(n)}" if n in crust.specs else "not run" for n in missing}
     assert not missing, (f"{summary(crust)}\n{summary(baseline)}\ncrust-runc does not pass {len(missing)} specs runc "
                          "passes:\n  " + "\n  ".join(f"{n}: {how[n]}" for n in missing))
-    check_against_lists(crust)
+    check_against_lists(crust, request.node)
 
 
-@pytest.mark.parametrize("node", MICROVM_ENGINES, indirect=True)
-def test_critest_crust_microvm_fails_only_its_listed_exceptions(runs):
+@RUNS_CRITEST
+@pytest.mark.parametrize("node", engine_params(MICROVM_ENGINES), indirect=True)
+def test_critest_crust_microvm_fails_only_its_listed_exceptions(request, runs):
     microvm = runs("crust-microvm")
-    check_against_lists(microvm)
+    check_against_lists(microvm, request.node)
     # Each exception is a spec runc passes (else it belongs on the baseline).
     baseline = runs("runc")
     expected = load_expectations()

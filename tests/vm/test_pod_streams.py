@@ -14,9 +14,9 @@ real streaming client: SPDY to containerd's streaming server, as kubectl).
   for by id, as CRI's ContainerStats does;
 - a container over its memory limit: exit code 137, reason OOMKilled.
 
-crictl is not part of crust: ../shared/bin/crictl beside the repository, or
-CRICTL naming a build of one's own; without it this module is skipped, with
-CI=true it fails.
+crictl is not part of crust: it is kubernetes-sigs/cri-tools' cmd/crictl,
+found on PATH or by CRICTL (tests/upstream.py); without it this module is
+skipped, naming it, in CI too.
 """
 
 from __future__ import annotations
@@ -29,25 +29,18 @@ import time
 import pytest
 
 from crust.api import cri_pb2 as cri
-from tests.csi_sanity import Tool, locate
+from tests import upstream
 from tests.harness import wait_until
 from tests.pod_nodes import KEEP_RUNNING, node  # noqa: F401 - node is the fixture
+from tests.upstream import CRICTL
 
-pytestmark = pytest.mark.slow
-
-CRICTL = Tool("crictl", "CRICTL", "kubernetes-sigs/cri-tools (cmd/crictl)")
-CRICTL_PATH, CRICTL_PROBLEM = locate(CRICTL)
-IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
-if CRICTL_PROBLEM and not IN_CI:
-    pytest.skip(CRICTL_PROBLEM, allow_module_level=True)
+pytestmark = [pytest.mark.slow, upstream.suite("crictl", CRICTL)]
 MiB = 1024 * 1024
 
 
 def crictl(node, *args: str, stdin: bytes = b"", timeout: float = 120) -> bytes:  # noqa: F811
     """crictl against the node's containerd; its output (exit code 0 required)."""
-    if CRICTL_PROBLEM:
-        pytest.fail(f"CI=true and crictl is missing: {CRICTL_PROBLEM}", pytrace=False)
-    argv = [str(CRICTL_PATH), "--config", str(node.containerd.crictl_config()), *args]
+    argv = [str(upstream.path(CRICTL)), "--config", str(node.containerd.crictl_config()), *args]
     done = subprocess.run(argv, input=stdin, capture_output=True, timeout=timeout)
     assert done.returncode == 0, (args, done.returncode, done.stdout, done.stderr)
     return done.stdout
@@ -59,7 +52,7 @@ def crictl_on_a_terminal(node, *args: str, typed: bytes, after: bytes, wait: flo
     typed once the output shows after (the program is reading), or after
     wait seconds; the terminal stays open until crictl ends (an end of
     input would reach the program too). Its output, exit code 0 required."""
-    argv = [str(CRICTL_PATH), "--config", str(node.containerd.crictl_config()), *args]
+    argv = [str(upstream.path(CRICTL)), "--config", str(node.containerd.crictl_config()), *args]
     user = subprocess.Popen(["script", "-q", "-e", "-c", shlex.join(argv), "/dev/null"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     output = b""
