@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import pytest
 
 from crust.api import cri_pb2 as cri
 from crust.api import handler_pb2, handler_pb2_grpc
@@ -23,21 +24,25 @@ from crust.kubelet.containerd import CGROUP_FS, SHIM_SOCKETS, Containerd, is_shi
 from crust.kubelet.cri import KubeletRuntime
 from crust.oci_runtime import frontend
 from crust.sys import mount as sysmount
+from tests import upstream
+from tests.upstream import CONTAINERD2
 
 
 @contextlib.contextmanager
 def private_containerd(runtimes: dict[str, str] | None = None, env: dict[str, str] | None = None,
                        shim_runtimes: dict[str, str] | None = None, shim_options: dict[str, dict] | None = None,
                        mirrors: dict[str, str] | None = None, pod_network: bool = False,
-                       sandbox_image: str = "") -> Iterator[tuple[Containerd, images.Image]]:
-    """A started containerd with the busybox image (also its pause image,
-    unless another is named); closed and checked clean afterwards, whatever
-    the test did."""
+                       sandbox_image: str = "", binary: str = "containerd"
+                       ) -> Iterator[tuple[Containerd, images.Image]]:
+    """A started containerd (the one on PATH unless binary names another)
+    with the busybox image (also its pause image, unless another is named);
+    closed and checked clean afterwards, whatever the test did."""
     directory = Path(tempfile.mkdtemp(prefix="crust-cri-"))
     image = images.build(directory / "images")
     containerd = Containerd(directory / "containerd", sandbox_image=sandbox_image or image.name,
                             runtimes=runtimes or {"runc": ""}, env=env or {}, shim_runtimes=shim_runtimes or {},
-                            shim_options=shim_options or {}, mirrors=mirrors or {}, pod_network=pod_network)
+                            shim_options=shim_options or {}, mirrors=mirrors or {}, pod_network=pod_network,
+                            binary=binary)
     try:
         containerd.start()
         containerd.import_image(image)
@@ -247,12 +252,13 @@ class CriNode:
 
 
 @contextlib.contextmanager
-def cri_node(root) -> Iterator[CriNode]:
+def cri_node(root, binary: str = "containerd") -> Iterator[CriNode]:
     """The node, its containerd running crust's OCI runtime against the
     node's handler; everything closed (pods first) whatever happens."""
     env = {"CRUST_HANDLER_ENDPOINT": f"unix://{root.path / 'handler.sock'}",
            "CRUST_OCI_RUNTIME_STATE": str(root.path / "oci-runtime")}
-    with private_containerd(runtimes={"runc": "", "crust-runc": str(OCI_RUNTIME)}, env=env) as (containerd, image):
+    with private_containerd(runtimes={"runc": "", "crust-runc": str(OCI_RUNTIME)}, env=env,
+                            binary=binary) as (containerd, image):
         node = CriNode(root, containerd, image)
         try:
             yield node
@@ -265,16 +271,29 @@ KATA_HANDLER = dict(name="kata", endpoint_name="kata.sock", command=("kata", "ha
 
 @contextlib.contextmanager
 def cri_microvm_node(root, pod_network: bool = False, vm_pool: int = 0,
-                     handler_extra: tuple[str, ...] = ()) -> Iterator[CriNode]:
+                     handler_extra: tuple[str, ...] = (), binary: str = "containerd") -> Iterator[CriNode]:
     """The node with the microVM handler, its containerd's runtime `crust`
     being crust's shim v2 in front of it (RuntimeClass crust-microvm);
     pod_network: pods off the host's network get a bridge of their own;
     handler_extra: more of the handler's arguments."""
     env = {"CRUST_KATA_HANDLER_ENDPOINT": kata_handler_endpoint(root)}
     with private_containerd(shim_runtimes={"crust": "io.containerd.crust.v2"}, env=env,
-                            pod_network=pod_network) as (containerd, image):
+                            pod_network=pod_network, binary=binary) as (containerd, image):
         with microvm_node(root, containerd, image, vm_pool, handler_extra) as node:
             yield node
+
+
+# The containerds a CRI test may run against: Debian's (1.6, on PATH) and,
+# where the machine has one, a containerd 2.x (tests/upstream.py's
+# CONTAINERD2; its tests skipped without it).
+ON_CONTAINERD2 = upstream.suite("containerd 2.x", CONTAINERD2)
+CONTAINERDS = [pytest.param("containerd", id="containerd"),
+               pytest.param("containerd2", id="containerd2", marks=ON_CONTAINERD2)]
+
+
+def containerd_binary(name: str) -> str:
+    """A CONTAINERDS param's binary."""
+    return str(upstream.path(CONTAINERD2)) if name == "containerd2" else "containerd"
 
 
 def kata_handler_endpoint(root) -> str:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from crust.kubelet.containerd import version_of
+
 
 @dataclass(frozen=True)
 class Program:
@@ -37,8 +39,11 @@ class Program:
     variable: str  # the environment variable naming a build of one's own
     project: str  # the public repository it is built from
     command: str  # what of that project it is
+    on_path: bool = True  # else found by its variable alone
 
     def missing(self) -> str:
+        if not self.on_path:
+            return f"{self.name} not found ({self.project}): set {self.variable}"
         return f"{self.name} not found ({self.project}): set {self.variable} or put it on PATH"
 
 
@@ -55,8 +60,15 @@ CRITEST = Program("critest", "CRITEST", "kubernetes-sigs/cri-tools",
                   "cmd/critest, CRI's validation suite (a Go test binary)")
 CRIO = Program("crio", "CRIO", "cri-o/cri-o", "cmd/crio, with cgo (seccomp, libsqlite3)")
 PINNS = Program("pinns", "PINNS", "cri-o/cri-o", "pinns/, CRI-O's namespace pinner")
-PROGRAMS = (CSI_SANITY, HOSTPATHPLUGIN, NODE_DRIVER_REGISTRAR, LIVENESSPROBE, CRICTL, CRITEST, CRIO, PINNS)
-BY_NAME = {p.name: p for p in PROGRAMS}
+# Debian's containerd 1.6 is installed by ./run; a 2.x is looked for by this
+# variable alone (its name on PATH is the 1.6 one's), with its ctr and
+# containerd-shim-runc-v2 in the same directory.
+CONTAINERD2 = Program("containerd 2.x", "CONTAINERD2", "containerd/containerd",
+                      "cmd/containerd of a 2.x release, its ctr and containerd-shim-runc-v2 beside it",
+                      on_path=False)
+PROGRAMS = (CSI_SANITY, HOSTPATHPLUGIN, NODE_DRIVER_REGISTRAR, LIVENESSPROBE, CRICTL, CRITEST, CRIO, PINNS,
+            CONTAINERD2)
+BY_NAME = {p.variable: p for p in PROGRAMS}
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,7 @@ def locate(program: Program, environ: Mapping[str, str] = os.environ) -> Found:
             return Found(program, unusable=f"{program.variable}={given} is not an executable file "
                                            f"({program.name}, {program.project})")
         return Found(program, path=path)
-    on_path = shutil.which(program.name, path=environ.get("PATH", os.defpath))
+    on_path = shutil.which(program.name, path=environ.get("PATH", os.defpath)) if program.on_path else None
     if on_path is None:
         return Found(program, absent=program.missing())
     return Found(program, path=Path(on_path))
@@ -88,7 +100,15 @@ def locate(program: Program, environ: Mapping[str, str] = os.environ) -> Found:
 def usable(found: Found) -> Found:
     """What a found program's own answer says of it, for those that can be
     built so that they refuse to serve."""
-    if found.path is None or found.program is not HOSTPATHPLUGIN:
+    if found.path is None:
+        return found
+    if found.program is CONTAINERD2:
+        release = version_of(str(found.path))
+        if release < (2, 0):
+            return Found(found.program, unusable=f"{CONTAINERD2.variable}={found.path} is containerd "
+                                                 f"{release[0]}.{release[1]}, not a 2.x")
+        return found
+    if found.program is not HOSTPATHPLUGIN:
         return found
     # Built without `-X main.version=...` it refuses to start ("Driver is
     # missing version"); `-version` then prints its name alone.
@@ -124,7 +144,7 @@ COUNTS_PROPERTY = "upstream-counts"  # (suite, {"target": ..., "passed": n, ...}
 def suite(name: str, *programs: Program) -> pytest.MarkDecorator:
     """The mark of a test (or a module's pytestmark, or a fixture param)
     that runs the upstream suite `name` and needs `programs`."""
-    return getattr(pytest.mark, MARK)(name, *(p.name for p in programs))
+    return getattr(pytest.mark, MARK)(name, *(p.variable for p in programs))
 
 
 def check(item: pytest.Item) -> None:

@@ -28,7 +28,16 @@ its directory, removes the shims' sockets it can name, the cgroups below
 its cgroup root, the pod network, and the directory. Nothing is touched
 that another containerd could own.
 
-One thing is not ours to choose: containerd 1.6 puts shim sockets in
+The binary may be another containerd than the one on PATH (`binary`, e.g. a
+containerd 2.x): its own directory then comes first on the PATH it and its
+shims see (its ctr and containerd-shim-runc-v2 beside it), and the config
+is written in the format its version reads (config_format()): 2 for 1.x,
+3 for 2.0 to 2.2, 4 from 2.3, where the CRI plugin's settings are split
+between io.containerd.cri.v1.images (the pause image, registry hosts) and
+io.containerd.cri.v1.runtime (runtimes, CNI, OOM scores), and streaming
+stays with io.containerd.grpc.v1.cri.
+
+One thing is not ours to choose: containerd puts shim sockets in
 /run/containerd/s whatever its state directory (the path is compiled in).
 Their names are hashes of our socket's path, so they never collide with
 another containerd's; close() removes ours, and the directory too when this
@@ -40,6 +49,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -79,6 +89,25 @@ def available() -> str:
     if missing:
         return f"not installed: {', '.join(missing)} (apt-get install containerd runc)"
     return ""
+
+
+def version_of(binary: str) -> tuple[int, int]:
+    """`containerd --version`'s release, major and minor: "containerd
+    github.com/containerd/containerd/v2 v2.3.4 <commit>" -> (2, 3);
+    Debian's "containerd containerd.io 1.6.20~ds1 <commit>" -> (1, 6)."""
+    shown = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
+    found = re.search(r"\sv?(\d+)\.(\d+)\.\d+", shown)
+    if found is None:
+        raise ContainerdError(f"{binary} --version names no release: {shown.strip()!r}")
+    return int(found[1]), int(found[2])
+
+
+def config_format(version: tuple[int, int]) -> int:
+    """The config format a containerd release reads natively (an older
+    one is migrated, with warnings in its log)."""
+    if version < (2, 0):
+        return 2
+    return 3 if version < (2, 3) else 4
 
 
 def is_shim(argv: list[bytes]) -> bool:
@@ -152,6 +181,7 @@ class Containerd(CriDaemon):
     network: BridgeNetwork | None = None
     _channel: grpc.Channel | None = None
     _made_shim_dir: bool = False
+    _release: tuple[int, int] | None = None
 
     # -- layout -----------------------------------------------------------------------
 
@@ -183,10 +213,16 @@ class Containerd(CriDaemon):
     def hosts_dir(self) -> Path:
         return self.directory / "certs.d"
 
+    def release(self) -> tuple[int, int]:
+        if self._release is None:
+            self._release = version_of(self.binary)
+        return self._release
+
     def config(self) -> str:
-        cri = 'plugins."io.containerd.grpc.v1.cri"'
-        lines = [
-            "version = 2",
+        """The config file, in the format this containerd reads natively."""
+        form = config_format(self.release())
+        header = [
+            f"version = {form}",
             f"root = {toml_value(self.directory / 'root')}",
             f"state = {toml_value(self.directory / 'state')}",
             # Snapshotters this machine cannot use only add noise to the log.
@@ -196,38 +232,77 @@ class Containerd(CriDaemon):
             "[grpc]", f"  address = {toml_value(self.socket)}",
             "[ttrpc]", f"  address = {toml_value(str(self.socket) + '.ttrpc')}",
             '[plugins."io.containerd.internal.v1.opt"]', f"  path = {toml_value(self.directory / 'opt')}",
+        ]
+        body = self._cri_format2() if form == 2 else self._cri_format3()
+        return "\n".join(header + body) + "\n"
+
+    # Streaming (exec -it, attach) on an ephemeral loopback port.
+    STREAMING = ['  stream_server_address = "127.0.0.1"', '  stream_server_port = "0"']
+    # Pods' network namespaces below our state directory, not in the host's
+    # /run/netns, where a tool that later binds /run/netns onto itself (as
+    # `ip netns` and pyroute2 do on first use) would cover them and make
+    # them impossible to remove.
+    NETNS = "  netns_mounts_under_state_dir = true"
+
+    def _cri_format2(self) -> list[str]:
+        """containerd 1.x: one CRI plugin."""
+        cri = 'plugins."io.containerd.grpc.v1.cri"'
+        return [
             f"[{cri}]",
             *([f"  sandbox_image = {toml_value(self.sandbox_image)}"] if self.sandbox_image else []),
-            # Streaming (exec -it, attach) on an ephemeral loopback port.
-            '  stream_server_address = "127.0.0.1"', '  stream_server_port = "0"',
+            *self.STREAMING,
             f"  restrict_oom_score_adj = {toml_value(not can_lower_oom_score())}",
-            # Pods' network namespaces below our state directory, not in the
-            # host's /run/netns, where a tool that later binds /run/netns
-            # onto itself (as `ip netns` and pyroute2 do on first use) would
-            # cover them and make them impossible to remove.
-            "  netns_mounts_under_state_dir = true",
+            self.NETNS,
             f"[{cri}.cni]",
             '  bin_dir = "/usr/lib/cni"',
             f"  conf_dir = {toml_value(self.directory / 'cni')}",
             f"[{cri}.registry]",
             f"  config_path = {toml_value(self.hosts_dir)}",
-            f"[{cri}.containerd]",
-            '  default_runtime_name = "runc"',
+            *self._runtime_tables(f"{cri}.containerd", sandboxer=False),
         ]
+
+    def _cri_format3(self) -> list[str]:
+        """containerd 2.x: images, runtime and the CRI service apart; each
+        runtime names the sandboxer that starts its pods (podsandbox: the
+        pause container, as 1.x did)."""
+        images, runtime = 'plugins."io.containerd.cri.v1.images"', 'plugins."io.containerd.cri.v1.runtime"'
+        # bin_dirs since 2.1; 2.0 knows bin_dir only.
+        bin_dirs = '  bin_dirs = ["/usr/lib/cni"]' if self.release() >= (2, 1) else '  bin_dir = "/usr/lib/cni"'
+        return [
+            *([f"[{images}.pinned_images]", f"  sandbox = {toml_value(self.sandbox_image)}"]
+              if self.sandbox_image else []),
+            f"[{images}.registry]",
+            f"  config_path = {toml_value(self.hosts_dir)}",
+            f"[{runtime}]",
+            f"  restrict_oom_score_adj = {toml_value(not can_lower_oom_score())}",
+            self.NETNS,
+            f"[{runtime}.cni]",
+            bin_dirs,
+            f"  conf_dir = {toml_value(self.directory / 'cni')}",
+            *self._runtime_tables(f"{runtime}.containerd", sandboxer=True),
+            '[plugins."io.containerd.grpc.v1.cri"]',
+            *self.STREAMING,
+        ]
+
+    def _runtime_tables(self, table: str, sandboxer: bool) -> list[str]:
+        """The runtime handlers: runc's shim with each BinaryName, and the
+        shims of their own."""
+        lines = [f"[{table}]", '  default_runtime_name = "runc"']
+        podsandbox = ['  sandboxer = "podsandbox"'] if sandboxer else []
         for name, binary in sorted(self.runtimes.items()):
-            lines += [f"[{cri}.containerd.runtimes.{toml_value(name)}]",
-                      '  runtime_type = "io.containerd.runc.v2"',
-                      f"[{cri}.containerd.runtimes.{toml_value(name)}.options]",
+            lines += [f"[{table}.runtimes.{toml_value(name)}]",
+                      '  runtime_type = "io.containerd.runc.v2"', *podsandbox,
+                      f"[{table}.runtimes.{toml_value(name)}.options]",
                       f"  Root = {toml_value(self.runc_root)}"]
             if binary:
                 lines.append(f"  BinaryName = {toml_value(binary)}")
         for name, runtime_type in sorted(self.shim_runtimes.items()):
-            lines += [f"[{cri}.containerd.runtimes.{toml_value(name)}]",
-                      f"  runtime_type = {toml_value(runtime_type)}"]
+            lines += [f"[{table}.runtimes.{toml_value(name)}]",
+                      f"  runtime_type = {toml_value(runtime_type)}", *podsandbox]
             if self.shim_options.get(name):
-                lines.append(f"[{cri}.containerd.runtimes.{toml_value(name)}.options]")
+                lines.append(f"[{table}.runtimes.{toml_value(name)}.options]")
                 lines += [f"  {key} = {toml_value(value)}" for key, value in sorted(self.shim_options[name].items())]
-        return "\n".join(lines) + "\n"
+        return lines
 
     def write_hosts(self) -> None:
         """One hosts.toml per mirrored registry host: the registry standing
@@ -255,12 +330,19 @@ class Containerd(CriDaemon):
             self.network.create()
         self.write_hosts()
         self.config_path.write_text(self.config())
-        path = os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-        env = {"PATH": f"{Path(sys.executable).parent}:{path}", **self.env}
+        env = {"PATH": self.search_path(), **self.env}
         self.process = subprocess.Popen(
             [self.binary, "--config", str(self.config_path)], stdin=subprocess.DEVNULL,
             stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return self._await_answer(timeout, ContainerdError, "containerd", "CRI" if self.cri else "ctr")
+
+    def search_path(self) -> str:
+        """The PATH containerd and its shims see: crust's shim first, then a
+        containerd's own directory when it is not the one on PATH (its
+        containerd-shim-runc-v2 and ctr belong to it)."""
+        path = os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        own = Path(self.binary).parent if os.sep in self.binary else None
+        return ":".join([str(Path(sys.executable).parent), *([str(own)] if own else []), path])
 
     def _answers(self) -> bool:
         if not self.cri:
@@ -284,7 +366,8 @@ class Containerd(CriDaemon):
     def ctr(self, *args: str, namespace: str = CTR_NAMESPACE, check: bool = True,
             timeout: float = 300) -> subprocess.CompletedProcess:
         """`ctr` against this containerd, in `ctr`'s namespace unless told."""
-        result = subprocess.run(["ctr", "--address", str(self.socket), "--namespace", namespace, *args],
+        ctr = shutil.which("ctr", path=self.search_path()) or "ctr"
+        result = subprocess.run([ctr, "--address", str(self.socket), "--namespace", namespace, *args],
                                 capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
             raise ContainerdError(f"ctr {' '.join(args)}: {result.stderr.strip() or result.stdout.strip()}")

@@ -21,7 +21,8 @@ from crust.contract.mountinfo import digest
 from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, VolumeMount
 from crust.kubelet.cri import KubeletRuntime, SyncError
 from tests.demo_run import run_demo
-from tests.cri_harness import cri_node, private_containerd, shim_pids, shims_killed_here
+from tests.cri_harness import (CONTAINERDS, containerd_binary, cri_node, private_containerd, shim_pids,
+                               shims_killed_here)
 from tests.harness import wait_until
 
 
@@ -135,14 +136,15 @@ def _running_pod(node, pv, name: str, script: str = WORKLOAD):
     return pod, container
 
 
-def test_a_pod_through_cri_mounts_its_deferred_volume_only_inside_its_container(root):
+@pytest.mark.parametrize("containerd", CONTAINERDS)
+def test_a_pod_through_cri_mounts_its_deferred_volume_only_inside_its_container(root, containerd):
     """Kubelet -> containerd -> runc shim -> crust's OCI runtime -> runc, with
     a deferred xfs volume: written by the container with the pod's fsGroup,
     measured (ExecSync df = NodeGetVolumeStats) and grown online while it
     runs, never on the host, a second pod refused, containerd restarted
     under it, and the exit code and the claim's release when kubelet stops
-    and removes it."""
-    with cri_node(root) as node:
+    and removes it. Through Debian's containerd 1.6 and a containerd 2.x."""
+    with cri_node(root, containerd_binary(containerd)) as node:
         pv = node.pv("pv-cri", "xfs")
         pod = node.pod("cri", pv, WORKLOAD)
         node.kubelet.start_pod(pv, pod)

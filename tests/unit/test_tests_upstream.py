@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests import upstream
-from tests.upstream import CSI_SANITY, CRIO, HOSTPATHPLUGIN, PINNS, locate, usable
+from tests.upstream import CONTAINERD2, CSI_SANITY, CRIO, HOSTPATHPLUGIN, PINNS, locate, usable
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -147,3 +147,13 @@ def test_a_variable_naming_nothing_fails_the_suites_tests(tmp_path):
 def test_every_program_names_its_project_and_variable():
     for p in upstream.PROGRAMS:
         assert "/" in p.project and p.variable.isupper() and p.missing().startswith(f"{p.name} not found")
+
+
+def test_containerd_2_is_found_by_its_variable_alone_and_must_be_a_2x(tmp_path):
+    program(tmp_path, "containerd", 'echo "containerd containerd.io 1.6.20~ds1 1.6.20~ds1-1"')
+    assert locate(CONTAINERD2, {"PATH": str(tmp_path)}).absent == \
+        "containerd 2.x not found (containerd/containerd): set CONTAINERD2"
+    old = usable(locate(CONTAINERD2, {"CONTAINERD2": str(tmp_path / "containerd")}))
+    assert old.path is None and old.unusable.endswith("is containerd 1.6, not a 2.x")
+    new = program(tmp_path, "c2", 'echo "containerd github.com/containerd/containerd/v2 v2.3.4 0123abc"')
+    assert usable(locate(CONTAINERD2, {"CONTAINERD2": str(new)})).path == new

@@ -20,8 +20,8 @@ from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.kata.qemu import qemu_pids_under
 from crust.kubelet import Container, Pod, VolumeMount
 from tests.demo_run import run_demo
-from tests.cri_harness import (KATA_HANDLER, container_log, cri_microvm_node, host_network_pod, leftovers_of,
-                               private_containerd, processes_naming, shim_pids)
+from tests.cri_harness import (KATA_HANDLER, ON_CONTAINERD2, container_log, containerd_binary, cri_microvm_node,
+                               host_network_pod, leftovers_of, private_containerd, processes_naming, shim_pids)
 from tests.harness import wait_until
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -156,8 +156,10 @@ def _pod(node, name: str, volumes: dict, containers: list[Container]) -> Pod:
                volumes=volumes, restart_policy="Never", termination_grace_period_seconds=2, containers=containers)
 
 
-@pytest.mark.parametrize("disk_bus", ["virtio-blk", "virtio-scsi"])
-def test_a_pod_runs_in_the_microvm_through_containerd(root, disk_bus):
+@pytest.mark.parametrize(("disk_bus", "containerd"), [
+    pytest.param("virtio-blk", "containerd", id="virtio-blk"), pytest.param("virtio-scsi", "containerd", id="virtio-scsi"),
+    pytest.param("virtio-blk", "containerd2", id="virtio-blk-containerd2", marks=ON_CONTAINERD2)])
+def test_a_pod_runs_in_the_microvm_through_containerd(root, disk_bus, containerd):
     """kubelet -> containerd -> containerd-shim-crust-v2 -> microVM handler ->
     guest: the image's command runs in the guest and writes into a deferred
     ext4 and xfs volume (with the pod's fsGroup), ExecSync's df equals
@@ -165,8 +167,9 @@ def test_a_pod_runs_in_the_microvm_through_containerd(root, disk_bus):
     shares the VM, containerd restarts under the pod, output and exit codes
     reach the container log and ContainerStatus, StopPodSandbox stops the VM
     and releases every claim, and the host's mount table never shows either
-    volume. On either disk bus of the handler."""
-    with cri_microvm_node(root, handler_extra=("--disk-bus", disk_bus)) as node:
+    volume. On either disk bus of the handler; through Debian's containerd
+    1.6 and a containerd 2.x."""
+    with cri_microvm_node(root, handler_extra=("--disk-bus", disk_bus), binary=containerd_binary(containerd)) as node:
         ext4, xfs = node.pv("pv-m-ext4", "ext4", size=256 * 1024**2), node.pv("pv-m-xfs", "xfs")
         image = node.image.name
         pod = _pod(node, "micro", {"ext4": ext4, "xfs": xfs}, [
