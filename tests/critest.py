@@ -45,7 +45,7 @@ from crust.kubelet.containerd import CGROUP_FS, remove_cgroup_trees
 from crust.kubelet.registry import LocalRegistry
 from tests.critest_images import PAUSE, REGISTRY_HOSTS, build_all, push_all
 from tests.critest_host import HostTraces
-from tests.cri_harness import KATA_HANDLER, OCI_RUNTIME, private_containerd
+from tests.cri_harness import KATA_HANDLER, OCI_RUNTIME, containerd_binary, private_containerd
 from tests.csi_sanity import PROJECT
 from tests.harness import Root
 EXPECTATIONS = PROJECT / "docs" / "critest.yaml"
@@ -55,8 +55,9 @@ CONFORMANCE_DOC = PROJECT / "docs" / "conformance.md"
 # names -> the handler critest is told (--runtime-handler), which the
 # engine's config maps to what it runs (critest_node()).
 ENGINES = {"containerd": {"runc": "runc", "crust-runc": "crust-runc", "crust-microvm": "crust"},
+           "containerd2": {"runc": "runc", "crust-runc": "crust-runc", "crust-microvm": "crust"},
            "crio": {"runc": "runc", "crust-runc": "crust-runc", "crust-microvm": "crust"}}
-ENGINE_NAMES = {"containerd": "containerd 1.6", "crio": "CRI-O 1.37"}
+ENGINE_NAMES = {"containerd": "containerd 1.6", "containerd2": "containerd 2.3", "crio": "CRI-O 1.37"}
 # critest runs its pods below this cgroup parent when the runtime does not
 # say which cgroup driver it uses (containerd 1.6 does not).
 CRITEST_CGROUP_PARENT = "test.slice"
@@ -121,12 +122,17 @@ def _cgroup_parent_exists() -> bool:
 
 
 @contextlib.contextmanager
-def _containerd(registry: LocalRegistry, handler_env: dict[str, str]) -> Iterator[object]:
+def _containerd(registry: LocalRegistry, handler_env: dict[str, str], binary: str = "containerd") -> Iterator[object]:
     with private_containerd(runtimes={"runc": "", "crust-runc": str(OCI_RUNTIME)},
                             shim_runtimes={"crust": "io.containerd.crust.v2"}, env=handler_env,
                             mirrors={host: registry.url for host in REGISTRY_HOSTS},
-                            pod_network=True, sandbox_image=PAUSE) as (containerd, _):
+                            pod_network=True, sandbox_image=PAUSE, binary=binary) as (containerd, _):
         yield containerd
+
+
+def _containerd2(registry: LocalRegistry, handler_env: dict[str, str]):
+    """The containerd 2.x CONTAINERD2 names (tests/upstream.py)."""
+    return _containerd(registry, handler_env, containerd_binary("containerd2"))
 
 
 @contextlib.contextmanager
@@ -153,7 +159,7 @@ def _crio(registry: LocalRegistry, handler_env: dict[str, str]) -> Iterator[obje
 
 # engine -> its private daemon, started with the registry's mirrors and the
 # runtimes' environment (`handler_env`) for each of its handlers.
-DAEMONS = {"containerd": _containerd, "crio": _crio}
+DAEMONS = {"containerd": _containerd, "containerd2": _containerd2, "crio": _crio}
 
 
 @contextlib.contextmanager

@@ -229,8 +229,13 @@ class Containerd(CriDaemon):
             "disabled_plugins = " + toml_value([f"io.containerd.snapshotter.v1.{s}"
                                            for s in ("aufs", "btrfs", "devmapper", "zfs")]
                                           + ([] if self.cri else ["io.containerd.grpc.v1.cri"])),
-            "[grpc]", f"  address = {toml_value(self.socket)}",
-            "[ttrpc]", f"  address = {toml_value(str(self.socket) + '.ttrpc')}",
+            # From format 4 the listeners are server plugins; the top-level
+            # tables are read only when an older format is migrated.
+            *(['[plugins."io.containerd.server.v1.grpc"]', f"  address = {toml_value(self.socket)}",
+               '[plugins."io.containerd.server.v1.ttrpc"]', f"  address = {toml_value(str(self.socket) + '.ttrpc')}"]
+              if form >= 4 else
+              ["[grpc]", f"  address = {toml_value(self.socket)}",
+               "[ttrpc]", f"  address = {toml_value(str(self.socket) + '.ttrpc')}"]),
             '[plugins."io.containerd.internal.v1.opt"]', f"  path = {toml_value(self.directory / 'opt')}",
         ]
         body = self._cri_format2() if form == 2 else self._cri_format3()

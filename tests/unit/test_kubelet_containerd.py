@@ -31,6 +31,7 @@ def test_each_release_gets_the_format_it_reads(release, form):
 def test_containerd_1_keeps_every_cri_setting_in_one_plugin(tmp_path):
     config = config_for(tmp_path, (1, 6))
     assert config["version"] == 2
+    assert config["grpc"]["address"] == str(tmp_path / "containerd.sock")
     cri = config["plugins"]["io.containerd.grpc.v1.cri"]
     assert cri["sandbox_image"] == "localhost/pause:1"
     assert cri["registry"]["config_path"] == str(tmp_path / "certs.d")
@@ -59,6 +60,15 @@ def test_containerd_2_splits_images_runtime_and_streaming(tmp_path, release, for
     assert {name: r["sandboxer"] for name, r in runtimes.items()} == dict.fromkeys(RUNTIMES | {"crust": ""},
                                                                                   "podsandbox")
     assert runtimes["crust"]["options"] == {"ConfigPath": "/etc/crust/shim.toml"}
+    # Our own sockets, never the host's: format 4 reads them from its server
+    # plugins alone (a top-level [grpc] left it on /run/containerd's).
+    socket = str(tmp_path / "containerd.sock")
+    if form == 4:
+        assert "grpc" not in config and "ttrpc" not in config
+        assert (plugins["io.containerd.server.v1.grpc"], plugins["io.containerd.server.v1.ttrpc"]) == (
+            {"address": socket}, {"address": socket + ".ttrpc"})
+    else:
+        assert (config["grpc"], config["ttrpc"]) == ({"address": socket}, {"address": socket + ".ttrpc"})
     # Streaming stays with the CRI service; nothing of 1.x's layout is left.
     assert plugins["io.containerd.grpc.v1.cri"] == {"stream_server_address": "127.0.0.1", "stream_server_port": "0"}
 

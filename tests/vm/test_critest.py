@@ -52,7 +52,7 @@ from tests.critest import (ENGINES, FAILED, MICROVM_ALL, MICROVM_CI_GROUPS, PASS
                            run_critest, run_critest_sharded)
 from tests import upstream
 from tests.crio_harness import crio_tools
-from tests.upstream import CRIO, CRITEST, PINNS
+from tests.upstream import CONTAINERD2, CRIO, CRITEST, PINNS
 
 pytestmark = pytest.mark.slow
 # The tests that run critest (the lists' own checks need no program).
@@ -77,8 +77,10 @@ def critest():
 # The engines whose nodes run the microVM's handler (ENGINES names the
 # RuntimeClasses each one serves).
 MICROVM_ENGINES = [engine for engine, classes in ENGINES.items() if "crust-microvm" in classes]
-# CRI-O's runs need its programs; without them they are skipped, containerd's run.
-ENGINE_MARKS = {"crio": [upstream.suite("critest", CRITEST, CRIO, PINNS)]}
+# CRI-O's runs need its programs, containerd 2's its binary; without them
+# they are skipped, containerd 1.6's run.
+ENGINE_MARKS = {"crio": [upstream.suite("critest", CRITEST, CRIO, PINNS)],
+                "containerd2": [upstream.suite("critest", CRITEST, CONTAINERD2)]}
 
 
 def engine_params(engines) -> list:
