@@ -270,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     kt_dv.add_argument("verb", choices=["add", "remove", "stats", "resize"])
     kt_dv.add_argument("--volume-path", required=True, help="the volume's path (the CSI target path)")
     kt_dv.add_argument("--mount-info", default="",
-                       help="add: the JSON description (volume-type, device, fstype, metadata, options)")
+                       help="add: the JSON description (volume-type \"directvol\" or \"block\", device, fstype, "
+                            "metadata, options)")
     kt_dv.add_argument("--size", type=int, default=0, help="resize: the new size in bytes (device already grown)")
     kt_dv.add_argument("--kata-dir", type=Path, default=None,
                        help="the direct-volume directory (default: $CRUST_KATA_DIR or "

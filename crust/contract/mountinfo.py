@@ -2,8 +2,10 @@
 
 The keys Kata Containers reads for its direct-assigned volumes
 ("volume-type", "device", "fstype", "metadata", "options") come first and
-keep Kata's meaning, so a stock Kata can read our file (its parser ignores
-keys it does not know). crust's own keys follow. The JSON schema generated
+keep Kata's meaning, so a stock Kata can read our file (both its parsers,
+the Go runtime's and runtime-rs's, ignore keys they do not know). crust's
+own keys follow. The Kata mirror (kata_json) is the same file with the
+"volume-type" Kata's runtime-rs mounts; the canonical entry keeps "block". The JSON schema generated
 from this model is published as specs/mountinfo.schema.json.
 
 Never a secret in here: the file sits on disk where runtimes read it.
@@ -31,6 +33,14 @@ from crust.common.formats import NewerFormat
 SCHEMA_VERSION = 1
 SCHEMA_VERSION_KEY = "crust-schema-version"
 
+# The "volume-type" of a Kata mirror: Kata's runtime-rs hands every value
+# but its SPDK and VFIO kinds to its raw-block volume, which takes only this
+# one; the Go runtime does not read the key.
+KATA_VOLUME_TYPE = "directvol"
+# What a reader takes: "block" is the canonical entry's value, and the one
+# mirrors and Kata-style drivers wrote for Kata's Go runtime.
+VOLUME_TYPES = ("block", KATA_VOLUME_TYPE)
+
 # Kata's metadata keys.
 FS_GROUP = "fsGroup"
 FS_GROUP_CHANGE_POLICY = "fsGroupChangePolicy"
@@ -50,8 +60,10 @@ class MountInfo(BaseModel):
 
     model_config = ConfigDict(populate_by_name=True, extra="ignore")
 
-    volume_type: Literal["block"] = Field("block", alias="volume-type",
-                                          description="Kind of volume; a host block device today.")
+    volume_type: Literal["block", "directvol"] = Field(
+        "block", alias="volume-type",
+        description="Kind of volume, a host block device: \"block\" in the canonical entry, \"directvol\" in "
+                    "the Kata mirror (what Kata's runtime-rs mounts); a reader takes either.")
     device: str = Field(description="Host path of the block device, e.g. /dev/loop3.")
     fstype: str = Field(description="File system on the device (ext4, xfs).")
     metadata: dict[str, str] = Field(default_factory=dict,
@@ -124,9 +136,10 @@ class MountInfo(BaseModel):
         return self.model_dump_json(by_alias=True, indent=1).encode()
 
     def kata_json(self) -> bytes:
-        """Only Kata's keys, for the mirror in Kata's direct-volume layout."""
-        return self.model_dump_json(by_alias=True, include={"volume_type", "device", "fstype", "metadata",
-                                                            "options"}, indent=1).encode()
+        """The mirror in Kata's direct-volume layout: this file with Kata 4's
+        volume type. crust's keys stay (Kata ignores them): the schema
+        version tells crust's own direct-volume reader it is the proxy's."""
+        return self.model_copy(update={"volume_type": KATA_VOLUME_TYPE}).to_json()
 
 
 def digest(target_path: str) -> str:

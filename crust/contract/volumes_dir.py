@@ -252,7 +252,7 @@ class VolumesDir:
                     f"{NAME_MAX}-byte file name limit; Kata cannot use this volume, the crust entry is written")
             with self._root(self.kata_root) as root_fd, open_dir(root_fd, name, create=True) as fd:
                 _make_room(fd)
-                await write_atomic_in(fd, MOUNT_INFO, data, _opener_in(fd))
+                await write_atomic_in(fd, MOUNT_INFO, info.kata_json(), _opener_in(fd))
                 await fsync_async(root_fd)
 
     def read(self, target_path: str) -> MountInfo | None:
@@ -282,12 +282,11 @@ class VolumesDir:
         """Whether the entry, and the Kata mirror where there can be one,
         already hold exactly this description (a start that finds them so
         has nothing to write)."""
-        data = info.to_json()
-        places = [(self.root, digest(info.target_path))]
+        places = [(self.root, digest(info.target_path), info.to_json())]
         if self.kata_root is not None and len(kata_name(info.target_path).encode()) <= NAME_MAX \
                 and not info.encryption:
-            places.append((self.kata_root, kata_name(info.target_path)))
-        return all(_read_description(root, name) == data for root, name in places)
+            places.append((self.kata_root, kata_name(info.target_path), info.kata_json()))
+        return all(_read_description(root, name) == data for root, name, data in places)
 
     def runtime_cli(self, target_path: str) -> str | None:
         """The CLI a KEP-style runtime recorded for this volume, if any."""

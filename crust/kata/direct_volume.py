@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from crust.common import saferead
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.common.private import make_dirs
-from crust.contract.mountinfo import MountInfo, digest
+from crust.contract.mountinfo import VOLUME_TYPES, MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.contract.volumes_dir import NAME_MAX, clear_dir, open_dir, remove_planted, write_atomic_at
 from crust.runtime_handler.resolve import Resolved, SubpathEscapes, candidates
@@ -100,8 +100,9 @@ def parse_mount_info(text: str, source: str = "--mount-info") -> KataMountInfo:
         raise FailedPrecondition(f"{source}: 'encryption' {raw['encryption']!r}: an encrypted volume cannot be "
                                  "a Kata direct volume (no key reaches it this way); publish it through crust's "
                                  "proxy to a crust microVM handler")
-    if info.volume_type != "block":
-        raise InvalidArgument(f"{source}: 'volume-type' {info.volume_type!r}: only \"block\" is supported")
+    if info.volume_type not in VOLUME_TYPES:
+        raise InvalidArgument(f"{source}: 'volume-type' {info.volume_type!r}: only a block volume is supported "
+                              f"({' or '.join(repr(t) for t in VOLUME_TYPES)})")
     if not info.device.startswith("/"):
         raise InvalidArgument(f"{source}: 'device' {info.device!r} must be an absolute path")
     if not info.fstype:
@@ -261,8 +262,8 @@ class DirectVolumes:
             # the registry, never as a direct volume (even while the proxy
             # removes the canonical entry first).
             return None
-        return MountInfo(volume_type="block", device=info.device, fstype=info.fstype, metadata=info.metadata,
-                         options=info.options, target_path=volume_path)
+        return MountInfo(volume_type=info.volume_type, device=info.device, fstype=info.fstype,
+                         metadata=info.metadata, options=info.options, target_path=volume_path)
 
     @staticmethod
     def _read_entry_file(root_fd: int, name: str) -> bytes:
