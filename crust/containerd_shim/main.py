@@ -4,9 +4,10 @@ crust's microVM handler (`crust kata handler`) as a containerd shim v2.
 containerd runs it with its working directory in the container's bundle:
 
   containerd-shim-crust-v2 -namespace NS -address SOCK -publish-binary BIN -id ID [-debug] start
-      prints the ttrpc address of the shim serving ID's pod and writes it to
-      the bundle's `address` file; starts that shim (a daemon) unless the
-      pod's shim already answers. Every container of a pod goes to one shim:
+      prints the ttrpc address of the shim serving ID's pod (containerd 2.3+,
+      which sends BootstrapParams: a BootstrapResult holding it) and writes
+      it to the bundle's `address` file; starts that shim (a daemon) unless
+      the pod's shim already answers. Every container of a pod goes to one shim:
       the pod is the sandbox id the CRI runtime's annotation names
       (crust.common.cri_annotations: containerd's or CRI-O's).
   containerd-shim-crust-v2 -namespace NS -address SOCK -id ID -bundle DIR delete
@@ -14,15 +15,21 @@ containerd runs it with its working directory in the container's bundle:
       deleted in the handler (at the endpoint `start` recorded in the
       bundle), the root file system unmounted, the dead shim's socket
       removed; prints a DeleteResponse.
+  containerd-shim-crust-v2 -info
+      prints a RuntimeInfo (containerd 2.2+ asks before creating a task).
 
-Settings:
+Settings (`start` reads containerd's standard input, in either form:
+crust.containerd_shim.bootstrap):
   the handler's socket: `handler_endpoint` in the TOML file named by the
   runtime's `ConfigPath` option in containerd's configuration (CRI-O: the
   handler's `runtime_config_path`), else $CRUST_KATA_HANDLER_ENDPOINT (in
   containerd's or CRI-O's own environment, which their shims inherit), else
   unix:///run/crust/kata-handler.sock (the handler's default).
-  containerd's event socket: $TTRPC_ADDRESS (containerd sets it; CRI-O sets
-  it empty and publishes nothing: it waits on each task with Wait).
+  containerd's event socket: BootstrapParams' ttrpc address, else
+  $TTRPC_ADDRESS (containerd sets it; CRI-O sets it empty and publishes
+  nothing: it waits on each task with Wait).
+  the shim's socket directory: BootstrapParams' socket_dir, else
+  /run/containerd/s; debug logs: `-debug`, or a debug log level.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import sys
 from pathlib import Path
 
 from crust.common import cri_annotations
+from crust.containerd_shim.bootstrap import bootstrap_result, configured_endpoint, read_start_input, runtime_info
 
 # containerd runs `start` for every container of a pod, in the path of
 # StartContainer (and of RunPodSandbox): this module imports only what
@@ -52,11 +60,16 @@ SOCKET_DIR = Path("/run/containerd/s")
 SHIM_MODULE = "crust.containerd_shim"
 # In each bundle: the handler endpoint `start` was given (for `delete`).
 ENDPOINT_FILE = "crust-handler-endpoint"
+# In each bundle whose `start` was given a socket directory of containerd's
+# other than SOCKET_DIR: that directory (for `delete`).
+SOCKET_DIR_FILE = "crust-socket-dir"
+# containerd writes a few hundred bytes; more is not containerd.
+MAX_STDIN_BYTES = 1 << 20
 
 
-def socket_path(containerd_address: str, namespace: str, group: str) -> Path:
+def socket_path(containerd_address: str, namespace: str, group: str, directory: Path = SOCKET_DIR) -> Path:
     digest = hashlib.sha256(f"crust\0{containerd_address}\0{namespace}\0{group}".encode()).hexdigest()
-    return SOCKET_DIR / digest
+    return directory / digest
 
 
 def group_of(bundle: Path, container_id: str) -> str:
@@ -75,80 +88,12 @@ def handler_endpoint(options: bytes = b"") -> str:
     return configured_endpoint(options) or os.environ.get(ENV_HANDLER_ENDPOINT) or DEFAULT_HANDLER_ENDPOINT
 
 
-def configured_endpoint(options: bytes) -> str:
-    """`handler_endpoint` of the TOML file the runtime options (a
-    google.protobuf.Any of runtimeoptions.v1.Options, serialized) name as
-    their ConfigPath; "" when they name none. containerd hands the options
-    to `start` on its standard input; CRI-O (its handler's
-    runtime_config_path) only in the sandbox's CreateTaskRequest."""
-    if not options:
-        return ""
-    try:
-        wrapped = message_strings(options)   # google.protobuf.Any: type_url 1, value 2
-        if wrapped.get(1, b"").decode().endswith("runtimeoptions.v1.Options"):
-            config_path = message_strings(wrapped.get(2, b"")).get(2, b"").decode()   # Options.config_path
-            if config_path:
-                import tomllib
-
-                with open(config_path, "rb") as handle:
-                    endpoint = tomllib.load(handle).get("handler_endpoint")
-                if endpoint:
-                    return str(endpoint)
-    except Exception as exc:  # a broken option must not hide the default
-        print(f"crust shim: runtime options not used: {exc}", file=sys.stderr)
-    return ""
-
-
-def message_strings(data: bytes) -> dict[int, bytes]:
-    """The length-delimited fields (strings, bytes, messages) of one
-    protobuf message in its wire format, by field number; for a field given
-    twice the last, as protobuf's parser keeps for a string. Fields of the
-    other wire types are skipped. ValueError for bytes that are no message.
-    The runtime options are two strings deep: decoding them here spares
-    `start` the protobuf library's import."""
-    fields: dict[int, bytes] = {}
-    at = 0
-    while at < len(data):
-        key, at = _varint(data, at)
-        number, wire_type = key >> 3, key & 7
-        if number == 0:
-            raise ValueError("field number 0")
-        if wire_type == 0:
-            _, at = _varint(data, at)
-        elif wire_type == 1:
-            at += 8
-        elif wire_type == 5:
-            at += 4
-        elif wire_type == 2:
-            size, at = _varint(data, at)
-            fields[number] = data[at:at + size]
-            at += size
-        else:
-            raise ValueError(f"field {number}: wire type {wire_type} is not supported")
-        if at > len(data):
-            raise ValueError(f"field {number} runs past the message's end")
-    return fields
-
-
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if at >= len(data) or shift > 63:
-            raise ValueError("a varint runs past the message's end")
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-
-
-def read_options() -> bytes:
-    """containerd writes the runtime's options to `start`'s standard input."""
+def read_stdin() -> bytes:
+    """What containerd wrote to our standard input (crust.containerd_shim.bootstrap)."""
     try:
         if sys.stdin is None or sys.stdin.isatty():
             return b""
-        return sys.stdin.buffer.read()
+        return sys.stdin.buffer.read(MAX_STDIN_BYTES)
     except (OSError, ValueError):
         return b""
 
@@ -176,20 +121,26 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def start(args: argparse.Namespace) -> int:
     bundle = Path.cwd()
     group = group_of(bundle, args.id)
-    path = socket_path(args.address, args.namespace, group)
+    # containerd hands the runtime's options to every `start` (never to
+    # `delete`), alone (1.6 to 2.2) or in its BootstrapParams (2.3+).
+    given = read_start_input(read_stdin(), args.id, args.namespace)
+    directory = Path(given.socket_dir) if given.socket_dir.startswith("/") else SOCKET_DIR
+    path = socket_path(args.address, args.namespace, group, directory)
     address = f"unix://{path}"
     from crust.sys.sockets import listen_backlog, socket_alive
 
-    SOCKET_DIR.mkdir(parents=True, exist_ok=True, mode=0o711)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o711)
     # Two `start`s of one pod at once must not both bind (the second would
     # unlink the first's socket): the check and the bind hold a lock on the
     # directory, released when this process exits.
-    lock = os.open(SOCKET_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    lock = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     fcntl.flock(lock, fcntl.LOCK_EX)
-    # containerd hands the runtime's options to every `start` (never to
-    # `delete`): the endpoint they name is kept in the bundle for `delete`.
-    endpoint = handler_endpoint(read_options())
+    # The endpoint the options name is kept in the bundle for `delete`, and
+    # so is a socket directory of containerd's own choosing.
+    endpoint = handler_endpoint(given.options)
     (bundle / ENDPOINT_FILE).write_text(endpoint)
+    if directory != SOCKET_DIR:
+        (bundle / SOCKET_DIR_FILE).write_text(str(directory))
     if not socket_alive(str(path)):
         path.unlink(missing_ok=True)  # a dead shim's
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -202,15 +153,20 @@ def start(args: argparse.Namespace) -> int:
         # ours: containerd reads our output to its end.
         command = [sys.executable, "-m", SHIM_MODULE, "-namespace", args.namespace, "-address", args.address,
                    "-id", group, "-socket", str(path), "-handler-endpoint", endpoint,
-                   "-log", str(bundle / "log"), *(["-debug"] if args.debug else []), "serve"]
+                   "-log", str(bundle / "log"), *(["-debug"] if args.debug or given.debug else []), "serve"]
         env = {**os.environ, "CRUST_SHIM_LISTEN_FD": str(listener.fileno())}
+        if given.ttrpc_address:
+            env["TTRPC_ADDRESS"] = given.ttrpc_address  # where events go
         import subprocess
 
         subprocess.Popen(command, cwd="/", env=env, pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         listener.close()
     (bundle / "address").write_text(address)
-    sys.stdout.write(address)
+    if given.bootstrap:
+        sys.stdout.buffer.write(bootstrap_result(address))
+    else:
+        sys.stdout.write(address)
     sys.stdout.flush()
     return 0
 
@@ -283,9 +239,13 @@ def remove_dead_socket(bundle: Path) -> bool:
     if not address.startswith("unix://"):
         return False
     path = Path(address[len("unix://"):])
-    if path.parent != SOCKET_DIR or not path.is_socket():
+    try:
+        directory = Path((bundle / SOCKET_DIR_FILE).read_text().strip() or SOCKET_DIR)
+    except FileNotFoundError:
+        directory = SOCKET_DIR
+    if path.parent != directory or not path.is_socket():
         return False
-    lock = os.open(SOCKET_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    lock = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return remove_if_dead(str(path))
@@ -358,8 +318,17 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+INFO_FLAGS = ("-info", "--info", "-info=true", "--info=true")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in INFO_FLAGS for a in argv):
+        # containerd 2.2+: a flag, not an action, with nothing else given.
+        sys.stdout.buffer.write(runtime_info(read_stdin()))
+        sys.stdout.flush()
+        return 0
+    args = parse(argv)
     if args.action == "start":
         return start(args)
     if args.action == "delete":

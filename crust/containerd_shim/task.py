@@ -46,7 +46,8 @@ from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common.channel import local_aio_channel
 from crust.common import cri_annotations, ttrpc
 from crust.containerd_shim.events import Publisher, timestamp
-from crust.containerd_shim.main import ENDPOINT_FILE, configured_endpoint
+from crust.containerd_shim.bootstrap import configured_endpoint
+from crust.containerd_shim.main import ENDPOINT_FILE
 from crust.containerd_shim.process import CREATED, RUNNING, STOPPED, Container, Process, copy_input, copy_output
 from crust.common.ttrpc import TtrpcError
 from crust.sys import mount as sysmount
