@@ -24,7 +24,6 @@ RuntimeInfo on standard output (specs/containerd_introspection.proto).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 OPTIONS_TYPE = "runtimeoptions.v1.Options"
 SHIM_NAME = "io.containerd.crust.v2"
@@ -32,16 +31,18 @@ SHIM_NAME = "io.containerd.crust.v2"
 LOG_LEVEL_DEBUG = -4
 
 
-@dataclass
 class StartInput:
-    """What `start` takes from its standard input."""
+    """What `start` takes from its standard input. (No dataclass: its
+    import would cost `start` more than all of this module.)"""
 
-    options: bytes = b""          # the serialized Any of the runtime options; b"" for none
-    bootstrap: bool = False       # containerd 2.3's BootstrapParams (answered with a BootstrapResult)
-    socket_dir: str = ""
-    ttrpc_address: str = ""
-    grpc_address: str = ""
-    debug: bool = False
+    def __init__(self, options: bytes = b"", bootstrap: bool = False, socket_dir: str = "",
+                 ttrpc_address: str = "", grpc_address: str = "", debug: bool = False):
+        self.options = options              # the serialized Any of the runtime options; b"" for none
+        self.bootstrap = bootstrap          # containerd 2.3's BootstrapParams (answered with a BootstrapResult)
+        self.socket_dir = socket_dir
+        self.ttrpc_address = ttrpc_address
+        self.grpc_address = grpc_address
+        self.debug = debug
 
 
 def read_start_input(data: bytes, task_id: str, namespace: str) -> StartInput:
