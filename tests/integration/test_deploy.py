@@ -7,6 +7,7 @@ exactly what the sidecars document and crust's own code calls."""
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shlex
 from pathlib import Path
@@ -66,9 +67,11 @@ def rendered(request) -> list[dict]:
 
 def test_every_manifest_validates(rendered):
     kinds = sorted(d["kind"] for d in rendered)
+    # The base ships no RuntimeClass (it runs no handler); each overlay one.
+    runtime_classes = ["RuntimeClass"] if by_kind(rendered, "RuntimeClass") else []
     assert kinds == sorted(["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
-                            "RoleBinding", "CSIDriver", "ConfigMap", "DaemonSet", "StorageClass",
-                            "VolumeSnapshotClass", "RuntimeClass"])
+                            "RoleBinding", "CSIDriver", "ConfigMap", "DaemonSet", "StorageClass", "StorageClass",
+                            "VolumeSnapshotClass", *runtime_classes])
     for doc in rendered:
         validate(doc)
     assert {d["metadata"].get("namespace") for d in rendered if d["kind"] in
@@ -176,15 +179,23 @@ def test_the_cluster_objects_agree_with_the_driver(rendered):
     assert spec["volumeLifecycleModes"] == ["Persistent"]
     # The distributed driver advertises no ControllerPublishVolume.
     assert spec["attachRequired"] is False
-    storage_class = one(rendered, "StorageClass")
-    assert storage_class["provisioner"] == DRIVER_NAME
-    assert storage_class["volumeBindingMode"] == "WaitForFirstConsumer"
+    classes = {d["metadata"]["name"]: d for d in by_kind(rendered, "StorageClass")}
+    assert set(classes) == {"crust", "crust-deferred"}
+    for storage_class in classes.values():
+        assert storage_class["provisioner"] == DRIVER_NAME
+        assert storage_class["volumeBindingMode"] == "WaitForFirstConsumer"
     assert one(rendered, "VolumeSnapshotClass")["driver"] == DRIVER_NAME
-    # The proxy defers the StorageClass parameter and the RuntimeClass.
+    # The proxy defers every volume of crust-deferred (its parameter), a
+    # volume of crust only for a pod of a listed runtime class.
     config = yaml.safe_load(one(rendered, "ConfigMap")["data"]["node.yaml"])
     deferral = config["proxy"]["policy"]["deferral"]
-    assert all(storage_class["parameters"].get(k) == v for k, v in deferral["storageClassParameters"].items())
-    assert one(rendered, "RuntimeClass")["metadata"]["name"] in deferral["runtimeClasses"]
+
+    def deferred_by_parameter(storage_class: dict) -> bool:
+        return any(storage_class["parameters"].get(k) == v for k, v in deferral["storageClassParameters"].items())
+
+    assert deferred_by_parameter(classes["crust-deferred"]) and not deferred_by_parameter(classes["crust"])
+    for runtime_class in by_kind(rendered, "RuntimeClass"):
+        assert runtime_class["metadata"]["name"] in deferral["runtimeClasses"]
 
 
 # What each sidecar's deploy/kubernetes RBAC grants for the features used
@@ -274,3 +285,104 @@ def test_the_install_doc_applies_what_is_here():
     assert "deploy/kubernetes" in applied
     for target in applied:
         assert (REPO / target / "kustomization.yaml").exists(), target
+
+
+# -- each rendering installs only runtimes that are served ------------------------------------------
+
+
+def host_handler_unit() -> dict:
+    """What deploy/systemd/crust-kata-handler.service (the microVM handler on
+    the host, as overlays/host-handler requires) serves and dials."""
+    unit = (REPO / "deploy" / "systemd" / "crust-kata-handler.service").read_text()
+    (exec_start,) = [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("ExecStart=")]
+    argv = shlex.split(exec_start)
+    assert Path(argv[0]).name == "crust"
+    args = build_parser().parse_args(argv[1:])
+    assert (args.command, args.kata_command) == ("kata", "handler")
+    return {"endpoint": args.endpoint, "proxy": args.proxy_endpoint, "volumes": Path(args.volumes_dir)}
+
+
+def shim_endpoint() -> str:
+    """The socket containerd's runtime `crust` (containerd-shim-crust-v2)
+    dials, as deploy/containerd configures it."""
+    import tomllib
+
+    from crust.containerd_shim.main import DEFAULT_HANDLER_ENDPOINT
+
+    drop_in = tomllib.loads((REPO / "deploy" / "containerd" / "crust.toml").read_text())
+    runtime = drop_in["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["crust"]
+    settings = Path("/etc/crust/containerd-shim-crust.toml")
+    assert Path(runtime["options"]["ConfigPath"]) == settings
+    shipped = tomllib.loads((REPO / "deploy" / "containerd" / settings.name).read_text())
+    endpoint = shipped.get("handler_endpoint", DEFAULT_HANDLER_ENDPOINT)
+    assert endpoint == DEFAULT_HANDLER_ENDPOINT  # the shipped file and the shim agree without it too
+    return endpoint
+
+
+def served_runtimes(rendered: list[dict]) -> dict[str, str]:
+    """CRI handler -> who serves it on every node of this rendering, from
+    what the node pod runs and mounts and what the host units serve."""
+    node = container(rendered, "crust-node")
+    pod = one(rendered, "DaemonSet")["spec"]["template"]["spec"]
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    mounted = {m["mountPath"]: host.get(m["name"]) for m in node["volumeMounts"]}
+    path = Path("/tmp") / f"crust-deploy-served-{os.getpid()}.yaml"
+    try:
+        path.write_text(one(rendered, "ConfigMap")["data"]["node.yaml"])
+        config = NodeConfig.load(path, node_id="node-a")
+    finally:
+        path.unlink(missing_ok=True)
+
+    def on_host(p: Path) -> bool:
+        """p is the same path in the pod and on the host."""
+        return any(p.is_relative_to(m) and host_path == m for m, host_path in mounted.items())
+
+    served = {}
+    # containerd's `crust`: the shim dials one socket, whose handler must
+    # also see containerd's bundle directories as they are.
+    endpoint = shim_endpoint()
+    if config.handler.runtime is Runtime.KATA:
+        in_pod = f"unix://{config.handler_socket}" == endpoint and on_host(Path("/run/containerd"))
+        if in_pod:
+            served["crust"] = "the node pod's microVM handler"
+    else:
+        unit = host_handler_unit()
+        if unit["endpoint"] == endpoint and unit["proxy"] == f"unix://{config.runtime_socket}" \
+                and unit["volumes"] == config.volumes_dir and on_host(config.runtime_socket.parent) \
+                and on_host(config.volumes_dir):
+            served["crust"] = "deploy/systemd/crust-kata-handler.service on the host"
+    # Kata's own runtime: it reads the proxy's mirror at Kata's fixed root.
+    from crust.kata.direct_volume import DEFAULT_ROOT as KATA_ROOT
+
+    if config.proxy.kata_dir == KATA_ROOT and on_host(KATA_ROOT):
+        served["kata"] = "Kata Containers, from the proxy's mirror"
+    return served
+
+
+def test_each_rendering_installs_only_runtimes_it_serves(rendered):
+    """A RuntimeClass is there only where its CRI handler is served: the
+    microVM runtime `crust` by the handler on the host the shim dials (the
+    pod's own handler is not reachable: it sees no containerd bundle), Kata
+    from the mirror. The base, with no handler, has none."""
+    classes = by_kind(rendered, "RuntimeClass")
+    served = served_runtimes(rendered)
+    for runtime_class in classes:
+        handler = runtime_class["handler"]
+        assert handler in served, f"RuntimeClass {runtime_class['metadata']['name']}: nothing serves {handler!r}"
+        assert runtime_class["scheduling"]["nodeSelector"] == {"crust.dev/microvm": "true"}
+    names = sorted(d["metadata"]["name"] for d in classes)
+    assert names in ([], ["crust-microvm"])
+    config = yaml.safe_load(one(rendered, "ConfigMap")["data"]["node.yaml"])
+    if not classes:
+        assert config["handler"]["runtime"] == "none"
+
+
+def test_the_base_installs_no_runtime_and_each_overlay_one():
+    assert not by_kind(render(BASE), "RuntimeClass")
+    handlers = {p.name: [d["handler"] for d in by_kind(render(p), "RuntimeClass")] for p in OVERLAYS}
+    assert handlers == {"host-handler": ["crust"], "kata": ["kata"]}
+    # A pod handler in a rendering with the shim's runtime would be unreachable.
+    broken = copy.deepcopy(render(OVERLAYS[0]))
+    node_config = one(broken, "ConfigMap")
+    node_config["data"]["node.yaml"] = node_config["data"]["node.yaml"].replace("runtime: none", "runtime: kata")
+    assert "crust" not in served_runtimes(broken)

@@ -17,10 +17,10 @@ Mid-life the node container is killed and a new one started (a DaemonSet
 rollout): nothing is lost. Uninstalling (the container stopped as kubelet
 stops it) leaves no mount and no loop device behind.
 
-Both installs run: the base manifests (the -microvm image, the microVM
-handler running in the pod; no microVM is booted here, as no pod asks for
-one) and the host-handler overlay (the image without QEMU, no handler in
-the pod). The image variant is the one the DaemonSet's tag names. The sidecars (csi-provisioner, csi-resizer,
+Both installs run: the base manifests and the host-handler overlay (the
+image without QEMU, no handler in the pod; the overlay adds the RuntimeClass
+of the microVM handler on the host, which no pod asks for here). The image
+variant is the one the DaemonSet's tag names. The sidecars (csi-provisioner, csi-resizer,
 csi-snapshotter, livenessprobe) are not run: their images are upstream's and
 no registry is reachable here, and all but the livenessprobe need an API
 server with their objects (PVCs, PVs, VolumeSnapshots); kubelet's replay
@@ -262,7 +262,7 @@ class Cluster:
                 subprocess.run(["losetup", "-d", device], capture_output=True)
 
 
-@pytest.fixture(params=[BASE, BASE / "overlays" / "host-handler"], ids=["base-microvm", "host-handler"])
+@pytest.fixture(params=[BASE, BASE / "overlays" / "host-handler"], ids=["base", "host-handler"])
 def cluster(request, pki):  # noqa: F811 - pki is the fixture imported above
     root = Root()
     node = Cluster(root.path, pki, request.param)
@@ -292,8 +292,7 @@ def test_the_daemonset_runs_the_image_through_a_volume_life_a_rollout_and_an_uni
     wait_for(registration.is_socket, 90, f"the container's {registration.name}", cluster.log)
     assert wait_for(lambda: _registered(kubelet), 30, "kubelet to register the driver", cluster.log) == DRIVER
     assert cluster.containers.status(first) == "RUNNING"
-    # Inside: every child the ConfigMap's node.yaml asks for runs (the
-    # microVM handler too, in the base manifests' pod).
+    # Inside: every child the ConfigMap's node.yaml asks for runs.
     status = wait_for(lambda: _status(cluster, first), 120, "crust status to report every child serving",
                       cluster.log)
     node_yaml = yaml.safe_load(cluster.config_maps["crust-node"]["data"]["node.yaml"])

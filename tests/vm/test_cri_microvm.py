@@ -53,11 +53,11 @@ def test_deploy_configures_the_crust_runtime_for_containerd_and_kubernetes(tmp_p
         config_path=str(DEPLOY / "containerd" / "containerd-shim-crust.toml")).SerializeToString())
     assert runtime["options"]["ConfigPath"] == "/etc/crust/containerd-shim-crust.toml"
     assert handler_endpoint(options.SerializeToString()) == "unix:///run/crust/kata-handler.sock"
-    base = [d for d in render(DEPLOY / "kubernetes") if d["kind"] == "RuntimeClass"]
+    host = [d for d in render(DEPLOY / "kubernetes" / "overlays" / "host-handler") if d["kind"] == "RuntimeClass"]
     kata = [d for d in render(DEPLOY / "kubernetes" / "overlays" / "kata") if d["kind"] == "RuntimeClass"]
-    for runtime_class in base + kata:
+    for runtime_class in host + kata:
         validate(runtime_class)
-    assert [(d["metadata"]["name"], d["handler"]) for d in base] == [("crust-microvm", "crust")]
+    assert [(d["metadata"]["name"], d["handler"]) for d in host] == [("crust-microvm", "crust")]
     assert [(d["metadata"]["name"], d["handler"]) for d in kata] == [("crust-microvm", "kata")]
     assert (Path(__import__("sys").executable).parent / "containerd-shim-crust-v2").exists()
 
