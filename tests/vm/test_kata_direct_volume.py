@@ -114,7 +114,9 @@ def test_a_kata_style_driver_works_unchanged_through_direct_volume(kenv):
         return kenv.direct_volume(verb, *args, cli=wrapper, env=wrapper_env)
 
     try:
-        info = json.dumps({"volume-type": "block", "device": device, "fstype": "ext4",
+        # "directvol", as Kata's own CSI driver writes it for Kata 4 (older
+        # drivers write "block", which the verbs take as well).
+        info = json.dumps({"volume-type": "directvol", "device": device, "fstype": "ext4",
                            "metadata": {"fsGroup": "3000", "fsGroupChangePolicy": "Always"}, "options": []})
         out = kata_runtime("add", "--volume-path", str(target), "--mount-info", info)
         assert out.returncode == 0, out.stderr
