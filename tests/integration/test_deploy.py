@@ -1,8 +1,9 @@
 """The cluster install in deploy/kubernetes: every rendered manifest validates
 against the Kubernetes API schemas of a recent release (kubernetes-validate
 ships them, nothing is fetched), a broken one is caught, the DaemonSet passes
-crust exactly the flags and configuration it accepts, and the RBAC grants
-exactly what the sidecars document and crust's own code calls."""
+crust exactly the flags and configuration it accepts, the RBAC grants
+exactly what the sidecars document and crust's own code calls, and the base
+and each overlay render a RuntimeClass only where its runtime is served."""
 
 from __future__ import annotations
 
