@@ -34,22 +34,22 @@ class GuestDetailsResponse(_message.Message):
     def __init__(self, capabilities: _Optional[_Iterable[str]] = ..., agent_name: _Optional[str] = ..., agent_version: _Optional[str] = ..., image_id: _Optional[str] = ..., kernel_release: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., cpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_message_bytes", "max_read_bytes", "stream_buffer_bytes", "stdin_buffer_bytes", "max_in_flight", "oom_events_kept", "output_grace_ms")
+    __slots__ = ("max_message_bytes", "max_read_bytes", "stream_buffer_bytes", "stdin_buffer_bytes", "max_in_flight", "output_grace_ms", "exited_execs_kept")
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_READ_BYTES_FIELD_NUMBER: _ClassVar[int]
     STREAM_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     STDIN_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
-    OOM_EVENTS_KEPT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_GRACE_MS_FIELD_NUMBER: _ClassVar[int]
+    EXITED_EXECS_KEPT_FIELD_NUMBER: _ClassVar[int]
     max_message_bytes: int
     max_read_bytes: int
     stream_buffer_bytes: int
     stdin_buffer_bytes: int
     max_in_flight: int
-    oom_events_kept: int
     output_grace_ms: int
-    def __init__(self, max_message_bytes: _Optional[int] = ..., max_read_bytes: _Optional[int] = ..., stream_buffer_bytes: _Optional[int] = ..., stdin_buffer_bytes: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., oom_events_kept: _Optional[int] = ..., output_grace_ms: _Optional[int] = ...) -> None: ...
+    exited_execs_kept: int
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_read_bytes: _Optional[int] = ..., stream_buffer_bytes: _Optional[int] = ..., stdin_buffer_bytes: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., output_grace_ms: _Optional[int] = ..., exited_execs_kept: _Optional[int] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("seconds", "nanos", "seed")
@@ -273,26 +273,6 @@ class StatsContainerResponse(_message.Message):
     pids_max: int
     timestamp_ns: int
     def __init__(self, cpu_stat: _Optional[_Mapping[str, int]] = ..., memory_stat: _Optional[_Mapping[str, int]] = ..., memory_current: _Optional[int] = ..., memory_max: _Optional[int] = ..., memory_events: _Optional[_Mapping[str, int]] = ..., pids_current: _Optional[int] = ..., pids_max: _Optional[int] = ..., timestamp_ns: _Optional[int] = ...) -> None: ...
-
-class GetOOMEventRequest(_message.Message):
-    __slots__ = ("after_sequence", "accept_loss")
-    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    ACCEPT_LOSS_FIELD_NUMBER: _ClassVar[int]
-    after_sequence: int
-    accept_loss: bool
-    def __init__(self, after_sequence: _Optional[int] = ..., accept_loss: bool = ...) -> None: ...
-
-class OOMEvent(_message.Message):
-    __slots__ = ("sequence", "container_id", "oom_kill", "timestamp_ns")
-    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
-    OOM_KILL_FIELD_NUMBER: _ClassVar[int]
-    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
-    sequence: int
-    container_id: str
-    oom_kill: int
-    timestamp_ns: int
-    def __init__(self, sequence: _Optional[int] = ..., container_id: _Optional[str] = ..., oom_kill: _Optional[int] = ..., timestamp_ns: _Optional[int] = ...) -> None: ...
 
 class ExecProcessRequest(_message.Message):
     __slots__ = ("container_id", "exec_id", "process", "stdin")

@@ -75,11 +75,6 @@ class AgentServiceStub(object):
                 request_serializer=agent__pb2.StatsContainerRequest.SerializeToString,
                 response_deserializer=agent__pb2.StatsContainerResponse.FromString,
                 _registered_method=True)
-        self.GetOOMEvent = channel.unary_unary(
-                '/crust.agent.v1.AgentService/GetOOMEvent',
-                request_serializer=agent__pb2.GetOOMEventRequest.SerializeToString,
-                response_deserializer=agent__pb2.OOMEvent.FromString,
-                _registered_method=True)
         self.ExecProcess = channel.unary_unary(
                 '/crust.agent.v1.AgentService/ExecProcess',
                 request_serializer=agent__pb2.ExecProcessRequest.SerializeToString,
@@ -321,18 +316,6 @@ class AgentServiceServicer(object):
         container not yet removed still answers (its cgroup is kept so that
         memory.events still tells an OOM kill after the exit).
         NOT_FOUND: no such container. Mutates nothing.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetOOMEvent(self, request, context):
-        """Blocks until a container has an OOM kill (its memory.events' oom_kill
-        grew) numbered after after_sequence, and answers the first such event.
-        Events are numbered from 1 for the guest's life; the agent keeps the
-        last limits.oom_events_kept of them. DATA_LOSS: after_sequence names
-        an event older than those kept (with accept_loss, the oldest kept is
-        answered instead). Mutates nothing; several callers may wait at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -694,11 +677,6 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     request_deserializer=agent__pb2.StatsContainerRequest.FromString,
                     response_serializer=agent__pb2.StatsContainerResponse.SerializeToString,
             ),
-            'GetOOMEvent': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetOOMEvent,
-                    request_deserializer=agent__pb2.GetOOMEventRequest.FromString,
-                    response_serializer=agent__pb2.OOMEvent.SerializeToString,
-            ),
             'ExecProcess': grpc.unary_unary_rpc_method_handler(
                     servicer.ExecProcess,
                     request_deserializer=agent__pb2.ExecProcessRequest.FromString,
@@ -1047,33 +1025,6 @@ class AgentService(object):
             '/crust.agent.v1.AgentService/StatsContainer',
             agent__pb2.StatsContainerRequest.SerializeToString,
             agent__pb2.StatsContainerResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetOOMEvent(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/crust.agent.v1.AgentService/GetOOMEvent',
-            agent__pb2.GetOOMEventRequest.SerializeToString,
-            agent__pb2.OOMEvent.FromString,
             options,
             channel_credentials,
             insecure,

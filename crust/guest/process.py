@@ -52,6 +52,10 @@ class Limits:
     stdin_buffer_bytes: int = 1 << 20
     output_grace: float = 2.0
     pipe_chunk: int = 1 << 20
+    # Exited execs of a container the host has not removed: beyond this
+    # many the oldest is forgotten (the host forgets its own well before:
+    # this bounds the guest's memory when the host never says).
+    exited_execs_kept: int = 256
 
 
 @dataclass(frozen=True)
@@ -419,6 +423,20 @@ class ProcessTable:
         process.exit = ExitStatus(code, number, exited_at, complete)
         process.state = EXITED
         process.done.set()
+        if process.exec_id:
+            self._bound_exited(process.container_id)
+
+    def _bound_exited(self, container_id: str) -> None:
+        exited = [p for p in self.processes.values()
+                  if p.container_id == container_id and p.exec_id and p.state == EXITED]
+        if len(exited) <= self.limits.exited_execs_kept:
+            return
+        exited.sort(key=lambda p: p.exit.exited_at_ns)
+        for old in exited[:len(exited) - self.limits.exited_execs_kept]:
+            log.info("exec %s of container %s forgotten: %d exited execs were never removed", old.exec_id,
+                     container_id, len(exited))
+            del self.processes[old.key]
+            old.unread()
 
     async def wait(self, container_id: str, exec_id: str) -> Process:
         process = self.get(container_id, exec_id)

@@ -136,7 +136,8 @@ class AgentService:
                 max_message_bytes=ttrpc.MESSAGE_LENGTH_MAX, max_read_bytes=MAX_READ_BYTES,
                 stream_buffer_bytes=self.limits.stream_buffer_bytes,
                 stdin_buffer_bytes=self.limits.stdin_buffer_bytes, max_in_flight=ttrpc.CONNECTION_CALLS_MAX,
-                output_grace_ms=int(self.limits.output_grace * 1000)),
+                output_grace_ms=int(self.limits.output_grace * 1000),
+                exited_execs_kept=self.limits.exited_execs_kept),
             cpus=len(os.sched_getaffinity(0)), memory_bytes=_memory_total())
 
     async def ConfigureInterface(self, request: agent_pb2.ConfigureInterfaceRequest,

@@ -218,6 +218,30 @@ def test_reads_acknowledge_what_they_pass_and_a_read_below_it_is_data_loss(agent
     assert gone[0] == ttrpc.NOT_FOUND and again.unread_bytes == 0
 
 
+def test_exited_execs_the_host_never_removes_are_bounded(agent):
+    """The agent keeps limits.exited_execs_kept exited execs of a container
+    the host did not remove; beyond, the oldest are forgotten (NOT_FOUND),
+    so a host that never says leaves the guest's table bounded."""
+    async def main():
+        client = await AgentClient.connect(str(agent))
+        kept = (await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=10)
+                ).limits.exited_execs_kept
+        for batch in range(0, kept + 4, 20):
+            ids = [f"x{n}" for n in range(batch, min(batch + 20, kept + 4))]
+            await asyncio.gather(*(exec_(client, i, "true") for i in ids))
+            await asyncio.gather(*(client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id=i), timeout=30)
+                                   for i in ids))
+        listed = (await client.call("ListProcesses", agent_pb2.ListProcessesRequest(), timeout=10)).processes
+        await client.close()
+        return kept, listed
+    kept, listed = run(main())
+    assert kept == 256
+    assert len(listed) == kept and all(p.state == agent_pb2.ProcessInfo.EXITED for p in listed)
+    # The four forgotten exited first: in the first batch, all of whose others are kept.
+    first_batch = {f"x{n}" for n in range(20)}
+    assert len(first_batch - {p.exec_id for p in listed}) == 4
+
+
 def test_bad_requests_name_their_field_and_a_retry_answers_as_the_first_did(agent):
     async def main():
         client = await AgentClient.connect(str(agent))
