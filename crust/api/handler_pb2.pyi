@@ -394,6 +394,20 @@ class SignalProcessResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DeleteProcessRequest(_message.Message):
+    __slots__ = ("container_id", "exec_id")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXEC_ID_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    exec_id: str
+    def __init__(self, container_id: _Optional[str] = ..., exec_id: _Optional[str] = ...) -> None: ...
+
+class DeleteProcessResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: ProcessState
+    def __init__(self, state: _Optional[_Union[ProcessState, _Mapping]] = ...) -> None: ...
+
 class DeleteContainerRequest(_message.Message):
     __slots__ = ("container_id",)
     CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -729,6 +729,11 @@ class PodRuntimeStub(object):
                 request_serializer=handler__pb2.SignalProcessRequest.SerializeToString,
                 response_deserializer=handler__pb2.SignalProcessResponse.FromString,
                 _registered_method=True)
+        self.DeleteProcess = channel.unary_unary(
+                '/crust.handler.v1.PodRuntime/DeleteProcess',
+                request_serializer=handler__pb2.DeleteProcessRequest.SerializeToString,
+                response_deserializer=handler__pb2.DeleteProcessResponse.FromString,
+                _registered_method=True)
         self.DeleteContainer = channel.unary_unary(
                 '/crust.handler.v1.PodRuntime/DeleteContainer',
                 request_serializer=handler__pb2.DeleteContainerRequest.SerializeToString,
@@ -830,6 +835,22 @@ class PodRuntimeServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteProcess(self, request, context):
+        """Forget an exited exec (containerd's Delete of it): the handler's record
+        of it and the guest's (its exit, its unread output) are gone, and every
+        later call naming it is NOT_FOUND, as is this call again.
+        FAILED_PRECONDITION: it still runs (kill it first). INVALID_ARGUMENT:
+        exec_id "" (a container's own process goes with DeleteContainer). An
+        exited exec nobody deletes is forgotten by the handler on its own ten
+        minutes after its exit, or earlier when more than 64 exited execs of
+        its container wait for their Delete (the oldest first). The handler's
+        record of a pod holds no exec: a restarted handler learns the execs
+        of a running VM from the guest's agent (docs/microvm-pods.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DeleteContainer(self, request, context):
         """Unmount the container's volumes in the guest, detach its disks, release
         the claims no other container of the pod uses. Kills its processes first.
@@ -907,6 +928,11 @@ def add_PodRuntimeServicer_to_server(servicer, server):
                     servicer.SignalProcess,
                     request_deserializer=handler__pb2.SignalProcessRequest.FromString,
                     response_serializer=handler__pb2.SignalProcessResponse.SerializeToString,
+            ),
+            'DeleteProcess': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteProcess,
+                    request_deserializer=handler__pb2.DeleteProcessRequest.FromString,
+                    response_serializer=handler__pb2.DeleteProcessResponse.SerializeToString,
             ),
             'DeleteContainer': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteContainer,
@@ -1113,6 +1139,33 @@ class PodRuntime(object):
             '/crust.handler.v1.PodRuntime/SignalProcess',
             handler__pb2.SignalProcessRequest.SerializeToString,
             handler__pb2.SignalProcessResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteProcess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.PodRuntime/DeleteProcess',
+            handler__pb2.DeleteProcessRequest.SerializeToString,
+            handler__pb2.DeleteProcessResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,12 @@ INPUT_CHUNK = MAX_STRING
 OUTPUT_HANDLER_GONE_SECONDS = 60.0
 # How long a finished process's fifos stay open for a containerd that is away.
 FIFO_HOLD_SECONDS = 600.0
+# Exited execs containerd never deletes (its caller died between the exit
+# and the Delete) are forgotten as the handler forgets them
+# (crust.kata.pod_processes): this long after the exit, or once more than
+# this many exited execs of their container wait (the oldest first).
+EXITED_EXEC_SECONDS = 600.0
+EXITED_EXECS_KEPT = 64
 
 CREATED, RUNNING, STOPPED = task_types.CREATED, task_types.RUNNING, task_types.STOPPED
 
@@ -68,6 +74,8 @@ class Process:
     # The copy of its output, once the process has exited and it is drained.
     draining: asyncio.Future | None = None
     drain_killed: bool = False
+    # Forgets an exited exec containerd does not delete (Container.bound_exited).
+    expiry: asyncio.TimerHandle | None = None
 
     @property
     def id(self) -> str:
@@ -92,6 +100,30 @@ class Container:
     init: Process
     rootfs_mounted: bool = False
     execs: dict[str, Process] = field(default_factory=dict)
+
+    def bound_exited(self, process: Process) -> None:
+        """An exec that exited: forgotten unless deleted in time (see
+        EXITED_EXEC_SECONDS and EXITED_EXECS_KEPT)."""
+        process.expiry = asyncio.get_running_loop().call_later(EXITED_EXEC_SECONDS, self._forget, process)
+        exited = [p for p in self.execs.values() if p.status == STOPPED]
+        if len(exited) > EXITED_EXECS_KEPT:
+            exited.sort(key=lambda p: p.exited_at_ns)
+            for old in exited[:len(exited) - EXITED_EXECS_KEPT]:
+                self._forget(old)
+
+    def forget(self, process: Process) -> None:
+        """An exec gone (deleted, or never deleted in time)."""
+        if process.expiry is not None:
+            process.expiry.cancel()
+        if self.execs.get(process.exec_id) is process:
+            del self.execs[process.exec_id]
+        process.deleted.set()
+
+    def _forget(self, process: Process) -> None:
+        if self.execs.get(process.exec_id) is process and process.status == STOPPED:
+            self.forget(process)
+            log.info("an exited exec nobody deleted is forgotten", extra={"fields": {
+                "container": self.id, "exec": process.exec_id}})
 
     def process(self, exec_id: str) -> Process:
         if not exec_id:

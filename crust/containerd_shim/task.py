@@ -376,6 +376,11 @@ class TaskService:
     def _exited(self, process: Process, exit_status: int, exited_at_ns: int | None = None) -> None:
         if not process.stop(exit_status, exited_at_ns):
             return
+        if process.exec_id:
+            process.spec = None   # its args and env served its start only
+            container = self.containers.get(process.container_id)
+            if container is not None:
+                container.bound_exited(process)
         log.info("process exited", extra={"fields": {"container": process.container_id, "exec": process.exec_id,
                                                      "exit_status": exit_status}})
         self.publisher.publish(events.TaskExit(container_id=process.container_id, id=process.id, pid=self.vm_pid,
@@ -472,7 +477,12 @@ class TaskService:
                              f"process {process.id} of container {container.id} is running; kill it first")
         process.deleted.set()
         if request.exec_id:
-            container.execs.pop(request.exec_id, None)
+            # Forgotten here whatever the handler answers: containerd does
+            # not ask again, and the handler forgets an exited exec nobody
+            # deleted on its own.
+            container.forget(process)
+            if process.guest_pid:
+                await self._delete_in_handler(container, process)
         else:
             if container.execs and any(p.status == RUNNING for p in container.execs.values()):
                 raise TtrpcError(ttrpc.FAILED_PRECONDITION, f"container {container.id} still has running execs")
@@ -501,6 +511,16 @@ class TaskService:
                                                  exit_status=process.exit_status, exited_at=stamp))
         log.info("deleted", extra={"fields": {"container": container.id, "exec": request.exec_id}})
         return task_pb.DeleteResponse(pid=self.vm_pid, exit_status=process.exit_status, exited_at=stamp)
+
+    async def _delete_in_handler(self, container: Container, process: Process) -> None:
+        try:
+            await self._handler("DeleteProcess", handler_pb2.DeleteProcessRequest(
+                container_id=container.id, exec_id=process.exec_id), f"exec {process.exec_id} of {container.id}")
+        except TtrpcError as exc:
+            # NOT_FOUND: gone already (its pod stopped, its container deleted).
+            if exc.code != ttrpc.NOT_FOUND:
+                log.warning("exec not deleted in the handler", extra={"fields": {
+                    "container": container.id, "exec": process.exec_id, "error": exc.message}})
 
     # -- Exec ---------------------------------------------------------------------------
 

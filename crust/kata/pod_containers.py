@@ -372,6 +372,7 @@ class PodContainers(PodProcesses):
         if alive:
             await self._forget_on_port(sandbox, c)
         self.exits.forget(c.container_id)
+        self._forget_expiries(c.container_id)
         pod.containers.pop(c.container_id, None)
         await self.records.put(pod.sandbox_id, pod)
 

@@ -6,6 +6,15 @@ crust.kata.pods.Pods (a mixin: the records, locks and VMs are Pods').
 Every process is the guest's agent's (crust.kata.port_process): one call
 starts it, its output and input are the agent's pipes or terminal, its
 exit is pushed to the host (a WaitProcess that waits in the guest).
+
+An exec lives in the handler's memory (never in the pod's record) from
+its start until containerd deletes it (DeleteProcess), which removes it
+in the guest too. One that exited and is never deleted is forgotten
+EXITED_EXEC_SECONDS after its exit, or earlier once more than
+EXITED_EXECS_KEPT exited execs of its container wait (the oldest first):
+containerd's CRI deletes every exec it ran once it read its exit, so
+only a caller that died in between leaves one. A restarted handler
+takes the execs of a running VM from the guest's agent (adopt_execs).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from crust.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    Unavailable,
 )
 from crust.common.recordstore import KEY_RULE, valid_key
 from crust.kata import guest_oci, port_process
@@ -44,12 +54,24 @@ PORT_WAIT_LOOK = 1.0          # seconds a wait for an exit checks it was not del
 PORT_WAIT = 10.0              # how long a call about a process waits for the agent's port (it reconnects)
 # How long a process whose WaitProcess lost the port waits to see its VM end.
 VM_END_SEEN = 2.0
+# Exited execs nobody deleted: each forgotten this long after its exit,
+# and no container keeps more than this many of them.
+EXITED_EXEC_SECONDS = 600.0
+EXITED_EXECS_KEPT = 64
+# The most processes a restarted handler takes from a guest's list (the
+# guest is not trusted), and how long it waits for the list.
+ADOPTED_PROCESSES_MAX = 4096
+LIST_TIMEOUT = 10.0
+# How long a call naming an exec waits for a restarted handler to take
+# back the guest's execs (it serves while it does).
+ADOPTION_WAIT = 60.0
 
 
 class PodProcesses:
     # -- processes ---------------------------------------------------------------------------
 
     async def start_process(self, container_id: str, exec_id: str, spec: handler_pb2.ProcessSpec | None) -> int:
+        await self._execs_taken_back(exec_id)
         pod, c = self._find(container_id)
         # Before the pod's lock: a process of a VM just booted waits for its
         # guest's agent to open its port without holding up the
@@ -104,7 +126,10 @@ class PodProcesses:
             p.pid = await port_process.exec_process(client, c.container_id, p.exec_id, process, p.stdin)
         else:
             p.pid = await port_process.start_container(client, c.container_id)
-        await self.records.put(pod.sandbox_id, pod)
+        if p.exec_id:
+            p.args, p.env = [], []   # they served its start only (a retry answers the pid)
+        else:
+            await self.records.put(pod.sandbox_id, pod)
         self._watch_exit(pod, c, p, client)
         log.info("process started", extra={"fields": {"sandbox": pod.sandbox_id, "container": c.container_id,
                                                       "exec": p.exec_id, "pid": p.pid}})
@@ -139,10 +164,120 @@ class PodProcesses:
                 if not answer.output_complete:
                     log.warning("exec output may be incomplete: a process it left held its streams", extra={
                         "fields": {"sandbox": pod.sandbox_id, "container": c.container_id, "exec": p.exec_id}})
-            if self.pods.get(pod.sandbox_id) is pod and c.container_id in pod.containers:
+            if p.exec_id:
+                self._bound_exited(pod, c, p)
+            elif self.pods.get(pod.sandbox_id) is pod and c.container_id in pod.containers:
                 await self.records.put(pod.sandbox_id, pod)
 
         self.exits.watch(client, c.container_id, p.exec_id, record)
+
+    # -- the end of an exec ----------------------------------------------------------------
+
+    async def delete_process(self, container_id: str, exec_id: str) -> handler_pb2.ProcessState:
+        """containerd's Delete of an exec: forgotten here and in the guest."""
+        if not exec_id:
+            raise InvalidArgument("exec_id: empty (a container's own process goes with DeleteContainer)")
+        await self._execs_taken_back(exec_id)
+        pod, c, p = self._process(container_id, exec_id)
+        state = await self.state(pod, c, p)
+        if state.status == Status.RUNNING:
+            raise FailedPrecondition(f"exec {exec_id} of container {container_id} is running; kill it first")
+        await self._forget_exec(pod, c, p)
+        log.info("exec deleted", extra={"fields": {"sandbox": pod.sandbox_id, "container": container_id,
+                                                   "exec": exec_id}})
+        return state
+
+    async def _execs_taken_back(self, exec_id: str) -> None:
+        """A call naming an exec waits until a restarted handler took back
+        the guest's execs (Pods.start), or ADOPTION_WAIT."""
+        if exec_id and not self.execs_taken_back.is_set():
+            try:
+                await asyncio.wait_for(self.execs_taken_back.wait(), ADOPTION_WAIT)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _forget_exec(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord) -> None:
+        """The exec gone from the handler's memory, then from the agent's
+        table. A guest that cannot be told keeps it until the container's
+        removal (or the VM's end)."""
+        if c.processes.get(p.exec_id) is not p:
+            return   # forgotten already (a bound and a Delete at once)
+        del c.processes[p.exec_id]
+        self.exits.forget_one(c.container_id, p.exec_id)
+        expiry = self._expiries.pop((c.container_id, p.exec_id), None)
+        if expiry is not None:
+            expiry.cancel()
+        sandbox = self._sandbox(pod.sandbox_id)
+        if not (p.on_port and p.pid) or sandbox is None or not sandbox.alive() or pod.gone:
+            return
+        client = await sandbox.vm.port.ready()
+        try:
+            if client is None:
+                raise Unavailable("the guest's agent port is not open")
+            await port_process.remove_process(client, c.container_id, p.exec_id)
+        except CrustError as exc:
+            log.warning("exec not forgotten in the guest", extra={"fields": {
+                "sandbox": pod.sandbox_id, "container": c.container_id, "exec": p.exec_id, "error": exc.message}})
+
+    def _bound_exited(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord) -> None:
+        """An exited exec forgotten EXITED_EXEC_SECONDS from now unless
+        deleted first; the oldest exited execs of its container beyond
+        EXITED_EXECS_KEPT forgotten now."""
+        loop = asyncio.get_running_loop()
+
+        def expire() -> None:
+            self._expiries.pop((c.container_id, p.exec_id), None)
+            if pod.containers.get(c.container_id) is c and c.processes.get(p.exec_id) is p:
+                log.info("an exited exec nobody deleted is forgotten", extra={"fields": {
+                    "sandbox": pod.sandbox_id, "container": c.container_id, "exec": p.exec_id}})
+                self._forgetting(pod, c, [p])
+
+        earlier = self._expiries.pop((c.container_id, p.exec_id), None)
+        if earlier is not None:
+            earlier.cancel()
+        self._expiries[(c.container_id, p.exec_id)] = loop.call_later(EXITED_EXEC_SECONDS, expire)
+        exited = [q for q in c.processes.values() if q.exec_id and q.exit_code is not None]
+        if len(exited) > EXITED_EXECS_KEPT:
+            exited.sort(key=lambda q: q.exited_at_ns)
+            self._forgetting(pod, c, exited[:len(exited) - EXITED_EXECS_KEPT])
+
+    def _forget_expiries(self, container_id: str) -> None:
+        """The forgettings due of a container's execs (it is removed)."""
+        for key in [k for k in self._expiries if k[0] == container_id]:
+            self._expiries.pop(key).cancel()
+
+    def _forgetting(self, pod: PodRecord, c: ContainerRecord, execs: list[ProcessRecord]) -> None:
+        async def run() -> None:
+            for q in execs:
+                await self._forget_exec(pod, c, q)
+        task = asyncio.ensure_future(run())
+        self._forgets.add(task)
+        task.add_done_callback(self._forgets.discard)
+
+    async def adopt_execs(self, pod: PodRecord, sandbox: KataSandbox) -> int:
+        """The execs the guest's agent knows (not removed) of the pod's
+        containers, taken back by a restarted handler: what containerd
+        still asks of them (their exit, their output, their Delete) is
+        answered again. Checked: only containers the record names, ids the
+        handler could have given, a bounded list. How many were taken."""
+        client = await sandbox.vm.port.ready(wait=PORT_WAIT)
+        if client is None:
+            return 0
+        infos = await port_process.list_processes(client, LIST_TIMEOUT)
+        taken = 0
+        for info in infos[:ADOPTED_PROCESSES_MAX]:
+            c = pod.containers.get(info.container_id)
+            if c is None or not info.exec_id or not valid_key(info.exec_id) or info.exec_id in c.processes \
+                    or info.pid <= 0:
+                continue
+            p = ProcessRecord(exec_id=info.exec_id, pid=info.pid, terminal=info.terminal, stdin=info.stdin,
+                              on_port=True)
+            c.processes[info.exec_id] = p
+            if info.HasField("exit"):
+                p.exit_code, p.exited_at_ns = info.exit.exit_code, time.time_ns()
+                self._bound_exited(pod, c, p)
+            taken += 1
+        return taken
 
     async def _refresh(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord) -> None:
         """Learn the exit code of a started process from the guest."""
@@ -187,6 +322,7 @@ class PodProcesses:
                                         exited_at_ns=p.exited_at_ns, reason=p.reason, oom_killed=p.oom_killed)
 
     async def get_process(self, container_id: str, exec_id: str, wait: bool) -> handler_pb2.ProcessState:
+        await self._execs_taken_back(exec_id)
         pod, c, p = self._process(container_id, exec_id)
         state = await self.state(pod, c, p)
         while wait and state.status != Status.STOPPED:
@@ -199,10 +335,13 @@ class PodProcesses:
                 pass
             if container_id not in pod.containers or self.pods.get(pod.sandbox_id) is not pod:
                 raise NotFound(f"container {container_id} was deleted while waiting")
+            if c.processes.get(exec_id) is not p:
+                raise NotFound(f"exec {exec_id} of container {container_id} was deleted while waiting")
             state = await self.state(pod, c, p)
         return state
 
     async def signal_process(self, container_id: str, exec_id: str, signal: int, all_processes: bool) -> None:
+        await self._execs_taken_back(exec_id)
         pod, c, p = self._process(container_id, exec_id)
         if not 0 < signal < 65:
             raise InvalidArgument(f"signal {signal}: 1 to 64")
@@ -221,6 +360,7 @@ class PodProcesses:
     async def write_input(self, container_id: str, exec_id: str, offset: int, data: bytes, close: bool) -> int:
         """data at offset of the process's standard input (close: it ends
         there). A resent call writes nothing twice."""
+        await self._execs_taken_back(exec_id)
         if offset < 0:
             raise InvalidArgument("offset must not be negative")
         pod, _, p = self._process(container_id, exec_id)
@@ -233,6 +373,7 @@ class PodProcesses:
                                               exec_id, offset, data, close)
 
     async def resize_terminal(self, container_id: str, exec_id: str, width: int, height: int) -> None:
+        await self._execs_taken_back(exec_id)
         if not (0 < width < 65536 and 0 < height < 65536):
             raise InvalidArgument(f"width {width} and height {height}: 1 to 65535")
         pod, c, p = self._process(container_id, exec_id)
@@ -267,6 +408,7 @@ class PodProcesses:
         process stopped and everything was sent. Output that can no longer
         be read (the VM or the container gone meanwhile) ends the stream
         with DataLoss naming where it was cut, never as if it were whole."""
+        await self._execs_taken_back(exec_id)
         if stdout_offset < 0 or stderr_offset < 0:
             raise InvalidArgument("stdout_offset and stderr_offset must not be negative")
         pod, _, p = self._process(container_id, exec_id)

@@ -1,13 +1,20 @@
 """What the microVM handler records of a pod (crust.kata.pods): its
-containers, their processes, its network; one JSON record per pod
-(crust.common.recordstore), read back by a restarted handler."""
+containers, their own processes, its network; one JSON record per pod
+(crust.common.recordstore), read back by a restarted handler.
+
+An exec lives in memory only, from its start to containerd's Delete of
+it (or the bound on exited execs nobody deletes, crust.kata.pod_processes):
+the record holds what finds the pod again, never its history, so its
+size and the cost of a write do not grow with the execs a pod ran. A
+restarted handler learns the execs of a running VM from the guest's
+agent (ListProcesses), which knows every exec not removed."""
 
 from __future__ import annotations
 
 import time
 from typing import ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_serializer, field_validator
 
 from crust.runtime_handler.handler import VolumeView
 
@@ -62,6 +69,17 @@ class ContainerRecord(BaseModel):
     # agent's (container, "") and starts with StartContainer. False only in
     # the record of a container whose create failed half way.
     created_on_port: bool = False
+
+    @field_serializer("processes", mode="wrap")
+    def _own_process_only(self, processes: dict[str, ProcessRecord], write):
+        return write({k: p for k, p in processes.items() if k == ""})
+
+    @field_validator("processes")
+    @classmethod
+    def _no_execs(cls, processes: dict[str, ProcessRecord]) -> dict[str, ProcessRecord]:
+        # A record an older crust wrote with its execs: the agent's list is
+        # what a restarted handler takes them from.
+        return {k: p for k, p in processes.items() if k == ""}
 
     @property
     def root(self) -> str:

@@ -53,6 +53,11 @@ class PodRuntimeService(handler_pb2_grpc.PodRuntimeServicer):
                                        request.exec_id, request.signal, request.all)
         return handler_pb2.SignalProcessResponse()
 
+    async def DeleteProcess(self, request: handler_pb2.DeleteProcessRequest, context):
+        state = await self.pods.delete_process(csi_input.required(request.container_id, "container_id"),
+                                               request.exec_id)
+        return handler_pb2.DeleteProcessResponse(state=state)
+
     async def DeleteContainer(self, request: handler_pb2.DeleteContainerRequest, context):
         state = await self.pods.delete_container(csi_input.required(request.container_id, "container_id"))
         return handler_pb2.DeleteContainerResponse(state=state)

@@ -143,6 +143,9 @@ class Pods(PodContainers):
         self.forwarders: dict[str, PortForwarder] = {}   # by pod, for those with a network
         self._ahead: dict[str, asyncio.Task] = {}   # by pod: its deferred volumes being mounted ahead
         self.exits = port_process.ExitWatches()   # the port processes' WaitProcess calls
+        self._forgets: set[asyncio.Task] = set()   # exited execs nobody deleted, being forgotten
+        self._expiries: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (container, exec) -> its forgetting
+        self.execs_taken_back = asyncio.Event()   # set once start() asked the guests for their execs
         handler.before_teardown = self._before_teardown
         self._watcher: asyncio.Task | None = None
 
@@ -159,15 +162,26 @@ class Pods(PodContainers):
 
     async def start(self) -> None:
         """After the handler recovered its sandboxes: a pod whose VM was
-        adopted gets its port forwarding back."""
+        adopted gets its execs (from the guest's agent) and its port
+        forwarding back."""
         for pod_id, pod in self.pods.items():
             sandbox = self._sandbox(pod_id)
+            if sandbox is not None and sandbox.alive() and not pod.gone and pod.containers:
+                try:
+                    taken = await self.adopt_execs(pod, sandbox)
+                except CrustError as exc:
+                    log.error("the guest's execs not taken back", extra={"fields": {
+                        "sandbox": pod_id, "error": exc.message}})
+                else:
+                    log.info("execs taken back from the guest", extra={"fields": {
+                        "sandbox": pod_id, "execs": taken}})
             if sandbox is not None and sandbox.alive() and pod.network is not None and not pod.gone:
                 try:
                     await self._forward_ports(pod_id, pod.network)
                 except (podnet.PodNetworkError, OSError) as exc:
                     log.error("port forwarding not restored", extra={"fields": {
                         "sandbox": pod_id, "error": str(exc)}})
+        self.execs_taken_back.set()
         self._watcher = asyncio.create_task(self._watch_forever())
 
     async def stop(self) -> None:
@@ -178,6 +192,8 @@ class Pods(PodContainers):
             # the next handler adopts it like any other.
             await asyncio.wait(list(self._ahead.values()), timeout=30)
         await self.exits.close()
+        for task in list(self._forgets):
+            task.cancel()
         for forwarder in self.forwarders.values():
             await forwarder.stop()
 

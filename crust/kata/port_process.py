@@ -175,6 +175,14 @@ async def remove_process(client: AgentClient, container_id: str, exec_id: str) -
     return answer.unread_bytes
 
 
+async def list_processes(client: AgentClient, timeout: float) -> list[agent_pb2.ProcessInfo]:
+    """Every process the guest's agent knows (not removed), as it says."""
+    try:
+        return list((await client.call("ListProcesses", agent_pb2.ListProcessesRequest(), timeout=timeout)).processes)
+    except ttrpc.TtrpcError as exc:
+        raise handler_error(exc, "the guest's list of processes") from None
+
+
 async def configure_guest(client: AgentClient, sysctls: dict[str, str], hostname: str) -> None:
     """The pod's sysctls and hostname in the guest (ConfigureGuest)."""
     request = agent_pb2.ConfigureGuestRequest(hostname=hostname, sysctls=[
@@ -321,6 +329,13 @@ class ExitWatches:
                 self._tasks.pop(key, None)
 
         self._tasks[key] = asyncio.ensure_future(run())
+
+    def forget_one(self, container_id: str, exec_id: str) -> None:
+        """The watch of one process (an exec deleted)."""
+        task = self._tasks.pop((container_id, exec_id), None)
+        if task is not None:
+            task.cancel()
+        self._ended.pop((container_id, exec_id), None)
 
     def forget(self, container_id: str) -> None:
         """The watches of a container (deleted)."""

@@ -253,3 +253,79 @@ async def test_an_execs_exit_waits_for_its_whole_output_and_a_cut_one_fails_its_
     finally:
         process.deleted.set()
         os.close(reader)
+
+
+# -- an exec's end ----------------------------------------------------------------------------------
+
+
+class _Deletes:
+    """PodRuntime's DeleteProcess as the shim calls it: each call kept; the
+    second of an exec is NOT_FOUND, as the handler answers it."""
+
+    def __init__(self):
+        self.asked: list[tuple[str, str]] = []
+
+    async def DeleteProcess(self, request, timeout=None):
+        key = (request.container_id, request.exec_id)
+        if key in self.asked:
+            raise _RpcError(grpc.StatusCode.NOT_FOUND, f"exec_id {request.exec_id!r}: no such process")
+        self.asked.append(key)
+        return handler_pb2.DeleteProcessResponse()
+
+
+async def test_a_deleted_exec_is_gone_from_the_shim_and_the_handler_and_late_calls_are_not_found(monkeypatch):
+    """containerd's Delete of an exited exec reaches the handler
+    (DeleteProcess); afterwards every call naming the exec is NOT_FOUND, as
+    containerd's runc shim answers for a process it does not have."""
+    from crust.containerd_shim.process import RUNNING, Container, Process
+
+    service = TaskService("unix:///nonexistent/handler.sock", Publisher("", "k8s.io"))
+    handler = _Deletes()
+    monkeypatch.setattr(TaskService, "pods", property(lambda _: handler))
+    process = Process("c", "e", status=RUNNING, guest_pid=42, spec=handler_pb2.ProcessSpec(args=["true"]))
+    service.containers["c"] = Container("c", "/nonexistent", sandbox=False, init=Process("c", "", status=RUNNING),
+                                        execs={"e": process})
+    with pytest.raises(TtrpcError) as running:
+        await service.Delete(task_pb.DeleteRequest(id="c", exec_id="e"), None)
+    assert running.value.code == ttrpc.FAILED_PRECONDITION and handler.asked == []
+    service._exited(process, 0)
+    assert process.spec is None   # the exec's args and env are not kept past its start
+    answer = await service.Delete(task_pb.DeleteRequest(id="c", exec_id="e"), None)
+    assert answer.exit_status == 0 and handler.asked == [("c", "e")]
+    for call, request in [("Wait", task_pb.WaitRequest(id="c", exec_id="e")),
+                          ("State", task_pb.StateRequest(id="c", exec_id="e")),
+                          ("Kill", task_pb.KillRequest(id="c", exec_id="e", signal=9)),
+                          ("Delete", task_pb.DeleteRequest(id="c", exec_id="e"))]:
+        with pytest.raises(TtrpcError) as gone:
+            await getattr(service, call)(request, None)
+        assert gone.value.code == ttrpc.NOT_FOUND, call
+    assert handler.asked == [("c", "e")]
+    # A handler that forgot it already (its bound, the pod gone): the Delete still succeeds.
+    handler.asked.append(("c", "f"))
+    late = Process("c", "f", status=RUNNING, guest_pid=43)
+    service.containers["c"].execs["f"] = late
+    service._exited(late, 3)
+    assert (await service.Delete(task_pb.DeleteRequest(id="c", exec_id="f"), None)).exit_status == 3
+    assert "f" not in service.containers["c"].execs
+
+
+async def test_exited_execs_nobody_deletes_are_bounded_in_the_shim(monkeypatch):
+    """More than EXITED_EXECS_KEPT exited execs of a container that
+    containerd never deletes: the oldest are forgotten; one deleted in
+    time is not counted."""
+    from crust.containerd_shim import process as shim_process
+    from crust.containerd_shim.process import RUNNING, Container, Process
+
+    monkeypatch.setattr(shim_process, "EXITED_EXECS_KEPT", 4)
+    service = TaskService("unix:///nonexistent/handler.sock", Publisher("", "k8s.io"))
+    container = Container("c", "/nonexistent", sandbox=False, init=Process("c", "", status=RUNNING))
+    service.containers["c"] = container
+    execs = [Process("c", f"e{i}", status=RUNNING, guest_pid=100 + i) for i in range(7)]
+    container.execs.update({p.exec_id: p for p in execs})
+    for n, p in enumerate(execs[:6]):
+        service._exited(p, 0, exited_at_ns=1000 + n)
+    assert sorted(container.execs) == ["e2", "e3", "e4", "e5", "e6"]   # four exited kept, the running one
+    assert execs[0].deleted.is_set() and not execs[2].deleted.is_set()
+    with pytest.raises(TtrpcError) as gone:
+        await service.Wait(task_pb.WaitRequest(id="c", exec_id="e0"), None)
+    assert gone.value.code == ttrpc.NOT_FOUND
