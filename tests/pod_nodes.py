@@ -66,6 +66,7 @@ class PodNode:
     host_dir: Path  # where hostPath volumes of the tests point
     containerd: Containerd
     handler_log: Path | None = None  # the microVM handler's log (crust-microvm only)
+    handler: object | None = None    # the microVM handler's process (tests.harness.HandlerProcess)
 
     def image_with(self, tag: str, *files: images.File) -> str:
         """The busybox image with a layer of these files on top, imported; its name."""
@@ -174,7 +175,7 @@ def pod_node(runtime_class: str, root, pod_network: bool = False, vm_pool: int =
     elif runtime_class == "crust-microvm":
         with cri_microvm_node(root, pod_network=pod_network, vm_pool=vm_pool, handler_extra=handler_extra) as node:
             yield PodNode(node.runtime, node.image, runtime_class, host_dir, node.containerd,
-                          handler_log=node.env.handler.log_path)
+                          handler_log=node.env.handler.log_path, handler=node.env.handler)
             if vm_pool:
                 log = node.env.handler.log_path.read_text(errors="replace")
                 assert '"msg": "pod takes a pooled VM"' in log, "no pod took a VM the pool booted"

@@ -1,0 +1,148 @@
+"""A pod probed by exec for weeks: every exec is forgotten once containerd
+deletes it, so nothing grows with the number of execs a pod ran. runc in
+the same containerd is the baseline, its execs interleaved with the
+microVM's so that the machine's load weighs on both alike:
+
+- execs of `true` into one container whose env is 40 KB (Kubernetes'
+  service-link variables of a namespace with a few hundred Services):
+  the pod's record on the host keeps its size, the handler's RSS stays
+  flat, and the median latency of the last 50 is within 10% of the first
+  50's (ratios measured here, never absolute times);
+- after the last exec, no record of any is left: not in the handler (its
+  PodRuntime answers NOT_FOUND for one, a second Delete too), not in the
+  pod's record, not in the guest (a restarted handler takes back the execs
+  the guest's agent still lists: only the one running then);
+- that running exec, taken back by the restarted handler, ends with its
+  exit code and is forgotten once containerd deletes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+
+import grpc
+import pytest
+
+from crust.api import handler_pb2
+from tests.harness import wait_until
+from tests.pod_nodes import KEEP_RUNNING, pod_node
+from tests.pod_runtime_client import PodClient
+
+pytestmark = pytest.mark.slow
+
+# 500 in the issue; under tcg on a shared machine 200 keep the test to a
+# few minutes (the bench runs 10,000).
+EXECS = int(os.environ.get("CRUST_EXEC_LIFETIME_EXECS", "200"))
+WINDOW = 50
+LATENCY_RATIO = 1.10
+RSS_RATIO = 1.10
+
+
+def service_links(total: int) -> dict[str, str]:
+    """The variables kubelet gives a container for each Service of its
+    namespace, for as many Services as make `total` bytes."""
+    env: dict[str, str] = {}
+    n = 0
+    while sum(len(k) + len(v) + 2 for k, v in env.items()) < total:
+        name, ip = f"SERVICE_{n:04d}", f"10.96.{n // 250}.{n % 250 + 1}"
+        env.update({f"{name}_SERVICE_HOST": ip, f"{name}_SERVICE_PORT": "8080",
+                    f"{name}_PORT": f"tcp://{ip}:8080", f"{name}_PORT_8080_TCP": f"tcp://{ip}:8080",
+                    f"{name}_PORT_8080_TCP_PROTO": "tcp", f"{name}_PORT_8080_TCP_PORT": "8080",
+                    f"{name}_PORT_8080_TCP_ADDR": ip})
+        n += 1
+    return env
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def log_entries(path, message: str) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(errors="replace").splitlines()
+            if f'"{message}"' in line]
+
+
+def timed_exec(runtime, container_id: str) -> float:
+    started = time.monotonic()
+    answer = runtime.exec_sync(container_id, ["true"], timeout=60)
+    took = time.monotonic() - started
+    assert answer.exit_code == 0, answer
+    return took
+
+
+def test_execs_are_forgotten_once_deleted_and_the_last_cost_what_the_first_did(root):
+    with pod_node("crust-microvm", root) as node:
+        env = service_links(40 * 1024)
+        vm_pod = node.pod("probed", volumes={}, containers=[node.container("app", KEEP_RUNNING, env=env)])
+        runc_pod = node.pod("probed-runc", volumes={}, runtime_class="runc",
+                            containers=[node.container("app", KEEP_RUNNING, env=env)])
+        records = node.handler.state_dir / "pods"
+        with node.running(vm_pod), node.running(runc_pod):
+            vm, runc = node.status(vm_pod, "app").id, node.status(runc_pod, "app").id
+            assert b"SERVICE_0000_SERVICE_HOST=10.96.0.1" in node.run(vm, "env")
+            for _ in range(5):   # the first execs of a container pay for what later ones find ready
+                timed_exec(node.runtime, vm), timed_exec(node.runtime, runc)
+            record_sizes, rss = [], []
+            took: dict[str, list[float]] = {"vm": [], "runc": []}
+            for i in range(EXECS):
+                took["vm"].append(timed_exec(node.runtime, vm))
+                took["runc"].append(timed_exec(node.runtime, runc))
+                if i + 1 in (WINDOW, EXECS):
+                    record_sizes.append(sum(p.stat().st_size for p in records.glob("*.json")))
+                    rss.append(rss_bytes(node.handler.proc.pid))
+            ratios = {name: statistics.median(t[-WINDOW:]) / statistics.median(t[:WINDOW])
+                      for name, t in took.items()}
+            medians = {name: (round(statistics.median(t[:WINDOW]), 3), round(statistics.median(t[-WINDOW:]), 3))
+                       for name, t in took.items()}
+            facts = (f"{EXECS} execs: medians first/last {WINDOW} {medians}, ratios {ratios}; record bytes "
+                     f"{record_sizes}; handler RSS {rss}; load {os.getloadavg()}")
+            print(facts)
+            assert record_sizes[0] == record_sizes[1], facts
+            assert rss[1] <= rss[0] * RSS_RATIO, facts
+            assert ratios["vm"] <= LATENCY_RATIO, facts
+
+            # containerd deleted every exec: the handler knows none of them.
+            started = [e["exec"] for e in log_entries(node.handler_log, "process started")
+                       if e.get("container") == vm and e.get("exec")]
+            deleted = {e["exec"] for e in log_entries(node.handler_log, "exec deleted") if e.get("container") == vm}
+            assert len(started) == EXECS + 6 and set(started) == deleted
+            client = PodClient(node.handler.socket)
+            try:
+                for call, request in [("GetProcess", handler_pb2.GetProcessRequest(container_id=vm,
+                                                                                  exec_id=started[0])),
+                                      ("DeleteProcess", handler_pb2.DeleteProcessRequest(container_id=vm,
+                                                                                        exec_id=started[-1]))]:
+                    with pytest.raises(grpc.RpcError) as gone:
+                        getattr(client.stub, call)(request, timeout=30)
+                    assert gone.value.code() == grpc.StatusCode.NOT_FOUND, (call, gone.value.details())
+            finally:
+                client.close()
+            (record,) = [json.loads(p.read_text()) for p in records.glob("*.json")]
+            assert [list(c["processes"]) for c in record["containers"].values()] == [[""]]
+
+            # The guest forgot them too: a handler restarted while one exec
+            # runs takes back from the guest's agent that one only.
+            answer: dict = {}
+            before = len(log_entries(node.handler_log, "process started"))
+            running = threading.Thread(target=lambda: answer.update(
+                out=node.runtime.exec_sync(vm, ["sh", "-c", "sleep 20; exit 3"], timeout=180)))
+            running.start()
+            wait_until(lambda: len(log_entries(node.handler_log, "process started")) > before,
+                       timeout=60, what="the long exec's start")
+            node.handler.kill()
+            node.handler.start(timeout=120)
+            taken = wait_until(lambda: log_entries(node.handler_log, "execs taken back from the guest"),
+                               timeout=120, what="the restarted handler's look at the guest's execs")
+            assert [e["execs"] for e in taken] == [1], taken
+            running.join(timeout=240)
+            assert answer["out"].exit_code == 3, answer
+            wait_until(lambda: len(log_entries(node.handler_log, "exec deleted")) == len(deleted) + 1,
+                       timeout=60, what="containerd's Delete of the exec the handler took back")
