@@ -197,6 +197,20 @@ def pod_churn(result: dict):
     return ["measure", "value"], rows
 
 
+def pod_exec_longevity(result: dict):
+    """One row per block of execs, then the last block's median over the first's."""
+    rows = []
+    for block in result.get("blocks", []):
+        rows.append([f"up to {block.get('execs')}",
+                     *(f"{num(block.get(name, {}).get('median_ms'))} (p90 {num(block.get(name, {}).get('p90_ms'))})"
+                       for name in ("runc", "crust-microvm")),
+                     num(block.get("handler_rss_mb")), num(block.get("pod_record_bytes"))])
+    ratios = result.get("last_over_first", {})
+    rows.append(["last block / first", f"×{num(ratios.get('runc'))}", f"×{num(ratios.get('crust-microvm'))}",
+                 "", ""])
+    return ["execs", "runc: median ms", "crust-microvm: median ms", "handler RSS (MB)", "pod record (bytes)"], rows
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("pod-start-microvm-cold", "Pod start, crust-microvm, a VM booted per pod", "pod_start_microvm",
              pod_start_microvm("pool 0"), ".venv/bin/python bench/pod_start_microvm.py --pools 0",
@@ -216,6 +230,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              flags=("--disk-buses",)),
     Scenario("pod-exec", "ExecSync into a running container", "pod_exec", runc_against_microvm("figures", "ms"),
              ".venv/bin/python bench/pod_exec.py --rounds 5"),
+    Scenario("pod-exec-longevity", "Many execs into one container (an exec probe for weeks)", "pod_exec_longevity",
+             pod_exec_longevity, ".venv/bin/python bench/pod_exec_longevity.py --execs 10000 --block 1000",
+             anchor="the first block of the same run: the last within 10% of it, for both runtimes."),
     Scenario("pod-logs", "A container's logs, host idle", "pod_logs", pod_logs,
              ".venv/bin/python bench/pod_logs.py --rounds 5 --busy 0", flags=("--busy 0",)),
     Scenario("pod-logs-busy", "A container's logs, both host CPUs busy", "pod_logs", pod_logs,
