@@ -481,8 +481,7 @@ class TaskService:
             # not ask again, and the handler forgets an exited exec nobody
             # deleted on its own.
             container.forget(process)
-            if process.guest_pid:
-                await self._delete_in_handler(container, process)
+            await self._delete_in_handler(container, process)
         else:
             if container.execs and any(p.status == RUNNING for p in container.execs.values()):
                 raise TtrpcError(ttrpc.FAILED_PRECONDITION, f"container {container.id} still has running execs")
@@ -517,7 +516,8 @@ class TaskService:
             await self._handler("DeleteProcess", handler_pb2.DeleteProcessRequest(
                 container_id=container.id, exec_id=process.exec_id), f"exec {process.exec_id} of {container.id}")
         except TtrpcError as exc:
-            # NOT_FOUND: gone already (its pod stopped, its container deleted).
+            # NOT_FOUND: never started there, or gone already (its pod
+            # stopped, its container deleted).
             if exc.code != ttrpc.NOT_FOUND:
                 log.warning("exec not deleted in the handler", extra={"fields": {
                     "container": container.id, "exec": process.exec_id, "error": exc.message}})

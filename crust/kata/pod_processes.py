@@ -112,7 +112,14 @@ class PodProcesses:
             if not exec_id:
                 return await self._start_on_port(sandbox, pod, c, p)
         # Outside the pod's lock: execs start side by side.
-        return await self._start_on_port(sandbox, pod, c, p)
+        try:
+            return await self._start_on_port(sandbox, pod, c, p)
+        except BaseException:
+            # Refused (the agent keeps nothing of it either): the shim's
+            # Delete of it then finds nothing, as for any exec not started.
+            if c.processes.get(exec_id) is p and not p.pid:
+                del c.processes[exec_id]
+            raise
 
     async def _start_on_port(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
                              p: ProcessRecord) -> int:

@@ -307,6 +307,11 @@ async def test_a_deleted_exec_is_gone_from_the_shim_and_the_handler_and_late_cal
     service._exited(late, 3)
     assert (await service.Delete(task_pb.DeleteRequest(id="c", exec_id="f"), None)).exit_status == 3
     assert "f" not in service.containers["c"].execs
+    # One whose start the handler refused (it runs nothing): its Delete is
+    # asked of the handler too, which may hold it.
+    service.containers["c"].execs["g"] = Process("c", "g", spec=handler_pb2.ProcessSpec(args=["/no/such"]))
+    await service.Delete(task_pb.DeleteRequest(id="c", exec_id="g"), None)
+    assert handler.asked[-1] == ("c", "g") and "g" not in service.containers["c"].execs
 
 
 async def test_exited_execs_nobody_deletes_are_bounded_in_the_shim(monkeypatch):
