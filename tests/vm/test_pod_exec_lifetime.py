@@ -6,8 +6,10 @@ microVM's so that the machine's load weighs on both alike:
 - execs of `true` into one container whose env is 40 KB (Kubernetes'
   service-link variables of a namespace with a few hundred Services):
   the pod's record on the host keeps its size, the handler's RSS stays
-  flat, and the median latency of the last 50 is within 10% of the first
-  50's (ratios measured here, never absolute times);
+  flat, and the median latency of 50 more is within 10% of the first 50
+  of a pod started then, the two taking turns (ratios measured here,
+  never absolute times; the first 50 against the last 50 of the same pod
+  is printed, and moves with the machine's load);
 - after the last exec, no record of any is left: not in the handler (its
   PodRuntime answers NOT_FOUND for one, a second Delete too), not in the
   pod's record, not in the guest (a restarted handler takes back the execs
@@ -107,13 +109,29 @@ def test_execs_are_forgotten_once_deleted_and_the_last_cost_what_the_first_did(r
             print(facts)
             assert record_sizes[0] == record_sizes[1], facts
             assert rss[1] <= rss[0] * RSS_RATIO, facts
-            assert ratios["vm"] <= LATENCY_RATIO, facts
+            # The last execs against the first execs of a pod started now,
+            # taking turns with them: the machine's load (which moves the
+            # first/last ratio above by more than 10% on a shared machine)
+            # weighs on both alike.
+            fresh_pod = node.pod("fresh", volumes={}, containers=[node.container("app", KEEP_RUNNING, env=env)])
+            with node.running(fresh_pod):
+                fresh = node.status(fresh_pod, "app").id
+                for _ in range(5):
+                    timed_exec(node.runtime, fresh)
+                paired: dict[str, list[float]] = {"aged": [], "fresh": []}
+                for _ in range(WINDOW):
+                    paired["aged"].append(timed_exec(node.runtime, vm))
+                    paired["fresh"].append(timed_exec(node.runtime, fresh))
+            aged_over_fresh = statistics.median(paired["aged"]) / statistics.median(paired["fresh"])
+            facts += f"; {WINDOW} more beside a fresh pod's first {WINDOW}: x{aged_over_fresh:.3f}"
+            print(facts)
+            assert aged_over_fresh <= LATENCY_RATIO, facts
 
             # containerd deleted every exec: the handler knows none of them.
             started = [e["exec"] for e in log_entries(node.handler_log, "process started")
                        if e.get("container") == vm and e.get("exec")]
             deleted = {e["exec"] for e in log_entries(node.handler_log, "exec deleted") if e.get("container") == vm}
-            assert len(started) == EXECS + 6 and set(started) == deleted
+            assert len(started) == EXECS + WINDOW + 6 and set(started) == deleted
             client = PodClient(node.handler.socket)
             try:
                 for call, request in [("GetProcess", handler_pb2.GetProcessRequest(container_id=vm,
@@ -144,5 +162,6 @@ def test_execs_are_forgotten_once_deleted_and_the_last_cost_what_the_first_did(r
             assert [e["execs"] for e in taken] == [1], taken
             running.join(timeout=240)
             assert answer["out"].exit_code == 3, answer
-            wait_until(lambda: len(log_entries(node.handler_log, "exec deleted")) == len(deleted) + 1,
+            wait_until(lambda: len([e for e in log_entries(node.handler_log, "exec deleted")
+                                    if e.get("container") == vm]) == len(deleted) + 1,
                        timeout=60, what="containerd's Delete of the exec the handler took back")
