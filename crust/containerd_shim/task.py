@@ -127,6 +127,13 @@ def _known(message, values) -> dict:
     return {k: v for k, v in values.items() if k in message.DESCRIPTOR.fields_by_name}
 
 
+def handler_timeout(call, now: float) -> float:
+    """The handler's deadline for a call made for containerd's call (its
+    ttrpc timeout; HANDLER_TIMEOUT without one, and at most that)."""
+    limit = getattr(call, "timeout", None)
+    return min(HANDLER_TIMEOUT, limit) if limit else HANDLER_TIMEOUT
+
+
 def grpc_to_ttrpc(exc: grpc.RpcError, what: str) -> TtrpcError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     number = code.value[0] if isinstance(code, grpc.StatusCode) else ttrpc.UNKNOWN
@@ -156,11 +163,16 @@ class TaskService:
             self._channel = local_aio_channel(self.handler_endpoint)
         return handler_pb2_grpc.PodRuntimeStub(self._channel)
 
-    async def _handler(self, method: str, request, what: str, timeout: float = HANDLER_TIMEOUT):
-        """One PodRuntime call. A handler that restarts is away for a moment
-        (and the channel backs off after it saw it go): UNAVAILABLE is asked
-        again for a while, which PodRuntime's idempotent calls allow."""
+    async def _handler(self, method: str, request, what: str, call=None):
+        """One PodRuntime call, whose deadline is containerd's for the call
+        that caused it (call: its ttrpc call; a CRI call's deadline reaches
+        the shim as the ttrpc timeout), HANDLER_TIMEOUT at most: the handler
+        bounds its calls to the guest by it. A handler that restarts is away
+        for a moment (and the channel backs off after it saw it go):
+        UNAVAILABLE is asked again for a while, which PodRuntime's
+        idempotent calls allow."""
         loop = asyncio.get_running_loop()
+        timeout = handler_timeout(call, loop.time())
         give_up = loop.time() + HANDLER_RESTART_SECONDS
         delay = 0.1
         while True:
@@ -236,7 +248,7 @@ class TaskService:
                                      f"this shim already serves pod {self.sandbox_id}; {request.id} is another sandbox")
                 self._configure(request)
                 response = await self._handler("CreatePod", handler_pb2.CreatePodRequest(
-                    sandbox_id=request.id, bundle=request.bundle), f"pod {request.id}")
+                    sandbox_id=request.id, bundle=request.bundle), f"pod {request.id}", call)
                 self.sandbox_id, self.vm_pid = request.id, int(response.pid)
                 self._vm_watch = asyncio.ensure_future(self._watch_vm(self.vm_pid))
             else:
@@ -249,7 +261,7 @@ class TaskService:
                 try:
                     await self._handler("CreateContainer", handler_pb2.CreateContainerRequest(
                         sandbox_id=self.sandbox_id, container_id=request.id, bundle=request.bundle,
-                        stdin=bool(request.stdin)), f"container {request.id}")
+                        stdin=bool(request.stdin)), f"container {request.id}", call)
                 except TtrpcError:
                     self._unmount_rootfs(container)
                     raise
@@ -292,7 +304,7 @@ class TaskService:
         else:
             response = await self._handler("StartProcess", handler_pb2.StartProcessRequest(
                 container_id=container.id, exec_id=request.exec_id, process=process.spec),
-                f"process {process.id} of container {container.id}")
+                f"process {process.id} of container {container.id}", call)
             process.guest_pid = int(response.pid)
             if process.status == CREATED:
                 process.status = RUNNING
@@ -450,7 +462,7 @@ class TaskService:
             # The sandbox's process is the VM: any signal that ends a pause
             # process ends the pod.
             await self._handler("DeletePod", handler_pb2.DeletePodRequest(sandbox_id=container.id),
-                                f"pod {container.id}")
+                                f"pod {container.id}", call)
             self._exited(process, 128 + request.signal)
             return empty_pb2.Empty()
         if process.status == CREATED:
@@ -466,7 +478,7 @@ class TaskService:
             return empty_pb2.Empty()
         await self._handler("SignalProcess", handler_pb2.SignalProcessRequest(
             container_id=container.id, exec_id=request.exec_id, signal=request.signal, all=request.all),
-            f"process {process.id} of container {container.id}")
+            f"process {process.id} of container {container.id}", call)
         return empty_pb2.Empty()
 
     async def Delete(self, request: task_pb.DeleteRequest, call) -> task_pb.DeleteResponse:
@@ -489,13 +501,13 @@ class TaskService:
                 if any(not c.sandbox for c in self.containers.values()):
                     log.info("the pod is deleted before its containers", extra={"fields": {"sandbox": container.id}})
                 await self._handler("DeletePod", handler_pb2.DeletePodRequest(sandbox_id=container.id),
-                                    f"pod {container.id}")
+                                    f"pod {container.id}", call)
                 if self._vm_watch is not None:
                     self._vm_watch.cancel()
             else:
                 try:
                     await self._handler("DeleteContainer", handler_pb2.DeleteContainerRequest(
-                        container_id=container.id), f"container {container.id}")
+                        container_id=container.id), f"container {container.id}", call)
                 except TtrpcError as exc:
                     if exc.code != ttrpc.NOT_FOUND:  # a pod already gone took its containers along
                         raise
@@ -552,7 +564,7 @@ class TaskService:
         if process.terminal and process.status == RUNNING:
             await self._handler("ResizeTerminal", handler_pb2.ResizeTerminalRequest(
                 container_id=container.id, exec_id=request.exec_id, width=request.width, height=request.height),
-                f"terminal of {process.id}")
+                f"terminal of {process.id}", call)
         return empty_pb2.Empty()
 
     async def CloseIO(self, request: task_pb.CloseIORequest, call) -> empty_pb2.Empty:
@@ -583,7 +595,7 @@ class TaskService:
     async def Stats(self, request: task_pb.StatsRequest, call) -> task_pb.StatsResponse:
         container = self.container(request.id)
         numbers = await self._handler("ContainerStats", handler_pb2.ContainerStatsRequest(container_id=container.id),
-                                      f"stats of {container.id}")
+                                      f"stats of {container.id}", call)
         return task_pb.StatsResponse(stats=any_pb2.Any(type_url=CGROUP_V2_METRICS_TYPE,
                                                        value=cgroup_metrics(numbers).SerializeToString()))
 

@@ -8,13 +8,23 @@ Calls overlap on the one connection (the agent serves each as its own
 task), so a WaitProcess that blocks for an hour delays nothing else. A
 call's timeout is sent to the guest too (ttrpc's timeout_nano), which ends
 its wait there with DEADLINE_EXCEEDED.
+
+The guest is not trusted to answer: every call has a deadline (call_timeout):
+its own, else CALL_TIMEOUT, never past the deadline of the RPC that caused
+it (crust.sys.run.rpc_deadline, from the CRI call through the shim) nor of
+a pod's stop (stop_deadline). Only the calls that wait in the guest for an
+event (LONG_WAITS) have none of their own: they end with the VM, and no
+stop waits on them. A call left unanswered during a stop is the guest's
+silence: on_silent is told (the VM kills its QEMU).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
+from typing import Awaitable, Callable
 
 from google.protobuf import message as pb_message
 from google.protobuf import message_factory
@@ -35,6 +45,7 @@ from crust.common.errors import (
     Unavailable,
     Unimplemented,
 )
+from crust.sys.run import rpc_deadline
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +59,33 @@ RECONNECT_PAUSE = 0.05
 # The host then leaves and comes back with the call again instead of
 # waiting it out.
 FIRST_ANSWER_TIMEOUT = 2.0
+# The longest a call without a timeout of its own waits for its answer.
+CALL_TIMEOUT = 120.0
+# The calls that wait in the guest for something to happen (a process's
+# exit, more of its output): they last as long as that, and end when the VM
+# ends (its connection closes). Nothing a CRI call waits for is one of them.
+LONG_WAITS = frozenset({"WaitProcess", "ReadStdout", "ReadStderr"})
+# What a call is still given when its deadline has (nearly) passed: it
+# fails at once, without a guest's answer being taken for granted.
+MIN_TIMEOUT = 0.05
+# The absolute (monotonic) deadline of the pod's stop being served
+# (crust.kata.stop_bound): every call made for it ends by then, and one left
+# unanswered kills the VM.
+stop_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("stop_deadline", default=None)
+
+
+def call_timeout(method: str, timeout: float | None, now: float) -> float | None:
+    """How long a call waits for its answer: its own timeout (CALL_TIMEOUT
+    without one; none for LONG_WAITS, which the tasks that watch a process
+    make, whatever RPC started them), never past the RPC's deadline or the
+    stop's."""
+    if timeout is None and method in LONG_WAITS:
+        return None
+    limit = CALL_TIMEOUT if timeout is None else timeout
+    for deadline in (rpc_deadline.get(), stop_deadline.get()):
+        if deadline is not None:
+            limit = min(limit, max(MIN_TIMEOUT, deadline - now))
+    return limit
 
 _ERRORS: dict[int, type[CrustError]] = {
     ttrpc.INVALID_ARGUMENT: InvalidArgument,
@@ -71,6 +109,8 @@ def handler_error(exc: ttrpc.TtrpcError, what: str) -> CrustError:
 class AgentClient:
     def __init__(self, client: ttrpc.Client):
         self._client = client
+        # Told why, when the guest left a call of a stop unanswered.
+        self.on_silent: Callable[[str], Awaitable[None]] | None = None
         self._responses = {m.name: message_factory.GetMessageClass(m.output_type) for m in SERVICE.methods}
 
     @classmethod
@@ -110,16 +150,21 @@ class AgentClient:
         response_type = self._responses.get(method)
         if response_type is None:
             raise ValueError(f"AgentService has no call {method!r}")
-        if not log.isEnabledFor(logging.DEBUG):
-            return await self._client.call(SERVICE.full_name, method, request, response_type, timeout=timeout)
         sent = time.monotonic()
+        limit = call_timeout(method, timeout, sent)
         try:
-            return await self._client.call(SERVICE.full_name, method, request, response_type, timeout=timeout)
+            return await self._client.call(SERVICE.full_name, method, request, response_type, timeout=limit)
+        except ttrpc.TtrpcError as exc:
+            if exc.code == ttrpc.DEADLINE_EXCEEDED and stop_deadline.get() is not None and \
+                    self.on_silent is not None:
+                await self.on_silent(f"its guest's agent did not answer {method} within {limit:.3g} s")
+            raise
         finally:
-            # A call's round trip: where a pod's start spends its time
-            # (bench/pod_start_microvm.py --agent-times).
-            log.debug("agent request", extra={"fields": {"command": method,
-                                                         "ms": round((time.monotonic() - sent) * 1e3, 1)}})
+            if log.isEnabledFor(logging.DEBUG):
+                # A call's round trip: where a pod's start spends its time
+                # (bench/pod_start_microvm.py --agent-times).
+                log.debug("agent request", extra={"fields": {"command": method,
+                                                             "ms": round((time.monotonic() - sent) * 1e3, 1)}})
 
     async def close(self) -> None:
         await self._client.close()

@@ -59,7 +59,7 @@ from crust.common.errors import (
     Unavailable,
 )
 from crust.common.recordstore import KEY_RULE, valid_key
-from crust.kata import guest_oci, mount_plan, port_process, port_volumes
+from crust.kata import guest_oci, mount_plan, port_process, port_volumes, stop_bound
 from crust.kata.mount_plan import PlannedBind, SourceFacts, in_pod_terms, placement
 from crust.kata.pod_processes import POLL, PodProcesses
 from crust.kata.pod_records import (
@@ -416,14 +416,15 @@ class PodContainers(PodProcesses):
             sandbox, record = entry if entry is not None else (None, None)
             with self.handler.inflight.hold(pod.sandbox_id, container_id):
                 if sandbox is not None and sandbox.alive():
-                    await self._stop_processes(sandbox, pod, c)
+                    with stop_bound.bounded(stop_bound.POD_STOP):
+                        await self._stop_processes(sandbox, pod, c)
                 state = await self.state(pod, c, c.processes[""])
                 await self._remove_container(sandbox, record, pod, c)
         log.info("container deleted", extra={"fields": {"sandbox": pod.sandbox_id, "container": container_id}})
         return state
 
     async def _stop_processes(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
-                              timeout: float = 10.0) -> None:
+                              timeout: float = stop_bound.KILLED_EXIT) -> None:
         """SIGKILL every process of the container (its cgroup in the guest),
         then wait for their exits, which the guest pushes. Also when its own
         processes all exited: what they left running in the background (in
@@ -432,7 +433,13 @@ class PodContainers(PodProcesses):
         empty)."""
         if not c.created_on_port:
             return
-        await port_process.signal_all(await sandbox.port(), c.container_id, 9)
+        try:
+            await port_process.signal_all(await sandbox.port(), c.container_id, 9)
+        except CrustError:
+            if not await sandbox.lost():
+                raise
+            await self._mark_gone(pod.sandbox_id, self._death_reason(pod.sandbox_id, sandbox))
+            return   # killed meanwhile: its agent was silent
         deadline = time.monotonic() + timeout
         for p in c.processes.values():
             while p.pid and p.exit_code is None and time.monotonic() < deadline:
@@ -445,3 +452,10 @@ class PodContainers(PodProcesses):
                         await asyncio.wait_for(ended.wait(), max(0.0, deadline - time.monotonic()))
                 else:
                     await asyncio.sleep(POLL)   # its watch starts again once the port is back
+        missing = [p.exec_id or c.container_id for p in c.processes.values() if p.pid and p.exit_code is None]
+        if missing and sandbox.alive() and stop_bound.in_stop():
+            # SIGKILL was answered, and no exit came: the guest is not
+            # trusted to end them, the host ends its VM.
+            await sandbox.vm.kill_unresponsive(f"its guest reported no exit of {', '.join(missing[:5])} within "
+                                               f"{timeout:g} s of SIGKILL")
+            await self._mark_gone(pod.sandbox_id, self._death_reason(pod.sandbox_id, sandbox))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from signal import SIGKILL
 from typing import AsyncIterator
 
 from crust.api import handler_pb2
@@ -34,7 +35,7 @@ from crust.common.errors import (
     Unavailable,
 )
 from crust.common.recordstore import KEY_RULE, valid_key
-from crust.kata import guest_oci, port_process
+from crust.kata import guest_oci, port_process, stop_bound
 from crust.kata.pod_records import (
     VM_GONE_EXIT_CODE,
     ContainerRecord,
@@ -356,13 +357,40 @@ class PodProcesses:
         await self._refresh(pod, c, p)
         if sandbox is None or not sandbox.alive() or pod.gone:
             return   # nothing runs any more: a signal has nothing to reach
-        if all_processes:
-            await port_process.signal_all(await sandbox.port(), container_id, signal)
-        elif not p.pid:
+        if not all_processes and not p.pid:
             raise FailedPrecondition(f"process {exec_id or container_id} was not started")
-        elif p.exit_code is None:
-            await port_process.signal_process(await sandbox.port(), container_id,
-                                              exec_id, signal)
+        if not all_processes and p.exit_code is not None:
+            return
+        # A stop's signal (CRI's StopContainer, an exec's kill): answered in
+        # time, or the VM is killed (crust.kata.stop_bound).
+        try:
+            with stop_bound.bounded(stop_bound.SIGNAL_ANSWER):
+                if all_processes:
+                    await port_process.signal_all(await sandbox.port(), container_id, signal)
+                else:
+                    await port_process.signal_process(await sandbox.port(), container_id, exec_id, signal)
+        except CrustError:
+            if not await sandbox.lost():
+                raise
+            await self._mark_gone(pod.sandbox_id, self._death_reason(pod.sandbox_id, sandbox))
+            return
+        if signal == SIGKILL and p.pid:
+            self._expect_exit(pod, c, p, sandbox)
+
+    def _expect_exit(self, pod: PodRecord, c: ContainerRecord, p: ProcessRecord, sandbox: KataSandbox) -> None:
+        """A process sent SIGKILL exits within stop_bound.KILLED_EXIT, or
+        the guest is not trusted to end it: its VM is killed."""
+        async def exited() -> bool:
+            if p.exit_code is None and not pod.gone:
+                await self._refresh(pod, c, p)
+            return p.exit_code is not None or pod.gone != "" or not sandbox.alive()
+
+        async def missing() -> None:
+            await sandbox.vm.kill_unresponsive(f"its guest reported no exit of {p.exec_id or c.container_id} "
+                                               f"within {self.kills.bound:g} s of SIGKILL")
+            await self._mark_gone(pod.sandbox_id, self._death_reason(pod.sandbox_id, sandbox))
+
+        self.kills.expect((c.container_id, p.exec_id), exited, missing)
 
     async def write_input(self, container_id: str, exec_id: str, offset: int, data: bytes, close: bool) -> int:
         """data at offset of the process's standard input (close: it ends

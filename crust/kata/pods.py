@@ -57,7 +57,7 @@ from crust.common.errors import (
 from crust.common.private import make_dirs
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
-from crust.kata import guest_oci, port_process
+from crust.kata import guest_oci, port_process, stop_bound
 from crust.kata.pod_containers import PodContainers, raw_spec
 from crust.kata.pod_records import (
     VM_GONE_EXIT_CODE,
@@ -146,6 +146,7 @@ class Pods(PodContainers):
         self._forgets: set[asyncio.Task] = set()   # exited execs nobody deleted, being forgotten
         self._expiries: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (container, exec) -> its forgetting
         self.execs_taken_back = asyncio.Event()   # set once start() asked the guests for their execs
+        self.kills = stop_bound.KillDeadlines()   # processes sent SIGKILL, exited in time or the VM killed
         handler.before_teardown = self._before_teardown
         self._watcher: asyncio.Task | None = None
 
@@ -194,6 +195,7 @@ class Pods(PodContainers):
         await self.exits.close()
         for task in list(self._forgets):
             task.cancel()
+        await self.kills.close()
         for forwarder in self.forwarders.values():
             await forwarder.stop()
 
@@ -255,10 +257,14 @@ class Pods(PodContainers):
             return
         pod.gone = pod.gone or reason
         now = time.time_ns()
+        sandbox = self._sandbox(pod_id)
+        # Killed by the host (its agent silent in a stop) as runc kills: SIGKILL's status.
+        code = stop_bound.VM_KILLED_EXIT_CODE if sandbox is not None and sandbox.vm.unresponsive \
+            else VM_GONE_EXIT_CODE
         for c in pod.containers.values():
             for p in c.processes.values():
                 if p.pid and p.exit_code is None:
-                    p.exit_code, p.exited_at_ns, p.reason = VM_GONE_EXIT_CODE, now, pod.gone
+                    p.exit_code, p.exited_at_ns, p.reason = code, now, pod.gone
         if pod_id not in self._unwritten:
             log.warning("pod stopped", extra={"fields": {"sandbox": pod_id, "reason": reason}})
         self._unwritten.add(pod_id)
@@ -273,15 +279,17 @@ class Pods(PodContainers):
         if pod is None:
             return
         sandbox = self._sandbox(sandbox_id)
-        if sandbox is not None and sandbox.alive():
-            for c in pod.containers.values():
-                try:
+        for c in pod.containers.values():
+            if sandbox is None or not sandbox.alive():
+                break   # gone, or killed meanwhile: its agent was silent
+            try:
+                with stop_bound.bounded(stop_bound.POD_STOP):
                     await self._stop_processes(sandbox, pod, c)
                     if c.created_on_port:   # its namespace's hold, before the volumes are unmounted
                         await port_process.remove_container(await sandbox.port(), c.container_id)
-                except CrustError as exc:
-                    log.warning("could not unmount a container before stopping its pod", extra={"fields": {
-                        "sandbox": sandbox_id, "container": c.container_id, "error": str(exc)}})
+            except CrustError as exc:
+                log.warning("could not unmount a container before stopping its pod", extra={"fields": {
+                    "sandbox": sandbox_id, "container": c.container_id, "error": str(exc)[:500]}})
         alive = sandbox is not None and sandbox.alive()
         await self._mark_gone(sandbox_id, f"the pod {sandbox_id} was stopped" if alive
                               else self._death_reason(sandbox_id, sandbox))
@@ -537,7 +545,8 @@ class Pods(PodContainers):
         async with self.locks[sandbox_id]:
             pod = self.pods.get(sandbox_id)
             if sandbox_id in self.handler.sandboxes:
-                await self.handler.delete_sandbox(sandbox_id)   # before_teardown, VM stopped, claims released
+                with stop_bound.bounded(stop_bound.POD_STOP):
+                    await self.handler.delete_sandbox(sandbox_id)   # before_teardown, VM stopped, claims released
             if pod is None:
                 return
             await self._disconnect(sandbox_id, pod.network)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Awaitable, Callable
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
@@ -42,6 +43,9 @@ class PortAgent:
         self.client: AgentClient | None = None
         self.details: agent_pb2.GuestDetailsResponse | None = None
         self.dead = ""      # why the VM is gone: no connection is opened any more
+        # Told why when the guest leaves a call of a stop unanswered (the VM
+        # kills its QEMU: crust.kata.stop_bound).
+        self.on_silent: Callable[[str], Awaitable[None]] | None = None
         self._lock = asyncio.Lock()
         self._next_look = 0.0
 
@@ -87,6 +91,7 @@ class PortAgent:
                 log.warning("vm %s: the guest's agent port is open but did not answer: %s", self.vm_name, exc)
                 self._next_look = loop.time() + LOOK_AGAIN
                 return None
+            self.client.on_silent = self.on_silent
             log.info("vm %s: agent %s %s on its port, capabilities %s", self.vm_name, self.details.agent_name,
                      self.details.agent_version, ",".join(self.details.capabilities))
             return self.client

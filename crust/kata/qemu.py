@@ -33,6 +33,7 @@ Choices worth knowing:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -46,7 +47,7 @@ from crust.common import ttrpc
 from crust.common.aio import first_done
 from crust.common.atomicfile import write_atomic
 from crust.common.private import make_dirs, open_new
-from crust.kata import guest_ram
+from crust.kata import guest_ram, stop_bound
 from crust.kata.agent_client import PORT_CHARDEV
 from crust.kata.port_agent import PortAgent
 from crust.kata.vm_devices import (
@@ -163,6 +164,10 @@ class Vm(VmDevices, VmSaving):
         self.boot_seconds: float | None = None
         self.qmp = QmpClient(str(self.qmp_socket))
         self.port = PortAgent(str(self.port_socket), self.qmp, name)
+        self.port.on_silent = self.kill_unresponsive
+        # Why the host killed this VM's QEMU (its agent left a stop's call
+        # unanswered), "" while it did not.
+        self.unresponsive = ""
         self._proc: asyncio.subprocess.Process | None = None
         self._adopted: proc.ProcessId | None = None  # a VM started by an earlier handler process (adopt())
         self._exited: asyncio.Task | None = None
@@ -457,36 +462,62 @@ class Vm(VmDevices, VmSaving):
     async def status(self) -> str:
         return (await self.qmp.execute("query-status"))["status"]
 
-    async def stop(self, timeout: float = 60.0) -> int | None:
+    async def stop(self, timeout: float = stop_bound.POD_STOP) -> int | None:
         """Power off through the agent (it unmounts first); QMP quit, then
-        SIGKILL, if the guest does not go. Returns QEMU's exit code."""
+        SIGKILL, if the guest does not go. The agent's answer is waited for
+        at most timeout (and never past the stop's deadline: a silent agent
+        has QEMU killed at once), QEMU's exit after an answer at most
+        POWER_OFF_EXIT: a guest that answers and stays up is ended too.
+        Returns QEMU's exit code."""
         self.stopping = True
         # A connection that broke is opened again: PowerOff syncs and
         # unmounts the guest's file systems before it goes.
         client = await self.port.ready(wait=POWER_OFF_PORT_WAIT) if self.alive() else None
+        answered = False
         if client is not None:
             try:
-                answer = await client.call("PowerOff", agent_pb2.PowerOffRequest(), timeout=timeout)
+                with stop_bound.bounded(timeout):
+                    answer = await client.call("PowerOff", agent_pb2.PowerOffRequest(), timeout=timeout)
+                answered = True
                 log.info("vm %s: powered off by its agent (%d unmounted, %d would not go)", self.name,
                          answer.unmounted, answer.failed)
             except (ttrpc.TtrpcError, ConnectionError) as exc:
                 log.warning("vm %s: power-off through the agent's port failed: %s", self.name, exc)
-        for attempt in ("wait", "quit"):
+        for attempt, wait in (("wait", stop_bound.POWER_OFF_EXIT if answered else 0), ("quit", stop_bound.QEMU_QUIT)):
             if not self.alive():
                 break
             if attempt == "quit":
+                if answered:
+                    log.warning("vm %s: its guest answered the power-off and did not go within %.0f s",
+                                self.name, stop_bound.POWER_OFF_EXIT)
                 try:
-                    await self.qmp.execute("quit", timeout=5)
+                    await self.qmp.execute("quit", timeout=stop_bound.QEMU_QUIT)
                 except Exception as exc:  # noqa: BLE001 - any failure leads to SIGKILL
                     log.warning("vm %s: QMP quit failed: %s", self.name, exc)
             try:
-                await asyncio.wait_for(asyncio.shield(self._exited), timeout if attempt == "wait" else 5)
+                await asyncio.wait_for(asyncio.shield(self._exited), wait)
             except asyncio.TimeoutError:
                 pass
         if self.alive():
             await self.kill()
         await self._close_clients()
         return self._proc.returncode if self._proc else None
+
+    async def kill_unresponsive(self, reason: str) -> None:
+        """The guest's agent left a call of a stop unanswered: QEMU is
+        killed, the reason kept (the pod's record names it)."""
+        if not self.alive():
+            return
+        if self.unresponsive:
+            # Another call found it silent first: its kill is under way.
+            if self._exited is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._exited), stop_bound.QEMU_KILL)
+            return
+        self.unresponsive = reason
+        log.error("vm %s: %s; killing QEMU (pid %d)", self.name, reason, self.pid)
+        await self.port.close(f"{reason}: QEMU was killed")
+        await self.kill()
 
     async def kill(self) -> None:
         if self._proc is not None:
@@ -499,7 +530,7 @@ class Vm(VmDevices, VmSaving):
             proc.signal_if(self._adopted.pid, lambda: self.is_this_vm(self._adopted))
         if self._exited is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(self._exited), 10)
+                await asyncio.wait_for(asyncio.shield(self._exited), stop_bound.QEMU_KILL)
             except asyncio.TimeoutError:
                 log.error("vm %s: QEMU pid %d survived SIGKILL", self.name, self.pid)
         await self._close_clients()

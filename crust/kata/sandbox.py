@@ -23,7 +23,7 @@ from crust.common.errors import (
     Unavailable,
 )
 from crust.common.private import make_dirs
-from crust.kata import port_volumes
+from crust.kata import port_volumes, stop_bound
 from crust.kata.agent_client import AgentClient, handler_error
 from crust.kata.qemu import Vm, VmConfig, VmError, read_identity
 from crust.runtime_handler.sandbox import Sandbox, VolumeStats
@@ -84,10 +84,21 @@ class KataSandbox(Sandbox):
         if not self.alive():
             raise Unavailable(f"sandbox {self.id}: its VM is not running")
         client = await self.vm.port.ready(wait=wait)
+        if client is None and stop_bound.in_stop() and self.vm.alive():
+            # A stop always ends: an agent gone from its port answers nothing.
+            await self.vm.kill_unresponsive(f"its guest's agent is not on its port "
+                                            f"({self.vm.port.dead or 'not open'})")
         if client is None:
             raise Unavailable(f"sandbox {self.id}: its guest's agent is not connected "
                               f"({self.vm.port.dead or 'its port is not open'})")
         return client
+
+    async def lost(self) -> bool:
+        """After a failed call to the agent: whether the VM is gone, a kill
+        for its agent's silence (crust.kata.stop_bound) waited for."""
+        if self.vm.unresponsive:
+            await self.vm.kill_unresponsive(self.vm.unresponsive)
+        return not self.alive()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -188,7 +199,11 @@ class KataSandbox(Sandbox):
 
     async def close_encrypted(self, name: str) -> None:
         if self.alive():
-            await port_volumes.close_encrypted(await self.port(), name)
+            try:
+                await port_volumes.close_encrypted(await self.port(), name)
+            except (Unavailable, DeadlineExceeded):
+                if not await self.lost():
+                    raise   # a VM killed meanwhile (its agent silent) has nothing open any more
 
     async def mount(self, device, fs_type, options, readonly, mount_point, fs_group=None) -> None:
         opts = list(options) + (["nouuid"] if fs_type == "xfs" and "nouuid" not in options else [])
@@ -254,7 +269,11 @@ class KataSandbox(Sandbox):
 
     async def unmount(self, mount_point: str) -> None:
         if self.alive():
-            await port_volumes.unmount(await self.port(), mount_point)
+            try:
+                await port_volumes.unmount(await self.port(), mount_point)
+            except (Unavailable, DeadlineExceeded):
+                if not await self.lost():
+                    raise   # a VM killed meanwhile (its agent silent) has nothing mounted any more
 
     async def detach(self, device: str) -> None:
         if self.vm.alive() and serial_of(device) in self.vm.disks:
