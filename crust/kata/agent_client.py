@@ -101,9 +101,24 @@ _ERRORS: dict[int, type[CrustError]] = {
 }
 
 
+# The most of a guest's words (an error message, its agent's name) the
+# handler quotes in a log line or an error: the guest is not trusted to be
+# brief (a ttrpc frame holds 4 MiB).
+GUEST_TEXT_CHARS = 1000
+_CONTROL = {c: " " for c in range(32) if c != 9} | {127: " "}
+
+
+def guest_text(text: str, limit: int = GUEST_TEXT_CHARS) -> str:
+    """A guest's words as the host quotes them: one line of at most limit
+    characters (control characters as spaces), saying how much was cut."""
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text) - limit} more characters)"
+    return text.translate(_CONTROL)
+
+
 def handler_error(exc: ttrpc.TtrpcError, what: str) -> CrustError:
     """The agent's refusal as the handler's error of the same code."""
-    return _ERRORS.get(exc.code, Internal)(f"{what}: the guest's agent: {exc.message}")
+    return _ERRORS.get(exc.code, Internal)(f"{what}: the guest's agent: {guest_text(exc.message)}")
 
 
 class AgentClient:

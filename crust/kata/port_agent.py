@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.kata.agent_client import AgentClient, port_state
+from crust.kata.agent_client import AgentClient, guest_text, port_state
 from crust.kata.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
 
 log = logging.getLogger(__name__)
@@ -88,12 +88,14 @@ class PortAgent:
             try:
                 self.client, self.details = await AgentClient.open(self.path, timeout=OPEN_TIMEOUT)
             except (ttrpc.TtrpcError, OSError) as exc:
-                log.warning("vm %s: the guest's agent port is open but did not answer: %s", self.vm_name, exc)
+                log.warning("vm %s: the guest's agent port is open but did not answer: %s", self.vm_name,
+                            guest_text(str(exc)))
                 self._next_look = loop.time() + LOOK_AGAIN
                 return None
             self.client.on_silent = self.on_silent
-            log.info("vm %s: agent %s %s on its port, capabilities %s", self.vm_name, self.details.agent_name,
-                     self.details.agent_version, ",".join(self.details.capabilities))
+            log.info("vm %s: agent %s %s on its port, capabilities %s", self.vm_name,
+                     guest_text(self.details.agent_name, 100), guest_text(self.details.agent_version, 100),
+                     guest_text(",".join(self.details.capabilities)))
             return self.client
 
     async def close(self, reason: str = "") -> None:

@@ -20,7 +20,7 @@ from google.protobuf import json_format
 from crust.api import agent_pb2, handler_pb2
 from crust.common import ttrpc
 from crust.common.errors import DataLoss, Unavailable
-from crust.kata.agent_client import AgentClient, handler_error
+from crust.kata.agent_client import AgentClient, guest_text, handler_error
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ async def read_output(client: AgentClient, container_id: str, exec_id: str, stdo
                 exc = task.exception()
                 if isinstance(exc, ttrpc.TtrpcError):
                     if exc.code in (ttrpc.NOT_FOUND, ttrpc.UNAVAILABLE, ttrpc.DATA_LOSS):
-                        raise cut(exc.message) from None
+                        raise cut(guest_text(exc.message)) from None
                     raise handler_error(exc, f"output of {exec_id or container_id}") from None
                 if exc is not None:
                     raise exc
@@ -316,7 +316,7 @@ class ExitWatches:
                 try:
                     answer = await wait_process(client, container_id, exec_id)
                 except ttrpc.TtrpcError as exc:
-                    await on_exit(None, exc.message)
+                    await on_exit(None, guest_text(exc.message))
                 else:
                     await on_exit(answer, "")
             except Exception:  # a watch must not die silently

@@ -10,7 +10,8 @@ to run (VmConfig, the guest kernel's command line) is crust.kata.vm_config's.
 
 Choices worth knowing:
 - `-nodefaults -display none` instead of `-nographic`: no monitor or serial
-  port on QEMU's stdio, every channel is explicit (console to a file, the
+  port on QEMU's stdio, every channel is explicit (the console to the
+  handler, which keeps a bounded file of it: crust.kata.console; the
   agent's port and QMP on unix sockets in the VM's work directory).
 - `-machine pc`: its ACPI PCI hotplug works with Debian's kernels out of
   the box (device_add / device_del of virtio-blk-pci).
@@ -47,8 +48,9 @@ from crust.common import ttrpc
 from crust.common.aio import first_done
 from crust.common.atomicfile import write_atomic
 from crust.common.private import make_dirs, open_new
-from crust.kata import guest_ram, stop_bound
-from crust.kata.agent_client import PORT_CHARDEV
+from crust.kata import console, guest_ram, stop_bound
+from crust.kata.console import ConsoleLog
+from crust.kata.agent_client import PORT_CHARDEV, guest_text
 from crust.kata.port_agent import PortAgent
 from crust.kata.vm_devices import (
     SCSI_CONTROLLER,
@@ -77,6 +79,7 @@ MAX_SOCKET_PATH = 107
 # sun_path holds 107 bytes): one directory per work directory, named by a
 # hash of its path, so a restarted handler finds the same sockets.
 SHORT_SOCKET_ROOT = Path("/run/crust-vm-sockets")
+CONSOLE_CHARDEV = "console"
 # How long a stop waits for the agent's port to open again when its
 # connection broke.
 POWER_OFF_PORT_WAIT = 5.0
@@ -155,6 +158,9 @@ class Vm(VmDevices, VmSaving):
         # The guest agent's virtio-serial port (specs/agent.proto).
         self.port_socket = self.socket_dir / "port.sock"
         self.qmp_socket = self.socket_dir / "qmp.sock"
+        self.console_socket = self.socket_dir / "console.sock"
+        # The guest's serial console, read into console.log with a bound.
+        self.console = ConsoleLog(self.console_socket, lambda: self.console_log)
         self.virtiofsds: dict[str, Virtiofsd] = {}   # by tag
         self.disks: dict[str, Disk] = {}
         # The next LUN to try on the SCSI controller: LUNs only grow while
@@ -222,7 +228,9 @@ class Vm(VmDevices, VmSaving):
             "-m", str(c.memory_mib), "-smp", str(c.cpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(c.kernel), "-initrd", str(c.initrd), "-append", self.cmdline(),
-            "-serial", f"file:{self.console_log}",                        # ttyS0: console
+            # ttyS0, the console: read by the handler into a bounded file (crust.kata.console).
+            "-chardev", f"socket,id={CONSOLE_CHARDEV},path={self.console_socket},server=on,wait=off",
+            "-serial", f"chardev:{CONSOLE_CHARDEV}",
             "-device", "virtio-serial-pci,id=ports",
             "-chardev", f"socket,id={PORT_CHARDEV},path={self.port_socket},server=on,wait=off",
             "-device", f"virtserialport,bus=ports.0,chardev={PORT_CHARDEV},name={AGENT_PORT_NAME}",
@@ -283,10 +291,7 @@ class Vm(VmDevices, VmSaving):
         return self._adopted is not None and self.is_this_vm(self._adopted)
 
     def console_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.console_log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return console.tail(self.console_log, lines)
 
     async def _watch(self) -> int:
         if self._proc is None:  # adopted: not our child, poll for its end
@@ -347,12 +352,13 @@ class Vm(VmDevices, VmSaving):
         The guest is then made this VM's own before anyone uses it: the
         agent sets its clock and reseeds its random number generator
         (Resume), or the start fails."""
-        for sock in (self.port_socket, self.qmp_socket):
+        for sock in (self.port_socket, self.qmp_socket, self.console_socket):
             if len(str(sock)) > MAX_SOCKET_PATH:
                 raise VmError(f"socket path too long for a unix socket: {sock}")
         make_dirs(self.workdir)
         make_dirs(self.socket_dir)
-        for stale in (self.port_socket, self.qmp_socket, self.pidfile, self.console_log):
+        for stale in (self.port_socket, self.qmp_socket, self.console_socket, self.pidfile, self.console_log,
+                      console.previous(self.console_log)):
             stale.unlink(missing_ok=True)
         write_atomic(self.workdir / IDENTITY_FILE, json.dumps(
             {"name": self.name, "socket_dir": str(self.socket_dir)}).encode(), mode=0o600)
@@ -398,6 +404,7 @@ class Vm(VmDevices, VmSaving):
         self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")
         try:
             await self._monitor(self._guarded(self.qmp.connect(), "QMP connect"))
+            await self.console.open()   # QEMU made its sockets before it greeted on QMP
             if saved is not None:
                 await self._monitor(self._guarded(self._load(ready_timeout), "restore"))
                 loaded = time.monotonic() - started
@@ -435,6 +442,7 @@ class Vm(VmDevices, VmSaving):
             raise VmError(f"vm {self.name}: {qemu} is not this VM's QEMU (gone, or its pid was reused)")
         self._exited = asyncio.create_task(self._watch(), name=f"vm-watch {self.name}")
         await self._monitor(self._guarded(self.qmp.connect(), "QMP reconnect"))
+        await self.console.open()
         await self._guarded(self._agent_answers(timeout), "agent reconnect")
         plugged = await self._monitor(self._peripherals())
         # The bus the VM booted with, whatever this process's setting: its
@@ -482,7 +490,8 @@ class Vm(VmDevices, VmSaving):
                 log.info("vm %s: powered off by its agent (%d unmounted, %d would not go)", self.name,
                          answer.unmounted, answer.failed)
             except (ttrpc.TtrpcError, ConnectionError) as exc:
-                log.warning("vm %s: power-off through the agent's port failed: %s", self.name, exc)
+                log.warning("vm %s: power-off through the agent's port failed: %s", self.name,
+                            guest_text(str(exc)))
         for attempt, wait in (("wait", stop_bound.POWER_OFF_EXIT if answered else 0), ("quit", stop_bound.QEMU_QUIT)):
             if not self.alive():
                 break
@@ -538,6 +547,7 @@ class Vm(VmDevices, VmSaving):
     async def _close_clients(self) -> None:
         await self.port.close()
         await self.qmp.close()
+        await self.console.close()
         if not self.alive():
             await self._stop_virtiofsd()
         if self.socket_dir != self.workdir and not self.alive():
@@ -547,7 +557,7 @@ class Vm(VmDevices, VmSaving):
         """The short socket directory of a VM that is gone, and the root of
         such directories once it is empty (it is made again when needed)."""
         shares = [SharedDir(tag, Path(".")) for tag in SHARE_TAGS]
-        for sock in (self.port_socket, self.qmp_socket, *map(self.fs_socket, shares)):
+        for sock in (self.port_socket, self.qmp_socket, self.console_socket, *map(self.fs_socket, shares)):
             sock.unlink(missing_ok=True)
         for directory in (self.socket_dir, SHORT_SOCKET_ROOT):
             try:

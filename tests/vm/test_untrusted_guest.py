@@ -5,6 +5,8 @@ in the guest's own namespaces) and from there stops the guest's agent
 (SIGSTOP: it holds its port open and answers nothing). A second pod runs
 beside it on the node.
 
+- the guest writes its console as fast as it can: the host's console
+  files stay within their bound (crust.kata.console), the newest kept;
 - kubelet's stop of the silent pod ends within the grace period plus the
   stated bound (crust.kata.stop_bound): its VM is killed, its containers are
   reported exited 137, the handler names the agent that did not answer,
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 
 from crust.api import cri_pb2 as cri
-from crust.kata import stop_bound
+from crust.kata import console, stop_bound
+from crust.kata.console import previous
 from crust.kata.qemu import qemu_pids_under
 from crust.sys import mount as sysmount
 from tests.pod_nodes import KEEP_RUNNING, pod_node
@@ -27,29 +31,50 @@ from tests.pod_nodes import KEEP_RUNNING, pod_node
 pytestmark = pytest.mark.slow
 
 # Written into the privileged container's root, which the guest's root
-# namespace sees at /run/crust/share/<id>/rootfs: run by the guest
-# kernel as root for a crashing process, it stops the agent a moment later
-# (after the exec that crashed was reported).
-STOP_AGENT = """#!/bin/sh
-echo guest root > "${0%/helper}/ran"
-( sleep 3
-  for d in /proc/[0-9]*; do
-    case "$(tr '\\0' ' ' < "$d/cmdline" 2>/dev/null)" in
-      *crust.guest*--port-name*) kill -STOP "${d#/proc/}" ;;
-    esac
-  done ) </dev/null >/dev/null 2>&1 &
+# namespace sees at /run/crust/share/<id>/rootfs: run by the guest kernel as
+# root for a crashing process, it does what the file `mode` beside it says,
+# in the background (the exec that crashed is reported first): `flood`
+# writes the guest's console as fast as it can for FLOOD_SECONDS; `stop`
+# stops the agent a moment later.
+FLOOD_SECONDS = 30
+GUEST_ROOT_HELPER = f"""#!/bin/sh
+here="${{0%/helper}}"
+echo guest root > "$here/ran"
+case "$(cat "$here/mode")" in
+  flood) ( timeout {FLOOD_SECONDS} yes crust-flood > /dev/console ) </dev/null >/dev/null 2>&1 & ;;
+  stop) ( sleep 3
+          for d in /proc/[0-9]*; do
+            case "$(tr '\\0' ' ' < "$d/cmdline" 2>/dev/null)" in
+              *crust.guest*--port-name*) kill -STOP "${{d#/proc/}}" ;;
+            esac
+          done ) </dev/null >/dev/null 2>&1 & ;;
+esac
 """
 
 
-def take_guest_root(helper: str) -> str:
+def as_guest_root(mode: str) -> str:
     """The script a privileged container's exec runs: the helper in its
     root, core_pattern pointing at it, a process that crashes. The kernel
     keeps 127 bytes of core_pattern and splits it at spaces: a shell finds
     the helper below the containers' roots (the pod's share, which the
     guest's root namespace sees at /run/crust/share) by a glob."""
-    return (f"cat > /helper <<'EOF'\n{helper}EOF\n"
+    return (f"cat > /helper <<'EOF'\n{GUEST_ROOT_HELPER}EOF\necho {mode} > /mode; rm -f /ran; "
             "echo '|/bin/sh -c sh${IFS}/run/crust/share/*/rootfs/helper' > /proc/sys/kernel/core_pattern && "
             "sh -c 'kill -SEGV $$'; sleep 1; cat /ran")
+
+
+def consoles(root_path: Path) -> dict[Path, tuple[int, int]]:
+    """Each VM's console files: directory -> (console.log's size, console.log.1's)."""
+    found = {}
+    for path in root_path.rglob("console.log"):
+        sizes = []
+        for part in (path, previous(path)):
+            try:
+                sizes.append(part.stat().st_size)
+            except FileNotFoundError:
+                sizes.append(0)
+        found[path.parent] = (sizes[0], sizes[1])
+    return found
 
 
 def exec_seconds(node, container_id: str, count: int = 5) -> float:
@@ -68,7 +93,7 @@ def node(root):
         yield made
 
 
-def test_a_silent_guest_is_stopped_within_the_bound_and_leaves_nothing(node, root):
+def test_a_guest_root_floods_its_console_within_the_bound_then_a_silent_agent_is_stopped_leaving_nothing(node, root):
     silent = node.pod("silent", volumes={}, containers=[node.container("root", KEEP_RUNNING, privileged=True),
                                                         node.container("app", KEEP_RUNNING)])
     beside = node.pod("beside", volumes={}, containers=[node.container("app", KEEP_RUNNING)])
@@ -81,8 +106,23 @@ def test_a_silent_guest_is_stopped_within_the_bound_and_leaves_nothing(node, roo
         before = exec_seconds(node, neighbour)
         vms = set(qemu_pids_under(root.path))
         guest_root = node.status(silent, "root")
-        out = node.runtime.exec_sync(guest_root.id, ["/bin/sh", "-c", take_guest_root(STOP_AGENT)])
-        assert out.stdout == b"guest root\n", out
+        assert node.run(guest_root.id, "/bin/sh", "-c", as_guest_root("flood")) == b"guest root\n"
+        # The guest writes its console for FLOOD_SECONDS: no console file
+        # on the host ever holds more than its bound.
+        largest, rotated = 0, set()
+        until = time.monotonic() + FLOOD_SECONDS + 3
+        while time.monotonic() < until:
+            for directory, sizes in consoles(root.path).items():
+                assert max(sizes) <= console.FILE_BYTES, (directory, sizes)
+                largest = max(largest, sum(sizes))
+                if sizes[1]:
+                    rotated.add(directory)
+            time.sleep(0.25)
+        print(f"console flood of {FLOOD_SECONDS} s: at most {largest} bytes on disk, bound "
+              f"{2 * console.FILE_BYTES}")
+        (flooded,) = rotated
+        assert b"crust-flood" in (flooded / "console.log").read_bytes()[-4096:]
+        assert node.run(guest_root.id, "/bin/sh", "-c", as_guest_root("stop")) == b"guest root\n"
         time.sleep(6)   # the helper's pause, and the agent stopped
         started = time.monotonic()
         node.runtime.kill_pod(silent)
