@@ -304,8 +304,13 @@ class PodProcesses:
 
     @staticmethod
     async def _cgroup_stats(sandbox: KataSandbox, container_id: str) -> handler_pb2.ContainerStatsResponse:
-        """The cgroup numbers of a container ("": the pod's)."""
-        return await port_process.container_stats(await sandbox.port(), container_id)
+        """The cgroup numbers of a container ("": the pod's), checked
+        against the VM's memory."""
+        try:
+            return await port_process.container_stats(await sandbox.port(), container_id,
+                                                      sandbox.vm.config.memory_mib << 20)
+        except DataLoss as exc:
+            raise DataLoss(f"pod {sandbox.id}: {exc.message}") from None
 
     async def _oom_killed(self, sandbox: KataSandbox, c: ContainerRecord) -> bool:
         """Whether the OOM killer killed a process of the container: the

@@ -20,6 +20,7 @@ from google.protobuf import json_format
 from crust.api import agent_pb2, handler_pb2
 from crust.common import ttrpc
 from crust.common.errors import DataLoss, Unavailable
+from crust.kata import guest_numbers
 from crust.kata.agent_client import AgentClient, guest_text, handler_error
 
 log = logging.getLogger(__name__)
@@ -351,15 +352,21 @@ class ExitWatches:
         self._tasks.clear()
 
 
-async def container_stats(client: AgentClient, container_id: str) -> handler_pb2.ContainerStatsResponse:
+async def container_stats(client: AgentClient, container_id: str,
+                          vm_memory_bytes: int) -> handler_pb2.ContainerStatsResponse:
     """The container's cgroup numbers in the guest ("": the pod's, above
-    all its containers), as the handler answers them."""
+    all its containers), as the handler answers them; DataLoss when they
+    cannot be in a VM of vm_memory_bytes (crust.kata.guest_numbers)."""
     try:
         answer = await client.call("StatsContainer", agent_pb2.StatsContainerRequest(container_id=container_id),
                                    timeout=STATS_TIMEOUT)
     except ttrpc.TtrpcError as exc:
         raise handler_error(exc, f"the cgroup of {'container ' + container_id if container_id else 'the pod'}") \
             from None
+    why = guest_numbers.container_stats(answer, vm_memory_bytes)
+    if why:
+        raise DataLoss(f"the cgroup of {'container ' + container_id if container_id else 'the pod'}: the guest "
+                       f"reported numbers that cannot be: {why}")
     return handler_pb2.ContainerStatsResponse(
         cpu=dict(answer.cpu_stat), memory=dict(answer.memory_stat), memory_events=dict(answer.memory_events),
         memory_current=answer.memory_current, memory_max=answer.memory_max, pids_current=answer.pids_current,

@@ -11,6 +11,7 @@ from pathlib import PurePosixPath
 
 from crust.api import agent_pb2, csi_pb2
 from crust.common import ttrpc
+from crust.kata import guest_numbers
 from crust.kata.agent_client import AgentClient, handler_error
 from crust.kata.port_agent import PortAgent
 from crust.runtime_handler.sandbox import VolumeStats
@@ -81,13 +82,21 @@ async def mount(client: AgentClient, s: agent_pb2.Storage) -> agent_pb2.MountVol
                        f"volume {s.volume_id}")
 
 
-async def stats(client: AgentClient, mount_point: str, readonly: bool) -> VolumeStats | None:
-    """The volume's usage and condition; None when the agent does not know it."""
+async def stats(client: AgentClient, mount_point: str, readonly: bool, device_bytes: int | None,
+                what: str) -> VolumeStats | None:
+    """The volume's usage and condition; None when the agent does not know
+    it. Numbers that cannot be on a device of device_bytes (None: unknown)
+    are refused (crust.kata.guest_numbers): no usage, and the condition
+    abnormal naming `what` (the pod) and the field."""
     key = volume_id(mount_point)
     s = await _call(client, "VolumeStats", agent_pb2.VolumeStatsRequest(volume_id=key), STATS_TIMEOUT,
                     f"volume {key}", unknown=None)
     if s is None:
         return None
+    why = guest_numbers.volume_stats(s, device_bytes)
+    if why:
+        return VolumeStats([], csi_pb2.VolumeCondition(
+            abnormal=True, message=f"{what}: the guest reported stats of volume {key} that cannot be: {why}"))
     usage = [Usage(unit=Usage.BYTES, total=s.total_bytes, available=s.available_bytes, used=s.used_bytes),
              Usage(unit=Usage.INODES, total=s.inodes_total, available=s.inodes_free, used=s.inodes_used)]
     condition = csi_pb2.VolumeCondition(abnormal=s.condition.abnormal, message=s.condition.message)

@@ -27,7 +27,7 @@ from crust.kata import port_volumes, stop_bound
 from crust.kata.agent_client import AgentClient, handler_error
 from crust.kata.qemu import Vm, VmConfig, VmError, read_identity
 from crust.runtime_handler.sandbox import Sandbox, VolumeStats
-from crust.sys import proc
+from crust.sys import blockdev, proc
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,17 @@ SANDBOX_PROCESS = "sandbox-process"
 PORT_WAIT = 10.0
 # How long a refused wait for the process pauses before it asks again.
 WAIT_RETRY = 1.0
+
+
+async def _device_bytes(device: str) -> int | None:
+    """The size of the host's device a volume is attached from (None:
+    unknown), which the guest's numbers of it are checked against."""
+    if not device:
+        return None
+    try:
+        return await asyncio.to_thread(blockdev.size_bytes, device)
+    except OSError:
+        return None
 
 
 def serial_of(device: str) -> str:
@@ -237,12 +248,12 @@ class KataSandbox(Sandbox):
     async def check_subpath(self, mount_point: str, subpath: str) -> None:
         """Checked where it is bound: BindGuestPath opens it below the volume."""
 
-    async def stats(self, mount_point: str, readonly: bool) -> VolumeStats:
+    async def stats(self, mount_point: str, readonly: bool, device: str = "") -> VolumeStats:
         if not self.alive():
             return VolumeStats([], csi_pb2.VolumeCondition(abnormal=True, message=f"the VM of sandbox {self.id} is gone"))
         try:
             found = await port_volumes.stats(await self.port(wait=port_volumes.STATS_TIMEOUT), mount_point,
-                                             readonly)
+                                             readonly, await _device_bytes(device), f"pod {self.id}")
         except (Unavailable, DeadlineExceeded) as exc:
             # QEMU runs but its guest does not answer (hung, overloaded):
             # a volume condition kubelet reports, not a failed call.

@@ -111,7 +111,9 @@ class Sandbox(abc.ABC):
         await self.bind(mount_point + (f"/{subpath}" if subpath else ""), destination, readonly)
 
     @abc.abstractmethod
-    async def stats(self, mount_point: str, readonly: bool) -> VolumeStats: ...
+    async def stats(self, mount_point: str, readonly: bool, device: str = "") -> VolumeStats:
+        """The volume's usage and condition; device: the host's block
+        device it was attached from (a VM's guest is checked against it)."""
 
     @abc.abstractmethod
     async def grow(self, fs_type: str, device: str, mount_point: str, encrypted: str = "") -> None:
@@ -332,7 +334,7 @@ class MountNamespaceSandbox(Sandbox):
     async def check_subpath(self, mount_point: str, subpath: str) -> None:
         await asyncio.to_thread(safe_subpath, self.root_view(mount_point), subpath)
 
-    async def stats(self, mount_point: str, readonly: bool) -> VolumeStats:
+    async def stats(self, mount_point: str, readonly: bool, device: str = "") -> VolumeStats:
         # Reached from the namespace's root without following a link, and
         # measured on the descriptor the walk ended on.
         with self._namespace_root() as ns_root, \

@@ -33,7 +33,7 @@ class HandlerService(handler_pb2_grpc.HandlerServicer):
             stats = await self.handler.containers.stats(*in_container)
         else:
             sandbox, volume = self.handler.find(target_path, sandbox_id)
-            stats = await sandbox.stats(volume.mount_point, volume.readonly)
+            stats = await sandbox.stats(volume.mount_point, volume.readonly, volume.device)
         return handler_pb2.GetVolumeStatsResponse(usage=stats.usage, volume_condition=stats.condition)
 
     async def ExpandVolume(self, request: handler_pb2.ExpandVolumeRequest, context):
