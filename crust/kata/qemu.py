@@ -80,9 +80,6 @@ MAX_SOCKET_PATH = 107
 # hash of its path, so a restarted handler finds the same sockets.
 SHORT_SOCKET_ROOT = Path("/run/crust-vm-sockets")
 CONSOLE_CHARDEV = "console"
-# How long a stop waits for the agent's port to open again when its
-# connection broke.
-POWER_OFF_PORT_WAIT = 5.0
 
 
 def socket_dir_for(workdir: Path) -> Path:
@@ -480,7 +477,7 @@ class Vm(VmDevices, VmSaving):
         self.stopping = True
         # A connection that broke is opened again: PowerOff syncs and
         # unmounts the guest's file systems before it goes.
-        client = await self.port.ready(wait=POWER_OFF_PORT_WAIT) if self.alive() else None
+        client = await self.port.ready(wait=stop_bound.POWER_OFF_PORT_WAIT) if self.alive() else None
         answered = False
         if client is not None:
             try:

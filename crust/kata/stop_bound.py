@@ -42,11 +42,12 @@ log = logging.getLogger(__name__)
 SIGNAL_ANSWER = 10.0      # seconds the agent has to answer a signal
 KILLED_EXIT = 10.0        # seconds after a SIGKILL's answer for the process's exit
 POD_STOP = 60.0           # seconds for all the guest's answers of a pod's stop
+POWER_OFF_PORT_WAIT = 5.0  # seconds a power-off waits for an agent's port to open again
 POWER_OFF_EXIT = 10.0     # seconds from a power-off's answer to QEMU's exit
-QEMU_QUIT = 5.0           # seconds QEMU has to leave after QMP quit
+QEMU_QUIT = 5.0           # seconds QMP quit is waited for, and again QEMU's exit after it
 QEMU_KILL = 10.0          # seconds for a SIGKILLed QEMU to be reaped
 # The longest a pod's stop takes when its guest answers nothing in time.
-STOP_POD_BOUND = POD_STOP + POWER_OFF_EXIT + QEMU_QUIT + QEMU_KILL
+STOP_POD_BOUND = POD_STOP + POWER_OFF_PORT_WAIT + POWER_OFF_EXIT + 2 * QEMU_QUIT + QEMU_KILL
 # A process of a VM the host killed (its agent silent): SIGKILL's status.
 VM_KILLED_EXIT_CODE = 137
 
