@@ -82,6 +82,7 @@ from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord
 from crust.runtime_handler.resolve import pod_volumes
 from crust.sys import mount as mounts
 from crust.sys import podnet
+from crust.sys.run import rpc_deadline
 
 log = logging.getLogger(__name__)
 
@@ -464,6 +465,7 @@ class Pods(PodContainers):
         for this), so a container's start only binds it. A volume that fails
         here is given back and left to the CreateContainer of the container
         that binds it, which mounts it (or fails) as if this had not run."""
+        rpc_deadline.set(None)   # this task's own: it outlives the CreatePod that started it
         started = time.monotonic()
         mounted = []
         async with self.locks[sandbox_id]:
