@@ -94,7 +94,7 @@ class KataSandbox(Sandbox):
         wait); Unavailable when the VM or its agent does not answer."""
         if not self.alive():
             raise Unavailable(f"sandbox {self.id}: its VM is not running")
-        client = await self.vm.port.ready(wait=wait)
+        client = await self.vm.port.ready(wait=stop_bound.remaining(wait))
         if client is None and stop_bound.in_stop() and self.vm.alive():
             # A stop always ends: an agent gone from its port answers nothing.
             await self.vm.kill_unresponsive(f"its guest's agent is not on its port "

@@ -72,6 +72,12 @@ def in_stop() -> bool:
     return stop_deadline.get() is not None
 
 
+def remaining(wait: float) -> float:
+    """wait, or what is left of the stop being served if that is less."""
+    deadline = stop_deadline.get()
+    return wait if deadline is None else max(0.0, min(wait, deadline - time.monotonic()))
+
+
 class KillDeadlines:
     """One watch per process sent SIGKILL: exited within KILLED_EXIT of the
     agent's answer, or on_missing() (which kills the VM)."""

@@ -35,8 +35,10 @@ def test_a_call_never_outlives_the_rpc_nor_the_stop_that_caused_it():
     try:
         assert call_timeout("CreateContainer", None, now) == pytest.approx(30.0)
         assert call_timeout("CreateContainer", 5.0, now) == 5.0
+        assert stop_bound.remaining(30.0) == 30.0
         with stop_bound.bounded(8.0):
             assert call_timeout("RemoveContainer", None, now) == pytest.approx(8.0, abs=0.1)
+            assert 7.0 < stop_bound.remaining(30.0) <= 8.0   # a wait for the agent's port, too
             with stop_bound.bounded(60.0):   # an inner stop never extends the outer one
                 assert call_timeout("RemoveContainer", None, now) == pytest.approx(8.0, abs=0.1)
         # A deadline that has passed leaves the least, never a negative or no timeout.
