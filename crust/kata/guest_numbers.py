@@ -5,7 +5,9 @@ reaches kubelet: the guest is not trusted to answer numbers that can be.
   attached, used and available at most the capacity, inodes used and free
   at most their total, every number within int64 (CSI's VolumeUsage);
 - a container's cgroup numbers: its memory (memory.current and the byte
-  counts of memory.stat) at most the VM's memory, every number within int64.
+  counts of memory.stat) at most the VM's memory, every number within int64,
+  and its cumulative counters (cpu.stat's times and counts, memory.events)
+  never below what the same cgroup reported before (CounterFloors).
 
 Each check answers "" or why the answer cannot be, naming the field. A
 volume's impossible stats become its condition (abnormal, with the reason:
@@ -65,3 +67,39 @@ def container_stats(s: agent_pb2.StatsContainerResponse, vm_memory_bytes: int) -
         if s.memory_stat[key] > vm_memory_bytes:
             return f"memory_stat[{key}] {s.memory_stat[key]} is more than the VM's memory, {vm_memory_bytes} bytes"
     return ""
+
+
+# The cumulative counters of a cgroup (v2): they only grow while it lives.
+COUNTERS = {
+    "cpu_stat": frozenset({"usage_usec", "user_usec", "system_usec", "nr_periods", "nr_throttled",
+                           "throttled_usec", "nr_bursts", "burst_usec"}),
+    "memory_events": frozenset({"low", "high", "max", "oom", "oom_kill", "oom_group_kill"}),
+}
+
+
+class CounterFloors:
+    """A pod's cgroups' counters as last reported, by container id ("": the
+    pod's): an answer with a counter below its floor cannot be. One entry a
+    live container, removed with it (forget), so the floors of a pod whose
+    containers are restarted again and again do not pile up."""
+
+    def __init__(self) -> None:
+        self._floors: dict[str, dict[str, int]] = {}
+
+    def check(self, container_id: str, s: agent_pb2.StatsContainerResponse) -> str:
+        """Why the answer's counters cannot be ("" when they can); an answer
+        that can be raises the floors."""
+        floors = self._floors.get(container_id, {})
+        now = {f"{name}[{key}]": value for name, keys in COUNTERS.items()
+               for key, value in getattr(s, name).items() if key in keys}
+        for field, value in sorted(now.items()):
+            if value < floors.get(field, 0):
+                return f"{field} {value} is less than the {floors[field]} it reported before"
+        self._floors[container_id] = {**floors, **now}
+        return ""
+
+    def forget(self, container_id: str) -> None:
+        self._floors.pop(container_id, None)
+
+    def __len__(self) -> int:
+        return len(self._floors)

@@ -340,6 +340,8 @@ class PodContainers(PodProcesses):
         step may run again."""
         errors: list[str] = []
         alive = sandbox is not None and sandbox.alive()
+        if sandbox is not None:
+            sandbox.counters.forget(c.container_id)
         if alive and c.created_on_port:
             try:
                 await port_process.remove_container(await sandbox.port(), c.container_id)

@@ -308,7 +308,7 @@ class PodProcesses:
         against the VM's memory."""
         try:
             return await port_process.container_stats(await sandbox.port(), container_id,
-                                                      sandbox.vm.config.memory_mib << 20)
+                                                      sandbox.vm.config.memory_mib << 20, sandbox.counters)
         except DataLoss as exc:
             raise DataLoss(f"pod {sandbox.id}: {exc.message}") from None
 

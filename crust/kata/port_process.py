@@ -352,18 +352,19 @@ class ExitWatches:
         self._tasks.clear()
 
 
-async def container_stats(client: AgentClient, container_id: str,
-                          vm_memory_bytes: int) -> handler_pb2.ContainerStatsResponse:
+async def container_stats(client: AgentClient, container_id: str, vm_memory_bytes: int,
+                          floors: guest_numbers.CounterFloors) -> handler_pb2.ContainerStatsResponse:
     """The container's cgroup numbers in the guest ("": the pod's, above
     all its containers), as the handler answers them; DataLoss when they
-    cannot be in a VM of vm_memory_bytes (crust.kata.guest_numbers)."""
+    cannot be in a VM of vm_memory_bytes, or a counter went below its floor
+    (crust.kata.guest_numbers)."""
     try:
         answer = await client.call("StatsContainer", agent_pb2.StatsContainerRequest(container_id=container_id),
                                    timeout=STATS_TIMEOUT)
     except ttrpc.TtrpcError as exc:
         raise handler_error(exc, f"the cgroup of {'container ' + container_id if container_id else 'the pod'}") \
             from None
-    why = guest_numbers.container_stats(answer, vm_memory_bytes)
+    why = guest_numbers.container_stats(answer, vm_memory_bytes) or floors.check(container_id, answer)
     if why:
         raise DataLoss(f"the cgroup of {'container ' + container_id if container_id else 'the pod'}: the guest "
                        f"reported numbers that cannot be: {why}")

@@ -23,7 +23,7 @@ from crust.common.errors import (
     Unavailable,
 )
 from crust.common.private import make_dirs
-from crust.kata import port_volumes, stop_bound
+from crust.kata import guest_numbers, port_volumes, stop_bound
 from crust.kata.agent_client import AgentClient, handler_error
 from crust.kata.qemu import Vm, VmConfig, VmError, read_identity
 from crust.runtime_handler.sandbox import Sandbox, VolumeStats
@@ -78,6 +78,8 @@ class KataSandbox(Sandbox):
         self._process_pid = 0
         self._exit_code: int | None = None
         self._poller: asyncio.Task | None = None
+        # Its cgroups' counters as last reported (checked by container stats).
+        self.counters = guest_numbers.CounterFloors()
 
     # -- the guest's agent -------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Impossible answers are refused: a guest's volume stats are checked
 against the size of the device the host attached, its cgroup numbers
 against the VM's memory, everything against int64. The checks themselves,
-then forged answers of a guest's agent (the agent's own ttrpc server on a
+its cumulative counters against what it reported before, then forged
+answers of a guest's agent (the agent's own ttrpc server on a
 unix socket, its stats calls answering what a hostile guest would) through
 the host's client: the volume's condition abnormal naming the pod and the
 field, the container's stats DATA_LOSS naming them, never INTERNAL."""
@@ -66,6 +67,35 @@ def test_a_containers_numbers_are_checked_against_the_vms_memory():
         assert why.startswith(field), (forged, why)
 
 
+def stats(**counters) -> agent_pb2.StatsContainerResponse:
+    return agent_pb2.StatsContainerResponse(memory_current=MiB, **counters)
+
+
+def test_counters_never_go_below_what_the_same_cgroup_reported():
+    floors = guest_numbers.CounterFloors()
+    assert floors.check("c1", stats(cpu_stat={"usage_usec": 100, "nr_periods": 3}, memory_events={"oom": 1})) == ""
+    # Growing or equal: fine; a gauge (memory, pids) may go down.
+    assert floors.check("c1", stats(cpu_stat={"usage_usec": 150, "nr_periods": 3}, memory_events={"oom": 1})) == ""
+    assert floors.check("c1", stats(cpu_stat={"usage_usec": 149})) == \
+        "cpu_stat[usage_usec] 149 is less than the 150 it reported before"
+    assert floors.check("c1", stats(memory_events={"oom": 0})) == \
+        "memory_events[oom] 0 is less than the 1 it reported before"
+    # A refused answer does not lower the floor; each cgroup has its own.
+    assert floors.check("c1", stats(cpu_stat={"usage_usec": 149})) != ""
+    assert floors.check("c2", stats(cpu_stat={"usage_usec": 1})) == ""
+    # A key that is no counter is not held to one.
+    assert floors.check("c1", stats(cpu_stat={"usage_usec": 150, "unknown": 1})) == ""
+    assert floors.check("c1", stats(cpu_stat={"usage_usec": 150, "unknown": 0})) == ""
+    # Forgotten with its container: the floors of a pod whose containers
+    # come and go do not pile up.
+    for n in range(100):
+        floors.check(f"restart-{n}", stats(cpu_stat={"usage_usec": n}))
+        floors.forget(f"restart-{n}")
+    assert len(floors) == 2
+    floors.forget("c1")
+    assert floors.check("c1", stats(cpu_stat={"usage_usec": 1})) == ""
+
+
 class Forging(AgentService):
     """A guest's agent whose stats answers are whatever it likes."""
 
@@ -113,8 +143,14 @@ async def test_forged_answers_are_refused_naming_the_pod_and_the_field(tmp_path)
         assert refused.condition.abnormal and "its device's 33554432 bytes" in refused.condition.message
 
         service.cgroup = agent_pb2.StatsContainerResponse(memory_current=(1 << 64) - 1)
+        floors = guest_numbers.CounterFloors()
         with pytest.raises(DataLoss) as lost:
-            await port_process.container_stats(client, "c1", VM_MEMORY)
+            await port_process.container_stats(client, "c1", VM_MEMORY, floors)
         assert "container c1" in lost.value.message and "memory_current" in lost.value.message
-        service.cgroup = agent_pb2.StatsContainerResponse(memory_current=10 * MiB)
-        assert (await port_process.container_stats(client, "c1", VM_MEMORY)).memory_current == 10 * MiB
+        service.cgroup = agent_pb2.StatsContainerResponse(memory_current=10 * MiB, cpu_stat={"usage_usec": 500})
+        assert (await port_process.container_stats(client, "c1", VM_MEMORY, floors)).memory_current == 10 * MiB
+        # A counter that went back is refused, naming it and what was reported before.
+        service.cgroup = agent_pb2.StatsContainerResponse(memory_current=10 * MiB, cpu_stat={"usage_usec": 400})
+        with pytest.raises(DataLoss) as lost:
+            await port_process.container_stats(client, "c1", VM_MEMORY, floors)
+        assert "cpu_stat[usage_usec] 400 is less than the 500 it reported before" in lost.value.message
