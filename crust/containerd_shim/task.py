@@ -38,7 +38,6 @@ from google.protobuf import empty_pb2
 
 from google.protobuf import any_pb2
 
-from crust.api import containerd_cgroups_v2_pb2 as cgroups_v2
 from crust.api import containerd_events_pb2 as events
 from crust.api import containerd_task_pb2 as task_pb
 from crust.api import containerd_task_types_pb2 as task_types
@@ -49,6 +48,8 @@ from crust.containerd_shim.events import Publisher, timestamp
 from crust.containerd_shim.bootstrap import configured_endpoint
 from crust.containerd_shim.main import ENDPOINT_FILE
 from crust.containerd_shim.process import CREATED, RUNNING, STOPPED, Container, Process, copy_input, copy_output
+from crust.containerd_shim.translate import (CGROUP_V2_METRICS_TYPE, bad, cgroup_metrics, grpc_to_ttrpc, is_sandbox,
+                                             process_spec, read_config)
 from crust.common.ttrpc import TtrpcError
 from crust.sys import mount as sysmount
 from crust.sys import proc
@@ -56,8 +57,6 @@ from crust.sys import proc
 log = logging.getLogger(__name__)
 
 PROCESS_SPEC_TYPE = "types.containerd.io/opencontainers/runtime-spec/1/Process"
-# What containerd's CRI unpacks Task.Stats into (the message's full name).
-CGROUP_V2_METRICS_TYPE = "io.containerd.cgroups.v2.Metrics"
 VERSION = "crust-shim-v2"
 # The handler's calls that start or stop a VM take seconds under TCG.
 HANDLER_TIMEOUT = 300.0
@@ -67,78 +66,11 @@ HANDLER_RESTART_SECONDS = 10.0
 VM_GONE_STATUS = 128 + signal.SIGKILL
 
 
-def bad(message: str) -> TtrpcError:
-    return TtrpcError(ttrpc.INVALID_ARGUMENT, message)
-
-
-def read_config(bundle: str) -> dict:
-    try:
-        with open(Path(bundle) / "config.json") as handle:
-            config = json.load(handle)
-    except FileNotFoundError:
-        raise bad(f"bundle {bundle} has no config.json") from None
-    except (OSError, ValueError) as exc:
-        raise bad(f"bundle {bundle}: config.json does not read as JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise bad(f"bundle {bundle}: config.json is not an object")
-    return config
-
-
-def is_sandbox(config: dict) -> bool:
-    # Without CRI's annotations (ctr run) a container is a pod of its own.
-    return cri_annotations.container_type(config) == cri_annotations.SANDBOX
-
-
-def process_spec(spec: dict, stdin: bool = False) -> handler_pb2.ProcessSpec:
-    """An OCI process (config.json's "process", an exec's spec) as
-    PodRuntime's ProcessSpec; stdin: containerd gave it a standard input."""
-    if not isinstance(spec, dict):
-        raise bad("spec: the process is not a JSON object")
-    args = spec.get("args")
-    if not isinstance(args, list) or not args or not all(isinstance(a, str) for a in args):
-        raise bad("spec.args: a process needs a non-empty list of strings")
-    env = spec.get("env") or []
-    if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
-        raise bad("spec.env: a list of KEY=value strings")
-    user = spec.get("user") or {}
-    if not isinstance(user, dict):
-        raise bad("spec.user: not an object")
-    try:
-        uid, gid = int(user.get("uid", 0)), int(user.get("gid", 0))
-        groups = [int(g) for g in user.get("additionalGids") or []]
-    except (TypeError, ValueError):
-        raise bad("spec.user: uid, gid and additionalGids are numbers") from None
-    return handler_pb2.ProcessSpec(args=args, env=env, cwd=str(spec.get("cwd") or "/"), uid=uid, gid=gid,
-                                   additional_gids=groups, terminal=bool(spec.get("terminal")), stdin=stdin)
-
-
-def cgroup_metrics(numbers: handler_pb2.ContainerStatsResponse) -> cgroups_v2.Metrics:
-    """The guest's cgroup files (ContainerStats) as containerd's cgroup v2 metrics."""
-    stat = {k: v for k, v in _known(cgroups_v2.MemoryStat, numbers.memory).items() if k not in ("usage", "usage_limit")}
-    memory = cgroups_v2.MemoryStat(usage=numbers.memory_current, usage_limit=numbers.memory_max, **stat)
-    cpu = cgroups_v2.CPUStat(**_known(cgroups_v2.CPUStat, numbers.cpu))
-    memory_events = cgroups_v2.MemoryEvents(**_known(cgroups_v2.MemoryEvents, numbers.memory_events))
-    return cgroups_v2.Metrics(pids=cgroups_v2.PidsStat(current=numbers.pids_current, limit=numbers.pids_max),
-                              cpu=cpu, memory=memory, memory_events=memory_events)
-
-
-def _known(message, values) -> dict:
-    """The values that message has a field for (a newer kernel writes keys it has not)."""
-    return {k: v for k, v in values.items() if k in message.DESCRIPTOR.fields_by_name}
-
-
 def handler_timeout(call, now: float) -> float:
     """The handler's deadline for a call made for containerd's call (its
     ttrpc timeout; HANDLER_TIMEOUT without one, and at most that)."""
     limit = getattr(call, "timeout", None)
     return min(HANDLER_TIMEOUT, limit) if limit else HANDLER_TIMEOUT
-
-
-def grpc_to_ttrpc(exc: grpc.RpcError, what: str) -> TtrpcError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    number = code.value[0] if isinstance(code, grpc.StatusCode) else ttrpc.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    return TtrpcError(number, f"{what}: {details}")
 
 
 class TaskService:

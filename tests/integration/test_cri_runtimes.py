@@ -18,7 +18,8 @@ from crust.common.ttrpc import TtrpcError
 from crust.containerd_shim.events import Publisher
 from crust.containerd_shim.main import group_of
 from crust.containerd_shim.process import RUNNING, STOPPED, Container, Process
-from crust.containerd_shim.task import TaskService, is_sandbox
+from crust.containerd_shim.task import TaskService
+from crust.containerd_shim.translate import is_sandbox
 from crust.kata.pods import network_namespace, pod_uid
 from crust.oci_runtime.main import sandbox_of
 

@@ -7,12 +7,12 @@ import pytest
 
 from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
-from crust.containerd_shim.task import process_spec
+from crust.containerd_shim.translate import process_spec
 
 
 def test_cgroup_numbers_become_containerds_cgroup_v2_metrics():
     from crust.api import handler_pb2
-    from crust.containerd_shim.task import CGROUP_V2_METRICS_TYPE, cgroup_metrics
+    from crust.containerd_shim.translate import CGROUP_V2_METRICS_TYPE, cgroup_metrics
 
     response = handler_pb2.ContainerStatsResponse(
         cpu={"usage_usec": 1500, "user_usec": 1000, "system_usec": 500, "new_key": 7},
