@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import benchlib  # noqa: E402
 from tests.harness import Root  # noqa: E402
 from tests.pod_nodes import KEEP_RUNNING, pod_node  # noqa: E402
-from tests.vm.test_pod_exec_lifetime import rss_bytes, service_links  # noqa: E402
+from tests.churn import rss_kib  # noqa: E402
+from tests.pod_nodes import service_links  # noqa: E402
 
 RUNTIMES = ("runc", "crust-microvm")
 ENV_BYTES = 40 << 10
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                     samples[name].append(timed_exec_ms(node.runtime, targets[name]))
                 if (n + 1) % args.block == 0:
                     block = {"execs": n + 1,
-                             "handler_rss_mb": round(rss_bytes(node.handler.proc.pid) / 2**20, 1),
+                             "handler_rss_mb": round(rss_kib(node.handler.proc.pid) / 1024, 1),
                              "pod_record_bytes": sum(p.stat().st_size for p in records.glob("*.json")),
                              "load": benchlib.loadavg()}
                     for name in RUNTIMES:

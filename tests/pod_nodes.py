@@ -55,6 +55,21 @@ def mounts_below(path: Path) -> list[str]:
     return [m.mount_point for m in sysmount.mounts() if (m.mount_point + "/").startswith(prefix)]
 
 
+def service_links(total: int) -> dict[str, str]:
+    """The variables kubelet gives a container for each Service of its
+    namespace, for as many Services as make `total` bytes."""
+    env: dict[str, str] = {}
+    n = 0
+    while sum(len(k) + len(v) + 2 for k, v in env.items()) < total:
+        name, ip = f"SERVICE_{n:04d}", f"10.96.{n // 250}.{n % 250 + 1}"
+        env.update({f"{name}_SERVICE_HOST": ip, f"{name}_SERVICE_PORT": "8080",
+                    f"{name}_PORT": f"tcp://{ip}:8080", f"{name}_PORT_8080_TCP": f"tcp://{ip}:8080",
+                    f"{name}_PORT_8080_TCP_PROTO": "tcp", f"{name}_PORT_8080_TCP_PORT": "8080",
+                    f"{name}_PORT_8080_TCP_ADDR": ip})
+        n += 1
+    return env
+
+
 # -- the node: a containerd whose RuntimeClass runs the pods, kubelet's two managers -------------------
 
 
@@ -92,9 +107,9 @@ class PodNode:
     def pod(self, name: str, containers: list[Container], volumes: dict, runtime_class: str = "", **kw) -> Pod:
         """runtime_class: another than the node's (runc beside crust-microvm)."""
         kw.setdefault("host_network", True)
+        kw.setdefault("restart_policy", "Never")
         return Pod(uid=f"uid-{name}", name=name, runtime_class_name=runtime_class or self.runtime_class,
-                   restart_policy="Never", termination_grace_period_seconds=2, containers=containers,
-                   volumes=volumes, **kw)
+                   termination_grace_period_seconds=2, containers=containers, volumes=volumes, **kw)
 
     def container(self, name: str, script: str, *mounts: VolumeMount, **kw) -> Container:
         return Container(name, self.image.name, command=sh(script), volume_mounts=list(mounts), **kw)

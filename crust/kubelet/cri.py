@@ -463,6 +463,25 @@ class KubeletRuntime(GeneratedConfigs):
                 return f"StopContainer {container_id[:13]}: {exc.details()}"
         return ""
 
+    def collect_dead_containers(self, pod: Pod, keep: int = 1) -> list[str]:
+        """Kubelet's container garbage collection for a live pod: of each
+        container name's exited containers, all but the newest `keep` are
+        removed with their logs (kubelet's MaxPerPodContainer, 1 by
+        default), so a crash-looping container leaves one dead copy, not
+        one per restart. Returns the removed ids."""
+        removed = []
+        exited: dict[str, list[cri.ContainerStatus]] = {}
+        for container in self.pod_status(pod).containers:
+            if container.state == cri.CONTAINER_EXITED:
+                exited.setdefault(container.metadata.name, []).append(container)
+        for dead in exited.values():
+            for container in sorted(dead, key=lambda c: c.created_at, reverse=True)[keep:]:
+                if container.log_path:
+                    Path(container.log_path).unlink(missing_ok=True)
+                self._call("RemoveContainer", cri.RemoveContainerRequest(container_id=container.id))
+                removed.append(container.id)
+        return removed
+
     def remove_pod(self, pod: Pod) -> None:
         """Garbage collection of a deleted pod: each container's log, the
         container, then the sandboxes, then the pod's cgroup."""

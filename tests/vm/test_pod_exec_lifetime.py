@@ -30,8 +30,9 @@ import grpc
 import pytest
 
 from crust.api import handler_pb2
+from tests.churn import rss_kib
 from tests.harness import wait_until
-from tests.pod_nodes import KEEP_RUNNING, pod_node
+from tests.pod_nodes import KEEP_RUNNING, pod_node, service_links
 from tests.pod_runtime_client import PodClient
 
 pytestmark = pytest.mark.slow
@@ -42,29 +43,6 @@ EXECS = int(os.environ.get("CRUST_EXEC_LIFETIME_EXECS", "200"))
 WINDOW = 50
 LATENCY_RATIO = 1.10
 RSS_RATIO = 1.10
-
-
-def service_links(total: int) -> dict[str, str]:
-    """The variables kubelet gives a container for each Service of its
-    namespace, for as many Services as make `total` bytes."""
-    env: dict[str, str] = {}
-    n = 0
-    while sum(len(k) + len(v) + 2 for k, v in env.items()) < total:
-        name, ip = f"SERVICE_{n:04d}", f"10.96.{n // 250}.{n % 250 + 1}"
-        env.update({f"{name}_SERVICE_HOST": ip, f"{name}_SERVICE_PORT": "8080",
-                    f"{name}_PORT": f"tcp://{ip}:8080", f"{name}_PORT_8080_TCP": f"tcp://{ip}:8080",
-                    f"{name}_PORT_8080_TCP_PROTO": "tcp", f"{name}_PORT_8080_TCP_PORT": "8080",
-                    f"{name}_PORT_8080_TCP_ADDR": ip})
-        n += 1
-    return env
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def log_entries(path, message: str) -> list[dict]:
@@ -99,7 +77,7 @@ def test_execs_are_forgotten_once_deleted_and_the_last_cost_what_the_first_did(r
                 took["runc"].append(timed_exec(node.runtime, runc))
                 if i + 1 in (WINDOW, EXECS):
                     record_sizes.append(sum(p.stat().st_size for p in records.glob("*.json")))
-                    rss.append(rss_bytes(node.handler.proc.pid))
+                    rss.append(rss_kib(node.handler.proc.pid))
             ratios = {name: statistics.median(t[-WINDOW:]) / statistics.median(t[:WINDOW])
                       for name, t in took.items()}
             medians = {name: (round(statistics.median(t[:WINDOW]), 3), round(statistics.median(t[-WINDOW:]), 3))
