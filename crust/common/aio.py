@@ -25,6 +25,15 @@ async def first_done(owned: asyncio.Future, other: asyncio.Future) -> set[asynci
     return done
 
 
+async def cancel_all(tasks) -> None:
+    """Cancel the tasks and wait until each has ended (their exceptions,
+    cancellation included, are theirs: none is raised here)."""
+    tasks = list(tasks)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def in_thread(fn: Callable[..., T], *args, then: Callable[[], None] = lambda: None) -> T:
     """fn(*args) in a worker thread, then then() on the loop once it succeeded.
 

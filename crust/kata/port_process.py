@@ -19,6 +19,7 @@ from google.protobuf import json_format
 
 from crust.api import agent_pb2, handler_pb2
 from crust.common import ttrpc
+from crust.common.aio import cancel_all
 from crust.common.errors import DataLoss, Unavailable
 from crust.kata import guest_numbers
 from crust.kata.agent_client import AgentClient, guest_text, handler_error
@@ -345,10 +346,7 @@ class ExitWatches:
             self._ended.pop(key, None)
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(self._tasks.values())
         self._tasks.clear()
 
 

@@ -35,6 +35,7 @@ import logging
 import time
 from typing import Awaitable, Callable, Iterator
 
+from crust.common.aio import cancel_all
 from crust.kata.agent_client import stop_deadline
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,5 @@ class KillDeadlines:
         return sum(1 for t in self._tasks.values() if not t.done())
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(self._tasks.values())
         self._tasks.clear()

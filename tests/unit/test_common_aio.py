@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from crust.common.aio import KeyedLocks, first_done, in_thread
+from crust.common.aio import KeyedLocks, cancel_all, first_done, in_thread
 
 
 async def test_in_thread_outlives_a_cancelled_caller():
@@ -85,3 +85,15 @@ async def test_first_done_takes_its_own_task_down_with_a_cancelled_caller():
     quick = asyncio.ensure_future(asyncio.sleep(0, "x"))
     assert await first_done(quick, shared) == {quick} and quick.result() == "x"
     shared.cancel()
+
+
+async def test_cancel_all_ends_every_task_and_raises_nothing_of_theirs():
+    async def failing():
+        raise RuntimeError("its own")
+
+    forever = asyncio.create_task(asyncio.sleep(3600))
+    failed = asyncio.create_task(failing())
+    await asyncio.sleep(0)
+    await cancel_all([forever, failed])
+    assert forever.cancelled() and failed.done() and isinstance(failed.exception(), RuntimeError)
+    await cancel_all([])

@@ -9,18 +9,14 @@ field, the container's stats DATA_LOSS naming them, never INTERNAL."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
 
 import pytest
 
 from crust.api import agent_pb2
 from crust.common.errors import DataLoss
-from crust.guest.agent import make_server, serve_socket
 from crust.guest.service import AgentService
 from crust.kata import guest_numbers, port_process, port_volumes
-from crust.kata.agent_client import AgentClient
+from tests.guest_serving import serving
 
 MiB = 1 << 20
 DEVICE = 32 * MiB
@@ -109,28 +105,9 @@ class Forging(AgentService):
         return self.cgroup
 
 
-@contextlib.asynccontextmanager
-async def forging_agent(tmp_path):
-    service = Forging()
-    server = make_server(service)
-    stopping = asyncio.Event()
-    path = str(tmp_path / "agent.sock")
-    serving = asyncio.create_task(serve_socket(server, path, stopping))
-    while not os.path.exists(path):
-        await asyncio.sleep(0.01)
-    client = await AgentClient.connect(path)
-    try:
-        yield service, client
-    finally:
-        await client.close()
-        stopping.set()
-        await serving
-        await server.close()
-        await service.close()
-
-
 async def test_forged_answers_are_refused_naming_the_pod_and_the_field(tmp_path):
-    async with forging_agent(tmp_path) as (service, client):
+    service = Forging()
+    async with serving(tmp_path, service) as (client, _):
         mount_point = "/run/pod/volumes/v1"
         fine = await port_volumes.stats(client, mount_point, False, DEVICE, "pod p1")
         assert not fine.condition.abnormal and fine.usage[0].total == 30 * MiB
