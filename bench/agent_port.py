@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
 from crust.api import agent_pb2  # noqa: E402
-from crust.kata import image as kata_image  # noqa: E402
-from crust.kata.agent_client import AgentClient  # noqa: E402
-from crust.kata.qemu import Vm, VmConfig  # noqa: E402
+from crust.kata.image import build as kata_image
+from crust.kata.agent.client import AgentClient  # noqa: E402
+from crust.kata.vmm.qemu import Vm, VmConfig  # noqa: E402
 from tests.guest_vm import run_script  # noqa: E402
 
 PORT_OUTPUT = 10 << 20

@@ -173,7 +173,7 @@ def accelerator_of(pid: int) -> str:
 def accelerator_under(*dirs: Path) -> str:
     """The accelerator of the QEMU processes made under dirs (running now),
     "kvm" or "tcg"; NOT_RECORDED if none runs, "a, b" if they differ."""
-    from crust.kata.qemu import qemu_pids_under
+    from crust.kata.vmm.qemu import qemu_pids_under
 
     found = sorted({accelerator_of(pid) for pid in qemu_pids_under(*dirs)} - {NOT_RECORDED})
     return ", ".join(found) or NOT_RECORDED
@@ -217,7 +217,7 @@ def vm_dir_cleanup(base: Path) -> Callable[[], bool]:
     """The cleanup of a bench whose VMs ran below base: base removed; True
     when no QEMU of it is left."""
     def cleanup() -> bool:
-        from crust.kata.qemu import qemu_pids_under  # only the guest benches need it
+        from crust.kata.vmm.qemu import qemu_pids_under  # only the guest benches need it
 
         shutil.rmtree(base, ignore_errors=True)
         return not qemu_pids_under(base)

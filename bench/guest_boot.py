@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """A microVM's boot, three ways side by side: what booting the kernel
-uncompressed (crust.kata.bzimage) and the guest command line
-(crust.kata.vm_config.GUEST_CMDLINE) each save.
+uncompressed (crust.kata.image.bzimage) and the guest command line
+(crust.kata.vmm.config.GUEST_CMDLINE) each save.
 
-Each round starts the current guest image's VM (crust.kata.qemu.Vm, the
+Each round starts the current guest image's VM (crust.kata.vmm.qemu.Vm, the
 handler's own path: QEMU's start, the kernel, /init, until the agent
 answers) three times, the order rotated from round to round:
 
@@ -29,9 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
-from crust.kata import image as kata_image  # noqa: E402
-from crust.kata.qemu import Vm, VmConfig  # noqa: E402
-from crust.kata.vm_config import GUEST_CMDLINE  # noqa: E402
+from crust.kata.image import build as kata_image
+from crust.kata.vmm.qemu import Vm, VmConfig  # noqa: E402
+from crust.kata.vmm.config import GUEST_CMDLINE  # noqa: E402
 
 PLAIN_CMDLINE = "console=ttyS0 quiet panic=-1"
 

@@ -2,7 +2,7 @@
 """What the guest's OCI runtime (crun) costs in a microVM, and which parts
 of a container's spec add to it.
 
-One VM of the current guest image (crust.kata.qemu.Vm, the handler's path)
+One VM of the current guest image (crust.kata.vmm.qemu.Vm, the handler's path)
 runs, through its agent, `crun run` of a container whose process is
 /bin/true and whose root is the guest's own root bound read-only, with
 the spec a CRI container gets (PID, IPC, UTS and mount namespaces; /proc,
@@ -38,8 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
-from crust.kata import image as kata_image  # noqa: E402
-from crust.kata.qemu import Vm, VmConfig  # noqa: E402
+from crust.kata.image import build as kata_image
+from crust.kata.vmm.qemu import Vm, VmConfig  # noqa: E402
 from tests.guest_vm import PORT_WAIT, run_script  # noqa: E402
 
 CAPABILITIES = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
@@ -48,7 +48,7 @@ CAPABILITIES = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CA
 MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
           "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware", "/sys/devices/virtual/powercap"]
 READ_ONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
-# The spec a CRI container's comes down to in the guest (crust.kata.guest_oci).
+# The spec a CRI container's comes down to in the guest (crust.kata.pod.container_spec).
 FULL_SPEC = {
     "ociVersion": "1.0.2",
     "process": {"terminal": False, "user": {"uid": 0, "gid": 0}, "args": ["/bin/true"], "cwd": "/",

@@ -1,7 +1,7 @@
 """The guest part 4 of bench/kata_bench.py drives directly, and the host
 objects behind it.
 
-- IoVm: one microVM (crust.kata.qemu.Vm and its Python agent, reached
+- IoVm: one microVM (crust.kata.vmm.qemu.Vm and its Python agent, reached
   through its port) with two ext4 file systems on loop devices: one
   hot-plugged as virtio-blk and mounted by the guest's agent, one mounted
   on the host and shared over virtio-9p; a file written and read back cold
@@ -28,9 +28,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from bench.benchlib import SIGNALS, Interrupted
-from crust.kata import port_process, port_volumes
-from crust.kata.agent_client import AgentClient
-from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
+from crust.kata.agent import calls, volume_calls
+from crust.kata.agent.client import AgentClient
+from crust.kata.vmm.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests.harness import MIB
@@ -101,22 +101,22 @@ class GuestIo:
         exec_id = f"kb-{self.n}"
         client = await self.client()
         process = {"args": ["/bin/sh", "-c", command], "env": [GUEST_PATH], "cwd": "/"}
-        streams = {port_process.Stream.STDOUT: b"", port_process.Stream.STDERR: b""}
+        streams = {calls.Stream.STDOUT: b"", calls.Stream.STDERR: b""}
         started = time.monotonic()
-        await port_process.exec_process(client, "", exec_id, process, stdin=False)
+        await calls.exec_process(client, "", exec_id, process, stdin=False)
         try:
-            answer = await asyncio.wait_for(port_process.wait_process(client, "", exec_id), timeout)
+            answer = await asyncio.wait_for(calls.wait_process(client, "", exec_id), timeout)
             host = time.monotonic() - started
-            async for chunk in port_process.read_output(client, "", exec_id, 0, 0, cut=RuntimeError):
+            async for chunk in calls.read_output(client, "", exec_id, 0, 0, cut=RuntimeError):
                 streams[chunk.stream] += chunk.data
         except BaseException:
             # The VM is stopped after a failure; what matters is the error that got here.
             with contextlib.suppress(Exception):
-                await port_process.signal_process(client, "", exec_id, signal.SIGKILL)
+                await calls.signal_process(client, "", exec_id, signal.SIGKILL)
             raise
-        await port_process.remove_process(client, "", exec_id)
-        out, err = (streams[s].decode(errors="replace") for s in (port_process.Stream.STDOUT,
-                                                                   port_process.Stream.STDERR))
+        await calls.remove_process(client, "", exec_id)
+        out, err = (streams[s].decode(errors="replace") for s in (calls.Stream.STDOUT,
+                                                                   calls.Stream.STDERR))
         return answer.exit_code, out, err, host
 
     async def run(self, command: str, timeout: float = 600) -> int:
@@ -175,8 +175,8 @@ class IoVm:
         boot = await self.vm.start()
         io = self.io = GuestIo(self.vm)
         await self.vm.attach_disk(self.devices["blk"], "kbblk")
-        blk = port_volumes.storage("kbblk", "ext4", [], False, "/mnt/blk", None)
-        guest_dev = (await port_volumes.mount(await io.client(), blk)).device
+        blk = volume_calls.storage("kbblk", "ext4", [], False, "/mnt/blk", None)
+        guest_dev = (await volume_calls.mount(await io.client(), blk)).device
         code, out, err, _ = await io.output(
             "grep -qw 9p /proc/filesystems || while read -r m; do insmod \"$m\" || exit 1; "
             "done < /etc/crust/modules.d/9p; mkdir -p /mnt/9p && "

@@ -34,7 +34,7 @@ from bench.benchlib import (
 )
 from bench.harness_stack import ProxyVolume, attempt, start_stack, write_bundle
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
-from crust.kata.qemu import qemu_pids_under
+from crust.kata.vmm.qemu import qemu_pids_under
 from tests.harness import MIB, Root, mount_cap
 
 # -- the microVM handler ----------------------------------------------------------------------------
@@ -115,7 +115,7 @@ class KataChain:
         return (time.perf_counter() - t0) * 1e3
 
     def boot_seconds(self, sandbox_id: str) -> float | None:
-        """The VM's boot time as crust.kata.qemu logged it in the handler's log."""
+        """The VM's boot time as crust.kata.vmm.qemu logged it in the handler's log."""
         pattern = re.compile(rf"vm crust-{re.escape(sandbox_id)}: agent ready ([0-9.]+)s after start")
         found = None
         for line in self.handler.log_path.read_text(errors="replace").splitlines():

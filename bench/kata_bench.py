@@ -7,7 +7,7 @@ proxy). One deferred volume (--fs, default ext4, 256 MiB) is created, staged
 and published with defer_fs_ops=True on the proxy's kubelet-facing CSI
 socket, as kubelet would; an OCI bundle (process `sleep 3600`, mount source =
 the CSI target path, destination /data) is run by the handler, whose sandbox
-is a QEMU microVM with the cloud guest image (crust.kata.image, flavor
+is a QEMU microVM with the cloud guest image (crust.kata.image.build, flavor
 "cloud", the one the handler uses).
 
 1. Sandbox start: the time from the client's RunSandbox call (gRPC, the
@@ -15,7 +15,7 @@ is a QEMU microVM with the cloud guest image (crust.kata.image, flavor
    has booted, the volume's loop device is hot-plugged as virtio-blk and
    mounted by the guest kernel, bound at /data and the process started.
    The boot part (QEMU spawned to the guest agent's first answer) is read
-   from the handler's log (crust.kata.qemu logs it per VM); the rest is
+   from the handler's log (crust.kata.vmm.qemu logs it per VM); the rest is
    claim, hot-plug, guest mount, bind and process start. One warm-up start
    is not counted; each counted start is followed by DeleteSandbox (timed
    too: the guest unmounts and powers off), except the last, whose sandbox
@@ -34,7 +34,7 @@ is a QEMU microVM with the cloud guest image (crust.kata.image, flavor
    reports the larger size. --runs expansions; each step and the whole
    round trip are timed.
 
-Part 4 drives one microVM directly (crust.kata.qemu.Vm, its agent's port), with
+Part 4 drives one microVM directly (crust.kata.vmm.qemu.Vm, its agent's port), with
 the GENERIC guest image (Debian's full kernel, which has 9p) and 512 MiB of
 guest memory, to compare two ways of giving a guest a file system:
   (a) virtio-blk: an ext4 file system on a loop device, hot-plugged as
@@ -111,11 +111,11 @@ from bench.harness_guest_io import IoVm, run_then  # noqa: E402
 from bench.kata_guest_io import part4  # noqa: E402
 from bench.harness_stack import project_on_pythonpath  # noqa: E402
 from crust.api import csi_pb2, handler_pb2  # noqa: E402
-from crust.kata.image import DEFAULT_CACHE  # noqa: E402
+from crust.kata.image.build import DEFAULT_CACHE  # noqa: E402
 from tests.harness import MIB, Root  # noqa: E402
 
 GROW_MIB = 64
-# The handler's log line once a VM's guest Python agent is connected (crust.kata.port_agent).
+# The handler's log line once a VM's guest Python agent is connected (crust.kata.agent.connection).
 PORT_CONNECTED = " on its port, capabilities "
 
 # Progress goes to stdout, unless the JSON does (--json without OUT).

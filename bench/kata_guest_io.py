@@ -10,7 +10,7 @@ from collections.abc import Callable
 from bench.benchlib import loadavg, others_cores, summary
 from bench.harness_guest_io import FS_MIB, MEMORY_MIB, IoVm
 from bench.harness_kata_chain import run_sample
-from crust.kata.image import build
+from crust.kata.image.build import build
 from tests.harness import MIB
 
 # buffered: through the guest's page cache (write + fsync; caches dropped

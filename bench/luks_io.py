@@ -45,9 +45,9 @@ from bench.benchlib import (
 from bench.harness_kata_chain import kata_machine
 from bench.harness_guest_io import GuestIo, evict_block_device, evict_file, run_then, stop_or_kill
 from crust.contract import encryption
-from crust.kata import port_volumes
-from crust.kata.image import DEFAULT_CACHE, build
-from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
+from crust.kata.agent import volume_calls
+from crust.kata.image.build import DEFAULT_CACHE, build
+from crust.kata.vmm.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
 from tests.harness import MIB
 
@@ -94,24 +94,24 @@ class LuksVm:
         for side in SIDES:
             await self.vm.attach_disk(self.devices[side], f"lb{side}")
         client = await self.io.client()
-        await port_volumes.mount(client, port_volumes.storage("lbplain", "ext4", [], False, "/mnt/plain", None))
+        await volume_calls.mount(client, volume_calls.storage("lbplain", "ext4", [], False, "/mnt/plain", None))
         timings = {"boot_s": round(boot, 2)}
         for side, integrity in INTEGRITY.items():
             name = f"crypt-lb-{side}"
             size = os.stat(self.files[side]).st_size
-            volume = port_volumes.storage(name, "ext4", [], False, f"/mnt/{side}", None)
+            volume = volume_calls.storage(name, "ext4", [], False, f"/mnt/{side}", None)
             t0 = time.monotonic()
-            await port_volumes.open_encrypted(client, f"lb{side}", "ext4", name, bytearray(KEY),
+            await volume_calls.open_encrypted(client, f"lb{side}", "ext4", name, bytearray(KEY),
                                               integrity=integrity, size_bytes=size)
             timings[f"{side}_format_and_mkfs_s"] = round(time.monotonic() - t0, 2)
-            await port_volumes.mount(client, volume)
+            await volume_calls.mount(client, volume)
             t0 = time.monotonic()
-            await port_volumes.unmount(client, volume.mount_point)
-            await port_volumes.close_encrypted(client, name)
-            await port_volumes.open_encrypted(client, f"lb{side}", "ext4", name, bytearray(KEY),
+            await volume_calls.unmount(client, volume.mount_point)
+            await volume_calls.close_encrypted(client, name)
+            await volume_calls.open_encrypted(client, f"lb{side}", "ext4", name, bytearray(KEY),
                                               integrity=integrity, size_bytes=size)
             timings[f"{side}_close_and_reopen_s"] = round(time.monotonic() - t0, 2)
-            await port_volumes.mount(client, volume)
+            await volume_calls.mount(client, volume)
         return timings
 
     async def write_read(self, side: str, direct: bool, mib: int) -> tuple[float, float]:

@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
-from crust.kata.qemu import qemu_pids_under  # noqa: E402
+from crust.kata.vmm.qemu import qemu_pids_under  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
 from tests.cri_harness import container_log, cri_microvm_node, shim_pids, wait_for_template  # noqa: E402
 from tests.harness import Root  # noqa: E402

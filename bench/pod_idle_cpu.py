@@ -8,7 +8,7 @@ sleeps (containerd's shim then keeps a ReadOutput stream and a GetProcess
 wait on it, as for any running container), waits --settle seconds, and
 counts the CPU its QEMU used over the next --seconds, and the whole
 machine's; then stops the pod. Beside it, the floor: the same guest image's
-VM booted alone (crust.kata.qemu.Vm, no pod, no container, nobody asking
+VM booted alone (crust.kata.vmm.qemu.Vm, no pod, no container, nobody asking
 anything), its QEMU's CPU over the same seconds.
 
     .venv/bin/python bench/pod_idle_cpu.py [--rounds 3] [--seconds 10] [--settle 3] [--json OUT.json]
@@ -31,8 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
-from crust.kata import image as kata_image  # noqa: E402
-from crust.kata.qemu import Vm, VmConfig, qemu_pids_under  # noqa: E402
+from crust.kata.image import build as kata_image
+from crust.kata.vmm.qemu import Vm, VmConfig, qemu_pids_under  # noqa: E402
 from crust.kubelet import Container, Pod  # noqa: E402
 from tests.cri_harness import cri_microvm_node  # noqa: E402
 from tests.harness import Root  # noqa: E402

@@ -22,14 +22,14 @@ handler chose (kvm, or tcg where KVM does not work) is reported.
 
 --pools 0,1 runs the rounds once per handler setting, one after the other
 in the same run: 0, each pod boots its VM; 1, the handler keeps one VM
-booted ahead (crust.kata.pool) and each pod takes it (a round starts once
+booted ahead (crust.kata.supply.pool) and each pod takes it (a round starts once
 the pool has refilled, as when pods come slower than boots). Beside them,
 the floor: --floor-boots boots of the same kernel, with a tiny initramfs
 whose /init powers off at once, same accelerator and memory, from QEMU's
 start to its exit. And a pooled VM's memory while it waits (its QEMU's
 RSS and PSS, the guest's RAM a shared memfd). A setting `template` runs
 the handler with --vm-template and no pool: each pod's VM is restored from
-the VM the handler saved (crust.kata.template; the rounds start once it is
+the VM the handler saved (crust.kata.supply.template; the rounds start once it is
 saved).
 
     .venv/bin/python bench/pod_start_microvm.py [--rounds 5] [--pools 0,1,template] [--floor-boots 5] [--fs ext4]
@@ -59,10 +59,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
 from bench.pod_start import first_write  # noqa: E402
-from crust.kata import cpio  # noqa: E402
-from crust.kata import image as kata_image  # noqa: E402
-from crust.kata.qemu import qemu_pids_under  # noqa: E402
-from crust.kata.vm_config import GUEST_CMDLINE  # noqa: E402
+from crust.kata.image import cpio
+from crust.kata.image import build as kata_image
+from crust.kata.vmm.qemu import qemu_pids_under  # noqa: E402
+from crust.kata.vmm.config import GUEST_CMDLINE  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
 from crust.kubelet import image as images  # noqa: E402
 from tests.cri_harness import cri_microvm_node, wait_for_template  # noqa: E402

@@ -477,12 +477,12 @@ def main(argv: list[str] | None = None) -> int:
                                 sandbox_id=getattr(args, "id", ""), as_json=getattr(args, "json", False))
     if args.command == "kata":
         if args.kata_command == "image":
-            from crust.kata.image import main as image_main
+            from crust.kata.image.build import main as image_main
 
             return image_main(["build", "--cache", str(args.cache), "--flavor", args.flavor]
                               + (["--force"] if args.force else []))
         if args.kata_command == "direct-volume":
-            from crust.kata.direct_volume_cli import main as direct_volume_main
+            from crust.kata.sandbox.direct_volume_cli import main as direct_volume_main
 
             return direct_volume_main(args.verb, args.volume_path, mount_info=args.mount_info, size=args.size,
                                       kata_dir=args.kata_dir.absolute() if args.kata_dir else None,

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from crust.api import cri_pb2 as cri
-from crust.kata.qemu import qemu_pids_under
+from crust.kata.vmm.qemu import qemu_pids_under
 from crust.kubelet import Container, Pod, VolumeMount
 from crust.kubelet.containerd import CGROUP_FS
 from crust.kubelet.volumes import VolumeManager

@@ -163,7 +163,7 @@ TEMPLATE_TIMEOUT = 600.0   # the handler saving its template VM (a boot at nice 
 
 def wait_for_template(handler_state_dir: Path, timeout: float = TEMPLATE_TIMEOUT) -> None:
     """The handler (--vm-template) saved its VM: each pod's VM is restored from it."""
-    from crust.kata.template import RECORD_FILE
+    from crust.kata.supply.template import RECORD_FILE
     from tests.harness import wait_until
 
     saved = handler_state_dir / "template" / RECORD_FILE

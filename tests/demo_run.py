@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from crust.demo.crio import short_directory
-from crust.kata.qemu import SHORT_SOCKET_ROOT, qemu_pids_under
+from crust.kata.vmm.qemu import SHORT_SOCKET_ROOT, qemu_pids_under
 from tests.cri_harness import processes_naming
 
 PROJECT = Path(__file__).resolve().parent.parent

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from crust.common.ttrpc import TtrpcError
-from crust.kata.image import GUEST_CFLAGS
+from crust.kata.image.build import GUEST_CFLAGS
 
 REPO = Path(__file__).resolve().parent.parent
-ENTER_SOURCE = REPO / "crust" / "kata" / "guest" / "enter.c"
+ENTER_SOURCE = REPO / "crust" / "guest" / "files" / "enter.c"
 APPLETS = ("sh", "sleep", "echo", "hostname", "cat", "grep", "readlink", "env", "sort", "mkdir", "id", "tty", "stty")
 
 

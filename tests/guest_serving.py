@@ -11,7 +11,7 @@ from pathlib import Path
 
 from crust.guest.agent import make_server, serve_socket
 from crust.guest.service import AgentService
-from crust.kata.agent_client import AgentClient
+from crust.kata.agent.client import AgentClient
 
 
 @contextlib.asynccontextmanager

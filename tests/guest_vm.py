@@ -12,10 +12,10 @@ from pathlib import Path
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.kata.agent_client import AgentClient
-from crust.kata.image import DEFAULT_CACHE, build
-from crust.kata.qemu import SharedDir, Vm, VmConfig
-from crust.kata.template import restore_config
+from crust.kata.agent.client import AgentClient
+from crust.kata.image.build import DEFAULT_CACHE, build
+from crust.kata.vmm.qemu import SharedDir, Vm, VmConfig
+from crust.kata.supply.template import restore_config
 from crust.sys import loop as sysloop
 
 # How long a call waits for the guest's agent to open its port (its
@@ -42,7 +42,7 @@ class Guest:
     def __init__(self, base: Path, name: str = "guest", disk_bus: str = "virtio-blk",
                  shared_dirs: tuple[SharedDir, ...] = (), saved: Path | None = None,
                  config: VmConfig | None = None):
-        """saved: restore the VM from a template's state (crust.kata.template)
+        """saved: restore the VM from a template's state (crust.kata.supply.template)
         instead of booting it; its shares are plugged after (plug_shared_dir).
         config: what guest_config answered, for a caller that makes many
         guests (it checks the image on each call); each guest gets a copy."""

@@ -40,7 +40,7 @@ OUTPUT_HANDLER_GONE_SECONDS = 60.0
 FIFO_HOLD_SECONDS = 600.0
 # Exited execs containerd never deletes (its caller died between the exit
 # and the Delete) are forgotten as the handler forgets them
-# (crust.kata.pod_processes): this long after the exit, or once more than
+# (crust.kata.pod.processes): this long after the exit, or once more than
 # this many exited execs of their container wait (the oldest first).
 EXITED_EXEC_SECONDS = 600.0
 EXITED_EXECS_KEPT = 64

@@ -16,7 +16,7 @@ its output was copied, so the container log is complete when CRI sees the
 exit; a container the OOM killer struck is reported (TaskOOM) before its
 exit, so CRI's reason is OOMKilled. A process's standard input (the stdin
 fifo containerd made) is copied to the handler (WriteInput) until containerd
-closes it; a terminal is the guest's (crust.kata.guest_oci). Stats are the
+closes it; a terminal is the guest's (crust.kata.pod.container_spec). Stats are the
 container's cgroup in the guest, as cgroup v2 metrics. Every task's pid
 is QEMU's: a guest pid means nothing on the host and a host tool that
 follows a task pid must find the pod's VM (Pids lists the guest pids).

@@ -7,7 +7,7 @@ agent's Python (its memory copied). So the agent reads
 what the exec needs here (crun's state of the container: its first
 process, its cgroup, the seccomp filter crun kept compiled in
 seccomp.bpf) and vforks the guest's small `enter` program
-(crust/kata/guest/enter.c) with it: that program enters the container by
+(crust/guest/files/enter.c) with it: that program enters the container by
 its first process's pidfd and clones the process as the agent's own
 child, confined (ids, capabilities, no_new_privs, seccomp, rlimits, OOM
 score, umask, directory; HOME from the container's /etc/passwd when the

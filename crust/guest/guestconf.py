@@ -13,7 +13,7 @@ from crust.guest.errors import AgentError
 
 # A sysctl's dotted (or slashed) name: no ".." and nothing that leaves /proc/sys.
 SYSCTL_KEY = re.compile(r"[A-Za-z0-9_-]+([./][A-Za-z0-9_-]+)*")
-# The host's check of a pod's hostname (crust.kata.guest_oci), within the kernel's 64 bytes.
+# The host's check of a pod's hostname (crust.kata.pod.container_spec), within the kernel's 64 bytes.
 HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,62}")
 
 

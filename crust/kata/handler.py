@@ -9,14 +9,14 @@ import signal
 from pathlib import Path
 
 from crust.contract import encryption
-from crust.kata.accel import choose as choose_accelerator
-from crust.kata.direct_volume import DEFAULT_ROOT, DirectVolumes
-from crust.kata.image import DEFAULT_CACHE, build
-from crust.kata.pod_service import PodRuntimeExtension
-from crust.kata.pool import VmPool
-from crust.kata.qemu import Vm, VmConfig
-from crust.kata.sandbox import KataSandbox
-from crust.kata.template import VmTemplate, remove_saved
+from crust.kata.vmm.accel import choose as choose_accelerator
+from crust.kata.sandbox.direct_volume import DEFAULT_ROOT, DirectVolumes
+from crust.kata.image.build import DEFAULT_CACHE, build
+from crust.kata.pod.service import PodRuntimeExtension
+from crust.kata.supply.pool import VmPool
+from crust.kata.vmm.qemu import Vm, VmConfig
+from crust.kata.sandbox.vm_sandbox import KataSandbox
+from crust.kata.supply.template import VmTemplate, remove_saved
 from crust.runtime_handler.server import HandlerConfig, HandlerDaemon
 from crust.sys.proc import ProcessId
 

@@ -104,9 +104,9 @@ class KataSection(_Section):
     memory_mib: int = Field(256, alias="memoryMiB", ge=64, le=65536)
     # The guest's vCPUs (QEMU's -smp).
     cpus: int = Field(1, ge=1, le=64)
-    # VMs kept booted for the next pods (crust.kata.pool); 0: each pod boots its own.
+    # VMs kept booted for the next pods (crust.kata.supply.pool); 0: each pod boots its own.
     vm_pool: int = Field(0, alias="vmPool", ge=0, le=64)
-    # Restore each pod's VM from one saved VM instead of booting (crust.kata.template).
+    # Restore each pod's VM from one saved VM instead of booting (crust.kata.supply.template).
     vm_template: bool = Field(False, alias="vmTemplate")
     # How a pod's volumes reach its VM: a virtio-blk PCI device each, or LUNs
     # of one virtio-scsi controller (Kata's default; no PCI hot-plug per volume).

@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 
 from crust.api import agent_pb2
-from crust.kata import image, port_volumes
-from crust.kata.qemu import Vm, VmConfig
+from crust.kata.agent import volume_calls
+from crust.kata.image import build
+from crust.kata.vmm.qemu import Vm, VmConfig
 from crust.sys import loop
 
 MiB = 2**20
@@ -38,7 +39,7 @@ TARGET = "/run/crust/volumes/smoke"
 
 async def volume_stats(client) -> dict:
     answer = await client.call("VolumeStats", agent_pb2.VolumeStatsRequest(
-        volume_id=port_volumes.volume_id(TARGET)), timeout=30)
+        volume_id=volume_calls.volume_id(TARGET)), timeout=30)
     return {"total": answer.total_bytes, "free": answer.free_bytes, "devsize": answer.device_bytes,
             "readonly": answer.readonly}
 
@@ -111,7 +112,7 @@ async def one(fs: str, kernel: Path, initrd: Path, accel: str) -> dict:
         await vm.attach_disk(device, "vol-smoke")
         step("hotplug virtio-blk")
         client = await vm.port.ready()
-        mounted = await port_volumes.mount(client, port_volumes.storage(
+        mounted = await volume_calls.mount(client, volume_calls.storage(
             "vol-smoke", fs, [], False, TARGET, (1234, "OnRootMismatch")))
         result["guest_device"], result["fsgroup_walked"] = mounted.device, mounted.fs_group_walked
         step("agent mount with fsGroup")
@@ -129,12 +130,12 @@ async def one(fs: str, kernel: Path, initrd: Path, accel: str) -> dict:
                 break
             await asyncio.sleep(0.05)
         step("grow file + losetup -c + block_resize")
-        result["grow_answer"] = await port_volumes.grow(client, TARGET)
+        result["grow_answer"] = await volume_calls.grow(client, TARGET)
         after = await volume_stats(client)
         step("agent grow + stats")
         result["stats_before"], result["stats_after"] = before, after
 
-        result["unmounted"] = await port_volumes.unmount(client, TARGET)
+        result["unmounted"] = await volume_calls.unmount(client, TARGET)
         await vm.detach_disk("vol-smoke")
         step("umount + unplug")
         result["qemu_exit"] = await vm.stop()
@@ -170,14 +171,14 @@ async def one(fs: str, kernel: Path, initrd: Path, accel: str) -> dict:
 async def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--fs", nargs="+", default=["ext4", "xfs"], choices=["ext4", "xfs"])
-    p.add_argument("--flavor", default="cloud", choices=sorted(image.FLAVORS))
+    p.add_argument("--flavor", default="cloud", choices=sorted(build.FLAVORS))
     p.add_argument("--accel", default="tcg", choices=["tcg", "kvm"])
-    p.add_argument("--cache", type=Path, default=image.DEFAULT_CACHE)
+    p.add_argument("--cache", type=Path, default=build.DEFAULT_CACHE)
     args = p.parse_args()
     if shutil.which("qemu-system-x86_64") is None:
         sh("apt-get", "install", "-y", "--no-install-recommends", "qemu-system-x86", timeout=900)
-    built = await asyncio.to_thread(image.build, args.cache, args.flavor)
-    print(image.report(built), flush=True)
+    built = await asyncio.to_thread(build.build, args.cache, args.flavor)
+    print(build.report(built), flush=True)
     results = []
     for fs in args.fs:
         results.append(await one(fs, built.kernel, built.initrd, args.accel))

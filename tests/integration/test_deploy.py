@@ -353,7 +353,7 @@ def served_runtimes(rendered: list[dict]) -> dict[str, str]:
                 and on_host(config.volumes_dir):
             served["crust"] = "deploy/systemd/crust-kata-handler.service on the host"
     # Kata's own runtime: it reads the proxy's mirror at Kata's fixed root.
-    from crust.kata.direct_volume import DEFAULT_ROOT as KATA_ROOT
+    from crust.kata.sandbox.direct_volume import DEFAULT_ROOT as KATA_ROOT
 
     if config.proxy.kata_dir == KATA_ROOT and on_host(KATA_ROOT):
         served["kata"] = "Kata Containers, from the proxy's mirror"

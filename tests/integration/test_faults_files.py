@@ -256,7 +256,7 @@ def test_a_damaged_kata_mirror_is_rewritten_and_the_claim_recorded_once_all_is_d
 def test_kata_direct_volumes_take_planted_files_without_blocking(tmp_path):
     """Kata's layout, read by the microVM handler: a FIFO where the marker
     or the description goes never blocks, and removal takes anything."""
-    from crust.kata.direct_volume import DirectVolumes, entry_name
+    from crust.kata.sandbox.direct_volume import DirectVolumes, entry_name
 
     volumes = DirectVolumes(tmp_path / "dv")
     path = "/var/lib/kubelet/pods/p/volumes/kubernetes.io~csi/pv/mount"

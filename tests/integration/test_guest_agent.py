@@ -17,7 +17,7 @@ import pytest
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest.oci import OciRuntime
-from crust.kata.agent_client import AgentClient
+from crust.kata.agent.client import AgentClient
 from tests.guest_container import (
     REPO,
     code_of,

@@ -19,7 +19,7 @@ from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest import guestconf
 from crust.guest.errors import AgentError
-from crust.kata.agent_client import AgentClient
+from crust.kata.agent.client import AgentClient
 from tests.guest_container import ContainerAgent, code_of, crun_container_agent
 
 

@@ -18,7 +18,7 @@ from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
 from crust.guest import enter
-from crust.kata.agent_client import AgentClient
+from crust.kata.agent.client import AgentClient
 from tests.guest_container import ContainerAgent, crun_container_agent
 
 # What a process reads of itself; each line the same under both paths.

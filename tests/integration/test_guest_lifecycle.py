@@ -18,11 +18,11 @@ from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest import lifecycle
 from crust.guest.errors import AgentError
-from crust.kata.agent_client import AgentClient
+from crust.kata.agent.client import AgentClient
 from tests.guest_container import ContainerAgent, crun_container_agent
 from tests.integration.test_guest_containers import pod_cgroup_cleaned  # noqa: F401 - a fixture
 
-IMAGE_SPEC = Path(__file__).resolve().parents[2] / "crust" / "kata" / "guest" / "warm.json"
+IMAGE_SPEC = Path(__file__).resolve().parents[2] / "crust" / "guest" / "files" / "warm.json"
 
 
 def host_spec(tmp_path: Path, name: str, args: list[str]) -> str:

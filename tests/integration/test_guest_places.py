@@ -20,7 +20,7 @@ import pytest
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest.places import ROOT_RETIRE
-from crust.kata.agent_client import AgentClient
+from crust.kata.agent.client import AgentClient
 from crust.sys.beneath import SubpathError, open_subpath
 from tests.guest_container import ContainerAgent, code_of, crun_container_agent
 from tests.integration.test_guest_containers import container_spec, crun_knows, pod_cgroup_cleaned  # noqa: F401

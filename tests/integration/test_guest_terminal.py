@@ -15,7 +15,7 @@ import pytest
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.kata.agent_client import AgentClient
+from crust.kata.agent.client import AgentClient
 from tests.guest_container import ContainerAgent, code_of, crun_container_agent
 from tests.integration.test_guest_containers import container_spec, pod_cgroup_cleaned  # noqa: F401
 from tests.integration.test_guest_enter import _parent_of

@@ -31,8 +31,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from crust.kata.qemu import VmConfig
-from crust.kata.sandbox import KataSandbox
+from crust.kata.vmm.qemu import VmConfig
+from crust.kata.sandbox.vm_sandbox import KataSandbox
 from crust.sys import proc
 from tests.handler_env import Env, view
 from tests.harness import pid_alive, wait_until

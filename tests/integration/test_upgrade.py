@@ -36,7 +36,7 @@ from crust.common.formats import FORMAT_KEY
 from crust.contract.mountinfo import SCHEMA_VERSION
 from crust.csi_shim.records import ShimVolumeRecord
 from crust.driver.records import GroupSnapshotRecord, NodeVolumeRecord, PoolRecord, SnapshotRecord, VolumeRecord
-from crust.kata.accel import ProbeRecord
+from crust.kata.vmm.accel import ProbeRecord
 from crust.kubelet import Kubelet, PersistentVolume, Pod
 from crust.node.config import NodeConfig
 from crust.node.supervisor import NodeStatus

@@ -22,7 +22,7 @@ from crust.contract.volumes_dir import VolumesDir
 from crust.csi_shim.records import ShimVolumeRecord
 from crust.driver.records import (GroupSnapshotRecord, NodeVolumeRecord, PoolRecord, SnapshotRecord,
                                   VolumeRecord)
-from crust.kata.accel import ProbeRecord
+from crust.kata.vmm.accel import ProbeRecord
 from crust.node.supervisor import NodeStatus
 from crust.proxy.records import Decision, DeferredVolume, HandlerRecord
 from crust.runtime_handler.containers import ContainerRecord

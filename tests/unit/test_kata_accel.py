@@ -1,4 +1,4 @@
-"""The KVM probe (crust.kata.accel) and the answers it calls definite."""
+"""The KVM probe (crust.kata.vmm.accel) and the answers it calls definite."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ def test_a_kvm_probe_whose_vm_breaks_its_agent_connection_is_a_definite_no(monke
     """A KVM that aborts on start can show as a reset agent connection
     rather than as an exit seen first (on a busy machine): that is the probe
     VM failing, not an unexpected error."""
-    from crust.kata import accel
-    from crust.kata.qemu import Vm, VmConfig
+    from crust.kata.vmm import accel
+    from crust.kata.vmm.qemu import Vm, VmConfig
 
     killed = []
 

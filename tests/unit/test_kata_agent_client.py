@@ -16,8 +16,8 @@ from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
 from crust.guest.agent import make_server, serve_socket
 from crust.guest.service import AgentService
-from crust.kata import agent_client
-from crust.kata.agent_client import AgentClient
+from crust.kata.agent import client as agent_client
+from crust.kata.agent.client import AgentClient
 
 
 @contextlib.asynccontextmanager

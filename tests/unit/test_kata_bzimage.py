@@ -1,5 +1,5 @@
-"""The kernel inside a bzImage (crust.kata.bzimage) and the kernel the guest
-image boots (crust.kata.image.boot_kernel).
+"""The kernel inside a bzImage (crust.kata.image.bzimage) and the kernel the guest
+image boots (crust.kata.image.build.boot_kernel).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import struct
 
 import pytest
 
-from crust.kata import bzimage
-from crust.kata import image as kata_image
+from crust.kata.image import bzimage
+from crust.kata.image import build as kata_image
 
 
 def _elf_with_notes(notes: list[tuple[bytes, int, bytes]], machine: int = 62) -> bytes:

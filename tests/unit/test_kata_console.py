@@ -11,9 +11,9 @@ import random
 import sys
 
 from crust.common import ttrpc
-from crust.kata import console
-from crust.kata.agent_client import GUEST_TEXT_CHARS, guest_text, handler_error
-from crust.kata.console import ConsoleLog, RotatingFile, previous
+from crust.kata.vmm import console
+from crust.kata.agent.client import GUEST_TEXT_CHARS, guest_text, handler_error
+from crust.kata.vmm.console import ConsoleLog, RotatingFile, previous
 
 
 def on_disk(path) -> bytes:

@@ -15,7 +15,7 @@ import pytest
 from crust.api import agent_pb2
 from crust.common.errors import DataLoss
 from crust.guest.service import AgentService
-from crust.kata import guest_numbers, port_process, port_volumes
+from crust.kata.agent import calls, checked_numbers, volume_calls
 from tests.guest_serving import serving
 
 MiB = 1 << 20
@@ -30,9 +30,9 @@ def volume(**numbers) -> agent_pb2.VolumeStatsResponse:
 
 
 def test_a_volumes_stats_that_can_be_pass():
-    assert guest_numbers.volume_stats(volume(), DEVICE) == ""
-    assert guest_numbers.volume_stats(volume(total_bytes=DEVICE), DEVICE) == ""
-    assert guest_numbers.volume_stats(volume(total_bytes=1 << 40, free_bytes=0, available_bytes=0), None) == ""
+    assert checked_numbers.volume_stats(volume(), DEVICE) == ""
+    assert checked_numbers.volume_stats(volume(total_bytes=DEVICE), DEVICE) == ""
+    assert checked_numbers.volume_stats(volume(total_bytes=1 << 40, free_bytes=0, available_bytes=0), None) == ""
 
 
 @pytest.mark.parametrize("numbers, field", [
@@ -47,19 +47,19 @@ def test_a_volumes_stats_that_can_be_pass():
 ], ids=["beyond-int64", "used-max", "over-device", "used-over-total", "available-over-free", "free-over-total",
         "inodes-used", "inodes-free"])
 def test_a_volumes_impossible_stats_are_named_by_their_field(numbers, field):
-    why = guest_numbers.volume_stats(volume(**numbers), DEVICE)
+    why = checked_numbers.volume_stats(volume(**numbers), DEVICE)
     assert why.startswith(field), why
 
 
 def test_a_containers_numbers_are_checked_against_the_vms_memory():
     fine = agent_pb2.StatsContainerResponse(memory_current=100 * MiB, memory_max=1 << 30,
                                             memory_stat={"anon": 50 * MiB, "pgfault": 1 << 40})
-    assert guest_numbers.container_stats(fine, VM_MEMORY) == ""
+    assert checked_numbers.container_stats(fine, VM_MEMORY) == ""
     for forged, field in ((dict(memory_current=(1 << 64) - 1), "memory_current"),
                           (dict(memory_current=VM_MEMORY + 1), "memory_current"),
                           (dict(memory_stat={"file": 1 << 40}), "memory_stat[file]"),
                           (dict(cpu_stat={"usage_usec": 1 << 63}), "cpu_stat[usage_usec]")):
-        why = guest_numbers.container_stats(agent_pb2.StatsContainerResponse(**forged), VM_MEMORY)
+        why = checked_numbers.container_stats(agent_pb2.StatsContainerResponse(**forged), VM_MEMORY)
         assert why.startswith(field), (forged, why)
 
 
@@ -68,7 +68,7 @@ def stats(**counters) -> agent_pb2.StatsContainerResponse:
 
 
 def test_counters_never_go_below_what_the_same_cgroup_reported():
-    floors = guest_numbers.CounterFloors()
+    floors = checked_numbers.CounterFloors()
     assert floors.check("c1", stats(cpu_stat={"usage_usec": 100, "nr_periods": 3}, memory_events={"oom": 1})) == ""
     # Growing or equal: fine; a gauge (memory, pids) may go down.
     assert floors.check("c1", stats(cpu_stat={"usage_usec": 150, "nr_periods": 3}, memory_events={"oom": 1})) == ""
@@ -109,25 +109,25 @@ async def test_forged_answers_are_refused_naming_the_pod_and_the_field(tmp_path)
     service = Forging()
     async with serving(tmp_path, service) as (client, _):
         mount_point = "/run/pod/volumes/v1"
-        fine = await port_volumes.stats(client, mount_point, False, DEVICE, "pod p1")
+        fine = await volume_calls.stats(client, mount_point, False, DEVICE, "pod p1")
         assert not fine.condition.abnormal and fine.usage[0].total == 30 * MiB
         service.volume = volume(total_bytes=1 << 63, used_bytes=1 << 63)
-        refused = await port_volumes.stats(client, mount_point, False, DEVICE, "pod p1")
+        refused = await volume_calls.stats(client, mount_point, False, DEVICE, "pod p1")
         assert refused.usage == [] and refused.condition.abnormal
         assert "pod p1" in refused.condition.message and "total_bytes" in refused.condition.message
         service.volume = volume(total_bytes=DEVICE * 4)
-        refused = await port_volumes.stats(client, mount_point, False, DEVICE, "pod p1")
+        refused = await volume_calls.stats(client, mount_point, False, DEVICE, "pod p1")
         assert refused.condition.abnormal and "its device's 33554432 bytes" in refused.condition.message
 
         service.cgroup = agent_pb2.StatsContainerResponse(memory_current=(1 << 64) - 1)
-        floors = guest_numbers.CounterFloors()
+        floors = checked_numbers.CounterFloors()
         with pytest.raises(DataLoss) as lost:
-            await port_process.container_stats(client, "c1", VM_MEMORY, floors)
+            await calls.container_stats(client, "c1", VM_MEMORY, floors)
         assert "container c1" in lost.value.message and "memory_current" in lost.value.message
         service.cgroup = agent_pb2.StatsContainerResponse(memory_current=10 * MiB, cpu_stat={"usage_usec": 500})
-        assert (await port_process.container_stats(client, "c1", VM_MEMORY, floors)).memory_current == 10 * MiB
+        assert (await calls.container_stats(client, "c1", VM_MEMORY, floors)).memory_current == 10 * MiB
         # A counter that went back is refused, naming it and what was reported before.
         service.cgroup = agent_pb2.StatsContainerResponse(memory_current=10 * MiB, cpu_stat={"usage_usec": 400})
         with pytest.raises(DataLoss) as lost:
-            await port_process.container_stats(client, "c1", VM_MEMORY, floors)
+            await calls.container_stats(client, "c1", VM_MEMORY, floors)
         assert "cpu_stat[usage_usec] 400 is less than the 500 it reported before" in lost.value.message

@@ -1,4 +1,4 @@
-"""crust.kata.guest_ram: a guest's RAM saved as its pages that hold
+"""crust.kata.vmm.saved_ram: a guest's RAM saved as its pages that hold
 anything, and loaded into a new memfd holding those pages only."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from crust.kata.guest_ram import PAGE, RamFileError, new_ram, ram_path, save_ram
+from crust.kata.vmm.saved_ram import PAGE, RamFileError, new_ram, ram_path, save_ram
 
 MIB = 1024 * 1024
 SIZE = 8 * MIB

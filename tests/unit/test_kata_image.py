@@ -1,8 +1,8 @@
-"""The guest image's files (crust.kata.image) and the package data they ship in."""
+"""The guest image's files (crust.kata.image.build) and the package data they ship in."""
 
 from __future__ import annotations
 
-from crust.kata import image as kata_image
+from crust.kata.image import build as kata_image
 from tests.unit.helpers import REPO
 
 
@@ -14,6 +14,6 @@ def test_every_file_the_guest_image_takes_is_packaged():
     import tomllib
 
     patterns = tomllib.loads((REPO / "pyproject.toml").read_text())[
-        "tool"]["setuptools"]["package-data"]["crust.kata"]
+        "tool"]["setuptools"]["package-data"]["crust.guest"]
     for name in (*kata_image.GUEST_FILES.values(), *kata_image.GUEST_PROGRAMS.values()):
-        assert any(fnmatch.fnmatch(f"guest/{name}", p) for p in patterns), (name, patterns)
+        assert any(fnmatch.fnmatch(f"files/{name}", p) for p in patterns), (name, patterns)

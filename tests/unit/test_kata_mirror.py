@@ -15,7 +15,7 @@ import pytest
 
 from crust.contract.mountinfo import MountInfo
 from crust.contract.volumes_dir import VolumesDir
-from crust.kata.direct_volume import DirectVolumes, parse_mount_info
+from crust.kata.sandbox.direct_volume import DirectVolumes, parse_mount_info
 from crust.common.errors import InvalidArgument
 from tests.kata_readers import (KataRefuses, entry_dir, go_parse, go_runtime_reads, runtime_rs_parse,
                                 runtime_rs_reads)

@@ -1,4 +1,4 @@
-"""A microVM container's binds planned from its OCI spec (crust.kata.mount_plan),
+"""A microVM container's binds planned from its OCI spec (crust.kata.pod.mount_plan),
 without a VM: what each bind is, in the spec's order, each refusal with its
 status and the mount it names, the facts the host gives of a source, read
 from a real tree, and the guest agent's refusals said in the pod's terms."""
@@ -10,9 +10,9 @@ import os
 import pytest
 
 from crust.common.errors import FailedPrecondition, InvalidArgument
-from crust.kata import mount_plan
-from crust.kata.mount_plan import HOST, TMPFS, VOLUME, SourceFacts, in_pod_terms, plan
-from crust.kata.port_process import SHM_TMPFS
+from crust.kata.pod import mount_plan
+from crust.kata.pod.mount_plan import HOST, TMPFS, VOLUME, SourceFacts, in_pod_terms, plan
+from crust.kata.agent.calls import SHM_TMPFS
 from crust.runtime_handler.oci import Mount
 
 KUBELET = "/var/lib/kubelet/pods/uid-1"

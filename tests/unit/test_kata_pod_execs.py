@@ -1,4 +1,4 @@
-"""The end of a microVM pod's exec in the handler (crust.kata.pod_processes):
+"""The end of a microVM pod's exec in the handler (crust.kata.pod.processes):
 exited execs nobody deletes are forgotten beyond a count and after a time,
 a Delete forgets one at once, and one still running is refused. The guest
 is absent here (its removal is the VM tests')."""
@@ -10,10 +10,10 @@ import asyncio
 import pytest
 
 from crust.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from crust.kata import pod_processes
-from crust.kata.pod_processes import PodProcesses
-from crust.kata.pod_records import ContainerRecord, PodRecord, ProcessRecord
-from crust.kata.port_process import ExitWatches
+from crust.kata.pod import processes as pod_processes
+from crust.kata.pod.processes import PodProcesses
+from crust.kata.pod.records import ContainerRecord, PodRecord, ProcessRecord
+from crust.kata.agent.calls import ExitWatches
 
 
 class _Sandbox:

@@ -1,4 +1,4 @@
-"""What a microVM pod's record holds (crust.kata.pod_records): the
+"""What a microVM pod's record holds (crust.kata.pod.records): the
 containers and their own processes, never an exec, so its size and the
 bytes of each write do not grow with the execs a pod ran."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from crust.common.formats import decode, encode
-from crust.kata.pod_records import ContainerRecord, PodRecord, ProcessRecord
+from crust.kata.pod.records import ContainerRecord, PodRecord, ProcessRecord
 
 
 def _pod(execs: int) -> PodRecord:

@@ -1,4 +1,4 @@
-"""QEMU's command line for a VM (crust.kata.qemu), without starting it."""
+"""QEMU's command line for a VM (crust.kata.vmm.qemu), without starting it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ def test_a_vm_on_the_scsi_bus_boots_with_its_controller_and_says_so_to_the_guest
     """virtio-scsi: one controller on QEMU's command line, and the guest's
     kernel told to load its SCSI modules and scan nothing at boot;
     virtio-blk (the default): neither. An unknown bus is refused."""
-    from crust.kata.qemu import Vm, VmConfig
+    from crust.kata.vmm.qemu import Vm, VmConfig
 
     def vm(**settings) -> Vm:
         return Vm("crust-units", tmp_path / "vm", VmConfig(kernel=tmp_path / "k", initrd=tmp_path / "i", **settings))

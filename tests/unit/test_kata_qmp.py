@@ -1,4 +1,4 @@
-"""The QMP client (crust.kata.qmp) against a monitor of our own on a unix
+"""The QMP client (crust.kata.vmm.qmp) against a monitor of our own on a unix
 socket: what it does when QEMU's end goes away."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from crust.kata.qmp import QmpClient, QmpGone
+from crust.kata.vmm.qmp import QmpClient, QmpGone
 
 
 async def test_a_monitor_that_goes_away_takes_the_clients_socket_with_it(tmp_path):

@@ -1,4 +1,4 @@
-"""Removal of a VM template's saved state (crust.kata.template)."""
+"""Removal of a VM template's saved state (crust.kata.supply.template)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ def test_a_handler_without_a_template_removes_only_what_a_template_left(tmp_path
     """remove_saved: the saved state, its record, a build's leftovers and
     the directory go; a file that is no template's stays, and with it the
     directory. Nothing there: nothing done."""
-    from crust.kata.template import BUILD_DIR, RECORD_FILE, STATE_FILE, remove_saved
+    from crust.kata.supply.template import BUILD_DIR, RECORD_FILE, STATE_FILE, remove_saved
 
     directory = tmp_path / "template"
     assert remove_saved(directory) == [] and not directory.exists()

@@ -1,5 +1,5 @@
 """A pod's uid and its volumes (crust.runtime_handler.resolve, with
-crust.kata.pods.pod_uid).
+crust.kata.pod.pods.pod_uid).
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 def test_a_pods_uid_comes_from_containerds_annotations_and_its_volumes_from_the_index():
     from crust.contract.mountinfo import MountInfo, digest
-    from crust.kata.pods import pod_uid
+    from crust.kata.pod.pods import pod_uid
     from crust.runtime_handler.resolve import pod_volumes
 
     uid = "0c6d8a2e-5b8f-4e0c-9d3a-1f2e3d4c5b6a"

@@ -17,7 +17,7 @@ import pytest
 
 from crust.api import cri_pb2 as cri
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
-from crust.kata.qemu import qemu_pids_under
+from crust.kata.vmm.qemu import qemu_pids_under
 from crust.kubelet import Container, Pod, VolumeMount
 from tests.demo_run import run_demo
 from tests.cri_harness import (KATA_HANDLER, ON_CONTAINERD2, container_log, containerd_binary, cri_microvm_node,

@@ -45,7 +45,7 @@ import pytest
 
 from crust.api import cri_pb2 as cri
 from crust.containerd_shim.process import STOPPED
-from crust.kata.qemu import qemu_pids_under
+from crust.kata.vmm.qemu import qemu_pids_under
 from crust.kubelet import Container, Pod, VolumeMount
 from crust.kubelet.crio import Crio
 from tests.demo_run import run_demo

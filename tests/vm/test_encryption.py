@@ -33,7 +33,7 @@ from crust.api import (
 from crust.common.errors import FailedPrecondition
 from crust.contract import encryption
 from crust.contract.mountinfo import digest, kata_name
-from crust.kata.direct_volume import DirectVolumes
+from crust.kata.sandbox.direct_volume import DirectVolumes
 from crust.sys import mount as sysmount
 from tests.harness import MIB, sha256_of
 from tests.handler_env import Env, Vol

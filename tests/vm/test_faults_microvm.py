@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from crust.api import cri_pb2 as cri
-from crust.kata.qemu import qemu_pids_under
+from crust.kata.vmm.qemu import qemu_pids_under
 from crust.kubelet import EmptyDir, VolumeMount
 from crust.kubelet.cri import SyncError
 from crust.sys import mount as sysmount

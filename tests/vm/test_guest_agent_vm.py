@@ -17,8 +17,8 @@ import pytest
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
-from crust.kata.agent_client import AgentClient
-from crust.kata.qemu import Vm
+from crust.kata.agent.client import AgentClient
+from crust.kata.vmm.qemu import Vm
 from tests.guest_vm import Guest, guest_config
 
 

@@ -1,6 +1,6 @@
 """Kata's direct-volume verbs through the microVM handler: the layout of
 Kata's direct-volume directory and its input checks
-(crust.kata.direct_volume), a Kata-style CSI driver working unchanged
+(crust.kata.sandbox.direct_volume), a Kata-style CSI driver working unchanged
 through the shipped kata-runtime wrapper (`direct-volume add`, `stats`,
 `resize`, `remove`) on the real stack (tests/kata_env.py), and planted
 entries refused at a sandbox's start. What is checked is Kata's layout on
@@ -23,8 +23,8 @@ import pytest
 
 from crust.api import csi_pb2
 from crust.common.errors import FailedPrecondition, InvalidArgument
-from crust.kata.direct_volume import DirectVolumes, entry_name, parse_mount_info
-from crust.kata.qemu import qemu_pids_under
+from crust.kata.sandbox.direct_volume import DirectVolumes, entry_name, parse_mount_info
+from crust.kata.vmm.qemu import qemu_pids_under
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests.harness import MIB

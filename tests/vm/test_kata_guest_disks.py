@@ -15,8 +15,8 @@ import pytest
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.common.errors import InvalidArgument
-from crust.kata import port_volumes
-from crust.kata.qemu import Vm, VmConfig
+from crust.kata.agent import volume_calls
+from crust.kata.vmm.qemu import Vm, VmConfig
 from tests.guest_vm import Guest, ScsiGuest, guest
 from tests.harness import MIB
 from tests.kata_env import DISK_BUSES
@@ -29,7 +29,7 @@ def test_a_waiting_vm_plugs_mounts_and_unplugs_a_disk_of_its_own_once(root, kind
     guest, unplugged; the guest then holds no disk and no mount of it (a
     LUN's removal, which QEMU announces, within 2 s), and the image is kept
     for the next VM."""
-    from crust.kata.pool import WARM_DISK_IMAGE, WARM_DISK_MOUNT, VmPool, warm_disk
+    from crust.kata.supply.pool import WARM_DISK_IMAGE, WARM_DISK_MOUNT, VmPool, warm_disk
 
     pool = VmPool(0, root.path / "pool", None)
     pool.directory.mkdir()
@@ -38,7 +38,7 @@ def test_a_waiting_vm_plugs_mounts_and_unplugs_a_disk_of_its_own_once(root, kind
     async def run(g):
         # The guest's agent mounts it: connected and serving this bus.
         await g.port()
-        assert port_volumes.serves(g.vm.port, g.vm.config.disk_bus, "ext4")
+        assert volume_calls.serves(g.vm.port, g.vm.config.disk_bus, "ext4")
         await warm_disk(g.vm, await g.port(), pool.directory)
         made = image.stat().st_mtime_ns
         assert g.vm.disks == {}
@@ -73,14 +73,14 @@ def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_it
     async def where(g, serial: str, target: str) -> tuple[int, str]:
         """(LUN, label) of the disk the agent mounted at target."""
         client = await g.port()
-        answer = await port_volumes.mount(client, port_volumes.storage(serial, "ext4", [], True, target, None))
+        answer = await volume_calls.mount(client, volume_calls.storage(serial, "ext4", [], True, target, None))
         device = answer.device
         assert device.startswith("sd") and answer.mount_point == target, answer
         code, out = await g.sh(f"readlink /sys/block/{device}/device; cat /sys/block/{device}/ro; "
                                f"blkid -s LABEL -o value /dev/{device}")
         address, ro, label = out.split()
         assert code == 0 and ro == "0", out     # read-only is the mount's, not the disk's
-        assert await port_volumes.unmount(client, target)
+        assert await volume_calls.unmount(client, target)
         return int(address.rsplit(":", 1)[1]), label
 
     async def luns(g) -> list[int]:
@@ -110,7 +110,7 @@ def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_it
         # its deadline, then names it; nothing is mounted.
         with pytest.raises(ttrpc.TtrpcError) as refused:
             await (await g.port()).call("MountVolume", agent_pb2.MountVolumeRequest(
-                storage=port_volumes.storage("lun-a", "ext4", [], True, "/run/a", None)), timeout=5)
+                storage=volume_calls.storage("lun-a", "ext4", [], True, "/run/a", None)), timeout=5)
         assert refused.value.code == ttrpc.DEADLINE_EXCEEDED and "'lun-a'" in refused.value.message, refused.value
         assert await g.sh("grep -c ' /run/a ' /proc/mounts") == (1, "0\n")
 
@@ -132,7 +132,7 @@ def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_it
         # The agent's WaitDiskRemoved answers once the guest removed a LUN QEMU dropped.
         mark = taken.qmp.mark()
         await taken.qmp.execute("device_del", {"id": "vscsi-lun-b"})
-        await port_volumes.wait_disk_removed(await g.port(), "lun-b", timeout=60)
+        await volume_calls.wait_disk_removed(await g.port(), "lun-b", timeout=60)
         assert await luns(g) == [3, 4]
         # QEMU lets go of the LUN's node only when it reports the device
         # deleted, which may come after the guest removed the disk.
@@ -140,5 +140,5 @@ def test_scsi_luns_are_found_by_serial_never_reused_and_a_taken_over_vm_keeps_it
         await taken.detach_disk("lun-b")   # its device gone already: the node goes all the same
         assert "lun-b" not in taken.disks
         with pytest.raises(InvalidArgument, match="'no/such' is not 1..20 characters"):
-            await port_volumes.wait_disk_removed(await g.port(), "no/such", timeout=60)
+            await volume_calls.wait_disk_removed(await g.port(), "no/such", timeout=60)
     guest(root, run, ScsiGuest)

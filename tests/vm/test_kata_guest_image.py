@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from crust.kata import accel as kata_accel
-from crust.kata import bzimage, image_packages
-from crust.kata import image as kata_image
-from crust.kata.qemu import Vm, VmConfig, qemu_pids_under
+from crust.kata.vmm import accel as kata_accel
+from crust.kata.image import bzimage, packages
+from crust.kata.image import build as kata_image
+from crust.kata.vmm.qemu import Vm, VmConfig, qemu_pids_under
 from tests.harness import wait_until
 
 
@@ -197,13 +197,13 @@ def test_the_guest_image_holds_python_and_the_agent_imports_from_pycs_compiled_a
         else:
             from_host.append("/" + rel)
     assert "/usr/bin/python3.11" in from_host
-    assert image_packages.owners(from_host)["/usr/bin/python3.11"][0] == "python3.11-minimal"
+    assert packages.owners(from_host)["/usr/bin/python3.11"][0] == "python3.11-minimal"
 
 
 def test_apt_cache_keeps_its_package_cache_in_the_image_cache(tmp_path):
     """The inputs are read with a package cache of crust's own (Debian's
     images keep none), built once and then reused: the same answers."""
-    options = image_packages.apt_cache_options(tmp_path)
+    options = packages.apt_cache_options(tmp_path)
     first = kata_image.collect_inputs(kata_image.FLAVORS["cloud"], options)
     made = tmp_path / "apt-pkgcache.bin"
     assert made.is_file() and made.stat().st_size > 0
@@ -237,6 +237,6 @@ def test_each_image_keeps_its_own_directory_and_the_oldest_beyond_the_limit_go(t
     assert not (top / "vmlinuz").exists()
     with pytest.raises(FileNotFoundError):
         kata_image.image_paths(tmp_path / "elsewhere")
-    # A build that decompressed the kernel (crust.kata.bzimage) names the file it boots.
+    # A build that decompressed the kernel (crust.kata.image.bzimage) names the file it boots.
     (made[1] / "manifest.json").write_text(json.dumps({"kernel_file": "vmlinux"}))
     assert kata_image.image_paths(tmp_path) == (made[1] / "vmlinux", made[1] / kata_image.INITRD)

@@ -32,7 +32,7 @@ import grpc
 import pytest
 
 from crust.api import handler_pb2
-from crust.kata.qemu import qemu_pids_under
+from crust.kata.vmm.qemu import qemu_pids_under
 from tests.harness import MIB
 from tests.harness import wait_until
 from tests.kata_env import DF_SCRIPT, DISK_BUSES, anyone_mounts, guest_df, holds_device, usage_dict

@@ -1,4 +1,4 @@
-"""VMs restored from a saved one (crust.kata.template), outside any handler
+"""VMs restored from a saved one (crust.kata.supply.template), outside any handler
 (tests/guest_vm.py): a VmTemplate's saved state and RAM, VMs restored from
 it that go on from the save, each with the host's clock and a boot_id and
 random bytes of its own, taking shares and disks as a booted VM does; and
@@ -19,8 +19,9 @@ import pytest
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.common.errors import CrustError
-from crust.kata import port_process, port_volumes, virtiofsd
-from crust.kata.qemu import SharedDir, qemu_pids_under
+from crust.kata.agent import calls, volume_calls
+from crust.kata.vmm import virtiofsd
+from crust.kata.vmm.qemu import SharedDir, qemu_pids_under
 from tests.guest_vm import Guest
 from tests.harness import MIB
 from tests.kata_env import DISK_BUSES
@@ -39,9 +40,9 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
     second VmTemplate over the kept files uses them; one for another VM
     size makes its own."""
     from crust.common.formats import decode
-    from crust.kata.pool import warm_disk
-    from crust.kata.guest_ram import ram_path
-    from crust.kata.template import RECORD_FILE, STATE_FILE, TemplateRecord, VmTemplate
+    from crust.kata.supply.pool import warm_disk
+    from crust.kata.vmm.saved_ram import ram_path
+    from crust.kata.supply.template import RECORD_FILE, STATE_FILE, TemplateRecord, VmTemplate
     from tests.guest_vm import guest_config
 
     directory = root.path / "template"
@@ -72,7 +73,7 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
             held = os.stat(f"/proc/{g.vm.pid}/fd/{g.vm.ram_fd}").st_blocks * 512
             assert record.ram_bytes <= held < record.ram_bytes + 16 * MIB, (held, record.ram_bytes)
             await g.vm.plug_shared_dir(SharedDir("crust", share))
-            shared = await port_process.mount_share(await g.port(), "crust")
+            shared = await calls.mount_share(await g.port(), "crust")
             started = time.time()
             code, out = await g.sh(f"cat /proc/uptime; date +%s; cat /proc/sys/kernel/random/boot_id; "
                                    f"head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; "
@@ -88,7 +89,7 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
             # busy machine), to `date`'s whole second.
             assert started - 2 <= int(clock) <= ended + 1, (started, clock, ended)
             assert from_host == "host"
-            assert port_volumes.serves(g.vm.port, bus, "ext4")
+            assert volume_calls.serves(g.vm.port, bus, "ext4")
             await warm_disk(g.vm, await g.port(), root.path)
             client = await g.port()
             with pytest.raises(ttrpc.TtrpcError) as caught:
@@ -139,7 +140,7 @@ def test_every_vm_restored_in_a_row_on_a_busy_machine_mounts_its_share(root):
     each mount their share and read through it a file the host wrote for
     that VM; each VM is killed after, and neither a QEMU nor a virtiofsd
     is left."""
-    from crust.kata.template import VmTemplate
+    from crust.kata.supply.template import VmTemplate
     from tests.guest_vm import guest_config
 
     config = guest_config()
@@ -155,7 +156,7 @@ def test_every_vm_restored_in_a_row_on_a_busy_machine_mounts_its_share(root):
         try:
             await g.vm.plug_shared_dir(SharedDir("crust", share))
             try:
-                shared = await port_process.mount_share(await g.port(), "crust")
+                shared = await calls.mount_share(await g.port(), "crust")
             except CrustError as exc:
                 _, kernel = await g.sh("dmesg | grep -e virtio -e fuse | tail -4; "
                                        "cat /sys/bus/virtio/drivers/virtiofs/virtio*/status")

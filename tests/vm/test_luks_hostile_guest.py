@@ -36,7 +36,7 @@ import grpc
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.contract import encryption
-from crust.kata import port_volumes
+from crust.kata.agent import volume_calls
 from crust.sys import fs as sysfs
 from crust.sys import loop as sysloop
 from crust.sys.run import CommandError
@@ -306,7 +306,7 @@ def test_integrity_makes_altered_ciphertext_an_io_error_where_plain_luks2_reads_
             device = await g.attach(image, kind)
             opened = await g.luksopen(kind, f"crypt-{kind}", integrity=integrity)
             assert opened.startswith("ok ") and (f"integrity={integrity}" in opened) == bool(integrity), opened
-            await port_volumes.mount(await g.port(), port_volumes.storage(f"crypt-{kind}", "ext4", [], False,
+            await volume_calls.mount(await g.port(), volume_calls.storage(f"crypt-{kind}", "ext4", [], False,
                                                                           f"/mnt/{kind}", None))
             code, _ = await g.sh("sync; echo 3 > /proc/sys/vm/drop_caches")
             before = image.read_bytes()

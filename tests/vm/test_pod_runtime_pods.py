@@ -28,8 +28,8 @@ import pytest
 
 from crust.api import csi_pb2, handler_pb2
 from crust.contract.mountinfo import digest
-from crust.kata.direct_volume import entry_name
-from crust.kata.qemu import qemu_pids_under
+from crust.kata.sandbox.direct_volume import entry_name
+from crust.kata.vmm.qemu import qemu_pids_under
 from crust.sys import loop as sysloop
 from tests.harness import MIB
 from tests.harness import wait_until

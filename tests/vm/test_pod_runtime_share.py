@@ -26,7 +26,7 @@ import pytest
 
 from crust.api import handler_pb2
 from crust.guest.places import ROOT_RETIRE
-from crust.kata.qemu import qemu_pids_under
+from crust.kata.vmm.qemu import qemu_pids_under
 from crust.sys import mount as sysmount
 from crust.sys import proc
 from tests.harness import wait_until
@@ -47,7 +47,7 @@ def test_the_share_serves_what_the_containers_bind_and_goes_with_the_pod(pod_env
     again after a second): a rewrite of the same size is read within a few
     seconds; a host path that leads to a CSI volume's path is
     refused; nothing of it outlives the pod."""
-    from crust.kata import virtiofsd
+    from crust.kata.vmm import virtiofsd
 
     kenv, client, watch = pod_env
     ext4 = kenv.volume("pv-share-e", "ext4")

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from crust.kata.qemu import qemu_pids_under
+from crust.kata.vmm.qemu import qemu_pids_under
 from crust.sys import mount as sysmount
 from tests.harness import wait_until
 from tests.pod_runtime_client import bind, container_bundle, kata_env_with_client, log_entries

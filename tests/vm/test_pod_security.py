@@ -1,6 +1,6 @@
 """A container's security context holds inside the pod, whatever runs it:
 the same pod under runc (the baseline) and under crust-microvm (crun in the
-guest, from the OCI spec containerd wrote: crust.kata.guest_oci), started
+guest, from the OCI spec containerd wrote: crust.kata.pod.container_spec), started
 through CRI as kubelet starts it (crust.kubelet), checked by what the
 container's processes are: their effective uid after a setuid-root binary,
 no_new_privs, capabilities, groups, masked and read-only /proc paths."""
