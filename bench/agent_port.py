@@ -32,7 +32,7 @@ from crust.api import agent_pb2  # noqa: E402
 from crust.kata.image import build as kata_image
 from crust.kata.agent.client import AgentClient  # noqa: E402
 from crust.kata.vmm.qemu import Vm, VmConfig  # noqa: E402
-from tests.guest_vm import run_script  # noqa: E402
+from tests.harness.guest_vm import run_script  # noqa: E402
 
 PORT_OUTPUT = 10 << 20
 

@@ -342,7 +342,7 @@ def left_below(prefix: str) -> tuple[list[str], list[str]]:
 
 
 def close_and_report(root, problems: list[str], close: Callable[[], None]) -> bool:
-    """close() a tests/harness.py Root (its daemons stopped, what is below it
+    """close() a tests/harness/daemons.py Root (its daemons stopped, what is below it
     unmounted and detached, the directory removed), then print the teardown
     errors and what is left below it, on stderr; True if nothing is left."""
     prefix = str(root.path.resolve()) + "/"

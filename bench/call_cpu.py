@@ -3,7 +3,7 @@
 
 bench/conformance_ratio.py gives the CPU of a whole csi-sanity suite; this
 says which calls it comes from. Each target is started as the conformance
-runs start it (tests/csi_sanity.py), then sent, one at a time, the same
+runs start it (tests/harness/csi_sanity.py), then sent, one at a time, the same
 calls or pairs of calls:
 
     Probe                       an empty call: what a served call costs at the least
@@ -56,8 +56,8 @@ from bench.benchlib import (  # noqa: E402
 )
 from bench.harness_stack import own_session  # noqa: E402
 from crust.api import csi_pb2, csi_pb2_grpc  # noqa: E402
-from tests.csi_sanity import DRIVER_FLAGS, NODE_ID, start_target  # noqa: E402
-from tests.harness import Root  # noqa: E402
+from tests.harness.csi_sanity import DRIVER_FLAGS, NODE_ID, start_target  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
 
 TARGETS = ("reference", "driver", "shim", "proxy")
 GIB = 1 << 30

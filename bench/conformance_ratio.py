@@ -29,7 +29,7 @@ for both; the 10 specs with the largest crust driver minus reference time.
 --targets runs some of the targets only.
 
 csi-sanity and hostpathplugin are not part of crust: they are found as the
-tests find them (tests/upstream.py: CSI_SANITY and HOSTPATHPLUGIN, else
+tests find them (tests/harness/upstream.py: CSI_SANITY and HOSTPATHPLUGIN, else
 PATH) unless given. Run from the project root as root (loop devices, mkfs,
 mount):
 
@@ -86,7 +86,7 @@ from bench.harness_stack import (  # noqa: E402
 )
 from crust.sys import loop as sysloop  # noqa: E402
 from crust.sys import mount as sysmount  # noqa: E402
-from tests.csi_sanity import (  # noqa: E402 - the flags, targets and invocation tests/integration/test_conformance.py runs
+from tests.harness.csi_sanity import (  # noqa: E402 - the flags, targets and invocation tests/integration/test_conformance.py runs
     DRIVER_FLAGS,
     MUTABLE_YAML,
     REFERENCE_FLAGS,
@@ -94,8 +94,8 @@ from tests.csi_sanity import (  # noqa: E402 - the flags, targets and invocation
     sanity_argv,
     start_target,
 )
-from tests.harness import Root  # noqa: E402
-from tests.upstream import CSI_SANITY, HOSTPATHPLUGIN, Found, Program, find, usable  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
+from tests.harness.upstream import CSI_SANITY, HOSTPATHPLUGIN, Found, Program, find, usable  # noqa: E402
 
 TARGETS = ("reference", "driver", "shim", "proxy", "bare-hop", "bare-hops")
 # Each target's daemons, backend first: the CPU table's columns are the

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import benchlib  # noqa: E402
 from crust.kata.image import build as kata_image
 from crust.kata.vmm.qemu import Vm, VmConfig  # noqa: E402
-from tests.guest_vm import PORT_WAIT, run_script  # noqa: E402
+from tests.harness.guest_vm import PORT_WAIT, run_script  # noqa: E402
 
 CAPABILITIES = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
                 "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",

@@ -20,7 +20,7 @@
    10 misses in a row the rest of that kind is applied untimed and counted
    as missed). Target: p99 under 50 ms, nothing missed.
 2. NodeGetVolumeStats through the full chain, with the REAL stack
-   (tests/harness.py Root.stack() + Root.handler(): crust driver -> crust
+   (tests/harness/daemons.py Root.stack() + Root.handler(): crust driver -> crust
    shim -> crust proxy, and crust handler registered with the proxy): a
    deferred --fs volume is published with defer_fs_ops=True on the proxy's
    kubelet-facing CSI socket and used by a mount-namespace sandbox (a bundle
@@ -55,7 +55,7 @@ unstaged and deleted, the index is stopped, every process is stopped
 loop devices and kills leftover sandbox processes) and the directories are
 removed. Leftover sandbox processes are found by their mount points below
 this run's handler state directory or bundle (sandbox-private places), not
-by the broader test-root match of tests/harness.py, so that sandboxes of
+by the broader test-root match of tests/harness/daemons.py, so that sandboxes of
 tests running alongside are never killed. The daemons run in their own
 session (a Ctrl-C at the terminal reaches this script only, which then
 tears down in order) and get SIGTERM if this script dies.
@@ -116,7 +116,7 @@ from bench.harness_stack import project_on_pythonpath  # noqa: E402
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc, runtime_pb2, runtime_pb2_grpc  # noqa: E402
 from crust.contract.mountinfo import digest  # noqa: E402
 from crust.runtime_handler.index import VolumeIndex  # noqa: E402
-from tests.harness import Root  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
 
 INDEX_TARGET_P99_MS = 50.0
 STATS_TARGET_P50_MS = 5.0

@@ -36,7 +36,7 @@ from bench.harness_stack import (
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import mount_cap
+from tests.harness.daemons import mount_cap
 
 RPC_TIMEOUT = 120
 

@@ -26,7 +26,7 @@ import grpc
 
 from bench.harness_stack import start_daemon, stop_process, wait_until
 from crust.api import csi_pb2, csi_pb2_grpc, handler_pb2, handler_pb2_grpc, runtime_pb2
-from tests.harness import GIB
+from tests.harness.daemons import GIB
 
 # The script whose hidden --serve option runs serve().
 SERVING_SCRIPT = Path(__file__).resolve().with_name("proxy_bench.py")

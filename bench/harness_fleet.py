@@ -19,7 +19,7 @@ from bench.benchlib import TICK, proc_ticks, rotated
 from bench.harness_fakes import ServerProcess
 from bench.harness_stack import own_session
 from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc
-from tests.harness import ProxyProcess, Root, mount_cap
+from tests.harness.daemons import ProxyProcess, Root, mount_cap
 
 
 @dataclass

@@ -33,7 +33,7 @@ from crust.kata.agent.client import AgentClient
 from crust.kata.vmm.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB
+from tests.harness.daemons import MIB
 
 BLKFLSBUF = 0x1261
 MEMORY_MIB = 512

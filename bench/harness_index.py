@@ -23,7 +23,7 @@ from pathlib import Path
 from crust.contract.mountinfo import MountInfo
 from crust.contract.volumes_dir import VolumesDir
 from crust.runtime_handler.index import VolumeIndex
-from tests.harness import MIB
+from tests.harness.daemons import MIB
 
 
 def entry(prefix: str, i: int, capacity: int = 64 * MIB) -> MountInfo:

@@ -35,7 +35,7 @@ from bench.benchlib import (
 from bench.harness_stack import ProxyVolume, attempt, start_stack, write_bundle
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.kata.vmm.qemu import qemu_pids_under
-from tests.harness import MIB, Root, mount_cap
+from tests.harness.daemons import MIB, Root, mount_cap
 
 # -- the microVM handler ----------------------------------------------------------------------------
 

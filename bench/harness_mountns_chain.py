@@ -36,8 +36,8 @@ from crust.api import handler_pb2, handler_pb2_grpc
 from crust.runtime_handler.sandbox import MountNamespaceSandbox
 from crust.sys import mount as sysmount
 from crust.sys import proc
-from tests import harness
-from tests.harness import MIB, Root, mount_cap
+from tests.harness import daemons as harness
+from tests.harness.daemons import MIB, Root, mount_cap
 
 # -- the mount-namespace handler -------------------------------------------------------------------
 
@@ -165,7 +165,7 @@ def kill_own_sandbox_processes(root: Path) -> list[int]:
     """Kill the processes of OUR sandboxes only (holders and container
     processes left behind when the handler could not delete them).
 
-    tests/harness.py kill_sandbox_holders() kills every `sleep infinity`
+    tests/harness/daemons.py kill_sandbox_holders() kills every `sleep infinity`
     whose mount table mentions the test root; on a machine where other
     people run tests, a sandbox of theirs created while our stack had host
     mounts copied those mounts and would be killed too. Root.close() is

@@ -38,7 +38,7 @@ from crust.api import (
 )
 from crust.contract.mountinfo import digest
 from crust.sys import loop as sysloop
-from tests.harness import MIB, DriverProcess, ProxyProcess, Root, ShimProcess, mount_cap
+from tests.harness.daemons import MIB, DriverProcess, ProxyProcess, Root, ShimProcess, mount_cap
 
 # -- parts 1 and 2: the real stack -----------------------------------------------------------
 

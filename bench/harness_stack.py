@@ -3,7 +3,7 @@
 - daemons: die_with_parent(), own_session(), start_daemon(), wait_until(),
   stop_process(), and project_on_pythonpath() so that they import crust
   from this checkout;
-- the real stack of tests/harness.py (crust driver -> crust shim -> crust
+- the real stack of tests/harness/daemons.py (crust driver -> crust shim -> crust
   proxy, a runtime handler registered with the proxy): start_stack();
 - a volume published through the proxy's kubelet-facing socket as kubelet
   would publish it, and taken down again in order: ProxyVolume, with the
@@ -32,7 +32,7 @@ import grpc
 
 from bench.benchlib import PROJECT
 from crust.api import csi_pb2
-from tests.harness import CsiProcess, DriverProcess, HandlerProcess, ProxyProcess, Root, ShimProcess
+from tests.harness.daemons import CsiProcess, DriverProcess, HandlerProcess, ProxyProcess, Root, ShimProcess
 
 BARE_HOP = Path(__file__).resolve().parent / "bare_hop.py"
 
@@ -55,7 +55,7 @@ def die_with_parent(argv):
 
 @contextmanager
 def own_session():
-    """Make the daemons tests/harness.py starts run in their own session
+    """Make the daemons tests/harness/daemons.py starts run in their own session
     (a Ctrl-C at the terminal reaches the benchmark only, which then tears
     down in order) and end if the benchmark is killed. The harness calls
     subprocess.Popen; it is wrapped only while the daemons start."""

@@ -3,7 +3,7 @@
 shim, through the proxy and the shim. One command, every variant side by side.
 
 A variant is a whole real chain, `crust driver` -> `crust shim` -> `crust
-proxy` (tests/harness.py Root.stack(), each in its own temporary root):
+proxy` (tests/harness/daemons.py Root.stack(), each in its own temporary root):
 
 - `current`: this checkout's daemons, as they run anywhere;
 - `baseline` (with --baseline DIR): the daemons of another checkout of
@@ -99,7 +99,7 @@ from bench.benchlib import (  # noqa: E402
 from bench.harness_proxy import CreatedVolume, StatsVolume  # noqa: E402
 from bench.harness_stack import BareHop, die_with_parent  # noqa: E402
 from crust.api import csi_pb2  # noqa: E402
-from tests.harness import Root, mount_cap  # noqa: E402
+from tests.harness.daemons import Root, mount_cap  # noqa: E402
 
 DOORS = ("driver", "shim", "proxy")
 # `python -m crust ARGS`, with uvloop's loop under every asyncio.run().
@@ -109,7 +109,7 @@ UVLOOP_LAUNCH = ("import asyncio, runpy, uvloop; asyncio.set_event_loop_policy(u
 
 @contextmanager
 def daemons_from(code: Path, env: dict, uvloop: bool = False):
-    """Daemons that tests/harness.py starts meanwhile import crust from
+    """Daemons that tests/harness/daemons.py starts meanwhile import crust from
     `code` (it is their working directory, first on sys.path of `python -m
     crust`) with `env`, in their own session, ending if this script dies;
     with uvloop, on uvloop's event loop."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the microVM handler costs: sandbox start, stats, expansion, and guest I/O.
 
-Parts 1 to 3 use the REAL chain (tests/harness.py Root.stack(): crust driver
+Parts 1 to 3 use the REAL chain (tests/harness/daemons.py Root.stack(): crust driver
 -> crust shim -> crust proxy, and `crust kata handler` registered with the
 proxy). One deferred volume (--fs, default ext4, 256 MiB) is created, staged
 and published with defer_fs_ops=True on the proxy's kubelet-facing CSI
@@ -112,7 +112,7 @@ from bench.kata_guest_io import part4  # noqa: E402
 from bench.harness_stack import project_on_pythonpath  # noqa: E402
 from crust.api import csi_pb2, handler_pb2  # noqa: E402
 from crust.kata.image.build import DEFAULT_CACHE  # noqa: E402
-from tests.harness import MIB, Root  # noqa: E402
+from tests.harness.daemons import MIB, Root  # noqa: E402
 
 GROW_MIB = 64
 # The handler's log line once a VM's guest Python agent is connected (crust.kata.agent.connection).

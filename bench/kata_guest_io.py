@@ -11,7 +11,7 @@ from bench.benchlib import loadavg, others_cores, summary
 from bench.harness_guest_io import FS_MIB, MEMORY_MIB, IoVm
 from bench.harness_kata_chain import run_sample
 from crust.kata.image.build import build
-from tests.harness import MIB
+from tests.harness.daemons import MIB
 
 # buffered: through the guest's page cache (write + fsync; caches dropped
 # before reading); direct: O_DIRECT in the guest (still fsync'd).

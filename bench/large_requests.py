@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The daemons' memory under bursts of large requests.
 
-A real driver -> shim -> proxy stack (tests/harness.py). Each socket gets
+A real driver -> shim -> proxy stack (tests/harness/daemons.py). Each socket gets
 --rounds rounds of --concurrency concurrent requests of --size bytes (just
 under gRPC's default 4 MiB message limit): a CreateVolumeRequest carrying
 one unknown field of that size, which each hop forwards or reads as it
@@ -89,7 +89,7 @@ def main() -> int:
         print("large_requests: run as root (the driver attaches loop devices)", file=sys.stderr)
         return 1
 
-    from tests.harness import Root
+    from tests.harness.daemons import Root
 
     data = large_request(args.size)
     results = {**run_header("large_requests", None, machine()),

@@ -49,7 +49,7 @@ from crust.kata.agent import volume_calls
 from crust.kata.image.build import DEFAULT_CACHE, build
 from crust.kata.vmm.qemu import Vm, VmConfig, qemu_pids_under
 from crust.sys import loop as sysloop
-from tests.harness import MIB
+from tests.harness.daemons import MIB
 
 MODES = ("buffered", "direct")
 SIDES = ("plain", "luks2", "luks2-hmac")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Many pods asked for at once, as a scheduler's burst gives a node.
 
-The node of tests/cri_harness.py (a private containerd with crust's shim v2
+The node of tests/harness/cri.py (a private containerd with crust's shim v2
 and `crust kata handler`, run once per --settings entry: `template`, each
 pod's VM restored from the handler's saved VM; `poolN`, N VMs booted ahead;
 `boot`, neither). Each of --pods pods has a volume of its own, published
@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import benchlib  # noqa: E402
 from bench.pod_start import first_write  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
-from tests.cri_harness import cri_microvm_node, wait_for_template  # noqa: E402
-from tests.harness import Root  # noqa: E402
-from tests.harness import wait_until
+from tests.harness.cri import cri_microvm_node, wait_for_template  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
+from tests.harness.daemons import wait_until
 
 WORKLOAD = "echo x > /data/first-write && sync && echo written && trap 'exit 0' TERM; sleep 100000 & wait"
 WRITE_TIMEOUT = 600.0

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Pod lives one after another on a microVM node, and what they leave.
 
-The node of tests/cri_harness.py (a private containerd with crust's shim v2
+The node of tests/harness/cri.py (a private containerd with crust's shim v2
 and `crust kata handler --vm-template`, a pod network of its own), one
-deferred ext4 volume, and --lives lives as tests/churn.py lives them
+deferred ext4 volume, and --lives lives as tests/harness/churn.py lives them
 (published, run, written, read by ExecSync, killed, removed, unpublished;
 every tenth a container crashed and restarted in its sandbox, every tenth
 QEMU SIGKILLed). Reported: each life's time, the handler's RSS and
@@ -26,9 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
-from tests import churn  # noqa: E402
-from tests.cri_harness import cri_microvm_node, wait_for_template  # noqa: E402
-from tests.harness import Root  # noqa: E402
+from tests.harness import churn  # noqa: E402
+from tests.harness.cri import cri_microvm_node, wait_for_template  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
 
 FIELDS = ("handler_rss_kib", "handler_fds", "shim_rss_kib", "shim_fds")
 

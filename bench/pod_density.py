@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Many idle pods on one node: what each costs the host in memory and CPU.
 
-The node of tests/cri_harness.py (a private containerd with crust's shim v2
+The node of tests/harness/cri.py (a private containerd with crust's shim v2
 and `crust kata handler`, --vm-template unless --vm-source boot): --pods
 busybox pods of RuntimeClass crust-microvm, each with a deferred ext4
 volume of its own, started through CRI one after another, each container
@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import benchlib  # noqa: E402
 from crust.kata.vmm.qemu import qemu_pids_under  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
-from tests.cri_harness import container_log, cri_microvm_node, shim_pids, wait_for_template  # noqa: E402
-from tests.harness import Root  # noqa: E402
-from tests.harness import wait_until
+from tests.harness.cri import container_log, cri_microvm_node, shim_pids, wait_for_template  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
+from tests.harness.daemons import wait_until
 
 IDLE = "trap 'exit 0' TERM; {write}echo up; sleep 100000 & wait"
 START_TIMEOUT = 300.0

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """ExecSync into a running container, crust-microvm beside runc, in one run:
-both nodes up at once (tests/pod_nodes.py pod_node: a private
+both nodes up at once (tests/harness/pod_nodes.py pod_node: a private
 containerd each, the crust stack for the microVM), a busybox pod in each,
 and every round measures both, in turns, so that both see the same load.
 
@@ -33,8 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
-from tests.harness import Root  # noqa: E402
-from tests.pod_nodes import KEEP_RUNNING, pod_node  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
+from tests.harness.pod_nodes import KEEP_RUNNING, pod_node  # noqa: E402
 
 RUNTIMES = ("runc", "crust-microvm")
 BIG_ARGUMENT = 300 << 10

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Many execs into one long-lived container, crust-microvm beside runc in
-the same containerd (tests/pod_nodes.py pod_node: the microVM node runs
+the same containerd (tests/harness/pod_nodes.py pod_node: the microVM node runs
 runc pods too), as an exec probe runs for weeks: `true` by ExecSync into
 a container whose env is 40 KB (Kubernetes' service-link variables of a
 namespace with a few hundred Services), the runtimes taking turns exec by
@@ -27,10 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
-from tests.harness import Root  # noqa: E402
-from tests.pod_nodes import KEEP_RUNNING, pod_node  # noqa: E402
-from tests.churn import rss_kib  # noqa: E402
-from tests.pod_nodes import service_links  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
+from tests.harness.pod_nodes import KEEP_RUNNING, pod_node  # noqa: E402
+from tests.harness.churn import rss_kib  # noqa: E402
+from tests.harness.pod_nodes import service_links  # noqa: E402
 
 RUNTIMES = ("runc", "crust-microvm")
 ENV_BYTES = 40 << 10

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What a microVM pod costs the host while its containers do nothing.
 
-The node of tests/cri_harness.py (cri_microvm_node: crust's stack, `crust
+The node of tests/harness/cri.py (cri_microvm_node: crust's stack, `crust
 kata handler`, a private containerd 1.6 with crust's shim v2, kubelet's CRI
 side replayed). Each round starts one pod whose container prints a line and
 sleeps (containerd's shim then keeps a ReadOutput stream and a GetProcess
@@ -34,8 +34,8 @@ from bench import benchlib  # noqa: E402
 from crust.kata.image import build as kata_image
 from crust.kata.vmm.qemu import Vm, VmConfig, qemu_pids_under  # noqa: E402
 from crust.kubelet import Container, Pod  # noqa: E402
-from tests.cri_harness import cri_microvm_node  # noqa: E402
-from tests.harness import Root  # noqa: E402
+from tests.harness.cri import cri_microvm_node  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
 
 
 def qemu_cores(pid: int, seconds: float) -> tuple[float, float]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A container's logs at speed, crust-microvm beside runc in one run: both
-nodes up at once (tests/pod_nodes.py pod_node: a private containerd
+nodes up at once (tests/harness/pod_nodes.py pod_node: a private containerd
 each, the crust stack for the microVM), and each round runs, in turns, a
 pod per runtime whose one container writes 50 MiB of lines to its stdout
 (`yes` of a 1000-byte line through `head`) and exits.
@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
 from crust.api import cri_pb2 as cri  # noqa: E402
-from tests.harness import Root  # noqa: E402
-from tests.harness import wait_until
-from tests.pod_nodes import pod_node  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
+from tests.harness.daemons import wait_until
+from tests.harness.pod_nodes import pod_node  # noqa: E402
 
 RUNTIMES = ("runc", "crust-microvm")
 LINE = "x" * 999   # with its newline, 1000 bytes

@@ -2,7 +2,7 @@
 """A pod's network through the microVM (crust-microvm: the VM's NIC on a tap
 redirected to CNI's veth) against runc's, side by side in one run.
 
-Each RuntimeClass gets a node of its own (tests/pod_nodes.py
+Each RuntimeClass gets a node of its own (tests/harness/pod_nodes.py
 pod_node: a private containerd with a CNI bridge, the crust stack for the
 microVM), a web pod (busybox httpd serving a small page and a --mib MiB
 file) and a client pod, started through CRI as kubelet starts them. Then:
@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.benchlib import accelerator_under  # noqa: E402
 from bench.run_record import machine, run_header, write_json  # noqa: E402
-from tests.harness import Root  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
 from tests.vm.test_pod_network import eventually_get, http_get, serve  # noqa: E402
-from tests.pod_nodes import KEEP_RUNNING, pod_node  # noqa: E402
+from tests.harness.pod_nodes import KEEP_RUNNING, pod_node  # noqa: E402
 
 WGET_LOOP = """t() {{ read -r up _ < /proc/uptime; echo "$up"; }}
 a=$(t); i=0; while [ $i -lt {n} ]; do wget -q -O /dev/null http://{ip}/{path} || exit 1; i=$((i+1)); done; b=$(t)

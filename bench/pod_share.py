@@ -2,9 +2,9 @@
 """A crust-microvm pod's shared directory (virtio-fs) against what it replaced
 and against a deferred volume (virtio-blk), side by side in one run.
 
-The stack is the tests' (tests/kata_env.py kata_env: driver -> shim -> proxy,
+The stack is the tests' (tests/harness/kata_env.py kata_env: driver -> shim -> proxy,
 `crust kata handler`), driven through PodRuntime as containerd's crust shim
-drives it (tests/pod_runtime_client.py PodClient). One pod VM serves every
+drives it (tests/harness/pod_runtime_client.py PodClient). One pod VM serves every
 part; the guest runs under whatever accelerator the handler chose.
 
 1. Container create. (a) The copy crust made before the share: the
@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.benchlib import accelerator_under  # noqa: E402
 from bench.run_record import machine, run_header, write_json  # noqa: E402
-from tests.harness import MIB, Root  # noqa: E402
-from tests.kata_env import kata_env  # noqa: E402
-from tests.pod_runtime_client import PodClient, bind, container_bundle  # noqa: E402
+from tests.harness.daemons import MIB, Root  # noqa: E402
+from tests.harness.kata_env import kata_env  # noqa: E402
+from tests.harness.pod_runtime_client import PodClient, bind, container_bundle  # noqa: E402
 
 IO_SCRIPT = """set -e
 t() {{ read -r up _ < /proc/uptime; echo "$up"; }}

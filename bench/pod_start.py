@@ -2,7 +2,7 @@
 """Pod start through containerd: crust-runc with a deferred volume, against
 plain runc with the same volume mounted on the host.
 
-The node is the tests' (tests/cri_harness.py): crust driver -> shim ->
+The node is the tests' (tests/harness/cri.py): crust driver -> shim ->
 proxy (serving kubelet's registration) and the mount-namespace handler, a
 private containerd 1.6 (its own root, state, socket and config) whose
 runtime handlers are `runc` (the stock runc shim) and `crust-runc` (the
@@ -53,8 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import benchlib  # noqa: E402
 from crust.kubelet import PersistentVolume  # noqa: E402
-from tests.cri_harness import cri_node  # noqa: E402
-from tests.harness import Root  # noqa: E402
+from tests.harness.cri import cri_node  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
 
 VARIANTS = ("crust-runc", "runc")
 WORKLOAD = "echo x > /data/first-write && echo written && trap 'exit 0' TERM; sleep infinity & wait"

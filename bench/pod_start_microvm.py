@@ -2,7 +2,7 @@
 """Pod start through containerd with RuntimeClass crust-microvm: kubelet ->
 containerd -> containerd-shim-crust-v2 -> microVM handler -> guest.
 
-The node is the tests' (tests/cri_harness.py, cri_microvm_node): crust
+The node is the tests' (tests/harness/cri.py, cri_microvm_node): crust
 driver -> shim -> proxy (serving kubelet's registration), `crust kata
 handler`, a private containerd 1.6 whose runtime `crust` is crust's shim v2,
 and kubelet's CSI and CRI sides replayed from kubelet's source.
@@ -65,8 +65,8 @@ from crust.kata.vmm.qemu import qemu_pids_under  # noqa: E402
 from crust.kata.vmm.config import GUEST_CMDLINE  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
 from crust.kubelet import image as images  # noqa: E402
-from tests.cri_harness import cri_microvm_node, wait_for_template  # noqa: E402
-from tests.harness import Root  # noqa: E402
+from tests.harness.cri import cri_microvm_node, wait_for_template  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
 
 WORKLOAD = "echo x > /data/first-write && echo written && trap 'exit 0' TERM; while true; do sleep 1; done"
 CALLS = ("RunPodSandbox", "CreateContainer", "StartContainer", "StopPodSandbox")

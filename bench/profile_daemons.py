@@ -2,7 +2,7 @@
 """Where crust's daemons spend CPU on served calls: py-spy on each daemon.
 
 Starts a target (`driver`, `shim` -> driver, or `proxy` -> shim -> driver,
-as tests/csi_sanity.py starts them for the conformance suite) in a
+as tests/harness/csi_sanity.py starts them for the conformance suite) in a
 temporary root, attaches `py-spy record` to every daemon of it, runs a
 workload against its front socket, then prints per daemon the functions
 holding the most samples, by their own time ("self") and with what they
@@ -57,8 +57,8 @@ from bench.benchlib import (  # noqa: E402
 )
 from bench.harness_stack import project_on_pythonpath, stop_process  # noqa: E402
 from crust.api import csi_pb2  # noqa: E402
-from tests.csi_sanity import DRIVER_FLAGS, MUTABLE_YAML, sanity_argv, start_target  # noqa: E402
-from tests.harness import Root  # noqa: E402
+from tests.harness.csi_sanity import DRIVER_FLAGS, MUTABLE_YAML, sanity_argv, start_target  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
 
 DAEMONS = ("driver", "shim", "proxy")
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")

@@ -2,7 +2,7 @@
 """What `crust proxy` costs, measured side by side in one run.
 
 Parts 1 and 2 use the REAL stack: `crust driver` -> `crust shim` -> `crust
-proxy` (tests/harness.py Root.stack(), unix sockets in a temporary root).
+proxy` (tests/harness/daemons.py Root.stack(), unix sockets in a temporary root).
 Part 3 uses a FAKE CSI plugin behind the proxy (a small gRPC server that
 this script runs in its own process: Identity.GetPluginInfo,
 Node.NodeGetCapabilities advertising STAGE_UNSTAGE_VOLUME and DEFER_FS_OPS
@@ -113,7 +113,7 @@ from bench.harness_fleet import churn_rounds, drain_all, fill_up, rss_mib, start
 from bench.harness_proxy import RealStack, StatsEntries, StatsVolume  # noqa: E402
 from bench.harness_stack import project_on_pythonpath  # noqa: E402
 from crust.api import csi_pb2  # noqa: E402
-from tests.harness import Root  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
 
 # p50 to max of a set of times, in ms (4 decimals), as this benchmark reports them.
 summary_ms = functools.partial(summary, digits=4, names=("p50", "p90", "min", "max"), unit="_ms")
@@ -337,7 +337,7 @@ def main(argv=None) -> int:
     results: dict = {
         **run_header("proxy_bench", argv, machine(grpc=grpc.__version__)),
         "loadavg_start": file_text("/proc/loadavg"),
-        "setup": {"parts 1-2": "real crust driver -> crust shim -> crust proxy (tests/harness.py Root.stack())",
+        "setup": {"parts 1-2": "real crust driver -> crust shim -> crust proxy (tests/harness/daemons.py Root.stack())",
                   "part 3": "fake CSI plugin (this script) -> crust proxy, to isolate the proxy's own cost"},
     }
     root = Root()

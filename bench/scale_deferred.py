@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The proxy and the mount-namespace handler at many deferred volumes.
 
-Two real stacks side by side (tests/harness.py: crust driver -> crust shim
+Two real stacks side by side (tests/harness/daemons.py: crust driver -> crust shim
 -> crust proxy, and `crust handler` registered with the proxy), one filled
 to 10 deferred volumes, the other to --volumes N (default 1000). Each volume
 (--size MiB of --fs) is created, staged and published with defer_fs_ops on
@@ -61,7 +61,7 @@ from bench.harness_stack import ProxyVolume, project_on_pythonpath, start_stack 
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc  # noqa: E402
 from crust.contract.mountinfo import digest  # noqa: E402
 from crust.runtime_handler.index import VolumeIndex  # noqa: E402
-from tests.harness import MIB, Root, mount_cap  # noqa: E402
+from tests.harness.daemons import MIB, Root, mount_cap  # noqa: E402
 
 SMALL = 10
 DAEMONS = ("driver", "shim", "proxy", "handler")

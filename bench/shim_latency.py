@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project r
 
 from bench.benchlib import machine, quantiles, run_header, timed, write_json  # noqa: E402
 from crust.api import csi_pb2  # noqa: E402
-from tests.harness import MIB, Root, mount_cap  # noqa: E402
+from tests.harness.daemons import MIB, Root, mount_cap  # noqa: E402
 
 
 def main() -> int:

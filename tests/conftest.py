@@ -8,8 +8,8 @@ import pytest
 pytest.register_assert_rewrite(*(f"tests.{m.stem}" for m in Path(__file__).parent.glob("*.py")
                                  if m.stem not in ("__init__", "conftest")))
 
-from tests import upstream  # noqa: E402 - after the rewrite is registered
-from tests.harness import Root  # noqa: E402
+from tests.harness import upstream  # noqa: E402 - after the rewrite is registered
+from tests.harness.daemons import Root  # noqa: E402
 
 UNIT_TIER = Path(__file__).resolve().parent / "unit"
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1")

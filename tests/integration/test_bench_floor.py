@@ -12,7 +12,7 @@ import pytest
 
 from bench import call_cpu, conformance_ratio
 from crust.api import csi_pb2, csi_pb2_grpc
-from tests.harness import pid_alive
+from tests.harness.daemons import pid_alive
 
 
 @pytest.mark.parametrize("stack", ["aio", "sync"])

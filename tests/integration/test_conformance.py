@@ -16,7 +16,7 @@
   driver behind it is gone.
 
 None of these programs is part of crust: each is found on PATH or by its
-variable (tests/upstream.py: CSI_SANITY, HOSTPATHPLUGIN,
+variable (tests/harness/upstream.py: CSI_SANITY, HOSTPATHPLUGIN,
 NODE_DRIVER_REGISTRAR, LIVENESSPROBE); a test whose program is absent is
 skipped, naming it, in CI too.
 """
@@ -36,11 +36,11 @@ from crust.api import csi_pb2
 from crust.kubelet import Kubelet
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests import upstream
-from tests.csi_sanity import (MUTABLE_YAML, TARGETS, failed_specs, sanity_argv, skipped_specs, start_target,
+from tests.harness import upstream
+from tests.harness.csi_sanity import (MUTABLE_YAML, TARGETS, failed_specs, sanity_argv, skipped_specs, start_target,
                               stated_counts, summary_counts, volume_size)
-from tests.harness import stop_child
-from tests.upstream import CSI_SANITY, HOSTPATHPLUGIN, LIVENESSPROBE, NODE_DRIVER_REGISTRAR
+from tests.harness.daemons import stop_child
+from tests.harness.upstream import CSI_SANITY, HOSTPATHPLUGIN, LIVENESSPROBE, NODE_DRIVER_REGISTRAR
 
 DRIVER = "loop.csi.crust.dev"
 RUNS = [(target, access) for target in ("driver", "shim", "proxy", "shim-hostpath") for access in ("mount", "block")]

@@ -34,8 +34,8 @@ from crust.api import containerd_task_pb2 as task_pb
 from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common import ttrpc
 from crust.common.ttrpc import Client, TtrpcError
-from tests.cri_harness import processes_naming
-from tests.ttrpc_harness import TASK
+from tests.harness.cri import processes_naming
+from tests.harness.ttrpc import TASK
 
 SHIM = Path(sys.executable).parent / "containerd-shim-crust-v2"
 NAMESPACE = "k8s.io"

@@ -18,7 +18,7 @@ from crust.common import copath, limits
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import device_held
+from tests.harness.daemons import device_held
 
 
 @pytest.fixture

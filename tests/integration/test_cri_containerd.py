@@ -23,8 +23,8 @@ import pytest
 
 from crust.api import cri_pb2 as cri
 from crust.kubelet import image as images
-from tests.cri_harness import host_network_pod, leftovers_of, private_containerd, processes_naming
-from tests.harness import wait_until
+from tests.harness.cri import host_network_pod, leftovers_of, private_containerd, processes_naming
+from tests.harness.daemons import wait_until
 
 
 def _wait_exited(rs, container_id: str, timeout: float = 20) -> cri.ContainerStatus:

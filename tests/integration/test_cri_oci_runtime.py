@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.cri_harness import OCI_RUNTIME, PYTHON_OCI_RUNTIME
-from tests.handler_env import make_env  # noqa: F401 - make_env is a fixture
-from tests.oci_runtime_harness import _last_error, _runc_bundle, _runtime
+from tests.harness.cri import OCI_RUNTIME, PYTHON_OCI_RUNTIME
+from tests.harness.handler_env import make_env  # noqa: F401 - make_env is a fixture
+from tests.harness.oci_runtime import _last_error, _runc_bundle, _runtime
 
 
 # -- the runtime's command line (no runc needed) ------------------------------------------------------

@@ -20,10 +20,10 @@ from crust.api import csi_pb2
 from crust.contract.mountinfo import digest
 from crust.kubelet import Container, Kubelet, PersistentVolume, Pod, VolumeMount
 from crust.kubelet.cri import KubeletRuntime, SyncError
-from tests.demo_run import run_demo
-from tests.cri_harness import (CONTAINERDS, containerd_binary, cri_node, private_containerd, shim_pids,
+from tests.harness.demo_run import run_demo
+from tests.harness.cri import (CONTAINERDS, containerd_binary, cri_node, private_containerd, shim_pids,
                                shims_killed_here)
-from tests.harness import wait_until
+from tests.harness.daemons import wait_until
 
 
 # -- kubelet's CRI side, replayed --------------------------------------------------------------------

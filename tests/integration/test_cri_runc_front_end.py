@@ -17,11 +17,11 @@ from pathlib import Path
 
 from crust.contract.mountinfo import digest
 from crust.sys import mount as sysmount
-from tests.cri_harness import PYTHON_OCI_RUNTIME
-from tests.harness import device_held
-from tests.handler_env import make_env  # noqa: F401 - make_env is a fixture
-from tests.harness import wait_until
-from tests.oci_runtime_harness import _last_error, _runc_bundle, _runtime
+from tests.harness.cri import PYTHON_OCI_RUNTIME
+from tests.harness.daemons import device_held
+from tests.harness.handler_env import make_env  # noqa: F401 - make_env is a fixture
+from tests.harness.daemons import wait_until
+from tests.harness.oci_runtime import _last_error, _runc_bundle, _runtime
 
 
 # -- crust-runc and the handler ----------------------------------------------------------------------

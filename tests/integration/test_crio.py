@@ -1,5 +1,5 @@
 """crust's runtimes driven by CRI-O, the other CRI implementation kubelet
-uses: a private CRI-O (crust.kubelet.crio, tests/crio_harness.py) that
+uses: a private CRI-O (crust.kubelet.crio, tests/harness/crio.py) that
 pulls its images from a local registry, kubelet's CRI side replayed
 against it (crust.kubelet.cri), and
 - the configuration CRI-O reads back (`crio config`);
@@ -14,7 +14,7 @@ against it (crust.kubelet.cri), and
   removed) the claim of the stopped container is let go at the unmount.
 
 CRI-O is not part of crust: crio and pinns (cri-o/cri-o) are found on PATH
-or by CRIO and PINNS (tests/upstream.py); without them this module is
+or by CRIO and PINNS (tests/harness/upstream.py); without them this module is
 skipped, naming the missing program, in CI too.
 """
 
@@ -36,12 +36,12 @@ from crust.api import cri_pb2 as cri
 from crust.kubelet import Container, Kubelet, PersistentVolume, Pod
 from crust.kubelet.cri import KubeletRuntime
 from crust.kubelet.crio import Crio, CrioError
-from tests.demo_run import run_demo
-from tests.cri_harness import processes_naming
-from tests import upstream
-from tests.crio_harness import checked_crio_tools, crio_node, leftovers_of, private_crio
-from tests.harness import wait_until
-from tests.upstream import CRIO, PINNS
+from tests.harness.demo_run import run_demo
+from tests.harness.cri import processes_naming
+from tests.harness import upstream
+from tests.harness.crio import checked_crio_tools, crio_node, leftovers_of, private_crio
+from tests.harness.daemons import wait_until
+from tests.harness.upstream import CRIO, PINNS
 
 pytestmark = upstream.suite("CRI-O", CRIO, PINNS)
 

@@ -22,7 +22,7 @@ from crust.driver.config import DRIVER_NAME
 from crust.node.config import NodeConfig, Runtime
 from crust.node.supervisor import child_argvs
 from crust.proxy.kube import API_CALLS
-from tests.kustomize import render
+from tests.harness.kustomize import render
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy" / "kubernetes"

@@ -26,9 +26,9 @@ from crust.contract.mountinfo import digest
 from crust.csi_shim.records import volume_key
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, fill_until_full, mount_cap
-from tests.handler_env import Env
-from tests.harness import pid_alive, wait_until
+from tests.harness.daemons import MIB, fill_until_full, mount_cap
+from tests.harness.handler_env import Env
+from tests.harness.daemons import pid_alive, wait_until
 
 Code = grpc.StatusCode
 SIZES = {"data": "160M", "shim-state": "2M", "proxy-state": "2M", "volumes": "2M", "kata": "2M",

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.kubelet import Kubelet, PersistentVolume, Pod
-from tests.harness import MIB, code_of, mount_cap
+from tests.harness.daemons import MIB, code_of, mount_cap
 from tests.integration.test_node import NodeRun
 
 TOPOLOGY_KEY = "topology.loop.csi.crust.dev/node"

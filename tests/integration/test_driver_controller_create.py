@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from crust.api import csi_pb2
-from tests.driver_controller_calls import (
+from tests.harness.driver_controller_calls import (
     MISSING_VOLUME,
     POOL_CAPACITY,
     TOPOLOGY_KEY,
@@ -41,7 +41,7 @@ from tests.driver_controller_calls import (
     volume_file,
     volume_source,
 )
-from tests.harness import GIB, MIB, AccessMode, block_cap, code_of, mount_cap
+from tests.harness.daemons import GIB, MIB, AccessMode, block_cap, code_of, mount_cap
 
 # -- what is on disk ------------------------------------------------------------------
 

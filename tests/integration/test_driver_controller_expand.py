@@ -7,7 +7,7 @@ shrunk, bounded by the pool) and changing its provisioning after the fact.
 from __future__ import annotations
 
 from crust.api import csi_pb2
-from tests.driver_controller_calls import (
+from tests.harness.driver_controller_calls import (
     MISSING_VOLUME,
     OFFSET,
     PATTERN,
@@ -23,7 +23,7 @@ from tests.driver_controller_calls import (
     volume_file,
     write_pattern,
 )
-from tests.harness import MIB
+from tests.harness.daemons import MIB
 
 # =============================================================================
 # ControllerExpandVolume

@@ -8,7 +8,7 @@ refused; the entries carry the published nodes and the volume condition.
 from __future__ import annotations
 
 from crust.api import csi_pb2
-from tests.driver_controller_calls import (
+from tests.harness.driver_controller_calls import (
     MISSING_SNAPSHOT,
     StatusCode,
     create,
@@ -17,7 +17,7 @@ from tests.driver_controller_calls import (
     snapshot,
     volume_file,
 )
-from tests.harness import MIB
+from tests.harness.daemons import MIB
 
 # -- calls ------------------------------------------------------------------------
 

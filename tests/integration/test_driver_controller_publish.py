@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from crust.api import csi_pb2
-from tests.driver_controller_calls import (
+from tests.harness.driver_controller_calls import (
     MISSING_VOLUME,
     StatusCode,
     code_of_get,
@@ -24,7 +24,7 @@ from tests.driver_controller_calls import (
     unpublish_req,
     volume_file,
 )
-from tests.harness import MIB, AccessMode, block_cap, mount_cap
+from tests.harness.daemons import MIB, AccessMode, block_cap, mount_cap
 
 # =============================================================================
 # ControllerPublishVolume / ControllerUnpublishVolume

@@ -9,7 +9,7 @@ the snapshot and volume files in the pool, the controller's JSON records.
 from __future__ import annotations
 
 from crust.api import csi_pb2
-from tests.driver_controller_calls import (
+from tests.harness.driver_controller_calls import (
     MISSING_SNAPSHOT,
     MISSING_VOLUME,
     OFFSET,
@@ -28,7 +28,7 @@ from tests.driver_controller_calls import (
     volume_source,
     write_pattern,
 )
-from tests.harness import MIB
+from tests.harness.daemons import MIB
 
 # =============================================================================
 # Content sources

@@ -15,7 +15,7 @@ import pytest
 
 from crust.api import csi_pb2
 from crust.sys import loop as sysloop
-from tests.driver_controller_calls import (
+from tests.harness.driver_controller_calls import (
     OFFSET,
     PATTERN,
     POOL_CAPACITY,
@@ -38,7 +38,7 @@ from tests.driver_controller_calls import (
     volume_source,
     write_pattern,
 )
-from tests.harness import MIB, AccessMode, loops_left_under, mount_cap, mounted_at
+from tests.harness.daemons import MIB, AccessMode, loops_left_under, mount_cap, mounted_at
 
 RPC = csi_pb2.ControllerServiceCapability.RPC
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from crust.sys import blockdev as sysblock
 from crust.sys import mount as sysmount
-from tests.driver_node_calls import (
+from tests.harness.driver_node_calls import (
     SIZE,
     Code,
     Usage,
@@ -31,7 +31,7 @@ from tests.driver_node_calls import (
     stats,
     stats_req,
 )
-from tests.harness import MIB, block_cap, mount_cap
+from tests.harness.daemons import MIB, block_cap, mount_cap
 
 # -- helpers ---------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import subprocess
 
 from crust.api import csi_pb2
 from crust.sys import mount as sysmount
-from tests.driver_node_calls import (
+from tests.harness.driver_node_calls import (
     SIZE,
     Code,
     assert_fs_mount_of,
@@ -30,7 +30,7 @@ from tests.driver_node_calls import (
     unknown_id,
     write_synced,
 )
-from tests.harness import AccessMode, loops_left, mount_cap
+from tests.harness.daemons import AccessMode, loops_left, mount_cap
 
 # -- NodePublishVolume ---------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ import pytest
 
 from crust.api import csi_pb2
 from crust.sys import mount as sysmount
-from tests.driver_node_calls import SIZE, Code, fails, loop_devices, record, record_file
-from tests.harness import MIB, AccessMode, block_cap, mount_cap
+from tests.harness.driver_node_calls import SIZE, Code, fails, loop_devices, record, record_file
+from tests.harness.daemons import MIB, AccessMode, block_cap, mount_cap
 
 RPC = csi_pb2.NodeServiceCapability.RPC
 

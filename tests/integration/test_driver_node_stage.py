@@ -27,7 +27,7 @@ from crust.sys import blockdev as sysblock
 from crust.sys import fs as sysfs
 from crust.sys import loop as sysloop
 from crust.sys.run import CommandError
-from tests.driver_node_calls import (
+from tests.harness.driver_node_calls import (
     SIZE,
     Code,
     assert_fs_mount_of,
@@ -40,7 +40,7 @@ from tests.driver_node_calls import (
     record_file,
     write_synced,
 )
-from tests.harness import MIB, AccessMode, blkid, block_cap, mount_cap, sha256_of
+from tests.harness.daemons import MIB, AccessMode, blkid, block_cap, mount_cap, sha256_of
 
 OTHER_FS = {"ext4": "xfs", "xfs": "ext4"}
 

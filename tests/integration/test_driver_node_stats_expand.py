@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from crust.sys import blockdev as sysblock
-from tests.driver_node_calls import (
+from tests.harness.driver_node_calls import (
     SIZE,
     Code,
     Usage,
@@ -29,7 +29,7 @@ from tests.driver_node_calls import (
     unknown_id,
     write_synced,
 )
-from tests.harness import GIB, MIB, mount_cap
+from tests.harness.daemons import GIB, MIB, mount_cap
 
 # -- helpers ---------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from crust.api import csi_pb2
 from crust.driver.backend import loop as backend
 from crust.driver.records import Lifecycle, VolumeRecord
 from crust.sys import loop as sysloop
-from tests.driver_restart_calls import (
+from tests.harness.driver_restart_calls import (
     NODE,
     SIZE,
     assert_nothing_left,
@@ -40,7 +40,7 @@ from tests.driver_restart_calls import (
     records_dir,
     write_synced,
 )
-from tests.harness import MIB, DriverProcess, loop_autoclear, mount_cap, mounted_at
+from tests.harness.daemons import MIB, DriverProcess, loop_autoclear, mount_cap, mounted_at
 
 # -- helpers ---------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from crust.api import csi_pb2
 from crust.driver.backend import loop as backend
 from crust.driver.records import GroupSnapshotRecord, Lifecycle, SnapshotRecord, VolumeRecord
 from crust.sys import loop as sysloop
-from tests.driver_restart_calls import (
+from tests.harness.driver_restart_calls import (
     NODE,
     SIZE,
     assert_nothing_left,
@@ -33,7 +33,7 @@ from tests.driver_restart_calls import (
     records_dir,
     write_synced,
 )
-from tests.harness import MIB, DriverProcess, Root, block_cap, loop_autoclear, loops_left_under, mounted_at
+from tests.harness.daemons import MIB, DriverProcess, Root, block_cap, loop_autoclear, loops_left_under, mounted_at
 
 # -- what lives under the test's root ---------------------------------------------------
 

@@ -2,7 +2,7 @@
 identity at every hand-over, and a lost watcher: end to end, on real parts.
 
 Real `crust driver` -> `crust shim` -> `crust proxy` and a `crust handler`
-(tests.handler_env's Env), real loop devices and mount namespaces. Each
+(tests.harness.handler_env's Env), real loop devices and mount namespaces. Each
 test damages what a buggy root component could (a mountInfo.json that is
 not JSON, cut short, of wrong types, empty, 8 MiB, a directory, a symlink,
 a FIFO; a subdirectory inside an entry; a record that names a path outside
@@ -28,10 +28,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
 from crust.contract.mountinfo import MountInfo, digest, kata_name
-from tests import hostile
-from tests.harness import MIB
-from tests.handler_env import Env, make_env, namespaces_mounting  # noqa: F401 - make_env is a fixture
-from tests.harness import wait_until
+from tests.harness import hostile
+from tests.harness.daemons import MIB
+from tests.harness.handler_env import Env, make_env, namespaces_mounting  # noqa: F401 - make_env is a fixture
+from tests.harness.daemons import wait_until
 
 Code = grpc.StatusCode
 BAD = {Code.INTERNAL, Code.UNKNOWN, Code.DEADLINE_EXCEEDED}

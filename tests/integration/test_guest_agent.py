@@ -18,7 +18,7 @@ from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest.oci import OciRuntime
 from crust.kata.agent.client import AgentClient
-from tests.guest_container import (
+from tests.harness.guest_container import (
     REPO,
     code_of,
     crun_container_agent,

@@ -2,7 +2,7 @@
 containers.py): CreateContainer makes it with crun (held by the agent's
 hook before its exec), StartContainer lets it run, RemoveContainer kills,
 deletes and forgets it. Run on the host beside a real crun
-(tests/guest_container.py); ConfigureGuest on a stand-in /proc/sys."""
+(tests/harness/guest_container.py); ConfigureGuest on a stand-in /proc/sys."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from crust.common import ttrpc
 from crust.guest import guestconf
 from crust.guest.errors import AgentError
 from crust.kata.agent.client import AgentClient
-from tests.guest_container import ContainerAgent, code_of, crun_container_agent
+from tests.harness.guest_container import ContainerAgent, code_of, crun_container_agent
 
 
 def unified_hierarchy() -> Path:

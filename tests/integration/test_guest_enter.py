@@ -3,7 +3,7 @@
 same container: what the process sees of itself (ids, capability sets,
 no_new_privs, seccomp, namespaces, cgroup, rlimits, OOM score, umask,
 directory, environment, a syscall the filter refuses) must be the same.
-Run on the host beside a real crun container (tests/guest_container.py)."""
+Run on the host beside a real crun container (tests/harness/guest_container.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
 from crust.guest import enter
 from crust.kata.agent.client import AgentClient
-from tests.guest_container import ContainerAgent, crun_container_agent
+from tests.harness.guest_container import ContainerAgent, crun_container_agent
 
 # What a process reads of itself; each line the same under both paths.
 PROBE = r"""

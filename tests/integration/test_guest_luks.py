@@ -1,6 +1,6 @@
 """The guest agent's checks of an encrypted volume's disk before it opens
 anything (crust/guest/luks.py), on the host: loop devices of headers the
-host's cryptsetup made and an attacker edited (tests/luks2_header.py).
+host's cryptsetup made and an attacker edited (tests/harness/luks2_header.py).
 The host has no device-mapper, so the opens themselves run in the VM
 (tests/vm/test_luks_hostile_guest.py); what decides whether a disk is formatted or
 opened at all runs here."""
@@ -18,7 +18,7 @@ from crust.common import ttrpc
 from crust.guest import luks, luks_shape
 from crust.guest.errors import AgentError
 from crust.sys import loop as sysloop
-from tests.luks_variants import (
+from tests.harness.luks_variants import (
     BLANK_TABLE,
     VARIANTS,
     crust_header,

@@ -13,7 +13,7 @@ import sys
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.kata.agent.client import AgentClient
-from tests.guest_container import REPO, code_of, stop, wait_listening
+from tests.harness.guest_container import REPO, code_of, stop, wait_listening
 
 MAC = "02:c0:ff:ee:00:07"
 

@@ -3,7 +3,7 @@ crust/sys/beneath.py): subPaths opened below their volume by descriptors
 while another container swaps names for symlinks in it, and
 CreateContainer placing a container's root, binds and PID namespace from
 what the host names (a share's path, the pod's tmpfs, a subpath), run on
-the host beside a real crun (tests/guest_container.py)."""
+the host beside a real crun (tests/harness/guest_container.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from crust.common import ttrpc
 from crust.guest.places import ROOT_RETIRE
 from crust.kata.agent.client import AgentClient
 from crust.sys.beneath import SubpathError, open_subpath
-from tests.guest_container import ContainerAgent, code_of, crun_container_agent
+from tests.harness.guest_container import ContainerAgent, code_of, crun_container_agent
 from tests.integration.test_guest_containers import container_spec, crun_knows, pod_cgroup_cleaned  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("pod_cgroup_cleaned")

@@ -2,7 +2,7 @@
 the agent's enter program (or crun) makes the terminal in the container and
 hands its master over; the agent reads the process's output from it, writes its
 input to it and sets its size. Run on the host beside a real crun
-(tests/guest_container.py)."""
+(tests/harness/guest_container.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.kata.agent.client import AgentClient
-from tests.guest_container import ContainerAgent, code_of, crun_container_agent
+from tests.harness.guest_container import ContainerAgent, code_of, crun_container_agent
 from tests.integration.test_guest_containers import container_spec, pod_cgroup_cleaned  # noqa: F401
 from tests.integration.test_guest_enter import _parent_of
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from crust.sys import mount as sysmount
-from tests.handler_env import holders_under, mountinfo_of
-from tests.harness import loops_left, wait_until
+from tests.harness.handler_env import holders_under, mountinfo_of
+from tests.harness.daemons import loops_left, wait_until
 
 PROJECT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ every kind in the watched directory (not digests, invalid JSON, symlinked
 descriptions, FIFOs, ...) never stops the handler, and watching costs no
 CPU while nothing changes; a mount source resolves to the deepest entry and
 its subpath, and '..' escapes are refused. The first and third run on a real
-driver -> shim -> proxy stack with a real handler (tests.handler_env); the
+driver -> shim -> proxy stack with a real handler (tests.harness.handler_env); the
 others on a real VolumeIndex over a directory of the test's own.
 """
 
@@ -27,8 +27,8 @@ from crust.contract.mountinfo import MountInfo, digest
 from crust.contract.volumes_dir import VolumesDir
 from crust.runtime_handler.index import VolumeIndex
 from crust.runtime_handler.resolve import SubpathEscapes, candidates, resolve
-from tests.handler_env import Env, entries_of, env, make_env, view  # noqa: F401 - env, make_env: fixtures
-from tests.harness import wait_until
+from tests.harness.handler_env import Env, entries_of, env, make_env, view  # noqa: F401 - env, make_env: fixtures
+from tests.harness.daemons import wait_until
 
 
 # -- waiting for the index -----------------------------------------------------------------------

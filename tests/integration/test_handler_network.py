@@ -1,7 +1,7 @@
 """A pod sandbox's network namespace under `crust handler`.
 
 Real driver -> shim -> proxy processes and a real handler
-(tests.handler_env). A sandbox gets a network namespace of its own, named
+(tests.harness.handler_env). A sandbox gets a network namespace of its own, named
 in /run/netns, with only the loopback interface, up; the sandbox's process
 is in it; deleting the sandbox removes it. After the handler was killed,
 the restarted handler removes the namespaces of its sandboxes that died
@@ -18,8 +18,8 @@ import subprocess
 from pyroute2.netns import listnetns
 
 from crust.sys import netns
-from tests.handler_env import env, kill_container_processes, make_env, short_lease  # noqa: F401 - fixtures
-from tests.harness import wait_until
+from tests.harness.handler_env import env, kill_container_processes, make_env, short_lease  # noqa: F401 - fixtures
+from tests.harness.daemons import wait_until
 
 
 def test_a_sandbox_has_its_own_network_with_only_loopback(env):

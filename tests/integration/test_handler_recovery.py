@@ -1,7 +1,7 @@
 """`crust handler` when things change behind its back: mounts, restarts, dying sandboxes.
 
 Real driver -> shim -> proxy processes and a real handler
-(tests.handler_env). The volume condition follows the kernel when a mount
+(tests.harness.handler_env). The volume condition follows the kernel when a mount
 is remounted or unmounted inside the sandbox by someone else; a running
 sandbox survives its handler's death and restart, keeps its claim and its
 stats, and the restarted handler indexes what was published while it was
@@ -23,8 +23,8 @@ import grpc
 import pytest
 
 from crust.api import csi_pb2
-from tests.handler_env import entries_of, env, make_env, rootfs_of, short_lease, view  # noqa: F401 - fixtures
-from tests.harness import pid_alive, wait_until
+from tests.harness.handler_env import entries_of, env, make_env, rootfs_of, short_lease, view  # noqa: F401 - fixtures
+from tests.harness.daemons import pid_alive, wait_until
 
 Code = grpc.StatusCode
 Usage = csi_pb2.VolumeUsage

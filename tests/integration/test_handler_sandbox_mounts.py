@@ -1,7 +1,7 @@
 """How `crust handler` mounts a deferred volume into a pod sandbox.
 
 Real driver -> shim -> proxy processes and a real handler
-(tests.handler_env); a sandbox runs with `crust sandbox run` on an OCI
+(tests.harness.handler_env); a sandbox runs with `crust sandbox run` on an OCI
 bundle whose mounts name the CSI target path. Checked here: the file
 system is mounted in the sandbox's mount namespace only, never on the host,
 whose target keeps the read-only placeholder; subpath mounts show only
@@ -22,8 +22,8 @@ import grpc
 import pytest
 
 from crust.sys import mount as sysmount
-from tests.handler_env import Env, Vol, entries_of, env, make_env, rootfs_of, view  # noqa: F401 - fixtures
-from tests.harness import pid_alive, wait_until
+from tests.harness.handler_env import Env, Vol, entries_of, env, make_env, rootfs_of, view  # noqa: F401 - fixtures
+from tests.harness.daemons import pid_alive, wait_until
 
 Code = grpc.StatusCode
 GROUP_BITS = stat.S_IRGRP | stat.S_IWGRP | stat.S_IXGRP | stat.S_ISGID

@@ -10,7 +10,7 @@ import sys
 from bench.benchlib import PROJECT
 from bench.hop_cost import BareVariant, part2
 from crust.api import csi_pb2
-from tests.harness import pid_alive
+from tests.harness.daemons import pid_alive
 
 
 def test_help_names_the_bare_variant():

@@ -41,7 +41,7 @@ What a failing example made outside the root (its mounts, /etc entries,
 scratch files) is undone before the next example. After each RPC every daemon
 must answer: csi Identity/Probe on the three CSI sockets, grpc.health and a
 listing on the runtime and handler sockets. The mount table is read with the
-test's own parser (tests/hostile.py), not crust's.
+test's own parser (tests/harness/hostile.py), not crust's.
 
 File-level faults (test_hostile_files): hypothesis plants, where crust
 reads a file, a mountInfo.json that is not JSON, cut short, of wrong types,
@@ -71,8 +71,8 @@ protobuf text format (invisible characters escaped) and the end of the
 daemon's traceback. With -s, the last test prints the status codes each
 RPC's requests got (how deep they reached).
 
-The set-up is tests/hostile_stack.py (its requests: tests/hostile_templates.py
-and tests/hostile_requests.py); the host-side invariants are tests/hostile.py.
+The set-up is tests/harness/hostile_stack.py (its requests: tests/harness/hostile_templates.py
+and tests/harness/hostile_requests.py); the host-side invariants are tests/harness/hostile.py.
 Every test here shares the module's one set-up, so they stay in one module.
 
 Running:
@@ -101,10 +101,11 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 from crust.api import csi_pb2, handler_pb2, registry_pb2, runtime_pb2
 from crust.sys import loop as sysloop
-from tests import hostile, hostile_requests
-from tests.harness import MIB, Root, kill_processes_rooted_under, mount_cap
-from tests.hostile_stack import CHANGES_STATE, Stack, Vol, finding, mount_small_disks, one_line
-from tests.hostile_templates import TARGETS
+from tests.harness import hostile
+from tests.harness import hostile_requests
+from tests.harness.daemons import MIB, Root, kill_processes_rooted_under, mount_cap
+from tests.harness.hostile_stack import CHANGES_STATE, Stack, Vol, finding, mount_small_disks, one_line
+from tests.harness.hostile_templates import TARGETS
 
 
 # Hypothesis keeps caches (and would keep its example database) in

@@ -35,7 +35,7 @@ import pytest
 from crust.api import csi_pb2
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, loops_left, mount_cap
+from tests.harness.daemons import MIB, loops_left, mount_cap
 
 Code = grpc.StatusCode
 ENDPOINTS = ("driver", "shim", "proxy")

@@ -54,11 +54,11 @@ from crust.kubelet.ctr import CtrContainers
 from crust.kubelet.image import archive_config
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests import podspec
-from tests.harness import MIB, Root, cleanup_root, mount_cap
-from tests.kustomize import render
+from tests.harness import podspec
+from tests.harness.daemons import MIB, Root, cleanup_root, mount_cap
+from tests.harness.kustomize import render
 from tests.integration.test_kube import pki, serving  # noqa: F401 - the module's CA and server certificate
-from tests.kube_api import KubeAPI
+from tests.harness.kube_api import KubeAPI
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))

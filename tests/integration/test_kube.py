@@ -15,7 +15,7 @@ import yaml
 
 from crust.proxy.config import KubernetesAccess
 from crust.proxy.kube import PodFacts, PodLookup, PodLookupError
-from tests.kube_api import KubeAPI
+from tests.harness.kube_api import KubeAPI
 
 TOKEN = "token-one"
 

@@ -24,9 +24,9 @@ from crust.kubelet import (Kubelet, PersistentVolume, Pod, RegistrationRefused, 
 from crust.proxy.kubelet_registration import SERVICE_NAME
 from crust.sys import mount as sysmount
 from crust.sys import ownership
-from tests.harness import MIB, mount_cap
-from tests.handler_env import Env, digest, kill_container_processes, view
-from tests.harness import wait_until
+from tests.harness.daemons import MIB, mount_cap
+from tests.harness.handler_env import Env, digest, kill_container_processes, view
+from tests.harness.daemons import wait_until
 
 DRIVER = "loop.csi.crust.dev"
 DEFER = {"crust.dev/defer": "true"}

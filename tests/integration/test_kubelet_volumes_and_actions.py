@@ -33,7 +33,7 @@ from crust.kubelet import (
 from crust.kubelet.atomic_writer import AtomicWriter, FileProjection, PayloadError
 from crust.kubelet.pod_actions import PodStatus, compute_pod_actions
 from crust.sys import mount as sysmount
-from tests.pod_nodes import MiB, mounts_below
+from tests.harness.pod_nodes import MiB, mounts_below
 
 
 def test_the_atomic_writer_lays_out_and_switches_versions_as_kubelet(tmp_path):
@@ -62,7 +62,7 @@ def test_the_atomic_writer_lays_out_and_switches_versions_as_kubelet(tmp_path):
 
 
 def test_the_configmap_layout_of_the_pod_spec_renderer_is_the_atomic_writers(tmp_path):
-    from tests.podspec import PodContext, config_map_volume
+    from tests.harness.podspec import PodContext, config_map_volume
 
     ctx = PodContext(pod_name="p", namespace="default", node_name="n", workdir=tmp_path, host_path=Path)
     directory = config_map_volume("cfg", {"data": {"node.yaml": "a: 1\n"}}, ctx)

@@ -19,8 +19,8 @@ import stat
 from pathlib import Path
 
 from crust.api import csi_pb2
-from tests.harness import MIB
-from tests.handler_env import Env
+from tests.harness.daemons import MIB
+from tests.harness.handler_env import Env
 from tests.integration.test_node import NodeRun, write_config
 
 # Files crust writes for other readers, with the mode it gives them.

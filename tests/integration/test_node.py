@@ -19,8 +19,8 @@ from crust.demo.node import NodeProcess
 from crust.kubelet import Kubelet, PersistentVolume, Pod
 from crust.node.config import NodeConfig, Runtime
 from crust.sys import mount as sysmount
-from tests.harness import MIB, loops_left, mount_cap
-from tests.harness import wait_until
+from tests.harness.daemons import MIB, loops_left, mount_cap
+from tests.harness.daemons import wait_until
 from tests.integration.test_kubelet import DRIVER
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}

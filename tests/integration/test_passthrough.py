@@ -21,7 +21,7 @@ import pytest
 
 from crust.api import csi_pb2
 from crust.csi_shim.passthrough import PLUGIN_ANSWER_SECONDS, unary_methods
-from tests.harness import UnixGrpcServer, csi_unary_handler, scrape_metrics
+from tests.harness.daemons import UnixGrpcServer, csi_unary_handler, scrape_metrics
 
 Code = grpc.StatusCode
 RPC = csi_pb2.NodeServiceCapability.RPC

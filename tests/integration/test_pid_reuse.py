@@ -34,9 +34,9 @@ import pytest
 from crust.kata.vmm.qemu import VmConfig
 from crust.kata.sandbox.vm_sandbox import KataSandbox
 from crust.sys import proc
-from tests.handler_env import Env, view
-from tests.harness import pid_alive, wait_until
-from tests.proxy_runtime_env import Env as RuntimeEnv
+from tests.harness.handler_env import Env, view
+from tests.harness.daemons import pid_alive, wait_until
+from tests.harness.proxy_runtime_env import Env as RuntimeEnv
 
 Code = grpc.StatusCode
 

@@ -1,7 +1,7 @@
 """When `crust proxy` defers a publish: its three sources, and its refusals.
 
 Real `crust driver` -> `crust shim` -> `crust proxy` processes
-(tests.proxy_csi_harness); the test plays kubelet on the proxy's CSI socket.
+(tests.harness.proxy_csi); the test plays kubelet on the proxy's CSI socket.
 A publish is deferred when the CO asks (defer_fs_ops), when a storage class
 parameter says so, or when the pod's runtime class, looked up in the API
 server, is one of the policy's; a deferred publish writes the entry, its
@@ -9,7 +9,7 @@ Kata mirror and the decision, carries the pod's fsGroup, and mounts nothing
 on the host but the read-only placeholder, while any other publish mounts
 the volume at the target as usual. API server errors, a missing Kubernetes
 access a publish needs, and a plugin without DEFER_FS_OPS refuse the
-publish and leave nothing. The one stand-in is tests.kube_api's KubeAPI,
+publish and leave nothing. The one stand-in is tests.harness.kube_api's KubeAPI,
 playing the Kubernetes API server (GET of a pod), because the runtime-class
 rule looks pods up with the official kubernetes client.
 """
@@ -23,9 +23,9 @@ import grpc
 import pytest
 
 from crust.api import csi_pb2
-from tests.harness import block_cap, mount_cap
-from tests.kube_api import KubeAPI
-from tests.proxy_csi_harness import (
+from tests.harness.daemons import block_cap, mount_cap
+from tests.harness.kube_api import KubeAPI
+from tests.harness.proxy_csi import (
     DEFER_PARAM,
     assert_decision,
     assert_deferred_entry,

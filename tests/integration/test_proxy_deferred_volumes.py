@@ -1,8 +1,8 @@
 """A deferred volume after its publish: restarts, the runtime's answers, unpublish.
 
 Real `crust driver` -> `crust shim` -> `crust proxy` processes with a policy
-that defers on a storage class parameter (tests.proxy_csi_harness), and a
-runtime handler (tests.handler_server) registered through the proxy's real
+that defers on a storage class parameter (tests.harness.proxy_csi), and a
+runtime handler (tests.harness.handler_server) registered through the proxy's real
 registry. The decision on disk survives a proxy restart and adds the
 defer_fs_ops flag kubelet leaves out of NodeGetVolumeStats,
 NodeExpandVolume and NodeUnpublishVolume; stats and expansion are answered
@@ -24,8 +24,8 @@ import grpc
 from crust.api import csi_pb2, registry_pb2
 from crust.contract.mountinfo import kata_name
 from crust.sys import blockdev as sysblock
-from tests.harness import MIB
-from tests.proxy_csi_harness import (  # noqa: F401 - handler: a fixture
+from tests.harness.daemons import MIB
+from tests.harness.proxy_csi import (  # noqa: F401 - handler: a fixture
     DEFER_PARAM,
     DEFER_POLICY,
     assert_decision,

@@ -1,7 +1,7 @@
 """What `crust proxy` reports of its deferred volumes: Prometheus metrics and `crust status`.
 
 Real `crust driver` -> `crust shim` -> `crust proxy` processes with a policy
-that defers on a storage class parameter (tests.proxy_csi_harness). The
+that defers on a storage class parameter (tests.harness.proxy_csi). The
 metrics count deferred publishes (not host publishes) and the deferred
 volumes by state; `crust status`, as JSON and as text, lists the deferred
 volumes with their devices, states and claims and the registered handlers
@@ -17,8 +17,8 @@ import subprocess
 import sys
 import time
 
-from tests.harness import scrape_metrics
-from tests.proxy_csi_harness import (  # noqa: F401 - handler: a fixture
+from tests.harness.daemons import scrape_metrics
+from tests.harness.proxy_csi import (  # noqa: F401 - handler: a fixture
     DEFER_PARAM,
     DEFER_POLICY,
     handler,

@@ -1,7 +1,7 @@
 """The CSI calls `crust proxy` does not intercept reach the plugin and come back byte for byte.
 
 Real `crust driver` -> `crust shim` -> `crust proxy` processes
-(tests.proxy_csi_harness): Identity, Controller and NodeGetInfo calls,
+(tests.harness.proxy_csi): Identity, Controller and NodeGetInfo calls,
 their answers and their errors (same code, same message) are the same
 through the proxy as from the driver, and the node capabilities are the
 shim's, unchanged. (The passthrough's own mechanics, on a stand-in backend,
@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from crust.api import csi_pb2
-from tests.proxy_csi_harness import new_volume, start_stack
+from tests.harness.proxy_csi import new_volume, start_stack
 
 Code = grpc.StatusCode
 

@@ -1,7 +1,7 @@
 """`crust proxy`'s handler registry: leases and claims.
 
-A real driver -> shim -> proxy stack (tests.proxy_runtime_env) with
-handlers registered over the runtime socket (tests.handler_server). Leases:
+A real driver -> shim -> proxy stack (tests.harness.proxy_runtime_env) with
+handlers registered over the runtime socket (tests.harness.handler_server). Leases:
 registration, heartbeats, expiry, refusals, and a lease that outlives a
 proxy restart (only its hash is kept) so nobody else takes the name.
 Claims: one sandbox per volume, the Kata sandbox marker, refused claims,
@@ -22,8 +22,8 @@ import time
 import grpc
 
 from crust.api import registry_pb2, runtime_pb2_grpc
-from tests.handler_server import HandlerServer
-from tests.proxy_runtime_env import b64, env, failure  # noqa: F401 - env: the stack fixture
+from tests.harness.handler_server import HandlerServer
+from tests.harness.proxy_runtime_env import b64, env, failure  # noqa: F401 - env: the stack fixture
 
 Code = grpc.StatusCode
 

@@ -1,6 +1,6 @@
 """What `crust proxy`'s runtime endpoint refuses: planted symlinks, bad target paths, bad stage fields.
 
-A real driver -> shim -> proxy stack (tests.proxy_runtime_env). Symlinks
+A real driver -> shim -> proxy stack (tests.harness.proxy_runtime_env). Symlinks
 planted in the watched directories (for an entry, its mountInfo.json, the
 Kata mirror, a runtime-cli) are never followed; a target path that is
 relative, has '..', lies outside the kubelet root or under a symlink out of
@@ -16,7 +16,7 @@ import stat
 
 import grpc
 
-from tests.proxy_runtime_env import GIB, Req, env, failure, mode  # noqa: F401 - env: the stack fixture
+from tests.harness.proxy_runtime_env import GIB, Req, env, failure, mode  # noqa: F401 - env: the stack fixture
 
 Code = grpc.StatusCode
 

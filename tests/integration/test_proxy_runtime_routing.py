@@ -1,7 +1,7 @@
 """Who answers `crust proxy`'s volume stats and expansion: the claiming handler, a runtime CLI, or nobody yet.
 
-A real driver -> shim -> proxy stack (tests.proxy_runtime_env), handlers
-that serve (tests.handler_server) and runtime CLIs that are small shell
+A real driver -> shim -> proxy stack (tests.harness.proxy_runtime_env), handlers
+that serve (tests.harness.handler_server) and runtime CLIs that are small shell
 scripts. A claimed volume is answered by its handler, whose errors come
 back unchanged, and a dead handler is UNAVAILABLE quickly and answered at
 once when it is back, even after a long outage; an unclaimed volume is
@@ -19,8 +19,8 @@ from pathlib import Path
 import grpc
 
 from crust.api import csi_pb2
-from tests.handler_server import stats_response
-from tests.proxy_runtime_env import GIB, env, failure  # noqa: F401 - env: the stack fixture
+from tests.harness.handler_server import stats_response
+from tests.harness.proxy_runtime_env import GIB, env, failure  # noqa: F401 - env: the stack fixture
 
 Code = grpc.StatusCode
 Usage = csi_pb2.VolumeUsage

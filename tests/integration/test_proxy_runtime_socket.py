@@ -1,6 +1,6 @@
 """`crust proxy`'s runtime socket: private, healthy, and safe across a crash.
 
-A real driver -> shim -> proxy stack (tests.proxy_runtime_env). The runtime
+A real driver -> shim -> proxy stack (tests.harness.proxy_runtime_env). The runtime
 socket is 0600 in a private directory and both sockets answer gRPC health
 for their services; a world-readable socket directory makes the proxy
 refuse to start; a stale socket left by a SIGKILL is replaced on the next
@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.proxy_runtime_env import REPO, env, mode  # noqa: F401 - env: the stack fixture
+from tests.harness.proxy_runtime_env import REPO, env, mode  # noqa: F401 - env: the stack fixture
 
 
 # -- the runtime socket ---------------------------------------------------------------------

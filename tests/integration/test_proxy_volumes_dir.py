@@ -1,6 +1,6 @@
 """`crust proxy`'s watched directories: the KEP entries under --volumes-dir and the Kata mirror under --kata-dir.
 
-A real driver -> shim -> proxy stack (tests.proxy_runtime_env), staged and
+A real driver -> shim -> proxy stack (tests.harness.proxy_runtime_env), staged and
 unstaged over the proxy's runtime socket. Checked here: what a stage
 writes (the entry's and the mirror's directories and files, their modes,
 JSON that validates against specs/mountinfo.schema.json and that Kata's
@@ -27,8 +27,8 @@ from pathlib import Path
 import grpc
 
 from crust.api import runtime_pb2_grpc
-from tests.kata_readers import go_parse, runtime_rs_parse
-from tests.proxy_runtime_env import GIB, REPO, Req, b64, env, mode, sha  # noqa: F401 - env: the stack fixture
+from tests.harness.kata_readers import go_parse, runtime_rs_parse
+from tests.harness.proxy_runtime_env import GIB, REPO, Req, b64, env, mode, sha  # noqa: F401 - env: the stack fixture
 
 SCHEMA = json.loads((REPO / "specs" / "mountinfo.schema.json").read_text())
 TOKENS = "csi.storage.k8s.io/serviceAccount.tokens"
@@ -86,7 +86,7 @@ def validate_mount_info(data: dict) -> None:
 
 
 def kata_parses(data: bytes) -> None:
-    """What both of Kata's direct-volume parsers take (tests.kata_readers):
+    """What both of Kata's direct-volume parsers take (tests.harness.kata_readers):
     the keys and types runtime-rs requires, its raw-block volume type, and
     the same values through the Go runtime's lenient decoder."""
     rs = runtime_rs_parse(data)

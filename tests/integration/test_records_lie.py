@@ -29,8 +29,8 @@ import grpc
 
 from crust.api import csi_pb2
 from crust.sys import loop as sysloop
-from tests.harness import MIB, mount_cap, mounted_at
-from tests.harness import wait_until
+from tests.harness.daemons import MIB, mount_cap, mounted_at
+from tests.harness.daemons import wait_until
 
 Code = grpc.StatusCode
 VOL_A = "vol-00000000000000000000000a"
@@ -220,7 +220,7 @@ def test_shim_and_proxy_records_damaged_while_they_run(root):
     mounted, when the shim's record or the proxy's decision is damaged."""
     from crust.contract.mountinfo import digest
     from crust.csi_shim.records import volume_key
-    from tests.handler_env import Env
+    from tests.harness.handler_env import Env
 
     env = Env(root, start_handler=False)
     for what in ("shim, deferred", "shim, on the host", "proxy's decision"):

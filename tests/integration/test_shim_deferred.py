@@ -3,7 +3,7 @@ nothing on the host and a sandbox (a private mount namespace) can use the
 volume; the mount description the shim leaves for the runtime; the safety
 rules that refuse a second holder and name it; stats and expansion of a
 deferred volume, which go to the Runtime API server (the stand-in for the
-crust proxy). The set-up is tests/shim_harness.py.
+crust proxy). The set-up is tests/harness/shim.py.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from crust.api import csi_pb2
 from crust.sys import blockdev as sysblock
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, blkid, block_cap, mount_cap
-from tests.runtime_server import usage_response
-from tests.shim_harness import (Code, assert_device_node_bind, assert_placeholder, deferred_cap, expand_req,
+from tests.harness.daemons import MIB, blkid, block_cap, mount_cap
+from tests.harness.runtime_server import usage_response
+from tests.harness.shim import (Code, assert_device_node_bind, assert_placeholder, deferred_cap, expand_req,
                                 fails, fs_mounts, majmin, mounts_at, publish_req, regular_files, sandbox, stats_req)
-from tests.shim_harness import env  # noqa: F401 - a fixture
+from tests.harness.shim import env  # noqa: F401 - a fixture
 
 
 # -- deferred publish: nothing on the host, the sandbox mounts --------------------------------

@@ -2,7 +2,7 @@
 blank volume, host publishes share one staging mount, an xfs volume published
 on the host expands online, raw block volumes pass through as device nodes, a
 thick volume stays fully allocated when staged, and overlapping stages of
-several volumes. The set-up is tests/shim_harness.py.
+several volumes. The set-up is tests/harness/shim.py.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import grpc
 
 from crust.api import csi_pb2
 from crust.sys import mount as sysmount
-from tests.harness import MIB, blkid, block_cap, mount_cap, sha256_of
-from tests.shim_harness import (PLACEHOLDER, SIZE, Code, Usage, assert_device_node_bind, assert_placeholder,
+from tests.harness.daemons import MIB, blkid, block_cap, mount_cap, sha256_of
+from tests.harness.shim import (PLACEHOLDER, SIZE, Code, Usage, assert_device_node_bind, assert_placeholder,
                                 expand_req, fails, fs_mounts, fs_total, mounts_at, mounts_under, publish_req,
                                 stage_req, stats_req)
-from tests.shim_harness import env  # noqa: F401 - a fixture
+from tests.harness.shim import env  # noqa: F401 - a fixture
 
 
 # -- formatting ------------------------------------------------------------------------------

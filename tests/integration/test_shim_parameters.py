@@ -3,7 +3,7 @@
 import grpc
 
 from crust.api import csi_pb2
-from tests.harness import MIB, code_of, mount_cap
+from tests.harness.daemons import MIB, code_of, mount_cap
 
 
 def test_crust_parameters_stay_out_of_the_backend_and_reach_volume_context(root):

@@ -2,7 +2,7 @@
 does not know pass through to the backend byte for byte, RPCs it does not
 change answer exactly what the driver answers, bad input is refused naming
 the field, an oversized request is refused before it reaches the driver, and
-the node capabilities it advertises. The set-up is tests/shim_harness.py.
+the node capabilities it advertises. The set-up is tests/harness/shim.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from crust.api import csi_pb2
-from tests.harness import UnixGrpcServer, block_cap, csi_unary_handler, mount_cap
-from tests.shim_harness import RPC, SIZE, Code, deferred_cap, fails, publish_req, stage_req, start_runtime
-from tests.shim_harness import env  # noqa: F401 - a fixture
+from tests.harness.daemons import UnixGrpcServer, block_cap, csi_unary_handler, mount_cap
+from tests.harness.shim import RPC, SIZE, Code, deferred_cap, fails, publish_req, stage_req, start_runtime
+from tests.harness.shim import env  # noqa: F401 - a fixture
 
 
 # -- byte-level passthrough -------------------------------------------------------------------

@@ -1,15 +1,15 @@
 """`crust shim` end to end, restarts: a shim killed (SIGKILL) in the middle of
 a volume's lifecycle picks it up again when restarted, and a restart drops a
 deferred publish whose placeholder vanished. The set-up is
-tests/shim_harness.py.
+tests/harness/shim.py.
 """
 
 from __future__ import annotations
 
 import subprocess
 
-from tests.shim_harness import assert_device_node_bind, assert_placeholder, fs_mounts, mounts_at
-from tests.shim_harness import env  # noqa: F401 - a fixture
+from tests.harness.shim import assert_device_node_bind, assert_placeholder, fs_mounts, mounts_at
+from tests.harness.shim import env  # noqa: F401 - a fixture
 
 
 # -- restarts -----------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 from crust.api import csi_pb2
-from tests.harness import MIB
+from tests.harness.daemons import MIB
 
 
 def test_volume_lifecycle_writes_bytes_to_backing_file(driver, root):

@@ -21,8 +21,8 @@ from pathlib import Path
 import grpc
 
 from crust.api import registry_pb2, registry_pb2_grpc, runtime_pb2
-from tests.handler_server import HandlerServer, stats_response
-from tests.proxy_runtime_env import REPO, Env, env, failure  # noqa: F401 - env: the stack fixture
+from tests.harness.handler_server import HandlerServer, stats_response
+from tests.harness.proxy_runtime_env import REPO, Env, env, failure  # noqa: F401 - env: the stack fixture
 
 Code = grpc.StatusCode
 NOBODY = 65534
@@ -317,7 +317,7 @@ def test_hostile_requests_of_a_denied_caller_change_nothing(env, tmp_path):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from tests import hostile_requests as hostile
+    from tests.harness import hostile_requests as hostile
 
     e = env()
     target, holder, before, sock = held_volume_open_to_all(e, "prop")

@@ -23,8 +23,8 @@ from crust.common import ttrpc
 from crust.containerd_shim.events import Publisher
 from crust.containerd_shim.task import TaskService
 from crust.common.ttrpc import Client, Server, TtrpcError
-from tests.ttrpc_harness import TASK
-from tests.ttrpc_harness import sock  # noqa: F401 - a fixture
+from tests.harness.ttrpc import TASK
+from tests.harness.ttrpc import sock  # noqa: F401 - a fixture
 
 
 # -- the task service's answers without a pod --------------------------------------------------
@@ -132,7 +132,7 @@ def test_the_shim_start_bench_times_start_for_a_running_pod_and_leaves_nothing(t
     pod shim the bench made to listen (no daemon is started), and the bench
     removes that socket with its bundle."""
     from bench import shim_start
-    from tests.cri_harness import processes_naming
+    from tests.harness.cri import processes_naming
 
     out = tmp_path / "start.json"
     assert shim_start.main(["--rounds", "2", "--json", str(out)]) == 0

@@ -21,9 +21,9 @@ from crust.api import ttrpc_pb2
 from crust.common import ttrpc
 from crust.common.ttrpc import Client, Server, TtrpcError
 from crust.sys.sockets import socket_alive
-from tests.harness import stop_child
-from tests.ttrpc_harness import TASK
-from tests.ttrpc_harness import sock  # noqa: F401 - a fixture
+from tests.harness.daemons import stop_child
+from tests.harness.ttrpc import TASK
+from tests.harness.ttrpc import sock  # noqa: F401 - a fixture
 
 
 # -- our server and client --------------------------------------------------------------

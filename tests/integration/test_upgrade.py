@@ -44,7 +44,7 @@ from crust.proxy.records import Decision, DeferredVolume, HandlerRecord
 from crust.runtime_handler.containers import ContainerRecord
 from crust.runtime_handler.handler import SandboxRecord
 from crust.sys import mount as sysmount
-from tests.harness import loops_left
+from tests.harness.daemons import loops_left
 from tests.integration.test_node import write_config
 
 REPO = Path(__file__).resolve().parents[2]

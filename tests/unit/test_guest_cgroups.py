@@ -14,7 +14,7 @@ from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
 from crust.guest.service import AgentService
-from tests.guest_serving import serving
+from tests.harness.guest_serving import serving
 
 CPU_STAT = "usage_usec 1500\nuser_usec 1000\nsystem_usec 500\nnr_periods 0\n"
 MEMORY_EVENTS = "low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\noom_group_kill 0\n"

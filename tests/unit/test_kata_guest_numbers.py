@@ -16,7 +16,7 @@ from crust.api import agent_pb2
 from crust.common.errors import DataLoss
 from crust.guest.service import AgentService
 from crust.kata.agent import calls, checked_numbers, volume_calls
-from tests.guest_serving import serving
+from tests.harness.guest_serving import serving
 
 MiB = 1 << 20
 DEVICE = 32 * MiB

@@ -1,6 +1,6 @@
 """The Kata mirror the proxy writes (crust.contract.volumes_dir), read the
 way a stock Kata reads it: by runtime-rs (Kata 4's default shim) and by the
-Go runtime, with the rules of tests/kata_readers.py. The files are written
+Go runtime, with the rules of tests/harness/kata_readers.py. The files are written
 by the proxy's own writer below a temporary directory; the device is a
 block special file made there (never opened)."""
 
@@ -17,7 +17,7 @@ from crust.contract.mountinfo import MountInfo
 from crust.contract.volumes_dir import VolumesDir
 from crust.kata.sandbox.direct_volume import DirectVolumes, parse_mount_info
 from crust.common.errors import InvalidArgument
-from tests.kata_readers import (KataRefuses, entry_dir, go_parse, go_runtime_reads, runtime_rs_parse,
+from tests.harness.kata_readers import (KataRefuses, entry_dir, go_parse, go_runtime_reads, runtime_rs_parse,
                                 runtime_rs_reads)
 
 TARGET = "/var/lib/kubelet/pods/7c1d/volumes/kubernetes.io~csi/pvc-1/mount"

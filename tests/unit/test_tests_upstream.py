@@ -1,4 +1,4 @@
-"""tests/upstream.py: where an upstream program is found, what a test of
+"""tests/harness/upstream.py: where an upstream program is found, what a test of
 its suite does when it is not, and the run's closing lines, seen through a
 real pytest run (with xdist's workers too) of a small test module."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import upstream
-from tests.upstream import CONTAINERD2, CSI_SANITY, CRIO, HOSTPATHPLUGIN, PINNS, locate, usable
+from tests.harness import upstream
+from tests.harness.upstream import CONTAINERD2, CSI_SANITY, CRIO, HOSTPATHPLUGIN, PINNS, locate, usable
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ def test_a_reference_driver_built_without_a_version_is_unusable(tmp_path):
 
 SUITE_MODULE = '''
 import pytest
-from tests import upstream
+from tests.harness import upstream
 
 
 @upstream.suite("csi-sanity", upstream.CSI_SANITY)
@@ -88,7 +88,7 @@ def test_no_suite():
     pass
 '''
 CONFTEST = '''
-from tests import upstream
+from tests.harness import upstream
 
 
 def pytest_configure(config):

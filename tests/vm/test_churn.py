@@ -1,13 +1,13 @@
 """Fifty microVM pod lives one after another through CRI leave the node as
-they found it and grow neither the handler nor the shims (tests/churn.py
+they found it and grow neither the handler nor the shims (tests/harness/churn.py
 says what a life is; bench/pod_churn.py runs the long series)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests import churn
-from tests.cri_harness import cri_microvm_node, wait_for_template
+from tests.harness import churn
+from tests.harness.cri import cri_microvm_node, wait_for_template
 
 pytestmark = pytest.mark.slow
 

@@ -19,10 +19,10 @@ from crust.api import cri_pb2 as cri
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.kata.vmm.qemu import qemu_pids_under
 from crust.kubelet import Container, Pod, VolumeMount
-from tests.demo_run import run_demo
-from tests.cri_harness import (KATA_HANDLER, ON_CONTAINERD2, container_log, containerd_binary, cri_microvm_node,
+from tests.harness.demo_run import run_demo
+from tests.harness.cri import (KATA_HANDLER, ON_CONTAINERD2, container_log, containerd_binary, cri_microvm_node,
                                host_network_pod, leftovers_of, private_containerd, processes_naming, shim_pids)
-from tests.harness import wait_until
+from tests.harness.daemons import wait_until
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHIM_RUNTIME = {"crust": "io.containerd.crust.v2"}
@@ -37,7 +37,7 @@ def test_deploy_configures_the_crust_runtime_for_containerd_and_kubernetes(tmp_p
     from crust.containerd_shim.main import handler_endpoint
     from crust.api import containerd_runtimeoptions_pb2 as runtimeoptions
     from google.protobuf import any_pb2
-    from tests.kustomize import render
+    from tests.harness.kustomize import render
     from tests.integration.test_deploy import validate
 
     drop_in = DEPLOY / "containerd" / "crust.toml"

@@ -27,7 +27,7 @@ What CRI-O does with a VM runtime, and what these tests hold it to:
 
 CRI-O and crictl are not part of crust: crio and pinns (cri-o/cri-o) and
 crictl (kubernetes-sigs/cri-tools) are found on PATH or by CRIO, PINNS and
-CRICTL (tests/upstream.py); without them this module is skipped, naming the
+CRICTL (tests/harness/upstream.py); without them this module is skipped, naming the
 missing program, in CI too.
 """
 
@@ -48,13 +48,13 @@ from crust.containerd_shim.process import STOPPED
 from crust.kata.vmm.qemu import qemu_pids_under
 from crust.kubelet import Container, Pod, VolumeMount
 from crust.kubelet.crio import Crio
-from tests.demo_run import run_demo
-from tests.cri_harness import container_log, processes_naming
-from tests import upstream
-from tests.crio_harness import DEPLOY, SHIM, checked_crio_tools, crio_microvm_node, microvm_drop_in, private_crio
-from tests.upstream import CRICTL, CRIO, PINNS
+from tests.harness.demo_run import run_demo
+from tests.harness.cri import container_log, processes_naming
+from tests.harness import upstream
+from tests.harness.crio import DEPLOY, SHIM, checked_crio_tools, crio_microvm_node, microvm_drop_in, private_crio
+from tests.harness.upstream import CRICTL, CRIO, PINNS
 from tests.vm.test_cri_microvm import APP, READER, MountWatch, _df, _pod, _stats
-from tests.harness import wait_until
+from tests.harness.daemons import wait_until
 
 pytestmark = upstream.suite("CRI-O", CRIO, PINNS, CRICTL)
 # One line of a CRI log: time, stream, full (F) or partial (P), the text.

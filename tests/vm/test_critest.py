@@ -8,7 +8,7 @@ after the other (critest's fixed host ports allow one run at a time):
 - a private CRI-O with `runc` and `crust-runc` (crust's OCI runtime behind
   conmon, its settings in the handler's monitor_env).
 No network: a local registry holds the images critest pulls
-(tests/critest_images.py), and each engine mirrors every registry critest
+(tests/harness/critest_images.py), and each engine mirrors every registry critest
 names to it.
 
 Spec by spec, by name, per engine:
@@ -31,7 +31,7 @@ docs/conformance.md), and one that fails again fails the test.
 
 critest is not part of crust (kubernetes-sigs/cri-tools' cmd/critest), nor
 is CRI-O (cri-o/cri-o's crio and pinns): each is found on PATH or by CRITEST,
-CRIO and PINNS (tests/upstream.py). Without critest this module is skipped,
+CRIO and PINNS (tests/harness/upstream.py). Without critest this module is skipped,
 without CRI-O its CRI-O runs are, naming the missing program, in CI too.
 """
 
@@ -46,13 +46,13 @@ import pytest
 from crust.kubelet import cni
 from crust.kubelet import registry as local_registry
 from crust.kubelet.crio import available as crio_available
-from tests.critest import (ENGINES, FAILED, MICROVM_ALL, MICROVM_CI_GROUPS, PASSED, SKIPPED, Run,
+from tests.harness.critest import (ENGINES, FAILED, MICROVM_ALL, MICROVM_CI_GROUPS, PASSED, SKIPPED, Run,
                            critest_node, documented_expectations, exact_focus, group_specs, list_specs,
                            load_expectations, read_report, render_expectations, rerun_unexpected_failures,
                            run_critest, run_critest_sharded)
-from tests import upstream
-from tests.crio_harness import crio_tools
-from tests.upstream import CONTAINERD2, CRIO, CRITEST, PINNS
+from tests.harness import upstream
+from tests.harness.crio import crio_tools
+from tests.harness.upstream import CONTAINERD2, CRIO, CRITEST, PINNS
 
 pytestmark = pytest.mark.slow
 # The tests that run critest (the lists' own checks need no program).
@@ -213,7 +213,7 @@ def test_the_lists_are_well_formed_and_disjoint():
 
 def test_the_doc_shows_the_lists():
     assert documented_expectations() == render_expectations(load_expectations()), \
-        "docs/conformance.md does not show docs/critest.yaml: paste `python -m tests.critest` between its markers"
+        "docs/conformance.md does not show docs/critest.yaml: paste `python -m tests.harness.critest` between its markers"
 
 
 @RUNS_CRITEST

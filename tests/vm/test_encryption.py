@@ -35,10 +35,10 @@ from crust.contract import encryption
 from crust.contract.mountinfo import digest, kata_name
 from crust.kata.sandbox.direct_volume import DirectVolumes
 from crust.sys import mount as sysmount
-from tests.harness import MIB, sha256_of
-from tests.handler_env import Env, Vol
-from tests.harness import wait_until
-from tests.kata_env import (  # noqa: F401 - kenv_bus: a fixture
+from tests.harness.daemons import MIB, sha256_of
+from tests.harness.handler_env import Env, Vol
+from tests.harness.daemons import wait_until
+from tests.harness.kata_env import (  # noqa: F401 - kenv_bus: a fixture
     DF_SCRIPT,
     anyone_mounts,
     guest_df,
@@ -46,7 +46,7 @@ from tests.kata_env import (  # noqa: F401 - kenv_bus: a fixture
     kenv_bus,
     usage_dict,
 )
-from tests.pod_runtime_client import PodClient, bind, container_bundle
+from tests.harness.pod_runtime_client import PodClient, bind, container_bundle
 
 Code = grpc.StatusCode
 AccessMode = csi_pb2.VolumeCapability.AccessMode

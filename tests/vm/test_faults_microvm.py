@@ -27,8 +27,8 @@ from crust.kata.vmm.qemu import qemu_pids_under
 from crust.kubelet import EmptyDir, VolumeMount
 from crust.kubelet.cri import SyncError
 from crust.sys import mount as sysmount
-from tests.harness import wait_until
-from tests.pod_nodes import KEEP_RUNNING, cri_log, pod_node
+from tests.harness.daemons import wait_until
+from tests.harness.pod_nodes import KEEP_RUNNING, cri_log, pod_node
 
 
 def proc_alive(pid: int) -> bool:

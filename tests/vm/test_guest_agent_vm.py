@@ -19,7 +19,7 @@ from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
 from crust.kata.agent.client import AgentClient
 from crust.kata.vmm.qemu import Vm
-from tests.guest_vm import Guest, guest_config
+from tests.harness.guest_vm import Guest, guest_config
 
 
 def process(*args: str) -> bytes:

@@ -2,7 +2,7 @@
 Kata's direct-volume directory and its input checks
 (crust.kata.sandbox.direct_volume), a Kata-style CSI driver working unchanged
 through the shipped kata-runtime wrapper (`direct-volume add`, `stats`,
-`resize`, `remove`) on the real stack (tests/kata_env.py), and planted
+`resize`, `remove`) on the real stack (tests/harness/kata_env.py), and planted
 entries refused at a sandbox's start. What is checked is Kata's layout on
 disk, the exit codes and JSON of `crust kata direct-volume`, what the guest
 wrote on the device, and the gRPC status codes.
@@ -27,10 +27,10 @@ from crust.kata.sandbox.direct_volume import DirectVolumes, entry_name, parse_mo
 from crust.kata.vmm.qemu import qemu_pids_under
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB
-from tests.harness import wait_until
-from tests.kata_env import DF_SCRIPT, anyone_mounts, guest_df, holds_device, make_loop_volume
-from tests.kata_env import kenv  # noqa: F401 - a fixture
+from tests.harness.daemons import MIB
+from tests.harness.daemons import wait_until
+from tests.harness.kata_env import DF_SCRIPT, anyone_mounts, guest_df, holds_device, make_loop_volume
+from tests.harness.kata_env import kenv  # noqa: F401 - a fixture
 
 Usage = csi_pb2.VolumeUsage
 PROJECT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """crun in the microVM's guest, one VM from the handler's image outside any
-handler (tests/guest_vm.py): crun started once per call from a binary
+handler (tests/harness/guest_vm.py): crun started once per call from a binary
 nobody can write (CVE-2019-5736's guard without crun's copy of itself),
 and the agent's Warm, a container of a pod's shape through crun that a
 pooled VM runs while it waits, leaving nothing behind in the guest.
@@ -11,7 +11,7 @@ import pytest
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from tests.guest_vm import Guest, guest
+from tests.harness.guest_vm import Guest, guest
 
 
 def test_crun_in_the_guest_starts_once_per_call_from_a_binary_nobody_can_write(root):

@@ -1,5 +1,5 @@
 """Disks hot-plugged into one microVM from the handler's image, outside any
-handler (tests/guest_vm.py): the pool's disk warm-up on each disk bus (an
+handler (tests/harness/guest_vm.py): the pool's disk warm-up on each disk bus (an
 image plugged, mounted, unmounted and unplugged, nothing left in the
 guest), and on virtio-scsi each disk the next LUN, found by its serial
 and never reused, kept on its controller by a process that takes the VM
@@ -17,9 +17,9 @@ from crust.common import ttrpc
 from crust.common.errors import InvalidArgument
 from crust.kata.agent import volume_calls
 from crust.kata.vmm.qemu import Vm, VmConfig
-from tests.guest_vm import Guest, ScsiGuest, guest
-from tests.harness import MIB
-from tests.kata_env import DISK_BUSES
+from tests.harness.guest_vm import Guest, ScsiGuest, guest
+from tests.harness.daemons import MIB
+from tests.harness.kata_env import DISK_BUSES
 
 
 @pytest.mark.parametrize("kind", [Guest, ScsiGuest], ids=DISK_BUSES)

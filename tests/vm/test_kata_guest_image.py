@@ -28,7 +28,7 @@ from crust.kata.vmm import accel as kata_accel
 from crust.kata.image import bzimage, packages
 from crust.kata.image import build as kata_image
 from crust.kata.vmm.qemu import Vm, VmConfig, qemu_pids_under
-from tests.harness import wait_until
+from tests.harness.daemons import wait_until
 
 
 # -- the accelerator ----------------------------------------------------------------------------

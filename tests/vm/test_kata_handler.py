@@ -4,7 +4,7 @@ measured and grown in the guest; a crashed VM, a broken file system, a
 restarted handler, a guest that stops answering).
 
 Real driver -> shim -> proxy processes, a real `crust kata handler`
-registered with the proxy (tests/kata_env.py), real QEMU microVMs (software
+registered with the proxy (tests/harness/kata_env.py), real QEMU microVMs (software
 emulation where KVM does not work) booting the guest image built from
 Debian packages, real loop devices hot-plugged as virtio-blk or
 virtio-scsi. kubelet is played over the proxy's CSI socket; sandboxes are
@@ -33,16 +33,16 @@ import pytest
 
 from crust.api import handler_pb2
 from crust.kata.vmm.qemu import qemu_pids_under
-from tests.harness import MIB
-from tests.harness import wait_until
-from tests.kata_env import DF_SCRIPT, DISK_BUSES, anyone_mounts, guest_df, holds_device, usage_dict
-from tests.kata_env import kenv  # noqa: F401 - a fixture
-from tests.kata_env import kenv_bus  # noqa: F401 - a fixture
-from tests.kata_env import kenv_bus_short_lease  # noqa: F401 - a fixture
+from tests.harness.daemons import MIB
+from tests.harness.daemons import wait_until
+from tests.harness.kata_env import DF_SCRIPT, DISK_BUSES, anyone_mounts, guest_df, holds_device, usage_dict
+from tests.harness.kata_env import kenv  # noqa: F401 - a fixture
+from tests.harness.kata_env import kenv_bus  # noqa: F401 - a fixture
+from tests.harness.kata_env import kenv_bus_short_lease  # noqa: F401 - a fixture
 
 Code = grpc.StatusCode
 PROJECT = Path(__file__).resolve().parents[2]
-SIZE_XFS_GROWN = 400 * MIB  # from the 300 MiB tests/handler_env.py gives an xfs volume
+SIZE_XFS_GROWN = 400 * MIB  # from the 300 MiB tests/harness/handler_env.py gives an xfs volume
 
 
 # A container's script line that prints what /data is a mount of.

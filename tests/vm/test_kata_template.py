@@ -1,5 +1,5 @@
 """VMs restored from a saved one (crust.kata.supply.template), outside any handler
-(tests/guest_vm.py): a VmTemplate's saved state and RAM, VMs restored from
+(tests/harness/guest_vm.py): a VmTemplate's saved state and RAM, VMs restored from
 it that go on from the save, each with the host's clock and a boot_id and
 random bytes of its own, taking shares and disks as a booted VM does; and
 40 VMs restored in a row on a busy machine, each mounting its share.
@@ -22,9 +22,9 @@ from crust.common.errors import CrustError
 from crust.kata.agent import calls, volume_calls
 from crust.kata.vmm import virtiofsd
 from crust.kata.vmm.qemu import SharedDir, qemu_pids_under
-from tests.guest_vm import Guest
-from tests.harness import MIB
-from tests.kata_env import DISK_BUSES
+from tests.harness.guest_vm import Guest
+from tests.harness.daemons import MIB
+from tests.harness.kata_env import DISK_BUSES
 
 
 @pytest.mark.parametrize("bus", DISK_BUSES)
@@ -43,7 +43,7 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
     from crust.kata.supply.pool import warm_disk
     from crust.kata.vmm.saved_ram import ram_path
     from crust.kata.supply.template import RECORD_FILE, STATE_FILE, TemplateRecord, VmTemplate
-    from tests.guest_vm import guest_config
+    from tests.harness.guest_vm import guest_config
 
     directory = root.path / "template"
     config = guest_config(bus)
@@ -141,7 +141,7 @@ def test_every_vm_restored_in_a_row_on_a_busy_machine_mounts_its_share(root):
     that VM; each VM is killed after, and neither a QEMU nor a virtiofsd
     is left."""
     from crust.kata.supply.template import VmTemplate
-    from tests.guest_vm import guest_config
+    from tests.harness.guest_vm import guest_config
 
     config = guest_config()
     state = asyncio.run(_saved_by(VmTemplate(root.path / "template", config)))

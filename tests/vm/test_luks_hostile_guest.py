@@ -4,7 +4,7 @@ a blank device.
 
 The attacker is docs/encryption.md's ("Threat model"): whoever can write a volume's backing
 file or block device, without its passphrase. Headers are crafted on the
-host (tests/luks_variants.py, tests/luks2_header.py). What is checked is
+host (tests/harness/luks_variants.py, tests/harness/luks2_header.py). What is checked is
 what a pod would lose: the bytes of the device (its sha256 before and
 after a refusal), the plaintext of the pod's writes on the raw device, and
 the mapping the guest's kernel really holds.
@@ -40,13 +40,13 @@ from crust.kata.agent import volume_calls
 from crust.sys import fs as sysfs
 from crust.sys import loop as sysloop
 from crust.sys.run import CommandError
-from tests.guest_vm import Guest
-from tests.guest_vm import guest as run_in_guest
-from tests.harness import MIB
-from tests.luks2_header import plant_null_key_slot, shape_verdict
-from tests.luks_variants import BLANK_TABLE, HOST_VOLUME_KEY, MARKER, PASSPHRASE, SIZE, VARIANTS
-from tests.luks_variants import crust_header, luks1, new_image, reencryption
-from tests.harness import sha256_of
+from tests.harness.guest_vm import Guest
+from tests.harness.guest_vm import guest as run_in_guest
+from tests.harness.daemons import MIB
+from tests.harness.luks2_header import plant_null_key_slot, shape_verdict
+from tests.harness.luks_variants import BLANK_TABLE, HOST_VOLUME_KEY, MARKER, PASSPHRASE, SIZE, VARIANTS
+from tests.harness.luks_variants import crust_header, luks1, new_image, reencryption
+from tests.harness.daemons import sha256_of
 from tests.vm.test_encryption import holds
 
 Code = grpc.StatusCode

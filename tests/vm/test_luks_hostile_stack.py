@@ -1,6 +1,6 @@
 """Encrypted volumes against a hostile disk, through the whole stack: real
 driver -> shim -> proxy processes and the microVM handler
-(tests/kata_env.py). A hostile header (tests/luks_variants.py) fails the
+(tests/harness/kata_env.py). A hostile header (tests/harness/luks_variants.py) fails the
 sandbox's claim with FAILED_PRECONDITION naming the field, and the pod's
 data never reaches the disk; a disk holding a partition table and data is
 never formatted over; an integrity volume (crust.dev/integrity:
@@ -23,11 +23,11 @@ import pytest
 
 from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc
 from crust.contract import encryption
-from tests.harness import MIB
-from tests.kata_env import kenv  # noqa: F401 - a fixture
-from tests.luks2_header import shape_verdict
-from tests.luks_variants import MARKER, PASSPHRASE, SIZE, VARIANTS, mbr_with_data
-from tests.harness import sha256_of
+from tests.harness.daemons import MIB
+from tests.harness.kata_env import kenv  # noqa: F401 - a fixture
+from tests.harness.luks2_header import shape_verdict
+from tests.harness.luks_variants import MARKER, PASSPHRASE, SIZE, VARIANTS, mbr_with_data
+from tests.harness.daemons import sha256_of
 from tests.vm.test_encryption import Encrypted, cap, holds
 
 Code = grpc.StatusCode

@@ -5,7 +5,7 @@ the pod under restartPolicy Never, a sidecar (an init container that
 restarts Always) runs beside the app and stops after it; environments and
 exec commands of the sizes runc takes.
 
-Every test runs once per RuntimeClass of RUNTIME_CLASSES (tests/pod_nodes.py
+Every test runs once per RuntimeClass of RUNTIME_CLASSES (tests/harness/pod_nodes.py
 `node`: a private containerd, and the crust stack for crust's runtimes);
 runc (containerd's default handler) is the baseline. CRUST_POD_RUNTIME_CLASSES
 (comma-separated) runs them under others: crust-runc (crust's OCI runtime)
@@ -22,9 +22,9 @@ import pytest
 from crust.api import cri_pb2 as cri
 from crust.kubelet import EmptyDir, VolumeMount
 from crust.kubelet.cri import PodFailed
-from tests.harness import wait_until
-from tests.pod_nodes import KEEP_RUNNING, cri_log
-from tests.pod_nodes import node  # noqa: F401 - a fixture
+from tests.harness.daemons import wait_until
+from tests.harness.pod_nodes import KEEP_RUNNING, cri_log
+from tests.harness.pod_nodes import node  # noqa: F401 - a fixture
 
 
 def test_init_containers_run_in_order_to_completion_before_the_app(node):

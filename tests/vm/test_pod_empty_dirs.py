@@ -5,7 +5,7 @@ appending to one file never tear a line) and in memory (a tmpfs of the
 size limit, ENOSPC beyond it; in the microVM the guest's own, never more
 than half its memory).
 
-Every test runs once per RuntimeClass of RUNTIME_CLASSES (tests/pod_nodes.py
+Every test runs once per RuntimeClass of RUNTIME_CLASSES (tests/harness/pod_nodes.py
 `node`: a private containerd, and the crust stack for crust's runtimes);
 runc (containerd's default handler) is the baseline. CRUST_POD_RUNTIME_CLASSES
 (comma-separated) runs them under others: crust-runc (crust's OCI runtime)
@@ -22,9 +22,9 @@ from pathlib import Path
 from crust.api import cri_pb2 as cri
 from crust.kubelet import EmptyDir, VolumeMount
 from crust.sys import mount as sysmount
-from tests.harness import wait_until
-from tests.pod_nodes import KEEP_RUNNING, MiB
-from tests.pod_nodes import node  # noqa: F401 - a fixture
+from tests.harness.daemons import wait_until
+from tests.harness.pod_nodes import KEEP_RUNNING, MiB
+from tests.harness.pod_nodes import node  # noqa: F401 - a fixture
 
 
 def test_an_empty_dir_is_shared_by_the_running_containers(node):

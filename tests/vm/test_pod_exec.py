@@ -22,8 +22,8 @@ import grpc
 import pytest
 
 from crust.api import cri_pb2 as cri
-from tests.harness import wait_until
-from tests.pod_nodes import KEEP_RUNNING, node  # noqa: F401 - node is the fixture
+from tests.harness.daemons import wait_until
+from tests.harness.pod_nodes import KEEP_RUNNING, node  # noqa: F401 - node is the fixture
 
 pytestmark = pytest.mark.slow
 MiB = 1024 * 1024

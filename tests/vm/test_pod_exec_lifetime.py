@@ -30,10 +30,10 @@ import grpc
 import pytest
 
 from crust.api import handler_pb2
-from tests.churn import rss_kib
-from tests.harness import wait_until
-from tests.pod_nodes import KEEP_RUNNING, pod_node, service_links
-from tests.pod_runtime_client import PodClient
+from tests.harness.churn import rss_kib
+from tests.harness.daemons import wait_until
+from tests.harness.pod_nodes import KEEP_RUNNING, pod_node, service_links
+from tests.harness.pod_runtime_client import PodClient
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ container, and nothing of the pods left on the host but their hostPath;
 started through CRI by a real containerd with kubelet's volume manager
 replayed.
 
-Every test runs once per RuntimeClass of RUNTIME_CLASSES (tests/pod_nodes.py
+Every test runs once per RuntimeClass of RUNTIME_CLASSES (tests/harness/pod_nodes.py
 `node`: a private containerd, and the crust stack for crust's runtimes);
 runc (containerd's default handler) is the baseline. CRUST_POD_RUNTIME_CLASSES
 (comma-separated) runs them under others: crust-runc (crust's OCI runtime)
@@ -40,9 +40,9 @@ from crust.kubelet import image as images
 from crust.kubelet.cri import SyncError
 from crust.kubelet.pod import SERVICE_ACCOUNT_MOUNT_PATH
 from crust.sys import mount as sysmount
-from tests.harness import wait_until
-from tests.pod_nodes import CA_CRT, KEEP_RUNNING, UPDATE_VISIBLE_WITHIN, MiB, mounts_below, sh
-from tests.pod_nodes import node  # noqa: F401 - a fixture
+from tests.harness.daemons import wait_until
+from tests.harness.pod_nodes import CA_CRT, KEEP_RUNNING, UPDATE_VISIBLE_WITHIN, MiB, mounts_below, sh
+from tests.harness.pod_nodes import node  # noqa: F401 - a fixture
 
 
 def test_host_path_volumes_are_read_and_written_both_ways(node):

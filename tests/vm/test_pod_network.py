@@ -24,8 +24,8 @@ from pyroute2 import netns
 
 from crust.api import cri_pb2 as cri
 from crust.kubelet import ContainerPort
-from tests.harness import wait_until
-from tests.pod_nodes import KEEP_RUNNING, RUNTIME_CLASSES, pod_node
+from tests.harness.daemons import wait_until
+from tests.harness.pod_nodes import KEEP_RUNNING, RUNTIME_CLASSES, pod_node
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ and rotated, secret and downwardAPI volumes; started through CRI by a real
 containerd with kubelet's volume manager replayed, checked by what the
 containers read and when.
 
-Every test runs once per RuntimeClass of RUNTIME_CLASSES (tests/pod_nodes.py
+Every test runs once per RuntimeClass of RUNTIME_CLASSES (tests/harness/pod_nodes.py
 `node`: a private containerd, and the crust stack for crust's runtimes);
 runc (containerd's default handler) is the baseline. CRUST_POD_RUNTIME_CLASSES
 (comma-separated) runs them under others: crust-runc (crust's OCI runtime)
@@ -23,9 +23,9 @@ from crust.kubelet import ConfigMap, DownwardAPI, DownwardAPIFile, KeyToPath, Se
 from crust.kubelet import service_account_volume
 from crust.kubelet.pod import SERVICE_ACCOUNT_MOUNT_PATH
 from crust.sys import mount as sysmount
-from tests.harness import wait_until
-from tests.pod_nodes import CA_CRT, KEEP_RUNNING, UPDATE_VISIBLE_WITHIN, cri_log
-from tests.pod_nodes import node  # noqa: F401 - a fixture
+from tests.harness.daemons import wait_until
+from tests.harness.pod_nodes import CA_CRT, KEEP_RUNNING, UPDATE_VISIBLE_WITHIN, cri_log
+from tests.harness.pod_nodes import node  # noqa: F401 - a fixture
 
 
 def test_a_config_map_update_reaches_the_running_container(node):

@@ -15,9 +15,9 @@ import os
 import pytest
 
 from crust.api import cri_pb2 as cri
-from tests.churn import rss_kib
-from tests.harness import wait_until
-from tests.pod_nodes import pod_node
+from tests.harness.churn import rss_kib
+from tests.harness.daemons import wait_until
+from tests.harness.pod_nodes import pod_node
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ mounted ahead at the pod's start, a killed VM, a restarted handler that
 adopts its running pod, and requests refused with their code.
 
 Driven over the handler's socket exactly as containerd's crust shim drives
-it (tests/pod_runtime_client.py), on real parts: driver -> shim -> proxy
+it (tests/harness/pod_runtime_client.py), on real parts: driver -> shim -> proxy
 processes, `crust kata handler` registered with the proxy, a real QEMU
 microVM (software emulation here), real loop devices hot-plugged as
 virtio-blk, a container root file system made from a busybox-static tree.
@@ -31,11 +31,11 @@ from crust.contract.mountinfo import digest
 from crust.kata.sandbox.direct_volume import entry_name
 from crust.kata.vmm.qemu import qemu_pids_under
 from crust.sys import loop as sysloop
-from tests.harness import MIB
-from tests.harness import wait_until
-from tests.kata_env import anyone_mounts, holds_device, make_loop_volume, usage_dict
-from tests.pod_runtime_client import bind, container_bundle, kata_env_with_client, log_entries
-from tests.pod_runtime_client import pod_env  # noqa: F401 - a fixture
+from tests.harness.daemons import MIB
+from tests.harness.daemons import wait_until
+from tests.harness.kata_env import anyone_mounts, holds_device, make_loop_volume, usage_dict
+from tests.harness.pod_runtime_client import bind, container_bundle, kata_env_with_client, log_entries
+from tests.harness.pod_runtime_client import pod_env  # noqa: F401 - a fixture
 
 Code = grpc.StatusCode
 Status = handler_pb2.ProcessState.Status

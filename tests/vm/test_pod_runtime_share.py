@@ -1,5 +1,5 @@
 """A microVM pod's shared directories, through PodRuntime on the microVM
-handler (tests/pod_runtime_client.py): the read-only shares its own
+handler (tests/harness/pod_runtime_client.py): the read-only shares its own
 virtiofsd daemons serve, each container's root and host-path binds in
 them, live both ways, a kubelet atomic-writer volume's updates and an
 emptyDir's rewrites read in the guest, nothing left once the pod goes; and
@@ -29,9 +29,9 @@ from crust.guest.places import ROOT_RETIRE
 from crust.kata.vmm.qemu import qemu_pids_under
 from crust.sys import mount as sysmount
 from crust.sys import proc
-from tests.harness import wait_until
-from tests.pod_runtime_client import bind, container_bundle
-from tests.pod_runtime_client import pod_env  # noqa: F401 - a fixture
+from tests.harness.daemons import wait_until
+from tests.harness.pod_runtime_client import bind, container_bundle
+from tests.harness.pod_runtime_client import pod_env  # noqa: F401 - a fixture
 
 Code = grpc.StatusCode
 Status = handler_pb2.ProcessState.Status

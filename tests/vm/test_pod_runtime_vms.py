@@ -1,5 +1,5 @@
 """Where a pod's VM comes from, through PodRuntime on the microVM handler
-(tests/pod_runtime_client.py): a VM that does not start (CreatePod answers
+(tests/harness/pod_runtime_client.py): a VM that does not start (CreatePod answers
 UNAVAILABLE and leaves nothing), VMs booted ahead of their pods
 (--vm-pool: a pod takes one, the pool boots the next, a restarted handler
 adopts the pod and replaces the pool's VM), and VMs restored from one the
@@ -24,8 +24,8 @@ import pytest
 
 from crust.kata.vmm.qemu import qemu_pids_under
 from crust.sys import mount as sysmount
-from tests.harness import wait_until
-from tests.pod_runtime_client import bind, container_bundle, kata_env_with_client, log_entries
+from tests.harness.daemons import wait_until
+from tests.harness.pod_runtime_client import bind, container_bundle, kata_env_with_client, log_entries
 
 
 @pytest.fixture

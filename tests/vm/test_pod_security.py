@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from crust.kubelet import HostPath, VolumeMount
-from tests.harness import wait_until
-from tests.pod_nodes import KEEP_RUNNING, cri_log, node  # noqa: F401 - node is the fixture
+from tests.harness.daemons import wait_until
+from tests.harness.pod_nodes import KEEP_RUNNING, cri_log, node  # noqa: F401 - node is the fixture
 
 # Prints its effective and real uid: made setuid-root, it says whether the
 # exec gained root (euid 0) or the kernel refused it (no_new_privs).

@@ -15,7 +15,7 @@ real streaming client: SPDY to containerd's streaming server, as kubectl).
 - a container over its memory limit: exit code 137, reason OOMKilled.
 
 crictl is not part of crust: it is kubernetes-sigs/cri-tools' cmd/crictl,
-found on PATH or by CRICTL (tests/upstream.py); without it this module is
+found on PATH or by CRICTL (tests/harness/upstream.py); without it this module is
 skipped, naming it, in CI too.
 """
 
@@ -29,10 +29,10 @@ import time
 import pytest
 
 from crust.api import cri_pb2 as cri
-from tests import upstream
-from tests.harness import wait_until
-from tests.pod_nodes import KEEP_RUNNING, node  # noqa: F401 - node is the fixture
-from tests.upstream import CRICTL
+from tests.harness import upstream
+from tests.harness.daemons import wait_until
+from tests.harness.pod_nodes import KEEP_RUNNING, node  # noqa: F401 - node is the fixture
+from tests.harness.upstream import CRICTL
 
 pytestmark = [pytest.mark.slow, upstream.suite("crictl", CRICTL)]
 MiB = 1024 * 1024

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from crust.api import handler_pb2
-from tests.churn import rss_kib
-from tests.pod_runtime_client import container_bundle, pod_env  # noqa: F401 - pod_env is a fixture
+from tests.harness.churn import rss_kib
+from tests.harness.pod_runtime_client import container_bundle, pod_env  # noqa: F401 - pod_env is a fixture
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from crust.kata.vmm import console
 from crust.kata.vmm.console import previous
 from crust.kata.vmm.qemu import qemu_pids_under
 from crust.sys import mount as sysmount
-from tests.pod_nodes import KEEP_RUNNING, pod_node
+from tests.harness.pod_nodes import KEEP_RUNNING, pod_node
 
 pytestmark = pytest.mark.slow
 

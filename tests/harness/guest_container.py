@@ -20,7 +20,7 @@ from typing import Any
 from crust.common.ttrpc import TtrpcError
 from crust.kata.image.build import GUEST_CFLAGS
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ENTER_SOURCE = REPO / "crust" / "guest" / "files" / "enter.c"
 APPLETS = ("sh", "sleep", "echo", "hostname", "cat", "grep", "readlink", "env", "sort", "mkdir", "id", "tty", "stty")
 

@@ -1,14 +1,14 @@
 """Playing kubelet against `crust proxy`'s CSI endpoint, and what the disk and the kernel say afterwards.
 
 start_stack starts real `crust driver` -> `crust shim` -> `crust proxy`
-processes on real unix sockets (tests.harness Root.stack()), with a policy
+processes on real unix sockets (tests.harness.daemons Root.stack()), with a policy
 file when one is given; the shortcuts create, stage and publish volumes as
 the CO and kubelet do, through the proxy. The checks read what crust left:
 mounts in /proc/self/mountinfo, loop devices, the watched directory's
 mountInfo.json files and their Kata mirror with their modes, the proxy's
 decision and volume records, and the shim's JSON log of the requests that
 reached the plugin. The `handler` fixture is a runtime handler
-(tests.handler_server, a real Handler gRPC server) named mountns, for the
+(tests.harness.handler_server, a real Handler gRPC server) named mountns, for the
 tests to register through the proxy's real registry.
 """
 
@@ -30,8 +30,8 @@ from crust.api import csi_pb2, registry_pb2_grpc
 from crust.contract.mountinfo import kata_name
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.handler_server import HandlerServer, stats_response
-from tests.harness import MIB, mount_cap
+from tests.harness.handler_server import HandlerServer, stats_response
+from tests.harness.daemons import MIB, mount_cap
 
 POD_NAME = "csi.storage.k8s.io/pod.name"
 POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"

@@ -3,9 +3,9 @@ against a private CRI runtime (containerd or CRI-O) with its runtime
 handlers, without a network: what tests/vm/test_critest.py needs.
 
 - critest itself is not part of crust: it is kubernetes-sigs/cri-tools'
-  cmd/critest, found on PATH or by CRITEST (tests/upstream.py);
+  cmd/critest, found on PATH or by CRITEST (tests/harness/upstream.py);
 - the node (critest_node(engine)): a local registry holding the images
-  critest pulls (tests/critest_images.py), crust's node stack with the
+  critest pulls (tests/harness/critest_images.py), crust's node stack with the
   runtime handlers the engine's RuntimeClasses need (the mount-namespace
   one behind crust-runc, the microVM one behind crust-microvm), and the
   engine: a private containerd (crust.kubelet.containerd) whose handlers
@@ -43,11 +43,11 @@ import yaml
 
 from crust.kubelet.containerd import CGROUP_FS, remove_cgroup_trees
 from crust.kubelet.registry import LocalRegistry
-from tests.critest_images import PAUSE, REGISTRY_HOSTS, build_all, push_all
-from tests.critest_host import HostTraces
-from tests.cri_harness import KATA_HANDLER, OCI_RUNTIME, containerd_binary, private_containerd
-from tests.csi_sanity import PROJECT
-from tests.harness import Root
+from tests.harness.critest_images import PAUSE, REGISTRY_HOSTS, build_all, push_all
+from tests.harness.critest_host import HostTraces
+from tests.harness.cri import KATA_HANDLER, OCI_RUNTIME, containerd_binary, private_containerd
+from tests.harness.csi_sanity import PROJECT
+from tests.harness.daemons import Root
 EXPECTATIONS = PROJECT / "docs" / "critest.yaml"
 CONFORMANCE_DOC = PROJECT / "docs" / "conformance.md"
 
@@ -131,7 +131,7 @@ def _containerd(registry: LocalRegistry, handler_env: dict[str, str], binary: st
 
 
 def _containerd2(registry: LocalRegistry, handler_env: dict[str, str]):
-    """The containerd 2.x CONTAINERD2 names (tests/upstream.py)."""
+    """The containerd 2.x CONTAINERD2 names (tests/harness/upstream.py)."""
     return _containerd(registry, handler_env, containerd_binary("containerd2"))
 
 
@@ -141,7 +141,7 @@ def _crio(registry: LocalRegistry, handler_env: dict[str, str]) -> Iterator[obje
     paths, crust.kubelet.crio.Crio.check_paths), its critest images pulled
     through the mirrors, CRI's pod metrics on (critest's metrics specs);
     the microVM's handler as deploy/crio/crust-microvm.conf states it."""
-    from tests.crio_harness import crio_tools, microvm_handler, started_crio
+    from tests.harness.crio import crio_tools, microvm_handler, started_crio
 
     tools = crio_tools()
     directory = Path(tempfile.mkdtemp(prefix="crust-crio-"))
@@ -165,7 +165,7 @@ DAEMONS = {"containerd": _containerd, "containerd2": _containerd2, "crio": _crio
 @contextlib.contextmanager
 def critest_node(engine: str = "containerd") -> Iterator[CritestNode]:
     """Everything critest talks to, closed (pods first) whatever happens."""
-    from tests.handler_env import Env
+    from tests.harness.handler_env import Env
 
     root = Root()
     registry = LocalRegistry(root.path / "registry")
@@ -268,7 +268,7 @@ def run_critest(critest: Path, node: CritestNode, runtime_class: str, focus: str
                 timeout: float = 1800, attempt: int = 1, shard: str = "", traces: HostTraces | None = None) -> Run:
     """critest against the node's engine for one handler; the whole suite
     unless focused. The run is killed after timeout seconds; what its specs
-    leave on the host is removed (tests/critest_host.py), by `traces` when
+    leave on the host is removed (tests/harness/critest_host.py), by `traces` when
     given (the caller's, around several runs at once), else around this
     run. shard names a run of a part of the suite beside others (its own
     directory and report)."""
@@ -437,7 +437,7 @@ def render_expectations(expectations: Expectations) -> str:
     return "\n".join(lines) + "\n"
 
 
-BEGIN_MARK = "<!-- critest expectations: rendered from docs/critest.yaml by tests/critest.py -->"
+BEGIN_MARK = "<!-- critest expectations: rendered from docs/critest.yaml by tests/harness/critest.py -->"
 END_MARK = "<!-- end of critest expectations -->"
 
 
@@ -448,5 +448,5 @@ def documented_expectations(doc: Path = CONFORMANCE_DOC) -> str:
 
 
 if __name__ == "__main__":
-    # `python -m tests.critest`: the block docs/conformance.md holds between its markers.
+    # `python -m tests.harness.critest`: the block docs/conformance.md holds between its markers.
     print(render_expectations(load_expectations()), end="")

@@ -16,7 +16,7 @@ from pathlib import Path
 from crust.api import csi_pb2
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, DriverProcess, Root, loops_left_under
+from tests.harness.daemons import MIB, DriverProcess, Root, loops_left_under
 
 NODE = "node-a"
 SIZE = 64 * MIB

@@ -1,8 +1,8 @@
 """The test stack of `crust proxy`'s runtime endpoint, as the shim, a handler or a runtime CLI see it.
 
-Env starts a real driver -> shim -> proxy stack (tests.harness Root.stack())
+Env starts a real driver -> shim -> proxy stack (tests.harness.daemons Root.stack())
 and talks to the proxy's runtime socket (the KEP-2857 Runtime API and the
-handler registry) the way the shim, a runtime handler (tests.handler_server)
+handler registry) the way the shim, a runtime handler (tests.harness.handler_server)
 or a KEP-style runtime CLI would: stage and unstage volumes, register
 handlers and claim volumes for sandboxes, ask for stats and expansion, run
 `crust status`. The `env` fixture starts stacks (env() or
@@ -30,12 +30,12 @@ import grpc
 import pytest
 
 from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc, runtime_pb2, runtime_pb2_grpc
-from tests.handler_server import HandlerServer
+from tests.harness.handler_server import HandlerServer
 
 Req = runtime_pb2.RuntimeStageVolumeRequest
 GIB = 1024**3
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- independent expectations (not crust's own helpers) -------------------------------------

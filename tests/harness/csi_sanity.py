@@ -3,8 +3,8 @@ the upstream tools it needs: what tests/integration/test_conformance.py and
 bench/conformance_ratio.py share.
 
 - the upstream programs, none of them part of crust, are found by
-  tests/upstream.py (CSI_SANITY, HOSTPATHPLUGIN, ... or PATH);
-- the targets csi-sanity talks to, started in a tests/harness.py Root:
+  tests/harness/upstream.py (CSI_SANITY, HOSTPATHPLUGIN, ... or PATH);
+- the targets csi-sanity talks to, started in a tests/harness/daemons.py Root:
   start_target(), with the flags of docs/conformance.md;
 - csi-sanity's command line (sanity_argv()) and what its ginkgo summary
   says (summary_counts(), failed_specs());
@@ -23,9 +23,9 @@ from pathlib import Path
 import grpc
 
 from crust.api import csi_pb2
-from tests.harness import CsiProcess, Root
+from tests.harness.daemons import CsiProcess, Root
 
-PROJECT = Path(__file__).resolve().parent.parent
+PROJECT = Path(__file__).resolve().parents[2]
 CONFORMANCE_DOC = PROJECT / "docs" / "conformance.md"
 
 MIB = 1024**2

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from crust.demo.crio import short_directory
 from crust.kata.vmm.qemu import SHORT_SOCKET_ROOT, qemu_pids_under
-from tests.cri_harness import processes_naming
+from tests.harness.cri import processes_naming
 
-PROJECT = Path(__file__).resolve().parent.parent
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 def short_socket_dirs() -> set[Path]:

@@ -1,5 +1,5 @@
 """What critest's specs leave on the host, and its removal after each run
-(tests/critest.py):
+(tests/harness/critest.py):
 
 - System V shared memory: the HostIpc specs make a segment on the host
   (`ipcmk -M 1048576`) and never remove it;

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
-from tests.harness import UnixGrpcServer
+from tests.harness.daemons import UnixGrpcServer
 
 
 @dataclass

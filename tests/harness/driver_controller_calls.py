@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from crust.api import csi_pb2
-from tests.harness import GIB, MIB, mount_cap
+from tests.harness.daemons import GIB, MIB, mount_cap
 
 TOPOLOGY_KEY = "topology.loop.csi.crust.dev/node"
 POOL_CAPACITY = 100 * GIB  # the harness starts every driver with --capacity 100Gi

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc, registry_pb2, registry_pb2_grpc
-from tests.harness import UnixGrpcServer
+from tests.harness.daemons import UnixGrpcServer
 
 Usage = csi_pb2.VolumeUsage
 SandboxState = handler_pb2.GetSandboxResponse

@@ -35,8 +35,8 @@ from crust.kubelet import Container, Pod, VolumeMount
 from crust.kubelet.containerd import CGROUP_FS
 from crust.kubelet.volumes import VolumeManager
 from crust.sys import mount as sysmount
-from tests.cri_harness import CriNode, container_log, processes_naming, shim_pids
-from tests.harness import wait_until
+from tests.harness.cri import CriNode, container_log, processes_naming, shim_pids
+from tests.harness.daemons import wait_until
 # SIGTERM at once (a shell waiting on its child takes the trap at once). A
 # crashing one exits 1 on its first run (its mark in the volume).
 RUN = "trap 'exit 0' TERM; echo life-{n} > /data/life && sync && echo up; sleep 600 & wait"

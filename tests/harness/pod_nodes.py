@@ -1,6 +1,6 @@
 """A node whose RuntimeClass runs pods through CRI, for the tests and
 benchmarks of pods as kubelet starts them: a private containerd (and, for
-crust's runtimes, the crust stack they use; tests/cri_harness.py) with
+crust's runtimes, the crust stack they use; tests/harness/cri.py) with
 kubelet's volume manager replayed (crust.kubelet.volumes) and its CRI side
 (crust.kubelet.cri): PodNode, pod_node, the `node` fixture (once per
 RuntimeClass of RUNTIME_CLASSES), and a reading of the CRI log (cri_log).
@@ -28,8 +28,8 @@ from crust.kubelet import image as images
 from crust.kubelet.containerd import Containerd
 from crust.kubelet.cri import KubeletRuntime
 from crust.sys import mount as sysmount
-from tests.cri_harness import cri_microvm_node, cri_node, private_containerd
-from tests.harness import wait_until
+from tests.harness.cri import cri_microvm_node, cri_node, private_containerd
+from tests.harness.daemons import wait_until
 
 KNOWN_RUNTIME_CLASSES = ("runc", "crust-runc", "crust-microvm")
 # runc is the baseline every case is checked against; crust-microvm shares
@@ -81,7 +81,7 @@ class PodNode:
     host_dir: Path  # where hostPath volumes of the tests point
     containerd: Containerd
     handler_log: Path | None = None  # the microVM handler's log (crust-microvm only)
-    handler: object | None = None    # the microVM handler's process (tests.harness.HandlerProcess)
+    handler: object | None = None    # the microVM handler's process (tests.harness.daemons.HandlerProcess)
 
     def image_with(self, tag: str, *files: images.File) -> str:
         """The busybox image with a layer of these files on top, imported; its name."""

@@ -2,7 +2,7 @@
 host's mount table read with the test's own parser, loop devices, entries a
 daemon may create in /etc or the scratch directory outside the test's root,
 tracebacks in the daemons' logs, and the file faults planted where crust
-reads a file. The hostile requests are in tests/hostile_requests.py.
+reads a file. The hostile requests are in tests/harness/hostile_requests.py.
 
 Nothing here touches the host except what the test planted: the symlinks
 below the test root, a scratch directory outside it (`outside`), and
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crust.sys import loop as sysloop
-from tests.hostile_requests import Place
+from tests.harness.hostile_requests import Place
 
 
 def foreign(path: str, root: Path, outside: Path) -> bool:

@@ -22,8 +22,8 @@ import grpc
 import pytest
 
 from crust.api import csi_pb2, handler_pb2_grpc
-from tests.handler_env import Env, namespaces_mounting
-from tests.harness import wait_until
+from tests.harness.handler_env import Env, namespaces_mounting
+from tests.harness.daemons import wait_until
 
 Usage = csi_pb2.VolumeUsage
 
@@ -69,7 +69,7 @@ def usage_dict(usage) -> dict[str, int]:
 
 
 class KataEnv(Env):
-    """Env (tests/handler_env.py) with the microVM handler in place of the
+    """Env (tests/harness/handler_env.py) with the microVM handler in place of the
     mount-namespace one; Kata's direct-volume directory is the proxy's
     mirror directory, as on a node where both are in use."""
 

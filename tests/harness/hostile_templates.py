@@ -13,8 +13,8 @@ from typing import Callable
 from hypothesis import strategies as st
 
 from crust.api import csi_pb2, handler_pb2, registry_pb2, runtime_pb2
-from tests import hostile_requests
-from tests.harness import MIB, block_cap, mount_cap
+from tests.harness import hostile_requests
+from tests.harness.daemons import MIB, block_cap, mount_cap
 
 TOPOLOGY_KEY = "topology.loop.csi.crust.dev/node"
 
@@ -45,7 +45,7 @@ def method_of(service_name: str, method_name: str):
 
 
 class Templates:
-    """The requests of the live set-up, mixed into tests.hostile_stack.Stack:
+    """The requests of the live set-up, mixed into tests.harness.hostile_stack.Stack:
     they name what the Stack put in place (its vols, snapshot_id, group_id,
     lease_id, sandbox_id, place)."""
 

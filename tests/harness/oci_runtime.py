@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 from crust.kubelet import image as images
-from tests.cri_harness import OCI_RUNTIME
+from tests.harness.cri import OCI_RUNTIME
 
 
 def _runtime(bundle: Path, log: Path, state: Path, runc: str = "/bin/false", handler: str = "",

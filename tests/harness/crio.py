@@ -1,10 +1,10 @@
 """Test harness for the CRI-O tests: a private CRI-O (crust.kubelet.crio)
 pulling the tiny busybox image and its pause image from a local registry,
-checks that it left nothing behind, and the node of tests/cri_harness.py
+checks that it left nothing behind, and the node of tests/harness/cri.py
 with CRI-O in containerd's place.
 
 CRI-O is not part of crust: crio and pinns (cri-o/cri-o) are found on PATH
-or by CRIO and PINNS (tests/upstream.py); a module marked with
+or by CRIO and PINNS (tests/harness/upstream.py); a module marked with
 `upstream.suite(..., CRIO, PINNS)` is skipped without them."""
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from crust.kubelet import registry as local_registry
 from crust.kubelet.crio import Crio
 from crust.kubelet.crio import available as crio_available
 from crust.kubelet.registry import LocalRegistry, push_busybox_and_pause
-from tests.cri_harness import OCI_RUNTIME, CriNode, daemon_leftovers, kata_handler_endpoint, microvm_node
-from tests import upstream
-from tests.upstream import CRIO, PINNS
+from tests.harness.cri import OCI_RUNTIME, CriNode, daemon_leftovers, kata_handler_endpoint, microvm_node
+from tests.harness import upstream
+from tests.harness.upstream import CRIO, PINNS
 
 
 def crio_tools() -> dict[str, Path]:
@@ -119,7 +119,7 @@ def crio_node(root, tools: dict[str, Path]) -> Iterator[CriNode]:
             node.close()
 
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHIM = Path(sys.executable).parent / "containerd-shim-crust-v2"
 
 

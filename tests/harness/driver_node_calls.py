@@ -19,7 +19,7 @@ import pytest
 from crust.api import csi_pb2
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, mount_cap
+from tests.harness.daemons import MIB, mount_cap
 
 Code = grpc.StatusCode
 Usage = csi_pb2.VolumeUsage

@@ -1,7 +1,7 @@
 """The mount-namespace handler's test stack, shared by the tests that run pod sandboxes on it.
 
 Env starts real `crust driver` -> `crust shim` -> `crust proxy` processes
-and a real `crust handler` registered with the proxy (tests.harness Root),
+and a real `crust handler` registered with the proxy (tests.harness.daemons Root),
 plays kubelet over the proxy's CSI socket (NodePublishVolume with
 defer_fs_ops, target paths laid out as kubelet lays them out), reads the
 proxy's registry (ListClaims, ListHandlers) and starts pod sandboxes with
@@ -28,7 +28,7 @@ import pytest
 from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc
 from crust.contract.mountinfo import digest
 from crust.sys import mount as sysmount
-from tests.harness import MIB, AccessMode, kill_processes_rooted_under, wait_until
+from tests.harness.daemons import MIB, AccessMode, kill_processes_rooted_under, wait_until
 
 SIZE = {"ext4": 32 * MIB, "xfs": 300 * MIB}
 

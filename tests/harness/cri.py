@@ -24,8 +24,8 @@ from crust.kubelet.containerd import CGROUP_FS, SHIM_SOCKETS, Containerd, is_shi
 from crust.kubelet.cri import KubeletRuntime
 from crust.oci_runtime import frontend
 from crust.sys import mount as sysmount
-from tests import upstream
-from tests.upstream import CONTAINERD2
+from tests.harness import upstream
+from tests.harness.upstream import CONTAINERD2
 
 
 @contextlib.contextmanager
@@ -164,7 +164,7 @@ TEMPLATE_TIMEOUT = 600.0   # the handler saving its template VM (a boot at nice 
 def wait_for_template(handler_state_dir: Path, timeout: float = TEMPLATE_TIMEOUT) -> None:
     """The handler (--vm-template) saved its VM: each pod's VM is restored from it."""
     from crust.kata.supply.template import RECORD_FILE
-    from tests.harness import wait_until
+    from tests.harness.daemons import wait_until
 
     saved = handler_state_dir / "template" / RECORD_FILE
     wait_until(saved.exists, timeout=timeout, interval=0.2, what="the handler's template VM")
@@ -175,12 +175,12 @@ class CriNode:
     serving kubelet's registration, the mount-namespace handler), kubelet's
     CSI side registered with it, a private containerd whose `crust-runc`
     handler is crust's OCI runtime, and kubelet's CRI side against it.
-    `containerd` may as well be a private CRI-O (tests/crio_harness.py):
+    `containerd` may as well be a private CRI-O (tests/harness/crio.py):
     kubelet needs only its endpoint and cgroup root."""
 
     def __init__(self, root, containerd: Containerd, image: images.Image, handler_kw: dict | None = None,
                  runtime_classes: dict[str, str] | None = None):
-        from tests.handler_env import Env
+        from tests.harness.handler_env import Env
         from tests.integration.test_kubelet import policy_file
 
         self.root = root
@@ -203,7 +203,7 @@ class CriNode:
         self.runtime.connect()
 
     def pv(self, name: str, fs: str = "xfs", size: int = 320 * 1024**2, defer: bool = True) -> PersistentVolume:
-        from tests.harness import mount_cap
+        from tests.harness.daemons import mount_cap
 
         vol = self.proxy.create(name, size, mount_cap(fs), parameters={"crust.dev/defer": "true"} if defer else {})
         return PersistentVolume(name=name, volume_handle=vol.volume_id, attributes=dict(vol.volume_context), fs_type=fs)
@@ -227,7 +227,7 @@ class CriNode:
 
     def restart_handler(self) -> None:
         """SIGKILL the handler and start it again; back once it answers."""
-        from tests.harness import wait_until
+        from tests.harness.daemons import wait_until
 
         self.env.handler.kill()
         self.env.handler.start()
@@ -284,7 +284,7 @@ def cri_microvm_node(root, pod_network: bool = False, vm_pool: int = 0,
 
 
 # The containerds a CRI test may run against: Debian's (1.6, on PATH) and,
-# where the machine has one, a containerd 2.x (tests/upstream.py's
+# where the machine has one, a containerd 2.x (tests/harness/upstream.py's
 # CONTAINERD2; its tests skipped without it).
 ON_CONTAINERD2 = upstream.suite("containerd 2.x", CONTAINERD2)
 CONTAINERDS = [pytest.param("containerd", id="containerd"),
@@ -317,7 +317,7 @@ def microvm_node(root, daemon, image: images.Image, vm_pool: int = 0,
             # take longer than the test's set-up, and a pod that comes
             # earlier boots a VM of its own, which is not what a test with
             # a pool is about.
-            from tests.harness import wait_until
+            from tests.harness.daemons import wait_until
             wait_until(lambda: '"msg": "pooled VM ready"' in node.env.handler.log_path.read_text(errors="replace"),
                        timeout=300, interval=0.5, what="the pool's first VM")
         yield node

@@ -2,7 +2,7 @@
 write a volume's backing file or block device writes there
 (docs/encryption.md, "Threat model"). VARIANTS are LUKS headers crust must
 refuse, each with the words its refusal names (headers crafted with
-tests/luks2_header.py); BLANK_TABLE is the devices the blank rule tells
+tests/harness/luks2_header.py); BLANK_TABLE is the devices the blank rule tells
 apart, with the host's verdict and the guest's answer to an open that may
 not format. The VM tier opens them in a guest and through the stack
 (tests/vm/test_luks_hostile_guest.py, tests/vm/test_luks_hostile_stack.py),
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness import MIB
-from tests.luks2_header import Header, luks_format, plant_null_key_slot
+from tests.harness.daemons import MIB
+from tests.harness.luks2_header import Header, luks_format, plant_null_key_slot
 
 PASSPHRASE = b"pod-secret-3b1f9e0c-luks-hostile"
 MARKER = b"crust-hostile-marker-71c4"

@@ -2,7 +2,7 @@
 for the tests and benchmarks that play the shim: PodClient on the
 handler's socket, OCI bundles of a busybox-static root file system and
 their binds, a watch of the host's mount table, and the fixtures that
-start the real stack (tests/kata_env.py) with a client on it (pod_env,
+start the real stack (tests/harness/kata_env.py) with a client on it (pod_env,
 kata_env_with_client); the handler's log entries by message.
 """
 
@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from crust.api import handler_pb2, handler_pb2_grpc
-from tests.kata_env import kata_env
+from tests.harness.kata_env import kata_env
 
 Stream = handler_pb2.OutputChunk.Stream
 BUSYBOX = shutil.which("busybox") or "/bin/busybox"

@@ -1,7 +1,7 @@
 """The set-up and helpers of the `crust shim` end-to-end tests
 (tests/integration/test_shim_*.py): a real `crust driver` behind a real
 `crust shim`, with a Runtime API server (the stand-in for the crust proxy,
-tests/runtime_server.py) to answer what the shim defers; the requests the
+tests/harness/runtime_server.py) to answer what the shim defers; the requests the
 tests send and the assertions on what the kernel and the disk say afterwards
 (loop devices, mounts in /proc/self/mountinfo, blkid signatures, a "sandbox"
 that is a private mount namespace, `unshare -m`). Everything lives under the
@@ -25,8 +25,8 @@ from crust.api import csi_pb2
 from crust.csi_shim.records import volume_key
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.harness import MIB, AccessMode, mount_cap
-from tests.runtime_server import RuntimeServer
+from tests.harness.daemons import MIB, AccessMode, mount_cap
+from tests.harness.runtime_server import RuntimeServer
 
 
 Code = grpc.StatusCode
@@ -42,7 +42,7 @@ PLACEHOLDER = "crust-deferred"
 
 @dataclass
 class Env:
-    root: object  # tests.harness.Root
+    root: object  # tests.harness.daemons.Root
     driver: object
     shim: object
     runtime: RuntimeServer

@@ -3,7 +3,7 @@
 loop devices and mounts) that sends a request to a daemon, puts its volumes,
 snapshots, sandbox and registration back in place, checks the invariants
 after every request, fills its state directories, and tears down. Its
-nearly valid requests are in tests/hostile_templates.py.
+nearly valid requests are in tests/harness/hostile_templates.py.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from hypothesis import event
 from hypothesis import strategies as st
 
 from crust.api import csi_pb2, handler_pb2, registry_pb2, runtime_pb2
-from tests import hostile, hostile_requests
-from tests.harness import MIB, Root, block_cap, fill_until_full, mount_cap
-from tests.hostile_templates import Templates, method_of
+from tests.harness import hostile
+from tests.harness import hostile_requests
+from tests.harness.daemons import MIB, Root, block_cap, fill_until_full, mount_cap
+from tests.harness.hostile_templates import Templates, method_of
 
 
 CALL_TIMEOUT = 20.0
