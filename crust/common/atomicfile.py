@@ -10,7 +10,7 @@ aiofiles: the blocking steps (open, write, fsync, rename, the directory's
 fsync) run in aiofiles' worker threads, all in one trip, and the loop
 serves other calls meanwhile: the loop is held for a small part of such a
 write, against the whole write (fsyncs included) when done on the loop
-(bench/file_io.py). Small reads stay synchronous: a small read on the
+(bench/csi/file_io.py). Small reads stay synchronous: a small read on the
 loop costs less than a trip through aiofiles' threads.
 
 A record rewritten often (crust.common.recordstore) may keep its previous
@@ -20,7 +20,7 @@ RENAME_EXCHANGE; the old inode takes the spare's name. The record is old or
 new at every instant exactly as with a rename, and the directory is
 fsynced after as before, but no inode is created. Creating one is costly
 on ext4 without a journal, where the allocator skips every recently freed
-inode of the group (bench/call_cpu.py).
+inode of the group (bench/csi/call_cpu.py).
 """
 
 from __future__ import annotations

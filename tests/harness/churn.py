@@ -16,7 +16,7 @@ makes (VMs, shims and their sockets, claims, mounts, loop devices, network
 namespaces, veths on the pod bridge, cgroups, files of the handler, proxy
 and kubelet, processes) must be as it was.
 
-tests/vm/test_churn.py runs a short series in the suite; bench/pod_churn.py
+tests/vm/test_churn.py runs a short series in the suite; bench/runtime/pod_churn.py
 the long one.
 """
 

@@ -1,6 +1,6 @@
 """The upstream conformance suite (csi-sanity) against crust's stacks, and
 the upstream tools it needs: what tests/integration/test_conformance.py and
-bench/conformance_ratio.py share.
+bench/csi/conformance_ratio.py share.
 
 - the upstream programs, none of them part of crust, are found by
   tests/harness/upstream.py (CSI_SANITY, HOSTPATHPLUGIN, ... or PATH);

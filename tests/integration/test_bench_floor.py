@@ -1,6 +1,6 @@
 """The benchmarks that measure the floor under crust's costs:
-bench/conformance_ratio.py's bare-hop targets (bench/bare_hop.py in front of
-`crust driver`) and bench/call_cpu.py (CPU per call, call by call). Each is
+bench/csi/conformance_ratio.py's bare-hop targets (bench/lib/bare_hop.py in front of
+`crust driver`) and bench/csi/call_cpu.py (CPU per call, call by call). Each is
 run for real, briefly, and must leave nothing behind."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import json
 import grpc
 import pytest
 
-from bench import call_cpu, conformance_ratio
+from bench.csi import call_cpu
+
+from bench.csi import conformance_ratio
 from crust.api import csi_pb2, csi_pb2_grpc
 from tests.harness.daemons import pid_alive
 

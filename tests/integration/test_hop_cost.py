@@ -1,5 +1,5 @@
-"""bench/hop_cost.py's bare variant: `crust driver` behind two
-bench/bare_hop.py hops, measured like the real chain and gone afterwards."""
+"""bench/csi/hop_cost.py's bare variant: `crust driver` behind two
+bench/lib/bare_hop.py hops, measured like the real chain and gone afterwards."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import os
 import subprocess
 import sys
 
-from bench.benchlib import PROJECT
-from bench.hop_cost import BareVariant, part2
+from bench.lib.benchlib import PROJECT
+from bench.csi.hop_cost import BareVariant, part2
 from crust.api import csi_pb2
 from tests.harness.daemons import pid_alive
 
 
 def test_help_names_the_bare_variant():
-    out = subprocess.run([sys.executable, str(PROJECT / "bench" / "hop_cost.py"), "--help"],
+    out = subprocess.run([sys.executable, str(PROJECT / "bench" / "csi" / "hop_cost.py"), "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "--bare" in out.stdout and "bare_hop.py" in out.stdout

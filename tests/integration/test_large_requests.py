@@ -1,4 +1,4 @@
-"""Memory under bursts of large requests (bench/large_requests.py, in short).
+"""Memory under bursts of large requests (bench/csi/large_requests.py, in short).
 
 The proxy's CSI socket grew from 57 to 485 MiB RSS under 20 rounds of 14
 concurrent 4 MiB requests it forwards: every failed call (aborted with
@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from bench.large_requests import burst, large_request, rss_mib
+from bench.csi.large_requests import burst, large_request, rss_mib
 from crust.api import csi_pb2, csi_pb2_grpc
 
 ROUNDS, CONCURRENCY = 10, 14

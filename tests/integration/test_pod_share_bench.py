@@ -1,9 +1,9 @@
-"""bench/pod_share.py runs end to end and reports what it promises (one
+"""bench/runtime/pod_share.py runs end to end and reports what it promises (one
 small run: the numbers themselves are in docs/performance.md)."""
 
 import json
 
-from bench import pod_share
+from bench.runtime import pod_share
 
 
 def test_the_pod_share_benchmark_reports_every_part(tmp_path):

@@ -128,10 +128,10 @@ async def test_a_finished_fifo_keeps_its_last_words_until_a_reader_comes(tmp_pat
 
 
 def test_the_shim_start_bench_times_start_for_a_running_pod_and_leaves_nothing(tmp_path):
-    """bench/shim_start.py: each round's `start` answers the address of the
+    """bench/microvm/shim_start.py: each round's `start` answers the address of the
     pod shim the bench made to listen (no daemon is started), and the bench
     removes that socket with its bundle."""
-    from bench import shim_start
+    from bench.microvm import shim_start
     from tests.harness.cri import processes_naming
 
     out = tmp_path / "start.json"

@@ -1,4 +1,4 @@
-"""docs/performance.md holds what bench/render.py makes of the committed
+"""docs/performance.md holds what bench/lib/render.py makes of the committed
 results (bench/results/): a result committed without rendering, or a table
 edited by hand, fails here."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from bench import render
+from bench.lib import render
 
 
 def test_the_performance_doc_is_what_the_committed_results_render():
@@ -29,7 +29,7 @@ def test_every_committed_result_names_its_benchmark_and_command():
 
 
 def test_a_new_result_becomes_its_scenarios_table_and_the_old_one_is_listed(tmp_path):
-    old = {"benchmark": "pod_idle_cpu", "command": "bench/pod_idle_cpu.py", "date": "2026-01-01T00:00:00+00:00",
+    old = {"benchmark": "pod_idle_cpu", "command": "bench/runtime/pod_idle_cpu.py", "date": "2026-01-01T00:00:00+00:00",
            "columns": {"floor: a VM alone": {"qemu_cores": {"median": 0.5, "min": 0.4, "max": 0.6}}}}
     new = {**old, "date": "2026-02-01T00:00:00+00:00", "commit": "a" * 40, "dirty": False,
            "columns": {"floor: a VM alone": {"qemu_cores": {"median": 0.25, "min": 0.2, "max": 0.3}}}}

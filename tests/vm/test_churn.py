@@ -1,6 +1,6 @@
 """Fifty microVM pod lives one after another through CRI leave the node as
 they found it and grow neither the handler nor the shims (tests/harness/churn.py
-says what a life is; bench/pod_churn.py runs the long series)."""
+says what a life is; bench/runtime/pod_churn.py runs the long series)."""
 
 from __future__ import annotations
 

@@ -177,7 +177,7 @@ class AgentClient:
         finally:
             if log.isEnabledFor(logging.DEBUG):
                 # A call's round trip: where a pod's start spends its time
-                # (bench/pod_start_microvm.py --agent-times).
+                # (bench/runtime/pod_start_microvm.py --agent-times).
                 log.debug("agent request", extra={"fields": {"command": method,
                                                              "ms": round((time.monotonic() - sent) * 1e3, 1)}})
 

@@ -24,7 +24,7 @@ The options and why:
   configMap, secret, projected, downward API): every lookup asks the host,
   so a renamed `..data` is followed at once, never into the version the
   writer has just removed. `none` for everything would cost 2 to 3 times
-  the lookups of a root (bench/pod_share.py, docs/performance.md);
+  the lookups of a root (bench/runtime/pod_share.py, docs/performance.md);
 - `-o announce_submounts`: the share holds bind mounts (each container's
   rootfs, each volume); the guest sees each as a mount of its own (its own
   st_dev), as a container would on the host. The guest mounts each on its

@@ -1,0 +1,277 @@
+#!/usr/bin/env python3
+"""Many idle pods on one node: what each costs the host in memory and CPU.
+
+The node of tests/harness/cri.py (a private containerd with crust's shim v2
+and `crust kata handler`, --vm-template unless --vm-source boot): --pods
+busybox pods of RuntimeClass crust-microvm, each with a deferred ext4
+volume of its own, started through CRI one after another, each container
+writing into its volume and then sleeping; beside them as many pods of
+RuntimeClass runc (the same image and command, no volume: runc has no
+deferred one), started after them.
+
+With every pod running and --settle seconds passed, counted per pod:
+- memory: the PSS (/proc/PID/smaps_rollup) of every process the pod adds
+  on the host: its QEMU and virtiofsd daemons (found by the pod's run
+  directory in their command lines) and its shim, plus the handler's PSS
+  divided among the pods; for runc, its shim and the container's processes.
+  A VM's guest RAM (a memfd, mapped by QEMU and its virtiofsd daemons) is
+  counted as the memory the memfd holds, instead of its mapped share: a
+  restored VM holds pages its QEMU has not mapped yet;
+- CPU: the same processes' CPU time over --seconds, and the whole machine's.
+Reported: the median per pod (min-max) and the sum over the pods, for each
+runtime; and the node's daemons (handler, containerd) apart.
+
+    .venv/bin/python bench/runtime/pod_density.py [--pods 20] [--settle 10] [--seconds 20] [--vm-source template|boot]
+        [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.lib import benchlib  # noqa: E402
+from crust.kata.vmm.qemu import qemu_pids_under  # noqa: E402
+from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
+from tests.harness.cri import container_log, cri_microvm_node, shim_pids, wait_for_template  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
+from tests.harness.daemons import wait_until
+
+IDLE = "trap 'exit 0' TERM; {write}echo up; sleep 100000 & wait"
+START_TIMEOUT = 300.0
+
+
+def pss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def memfd_pss_kib(pid: int) -> int:
+    """The PSS of pid's mappings of memfds (a VM's guest RAM)."""
+    total, inside = 0, False
+    try:
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            fields = line.split()
+            if fields and not fields[0].endswith(":"):   # a mapping's first line
+                inside = len(fields) >= 6 and fields[5].startswith("/memfd:")
+            elif inside and fields[0] == "Pss:":
+                total += int(fields[1])
+    except OSError:
+        pass
+    return total
+
+
+def memfd_held_kib(pids: list[int]) -> int:
+    """The memory held by the memfds the processes have open (a QEMU's
+    guest RAM; its virtiofsd may hold it too), each counted once, mapped
+    or not."""
+    held, seen = 0, set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                if not str(fd.readlink()).startswith("/memfd:"):
+                    continue
+                st = fd.stat()
+            except OSError:
+                continue
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                held += st.st_blocks * 512 // 1024
+    return held
+
+
+def pod_kib(pids: list[int]) -> int:
+    """A pod's processes' PSS, their memfds counted by what they hold."""
+    return sum(pss_kib(p) - memfd_pss_kib(p) for p in pids) + memfd_held_kib(pids)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def descendants(pid: int) -> list[int]:
+    """pid's children, theirs, and so on (not pid)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def vm_groups(root: Path) -> list[list[int]]:
+    """Each microVM pod's host processes: its QEMU, and every process whose
+    command line names the QEMU's run directory (its virtiofsd daemons)."""
+    groups = []
+    others = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    for vm in qemu_pids_under(root):
+        inside = [part.split("/kata-state/run/", 1)[1] for part in cmdline(vm).split() if "/kata-state/run/" in part]
+        run_dirs = {path.split("/", 1)[0] for path in inside}
+        members = [vm] + [pid for pid in others if pid != vm and any(f"/kata-state/run/{d}/" in cmdline(pid)
+                                                                     for d in run_dirs)]
+        groups.append(members)
+    return groups
+
+
+def by_kind(pids: list[int]) -> dict[str, list[int]]:
+    """A pod's processes by what they run (the program's name; crust's shim
+    by its module)."""
+    kinds: dict[str, list[int]] = {}
+    for pid in pids:
+        argv = cmdline(pid).split()
+        name = "crust shim" if "crust.containerd_shim" in argv else Path(argv[0]).name if argv else "?"
+        kinds.setdefault(name, []).append(pid)
+    return kinds
+
+
+def shim_of(shims: list[int], sandbox_id: str) -> int:
+    for pid in shims:
+        if f"-id {sandbox_id}" in cmdline(pid):
+            return pid
+    raise RuntimeError(f"no shim names sandbox {sandbox_id}")
+
+
+def pod(n: int, runtime_class: str, image: str, pv=None) -> Pod:
+    write = "echo written > /data/idle && sync && " if pv is not None else ""
+    return Pod(uid=f"uid-{runtime_class}-{n}", name=f"{runtime_class}-{n}", host_network=True,
+               runtime_class_name=runtime_class, restart_policy="Never", termination_grace_period_seconds=2,
+               volumes={"data": pv} if pv is not None else {},
+               containers=[Container("idle", image, command=["/bin/sh", "-c", IDLE.format(write=write)],
+                                     volume_mounts=[VolumeMount("data", "/data")] if pv is not None else [])])
+
+
+def row(values: list[float], digits: int = 1) -> dict:
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits), "sum": round(sum(values), digits), "n": len(values)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pods", type=int, default=20, help="pods of each runtime")
+    parser.add_argument("--settle", type=float, default=10.0, help="seconds after the last start before counting")
+    parser.add_argument("--seconds", type=float, default=20.0, help="how long CPU is counted")
+    parser.add_argument("--vm-source", choices=("template", "boot"), default="template",
+                        help="each pod's VM restored from the handler's template, or booted for it")
+    parser.add_argument("--json", help="write the results there (- for stdout)")
+    args = parser.parse_args(argv)
+    if benchlib.not_root("pod_density.py", "loop devices, QEMU, containerd"):
+        return 1
+    benchlib.raise_on_signals()
+    results = benchlib.run_header("pod_density", argv, benchlib.machine(), vm=True)
+    roots: list[Root] = []
+
+    def body() -> None:
+        results["load_before"] = benchlib.loadavg()
+        roots.append(Root())
+        root = roots[0]
+        template = args.vm_source == "template"
+        with cri_microvm_node(root, handler_extra=("--vm-template",) if template else ()) as node:
+            if template:
+                wait_for_template(node.env.handler.state_dir)
+            image = node.image.name
+            pods = {"crust-microvm": [], "runc": []}
+            started = time.monotonic()
+            for n in range(args.pods):
+                pv = node.pv(f"pv-density-{n}", "ext4", size=64 * 1024**2)
+                made = pod(n, "crust-microvm", image, pv)
+                node.kubelet.start_pod(pv, made)
+                pods["crust-microvm"].append((made, pv, node.runtime.run_pod(made)))
+            for n in range(args.pods):
+                made = pod(n, "runc", image)
+                pods["runc"].append((made, None, node.runtime.run_pod(made)))
+            for made, _, _ in pods["crust-microvm"] + pods["runc"]:
+                status = node.runtime.pod_status(made).latest("idle")
+                wait_until(lambda s=status: "up" in container_log(s), timeout=START_TIMEOUT, what=f"{made.name} to run")
+            results["start_seconds"] = round(time.monotonic() - started, 1)
+            print(f"{args.pods} microVM pods and {args.pods} runc pods running after "
+                  f"{results['start_seconds']} s; load {benchlib.loadavg()}", flush=True)
+            time.sleep(args.settle)
+            handler = node.env.handler.proc.pid
+            shims = shim_pids(node.containerd)
+            groups = {"crust-microvm": [], "runc": []}
+            vms = vm_groups(root.path)
+            if len(vms) != args.pods:
+                raise RuntimeError(f"expected {args.pods} VMs, found {len(vms)}")
+            results["accelerator"] = "kvm" if "-accel kvm" in cmdline(vms[0][0]) else "tcg"
+            for _, _, sandbox_id in pods["crust-microvm"]:
+                shim = shim_of(shims, sandbox_id)
+                (vm,) = [g for g in vms if f"crust-{sandbox_id}" in cmdline(g[0])]
+                groups["crust-microvm"].append(vm + [shim])
+            for _, _, sandbox_id in pods["runc"]:
+                shim = shim_of(shims, sandbox_id)
+                groups["runc"].append([shim, *descendants(shim)])
+            daemons = {"handler": [handler], "containerd": [node.containerd.process.pid]}
+            every = [pid for g in groups.values() for members in g for pid in members]
+            every += [handler, node.containerd.process.pid]
+            before, busy_before, at = {p: benchlib.cpu_ns(p) for p in every}, benchlib.machine_ticks()[0], \
+                time.monotonic()
+            time.sleep(args.seconds)
+            after, busy_after = {p: benchlib.cpu_ns(p) for p in every}, benchlib.machine_ticks()[0]
+            elapsed = time.monotonic() - at
+
+            def cores(pids: list[int]) -> float:
+                return sum(after[p] - before[p] for p in pids) / 1e9 / elapsed
+
+            handler_pss = pss_kib(handler)
+            results["columns"] = {}
+            for runtime, members in groups.items():
+                share = handler_pss / args.pods if runtime == "crust-microvm" else 0
+                memory = [(pod_kib(g) + share) / 1024 for g in members]
+                cpu = [cores(g) for g in members]
+                kinds: dict[str, list[float]] = {}
+                for g in members:
+                    for kind, pids in by_kind(g).items():
+                        kinds.setdefault(kind, []).append(sum(pss_kib(p) - memfd_pss_kib(p) for p in pids) / 1024)
+                    if runtime == "crust-microvm":
+                        kinds.setdefault("guest RAM", []).append(memfd_held_kib(g) / 1024)
+                results["columns"][runtime] = {"pss_mib": row(memory), "cores": row(cpu, 4),
+                                               "processes_per_pod": row([len(g) for g in members], 0),
+                                               "pss_mib_by_process": {k: row(v) for k, v in sorted(kinds.items())}}
+            results["daemons"] = {name: {"pss_mib": round(sum(pss_kib(p) for p in pids) / 1024, 1),
+                                         "cores": round(cores(pids), 4)}
+                                  for name, pids in daemons.items()}
+            results["machine_cores"] = round((busy_after - busy_before) / benchlib.TICK / elapsed, 3)
+            for made, pv, _ in pods["crust-microvm"] + pods["runc"]:
+                node.runtime.kill_pod(made)
+                node.runtime.remove_pod(made)
+                if pv is not None:
+                    node.kubelet.stop_pod(pv, made)
+        results["load_after"] = benchlib.loadavg()
+        print(f"\n{args.pods} idle pods of each runtime (microVMs: {args.vm_source}, {results['accelerator']}), "
+              f"{benchlib.machine_summary(results['machine'])}; "
+              f"counted {args.seconds:g} s after {args.settle:g} s")
+        for runtime, column in results["columns"].items():
+            m, c = column["pss_mib"], column["cores"]
+            print(f"  {runtime:14s} PSS per pod {m['median']} MiB ({m['min']}-{m['max']}), {m['sum']} MiB in all; "
+                  f"CPU per pod {c['median']} cores ({c['min']}-{c['max']}), {c['sum']} in all")
+            print("    of it: " + ", ".join(f"{kind} {r['median']} MiB"
+                                        for kind, r in column["pss_mib_by_process"].items()))
+        for name, row_ in results["daemons"].items():
+            print(f"  {name:14s} PSS {row_['pss_mib']} MiB, CPU {row_['cores']} cores")
+        print(f"  machine        {results['machine_cores']} cores busy")
+        print(f"load {results['load_before']} before, {results['load_after']} after")
+
+    return benchlib.guarded_run_then_write(body, benchlib.roots_cleanup(roots), benchlib.report_failure, args.json,
+                                           results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
