@@ -157,3 +157,38 @@ def test_the_checks_themselves():
     assert table_cells("| a | `x\\|y` | c |") == ["a", "`x\\|y`", "c"]
     assert [m.group(1) for m in REPO_PATH.finditer("(`tests/vm/test_kata_handler.py`, /var/lib/crust/x, bench/results/.)")] \
         == ["tests/vm/test_kata_handler.py", "bench/results"]
+
+
+def tree_picture() -> list[str]:
+    """The package tree docs/architecture.md draws: each line's folder,
+    joined to the folders above it by indentation."""
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("```text\ncrust/\n", 1)[1].split("```", 1)[0]
+    folders, stack = [], []
+    for line in ["crust/", *block.splitlines()]:
+        m = re.match(r"^( *)(\w+)/", line)
+        if not m:
+            continue
+        depth = len(m.group(1)) // 2
+        stack[depth:] = [m.group(2)]
+        folders.append("/".join(stack))
+    return folders
+
+
+def packages_of_the_tree() -> list[str]:
+    """The folders the picture must show: crust's packages two levels down,
+    specs/, and the test tiers and benchmark groups."""
+    found = ["crust", "specs", "tests", "bench"]
+    for base, depth in (("crust", 2), ("tests", 1), ("bench", 1)):
+        for d in sorted((REPO / base).rglob("*")):
+            rel = d.relative_to(REPO / base)
+            if d.is_dir() and len(rel.parts) <= depth and "__pycache__" not in rel.parts \
+                    and (any(d.glob("*.py")) or any(d.glob("*.c")) or base == "crust"):
+                found.append(f"{base}/{rel}")
+    return found
+
+
+def test_the_architecture_pages_tree_is_the_tree():
+    drawn, there = tree_picture(), packages_of_the_tree()
+    assert sorted(set(drawn) - set(there)) == [], "drawn but not in the tree"
+    assert sorted(set(there) - set(drawn)) == [], "in the tree but not drawn"
