@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from bench.csi.large_requests import burst, large_request, rss_mib
+from tests.harness.large_requests import burst, large_request, rss_mib
 from crust.api import csi_pb2, csi_pb2_grpc
 
 ROUNDS, CONCURRENCY = 10, 14

@@ -1,15 +1,12 @@
 """bench/runtime/pod_share.py runs end to end and reports what it promises (one
 small run: the numbers themselves are in docs/performance.md)."""
 
-import json
-
-from bench.runtime import pod_share
+from tests.harness.bench_run import run_bench
 
 
 def test_the_pod_share_benchmark_reports_every_part(tmp_path):
-    out = tmp_path / "result.json"
-    assert pod_share.main(["--runs", "1", "--mib", "8", "--big-mib", "8", "--json", str(out)]) == 0
-    result = json.loads(out.read_text())
+    result = run_bench("bench/runtime/pod_share.py", "--runs", "1", "--mib", "8", "--big-mib", "8",
+                       out=tmp_path / "result.json")
     for name in ("busybox", "big"):
         assert result["create_s"][name]["copy"] > 0 and result["create_s"][name]["share"] > 0
     assert result["first_output_s"] > 0

@@ -131,16 +131,14 @@ def test_the_shim_start_bench_times_start_for_a_running_pod_and_leaves_nothing(t
     """bench/microvm/shim_start.py: each round's `start` answers the address of the
     pod shim the bench made to listen (no daemon is started), and the bench
     removes that socket with its bundle."""
-    from bench.microvm import shim_start
+    from tests.harness.bench_run import run_bench
     from tests.harness.cri import processes_naming
 
-    out = tmp_path / "start.json"
-    assert shim_start.main(["--rounds", "2", "--json", str(out)]) == 0
-    results = json.loads(out.read_text())["results"]
+    results = run_bench("bench/microvm/shim_start.py", "--rounds", "2", out=tmp_path / "start.json")["results"]
     (timed,) = results.values()
     assert timed["wall_ms"]["n"] == 2 and timed["cpu_ms"]["n"] == 2 and 0 < timed["wall_ms"]["median"] < 10_000
     assert not list(Path(tempfile.gettempdir()).glob("crust-shim-start-*"))
-    assert not processes_naming(shim_start.POD)
+    assert not processes_naming("shim-start-bench")  # the pod the bench names
 
 
 def test_a_dead_shims_socket_is_removed_and_nothing_else(tmp_path):
