@@ -29,9 +29,15 @@ from pathlib import Path
 
 from bench.lib.run_record import PROJECT, describe, script_of
 from bench.lib.scenarios import SCENARIOS, Scenario
+from bench.lib.targets import load as load_targets
+from bench.lib.targets import verdict_line
 
 RESULTS = PROJECT / "bench" / "results"
 DOC = PROJECT / "docs" / "performance.md"
+# The microVM pods' scenarios have a page of their own: one page would be too
+# long to read. A scenario on neither page is added to the first.
+MICROVM_DOC = PROJECT / "docs" / "performance-microvm.md"
+DOCS = (DOC, MICROVM_DOC)
 COMMAND = "./run bench-docs"
 MAX_CELL = 300
 
@@ -108,6 +114,10 @@ def render_block(scenario: Scenario, results: list[tuple[str, dict]]) -> str:
         body = table(header, rows) + [""]
         if scenario.anchor:
             body.append(f"- Anchor: {scenario.anchor}")
+        for group, targets in load_targets().items():
+            held = [verdict_line(t, newest) for t in targets if t.scenario == scenario.id]
+            if held:
+                body.append(f"- Targets (bench/{group}/targets.toml): " + "; ".join(held))
         # One line for the run (the document stays under 600 lines with a
         # table for every scenario).
         body.append(f"- Reproduce: `{reproduce(newest, name)}`; result `bench/results/{name}`, run {info['date']} at "
@@ -129,9 +139,10 @@ def _current_paths(text: str) -> str:
     return re.sub(r"\bbench/(\w+\.(?:py|c))\b", current, text)
 
 
-def render(current: str, results: list[tuple[str, dict]]) -> str:
+def render(current: str, results: list[tuple[str, dict]], elsewhere: frozenset[str] = frozenset()) -> str:
     """current (the document as it is, "" if none) with every scenario's
-    block rendered anew; sections appended for scenarios it lacks."""
+    block rendered anew; sections appended for the scenarios it lacks that
+    are not `elsewhere` (on another page)."""
     known = {s.id: s for s in SCENARIOS}
     text = current or HEAD.format(command=COMMAND)
     seen = set()
@@ -139,31 +150,48 @@ def render(current: str, results: list[tuple[str, dict]]) -> str:
     def replace(match: re.Match) -> str:
         scenario = known.get(match["id"])
         if scenario is None:
-            raise SystemExit(f"docs/performance.md: no scenario {match['id']!r} in bench/lib/scenarios.py")
+            raise SystemExit(f"docs: no scenario {match['id']!r} in bench/lib/scenarios.py")
         seen.add(scenario.id)
         return render_block(scenario, results)
 
     text = _MARK.sub(replace, text)
     for scenario in SCENARIOS:
-        if scenario.id not in seen:
+        if scenario.id not in seen and scenario.id not in elsewhere:
             text = text.rstrip("\n") + f"\n\n### {scenario.title}\n\n{render_block(scenario, results)}\n"
     return text.rstrip("\n") + "\n"
 
 
+def render_pages(pages: dict[Path, str], results: list[tuple[str, dict]]) -> dict[Path, str]:
+    """Every page (path -> its text as it is) rendered anew; a scenario no
+    page shows yet is added to the first page."""
+    shown = {path: set(m["id"] for m in _MARK.finditer(text)) for path, text in pages.items()}
+    rendered, first = {}, next(iter(pages))
+    for path, text in pages.items():
+        others = frozenset().union(*(ids for p, ids in shown.items() if p != path))
+        if path != first:
+            others |= frozenset(s.id for s in SCENARIOS) - shown[path]
+        rendered[path] = render(text, results, others)
+    return rendered
+
+
+def current_pages() -> dict[Path, str]:
+    return {path: path.read_text() if path.exists() else "" for path in DOCS}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1, changing nothing, if the document is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1, changing nothing, if a page is stale")
     args = parser.parse_args(argv)
-    current = DOC.read_text() if DOC.exists() else ""
-    rendered = render(current, load_results())
+    current = current_pages()
+    rendered = render_pages(current, load_results())
+    stale = [path for path in DOCS if rendered[path] != current[path]]
     if args.check:
-        if rendered != current:
-            print(f"docs/performance.md is stale: run `{COMMAND}`", file=sys.stderr)
-            return 1
-        return 0
-    if rendered != current:
-        DOC.write_text(rendered)
-        print("wrote docs/performance.md", file=sys.stderr)
+        for path in stale:
+            print(f"{path.relative_to(PROJECT)} is stale: run `{COMMAND}`", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(rendered[path])
+        print(f"wrote {path.relative_to(PROJECT)}", file=sys.stderr)
     return 0
 
 

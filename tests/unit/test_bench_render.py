@@ -1,6 +1,6 @@
-"""docs/performance.md holds what bench/lib/render.py makes of the committed
-results (bench/results/): a result committed without rendering, or a table
-edited by hand, fails here."""
+"""docs/performance.md and docs/performance-microvm.md hold what
+bench/lib/render.py makes of the committed results (bench/results/): a result
+committed without rendering, or a table edited by hand, fails here."""
 
 from __future__ import annotations
 
@@ -9,17 +9,24 @@ import json
 from bench.lib import render
 
 
-def test_the_performance_doc_is_what_the_committed_results_render():
-    current = render.DOC.read_text()
-    assert render.render(current, render.load_results()) == current, \
-        f"docs/performance.md is stale: run `{render.COMMAND}` and commit it"
+def test_the_performance_pages_are_what_the_committed_results_render():
+    current = render.current_pages()
+    rendered = render.render_pages(current, render.load_results())
+    for path in render.DOCS:
+        assert rendered[path] == current[path], f"{path.name} is stale: run `{render.COMMAND}` and commit it"
 
 
-def test_the_performance_doc_stays_short_and_its_cells_readable():
-    lines = render.DOC.read_text().splitlines()
-    assert len(lines) < 600
-    cells = [c for line in lines if line.startswith("|") for c in line.strip("|").split(" | ")]
-    assert max(map(len, cells)) <= render.MAX_CELL
+def test_every_scenario_is_on_exactly_one_page():
+    shown = [m["id"] for text in render.current_pages().values() for m in render._MARK.finditer(text)]
+    assert sorted(shown) == sorted(s.id for s in render.SCENARIOS)
+
+
+def test_the_performance_pages_stay_short_and_their_cells_readable():
+    for path in render.DOCS:
+        lines = path.read_text().splitlines()
+        assert len(lines) < 600, path.name
+        cells = [c for line in lines if line.startswith("|") for c in line.strip("|").split(" | ")]
+        assert max(map(len, cells)) <= render.MAX_CELL
 
 
 def test_every_committed_result_names_its_benchmark_and_command():
