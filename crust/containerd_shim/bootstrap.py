@@ -48,7 +48,8 @@ class StartInput:
 def read_start_input(data: bytes, task_id: str, namespace: str) -> StartInput:
     """The runtime options and settings in `start`'s input, whichever form
     containerd used; anything else is the 1.6 form (an Any, maybe broken,
-    which configured_endpoint then reports and ignores)."""
+    which crust.containerd_shim.options.configured_endpoint then
+    reports and ignores)."""
     try:
         fields = message_fields(data)
     except ValueError:
@@ -66,30 +67,6 @@ def read_start_input(data: bytes, task_id: str, namespace: str) -> StartInput:
             if message_strings(any_bytes).get(1, b"").decode(errors="replace").endswith(OPTIONS_TYPE):
                 found.options = any_bytes
     return found
-
-
-def configured_endpoint(options: bytes) -> str:
-    """`handler_endpoint` of the TOML file the runtime options (a
-    google.protobuf.Any of runtimeoptions.v1.Options, serialized) name as
-    their ConfigPath; "" when they name none. containerd hands the options
-    to `start` (read_start_input); CRI-O (its handler's
-    runtime_config_path) only in the sandbox's CreateTaskRequest."""
-    if not options:
-        return ""
-    try:
-        wrapped = message_strings(options)   # google.protobuf.Any: type_url 1, value 2
-        if wrapped.get(1, b"").decode().endswith(OPTIONS_TYPE):
-            config_path = message_strings(wrapped.get(2, b"")).get(2, b"").decode()   # Options.config_path
-            if config_path:
-                import tomllib
-
-                with open(config_path, "rb") as handle:
-                    endpoint = tomllib.load(handle).get("handler_endpoint")
-                if endpoint:
-                    return str(endpoint)
-    except Exception as exc:  # a broken option must not hide the default
-        print(f"crust shim: runtime options not used: {exc}", file=sys.stderr)
-    return ""
 
 
 def bootstrap_result(address: str) -> bytes:

@@ -44,7 +44,8 @@ import sys
 from pathlib import Path
 
 from crust.common import cri_annotations
-from crust.containerd_shim.bootstrap import bootstrap_result, configured_endpoint, read_start_input, runtime_info
+from crust.containerd_shim.bootstrap import bootstrap_result, read_start_input, runtime_info
+from crust.containerd_shim.options import SOCKET_DIR, handler_endpoint, keep_endpoint, kept_endpoint
 
 # containerd runs `start` for every container of a pod, in the path of
 # StartContainer (and of RunPodSandbox): this module imports only what
@@ -52,14 +53,7 @@ from crust.containerd_shim.bootstrap import bootstrap_result, configured_endpoin
 # a start's time, were they imported here) are the daemon's and
 # `delete`'s, imported there.
 
-DEFAULT_HANDLER_ENDPOINT = "unix:///run/crust/kata-handler.sock"
-ENV_HANDLER_ENDPOINT = "CRUST_KATA_HANDLER_ENDPOINT"
-# containerd 1.6 keeps its own shims' sockets here; ours share the directory
-# with names of their own (a hash with a crust prefix in its input).
-SOCKET_DIR = Path("/run/containerd/s")
 SHIM_MODULE = "crust.containerd_shim"
-# In each bundle: the handler endpoint `start` was given (for `delete`).
-ENDPOINT_FILE = "crust-handler-endpoint"
 # In each bundle whose `start` was given a socket directory of containerd's
 # other than SOCKET_DIR: that directory (for `delete`).
 SOCKET_DIR_FILE = "crust-socket-dir"
@@ -81,11 +75,6 @@ def group_of(bundle: Path, container_id: str) -> str:
     except (OSError, ValueError):
         return container_id
     return cri_annotations.sandbox_id(spec) or container_id
-
-
-def handler_endpoint(options: bytes = b"") -> str:
-    """The handler's socket: the runtime's ConfigPath file, the environment, the default."""
-    return configured_endpoint(options) or os.environ.get(ENV_HANDLER_ENDPOINT) or DEFAULT_HANDLER_ENDPOINT
 
 
 def read_stdin() -> bytes:
@@ -138,7 +127,7 @@ def start(args: argparse.Namespace) -> int:
     # The endpoint the options name is kept in the bundle for `delete`, and
     # so is a socket directory of containerd's own choosing.
     endpoint = handler_endpoint(given.options)
-    (bundle / ENDPOINT_FILE).write_text(endpoint)
+    keep_endpoint(bundle, endpoint)
     if directory != SOCKET_DIR:
         (bundle / SOCKET_DIR_FILE).write_text(str(directory))
     if not socket_alive(str(path)):
@@ -194,10 +183,7 @@ def delete(args: argparse.Namespace) -> int:
     except (OSError, ValueError):
         spec = {}
     sandbox = cri_annotations.container_type(spec) == cri_annotations.SANDBOX
-    try:
-        endpoint = (bundle / ENDPOINT_FILE).read_text().strip() or handler_endpoint()
-    except OSError:
-        endpoint = handler_endpoint()
+    endpoint = kept_endpoint(bundle)
     try:
         with local_channel(endpoint) as channel:
             pods = handler_pb2_grpc.PodRuntimeStub(channel)

@@ -45,8 +45,7 @@ from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common.channel import local_aio_channel
 from crust.common import cri_annotations, ttrpc
 from crust.containerd_shim.events import Publisher, timestamp
-from crust.containerd_shim.bootstrap import configured_endpoint
-from crust.containerd_shim.main import ENDPOINT_FILE
+from crust.containerd_shim.options import configured_endpoint, keep_endpoint
 from crust.containerd_shim.process import CREATED, RUNNING, STOPPED, Container, Process, copy_input, copy_output
 from crust.containerd_shim.translate import (CGROUP_V2_METRICS_TYPE, bad, cgroup_metrics, grpc_to_ttrpc, is_sandbox,
                                              process_spec, read_config)
@@ -134,7 +133,7 @@ class TaskService:
             log.info("handler named by the runtime options", extra={"fields": {"handler": endpoint}})
             self.handler_endpoint = endpoint
         try:
-            (Path(request.bundle) / ENDPOINT_FILE).write_text(endpoint)
+            keep_endpoint(Path(request.bundle), endpoint)
         except OSError as exc:
             log.warning("handler endpoint not kept in the bundle", extra={"fields": {"error": str(exc)}})
 

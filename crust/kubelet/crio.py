@@ -412,7 +412,7 @@ class Crio(CriDaemon):
     def shim_sockets(self) -> set[Path]:
         """The sockets of the shims our bundles name (each VM container's
         `address`), those in the shims' socket directory only."""
-        from crust.containerd_shim.main import SOCKET_DIR
+        from crust.containerd_shim.options import SOCKET_DIR
 
         found = set()
         bundles = self.directory / "run" / "storage"

@@ -308,7 +308,7 @@ def shim_endpoint() -> str:
     dials, as deploy/containerd configures it."""
     import tomllib
 
-    from crust.containerd_shim.main import DEFAULT_HANDLER_ENDPOINT
+    from crust.containerd_shim.options import DEFAULT_HANDLER_ENDPOINT
 
     drop_in = tomllib.loads((REPO / "deploy" / "containerd" / "crust.toml").read_text())
     runtime = drop_in["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["crust"]

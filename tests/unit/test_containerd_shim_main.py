@@ -15,7 +15,7 @@ def test_shim_reads_the_runtime_options_as_protobuf_does(tmp_path):
 
     from crust.api import containerd_runtimeoptions_pb2 as runtimeoptions
     from crust.containerd_shim.bootstrap import message_strings
-    from crust.containerd_shim.main import handler_endpoint
+    from crust.containerd_shim.options import handler_endpoint
 
     settings = tmp_path / "shim.toml"
     settings.write_text('handler_endpoint = "unix:///run/elsewhere.sock"\n')

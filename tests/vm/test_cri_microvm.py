@@ -34,7 +34,7 @@ SHIM_RUNTIME = {"crust": "io.containerd.crust.v2"}
 def test_deploy_configures_the_crust_runtime_for_containerd_and_kubernetes(tmp_path):
     import tomllib
 
-    from crust.containerd_shim.main import handler_endpoint
+    from crust.containerd_shim.options import handler_endpoint
     from crust.api import containerd_runtimeoptions_pb2 as runtimeoptions
     from google.protobuf import any_pb2
     from tests.harness.kustomize import render

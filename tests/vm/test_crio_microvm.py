@@ -84,7 +84,7 @@ def test_crio_merges_the_microvm_drop_in_and_the_shim_reads_its_settings(crio_to
     from google.protobuf import any_pb2
 
     from crust.api import containerd_runtimeoptions_pb2 as runtimeoptions
-    from crust.containerd_shim.main import configured_endpoint
+    from crust.containerd_shim.options import configured_endpoint
 
     (tmp_path / "conf.d").mkdir()
     (tmp_path / "conf.d" / "50-crust-microvm.conf").write_text((DEPLOY / "crio" / "crust-microvm.conf").read_text())
