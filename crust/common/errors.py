@@ -3,6 +3,12 @@
 Logic raises these domain errors; exactly one place (the gRPC interceptor in
 crust.common.grpcserver) turns them into gRPC status codes. Anything else that
 escapes a servicer becomes INTERNAL with its traceback logged.
+
+Each class's `code` is the one table between crust's errors and the status
+codes; error_class reads it backwards (a code another server answered, as
+crust's error), and status_number/status_code turn gRPC's codes into the
+numbers ttrpc carries and back (the guest's agent and containerd's shims
+speak ttrpc).
 """
 
 from __future__ import annotations
@@ -126,3 +132,29 @@ class Forwarded(CrustError):
     @classmethod
     def from_rpc_error(cls, exc: grpc.RpcError) -> "Forwarded":
         return cls(exc.code(), exc.details() or "")
+
+
+# The classes whose `code` a status code is answered with (NoSpace and
+# Forwarded share a code with another or have none of their own).
+_CLASSES = (InvalidArgument, NotFound, AlreadyExists, PermissionDenied, FailedPrecondition, OutOfRange,
+            ResourceExhausted, Aborted, Unavailable, Unimplemented, Internal, DataLoss, DeadlineExceeded)
+_BY_CODE: dict[grpc.StatusCode, type[CrustError]] = {cls.code: cls for cls in _CLASSES}
+_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_number(code: object) -> int:
+    """gRPC's code as the number ttrpc carries; UNKNOWN's for what is no code."""
+    return code.value[0] if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN.value[0]
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """ttrpc's number as gRPC's code; UNKNOWN for a number gRPC has no code for."""
+    return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def error_class(code: grpc.StatusCode | int) -> type[CrustError]:
+    """crust's error for a status code (gRPC's or ttrpc's number); Internal
+    for a code no error of crust carries (OK, CANCELLED, UNKNOWN, ...)."""
+    if not isinstance(code, grpc.StatusCode):
+        code = status_code(code)
+    return _BY_CODE.get(code, Internal)

@@ -14,6 +14,7 @@ import grpc
 from crust.api import containerd_cgroups_v2_pb2 as cgroups_v2
 from crust.api import handler_pb2
 from crust.common import cri_annotations, ttrpc
+from crust.common.errors import status_number
 from crust.common.ttrpc import TtrpcError
 
 # What containerd's CRI unpacks Task.Stats into (the message's full name).
@@ -81,7 +82,7 @@ def _known(message, values) -> dict:
 
 
 def grpc_to_ttrpc(exc: grpc.RpcError, what: str) -> TtrpcError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    number = code.value[0] if isinstance(code, grpc.StatusCode) else ttrpc.UNKNOWN
+    """The handler's refusal passed on to containerd with the same code."""
+    number = status_number(exc.code() if hasattr(exc, "code") else None)
     details = exc.details() if hasattr(exc, "details") else str(exc)
     return TtrpcError(number, f"{what}: {details}")

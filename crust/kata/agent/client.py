@@ -31,20 +31,7 @@ from google.protobuf import message_factory
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
-from crust.common.errors import (
-    AlreadyExists,
-    CrustError,
-    DataLoss,
-    DeadlineExceeded,
-    FailedPrecondition,
-    Internal,
-    InvalidArgument,
-    NotFound,
-    OutOfRange,
-    ResourceExhausted,
-    Unavailable,
-    Unimplemented,
-)
+from crust.common.errors import CrustError, Internal, error_class
 from crust.sys.run import rpc_deadline
 
 log = logging.getLogger(__name__)
@@ -87,18 +74,14 @@ def call_timeout(method: str, timeout: float | None, now: float) -> float | None
             limit = min(limit, max(MIN_TIMEOUT, deadline - now))
     return limit
 
-_ERRORS: dict[int, type[CrustError]] = {
-    ttrpc.INVALID_ARGUMENT: InvalidArgument,
-    ttrpc.NOT_FOUND: NotFound,
-    ttrpc.ALREADY_EXISTS: AlreadyExists,
-    ttrpc.FAILED_PRECONDITION: FailedPrecondition,
-    ttrpc.OUT_OF_RANGE: OutOfRange,
-    ttrpc.RESOURCE_EXHAUSTED: ResourceExhausted,
-    ttrpc.DEADLINE_EXCEEDED: DeadlineExceeded,
-    ttrpc.UNIMPLEMENTED: Unimplemented,
-    ttrpc.UNAVAILABLE: Unavailable,
-    ttrpc.DATA_LOSS: DataLoss,
-}
+# The codes of the agent's answers (specs/agent.proto) that the handler
+# passes on as its error of the same code. Any other is the agent's bug as
+# the host sees it (INTERNAL): ABORTED and UNKNOWN it never answers, and its
+# one PERMISSION_DENIED (a passphrase, OpenEncrypted) is the caller's to say.
+PASSED_ON = frozenset({
+    ttrpc.INVALID_ARGUMENT, ttrpc.NOT_FOUND, ttrpc.ALREADY_EXISTS, ttrpc.FAILED_PRECONDITION, ttrpc.OUT_OF_RANGE,
+    ttrpc.RESOURCE_EXHAUSTED, ttrpc.DEADLINE_EXCEEDED, ttrpc.UNIMPLEMENTED, ttrpc.UNAVAILABLE, ttrpc.DATA_LOSS,
+})
 
 
 # The most of a guest's words (an error message, its agent's name) the
@@ -118,7 +101,8 @@ def guest_text(text: str, limit: int = GUEST_TEXT_CHARS) -> str:
 
 def handler_error(exc: ttrpc.TtrpcError, what: str) -> CrustError:
     """The agent's refusal as the handler's error of the same code."""
-    return _ERRORS.get(exc.code, Internal)(f"{what}: the guest's agent: {guest_text(exc.message)}")
+    kind = error_class(exc.code) if exc.code in PASSED_ON else Internal
+    return kind(f"{what}: the guest's agent: {guest_text(exc.message)}")
 
 
 class AgentClient:
