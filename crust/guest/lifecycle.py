@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from crust.api import agent_pb2
+from crust.common import agent_capabilities as caps
 from crust.common import ttrpc
 from crust.guest import spawn
 from crust.guest.errors import AgentError
@@ -95,7 +96,7 @@ class Warmer:
 
     @property
     def capabilities(self) -> list[str]:
-        return ["warm"] if self.runtime.present and os.path.isfile(self.spec) else []
+        return [caps.WARM] if self.runtime.present and os.path.isfile(self.spec) else []
 
     async def warm(self) -> agent_pb2.WarmResponse:
         if not self.capabilities:

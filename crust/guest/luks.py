@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crust.api import agent_pb2
+from crust.common import agent_capabilities as caps
 from crust.common import ttrpc
 from crust.guest import luks_shape
 from crust.guest.disks import check_disk
@@ -193,7 +194,7 @@ class EncryptedVolumes:
         image lists), luks2.integrity with dm-integrity too."""
         if not (shutil.which("cryptsetup") and shutil.which("dmsetup") and self._has("dm_crypt", "crypt")):
             return []
-        return ["luks2", *(["luks2.integrity"] if self._has("dm_integrity", "integrity") else [])]
+        return [caps.LUKS2, *([caps.LUKS2_INTEGRITY] if self._has("dm_integrity", "integrity") else [])]
 
     def _has(self, module: str, listed: str) -> bool:
         return os.path.isdir(f"/sys/module/{module}") or os.path.isfile(f"{self.volumes.modules_dir}/{listed}")

@@ -10,6 +10,7 @@ import time
 
 import crust
 from crust.api import agent_pb2
+from crust.common import agent_capabilities as caps
 from crust.common import ttrpc
 from crust.guest import cgroups, guestbinds, guestconf, lifecycle, network, terminal
 from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR, REMOVE_WAIT, Containers
@@ -38,8 +39,10 @@ IMAGE_ID_FILE = "/etc/crust-image-id"
 
 log = logging.getLogger(__name__)
 
-CAPABILITIES = ("process.guest", "process.stdin", "guest.settings", "share.virtiofs", "tmpfs.pod",
-                "subpath.beneath", "mirror.atomic-writer", "network.interface", "resume")
+# What this agent always serves; the rest depends on the guest (its OCI
+# runtime, cgroups, kernel modules, tools).
+CAPABILITIES = (caps.PROCESS_GUEST, caps.PROCESS_STDIN, caps.GUEST_SETTINGS, caps.SHARE_VIRTIOFS, caps.TMPFS_POD,
+                caps.SUBPATH_BENEATH, caps.MIRROR_ATOMIC_WRITER, caps.NETWORK_INTERFACE, caps.RESUME)
 
 
 def _memory_total() -> int:
@@ -112,12 +115,12 @@ class AgentService:
 
     @property
     def capabilities(self) -> list[str]:
-        runtime = ["process.exec", "process.terminal", "container.create", "container.oci", "container.terminal"] \
-            if self.runtime.present else []
+        runtime = [caps.PROCESS_EXEC, caps.PROCESS_TERMINAL, caps.CONTAINER_CREATE, caps.CONTAINER_OCI,
+                   caps.CONTAINER_TERMINAL] if self.runtime.present else []
         if runtime and os.path.exists(self.places.pod_init):
-            runtime.append("container.pod-pid")
+            runtime.append(caps.CONTAINER_POD_PID)
         return [*CAPABILITIES, *runtime,
-                *(["stats.cgroup2"] if cgroups.available(self.pod_cgroup) else []), *self.volumes.capabilities,
+                *([caps.STATS_CGROUP2] if cgroups.available(self.pod_cgroup) else []), *self.volumes.capabilities,
                 *self.encrypted.capabilities, *self.warmer.capabilities]
 
     async def close(self) -> None:
@@ -154,7 +157,7 @@ class AgentService:
     def _runtime_needed(self) -> None:
         if not self.runtime.present:
             raise AgentError(ttrpc.UNIMPLEMENTED, f"container_id: the guest has no OCI runtime "
-                                                 f"({self.runtime.binary}; capability container.create absent)")
+                                                 f"({self.runtime.binary}; capability {caps.CONTAINER_CREATE} absent)")
 
     async def CreateContainer(self, request: agent_pb2.CreateContainerRequest,
                               call) -> agent_pb2.CreateContainerResponse:
@@ -212,7 +215,7 @@ class AgentService:
         if request.container_id:
             if not self.runtime.present:
                 raise AgentError(ttrpc.UNIMPLEMENTED, f"container_id: the guest has no OCI runtime "
-                                                     f"({self.runtime.binary}; capability process.exec absent)")
+                                                     f"({self.runtime.binary}; capability {caps.PROCESS_EXEC} absent)")
             process = await self.processes.start_container_exec(self.runtime, request.container_id,
                                                                 request.exec_id, request.process, spec, request.stdin)
             return agent_pb2.ExecProcessResponse(pid=process.pid)

@@ -19,6 +19,7 @@ import stat
 from dataclasses import dataclass
 
 from crust.api import agent_pb2
+from crust.common import agent_capabilities as caps
 from crust.common import ttrpc
 from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
@@ -126,8 +127,8 @@ class Volumes:
 
     @property
     def capabilities(self) -> list[str]:
-        return ["disk.virtio-blk", "disk.virtio-scsi", "volume.grow",
-                *(f"fs.{t}" for t in available_filesystems(self.modules_dir))]
+        return [caps.DISK_VIRTIO_BLK, caps.DISK_VIRTIO_SCSI, caps.VOLUME_GROW,
+                *(caps.fs(t) for t in available_filesystems(self.modules_dir))]
 
     def _lock(self, volume_id: str) -> asyncio.Lock:
         return self._locks.setdefault(volume_id, asyncio.Lock())

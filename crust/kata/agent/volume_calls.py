@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 
 from crust.api import agent_pb2, csi_pb2
+from crust.common import agent_capabilities as caps
 from crust.common import ttrpc
 from crust.kata.agent import checked_numbers
 from crust.kata.agent.client import AgentClient, handler_error
@@ -36,8 +37,8 @@ FS_GROUP_POLICIES = {"Always": agent_pb2.FsGroup.ALWAYS, "OnRootMismatch": agent
 
 def serves(port: PortAgent, disk_bus: str, fs_type: str = "") -> bool:
     """Whether the guest's agent mounts volumes on this disk bus (and of fs_type)."""
-    bus = "disk.virtio-scsi" if disk_bus == "virtio-scsi" else "disk.virtio-blk"
-    return port.has(bus) and (not fs_type or port.has(f"fs.{fs_type}"))
+    bus = caps.DISK_VIRTIO_SCSI if disk_bus == "virtio-scsi" else caps.DISK_VIRTIO_BLK
+    return port.has(bus) and (not fs_type or port.has(caps.fs(fs_type)))
 
 
 def volume_id(mount_point: str) -> str:
@@ -127,7 +128,7 @@ async def wait_disk_removed(client: AgentClient, serial: str, timeout: float) ->
 
 def serves_encrypted(port: PortAgent, disk_bus: str, fs_type: str, integrity: str) -> bool:
     """Whether the guest's agent opens encrypted volumes (with integrity when asked)."""
-    return serves(port, disk_bus, fs_type) and port.has("luks2") and (not integrity or port.has("luks2.integrity"))
+    return serves(port, disk_bus, fs_type) and port.has(caps.LUKS2) and (not integrity or port.has(caps.LUKS2_INTEGRITY))
 
 
 async def open_encrypted(client: AgentClient, serial: str, fs_type: str, name: str, passphrase: bytearray, *,

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from crust.api import agent_pb2
+from crust.common import agent_capabilities as caps
 from crust.common import ttrpc
 from crust.common.private import open_new
 from crust.kata.vmm import saved_ram
@@ -50,7 +51,7 @@ class VmSaving:
         fresh entropy, through the agent's port (its agent was saved with
         the port open: it answers at once)."""
         client = await self.port.ready(wait=RESTORED_PORT_WAIT)
-        if client is None or not self.port.has("resume"):
+        if client is None or not self.port.has(caps.RESUME):
             raise VmError(f"vm {self.name}: its restored guest's agent "
                           f"{'does not answer on its port' if client is None else 'cannot resume'}: save it again")
         now = time.time_ns()
