@@ -145,7 +145,8 @@ def test_a_dead_shims_socket_is_removed_and_nothing_else(tmp_path):
     """`delete`'s clean-up of a killed shim's socket (the bundle's address):
     removed when nobody accepts on it; kept when a shim answers there, and
     never outside containerd's socket directory."""
-    from crust.containerd_shim.main import SOCKET_DIR, remove_dead_socket
+    from crust.containerd_shim.main import remove_dead_socket
+    from crust.containerd_shim.options import SOCKET_DIR
 
     SOCKET_DIR.mkdir(parents=True, exist_ok=True)
     bundle = tmp_path / "bundle"
