@@ -2,6 +2,9 @@
 and inside functions alike): no circle among crust's modules, and every
 arrow points down the layers (docs/architecture.md).
 
+- crust's packages import only those drawn below them in the picture of
+  docs/architecture.md (the tree, floor by floor from the bottom);
+
 - crust.api, crust.sys and crust.common are what everything builds on:
   they import none of crust's subsystems;
 - crust.guest runs inside the VM, on the guest's Python: it imports only
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -203,6 +207,26 @@ def violations(edges: dict[str, set[str]]) -> list[tuple[str, str, str]]:
     return found
 
 
+def floors() -> list[str]:
+    """crust's packages in the order docs/architecture.md draws them, the
+    bottom first."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    picture = re.search(r"^```text\ncrust/\n(.*?)^\S", page, re.S | re.M)
+    assert picture is not None, "docs/architecture.md draws no tree of crust/"
+    return re.findall(r"^  (\w+)/", picture.group(1), re.M)
+
+
+def upward(edges: dict[str, set[str]], order: list[str]) -> list[tuple[str, str]]:
+    """The arrows from a package to one drawn above it (a module at crust's
+    top, crust.cli, is above every package)."""
+    def floor(name: str) -> int:
+        parts = name.split(".")
+        return order.index(parts[1]) if len(parts) > 1 and parts[1] in order else len(order)
+
+    return [(source, target) for source, targets in sorted(edges.items()) for target in sorted(targets - {TOP})
+            if floor(target) > floor(source)]
+
+
 def test_the_graph_is_read():
     edges = graph()
     assert len(edges) > 200
@@ -226,6 +250,16 @@ def test_the_known_circles_are_still_there():
 def test_every_arrow_points_down():
     found = [v for v in violations(graph()) if (v[0], v[1]) not in KNOWN]
     assert found == [], "\n".join(f"{source} -> {target}: {rule}" for source, target, rule in found)
+
+
+def test_no_package_imports_one_drawn_above_it():
+    order = floors()
+    assert order[:3] == ["api", "sys", "common"] and "kata" in order
+    assert set(order) == {p.name for p in CRUST.iterdir() if (p / "__init__.py").is_file()}
+    found = [arrow for arrow in upward(graph(), order) if arrow not in KNOWN]
+    assert found == [], "\n".join(f"{source} -> {target}: drawn above it" for source, target in found)
+    assert upward({"crust.sys.a": {"crust.kata.b"}, "crust.kata.b": {"crust.sys.a"}, "crust.cli": {"crust.kata.b"}},
+                  order) == [("crust.sys.a", "crust.kata.b")]
 
 
 def test_the_known_exceptions_are_still_there():
