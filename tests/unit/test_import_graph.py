@@ -4,7 +4,6 @@ arrow points down the layers (docs/architecture.md).
 
 - crust's packages import only those drawn below them in the picture of
   docs/architecture.md (the tree, floor by floor from the bottom);
-
 - crust.api, crust.sys and crust.common are what everything builds on:
   they import none of crust's subsystems;
 - crust.guest runs inside the VM, on the guest's Python: it imports only
