@@ -1,10 +1,17 @@
-"""The guest agent run on the host beside a real crun container, as in the
-guest: both in a mount namespace of their own whose /sys/fs/cgroup is
-cgroup v2 alone (crun refuses a host's hybrid hierarchy)."""
+"""The guest agent run on the host as a process: alone, or beside a real
+crun container as in the guest, both in a mount namespace of their own
+whose /sys/fs/cgroup is cgroup v2 alone (crun refuses a host's hybrid
+hierarchy).
+
+The fixtures: agent (the socket of a lone `python -m crust.guest`) and
+pod_cgroup_cleaned (the containers' cgroups below /crust removed after the
+test; a module whose tests make containers names it in its `pytestmark`).
+A module that uses one imports it."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shlex
@@ -16,6 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from crust.common.ttrpc import TtrpcError
 from crust.kata.image.build import GUEST_CFLAGS
@@ -34,6 +43,15 @@ async def code_of(awaitable) -> tuple[int, str]:
     raise AssertionError("the call did not fail")
 
 
+def parent_of(pid: int) -> int:
+    """pid's parent, 0 once pid is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(line for line in f if line.startswith("PPid:")).split()[1])
+    except (FileNotFoundError, StopIteration):
+        return 0
+
+
 def wait_listening(proc: subprocess.Popen, path: Path, log: Path, timeout: float) -> None:
     """Until the agent's socket exists (it appears only once listening)."""
     deadline = time.monotonic() + timeout
@@ -50,6 +68,18 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def agent(tmp_path):
+    path = tmp_path / "agent.sock"
+    with open(tmp_path / "agent.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "crust.guest", "--listen", str(path)], cwd=REPO, stderr=log)
+    try:
+        wait_listening(proc, path, tmp_path / "agent.log", 20)
+        yield path
+    finally:
+        stop(proc)
 
 
 def compile_enter(directory: Path) -> Path:
@@ -116,3 +146,44 @@ def crun_container_agent(tmp_path: Path, adjust: Callable[[dict[str, Any], Path]
         subprocess.run(["nsenter", "-t", str(proc.pid), "-m", crun, "--root", str(state), "delete", "--force", cid],
                        timeout=60, check=False)
         stop(proc)
+
+
+def unified_hierarchy() -> Path:
+    """Where the host mounts cgroup v2 (the agent's namespace mounts the same
+    hierarchy at its /sys/fs/cgroup)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        if right.split()[0] == "cgroup2":
+            return Path(left.split()[4])
+    raise AssertionError("the host mounts no cgroup v2 hierarchy")
+
+
+@pytest.fixture
+def pod_cgroup_cleaned():
+    """The containers' cgroups the tests make below /crust in the host's v2
+    hierarchy, removed after (and /crust itself when they made it)."""
+    pod = unified_hierarchy() / "crust"
+    existed = pod.exists()
+    before = set(pod.iterdir()) if existed else set()
+    yield pod
+    for made in (set(pod.iterdir()) if pod.exists() else set()) - before:
+        if made.is_dir():
+            for directory in (made / "ctr", made):
+                if directory.exists():
+                    directory.rmdir()
+    if not existed and pod.exists():
+        pod.rmdir()
+
+
+def container_spec(c: ContainerAgent, container_id: str, *args: str) -> bytes:
+    """The fixture container's spec for another container of the same root,
+    in the cgroup crust gives a container below the pod's."""
+    spec = copy.deepcopy(c.spec)
+    spec["root"]["path"] = str(c.state.parent / "bundle" / "rootfs")
+    spec["process"]["args"] = list(args)
+    spec["linux"]["cgroupsPath"] = f"/crust/{container_id}/ctr"
+    return json.dumps(spec).encode()
+
+
+def crun_knows(c: ContainerAgent, container_id: str) -> bool:
+    return (c.state / container_id).exists()

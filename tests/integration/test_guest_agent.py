@@ -18,25 +18,12 @@ from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.guest.oci import OciRuntime
 from crust.kata.agent.client import AgentClient
-from tests.harness.guest_container import (
+from tests.harness.guest_container import (  # noqa: F401 - agent: a fixture
     REPO,
+    agent,
     code_of,
     crun_container_agent,
-    stop,
-    wait_listening,
 )
-
-
-@pytest.fixture
-def agent(tmp_path):
-    path = tmp_path / "agent.sock"
-    with open(tmp_path / "agent.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "crust.guest", "--listen", str(path)], cwd=REPO, stderr=log)
-    try:
-        wait_listening(proc, path, tmp_path / "agent.log", 20)
-        yield path
-    finally:
-        stop(proc)
 
 
 def run(coro):
@@ -65,7 +52,7 @@ async def read_all(client, exec_id: str, method: str = "ReadStdout") -> bytes:
             return bytes(data)
 
 
-def test_details_name_the_capabilities_and_limits(agent):
+def test_details_name_the_capabilities_and_limits(agent):  # noqa: F811
     async def main():
         client = await AgentClient.connect(str(agent))
         d = await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=10)
@@ -78,7 +65,7 @@ def test_details_name_the_capabilities_and_limits(agent):
     assert d.cpus >= 1 and d.memory_bytes > 0 and d.uptime_ms > 0
 
 
-def test_an_exit_is_answered_once_its_output_is_whole(agent):
+def test_an_exit_is_answered_once_its_output_is_whole(agent):  # noqa: F811
     async def main():
         client = await AgentClient.connect(str(agent))
         pid = await exec_(client, "e1", "sh", "-c", "echo out; echo err >&2; exit 3")
@@ -98,7 +85,7 @@ def test_an_exit_is_answered_once_its_output_is_whole(agent):
     assert sent.signalled == 1 and (exit2.exit_code, exit2.signal) == (137, 9) and again.signalled == 0
 
 
-def test_ten_mib_of_output_arrives_whole_and_the_guest_holds_a_bounded_part(agent):
+def test_ten_mib_of_output_arrives_whole_and_the_guest_holds_a_bounded_part(agent):  # noqa: F811
     size = 10 << 20
     script = f"head -c {size} /dev/urandom | tee /dev/stderr | sha256sum >&2"
 
@@ -126,7 +113,7 @@ def test_ten_mib_of_output_arrives_whole_and_the_guest_holds_a_bounded_part(agen
     assert exit_.exit_code == 0 and exit_.output_complete and exit_.stderr_length == len(err)
 
 
-def test_a_process_that_never_ends_delays_no_other_call(agent):
+def test_a_process_that_never_ends_delays_no_other_call(agent):  # noqa: F811
     async def main():
         client = await AgentClient.connect(str(agent))
         await exec_(client, "forever", "sleep", "1000")
@@ -155,7 +142,7 @@ def test_a_process_that_never_ends_delays_no_other_call(agent):
     assert (ended.exit_code, ended.signal) == (143, 15) and read.eof and read.data == b""
 
 
-def test_stdin_is_written_at_offsets_and_a_resend_writes_only_what_is_new(agent):
+def test_stdin_is_written_at_offsets_and_a_resend_writes_only_what_is_new(agent):  # noqa: F811
     async def main():
         client = await AgentClient.connect(str(agent))
         await exec_(client, "cat", "cat", stdin=True)
@@ -183,7 +170,7 @@ def test_stdin_is_written_at_offsets_and_a_resend_writes_only_what_is_new(agent)
     assert refused[0] == ttrpc.FAILED_PRECONDITION and "without stdin" in refused[1]
 
 
-def test_reads_acknowledge_what_they_pass_and_a_read_below_it_is_data_loss(agent):
+def test_reads_acknowledge_what_they_pass_and_a_read_below_it_is_data_loss(agent):  # noqa: F811
     async def main():
         client = await AgentClient.connect(str(agent))
         await exec_(client, "p", "sh", "-c", "printf 0123456789")
@@ -218,7 +205,7 @@ def test_reads_acknowledge_what_they_pass_and_a_read_below_it_is_data_loss(agent
     assert gone[0] == ttrpc.NOT_FOUND and again.unread_bytes == 0
 
 
-def test_exited_execs_the_host_never_removes_are_bounded(agent):
+def test_exited_execs_the_host_never_removes_are_bounded(agent):  # noqa: F811
     """The agent keeps limits.exited_execs_kept exited execs of a container
     the host did not remove; beyond, the oldest are forgotten (NOT_FOUND),
     so a host that never says leaves the guest's table bounded."""
@@ -242,7 +229,7 @@ def test_exited_execs_the_host_never_removes_are_bounded(agent):
     assert len(first_batch - {p.exec_id for p in listed}) == 4
 
 
-def test_bad_requests_name_their_field_and_a_retry_answers_as_the_first_did(agent):
+def test_bad_requests_name_their_field_and_a_retry_answers_as_the_first_did(agent):  # noqa: F811
     async def main():
         client = await AgentClient.connect(str(agent))
         results = {}
@@ -279,7 +266,7 @@ def test_bad_requests_name_their_field_and_a_retry_answers_as_the_first_did(agen
     assert results["remove running"][0] == ttrpc.FAILED_PRECONDITION
 
 
-def test_a_descendant_holding_the_output_ends_it_after_the_grace_and_says_so(agent):
+def test_a_descendant_holding_the_output_ends_it_after_the_grace_and_says_so(agent):  # noqa: F811
     async def main():
         client = await AgentClient.connect(str(agent))
         await exec_(client, "leaver", "sh", "-c", "sleep 30 & echo left")

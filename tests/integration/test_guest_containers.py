@@ -7,7 +7,6 @@ deletes and forgets it. Run on the host beside a real crun
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import os
 import subprocess
@@ -20,48 +19,10 @@ from crust.common import ttrpc
 from crust.guest import guestconf
 from crust.guest.errors import AgentError
 from crust.kata.agent.client import AgentClient
-from tests.harness.guest_container import ContainerAgent, code_of, crun_container_agent
+from tests.harness.guest_container import (  # noqa: F401 - pod_cgroup_cleaned: a fixture
+    ContainerAgent, code_of, container_spec, crun_container_agent, crun_knows, pod_cgroup_cleaned, unified_hierarchy)
 
-
-def unified_hierarchy() -> Path:
-    """Where the host mounts cgroup v2 (the agent's namespace mounts the same
-    hierarchy at its /sys/fs/cgroup)."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        left, _, right = line.partition(" - ")
-        if right.split()[0] == "cgroup2":
-            return Path(left.split()[4])
-    raise AssertionError("the host mounts no cgroup v2 hierarchy")
-
-
-@pytest.fixture(autouse=True)
-def pod_cgroup_cleaned():
-    """The containers' cgroups the tests make below /crust in the host's v2
-    hierarchy, removed after (and /crust itself when they made it)."""
-    pod = unified_hierarchy() / "crust"
-    existed = pod.exists()
-    before = set(pod.iterdir()) if existed else set()
-    yield pod
-    for made in (set(pod.iterdir()) if pod.exists() else set()) - before:
-        if made.is_dir():
-            for directory in (made / "ctr", made):
-                if directory.exists():
-                    directory.rmdir()
-    if not existed and pod.exists():
-        pod.rmdir()
-
-
-def container_spec(c: ContainerAgent, container_id: str, *args: str) -> bytes:
-    """The fixture container's spec for another container of the same root,
-    in the cgroup crust gives a container below the pod's."""
-    spec = copy.deepcopy(c.spec)
-    spec["root"]["path"] = str(c.state.parent / "bundle" / "rootfs")
-    spec["process"]["args"] = list(args)
-    spec["linux"]["cgroupsPath"] = f"/crust/{container_id}/ctr"
-    return json.dumps(spec).encode()
-
-
-def crun_knows(c: ContainerAgent, container_id: str) -> bool:
-    return (c.state / container_id).exists()
+pytestmark = pytest.mark.usefixtures("pod_cgroup_cleaned")
 
 
 def _held(c: ContainerAgent, container_id: str) -> bool:
@@ -88,7 +49,7 @@ def in_group(pid: int) -> list[str]:
     return [line for line in out.splitlines() if int(line.split()[1]) == pid and line.split()[2][0] != "Z"]
 
 
-def test_a_container_is_made_started_and_removed_by_the_agent(tmp_path, pod_cgroup_cleaned):
+def test_a_container_is_made_started_and_removed_by_the_agent(tmp_path, pod_cgroup_cleaned):  # noqa: F811
     cid, idle = f"made-{os.getpid()}", f"idle-{os.getpid()}"
 
     async def main(c: ContainerAgent):
@@ -160,7 +121,7 @@ def test_a_container_is_made_started_and_removed_by_the_agent(tmp_path, pod_cgro
     assert left == [] and gates == [] and cgroups_after == [False, False]
 
 
-def test_a_spec_crun_refuses_is_answered_with_its_words_and_leaves_nothing(tmp_path, pod_cgroup_cleaned):
+def test_a_spec_crun_refuses_is_answered_with_its_words_and_leaves_nothing(tmp_path, pod_cgroup_cleaned):  # noqa: F811
     cid = f"refused-{os.getpid()}"
 
     async def main(c: ContainerAgent):
@@ -248,7 +209,7 @@ def test_signal_to_all_reaches_every_process_of_the_containers_cgroup(tmp_path):
     assert no_container[0] == ttrpc.INVALID_ARGUMENT and no_container[1].startswith("all:"), no_container
 
 
-def test_crun_starts_at_fixed_addresses_and_the_process_is_randomized_again(tmp_path, pod_cgroup_cleaned):
+def test_crun_starts_at_fixed_addresses_and_the_process_is_randomized_again(tmp_path, pod_cgroup_cleaned):  # noqa: F811
     """The agent starts crun without address randomization (its
     translations reused under emulation: crust.sys.personality); the spec's
     personality, the default one unless the host's names another, gives

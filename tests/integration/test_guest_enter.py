@@ -19,7 +19,7 @@ from crust.common import ttrpc
 from crust.common.ttrpc import TtrpcError
 from crust.guest import enter
 from crust.kata.agent.client import AgentClient
-from tests.harness.guest_container import ContainerAgent, crun_container_agent
+from tests.harness.guest_container import ContainerAgent, crun_container_agent, parent_of
 
 # What a process reads of itself; each line the same under both paths.
 PROBE = r"""
@@ -92,7 +92,7 @@ async def _agent_exec(c: ContainerAgent, exec_id: str, process: dict) -> tuple[i
         key = {"container_id": c.container_id, "exec_id": exec_id}
         pid = (await client.call("ExecProcess", agent_pb2.ExecProcessRequest(
             process=json.dumps(process).encode(), **key), timeout=30)).pid
-        parent = _parent_of(pid)
+        parent = parent_of(pid)
         exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key), timeout=30)
         out = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(max_bytes=1 << 20, **key), timeout=10)
         err = await client.call("ReadStderr", agent_pb2.ReadStreamRequest(max_bytes=1 << 20, **key), timeout=10)
@@ -100,14 +100,6 @@ async def _agent_exec(c: ContainerAgent, exec_id: str, process: dict) -> tuple[i
         return parent, exit_.exit_code, out.data, err.data
     finally:
         await client.close()
-
-
-def _parent_of(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return int(next(line for line in f if line.startswith("PPid:")).split()[1])
-    except (FileNotFoundError, StopIteration):
-        return 0
 
 
 async def _refusal(c: ContainerAgent, process: dict) -> tuple[int, str]:
@@ -175,7 +167,7 @@ def test_an_entered_process_takes_input_reports_its_exit_and_dies_by_a_signal(tm
                                        timeout=30)).data for i in range(10)]
             pid = (await client.call("ExecProcess", agent_pb2.ExecProcessRequest(
                 process=json.dumps(exec_process(c, "sleep", "100")).encode(), **key("long")), timeout=30)).pid
-            alive = _parent_of(pid)
+            alive = parent_of(pid)
             await client.call("SignalProcess", agent_pb2.SignalProcessRequest(signal=9, **key("long")), timeout=10)
             killed = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(**key("long")), timeout=30)
             return io, out.data, outs, alive, killed

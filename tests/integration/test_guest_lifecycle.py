@@ -19,8 +19,9 @@ from crust.common import ttrpc
 from crust.guest import lifecycle
 from crust.guest.errors import AgentError
 from crust.kata.agent.client import AgentClient
-from tests.harness.guest_container import ContainerAgent, crun_container_agent
-from tests.integration.test_guest_containers import pod_cgroup_cleaned  # noqa: F401 - a fixture
+from tests.harness.guest_container import ContainerAgent, crun_container_agent, pod_cgroup_cleaned  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.usefixtures("pod_cgroup_cleaned")
 
 IMAGE_SPEC = Path(__file__).resolve().parents[2] / "crust" / "guest" / "files" / "warm.json"
 

@@ -22,8 +22,8 @@ from crust.common import ttrpc
 from crust.guest.places import ROOT_RETIRE
 from crust.kata.agent.client import AgentClient
 from crust.sys.beneath import SubpathError, open_subpath
-from tests.harness.guest_container import ContainerAgent, code_of, crun_container_agent
-from tests.integration.test_guest_containers import container_spec, crun_knows, pod_cgroup_cleaned  # noqa: F401
+from tests.harness.guest_container import (  # noqa: F401 - pod_cgroup_cleaned: a fixture
+    ContainerAgent, code_of, container_spec, crun_container_agent, crun_knows, pod_cgroup_cleaned)
 
 pytestmark = pytest.mark.usefixtures("pod_cgroup_cleaned")
 

@@ -16,9 +16,10 @@ import pytest
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.kata.agent.client import AgentClient
-from tests.harness.guest_container import ContainerAgent, code_of, crun_container_agent
-from tests.integration.test_guest_containers import container_spec, pod_cgroup_cleaned  # noqa: F401
-from tests.integration.test_guest_enter import _parent_of
+from tests.harness.guest_container import (  # noqa: F401 - pod_cgroup_cleaned: a fixture
+    ContainerAgent, code_of, container_spec, crun_container_agent, parent_of, pod_cgroup_cleaned)
+
+pytestmark = pytest.mark.usefixtures("pod_cgroup_cleaned")
 
 SCRIPT = "tty; stat -c 'owner %u' $(tty); stty size; read line; echo got $line; stty size; exit 4"
 
@@ -62,7 +63,7 @@ def test_an_exec_on_a_terminal_is_read_written_and_resized_through_its_master(tm
             process["user"] = {"uid": 1000, "gid": 1000}
             pid = (await client.call("ExecProcess", agent_pb2.ExecProcessRequest(
                 process=json.dumps(process).encode(), stdin=True, **key), timeout=30)).pid
-            parent = _parent_of(pid)   # the script waits for its line meanwhile
+            parent = parent_of(pid)   # the script waits for its line meanwhile
             first, rest, exit_ = await _converse(client, key)
             err = await client.call("ReadStderr", agent_pb2.ReadStreamRequest(max_bytes=4096, **key), timeout=10)
             gone = await code_of(client.call("TtyWinResize", agent_pb2.TtyWinResizeRequest(

@@ -16,7 +16,7 @@ from crust.api import agent_pb2
 from crust.common.errors import DataLoss, InvalidArgument, Unimplemented
 from crust.kata.agent import calls
 from crust.kata.agent.client import AgentClient
-from tests.integration.test_guest_agent import agent  # noqa: F401 - the fixture
+from tests.harness.guest_container import agent  # noqa: F401 - a fixture
 
 Stream = calls.Stream
 ENV = ["PATH=/usr/bin:/bin"]
