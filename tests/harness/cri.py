@@ -180,8 +180,7 @@ class CriNode:
 
     def __init__(self, root, containerd: Containerd, image: images.Image, handler_kw: dict | None = None,
                  runtime_classes: dict[str, str] | None = None):
-        from tests.harness.handler_env import Env
-        from tests.integration.test_kubelet import policy_file
+        from tests.harness.handler_env import Env, policy_file
 
         self.root = root
         kubelet_root = root.path / "kubelet"

@@ -89,6 +89,15 @@ def holders_under(*dirs: Path) -> list[int]:
 # -- the set-up: driver -> shim -> proxy, and the handler -----------------------------------
 
 
+def policy_file(root: Path) -> Path:
+    """The proxy's policy file: defer on the StorageClass parameter; no
+    Kubernetes API here, so the pod is never looked up (fsGroup comes from
+    kubelet)."""
+    path = root / "policy.yaml"
+    path.write_text('deferral:\n  storageClassParameters:\n    crust.dev/defer: "true"\n  fsGroupFromPod: false\n')
+    return path
+
+
 @dataclass
 class Vol:
     volume_id: str

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from crust.api import csi_pb2, csi_pb2_grpc
 from crust.kubelet import Kubelet, PersistentVolume, Pod
 from tests.harness.daemons import MIB, code_of, mount_cap
-from tests.integration.test_node import NodeRun
+from tests.harness.node_run import NodeRun
 
 TOPOLOGY_KEY = "topology.loop.csi.crust.dev/node"
 CtlRPC = csi_pb2.ControllerServiceCapability.RPC

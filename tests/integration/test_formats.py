@@ -71,7 +71,7 @@ def test_a_daemon_refuses_to_start_over_a_record_of_a_newer_format(tmp_path, kin
 def test_crust_node_over_a_newer_proxy_record_stops_with_the_proxys_message(root):
     """What a rollback shows when a newer crust changed a format: the node
     does not come up, and its log says which file, which versions."""
-    from tests.integration.test_node import write_config
+    from tests.harness.node_run import write_config
 
     config = write_config(root.path)
     record = root.path / "state" / "proxy" / "volumes" / ("0" * 64 + ".json")

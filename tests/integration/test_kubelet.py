@@ -25,20 +25,12 @@ from crust.proxy.kubelet_registration import SERVICE_NAME
 from crust.sys import mount as sysmount
 from crust.sys import ownership
 from tests.harness.daemons import MIB, mount_cap
-from tests.harness.handler_env import Env, digest, kill_container_processes, view
+from tests.harness.handler_env import Env, digest, kill_container_processes, policy_file, view
 from tests.harness.daemons import wait_until
 
 DRIVER = "loop.csi.crust.dev"
 DEFER = {"crust.dev/defer": "true"}
 GROUP = 3456
-
-
-def policy_file(root: Path) -> Path:
-    """Defer on the StorageClass parameter; no Kubernetes API here, so the
-    pod is never looked up (fsGroup comes from kubelet)."""
-    path = root / "policy.yaml"
-    path.write_text('deferral:\n  storageClassParameters:\n    crust.dev/defer: "true"\n  fsGroupFromPod: false\n')
-    return path
 
 
 class Node:

@@ -21,7 +21,7 @@ from pathlib import Path
 from crust.api import csi_pb2
 from tests.harness.daemons import MIB
 from tests.harness.handler_env import Env
-from tests.integration.test_node import NodeRun, write_config
+from tests.harness.node_run import NodeRun, write_config
 
 # Files crust writes for other readers, with the mode it gives them.
 READABLE_BY_OTHERS = {"pool.json": 0o644, "status.json": 0o644}

@@ -15,57 +15,15 @@ from pathlib import Path
 import pytest
 
 from crust.common.endpoint import accepts_connections
-from crust.demo.node import NodeProcess
 from crust.kubelet import Kubelet, PersistentVolume, Pod
 from crust.node.config import NodeConfig, Runtime
 from crust.sys import mount as sysmount
 from tests.harness.daemons import MIB, loops_left, mount_cap
 from tests.harness.daemons import wait_until
-from tests.integration.test_kubelet import DRIVER
+from tests.harness.node_run import NodeRun, write_config
 
+DRIVER = "loop.csi.crust.dev"
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-
-
-def write_config(root: Path, **extra) -> Path:
-    config = {
-        "nodeId": "node-a", "kubeletRoot": str(root / "kubelet"), "runDir": str(root / "run"),
-        "stateDir": str(root / "state"), "driver": {"capacity": "10Gi"},
-        "proxy": {"policy": {"deferral": {"storageClassParameters": {"crust.dev/defer": "true"},
-                                          "fsGroupFromPod": False}}},
-        "handler": {"runtime": "mountns"},
-        **extra,
-    }
-    path = root / "node.yaml"
-    path.write_text(json.dumps(config))
-    return path
-
-
-class NodeRun:
-    """`crust node` as the demo runs it (crust.demo.node.NodeProcess)."""
-
-    def __init__(self, root: Path, config: Path):
-        self.root = root
-        self.config = NodeConfig.load(config)
-        (root / "kubelet" / "plugins_registry").mkdir(parents=True, exist_ok=True)
-        self.out = root / "node.out"
-        self.process = NodeProcess(root, config, ready_seconds=60)
-
-    @property
-    def proc(self) -> subprocess.Popen:
-        return self.process.proc
-
-    def wait_serving(self) -> str:
-        self.process.start()
-        return self.out.read_text()
-
-    def status(self) -> dict:
-        return json.loads(self.config.status_file.read_text())
-
-    def child(self, name: str) -> dict:
-        return next(c for c in self.status()["children"] if c["name"] == name)
-
-    def stop(self) -> int | None:
-        return self.process.stop()
 
 
 @pytest.fixture

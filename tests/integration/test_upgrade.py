@@ -45,7 +45,7 @@ from crust.runtime_handler.containers import ContainerRecord
 from crust.runtime_handler.handler import SandboxRecord
 from crust.sys import mount as sysmount
 from tests.harness.daemons import loops_left
-from tests.integration.test_node import write_config
+from tests.harness.node_run import write_config
 
 REPO = Path(__file__).resolve().parents[2]
 # The previous release of crust: main as it stood on 2026-11-23 before
