@@ -152,7 +152,7 @@ def test_deploy_configures_crust_runc_for_containerd_cri_o_and_kubernetes(tmp_pa
     import yaml
 
     from crust.oci_runtime.main import settings
-    from tests.integration.test_deploy import validate
+    from tests.harness.kube_schema import validate
 
     deploy = Path(__file__).resolve().parents[2] / "deploy"
     drop_in = deploy / "containerd" / "crust-runc.toml"

@@ -22,29 +22,12 @@ from crust.driver.config import DRIVER_NAME
 from crust.node.config import NodeConfig, Runtime
 from crust.node.supervisor import child_argvs
 from crust.proxy.kube import API_CALLS
+from tests.harness.kube_schema import validate
 from tests.harness.kustomize import render
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy" / "kubernetes"
 OVERLAYS = sorted(p.parent for p in (BASE / "overlays").glob("*/kustomization.yaml"))
-KUBERNETES = "1.35"
-# Custom resources: kubernetes-validate knows only the built-in API, so
-# these get the checks of their CRD's required fields and enums here.
-CRDS = {("snapshot.storage.k8s.io/v1", "VolumeSnapshotClass"): {
-    "required": {"driver", "deletionPolicy"}, "enums": {"deletionPolicy": {"Delete", "Retain"}}}}
-
-
-def validate(doc: dict) -> None:
-    crd = CRDS.get((doc["apiVersion"], doc["kind"]))
-    if crd is None:
-        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
-        return
-    missing = crd["required"] - set(doc)
-    if missing:
-        raise ValueError(f"{doc['kind']} {doc['metadata']['name']}: missing {sorted(missing)}")
-    for key, allowed in crd["enums"].items():
-        if doc[key] not in allowed:
-            raise ValueError(f"{doc['kind']}.{key}: {doc[key]!r} is not one of {sorted(allowed)}")
 
 
 def by_kind(docs: list[dict], kind: str) -> list[dict]:

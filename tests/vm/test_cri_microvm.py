@@ -38,7 +38,7 @@ def test_deploy_configures_the_crust_runtime_for_containerd_and_kubernetes(tmp_p
     from crust.api import containerd_runtimeoptions_pb2 as runtimeoptions
     from google.protobuf import any_pb2
     from tests.harness.kustomize import render
-    from tests.integration.test_deploy import validate
+    from tests.harness.kube_schema import validate
 
     drop_in = DEPLOY / "containerd" / "crust.toml"
     config = tmp_path / "config.toml"
