@@ -5,6 +5,10 @@ pods up with the official kubernetes client; KubeAPI answers them from a
 table the test fills (its pods, or an HTTP error for one), records every
 request path, and can require TLS (a client certificate too) and a bearer
 token. It runs in a thread of the test's process on 127.0.0.1.
+
+The fixture pki (module scope) makes a CA, a server certificate for
+127.0.0.1 and a client certificate with openssl; serving(pki) is the
+server's TLS context. A module that uses pki imports it.
 """
 
 from __future__ import annotations
@@ -12,8 +16,12 @@ from __future__ import annotations
 import json
 import re
 import ssl
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
 
 
 def pod_json(namespace: str, name: str, runtime_class: str | None, fs_group: int | None = None,
@@ -105,3 +113,33 @@ class KubeAPI:
 
     def asked(self, namespace: str, name: str) -> int:
         return self.requests.count(f"/api/v1/namespaces/{namespace}/pods/{name}")
+
+
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate."""
+    d = tmp_path_factory.mktemp("pki")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+            "-keyout", str(d / "ca.key"), "-out", str(d / "ca.crt"))
+    for name, extension in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(d / f"{name}.key"),
+                "-out", str(d / f"{name}.csr"))
+        (d / f"{name}.ext").write_text(extension + "\n")
+        openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.crt"), "-CAkey", str(d / "ca.key"),
+                "-CAcreateserial", "-days", "2", "-extfile", str(d / f"{name}.ext"), "-out", str(d / f"{name}.crt"))
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=other-ca",
+            "-keyout", str(d / "other.key"), "-out", str(d / "other.crt"))
+    return d
+
+
+def serving(pki: Path, client_cert: bool = False) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pki / "server.crt", pki / "server.key")
+    if client_cert:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(pki / "ca.crt")
+    return context

@@ -57,8 +57,7 @@ from crust.sys import mount as sysmount
 from tests.harness import podspec
 from tests.harness.daemons import MIB, Root, cleanup_root, mount_cap
 from tests.harness.kustomize import render
-from tests.integration.test_kube import pki, serving  # noqa: F401 - the module's CA and server certificate
-from tests.harness.kube_api import KubeAPI
+from tests.harness.kube_api import KubeAPI, pki, serving  # noqa: F401 - pki: the module's CA and certificates
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))

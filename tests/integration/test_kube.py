@@ -6,8 +6,6 @@ what is wrong."""
 from __future__ import annotations
 
 import base64
-import ssl
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,43 +13,13 @@ import yaml
 
 from crust.proxy.config import KubernetesAccess
 from crust.proxy.kube import PodFacts, PodLookup, PodLookupError
-from tests.harness.kube_api import KubeAPI
+from tests.harness.kube_api import KubeAPI, pki, serving  # noqa: F401 - pki: a fixture
 
 TOKEN = "token-one"
 
 
-def openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> Path:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate."""
-    d = tmp_path_factory.mktemp("pki")
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
-            "-keyout", str(d / "ca.key"), "-out", str(d / "ca.crt"))
-    for name, extension in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(d / f"{name}.key"),
-                "-out", str(d / f"{name}.csr"))
-        (d / f"{name}.ext").write_text(extension + "\n")
-        openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.crt"), "-CAkey", str(d / "ca.key"),
-                "-CAcreateserial", "-days", "2", "-extfile", str(d / f"{name}.ext"), "-out", str(d / f"{name}.crt"))
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=other-ca",
-            "-keyout", str(d / "other.key"), "-out", str(d / "other.crt"))
-    return d
-
-
-def serving(pki: Path, client_cert: bool = False) -> ssl.SSLContext:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(pki / "server.crt", pki / "server.key")
-    if client_cert:
-        context.verify_mode = ssl.CERT_REQUIRED
-        context.load_verify_locations(pki / "ca.crt")
-    return context
-
-
 @pytest.fixture
-def api(pki):
+def api(pki):  # noqa: F811
     servers = []
 
     def start(**kw) -> KubeAPI:
@@ -78,7 +46,7 @@ def kubeconfig(path: Path, server: str, cluster: dict, user: dict) -> Path:
 WANTED = PodFacts(runtime_class="kata", fs_group="2000", fs_group_change_policy="OnRootMismatch")
 
 
-def test_api_server_token_file_and_ca_from_the_policy(api, pki, tmp_path):
+def test_api_server_token_file_and_ca_from_the_policy(api, pki, tmp_path):  # noqa: F811
     server = api(tls=serving(pki), token=TOKEN)
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
@@ -92,7 +60,7 @@ def test_api_server_token_file_and_ca_from_the_policy(api, pki, tmp_path):
         lookup._read("team", "nobody")
 
 
-def test_kubeconfig_with_ca_data_and_a_token(api, pki, tmp_path):
+def test_kubeconfig_with_ca_data_and_a_token(api, pki, tmp_path):  # noqa: F811
     server = api(tls=serving(pki), token=TOKEN)
     ca = base64.b64encode((pki / "ca.crt").read_bytes()).decode()
     path = kubeconfig(tmp_path / "config", server.url, {"certificate-authority-data": ca}, {"token": TOKEN})
@@ -102,7 +70,7 @@ def test_kubeconfig_with_ca_data_and_a_token(api, pki, tmp_path):
         PodLookup(KubernetesAccess(kubeconfig=str(wrong)))._read("team", "vm")
 
 
-def test_kubeconfig_with_a_client_certificate_relative_to_it(api, pki, tmp_path):
+def test_kubeconfig_with_a_client_certificate_relative_to_it(api, pki, tmp_path):  # noqa: F811
     server = api(tls=serving(pki, client_cert=True))
     for name in ("ca.crt", "client.crt", "client.key"):
         (tmp_path / name).write_bytes((pki / name).read_bytes())
@@ -118,7 +86,7 @@ def test_kubeconfig_with_a_client_certificate_relative_to_it(api, pki, tmp_path)
         PodLookup(KubernetesAccess(kubeconfig=str(anonymous)))._read("team", "vm")
 
 
-def test_refusals_say_what_is_wrong(api, pki, tmp_path):
+def test_refusals_say_what_is_wrong(api, pki, tmp_path):  # noqa: F811
     server = api(tls=serving(pki), token=TOKEN)
     other_ca = kubeconfig(tmp_path / "other-ca", server.url, {"certificate-authority": str(pki / "other.crt")},
                           {"token": TOKEN})
