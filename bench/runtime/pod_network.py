@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.lib.benchlib import accelerator_under  # noqa: E402
 from bench.lib.run_record import machine, run_header, write_json  # noqa: E402
 from tests.harness.daemons import Root  # noqa: E402
-from tests.vm.test_pod_network import eventually_get, http_get, serve  # noqa: E402
+from tests.harness.pod_http import eventually_get, http_get, serve  # noqa: E402
 from tests.harness.pod_nodes import KEEP_RUNNING, pod_node  # noqa: E402
 
 WGET_LOOP = """t() {{ read -r up _ < /proc/uptime; echo "$up"; }}

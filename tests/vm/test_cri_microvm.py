@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -18,11 +17,12 @@ import pytest
 from crust.api import cri_pb2 as cri
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc
 from crust.kata.vmm.qemu import qemu_pids_under
-from crust.kubelet import Container, Pod, VolumeMount
+from crust.kubelet import Container, VolumeMount
 from tests.harness.demo_run import run_demo
 from tests.harness.cri import (KATA_HANDLER, ON_CONTAINERD2, container_log, containerd_binary, cri_microvm_node,
                                host_network_pod, leftovers_of, private_containerd, processes_naming, shim_pids)
 from tests.harness.daemons import wait_until
+from tests.harness.microvm_pod import APP, READER, MountWatch, guest_df, kubelet_volume_stats, microvm_pod
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHIM_RUNTIME = {"crust": "io.containerd.crust.v2"}
@@ -91,69 +91,11 @@ def test_a_pod_fails_clearly_without_the_handler_and_leaves_no_shim(tmp_path):
 
 # -- pods in the microVM -----------------------------------------------------------------------
 
-# The first container writes into both volumes, then runs until a file
-# appears (ExecSync makes it) and exits with a code of its own.
-APP = ("echo hello-from-the-guest; echo ext4 > /ext4/written && echo xfs > /xfs/written && sync && "
-       "ls -n /ext4/written /xfs/written; "
-       "while [ ! -e /ext4/stop ]; do sleep 1; done; echo stopping; exit 7")
-# The second reads what the first wrote, in the same VM and volume.
-READER = "while [ ! -e /ext4/written ]; do sleep 1; done; echo second-sees-$(cat /ext4/written); exit 3"
-
-
-class MountWatch:
-    """An independent watch of the host's mount table: a thread reading
-    /proc/self/mountinfo over and over, noting every line whose device is
-    one of the volumes'."""
-
-    def __init__(self, devices: set[tuple[int, int]]):
-        self.devices = {f"{major}:{minor}" for major, minor in devices}
-        self.seen: list[str] = []
-        self.reads = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with open("/proc/self/mountinfo") as table:
-                for line in table:
-                    if line.split(" ", 3)[2] in self.devices:
-                        self.seen.append(line.strip())
-            self.reads += 1
-            time.sleep(0.005)
-
-    def __enter__(self) -> "MountWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _stats(node, pv, pod) -> dict[str, int]:
-    rsp = node.kubelet.volume_stats(pv, pod)
-    assert not rsp.volume_condition.abnormal, rsp.volume_condition.message
-    b = {u.unit: u for u in rsp.usage}[csi_pb2.VolumeUsage.BYTES]
-    return {"total": b.total, "used": b.used, "available": b.available}
-
-
-def _df(node, container_id: str, path: str) -> dict[str, int]:
-    out = node.runtime.exec_sync(container_id, ["/bin/df", "-P", "-B1", path], timeout=60)
-    assert out.exit_code == 0, out.stderr
-    fields = out.stdout.decode().splitlines()[-1].split()
-    return {"total": int(fields[1]), "used": int(fields[2]), "available": int(fields[3])}
-
-
 def _handler_wait(root, container_id: str) -> handler_pb2.ProcessState:
     """The container's process as the handler sees it, once it exited."""
     with grpc.insecure_channel(f"unix://{root.path / KATA_HANDLER['endpoint_name']}") as channel:
         return handler_pb2_grpc.PodRuntimeStub(channel).GetProcess(
             handler_pb2.GetProcessRequest(container_id=container_id, wait=True), timeout=60)
-
-
-def _pod(node, name: str, volumes: dict, containers: list[Container]) -> Pod:
-    return Pod(uid=f"uid-{name}", name=name, fs_group=2000, host_network=True, runtime_class_name="crust-microvm",
-               volumes=volumes, restart_policy="Never", termination_grace_period_seconds=2, containers=containers)
 
 
 @pytest.mark.parametrize(("disk_bus", "containerd"), [
@@ -172,7 +114,7 @@ def test_a_pod_runs_in_the_microvm_through_containerd(root, disk_bus, containerd
     with cri_microvm_node(root, handler_extra=("--disk-bus", disk_bus), binary=containerd_binary(containerd)) as node:
         ext4, xfs = node.pv("pv-m-ext4", "ext4", size=256 * 1024**2), node.pv("pv-m-xfs", "xfs")
         image = node.image.name
-        pod = _pod(node, "micro", {"ext4": ext4, "xfs": xfs}, [
+        pod = microvm_pod(node, "micro", {"ext4": ext4, "xfs": xfs}, [
             Container("app", image, command=["/bin/sh", "-c", APP],
                       volume_mounts=[VolumeMount("ext4", "/ext4"), VolumeMount("xfs", "/xfs")]),
             Container("reader", image, command=["/bin/sh", "-c", READER],
@@ -201,26 +143,26 @@ def test_a_pod_runs_in_the_microvm_through_containerd(root, disk_bus, containerd
 
             # Stats through the Runtime API equal df inside the guest.
             for pv, path in ((ext4, "/ext4"), (xfs, "/xfs")):
-                assert _stats(node, pv, pod) == _df(node, app.id, path), path
+                assert kubelet_volume_stats(node, pv, pod) == guest_df(node, app.id, path), path
             # Both on the handler's disk bus: virtio disks or SCSI LUNs in the guest.
             df = node.runtime.exec_sync(app.id, ["/bin/df", "-P", "/ext4", "/xfs"], timeout=60).stdout.decode()
             kind = "/dev/vd" if disk_bus == "virtio-blk" else "/dev/sd"
             assert [line.split()[0][:len(kind)] for line in df.splitlines()[1:]] == [kind, kind], df
             # ext4 grows online in the guest while the container runs.
-            before = _df(node, app.id, "/ext4")["total"]
+            before = guest_df(node, app.id, "/ext4")["total"]
             grown = 512 * 1024**2
             node.proxy.controller.ControllerExpandVolume(csi_pb2.ControllerExpandVolumeRequest(
                 volume_id=ext4.volume_handle, capacity_range=csi_pb2.CapacityRange(required_bytes=grown)),
                 timeout=60)
             node.kubelet.expand(ext4, pod, grown)
-            after = _df(node, app.id, "/ext4")
-            assert after["total"] > before + 200 * 1024**2 and _stats(node, ext4, pod) == after
+            after = guest_df(node, app.id, "/ext4")
+            assert after["total"] > before + 200 * 1024**2 and kubelet_volume_stats(node, ext4, pod) == after
 
             # containerd restarts under the running pod: it finds the shim
             # again and loses nothing.
             node.containerd.restart(signal.SIGKILL)
             assert node.runtime.container_status(app.id).state == cri.CONTAINER_RUNNING
-            assert _stats(node, ext4, pod) == _df(node, app.id, "/ext4") == after
+            assert kubelet_volume_stats(node, ext4, pod) == guest_df(node, app.id, "/ext4") == after
             assert qemu_pids_under(root.path) == [vm_pid] and len(shim_pids(node.containerd)) == 1
             # The container ends by itself while containerd is away again:
             # its exit code and its last words still arrive.
@@ -259,7 +201,7 @@ def test_a_killed_vm_is_reported_exited_and_its_claims_released(root):
     kubelet's stop and removal then end the shim."""
     with cri_microvm_node(root) as node:
         pv = node.pv("pv-m-kill", "ext4", size=128 * 1024**2)
-        pod = _pod(node, "killed", {"data": pv}, [
+        pod = microvm_pod(node, "killed", {"data": pv}, [
             Container("app", node.image.name, command=["/bin/sh", "-c", "echo up > /data/up && echo up; sleep 600"],
                       volume_mounts=[VolumeMount("data", "/data")]),
             Container("graceful", node.image.name, command=[
@@ -302,7 +244,7 @@ def test_a_restarted_handler_and_a_killed_shim(root):
     with cri_microvm_node(root) as node:
         pv = node.pv("pv-m-restart", "ext4", size=128 * 1024**2)
         script = "echo up; while [ ! -e /data/stop ]; do sleep 1; done; echo bye; exit 9"
-        first = _pod(node, "restarted", {"data": pv}, [
+        first = microvm_pod(node, "restarted", {"data": pv}, [
             Container("app", node.image.name, command=["/bin/sh", "-c", script],
                       volume_mounts=[VolumeMount("data", "/data")])])
         node.kubelet.start_pod(pv, first)
@@ -320,7 +262,7 @@ def test_a_restarted_handler_and_a_killed_shim(root):
         node.kubelet.stop_pod(pv, first)
         assert node.claims() == set()
 
-        second = _pod(node, "orphaned", {"data": pv}, [
+        second = microvm_pod(node, "orphaned", {"data": pv}, [
             Container("app", node.image.name, command=["/bin/sh", "-c", "echo up; sleep 600"],
                       volume_mounts=[VolumeMount("data", "/data")])])
         target = str(node.kubelet.start_pod(pv, second))

@@ -53,7 +53,8 @@ from tests.harness.cri import container_log, processes_naming
 from tests.harness import upstream
 from tests.harness.crio import DEPLOY, SHIM, checked_crio_tools, crio_microvm_node, microvm_drop_in, private_crio
 from tests.harness.upstream import CRICTL, CRIO, PINNS
-from tests.vm.test_cri_microvm import APP, READER, MountWatch, _df, _pod, _stats
+from tests.harness.microvm_pod import APP, READER, MountWatch, guest_df, kubelet_volume_stats, microvm_pod
+from tests.harness.pod_http import http_get, serve
 from tests.harness.daemons import wait_until
 
 pytestmark = upstream.suite("CRI-O", CRIO, PINNS, CRICTL)
@@ -158,7 +159,7 @@ def test_a_pod_runs_in_the_microvm_through_crio(root, crio_tools):
         crio = node.containerd
         ext4, xfs = node.pv("pv-o-ext4", "ext4", size=256 * 1024**2), node.pv("pv-o-xfs", "xfs")
         image = node.image.name
-        pod = _pod(node, "micro-crio", {"ext4": ext4, "xfs": xfs}, [
+        pod = microvm_pod(node, "micro-crio", {"ext4": ext4, "xfs": xfs}, [
             Container("app", image, command=["/bin/sh", "-c", APP],
                       volume_mounts=[VolumeMount("ext4", "/ext4"), VolumeMount("xfs", "/xfs")]),
             Container("reader", image, command=["/bin/sh", "-c", READER],
@@ -197,7 +198,7 @@ def test_a_pod_runs_in_the_microvm_through_crio(root, crio_tools):
 
             # Volume stats (kubelet's CSI path to the guest) equal df in the guest.
             for pv, path in ((ext4, "/ext4"), (xfs, "/xfs")):
-                assert _stats(node, pv, pod) == _df(node, app.id, path), path
+                assert kubelet_volume_stats(node, pv, pod) == guest_df(node, app.id, path), path
             # ExecSync runs in the guest, its output and exit code back.
             read = node.runtime.exec_sync(app.id, ["/bin/cat", "/ext4/written", "/xfs/written"], timeout=60)
             assert (read.exit_code, read.stdout) == (0, b"ext4\nxfs\n")
@@ -223,7 +224,7 @@ def test_a_pod_runs_in_the_microvm_through_crio(root, crio_tools):
             assert node.runtime.container_status(app.id).state == cri.CONTAINER_RUNNING
             assert node.runtime.pod_status(pod).sandboxes[0].state == cri.SANDBOX_READY
             assert qemu_pids_under(root.path) == [vm_pid] and crio.shim_pids() == [shim_pid]
-            assert _stats(node, ext4, pod) == _df(node, app.id, "/ext4")
+            assert kubelet_volume_stats(node, ext4, pod) == guest_df(node, app.id, "/ext4")
             again = node.runtime.exec_sync(app.id, ["/bin/sh", "-c", "echo after-the-restart"], timeout=60)
             assert again.stdout == b"after-the-restart\n"
             # The app ends by itself now: CRI-O, which waits on no task after
@@ -285,8 +286,6 @@ def test_a_pod_on_crios_bridge_answers_at_its_address_from_the_guest(root, crio_
     StopPodSandbox tears the network down (CNI DEL) before it stops the
     VM: the pod still ends whole (VM, shim, claims) and the bridge, CNI
     results and rules go with CRI-O (the harness's leftovers check)."""
-    from tests.vm.test_pod_network import http_get, serve
-
     with crio_microvm_node(root, crio_tools, pod_network=True) as node:
         crio = node.containerd
         pv = node.pv("pv-o-net", "ext4", size=128 * 1024**2)

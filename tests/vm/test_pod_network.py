@@ -24,7 +24,7 @@ from pyroute2 import netns
 
 from crust.api import cri_pb2 as cri
 from crust.kubelet import ContainerPort
-from tests.harness.daemons import wait_until
+from tests.harness.pod_http import eventually_get, http_get, serve
 from tests.harness.pod_nodes import KEEP_RUNNING, RUNTIME_CLASSES, pod_node
 
 pytestmark = pytest.mark.slow
@@ -38,44 +38,9 @@ def node(request, root):
         yield made
 
 
-def serve(text: str, port: int = 80) -> str:
-    """busybox httpd in the foreground, serving text at /."""
-    return f"mkdir -p /www && echo {text} > /www/index.html && exec httpd -f -p {port} -h /www"
-
-
 def applet(name: str, *args: str) -> list[str]:
     """A busybox applet the test image has no link for (its shell runs it)."""
     return ["/bin/sh", "-c", 'exec "$0" "$@"', name, *args]
-
-
-def http_get(address: str, port: int, timeout: float = 5.0, sock: socket.socket | None = None) -> bytes:
-    """GET / over HTTP/1.0; the body."""
-    if sock is None:
-        sock = socket.create_connection((address, port), timeout=timeout)
-    with sock:
-        sock.settimeout(timeout)
-        sock.sendall(f"GET / HTTP/1.0\r\nHost: {address}\r\n\r\n".encode())
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1."), answer[:200]
-    return body
-
-
-def eventually_get(address: str, port: int, expected: bytes, what: str, get=http_get) -> None:
-    seen: list[str] = []
-
-    def answered() -> bool:
-        try:
-            body = get(address, port)
-        except OSError as exc:
-            seen[-1:] = [f"{type(exc).__name__}: {exc}"]
-            return False
-        seen[-1:] = [repr(body)]
-        return body == expected
-
-    wait_until(answered, timeout=60, what=f"{what}; last: {seen}")
 
 
 def sandbox_of(node, pod) -> cri.PodSandboxStatus:
