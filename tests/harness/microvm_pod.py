@@ -59,7 +59,7 @@ def kubelet_volume_stats(node, pv, pod) -> dict[str, int]:
     return {"total": b.total, "used": b.used, "available": b.available}
 
 
-def guest_df(node, container_id: str, path: str) -> dict[str, int]:
+def container_df(node, container_id: str, path: str) -> dict[str, int]:
     """The bytes of the file system at path as df in the container sees them."""
     out = node.runtime.exec_sync(container_id, ["/bin/df", "-P", "-B1", path], timeout=60)
     assert out.exit_code == 0, out.stderr

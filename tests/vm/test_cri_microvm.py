@@ -22,7 +22,7 @@ from tests.harness.demo_run import run_demo
 from tests.harness.cri import (KATA_HANDLER, ON_CONTAINERD2, container_log, containerd_binary, cri_microvm_node,
                                host_network_pod, leftovers_of, private_containerd, processes_naming, shim_pids)
 from tests.harness.daemons import wait_until
-from tests.harness.microvm_pod import APP, READER, MountWatch, guest_df, kubelet_volume_stats, microvm_pod
+from tests.harness.microvm_pod import APP, READER, MountWatch, container_df, kubelet_volume_stats, microvm_pod
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHIM_RUNTIME = {"crust": "io.containerd.crust.v2"}
@@ -143,26 +143,26 @@ def test_a_pod_runs_in_the_microvm_through_containerd(root, disk_bus, containerd
 
             # Stats through the Runtime API equal df inside the guest.
             for pv, path in ((ext4, "/ext4"), (xfs, "/xfs")):
-                assert kubelet_volume_stats(node, pv, pod) == guest_df(node, app.id, path), path
+                assert kubelet_volume_stats(node, pv, pod) == container_df(node, app.id, path), path
             # Both on the handler's disk bus: virtio disks or SCSI LUNs in the guest.
             df = node.runtime.exec_sync(app.id, ["/bin/df", "-P", "/ext4", "/xfs"], timeout=60).stdout.decode()
             kind = "/dev/vd" if disk_bus == "virtio-blk" else "/dev/sd"
             assert [line.split()[0][:len(kind)] for line in df.splitlines()[1:]] == [kind, kind], df
             # ext4 grows online in the guest while the container runs.
-            before = guest_df(node, app.id, "/ext4")["total"]
+            before = container_df(node, app.id, "/ext4")["total"]
             grown = 512 * 1024**2
             node.proxy.controller.ControllerExpandVolume(csi_pb2.ControllerExpandVolumeRequest(
                 volume_id=ext4.volume_handle, capacity_range=csi_pb2.CapacityRange(required_bytes=grown)),
                 timeout=60)
             node.kubelet.expand(ext4, pod, grown)
-            after = guest_df(node, app.id, "/ext4")
+            after = container_df(node, app.id, "/ext4")
             assert after["total"] > before + 200 * 1024**2 and kubelet_volume_stats(node, ext4, pod) == after
 
             # containerd restarts under the running pod: it finds the shim
             # again and loses nothing.
             node.containerd.restart(signal.SIGKILL)
             assert node.runtime.container_status(app.id).state == cri.CONTAINER_RUNNING
-            assert kubelet_volume_stats(node, ext4, pod) == guest_df(node, app.id, "/ext4") == after
+            assert kubelet_volume_stats(node, ext4, pod) == container_df(node, app.id, "/ext4") == after
             assert qemu_pids_under(root.path) == [vm_pid] and len(shim_pids(node.containerd)) == 1
             # The container ends by itself while containerd is away again:
             # its exit code and its last words still arrive.

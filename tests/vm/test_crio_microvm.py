@@ -53,7 +53,7 @@ from tests.harness.cri import container_log, processes_naming
 from tests.harness import upstream
 from tests.harness.crio import DEPLOY, SHIM, checked_crio_tools, crio_microvm_node, microvm_drop_in, private_crio
 from tests.harness.upstream import CRICTL, CRIO, PINNS
-from tests.harness.microvm_pod import APP, READER, MountWatch, guest_df, kubelet_volume_stats, microvm_pod
+from tests.harness.microvm_pod import APP, READER, MountWatch, container_df, kubelet_volume_stats, microvm_pod
 from tests.harness.pod_http import http_get, serve
 from tests.harness.daemons import wait_until
 
@@ -198,7 +198,7 @@ def test_a_pod_runs_in_the_microvm_through_crio(root, crio_tools):
 
             # Volume stats (kubelet's CSI path to the guest) equal df in the guest.
             for pv, path in ((ext4, "/ext4"), (xfs, "/xfs")):
-                assert kubelet_volume_stats(node, pv, pod) == guest_df(node, app.id, path), path
+                assert kubelet_volume_stats(node, pv, pod) == container_df(node, app.id, path), path
             # ExecSync runs in the guest, its output and exit code back.
             read = node.runtime.exec_sync(app.id, ["/bin/cat", "/ext4/written", "/xfs/written"], timeout=60)
             assert (read.exit_code, read.stdout) == (0, b"ext4\nxfs\n")
@@ -224,7 +224,7 @@ def test_a_pod_runs_in_the_microvm_through_crio(root, crio_tools):
             assert node.runtime.container_status(app.id).state == cri.CONTAINER_RUNNING
             assert node.runtime.pod_status(pod).sandboxes[0].state == cri.SANDBOX_READY
             assert qemu_pids_under(root.path) == [vm_pid] and crio.shim_pids() == [shim_pid]
-            assert kubelet_volume_stats(node, ext4, pod) == guest_df(node, app.id, "/ext4")
+            assert kubelet_volume_stats(node, ext4, pod) == container_df(node, app.id, "/ext4")
             again = node.runtime.exec_sync(app.id, ["/bin/sh", "-c", "echo after-the-restart"], timeout=60)
             assert again.stdout == b"after-the-restart\n"
             # The app ends by itself now: CRI-O, which waits on no task after
