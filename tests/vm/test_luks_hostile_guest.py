@@ -40,6 +40,7 @@ from crust.kata.agent import volume_calls
 from crust.sys import fs as sysfs
 from crust.sys import loop as sysloop
 from crust.sys.run import CommandError
+from tests.harness.encryption import holds
 from tests.harness.guest_vm import Guest
 from tests.harness.guest_vm import guest as run_in_guest
 from tests.harness.daemons import MIB
@@ -47,7 +48,6 @@ from tests.harness.luks2_header import plant_null_key_slot, shape_verdict
 from tests.harness.luks_variants import BLANK_TABLE, HOST_VOLUME_KEY, MARKER, PASSPHRASE, SIZE, VARIANTS
 from tests.harness.luks_variants import crust_header, luks1, new_image, reencryption
 from tests.harness.daemons import sha256_of
-from tests.vm.test_encryption import holds
 
 Code = grpc.StatusCode
 

@@ -24,11 +24,11 @@ import pytest
 from crust.api import csi_pb2, registry_pb2, registry_pb2_grpc
 from crust.contract import encryption
 from tests.harness.daemons import MIB
+from tests.harness.encryption import Encrypted, cap, holds
 from tests.harness.kata_env import kenv  # noqa: F401 - a fixture
 from tests.harness.luks2_header import shape_verdict
 from tests.harness.luks_variants import MARKER, PASSPHRASE, SIZE, VARIANTS, mbr_with_data
 from tests.harness.daemons import sha256_of
-from tests.vm.test_encryption import Encrypted, cap, holds
 
 Code = grpc.StatusCode
 
