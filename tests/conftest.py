@@ -3,10 +3,9 @@ from pathlib import Path
 
 import pytest
 
-# The harness modules directly under tests/ hold assertions the tiers share:
-# rewritten like a test module's, a failing one shows the values it compared.
-pytest.register_assert_rewrite(*(f"tests.{m.stem}" for m in Path(__file__).parent.glob("*.py")
-                                 if m.stem not in ("__init__", "conftest")))
+# The harness package holds assertions the tiers share: rewritten like a
+# test module's, a failing one shows the values it compared.
+pytest.register_assert_rewrite("tests.harness")
 
 from tests.harness import upstream  # noqa: E402 - after the rewrite is registered
 from tests.harness.daemons import Root  # noqa: E402
