@@ -39,7 +39,7 @@ POD_NAME = "csi.storage.k8s.io/pod.name"
 POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # Every request crust makes of the API server (its RBAC in
-# deploy/kubernetes/rbac.yaml grants exactly these; tests/integration/test_deploy.py checks).
+# deploy/kubernetes/rbac.yaml grants exactly these; tests/unit/test_deploy.py checks).
 READ_POD = ("GET", "/api/v1/namespaces/{namespace}/pods/{name}")
 API_CALLS = [READ_POD]
 
