@@ -681,7 +681,11 @@ class ContainerVolumes(object):
 class PodRuntimeStub(object):
     """What containerd-shim-crust-v2 (containerd's runtime `io.containerd.crust.v2`,
     one shim process per pod) asks of the microVM handler (`crust kata handler`),
-    served on the handler's socket. The handler owns what outlives a shim call:
+    served on the handler's socket, and in ttrpc (the same messages, ReadOutput
+    a ttrpc server stream: each OutputChunk a data frame) on `<socket>.ttrpc`
+    beside it (mode 0600, the handler's own user only, checked by the peer's
+    credentials): the shim speaks that, as it speaks ttrpc to containerd, so
+    that a process per pod never imports gRPC. The handler owns what outlives a shim call:
     the pod's VM, the registry lease and the claims, the records a restarted
     handler adopts; the shim owns containerd's side (task states as containerd
     sees them, the stdio fifos, the events).
@@ -769,7 +773,11 @@ class PodRuntimeStub(object):
 class PodRuntimeServicer(object):
     """What containerd-shim-crust-v2 (containerd's runtime `io.containerd.crust.v2`,
     one shim process per pod) asks of the microVM handler (`crust kata handler`),
-    served on the handler's socket. The handler owns what outlives a shim call:
+    served on the handler's socket, and in ttrpc (the same messages, ReadOutput
+    a ttrpc server stream: each OutputChunk a data frame) on `<socket>.ttrpc`
+    beside it (mode 0600, the handler's own user only, checked by the peer's
+    credentials): the shim speaks that, as it speaks ttrpc to containerd, so
+    that a process per pod never imports gRPC. The handler owns what outlives a shim call:
     the pod's VM, the registry lease and the claims, the records a restarted
     handler adopts; the shim owns containerd's side (task states as containerd
     sees them, the stdio fifos, the events).
@@ -975,7 +983,11 @@ def add_PodRuntimeServicer_to_server(servicer, server):
 class PodRuntime(object):
     """What containerd-shim-crust-v2 (containerd's runtime `io.containerd.crust.v2`,
     one shim process per pod) asks of the microVM handler (`crust kata handler`),
-    served on the handler's socket. The handler owns what outlives a shim call:
+    served on the handler's socket, and in ttrpc (the same messages, ReadOutput
+    a ttrpc server stream: each OutputChunk a data frame) on `<socket>.ttrpc`
+    beside it (mode 0600, the handler's own user only, checked by the peer's
+    credentials): the shim speaks that, as it speaks ttrpc to containerd, so
+    that a process per pod never imports gRPC. The handler owns what outlives a shim call:
     the pod's VM, the registry lease and the claims, the records a restarted
     handler adopts; the shim owns containerd's side (task states as containerd
     sees them, the stdio fifos, the events).

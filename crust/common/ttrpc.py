@@ -6,8 +6,15 @@ status codes and protobuf messages without HTTP/2. Every frame
 is a 10-byte big-endian header (payload length, stream id, type, flags) and
 the payload; a request's payload is a ttrpc.Request naming the service and
 method and carrying the method's message, the answer is a ttrpc.Response on
-the same stream id. Only unary calls are used by the task API and the event
-service, so data frames (type 3, streams) are refused.
+the same stream id. The task API and the event service are unary. A
+server stream (the microVM handler's process output to the shim) is a
+handler returning an async iterator: each message it yields goes out as a
+data frame (type 3) on the call's stream id, and the Response ends the
+stream. A client reads a stream on a connection of its own: while the
+stream's reader does not take a message, the connection is not read, so a
+slow reader holds the server's writes back (the socket's buffers fill and
+the server's drain waits) and nothing piles up between. Data frames from a
+client are refused.
 
 The server runs each request as its own task (containerd keeps a Wait call
 open for as long as a container runs, next to its other calls on the same
@@ -304,8 +311,18 @@ class Server:
             return error_response(INTERNAL, f"{request.method}: {exc}"), None
         if isinstance(result, Encoded):
             return ok_response_pieces(result), call
+        if hasattr(result, "__aiter__"):
+            return Streamed(request.method, result), call
         return ok_response(result.SerializeToString()), call
 
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A handler's server stream, not written yet: its messages, then the end."""
+
+    method: str
+    messages: object  # an async iterator of messages
 
 
 class _Connection:
@@ -392,14 +409,39 @@ class _Connection:
 
     async def _call(self, stream_id: int, payload: bytes) -> None:
         response, call = await self.server.dispatch_call(payload)
+        if isinstance(response, Streamed):
+            response = await self._stream(stream_id, response)
         await self.reply(stream_id, response)
         if call is not None and call.after_reply is not None:
             call.after_reply()
 
-    async def reply(self, stream_id: int, response: bytes | tuple[bytes, ...]) -> None:
+    async def _stream(self, stream_id: int, stream: Streamed) -> bytes:
+        """Each message of the stream as a data frame, each written once the
+        peer took the one before; the Response that ends it."""
+        try:
+            async for message in stream.messages:
+                data = message.SerializeToString()
+                if len(data) > MESSAGE_LENGTH_MAX:
+                    return error_response(RESOURCE_EXHAUSTED, f"{stream.method}: a message of {len(data)} bytes "
+                                                              f"exceeds ttrpc's maximum of {MESSAGE_LENGTH_MAX}")
+                if not await self.reply(stream_id, (data,), TYPE_DATA):
+                    return b""   # the peer is gone
+        except TtrpcError as exc:
+            return error_response(exc.code, exc.message)
+        except Exception as exc:  # a bug must not take the server down
+            log.exception("ttrpc stream failed", extra={"fields": {"method": stream.method}})
+            return error_response(INTERNAL, f"{stream.method}: {exc}")
+        finally:
+            close = getattr(stream.messages, "aclose", None)
+            if close is not None:
+                await close()
+        return ok_response(b"")
+
+    async def reply(self, stream_id: int, response: bytes | tuple[bytes, ...], message_type: int = TYPE_RESPONSE
+                    ) -> bool:
         """Write one reply (serialized, or in pieces) once every reply before
         it has left: until the peer reads, the reply waits here, counted in
-        what the connection holds."""
+        what the connection holds. Whether it was written."""
         pieces = (response,) if isinstance(response, bytes) else response
         size = sum(map(len, pieces))
         if size > MESSAGE_LENGTH_MAX:
@@ -410,18 +452,27 @@ class _Connection:
         # of the response to put the header before it, and a writer that
         # can (the guest's port) puts the header in one write with what
         # follows it.
-        header = encode_header(size, stream_id, TYPE_RESPONSE, 0)
+        header = encode_header(size, stream_id, message_type, 0)
         self._hold(size)
         try:
             async with self.sending:
                 if self.writer.is_closing():
-                    return
+                    return False
                 self.writer.writelines((header, *pieces))
                 await self.writer.drain()
+                return True
         except ConnectionError:
-            pass  # the peer went away; serve() ends on its next read
+            return False  # the peer went away; serve() ends on its next read
         finally:
             self._hold(-size)
+
+
+def _response(payload: bytes) -> ttrpc_pb2.Response:
+    response = ttrpc_pb2.Response()
+    response.ParseFromString(payload)
+    if response.HasField("status") and response.status.code != OK:
+        raise TtrpcError(response.status.code, response.status.message)
+    return response
 
 
 class Client:
@@ -433,19 +484,23 @@ class Client:
         self._metadata = dict(metadata or {})
         self._next_stream = 1
         self._pending: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, asyncio.Queue] = {}
         self._receiver = asyncio.ensure_future(self._receive())
 
     @classmethod
-    async def connect(cls, path: str, metadata: dict[str, str] | None = None) -> "Client":
-        reader, writer = await asyncio.open_unix_connection(path, limit=MESSAGE_LENGTH_MAX + HEADER_LENGTH)
+    async def connect(cls, path: str, metadata: dict[str, str] | None = None,
+                      buffer: int = MESSAGE_LENGTH_MAX + HEADER_LENGTH) -> "Client":
+        """buffer: about half of what the connection reads ahead of its
+        caller (asyncio's reader pauses at twice its limit)."""
+        reader, writer = await asyncio.open_unix_connection(path, limit=buffer)
         return cls(reader, writer, metadata)
 
     @property
     def closed(self) -> bool:
         return self._receiver.done()
 
-    async def call(self, service: str, method: str, request: pb_message.Message, response_type: type,
-                   timeout: float | None = None, metadata: dict[str, str] | None = None) -> pb_message.Message:
+    def _request(self, service: str, method: str, request: pb_message.Message, timeout: float | None,
+                 metadata: dict[str, str] | None) -> tuple[int, bytes]:
         if self.closed:
             raise TtrpcError(UNAVAILABLE, "the ttrpc connection is closed")
         stream_id = self._next_stream
@@ -453,28 +508,75 @@ class Client:
         pairs = [ttrpc_pb2.KeyValue(key=k, value=v) for k, v in {**self._metadata, **(metadata or {})}.items()]
         envelope = ttrpc_pb2.Request(service=service, method=method, payload=request.SerializeToString(),
                                      timeout_nano=int(timeout * 1e9) if timeout else 0, metadata=pairs)
+        return stream_id, frame(stream_id, TYPE_REQUEST, envelope.SerializeToString())
+
+    async def call(self, service: str, method: str, request: pb_message.Message, response_type: type,
+                   timeout: float | None = None, metadata: dict[str, str] | None = None) -> pb_message.Message:
+        stream_id, request_frame = self._request(service, method, request, timeout, metadata)
         future = asyncio.get_running_loop().create_future()
         self._pending[stream_id] = future
         try:
-            self._writer.write(frame(stream_id, TYPE_REQUEST, envelope.SerializeToString()))
+            self._writer.write(request_frame)
             await self._writer.drain()
             payload = await asyncio.wait_for(future, timeout) if timeout else await future
         except asyncio.TimeoutError:
             raise TtrpcError(DEADLINE_EXCEEDED, f"{service}/{method}: no answer within {timeout:g} s") from None
         finally:
             self._pending.pop(stream_id, None)
-        response = ttrpc_pb2.Response()
-        response.ParseFromString(payload)
-        if response.HasField("status") and response.status.code != OK:
-            raise TtrpcError(response.status.code, response.status.message)
+        response = _response(payload)
         result = response_type()
         result.ParseFromString(response.payload)
         return result
+
+    async def stream(self, service: str, method: str, request: pb_message.Message, message_type: type,
+                     metadata: dict[str, str] | None = None, queue: int = 2):
+        """A server stream's messages, as the server sends them, until its
+        Response (raising its error). While the caller does not take the
+        next message (more than `queue` are waiting), this connection is
+        not read: a stream wants a connection of its own."""
+        stream_id, request_frame = self._request(service, method, request, None, metadata)
+        messages: asyncio.Queue = asyncio.Queue(queue)
+        self._streams[stream_id] = messages
+        try:
+            self._writer.write(request_frame)
+            await self._writer.drain()
+            while True:
+                kind, payload = await self._next(messages)
+                if payload is None:
+                    raise TtrpcError(RESOURCE_EXHAUSTED, f"{method}: a message exceeds ttrpc's maximum")
+                if kind == TYPE_RESPONSE:
+                    _response(payload)
+                    return
+                message = message_type()
+                message.ParseFromString(payload)
+                yield message
+        finally:
+            self._streams.pop(stream_id, None)
+            while not messages.empty():   # the receiver may wait to put one more
+                messages.get_nowait()
+
+    async def _next(self, messages: asyncio.Queue) -> tuple[int, bytes | None]:
+        if not messages.empty() or not self.closed:
+            getting = asyncio.ensure_future(messages.get())
+            try:
+                await asyncio.wait({getting, self._receiver}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getting.done():
+                    getting.cancel()
+            if getting.done() and not getting.cancelled():
+                return getting.result()
+            if not messages.empty():
+                return messages.get_nowait()
+        raise TtrpcError(UNAVAILABLE, "the ttrpc connection closed")
 
     async def _receive(self) -> None:
         try:
             while True:
                 stream_id, message_type, _flags, payload = await read_frame(self._reader)
+                messages = self._streams.get(stream_id)
+                if messages is not None and message_type in (TYPE_DATA, TYPE_RESPONSE):
+                    await messages.put((message_type, payload))
+                    continue
                 future = self._pending.get(stream_id)
                 if future is None or future.done() or message_type != TYPE_RESPONSE:
                     continue

@@ -169,12 +169,14 @@ def delete(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    import grpc
+    import asyncio
+
     from google.protobuf import timestamp_pb2
 
     from crust.api import containerd_task_pb2 as task_pb
-    from crust.api import handler_pb2, handler_pb2_grpc
-    from crust.common.channel import local_channel
+    from crust.api import handler_pb2
+    from crust.common import ttrpc
+    from crust.containerd_shim.handler_client import HandlerClient
     from crust.sys import mount as sysmount
 
     bundle = Path(args.bundle) if args.bundle else Path.cwd()
@@ -184,16 +186,23 @@ def delete(args: argparse.Namespace) -> int:
         spec = {}
     sandbox = cri_annotations.container_type(spec) == cri_annotations.SANDBOX
     endpoint = kept_endpoint(bundle)
-    try:
-        with local_channel(endpoint) as channel:
-            pods = handler_pb2_grpc.PodRuntimeStub(channel)
+
+    async def forget() -> None:
+        pods = HandlerClient(endpoint)
+        try:
             if sandbox:
-                pods.DeletePod(handler_pb2.DeletePodRequest(sandbox_id=args.id), timeout=120)
+                await pods.call("DeletePod", handler_pb2.DeletePodRequest(sandbox_id=args.id), timeout=120)
             else:
-                pods.DeleteContainer(handler_pb2.DeleteContainerRequest(container_id=args.id), timeout=120)
-    except grpc.RpcError as exc:
-        if exc.code() != grpc.StatusCode.NOT_FOUND:
-            print(f"crust shim delete {args.id}: the handler at {endpoint}: {exc.details()}", file=sys.stderr)
+                await pods.call("DeleteContainer", handler_pb2.DeleteContainerRequest(container_id=args.id),
+                                timeout=120)
+        finally:
+            await pods.close()
+
+    try:
+        asyncio.run(forget())
+    except ttrpc.TtrpcError as exc:
+        if exc.code != ttrpc.NOT_FOUND:
+            print(f"crust shim delete {args.id}: the handler at {endpoint}: {exc.message}", file=sys.stderr)
     try:
         sysmount.unmount_all(str(bundle / "rootfs"))
     except OSError as exc:

@@ -4,7 +4,8 @@ them, and the copies between containerd's fifos and the handler: the
 output stream into the stdout and stderr fifos, the stdin fifo into the
 process's input.
 
-The output is copied from the handler's stream (PodRuntime.ReadOutput),
+The output is copied from the handler's stream (PodRuntime.ReadOutput, a
+ttrpc stream: crust.containerd_shim.handler_client),
 resumed at the bytes already written when the handler restarts; a fifo is
 closed only once containerd read what it holds. The input is read from
 the fifo without blocking (before containerd opens its end the fifo is
@@ -17,22 +18,21 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-import grpc
-
 from crust.api import containerd_task_types_pb2 as task_types
-from crust.api import handler_pb2, handler_pb2_grpc
+from crust.api import handler_pb2
 from crust.common import ttrpc
-from crust.common.limits import MAX_STRING
 from crust.common.ttrpc import TtrpcError
 from crust.containerd_shim.stdio import FifoWriter, open_fifo
 
 log = logging.getLogger(__name__)
 
-# A WriteInput carries at most what the handler takes in one bytes field.
-INPUT_CHUNK = MAX_STRING
+# A WriteInput carries at most what the handler takes in one bytes field
+# (crust.common.limits.MAX_STRING, not imported: limits imports grpc's
+# status codes through crust.common.errors, which the shim does without).
+INPUT_CHUNK = 4096
 # How long the output's copy retries a handler that does not answer
 # (restarting) before the output counts as cut.
 OUTPUT_HANDLER_GONE_SECONDS = 60.0
@@ -134,7 +134,8 @@ class Container:
             raise TtrpcError(ttrpc.NOT_FOUND, f"container {self.id} has no exec {exec_id}") from None
 
 
-async def copy_output(pods: Callable[[], handler_pb2_grpc.PodRuntimeStub], process: Process) -> str:
+async def copy_output(read: Callable[[handler_pb2.ReadOutputRequest], AsyncIterator[handler_pb2.OutputChunk]],
+                      process: Process) -> str:
     """The process's output from the handler into containerd's fifos
     until the handler's stream ends: "" when it ended whole, else why
     not (the handler said DataLoss or refused, or stayed away)."""
@@ -147,7 +148,7 @@ async def copy_output(pods: Callable[[], handler_pb2_grpc.PodRuntimeStub], proce
     try:
         while True:
             try:
-                stream = pods().ReadOutput(handler_pb2.ReadOutputRequest(
+                stream = read(handler_pb2.ReadOutputRequest(
                     container_id=process.container_id, exec_id=process.exec_id,
                     stdout_offset=offsets[handler_pb2.OutputChunk.STDOUT],
                     stderr_offset=offsets[handler_pb2.OutputChunk.STDERR]))
@@ -165,15 +166,15 @@ async def copy_output(pods: Callable[[], handler_pb2_grpc.PodRuntimeStub], proce
                     if writer is not None:
                         await writer.write(data)
                 return ""  # the process exited and everything was sent
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or process.status == STOPPED:
-                    return exc.details() or exc.code().name
+            except TtrpcError as exc:
+                if exc.code != ttrpc.UNAVAILABLE or process.status == STOPPED:
+                    return exc.message or f"code {exc.code}"
                 # The handler restarts: resume at our offsets.
                 away_since = away_since or time.monotonic()
                 if time.monotonic() - away_since > OUTPUT_HANDLER_GONE_SECONDS:
                     return (f"the output was cut after {offsets[handler_pb2.OutputChunk.STDOUT]} bytes of "
                             f"stdout and {offsets[handler_pb2.OutputChunk.STDERR]} of stderr: the handler "
-                            f"did not answer for {OUTPUT_HANDLER_GONE_SECONDS:.0f} s ({exc.details()})")
+                            f"did not answer for {OUTPUT_HANDLER_GONE_SECONDS:.0f} s ({exc.message})")
                 await asyncio.sleep(0.5)
     finally:
         # Closing ends containerd's copy; what the pipe holds must be read first.

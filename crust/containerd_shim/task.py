@@ -33,7 +33,6 @@ import os
 import signal
 from pathlib import Path
 
-import grpc
 from google.protobuf import empty_pb2
 
 from google.protobuf import any_pb2
@@ -41,13 +40,13 @@ from google.protobuf import any_pb2
 from crust.api import containerd_events_pb2 as events
 from crust.api import containerd_task_pb2 as task_pb
 from crust.api import containerd_task_types_pb2 as task_types
-from crust.api import handler_pb2, handler_pb2_grpc
-from crust.common.channel import local_aio_channel
+from crust.api import handler_pb2
 from crust.common import cri_annotations, ttrpc
 from crust.containerd_shim.events import Publisher, timestamp
+from crust.containerd_shim.handler_client import HandlerClient
 from crust.containerd_shim.options import configured_endpoint, keep_endpoint
 from crust.containerd_shim.process import CREATED, RUNNING, STOPPED, Container, Process, copy_input, copy_output
-from crust.containerd_shim.translate import (CGROUP_V2_METRICS_TYPE, bad, cgroup_metrics, grpc_to_ttrpc, is_sandbox,
+from crust.containerd_shim.translate import (CGROUP_V2_METRICS_TYPE, bad, cgroup_metrics, is_sandbox,
                                              process_spec, read_config)
 from crust.common.ttrpc import TtrpcError
 from crust.sys import mount as sysmount
@@ -82,17 +81,17 @@ class TaskService:
         self.sandbox_id: str | None = None
         self.vm_pid = 0
         self._vm_watch: asyncio.Task | None = None
-        self._channel: grpc.aio.Channel | None = None
+        self._client: HandlerClient | None = None
         self._on_empty = on_empty  # called by Shutdown once no task remains
         self._lock = asyncio.Lock()
 
     # -- the handler ------------------------------------------------------------------
 
     @property
-    def pods(self) -> handler_pb2_grpc.PodRuntimeStub:
-        if self._channel is None:
-            self._channel = local_aio_channel(self.handler_endpoint)
-        return handler_pb2_grpc.PodRuntimeStub(self._channel)
+    def pods(self) -> HandlerClient:
+        if self._client is None:
+            self._client = HandlerClient(self.handler_endpoint)
+        return self._client
 
     async def _handler(self, method: str, request, what: str, call=None):
         """One PodRuntime call, whose deadline is containerd's for the call
@@ -101,20 +100,21 @@ class TaskService:
         bounds its calls to the guest by it. A handler that restarts is away
         for a moment (and the channel backs off after it saw it go):
         UNAVAILABLE is asked again for a while, which PodRuntime's
-        idempotent calls allow."""
+        idempotent calls allow. The handler's status is the answer's, with
+        what was asked."""
         loop = asyncio.get_running_loop()
         timeout = handler_timeout(call, loop.time())
         give_up = loop.time() + HANDLER_RESTART_SECONDS
         delay = 0.1
         while True:
             try:
-                return await getattr(self.pods, method)(request, timeout=timeout)
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and loop.time() + delay < give_up:
+                return await self.pods.call(method, request, timeout=timeout)
+            except TtrpcError as exc:
+                if exc.code == ttrpc.UNAVAILABLE and loop.time() + delay < give_up:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
                     continue
-                raise grpc_to_ttrpc(exc, f"{what} ({method} at {self.handler_endpoint})") from None
+                raise TtrpcError(exc.code, f"{what} ({method} at {self.handler_endpoint}): {exc.message}") from None
 
     def _configure(self, request: task_pb.CreateTaskRequest) -> None:
         """The handler the sandbox's runtime options name, if they name one:
@@ -127,9 +127,9 @@ class TaskService:
         if not endpoint:
             return
         if endpoint != self.handler_endpoint:
-            if self._channel is not None:
-                asyncio.ensure_future(self._channel.close())
-                self._channel = None
+            if self._client is not None:
+                asyncio.ensure_future(self._client.close())
+                self._client = None
             log.info("handler named by the runtime options", extra={"fields": {"handler": endpoint}})
             self.handler_endpoint = endpoint
         try:
@@ -144,8 +144,8 @@ class TaskService:
                     process.watcher.cancel()
         if self._vm_watch is not None:
             self._vm_watch.cancel()
-        if self._channel is not None:
-            await self._channel.close()
+        if self._client is not None:
+            await self._client.close()
 
     # -- lookups ------------------------------------------------------------------------
 
@@ -258,14 +258,14 @@ class TaskService:
         out: all of it, however long that takes (containerd's exec timeout
         bounds an exec). An exec whose output could not be copied whole
         exits with an error instead of its code (Wait)."""
-        pump = asyncio.ensure_future(copy_output(lambda: self.pods, process))
+        pump = asyncio.ensure_future(copy_output(lambda request: self.pods.read_output(request), process))
         state = None
         while state is None:
             try:
-                state = await self.pods.GetProcess(handler_pb2.GetProcessRequest(
+                state = await self.pods.call("GetProcess", handler_pb2.GetProcessRequest(
                     container_id=process.container_id, exec_id=process.exec_id, wait=True))
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND or process.status == STOPPED:
+            except TtrpcError as exc:
+                if exc.code == ttrpc.NOT_FOUND or process.status == STOPPED:
                     break  # gone from the handler (its pod was stopped)
                 await asyncio.sleep(0.5)  # the handler restarts; ask again
         process.draining = pump

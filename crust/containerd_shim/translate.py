@@ -1,7 +1,7 @@
 """What the shim translates between containerd's task API and the microVM
 handler's PodRuntime (specs/handler.proto): a bundle's config.json read
 and checked, an OCI process as a ProcessSpec, the guest's cgroup numbers as
-containerd's cgroup v2 metrics, the handler's gRPC errors as ttrpc's.
+containerd's cgroup v2 metrics.
 Every malformed input is INVALID_ARGUMENT naming the field."""
 
 from __future__ import annotations
@@ -9,12 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import grpc
-
 from crust.api import containerd_cgroups_v2_pb2 as cgroups_v2
 from crust.api import handler_pb2
 from crust.common import cri_annotations, ttrpc
-from crust.common.errors import status_number
 from crust.common.ttrpc import TtrpcError
 
 # What containerd's CRI unpacks Task.Stats into (the message's full name).
@@ -79,10 +76,3 @@ def cgroup_metrics(numbers: handler_pb2.ContainerStatsResponse) -> cgroups_v2.Me
 def _known(message, values) -> dict:
     """The values that message has a field for (a newer kernel writes keys it has not)."""
     return {k: v for k, v in values.items() if k in message.DESCRIPTOR.fields_by_name}
-
-
-def grpc_to_ttrpc(exc: grpc.RpcError, what: str) -> TtrpcError:
-    """The handler's refusal passed on to containerd with the same code."""
-    number = status_number(exc.code() if hasattr(exc, "code") else None)
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    return TtrpcError(number, f"{what}: {details}")

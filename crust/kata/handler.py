@@ -72,7 +72,8 @@ def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "a
         # The guest opens LUKS2 volumes, authenticated ones too: the proxy
         # hands this handler their keys.
         await HandlerDaemon(config, make_sandbox=make_sandbox, direct_source=direct,
-                            extensions=[functools.partial(PodRuntimeExtension, pool=pool, template=template)],
+                            extensions=[functools.partial(PodRuntimeExtension, pool=pool, template=template,
+                                                          endpoint=config.endpoint)],
                             extra_features=tuple(encryption.required_features(encryption.LUKS2,
                                                                               encryption.HMAC_SHA256))).run()
 

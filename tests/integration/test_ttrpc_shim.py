@@ -13,7 +13,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 from google.protobuf import empty_pb2
 
@@ -180,26 +179,16 @@ def test_a_dead_shims_socket_is_removed_and_nothing_else(tmp_path):
 # -- a process's exit and its output ---------------------------------------------------------------
 
 
-class _RpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
 class _Handler:
     """PodRuntime as the shim sees it: the exec exited 0 at once; its
     output comes as chunks once `more` is set, then the stream ends (with
     end: an error)."""
 
-    def __init__(self, chunks: list[bytes], end: _RpcError | None):
+    def __init__(self, chunks: list[bytes], end: TtrpcError | None):
         self.chunks, self.end, self.more = chunks, end, asyncio.Event()
 
-    async def GetProcess(self, request):
+    async def call(self, method, request, timeout=None):
+        assert method == "GetProcess"
         return handler_pb2.ProcessState(status=handler_pb2.ProcessState.STOPPED, exit_code=0, exited_at_ns=1)
 
     async def _stream(self, request):
@@ -211,12 +200,12 @@ class _Handler:
         if self.end is not None:
             raise self.end
 
-    def ReadOutput(self, request):
+    def read_output(self, request):
         return self._stream(request)
 
 
-@pytest.mark.parametrize("end", [None, _RpcError(grpc.StatusCode.DATA_LOSS, "the output of e was cut after 6 bytes "
-                                                                              "of stdout and 0 of stderr: the VM is gone")],
+@pytest.mark.parametrize("end", [None, TtrpcError(ttrpc.DATA_LOSS, "the output of e was cut after 6 bytes "
+                                                                   "of stdout and 0 of stderr: the VM is gone")],
                          ids=["whole", "cut"])
 async def test_an_execs_exit_waits_for_its_whole_output_and_a_cut_one_fails_its_wait(tmp_path, monkeypatch, end):
     """The exit is reported only once the handler's stream of the output
@@ -264,10 +253,11 @@ class _Deletes:
     def __init__(self):
         self.asked: list[tuple[str, str]] = []
 
-    async def DeleteProcess(self, request, timeout=None):
+    async def call(self, method, request, timeout=None):
+        assert method == "DeleteProcess"
         key = (request.container_id, request.exec_id)
         if key in self.asked:
-            raise _RpcError(grpc.StatusCode.NOT_FOUND, f"exec_id {request.exec_id!r}: no such process")
+            raise TtrpcError(ttrpc.NOT_FOUND, f"exec_id {request.exec_id!r}: no such process")
         self.asked.append(key)
         return handler_pb2.DeleteProcessResponse()
 

@@ -7,6 +7,7 @@ byte is in tests/unit/test_common_ttrpc.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from crust.api import containerd_task_pb2 as task_pb
-from crust.api import ttrpc_pb2
+from crust.api import handler_pb2, ttrpc_pb2
 from crust.common import ttrpc
 from crust.common.ttrpc import Client, Server, TtrpcError
 from crust.sys.sockets import socket_alive
@@ -327,3 +328,80 @@ async def test_the_listen_backlog_is_the_systems_somaxconn(tmp_path):
     finally:
         for server in servers:
             await server.close()
+
+
+# -- a server stream ---------------------------------------------------------------------------------
+
+
+class _Output:
+    """PodRuntime's ReadOutput as a ttrpc server stream: `total` chunks of
+    1 MiB, each its own byte, then the end (or `end`, an error)."""
+
+    def __init__(self, total: int, end: TtrpcError | None = None):
+        self.total, self.end, self.made = total, end, 0
+
+    async def ReadOutput(self, request, call):
+        return self._chunks()
+
+    async def _chunks(self):
+        for n in range(self.total):
+            self.made += 1
+            yield handler_pb2.OutputChunk(offset=n << 20, data=bytes([n % 251]) * (1 << 20))
+        if self.end is not None:
+            raise self.end
+
+
+@pytest.mark.parametrize("end", [None, TtrpcError(ttrpc.DATA_LOSS, "the VM is gone")], ids=["whole", "error"])
+async def test_a_server_stream_comes_whole_and_in_order_and_waits_for_its_reader(sock, end):
+    """Every message of a stream in order, byte for byte, then its end (or
+    its error's status); a reader that stops taking messages stops the
+    server's stream a few messages ahead of it, never the whole of it."""
+    service = _Output(40, end)
+    server = Server()
+    server.register_service(handler_pb2.DESCRIPTOR.services_by_name["PodRuntime"], service)
+    await server.serve_path(sock)
+    client = await Client.connect(sock, buffer=1 << 20)
+    got = []
+    try:
+        stream = client.stream("crust.handler.v1.PodRuntime", "ReadOutput", handler_pb2.ReadOutputRequest(
+            container_id="c"), handler_pb2.OutputChunk, queue=2)
+        with pytest.raises(TtrpcError) if end is not None else contextlib.nullcontext() as failed:
+            async for chunk in stream:
+                got.append(chunk)
+                if len(got) == 3:
+                    await asyncio.sleep(0.5)   # a reader that stalls
+                    # Two queued, one waiting to be, two in the reader's
+                    # buffer, one in the server's write, the socket's buffers.
+                    assert service.made - len(got) <= 8, service.made
+        assert [c.offset for c in got] == [n << 20 for n in range(40)]
+        assert all(c.data == bytes([n % 251]) * (1 << 20) for n, c in enumerate(got))
+        if end is not None:
+            assert failed.value.code == ttrpc.DATA_LOSS and failed.value.message == "the VM is gone"
+        # The connection serves on after the stream.
+        again = [c async for c in client.stream("crust.handler.v1.PodRuntime", "ReadOutput",
+                                                handler_pb2.ReadOutputRequest(), handler_pb2.OutputChunk)
+                 ] if end is None else []
+        assert len(again) == (40 if end is None else 0)
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_a_stream_whose_server_goes_away_is_unavailable(sock):
+    """The server closes mid-stream: the reader gets what came, then UNAVAILABLE."""
+    service = _Output(1000)
+    server = Server()
+    server.register_service(handler_pb2.DESCRIPTOR.services_by_name["PodRuntime"], service)
+    await server.serve_path(sock)
+    client = await Client.connect(sock)
+    try:
+        with pytest.raises(TtrpcError) as failed:
+            async for chunk in client.stream("crust.handler.v1.PodRuntime", "ReadOutput",
+                                             handler_pb2.ReadOutputRequest(), handler_pb2.OutputChunk):
+                if chunk.offset == 2 << 20:
+                    await server.close()
+        assert failed.value.code == ttrpc.UNAVAILABLE
+        assert service.made < 1000
+    finally:
+        await client.close()
+        await server.close()

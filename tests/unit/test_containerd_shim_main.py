@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 
@@ -40,3 +43,20 @@ def test_shim_reads_the_runtime_options_as_protobuf_does(tmp_path):
     # Options of another type, or none: the environment's endpoint, then the default.
     other = any_pb2.Any(type_url="other.Options", value=inner).SerializeToString()
     assert handler_endpoint(other) == handler_endpoint(b"") == handler_endpoint(b"\x12\x05ab")
+
+
+def test_the_shim_daemon_imports_no_grpc_and_sends_input_in_the_handlers_field_size():
+    """What `serve` imports (the task service, its handler client, events,
+    logs) leaves grpc out: the shim lives as long as its pod, and grpc
+    would be most of its memory. Its stdin pieces are what the handler
+    takes in one bytes field."""
+    code = ("import sys\n"
+            "import crust.containerd_shim.main, crust.containerd_shim.task, crust.containerd_shim.events\n"
+            "import crust.common.logs, crust.sys.memory, crust.sys.openfiles\n"
+            "print(sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
+    from crust.common.limits import MAX_STRING
+    from crust.containerd_shim.process import INPUT_CHUNK
+
+    assert INPUT_CHUNK == MAX_STRING

@@ -89,22 +89,35 @@ class PodRuntimeExtension:
 
     service = SERVICE
 
-    def __init__(self, handler, pool: VmPool | None = None, template: VmTemplate | None = None):
+    def __init__(self, handler, pool: VmPool | None = None, template: VmTemplate | None = None,
+                 endpoint: str = ""):
+        """endpoint: the handler's gRPC endpoint; PodRuntime is served in
+        ttrpc beside it (crust.kata.pod_ttrpc) for the shim."""
         self.pool = pool
         self.template = template
         self.pods = Pods(handler, pool, template)
+        self.servicer = PodRuntimeService(self.pods)
+        self.ttrpc = None
+        if endpoint:
+            from crust.kata.pod_ttrpc import TtrpcEndpoint
+
+            self.ttrpc = TtrpcEndpoint(self.servicer, endpoint)
 
     def add_to(self, server) -> None:
-        handler_pb2_grpc.add_PodRuntimeServicer_to_server(PodRuntimeService(self.pods), server)
+        handler_pb2_grpc.add_PodRuntimeServicer_to_server(self.servicer, server)
 
     async def start(self) -> None:
         await self.pods.start()
+        if self.ttrpc is not None:
+            await self.ttrpc.start()
         if self.pool is not None:
             await self.pool.start()
         if self.template is not None:
             await self.template.start()
 
     async def stop(self) -> None:
+        if self.ttrpc is not None:
+            await self.ttrpc.stop()
         if self.template is not None:
             await self.template.stop()
         if self.pool is not None:
