@@ -82,16 +82,26 @@ class TtrpcEndpoint:
         self.server = ttrpc.Server()
         self.server.register_service(DESCRIPTOR, PodRuntimeTtrpc(service))
         self.path = ttrpc_path(endpoint)
+        self._socket: socket.socket | None = None
         self._listener: asyncio.base_events.Server | None = None
 
+    def bind(self) -> None:
+        """Listen (connections wait in the backlog until start)."""
+        if self._socket is None:
+            self._socket = listen_unix(self.path, 0o600)
+
     async def start(self) -> None:
-        self._listener = await asyncio.start_unix_server(self._serve, sock=listen_unix(self.path, 0o600))
+        self.bind()
+        self._listener = await asyncio.start_unix_server(self._serve, sock=self._socket)
 
     async def stop(self) -> None:
         if self._listener is not None:
             self._listener.close()
             await self.server.close()
             self._listener = None
+        elif self._socket is not None:
+            self._socket.close()
+        self._socket = None
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -105,11 +105,15 @@ class PodRuntimeExtension:
 
     def add_to(self, server) -> None:
         handler_pb2_grpc.add_PodRuntimeServicer_to_server(self.servicer, server)
+        if self.ttrpc is not None:
+            # Bound with the gRPC socket: a shim that dials meanwhile (the
+            # handler restarting under running pods) waits in the backlog.
+            self.ttrpc.bind()
 
     async def start(self) -> None:
-        await self.pods.start()
         if self.ttrpc is not None:
             await self.ttrpc.start()
+        await self.pods.start()
         if self.pool is not None:
             await self.pool.start()
         if self.template is not None:
