@@ -11,8 +11,12 @@ gRPC stream did.
 
 The socket is the gRPC socket's peer: the same mode (0600, root), and a
 caller whose uid is not this process's is refused (SO_PEERCRED) before a
-frame is read. The servicer's CrustErrors carry their gRPC code, which
-ttrpc's status shares; anything else is INTERNAL.
+frame is read. As on the gRPC socket (crust.common.grpcserver's
+interceptor), a request is checked against crust.common.limits before the
+servicer sees it, the caller's deadline (ttrpc's timeout, the CRI call's
+passed on by the shim) bounds the handler's calls to the guest, and each
+call is one log line naming its request. The servicer's CrustErrors carry
+their gRPC code, which ttrpc's status shares; anything else is INTERNAL.
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ import asyncio
 import logging
 import os
 import socket
+import time
+import uuid
 
 from crust.api import handler_pb2
-from crust.common import csi_input, ttrpc
+from crust.common import csi_input, limits, logs, ttrpc
 from crust.common.errors import CrustError
+from crust.common.redact import redacted
 from crust.common.grpcserver import listen_unix
 from crust.containerd_shim.handler_client import ttrpc_path
 from crust.kata.pod_service import PodRuntimeService
 from crust.runtime_handler.json_endpoint import peer_uid
+from crust.sys.run import rpc_deadline
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +47,15 @@ def _ttrpc_error(exc: CrustError) -> ttrpc.TtrpcError:
     return ttrpc.TtrpcError(exc.code.value[0], exc.message)
 
 
+def _enter(request, call) -> None:
+    """What the gRPC interceptor sets up for a call: its log fields, its
+    deadline; the request's limits checked."""
+    logs.log_fields.set({"component": "handler", "rpc": call.method, "request_id": uuid.uuid4().hex[:12],
+                         "transport": "ttrpc"})
+    rpc_deadline.set(time.monotonic() + call.timeout if call.timeout else None)
+    limits.check(request)
+
+
 class _Unary:
     """A servicer's unary method as a ttrpc handler."""
 
@@ -46,10 +63,18 @@ class _Unary:
         self.method = method
 
     async def __call__(self, request, call):
+        started = time.monotonic()
         try:
-            return await self.method(request, None)
+            _enter(request, call)
+            response = await self.method(request, None)
         except CrustError as exc:
+            log.warning("failed", extra={"fields": {"code": exc.code.name, "error": exc.message,
+                                                    "request": redacted(request),
+                                                    "ms": round((time.monotonic() - started) * 1e3, 2)}})
             raise _ttrpc_error(exc) from None
+        log.info("ok", extra={"fields": {"request": redacted(request),
+                                         "ms": round((time.monotonic() - started) * 1e3, 2)}})
+        return response
 
 
 class PodRuntimeTtrpc:
@@ -63,6 +88,7 @@ class PodRuntimeTtrpc:
 
     async def ReadOutput(self, request: handler_pb2.ReadOutputRequest, call):
         try:
+            _enter(request, call)
             container_id = csi_input.required(request.container_id, "container_id")
         except CrustError as exc:
             raise _ttrpc_error(exc) from None

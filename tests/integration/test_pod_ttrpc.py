@@ -1,7 +1,8 @@
 """PodRuntime in ttrpc on the microVM handler's `<socket>.ttrpc`
 (crust.kata.pod_ttrpc), as the shim's client (crust.containerd_shim.
 handler_client) calls it: the servicer's answers and its errors' codes, an
-output stream whole and then its error, a missing field named, the socket
+output stream whole and then its error, a missing or too long field
+named, the socket
 0600 and gone after stop, and a handler that is not there UNAVAILABLE."""
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ async def test_pod_runtime_over_ttrpc_answers_as_the_grpc_service_does(endpoint,
         with pytest.raises(TtrpcError) as empty:
             await client.call("DeleteContainer", handler_pb2.DeleteContainerRequest(), timeout=5)
         assert empty.value.code == ttrpc.INVALID_ARGUMENT and "container_id" in empty.value.message
+        with pytest.raises(TtrpcError) as long:   # crust.common.limits, as on the gRPC socket
+            await client.call("DeleteContainer", handler_pb2.DeleteContainerRequest(container_id="c" * 5000),
+                              timeout=5)
+        assert long.value.code == ttrpc.INVALID_ARGUMENT and "container_id" in long.value.message
 
         chunks = [c async for c in client.read_output(handler_pb2.ReadOutputRequest(container_id="c",
                                                                                      stdout_offset=10))]
