@@ -306,8 +306,11 @@ def microvm_node(root, daemon, image: images.Image, vm_pool: int = 0,
     """The node of a CRI daemon (containerd, CRI-O) whose runtime handler
     `crust` is crust's shim v2, with the microVM handler serving it
     (RuntimeClass crust-microvm); closed (pods first) whatever happens."""
+    # CRUST_TEST_KATA_CACHE: another guest image cache than the default, as for kata_env.
+    cache = os.environ.get("CRUST_TEST_KATA_CACHE")
     node = CriNode(root, daemon, image,
                    handler_kw={**KATA_HANDLER, "extra": ["--kata-dir", str(root.path / "kata"),
+                                                         *(["--cache", cache] if cache else []),
                                                          "--vm-pool", str(vm_pool), *handler_extra]},
                    runtime_classes={"crust-microvm": "crust", "runc": "runc"})
     try:

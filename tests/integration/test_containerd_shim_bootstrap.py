@@ -3,14 +3,16 @@ binary run as a subprocess, fed on its standard input the bytes containerd
 1.6 to 2.2 write (the runtime's options alone, a google.protobuf.Any) and
 those 2.3 writes (BootstrapParams, the options among its extensions), and
 asked `-info` as 2.2 asks it. What is observed is what the shim prints, where
-its socket is, which handler its daemon dials (a real gRPC PodRuntime server
-at each candidate socket records the call), and the daemon's environment.
+its socket is, which handler its daemon dials (a real ttrpc PodRuntime server
+at each candidate handler's `<socket>.ttrpc` records the call), and the
+daemon's environment.
 Everything lives below temporary directories; the daemons started here are
 stopped (SIGTERM to their own pid) and their sockets removed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -18,11 +20,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
 from google.protobuf import any_pb2
 
@@ -31,9 +32,9 @@ from crust.api import containerd_bootstrap_pb2 as bootstrap_pb
 from crust.api import containerd_introspection_pb2 as introspection_pb
 from crust.api import containerd_runtimeoptions_pb2 as runtimeoptions_pb
 from crust.api import containerd_task_pb2 as task_pb
-from crust.api import handler_pb2, handler_pb2_grpc
+from crust.api import handler_pb2
 from crust.common import ttrpc
-from crust.common.ttrpc import Client, TtrpcError
+from crust.common.ttrpc import Client, Server, TtrpcError
 from tests.harness.cri import processes_naming
 from tests.harness.ttrpc import TASK
 
@@ -41,15 +42,15 @@ SHIM = Path(sys.executable).parent / "containerd-shim-crust-v2"
 NAMESPACE = "k8s.io"
 
 
-class RecordingHandler(handler_pb2_grpc.PodRuntimeServicer):
+class RecordingHandler:
     """A PodRuntime that records which pod asked for a VM, and refuses it."""
 
     def __init__(self, name: str):
         self.name, self.pods = name, []
 
-    def CreatePod(self, request, context):
+    async def CreatePod(self, request, call):
         self.pods.append(request.sandbox_id)
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the {self.name} handler refuses, as this test asks")
+        raise TtrpcError(ttrpc.FAILED_PRECONDITION, f"the {self.name} handler refuses, as this test asks")
 
 
 @pytest.fixture
@@ -59,13 +60,16 @@ def node():
     directory for sockets (unix socket paths are short)."""
     top = Path(tempfile.mkdtemp(prefix="crs", dir="/tmp"))
     servers, handlers = [], {}
+    # The handlers' own event loop, beside the test's.
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
     try:
         for name in ("configured", "environment"):
             handler = RecordingHandler(name)
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-            handler_pb2_grpc.add_PodRuntimeServicer_to_server(handler, server)
-            server.add_insecure_port(f"unix://{top / name}.sock")
-            server.start()
+            server = Server()
+            server.register_service(handler_pb2.DESCRIPTOR.services_by_name["PodRuntime"], handler)
+            asyncio.run_coroutine_threadsafe(server.serve_path(f"{top / name}.sock.ttrpc"), loop).result(10)
             servers.append(server)
             handlers[name] = handler
         config = top / "shim.toml"
@@ -73,7 +77,10 @@ def node():
         yield top, handlers, config
     finally:
         for server in servers:
-            server.stop(0)
+            asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
         for daemon in processes_naming(str(top)):
             os.kill(int(daemon.split(":")[0]), signal.SIGTERM)
         deadline = time.monotonic() + 10
