@@ -119,6 +119,22 @@ def runc_against_microvm(figures_key: str, unit: str):
     return make
 
 
+def with_before(make):
+    """make's table with a column of the crust-microvm figures the bench
+    measured at the commit before (result["before"]: the same figures, run
+    right after or before this one on the same machine), when it has them."""
+    def wrapped(result: dict):
+        header, rows = make(result)
+        before = result.get("before")
+        if not isinstance(before, dict) or "code" not in before:
+            return header, rows
+        _header, old = make({**result, **before})
+        by_name = {row[0]: row[1] for row in old}
+        return ([header[0], header[1], f"{header[1]} at {before['code']}", *header[2:]],
+                [[row[0], row[1], by_name.get(row[0], ""), *row[2:]] for row in rows])
+    return wrapped
+
+
 def pod_logs(result: dict):
     header, rows = runc_against_microvm("figures", "ms")(result)
     rate = result.get("rate_mib_per_s", {})
@@ -172,7 +188,14 @@ def pod_density(result: dict):
     for name, d in result.get("daemons", {}).items():
         rows.append([f"node daemon {name}: PSS (MiB); cores", f"{num(d.get('pss_mib'))}; {num(d.get('cores'))}", "",
                      ""])
-    return ["per pod (20 idle pods)", "crust-microvm", "anchor: runc", "crust-microvm / runc"], rows
+    pods = middle(ours.get("pss_mib")) and ours["pss_mib"].get("n")
+    return [f"per pod ({pods or NR} idle pods)", "crust-microvm", "anchor: runc", "crust-microvm / runc"], rows
+
+
+def shim_memory(result: dict):
+    """pod_density's rows that the shim moves: a pod's PSS and the shim's."""
+    header, rows = pod_density(result)
+    return header, [row for row in rows if row[0] in ("PSS per pod (MiB)", "  of which crust shim (MiB)")]
 
 
 def pod_burst(result: dict):
@@ -230,14 +253,15 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("pod-start-microvm-buses", "Pod start on each disk bus", "pod_start_microvm", pod_start_buses,
              ".venv/bin/python bench/runtime/pod_start_microvm.py --pools 0,template,1 --disk-buses virtio-blk,virtio-scsi",
              flags=("--disk-buses",)),
-    Scenario("pod-exec", "ExecSync into a running container", "pod_exec", runc_against_microvm("figures", "ms"),
+    Scenario("pod-exec", "ExecSync into a running container", "pod_exec",
+             with_before(runc_against_microvm("figures", "ms")),
              ".venv/bin/python bench/runtime/pod_exec.py --rounds 5"),
     Scenario("pod-exec-longevity", "Many execs into one container (an exec probe for weeks)", "pod_exec_longevity",
              pod_exec_longevity, ".venv/bin/python bench/runtime/pod_exec_longevity.py --execs 10000 --block 1000",
              anchor="the first block of the same run: the last within 10% of it, for both runtimes."),
-    Scenario("pod-logs", "A container's logs, host idle", "pod_logs", pod_logs,
+    Scenario("pod-logs", "A container's logs, host idle", "pod_logs", with_before(pod_logs),
              ".venv/bin/python bench/runtime/pod_logs.py --rounds 5 --busy 0", flags=("--busy 0",)),
-    Scenario("pod-logs-busy", "A container's logs, both host CPUs busy", "pod_logs", pod_logs,
+    Scenario("pod-logs-busy", "A container's logs, both host CPUs busy", "pod_logs", with_before(pod_logs),
              ".venv/bin/python bench/runtime/pod_logs.py --rounds 5 --busy 2", flags=("--busy 2",)),
     Scenario("guest-crun", "The guest's OCI runtime", "guest_crun", named_rows("variants", "what runs (ms)"),
              ".venv/bin/python bench/microvm/guest_crun.py --rounds 5",
@@ -251,7 +275,10 @@ SCENARIOS: tuple[Scenario, ...] = (
              ".venv/bin/python bench/runtime/pod_idle_cpu.py",
              anchor="the floor row: a VM alone, with no pod in it (same run)."),
     Scenario("pod-density", "Idle pods on one node", "pod_density", pod_density,
-             ".venv/bin/python bench/runtime/pod_density.py --pods 20"),
+             ".venv/bin/python bench/runtime/pod_density.py --pods 20", flags=("--pods 20",)),
+    Scenario("pod-density-shim", "The shim's memory: ttrpc to the handler against gRPC (a few idle pods)",
+             "pod_density", with_before(shim_memory), ".venv/bin/python bench/runtime/pod_density.py --pods 4",
+             flags=("--pods 4",)),
     Scenario("pod-burst", "Pods asked for at once", "pod_burst", pod_burst,
              ".venv/bin/python bench/runtime/pod_burst.py --pods 20 --settings template,pool4"),
     Scenario("pod-churn", "Pod lives one after another", "pod_churn", pod_churn,

@@ -3,7 +3,7 @@
 The handler serves PodRuntime (specs/handler.proto) in gRPC on its
 endpoint and in ttrpc on `<endpoint path>.ttrpc` (crust.kata.pod_ttrpc).
 The shim, a process that lives as long as its pod, speaks the latter: it
-speaks ttrpc to containerd already, and importing grpc would be most of
+speaks ttrpc to containerd already, and importing grpc would be a third of
 its memory. Unary calls share one connection (made again once it broke);
 each output stream has a connection of its own, read only as fast as the
 shim writes the fifos, so a stalled reader holds back its own stream and

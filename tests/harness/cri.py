@@ -306,7 +306,7 @@ def microvm_node(root, daemon, image: images.Image, vm_pool: int = 0,
     """The node of a CRI daemon (containerd, CRI-O) whose runtime handler
     `crust` is crust's shim v2, with the microVM handler serving it
     (RuntimeClass crust-microvm); closed (pods first) whatever happens."""
-    # CRUST_TEST_KATA_CACHE: another guest image cache than the default, as for kata_env.
+    # CRUST_TEST_KATA_CACHE: another guest image cache than the default, as for tests/harness/kata_env.py.
     cache = os.environ.get("CRUST_TEST_KATA_CACHE")
     node = CriNode(root, daemon, image,
                    handler_kw={**KATA_HANDLER, "extra": ["--kata-dir", str(root.path / "kata"),

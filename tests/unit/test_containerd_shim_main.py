@@ -48,7 +48,7 @@ def test_shim_reads_the_runtime_options_as_protobuf_does(tmp_path):
 def test_the_shim_daemon_imports_no_grpc_and_sends_input_in_the_handlers_field_size():
     """What `serve` imports (the task service, its handler client, events,
     logs) leaves grpc out: the shim lives as long as its pod, and grpc
-    would be most of its memory. Its stdin pieces are what the handler
+    would be a third of its memory. Its stdin pieces are what the handler
     takes in one bytes field."""
     code = ("import sys\n"
             "import crust.containerd_shim.main, crust.containerd_shim.task, crust.containerd_shim.events\n"
