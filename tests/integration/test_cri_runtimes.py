@@ -91,7 +91,8 @@ class _OomHandler:
     """PodRuntime as the shim sees it: the container's process was killed
     by the OOM killer; no output."""
 
-    async def GetProcess(self, request):
+    async def call(self, method, request, timeout=None):
+        assert method == "GetProcess"
         return handler_pb2.ProcessState(status=handler_pb2.ProcessState.STOPPED, exit_code=137, exited_at_ns=1,
                                         oom_killed=True)
 
@@ -99,7 +100,7 @@ class _OomHandler:
         return
         yield
 
-    def ReadOutput(self, request):
+    def read_output(self, request):
         return self._stream(request)
 
 
