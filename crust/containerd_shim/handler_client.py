@@ -1,7 +1,7 @@
 """The shim's client of the microVM handler's PodRuntime, in ttrpc.
 
 The handler serves PodRuntime (specs/handler.proto) in gRPC on its
-endpoint and in ttrpc on `<endpoint path>.ttrpc` (crust.kata.pod_ttrpc).
+endpoint and in ttrpc on `<endpoint path>.ttrpc` (crust.kata.pod.ttrpc_endpoint).
 The shim, a process that lives as long as its pod, speaks the latter: it
 speaks ttrpc to containerd already, and importing grpc would be a third of
 its memory. Unary calls share one connection (made again once it broke);

@@ -1,5 +1,5 @@
 """PodRuntime in ttrpc on the microVM handler's `<socket>.ttrpc`
-(crust.kata.pod_ttrpc), as the shim's client (crust.containerd_shim.
+(crust.kata.pod.ttrpc_endpoint), as the shim's client (crust.containerd_shim.
 handler_client) calls it: the servicer's answers and its errors' codes, an
 output stream whole and then its error, a missing or too long field
 named, the socket
@@ -17,8 +17,8 @@ from crust.common import ttrpc
 from crust.common.errors import DataLoss, NotFound
 from crust.common.ttrpc import TtrpcError
 from crust.containerd_shim.handler_client import HandlerClient
-from crust.kata.pod_service import PodRuntimeService
-from crust.kata.pod_ttrpc import TtrpcEndpoint
+from crust.kata.pod.service import PodRuntimeService
+from crust.kata.pod.ttrpc_endpoint import TtrpcEndpoint
 
 
 class _Pods:

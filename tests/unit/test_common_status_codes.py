@@ -1,7 +1,8 @@
 """One table between crust's errors and the status codes
 (crust.common.errors), read by its three users: the agent's answers as the
 handler's errors (crust.kata.agent.client.handler_error), the handler's
-gRPC refusals as ttrpc's for containerd (the shim's grpc_to_ttrpc), and
+errors as the ttrpc status the shim passes on to containerd
+(crust.kata.pod.ttrpc_endpoint.ttrpc_error), and
 crust's errors as gRPC's codes (each class's `code`, which the gRPC
 interceptor answers with). Each maps every code as it did before the table
 was shared."""
@@ -29,8 +30,8 @@ from crust.common.errors import (
     Unavailable,
     Unimplemented,
 )
-from crust.containerd_shim.translate import grpc_to_ttrpc
 from crust.kata.agent.client import handler_error
+from crust.kata.pod.ttrpc_endpoint import ttrpc_error
 
 # What each error answers over gRPC (the interceptor sends exc.code).
 CLASS_CODES = {
@@ -75,32 +76,17 @@ def test_each_agent_code_is_the_handlers_error_it_was(number):
     assert error.message == "container c: the guest's agent: words"
 
 
-@pytest.mark.parametrize("code", list(grpc.StatusCode), ids=lambda c: c.name)
-def test_each_grpc_code_reaches_containerd_as_the_same_number(code):
-    class Refusal(grpc.RpcError):
-        def code(self):
-            return code
-
-        def details(self):
-            return "the handler's words"
-
-    error = grpc_to_ttrpc(Refusal(), "create c")
-    assert error.code == code.value[0]
-    assert error.message == "create c: the handler's words"
-    assert errors.status_code(error.code) is code
+@pytest.mark.parametrize("cls", list(CLASS_CODES), ids=lambda c: c.__name__)
+def test_each_handler_error_reaches_the_shim_as_the_same_number(cls):
+    made = cls("/var", OSError(28, "no space")) if cls is NoSpace else cls("the handler's words")
+    error = ttrpc_error(made)
+    assert error.code == CLASS_CODES[cls].value[0]
+    assert error.message == made.message
+    assert errors.status_code(error.code) is CLASS_CODES[cls]
 
 
-def test_a_refusal_without_a_code_reaches_containerd_as_unknown():
-    class Odd(grpc.RpcError):
-        def code(self):
-            return None
-
-    class Bare(grpc.RpcError):
-        pass
-
-    assert grpc_to_ttrpc(Odd(), "x").code == ttrpc.UNKNOWN == 2
-    bare = grpc_to_ttrpc(Bare("gone"), "x")
-    assert (bare.code, bare.message) == (ttrpc.UNKNOWN, "x: gone")
+def test_a_forwarded_code_reaches_the_shim_and_an_unknown_number_is_unknown():
+    assert ttrpc_error(Forwarded(grpc.StatusCode.ABORTED, "x")).code == ttrpc.ABORTED
     assert errors.status_code(99) is grpc.StatusCode.UNKNOWN
     assert errors.error_class(grpc.StatusCode.OK) is Internal
 

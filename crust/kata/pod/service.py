@@ -92,14 +92,14 @@ class PodRuntimeExtension:
     def __init__(self, handler, pool: VmPool | None = None, template: VmTemplate | None = None,
                  endpoint: str = ""):
         """endpoint: the handler's gRPC endpoint; PodRuntime is served in
-        ttrpc beside it (crust.kata.pod_ttrpc) for the shim."""
+        ttrpc beside it (crust.kata.pod.ttrpc_endpoint) for the shim."""
         self.pool = pool
         self.template = template
         self.pods = Pods(handler, pool, template)
         self.servicer = PodRuntimeService(self.pods)
         self.ttrpc = None
         if endpoint:
-            from crust.kata.pod_ttrpc import TtrpcEndpoint
+            from crust.kata.pod.ttrpc_endpoint import TtrpcEndpoint
 
             self.ttrpc = TtrpcEndpoint(self.servicer, endpoint)
 

@@ -30,11 +30,10 @@ import uuid
 
 from crust.api import handler_pb2
 from crust.common import csi_input, limits, logs, ttrpc
-from crust.common.errors import CrustError
+from crust.common.errors import CrustError, status_number
 from crust.common.redact import redacted
 from crust.common.grpcserver import listen_unix
 from crust.containerd_shim.handler_client import ttrpc_path
-from crust.kata.pod_service import PodRuntimeService
 from crust.runtime_handler.json_endpoint import peer_uid
 from crust.sys.run import rpc_deadline
 
@@ -43,8 +42,9 @@ log = logging.getLogger(__name__)
 DESCRIPTOR = handler_pb2.DESCRIPTOR.services_by_name["PodRuntime"]
 
 
-def _ttrpc_error(exc: CrustError) -> ttrpc.TtrpcError:
-    return ttrpc.TtrpcError(exc.code.value[0], exc.message)
+def ttrpc_error(exc: CrustError) -> ttrpc.TtrpcError:
+    """crust's error as the ttrpc status the shim passes on to containerd."""
+    return ttrpc.TtrpcError(status_number(exc.code), exc.message)
 
 
 def _enter(request, call) -> None:
@@ -71,7 +71,7 @@ class _Unary:
             log.warning("failed", extra={"fields": {"code": exc.code.name, "error": exc.message,
                                                     "request": redacted(request),
                                                     "ms": round((time.monotonic() - started) * 1e3, 2)}})
-            raise _ttrpc_error(exc) from None
+            raise ttrpc_error(exc) from None
         log.info("ok", extra={"fields": {"request": redacted(request),
                                          "ms": round((time.monotonic() - started) * 1e3, 2)}})
         return response
@@ -80,7 +80,8 @@ class _Unary:
 class PodRuntimeTtrpc:
     """The servicer's methods with ttrpc's errors; ReadOutput a server stream."""
 
-    def __init__(self, service: PodRuntimeService):
+    def __init__(self, service):
+        """service: crust.kata.pod.service's PodRuntimeService (its methods and its pods)."""
         self.service = service
         for method in DESCRIPTOR.methods:
             if method.name != "ReadOutput":
@@ -91,7 +92,7 @@ class PodRuntimeTtrpc:
             _enter(request, call)
             container_id = csi_input.required(request.container_id, "container_id")
         except CrustError as exc:
-            raise _ttrpc_error(exc) from None
+            raise ttrpc_error(exc) from None
         return self._chunks(container_id, request)
 
     async def _chunks(self, container_id: str, request: handler_pb2.ReadOutputRequest):
@@ -100,11 +101,11 @@ class PodRuntimeTtrpc:
                                                              request.stderr_offset):
                 yield chunk
         except CrustError as exc:
-            raise _ttrpc_error(exc) from None
+            raise ttrpc_error(exc) from None
 
 
 class TtrpcEndpoint:
-    def __init__(self, service: PodRuntimeService, endpoint: str):
+    def __init__(self, service, endpoint: str):
         self.server = ttrpc.Server()
         self.server.register_service(DESCRIPTOR, PodRuntimeTtrpc(service))
         self.path = ttrpc_path(endpoint)
