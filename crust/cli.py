@@ -236,7 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     kt_h.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"],
                       help="QEMU accelerator. auto (default): kvm if a probe VM boots under it (the verdict is "
                            "kept next to the guest image), tcg (software emulation) otherwise")
-    kt_h.add_argument("--memory", type=int, default=256, help="guest memory in MiB (default: 256)")
+    kt_h.add_argument("--memory", type=int, default=256,
+                      help="guest memory in MiB of a pod without memory limits, and of every VM before its pod "
+                           "(booted, pooled, the template): the floor (default: 256)")
+    kt_h.add_argument("--max-memory", type=int, default=0, metavar="MIB",
+                      help="the most guest memory a pod gets: its containers' memory limits (and its overhead, "
+                           "where the CRI runtime passes it) above the floor are hot-plugged up to this "
+                           "(default: 0, the floor: every pod gets --memory)")
     kt_h.add_argument("--cpus", type=_at_least_one, default=1, metavar="N",
                       help="the guest's vCPUs (default: 1). Under software emulation each is a thread of QEMU's, "
                            "so a pod whose processes work at once (a container writing logs while the agent "
@@ -490,13 +496,17 @@ def main(argv: list[str] | None = None) -> int:
         from crust.kata.handler import serve as serve_kata
         from crust.runtime_handler.server import HandlerConfig
 
+        if args.max_memory and args.max_memory < args.memory:
+            print(f"crust kata handler: --max-memory {args.max_memory} is below --memory {args.memory}",
+                  file=sys.stderr)
+            return 2
         logs.setup(args.log_level, args.log_format == "json")
         return _serve("kata handler", serve_kata,
                       HandlerConfig(name=args.name, endpoint=args.endpoint, proxy_endpoint=args.proxy_endpoint,
                                     volumes_dir=args.volumes_dir.absolute(), state_dir=args.state_dir.absolute()),
                       cache=args.cache, accel=args.accel, memory_mib=args.memory, cpus=args.cpus,
                       kata_dir=args.kata_dir.absolute(), vm_pool=args.vm_pool, disk_bus=args.disk_bus,
-                      vm_template=args.vm_template)
+                      vm_template=args.vm_template, max_memory_mib=args.max_memory)
     if args.command == "demo":
         from crust.demo import run_demo
 

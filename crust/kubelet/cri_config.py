@@ -141,6 +141,17 @@ class GeneratedConfigs:
         """calculateLinuxResources for no requests and no limits."""
         return cri.LinuxContainerResources(cpu_shares=MIN_SHARES, cpu_period=QUOTA_PERIOD, cpu_quota=0)
 
+    def _sandbox_resources(self, pod: Pod) -> cri.LinuxContainerResources:
+        """calculateSandboxResources: the pod's limits without its overhead
+        (PodLimits: the containers' memory limits summed, or an init
+        container's when larger: they run one at a time)."""
+        resources = self._best_effort_resources()
+        apps = sum(c.memory_limit or 0 for c in pod.containers)
+        sidecars = sum(c.memory_limit or 0 for c in pod.init_containers if c.is_sidecar)
+        inits = max((c.memory_limit or 0 for c in pod.init_containers if not c.is_sidecar), default=0)
+        resources.memory_limit_in_bytes = max(apps + sidecars, inits)
+        return resources
+
     def sandbox_config(self, pod: Pod, attempt: int) -> cri.PodSandboxConfig:
         labels = dict(pod.labels)
         labels.update({POD_NAME_LABEL: pod.name, POD_NAMESPACE_LABEL: pod.namespace, POD_UID_LABEL: pod.uid})
@@ -157,7 +168,7 @@ class GeneratedConfigs:
             metadata=cri.PodSandboxMetadata(name=pod.name, namespace=pod.namespace, uid=pod.uid, attempt=attempt),
             labels=labels, annotations=dict(pod.annotations), log_directory=str(self.pod_log_dir(pod)),
             linux=cri.LinuxPodSandboxConfig(cgroup_parent=self.pod_cgroup(pod), security_context=security,
-                                            resources=self._best_effort_resources(),
+                                            resources=self._sandbox_resources(pod),
                                             overhead=cri.LinuxContainerResources()))
         config.port_mappings.extend(self.port_mappings(pod))
         # ClusterFirst on a host-network pod falls back to the node's resolv.conf.

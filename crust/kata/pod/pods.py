@@ -58,7 +58,7 @@ from crust.common.private import make_dirs
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata.agent import calls
-from crust.kata.pod import container_spec, stop_bound
+from crust.kata.pod import container_spec, guest_memory, stop_bound
 from crust.kata.pod.containers import PodContainers, raw_spec
 from crust.kata.pod.records import (
     VM_GONE_EXIT_CODE,
@@ -359,9 +359,13 @@ class Pods(PodContainers):
                 sysctls, hostname = container_spec.pod_settings(sandbox_spec)
                 interface = await self._pod_interface(sandbox_id, network_namespace(sandbox_spec))
                 shares = self._shares(sandbox_id)
+                limits, overhead = guest_memory.requested(sandbox_spec)
                 pooled = await self._take_pooled_vm(sandbox_id)
                 saved = self.template.saved() if pooled is None and self.template is not None else None
                 sandbox = self.handler.make_sandbox(sandbox_id, self._workdir(sandbox_id), None, None, vm=pooled)
+                floor = sandbox.vm.config.memory_mib
+                plug_mib = guest_memory.guest_mib(limits, overhead, floor,
+                                                  max(floor, sandbox.vm.config.max_memory_mib)) - floor
                 record = SandboxRecord(sandbox_id=sandbox_id, bundle=bundle)
                 pod = PodRecord(sandbox_id=sandbox_id, bundle=bundle, guest_runtime="crun")
                 if interface is not None:
@@ -411,6 +415,7 @@ class Pods(PodContainers):
                     client = await sandbox.port()
                     for share in shares:
                         await calls.mount_share(client, share.tag)
+                    await guest_memory.plug(sandbox.vm, client, plug_mib, sandbox_id)
                     if sysctls or hostname:
                         # The pod sandbox's, in the guest (the VM is the pod:
                         # its network, IPC and UTS namespaces are the guest's

@@ -309,7 +309,7 @@ class PodProcesses:
         against the VM's memory."""
         try:
             return await calls.container_stats(await sandbox.port(), container_id,
-                                                      sandbox.vm.config.memory_mib << 20, sandbox.counters)
+                                                      sandbox.vm.memory_mib << 20, sandbox.counters)
         except DataLoss as exc:
             raise DataLoss(f"pod {sandbox.id}: {exc.message}") from None
 

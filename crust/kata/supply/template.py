@@ -117,7 +117,8 @@ async def template_key(config: VmConfig) -> str:
     host`: a state saved on another CPU may not load, or not run right)."""
     qemu = shutil.which(config.qemu_binary) or config.qemu_binary
     version = (await run([qemu, "--version"], timeout=30)).stdout.splitlines()[0]
-    facts = [version, f"memory={config.memory_mib}", f"cpus={config.cpus}", f"accel={config.accel}",
+    facts = [version, f"memory={config.memory_mib}", f"maxmem={config.max_memory_mib}", f"cpus={config.cpus}",
+             f"accel={config.accel}",
              f"bus={config.disk_bus}", f"cmdline={config.cmdline}", f"devices={DEVICE_LAYOUT}", "ram=apart",
              f"host={os.uname().release}",
              f"cpu={await asyncio.to_thread(_host_cpu)}"]

@@ -18,6 +18,10 @@ SCSI_CMDLINE = "scsi_mod.scan=none crust.disks=scsi"
 # The devices every VM has, beyond its config (a saved VM loads only into
 # the same set: crust.kata.supply.template keys its saves with this).
 DEVICE_LAYOUT = "uart-console,virtio-serial-agent"
+MIB = 1024 * 1024
+# The guest kernel's memory block on x86-64 (/sys/devices/system/memory/
+# block_size_bytes): memory is plugged in whole blocks (crust.kata.pod.guest_memory).
+BLOCK_MIB = 128
 
 
 # The guest kernel's command line. Past the console and the panic policy,
@@ -30,7 +34,9 @@ DEVICE_LAYOUT = "uart-console,virtio-serial-agent"
 # - noreplace-smp, rcupdate.rcu_expedited=1: no patching of the kernel's SMP
 #   instructions for one CPU, shorter RCU grace periods at boot;
 # - pci=lastbus=0: every device the VM gets (disks hot-plugged included) is
-#   on the machine's one PCI bus, so no other bus is scanned.
+#   on the machine's one PCI bus, so no other bus is scanned;
+# - memhp_default_state=online: memory hot-plugged for a pod bigger than
+#   the floor (crust.kata.pod.guest_memory) is onlined by the kernel itself.
 # And one that costs a little work: init_on_free=1, every page the guest
 # frees is cleared, so the free memory of a saved guest is zeros, which its
 # RAM file leaves as holes (crust.kata.vmm.saved_ram), the initramfs it freed
@@ -38,7 +44,8 @@ DEVICE_LAYOUT = "uart-console,virtio-serial-agent"
 # Kata's QEMU guests boot with these among their defaults (and with
 # tsc=reliable and no_timer_check, which saved nothing here).
 GUEST_CMDLINE = ("console=ttyS0 quiet panic=-1 cryptomgr.notests i8042.direct=1 i8042.dumbkbd=1 i8042.nopnp=1 "
-                 "i8042.noaux=1 noreplace-smp rcupdate.rcu_expedited=1 pci=lastbus=0 init_on_free=1")
+                 "i8042.noaux=1 noreplace-smp rcupdate.rcu_expedited=1 pci=lastbus=0 init_on_free=1 "
+                 "memhp_default_state=online")
 
 
 @dataclass
@@ -47,6 +54,9 @@ class VmConfig:
     initrd: Path
     accel: str = "tcg"
     memory_mib: int = 256
+    # The most the guest may have once a pod's DIMM is plugged
+    # (crust.kata.pod.guest_memory); not above memory_mib: no room for one.
+    max_memory_mib: int = 0
     cpus: int = 1
     cmdline: str = GUEST_CMDLINE
     qemu_binary: str = "qemu-system-x86_64"
@@ -67,3 +77,10 @@ class VmConfig:
     nice: int = 0
     # How disks reach the guest (DISK_BUSES; the module docstring compares).
     disk_bus: str = "virtio-blk"
+
+
+def memory_arg(memory_mib: int, max_memory_mib: int) -> str:
+    """QEMU's -m: the boot memory, and room for one DIMM when the ceiling is above it."""
+    if max_memory_mib > memory_mib:
+        return f"{memory_mib}M,slots=1,maxmem={max_memory_mib}M"
+    return str(memory_mib)

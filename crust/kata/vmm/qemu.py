@@ -65,7 +65,7 @@ from crust.kata.vmm.devices import (
 )
 from crust.kata.vmm.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
 from crust.kata.vmm.virtiofsd import Virtiofsd, VirtiofsdError
-from crust.kata.vmm.config import ACCELERATORS, DISK_BUSES, SCSI_CMDLINE, VmConfig
+from crust.kata.vmm.config import ACCELERATORS, DISK_BUSES, MIB, SCSI_CMDLINE, VmConfig, memory_arg
 from crust.kata.vmm.saving import VmSaving
 from crust.sys import proc
 
@@ -184,6 +184,8 @@ class Vm(VmDevices, VmSaving):
         # which QEMU inherited, and our descriptor until QEMU runs.
         self.ram_fd: int | None = None
         self._ram_open: int | None = None
+        # Memory hot-plugged for the pod beyond config.memory_mib (crust.kata.pod.guest_memory).
+        self.plugged_mib = 0
 
     def _place(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -223,7 +225,7 @@ class Vm(VmDevices, VmSaving):
         niced = ["nice", "-n", str(c.nice)] if c.nice else []   # nice execs QEMU: the pid is QEMU's
         return [
             *niced, c.qemu_binary, "-name", self.name, "-machine", "pc", *accel,
-            "-m", str(c.memory_mib), "-smp", str(c.cpus),
+            "-m", memory_arg(c.memory_mib, c.max_memory_mib), "-smp", str(c.cpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(c.kernel), "-initrd", str(c.initrd), "-append", self.cmdline(),
             # ttyS0, the console: read by the handler into a bounded file (crust.kata.vmm.console).
@@ -258,6 +260,11 @@ class Vm(VmDevices, VmSaving):
             return []
         return ["-netdev", f"tap,id=pod,fd={nic.tap_fd},vhost=off",
                 "-device", f"virtio-net-pci,netdev=pod,mac={nic.mac},romfile="]
+
+    @property
+    def memory_mib(self) -> int:
+        """The guest's memory now: what it booted with and what was plugged."""
+        return self.config.memory_mib + self.plugged_mib
 
     @property
     def pid(self) -> int:
@@ -443,6 +450,9 @@ class Vm(VmDevices, VmSaving):
         await self.console.open()
         await self._guarded(self._agent_answers(timeout), "agent reconnect")
         plugged = await self._monitor(self._peripherals())
+        # What was hot-plugged for its pod, as QEMU has it.
+        devices = await self._monitor(self.qmp.execute("query-memory-devices"))
+        self.plugged_mib = sum(int(d.get("data", {}).get("size", 0)) for d in devices or []) // MIB
         # The bus the VM booted with, whatever this process's setting: its
         # next disks go where the guest looks for them.
         bus = "virtio-scsi" if SCSI_CONTROLLER in plugged else "virtio-blk"
