@@ -21,7 +21,7 @@ from enum import Enum
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from crust.common.errors import InvalidArgument
 from crust.common.units import parse_size
@@ -101,19 +101,31 @@ class Runtime(str, Enum):
 
 class KataSection(_Section):
     accel: str = Field("auto", pattern="^(auto|kvm|tcg)$")
+    # The guest memory of a pod without memory limits, and of every VM
+    # before its pod (booted, pooled, the template): the floor.
     memory_mib: int = Field(256, alias="memoryMiB", ge=64, le=65536)
+    # The most a pod's guest gets: its containers' limits (and overhead)
+    # above the floor are hot-plugged up to this (crust.kata.pod.guest_memory).
+    max_memory_mib: int = Field(2048, alias="maxMemoryMiB", ge=64, le=65536)
     # The guest's vCPUs (QEMU's -smp).
     cpus: int = Field(1, ge=1, le=64)
     # VMs kept booted for the next pods (crust.kata.supply.pool); 0: each pod boots its own.
     vm_pool: int = Field(0, alias="vmPool", ge=0, le=64)
-    # Restore each pod's VM from one saved VM instead of booting (crust.kata.supply.template).
-    vm_template: bool = Field(False, alias="vmTemplate")
+    # Restore each pod's VM from one saved VM instead of booting (crust.kata.supply.template);
+    # the pods that come while it is being made boot theirs.
+    vm_template: bool = Field(True, alias="vmTemplate")
     # How a pod's volumes reach its VM: a virtio-blk PCI device each, or LUNs
     # of one virtio-scsi controller (Kata's default; no PCI hot-plug per volume).
     disk_bus: str = Field("virtio-blk", alias="diskBus", pattern="^(virtio-blk|virtio-scsi)$")
     cache: Path = Path("/var/cache/crust/kata")
     # Kata's direct-volume directory the handler also serves.
     kata_dir: Path = Field(Path("/run/kata-containers/shared/direct-volumes"), alias="kataDir")
+
+    @model_validator(mode="after")
+    def _ceiling_above_floor(self) -> "KataSection":
+        if self.max_memory_mib < self.memory_mib:
+            raise ValueError(f"maxMemoryMiB {self.max_memory_mib} is below memoryMiB {self.memory_mib}")
+        return self
 
 
 class HandlerSection(_Section):

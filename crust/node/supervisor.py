@@ -115,7 +115,8 @@ def child_argvs(config: NodeConfig, policy_file: Path) -> list[tuple[str, list[s
             argv = ["handler", *common, "--state-dir", str(config.state_dir / "handler")]
         else:
             argv = ["kata", "handler", *common, "--state-dir", str(config.state_dir / "kata-handler"),
-                    "--accel", h.kata.accel, "--memory", str(h.kata.memory_mib), "--cpus", str(h.kata.cpus),
+                    "--accel", h.kata.accel, "--memory", str(h.kata.memory_mib),
+                    "--max-memory", str(h.kata.max_memory_mib), "--cpus", str(h.kata.cpus),
                     "--cache", str(h.kata.cache),
                     "--kata-dir", str(h.kata.kata_dir), "--vm-pool", str(h.kata.vm_pool),
                     "--disk-bus", h.kata.disk_bus, *(["--vm-template"] if h.kata.vm_template else [])]

@@ -181,6 +181,23 @@ def test_the_microvm_handlers_disk_bus_is_a_node_setting(root):
     assert "handler.kata.diskBus" in result.stderr, result.stderr
 
 
+def test_the_microvm_handlers_template_and_memory_bounds_are_node_settings(root):
+    """The template is on unless the file turns it off; memoryMiB and
+    maxMemoryMiB reach the handler as --memory and --max-memory (256 and
+    2048 unless set); a ceiling below the floor is refused naming it."""
+    from crust.node.supervisor import child_argvs
+
+    for kata, template, memory in (({}, True, ("256", "2048")),
+                                   ({"vmTemplate": False, "memoryMiB": 512, "maxMemoryMiB": 512}, False,
+                                    ("512", "512"))):
+        config = NodeConfig.load(write_config(root.path, handler={"runtime": "kata", "kata": kata}))
+        (argv,) = [argv for name, argv, _ in child_argvs(config, Path("/p.json")) if name == "handler"]
+        assert ("--vm-template" in argv) is template
+        assert (argv[argv.index("--memory") + 1], argv[argv.index("--max-memory") + 1]) == memory
+    result = _refused(write_config(root.path, handler={"runtime": "kata", "kata": {"maxMemoryMiB": 128}}))
+    assert "maxMemoryMiB 128 is below memoryMiB 256" in result.stderr, result.stderr
+
+
 def test_the_microvm_handlers_vcpus_are_a_node_setting(root):
     """handler.kata.cpus reaches the microVM handler as --cpus (1 unless
     set); none, or a count that is no number, is refused naming the key."""
