@@ -97,6 +97,34 @@ def pod_start_microvm(setting: str):
     return make
 
 
+def pod_start_beside(*settings: str):
+    """Each setting's steps now and at the commit before (the result's
+    "before", bench/lib/beside.py), then a node's first pods one by one."""
+    def make(result: dict):
+        before = result.get("before", {})
+        code = before.get("code", NR)
+        columns = []
+        for setting in settings:
+            for label, part in ((setting, result["results"]),
+                                (f"{setting}, before ({code})", before.get("results", {}))):
+                if setting in part:
+                    columns.append((label, part[setting]))
+        rows = [[key.removesuffix("_ms"), *(spread(c.get(key)) for _, c in columns)] for key in POD_START_ROWS
+                if any(key in c for _, c in columns)]
+        blank = [""] * (len(columns) - 1)
+        for label, part in (("now", result), (f"before ({code})", before)):
+            for pod in part.get("first_pods", []):
+                state = "saved" if pod.get("template_saved") else "being made"
+                rows.append([f"{label}: the node's pod {pod['round'] + 1}, template {state}: RunPodSandbox; "
+                             f"to the first write", f"{pod['RunPodSandbox_ms']:.0f}; {pod['to_first_write_ms']:.0f}",
+                             *blank])
+            if "template_saved_after_s" in part:
+                rows.append([f"{label}: the template saved, seconds after the handler's start",
+                             num(part["template_saved_after_s"]), *blank])
+        return ["step (ms): median (p90; min–max; n)", *(label for label, _ in columns)], rows
+    return make
+
+
 def pod_start_buses(result: dict):
     settings = list(result["results"])
     keys = ("to_first_write_ms", "RunPodSandbox_ms", "StartContainer_ms", "handler_CreateContainer_ms",
@@ -246,6 +274,12 @@ SCENARIOS: tuple[Scenario, ...] = (
              ".venv/bin/python bench/runtime/pod_start_microvm.py --pools template",
              anchor=RUNC_POD_START,
              has="template", without=("--cpus", "--disk-buses")),
+    Scenario("pod-start-microvm-first-pods",
+             "Pod start, crust-microvm, a node's first pods beside the template's making",
+             "pod_start_microvm", pod_start_beside("template-first", "template"),
+             ".venv/bin/python bench/pod_start_microvm.py --pools template-first,template --floor-boots 0",
+             anchor="the commit before, the same commands run just before (bench/lib/beside.py).",
+             has="template-first", without=("--cpus", "--disk-buses")),
     Scenario("pod-start-microvm-pool", "Pod start, crust-microvm, a VM from a warm pool", "pod_start_microvm",
              pod_start_microvm("pool 1"), ".venv/bin/python bench/runtime/pod_start_microvm.py --pools 1",
              anchor=RUNC_POD_START,

@@ -30,7 +30,11 @@ start to its exit. And a pooled VM's memory while it waits (its QEMU's
 RSS and PSS, the guest's RAM a shared memfd). A setting `template` runs
 the handler with --vm-template and no pool: each pod's VM is restored from
 the VM the handler saved (crust.kata.supply.template; the rounds start once it is
-saved).
+saved). A setting `template-first` runs the same handler but starts its
+rounds at once, while the handler is still saving its template (a node's
+first pods after its start): every round is counted, and each says
+whether the template was saved when it began (the pods before it boot
+their VMs), with the seconds from the handler's start to the save.
 
     .venv/bin/python bench/runtime/pod_start_microvm.py [--rounds 5] [--pools 0,1,template] [--floor-boots 5] [--fs ext4]
         [--mib 128] [--disk-buses virtio-blk] [--cpus 1] [--agent-times] [--keep-log DIR] [--json OUT.json]
@@ -214,17 +218,20 @@ def main(argv: list[str] | None = None) -> int:
         buses = [b.strip() for b in args.disk_buses.split(",") if b.strip()]
         settings = [(p.strip(), bus) for p in args.pools.split(",") if p.strip() for bus in buses]
         for setting, bus in settings:
-            template = setting == "template"
+            first = setting == "template-first"
+            template = setting in ("template", "template-first")
             pool = 0 if template else int(setting)
             roots.append(Root())
             root = roots[-1]
             # The column's name says the bus only when the run compares buses.
-            column = ("template" if template else f"pool {pool}") + (f", {bus}" if len(buses) > 1 else "")
-            label = ("template" if template else f"pool{pool}") + (f"-{bus}" if len(buses) > 1 else "")
+            column = (setting if template else f"pool {pool}") + (f", {bus}" if len(buses) > 1 else "")
+            label = (setting if template else f"pool{pool}") + (f"-{bus}" if len(buses) > 1 else "")
             extra = ("--disk-bus", bus, "--cpus", str(args.cpus),
                      *(("--log-level", "debug") if args.agent_times else ()),
                      *(("--vm-template",) if template else ()))
             with cri_microvm_node(root, vm_pool=pool, handler_extra=extra) as node:
+                node_started = time.time()
+                saved_file = node.env.handler.state_dir / "template" / "template.json"
                 version = node.runtime.runtime_version
                 results["containerd"] = version.runtime_version if version else ""
                 results["accelerator"] = accelerator(root)
@@ -237,15 +244,23 @@ def main(argv: list[str] | None = None) -> int:
                         if time.monotonic() > deadline:
                             raise TimeoutError("the pool did not refill within 300 s")
                         time.sleep(0.05)
-                    if template:
+                    if template and not first:
                         wait_for_template(node.env.handler.state_dir, timeout=max(1.0, deadline - time.monotonic()))
                     if pool and turn == 1:
                         results["pooled_vm_memory"] = memory_of(pooled_ready(root)[0])
+                    was_saved = saved_file.exists()
                     one = start_one(node, root, pv, f"microvm-{pool}-{turn}")
-                    if turn:  # round 0 warms up
+                    if first:
+                        first_pods = results.setdefault("first_pods", [])
+                        first_pods.append({"round": turn, "template_saved": was_saved,
+                                           **{k: one[k] for k in ("to_first_write_ms", "RunPodSandbox_ms")}})
+                    if turn or first:  # round 0 warms up, but for a node's first pods
                         samples.append(one)
                     print(f"{column}, round {turn}/{args.rounds}: {one['to_first_write_ms']:.0f} ms to the "
                           f"first write" + (" (warm-up)" if not turn else ""), file=sys.stderr)
+                if first:
+                    wait_for_template(node.env.handler.state_dir)
+                    results["template_saved_after_s"] = round(saved_file.stat().st_mtime - node_started, 1)
                 node.kubelet.retried(node.kubelet.unmount_device, pv)
                 node.proxy.delete(pv.volume_handle)
                 if args.keep_log:
