@@ -89,6 +89,10 @@ BUILD_DIR = "build"
 # state, the warm-up disk's image or its part.
 PARTIAL_STATE = STATE_FILE + ".partial"
 BUILD_LEFTOVERS = (PARTIAL_STATE, ram_path(Path(PARTIAL_STATE)).name, WARM_DISK_IMAGE, WARM_DISK_IMAGE + ".partial")
+# How long the template's boot may take to its agent: nobody waits for it,
+# and at nice 10 on a node busy with pods it gets only what they leave (a
+# boot cut short starts again from nothing).
+BUILD_BOOT_TIMEOUT = 900.0
 
 
 class TemplateRecord(BaseModel):
@@ -215,7 +219,7 @@ class VmTemplate:
                 dataclasses.replace(restore_config(self.config), nice=POOL_NICE))
         started = time.monotonic()
         try:
-            boot_s = await vm.start()   # its guest's agent connected
+            boot_s = await vm.start(BUILD_BOOT_TIMEOUT)   # its guest's agent connected
             client = await vm.port.ready()
             await calls.mount_pod_tmpfs(client, SHM_TMPFS, "")
             if vm.port.has("warm"):
