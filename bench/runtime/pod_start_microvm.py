@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                     if turn or first:  # round 0 warms up, but for a node's first pods
                         samples.append(one)
                     print(f"{column}, round {turn}/{args.rounds}: {one['to_first_write_ms']:.0f} ms to the "
-                          f"first write" + (" (warm-up)" if not turn else ""), file=sys.stderr)
+                          f"first write" + (" (warm-up)" if not turn and not first else ""), file=sys.stderr)
                 if first:
                     wait_for_template(node.env.handler.state_dir)
                     results["template_saved_after_s"] = round(saved_file.stat().st_mtime - node_started, 1)
