@@ -35,8 +35,7 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
     booting (its guest's uptime is past QEMU's age), with the host's wall
     clock to within half a second although the template is 5 s old (without
     `resume` it would be the template's), and with a boot_id and getrandom
-    bytes of its own (a process's draws: what the agent's own names come
-    from, secrets -> getrandom); it takes a
+    bytes of its own (what any process in the guest draws); it takes a
     share and a disk on its bus as a booted VM does, through its agent's
     port. Its agent's Resume refuses a seed too short to reseed from. A
     second VmTemplate over the kept files uses them; one for another VM
