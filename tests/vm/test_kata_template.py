@@ -76,7 +76,7 @@ def test_vms_restored_from_a_template_go_on_from_the_save_each_with_its_own_cloc
             await g.vm.plug_shared_dir(SharedDir("crust", share))
             shared = await calls.mount_share(await g.port(), "crust")
             started = time.time()
-            code, out = await g.sh(f"cat /proc/uptime; python3 -c 'import os, time; print(time.time_ns()); "
+            code, out = await g.sh(f"cat /proc/uptime; python3.11 -S -c 'import os, time; print(time.time_ns()); "
                                    f"print(os.getrandom(32).hex())'; cat /proc/sys/kernel/random/boot_id; "
                                    f"cat {shared}/from-host; echo {n} > {shared}/from-guest-{n}")
             ended = time.time()
