@@ -97,31 +97,30 @@ def pod_start_microvm(setting: str):
     return make
 
 
+BESIDE_ROWS = ("RunPodSandbox_ms",)
+
+
 def pod_start_beside(*settings: str):
-    """Each setting's steps now and at the commit before (the result's
-    "before", bench/lib/beside.py), then a node's first pods one by one."""
+    """Each setting's main steps now and at the commit before (the result's
+    "before", bench/lib/beside.py); for a node's first pods, each one's
+    RunPodSandbox in order, when the template was saved, and each run's load."""
     def make(result: dict):
         before = result.get("before", {})
-        code = before.get("code", NR)
         columns = []
         for setting in settings:
-            for label, part in ((setting, result["results"]),
-                                (f"{setting}, before ({code})", before.get("results", {}))):
-                if setting in part:
-                    columns.append((label, part[setting]))
-        rows = [[key.removesuffix("_ms"), *(spread(c.get(key)) for _, c in columns)] for key in POD_START_ROWS
-                if any(key in c for _, c in columns)]
-        blank = [""] * (len(columns) - 1)
-        for label, part in (("now", result), (f"before ({code})", before)):
-            for pod in part.get("first_pods", []):
-                state = "saved" if pod.get("template_saved") else "being made"
-                rows.append([f"{label}: the node's pod {pod['round'] + 1}, template {state}: RunPodSandbox; "
-                             f"to the first write", f"{pod['RunPodSandbox_ms']:.0f}; {pod['to_first_write_ms']:.0f}",
-                             *blank])
-            if "template_saved_after_s" in part:
-                rows.append([f"{label}: the template saved, seconds after the handler's start",
-                             num(part["template_saved_after_s"]), *blank])
-        return ["step (ms): median (p90; min–max; n)", *(label for label, _ in columns)], rows
+            for label, run in ((setting, result), (f"{setting}, before ({before.get('code', NR)})", before)):
+                if setting in run.get("results", {}):
+                    columns.append((label, run, run["results"][setting]))
+        rows = [[key.removesuffix("_ms"), *(spread(c.get(key)) for _, _, c in columns)] for key in BESIDE_ROWS]
+        rows.append(["the node's pods in order, RunPodSandbox (ms; * restored)",
+                     *(", ".join(f"{p['RunPodSandbox_ms']:.0f}{'*' if p.get('template_saved') else ''}"
+                                 for p in run.get("first_pods", [])) for _, run, _ in columns)])
+        rows.append(["the template saved, seconds after the handler's start",
+                     *(num(run.get("template_saved_after_s")) for _, run, _ in columns)])
+        rows.append(["load (1, 5, 15 min) before; after",
+                     *(f"{run.get('load_before', NR)}; {run.get('load_after') or run.get('load', NR)}"
+                       for _, run, _ in columns)])
+        return ["step (ms): median (p90; min–max; n)", *(label for label, _, _ in columns)], rows
     return make
 
 
@@ -277,8 +276,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("pod-start-microvm-first-pods",
              "Pod start, crust-microvm, a node's first pods beside the template's making",
              "pod_start_microvm", pod_start_beside("template-first", "template"),
-             ".venv/bin/python bench/pod_start_microvm.py --pools template-first,template --floor-boots 0",
-             anchor="the commit before, the same commands run just before (bench/lib/beside.py).",
+             ".venv/bin/python bench/runtime/pod_start_microvm.py --pools template-first,template --floor-boots 0",
              has="template-first", without=("--cpus", "--disk-buses")),
     Scenario("pod-start-microvm-pool", "Pod start, crust-microvm, a VM from a warm pool", "pod_start_microvm",
              pod_start_microvm("pool 1"), ".venv/bin/python bench/runtime/pod_start_microvm.py --pools 1",
