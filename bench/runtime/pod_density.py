@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="how long CPU is counted")
     parser.add_argument("--vm-source", choices=("template", "boot"), default="template",
                         help="each pod's VM restored from the handler's template, or booted for it")
+    parser.add_argument("--max-memory", type=int, default=0, metavar="MIB",
+                        help="the handler's --max-memory (its VMs then boot with room for a DIMM, as a node's "
+                             "do by default; 0: not passed)")
     parser.add_argument("--json", help="write the results there (- for stdout)")
     args = parser.parse_args(argv)
     if benchlib.not_root("pod_density.py", "loop devices, QEMU, containerd"):
@@ -183,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         roots.append(Root())
         root = roots[0]
         template = args.vm_source == "template"
-        with cri_microvm_node(root, handler_extra=("--vm-template",) if template else ()) as node:
+        extra = (("--vm-template",) if template else ()) + (("--max-memory", str(args.max_memory))
+                                                              if args.max_memory else ())
+        with cri_microvm_node(root, handler_extra=extra) as node:
             if template:
                 wait_for_template(node.env.handler.state_dir)
             image = node.image.name
