@@ -225,6 +225,23 @@ def shim_memory(result: dict):
     return header, [row for row in rows if row[0] in ("PSS per pod (MiB)", "  of which crust shim (MiB)")]
 
 
+def pod_density_beside(result: dict):
+    """crust-microvm's idle pods now and at the commit before (the result's
+    "before", bench/beside.py), runc of the newer run as the anchor."""
+    before = result.get("before", {})
+    runs = [("crust-microvm", result["columns"].get("crust-microvm", {})),
+            (f"crust-microvm, before ({before.get('code', NR)})", before.get("columns", {}).get("crust-microvm", {})),
+            ("anchor: runc", result["columns"].get("runc", {}))]
+    rows = [[label, *(spread(c.get(key)) for _, c in runs)]
+            for key, label in (("pss_mib", "PSS per pod (MiB)"), ("cores", "CPU per idle pod (cores)"))]
+    names = sorted({n for _, c in runs[:2] for n in c.get("pss_mib_by_process", {})})
+    rows += [[f"  of which {n} (MiB)", *(num(middle(c.get("pss_mib_by_process", {}).get(n))) for _, c in runs[:2]),
+              ""] for n in names]
+    rows.append(["load (1, 5, 15 min) before; after", f"{result.get('load_before')}; {result.get('load_after')}",
+                 f"{before.get('load_before', NR)}; {before.get('load_after', NR)}", ""])
+    return ["per idle pod", *(label for label, _ in runs)], rows
+
+
 def pod_burst(result: dict):
     rows = []
     for setting, part in result["results"].items():
@@ -311,6 +328,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("pod-density-shim", "The shim's memory: ttrpc to the handler against gRPC (a few idle pods)",
              "pod_density", with_before(shim_memory), ".venv/bin/python bench/runtime/pod_density.py --pods 4",
              flags=("--pods 4",)),
+    Scenario("pod-density-beside", "Idle pods restored from the template, beside the commit before",
+             "pod_density", pod_density_beside, ".venv/bin/python bench/runtime/pod_density.py --pods 5 --vm-source template",
+             flags=("--pods 5",)),
     Scenario("pod-burst", "Pods asked for at once", "pod_burst", pod_burst,
              ".venv/bin/python bench/runtime/pod_burst.py --pods 20 --settings template,pool4"),
     Scenario("pod-churn", "Pod lives one after another", "pod_churn", pod_churn,
