@@ -41,8 +41,9 @@ source:
   the sandbox security context (runtime/default seccomp, the namespace
   options of NamespacesForPod, run-as user and group, the fsGroup then the
   supplemental groups), the sandbox's resources (2 CPU shares, a 100 ms CFS
-  period, no quota, no memory limit for a pod without resources) and an
-  empty overhead;
+  period, no quota, and as memory limit the containers' limits summed, an
+  init container's when larger: 0 for a pod without limits) and an empty
+  overhead;
 - generateContainerConfig (kuberuntime_container.go, _linux.go,
   security_context.go, kubelet_pods.go makeMounts): metadata with the
   restart count as attempt, the image's id and the image as written,
