@@ -102,3 +102,21 @@ def test_the_node_config_keeps_the_ceiling_above_the_floor_and_the_template_on(t
     path.write_text("nodeId: n\nhandler:\n  kata:\n    memoryMiB: 512\n    maxMemoryMiB: 384\n")
     with pytest.raises(ValueError, match="maxMemoryMiB 384 is below memoryMiB 512"):
         NodeConfig.load(path)
+
+
+def test_kubelets_replay_passes_the_pods_limits_in_run_pod_sandbox():
+    """As calculateSandboxResources: the containers' memory limits summed
+    (a container without one adds nothing), an init container's when
+    larger (they run one at a time); 0 without limits."""
+    from crust.kubelet import Container, Pod
+    from crust.kubelet.cri_config import GeneratedConfigs
+
+    def limit(containers, init_containers=()) -> int:
+        pod = Pod(uid="u", name="p", containers=list(containers), init_containers=list(init_containers))
+        return GeneratedConfigs()._sandbox_resources(pod).memory_limit_in_bytes
+
+    assert limit([Container("a", "i")]) == 0
+    assert limit([Container("a", "i", memory_limit=512 * MIB), Container("b", "i")]) == 512 * MIB
+    assert limit([Container("a", "i", memory_limit=100 * MIB), Container("b", "i", memory_limit=28 * MIB)]) == 128 * MIB
+    assert limit([Container("a", "i", memory_limit=64 * MIB)], [Container("init", "i", memory_limit=256 * MIB)]) == \
+        256 * MIB
