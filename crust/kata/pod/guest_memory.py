@@ -36,7 +36,7 @@ import logging
 import time
 
 from crust.api import agent_pb2
-from crust.common import cri_annotations
+from crust.common import cri_annotations, ttrpc
 from crust.common.errors import InvalidArgument, Unavailable
 from crust.kata.agent import calls
 from crust.kata.agent.calls import SHM_TMPFS
@@ -114,7 +114,7 @@ async def plug(vm, client, mib: int, sandbox_id: str) -> None:
     if mib <= 0:
         return
     started = time.monotonic()
-    before = (await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=30)).memory_bytes
+    before = await _guest_memory(client, sandbox_id)
     try:
         await vm.qmp.execute("object-add", {"qom-type": "memory-backend-memfd", "id": BACKEND_ID,
                                             "size": mib * MIB, "share": True})
@@ -124,7 +124,7 @@ async def plug(vm, client, mib: int, sandbox_id: str) -> None:
     vm.plugged_mib = mib
     deadline = time.monotonic() + ONLINE_TIMEOUT
     while True:
-        now = (await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=30)).memory_bytes
+        now = await _guest_memory(client, sandbox_id)
         if now >= before + mib * MIB:
             break
         if time.monotonic() > deadline:
@@ -134,3 +134,13 @@ async def plug(vm, client, mib: int, sandbox_id: str) -> None:
     await calls.mount_pod_tmpfs(client, SHM_TMPFS, "")
     log.info("guest memory plugged", extra={"fields": {"sandbox": sandbox_id, "mib": mib,
                                                        "seconds": round(time.monotonic() - started, 2)}})
+
+
+async def _guest_memory(client, sandbox_id: str) -> int:
+    """The guest's MemTotal as its agent tells it (only waited on: a guest
+    that lies delays its own pod, bounded by ONLINE_TIMEOUT)."""
+    try:
+        details = await client.call("GetGuestDetails", agent_pb2.GuestDetailsRequest(), timeout=30)
+    except (ttrpc.TtrpcError, ConnectionError) as exc:
+        raise Unavailable(f"pod {sandbox_id}: its guest's memory not read: {exc}") from None
+    return details.memory_bytes
