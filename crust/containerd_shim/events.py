@@ -25,7 +25,8 @@ from google.protobuf import message as pb_message
 
 from crust.api import containerd_events_pb2 as events
 from crust.api import containerd_events_ttrpc_pb2 as events_ttrpc
-from crust.common.ttrpc import NAMESPACE_KEY, Client, TtrpcError
+from crust.common.ttrpc import NAMESPACE_KEY, TtrpcError
+from crust.common.ttrpc_client import Client
 
 log = logging.getLogger(__name__)
 

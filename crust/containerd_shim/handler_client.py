@@ -19,7 +19,8 @@ from google.protobuf import message_factory
 
 from crust.api import handler_pb2
 from crust.common import ttrpc
-from crust.common.ttrpc import Client, TtrpcError
+from crust.common.ttrpc import TtrpcError
+from crust.common.ttrpc_client import Client
 
 TTRPC_SUFFIX = ".ttrpc"
 SERVICE = handler_pb2.DESCRIPTOR.services_by_name["PodRuntime"]

@@ -281,7 +281,7 @@ def serve(args: argparse.Namespace) -> int:
     from crust.api import containerd_task_pb2
     from crust.containerd_shim.events import Publisher
     from crust.containerd_shim.task import TaskService
-    from crust.common.ttrpc import Server
+    from crust.common.ttrpc_server import Server
 
     listen_fd = int(os.environ.pop("CRUST_SHIM_LISTEN_FD", "-1"))
 

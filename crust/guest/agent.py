@@ -23,7 +23,7 @@ import sys
 import time
 
 from crust.api import agent_pb2
-from crust.common import ttrpc
+from crust.common import ttrpc, ttrpc_server
 from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR
 from crust.guest.lifecycle import WARM_SPEC
 from crust.guest.oci import (
@@ -45,8 +45,8 @@ SYS_PORTS = "/sys/class/virtio-ports"
 PORT_APPEARS = 30.0
 
 
-def make_server(service: AgentService) -> ttrpc.Server:
-    server = ttrpc.Server(refuse_calls_over=ttrpc.CONNECTION_CALLS_MAX)
+def make_server(service: AgentService) -> ttrpc_server.Server:
+    server = ttrpc_server.Server(refuse_calls_over=ttrpc.CONNECTION_CALLS_MAX)
     server.register_service(agent_pb2.DESCRIPTOR.services_by_name["AgentService"], service)
     service.server = server
     return server
@@ -99,7 +99,7 @@ async def _next_change(changes: select.epoll) -> None:
     changes.poll(0)
 
 
-async def serve_port(server: ttrpc.Server, path: str, stopping: asyncio.Event) -> None:
+async def serve_port(server: ttrpc_server.Server, path: str, stopping: asyncio.Event) -> None:
     """Serve the port as one connection after another. The port is opened
     once, for the agent's life: the guest's kernel drops what the host
     sends while no one in the guest has it open. A host that goes away
@@ -132,7 +132,7 @@ async def serve_port(server: ttrpc.Server, path: str, stopping: asyncio.Event) -
         os.close(fd)
 
 
-async def serve_socket(server: ttrpc.Server, path: str, stopping: asyncio.Event) -> None:
+async def serve_socket(server: ttrpc_server.Server, path: str, stopping: asyncio.Event) -> None:
     # The path appears only once the socket listens: a client that sees
     # it never meets a refused connection.
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

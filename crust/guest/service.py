@@ -11,7 +11,7 @@ import time
 import crust
 from crust.api import agent_pb2
 from crust.common import agent_capabilities as caps
-from crust.common import ttrpc
+from crust.common import ttrpc, ttrpc_server
 from crust.guest import cgroups, guestbinds, guestconf, lifecycle, network, terminal
 from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR, REMOVE_WAIT, Containers
 from crust.guest.disks import Disks, check_disk
@@ -107,7 +107,7 @@ class AgentService:
         self.places = Places(self.volumes, run_dir, pod_init)
         self.encrypted = EncryptedVolumes(self.volumes, run_dir)
         self.warmer = Warmer(self.runtime, run_dir, warm_spec)
-        self.server: ttrpc.Server | None = None   # set by the one that serves it
+        self.server: ttrpc_server.Server | None = None   # set by the one that serves it
         self.power_off = guestpower.power_off
         self.in_guest = True   # false when served on a unix socket (tests on a host)
         self._creating: dict[str, asyncio.Lock] = {}

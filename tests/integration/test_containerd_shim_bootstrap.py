@@ -34,7 +34,9 @@ from crust.api import containerd_runtimeoptions_pb2 as runtimeoptions_pb
 from crust.api import containerd_task_pb2 as task_pb
 from crust.api import handler_pb2
 from crust.common import ttrpc
-from crust.common.ttrpc import Client, Server, TtrpcError
+from crust.common.ttrpc import TtrpcError
+from crust.common.ttrpc_client import Client
+from crust.common.ttrpc_server import Server
 from tests.harness.cri import processes_naming
 from tests.harness.ttrpc import TASK
 

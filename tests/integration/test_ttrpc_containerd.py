@@ -19,7 +19,9 @@ from google.protobuf import empty_pb2
 from crust.api import containerd_events_pb2 as events
 from crust.common import ttrpc
 from crust.containerd_shim.events import Publisher, envelope, forward
-from crust.common.ttrpc import Client, Server, TtrpcError
+from crust.common.ttrpc import TtrpcError
+from crust.common.ttrpc_client import Client
+from crust.common.ttrpc_server import Server
 
 
 # -- containerd's own ttrpc socket ------------------------------------------------------------

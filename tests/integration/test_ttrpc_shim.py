@@ -21,7 +21,9 @@ from crust.api import containerd_task_pb2 as task_pb
 from crust.common import ttrpc
 from crust.containerd_shim.events import Publisher
 from crust.containerd_shim.task import TaskService
-from crust.common.ttrpc import Client, Server, TtrpcError
+from crust.common.ttrpc import TtrpcError
+from crust.common.ttrpc_client import Client
+from crust.common.ttrpc_server import Server
 from tests.harness.ttrpc import TASK
 from tests.harness.ttrpc import sock  # noqa: F401 - a fixture
 

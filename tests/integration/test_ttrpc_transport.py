@@ -20,7 +20,9 @@ import pytest
 from crust.api import containerd_task_pb2 as task_pb
 from crust.api import handler_pb2, ttrpc_pb2
 from crust.common import ttrpc
-from crust.common.ttrpc import Client, Server, TtrpcError
+from crust.common.ttrpc import TtrpcError
+from crust.common.ttrpc_client import Client
+from crust.common.ttrpc_server import Server
 from crust.sys.sockets import socket_alive
 from tests.harness.daemons import stop_child
 from tests.harness.ttrpc import TASK

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from crust.api import agent_pb2
-from crust.common import agent_capabilities, ttrpc
+from crust.common import agent_capabilities, ttrpc, ttrpc_client
 from crust.guest.agent import make_server, serve_socket
 from crust.guest.service import AgentService
 from crust.kata.agent.client import AgentClient
@@ -116,7 +116,7 @@ def test_every_call_is_served_or_named_by_an_absent_capability(tmp_path):
             await asyncio.sleep(0.01)
         client, details = await AgentClient.open(path, timeout=10)
         try:
-            raw = await ttrpc.Client.connect(path)
+            raw = await ttrpc_client.Client.connect(path)
             try:
                 await raw.call(SERVICE.full_name, "GetOOMEvent", agent_pb2.GuestDetailsRequest(),
                                agent_pb2.GuestDetailsResponse, timeout=10)

@@ -299,7 +299,7 @@ def test_starts_of_one_pods_containers_give_one_shim_that_shutdown_ends(tmp_path
     from google.protobuf import empty_pb2
 
     from crust.api import containerd_task_pb2 as task_pb
-    from crust.common.ttrpc import Client
+    from crust.common.ttrpc_client import Client
 
     fake_containerd = str(tmp_path / "containerd.sock")  # only a name: nothing is called there
     bundles = []

@@ -264,7 +264,7 @@ def _shim_state(socket_path: Path, container_id: str) -> tuple[int, int]:
     import asyncio
 
     from crust.api import containerd_task_pb2 as task_pb
-    from crust.common.ttrpc import Client
+    from crust.common.ttrpc_client import Client
 
     async def ask():
         client = await Client.connect(str(socket_path))

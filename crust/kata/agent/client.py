@@ -30,7 +30,7 @@ from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
 from crust.api import agent_pb2
-from crust.common import ttrpc
+from crust.common import ttrpc, ttrpc_client
 from crust.common.errors import CrustError, Internal, error_class
 from crust.sys.run import rpc_deadline
 
@@ -106,7 +106,7 @@ def handler_error(exc: ttrpc.TtrpcError, what: str) -> CrustError:
 
 
 class AgentClient:
-    def __init__(self, client: ttrpc.Client):
+    def __init__(self, client: ttrpc_client.Client):
         self._client = client
         # Told why, when the guest left a call of a stop unanswered.
         self.on_silent: Callable[[str], Awaitable[None]] | None = None
@@ -114,7 +114,7 @@ class AgentClient:
 
     @classmethod
     async def connect(cls, path: str) -> AgentClient:
-        return cls(await ttrpc.Client.connect(path))
+        return cls(await ttrpc_client.Client.connect(path))
 
     @classmethod
     async def open(cls, path: str, timeout: float = 30.0) -> tuple[AgentClient, agent_pb2.GuestDetailsResponse]:

@@ -29,7 +29,7 @@ import time
 import uuid
 
 from crust.api import handler_pb2
-from crust.common import csi_input, limits, logs, ttrpc
+from crust.common import csi_input, limits, logs, ttrpc, ttrpc_server
 from crust.common.errors import CrustError, status_number
 from crust.common.redact import redacted
 from crust.common.grpcserver import listen_unix
@@ -106,7 +106,7 @@ class PodRuntimeTtrpc:
 
 class TtrpcEndpoint:
     def __init__(self, service, endpoint: str):
-        self.server = ttrpc.Server()
+        self.server = ttrpc_server.Server()
         self.server.register_service(DESCRIPTOR, PodRuntimeTtrpc(service))
         self.path = ttrpc_path(endpoint)
         self._socket: socket.socket | None = None
