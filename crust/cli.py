@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not advertise DEFER_FS_OPS* (for conformance tools that reject unknown capabilities)")
     sh.add_argument("--max-request-bytes", type=_size, default=1024 * 1024,
                     help="largest request accepted (default: 1Mi)")
+    sh.add_argument("--freeze-timeout-seconds", type=int, default=60,
+                    help="a snapshot's freeze of a deferred volume ends by itself in its sandbox this long "
+                         "after it began, should the thaw not come (1..600, default: 60)")
     _add_metrics(sh)
     _add_logging(sh)
 
@@ -394,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                 endpoint=args.endpoint, backend_endpoint=args.backend_endpoint,
                 proxy_endpoint=args.proxy_endpoint, state_dir=args.state_dir.absolute(),
                 default_fs_type=args.default_fs_type, advertise_deferral=not args.no_advertise_deferral,
-                max_request_bytes=args.max_request_bytes,
+                max_request_bytes=args.max_request_bytes, freeze_timeout_seconds=args.freeze_timeout_seconds,
                 metrics_port=args.metrics_port, metrics_address=args.metrics_address,
             )
         except ValidationError as exc:

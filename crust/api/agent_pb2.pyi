@@ -560,6 +560,34 @@ class GrowVolumeResponse(_message.Message):
     device_bytes: int
     def __init__(self, total_bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ...) -> None: ...
 
+class FreezeVolumeRequest(_message.Message):
+    __slots__ = ("volume_id", "timeout_seconds")
+    VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    volume_id: str
+    timeout_seconds: int
+    def __init__(self, volume_id: _Optional[str] = ..., timeout_seconds: _Optional[int] = ...) -> None: ...
+
+class FreezeVolumeResponse(_message.Message):
+    __slots__ = ("depth",)
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    depth: int
+    def __init__(self, depth: _Optional[int] = ...) -> None: ...
+
+class ThawVolumeRequest(_message.Message):
+    __slots__ = ("volume_id",)
+    VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
+    volume_id: str
+    def __init__(self, volume_id: _Optional[str] = ...) -> None: ...
+
+class ThawVolumeResponse(_message.Message):
+    __slots__ = ("depth", "was_frozen")
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    WAS_FROZEN_FIELD_NUMBER: _ClassVar[int]
+    depth: int
+    was_frozen: bool
+    def __init__(self, depth: _Optional[int] = ..., was_frozen: bool = ...) -> None: ...
+
 class UnmountVolumeRequest(_message.Message):
     __slots__ = ("volume_id",)
     VOLUME_ID_FIELD_NUMBER: _ClassVar[int]

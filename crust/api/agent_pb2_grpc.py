@@ -145,6 +145,16 @@ class AgentServiceStub(object):
                 request_serializer=agent__pb2.UnmountVolumeRequest.SerializeToString,
                 response_deserializer=agent__pb2.UnmountVolumeResponse.FromString,
                 _registered_method=True)
+        self.FreezeVolume = channel.unary_unary(
+                '/crust.agent.v1.AgentService/FreezeVolume',
+                request_serializer=agent__pb2.FreezeVolumeRequest.SerializeToString,
+                response_deserializer=agent__pb2.FreezeVolumeResponse.FromString,
+                _registered_method=True)
+        self.ThawVolume = channel.unary_unary(
+                '/crust.agent.v1.AgentService/ThawVolume',
+                request_serializer=agent__pb2.ThawVolumeRequest.SerializeToString,
+                response_deserializer=agent__pb2.ThawVolumeResponse.FromString,
+                _registered_method=True)
         self.WaitDiskRemoved = channel.unary_unary(
                 '/crust.agent.v1.AgentService/WaitDiskRemoved',
                 request_serializer=agent__pb2.WaitDiskRemovedRequest.SerializeToString,
@@ -483,6 +493,26 @@ class AgentServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FreezeVolume(self, request, context):
+        """Freeze a mounted volume's file system (FIFREEZE) for a snapshot of its
+        disk. The agent thaws it by itself timeout_seconds later (1..600; 0 =
+        30) if no ThawVolume came, and logs that it did. Freezes nest: the
+        file system thaws at the last ThawVolume. NOT_FOUND: not mounted.
+        FAILED_PRECONDITION: the file system cannot be frozen (the kernel's
+        words). Unmounting a frozen volume thaws it first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ThawVolume(self, request, context):
+        """Undo one FreezeVolume. Retry-safe: nothing frozen answers OK with
+        was_frozen false (the timeout thawed it, or it never was).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WaitDiskRemoved(self, request, context):
         """Blocks until no disk with this serial is left in the guest: QEMU
         removes a disk at once but the guest's kernel in the background, and a
@@ -746,6 +776,16 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.UnmountVolume,
                     request_deserializer=agent__pb2.UnmountVolumeRequest.FromString,
                     response_serializer=agent__pb2.UnmountVolumeResponse.SerializeToString,
+            ),
+            'FreezeVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreezeVolume,
+                    request_deserializer=agent__pb2.FreezeVolumeRequest.FromString,
+                    response_serializer=agent__pb2.FreezeVolumeResponse.SerializeToString,
+            ),
+            'ThawVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.ThawVolume,
+                    request_deserializer=agent__pb2.ThawVolumeRequest.FromString,
+                    response_serializer=agent__pb2.ThawVolumeResponse.SerializeToString,
             ),
             'WaitDiskRemoved': grpc.unary_unary_rpc_method_handler(
                     servicer.WaitDiskRemoved,
@@ -1403,6 +1443,60 @@ class AgentService(object):
             '/crust.agent.v1.AgentService/UnmountVolume',
             agent__pb2.UnmountVolumeRequest.SerializeToString,
             agent__pb2.UnmountVolumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreezeVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.agent.v1.AgentService/FreezeVolume',
+            agent__pb2.FreezeVolumeRequest.SerializeToString,
+            agent__pb2.FreezeVolumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ThawVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.agent.v1.AgentService/ThawVolume',
+            agent__pb2.ThawVolumeRequest.SerializeToString,
+            agent__pb2.ThawVolumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

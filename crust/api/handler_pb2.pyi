@@ -40,6 +40,38 @@ class ExpandVolumeResponse(_message.Message):
     capacity_bytes: int
     def __init__(self, capacity_bytes: _Optional[int] = ...) -> None: ...
 
+class FreezeVolumeRequest(_message.Message):
+    __slots__ = ("target_path", "sandbox_id", "timeout_seconds")
+    TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    target_path: str
+    sandbox_id: str
+    timeout_seconds: int
+    def __init__(self, target_path: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., timeout_seconds: _Optional[int] = ...) -> None: ...
+
+class FreezeVolumeResponse(_message.Message):
+    __slots__ = ("depth",)
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    depth: int
+    def __init__(self, depth: _Optional[int] = ...) -> None: ...
+
+class ThawVolumeRequest(_message.Message):
+    __slots__ = ("target_path", "sandbox_id")
+    TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    target_path: str
+    sandbox_id: str
+    def __init__(self, target_path: _Optional[str] = ..., sandbox_id: _Optional[str] = ...) -> None: ...
+
+class ThawVolumeResponse(_message.Message):
+    __slots__ = ("depth", "was_frozen")
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    WAS_FROZEN_FIELD_NUMBER: _ClassVar[int]
+    depth: int
+    was_frozen: bool
+    def __init__(self, depth: _Optional[int] = ..., was_frozen: bool = ...) -> None: ...
+
 class GetSandboxRequest(_message.Message):
     __slots__ = ("sandbox_id",)
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,16 @@ class HandlerStub(object):
                 request_serializer=handler__pb2.GetSandboxRequest.SerializeToString,
                 response_deserializer=handler__pb2.GetSandboxResponse.FromString,
                 _registered_method=True)
+        self.FreezeVolume = channel.unary_unary(
+                '/crust.handler.v1.Handler/FreezeVolume',
+                request_serializer=handler__pb2.FreezeVolumeRequest.SerializeToString,
+                response_deserializer=handler__pb2.FreezeVolumeResponse.FromString,
+                _registered_method=True)
+        self.ThawVolume = channel.unary_unary(
+                '/crust.handler.v1.Handler/ThawVolume',
+                request_serializer=handler__pb2.ThawVolumeRequest.SerializeToString,
+                response_deserializer=handler__pb2.ThawVolumeResponse.FromString,
+                _registered_method=True)
 
 
 class HandlerServicer(object):
@@ -76,6 +86,25 @@ class HandlerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FreezeVolume(self, request, context):
+        """Freeze the volume's file system where the sandbox mounted it
+        (FIFREEZE), for a snapshot. Bounded where it is applied: the sandbox
+        thaws by itself timeout_seconds later if no ThawVolume came, and logs
+        it. Freezes nest: the file system thaws at the last ThawVolume.
+        FAILED_PRECONDITION: the file system cannot be frozen (its words).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ThawVolume(self, request, context):
+        """Undo one FreezeVolume. Idempotent: was_frozen false when nothing was
+        frozen any more (the timeout thawed it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HandlerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +122,16 @@ def add_HandlerServicer_to_server(servicer, server):
                     servicer.GetSandbox,
                     request_deserializer=handler__pb2.GetSandboxRequest.FromString,
                     response_serializer=handler__pb2.GetSandboxResponse.SerializeToString,
+            ),
+            'FreezeVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreezeVolume,
+                    request_deserializer=handler__pb2.FreezeVolumeRequest.FromString,
+                    response_serializer=handler__pb2.FreezeVolumeResponse.SerializeToString,
+            ),
+            'ThawVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.ThawVolume,
+                    request_deserializer=handler__pb2.ThawVolumeRequest.FromString,
+                    response_serializer=handler__pb2.ThawVolumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +215,60 @@ class Handler(object):
             '/crust.handler.v1.Handler/GetSandbox',
             handler__pb2.GetSandboxRequest.SerializeToString,
             handler__pb2.GetSandboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreezeVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.Handler/FreezeVolume',
+            handler__pb2.FreezeVolumeRequest.SerializeToString,
+            handler__pb2.FreezeVolumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ThawVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.handler.v1.Handler/ThawVolume',
+            handler__pb2.ThawVolumeRequest.SerializeToString,
+            handler__pb2.ThawVolumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -102,3 +102,43 @@ class RuntimeExpandVolumeResponse(_message.Message):
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     def __init__(self, capacity_bytes: _Optional[int] = ...) -> None: ...
+
+class RuntimeFreezeVolumeRequest(_message.Message):
+    __slots__ = ("volume_id", "timeout_seconds")
+    VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    volume_id: str
+    timeout_seconds: int
+    def __init__(self, volume_id: _Optional[str] = ..., timeout_seconds: _Optional[int] = ...) -> None: ...
+
+class FrozenTarget(_message.Message):
+    __slots__ = ("volume_target_path", "sandbox_id", "handler", "depth", "was_frozen")
+    VOLUME_TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    WAS_FROZEN_FIELD_NUMBER: _ClassVar[int]
+    volume_target_path: str
+    sandbox_id: str
+    handler: str
+    depth: int
+    was_frozen: bool
+    def __init__(self, volume_target_path: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., handler: _Optional[str] = ..., depth: _Optional[int] = ..., was_frozen: bool = ...) -> None: ...
+
+class RuntimeFreezeVolumeResponse(_message.Message):
+    __slots__ = ("frozen",)
+    FROZEN_FIELD_NUMBER: _ClassVar[int]
+    frozen: _containers.RepeatedCompositeFieldContainer[FrozenTarget]
+    def __init__(self, frozen: _Optional[_Iterable[_Union[FrozenTarget, _Mapping]]] = ...) -> None: ...
+
+class RuntimeThawVolumeRequest(_message.Message):
+    __slots__ = ("volume_id",)
+    VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
+    volume_id: str
+    def __init__(self, volume_id: _Optional[str] = ...) -> None: ...
+
+class RuntimeThawVolumeResponse(_message.Message):
+    __slots__ = ("thawed",)
+    THAWED_FIELD_NUMBER: _ClassVar[int]
+    thawed: _containers.RepeatedCompositeFieldContainer[FrozenTarget]
+    def __init__(self, thawed: _Optional[_Iterable[_Union[FrozenTarget, _Mapping]]] = ...) -> None: ...

@@ -54,6 +54,16 @@ class RuntimeStub(object):
                 request_serializer=runtime__pb2.RuntimeExpandVolumeRequest.SerializeToString,
                 response_deserializer=runtime__pb2.RuntimeExpandVolumeResponse.FromString,
                 _registered_method=True)
+        self.RuntimeFreezeVolume = channel.unary_unary(
+                '/crust.runtime.v1.Runtime/RuntimeFreezeVolume',
+                request_serializer=runtime__pb2.RuntimeFreezeVolumeRequest.SerializeToString,
+                response_deserializer=runtime__pb2.RuntimeFreezeVolumeResponse.FromString,
+                _registered_method=True)
+        self.RuntimeThawVolume = channel.unary_unary(
+                '/crust.runtime.v1.Runtime/RuntimeThawVolume',
+                request_serializer=runtime__pb2.RuntimeThawVolumeRequest.SerializeToString,
+                response_deserializer=runtime__pb2.RuntimeThawVolumeResponse.FromString,
+                _registered_method=True)
 
 
 class RuntimeServicer(object):
@@ -89,6 +99,30 @@ class RuntimeServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RuntimeFreezeVolume(self, request, context):
+        """crust additions.
+
+        Freeze the file system of every deferred target of a volume that a
+        sandbox on this node claimed, where it is mounted (FIFREEZE in the
+        sandbox), so that a snapshot taken now is file-system consistent. The
+        sandbox thaws by itself after timeout_seconds should no thaw come.
+        Freezes of one volume nest: each needs its own thaw. An empty answer:
+        no sandbox on this node has the volume mounted (nothing to freeze).
+        UNAVAILABLE: the handler holding it did not answer; FAILED_PRECONDITION:
+        its file system cannot be frozen. On any error nothing stays frozen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RuntimeThawVolume(self, request, context):
+        """Undo one freeze of the volume's targets. Idempotent: a target no longer
+        frozen (thawed by its timeout, or never frozen) answers was_frozen false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +145,16 @@ def add_RuntimeServicer_to_server(servicer, server):
                     servicer.RuntimeExpandVolume,
                     request_deserializer=runtime__pb2.RuntimeExpandVolumeRequest.FromString,
                     response_serializer=runtime__pb2.RuntimeExpandVolumeResponse.SerializeToString,
+            ),
+            'RuntimeFreezeVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.RuntimeFreezeVolume,
+                    request_deserializer=runtime__pb2.RuntimeFreezeVolumeRequest.FromString,
+                    response_serializer=runtime__pb2.RuntimeFreezeVolumeResponse.SerializeToString,
+            ),
+            'RuntimeThawVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.RuntimeThawVolume,
+                    request_deserializer=runtime__pb2.RuntimeThawVolumeRequest.FromString,
+                    response_serializer=runtime__pb2.RuntimeThawVolumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +265,60 @@ class Runtime(object):
             '/crust.runtime.v1.Runtime/RuntimeExpandVolume',
             runtime__pb2.RuntimeExpandVolumeRequest.SerializeToString,
             runtime__pb2.RuntimeExpandVolumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RuntimeFreezeVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.runtime.v1.Runtime/RuntimeFreezeVolume',
+            runtime__pb2.RuntimeFreezeVolumeRequest.SerializeToString,
+            runtime__pb2.RuntimeFreezeVolumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RuntimeThawVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crust.runtime.v1.Runtime/RuntimeThawVolume',
+            runtime__pb2.RuntimeThawVolumeRequest.SerializeToString,
+            runtime__pb2.RuntimeThawVolumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

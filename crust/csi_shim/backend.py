@@ -26,6 +26,7 @@ class Backend:
         self.channel = local_aio_channel(endpoint)
         self.identity = csi_pb2_grpc.IdentityStub(self.channel)
         self.controller = csi_pb2_grpc.ControllerStub(self.channel)
+        self.group_controller = csi_pb2_grpc.GroupControllerStub(self.channel)
         self.node = csi_pb2_grpc.NodeStub(self.channel)
         self.node_capabilities: set[int] = set()
         self.plugin_name = ""

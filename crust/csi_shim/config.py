@@ -24,6 +24,9 @@ class ShimConfig(BaseModel):
     # Prometheus metrics on metrics_address:metrics_port; 0: off.
     metrics_port: int = Field(0, ge=0, le=65535)
     metrics_address: str = "127.0.0.1"
+    # The bound of a snapshot's freeze, applied by the sandbox holding the
+    # volume: it thaws by itself this long after the freeze if no thaw came.
+    freeze_timeout_seconds: int = Field(60, ge=1, le=600)
 
     @field_validator("endpoint", "backend_endpoint", "proxy_endpoint")
     @classmethod

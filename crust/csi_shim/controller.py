@@ -1,8 +1,10 @@
-"""Controller side of the shim: only capability translation.
+"""Controller side of the shim: capability translation and snapshot freezes.
 
 CreateVolume, ValidateVolumeCapabilities, ControllerPublishVolume and
 GetCapacity carry volume capabilities; the shim rewrites mount capabilities
 to block ones so the backend provisions and attaches a raw block volume.
+CreateSnapshot and CreateVolumeGroupSnapshot freeze the deferred source
+volumes in their sandboxes around the backend's call (crust.csi_shim.freeze).
 Every other Controller RPC passes through untouched (crust.csi_shim.passthrough).
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from crust.api import csi_pb2
 from crust.contract import encryption
+from crust.csi_shim import freeze
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.translate import caps_to_block, to_block
 from crust.sys import fs
@@ -38,8 +41,27 @@ def _room_for_luks2_header(request: csi_pb2.CreateVolumeRequest, forwarded: csi_
 
 
 class ControllerShim:
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, freezer: freeze.SnapshotFreezer):
         self.backend = backend
+        self.freezer = freezer
+
+    async def CreateSnapshot(self, request: csi_pb2.CreateSnapshotRequest, context):
+        mode = freeze.mode_of(request.parameters)
+        forwarded = csi_pb2.CreateSnapshotRequest()
+        forwarded.CopyFrom(request)
+        freeze.without_ours(request.parameters, forwarded.parameters)
+        async with self.freezer.frozen([request.source_volume_id] if request.source_volume_id else [], mode,
+                                       request.name):
+            return await self.backend.call(self.backend.controller.CreateSnapshot, forwarded, context)
+
+    async def CreateVolumeGroupSnapshot(self, request: csi_pb2.CreateVolumeGroupSnapshotRequest, context):
+        mode = freeze.mode_of(request.parameters)
+        forwarded = csi_pb2.CreateVolumeGroupSnapshotRequest()
+        forwarded.CopyFrom(request)
+        freeze.without_ours(request.parameters, forwarded.parameters)
+        async with self.freezer.frozen([v for v in request.source_volume_ids if v], mode, request.name):
+            return await self.backend.call(self.backend.group_controller.CreateVolumeGroupSnapshot, forwarded,
+                                           context)
 
     async def CreateVolume(self, request: csi_pb2.CreateVolumeRequest, context):
         forwarded = csi_pb2.CreateVolumeRequest()
@@ -92,4 +114,10 @@ METHODS = {
                                    csi_pb2.ValidateVolumeCapabilitiesResponse),
     "ControllerPublishVolume": (csi_pb2.ControllerPublishVolumeRequest, csi_pb2.ControllerPublishVolumeResponse),
     "GetCapacity": (csi_pb2.GetCapacityRequest, csi_pb2.GetCapacityResponse),
+    "CreateSnapshot": (csi_pb2.CreateSnapshotRequest, csi_pb2.CreateSnapshotResponse),
+}
+
+GROUP_METHODS = {
+    "CreateVolumeGroupSnapshot": (csi_pb2.CreateVolumeGroupSnapshotRequest,
+                                  csi_pb2.CreateVolumeGroupSnapshotResponse),
 }

@@ -22,8 +22,9 @@ class RuntimeClient:
         self.channel = local_aio_channel(endpoint)
         self.stub = runtime_pb2_grpc.RuntimeStub(self.channel)
 
-    async def _call(self, method, request, context):
-        timeout = forward_timeout(context) if context is not None else 30.0
+    async def _call(self, method, request, context, timeout: float | None = None):
+        if timeout is None:
+            timeout = forward_timeout(context) if context is not None else 30.0
         try:
             return await method(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
@@ -32,7 +33,7 @@ class RuntimeClient:
             answered = self.channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
             if exc.code() in _UNREACHABLE and not answered:
                 raise Unavailable(f"the crust proxy at {self.endpoint} is unreachable ({exc.details()}); "
-                                  "stats and expansion of a deferred volume need it") from None
+                                  "stats, expansion and freezes of a deferred volume need it") from None
             raise Forwarded.from_rpc_error(exc) from None
 
     async def stats(self, target_path: str, context) -> runtime_pb2.RuntimeGetVolumeStatsResponse:
@@ -45,6 +46,17 @@ class RuntimeClient:
             request.capacity_range.CopyFrom(capacity_range)
         response = await self._call(self.stub.RuntimeExpandVolume, request, context)
         return response.capacity_bytes
+
+    async def freeze(self, volume_id: str, timeout_seconds: int, call_timeout: float) -> list:
+        """The targets frozen (none: no sandbox of this node has the volume)."""
+        response = await self._call(self.stub.RuntimeFreezeVolume, runtime_pb2.RuntimeFreezeVolumeRequest(
+            volume_id=volume_id, timeout_seconds=timeout_seconds), None, call_timeout)
+        return list(response.frozen)
+
+    async def thaw(self, volume_id: str, call_timeout: float) -> list:
+        response = await self._call(self.stub.RuntimeThawVolume, runtime_pb2.RuntimeThawVolumeRequest(
+            volume_id=volume_id), None, call_timeout)
+        return list(response.thawed)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -14,7 +14,7 @@ import logging
 from crust.common import metrics
 from crust.common.grpcserver import Daemon, unary_handlers
 from crust.common.private import make_dirs
-from crust.csi_shim import controller, node
+from crust.csi_shim import controller, freeze, node
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.config import ShimConfig
 from crust.csi_shim.passthrough import Passthrough
@@ -29,7 +29,8 @@ class Shim:
         self.backend = Backend(config.backend_endpoint)
         self.runtime = RuntimeClient(config.proxy_endpoint)
         self.node = node.NodeShim(config, self.backend, self.runtime)
-        self.controller = controller.ControllerShim(self.backend)
+        self.controller = controller.ControllerShim(
+            self.backend, freeze.SnapshotFreezer(self.runtime, config.freeze_timeout_seconds))
         self.daemon = Daemon("shim", config.endpoint, [], max_request_bytes=config.max_request_bytes)
         self.passthrough: Passthrough | None = None
 
@@ -41,6 +42,7 @@ class Shim:
         server.add_generic_rpc_handlers((
             unary_handlers("csi.v1.Node", self.node, node.METHODS),
             unary_handlers("csi.v1.Controller", self.controller, controller.METHODS),
+            unary_handlers("csi.v1.GroupController", self.controller, controller.GROUP_METHODS),
         ))
         self.passthrough = Passthrough(self.backend.channel)
         self.daemon.fallback_handlers.append(self.passthrough)

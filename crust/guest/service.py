@@ -336,6 +336,12 @@ class AgentService:
     async def UnmountVolume(self, request: agent_pb2.UnmountVolumeRequest, call) -> agent_pb2.UnmountVolumeResponse:
         return await self.volumes.unmount(request.volume_id)
 
+    async def FreezeVolume(self, request: agent_pb2.FreezeVolumeRequest, call) -> agent_pb2.FreezeVolumeResponse:
+        return await self.volumes.freeze(request.volume_id, request.timeout_seconds)
+
+    async def ThawVolume(self, request: agent_pb2.ThawVolumeRequest, call) -> agent_pb2.ThawVolumeResponse:
+        return await self.volumes.thaw(request.volume_id)
+
     # ------------------------------------------- encrypted volumes (LUKS2)
 
     async def OpenEncrypted(self, request: agent_pb2.OpenEncryptedRequest, call) -> agent_pb2.OpenEncryptedResponse:

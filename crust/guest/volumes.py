@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from crust.api import agent_pb2
 from crust.common import agent_capabilities as caps
 from crust.common import ttrpc
+from crust.common.freezes import FreezeBook
 from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
 from crust.sys import blockdev, growfs, modules, ownership
+from crust.sys import freeze as sysfreeze
 from crust.sys import mount as sysmount
 
 log = logging.getLogger(__name__)
@@ -124,10 +126,13 @@ class Volumes:
         self.modules_dir = modules_dir
         self.mounted: dict[str, Volume] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # Bounded here, in the guest: a freeze whose thaw never comes (the
+        # host's handler died, the call was lost) ends by its own timeout.
+        self.freezes = FreezeBook(log)
 
     @property
     def capabilities(self) -> list[str]:
-        return [caps.DISK_VIRTIO_BLK, caps.DISK_VIRTIO_SCSI, caps.VOLUME_GROW,
+        return [caps.DISK_VIRTIO_BLK, caps.DISK_VIRTIO_SCSI, caps.VOLUME_GROW, caps.VOLUME_FREEZE,
                 *(caps.fs(t) for t in available_filesystems(self.modules_dir))]
 
     def _lock(self, volume_id: str) -> asyncio.Lock:
@@ -287,12 +292,34 @@ class Volumes:
             os.close(fd)
         return agent_pb2.GrowVolumeResponse(total_bytes=st.f_frsize * st.f_blocks, device_bytes=device_bytes)
 
+    async def freeze(self, volume_id: str, timeout_seconds: int) -> agent_pb2.FreezeVolumeResponse:
+        try:
+            timeout = sysfreeze.timeout_of(timeout_seconds, "timeout_seconds")
+        except ValueError as exc:
+            raise AgentError(ttrpc.INVALID_ARGUMENT, str(exc)) from None
+        async with self._lock(volume_id):
+            volume, _ = self._known(volume_id)
+            try:
+                depth = await self.freezes.freeze(volume_id, timeout, lambda: sysfreeze.open_mount(volume.mount_point))
+            except sysfreeze.FreezeError as exc:
+                raise AgentError(ttrpc.FAILED_PRECONDITION, f"volume_id {volume_id}: {exc}") from None
+            except OSError as exc:
+                raise AgentError(ttrpc.FAILED_PRECONDITION, f"volume_id {volume_id}: {exc.strerror}") from None
+        return agent_pb2.FreezeVolumeResponse(depth=depth)
+
+    async def thaw(self, volume_id: str) -> agent_pb2.ThawVolumeResponse:
+        check_id("volume_id", volume_id)
+        depth, was_frozen = await self.freezes.thaw(volume_id)
+        return agent_pb2.ThawVolumeResponse(depth=depth, was_frozen=was_frozen)
+
     async def unmount(self, volume_id: str) -> agent_pb2.UnmountVolumeResponse:
         check_id("volume_id", volume_id)
         async with self._lock(volume_id):
             volume = self.mounted.get(volume_id)
             if volume is None:
                 return agent_pb2.UnmountVolumeResponse(unmounted=False, known=False)
+            # A frozen file system would hang its unmount's sync.
+            await self.freezes.thaw_all(volume_id, "unmounted")
             entry = sysmount.at(volume.mount_point)
             if entry is not None:
                 await asyncio.to_thread(_unmount, volume)

@@ -146,6 +146,54 @@ class Router:
             raise Unavailable(f"{volume.target_path} is not mounted by a sandbox yet; retry when it is")
         return 0
 
+    def in_sandboxes(self, volume_id: str) -> list[DeferredVolume]:
+        """The deferred targets of a volume that a sandbox claimed, in one
+        order (by target path)."""
+        return sorted((v for v in self.state.by_digest.values() if v.info.volume_id == volume_id
+                       and v.claim is not None and (d := self.state.decision(v.target_path)) is not None
+                       and d.deferred), key=lambda v: v.target_path)
+
+    async def freeze(self, volume_id: str, timeout: int, context) -> list[runtime_pb2.FrozenTarget]:
+        """Each target frozen by its holder; on a failure the ones frozen are
+        thawed again and the failure raised."""
+        frozen: list[runtime_pb2.FrozenTarget] = []
+        try:
+            for volume in self.in_sandboxes(volume_id):
+                handler = self._holder(volume)
+                if handler is None:
+                    raise FailedPrecondition(f"{volume.target_path} is mounted by a runtime through its "
+                                             "runtime-cli, which cannot freeze it")
+                rsp = await self._call_handler(handler, "FreezeVolume", handler_pb2.FreezeVolumeRequest(
+                    target_path=volume.target_path, sandbox_id=volume.claim.sandbox_id,
+                    timeout_seconds=timeout), context)
+                frozen.append(runtime_pb2.FrozenTarget(
+                    volume_target_path=volume.target_path, sandbox_id=volume.claim.sandbox_id,
+                    handler=handler.name, depth=rsp.depth))
+        except BaseException:
+            for target in frozen:
+                try:
+                    await self._thaw_one(target.volume_target_path, None)
+                except Exception as exc:  # noqa: BLE001 - the sandbox's timeout ends it
+                    log.warning("thaw after a failed freeze failed", extra={"fields": {
+                        "target": target.volume_target_path, "error": str(exc)}})
+            raise
+        return frozen
+
+    async def _thaw_one(self, target_path: str, context) -> runtime_pb2.FrozenTarget:
+        volume = self.state.get(target_path)
+        if volume is None or volume.claim is None:
+            return runtime_pb2.FrozenTarget(volume_target_path=target_path, was_frozen=False)
+        handler = self._holder(volume)
+        if handler is None:
+            return runtime_pb2.FrozenTarget(volume_target_path=target_path, was_frozen=False)
+        rsp = await self._call_handler(handler, "ThawVolume", handler_pb2.ThawVolumeRequest(
+            target_path=target_path, sandbox_id=volume.claim.sandbox_id), context)
+        return runtime_pb2.FrozenTarget(volume_target_path=target_path, sandbox_id=volume.claim.sandbox_id,
+                                        handler=handler.name, depth=rsp.depth, was_frozen=rsp.was_frozen)
+
+    async def thaw(self, volume_id: str, context) -> list[runtime_pb2.FrozenTarget]:
+        return [await self._thaw_one(v.target_path, context) for v in self.in_sandboxes(volume_id)]
+
     async def sandbox_state(self, handler_name: str, sandbox_id: str) -> int | None:
         handler = self.state.handlers.get(handler_name)
         if handler is None:

@@ -11,6 +11,7 @@ from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo
 from crust.proxy.paths import check_target
 from crust.proxy.routing import Router
 from crust.proxy.state import ProxyState
+from crust.sys import freeze as sysfreeze
 from crust.sys import fs
 
 Req = runtime_pb2.RuntimeStageVolumeRequest
@@ -85,3 +86,15 @@ class RuntimeService(runtime_pb2_grpc.RuntimeServicer):
         rng = request.capacity_range if request.HasField("capacity_range") else csi_pb2.CapacityRange()
         capacity = await self.router.expand(volume, rng, context)
         return runtime_pb2.RuntimeExpandVolumeResponse(capacity_bytes=capacity)
+
+    async def RuntimeFreezeVolume(self, request: runtime_pb2.RuntimeFreezeVolumeRequest, context):
+        volume_id = csi_input.required(request.volume_id, "volume_id")
+        try:
+            timeout = sysfreeze.timeout_of(request.timeout_seconds, "timeout_seconds")
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        return runtime_pb2.RuntimeFreezeVolumeResponse(frozen=await self.router.freeze(volume_id, timeout, context))
+
+    async def RuntimeThawVolume(self, request: runtime_pb2.RuntimeThawVolumeRequest, context):
+        volume_id = csi_input.required(request.volume_id, "volume_id")
+        return runtime_pb2.RuntimeThawVolumeResponse(thawed=await self.router.thaw(volume_id, context))

@@ -66,11 +66,13 @@ from crust.oci_runtime import main as runtime
 from crust.oci_runtime.client import RuntimeFailure
 from crust.runtime_handler.container_ends import (CREATED, PREPARED, REAP_GRACE, ContainerEnds,
                                                    mount_namespace)
+from crust.runtime_handler.freeze_holder import Freezer
 from crust.runtime_handler.handler import BIND_OPTIONS, check_device, claimed_description, refuse_encrypted
 from crust.runtime_handler.resolve import (CSI_DIR, Resolved, SubpathEscapes, candidates, refuse_link_to_deferred,
                                            resolve)
 from crust.runtime_handler.sandbox import VolumeStats, Usage, volume_condition
 from crust.sys import blockdev, growfs, ownership, proc
+from crust.sys import freeze as sysfreeze
 from crust.sys import mount as sysmount
 
 log = logging.getLogger(__name__)
@@ -205,6 +207,8 @@ class ContainerVolumes(ContainerEnds):
         self.letting_go: dict[str, asyncio.Future] = {}
         self.gone_since: dict[str, float] = {}
         self.reaper: asyncio.Task | None = None
+        # Freezes of volumes, by target path (held through the container's root).
+        self.freezer = Freezer()
 
     def start(self) -> None:
         self.reaper = asyncio.create_task(self._reap_forever())
@@ -502,6 +506,16 @@ class ContainerVolumes(ContainerEnds):
                                      f"container {record.container_id}: {exc}") from None
         return blockdev.size_bytes(mount.device)
 
+    async def freeze(self, record: ContainerRecord, mount: ContainerMount, timeout: int) -> int:
+        def opened() -> int:
+            with self._reach(record, mount) as (_, path_fd):
+                return sysfreeze.open_mount(sysmount.fd_path(path_fd))
+        try:
+            return await self.freezer.freeze(mount.target_path, timeout, opened)
+        except sysfreeze.FreezeError as exc:
+            raise FailedPrecondition(f"freezing {mount.target_path} in container {record.container_id}: "
+                                     f"{exc}") from None
+
     # -- 4. after runc delete ---------------------------------------------------------------------
 
     async def release(self, container_id: str, abnormal_reason: str = "") -> None:
@@ -540,6 +554,7 @@ class ContainerVolumes(ContainerEnds):
             if pid:
                 await self.handler.registration.claim(target, sandbox_id, pid)
             return
+        await self.freezer.release(target)
         await self.handler.registration.release(target, sandbox_id, abnormal_reason)
 
     def info(self, record: ContainerRecord) -> handler_pb2.ContainerInfo:

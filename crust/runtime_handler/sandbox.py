@@ -26,6 +26,8 @@ from crust.common import copath
 from crust.common.atomicfile import write_atomic
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.common.private import make_dirs, open_new
+from crust.runtime_handler.freeze_holder import Freezer
+from crust.sys import freeze as sysfreeze
 from crust.sys import mount as sysmount
 from crust.sys import netns, ownership, proc
 from crust.sys.run import CommandError, run
@@ -121,6 +123,16 @@ class Sandbox(abc.ABC):
         the name of the opened encrypted volume it is mounted from, whose
         mapping grows first."""
 
+    async def freeze(self, mount_point: str, timeout: int) -> int:
+        """Freeze the volume's file system where the sandbox mounted it, for
+        at most timeout seconds (the sandbox thaws it by itself then);
+        freezes nest. The depth now."""
+        raise FailedPrecondition(f"sandbox {self.id} cannot freeze a file system")
+
+    async def thaw(self, mount_point: str) -> tuple[int, bool]:
+        """Undo one freeze: (the depth left, whether it was still frozen)."""
+        return 0, False
+
     @abc.abstractmethod
     async def unmount(self, mount_point: str) -> None: ...
 
@@ -172,6 +184,7 @@ class MountNamespaceSandbox(Sandbox):
         self._recorded_holder = holder
         self._process: subprocess.Popen | None = None
         self.netns = netns.name_for(workdir)
+        self.freezer = Freezer()
 
     @property
     def pid(self) -> int:
@@ -358,7 +371,21 @@ class MountNamespaceSandbox(Sandbox):
                 f"growing the mounted {fs_type} file system in sandbox {self.id} was refused on this host "
                 f"({exc.stderr}); a microVM sandbox grows it in its own kernel") from None
 
+    async def freeze(self, mount_point: str, timeout: int) -> int:
+        def opened() -> int:
+            with self._namespace_root() as ns_root, \
+                    copath.reach(mount_point, "mount_point", root_fd=ns_root) as at, at.opened() as path_fd:
+                return sysfreeze.open_mount(sysmount.fd_path(path_fd))
+        try:
+            return await self.freezer.freeze(mount_point, timeout, opened)
+        except sysfreeze.FreezeError as exc:
+            raise FailedPrecondition(f"sandbox {self.id}: freezing {mount_point}: {exc}") from None
+
+    async def thaw(self, mount_point: str) -> tuple[int, bool]:
+        return await self.freezer.thaw(mount_point)
+
     async def unmount(self, mount_point: str) -> None:
+        await self.freezer.release(mount_point)
         if self.alive():
             await self.ns("umount", "--", mount_point, check=False)
 
@@ -447,6 +474,7 @@ class MountNamespaceSandbox(Sandbox):
         raise FailedPrecondition(f"sandbox {self.id}: processes {members} would not die")
 
     async def stop(self) -> None:
+        await self.freezer.close()
         await self.stop_process()
         if self._holder is not None:
             self._holder.kill()

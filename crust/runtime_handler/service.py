@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common import csi_input
-from crust.common.errors import FailedPrecondition
+from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.runtime_handler.containers import ContainerVolumes
 from crust.runtime_handler.handler import RuntimeHandler, State
 from crust.sys import blockdev
+from crust.sys import freeze as sysfreeze
 
 
 class HandlerService(handler_pb2_grpc.HandlerServicer):
@@ -56,6 +57,32 @@ class HandlerService(handler_pb2_grpc.HandlerServicer):
             else:
                 await sandbox.grow(volume.fs_type, volume.device, volume.mount_point, volume.encrypted_name)
         return handler_pb2.ExpandVolumeResponse(capacity_bytes=blockdev.size_bytes(device))
+
+    async def FreezeVolume(self, request: handler_pb2.FreezeVolumeRequest, context):
+        target_path = csi_input.required(request.target_path, "target_path")
+        sandbox_id = csi_input.required(request.sandbox_id, "sandbox_id")
+        try:
+            timeout = sysfreeze.timeout_of(request.timeout_seconds, "timeout_seconds")
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        in_container = self._container(target_path, sandbox_id)
+        if in_container is not None:
+            depth = await self.handler.containers.freeze(*in_container, timeout)
+        else:
+            sandbox, volume = self.handler.find(target_path, sandbox_id)
+            depth = await sandbox.freeze(volume.mount_point, timeout)
+        return handler_pb2.FreezeVolumeResponse(depth=depth)
+
+    async def ThawVolume(self, request: handler_pb2.ThawVolumeRequest, context):
+        target_path = csi_input.required(request.target_path, "target_path")
+        sandbox_id = csi_input.required(request.sandbox_id, "sandbox_id")
+        if sandbox_id not in self.handler.sandboxes and self.handler.containers is not None:
+            # Thawed by target: the container that was frozen may be gone.
+            depth, was_frozen = await self.handler.containers.freezer.thaw(target_path)
+        else:
+            sandbox, volume = self.handler.find(target_path, sandbox_id)
+            depth, was_frozen = await sandbox.thaw(volume.mount_point)
+        return handler_pb2.ThawVolumeResponse(depth=depth, was_frozen=was_frozen)
 
     async def GetSandbox(self, request, context):
         entry = self.handler.sandboxes.get(request.sandbox_id)

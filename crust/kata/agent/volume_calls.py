@@ -27,6 +27,10 @@ STATS_TIMEOUT = 5.0
 GROW_TIMEOUT = 120.0
 UNMOUNT_TIMEOUT = 60.0
 OPEN_TIMEOUT = 180.0
+# A freeze syncs the file system first: under the proxy's 10 s per handler call.
+FREEZE_TIMEOUT = 8.0
+# Freezes of one volume outstanding at once: more is a guest's lie.
+MAX_FREEZE_DEPTH = 1024
 # The slowest a guest writes dm-integrity's tags over a new volume (about
 # 14 MB/s under software emulation): what a first open with integrity adds.
 INTEGRITY_WIPE_BYTES_PER_SECOND = 4 * 1024 * 1024
@@ -111,6 +115,28 @@ async def grow(client: AgentClient, mount_point: str) -> bool:
     key = volume_id(mount_point)
     return await _call(client, "GrowVolume", agent_pb2.GrowVolumeRequest(volume_id=key), GROW_TIMEOUT,
                        f"volume {key}", unknown=False) is not False
+
+
+async def freeze(client: AgentClient, mount_point: str, timeout_seconds: int) -> int | None:
+    """Freezes the volume's file system in the guest (the guest thaws it by
+    itself after timeout_seconds); the depth, or None when the agent does
+    not know the volume."""
+    key = volume_id(mount_point)
+    answer = await _call(client, "FreezeVolume", agent_pb2.FreezeVolumeRequest(
+        volume_id=key, timeout_seconds=timeout_seconds), FREEZE_TIMEOUT, f"volume {key}", unknown=None)
+    if answer is None:
+        return None
+    if not 1 <= answer.depth <= MAX_FREEZE_DEPTH:
+        raise handler_error(ttrpc.TtrpcError(ttrpc.INTERNAL, f"the guest answered depth {answer.depth}"),
+                            f"volume {key}")
+    return answer.depth
+
+
+async def thaw(client: AgentClient, mount_point: str) -> tuple[int, bool]:
+    key = volume_id(mount_point)
+    answer = await _call(client, "ThawVolume", agent_pb2.ThawVolumeRequest(volume_id=key), FREEZE_TIMEOUT,
+                         f"volume {key}")
+    return min(answer.depth, MAX_FREEZE_DEPTH), answer.was_frozen
 
 
 async def unmount(client: AgentClient, mount_point: str) -> bool:

@@ -268,6 +268,22 @@ class KataSandbox(Sandbox):
                                        f"{mount_point} (not mounted)"))
         return found
 
+    async def freeze(self, mount_point: str, timeout: int) -> int:
+        # Applied and bounded in the guest: its agent thaws by itself after
+        # the timeout, whatever becomes of the host.
+        if not self.alive():
+            raise FailedPrecondition(f"the VM of sandbox {self.id} is gone")
+        depth = await port_volumes.freeze(await self.port(wait=port_volumes.FREEZE_TIMEOUT), mount_point, timeout)
+        if depth is None:
+            raise FailedPrecondition(f"sandbox {self.id}: the guest's agent does not know the volume at "
+                                     f"{mount_point} (not mounted)")
+        return depth
+
+    async def thaw(self, mount_point: str) -> tuple[int, bool]:
+        if not self.alive():
+            return 0, False
+        return await port_volumes.thaw(await self.port(wait=port_volumes.FREEZE_TIMEOUT), mount_point)
+
     async def grow(self, fs_type: str, device: str, mount_point: str, encrypted: str = "") -> None:
         # The host device already grew (the shim asked the backend); QEMU
         # tells the guest, then the guest grows its mounted file system.
