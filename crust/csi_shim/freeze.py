@@ -76,8 +76,16 @@ class SnapshotFreezer:
         if mode != NEVER:
             try:
                 for volume_id in sorted(set(volume_ids)):
-                    if await self._freeze(volume_id, mode, what):
-                        held.append(volume_id)
+                    # Held before the answer: a freeze cancelled midway (the
+                    # CO gave up) may still land in the sandbox, and is thawed.
+                    held.append(volume_id)
+                    try:
+                        frozen = await self._freeze(volume_id, mode, what)
+                    except CrustError:
+                        held.pop()   # refused: the proxy left nothing frozen
+                        raise
+                    if not frozen:
+                        held.pop()
             except BaseException:
                 await asyncio.shield(self._thaw(held, time.monotonic(), what))
                 raise
