@@ -497,17 +497,20 @@ class AgentServiceServicer(object):
         """Freeze a mounted volume's file system (FIFREEZE) for a snapshot of its
         disk. The agent thaws it by itself timeout_seconds later (1..600; 0 =
         30) if no ThawVolume came, and logs that it did. Freezes nest: the
-        file system thaws at the last ThawVolume. NOT_FOUND: not mounted.
+        file system thaws at the last ThawVolume. Unmounting a frozen volume,
+        or powering off, thaws it first. NOT_FOUND: not mounted.
         FAILED_PRECONDITION: the file system cannot be frozen (the kernel's
-        words). Unmounting a frozen volume thaws it first.
+        words). Retry: another freeze (the depth one more), which needs its
+        own ThawVolume.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ThawVolume(self, request, context):
-        """Undo one FreezeVolume. Retry-safe: nothing frozen answers OK with
-        was_frozen false (the timeout thawed it, or it never was).
+        """Undo one FreezeVolume: the file system thaws at the last one.
+        Retry: nothing frozen answers OK with was_frozen false (the timeout
+        thawed it, or it never was).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

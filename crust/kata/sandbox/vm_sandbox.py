@@ -273,7 +273,11 @@ class KataSandbox(Sandbox):
         # the timeout, whatever becomes of the host.
         if not self.alive():
             raise FailedPrecondition(f"the VM of sandbox {self.id} is gone")
-        depth = await port_volumes.freeze(await self.port(wait=port_volumes.FREEZE_TIMEOUT), mount_point, timeout)
+        client = await self.port(wait=port_volumes.FREEZE_TIMEOUT)
+        if not self.vm.port.has("volume.freeze"):
+            raise FailedPrecondition(f"sandbox {self.id}: its guest's agent cannot freeze a file system "
+                                     "(no volume.freeze capability)")
+        depth = await port_volumes.freeze(client, mount_point, timeout)
         if depth is None:
             raise FailedPrecondition(f"sandbox {self.id}: the guest's agent does not know the volume at "
                                      f"{mount_point} (not mounted)")
