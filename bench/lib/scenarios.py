@@ -730,11 +730,24 @@ def scale_deferred(result: dict):
     return ["ms: median (p90; p99)", *(f"stack at {n} volumes" for n in scales), f"{scales[-1]} / {scales[0]}"], rows
 
 
+def snapshot_freeze(result: dict):
+    rows = []
+    for runtime in ("light", "microvm"):
+        part = result.get(runtime, {})
+        stop = {mode: part.get(mode, {}).get("write_stop", {}) for mode in ("freeze", "no freeze")}
+        call = {mode: part.get(mode, {}).get("create_snapshot", {}) for mode in ("freeze", "no freeze")}
+        rows.append([runtime, *(f"{num(stop[m].get('p50_ms'))} / {num(stop[m].get('p99_ms'))}" for m in stop),
+                     *(num(call[m].get("p50_ms")) for m in call)])
+    return ["runtime", "writes stopped, freeze: p50 / p99 (ms)", "no freeze: p50 / p99",
+            "CreateSnapshot p50, freeze (ms)", "no freeze"], rows
+
+
 TABLES = {"hop_cost": hop_cost, "shim_latency": shim_latency, "proxy_bench": proxy_bench,
           "peer_gate": peer_gate, "large_requests": large_requests, "driver_lifecycle": driver_lifecycle,
           "handler_bench": handler_bench, "file_io": file_io, "call_cpu": call_cpu, "pod_start": pod_start,
           "conformance_ratio": conformance_ratio, "guest_boot": named_rows("ways", "way (ms)"),
-          "pod_share": pod_share, "pod_network": pod_network, "luks_io": luks_io, "scale_deferred": scale_deferred}
+          "pod_share": pod_share, "pod_network": pod_network, "luks_io": luks_io, "scale_deferred": scale_deferred,
+          "snapshot_freeze": snapshot_freeze}
 
 SCENARIOS += (
     _pending("hop-cost", "What each hop costs: driver, shim, proxy", "hop_cost", "--rounds 500 --cpu-calls 3000 --bare",
@@ -761,4 +774,6 @@ SCENARIOS += (
              anchor="the Go hostpath plugin running the same suite."),
     _pending("call-cpu", "CPU per CSI call", "call_cpu", "--json OUT.json",
              anchor="the Go hostpath plugin (csi-driver-host-path) sent the same calls, by turns."),
+    _pending("snapshot-freeze", "A pod's writes during a snapshot, with and without the freeze", "snapshot_freeze",
+             "--snapshots 20 --json OUT.json", anchor="the same pod's snapshots with `crust.dev/freeze: never`."),
 )

@@ -104,26 +104,32 @@ class RuntimeExpandVolumeResponse(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class RuntimeFreezeVolumeRequest(_message.Message):
-    __slots__ = ("volume_id", "timeout_seconds")
+    __slots__ = ("volume_id", "timeout_seconds", "policy")
     VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     volume_id: str
     timeout_seconds: int
-    def __init__(self, volume_id: _Optional[str] = ..., timeout_seconds: _Optional[int] = ...) -> None: ...
+    policy: str
+    def __init__(self, volume_id: _Optional[str] = ..., timeout_seconds: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class FrozenTarget(_message.Message):
-    __slots__ = ("volume_target_path", "sandbox_id", "handler", "depth", "was_frozen")
+    __slots__ = ("volume_target_path", "sandbox_id", "handler", "depth", "was_frozen", "frozen", "error")
     VOLUME_TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLER_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     WAS_FROZEN_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     volume_target_path: str
     sandbox_id: str
     handler: str
     depth: int
     was_frozen: bool
-    def __init__(self, volume_target_path: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., handler: _Optional[str] = ..., depth: _Optional[int] = ..., was_frozen: bool = ...) -> None: ...
+    frozen: bool
+    error: str
+    def __init__(self, volume_target_path: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., handler: _Optional[str] = ..., depth: _Optional[int] = ..., was_frozen: bool = ..., frozen: bool = ..., error: _Optional[str] = ...) -> None: ...
 
 class RuntimeFreezeVolumeResponse(_message.Message):
     __slots__ = ("frozen",)
@@ -132,10 +138,12 @@ class RuntimeFreezeVolumeResponse(_message.Message):
     def __init__(self, frozen: _Optional[_Iterable[_Union[FrozenTarget, _Mapping]]] = ...) -> None: ...
 
 class RuntimeThawVolumeRequest(_message.Message):
-    __slots__ = ("volume_id",)
+    __slots__ = ("volume_id", "volume_target_paths")
     VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_TARGET_PATHS_FIELD_NUMBER: _ClassVar[int]
     volume_id: str
-    def __init__(self, volume_id: _Optional[str] = ...) -> None: ...
+    volume_target_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, volume_id: _Optional[str] = ..., volume_target_paths: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RuntimeThawVolumeResponse(_message.Message):
     __slots__ = ("thawed",)

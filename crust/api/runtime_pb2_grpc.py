@@ -108,8 +108,10 @@ class RuntimeServicer(object):
         sandbox thaws by itself after timeout_seconds should no thaw come.
         Freezes of one volume nest: each needs its own thaw. An empty answer:
         no sandbox on this node has the volume mounted (nothing to freeze).
-        UNAVAILABLE: the handler holding it did not answer; FAILED_PRECONDITION:
-        its file system cannot be frozen. On any error nothing stays frozen.
+        A target that cannot be frozen is answered with its error, unless the
+        policy is "required": then the call fails (UNAVAILABLE: the handler
+        holding it did not answer; FAILED_PRECONDITION: its file system cannot
+        be frozen) and nothing stays frozen.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -11,7 +11,7 @@ Every other Controller RPC passes through untouched (crust.csi_shim.passthrough)
 from __future__ import annotations
 
 from crust.api import csi_pb2
-from crust.contract import encryption
+from crust.contract import encryption, freeze_policy
 from crust.csi_shim import freeze
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.translate import caps_to_block, to_block
@@ -71,6 +71,7 @@ class ControllerShim:
         ours = {k: v for k, v in request.parameters.items() if k.startswith(CRUST_PARAMETER_PREFIX)}
         # An unknown value is refused before anything is made.
         integrity = encryption.integrity_of(ours, "parameters")
+        freeze_policy.of(ours, "parameters")
         if encryption.of_context(ours, "parameters"):
             _room_for_luks2_header(request, forwarded, integrity)
         for key in ours:

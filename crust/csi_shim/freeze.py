@@ -7,11 +7,12 @@ in its sandbox); after the backend answered, failed, timed out or the call
 was cancelled, it is thawed. The sandbox bounds the freeze by itself, so a
 thaw that never arrives still ends it.
 
-The VolumeSnapshotClass (or group snapshot class) parameter
-`crust.dev/freeze` says what a freeze that cannot be done means:
-`best-effort` (the default: the snapshot is taken crash-consistent, and
-the logs and metrics say so), `required` (the snapshot fails
-FAILED_PRECONDITION), `never` (no freeze is asked for).
+`crust.dev/freeze` (crust.contract.freeze_policy) says what a freeze that
+cannot be done means: `best-effort` (the default: the snapshot is taken
+crash-consistent, and the logs and metrics say so), `required` (the
+snapshot fails FAILED_PRECONDITION), `never` (no freeze is asked for). The
+snapshot class's value goes to the proxy, which applies the volume's own
+(its StorageClass's) where the snapshot class names none.
 """
 
 from __future__ import annotations
@@ -23,14 +24,12 @@ import time
 
 from prometheus_client import Counter, Histogram
 
-from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument
+from crust.common.errors import CrustError, FailedPrecondition, Forwarded
+from crust.contract import freeze_policy
+from crust.contract.freeze_policy import NEVER, PARAMETER, REQUIRED
 from crust.csi_shim.runtime_client import RuntimeClient
 
 log = logging.getLogger(__name__)
-
-PARAMETER = "crust.dev/freeze"
-REQUIRED, BEST_EFFORT, NEVER = "required", "best-effort", "never"
-MODES = (REQUIRED, BEST_EFFORT, NEVER)
 
 FREEZES = Counter("crust_shim_snapshot_freezes_total",
                   "Freezes of deferred volumes around snapshots, by outcome: done (frozen and thawed), "
@@ -48,10 +47,8 @@ THAW_CALL_TIMEOUT = 15.0
 
 
 def mode_of(parameters, field: str = "parameters") -> str:
-    value = parameters.get(PARAMETER, BEST_EFFORT)
-    if value not in MODES:
-        raise InvalidArgument(f'{field}["{PARAMETER}"] must be one of {", ".join(MODES)}, not {value!r}')
-    return value
+    """The snapshot class's mode; "" when it names none (the volume's applies)."""
+    return freeze_policy.of(parameters, field, default="")
 
 
 def without_ours(parameters, forwarded) -> None:
@@ -72,58 +69,74 @@ class SnapshotFreezer:
         """Freeze every volume in a sandbox of this node (in sorted order, so
         two group snapshots sharing volumes cannot wait on each other), run
         the block, thaw them all whatever the block did."""
-        held: list[str] = []
+        # By volume, the targets frozen ([]: not known, all of them).
+        held: dict[str, list[str]] = {}
         if mode != NEVER:
             try:
                 for volume_id in sorted(set(volume_ids)):
                     # Held before the answer: a freeze cancelled midway (the
                     # CO gave up) may still land in the sandbox, and is thawed.
-                    held.append(volume_id)
+                    held[volume_id] = []
                     try:
                         frozen = await self._freeze(volume_id, mode, what)
                     except CrustError:
-                        held.pop()   # refused: the proxy left nothing frozen
+                        del held[volume_id]   # refused: the proxy left nothing frozen
                         raise
-                    if not frozen:
-                        held.pop()
+                    if frozen:
+                        held[volume_id] = frozen
+                    else:
+                        del held[volume_id]
             except BaseException:
                 await asyncio.shield(self._thaw(held, time.monotonic(), what))
                 raise
         start = time.monotonic()
         try:
-            yield held
+            yield sorted(held)
         finally:
             if held:
                 # Shielded: a cancelled call (the CO gave up) still thaws.
                 await asyncio.shield(self._thaw(held, start, what))
 
-    async def _freeze(self, volume_id: str, mode: str, what: str) -> bool:
-        fields = {"volume": volume_id, "snapshot": what, "mode": mode}
+    async def _freeze(self, volume_id: str, mode: str, what: str) -> list[str]:
+        """The targets frozen."""
+        fields = {"volume": volume_id, "snapshot": what, "mode": mode or "the volume's"}
         try:
-            frozen = await self.runtime.freeze(volume_id, self.timeout_seconds, FREEZE_CALL_TIMEOUT)
+            answer = await self.runtime.freeze(volume_id, self.timeout_seconds, mode, FREEZE_CALL_TIMEOUT)
         except CrustError as exc:
             FREEZES.labels("failed").inc()
-            if mode == REQUIRED:
+            # The proxy answered an error only for a target whose policy
+            # (the snapshot class's or the volume's) is required; an
+            # unreachable proxy (a controller on another node) is refused
+            # only when the snapshot class asks for it.
+            if isinstance(exc, Forwarded) or mode == REQUIRED:
                 log.error("could not freeze the volume; the snapshot is refused",
                           extra={"fields": {**fields, "error": exc.message}})
                 raise FailedPrecondition(f"volume {volume_id} could not be frozen for snapshot {what} and "
-                                         f'parameters["{PARAMETER}"] is {REQUIRED}: {exc.message}') from None
+                                         f"{PARAMETER} is {REQUIRED}: {exc.message}") from None
             log.warning("could not freeze the volume; the snapshot is crash-consistent",
                         extra={"fields": {**fields, "error": exc.message}})
-            return False
+            return []
+        for target in answer:
+            if target.error:
+                FREEZES.labels("failed").inc()
+                log.warning("could not freeze the volume; the snapshot is crash-consistent",
+                            extra={"fields": {**fields, "target": target.volume_target_path,
+                                              "sandbox": target.sandbox_id, "error": target.error}})
+        frozen = [t for t in answer if t.frozen]
         if not frozen:
-            log.info("the volume is in no sandbox on this node: nothing to freeze", extra={"fields": fields})
-            return False
+            if not answer:
+                log.info("the volume is in no sandbox on this node: nothing to freeze", extra={"fields": fields})
+            return []
         log.info("volume frozen for a snapshot", extra={"fields": {
             **fields, "targets": [t.volume_target_path for t in frozen],
             "sandboxes": [t.sandbox_id for t in frozen]}})
-        return True
+        return [t.volume_target_path for t in frozen]
 
-    async def _thaw(self, held: list[str], start: float, what: str) -> None:
-        for volume_id in reversed(held):
+    async def _thaw(self, held: dict[str, list[str]], start: float, what: str) -> None:
+        for volume_id in sorted(held, reverse=True):
             fields = {"volume": volume_id, "snapshot": what}
             try:
-                thawed = await self.runtime.thaw(volume_id, THAW_CALL_TIMEOUT)
+                thawed = await self.runtime.thaw(volume_id, held[volume_id], THAW_CALL_TIMEOUT)
             except CrustError as exc:
                 FREEZES.labels("failed").inc()
                 log.error("thaw failed; the sandbox's own timeout ends the freeze",
@@ -138,4 +151,4 @@ class SnapshotFreezer:
         if held:
             FROZEN_SECONDS.observe(time.monotonic() - start)
             log.info("volumes thawed after a snapshot", extra={"fields": {
-                "volumes": held, "snapshot": what, "frozen_seconds": round(time.monotonic() - start, 3)}})
+                "volumes": sorted(held), "snapshot": what, "frozen_seconds": round(time.monotonic() - start, 3)}})

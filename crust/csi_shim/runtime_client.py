@@ -47,15 +47,15 @@ class RuntimeClient:
         response = await self._call(self.stub.RuntimeExpandVolume, request, context)
         return response.capacity_bytes
 
-    async def freeze(self, volume_id: str, timeout_seconds: int, call_timeout: float) -> list:
-        """The targets frozen (none: no sandbox of this node has the volume)."""
+    async def freeze(self, volume_id: str, timeout_seconds: int, policy: str, call_timeout: float) -> list:
+        """The volume's targets in sandboxes of this node, frozen or not (none: no sandbox has it)."""
         response = await self._call(self.stub.RuntimeFreezeVolume, runtime_pb2.RuntimeFreezeVolumeRequest(
-            volume_id=volume_id, timeout_seconds=timeout_seconds), None, call_timeout)
+            volume_id=volume_id, timeout_seconds=timeout_seconds, policy=policy), None, call_timeout)
         return list(response.frozen)
 
-    async def thaw(self, volume_id: str, call_timeout: float) -> list:
+    async def thaw(self, volume_id: str, targets: list[str], call_timeout: float) -> list:
         response = await self._call(self.stub.RuntimeThawVolume, runtime_pb2.RuntimeThawVolumeRequest(
-            volume_id=volume_id), None, call_timeout)
+            volume_id=volume_id, volume_target_paths=targets), None, call_timeout)
         return list(response.thawed)
 
     async def close(self) -> None:

@@ -14,7 +14,8 @@ from google.protobuf import json_format
 
 from crust.api import csi_pb2, handler_pb2, handler_pb2_grpc, runtime_pb2
 from crust.common.channel import local_aio_channel
-from crust.common.errors import FailedPrecondition, Forwarded, Internal, Unavailable
+from crust.common.errors import CrustError, FailedPrecondition, Forwarded, Internal, Unavailable
+from crust.contract import freeze_policy
 from crust.proxy.records import DeferredVolume
 from crust.proxy.state import ProxyState
 from crust.sys.run import CommandError, run
@@ -153,22 +154,37 @@ class Router:
                        and v.claim is not None and (d := self.state.decision(v.target_path)) is not None
                        and d.deferred), key=lambda v: v.target_path)
 
-    async def freeze(self, volume_id: str, timeout: int, context) -> list[runtime_pb2.FrozenTarget]:
-        """Each target frozen by its holder; on a failure the ones frozen are
-        thawed again and the failure raised."""
+    async def freeze(self, volume_id: str, timeout: int, policy: str, context) -> list[runtime_pb2.FrozenTarget]:
+        """Each target frozen by its holder, or answered with why not; a
+        target whose policy is required and cannot be frozen fails the call,
+        and the ones frozen before are thawed again."""
+        answer: list[runtime_pb2.FrozenTarget] = []
         frozen: list[runtime_pb2.FrozenTarget] = []
         try:
             for volume in self.in_sandboxes(volume_id):
-                handler = self._holder(volume)
-                if handler is None:
-                    raise FailedPrecondition(f"{volume.target_path} is mounted by a runtime through its "
-                                             "runtime-cli, which cannot freeze it")
-                rsp = await self._call_handler(handler, "FreezeVolume", handler_pb2.FreezeVolumeRequest(
-                    target_path=volume.target_path, sandbox_id=volume.claim.sandbox_id,
-                    timeout_seconds=timeout), context)
-                frozen.append(runtime_pb2.FrozenTarget(
-                    volume_target_path=volume.target_path, sandbox_id=volume.claim.sandbox_id,
-                    handler=handler.name, depth=rsp.depth))
+                mode = freeze_policy.of_volume(policy, volume.info.volume_context)
+                target = runtime_pb2.FrozenTarget(volume_target_path=volume.target_path,
+                                                  sandbox_id=volume.claim.sandbox_id)
+                answer.append(target)
+                if mode == freeze_policy.NEVER:
+                    continue
+                try:
+                    handler = self._holder(volume)
+                    if handler is None:
+                        raise FailedPrecondition(f"{volume.target_path} is mounted by a runtime through its "
+                                                 "runtime-cli, which cannot freeze it")
+                    rsp = await self._call_handler(handler, "FreezeVolume", handler_pb2.FreezeVolumeRequest(
+                        target_path=volume.target_path, sandbox_id=volume.claim.sandbox_id,
+                        timeout_seconds=timeout), context)
+                except CrustError as exc:
+                    if mode == freeze_policy.REQUIRED:
+                        raise
+                    log.warning("could not freeze a deferred volume", extra={"fields": {
+                        "volume": volume_id, "target": volume.target_path, "error": exc.message}})
+                    target.error = exc.message
+                    continue
+                target.handler, target.depth, target.frozen = handler.name, rsp.depth, True
+                frozen.append(target)
         except BaseException:
             for target in frozen:
                 try:
@@ -177,7 +193,7 @@ class Router:
                     log.warning("thaw after a failed freeze failed", extra={"fields": {
                         "target": target.volume_target_path, "error": str(exc)}})
             raise
-        return frozen
+        return answer
 
     async def _thaw_one(self, target_path: str, context) -> runtime_pb2.FrozenTarget:
         volume = self.state.get(target_path)
@@ -191,8 +207,9 @@ class Router:
         return runtime_pb2.FrozenTarget(volume_target_path=target_path, sandbox_id=volume.claim.sandbox_id,
                                         handler=handler.name, depth=rsp.depth, was_frozen=rsp.was_frozen)
 
-    async def thaw(self, volume_id: str, context) -> list[runtime_pb2.FrozenTarget]:
-        return [await self._thaw_one(v.target_path, context) for v in self.in_sandboxes(volume_id)]
+    async def thaw(self, volume_id: str, only: set[str], context) -> list[runtime_pb2.FrozenTarget]:
+        return [await self._thaw_one(v.target_path, context) for v in self.in_sandboxes(volume_id)
+                if not only or v.target_path in only]
 
     async def sandbox_state(self, handler_name: str, sandbox_id: str) -> int | None:
         handler = self.state.handlers.get(handler_name)

@@ -6,7 +6,7 @@ from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
 from crust.common import csi_input
 from crust.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from crust.contract import device as device_identity
-from crust.contract import encryption
+from crust.contract import encryption, freeze_policy
 from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo
 from crust.proxy.paths import check_target
 from crust.proxy.routing import Router
@@ -93,8 +93,13 @@ class RuntimeService(runtime_pb2_grpc.RuntimeServicer):
             timeout = sysfreeze.timeout_of(request.timeout_seconds, "timeout_seconds")
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
-        return runtime_pb2.RuntimeFreezeVolumeResponse(frozen=await self.router.freeze(volume_id, timeout, context))
+        if request.policy and request.policy not in freeze_policy.MODES:
+            raise InvalidArgument(f"policy must be one of {', '.join(freeze_policy.MODES)} or empty, "
+                                  f"not {request.policy!r}")
+        return runtime_pb2.RuntimeFreezeVolumeResponse(
+            frozen=await self.router.freeze(volume_id, timeout, request.policy, context))
 
     async def RuntimeThawVolume(self, request: runtime_pb2.RuntimeThawVolumeRequest, context):
         volume_id = csi_input.required(request.volume_id, "volume_id")
-        return runtime_pb2.RuntimeThawVolumeResponse(thawed=await self.router.thaw(volume_id, context))
+        return runtime_pb2.RuntimeThawVolumeResponse(
+            thawed=await self.router.thaw(volume_id, set(request.volume_target_paths), context))

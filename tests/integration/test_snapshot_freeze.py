@@ -20,7 +20,7 @@ import pytest
 from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
 from tests.freeze_images import (ext4_fsck_clean, ext4_needs_recovery, last_record, records_in, records_written,
                                  volume_image, writer_script, xfs_log_covered, xfs_log_items, xfs_repair_findings)
-from tests.handler_env import SIZE, env, make_env, rootfs_of, view  # noqa: F401 - fixtures
+from tests.handler_env import SIZE, Vol, env, make_env, rootfs_of, view  # noqa: F401 - fixtures
 from tests.harness import wait_until
 
 FREEZE = "crust.dev/freeze"
@@ -99,6 +99,27 @@ def test_a_snapshot_of_a_written_volume_is_clean_with_the_freeze_and_crash_consi
     writes_go_on(files)
     shim_log = env.shim.log_path.read_text()
     assert shim_log.count("volume frozen for a snapshot") == 1 and "volumes thawed after a snapshot" in shim_log
+
+
+def test_the_storage_class_says_never_unless_the_snapshot_class_says_otherwise(env):
+    made = env.proxy.create("pv-sc", SIZE["ext4"], env.cap("ext4"), parameters={FREEZE: "never"})
+    assert made.volume_context[FREEZE] == "never"
+    v = Vol(made.volume_id, "pv-sc", "ext4", env.proxy.staging("pv-sc"), env.proxy.target("pod-pv-sc", "pv-sc"))
+    # As kubelet does: the volume's context at stage and publish.
+    env.proxy.node.NodeStageVolume(csi_pb2.NodeStageVolumeRequest(
+        volume_id=v.volume_id, staging_target_path=str(v.staging), volume_capability=env.cap("ext4"),
+        volume_context=made.volume_context), timeout=60)
+    env.proxy.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
+        volume_id=v.volume_id, staging_target_path=str(v.staging), target_path=str(v.target),
+        volume_capability=env.cap("ext4"), volume_context=made.volume_context, defer_fs_ops=True), timeout=60)
+    start_writer(env, "sb-sc", v)
+    unfrozen = snapshot(env, "sc-default", v.volume_id)
+    assert_crash_consistent(restored_image(env, "sc-from-default", unfrozen.snapshot_id, "ext4"), "ext4")
+    frozen = snapshot(env, "sc-best-effort", v.volume_id, "best-effort")
+    assert_consistent(restored_image(env, "sc-from-best-effort", frozen.snapshot_id, "ext4"), "ext4")
+    with pytest.raises(grpc.RpcError) as caught:
+        env.proxy.create("pv-sc-bad", SIZE["ext4"], env.cap("ext4"), parameters={FREEZE: "always"})
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and FREEZE in caught.value.details()
 
 
 def test_a_group_snapshot_freezes_every_member_and_thaws_them_all(env):
