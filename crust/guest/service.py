@@ -124,6 +124,7 @@ class AgentService:
                 *self.encrypted.capabilities, *self.warmer.capabilities]
 
     async def close(self) -> None:
+        await self.volumes.freezes.close()
         self.volumes.disks.events.close()
         await self.processes.close()
         await self.places.close()
@@ -311,6 +312,8 @@ class AgentService:
                                                        "listens on a unix socket)")
         if self.server is not None:
             self.server.refusing = (ttrpc.UNAVAILABLE, "the guest is powering off")
+        # A frozen file system would hang the sync before the power-off.
+        await self.volumes.freezes.close("powering off")
         answer = await asyncio.to_thread(lifecycle.stop_everything)
         log.info("powering off: %d file systems unmounted, %d would not go", answer.unmounted, answer.failed)
         call.after_reply = self._power_off
