@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.benchlib import accelerator_under, machine, pct, run_header, write_json  # noqa: E402
 from crust.api import csi_pb2  # noqa: E402
 from tests.freeze_images import volume_image  # noqa: E402
-from tests.harness import Root, wait_until  # noqa: E402
+from tests.harness import Root  # noqa: E402
 
 RECORD = 32
 WRITER = ("import os, sys, time\n"

@@ -15,6 +15,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from crust.api import csi_pb2
+from tests.handler_env import SIZE
+
+FREEZE = "crust.dev/freeze"
 RECORD = 32
 # Runs in the pod (the host's python3, bound read-only into a light
 # sandbox; the guest's in a microVM): python3 -S -c WRITER FILE... It
@@ -118,3 +122,39 @@ def progress(output: str) -> int:
     """The last record number the writer printed (-1: none yet)."""
     found = re.findall(r"^REC (\d+)$", output, re.M)
     return int(found[-1]) if found else -1
+
+
+# -- snapshots through the shim of a test stack (tests/handler_env.py's Env) ---------------
+
+def snapshot(env, name: str, volume_id: str, mode: str | None = None, timeout: float = 120) -> csi_pb2.Snapshot:
+    params = {FREEZE: mode} if mode else {}
+    return env.shim.controller.CreateSnapshot(csi_pb2.CreateSnapshotRequest(
+        name=name, source_volume_id=volume_id, parameters=params), timeout=timeout).snapshot
+
+
+def restored_image(env, name: str, snapshot_id: str, fs: str):
+    cap = csi_pb2.VolumeCapability(mount=csi_pb2.VolumeCapability.MountVolume(fs_type=fs),
+                                   access_mode=csi_pb2.VolumeCapability.AccessMode(mode=1))
+    vol = env.shim.controller.CreateVolume(csi_pb2.CreateVolumeRequest(
+        name=name, capacity_range=csi_pb2.CapacityRange(required_bytes=SIZE[fs]), volume_capabilities=[cap],
+        volume_content_source=csi_pb2.VolumeContentSource(
+            snapshot=csi_pb2.VolumeContentSource.SnapshotSource(snapshot_id=snapshot_id))), timeout=120).volume
+    return volume_image(env.driver.data_dir, vol.volume_id)
+
+
+def assert_consistent(image, fs: str) -> int:
+    if fs == "ext4":
+        assert not ext4_needs_recovery(image), "a frozen ext4's image needs journal recovery"
+        clean, out = ext4_fsck_clean(image)
+        assert clean, out
+    else:
+        assert xfs_log_covered(image), xfs_log_items(image)
+        assert xfs_repair_findings(image) == []
+    return last_record(records_in(image, fs))
+
+
+def assert_crash_consistent(image, fs: str) -> None:
+    if fs == "ext4":
+        assert ext4_needs_recovery(image), "an unfrozen, written ext4's image shows no journal to recover"
+    else:
+        assert "INODE" in xfs_log_items(image), xfs_log_items(image)

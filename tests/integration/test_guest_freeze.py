@@ -15,18 +15,64 @@ import pytest
 
 from crust.api import agent_pb2
 from crust.common import ttrpc
+from crust.common.ttrpc import TtrpcError
 from crust.guest.disks import Disks
 from crust.guest.service import AgentService
 from crust.guest.uevents import DeviceEvents
 from crust.guest.volumes import Volumes
+from crust.sys import loop as sysloop
+from crust.sys import mount as sysmount
 from tests.guest_serving import serving
-from tests.integration.test_guest_volumes import disks, mount, refused, storage  # noqa: F401 - a fixture
 
 MiB = 1 << 20
 SIZE = {"ext4": 64 * MiB, "xfs": 320 * MiB}
 # Says "ready" once started (the file exists already), then writes.
 WRITER = "import os, sys\nf = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND)\nprint('ready', flush=True)\n" \
          "os.write(f, b'record\\n')\nos.fsync(f)\n"
+
+
+@pytest.fixture
+def disks(tmp_path):
+    """make(fs_type, size, serial): a loop device with that file system,
+    whose serial the agent reads from a stand-in of /sys/block (a loop
+    device has none); unmounted and detached after the test."""
+    sys_block = tmp_path / "block"
+    sys_block.mkdir()
+    made: list[str] = []
+
+    def make(fs_type: str, size: int, serial: str) -> str:
+        image = tmp_path / f"disk{len(made)}.img"
+        with open(image, "wb") as f:
+            f.truncate(size)
+        subprocess.run([f"mkfs.{fs_type}", "-q", *(["-F"] if fs_type == "ext4" else []), str(image)], check=True)
+        device = sysloop.attach_sync(image)
+        made.append(device)
+        (sys_block / Path(device).name).mkdir()
+        (sys_block / Path(device).name / "serial").write_text(serial)
+        return device
+
+    yield sys_block, make
+    for entry in reversed(sysmount.mounts()):
+        if entry.mount_point.startswith(str(tmp_path) + "/"):
+            thaw_on_host(Path(entry.mount_point))
+            sysmount.unmount_all(entry.mount_point)
+    for device in made:
+        sysloop.detach_sync(device)
+
+
+def storage(volume_id: str, serial: str, fs_type: str, mount_point: Path) -> agent_pb2.Storage:
+    return agent_pb2.Storage(volume_id=volume_id, disk=agent_pb2.Disk(serial=serial), fs_type=fs_type,
+                             mount_point=str(mount_point), options=["nouuid"] if fs_type == "xfs" else [])
+
+
+async def mount(client, s: agent_pb2.Storage) -> agent_pb2.MountVolumeResponse:
+    return await client.call("MountVolume", agent_pb2.MountVolumeRequest(storage=s), timeout=20)
+
+
+async def refused(call) -> TtrpcError:
+    with pytest.raises(TtrpcError) as caught:
+        await call
+    return caught.value
 
 
 def writer(path: Path) -> subprocess.Popen:
@@ -56,7 +102,7 @@ def thaw_on_host(target: Path) -> None:
 
 
 @pytest.mark.parametrize("fs_type", ["ext4", "xfs"])
-def test_a_frozen_volume_holds_writes_until_its_last_thaw(tmp_path, disks, fs_type):  # noqa: F811
+def test_a_frozen_volume_holds_writes_until_its_last_thaw(tmp_path, disks, fs_type):
     sys_block, make = disks
     make(fs_type, SIZE[fs_type], serial="v-freeze")
     target = tmp_path / "volumes" / "v1"
@@ -65,8 +111,7 @@ def test_a_frozen_volume_holds_writes_until_its_last_thaw(tmp_path, disks, fs_ty
         service = AgentService(volumes=Volumes(Disks(DeviceEvents(), sys_block=str(sys_block))))
         async with serving(tmp_path, service) as (client, details):
             assert "volume.freeze" in details.capabilities
-            await mount(client, storage("v1", "v-freeze", fs_type, target,
-                                        options=["nouuid"] if fs_type == "xfs" else []))
+            await mount(client, storage("v1", "v-freeze", fs_type, target))
             (target / "records").touch()
             call = client.call
             first = await call("FreezeVolume", agent_pb2.FreezeVolumeRequest(volume_id="v1", timeout_seconds=60),
@@ -106,7 +151,7 @@ def test_a_frozen_volume_holds_writes_until_its_last_thaw(tmp_path, disks, fs_ty
     asyncio.run(scenario())
 
 
-def test_a_freeze_whose_thaw_never_comes_ends_by_its_timeout_and_says_so(tmp_path, disks, caplog):  # noqa: F811
+def test_a_freeze_whose_thaw_never_comes_ends_by_its_timeout_and_says_so(tmp_path, disks, caplog):
     sys_block, make = disks
     make("ext4", SIZE["ext4"], serial="v-timeout")
     target = tmp_path / "volumes" / "v1"

@@ -18,12 +18,10 @@ import grpc
 import pytest
 
 from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
-from tests.freeze_images import (ext4_fsck_clean, ext4_needs_recovery, last_record, records_in, records_written,
-                                 volume_image, writer_script, xfs_log_covered, xfs_log_items, xfs_repair_findings)
+from tests.freeze_images import (FREEZE, assert_consistent, assert_crash_consistent, records_written,
+                                 restored_image, snapshot, writer_script)
 from tests.handler_env import SIZE, Vol, env, make_env, rootfs_of, view  # noqa: F401 - fixtures
 from tests.harness import wait_until
-
-FREEZE = "crust.dev/freeze"
 
 
 def start_writer(env, sandbox_id: str, *volumes) -> list:
@@ -47,40 +45,6 @@ def writes_stopped(files, for_seconds: float = 1.5) -> bool:
     before = [records_written(f) for f in files]
     time.sleep(for_seconds)
     return [records_written(f) for f in files] == before
-
-
-def snapshot(env, name: str, volume_id: str, mode: str | None = None, timeout: float = 120) -> csi_pb2.Snapshot:
-    params = {FREEZE: mode} if mode else {}
-    return env.shim.controller.CreateSnapshot(csi_pb2.CreateSnapshotRequest(
-        name=name, source_volume_id=volume_id, parameters=params), timeout=timeout).snapshot
-
-
-def restored_image(env, name: str, snapshot_id: str, fs: str):
-    cap = csi_pb2.VolumeCapability(mount=csi_pb2.VolumeCapability.MountVolume(fs_type=fs),
-                                   access_mode=csi_pb2.VolumeCapability.AccessMode(mode=1))
-    vol = env.shim.controller.CreateVolume(csi_pb2.CreateVolumeRequest(
-        name=name, capacity_range=csi_pb2.CapacityRange(required_bytes=SIZE[fs]), volume_capabilities=[cap],
-        volume_content_source=csi_pb2.VolumeContentSource(
-            snapshot=csi_pb2.VolumeContentSource.SnapshotSource(snapshot_id=snapshot_id))), timeout=120).volume
-    return volume_image(env.driver.data_dir, vol.volume_id)
-
-
-def assert_consistent(image, fs: str) -> int:
-    if fs == "ext4":
-        assert not ext4_needs_recovery(image), "a frozen ext4's image needs journal recovery"
-        clean, out = ext4_fsck_clean(image)
-        assert clean, out
-    else:
-        assert xfs_log_covered(image), xfs_log_items(image)
-        assert xfs_repair_findings(image) == []
-    return last_record(records_in(image, fs))
-
-
-def assert_crash_consistent(image, fs: str) -> None:
-    if fs == "ext4":
-        assert ext4_needs_recovery(image), "an unfrozen, written ext4's image shows no journal to recover"
-    else:
-        assert "INODE" in xfs_log_items(image), xfs_log_items(image)
 
 
 @pytest.mark.parametrize("fs", ["ext4", "xfs"])

@@ -10,10 +10,9 @@ from __future__ import annotations
 import grpc
 
 from crust.api import runtime_pb2, runtime_pb2_grpc
-from tests.freeze_images import progress, writer_script
+from tests.freeze_images import (assert_consistent, assert_crash_consistent, progress, restored_image, snapshot,
+                                 writer_script)
 from tests.harness import wait_until
-from tests.integration.test_snapshot_freeze import (assert_consistent, assert_crash_consistent, restored_image,
-                                                    snapshot)
 from tests.kata_env import kenv  # noqa: F401 - a fixture
 
 
