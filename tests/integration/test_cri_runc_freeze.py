@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from crust.api import runtime_pb2, runtime_pb2_grpc
-from tests.cri_harness import cri_node
-from tests.harness import wait_until
+from tests.harness.cri import cri_node
+from tests.harness.daemons import wait_until
 
 # A record per loop, each synced; its number printed every 20.
 WRITER = ("i=0; while :; do i=$((i+1)); echo $i > /data/n && sync /data/n; "

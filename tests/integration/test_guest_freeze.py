@@ -22,7 +22,7 @@ from crust.guest.uevents import DeviceEvents
 from crust.guest.volumes import Volumes
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
-from tests.guest_serving import serving
+from tests.harness.guest_serving import serving
 
 MiB = 1 << 20
 SIZE = {"ext4": 64 * MiB, "xfs": 320 * MiB}

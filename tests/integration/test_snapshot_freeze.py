@@ -4,7 +4,7 @@ the pod's mount namespace (FIFREEZE, by the handler's freeze holder) around
 the driver's CreateSnapshot, and thaws it whatever the driver answered.
 
 The proof is on disk: a volume restored from the snapshot is read on the
-host without replaying anything (tests.freeze_images). With the freeze the
+host without replaying anything (tests.harness.freeze_images). With the freeze the
 file system is clean and the pod's record file ends on a record boundary;
 with `crust.dev/freeze: never` the same snapshot is crash-consistent (ext4
 needs recovery, xfs's log holds inode records to replay)."""
@@ -18,10 +18,10 @@ import grpc
 import pytest
 
 from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
-from tests.freeze_images import (FREEZE, assert_consistent, assert_crash_consistent, records_written,
+from tests.harness.freeze_images import (FREEZE, assert_consistent, assert_crash_consistent, records_written,
                                  restored_image, snapshot, writer_script)
-from tests.handler_env import SIZE, Vol, env, make_env, rootfs_of, view  # noqa: F401 - fixtures
-from tests.harness import wait_until
+from tests.harness.handler_env import SIZE, Vol, env, make_env, rootfs_of, view  # noqa: F401 - fixtures
+from tests.harness.daemons import wait_until
 
 
 def start_writer(env, sandbox_id: str, *volumes) -> list:

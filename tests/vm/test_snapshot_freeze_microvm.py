@@ -3,17 +3,17 @@ through the shim while the pod writes: the proxy has the microVM handler
 freeze each file system in the guest (its agent's FIFREEZE, bounded by the
 agent's own timer) around the driver's CreateSnapshot. One VM, an ext4 and
 an xfs volume written in lockstep; the restored images are read on the
-host without replaying anything (tests.freeze_images)."""
+host without replaying anything (tests.harness.freeze_images)."""
 
 from __future__ import annotations
 
 import grpc
 
 from crust.api import runtime_pb2, runtime_pb2_grpc
-from tests.freeze_images import (assert_consistent, assert_crash_consistent, progress, restored_image, snapshot,
+from tests.harness.freeze_images import (assert_consistent, assert_crash_consistent, progress, restored_image, snapshot,
                                  writer_script)
-from tests.harness import wait_until
-from tests.kata_env import kenv  # noqa: F401 - a fixture
+from tests.harness.daemons import wait_until
+from tests.harness.kata_env import kenv  # noqa: F401 - a fixture
 
 
 def test_snapshots_of_a_microvms_volumes_are_clean_with_the_freeze(kenv):

@@ -273,11 +273,11 @@ class KataSandbox(Sandbox):
         # the timeout, whatever becomes of the host.
         if not self.alive():
             raise FailedPrecondition(f"the VM of sandbox {self.id} is gone")
-        client = await self.port(wait=port_volumes.FREEZE_TIMEOUT)
+        client = await self.port(wait=volume_calls.FREEZE_TIMEOUT)
         if not self.vm.port.has("volume.freeze"):
             raise FailedPrecondition(f"sandbox {self.id}: its guest's agent cannot freeze a file system "
                                      "(no volume.freeze capability)")
-        depth = await port_volumes.freeze(client, mount_point, timeout)
+        depth = await volume_calls.freeze(client, mount_point, timeout)
         if depth is None:
             raise FailedPrecondition(f"sandbox {self.id}: the guest's agent does not know the volume at "
                                      f"{mount_point} (not mounted)")
@@ -286,7 +286,7 @@ class KataSandbox(Sandbox):
     async def thaw(self, mount_point: str) -> tuple[int, bool]:
         if not self.alive():
             return 0, False
-        return await port_volumes.thaw(await self.port(wait=port_volumes.FREEZE_TIMEOUT), mount_point)
+        return await volume_calls.thaw(await self.port(wait=volume_calls.FREEZE_TIMEOUT), mount_point)
 
     async def grow(self, fs_type: str, device: str, mount_point: str, encrypted: str = "") -> None:
         # The host device already grew (the shim asked the backend); QEMU

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from crust.api import csi_pb2
-from tests.handler_env import SIZE
+from tests.harness.handler_env import SIZE
 
 FREEZE = "crust.dev/freeze"
 RECORD = 32

@@ -3,7 +3,7 @@
 taken through the shim, with the freeze (`crust.dev/freeze: best-effort`)
 and without (`never`), for the light handler and the microVM handler.
 
-    .venv/bin/python bench/snapshot_freeze.py [--snapshots 20] [--runtimes light,microvm] [--json OUT]
+    .venv/bin/python bench/csi/snapshot_freeze.py [--snapshots 20] [--runtimes light,microvm] [--json OUT]
 
 The pod appends 32-byte records, each fsync'd, each holding the pod's
 clock (CLOCK_REALTIME) when its write began. Snapshots are taken one by
@@ -26,12 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.benchlib import accelerator_under, machine, pct, run_header, write_json  # noqa: E402
+from bench.lib.benchlib import accelerator_under, machine, pct, run_header, write_json  # noqa: E402
 from crust.api import csi_pb2  # noqa: E402
-from tests.freeze_images import volume_image  # noqa: E402
-from tests.harness import Root  # noqa: E402
+from tests.harness.freeze_images import volume_image  # noqa: E402
+from tests.harness.daemons import Root  # noqa: E402
 
 RECORD = 32
 WRITER = ("import os, sys, time\n"
@@ -77,14 +77,14 @@ def ms_summary(values: list[float]) -> dict:
 @contextlib.contextmanager
 def environment(runtime: str, root: Root):
     if runtime == "light":
-        from tests.handler_env import Env
+        from tests.harness.handler_env import Env
         env = Env(root)
         try:
             yield env
         finally:
             env.delete_sandboxes()
     else:
-        from tests.kata_env import kata_env
+        from tests.harness.kata_env import kata_env
         made = kata_env(root)
         env = next(made)
         try:
