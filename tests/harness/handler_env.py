@@ -110,9 +110,9 @@ class Vol:
 
 
 class Env:
-    def __init__(self, root, proxy_extra=(), start_handler: bool = True, **handler_kw):
+    def __init__(self, root, proxy_extra=(), start_handler: bool = True, shim_extra=(), **handler_kw):
         self.root = root
-        self.driver, self.shim, self.proxy = root.stack(proxy_extra=list(proxy_extra))
+        self.driver, self.shim, self.proxy = root.stack(proxy_extra=list(proxy_extra), shim_extra=list(shim_extra))
         self.handler = root.handler(self.proxy, **handler_kw)
         if start_handler:
             self.handler.start()

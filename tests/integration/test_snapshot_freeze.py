@@ -12,6 +12,7 @@ needs recovery, xfs's log holds inode records to replay)."""
 from __future__ import annotations
 
 import signal
+import socket
 import time
 
 import grpc
@@ -21,7 +22,7 @@ from crust.api import csi_pb2, runtime_pb2, runtime_pb2_grpc
 from tests.harness.freeze_images import (FREEZE, assert_consistent, assert_crash_consistent, records_written,
                                  restored_image, snapshot, writer_script)
 from tests.harness.handler_env import SIZE, Vol, env, make_env, rootfs_of, view  # noqa: F401 - fixtures
-from tests.harness.daemons import wait_until
+from tests.harness.daemons import scrape_metrics, wait_until
 
 
 def start_writer(env, sandbox_id: str, *volumes) -> list:
@@ -108,7 +109,23 @@ def test_bad_freeze_parameter_is_refused_naming_it(env):
     assert f'parameters["{FREEZE}"]' in caught.value.details()
 
 
-def test_the_thaw_comes_when_the_driver_fails_or_hangs_past_the_deadline(env):
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def freezes_counted(port: int) -> dict[str, float]:
+    samples = scrape_metrics(port)
+    counted = {dict(labels)["outcome"]: value for (name, labels), value in samples.items()
+               if name == "crust_shim_snapshot_freezes_total"}
+    counted["frozen_snapshots"] = samples[("crust_shim_snapshot_frozen_seconds_count", ())]
+    return counted
+
+
+def test_the_thaw_comes_when_the_driver_fails_or_hangs_past_the_deadline(make_env):
+    port = free_port()
+    env = make_env(shim_extra=["--metrics-port", str(port)])
     v, other = env.volume("pv-fail", "ext4"), env.volume("pv-other", "ext4")
     files = start_writer(env, "sb-fail", v)
     snapshot(env, "taken", other.volume_id, "never")
@@ -126,7 +143,12 @@ def test_the_thaw_comes_when_the_driver_fails_or_hangs_past_the_deadline(env):
         writes_go_on(files)
     finally:
         env.driver.proc.send_signal(signal.SIGCONT)
-    assert env.shim.log_path.read_text().count("volumes thawed after a snapshot") == 2
+    # The cancelled call's thaw is logged once its answer came (the pod
+    # may write on a little before). Two freezes done (frozen and thawed)
+    # and timed: the CO sees them.
+    wait_until(lambda: env.shim.log_path.read_text().count("volumes thawed after a snapshot") == 2, timeout=20,
+               what="the shim to log both thaws")
+    assert freezes_counted(port) == {"done": 2.0, "failed": 0.0, "timed_out": 0.0, "frozen_snapshots": 2.0}
 
 
 def test_freezes_nest_and_a_lost_thaw_ends_by_the_sandbox_timeout(env):
