@@ -197,3 +197,12 @@ def test_a_volume_frozen_when_its_handler_is_killed_thaws(env):
     env.handler.kill()
     writes_go_on(files, within=10)
     assert "the handler went away" in env.handler.log_path.read_text()
+
+    # With its handler gone the volume cannot be frozen: `required` refuses
+    # the snapshot, the default takes it crash-consistent and says so.
+    with pytest.raises(grpc.RpcError) as caught:
+        snapshot(env, "must-freeze", v.volume_id, "required")
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert v.volume_id in caught.value.details() and "required" in caught.value.details()
+    assert snapshot(env, "may-freeze", v.volume_id).ready_to_use
+    assert "could not freeze the volume; the snapshot is crash-consistent" in env.shim.log_path.read_text()
