@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 from crust.api import agent_pb2, csi_pb2
+from crust.common import agent_capabilities as caps
 from crust.common import ttrpc
 from crust.common.errors import (
     DeadlineExceeded,
@@ -274,7 +275,7 @@ class KataSandbox(Sandbox):
         if not self.alive():
             raise FailedPrecondition(f"the VM of sandbox {self.id} is gone")
         client = await self.port(wait=volume_calls.FREEZE_TIMEOUT)
-        if not self.vm.port.has("volume.freeze"):
+        if not self.vm.port.has(caps.VOLUME_FREEZE):
             raise FailedPrecondition(f"sandbox {self.id}: its guest's agent cannot freeze a file system "
                                      "(no volume.freeze capability)")
         depth = await volume_calls.freeze(client, mount_point, timeout)
