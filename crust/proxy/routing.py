@@ -148,11 +148,11 @@ class Router:
         return 0
 
     def in_sandboxes(self, volume_id: str) -> list[DeferredVolume]:
-        """The deferred targets of a volume that a sandbox claimed, in one
-        order (by target path)."""
+        """The deferred targets of a volume that a sandbox claimed (published
+        through kubelet or staged with RuntimeStageVolume), in one order (by
+        target path)."""
         return sorted((v for v in self.state.by_digest.values() if v.info.volume_id == volume_id
-                       and v.claim is not None and (d := self.state.decision(v.target_path)) is not None
-                       and d.deferred), key=lambda v: v.target_path)
+                       and v.claim is not None), key=lambda v: v.target_path)
 
     async def freeze(self, volume_id: str, timeout: int, policy: str, context) -> list[runtime_pb2.FrozenTarget]:
         """Each target frozen by its holder, or answered with why not; a
