@@ -30,18 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import shutil
 import stat
 
 from crust.api import csi_pb2
 from crust.common import copath, csi_input, volumefs
-from crust.common.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-)
+from crust.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from crust.common.inflight import InFlight
 from crust.common.private import make_dirs
 from crust.common.recordstore import RecordStore
@@ -50,6 +44,7 @@ from crust.contract.mountinfo import PLACEHOLDER_SOURCE
 from crust.csi_shim.backend import Backend
 from crust.csi_shim.config import ShimConfig
 from crust.csi_shim.description import describe
+from crust.csi_shim.publish_groups import publish_groups
 from crust.csi_shim.records import ShimPublish, ShimVolumeRecord, volume_key
 from crust.csi_shim.runtime_client import RuntimeClient
 from crust.csi_shim.translate import to_block
@@ -66,8 +61,6 @@ DEFERRAL_CAPABILITIES = [RPC.DEFER_FS_OPS, RPC.DEFER_FS_OPS_WITH_SUPPLEMENTAL_GR
                          RPC.DEFER_FS_OPS_WITH_SUPPLEMENTAL_GROUP_CHANGE_POLICY]
 AccessMode = csi_pb2.VolumeCapability.AccessMode
 
-CHANGE_POLICIES = ("", "Always", "OnRootMismatch")
-_GROUP = re.compile(r"^[0-9]{1,10}$")
 
 
 class NodeShim:
@@ -311,36 +304,6 @@ class NodeShim:
 
     # -- publish / unpublish --------------------------------------------------------------
 
-    def _groups(self, request: csi_pb2.NodePublishVolumeRequest) -> tuple[str, str, str]:
-        """(supplemental group, its change policy, mount group) of a publish.
-
-        volume_mount_group is the pod's fsGroup that kubelet delegates to
-        plugins advertising VOLUME_MOUNT_GROUP. Deferred, it becomes the
-        description's group (policy OnRootMismatch unless the CO names one):
-        the sandbox applies it. On the host the shim applies it itself."""
-        mount_cap = request.volume_capability.mount
-        group = mount_cap.volume_supplemental_group
-        policy = mount_cap.volume_supplemental_group_change_policy
-        mount_group = mount_cap.volume_mount_group
-        if (group or policy) and not request.defer_fs_ops:
-            # Name the field that was actually set, so the CO operator knows which one.
-            name = "volume_supplemental_group" if group else "volume_supplemental_group_change_policy"
-            raise InvalidArgument(f"volume_capability.mount.{name} may only be set together with defer_fs_ops")
-        for name, value in (("volume_supplemental_group", group), ("volume_mount_group", mount_group)):
-            if value and not _GROUP.match(value):
-                raise InvalidArgument(f"volume_capability.mount.{name} must be a numeric group id, got {value!r}")
-        if policy not in CHANGE_POLICIES:
-            raise InvalidArgument("volume_capability.mount.volume_supplemental_group_change_policy must be "
-                                  f"Always or OnRootMismatch, got {policy!r}")
-        if not request.defer_fs_ops:
-            return "", "", mount_group
-        if group and mount_group and group != mount_group:
-            raise InvalidArgument(f"volume_capability.mount.volume_mount_group {mount_group} differs from "
-                                  f"volume_supplemental_group {group}; a pod has one fsGroup")
-        if mount_group and not group:
-            group, policy = mount_group, policy or ownership.ON_ROOT_MISMATCH
-        return group, policy, ""
-
     async def NodePublishVolume(self, request: csi_pb2.NodePublishVolumeRequest, context):
         volume_id = csi_input.required(request.volume_id, "volume_id")
         target = csi_input.path(request.target_path, "target_path")
@@ -351,7 +314,7 @@ class NodeShim:
             copath.refuse_links(target, "target_path")  # whatever the backend does with it
             return await self.backend.call(self.backend.node.NodePublishVolume, request, context)
         staging = csi_input.path(request.staging_target_path, "staging_target_path")
-        group, policy, mount_group = self._groups(request)
+        group, policy, mount_group = publish_groups(request)
         mode = request.volume_capability.access_mode.mode
         readonly = request.readonly or mode in csi_input.READ_ONLY_MODES
         wanted = ShimPublish(deferred=request.defer_fs_ops, readonly=readonly, supplemental_group=group,
