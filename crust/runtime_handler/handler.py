@@ -148,7 +148,8 @@ def check_device(info: MountInfo) -> None:
 class RuntimeHandler(VolumeLookup):
     def __init__(self, *, name: str, volumes_dir: Path, state_dir: Path, registration: Registration,
                  make_sandbox: Callable[[str, Path, Path | None, proc.ProcessId | None], Sandbox],
-                 direct_source: DirectSource | None = None):
+                 direct_source: DirectSource | None = None,
+                 before_teardown: Callable[[str], Awaitable[None]] | None = None):
         self.name = name
         self.direct_source = direct_source
         self.index = VolumeIndex(volumes_dir)
@@ -174,7 +175,36 @@ class RuntimeHandler(VolumeLookup):
         self.on_watcher: Callable[[bool], Awaitable[None]] | None = None
         # Told a sandbox's id before the sandbox is stopped and its volumes
         # released (the microVM handler's pods unmount their containers first).
-        self.before_teardown: Callable[[str], Awaitable[None]] | None = None
+        self._before_teardown = before_teardown
+
+    def set_before_teardown(self, hook: Callable[[str], Awaitable[None]] | None) -> None:
+        """The hook told a sandbox's id before its teardown (stopping it and
+        releasing its volumes), for a part made after the handler."""
+        self._before_teardown = hook
+
+    # -- sandboxes made elsewhere (the microVM handler's pods) ---------------------------
+
+    def entry(self, sandbox_id: str) -> tuple[Sandbox, SandboxRecord] | None:
+        """The sandbox of that id and its record, None when the handler has none."""
+        return self.sandboxes.get(sandbox_id)
+
+    async def adopt(self, sandbox: Sandbox, record: SandboxRecord) -> None:
+        """A running sandbox another part made becomes the handler's: its
+        record written, then reaped, reclaimed, torn down and adopted after
+        a restart like those RunSandbox makes. Kept also when its record
+        cannot be written: the caller then forgets it."""
+        self.sandboxes[record.sandbox_id] = (sandbox, record)
+        await self.records.put(record.sandbox_id, record)
+
+    async def forget(self, sandbox_id: str) -> None:
+        """An adopted sandbox dropped without a teardown (its maker stops
+        it): neither kept nor recorded."""
+        self.sandboxes.pop(sandbox_id, None)
+        await self.records.delete(sandbox_id)
+
+    async def save(self, record: SandboxRecord) -> None:
+        """A sandbox's record written again after its volumes changed."""
+        await self.records.put(record.sandbox_id, record)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -482,8 +512,8 @@ class RuntimeHandler(VolumeLookup):
         proxy refused, its disk full) stays, stopped, with its record, so the
         next DeleteSandbox, the reaper or a restarted handler releases them."""
         errors: list[CrustError] = []
-        if self.before_teardown is not None:
-            await self.before_teardown(record.sandbox_id)
+        if self._before_teardown is not None:
+            await self._before_teardown(record.sandbox_id)
         await sandbox.stop_process()
         for volume in record.volumes.values():
             try:

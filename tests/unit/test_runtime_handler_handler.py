@@ -52,8 +52,7 @@ def test_a_delete_while_the_reaper_tears_a_dead_sandbox_down_waits_for_it(tmp_pa
         handler = RuntimeHandler(name="h", volumes_dir=tmp_path / "volumes", state_dir=tmp_path / "state",
                                  registration=Registration(), make_sandbox=None)
         sandbox, record = DeadSandbox(), SandboxRecord(sandbox_id="pod-1", bundle="")
-        handler.sandboxes["pod-1"] = (sandbox, record)
-        await handler.records.put("pod-1", record)
+        await handler.adopt(sandbox, record)
         reaper = asyncio.create_task(handler.reap_once())
         await asyncio.wait_for(sandbox.stopping.wait(), 5)
         deleting = asyncio.create_task(handler.delete_sandbox("pod-1"))

@@ -276,7 +276,7 @@ class PodContainers(PodProcesses):
                 if key not in record.volumes:
                     new_volumes.append(key)
                     await self.handler.mount_volume(sandbox, record, key, resolved.info, [], direct)
-                    await self.handler.records.put(pod.sandbox_id, record)
+                    await self.handler.save(record)
                 volume = record.volumes[key]
                 views.append((key, view))
                 named.append(agent_pb2.Source(volume_id=volume_calls.volume_id(volume.mount_point),
@@ -293,7 +293,7 @@ class PodContainers(PodProcesses):
             for key, view in views:
                 record.volumes[key].views.append(view)
                 c.volumes.setdefault(key, []).append(view)
-            await self.handler.records.put(pod.sandbox_id, record)
+            await self.handler.save(record)
             await self.records.put(pod.sandbox_id, pod)
         except BaseException as exc:
             log.warning("container create failed; undoing it", extra={"fields": {
@@ -361,8 +361,8 @@ class PodContainers(PodProcesses):
                         errors.append(exc.message)
                         continue
                 c.volumes.pop(key, None)
-            if pod.sandbox_id in self.handler.sandboxes:
-                await self.handler.records.put(pod.sandbox_id, record)
+            if self.handler.entry(pod.sandbox_id) is not None:
+                await self.handler.save(record)
         if not errors:
             try:
                 for share in self._shares(pod.sandbox_id, sandbox if alive else None):
@@ -415,7 +415,7 @@ class PodContainers(PodProcesses):
         async with self.locks[pod.sandbox_id]:
             if container_id not in pod.containers:
                 return handler_pb2.ProcessState(status=Status.STOPPED, reason="deleted already")
-            entry = self.handler.sandboxes.get(pod.sandbox_id)
+            entry = self.handler.entry(pod.sandbox_id)
             sandbox, record = entry if entry is not None else (None, None)
             with self.handler.inflight.hold(pod.sandbox_id, container_id):
                 if sandbox is not None and sandbox.alive():

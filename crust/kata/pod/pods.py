@@ -149,7 +149,7 @@ class Pods(PodContainers):
         self._expiries: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (container, exec) -> its forgetting
         self.execs_taken_back = asyncio.Event()   # set once start() asked the guests for their execs
         self.kills = stop_bound.KillDeadlines()   # processes sent SIGKILL, exited in time or the VM killed
-        handler.before_teardown = self._before_teardown
+        handler.set_before_teardown(self._before_teardown)
         self._watcher: asyncio.Task | None = None
 
     @staticmethod
@@ -299,14 +299,14 @@ class Pods(PodContainers):
     # -- lookups ---------------------------------------------------------------------------
 
     def _sandbox(self, pod_id: str) -> KataSandbox | None:
-        entry = self.handler.sandboxes.get(pod_id)
+        entry = self.handler.entry(pod_id)
         return entry[0] if entry is not None else None
 
     def _live(self, pod_id: str) -> tuple[KataSandbox, SandboxRecord, PodRecord]:
         pod = self.pods.get(pod_id)
         if pod is None:
             raise NotFound(f"sandbox_id {pod_id!r}: no such pod")
-        entry = self.handler.sandboxes.get(pod_id)
+        entry = self.handler.entry(pod_id)
         if entry is None or not entry[0].alive() or pod.gone:
             raise FailedPrecondition(f"pod {pod_id}: {pod.gone or 'its VM is not running'}")
         return entry[0], entry[1], pod
@@ -351,8 +351,8 @@ class Pods(PodContainers):
                 if pod is not None:
                     if pod.gone:
                         raise FailedPrecondition(f"pod {sandbox_id} exists and {pod.gone}: delete it first")
-                    return self.handler.sandboxes[sandbox_id][0].pid
-                if sandbox_id in self.handler.sandboxes:
+                    return self.handler.entry(sandbox_id)[0].pid
+                if self.handler.entry(sandbox_id) is not None:
                     raise AlreadyExists(f"sandbox_id {sandbox_id!r} is a sandbox of this handler, not a pod")
                 await self.handler.registration.wait_registered(f"pod {sandbox_id}")
                 sandbox_spec = _sandbox_spec(bundle)
@@ -443,16 +443,14 @@ class Pods(PodContainers):
                 try:
                     await self.records.put(sandbox_id, pod)
                     self.pods[sandbox_id] = pod
-                    self.handler.sandboxes[sandbox_id] = (sandbox, record)
-                    await self.handler.records.put(sandbox_id, record)
+                    await self.handler.adopt(sandbox, record)
                 except BaseException:
                     self.pods.pop(sandbox_id, None)
-                    self.handler.sandboxes.pop(sandbox_id, None)
                     await sandbox.stop()
                     await self._disconnect(sandbox_id, pod.network)
                     await asyncio.to_thread(self._tear_down_share, sandbox_id)
                     await self.records.delete(sandbox_id)
-                    await self.handler.records.delete(sandbox_id)
+                    await self.handler.forget(sandbox_id)
                     await asyncio.to_thread(self._remove_workdir, sandbox_id)
                     raise
         log.info("pod running", extra={"fields": {"sandbox": sandbox_id, "pid": record.pid}})
@@ -486,7 +484,7 @@ class Pods(PodContainers):
                 try:
                     with self.handler.inflight.hold(sandbox_id):
                         await self.handler.mount_volume(sandbox, record, key, resolved.info, [])
-                        await self.handler.records.put(sandbox_id, record)
+                        await self.handler.save(record)
                     mounted.append(resolved.info.target_path)
                 except Exception as exc:  # noqa: BLE001 - nobody awaits this task: every failure is logged here
                     log.warning("volume not mounted ahead; its container's create mounts it", extra={"fields": {
@@ -498,7 +496,7 @@ class Pods(PodContainers):
                         log.error("could not give back a volume whose mount ahead failed", extra={"fields": {
                             "sandbox": sandbox_id, "target_path": resolved.info.target_path,
                             "error": undo.message}})
-                    await self.handler.records.put(sandbox_id, record)
+                    await self.handler.save(record)
         if mounted:
             log.info("volumes mounted ahead", extra={"fields": {
                 "sandbox": sandbox_id, "target_paths": mounted, "seconds": round(time.monotonic() - started, 3)}})
@@ -552,7 +550,7 @@ class Pods(PodContainers):
         await self._ahead_settled(sandbox_id)
         async with self.locks[sandbox_id]:
             pod = self.pods.get(sandbox_id)
-            if sandbox_id in self.handler.sandboxes:
+            if self.handler.entry(sandbox_id) is not None:
                 with stop_bound.bounded(stop_bound.POD_STOP):
                     await self.handler.delete_sandbox(sandbox_id)   # before_teardown, VM stopped, claims released
             if pod is None:
@@ -594,7 +592,7 @@ class Pods(PodContainers):
     def list_pods(self) -> list[handler_pb2.PodInfo]:
         out = []
         for pod_id, pod in sorted(self.pods.items()):
-            entry = self.handler.sandboxes.get(pod_id)
+            entry = self.handler.entry(pod_id)
             out.append(handler_pb2.PodInfo(
                 sandbox_id=pod_id, pid=entry[1].pid if entry else 0,
                 alive=bool(entry and entry[0].alive() and not pod.gone),
