@@ -11,9 +11,8 @@ import pytest
 
 from crust.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from crust.kata.pod import processes as pod_processes
-from crust.kata.pod.processes import PodProcesses
+from crust.kata.pod.processes import Processes
 from crust.kata.pod.records import ContainerRecord, PodRecord, ProcessRecord
-from crust.kata.agent.calls import ExitWatches
 
 
 class _Sandbox:
@@ -23,31 +22,32 @@ class _Sandbox:
         return True
 
 
-class _Pods(PodProcesses):
-    """What PodProcesses uses of Pods, around a VM that runs."""
+class _Registry:
+    """What Processes asks of the PodRegistry, around a VM that runs."""
 
     def __init__(self, pod: PodRecord):
         self.pods = {pod.sandbox_id: pod}
-        self.exits = ExitWatches()
-        self._expiries = {}
-        self._forgets = set()
-        self.execs_taken_back = asyncio.Event()
-        self.execs_taken_back.set()
 
-    def _sandbox(self, pod_id):
+    def sandbox(self, pod_id):
         return _Sandbox()
 
-    def _find(self, container_id):
+    def find(self, container_id):
         for pod in self.pods.values():
             if container_id in pod.containers:
                 return pod, pod.containers[container_id]
         raise NotFound(f"container_id {container_id!r}: no such container")
 
-    def _process(self, container_id, exec_id):
-        pod, c = self._find(container_id)
+    def process(self, container_id, exec_id):
+        pod, c = self.find(container_id)
         if exec_id not in c.processes:
             raise NotFound(f"exec_id {exec_id!r}: no such process in container {container_id}")
         return pod, c, c.processes[exec_id]
+
+
+def _processes(pod: PodRecord) -> Processes:
+    processes = Processes(_Registry(pod))
+    processes.all_taken_back()
+    return processes
 
 
 def _pod() -> tuple[PodRecord, ContainerRecord]:
@@ -59,7 +59,7 @@ def _pod() -> tuple[PodRecord, ContainerRecord]:
 async def test_exited_execs_beyond_the_bound_are_forgotten_oldest_first(monkeypatch):
     monkeypatch.setattr(pod_processes, "EXITED_EXECS_KEPT", 3)
     pod, c = _pod()
-    pods = _Pods(pod)
+    pods = _processes(pod)
     for n in range(5):
         p = c.processes[f"e{n}"] = ProcessRecord(exec_id=f"e{n}", pid=10 + n, exit_code=0, exited_at_ns=100 + n,
                                                  on_port=True)
@@ -72,7 +72,7 @@ async def test_exited_execs_beyond_the_bound_are_forgotten_oldest_first(monkeypa
 async def test_an_exited_exec_nobody_deletes_is_forgotten_after_its_time(monkeypatch):
     monkeypatch.setattr(pod_processes, "EXITED_EXEC_SECONDS", 0.05)
     pod, c = _pod()
-    pods = _Pods(pod)
+    pods = _processes(pod)
     p = c.processes["e"] = ProcessRecord(exec_id="e", pid=10, exit_code=0, on_port=True)
     pods._bound_exited(pod, c, p)
     await asyncio.sleep(0.2)
@@ -82,7 +82,7 @@ async def test_an_exited_exec_nobody_deletes_is_forgotten_after_its_time(monkeyp
 
 async def test_a_delete_forgets_an_exited_exec_once_and_refuses_a_running_one():
     pod, c = _pod()
-    pods = _Pods(pod)
+    pods = _processes(pod)
     done = c.processes["done"] = ProcessRecord(exec_id="done", pid=10, exit_code=3, exited_at_ns=5, on_port=True)
     pods._bound_exited(pod, c, done)
     state = await pods.delete_process("app", "done")

@@ -1,6 +1,7 @@
 """The containers of a microVM pod, as PodRuntime (specs/handler.proto)
-asks for them: create and delete. The container half of
-crust.kata.pod.pods.Pods (a mixin: the records, locks and VMs are Pods').
+asks for them: create and delete. The pods, their records, locks and VMs
+are the PodRegistry's (crust.kata.pod.registry); the containers' processes
+are crust.kata.pod.processes', the pod's volumes crust.kata.pod.volumes'.
 
 - a container's root file system is a bind of the bundle's rootfs
   (containerd's snapshot) in the share, bound by the guest at
@@ -40,7 +41,6 @@ crust.kata.pod.pods.Pods (a mixin: the records, locks and VMs are Pods').
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -62,7 +62,7 @@ from crust.common.recordstore import KEY_RULE, valid_key
 from crust.kata.agent import calls, volume_calls
 from crust.kata.pod import container_spec, mount_plan, stop_bound
 from crust.kata.pod.mount_plan import PlannedBind, SourceFacts, in_pod_terms, placement
-from crust.kata.pod.processes import POLL, PodProcesses
+from crust.kata.pod.processes import Processes
 from crust.kata.pod.records import (
     GUEST_CONTAINERS,
     ContainerRecord,
@@ -72,9 +72,11 @@ from crust.kata.pod.records import (
 )
 from crust.kata.agent.connection import AGENT_START_WAIT
 from crust.kata.agent.calls import SHM_TMPFS
+from crust.kata.pod.registry import PodRegistry
+from crust.kata.pod.volumes import PodVolumes
 from crust.kata.sandbox.vm_sandbox import KataSandbox
 from crust.kata.pod.share import ShareError, cached_in_guest, is_atomic_writer_volume_root
-from crust.runtime_handler.handler import SandboxRecord, VolumeView
+from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
 from crust.runtime_handler.oci import load_requested_bundle
 
 log = logging.getLogger("crust.kata.pod.pods")
@@ -115,8 +117,13 @@ def _make_mount_points(rootfs: Path, binds: list[PlannedBind]) -> None:
                                      f"root file system: {exc.strerror or exc}") from None
 
 
-class PodContainers(PodProcesses):
-    # -- containers --------------------------------------------------------------------------
+class Containers:
+    def __init__(self, registry: PodRegistry, handler: RuntimeHandler, processes: Processes, volumes: PodVolumes):
+        self.registry = registry
+        self.handler = handler
+        self.processes = processes
+        self.volumes = volumes
+        self._creating: set[str] = set()   # container ids whose CreateContainer runs
 
     async def create_container(self, sandbox_id: str, container_id: str, bundle: str, stdin: bool = False) -> None:
         if not valid_key(container_id):
@@ -126,15 +133,15 @@ class PodContainers(PodProcesses):
         if not rootfs.is_dir():
             raise InvalidArgument(f"bundle {bundle}: its root file system {rootfs} is no directory")
         spec_dict = raw_spec(bundle)
-        early = self._sandbox(sandbox_id)
+        early = self.registry.sandbox(sandbox_id)
         if early is not None and early.alive():
             # crun makes the container through the guest's agent, for
             # which a VM booted a moment ago waits here (without the pod's
             # lock), before anything of the container is placed.
             await early.vm.port.ready(wait=AGENT_START_WAIT)
-        async with self.locks[sandbox_id]:
+        async with self.registry.locks[sandbox_id]:
             try:
-                pod, existing = self._find(container_id)
+                pod, existing = self.registry.find(container_id)
             except NotFound:
                 existing = None
             if existing is not None:
@@ -143,7 +150,7 @@ class PodContainers(PodProcesses):
                 raise AlreadyExists(f"container_id {container_id!r} exists in pod {pod.sandbox_id}")
             if container_id in self._creating:
                 raise Aborted(f"container_id {container_id!r} is being created; retry later")
-            sandbox, _, pod = self._live(sandbox_id)
+            sandbox, _, pod = self.registry.live(sandbox_id)
             if sandbox.vm.port.details is None:
                 raise Unavailable(f"pod {sandbox_id}: its guest's agent is not connected")
             missing = [name for name in PLACING if not sandbox.vm.port.has(name)]
@@ -167,13 +174,13 @@ class PodContainers(PodProcesses):
                                              uid=user.uid if user else 0, gid=user.gid if user else 0,
                                              terminal=bool(guest["process"]["terminal"]), stdin=stdin)})
             started = time.monotonic()
-            await self._ahead_settled(sandbox_id)
-            async with self.locks[sandbox_id]:
-                sandbox, record, pod = self._live(sandbox_id)
+            await self.volumes.settled(sandbox_id)
+            async with self.registry.locks[sandbox_id]:
+                sandbox, record, pod = self.registry.live(sandbox_id)
                 with self.handler.inflight.hold(sandbox_id, container_id):
                     await self._attach_container(sandbox, record, pod, c, rootfs, binds)
-            async with self.locks[sandbox_id]:
-                sandbox, record, pod = self._live(sandbox_id)
+            async with self.registry.locks[sandbox_id]:
+                sandbox, record, pod = self.registry.live(sandbox_id)
                 if pod.containers.get(container_id) is c:
                     with self.handler.inflight.hold(sandbox_id, container_id):
                         await self._create_on_port(sandbox, record, pod, c)
@@ -202,11 +209,11 @@ class PodContainers(PodProcesses):
         """The container's root and binds made ready for the guest, each named
         as the guest's agent knows it (crust.guest.places); undone on failure."""
         container_id = c.container_id
-        share, live = self._shares(pod.sandbox_id, sandbox)
+        share, live = self.registry.shares(pod.sandbox_id, sandbox)
         if live.tag not in sandbox.vm.virtiofsds:
             live = share   # a pod started before the live share (its VM has none)
         pod.containers[container_id] = c   # recorded before the guest sees it: a delete knows what to undo
-        await self.records.put(pod.sandbox_id, pod)
+        await self.registry.save(pod)
         new_volumes: list[str] = []
         try:
             client = await sandbox.port()
@@ -272,7 +279,7 @@ class PodContainers(PodProcesses):
                 if key in record.volumes and not record.volumes[key].ready:
                     # A mount (ahead of the pod's containers, or of one that
                     # failed) that could not be undone then: undone now.
-                    await self._give_back(sandbox, record, key)
+                    await self.volumes.give_back(sandbox, record, key)
                 if key not in record.volumes:
                     new_volumes.append(key)
                     await self.handler.mount_volume(sandbox, record, key, resolved.info, [], direct)
@@ -294,7 +301,7 @@ class PodContainers(PodProcesses):
                 record.volumes[key].views.append(view)
                 c.volumes.setdefault(key, []).append(view)
             await self.handler.save(record)
-            await self.records.put(pod.sandbox_id, pod)
+            await self.registry.save(pod)
         except BaseException as exc:
             log.warning("container create failed; undoing it", extra={"fields": {
                 "sandbox": pod.sandbox_id, "container": container_id, "error": str(exc)[:500]}})
@@ -314,7 +321,7 @@ class PodContainers(PodProcesses):
         start is only what comes after."""
         p = c.processes[""]
         c.created_on_port = p.on_port = True   # recorded first: a failed create is removed on the port
-        await self.records.put(pod.sandbox_id, pod)
+        await self.registry.save(pod)
         try:
             client = await sandbox.port()
             if c.oci.sysctls or c.oci.hostname:
@@ -356,7 +363,7 @@ class PodContainers(PodProcesses):
                 others = any(key in o.volumes for o in pod.containers.values() if o is not c)
                 if volume is not None and not others:
                     try:
-                        await self._give_back(sandbox if alive else None, record, key)
+                        await self.volumes.give_back(sandbox if alive else None, record, key)
                     except CrustError as exc:
                         errors.append(exc.message)
                         continue
@@ -365,54 +372,26 @@ class PodContainers(PodProcesses):
                 await self.handler.save(record)
         if not errors:
             try:
-                for share in self._shares(pod.sandbox_id, sandbox if alive else None):
+                for share in self.registry.shares(pod.sandbox_id, sandbox if alive else None):
                     await asyncio.to_thread(share.remove_container, c.container_id)
             except (ShareError, OSError) as exc:
                 errors.append(f"its binds in the pod's shared directory: {exc}")
         if errors:
-            await self.records.put(pod.sandbox_id, pod)
+            await self.registry.save(pod)
             raise FailedPrecondition(f"container {c.container_id} cleaned up with errors: {'; '.join(errors)}")
         if alive:
-            await self._forget_on_port(sandbox, c)
-        self.exits.forget(c.container_id)
-        self._forget_expiries(c.container_id)
+            await self.processes.forget_on_port(sandbox, c)
+        self.processes.forget_container(c.container_id)
         pod.containers.pop(c.container_id, None)
-        await self.records.put(pod.sandbox_id, pod)
-
-    async def _forget_on_port(self, sandbox: KataSandbox, c: ContainerRecord) -> None:
-        """The container's execs in the agent's table (their exits and
-        unread output): the guest keeps them until told."""
-        execs = [p for p in c.processes.values() if p.on_port and p.pid and p.exec_id]
-        client = await sandbox.vm.port.ready() if execs else None
-        for p in execs if client is not None else ():
-            try:
-                await calls.remove_process(client, c.container_id, p.exec_id)
-            except CrustError as exc:
-                log.warning("exec not forgotten in the guest", extra={"fields": {
-                    "container": c.container_id, "exec": p.exec_id, "error": exc.message}})
-
-    async def _give_back(self, sandbox: KataSandbox | None, record: SandboxRecord, key: str) -> None:
-        """Unmount a volume of the pod in the guest (sandbox None: the VM is
-        gone), unplug it, release its claim, forget it. Every step may run
-        again."""
-        volume = record.volumes.get(key)
-        if volume is None:
-            return
-        if sandbox is not None:
-            await sandbox.unmount(volume.mount_point)
-            if volume.encrypted_name:
-                await sandbox.close_encrypted(volume.encrypted_name)
-            await sandbox.detach(volume.device)
-        await self.handler.release_volume(volume, record.sandbox_id, "")
-        record.volumes.pop(key, None)
+        await self.registry.save(pod)
 
     async def delete_container(self, container_id: str) -> handler_pb2.ProcessState:
         try:
-            pod, c = self._find(container_id)
+            pod, c = self.registry.find(container_id)
         except NotFound:
             return handler_pb2.ProcessState(status=Status.STOPPED, reason="no such container (deleted already)")
         await self.handler.reaped(pod.sandbox_id)   # a VM that died: its teardown first
-        async with self.locks[pod.sandbox_id]:
+        async with self.registry.locks[pod.sandbox_id]:
             if container_id not in pod.containers:
                 return handler_pb2.ProcessState(status=Status.STOPPED, reason="deleted already")
             entry = self.handler.entry(pod.sandbox_id)
@@ -420,45 +399,8 @@ class PodContainers(PodProcesses):
             with self.handler.inflight.hold(pod.sandbox_id, container_id):
                 if sandbox is not None and sandbox.alive():
                     with stop_bound.bounded(stop_bound.POD_STOP):
-                        await self._stop_processes(sandbox, pod, c)
-                state = await self.state(pod, c, c.processes[""])
+                        await self.processes.stop_all(sandbox, pod, c)
+                state = await self.processes.state(pod, c, c.processes[""])
                 await self._remove_container(sandbox, record, pod, c)
         log.info("container deleted", extra={"fields": {"sandbox": pod.sandbox_id, "container": container_id}})
         return state
-
-    async def _stop_processes(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
-                              timeout: float = stop_bound.KILLED_EXIT) -> None:
-        """SIGKILL every process of the container (its cgroup in the guest),
-        then wait for their exits, which the guest pushes. Also when its own
-        processes all exited: what they left running in the background (in
-        a shared PID namespace nothing ends it with them) would keep the
-        container's mounts busy (RemoveContainer waits for the cgroup to
-        empty)."""
-        if not c.created_on_port:
-            return
-        try:
-            await calls.signal_all(await sandbox.port(), c.container_id, 9)
-        except CrustError:
-            if not await sandbox.lost():
-                raise
-            await self._mark_gone(pod.sandbox_id, self._death_reason(pod.sandbox_id, sandbox))
-            return   # killed meanwhile: its agent was silent
-        deadline = time.monotonic() + timeout
-        for p in c.processes.values():
-            while p.pid and p.exit_code is None and time.monotonic() < deadline:
-                await self._refresh(pod, c, p)
-                ended = self.exits.ended(c.container_id, p.exec_id)
-                if p.exit_code is not None:
-                    break
-                if ended is not None:
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(ended.wait(), max(0.0, deadline - time.monotonic()))
-                else:
-                    await asyncio.sleep(POLL)   # its watch starts again once the port is back
-        missing = [p.exec_id or c.container_id for p in c.processes.values() if p.pid and p.exit_code is None]
-        if missing and sandbox.alive() and stop_bound.in_stop():
-            # SIGKILL was answered, and no exit came: the guest is not
-            # trusted to end them, the host ends its VM.
-            await sandbox.vm.kill_unresponsive(f"its guest reported no exit of {', '.join(missing[:5])} within "
-                                               f"{timeout:g} s of SIGKILL")
-            await self._mark_gone(pod.sandbox_id, self._death_reason(pod.sandbox_id, sandbox))

@@ -1,7 +1,7 @@
 """The processes of a microVM pod's containers, as PodRuntime
 (specs/handler.proto) asks for them: start, wait, signal, input, output,
-terminal size and the container's cgroup numbers. The process half of
-crust.kata.pod.pods.Pods (a mixin: the records, locks and VMs are Pods').
+terminal size and the container's cgroup numbers. The pods, their records,
+locks and VMs are the PodRegistry's (crust.kata.pod.registry).
 
 Every process is the guest's agent's (crust.kata.agent.calls): one call
 starts it, its output and input are the agent's pipes or terminal, its
@@ -20,6 +20,7 @@ takes the execs of a running VM from the guest's agent (adopt_execs).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from signal import SIGKILL
@@ -44,6 +45,7 @@ from crust.kata.pod.records import (
     ProcessRecord,
 )
 from crust.kata.agent.connection import AGENT_START_WAIT
+from crust.kata.pod.registry import PodRegistry
 from crust.kata.sandbox.vm_sandbox import KataSandbox
 
 log = logging.getLogger("crust.kata.pod.pods")
@@ -69,20 +71,44 @@ LIST_TIMEOUT = 10.0
 ADOPTION_WAIT = 60.0
 
 
-class PodProcesses:
+class Processes:
+    def __init__(self, registry: PodRegistry):
+        self.registry = registry
+        self.exits = calls.ExitWatches()   # the port processes' WaitProcess calls
+        self._forgets: set[asyncio.Task] = set()   # exited execs nobody deleted, being forgotten
+        self._expiries: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (container, exec) -> its forgetting
+        self.execs_taken_back = asyncio.Event()   # set once the guests were asked for their execs
+        self.kills = stop_bound.KillDeadlines()   # processes sent SIGKILL, exited in time or the VM killed
+
+    def all_taken_back(self) -> None:
+        """A restarted handler asked every running guest for its execs
+        (adopt_execs): the calls naming an exec go on."""
+        self.execs_taken_back.set()
+
+    async def close(self) -> None:
+        await self.exits.close()
+        for task in list(self._forgets):
+            task.cancel()
+        await self.kills.close()
+
+    def forget_container(self, container_id: str) -> None:
+        """A removed container's exit watches and due forgettings."""
+        self.exits.forget(container_id)
+        self._forget_expiries(container_id)
+
     # -- processes ---------------------------------------------------------------------------
 
     async def start_process(self, container_id: str, exec_id: str, spec: handler_pb2.ProcessSpec | None) -> int:
         await self._execs_taken_back(exec_id)
-        pod, c = self._find(container_id)
+        pod, c = self.registry.find(container_id)
         # Before the pod's lock: a process of a VM just booted waits for its
         # guest's agent to open its port without holding up the
         # pod's other calls.
-        sandbox = self._sandbox(pod.sandbox_id)
+        sandbox = self.registry.sandbox(pod.sandbox_id)
         if sandbox is not None and sandbox.alive():
             await sandbox.vm.port.ready(wait=AGENT_START_WAIT)
-        async with self.locks[pod.sandbox_id]:
-            sandbox, _, pod = self._live(pod.sandbox_id)
+        async with self.registry.locks[pod.sandbox_id]:
+            sandbox, _, pod = self.registry.live(pod.sandbox_id)
             if container_id not in pod.containers:
                 raise NotFound(f"container_id {container_id!r}: no such container")
             p = c.processes.get(exec_id)
@@ -138,7 +164,7 @@ class PodProcesses:
         if p.exec_id:
             p.args, p.env = [], []   # they served its start only (a retry answers the pid)
         else:
-            await self.records.put(pod.sandbox_id, pod)
+            await self.registry.save(pod)
         self._watch_exit(pod, c, p, client)
         log.info("process started", extra={"fields": {"sandbox": pod.sandbox_id, "container": c.container_id,
                                                       "exec": p.exec_id, "pid": p.pid}})
@@ -151,12 +177,12 @@ class PodProcesses:
             if answer is None:
                 # The port closes as QEMU exits: the VM's end, once seen,
                 # stops every process of the pod with its reason.
-                sandbox = self._sandbox(pod.sandbox_id)
+                sandbox = self.registry.sandbox(pod.sandbox_id)
                 deadline = time.monotonic() + VM_END_SEEN
                 while sandbox is not None and sandbox.alive() and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
                 if sandbox is None or not sandbox.alive():
-                    await self._mark_gone(pod.sandbox_id, pod.gone or self._death_reason(pod.sandbox_id, sandbox))
+                    await self.registry.mark_gone(pod.sandbox_id, pod.gone or self.registry.death_reason(pod.sandbox_id, sandbox))
                     return
                 p.exit_code, p.reason = VM_GONE_EXIT_CODE, f"ended without an exit code: {why}"
                 p.exited_at_ns = time.time_ns()
@@ -167,7 +193,7 @@ class PodProcesses:
                 # container's creation after an init container's exit).
                 exited_at = time.time_ns()
                 if not p.exec_id:
-                    sandbox = self._sandbox(pod.sandbox_id)
+                    sandbox = self.registry.sandbox(pod.sandbox_id)
                     p.oom_killed = sandbox is not None and sandbox.alive() and await self._oom_killed(sandbox, c)
                 p.exit_code, p.exited_at_ns = answer.exit_code, exited_at
                 if not answer.output_complete:
@@ -175,8 +201,8 @@ class PodProcesses:
                         "fields": {"sandbox": pod.sandbox_id, "container": c.container_id, "exec": p.exec_id}})
             if p.exec_id:
                 self._bound_exited(pod, c, p)
-            elif self.pods.get(pod.sandbox_id) is pod and c.container_id in pod.containers:
-                await self.records.put(pod.sandbox_id, pod)
+            elif self.registry.pods.get(pod.sandbox_id) is pod and c.container_id in pod.containers:
+                await self.registry.save(pod)
 
         self.exits.watch(client, c.container_id, p.exec_id, record)
 
@@ -187,7 +213,7 @@ class PodProcesses:
         if not exec_id:
             raise InvalidArgument("exec_id: empty (a container's own process goes with DeleteContainer)")
         await self._execs_taken_back(exec_id)
-        pod, c, p = self._process(container_id, exec_id)
+        pod, c, p = self.registry.process(container_id, exec_id)
         state = await self.state(pod, c, p)
         if state.status == Status.RUNNING:
             raise FailedPrecondition(f"exec {exec_id} of container {container_id} is running; kill it first")
@@ -216,7 +242,7 @@ class PodProcesses:
         expiry = self._expiries.pop((c.container_id, p.exec_id), None)
         if expiry is not None:
             expiry.cancel()
-        sandbox = self._sandbox(pod.sandbox_id)
+        sandbox = self.registry.sandbox(pod.sandbox_id)
         if not (p.on_port and p.pid) or sandbox is None or not sandbox.alive() or pod.gone:
             return
         client = await sandbox.vm.port.ready()
@@ -292,9 +318,9 @@ class PodProcesses:
         """Learn the exit code of a started process from the guest."""
         if not p.pid or p.exit_code is not None:
             return
-        sandbox = self._sandbox(pod.sandbox_id)
+        sandbox = self.registry.sandbox(pod.sandbox_id)
         if sandbox is None or not sandbox.alive() or pod.gone:
-            await self._mark_gone(pod.sandbox_id, pod.gone or self._death_reason(pod.sandbox_id, sandbox))
+            await self.registry.mark_gone(pod.sandbox_id, pod.gone or self.registry.death_reason(pod.sandbox_id, sandbox))
             return
         # Its exit comes from the watch's WaitProcess; a handler that
         # restarted starts that watch again here.
@@ -337,7 +363,7 @@ class PodProcesses:
 
     async def get_process(self, container_id: str, exec_id: str, wait: bool) -> handler_pb2.ProcessState:
         await self._execs_taken_back(exec_id)
-        pod, c, p = self._process(container_id, exec_id)
+        pod, c, p = self.registry.process(container_id, exec_id)
         state = await self.state(pod, c, p)
         while wait and state.status != Status.STOPPED:
             # Set when the guest answered the watch's WaitProcess; without a
@@ -347,7 +373,7 @@ class PodProcesses:
                 await asyncio.wait_for(watched.wait() if watched else asyncio.sleep(POLL), PORT_WAIT_LOOK)
             except asyncio.TimeoutError:
                 pass
-            if container_id not in pod.containers or self.pods.get(pod.sandbox_id) is not pod:
+            if container_id not in pod.containers or self.registry.pods.get(pod.sandbox_id) is not pod:
                 raise NotFound(f"container {container_id} was deleted while waiting")
             if c.processes.get(exec_id) is not p:
                 raise NotFound(f"exec {exec_id} of container {container_id} was deleted while waiting")
@@ -356,10 +382,10 @@ class PodProcesses:
 
     async def signal_process(self, container_id: str, exec_id: str, signal: int, all_processes: bool) -> None:
         await self._execs_taken_back(exec_id)
-        pod, c, p = self._process(container_id, exec_id)
+        pod, c, p = self.registry.process(container_id, exec_id)
         if not 0 < signal < 65:
             raise InvalidArgument(f"signal {signal}: 1 to 64")
-        sandbox = self._sandbox(pod.sandbox_id)
+        sandbox = self.registry.sandbox(pod.sandbox_id)
         await self._refresh(pod, c, p)
         if sandbox is None or not sandbox.alive() or pod.gone:
             return   # nothing runs any more: a signal has nothing to reach
@@ -378,7 +404,7 @@ class PodProcesses:
         except CrustError:
             if not await sandbox.lost():
                 raise
-            await self._mark_gone(pod.sandbox_id, self._death_reason(pod.sandbox_id, sandbox))
+            await self.registry.mark_gone(pod.sandbox_id, self.registry.death_reason(pod.sandbox_id, sandbox))
             return
         if signal == SIGKILL and p.pid:
             self._expect_exit(pod, c, p, sandbox)
@@ -394,9 +420,58 @@ class PodProcesses:
         async def missing() -> None:
             await sandbox.vm.kill_unresponsive(f"its guest reported no exit of {p.exec_id or c.container_id} "
                                                f"within {self.kills.bound:g} s of SIGKILL")
-            await self._mark_gone(pod.sandbox_id, self._death_reason(pod.sandbox_id, sandbox))
+            await self.registry.mark_gone(pod.sandbox_id, self.registry.death_reason(pod.sandbox_id, sandbox))
 
         self.kills.expect((c.container_id, p.exec_id), exited, missing)
+
+    async def stop_all(self, sandbox: KataSandbox, pod: PodRecord, c: ContainerRecord,
+                       timeout: float = stop_bound.KILLED_EXIT) -> None:
+        """SIGKILL every process of the container (its cgroup in the guest),
+        then wait for their exits, which the guest pushes. Also when its own
+        processes all exited: what they left running in the background (in
+        a shared PID namespace nothing ends it with them) would keep the
+        container's mounts busy (RemoveContainer waits for the cgroup to
+        empty)."""
+        if not c.created_on_port:
+            return
+        try:
+            await calls.signal_all(await sandbox.port(), c.container_id, 9)
+        except CrustError:
+            if not await sandbox.lost():
+                raise
+            await self.registry.mark_gone(pod.sandbox_id, self.registry.death_reason(pod.sandbox_id, sandbox))
+            return   # killed meanwhile: its agent was silent
+        deadline = time.monotonic() + timeout
+        for p in c.processes.values():
+            while p.pid and p.exit_code is None and time.monotonic() < deadline:
+                await self._refresh(pod, c, p)
+                ended = self.exits.ended(c.container_id, p.exec_id)
+                if p.exit_code is not None:
+                    break
+                if ended is not None:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(ended.wait(), max(0.0, deadline - time.monotonic()))
+                else:
+                    await asyncio.sleep(POLL)   # its watch starts again once the port is back
+        missing = [p.exec_id or c.container_id for p in c.processes.values() if p.pid and p.exit_code is None]
+        if missing and sandbox.alive() and stop_bound.in_stop():
+            # SIGKILL was answered, and no exit came: the guest is not
+            # trusted to end them, the host ends its VM.
+            await sandbox.vm.kill_unresponsive(f"its guest reported no exit of {', '.join(missing[:5])} within "
+                                               f"{timeout:g} s of SIGKILL")
+            await self.registry.mark_gone(pod.sandbox_id, self.registry.death_reason(pod.sandbox_id, sandbox))
+
+    async def forget_on_port(self, sandbox: KataSandbox, c: ContainerRecord) -> None:
+        """The container's execs in the agent's table (their exits and
+        unread output): the guest keeps them until told."""
+        execs = [p for p in c.processes.values() if p.on_port and p.pid and p.exec_id]
+        client = await sandbox.vm.port.ready() if execs else None
+        for p in execs if client is not None else ():
+            try:
+                await calls.remove_process(client, c.container_id, p.exec_id)
+            except CrustError as exc:
+                log.warning("exec not forgotten in the guest", extra={"fields": {
+                    "container": c.container_id, "exec": p.exec_id, "error": exc.message}})
 
     async def write_input(self, container_id: str, exec_id: str, offset: int, data: bytes, close: bool) -> int:
         """data at offset of the process's standard input (close: it ends
@@ -404,12 +479,12 @@ class PodProcesses:
         await self._execs_taken_back(exec_id)
         if offset < 0:
             raise InvalidArgument("offset must not be negative")
-        pod, _, p = self._process(container_id, exec_id)
+        pod, _, p = self.registry.process(container_id, exec_id)
         if not p.stdin:
             raise FailedPrecondition(f"process {exec_id or container_id} was not started with a standard input")
         if not p.pid:
             raise FailedPrecondition(f"process {exec_id or container_id} was not started yet")
-        sandbox, _, _ = self._live(pod.sandbox_id)
+        sandbox, _, _ = self.registry.live(pod.sandbox_id)
         return await calls.write_input(await sandbox.port(), container_id,
                                               exec_id, offset, data, close)
 
@@ -417,7 +492,7 @@ class PodProcesses:
         await self._execs_taken_back(exec_id)
         if not (0 < width < 65536 and 0 < height < 65536):
             raise InvalidArgument(f"width {width} and height {height}: 1 to 65535")
-        pod, c, p = self._process(container_id, exec_id)
+        pod, c, p = self.registry.process(container_id, exec_id)
         if not p.terminal:
             raise FailedPrecondition(f"process {exec_id or container_id} has no terminal")
         if not p.pid:
@@ -425,19 +500,19 @@ class PodProcesses:
         await self._refresh(pod, c, p)
         if p.exit_code is not None:
             return   # its terminal went with it
-        sandbox, _, _ = self._live(pod.sandbox_id)
+        sandbox, _, _ = self.registry.live(pod.sandbox_id)
         await calls.resize_terminal(await sandbox.port(), container_id,
                                            exec_id, width, height)
 
     async def container_stats(self, container_id: str) -> handler_pb2.ContainerStatsResponse:
         """The container's cgroup numbers in the guest; a pod's sandbox id:
         those of all its containers (their common parent)."""
-        if container_id in self.pods:
-            sandbox, _, _ = self._live(container_id)
+        if container_id in self.registry.pods:
+            sandbox, _, _ = self.registry.live(container_id)
             which = ""
         else:
-            pod, c = self._find(container_id)
-            sandbox, _, _ = self._live(pod.sandbox_id)
+            pod, c = self.registry.find(container_id)
+            sandbox, _, _ = self.registry.live(pod.sandbox_id)
             if c.oci is None:
                 raise FailedPrecondition(f"container {container_id} runs without a cgroup of its own in the guest")
             which = container_id
@@ -452,7 +527,7 @@ class PodProcesses:
         await self._execs_taken_back(exec_id)
         if stdout_offset < 0 or stderr_offset < 0:
             raise InvalidArgument("stdout_offset and stderr_offset must not be negative")
-        pod, _, p = self._process(container_id, exec_id)
+        pod, _, p = self.registry.process(container_id, exec_id)
         offsets = {"out": stdout_offset, "err": stderr_offset}
 
         def cut(why: str) -> DataLoss:
@@ -463,10 +538,10 @@ class PodProcesses:
             if container_id not in pod.containers or p.exit_code is not None:
                 return
             await asyncio.sleep(POLL)
-        sandbox = self._sandbox(pod.sandbox_id)
+        sandbox = self.registry.sandbox(pod.sandbox_id)
         client = await sandbox.vm.port.ready(wait=PORT_WAIT) if sandbox is not None and sandbox.alive() else None
         if client is None:
-            raise cut(pod.gone or self._death_reason(pod.sandbox_id, sandbox) if sandbox is None or
+            raise cut(pod.gone or self.registry.death_reason(pod.sandbox_id, sandbox) if sandbox is None or
                       not sandbox.alive() else "the guest's agent port is not open")
         async for chunk in calls.read_output(client, container_id, exec_id, stdout_offset,
                                                     stderr_offset, cut):

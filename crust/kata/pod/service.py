@@ -1,12 +1,19 @@
-"""PodRuntime on the microVM handler's socket: the gRPC side of crust.kata.pod.pods
-(what containerd's crust shim asks; the contract is specs/handler.proto)."""
+"""PodRuntime on the microVM handler's socket: the gRPC side of
+crust.kata.pod.pods, containers and processes (what containerd's crust shim
+asks; the contract is specs/handler.proto), and the objects that serve it,
+each given what it uses."""
 
 from __future__ import annotations
 
 from crust.api import handler_pb2, handler_pb2_grpc
 from crust.common import csi_input
 from crust.common.errors import CrustError
+from crust.kata.pod.containers import Containers
+from crust.kata.pod.network import PodNetworks
 from crust.kata.pod.pods import Pods
+from crust.kata.pod.processes import Processes
+from crust.kata.pod.registry import PodRegistry
+from crust.kata.pod.volumes import PodVolumes
 from crust.kata.supply.pool import VmPool
 from crust.kata.supply.template import VmTemplate
 
@@ -14,21 +21,23 @@ SERVICE = handler_pb2.DESCRIPTOR.services_by_name["PodRuntime"].full_name
 
 
 class PodRuntimeService(handler_pb2_grpc.PodRuntimeServicer):
-    def __init__(self, pods: Pods):
+    def __init__(self, pods: Pods, containers: Containers, processes: Processes):
         self.pods = pods
+        self.containers = containers
+        self.processes = processes
 
     async def CreatePod(self, request: handler_pb2.CreatePodRequest, context):
         pid = await self.pods.create_pod(csi_input.required(request.sandbox_id, "sandbox_id"), request.bundle)
         return handler_pb2.CreatePodResponse(pid=pid)
 
     async def CreateContainer(self, request: handler_pb2.CreateContainerRequest, context):
-        await self.pods.create_container(csi_input.required(request.sandbox_id, "sandbox_id"),
+        await self.containers.create_container(csi_input.required(request.sandbox_id, "sandbox_id"),
                                          csi_input.required(request.container_id, "container_id"),
                                          csi_input.required(request.bundle, "bundle"), stdin=request.stdin)
         return handler_pb2.CreateContainerResponse()
 
     async def StartProcess(self, request: handler_pb2.StartProcessRequest, context):
-        pid = await self.pods.start_process(csi_input.required(request.container_id, "container_id"),
+        pid = await self.processes.start_process(csi_input.required(request.container_id, "container_id"),
                                             request.exec_id,
                                             request.process if request.HasField("process") else None)
         return handler_pb2.StartProcessResponse(pid=pid)
@@ -37,7 +46,7 @@ class PodRuntimeService(handler_pb2_grpc.PodRuntimeServicer):
         # A server stream: the interceptor maps no errors here, so a
         # refusal is this call's status.
         try:
-            async for chunk in self.pods.read_output(csi_input.required(request.container_id, "container_id"),
+            async for chunk in self.processes.read_output(csi_input.required(request.container_id, "container_id"),
                                                      request.exec_id, request.stdout_offset,
                                                      request.stderr_offset):
                 yield chunk
@@ -45,21 +54,21 @@ class PodRuntimeService(handler_pb2_grpc.PodRuntimeServicer):
             await context.abort(exc.code, exc.message)
 
     async def GetProcess(self, request: handler_pb2.GetProcessRequest, context):
-        return await self.pods.get_process(csi_input.required(request.container_id, "container_id"),
+        return await self.processes.get_process(csi_input.required(request.container_id, "container_id"),
                                            request.exec_id, request.wait)
 
     async def SignalProcess(self, request: handler_pb2.SignalProcessRequest, context):
-        await self.pods.signal_process(csi_input.required(request.container_id, "container_id"),
+        await self.processes.signal_process(csi_input.required(request.container_id, "container_id"),
                                        request.exec_id, request.signal, request.all)
         return handler_pb2.SignalProcessResponse()
 
     async def DeleteProcess(self, request: handler_pb2.DeleteProcessRequest, context):
-        state = await self.pods.delete_process(csi_input.required(request.container_id, "container_id"),
+        state = await self.processes.delete_process(csi_input.required(request.container_id, "container_id"),
                                                request.exec_id)
         return handler_pb2.DeleteProcessResponse(state=state)
 
     async def DeleteContainer(self, request: handler_pb2.DeleteContainerRequest, context):
-        state = await self.pods.delete_container(csi_input.required(request.container_id, "container_id"))
+        state = await self.containers.delete_container(csi_input.required(request.container_id, "container_id"))
         return handler_pb2.DeleteContainerResponse(state=state)
 
     async def DeletePod(self, request: handler_pb2.DeletePodRequest, context):
@@ -70,17 +79,17 @@ class PodRuntimeService(handler_pb2_grpc.PodRuntimeServicer):
         return handler_pb2.ListPodsResponse(pods=self.pods.list_pods())
 
     async def WriteInput(self, request: handler_pb2.WriteInputRequest, context):
-        length = await self.pods.write_input(csi_input.required(request.container_id, "container_id"),
+        length = await self.processes.write_input(csi_input.required(request.container_id, "container_id"),
                                              request.exec_id, request.offset, request.data, request.close)
         return handler_pb2.WriteInputResponse(length=length)
 
     async def ResizeTerminal(self, request: handler_pb2.ResizeTerminalRequest, context):
-        await self.pods.resize_terminal(csi_input.required(request.container_id, "container_id"),
+        await self.processes.resize_terminal(csi_input.required(request.container_id, "container_id"),
                                         request.exec_id, request.width, request.height)
         return handler_pb2.ResizeTerminalResponse()
 
     async def ContainerStats(self, request: handler_pb2.ContainerStatsRequest, context):
-        return await self.pods.container_stats(csi_input.required(request.container_id, "container_id"))
+        return await self.processes.container_stats(csi_input.required(request.container_id, "container_id"))
 
 
 class PodRuntimeExtension:
@@ -95,8 +104,12 @@ class PodRuntimeExtension:
         ttrpc beside it (crust.kata.pod.ttrpc_endpoint) for the shim."""
         self.pool = pool
         self.template = template
-        self.pods = Pods(handler, pool, template)
-        self.servicer = PodRuntimeService(self.pods)
+        registry = PodRegistry(handler)
+        self.processes = Processes(registry)
+        volumes = PodVolumes(registry, handler)
+        self.containers = Containers(registry, handler, self.processes, volumes)
+        self.pods = Pods(handler, registry, self.processes, volumes, PodNetworks(), pool, template)
+        self.servicer = PodRuntimeService(self.pods, self.containers, self.processes)
         self.ttrpc = None
         if endpoint:
             from crust.kata.pod.ttrpc_endpoint import TtrpcEndpoint

@@ -97,8 +97,8 @@ class PodRuntimeTtrpc:
 
     async def _chunks(self, container_id: str, request: handler_pb2.ReadOutputRequest):
         try:
-            async for chunk in self.service.pods.read_output(container_id, request.exec_id, request.stdout_offset,
-                                                             request.stderr_offset):
+            async for chunk in self.service.processes.read_output(container_id, request.exec_id,
+                                                                  request.stdout_offset, request.stderr_offset):
                 yield chunk
         except CrustError as exc:
             raise ttrpc_error(exc) from None
