@@ -45,7 +45,6 @@ all finding pods, their locks and VMs in the PodRegistry
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import shutil
@@ -58,9 +57,7 @@ from crust.common.errors import (
     CrustError,
     FailedPrecondition,
     InvalidArgument,
-    Unavailable,
 )
-from crust.common.private import make_dirs
 from crust.common.recordstore import KEY_RULE, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata.agent import calls
@@ -70,13 +67,12 @@ from crust.kata.pod.network import PodNetworks
 from crust.kata.pod.processes import Processes
 from crust.kata.pod.records import PodNetwork, PodRecord
 from crust.kata.pod.registry import PodRegistry
-from crust.kata.pod.share import ShareError
+from crust.kata.pod.share import PodShare, ShareError
 from crust.kata.pod.volumes import PodVolumes
-from crust.kata.supply.pool import VmPool
-from crust.kata.supply.template import VmTemplate, restore_config
+from crust.kata.sandbox.vm_sandbox import KataSandbox
+from crust.kata.supply.source import VmSource
 from crust.kata.vmm.devices import Nic
-from crust.kata.vmm.qemu import SharedDir, Vm, VmError
-from crust.kata.vmm.qmp import QmpError, QmpGone, QmpTimeout
+from crust.kata.vmm.qemu import SharedDir
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord
 from crust.sys import mount as mounts
 from crust.sys import podnet
@@ -129,15 +125,13 @@ class Pods:
     crust.kata.pod.containers' and crust.kata.pod.processes'."""
 
     def __init__(self, handler: RuntimeHandler, registry: PodRegistry, processes: Processes, volumes: PodVolumes,
-                 networks: PodNetworks, pool: VmPool | None = None, template: VmTemplate | None = None):
+                 networks: PodNetworks, vm_source: VmSource):
         self.handler = handler
         self.registry = registry
         self.processes = processes
         self.volumes = volumes
         self.networks = networks
-        self.pool = pool   # VMs booted ahead (crust.kata.supply.pool); a pod takes one when it can
-        self.template = template   # a VM saved once (crust.kata.supply.template); restored when the pool has none
-        self.handler_nice = os.getpriority(os.PRIO_PROCESS, 0)   # what a taken VM runs at
+        self.vm_source = vm_source   # a pod's VM: pooled, restored or booted (crust.kata.supply.source)
         handler.set_before_teardown(self._before_teardown)
         self._watcher: asyncio.Task | None = None
 
@@ -246,9 +240,8 @@ class Pods:
                 interface = await self.networks.interface(sandbox_id, network_namespace(sandbox_spec))
                 shares = self.registry.shares(sandbox_id)
                 limits, overhead = guest_memory.requested(sandbox_spec)
-                pooled = await self._take_pooled_vm(sandbox_id)
-                saved = self.template.saved() if pooled is None and self.template is not None else None
-                sandbox = self.handler.make_sandbox(sandbox_id, self.registry.workdir(sandbox_id), None, None, vm=pooled)
+                taken = await self.vm_source.take(sandbox_id, self.registry.workdir(sandbox_id))
+                sandbox = taken.sandbox
                 floor = sandbox.vm.config.memory_mib
                 plug_mib = guest_memory.guest_mib(limits, overhead, floor,
                                                   max(floor, sandbox.vm.config.max_memory_mib)) - floor
@@ -258,6 +251,7 @@ class Pods:
                     pod.network = PodNetwork(netns=network_namespace(sandbox_spec), interface=interface.name,
                                              address=interface.ipv4)
                 tap = -1
+                recorded = False
                 try:
                     shared = []
                     for share in shares:
@@ -267,76 +261,23 @@ class Pods:
                     if interface is not None:
                         tap = await self.networks.open_tap(sandbox_id, pod.network, interface)
                         nic = Nic(tap, interface.mac)
-                    if saved is not None:
-                        # Restored (the saved VM's config: no share, no
-                        # NIC), then given both as a pooled VM is.
-                        sandbox.vm.config = restore_config(sandbox.vm.config)
-                        try:
-                            await sandbox.start(saved=saved)
-                        except Unavailable as exc:
-                            self.template.discard(str(exc))
-                            raise
-                    if pooled is not None or saved is not None:
-                        # Booted already, serving the shares that came with
-                        # its directory (plugging them is then nothing), or
-                        # restored without them: they and the NIC are plugged in.
-                        try:
-                            for shared_dir in shared:
-                                await sandbox.vm.plug_shared_dir(shared_dir)
-                            if nic is not None:
-                                await sandbox.vm.plug_nic(nic)
-                        except (VmError, QmpError, QmpGone, QmpTimeout) as exc:
-                            raise Unavailable(f"pod {sandbox_id}: the VM booted for it took no device: {exc}") \
-                                from None
-                    else:
-                        # This VM's own config: the handler's is shared by all its sandboxes.
-                        sandbox.vm.config = dataclasses.replace(sandbox.vm.config, shared_dirs=tuple(shared),
-                                                                nic=nic)
-                        await sandbox.start()
+                    await self.vm_source.run(taken, shared, nic)
                     if tap >= 0:
                         os.close(tap)   # QEMU's now: the tap lives as long as QEMU
                         tap = -1
-                    # The guest's agent is connected now (a VM is ready once
-                    # it answers).
-                    client = await sandbox.port()
-                    for share in shares:
-                        await calls.mount_share(client, share.tag)
-                    await guest_memory.plug(sandbox.vm, client, plug_mib, sandbox_id)
-                    if sysctls or hostname:
-                        # The pod sandbox's, in the guest (the VM is the pod:
-                        # its network, IPC and UTS namespaces are the guest's
-                        # own). One the guest's kernel refuses fails the pod.
-                        await calls.configure_guest(client, sysctls, hostname)
-                    if interface is not None:
-                        await calls.configure_interface(
-                            client, interface.mac, interface.mtu, list(interface.addresses),
-                            [(r.destination, r.gateway) for r in interface.routes])
+                    await self._configure_guest(sandbox, shares, plug_mib, sysctls, hostname, interface)
                     if interface is not None:
                         await self.networks.forward_ports(sandbox_id, pod.network)
-                except BaseException:
-                    if tap >= 0:
-                        os.close(tap)
-                    await sandbox.stop()
-                    await self.networks.disconnect(sandbox_id, pod.network)
-                    await asyncio.to_thread(self._tear_down_share, sandbox_id)
-                    # QEMU's reason is in the error; its logs go with the pod
-                    # that never was.
-                    await asyncio.to_thread(self._remove_workdir, sandbox_id)
-                    raise
-                record.pid = sandbox.pid
-                identity = sandbox.identity
-                record.pid_start = identity.start if identity is not None else 0
-                try:
+                    record.pid = sandbox.pid
+                    identity = sandbox.identity
+                    record.pid_start = identity.start if identity is not None else 0
+                    recorded = True
                     await self.registry.add(pod)
                     await self.handler.adopt(sandbox, record)
                 except BaseException:
-                    self.registry.forget(sandbox_id)
-                    await sandbox.stop()
-                    await self.networks.disconnect(sandbox_id, pod.network)
-                    await asyncio.to_thread(self._tear_down_share, sandbox_id)
-                    await self.registry.remove(sandbox_id)
-                    await self.handler.forget(sandbox_id)
-                    await asyncio.to_thread(self._remove_workdir, sandbox_id)
+                    if tap >= 0:
+                        os.close(tap)
+                    await self._undo_create(sandbox, pod, recorded)
                     raise
         log.info("pod running", extra={"fields": {"sandbox": sandbox_id, "pid": record.pid}})
         uid = pod_uid(sandbox_spec)
@@ -344,26 +285,41 @@ class Pods:
             self.volumes.mount_ahead(sandbox_id, uid)
         return record.pid
 
-    async def _take_pooled_vm(self, sandbox_id: str) -> Vm | None:
-        """A VM the pool booted, moved into the pod's work directory (which
-        must not exist yet, or be empty); None without a pool, when it is
-        empty, or when the move fails (that VM is discarded)."""
-        vm = self.pool.take() if self.pool is not None else None
-        if vm is None:
-            return None
-        workdir = self.registry.workdir(sandbox_id)
-        try:
-            await asyncio.to_thread(make_dirs, workdir.parent)
-            await asyncio.to_thread(os.rename, vm.workdir, workdir)
-            vm.relocate(workdir)
-            vm.renice(self.handler_nice)
-        except (OSError, VmError) as exc:
-            log.warning("a pooled VM could not become the pod's; booting one", extra={"fields": {
-                "sandbox": sandbox_id, "vm": vm.name, "error": str(exc)}})
-            await self.pool.discard(vm)
-            return None
-        log.info("pod takes a pooled VM", extra={"fields": {"sandbox": sandbox_id, "vm": vm.name, "pid": vm.pid}})
-        return vm
+    @staticmethod
+    async def _configure_guest(sandbox: KataSandbox, shares: tuple[PodShare, PodShare], plug_mib: int,
+                               sysctls: dict[str, str], hostname: str, interface: podnet.Interface | None) -> None:
+        """The pod's shares mounted in the guest, its memory beyond the
+        VM's plugged (crust.kata.pod.guest_memory), its sysctls, hostname
+        and interface set there."""
+        # The guest's agent is connected now (a VM is ready once it answers).
+        client = await sandbox.port()
+        for share in shares:
+            await calls.mount_share(client, share.tag)
+        await guest_memory.plug(sandbox.vm, client, plug_mib, sandbox.id)
+        if sysctls or hostname:
+            # The pod sandbox's, in the guest (the VM is the pod: its
+            # network, IPC and UTS namespaces are the guest's own). One the
+            # guest's kernel refuses fails the pod.
+            await calls.configure_guest(client, sysctls, hostname)
+        if interface is not None:
+            await calls.configure_interface(
+                client, interface.mac, interface.mtu, list(interface.addresses),
+                [(r.destination, r.gateway) for r in interface.routes])
+
+    async def _undo_create(self, sandbox: KataSandbox, pod: PodRecord, recorded: bool) -> None:
+        """What a CreatePod that failed made, undone: the VM stopped, the
+        pod's network namespace as CNI left it, its shares and records
+        gone. QEMU's reason is in the error; its logs go with the pod that
+        never was."""
+        sandbox_id = pod.sandbox_id
+        self.registry.forget(sandbox_id)
+        await sandbox.stop()
+        await self.networks.disconnect(sandbox_id, pod.network)
+        await asyncio.to_thread(self._tear_down_share, sandbox_id)
+        if recorded:
+            await self.registry.remove(sandbox_id)
+            await self.handler.forget(sandbox_id)
+        await asyncio.to_thread(self._remove_workdir, sandbox_id)
 
     async def delete_pod(self, sandbox_id: str) -> None:
         await self.volumes.settled(sandbox_id)

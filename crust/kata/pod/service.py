@@ -15,6 +15,7 @@ from crust.kata.pod.processes import Processes
 from crust.kata.pod.registry import PodRegistry
 from crust.kata.pod.volumes import PodVolumes
 from crust.kata.supply.pool import VmPool
+from crust.kata.supply.source import VmSource
 from crust.kata.supply.template import VmTemplate
 
 SERVICE = handler_pb2.DESCRIPTOR.services_by_name["PodRuntime"].full_name
@@ -102,13 +103,12 @@ class PodRuntimeExtension:
                  endpoint: str = ""):
         """endpoint: the handler's gRPC endpoint; PodRuntime is served in
         ttrpc beside it (crust.kata.pod.ttrpc_endpoint) for the shim."""
-        self.pool = pool
-        self.template = template
+        self.vm_source = VmSource(handler.make_sandbox, pool, template)
         registry = PodRegistry(handler)
         self.processes = Processes(registry)
         volumes = PodVolumes(registry, handler)
         self.containers = Containers(registry, handler, self.processes, volumes)
-        self.pods = Pods(handler, registry, self.processes, volumes, PodNetworks(), pool, template)
+        self.pods = Pods(handler, registry, self.processes, volumes, PodNetworks(), self.vm_source)
         self.servicer = PodRuntimeService(self.pods, self.containers, self.processes)
         self.ttrpc = None
         if endpoint:
@@ -127,16 +127,10 @@ class PodRuntimeExtension:
         if self.ttrpc is not None:
             await self.ttrpc.start()
         await self.pods.start()
-        if self.pool is not None:
-            await self.pool.start()
-        if self.template is not None:
-            await self.template.start()
+        await self.vm_source.start()
 
     async def stop(self) -> None:
         if self.ttrpc is not None:
             await self.ttrpc.stop()
-        if self.template is not None:
-            await self.template.stop()
-        if self.pool is not None:
-            await self.pool.stop()
+        await self.vm_source.stop()
         await self.pods.stop()
