@@ -19,18 +19,14 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Awaitable, Callable
 
 from crust.common.errors import CrustError
+from crust.runtime_handler.container_records import CREATED, ContainerRecord
+from crust.runtime_handler.registration import Registration
 from crust.sys import proc
 
-if TYPE_CHECKING:
-    from crust.runtime_handler.containers import ContainerRecord
-
 log = logging.getLogger("crust.runtime_handler.containers")
-
-# A container's record: made before `runc create`, created after it.
-PREPARED, CREATED = "prepared", "created"
 # How long a container whose preparing runtime died keeps its claims
 # before the reaper releases them: the runtime's own `delete` normally
 # comes first.
@@ -54,17 +50,33 @@ def namespace_has_members(namespace: str) -> bool:
 
 
 class ContainerEnds:
-    """The part of ContainerVolumes that ends claims no runtime released
-    (its `containers`, `release`, `gone_since`, `reap_grace`, `handler`
-    and `_holder_pid` are ContainerVolumes')."""
+    """Ends the claims no runtime released, of the containers in
+    `containers` (ContainerVolumes' records, by container id): `release`
+    lets go of a container's claims as its delete would (with an abnormal
+    reason, or none), `holder_pid` names the process a pod's claim on a
+    target holds with."""
+
+    def __init__(self, containers: dict[str, ContainerRecord], registration: Registration,
+                 release: Callable[..., Awaitable[None]], holder_pid: Callable[[str, str], int],
+                 reap_grace: float = REAP_GRACE):
+        self.containers = containers
+        self.registration = registration
+        self.release = release
+        self.holder_pid = holder_pid
+        self.reap_grace = reap_grace
+        self.gone_since: dict[str, float] = {}   # by container: when its claims were first seen not held
+
+    def forget(self, container_id: str) -> None:
+        """A container whose claims were released."""
+        self.gone_since.pop(container_id, None)
 
     async def reclaim(self) -> None:
         """After each (re-)registration: the claims of the recorded containers."""
         for record in list(self.containers.values()):
             for target in record.targets():
                 try:
-                    await self.handler.registration.claim(
-                        target, record.sandbox_id, self._holder_pid(target, record.sandbox_id))
+                    await self.registration.claim(
+                        target, record.sandbox_id, self.holder_pid(target, record.sandbox_id))
                 except CrustError as exc:
                     log.error("lost a container's claim", extra={"fields": {
                         "container": record.container_id, "target_path": target, "error": exc.message}})
@@ -128,7 +140,7 @@ class ContainerEnds:
                     "container": container_id, "error": exc.message}})
         return released
 
-    async def _reap_forever(self, interval: float = 1.0) -> None:
+    async def reap_forever(self, interval: float = 1.0) -> None:
         while True:
             await asyncio.sleep(interval)
             await self.reap_once()

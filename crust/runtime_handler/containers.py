@@ -51,10 +51,7 @@ import contextlib
 import logging
 import os
 import re
-import time
 from pathlib import Path
-
-from pydantic import BaseModel, Field
 
 from crust.api import csi_pb2, handler_pb2
 from crust.common import copath
@@ -62,10 +59,10 @@ from crust.common.errors import CrustError, FailedPrecondition, InvalidArgument,
 from crust.common.recordstore import KEY_RULE, RecordStore, valid_key
 from crust.contract.mountinfo import FS_GROUP, FS_GROUP_CHANGE_POLICY, MountInfo, digest
 from crust.contract.volumes_dir import check_sandbox_id
-from crust.oci_runtime import main as runtime
+from crust.oci_runtime import bundle as runtime_bundle
 from crust.oci_runtime.client import RuntimeFailure
-from crust.runtime_handler.container_ends import (CREATED, PREPARED, REAP_GRACE, ContainerEnds,
-                                                   mount_namespace)
+from crust.runtime_handler.container_ends import REAP_GRACE, ContainerEnds, mount_namespace
+from crust.runtime_handler.container_records import CREATED, PREPARED, ContainerMount, ContainerRecord
 from crust.runtime_handler.freeze_holder import Freezer
 from crust.runtime_handler.handler import BIND_OPTIONS, check_device, claimed_description, refuse_encrypted
 from crust.runtime_handler.resolve import (CSI_DIR, Resolved, SubpathEscapes, candidates, refuse_link_to_deferred,
@@ -88,50 +85,6 @@ SHARED_PROPAGATION = {"shared", "rshared"}
 POD_NAMESPACE_PATH = re.compile(r"/proc/([1-9][0-9]{0,9})/ns/(?:ipc|uts|net|pid)")
 # Propagation flags of the bind that mean nothing for a mounted device.
 DROPPED_OPTIONS = BIND_OPTIONS | {"private", "rprivate", "slave", "rslave", "unbindable", "runbindable"}
-
-
-class ContainerMount(BaseModel):
-    destination: str
-    target_path: str
-    device: str
-    fs_type: str
-    options: list[str] = Field(default_factory=list)
-    readonly: bool = False
-    device_major: int = 0
-    device_minor: int = 0
-    fs_group: str = ""
-    fs_group_change_policy: str = ""
-
-
-class ContainerRecord(BaseModel):
-    container_id: str
-    sandbox_id: str
-    bundle: str = ""
-    state: str = PREPARED
-    runtime_pid: int = 0
-    runtime_pid_start: int = 0
-    # The pod's sandbox process (0: the spec named none, or it came through
-    # PrepareContainer, which sends no spec).
-    pod_pid: int = 0
-    pod_pid_start: int = 0
-    pid: int = 0
-    pid_start: int = 0
-    # The container's mount namespace ("mnt:[inode]"), read from its init.
-    mount_namespace: str = ""
-    mounts: list[ContainerMount] = Field(default_factory=list)
-    created_at: float = Field(default_factory=time.time)
-
-    def init(self) -> proc.ProcessId | None:
-        return proc.ProcessId(self.pid, self.pid_start) if self.pid and self.pid_start else None
-
-    def runtime(self) -> proc.ProcessId | None:
-        return proc.ProcessId(self.runtime_pid, self.runtime_pid_start) if self.runtime_pid_start else None
-
-    def pod(self) -> proc.ProcessId | None:
-        return proc.ProcessId(self.pod_pid, self.pod_pid_start) if self.pod_pid_start else None
-
-    def targets(self) -> list[str]:
-        return sorted({m.target_path for m in self.mounts})
 
 
 def is_placeholder(target: str) -> bool:
@@ -193,10 +146,9 @@ def device_options(info: MountInfo, readonly: bool) -> list[str]:
     return (["ro"] if readonly else ["rw"]) + options
 
 
-class ContainerVolumes(ContainerEnds):
+class ContainerVolumes:
     def __init__(self, handler, state_dir: Path, reap_grace: float = REAP_GRACE):
         self.handler = handler
-        self.reap_grace = reap_grace
         self.records = RecordStore(state_dir / "containers", ContainerRecord, lambda key, record: "" if (
             record.container_id == key) else f"it describes container {record.container_id!r}, not {key!r}")
         self.containers: dict[str, ContainerRecord] = dict(self.records.load_all())
@@ -205,13 +157,23 @@ class ContainerVolumes(ContainerEnds):
         # result is the detached mounts' descriptors), then being let go of.
         self.reading_ahead: dict[str, asyncio.Future] = {}
         self.letting_go: dict[str, asyncio.Future] = {}
-        self.gone_since: dict[str, float] = {}
+        # What ends the claims no runtime released (crust.runtime_handler.container_ends).
+        self.ends = ContainerEnds(self.containers, handler.registration, self.release, self._holder_pid, reap_grace)
         self.reaper: asyncio.Task | None = None
         # Freezes of volumes, by target path (held through the container's root).
         self.freezer = Freezer()
 
     def start(self) -> None:
-        self.reaper = asyncio.create_task(self._reap_forever())
+        self.reaper = asyncio.create_task(self.ends.reap_forever())
+
+    async def reclaim(self) -> None:
+        """After each (re-)registration: the claims of the recorded containers."""
+        await self.ends.reclaim()
+
+    async def release_exited(self, sandbox_id: str = "") -> list[str]:
+        """The claims of the containers (of one pod, or all) that ran and are
+        over, released as their delete would."""
+        return await self.ends.release_exited(sandbox_id)
 
     def stop(self) -> None:
         if self.reaper is not None:
@@ -318,7 +280,7 @@ class ContainerVolumes(ContainerEnds):
     async def prepare_bundle(self, container_id: str, bundle: str, runtime_pid: int, state_dir: str,
                              log_flags: dict[str, str]) -> list[ContainerMount]:
         """PrepareBundle: `prepare` with the OCI runtime's own part of
-        `create` done here (crust.oci_runtime.main.write_bundle), for
+        `create` done here (crust.oci_runtime.bundle.write_bundle), for
         crust-runc, which reads no JSON: the bundle's spec read, its binds
         prepared, and the bundle and the runtime's marker written. No
         mounts: nothing deferred, nothing written."""
@@ -328,7 +290,7 @@ class ContainerVolumes(ContainerEnds):
         if not os.path.isdir(bundle):
             raise NotFound(f"bundle {bundle} is not a directory the handler sees (does it run in another mount "
                            "namespace than the runtime?)")
-        for name in (runtime.ORIGINAL_CONFIG, "config.json"):
+        for name in (runtime_bundle.ORIGINAL_CONFIG, "config.json"):
             with contextlib.suppress(OSError):
                 size = os.stat(os.path.join(bundle, name)).st_size
                 if size > MAX_SPEC_BYTES:
@@ -336,12 +298,12 @@ class ContainerVolumes(ContainerEnds):
                     raise InvalidArgument(f"bundle: {os.path.join(bundle, name)} holds {size} bytes, more than "
                                           f"the {MAX_SPEC_BYTES} the handler reads")
         try:
-            spec = await asyncio.to_thread(runtime.load_spec, bundle)
+            spec = await asyncio.to_thread(runtime_bundle.load_spec, bundle)
         except RuntimeFailure as exc:
             raise InvalidArgument(f"bundle: {exc}") from None
-        if not runtime.deferred_candidates(spec):
+        if not runtime_bundle.deferred_candidates(spec):
             return []
-        sandbox_id = runtime.sandbox_of(spec, container_id)
+        sandbox_id = runtime_bundle.sandbox_of(spec, container_id)
         mounts = [handler_pb2.ContainerMount(destination=m.get("destination") or "", type=m.get("type") or "",
                                              source=m.get("source") or "", options=m.get("options") or [])
                   for m in spec.get("mounts") or []]
@@ -356,7 +318,7 @@ class ContainerVolumes(ContainerEnds):
             self.reading_ahead[container_id] = asyncio.ensure_future(
                 asyncio.to_thread(read_file_systems_ahead, deferred))
         try:
-            await asyncio.to_thread(runtime.write_bundle, bundle, state_dir, container_id, sandbox_id, spec,
+            await asyncio.to_thread(runtime_bundle.write_bundle, bundle, state_dir, container_id, sandbox_id, spec,
                                     deferred, log_flags)
         except OSError as exc:
             # Nothing half-done stays: the claims go, and the marker (a
@@ -539,7 +501,7 @@ class ContainerVolumes(ContainerEnds):
                 raise FailedPrecondition(f"container {container_id}: {'; '.join(errors)}")
             await self.records.delete(container_id)
             self.containers.pop(container_id, None)
-            self.gone_since.pop(container_id, None)
+            self.ends.forget(container_id)
         log.info("container volumes released", extra={"fields": {
             "container": container_id, "sandbox": record.sandbox_id, "volumes": record.targets(),
             "abnormal": abnormal_reason}})

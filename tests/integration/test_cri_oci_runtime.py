@@ -37,7 +37,7 @@ def test_runc_command_lines_are_split_as_runc_does():
 
 def test_the_bundle_is_rewritten_in_place_for_deferred_mounts_only():
     from crust.api import handler_pb2
-    from crust.oci_runtime.main import deferred_candidates, rewrite
+    from crust.oci_runtime.bundle import deferred_candidates, rewrite
 
     target = "/var/lib/kubelet/pods/u/volumes/kubernetes.io~csi/pv/mount"
     spec = {"mounts": [

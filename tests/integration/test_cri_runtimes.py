@@ -21,7 +21,7 @@ from crust.containerd_shim.process import RUNNING, STOPPED, Container, Process
 from crust.containerd_shim.task import TaskService
 from crust.containerd_shim.translate import is_sandbox
 from crust.kata.pod.pods import network_namespace, pod_uid
-from crust.oci_runtime.main import sandbox_of
+from crust.oci_runtime.bundle import sandbox_of
 
 UID = "0c6d8a2e-5b8f-4e0c-9d3a-1f2e3d4c5b6a"
 NETNS = [{"type": "network", "path": "/var/run/netns/4b1c"}]

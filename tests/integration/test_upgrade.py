@@ -41,7 +41,7 @@ from crust.kubelet import Kubelet, PersistentVolume, Pod
 from crust.node.config import NodeConfig
 from crust.node.supervisor import NodeStatus
 from crust.proxy.records import Decision, DeferredVolume, HandlerRecord
-from crust.runtime_handler.containers import ContainerRecord
+from crust.runtime_handler.container_records import ContainerRecord
 from crust.runtime_handler.handler import SandboxRecord
 from crust.sys import mount as sysmount
 from tests.harness.daemons import loops_left

@@ -25,7 +25,7 @@ from crust.driver.records import (GroupSnapshotRecord, NodeVolumeRecord, PoolRec
 from crust.kata.vmm.accel import ProbeRecord
 from crust.node.supervisor import NodeStatus
 from crust.proxy.records import Decision, DeferredVolume, HandlerRecord
-from crust.runtime_handler.containers import ContainerRecord
+from crust.runtime_handler.container_records import ContainerRecord
 from crust.runtime_handler.handler import SandboxRecord
 from crust.runtime_handler.index import VolumeIndex
 from crust.runtime_handler.resolve import EntryRefused, resolve
