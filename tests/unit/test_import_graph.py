@@ -49,19 +49,12 @@ KATA_ABOVE = ("crust.kata.supply", "crust.kata.pod", "crust.kata.sandbox")
 # it. An entry that no longer matches an arrow fails the test: the list only
 # shrinks.
 KNOWN: dict[tuple[str, str], str] = {
-    # crust-runc's spec and bundle helpers move out of its command-line
-    # module into one that daemons may import; this arrow then goes.
-    ("crust.runtime_handler.containers", "crust.oci_runtime.main"): "the spec helpers leave the CLI module",
     # The bounds of a stop's agent calls are agent/'s (they build on the
     # client's stop_deadline); the module moves there from pod/.
     ("crust.kata.vmm.qemu", "crust.kata.pod.stop_bound"): "stop_bound moves to crust.kata.agent",
 }
 # Circles still in the tree, each with what cuts it; the list only shrinks.
-KNOWN_CIRCLES: dict[frozenset[str], str] = {
-    # A mixin and the records it needs: the records go to a module of their own.
-    frozenset({"crust.runtime_handler.container_ends", "crust.runtime_handler.containers"}):
-        "the records apart from the reaper",
-}
+KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 
 
 def _module_name(path: Path) -> str:
