@@ -22,7 +22,8 @@ from crust.kata.pod.ttrpc_endpoint import TtrpcEndpoint
 
 
 class _Pods:
-    """The part of crust.kata.pods.Pods the servicer calls here."""
+    """What the servicer calls here of the pod runtime's objects (Pods: list_pods,
+    Containers: delete_container, Processes: read_output), one stand-in for the three."""
 
     def list_pods(self):
         return [handler_pb2.PodInfo(sandbox_id="p1")]
@@ -40,7 +41,7 @@ class _Pods:
 
 @pytest.fixture
 async def endpoint(tmp_path):
-    served = TtrpcEndpoint(PodRuntimeService(_Pods()), f"unix://{tmp_path}/kata.sock")
+    served = TtrpcEndpoint(PodRuntimeService(pods := _Pods(), containers=pods, processes=pods), f"unix://{tmp_path}/kata.sock")
     served.bind()
     await served.start()
     yield served
