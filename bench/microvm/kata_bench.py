@@ -115,7 +115,7 @@ from crust.kata.image.build import DEFAULT_CACHE  # noqa: E402
 from tests.harness.daemons import MIB, Root  # noqa: E402
 
 GROW_MIB = 64
-# The handler's log line once a VM's guest Python agent is connected (crust.kata.agent.connection).
+# The handler's log line once a VM's guest Python agent is connected (crust.kata.vmm.agent_port).
 PORT_CONNECTED = " on its port, capabilities "
 
 # Progress goes to stdout, unless the JSON does (--json without OUT).

@@ -43,7 +43,7 @@ log = logging.getLogger("crust.guest")
 
 RUN_DIR = "/run/crust"
 # crust's virtio-fs tags and where the guest mounts each (the host's
-# crust.kata.pod.share names the same places).
+# crust.kata.vmm.share names the same places).
 SHARE_PLACES = {"crust": "share", "crust-live": "live"}
 VIRTIOFS_MODULE = "virtiofs"
 MEMINFO = "/proc/meminfo"

@@ -125,7 +125,7 @@ class PodNode:
         (the writer's rename is atomic for the container's own lookups) and
         in the microVM (the guest reads its own copy of such a volume, which
         its agent switches to each new version the same way:
-        crust.kata.pod.share)."""
+        crust.kata.vmm.share)."""
         failed: list[tuple[int, bytes]] = []
 
         def read() -> bool:

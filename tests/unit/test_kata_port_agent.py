@@ -1,4 +1,4 @@
-"""A VM's port to its agent (crust.kata.agent.connection): why it was lost."""
+"""A VM's port to its agent (crust.kata.vmm.agent_port): why it was lost."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 def test_a_vms_port_keeps_the_first_reason_it_was_lost_for():
     """A VM killed because its file server died is then seen to exit: the
     pod's record must name the file server, not the exit that followed."""
-    from crust.kata.agent.connection import PortAgent
+    from crust.kata.vmm.agent_port import PortAgent
 
     async def scenario() -> PortAgent:
         port = PortAgent("/nonexistent/port.sock", qmp=None, vm_name="vm")

@@ -1,5 +1,5 @@
 """Which of a pod's paths the guest caches and which its agent mirrors
-(crust.kata.pod.share).
+(crust.kata.vmm.share).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
     ("/pods/volumes/kubernetes.io~secret/x", False),
 ])
 def test_an_atomic_writer_volume_is_known_by_kubelets_path(source, expected):
-    from crust.kata.pod.share import is_atomic_writer_volume
+    from crust.kata.vmm.share import is_atomic_writer_volume
 
     assert is_atomic_writer_volume(source) is expected
 
@@ -40,7 +40,7 @@ def test_an_atomic_writer_volume_is_known_by_kubelets_path(source, expected):
 def test_what_the_guest_caches_and_what_its_agent_mirrors(source, cached, mirrored):
     """Only what nobody but the pod changes is cached in the guest; the
     atomic writer's volumes themselves (not a path inside one) are mirrored."""
-    from crust.kata.pod.share import cached_in_guest, is_atomic_writer_volume_root
+    from crust.kata.vmm.share import cached_in_guest, is_atomic_writer_volume_root
 
     assert cached_in_guest(source) is cached
     assert is_atomic_writer_volume_root(source) is mirrored

@@ -16,7 +16,7 @@ import pytest
 from crust.api import agent_pb2
 from crust.common import ttrpc
 from crust.kata.agent import client as agent_client
-from crust.kata.pod import stop_bound
+from crust.kata.agent import stop_bound
 from crust.kata.agent.client import AgentClient, call_timeout
 from crust.kata.vmm.qemu import Vm, VmConfig
 from crust.sys.run import rpc_deadline

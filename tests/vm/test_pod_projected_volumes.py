@@ -81,7 +81,7 @@ def test_a_reader_never_fails_across_config_map_updates(node):
     linked): in the microVM every read succeeds. A walk through virtio-fs
     took a round trip per name, long enough for the writer to remove the
     version it had started in (ENOENT, seen 8 times in 40 updates); the
-    guest now reads its own copy (crust.kata.pod.share, agent `mirror`), which
+    guest now reads its own copy (crust.kata.vmm.share, agent `mirror`), which
     keeps the replaced version one pass longer. Under runc (the baseline)
     the same race is kubelet's own, in a window of a path walk: rare (once
     in a loaded run), so at most two failed reads are taken there."""

@@ -8,7 +8,7 @@ beside it on the node.
 - the guest writes its console as fast as it can: the host's console
   files stay within their bound (crust.kata.vmm.console), the newest kept;
 - kubelet's stop of the silent pod ends within the grace period plus the
-  stated bound (crust.kata.pod.stop_bound): its VM is killed, its containers are
+  stated bound (crust.kata.agent.stop_bound): its VM is killed, its containers are
   reported exited 137, the handler names the agent that did not answer,
   and the removal leaves nothing of the pod; the pod beside it execs as
   fast as before."""
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from crust.api import cri_pb2 as cri
-from crust.kata.pod import stop_bound
+from crust.kata.agent import stop_bound
 from crust.kata.vmm import console
 from crust.kata.vmm.console import previous
 from crust.kata.vmm.qemu import qemu_pids_under

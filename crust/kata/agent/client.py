@@ -56,7 +56,7 @@ LONG_WAITS = frozenset({"WaitProcess", "ReadStdout", "ReadStderr"})
 # fails at once, without a guest's answer being taken for granted.
 MIN_TIMEOUT = 0.05
 # The absolute (monotonic) deadline of the pod's stop being served
-# (crust.kata.pod.stop_bound): every call made for it ends by then, and one left
+# (crust.kata.agent.stop_bound): every call made for it ends by then, and one left
 # unanswered kills the VM.
 stop_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("stop_deadline", default=None)
 

@@ -8,13 +8,13 @@ caller (None, False).
 from __future__ import annotations
 
 from pathlib import PurePosixPath
+from typing import Protocol
 
 from crust.api import agent_pb2, csi_pb2
 from crust.common import agent_capabilities as caps
 from crust.common import ttrpc
 from crust.kata.agent import checked_numbers
 from crust.kata.agent.client import AgentClient, handler_error
-from crust.kata.agent.connection import PortAgent
 from crust.runtime_handler.sandbox import VolumeStats
 
 Usage = csi_pb2.VolumeUsage
@@ -39,7 +39,13 @@ INTEGRITY = "hmac-sha256"
 FS_GROUP_POLICIES = {"Always": agent_pb2.FsGroup.ALWAYS, "OnRootMismatch": agent_pb2.FsGroup.ON_ROOT_MISMATCH}
 
 
-def serves(port: PortAgent, disk_bus: str, fs_type: str = "") -> bool:
+class AgentCapabilities(Protocol):
+    """What the guest's agent said it can do (a VM's agent port knows it)."""
+
+    def has(self, capability: str) -> bool: ...
+
+
+def serves(port: AgentCapabilities, disk_bus: str, fs_type: str = "") -> bool:
     """Whether the guest's agent mounts volumes on this disk bus (and of fs_type)."""
     bus = caps.DISK_VIRTIO_SCSI if disk_bus == "virtio-scsi" else caps.DISK_VIRTIO_BLK
     return port.has(bus) and (not fs_type or port.has(caps.fs(fs_type)))
@@ -152,7 +158,7 @@ async def wait_disk_removed(client: AgentClient, serial: str, timeout: float) ->
                 timeout, f"disk {serial}")
 
 
-def serves_encrypted(port: PortAgent, disk_bus: str, fs_type: str, integrity: str) -> bool:
+def serves_encrypted(port: AgentCapabilities, disk_bus: str, fs_type: str, integrity: str) -> bool:
     """Whether the guest's agent opens encrypted volumes (with integrity when asked)."""
     return serves(port, disk_bus, fs_type) and port.has(caps.LUKS2) and (not integrity or port.has(caps.LUKS2_INTEGRITY))
 

@@ -60,7 +60,8 @@ from crust.common.errors import (
 )
 from crust.common.recordstore import KEY_RULE, valid_key
 from crust.kata.agent import calls, volume_calls
-from crust.kata.pod import container_spec, mount_plan, stop_bound
+from crust.kata.pod import container_spec, mount_plan
+from crust.kata.agent import stop_bound
 from crust.kata.pod.mount_plan import PlannedBind, SourceFacts, in_pod_terms, placement
 from crust.kata.pod.processes import Processes
 from crust.kata.pod.records import (
@@ -70,12 +71,12 @@ from crust.kata.pod.records import (
     PodRecord,
     ProcessRecord,
 )
-from crust.kata.agent.connection import AGENT_START_WAIT
+from crust.kata.vmm.agent_port import AGENT_START_WAIT
 from crust.kata.agent.calls import SHM_TMPFS
 from crust.kata.pod.registry import PodRegistry
 from crust.kata.pod.volumes import PodVolumes
 from crust.kata.sandbox.vm_sandbox import KataSandbox
-from crust.kata.pod.share import ShareError, cached_in_guest, is_atomic_writer_volume_root
+from crust.kata.vmm.share import ShareError, cached_in_guest, is_atomic_writer_volume_root
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord, VolumeView
 from crust.runtime_handler.oci import load_requested_bundle
 

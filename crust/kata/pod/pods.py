@@ -3,7 +3,7 @@ microVM handler, for containerd's crust shim.
 
 One VM per pod (a KataSandbox without a process of its own: the sandbox
 container is the VM), every container of the pod inside it. The pod has two
-shared directories (crust.kata.pod.share), each served by a virtiofsd of the
+shared directories (crust.kata.vmm.share), each served by a virtiofsd of the
 VM and mounted once by the guest: the share, and the live share for the
 volumes kubelet's atomic writer updates (their lookups never cached):
 
@@ -61,13 +61,14 @@ from crust.common.errors import (
 from crust.common.recordstore import KEY_RULE, valid_key
 from crust.contract.volumes_dir import check_sandbox_id
 from crust.kata.agent import calls
-from crust.kata.pod import container_spec, guest_memory, stop_bound
+from crust.kata.pod import container_spec, guest_memory
+from crust.kata.agent import stop_bound
 from crust.kata.pod.containers import raw_spec
 from crust.kata.pod.network import PodNetworks
 from crust.kata.pod.processes import Processes
 from crust.kata.pod.records import PodNetwork, PodRecord
 from crust.kata.pod.registry import PodRegistry
-from crust.kata.pod.share import PodShare, ShareError
+from crust.kata.vmm.share import PodShare, ShareError
 from crust.kata.pod.volumes import PodVolumes
 from crust.kata.sandbox.vm_sandbox import KataSandbox
 from crust.kata.supply.source import VmSource

@@ -37,14 +37,15 @@ from crust.common.errors import (
 )
 from crust.common.recordstore import KEY_RULE, valid_key
 from crust.kata.agent import calls
-from crust.kata.pod import container_spec, stop_bound
+from crust.kata.pod import container_spec
+from crust.kata.agent import stop_bound
 from crust.kata.pod.records import (
     VM_GONE_EXIT_CODE,
     ContainerRecord,
     PodRecord,
     ProcessRecord,
 )
-from crust.kata.agent.connection import AGENT_START_WAIT
+from crust.kata.vmm.agent_port import AGENT_START_WAIT
 from crust.kata.pod.registry import PodRegistry
 from crust.kata.sandbox.vm_sandbox import KataSandbox
 
@@ -394,7 +395,7 @@ class Processes:
         if not all_processes and p.exit_code is not None:
             return
         # A stop's signal (CRI's StopContainer, an exec's kill): answered in
-        # time, or the VM is killed (crust.kata.pod.stop_bound).
+        # time, or the VM is killed (crust.kata.agent.stop_bound).
         try:
             with stop_bound.bounded(stop_bound.SIGNAL_ANSWER):
                 if all_processes:

@@ -13,9 +13,9 @@ from pathlib import Path
 from crust.common.aio import KeyedLocks
 from crust.common.errors import FailedPrecondition, NotFound
 from crust.common.recordstore import RecordStore
-from crust.kata.pod import stop_bound
+from crust.kata.agent import stop_bound
 from crust.kata.pod.records import VM_GONE_EXIT_CODE, ContainerRecord, PodRecord, ProcessRecord
-from crust.kata.pod.share import PodShare, tag_of
+from crust.kata.vmm.share import PodShare, tag_of
 from crust.kata.sandbox.vm_sandbox import KataSandbox
 from crust.runtime_handler.handler import RuntimeHandler, SandboxRecord
 

@@ -25,7 +25,7 @@ from crust.common.errors import (
 )
 from crust.common.private import make_dirs
 from crust.kata.agent import checked_numbers, volume_calls
-from crust.kata.pod import stop_bound
+from crust.kata.agent import stop_bound
 from crust.kata.agent.client import AgentClient, handler_error
 from crust.kata.vmm.qemu import Vm, VmConfig, VmError, read_identity
 from crust.runtime_handler.sandbox import Sandbox, VolumeStats
@@ -110,7 +110,7 @@ class KataSandbox(Sandbox):
 
     async def lost(self) -> bool:
         """After a failed call to the agent: whether the VM is gone, a kill
-        for its agent's silence (crust.kata.pod.stop_bound) waited for."""
+        for its agent's silence (crust.kata.agent.stop_bound) waited for."""
         if self.vm.unresponsive:
             await self.vm.kill_unresponsive(self.vm.unresponsive)
         return not self.alive()

@@ -4,7 +4,7 @@ Kata's VM factory keeps such a cache (`vm_cache_number`); under software
 emulation a boot is most of a microVM pod's start. The handler
 keeps `size` VMs booted, each in a directory of its own below the pool's
 (`<state>/pool/crust-pool-<id>/`), laid out as a pod's: its two shared
-directories (crust.kata.pod.share), still empty, each served by its virtiofsd
+directories (crust.kata.vmm.share), still empty, each served by its virtiofsd
 and mounted by the guest, the pod's /dev/shm tmpfs made in the guest, one
 throwaway container run by crun (the agent's warm) and a small disk of the
 pool's own plugged, mounted, unmounted and unplugged (under emulation a
@@ -60,7 +60,7 @@ from crust.kata.vmm.qemu import (
     read_identity,
 )
 from crust.kata.vmm.qmp import QmpError, QmpGone
-from crust.kata.pod.share import PodShare, ShareError
+from crust.kata.vmm.share import PodShare, ShareError
 from crust.sys import fs, proc
 from crust.sys.run import CommandError
 

@@ -62,7 +62,7 @@ class VmConfig:
     qemu_binary: str = "qemu-system-x86_64"
     extra_args: tuple[str, ...] = ()
     # Host directories the guest mounts with virtio-fs, each served by a
-    # virtiofsd of this VM's own (a pod's shares: crust.kata.pod.share).
+    # virtiofsd of this VM's own (a pod's shares: crust.kata.vmm.share).
     shared_dirs: tuple[SharedDir, ...] = ()
     # The pod's network: a tap in its network namespace (crust.sys.podnet).
     nic: Nic | None = None

@@ -48,11 +48,11 @@ from crust.common import ttrpc
 from crust.common.aio import first_done
 from crust.common.atomicfile import write_atomic
 from crust.common.private import make_dirs, open_new
-from crust.kata.pod import stop_bound
+from crust.kata.agent import stop_bound
 from crust.kata.vmm import console, saved_ram
 from crust.kata.vmm.console import ConsoleLog
 from crust.kata.agent.client import PORT_CHARDEV, guest_text
-from crust.kata.agent.connection import PortAgent
+from crust.kata.vmm.agent_port import PortAgent
 from crust.kata.vmm.devices import (
     SCSI_CONTROLLER,
     SHARE_TAGS,

@@ -6,7 +6,7 @@ connects to its socket at start) and ended with it: the daemon serves one
 connection and exits when QEMU closes it; stop() makes sure.
 
 The options and why:
-- `-o source=<share>`: the pod's read-only shared directory (crust.kata.pod.share);
+- `-o source=<share>`: the pod's read-only shared directory (crust.kata.vmm.share);
 - `-o sandbox=namespace` (its default, named): new mount, pid and network
   namespaces, its mounts made slaves of the host's and pivot_root into the
   source, so it reaches nothing else of the host, and binds the handler

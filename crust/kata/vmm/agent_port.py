@@ -44,7 +44,7 @@ class PortAgent:
         self.details: agent_pb2.GuestDetailsResponse | None = None
         self.dead = ""      # why the VM is gone: no connection is opened any more
         # Told why when the guest leaves a call of a stop unanswered (the VM
-        # kills its QEMU: crust.kata.pod.stop_bound).
+        # kills its QEMU: crust.kata.agent.stop_bound).
         self.on_silent: Callable[[str], Awaitable[None]] | None = None
         self._lock = asyncio.Lock()
         self._next_look = 0.0
