@@ -263,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "virtio-scsi: one controller booted with the VM, each volume a LUN on it (no PCI "
                            "hot-plug, so a volume reaches the guest sooner under software emulation). A VM keeps the bus "
                            "it booted with, a restarted handler's setting notwithstanding")
+    kt_h.add_argument("--tcg-tb-mib", type=int, default=None, metavar="MIB",
+                      help="TCG's translation buffer per VM in MiB, under software emulation only (default: "
+                           "crust's measured default, 32; QEMU's own would be an eighth of the host's RAM, at most "
+                           "1 GiB)")
     kt_h.add_argument("--cache", type=Path, default=Path("/var/cache/crust/kata"), help="guest image cache")
     kt_h.add_argument("--kata-dir", type=Path, default=Path("/run/kata-containers/shared/direct-volumes"),
                       help="Kata's direct-volume directory, where a Kata-style CSI driver describes volumes "
@@ -509,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                                     volumes_dir=args.volumes_dir.absolute(), state_dir=args.state_dir.absolute()),
                       cache=args.cache, accel=args.accel, memory_mib=args.memory, cpus=args.cpus,
                       kata_dir=args.kata_dir.absolute(), vm_pool=args.vm_pool, disk_bus=args.disk_bus,
-                      vm_template=args.vm_template, max_memory_mib=args.max_memory)
+                      vm_template=args.vm_template, max_memory_mib=args.max_memory,
+                      tcg_tb_mib=args.tcg_tb_mib)
     if args.command == "demo":
         from crust.demo import run_demo
 

@@ -25,12 +25,14 @@ log = logging.getLogger(__name__)
 
 def serve(config: HandlerConfig, *, cache: Path = DEFAULT_CACHE, accel: str = "auto", memory_mib: int = 256,
           cpus: int = 1, kata_dir: Path | None = DEFAULT_ROOT, vm_pool: int = 0, disk_bus: str = "virtio-blk",
-          vm_template: bool = False, max_memory_mib: int = 0) -> None:
+          vm_template: bool = False, max_memory_mib: int = 0, tcg_tb_mib: int | None = None) -> None:
     # The image is checked (and rebuilt if its inputs changed) before the
     # handler registers: a sandbox must never wait for a kernel build.
     image = build(cache, "cloud")
+    if tcg_tb_mib is not None and not 1 <= tcg_tb_mib <= 1024:
+        raise ValueError(f"tcg_tb_mib {tcg_tb_mib}: 1 to 1024 MiB")
     vm_config = VmConfig(kernel=image.kernel, initrd=image.initrd, memory_mib=memory_mib, cpus=cpus,
-                         disk_bus=disk_bus, max_memory_mib=max_memory_mib)
+                         disk_bus=disk_bus, max_memory_mib=max_memory_mib, tcg_tb_mib=tcg_tb_mib)
 
     def make_sandbox(sandbox_id: str, workdir: Path, rootfs: Path | None, qemu: ProcessId | None,
                      vm: Vm | None = None) -> KataSandbox:

@@ -117,6 +117,10 @@ class KataSection(_Section):
     # How a pod's volumes reach its VM: a virtio-blk PCI device each, or LUNs
     # of one virtio-scsi controller (Kata's default; no PCI hot-plug per volume).
     disk_bus: str = Field("virtio-blk", alias="diskBus", pattern="^(virtio-blk|virtio-scsi)$")
+    # TCG's translation buffer per VM in MiB, used only under software
+    # emulation (the handler's default, crust.kata.vmm.config.TCG_TB_MIB;
+    # docs/microvm.md says how it was measured).
+    tcg_tb_mib: int = Field(32, alias="tcgTbMiB", ge=1, le=1024)
     cache: Path = Path("/var/cache/crust/kata")
     # Kata's direct-volume directory the handler also serves.
     kata_dir: Path = Field(Path("/run/kata-containers/shared/direct-volumes"), alias="kataDir")

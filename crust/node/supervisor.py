@@ -117,6 +117,7 @@ def child_argvs(config: NodeConfig, policy_file: Path) -> list[tuple[str, list[s
             argv = ["kata", "handler", *common, "--state-dir", str(config.state_dir / "kata-handler"),
                     "--accel", h.kata.accel, "--memory", str(h.kata.memory_mib),
                     "--max-memory", str(h.kata.max_memory_mib), "--cpus", str(h.kata.cpus),
+                    "--tcg-tb-mib", str(h.kata.tcg_tb_mib),
                     "--cache", str(h.kata.cache),
                     "--kata-dir", str(h.kata.kata_dir), "--vm-pool", str(h.kata.vm_pool),
                     "--disk-bus", h.kata.disk_bus, *(["--vm-template"] if h.kata.vm_template else [])]

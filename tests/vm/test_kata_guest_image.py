@@ -29,14 +29,19 @@ from crust.kata.image import bzimage, packages
 from crust.kata.image import build as kata_image
 from crust.kata.vmm.qemu import Vm, VmConfig, qemu_pids_under
 from tests.harness.daemons import wait_until
+from tests.harness.guest_vm import guest_config
+
+
+# The image cache the tests' VMs boot from (tests.harness.guest_vm.guest_config's).
+CACHE = Path(os.environ.get("CRUST_TEST_KATA_CACHE") or kata_image.DEFAULT_CACHE)
 
 
 # -- the accelerator ----------------------------------------------------------------------------
 
 
 def test_auto_accelerator_picks_one_that_boots_and_keeps_the_verdict(tmp_path):
-    kernel, initrd = kata_image.image_paths()
-    config = VmConfig(kernel=kernel, initrd=initrd)
+    config = guest_config()
+    kernel, initrd = config.kernel, config.initrd
     cache, workdir = tmp_path / "cache", tmp_path / "probe"
     record_path = cache / kata_accel.RECORD_NAME
 
@@ -112,6 +117,7 @@ def test_a_qemu_that_hangs_before_greeting_is_a_timed_out_probe_not_a_crash(tmp_
         """))
     fake.chmod(0o755)
     config = VmConfig(kernel=tmp_path / "vmlinuz", initrd=tmp_path / "initrd", qemu_binary=str(fake))
+    config.root_image.write_bytes(b"")   # the VM starts only with its root image there
     workdir = tmp_path / "probe"
 
     started = time.monotonic()
@@ -128,28 +134,28 @@ def test_a_qemu_that_hangs_before_greeting_is_a_timed_out_probe_not_a_crash(tmp_
 def test_the_guest_kernel_is_built_uncompressed_and_boots_at_its_pvh_entry():
     """Debian's cloud kernel, decompressed once at build time: every VM
     starts at the kernel's PVH entry, not in the bzImage's decompressor."""
-    built = kata_image.build()
+    built = kata_image.build(CACHE)
     assert built.kernel.name == "vmlinux", built.manifest.get("kernel_boot")
     assert built.manifest["kernel_boot"].startswith("pvh"), built.manifest["kernel_boot"]
     assert bzimage.pvh_entry(built.kernel.read_bytes()) is not None
     assert built.kernel.stat().st_size == built.manifest["sizes"]["vmlinux"]
-    assert kata_image.image_paths() == (built.kernel, built.initrd)
+    assert kata_image.image_paths(CACHE) == (built.kernel, built.initrd)
 
 
 def test_the_guest_image_holds_python_and_the_agent_imports_from_pycs_compiled_at_build(tmp_path):
     """The Python agent's interpreter (Debian's python3.11), the standard
     library modules it imports and nothing of ssl, the protobuf runtime and
-    crust's own modules: in the image's file tree (chrooted), the agent
+    crust's own modules: in the guest root's file tree (chrooted), the agent
     imports from the .pyc files the builder compiled, unchecked-hash, so
     nothing is compiled or written there. Every file is a Debian package's
     but crust's own and the protobuf runtime's the manifest names."""
     import google.protobuf
 
-    built = kata_image.build()
+    built = kata_image.build(CACHE)
     tree = tmp_path / "tree"
     tree.mkdir()
-    with built.initrd.open("rb") as archive:
-        subprocess.run(["busybox", "cpio", "-i", "-d"], cwd=tree, stdin=archive, check=True, capture_output=True)
+    # The guest's root image, read without mounting it (debugfs, e2fsprogs).
+    subprocess.run(["debugfs", "-R", f"rdump / {tree}", str(built.root)], check=True, capture_output=True)
     python = built.manifest["inputs"]["python"]
     assert python["protobuf"] == google.protobuf.__version__
     assert (tree / "usr/bin/python3.11").is_file() and (tree / "usr/lib/python3.11/asyncio/base_events.py").is_file()
@@ -175,7 +181,7 @@ def test_the_guest_image_holds_python_and_the_agent_imports_from_pycs_compiled_a
     # Owners: what the builder makes or takes from its downloads, the
     # listed Python files, and the host's files, each a Debian package's.
     release = built.manifest["kernel_release"]
-    extracted = kata_image.DEFAULT_CACHE / "extract"
+    extracted = CACHE / "extract"
     kernel = extracted / f"{built.manifest['inputs']['kernel_package']}_"
     own = {"init", "etc/crust/image", "etc/passwd", "etc/group", f"lib/modules/{release}/modules.dep",
            *kata_image.GUEST_FILES, *kata_image.GUEST_PROGRAMS}

@@ -1,5 +1,6 @@
 #!/bin/sh
-# /init of the crust guest (PID 1, busybox sh).
+# /init of the crust guest (PID 1, busybox sh), on the guest's read-only
+# root (the initramfs's /init mounted it: crust.kata.guest_root).
 #
 # Sets up the pseudo file systems, starts the guest's agent on its
 # virtio-serial port, loads the kernel modules the image builder listed (in
@@ -10,20 +11,6 @@
 
 export PATH=/sbin:/bin:/usr/sbin:/usr/bin
 umask 022
-
-# The initramfs is the kernel's rootfs, a mount with no parent, and
-# pivot_root(2) refuses to move such a root: crun, which jails each
-# container with pivot_root, needs the guest's root to be an ordinary
-# mount. So the first /init binds the rootfs onto a directory of its own,
-# moves that bind over / and starts again chrooted into it: the same files,
-# nothing copied, and a root mount whose parent is the rootfs.
-if [ "$$" = 1 ] && [ -z "${CRUST_ROOT_BOUND:-}" ]; then
-  mkdir -p /newroot
-  mount --bind / /newroot
-  cd /newroot
-  mount --move . /
-  CRUST_ROOT_BOUND=1 exec chroot . /init
-fi
 
 mount -t proc -o nosuid,nodev,noexec proc /proc
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
@@ -63,25 +50,8 @@ python_agent() {
 python_agent &
 
 # crun guards against CVE-2019-5736 (a container overwriting the runtime's
-# binary through /proc/self/exe) by running from a copy nobody can write:
-# a binary already on a read-only mount it runs as it is; any other it
-# copies into a sealed memfd and re-executes. On the rootfs (tmpfs) it
-# takes its binary for an unsealed memfd and re-executes twice at every
-# call: 140 ms instead of 50 under software emulation, for each run, exec,
-# state and delete. So crun runs from a ramfs copy (no seals to misread)
-# bound read-only over /sbin/crun: the read-only bind crun itself would
-# make, made once. Only this namespace could remount it; containers have
-# their own.
-if [ -x /sbin/crun ]; then
-  mkdir -p /run/crust-bin
-  mount -t ramfs -o mode=0700 ramfs /run/crust-bin &&
-    cp /sbin/crun /run/crust-bin/crun &&
-    mount --bind /run/crust-bin/crun /sbin/crun &&
-    mount -o remount,bind,ro /sbin/crun &&
-    umount -l /run/crust-bin ||
-    echo "crust-init: crun stays on the rootfs (it re-executes itself at each call)"
-  rmdir /run/crust-bin 2>/dev/null
-fi
+# binary through /proc/self/exe) by running from a copy nobody can write;
+# a binary on a read-only mount, as the guest's root is, it runs as it is.
 
 # Only this list is loaded: the image has no modules.dep, so the kernel's own
 # module requests (through busybox modprobe) find nothing and fail quietly.

@@ -1,4 +1,4 @@
-"""Build the guest image (a kernel and an initramfs) from Debian packages only.
+"""Build the guest image (a kernel, an initramfs and the guest's root) from Debian packages only.
 
     python -m crust.kata.image.build build [--cache DIR] [--flavor cloud|generic] [--force] [--json]
 
@@ -28,6 +28,10 @@ Why this shape:
   unchecked-hash .pyc files (no source times involved, so the archive stays
   reproducible, and nothing is compiled at boot: under software emulation
   an import costs about twenty times what it does on the host).
+- The guest's files are not in the initramfs but in one read-only ext4
+  image (root.img) every VM maps as a virtio-pmem device and mounts with
+  DAX (crust.kata.image.guest_root): the initramfs holds only busybox, the
+  modules of that device and the /init that mounts it.
 - The kernel is Debian's own, so the guest parses volumes with a kernel that
   gets security updates: after `apt-get update`, a new candidate changes the
   hash and the next build picks it up.
@@ -41,7 +45,7 @@ Layout of the cache (default /var/cache/crust/kata):
     debs/                 downloaded .deb files
     extract/<pkg>_<ver>/  `dpkg -x` of each
     programs/<hash>/      the guest's own programs, compiled (GUEST_PROGRAMS)
-    images/<flavor>/<hash>/  vmlinux (or vmlinuz), initramfs.cpio, manifest.json (inputs, hash, sizes)
+    images/<flavor>/<hash>/  vmlinux (or vmlinuz), initramfs.cpio, root.img, manifest.json (inputs, hash, sizes)
     images/<flavor>/current  the <hash> of the last build or confirmation
 
 One directory per input hash: a handler keeps booting the image it checked
@@ -66,7 +70,7 @@ from pathlib import Path
 
 from crust.common.atomicfile import write_atomic
 from crust.common.private import make_dirs, open_new
-from crust.kata.image import agent_files, bzimage, cpio
+from crust.kata.image import agent_files, bzimage, cpio, guest_root
 from crust.kata.image.agent_files import PYTHON, PYTHON_PACKAGES, PYTHON_STDLIB
 from crust.kata.image.packages import (
     apt_cache_options,
@@ -86,13 +90,15 @@ GUEST_DIR = Path(__file__).resolve().parents[2] / "guest" / "files"
 # Bump when the image layout changes in a way the other inputs do not show
 # (4: the initramfs is no longer compressed; 5: the kernel is booted
 # uncompressed, crust.kata.image.bzimage; 6: the Python agent, its files
-# byte-compiled into unchecked-hash .pyc files).
-BUILDER_VERSION = 6
+# byte-compiled into unchecked-hash .pyc files; 7: the guest's root in
+# root.img, the initramfs only mounts it).
+BUILDER_VERSION = 7
 # The initramfs, an uncompressed cpio archive: under software emulation
 # gunzipping a compressed one is a large part of the guest kernel's boot,
 # against a plain copy; the host keeps the archive at about two and a half
 # times its compressed size.
 INITRD = "initramfs.cpio"
+ROOT = guest_root.ROOT_IMAGE
 SBIN_PATH = "/usr/sbin:/sbin:/usr/bin:/bin"
 
 # Kernel modules the guest loads; their dependencies are added (kmod.py) and
@@ -103,7 +109,10 @@ SBIN_PATH = "/usr/sbin:/sbin:/usr/bin:/bin"
 # the agent's virtio-serial port (crust.agent).
 # virtio_net: a pod's NIC (crust.sys.podnet), there at boot when the pod has
 # a network; without one the module costs a few milliseconds.
-BOOT_MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "virtio_console")
+# virtio_balloon: the memory the guest frees goes back to the host (free
+# page reporting, crust.kata.vmm.config). What mounts the guest's root
+# (guest_root.ROOT_MODULES) is loaded by the initramfs, before these.
+BOOT_MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "virtio_console", "virtio_balloon")
 FS_MODULES = {"ext4": ("ext4",), "xfs": ("xfs",),
               # LUKS2 volumes (agent's luksopen): dm-crypt, the xts mode over
               # the built-in aes (ecb is what xts asks for by name, which no
@@ -171,6 +180,8 @@ HOST_TOOLS = {
 }
 # The guest's own files: path in the image -> file in guest/.
 GUEST_FILES = {"init": "init.sh", "usr/lib/crust/warm.json": "warm.json"}
+# The initramfs's /init: it mounts the guest's root (guest_root).
+BOOT_INIT = "mountroot.sh"
 # The guest's own programs, compiled from guest/ by the host's C compiler
 # (gcc, a Debian package): path in the image -> source. They are linked
 # statically: under emulation the dynamic loader's start (mapping and
@@ -263,7 +274,7 @@ def collect_inputs(flavor: Flavor, apt_options: list[str] | None = None) -> Inpu
     host_packages = dict(owners([f.source for f in files.values()]).values())
     # Config files are editable conffiles: their package version does not
     # say what they contain.
-    hashed = {**{name: GUEST_DIR / name for name in (*GUEST_FILES.values(), *GUEST_PROGRAMS.values())},
+    hashed = {**{name: GUEST_DIR / name for name in (*GUEST_FILES.values(), *GUEST_PROGRAMS.values(), BOOT_INIT)},
               **{conf: Path(conf) for conf in HOST_CONFIG}}
     scripts = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in hashed.items()}
     python = {"protobuf": protobuf_version,
@@ -322,6 +333,10 @@ class BuildResult:
     manifest: dict = field(default_factory=dict)
     seconds: float = 0.0
 
+    @property
+    def root(self) -> Path:
+        return self.initrd.with_name(ROOT)
+
 
 # Image directories kept per flavor (the current one always among them).
 KEEP_IMAGES = 4
@@ -376,8 +391,9 @@ def boot_kernel(vmlinuz: bytes) -> tuple[str, bytes, str]:
         return "vmlinuz", vmlinuz, f"bzImage: {exc}"
 
 
-def assemble(cache: Path, inputs: Inputs) -> tuple[str, bytes, bytes, dict]:
-    """(kernel's file name, kernel, initramfs, manifest) for inputs."""
+def assemble(cache: Path, inputs: Inputs) -> tuple[str, bytes, bytes, list[cpio.Entry], dict]:
+    """(kernel's file name, kernel, initramfs, the guest root's files,
+    manifest) for inputs."""
     kernel_dir = extract(cache, fetch(cache, inputs.kernel_package, inputs.downloads[inputs.kernel_package]),
                          inputs.kernel_package, inputs.downloads[inputs.kernel_package])
     bb_dir = extract(cache, fetch(cache, "busybox-static", inputs.downloads["busybox-static"]),
@@ -391,11 +407,12 @@ def assemble(cache: Path, inputs: Inputs) -> tuple[str, bytes, bytes, dict]:
     boot = tree.resolve(list(inputs.flavor.boot_modules))
     per_fs = {fs: tree.resolve(list(names)) for fs, names in sorted(inputs.flavor.fs_modules.items())}
     demand = tree.resolve(list(inputs.flavor.demand_modules))
+    root_modules = tree.resolve(list(guest_root.ROOT_MODULES))
 
     def guest_path(p: Path) -> str:
         return f"/lib/modules/{release}/{p.relative_to(tree.root)}"
 
-    module_files = {guest_path(p): p for r in (boot, *per_fs.values(), demand) for p in r.order}
+    module_files = {guest_path(p): p for r in (boot, *per_fs.values(), demand, root_modules) for p in r.order}
     fs_lists = {fs: [guest_path(p) for p in r.order if p not in boot.order] for fs, r in per_fs.items()}
 
     entries = [cpio.directory(d) for d in ("bin", "sbin", "usr/bin", "usr/sbin", "lib", "lib64", "etc",
@@ -406,7 +423,9 @@ def assemble(cache: Path, inputs: Inputs) -> tuple[str, bytes, bytes, dict]:
     libraries = {f.dest for f in inputs.host_files}
     for dest, name in GUEST_PROGRAMS.items():
         entries.append(cpio.regular(dest, guest_program(cache, GUEST_DIR / name, libraries), 0o755))
-    entries.append(cpio.regular("etc/crust/modules", "".join(guest_path(p) + "\n" for p in boot.order).encode()))
+    # What the initramfs loaded is loaded already.
+    entries.append(cpio.regular("etc/crust/modules", "".join(
+        guest_path(p) + "\n" for p in boot.order if p not in root_modules.order).encode()))
     for fs, paths in fs_lists.items():
         if paths:
             entries.append(cpio.regular(f"etc/crust/modules.d/{fs}", "".join(p + "\n" for p in paths).encode()))
@@ -434,19 +453,22 @@ def assemble(cache: Path, inputs: Inputs) -> tuple[str, bytes, bytes, dict]:
         entries.append(cpio.symlink(f"sbin/{link}", target))
     entries += _busybox_entries(bb_dir / "bin" / "busybox", tools | set(TOOL_LINKS))
 
-    initrd = cpio.archive(entries)
+    initrd = cpio.archive(guest_root.boot_entries(
+        (bb_dir / "bin" / "busybox").read_bytes(),
+        [(guest_path(p), p.read_bytes()) for p in root_modules.order], (GUEST_DIR / BOOT_INIT).read_bytes()))
     kernel_file, kernel, kernel_boot = boot_kernel(vmlinuz)
     manifest = {
         "hash": inputs.digest, "inputs": inputs.as_dict(), "kernel_release": release,
         "boot_modules": [p.stem for p in boot.order],
+        "root_modules": [p.stem for p in root_modules.order],
         "fs_modules": {fs: [Path(p).stem for p in paths] for fs, paths in fs_lists.items()},
         "demand_modules": [p.stem for p in demand.order],
         "builtin_modules": sorted({m for r in (boot, *per_fs.values(), demand) for m in r.builtin}),
         "unresolved_softdeps": sorted({m for r in (boot, *per_fs.values(), demand) for m in r.unresolved}),
         "kernel_file": kernel_file, "kernel_boot": kernel_boot,
-        "sizes": {kernel_file: len(kernel), INITRD: len(initrd)},
+        "sizes": {kernel_file: len(kernel), INITRD: len(initrd), ROOT: guest_root.image_size(entries)},
     }
-    return kernel_file, kernel, initrd, manifest
+    return kernel_file, kernel, initrd, entries, manifest
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -465,8 +487,12 @@ def build(cache: Path = DEFAULT_CACHE, flavor: str = "cloud", force: bool = Fals
         manifest = None if force else _current(out, inputs.digest)
         rebuilt = manifest is None
         if rebuilt:
-            kernel_file, kernel, initrd, manifest = assemble(cache, inputs)
+            kernel_file, kernel, initrd, root_entries, manifest = assemble(cache, inputs)
             make_dirs(out)
+            partial = out / (ROOT + ".partial")
+            partial.unlink(missing_ok=True)
+            guest_root.make_image(root_entries, partial)
+            os.replace(partial, out / ROOT)
             _write(out / kernel_file, kernel)
             _write(out / INITRD, initrd)
             _write(out / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True).encode())
@@ -504,6 +530,7 @@ def report(result: BuildResult) -> str:
              (f"  kernel   {result.kernel} ({m['sizes'][result.kernel.name] / 2**20:.1f} MiB, "
               f"{m['kernel_release']}; {m.get('kernel_boot', 'bzImage')})"),
              f"  initrd   {result.initrd} ({m['sizes'][INITRD] / 2**20:.1f} MiB)",
+             f"  root     {result.root} ({m['sizes'].get(ROOT, 0) / 2**20:.1f} MiB, read-only, virtio-pmem)",
              f"  modules  boot: {' '.join(m['boot_modules'])}; on first mount: "
              + "; ".join(f"{fs}: {' '.join(mods) or '-'}" for fs, mods in m["fs_modules"].items())
              + (f" (built in: {' '.join(m['builtin_modules'])})" if m["builtin_modules"] else ""),

@@ -20,11 +20,12 @@ from crust.sys.run import CommandError
 
 
 def command(argv: list[str], *, timeout: float = 120, cwd: Path | None = None,
-            ok_codes: tuple[int, ...] = (0,)) -> str:
-    """Run argv (no shell), return stdout; CommandError with stderr on failure."""
+            ok_codes: tuple[int, ...] = (0,), env: dict[str, str] | None = None) -> str:
+    """Run argv (no shell), return stdout; CommandError with stderr on failure.
+    env: variables set beside the usual ones."""
     try:
         done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
-                              env={**os.environ, "LC_ALL": "C", "DEBIAN_FRONTEND": "noninteractive"})
+                              env={**os.environ, "LC_ALL": "C", "DEBIAN_FRONTEND": "noninteractive", **(env or {})})
     except subprocess.TimeoutExpired:
         raise CommandError(argv, None, f"no answer within {timeout:.0f}s", timed_out=True) from None
     if done.returncode not in ok_codes:

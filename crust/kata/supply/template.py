@@ -31,8 +31,12 @@ What a restored VM has to be given, because the file cannot hold it:
   and what the kernel drew before the save (boot_id is drawn on first read:
   nothing reads it before the save).
 
+Before the save, the guest's free page reporting is let finish (its
+freed memory punched out of the RAM memfd: crust.kata.vmm.saving), so the
+RAM file holds what the guest uses, not what it once touched.
+
 The template is rebuilt when what it was made from changes (the image's
-kernel and initramfs, QEMU, the VM's size, accelerator, disk bus or kernel
+kernel, initramfs and root, QEMU, the VM's size, accelerator, disk bus or kernel
 command line, the host's kernel or CPU: template_key); a pod that comes meanwhile boots its VM, as
 without a template. A restore that fails drops the template (rebuilt in the
 background) and fails that RunPodSandbox (kubelet retries; the retry boots).
@@ -126,7 +130,7 @@ async def template_key(config: VmConfig) -> str:
              f"bus={config.disk_bus}", f"cmdline={config.cmdline}", f"devices={DEVICE_LAYOUT}", "ram=apart",
              f"host={os.uname().release}",
              f"cpu={await asyncio.to_thread(_host_cpu)}"]
-    for path in (qemu, str(config.kernel), str(config.initrd)):
+    for path in (qemu, str(config.kernel), str(config.initrd), str(config.root_image)):
         st = os.stat(path)
         facts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
     return hashlib.sha256("\n".join(facts).encode()).hexdigest()
@@ -231,6 +235,8 @@ class VmTemplate:
             # (the connection closed: a restored VM's host opens its own):
             # a restored VM's agent answers at once, its imports long done.
             await vm.port.close()
+            held = await vm.reported()
+            log.info("VM template: guest RAM held before the save", extra={"fields": {"bytes": held}})
             size, ram_bytes = await vm.save(partial)
         finally:
             await vm.kill()

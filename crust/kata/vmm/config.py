@@ -1,12 +1,13 @@
-"""What QEMU is asked to run for a VM: its config (kernel, initramfs,
-accelerator, memory, disk bus, shares, NIC) and the guest kernel's command
-line. crust.kata.vmm.qemu runs it."""
+"""What QEMU is asked to run for a VM: its config (kernel, initramfs, the
+guest's root, accelerator, memory, disk bus, shares, NIC) and the guest
+kernel's command line. crust.kata.vmm.qemu runs it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from crust.kata.image.guest_root import ROOT_IMAGE
 from crust.kata.vmm.devices import Nic, SharedDir
 
 ACCELERATORS = ("tcg", "kvm")
@@ -17,7 +18,15 @@ DISK_BUSES = ("virtio-blk", "virtio-scsi")
 SCSI_CMDLINE = "scsi_mod.scan=none crust.disks=scsi"
 # The devices every VM has, beyond its config (a saved VM loads only into
 # the same set: crust.kata.supply.template keys its saves with this).
-DEVICE_LAYOUT = "uart-console,virtio-serial-agent"
+DEVICE_LAYOUT = "uart-console,virtio-serial-agent,virtio-pmem-root,virtio-balloon-reporting"
+# QEMU's ids of the guest root's memory backend and device (ROOT_ARGS).
+ROOT_BACKEND = "guest-root"
+# TCG's translation buffer (MiB) a VM gets unless its config says:
+# measured in bench/guest_boot.py and bench/pod_density.py (docs/microvm.md,
+# "TCG's translation buffer"). QEMU's own default is a quarter of a
+# gigabyte or more per VM on a 64-bit host (an eighth of the host's RAM,
+# at most 1 GiB), much of it resident once the guest has run a while.
+TCG_TB_MIB = 32
 MIB = 1024 * 1024
 # The guest kernel's memory block on x86-64 (/sys/devices/system/memory/
 # block_size_bytes): memory is plugged in whole blocks (crust.kata.pod.guest_memory).
@@ -36,16 +45,20 @@ BLOCK_MIB = 128
 # - pci=lastbus=0: every device the VM gets (disks hot-plugged included) is
 #   on the machine's one PCI bus, so no other bus is scanned;
 # - memhp_default_state=online: memory hot-plugged for a pod bigger than
-#   the floor (crust.kata.pod.guest_memory) is onlined by the kernel itself.
-# And one that costs a little work: init_on_free=1, every page the guest
-# frees is cleared, so the free memory of a saved guest is zeros, which its
-# RAM file leaves as holes (crust.kata.vmm.saved_ram), the initramfs it freed
-# after unpacking it included.
+#   the floor (crust.kata.pod.guest_memory) is onlined by the kernel itself;
+# - swiotlb=noforce: no bounce buffer for DMA above 4 GiB. The guest
+#   root's device memory lies above 4 GiB (crust.kata.image.guest_root), which
+#   would have the kernel set 64 MiB of the guest's RAM aside for one; no
+#   device of the VM uses it (virtio devices hand the host guest-physical
+#   addresses).
+# Nothing on it writes every page of the guest's RAM at boot (init_on_free
+# would: the memory a guest frees goes back to the host by free page
+# reporting instead, which also keeps a saved template's RAM file sparse).
 # Kata's QEMU guests boot with these among their defaults (and with
 # tsc=reliable and no_timer_check, which saved nothing here).
 GUEST_CMDLINE = ("console=ttyS0 quiet panic=-1 cryptomgr.notests i8042.direct=1 i8042.dumbkbd=1 i8042.nopnp=1 "
-                 "i8042.noaux=1 noreplace-smp rcupdate.rcu_expedited=1 pci=lastbus=0 init_on_free=1 "
-                 "memhp_default_state=online")
+                 "i8042.noaux=1 noreplace-smp rcupdate.rcu_expedited=1 pci=lastbus=0 memhp_default_state=online "
+                 "swiotlb=noforce")
 
 
 @dataclass
@@ -77,10 +90,47 @@ class VmConfig:
     nice: int = 0
     # How disks reach the guest (DISK_BUSES; the module docstring compares).
     disk_bus: str = "virtio-blk"
+    # The guest's root image (crust.kata.image.guest_root); None: the one beside
+    # the initramfs, where the image builder puts it.
+    root: Path | None = None
+    # TCG's translation buffer in MiB (unused under KVM); None: TCG_TB_MIB.
+    tcg_tb_mib: int | None = None
+
+    @property
+    def root_image(self) -> Path:
+        return self.root if self.root is not None else self.initrd.with_name(ROOT_IMAGE)
 
 
-def memory_arg(memory_mib: int, max_memory_mib: int) -> str:
-    """QEMU's -m: the boot memory, and room for one DIMM when the ceiling is above it."""
-    if max_memory_mib > memory_mib:
-        return f"{memory_mib}M,slots=1,maxmem={max_memory_mib}M"
+def root_args(config: VmConfig, size: int) -> list[str]:
+    """The guest's root (size bytes): its image file mapped read-only (QEMU
+    opens it O_RDONLY and maps it PROT_READ: no guest write reaches the
+    file) as a virtio-pmem device. Shared, so that every VM maps the same
+    page cache pages and a saved VM leaves the device's memory out of its
+    state (x-ignore-shared, crust.kata.vmm.saving). Device memory needs room
+    above the guest's RAM (memory_arg)."""
+    return ["-object", f"memory-backend-file,id={ROOT_BACKEND},mem-path={config.root_image},size={size},"
+                       f"share=on,readonly=on",
+            "-device", f"virtio-pmem-pci,memdev={ROOT_BACKEND},id={ROOT_BACKEND}-pmem"]
+
+
+# Free page reporting: the pages the guest frees (in blocks of 2 MiB, a
+# couple of seconds after) are handed back to the host, which drops them
+# from QEMU's memory (and punches them out of a shared memfd). The
+# balloon itself is never inflated.
+BALLOON_ARGS = ["-device", "virtio-balloon-pci,id=balloon,free-page-reporting=on"]
+
+
+def accel_args(config: VmConfig) -> list[str]:
+    if config.accel == "kvm":
+        return ["-accel", "kvm", "-cpu", "host"]
+    tb = config.tcg_tb_mib if config.tcg_tb_mib is not None else TCG_TB_MIB
+    return ["-accel", f"tcg,tb-size={tb}"]
+
+
+def memory_arg(memory_mib: int, max_memory_mib: int, root_bytes: int = 0) -> str:
+    """QEMU's -m: the boot memory, and room above it for one DIMM up to the
+    ceiling and for the guest root's device (root_bytes, whole MiB)."""
+    top = max(memory_mib, max_memory_mib) + -(-root_bytes // MIB)
+    if top > memory_mib:
+        return f"{memory_mib}M,slots=1,maxmem={top}M"
     return str(memory_mib)

@@ -65,7 +65,17 @@ from crust.kata.vmm.devices import (
 )
 from crust.kata.vmm.qmp import QmpClient, QmpError, QmpGone, QmpTimeout
 from crust.kata.vmm.virtiofsd import Virtiofsd, VirtiofsdError
-from crust.kata.vmm.config import ACCELERATORS, DISK_BUSES, MIB, SCSI_CMDLINE, VmConfig, memory_arg
+from crust.kata.vmm.config import (
+    ACCELERATORS,
+    BALLOON_ARGS,
+    DISK_BUSES,
+    MIB,
+    SCSI_CMDLINE,
+    VmConfig,
+    accel_args,
+    memory_arg,
+    root_args,
+)
 from crust.kata.vmm.saving import VmSaving
 from crust.sys import proc
 
@@ -221,11 +231,15 @@ class Vm(VmDevices, VmSaving):
 
     def argv(self) -> list[str]:
         c = self.config
-        accel = ["-accel", "kvm", "-cpu", "host"] if c.accel == "kvm" else ["-accel", "tcg"]
+        try:
+            root_size = os.stat(c.root_image).st_size
+        except OSError:
+            root_size = 0   # start() refuses a VM without its root; QEMU would too
         niced = ["nice", "-n", str(c.nice)] if c.nice else []   # nice execs QEMU: the pid is QEMU's
         return [
-            *niced, c.qemu_binary, "-name", self.name, "-machine", "pc", *accel,
-            "-m", memory_arg(c.memory_mib, c.max_memory_mib), "-smp", str(c.cpus),
+            *niced, c.qemu_binary, "-name", self.name, "-machine", "pc", *accel_args(c),
+            "-m", memory_arg(c.memory_mib, c.max_memory_mib, root_size), *root_args(c, root_size),
+            "-smp", str(c.cpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(c.kernel), "-initrd", str(c.initrd), "-append", self.cmdline(),
             # ttyS0, the console: read by the handler into a bounded file (crust.kata.vmm.console).
@@ -234,6 +248,7 @@ class Vm(VmDevices, VmSaving):
             "-device", "virtio-serial-pci,id=ports",
             "-chardev", f"socket,id={PORT_CHARDEV},path={self.port_socket},server=on,wait=off",
             "-device", f"virtserialport,bus=ports.0,chardev={PORT_CHARDEV},name={AGENT_PORT_NAME}",
+            *BALLOON_ARGS,
             "-qmp", f"unix:{self.qmp_socket},server=on,wait=off",
             "-pidfile", str(self.pidfile),
             *self._shared_dir_args(),
@@ -360,6 +375,9 @@ class Vm(VmDevices, VmSaving):
         for sock in (self.port_socket, self.qmp_socket, self.console_socket):
             if len(str(sock)) > MAX_SOCKET_PATH:
                 raise VmError(f"socket path too long for a unix socket: {sock}")
+        if not self.config.root_image.is_file():
+            raise VmError(f"vm {self.name}: its guest root {self.config.root_image} is not a file "
+                          f"(python -m crust.kata.image build makes it)")
         make_dirs(self.workdir)
         make_dirs(self.socket_dir)
         for stale in (self.port_socket, self.qmp_socket, self.console_socket, self.pidfile, self.console_log,
@@ -452,7 +470,9 @@ class Vm(VmDevices, VmSaving):
         plugged = await self._monitor(self._peripherals())
         # What was hot-plugged for its pod, as QEMU has it.
         devices = await self._monitor(self.qmp.execute("query-memory-devices"))
-        self.plugged_mib = sum(int(d.get("data", {}).get("size", 0)) for d in devices or []) // MIB
+        # The DIMMs plugged for the pod (the guest root's virtio-pmem is a memory device too).
+        self.plugged_mib = sum(int(d.get("data", {}).get("size", 0)) for d in devices or []
+                               if d.get("type") == "dimm") // MIB
         # The bus the VM booted with, whatever this process's setting: its
         # next disks go where the guest looks for them.
         bus = "virtio-scsi" if SCSI_CONTROLLER in plugged else "virtio-blk"

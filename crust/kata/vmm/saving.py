@@ -28,6 +28,14 @@ RESEED_BYTES = 64
 # How long a restored VM's agent port is waited for (saved open: at once
 # but for a machine short of CPU).
 RESTORED_PORT_WAIT = 10.0
+# Before a save, the guest's free page reporting is let finish: it reports
+# what was freed in blocks of 2 MiB, two seconds after the frees, and QEMU
+# punches each block out of the RAM memfd, which the save then skips. The
+# RAM's allocation is read until it held still for REPORT_SETTLE seconds
+# (longer than the guest's delay), at most REPORT_WAIT.
+REPORT_SETTLE = 3.0
+REPORT_WAIT = 20.0
+REPORT_LOOK = 0.25
 
 
 class VmSaving:
@@ -91,6 +99,22 @@ class VmSaving:
     async def _ignore_shared(self) -> None:
         await self.qmp.execute("migrate-set-capabilities", {"capabilities": [
             {"capability": "x-ignore-shared", "state": True}]})
+
+    def ram_held(self) -> int:
+        """Bytes of the RAM memfd that hold pages (ram_apart)."""
+        return os.stat(f"/proc/{self.pid}/fd/{self.ram_fd}").st_blocks * 512
+
+    async def reported(self) -> int:
+        """Until the guest's free page reporting held still (see
+        REPORT_SETTLE); the RAM memfd's bytes then."""
+        deadline = time.monotonic() + REPORT_WAIT
+        held, still_since = self.ram_held(), time.monotonic()
+        while time.monotonic() < deadline and time.monotonic() - still_since < REPORT_SETTLE:
+            await asyncio.sleep(REPORT_LOOK)
+            now = self.ram_held()
+            if now != held:
+                held, still_since = now, time.monotonic()
+        return held
 
     async def save(self, path: Path, timeout: float = 300.0) -> tuple[int, int]:
         """The VM stopped and its whole state (devices and RAM) written to
