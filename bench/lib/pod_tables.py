@@ -138,8 +138,11 @@ def pod_idle_cpu(result: dict):
 def pod_density(result: dict):
     ours, anchor = result["columns"].get("crust-microvm", {}), result["columns"].get("runc", {})
     rows = []
-    for key, label in (("pss_mib", "PSS per pod (MiB)"), ("cores", "CPU per idle pod (cores)"),
-                       ("processes_per_pod", "processes per pod")):
+    for key, label in (("pss_mib", "PSS per pod (MiB)"),
+                       ("pss_mib_without_tcg_buffer", "PSS per pod without TCG's translation buffer (MiB)"),
+                       ("cores", "CPU per idle pod (cores)"), ("processes_per_pod", "processes per pod")):
+        if key == "pss_mib_without_tcg_buffer" and key not in ours:
+            continue
         rows.append([label, spread(ours.get(key)), spread(anchor.get(key)),
                      ratio(middle(ours.get(key)), middle(anchor.get(key)))])
     for name, d in ours.get("pss_mib_by_process", {}).items():

@@ -28,9 +28,13 @@ import sys
 from pathlib import Path
 
 from bench.lib.run_record import PROJECT, describe, script_of
-from bench.lib.scenarios import SCENARIOS, Scenario
+from bench.lib.scenarios import SCENARIOS as ONE_RUN
+from bench.lib.scenarios import Scenario
+from bench.lib.scenarios_pairs import PAIR_SCENARIOS
 from bench.lib.targets import load as load_targets
 from bench.lib.targets import verdict_line
+
+SCENARIOS = (*ONE_RUN, *PAIR_SCENARIOS)
 
 RESULTS = PROJECT / "bench" / "results"
 DOC = PROJECT / "docs" / "performance.md"

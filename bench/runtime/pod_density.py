@@ -16,18 +16,24 @@ With every pod running and --settle seconds passed, counted per pod:
   divided among the pods; for runc, its shim and the container's processes.
   A VM's guest RAM (a memfd, mapped by QEMU and its virtiofsd daemons) is
   counted as the memory the memfd holds, instead of its mapped share: a
-  restored VM holds pages its QEMU has not mapped yet;
+  restored VM holds pages its QEMU has not mapped yet. Two parts of a
+  QEMU's PSS are also shown apart: TCG's translation buffer (QEMU's one
+  anonymous mapping that is writable and executable: the code it
+  translated), which a KVM node would not pay, and the guest's root image
+  where the VMs map one (its pages counted once among the VMs that map
+  them, as PSS does);
 - CPU: the same processes' CPU time over --seconds, and the whole machine's.
 Reported: the median per pod (min-max) and the sum over the pods, for each
 runtime; and the node's daemons (handler, containerd) apart.
 
     .venv/bin/python bench/runtime/pod_density.py [--pods 20] [--settle 10] [--seconds 20] [--vm-source template|boot]
-        [--json OUT.json]
+        [--handler-arg=ARG ...] [--json OUT.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -56,19 +62,36 @@ def pss_kib(pid: int) -> int:
     return 0
 
 
-def memfd_pss_kib(pid: int) -> int:
-    """The PSS of pid's mappings of memfds (a VM's guest RAM)."""
+def mapping_pss_kib(pid: int, chosen) -> int:
+    """The PSS of pid's mappings for which chosen(fields of the mapping's
+    first line in smaps) is true."""
     total, inside = 0, False
     try:
         for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
             fields = line.split()
             if fields and not fields[0].endswith(":"):   # a mapping's first line
-                inside = len(fields) >= 6 and fields[5].startswith("/memfd:")
+                inside = chosen(fields)
             elif inside and fields[0] == "Pss:":
                 total += int(fields[1])
     except OSError:
         pass
     return total
+
+
+def memfd_pss_kib(pid: int) -> int:
+    """The PSS of pid's mappings of memfds (a VM's guest RAM)."""
+    return mapping_pss_kib(pid, lambda f: len(f) >= 6 and f[5].startswith("/memfd:"))
+
+
+def tcg_buffer_kib(pid: int) -> int:
+    """The PSS of TCG's translation buffer in a QEMU: its anonymous mapping
+    that is readable, writable and executable."""
+    return mapping_pss_kib(pid, lambda f: f[1] == "rwxp" and len(f) == 5)
+
+
+def root_image_kib(pid: int) -> int:
+    """The PSS of a QEMU's mapping of the guest's root image."""
+    return mapping_pss_kib(pid, lambda f: len(f) >= 6 and f[5].endswith("/root.img"))
 
 
 def memfd_held_kib(pids: list[int]) -> int:
@@ -173,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-memory", type=int, default=0, metavar="MIB",
                         help="the handler's --max-memory (its VMs then boot with room for a DIMM, as a node's "
                              "do by default; 0: not passed)")
+    parser.add_argument("--handler-arg", action="append", default=[],
+                        help="one more argument of the handler (e.g. --handler-arg=--tcg-tb-mib=64)")
     parser.add_argument("--json", help="write the results there (- for stdout)")
     args = parser.parse_args(argv)
     if benchlib.not_root("pod_density.py", "loop devices, QEMU, containerd"):
@@ -186,11 +211,15 @@ def main(argv: list[str] | None = None) -> int:
         roots.append(Root())
         root = roots[0]
         template = args.vm_source == "template"
-        extra = (("--vm-template",) if template else ()) + (("--max-memory", str(args.max_memory))
-                                                              if args.max_memory else ())
+        extra = ((("--vm-template",) if template else ()) + (("--max-memory", str(args.max_memory))
+                                                               if args.max_memory else ()) + tuple(args.handler_arg))
         with cri_microvm_node(root, handler_extra=extra) as node:
             if template:
                 wait_for_template(node.env.handler.state_dir)
+                record = json.loads((node.env.handler.state_dir / "template" / "template.json").read_text())
+                results["template"] = {k: record.get(k) for k in ("saved_bytes", "ram_bytes", "boot_s")}
+                print(f"template: state {record['saved_bytes']} B, RAM file {record.get('ram_bytes', 0)} B of data",
+                      flush=True)
             image = node.image.name
             pods = {"crust-microvm": [], "runc": []}
             started = time.monotonic()
@@ -240,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             for runtime, members in groups.items():
                 share = handler_pss / args.pods if runtime == "crust-microvm" else 0
                 memory = [(pod_kib(g) + share) / 1024 for g in members]
+                tcg = [sum(tcg_buffer_kib(p) for p in g) / 1024 for g in members]
                 cpu = [cores(g) for g in members]
                 kinds: dict[str, list[float]] = {}
                 for g in members:
@@ -247,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
                         kinds.setdefault(kind, []).append(sum(pss_kib(p) - memfd_pss_kib(p) for p in pids) / 1024)
                     if runtime == "crust-microvm":
                         kinds.setdefault("guest RAM", []).append(memfd_held_kib(g) / 1024)
+                        kinds.setdefault("TCG translation buffer", []).append(sum(tcg_buffer_kib(p) for p in g) / 1024)
+                        kinds.setdefault("guest root image", []).append(sum(root_image_kib(p) for p in g) / 1024)
                 results["columns"][runtime] = {"pss_mib": row(memory), "cores": row(cpu, 4),
+                                               "pss_mib_without_tcg_buffer": row([m - t for m, t in zip(memory, tcg)]),
                                                "processes_per_pod": row([len(g) for g in members], 0),
                                                "pss_mib_by_process": {k: row(v) for k, v in sorted(kinds.items())}}
             results["daemons"] = {name: {"pss_mib": round(sum(pss_kib(p) for p in pids) / 1024, 1),
@@ -266,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         for runtime, column in results["columns"].items():
             m, c = column["pss_mib"], column["cores"]
             print(f"  {runtime:14s} PSS per pod {m['median']} MiB ({m['min']}-{m['max']}), {m['sum']} MiB in all; "
-                  f"CPU per pod {c['median']} cores ({c['min']}-{c['max']}), {c['sum']} in all")
+                  f"CPU per pod {c['median']} cores ({c['min']}-{c['max']}), {c['sum']} in all; "
+                  f"without TCG's translation buffer {column['pss_mib_without_tcg_buffer']['median']} MiB")
             print("    of it: " + ", ".join(f"{kind} {r['median']} MiB"
                                         for kind, r in column["pss_mib_by_process"].items()))
         for name, row_ in results["daemons"].items():

@@ -93,7 +93,8 @@ class VmConfig:
     # The guest's root image (crust.kata.image.guest_root); None: the one beside
     # the initramfs, where the image builder puts it.
     root: Path | None = None
-    # TCG's translation buffer in MiB (unused under KVM); None: TCG_TB_MIB.
+    # TCG's translation buffer in MiB (unused under KVM); None: TCG_TB_MIB,
+    # 0: QEMU's own default (bench/tcg_buffer.py compares them).
     tcg_tb_mib: int | None = None
 
     @property
@@ -124,7 +125,7 @@ def accel_args(config: VmConfig) -> list[str]:
     if config.accel == "kvm":
         return ["-accel", "kvm", "-cpu", "host"]
     tb = config.tcg_tb_mib if config.tcg_tb_mib is not None else TCG_TB_MIB
-    return ["-accel", f"tcg,tb-size={tb}"]
+    return ["-accel", f"tcg,tb-size={tb}" if tb else "tcg"]
 
 
 def memory_arg(memory_mib: int, max_memory_mib: int, root_bytes: int = 0) -> str:
