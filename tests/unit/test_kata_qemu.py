@@ -32,8 +32,8 @@ def test_every_vm_maps_its_guest_root_read_only_reports_free_pages_and_bounds_tc
     device memory above the RAM for it; a balloon with free page reporting;
     TCG's translation buffer at the config's size, crust's default, or
     QEMU's (0), and nothing of it under KVM. No init_on_free at boot."""
-    from crust.kata.qemu import Vm, VmConfig
-    from crust.kata.vm_config import TCG_TB_MIB
+    from crust.kata.vmm.qemu import Vm, VmConfig
+    from crust.kata.vmm.config import TCG_TB_MIB
     from crust.node.config import KataSection
 
     (tmp_path / "root.img").write_bytes(bytes(3 * 1024 * 1024))
@@ -67,7 +67,7 @@ def test_the_guest_root_image_is_sized_to_its_files_and_the_initramfs_only_mount
     """The image's size: its files' blocks and some room, a multiple of
     2 MiB; the initramfs: busybox, its applets, the listed modules in load
     order and the /init given."""
-    from crust.kata import cpio, guest_root
+    from crust.kata.image import cpio, guest_root
 
     entries = [cpio.directory("usr"), cpio.regular("usr/a", bytes(5000)), cpio.symlink("usr/b", "a")]
     size = guest_root.image_size(entries)
