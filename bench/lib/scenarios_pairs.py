@@ -68,10 +68,12 @@ def microvm_costs(result: dict):
             rows.append([name, num(ours) if ours is not None else NR, num(theirs) if theirs is not None else NR,
                          f"{ours / theirs:.2f}×" if both else ""])
     before = {pair["before_run"].get("commit", NR)[:12] for pair in result.get("pairs", {}).values()}
-    loads = "; ".join(f"{label}: {pair['before_run'].get('load_before')} → {pair['before_run'].get('load_after')}"
-                      for label, pair in result.get("pairs", {}).items())
-    rows.append(["the commit before's runs: commit; load (1, 5, 15 min) at their start → end",
-                 f"{', '.join(sorted(before))}; {loads}"[:300], "", ""])
+    for label, pair in result.get("pairs", {}).items():
+        now, then = pair["now_run"], pair["before_run"]
+        rows.append([f"{label}: load (1, 5, 15 min) at the run's start → end",
+                     f"{now.get('load_before')} → {now.get('load_after')}",
+                     f"{then.get('load_before')} → {then.get('load_after')}", ""])
+    rows.append(["the commit before", "", ", ".join(sorted(before)), ""])
     return ["figure", "this commit", "the commit before (same session)", "this / before"], rows
 
 

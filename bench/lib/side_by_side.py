@@ -23,8 +23,15 @@ from bench.lib.run_record import write_json  # noqa: E402
 
 HEADER = ("benchmark", "command", "date", "machine", "commit", "dirty", "dirty_paths", "accelerator",
           "load_before", "load_after")
-RUN = ("benchmark", "command", "commit", "dirty", "date", "accelerator", "load_before", "load_after")
+RUN = ("benchmark", "command", "commit", "dirty", "date", "accelerator", "load_before", "load_after", "load")
 BENCHMARK = "microvm_costs_side_by_side"
+
+
+def _run(result: dict) -> dict:
+    """A run's header; its load at the end under one name ("load" in some benches)."""
+    run = {key: result.get(key) for key in RUN if key != "load"}
+    run["load_after"] = result.get("load_after") or result.get("load")
+    return run
 
 
 def pairs(given: list[tuple[str, dict, dict]]) -> dict:
@@ -39,7 +46,7 @@ def pairs(given: list[tuple[str, dict, dict]]) -> dict:
         if now.get("benchmark") != before.get("benchmark"):
             raise ValueError(f"{label}: results of two benches, {now.get('benchmark')} and {before.get('benchmark')}")
         merged["pairs"][label] = {
-            "now_run": {key: now.get(key) for key in RUN}, "before_run": {key: before.get(key) for key in RUN},
+            "now_run": _run(now), "before_run": _run(before),
             "now": {key: value for key, value in now.items() if key not in HEADER},
             "before": {key: value for key, value in before.items() if key not in HEADER}}
     return merged
