@@ -21,7 +21,7 @@ Why this shape:
   4 KiB-block file system. No journal: nothing writes it.
 - The initramfs keeps only what mounts the root: busybox, the modules
   of virtio-pmem (ROOT_MODULES and what they need) and its /init
-  (guest/mountroot.sh), which then switches to the root's own /init.
+  (crust/guest/files/mountroot.sh), which then switches to the root's own /init.
 - The image's size is rounded up to ALIGN: the guest maps device memory
   in sections of 2 MiB.
 - A VM never writes the image: QEMU opens the file read-only and maps it
