@@ -17,7 +17,7 @@ from crust.common import ttrpc
 from tests.harness.guest_vm import Guest, guest_config
 
 MIB = 1024 * 1024
-ROOT_MOUNT = re.compile(r"^/dev/pmem0 / ext4 (\S+) ", re.M)
+ROOT_MOUNT = re.compile(r"^/dev/pmem0 /usr ext4 (\S+) ", re.M)
 
 
 def root_mapping_kib(pid: int, root: Path) -> dict[str, int]:
@@ -42,7 +42,7 @@ def rss_kib(pid: int) -> int:
 
 
 def test_every_vm_mounts_the_one_read_only_root_with_dax_and_shares_its_pages(root):
-    """Two VMs: each mounts /dev/pmem0 as / (ext4, read-only, dax=always);
+    """Two VMs: each has /dev/pmem0's /usr (ext4, read-only, dax=always);
     reading the agent's interpreter and the tools leaves the guest's page
     cache empty; a file write fails (read-only file system); both QEMUs map
     the image file itself, read-only, and the image's pages are counted
@@ -68,7 +68,7 @@ def test_every_vm_mounts_the_one_read_only_root_with_dax_and_shares_its_pages(ro
             # Nothing of the image went into guest RAM: at most the kernel's own share is missing.
             assert meminfo_kib(out, "MemTotal") > 200 * 1024, out
 
-            code, out = await a.sh("echo x > /crust-written")
+            code, out = await a.sh("echo x > /usr/crust-written")
             assert code != 0 and "Read-only file system" in out, out
             mapped = [root_mapping_kib(vm.pid, image) for vm in (a.vm, b.vm)]
             for m in mapped:

@@ -30,7 +30,20 @@ while [ ! -b /dev/pmem0 ]; do
   sleep 0.01
 done
 
-mount -t ext4 -o ro,dax=always,noatime /dev/pmem0 /root || fail "the guest root on /dev/pmem0 did not mount"
+mount -t ext4 -o ro,dax=always,noatime /dev/pmem0 /pmem || fail "the guest root on /dev/pmem0 did not mount"
+# The root the guest runs on is a tmpfs of directories (the host may mount
+# a volume at any path of it), with the image's directories bound over it
+# read-only: the files themselves stay on the device.
+mount -t tmpfs -o mode=0755 root /root || fail "no tmpfs for the root"
+for dir in bin sbin usr lib lib64 etc; do
+  mkdir /root/$dir && mount --bind /pmem/$dir /root/$dir && mount -o remount,bind,ro /root/$dir ||
+    fail "/$dir of the guest root was not bound"
+done
+for dir in dev proc sys run tmp mnt root; do
+  mkdir -m 0755 /root/$dir
+done
+chmod 1777 /root/tmp
+cp /pmem/init /root/init || fail "no /init on the guest root"
 umount /dev
 umount /proc
 exec switch_root /root /init

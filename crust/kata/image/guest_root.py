@@ -22,6 +22,10 @@ Why this shape:
 - The initramfs keeps only what mounts the root: busybox, the modules
   of virtio-pmem (ROOT_MODULES and what they need) and its /init
   (crust/guest/files/mountroot.sh), which then switches to the root's own /init.
+- The root the guest runs on is a tmpfs of empty directories with the
+  image's /bin, /sbin, /usr, /lib, /lib64 and /etc bound over it
+  read-only: a volume may be mounted at any path (/data), and the files
+  are still read from the device.
 - The image's size is rounded up to ALIGN: the guest maps device memory
   in sections of 2 MiB.
 - A VM never writes the image: QEMU opens the file read-only and maps it
@@ -49,7 +53,8 @@ BLOCK = 4096
 # and the block driver of its namespace (/dev/pmem0).
 ROOT_MODULES = ("virtio_pci", "virtio_pmem", "nd_pmem")
 # The applets the initramfs's /init runs.
-BOOT_APPLETS = ("sh", "mount", "umount", "insmod", "sleep", "switch_root", "poweroff", "cat", "echo")
+BOOT_APPLETS = ("sh", "mount", "umount", "insmod", "sleep", "switch_root", "poweroff", "cat", "echo", "mkdir",
+                "chmod", "cp")
 # Fixed so that two builds of the same inputs make the same image.
 UUID = "c2757374-726f-4f74-8000-000000000001"
 LABEL = "crust-root"
@@ -111,7 +116,7 @@ def boot_entries(busybox: bytes, modules: list[tuple[str, bytes]], init: bytes) 
     """The initramfs: busybox with BOOT_APPLETS, the modules that show the
     root (guest path, contents; in load order, listed in
     etc/crust/root-modules) and the /init that mounts it."""
-    entries = [cpio.directory(d) for d in ("bin", "dev", "proc", "root", "etc", "etc/crust")]
+    entries = [cpio.directory(d) for d in ("bin", "dev", "proc", "pmem", "root", "etc", "etc/crust")]
     entries += [cpio.chardev("dev/console", 5, 1), cpio.regular("init", init, 0o755),
                 cpio.regular("bin/busybox", busybox, 0o755)]
     entries += [cpio.symlink(f"bin/{applet}", "busybox") for applet in BOOT_APPLETS]
