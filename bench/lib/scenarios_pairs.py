@@ -5,7 +5,8 @@ beside the other run's."""
 
 from __future__ import annotations
 
-from bench.lib.scenarios import NR, Scenario, middle, num
+from bench.lib.figures import NR, middle, num
+from bench.lib.scenarios import Scenario
 
 
 def _pss(column: dict, key: str) -> float | None:
