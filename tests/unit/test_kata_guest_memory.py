@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from crust.kata.pod import guest_memory
+
 MIB = 1024 * 1024
 
 
@@ -120,3 +122,27 @@ def test_kubelets_replay_passes_the_pods_limits_in_run_pod_sandbox():
     assert limit([Container("a", "i", memory_limit=100 * MIB), Container("b", "i", memory_limit=28 * MIB)]) == 128 * MIB
     assert limit([Container("a", "i", memory_limit=64 * MIB)], [Container("init", "i", memory_limit=256 * MIB)]) == \
         256 * MIB
+
+
+def test_the_guest_memory_block_follows_the_end_of_the_boot_memory():
+    assert [guest_memory.block_bytes(mib) >> 20 for mib in (256, 384, 512, 640, 1024, 3072, 4096, 8192)] == \
+        [256, 128, 512, 128, 1024, 1024, 2048, 2048]
+
+
+async def test_the_dimm_goes_past_the_guest_root_on_a_whole_block():
+    class Qmp:
+        def __init__(self, devices):
+            self.devices = devices
+
+        async def execute(self, command, arguments=None):
+            assert command == "query-memory-devices"
+            return self.devices
+
+    class Vm:
+        def __init__(self, devices):
+            self.qmp = Qmp(devices)
+
+    root = {"type": "virtio-pmem", "data": {"memaddr": 4 << 30, "size": 62 << 20, "id": "root-pmem"}}
+    assert await guest_memory.dimm_address(Vm([root]), 256) == (4 << 30) + (256 << 20)
+    assert await guest_memory.dimm_address(Vm([root]), 384) == (4 << 30) + (128 << 20)
+    assert await guest_memory.dimm_address(Vm([]), 256) is None

@@ -23,7 +23,12 @@ up to the ceiling (`-m floor,slots=1,maxmem=ceiling`). A pod that wants
 more gets the difference, in whole 128 MiB blocks (the guest kernel's
 memory block: a part of one is never onlined), as one pc-dimm backed by a
 shared memfd (virtiofsd maps all of the guest's RAM); the guest's kernel
-onlines it by itself (memhp_default_state=online). The pod's /dev/shm is
+onlines it by itself (memhp_default_state=online), a memory block at a time:
+the DIMM is placed past the guest root's virtio-pmem (the other device in
+that space) at an address aligned to the guest's block, which the kernel
+sizes by the end of the boot memory (the largest power of two up to 2 GiB
+that it is a multiple of; at least 128 MiB), else no block of it is whole.
+The pod's /dev/shm is
 then resized to half of the new total, and every Memory emptyDir mounted
 after is bounded by it the same way (crust.guest.places).
 """
@@ -106,6 +111,30 @@ def guest_mib(limits: int, overhead: int, floor_mib: int, ceiling_mib: int) -> i
     return floor_mib + min(blocks, room) * BLOCK_MIB
 
 
+def block_bytes(floor_mib: int) -> int:
+    """The guest kernel's memory block for a boot memory of floor_mib: the
+    largest power of two, 128 MiB to 2 GiB, that the memory's end is a
+    multiple of (x86's rule in a VM)."""
+    end = floor_mib * MIB
+    size = 2 << 30
+    while size > BLOCK_MIB * MIB and end % size:
+        size //= 2
+    return size
+
+
+async def dimm_address(vm, floor_mib: int) -> int | None:
+    """Where the pod's DIMM goes: past every memory device the VM has (the
+    guest root), aligned to the guest's memory block; None (QEMU's choice)
+    when it has none."""
+    devices = await vm.qmp.execute("query-memory-devices") or []
+    ends = [int(d["data"]["memaddr"]) + int(d["data"]["size"]) for d in devices
+            if isinstance(d.get("data"), dict) and "memaddr" in d["data"] and "size" in d["data"]]
+    if not ends:
+        return None
+    block = block_bytes(floor_mib)
+    return -(-max(ends) // block) * block
+
+
 async def plug(vm, client, mib: int, sandbox_id: str) -> None:
     """mib more memory for the running VM: a DIMM hot-plugged, onlined by
     the guest (waited for: its agent's MemTotal grows by it), the pod's
@@ -118,7 +147,11 @@ async def plug(vm, client, mib: int, sandbox_id: str) -> None:
     try:
         await vm.qmp.execute("object-add", {"qom-type": "memory-backend-memfd", "id": BACKEND_ID,
                                             "size": mib * MIB, "share": True})
-        await vm.qmp.execute("device_add", {"driver": "pc-dimm", "id": DIMM_ID, "memdev": BACKEND_ID})
+        dimm = {"driver": "pc-dimm", "id": DIMM_ID, "memdev": BACKEND_ID}
+        address = await dimm_address(vm, vm.config.memory_mib)
+        if address is not None:
+            dimm["addr"] = address
+        await vm.qmp.execute("device_add", dimm)
     except (QmpError, QmpGone, QmpTimeout) as exc:
         raise Unavailable(f"pod {sandbox_id}: its VM took no {mib} MiB DIMM: {exc}") from None
     vm.plugged_mib = mib
