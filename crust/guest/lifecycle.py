@@ -50,6 +50,10 @@ WARM_OUTPUT = b"warm\n"
 SEED_BYTES = (32, 512)
 # What stays mounted at a power-off: the guest's own places.
 KEPT_TOPS = ("/proc", "/sys", "/dev", "/run", "/tmp")
+# The guest root's device (crust/guest/files/mountroot.sh binds its
+# directories read-only over the root): nothing of it to write back, and the
+# agent runs from it, so its mounts stay too.
+ROOT_DEVICE = "/dev/pmem0"
 # How long killed processes get to leave before the unmounts.
 KILL_SETTLE = 0.2
 
@@ -131,8 +135,10 @@ class Warmer:
             return agent_pb2.WarmResponse()
 
 
-def _kept(mount_point: str) -> bool:
-    return mount_point == "/" or any(mount_point == top or mount_point.startswith(top + "/") for top in KEPT_TOPS)
+def _kept(entry: sysmount.MountEntry) -> bool:
+    point = entry.mount_point
+    return point == "/" or entry.source == ROOT_DEVICE or \
+        any(point == top or point.startswith(top + "/") for top in KEPT_TOPS)
 
 
 def stop_everything() -> agent_pb2.PowerOffResponse:
@@ -144,7 +150,7 @@ def stop_everything() -> agent_pb2.PowerOffResponse:
     os.sync()
     unmounted = failed = 0
     for entry in reversed(sysmount.mounts()):
-        if _kept(entry.mount_point):
+        if _kept(entry):
             continue
         try:
             sysmount.unmount_at(entry.mount_point)
