@@ -59,10 +59,17 @@ def test_a_crash_looping_container_leaves_only_its_newest_dead_copy(root):
                 if n in (WARM, RESTARTS):
                     # Sampled once the handler's record has the newest
                     # container: each sample of the record in the same state.
-                    record = wait_until(lambda: next((r for r in (json.loads(p.read_text())
-                                                                  for p in records.glob("*.json"))
-                                                      if newest.id in r["containers"]), None),
-                                        timeout=60, what="the newest container in the pod's record")
+                    try:
+                        record = wait_until(lambda: next((r for r in (json.loads(p.read_text())
+                                                                      for p in records.glob("*.json"))
+                                                          if newest.id in r["containers"]), None),
+                                            timeout=60, what="the newest container in the pod's record")
+                    except AssertionError as exc:
+                        # What the records and the handler held instead, for the defect's cause.
+                        held = {p.name: sorted(json.loads(p.read_text())["containers"]) for p in records.glob("*.json")}
+                        tail = node.handler_log.read_text(errors="replace")[-3000:] if node.handler_log else ""
+                        raise AssertionError(f"{exc}: restart {n}, newest {newest.id}, records {held}; "
+                                             f"handler log's end: {tail}") from None
                     samples.append({
                         "record_bytes": sum(p.stat().st_size for p in records.glob("*.json")),
                         "record_containers": len(record["containers"]),
