@@ -22,7 +22,7 @@ DEVICE_LAYOUT = "uart-console,virtio-serial-agent,virtio-pmem-root,virtio-balloo
 # QEMU's ids of the guest root's memory backend and device (ROOT_ARGS).
 ROOT_BACKEND = "guest-root"
 # TCG's translation buffer (MiB) a VM gets unless its config says:
-# measured in bench/guest_boot.py and bench/pod_density.py (docs/microvm.md,
+# measured in bench/microvm/guest_boot.py and bench/runtime/pod_density.py (docs/microvm.md,
 # "TCG's translation buffer"). QEMU's own default is a quarter of a
 # gigabyte or more per VM on a 64-bit host (an eighth of the host's RAM,
 # at most 1 GiB), much of it resident once the guest has run a while.
@@ -94,7 +94,7 @@ class VmConfig:
     # the initramfs, where the image builder puts it.
     root: Path | None = None
     # TCG's translation buffer in MiB (unused under KVM); None: TCG_TB_MIB,
-    # 0: QEMU's own default (bench/tcg_buffer.py compares them).
+    # 0: QEMU's own default (bench/microvm/tcg_buffer.py compares them).
     tcg_tb_mib: int | None = None
 
     @property
