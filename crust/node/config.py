@@ -63,6 +63,9 @@ class ShimSection(_Section):
     default_fs_type: str = Field("ext4", alias="defaultFsType", pattern="^(ext4|xfs)$")
     # false: hide DEFER_FS_OPS* (for conformance tools that reject them).
     advertise_deferral: bool = Field(True, alias="advertiseDeferral")
+    # A snapshot's freeze of a deferred volume ends by itself in its sandbox
+    # this long after it began, should the shim's thaw never come.
+    freeze_timeout_seconds: int = Field(60, alias="freezeTimeoutSeconds", ge=1, le=600)
     metrics_port: int = Field(0, alias="metricsPort", ge=0, le=65535)
 
 

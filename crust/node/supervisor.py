@@ -86,6 +86,7 @@ def child_argvs(config: NodeConfig, policy_file: Path) -> list[tuple[str, list[s
                   "--proxy-endpoint", f"unix://{config.runtime_socket}", "--state-dir", str(config.state_dir / "shim"),
                   "--default-fs-type", config.shim.default_fs_type,
                   *([] if config.shim.advertise_deferral else ["--no-advertise-deferral"]),
+                  "--freeze-timeout-seconds", str(config.shim.freeze_timeout_seconds),
                   *metrics(config.shim.metrics_port), *logging_args],
          config.shim_socket),
     ]

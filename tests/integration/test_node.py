@@ -253,6 +253,20 @@ def _refused(config: Path) -> subprocess.CompletedProcess:
     return result
 
 
+def test_the_shims_freeze_timeout_is_a_node_setting(root):
+    """shim.freezeTimeoutSeconds reaches the CSI shim as --freeze-timeout-seconds
+    (60 unless set); a value out of 1..600 is refused naming the key."""
+    from crust.node.supervisor import child_argvs
+
+    for timeout in (15, None):
+        shim = {"freezeTimeoutSeconds": timeout} if timeout else {}
+        config = NodeConfig.load(write_config(root.path, shim=shim))
+        (argv,) = [argv for name, argv, _ in child_argvs(config, Path("/p.json")) if name == "shim"]
+        assert argv[argv.index("--freeze-timeout-seconds") + 1] == str(timeout or 60)
+    result = _refused(write_config(root.path, shim={"freezeTimeoutSeconds": 601}))
+    assert "shim.freezeTimeoutSeconds" in result.stderr, result.stderr
+
+
 def test_a_socket_path_or_a_metrics_port_used_twice_is_refused_naming_the_key(root):
     run = root.path / "run"
     result = _refused(write_config(root.path, csiSocket=str(run / "driver.sock")))
