@@ -6,9 +6,6 @@ sees it."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 from crust.api import csi_pb2
 from crust.kubelet import Container, Pod
 
@@ -19,36 +16,6 @@ APP = ("echo hello-from-the-guest; echo ext4 > /ext4/written && echo xfs > /xfs/
        "while [ ! -e /ext4/stop ]; do sleep 1; done; echo stopping; exit 7")
 # The second reads what the first wrote, in the same VM and volume.
 READER = "while [ ! -e /ext4/written ]; do sleep 1; done; echo second-sees-$(cat /ext4/written); exit 3"
-
-
-class MountWatch:
-    """An independent watch of the host's mount table: a thread reading
-    /proc/self/mountinfo over and over, noting every line whose device is
-    one of the volumes'."""
-
-    def __init__(self, devices: set[tuple[int, int]]):
-        self.devices = {f"{major}:{minor}" for major, minor in devices}
-        self.seen: list[str] = []
-        self.reads = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with open("/proc/self/mountinfo") as table:
-                for line in table:
-                    if line.split(" ", 3)[2] in self.devices:
-                        self.seen.append(line.strip())
-            self.reads += 1
-            time.sleep(0.005)
-
-    def __enter__(self) -> "MountWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def kubelet_volume_stats(node, pv, pod) -> dict[str, int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import grpc
@@ -19,6 +18,7 @@ import pytest
 
 from crust.api import handler_pb2, handler_pb2_grpc
 from tests.harness.kata_env import kata_env
+from tests.harness.mount_watch import MountWatch
 
 Stream = handler_pb2.OutputChunk.Stream
 BUSYBOX = shutil.which("busybox") or "/bin/busybox"
@@ -143,39 +143,13 @@ class PodClient:
         return {p.sandbox_id: p for p in self.stub.ListPods(handler_pb2.ListPodsRequest(), timeout=30).pods}
 
 
-class MountWatch:
-    """Reads the host's /proc/self/mountinfo every 20 ms while the test runs,
-    noting any line naming one of the devices."""
-
-    def __init__(self):
-        self.devices: set[str] = set()
-        self.seen: list[str] = []
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def watch(self, majmin: tuple[int, int]) -> None:
-        self.devices.add(f"{majmin[0]}:{majmin[1]}")
-
-    def _run(self) -> None:
-        while not self.stopped.wait(0.02):
-            for line in Path("/proc/self/mountinfo").read_text().splitlines():
-                if line.split()[2] in self.devices:
-                    self.seen.append(line)
-
-    def stop(self) -> list[str]:
-        self.stopped.set()
-        self.thread.join()
-        return self.seen
-
-
 @pytest.fixture
 def pod_env(root):
     """The microVM handler on the real stack, a PodRuntime client on its
     socket, a watch of the host's mount table; every pod deleted at the end."""
     for kenv in kata_env(root):
         client = PodClient(kenv.handler.socket)
-        watch = MountWatch()
+        watch = MountWatch().start()
         try:
             yield kenv, client, watch
         finally:

@@ -22,7 +22,8 @@ from tests.harness.demo_run import run_demo
 from tests.harness.cri import (KATA_HANDLER, ON_CONTAINERD2, container_log, containerd_binary, cri_microvm_node,
                                host_network_pod, leftovers_of, private_containerd, processes_naming, shim_pids)
 from tests.harness.daemons import wait_until
-from tests.harness.microvm_pod import APP, READER, MountWatch, container_df, kubelet_volume_stats, microvm_pod
+from tests.harness.microvm_pod import APP, READER, container_df, kubelet_volume_stats, microvm_pod
+from tests.harness.mount_watch import MountWatch
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHIM_RUNTIME = {"crust": "io.containerd.crust.v2"}

@@ -53,7 +53,8 @@ from tests.harness.cri import container_log, processes_naming
 from tests.harness import upstream
 from tests.harness.crio import DEPLOY, SHIM, checked_crio_tools, crio_microvm_node, microvm_drop_in, private_crio
 from tests.harness.upstream import CRICTL, CRIO, PINNS
-from tests.harness.microvm_pod import APP, READER, MountWatch, container_df, kubelet_volume_stats, microvm_pod
+from tests.harness.microvm_pod import APP, READER, container_df, kubelet_volume_stats, microvm_pod
+from tests.harness.mount_watch import MountWatch
 from tests.harness.pod_http import http_get, serve
 from tests.harness.daemons import wait_until
 
