@@ -14,8 +14,13 @@ request to its container's first write in its volume (the timestamp
 containerd gave the line the container printed right after the write: the
 CRI log's own clock). Reported per runtime and setting: p50, p99 (nearest
 rank) and max, how long until every pod was running, and the machine's CPU
-time until then divided among the pods. For the microVM
-pods, from the handler's log (each "vm up" and how long that VM took to
+time until then divided among the pods (on a shared machine, other work
+too). For the microVM pods, the CPU their processes took by then, per pod:
+each QEMU's main thread (its start, the restore's load, device emulation,
+QMP) apart from its other threads (the vCPU: the guest's own work, under
+tcg its code's translation included), its virtiofsd daemons, its shim, and
+the handler's and containerd's CPU over the burst divided among the pods;
+their sum is what a pod's start costs the machine. From the handler's log (each "vm up" and how long that VM took to
 restore or boot): how many VMs were being started at the same moment at
 most, which is 1 if the handler started them one after another.
 
@@ -35,9 +40,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.lib import benchlib  # noqa: E402
+from bench.runtime.pod_density import by_kind, vm_groups  # noqa: E402
 from bench.runtime.pod_start import first_write  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
-from tests.harness.cri import cri_microvm_node, wait_for_template  # noqa: E402
+from tests.harness.cri import cri_microvm_node, shim_pids, wait_for_template  # noqa: E402
 from tests.harness.daemons import Root  # noqa: E402
 from tests.harness.daemons import wait_until
 
@@ -79,7 +85,37 @@ def vm_starts(log_path: Path, since: float) -> dict:
             "start_s": benchlib.summary(durations, 2, ("p50", "min", "max")) if durations else {}}
 
 
-def burst(node, runtime_class: str, pods: int, defer: bool, tag: str) -> dict:
+def thread_cpu_s(pid: int, tid: int) -> float:
+    """One thread's CPU time so far (0 once it is gone)."""
+    text = benchlib.file_text(f"/proc/{pid}/task/{tid}/schedstat")
+    return int(text.split()[0]) / 1e9 if text else 0.0
+
+
+def microvm_cpu(root: Path, node, daemons_before: dict[str, float], pods: int) -> dict:
+    """The CPU seconds per pod of the microVM pods' processes (alive: their
+    totals since they started) and of the node's daemons since the burst."""
+    parts: dict[str, float] = {"qemu main thread": 0.0, "qemu vCPU and other threads": 0.0}
+    for group in vm_groups(root):
+        qemu = group[0]
+        main = thread_cpu_s(qemu, qemu)
+        parts["qemu main thread"] += main
+        parts["qemu vCPU and other threads"] += benchlib.cpu_ns(qemu) / 1e9 - main
+        for kind, pids in by_kind(group[1:]).items():
+            parts[kind] = parts.get(kind, 0.0) + sum(benchlib.cpu_ns(p) for p in pids) / 1e9
+    shims = by_kind(shim_pids(node.containerd)).get("crust shim", [])
+    parts["crust shim"] = sum(benchlib.cpu_ns(p) for p in shims) / 1e9
+    for name, pid in daemon_pids(node).items():
+        parts[name] = benchlib.cpu_ns(pid) / 1e9 - daemons_before[name]
+    row = {kind: round(seconds / pods, 3) for kind, seconds in parts.items()}
+    row["sum"] = round(sum(parts.values()) / pods, 3)
+    return row
+
+
+def daemon_pids(node) -> dict[str, int]:
+    return {"handler": node.env.handler.proc.pid, "containerd": node.containerd.process.pid}
+
+
+def burst(node, runtime_class: str, pods: int, defer: bool, tag: str, root: Path | None = None) -> dict:
     """pods pods of runtime_class asked for at once; each one's seconds to its first write."""
     made = []
     for n in range(pods):
@@ -101,6 +137,7 @@ def burst(node, runtime_class: str, pods: int, defer: bool, tag: str) -> dict:
             errors.append(f"{pod.name}: {exc}")
 
     threads = [threading.Thread(target=sync, args=(pod,)) for pod, _ in made]
+    daemons_before = {name: benchlib.cpu_ns(pid) / 1e9 for name, pid in daemon_pids(node).items()}
     busy_before = benchlib.machine_ticks()[0]
     started = time.time()
     for thread in threads:
@@ -117,6 +154,7 @@ def burst(node, runtime_class: str, pods: int, defer: bool, tag: str) -> dict:
     # The whole machine's CPU until the last pod ran (read after it: a few
     # polls of the logs more), per pod.
     cpu_per_pod = (benchlib.machine_ticks()[0] - busy_before) / benchlib.TICK / pods
+    by_process = microvm_cpu(root, node, daemons_before, pods) if runtime_class == "crust-microvm" else None
     for pod, pv in made:
         node.runtime.kill_pod(pod)
         node.runtime.remove_pod(pod)
@@ -126,6 +164,7 @@ def burst(node, runtime_class: str, pods: int, defer: bool, tag: str) -> dict:
     row["machine_cpu_s_per_pod"] = round(cpu_per_pod, 2)
     if runtime_class == "crust-microvm":
         row["handler"] = vm_starts(node.env.handler.log_path, started)
+        row["cpu_s_per_pod_by_process"] = by_process
     return row
 
 
@@ -163,10 +202,11 @@ def main(argv: list[str] | None = None) -> int:
                                log.read_text(errors="replace").count('"msg": "pooled VM ready"') >= wanted,
                                timeout=600, interval=0.5, what=f"the pool's {wanted} VMs")
                 load = benchlib.loadavg()
-                vm = burst(node, "crust-microvm", args.pods, True, f"vm-{setting}")
+                vm = burst(node, "crust-microvm", args.pods, True, f"vm-{setting}", root.path)
                 print(f"{setting}: {args.pods} microVM pods at once: p50 {vm['p50']} s, p99 {vm['p99']} s "
                       f"(load {load}); VMs started by the handler {vm['handler']['vm_starts']}, at most "
-                      f"{vm['handler']['at_once_max']} at once, each {vm['handler']['start_s']}", flush=True)
+                      f"{vm['handler']['at_once_max']} at once, each {vm['handler']['start_s']}; CPU s per pod by "
+                      f"process {vm['cpu_s_per_pod_by_process']}", flush=True)
                 runc = burst(node, "runc", args.pods, False, f"runc-{setting}")
                 print(f"{setting}: {args.pods} runc pods at once: p50 {runc['p50']} s, p99 {runc['p99']} s",
                       flush=True)
