@@ -52,6 +52,7 @@ def test_every_vm_maps_its_guest_root_read_only_reports_free_pages_and_bounds_tc
     assert plain[plain.index("-accel") + 1] == f"tcg,tb-size={TCG_TB_MIB}"
     append = plain[plain.index("-append") + 1].split()
     assert "swiotlb=noforce" in append and not any(w.startswith("init_on_free") for w in append)
+    assert "lockdown=confidentiality" in append
     assert KataSection().tcg_tb_mib == TCG_TB_MIB
 
     other = tmp_path / "other.img"

@@ -44,7 +44,8 @@ def rss_kib(pid: int) -> int:
 def test_every_vm_mounts_the_one_read_only_root_with_dax_and_shares_its_pages(root):
     """Two VMs: each has /dev/pmem0's /usr (ext4, read-only, dax=always);
     reading the agent's interpreter and the tools leaves the guest's page
-    cache empty; a file write fails (read-only file system); both QEMUs map
+    cache empty; the kernel's tracefs is empty (locked down) and its slab
+    holds no trace event files; a file write fails (read-only file system); both QEMUs map
     the image file itself, read-only, and the image's pages are counted
     once between them (their PSS of it about half their RSS); a raw write
     to the device reaches neither the host's file nor the other VM."""
@@ -55,7 +56,9 @@ def test_every_vm_mounts_the_one_read_only_root_with_dax_and_shares_its_pages(ro
     async def main():
         async with Guest(root.path / "a", "root-a", config=config) as a, \
                 Guest(root.path / "b", "root-b", config=config) as b:
-            read = ("cat /proc/mounts; grep -E '^(Cached|MemTotal):' /proc/meminfo; "
+            read = ("cat /proc/mounts; grep -E '^(Cached|MemTotal|Slab):' /proc/meminfo; "
+                    "mkdir -p /tmp/trace; mount -t tracefs tracefs /tmp/trace 2>/dev/null; "
+                    "echo \"trace files: $(ls /tmp/trace | wc -l)\"; umount /tmp/trace 2>/dev/null; "
                     "cat /usr/bin/python3.11 /sbin/* /lib/x86_64-linux-gnu/* >/dev/null 2>&1; "
                     "grep -E '^Cached:' /proc/meminfo | sed 's/Cached/After/'")
             (code, out), _ = await asyncio.gather(a.sh(read), b.sh(read))
@@ -67,6 +70,11 @@ def test_every_vm_mounts_the_one_read_only_root_with_dax_and_shares_its_pages(ro
             assert meminfo_kib(out, "After") - meminfo_kib(out, "Cached") < 1024, out
             # Nothing of the image went into guest RAM: at most the kernel's own share is missing.
             assert meminfo_kib(out, "MemTotal") > 200 * 1024, out
+            # The kernel is locked down: tracefs holds nothing, the kernel made
+            # none of its trace event files, whose inodes and dentries would
+            # hold 9 MiB of the slab (17.6 MiB with them).
+            assert "trace files: 0\n" in out, out
+            assert meminfo_kib(out, "Slab") < 12 * 1024, out
 
             code, out = await a.sh("echo x > /usr/crust-written")
             assert code != 0 and "Read-only file system" in out, out
