@@ -187,6 +187,9 @@ def pod_burst(result: dict):
         rows.append([f"{setting}: machine CPU per pod (s)", num(ours.get("machine_cpu_s_per_pod")),
                      num(anchor.get("machine_cpu_s_per_pod")),
                      ratio(ours.get("machine_cpu_s_per_pod"), anchor.get("machine_cpu_s_per_pod"))])
+        for part, seconds in (ours.get("cpu_s_per_pod_by_process") or {}).items():
+            label = "its processes' CPU per pod (s)" if part == "sum" else f"  of which {part} (s)"
+            rows.append([f"{setting}: {label}", num(seconds), "", ""])
     return ["pods asked for at once", "crust-microvm", "anchor: runc", "crust-microvm / runc"], rows
 
 
