@@ -17,6 +17,7 @@ from crust.kata.image.build import DEFAULT_CACHE, build
 from crust.kata.vmm.qemu import SharedDir, Vm, VmConfig
 from crust.kata.supply.template import restore_config
 from crust.sys import loop as sysloop
+from tests.harness import loops
 
 # How long a call waits for the guest's agent to open its port (its
 # interpreter starts in seconds, slower under emulation on a busy host).
@@ -48,6 +49,7 @@ class Guest:
         guests (it checks the image on each call); each guest gets a copy."""
         self.base = base
         self.loops: dict[str, str] = {}   # serial -> loop device
+        self.images: dict[str, Path] = {}   # loop device -> its image
         self.vm = Vm(name, base / "vm", dataclasses.replace(config) if config else guest_config(disk_bus, shared_dirs))
         if saved is not None:
             self.vm.config = restore_config(self.vm.config)
@@ -59,13 +61,16 @@ class Guest:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.vm.stop()
-        for device in self.loops.values():
-            sysloop.detach_sync(device)
+        try:
+            await self.vm.stop()
+        finally:
+            # Each released even when the VM's stop or another release
+            # failed; a device that does not go fails the test (loops.release).
+            loops.release_each((device, self.images[device]) for device in self.loops.values())
 
     async def attach(self, image: Path, serial: str) -> str:
         device = sysloop.attach_sync(image)
-        self.loops[serial] = device
+        self.loops[serial], self.images[device] = device, image
         await self.vm.attach_disk(device, serial)
         return device
 

@@ -41,6 +41,7 @@ from tests.harness.driver_node_calls import (
     write_synced,
 )
 from tests.harness.daemons import MIB, AccessMode, blkid, block_cap, mount_cap, sha256_of
+from tests.harness.loops import release_each
 
 OTHER_FS = {"ext4": "xfs", "xfs": "ext4"}
 
@@ -216,8 +217,7 @@ async def test_xfs_is_made_through_the_backing_file_and_read_fresh_through_the_d
             finally:
                 os.close(fd)
     finally:
-        for device in devices:
-            sysloop.detach_sync(device)
+        release_each(zip(devices, images))
 
 
 def test_the_image_of_a_loop_device_is_its_file_only_where_the_path_names_that_file(root):
@@ -228,11 +228,12 @@ def test_the_image_of_a_loop_device_is_its_file_only_where_the_path_names_that_f
         directory.mkdir()
         with open(directory / "vol.img", "wb") as f:
             f.truncate(64 * MIB)
-    whole = sysloop.attach_sync(here / "vol.img")
-    offset = subprocess.run(["losetup", "--find", "--show", "--offset", "4096", str(here / "vol.img")],
-                            check=True, capture_output=True, text=True).stdout.strip()
+    devices = [sysloop.attach_sync(here / "vol.img")]
     covered = False
     try:
+        devices.append(subprocess.run(["losetup", "--find", "--show", "--offset", "4096", str(here / "vol.img")],
+                                      check=True, capture_output=True, text=True).stdout.strip())
+        whole, offset = devices
         assert sysloop.image_of(whole) == str(here / "vol.img")
         assert sysloop.image_of(offset) is None  # not from its first byte
         assert sysloop.image_of("/dev/null") is None
@@ -243,10 +244,11 @@ def test_the_image_of_a_loop_device_is_its_file_only_where_the_path_names_that_f
         assert sysloop._backing_file(os.path.basename(whole)) == str(here / "vol.img")
         assert sysloop.image_of(whole) is None
     finally:
-        if covered:
-            subprocess.run(["umount", str(here)], check=True)
-        for device in (whole, offset):
-            sysloop.detach_sync(device)
+        try:
+            if covered:
+                subprocess.run(["umount", str(here)], check=True)
+        finally:
+            release_each((device, here / "vol.img") for device in devices)
 
 
 def test_a_device_attached_through_another_path_still_serves_its_file(root):
@@ -274,9 +276,11 @@ def test_a_device_attached_through_another_path_still_serves_its_file(root):
         assert not sysloop.serves(device, other / "vol.img")
         assert sysloop.devices_for(other / "vol.img") == []
     finally:
-        if aliased:
-            subprocess.run(["umount", str(alias)], check=True)
-        sysloop.detach_sync(device)
+        try:
+            if aliased:
+                subprocess.run(["umount", str(alias)], check=True)
+        finally:
+            release_each([(device, real / "vol.img")])
 
 
 # -- concurrency ---------------------------------------------------------------------------

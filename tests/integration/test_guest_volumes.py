@@ -25,6 +25,7 @@ from crust.guest.volumes import Volumes
 from crust.sys import caps
 from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
+from tests.harness import loops
 from tests.harness.guest_serving import serving
 
 MiB = 1 << 20
@@ -37,7 +38,7 @@ def disks(tmp_path):
     loop device made is gone after the test."""
     sys_block = tmp_path / "block"
     sys_block.mkdir()
-    made: list[str] = []
+    made: list[tuple[str, Path]] = []
 
     def make(fs_type: str, size: int = 64 * MiB, serial: str | None = None) -> tuple[str, Path]:
         image = tmp_path / f"disk{len(made)}.img"
@@ -45,17 +46,20 @@ def disks(tmp_path):
             f.truncate(size)
         subprocess.run([f"mkfs.{fs_type}", "-q", *(["-F"] if fs_type == "ext4" else []), str(image)], check=True)
         device = sysloop.attach_sync(image)
-        made.append(device)
+        made.append((device, image))
         if serial is not None:
             name_serial(sys_block, device, serial)
         return device, image
 
     yield sys_block, make
-    for entry in reversed(sysmount.mounts()):
-        if entry.mount_point.startswith(str(tmp_path) + "/"):
-            sysmount.unmount_all(entry.mount_point)
-    for device in made:
-        sysloop.detach_sync(device)
+    try:
+        for entry in reversed(sysmount.mounts()):
+            if entry.mount_point.startswith(str(tmp_path) + "/"):
+                sysmount.unmount_all(entry.mount_point)
+    finally:
+        # Also when an unmount failed; a device that does not go fails the
+        # test, naming what holds it.
+        loops.release_each(made)
 
 
 def name_serial(sys_block: Path, device: str, serial: str) -> None:

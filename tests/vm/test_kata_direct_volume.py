@@ -25,12 +25,12 @@ from crust.api import csi_pb2
 from crust.common.errors import FailedPrecondition, InvalidArgument
 from crust.kata.sandbox.direct_volume import DirectVolumes, entry_name, parse_mount_info
 from crust.kata.vmm.qemu import qemu_pids_under
-from crust.sys import loop as sysloop
 from crust.sys import mount as sysmount
 from tests.harness.daemons import MIB
 from tests.harness.daemons import wait_until
 from tests.harness.kata_env import DF_SCRIPT, anyone_mounts, guest_df, holds_device, make_loop_volume
 from tests.harness.kata_env import kenv  # noqa: F401 - a fixture
+from tests.harness.loops import release_each
 
 Usage = csi_pb2.VolumeUsage
 PROJECT = Path(__file__).resolve().parents[2]
@@ -185,12 +185,14 @@ def test_a_kata_style_driver_works_unchanged_through_direct_volume(kenv):
         finally:
             subprocess.run(["umount", str(mnt)], check=True)
     finally:
-        for sb in list(kenv.sandboxes()):
-            kenv.handler.sandbox("delete", sb)
-        if sysmount.at(str(kenv.path / "check")) is not None:
-            subprocess.run(["umount", str(kenv.path / "check")])
-        wait_until(lambda: not qemu_pids_under(kenv.handler.state_dir), timeout=30, what="QEMU to exit")
-        sysloop.detach_sync(device)
+        try:
+            for sb in list(kenv.sandboxes()):
+                kenv.handler.sandbox("delete", sb)
+            if sysmount.at(str(kenv.path / "check")) is not None:
+                subprocess.run(["umount", str(kenv.path / "check")], check=True)
+            wait_until(lambda: not qemu_pids_under(kenv.handler.state_dir), timeout=30, what="QEMU to exit")
+        finally:
+            release_each([(device, backing)])
 
 
 @pytest.mark.parametrize("damage, words", [

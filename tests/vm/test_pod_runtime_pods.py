@@ -30,10 +30,10 @@ from crust.api import csi_pb2, handler_pb2
 from crust.contract.mountinfo import digest
 from crust.kata.sandbox.direct_volume import entry_name
 from crust.kata.vmm.qemu import qemu_pids_under
-from crust.sys import loop as sysloop
 from tests.harness.daemons import MIB
 from tests.harness.daemons import wait_until
 from tests.harness.kata_env import anyone_mounts, holds_device, make_loop_volume, usage_dict
+from tests.harness.loops import release_each
 from tests.harness.pod_runtime_client import bind, container_bundle, kata_env_with_client, log_entries
 from tests.harness.pod_runtime_client import pod_env  # noqa: F401 - a fixture
 
@@ -320,13 +320,15 @@ def test_a_restarted_handler_adopts_a_running_pod(pod_env_short_lease):
     marker, and `direct-volume stats` answers through the adopted pod."""
     kenv, client = pod_env_short_lease
     v = kenv.volume("pv-pod-r", "ext4")
-    _, device = make_loop_volume(kenv.path, "direct", 64 * MIB, "ext4")
+    backing, device = make_loop_volume(kenv.path, "direct", 64 * MIB, "ext4")
     try:
         _adopted_pod(kenv, client, v, device)
     finally:
-        for pod_id in client.pods():
-            client.delete_pod(pod_id)
-        sysloop.detach_sync(device)
+        try:
+            for pod_id in client.pods():
+                client.delete_pod(pod_id)
+        finally:
+            release_each([(device, backing)])
 
 
 def _adopted_pod(kenv, client, v, device: str) -> None:
