@@ -62,6 +62,8 @@ def test_every_vm_maps_its_guest_root_read_only_reports_free_pages_and_bounds_tc
     assert argv(tcg_tb_mib=0)[plain.index("-accel") + 1] == "tcg"
     kvm = argv(accel="kvm", tcg_tb_mib=64)
     assert kvm[kvm.index("-accel") + 1] == "kvm" and not any("tb-size" in word for word in kvm)
+    # The guest's CPU: RDRAND under tcg (its generator seeded as it boots), the host's under KVM.
+    assert plain[plain.index("-cpu") + 1] == "qemu64,+rdrand" and kvm[kvm.index("-cpu") + 1] == "host"
 
 
 def test_the_guest_root_image_is_sized_to_its_files_and_the_initramfs_only_mounts_it():

@@ -79,7 +79,7 @@ from crust.kata.vmm.qemu import (
     is_qemu_under,
     qemu_pids_under,
 )
-from crust.kata.vmm.config import DEVICE_LAYOUT
+from crust.kata.vmm.config import DEVICE_LAYOUT, guest_cpu
 from crust.kata.vmm.qmp import QmpError, QmpGone
 from crust.sys import proc
 from crust.sys.run import CommandError, run
@@ -126,7 +126,7 @@ async def template_key(config: VmConfig) -> str:
     qemu = shutil.which(config.qemu_binary) or config.qemu_binary
     version = (await run([qemu, "--version"], timeout=30)).stdout.splitlines()[0]
     facts = [version, f"memory={config.memory_mib}", f"maxmem={config.max_memory_mib}", f"cpus={config.cpus}",
-             f"accel={config.accel}",
+             f"accel={config.accel}", f"guest_cpu={guest_cpu(config)}",
              f"bus={config.disk_bus}", f"cmdline={config.cmdline}", f"devices={DEVICE_LAYOUT}", "ram=apart",
              f"host={os.uname().release}",
              f"cpu={await asyncio.to_thread(_host_cpu)}"]

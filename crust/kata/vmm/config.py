@@ -27,6 +27,15 @@ ROOT_BACKEND = "guest-root"
 # gigabyte or more per VM on a 64-bit host (an eighth of the host's RAM,
 # at most 1 GiB), much of it resident once the guest has run a while.
 TCG_TB_MIB = 32
+# The guest's CPU under tcg: QEMU's default model with RDRAND, which TCG
+# emulates from the host's random source. The guest's kernel trusts the
+# CPU's generator (Debian's default), so its generator is ready as it
+# boots. Without it nothing seeds it until the first read of /dev/urandom
+# (the agent's interpreter takes its hash seed from there as it starts),
+# which then runs the kernel's jitter loop: about a second of the one vCPU
+# under emulation, before the agent answers (bench/microvm/guest_boot.py).
+# Under KVM the guest has the host's CPU, RDRAND with it.
+TCG_CPU = "qemu64,+rdrand"
 MIB = 1024 * 1024
 # The guest kernel's memory block on x86-64 (/sys/devices/system/memory/
 # block_size_bytes): memory is plugged in whole blocks (crust.kata.pod.guest_memory).
@@ -130,11 +139,16 @@ def root_args(config: VmConfig, size: int) -> list[str]:
 BALLOON_ARGS = ["-device", "virtio-balloon-pci,id=balloon,free-page-reporting=on"]
 
 
+def guest_cpu(config: VmConfig) -> str:
+    """The guest's CPU model (-cpu): the host's under KVM, TCG_CPU under tcg."""
+    return "host" if config.accel == "kvm" else TCG_CPU
+
+
 def accel_args(config: VmConfig) -> list[str]:
     if config.accel == "kvm":
-        return ["-accel", "kvm", "-cpu", "host"]
+        return ["-accel", "kvm", "-cpu", guest_cpu(config)]
     tb = config.tcg_tb_mib if config.tcg_tb_mib is not None else TCG_TB_MIB
-    return ["-accel", f"tcg,tb-size={tb}" if tb else "tcg"]
+    return ["-accel", f"tcg,tb-size={tb}" if tb else "tcg", "-cpu", guest_cpu(config)]
 
 
 def memory_arg(memory_mib: int, max_memory_mib: int, root_bytes: int = 0) -> str:
