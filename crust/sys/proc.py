@@ -62,6 +62,16 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time (user and system, all its threads) the process with
+    this pid has used, or None when there is none."""
+    fields = _stat_fields(pid) if pid > 0 else None
+    try:
+        return (int(fields[11]) + int(fields[12])) / _TICKS if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
 def identify(pid: int) -> ProcessId | None:
     """The process running under pid now (None if there is none). Take it
     while the process is known to be the one meant: a child not reaped yet,

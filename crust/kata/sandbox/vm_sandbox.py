@@ -150,7 +150,11 @@ class KataSandbox(Sandbox):
             # or its agent did not answer in time (a machine short of CPU or
             # memory): the pod's start may be retried, as kubelet does.
             raise Unavailable(f"sandbox {self.id}: its VM did not start: {exc}") from None
+        # QEMU's CPU time to here: the boot's (or restore's) work, which a
+        # busy machine stretches in wall time but not in this.
+        cpu = proc.cpu_seconds(self.vm.pid)
         log.info("vm up", extra={"fields": {"sandbox": self.id, "boot_s": round(seconds, 2), "pid": self.vm.pid,
+                                           "cpu_s": round(cpu, 2) if cpu is not None else None,
                                            "restored": saved is not None}})
 
     async def adopt(self, devices: list[str], process_pid: int) -> None:
