@@ -10,6 +10,11 @@ it puts a short piece given with others (a ttrpc frame's header, written
 with its payload by writelines) in one write with what follows it, so a
 small answer is one buffer on the port's queue, not two.
 
+A piece may be PipedBytes (crust.guest.held_pipe): bytes left in a pipe,
+spliced onto the port (the guest's virtio console puts the pipe's pages
+on its queue itself: no copy through the agent). Pieces go out in order,
+whole: a splice the port took in part goes on before anything after it.
+
 It is the part of asyncio.StreamWriter (and of its transport) that a ttrpc
 connection and the port's server use: write, writelines, drain, close,
 abort, the bytes not written yet. A write error ends it: what is pending
@@ -23,7 +28,9 @@ import asyncio
 import os
 from collections import deque
 
+from crust.guest.held_pipe import PipedBytes
 from crust.guest.streams import drop_head, head
+from crust.sys import pipes
 
 # drain() returns once at most this much waits for the port (asyncio's
 # default high-water mark).
@@ -40,7 +47,7 @@ class PortWriter:
         self._fd = fd
         self._loop = loop
         self._high_water = high_water
-        self._pending: deque[memoryview] = deque()
+        self._pending: deque[memoryview | PipedBytes] = deque()
         self._size = 0
         self._watching = False   # waiting for the port to take more
         self._closing = False
@@ -71,7 +78,7 @@ class PortWriter:
             return
         for data in pieces:
             if data:
-                self._pending.append(memoryview(data))
+                self._pending.append(data if isinstance(data, PipedBytes) else memoryview(data))
                 self._size += len(data)
         if self._pending and not self._watching:
             self._flush()
@@ -95,6 +102,9 @@ class PortWriter:
     def abort(self) -> None:
         """Closed now; what was not written is dropped."""
         self._closing = True
+        for piece in self._pending:
+            if isinstance(piece, PipedBytes):
+                piece.close()
         self._pending.clear()
         self._size = 0
         self._finish()
@@ -106,10 +116,14 @@ class PortWriter:
 
     def _flush(self) -> None:
         while self._pending:
+            first = self._pending[0]
             try:
-                # A short piece goes out joined with what follows it
-                # (a copy of at most PORT_WRITE_MAX).
-                written = os.write(self._fd, head(self._pending, PORT_WRITE_MAX))
+                if isinstance(first, PipedBytes):
+                    written = pipes.splice(first.fd, self._fd, first.left)
+                else:
+                    # A short piece goes out joined with the bytes that
+                    # follow it (a copy of at most PORT_WRITE_MAX).
+                    written = os.write(self._fd, head(self._leading_bytes(), PORT_WRITE_MAX))
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
@@ -119,7 +133,13 @@ class PortWriter:
             if written == 0:
                 break
             self._size -= written
-            drop_head(self._pending, written)
+            if isinstance(first, PipedBytes):
+                first.left -= written
+                if not first.left:
+                    first.close()
+                    self._pending.popleft()
+            else:
+                drop_head(self._pending, written)
         if self._pending and not self._watching:
             self._loop.add_writer(self._fd, self._flush)
             self._watching = True
@@ -130,6 +150,17 @@ class PortWriter:
             self._wake()
         if self._closing and not self._pending:
             self._finish()
+
+    def _leading_bytes(self) -> list[memoryview]:
+        """The pieces of bytes before the first PipedBytes, as many as one
+        write may join."""
+        leading, size = [], 0
+        for piece in self._pending:
+            if isinstance(piece, PipedBytes) or size >= PORT_WRITE_MAX:
+                break
+            leading.append(piece)
+            size += len(piece)
+        return leading
 
     def _wake(self) -> None:
         drainers, self._drainers = self._drainers, []

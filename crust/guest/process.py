@@ -399,8 +399,8 @@ class ProcessTable:
         return process
 
     async def _watch(self, process: Process, child: spawn.Child, exit_: asyncio.Future) -> None:
-        pumps = [asyncio.ensure_future(_pump_out(child.stdout, process.stdout, self.limits.pipe_chunk)),
-                 asyncio.ensure_future(_pump_out(child.stderr, process.stderr, self.limits.pipe_chunk))]
+        pumps = [_hold_output(child.stdout, process.stdout, self.limits.pipe_chunk),
+                 _hold_output(child.stderr, process.stderr, self.limits.pipe_chunk)]
         feeder = asyncio.ensure_future(_pump_in(child.stdin, process.stdin)) if process.stdin else None
         returncode = await exit_
         exited_at = time.time_ns()
@@ -464,6 +464,17 @@ class ProcessTable:
         tasks = [t for p in self.processes.values() for t in p.tasks]
         if tasks:
             await asyncio.wait(tasks, timeout=5)
+
+
+def _hold_output(pipe: spawn.PipeReader, stream: OutputStream, chunk: int) -> asyncio.Future:
+    """The process's output held until the host acknowledges it: a pipe's
+    in the pipe itself (its own descriptor of it: the child's pipes close
+    with the process), a terminal's (no pipe) read into memory; done once
+    every writer closed it."""
+    if not pipe.terminal:
+        stream.hold_pipe(os.dup(pipe.fileno()))
+        return asyncio.ensure_future(stream.until_hung_up())
+    return asyncio.ensure_future(_pump_out(pipe, stream, chunk))
 
 
 async def _pump_out(pipe: spawn.PipeReader, stream: OutputStream, chunk: int) -> None:

@@ -16,6 +16,7 @@ from crust.guest import cgroups, guestbinds, guestconf, lifecycle, network, term
 from crust.guest.containers import CONTAINERS_DIR, HOLDS_DIR, REMOVE_WAIT, Containers
 from crust.guest.disks import Disks, check_disk
 from crust.guest.errors import AgentError, check_id
+from crust.guest.held_pipe import PipedBytes
 from crust.guest.lifecycle import WARM_SPEC, Warmer
 from crust.guest.luks import EncryptedVolumes
 from crust.guest.oci import OciRuntime
@@ -72,9 +73,10 @@ def _exit_message(process: Process) -> agent_pb2.WaitProcessResponse:
         stderr_length=process.stderr.length)
 
 
-def encode_read(offset: int, data: bytes, eof: bool) -> ttrpc.Encoded:
+def encode_read(offset: int, data: bytes | PipedBytes, eof: bool) -> ttrpc.Encoded:
     """A ReadStreamResponse (specs/agent.proto: offset 1, data 2, eof 3),
-    encoded around data without copying it (ttrpc.Encoded)."""
+    encoded around data without copying it (ttrpc.Encoded): bytes, or
+    PipedBytes the port's writer splices in their place."""
     head = (b"\x08" + ttrpc.varint(offset) if offset else b"") + \
         (b"\x12" + ttrpc.varint(len(data)) if data else b"")
     return ttrpc.Encoded(tuple(piece for piece in (head, data, b"\x18\x01" if eof else b"") if piece))
@@ -233,8 +235,10 @@ class AgentService:
             raise AgentError(ttrpc.INVALID_ARGUMENT, "max_bytes: 0 (at least 1 is needed)")
         process = self._process(request)
         stream = getattr(process, stream_name)
+        # In the guest the answer's bytes may stay in a pipe: the port's
+        # writer splices them (crust.guest.held_pipe).
         offset, data, eof = await stream.read(request.offset, min(request.max_bytes, MAX_READ_BYTES),
-                                              request.accept_loss)
+                                              request.accept_loss, piped=self.in_guest)
         return encode_read(offset, data, eof)
 
     async def ReadStdout(self, request, call) -> ttrpc.Encoded:

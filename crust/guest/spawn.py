@@ -39,7 +39,7 @@ class PipeReader:
         self._pipe = pipe   # closed with the reader
         self._fd = pipe.fileno()
         os.set_blocking(self._fd, False)
-        self._terminal = terminal
+        self.terminal = terminal
         self._ended = False
         self._waiting: asyncio.Future | None = None
 
@@ -60,7 +60,7 @@ class PipeReader:
                 await self._readable()
                 continue
             except OSError as exc:
-                if not (self._terminal and exc.errno == errno.EIO):
+                if not (self.terminal and exc.errno == errno.EIO):
                     raise
                 data = b""
             self._ended = not data
@@ -77,6 +77,9 @@ class PipeReader:
             self._waiting = None
             if not self._pipe.closed:
                 loop.remove_reader(self._fd)
+
+    def fileno(self) -> int:
+        return self._fd
 
     def close(self) -> None:
         """The pipe closed; a read waiting for it fails with EBADF."""

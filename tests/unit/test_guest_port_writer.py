@@ -10,7 +10,9 @@ import socket
 
 import pytest
 
+from crust.guest.held_pipe import PipedBytes
 from crust.guest.port_writer import PORT_WRITE_MAX, PortWriter
+from crust.sys import pipes
 
 PAGE = 4096
 
@@ -132,5 +134,53 @@ def test_a_short_piece_goes_out_in_one_write_with_what_follows_it():
         # No write offers more than the port takes (its driver's most).
         tail = len(header) + len(payload) - 3 * PORT_WRITE_MAX
         assert [len(p) for p in packets] == [PORT_WRITE_MAX] * 3 + [tail, len(header) + len(small), len(header)]
+
+    asyncio.run(main())
+
+
+def piped(data: bytes) -> PipedBytes:
+    """data waiting in a pipe of its own, as an answer of a held stream."""
+    read_end, write_end = pipes.make(1 << 20)
+    os.write(write_end, data)
+    os.close(write_end)
+    return PipedBytes(read_end, len(data))
+
+
+def test_piped_bytes_go_out_spliced_in_their_place_whole_though_the_port_takes_them_in_parts():
+    """A frame's header, its bytes left in a pipe, its trailer, then the
+    next frame: the port (one page at a time) gets them in that order,
+    nothing of a later piece inside an earlier one."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        read_end, writer = pipe_writer(loop, high_water=PAGE)
+        reading = loop.run_in_executor(None, read_to_end, read_end)
+        frames, answers = [], []
+        for i in range(6):
+            header, body, trailer = b"H%d" % i, os.urandom(PAGE * (i + 3) + 17 * i), b"T%d" % i
+            answers.append(piped(body))
+            writer.writelines((header, answers[-1], trailer))
+            frames.append(header + body + trailer)
+            if i % 2:
+                await writer.drain()
+        assert all(len(a) == len(f) - 4 for a, f in zip(answers, frames))
+        writer.close()
+        await writer.wait_closed()
+        assert await reading == b"".join(frames)
+        assert all(answer.fd is None for answer in answers), "a spliced answer's pipe stayed open"
+
+    asyncio.run(main())
+
+
+def test_abort_closes_the_pipes_of_answers_not_spliced():
+    async def main():
+        loop = asyncio.get_running_loop()
+        read_end, writer = pipe_writer(loop)
+        first, second = piped(os.urandom(3 * PAGE)), piped(os.urandom(PAGE))
+        writer.writelines((first, second))
+        assert writer.get_write_buffer_size() == 4 * PAGE - PAGE   # the port took a page of the first
+        writer.abort()
+        await asyncio.wait_for(writer.wait_closed(), 5)
+        os.close(read_end)
+        assert first.fd is None and second.fd is None and writer.get_write_buffer_size() == 0
 
     asyncio.run(main())
