@@ -141,6 +141,13 @@ class OutputStream:
         if not self.ended:
             self.ended = True
             self._changed.fire()
+        self._release_pipe()
+
+    def _release_pipe(self) -> None:
+        """An ended stream whose pipe holds nothing more lets it go (an
+        exited process keeps no descriptor for output already read)."""
+        if self._pipe is not None and self.ended and self._pipe.hung_up and not self.held:
+            self._forget_pipe()
 
     def _forget_pipe(self) -> None:
         self._length = self.length
@@ -158,6 +165,7 @@ class OutputStream:
             else:
                 drop_head(self._chunks, offset - self.held_from)
             self.held_from = offset
+            self._release_pipe()
             self._changed.fire()
 
     def _take(self, max_bytes: int, piped: bool) -> bytes | PipedBytes:

@@ -64,6 +64,9 @@ def test_a_writer_faster_than_the_reader_waits_once_the_limit_is_held_and_every_
                 break
         await asyncio.wait_for(hang_up, 5)
         assert bytes(got) == data and stream.ended and stream.length == len(data)
+        # Everything acknowledged after the end: the stream lets its pipe go.
+        assert await stream.read(len(data), 10) == (len(data), b"", True)
+        assert stream._pipe is None and stream.state() == (len(data), len(data), True)
 
     asyncio.run(main())
 

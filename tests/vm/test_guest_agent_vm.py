@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import re
 import statistics
@@ -101,6 +102,53 @@ def test_the_agent_serves_the_port_many_calls_at_once_and_a_host_that_reconnects
     assert [p.exec_id for p in listed.processes] == ["forever"]
     assert (ended.exit_code, ended.signal) == (137, 9)
     assert missing == ttrpc.NOT_FOUND
+
+
+def test_output_spliced_onto_the_port_arrives_whole_held_within_the_bound_and_resent_at_the_held_offset(root):
+    """A process writing 12 MiB nobody reads waits once its stream holds
+    the bound (its pipe, in the guest); what the port then carries (the
+    pipe's pages spliced onto it) is every byte in order, and a read
+    repeated at the offset still held answers the same bytes again."""
+    size = 12 << 20
+    # The bytes on stdout, their digest on stderr.
+    script = f"{{ head -c {size} /dev/urandom | tee /dev/fd/3 | sha256sum >&2; }} 3>&1"
+
+    async def read_to_end(client, method: str, offset: int, out: bytearray) -> None:
+        while True:
+            rsp = await client.call(method, agent_pb2.ReadStreamRequest(exec_id="big", offset=offset,
+                                                                        max_bytes=1 << 20), timeout=60)
+            assert rsp.offset == offset
+            out += rsp.data
+            offset += len(rsp.data)
+            if rsp.eof:
+                return
+
+    async def main():
+        async with Guest(root.path) as g:
+            client, details = await connect(g)
+            await client.call("ExecProcess", agent_pb2.ExecProcessRequest(exec_id="big", process=process(
+                "sh", "-c", script)), timeout=30)
+            await asyncio.sleep(3)   # nobody reads
+            unread = (await client.call("ListProcesses", agent_pb2.ListProcessesRequest(), timeout=30)).processes
+            first = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id="big", max_bytes=1 << 20),
+                                      timeout=60)
+            again = await client.call("ReadStdout", agent_pb2.ReadStreamRequest(exec_id="big", max_bytes=1 << 20),
+                                      timeout=60)
+            out, err = bytearray(first.data), bytearray()
+            await asyncio.gather(read_to_end(client, "ReadStdout", len(first.data), out),
+                                 read_to_end(client, "ReadStderr", 0, err))
+            exit_ = await client.call("WaitProcess", agent_pb2.WaitProcessRequest(exec_id="big"), timeout=30)
+            await client.call("RemoveProcess", agent_pb2.RemoveProcessRequest(exec_id="big"), timeout=10)
+            return details, unread, first, again, bytes(out), bytes(err), exit_
+
+    details, unread, first, again, out, err, exit_ = asyncio.run(main())
+    (info,) = unread
+    bound = details.limits.stream_buffer_bytes
+    assert info.state == agent_pb2.ProcessInfo.RUNNING, "the writer was not held back"
+    assert 0 < info.stdout.length <= bound and info.stdout.held_from == 0
+    assert len(first.data) >= 64 << 10 and again.data == first.data and again.offset == first.offset == 0
+    assert len(out) == size and hashlib.sha256(out).hexdigest() == err.split()[0].decode()
+    assert exit_.exit_code == 0 and exit_.output_complete and exit_.stdout_length == size
 
 
 def test_a_guest_powered_off_by_its_agent_leaves_its_volumes_clean(root):
