@@ -1,6 +1,7 @@
-"""Processes the agent started: their pipes pumped into OutputStreams, their
-input fed from an InputStream, their exit recorded once the output is
-complete, each kept until the host removes it.
+"""Processes the agent started: their output held by OutputStreams (in the
+pipes themselves; a terminal's read into memory), their input fed from an
+InputStream, their exit recorded once the output is complete, each kept
+until the host removes it.
 
 A process's life: RUNNING once started, EXITED once it exited *and* both
 of its streams ended (every writer closed them, or LIMITS.output_grace
@@ -34,10 +35,10 @@ log = logging.getLogger("crust.guest")
 CREATED, RUNNING, EXITED = 1, 2, 3  # ProcessInfo.State
 
 
-# A process writing fast is read in fuller reads: after one of
-# PUMP_BUSY_BYTES or more but below PUMP_FULL_BYTES the pump lets the pipe
-# fill for PUMP_PAUSE (its PIPE_BYTES hold more than such a process writes
-# meanwhile: it is not stopped). Under emulation a system call and a wakeup
+# A terminal's output (read into memory: a master is no pipe to hold it
+# in) is read in fuller reads when the process writes fast: after one of
+# PUMP_BUSY_BYTES or more but below PUMP_FULL_BYTES the pump lets the
+# terminal fill for PUMP_PAUSE. Under emulation a system call and a wakeup
 # of the agent cost more than the bytes a read moves, and read at once a
 # pipe gives little more than one write of the process. Small output is
 # read at once.
