@@ -25,6 +25,7 @@ does.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from collections import deque
 
@@ -127,6 +128,11 @@ class PortWriter:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
+                if isinstance(first, PipedBytes) and exc.errno in (errno.EINVAL, errno.ENOSYS):
+                    # A port that does not splice: the rest of the
+                    # answer as bytes, in its place.
+                    self._pending[0] = memoryview(first.take())
+                    continue
                 self._error = exc
                 self.abort()
                 return

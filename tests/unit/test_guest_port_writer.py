@@ -184,3 +184,20 @@ def test_abort_closes_the_pipes_of_answers_not_spliced():
         assert first.fd is None and second.fd is None and writer.get_write_buffer_size() == 0
 
     asyncio.run(main())
+
+
+def test_a_port_that_cannot_splice_gets_an_answers_bytes_written_in_their_place(tmp_path):
+    """A target splice(2) refuses (EINVAL: a file opened for appending)."""
+    async def main(path):
+        loop = asyncio.get_running_loop()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC)
+        writer = PortWriter(fd, loop)
+        body = os.urandom(5 * PAGE)
+        answer = piped(body)
+        writer.writelines((b"head", answer, b"tail"))
+        writer.close()
+        await asyncio.wait_for(writer.wait_closed(), 5)
+        return body, answer
+
+    body, answer = asyncio.run(main(tmp_path / "port"))
+    assert (tmp_path / "port").read_bytes() == b"head" + body + b"tail" and answer.fd is None
