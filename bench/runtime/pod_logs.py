@@ -10,7 +10,10 @@ each line as it takes it from the runtime):
 - the rate: MiB between the first line's and the last line's stamps;
 - the whole: from the pod's start returning to the container reported
   exited with every line in its log.
-Every line is checked there, whole and in order.
+Every line is checked there, whole and in order. For crust-microvm also
+the CPU its QEMU process spent from the pod's start returning to the
+exit (the guest's vCPU: the writer and the agent), as MiB per CPU second:
+what the VM moves where a host CPU is its own, whatever else runs.
 
     .venv/bin/python bench/runtime/pod_logs.py [--rounds 3] [--mib 50] [--cpus 1] [--busy 0] [--json OUT.json]
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import os
 import re
 import statistics
 import subprocess
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.lib import benchlib  # noqa: E402
 from crust.api import cri_pb2 as cri  # noqa: E402
+from crust.kata.vmm.qemu import qemu_pids_under  # noqa: E402
 from tests.harness.daemons import Root  # noqa: E402
 from tests.harness.daemons import wait_until
 from tests.harness.pod_nodes import pod_node  # noqa: E402
@@ -55,15 +60,28 @@ def stamp(text: bytes) -> float:
     return dt.datetime.fromisoformat(f"{found[1]}.{fraction}{zone}").timestamp()
 
 
-def one_pod(node, name: str, lines: int) -> tuple[float, float]:
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def one_pod(node, root: Path, name: str, lines: int) -> tuple[float, float, float]:
     """(MiB/s between the first and last line's stamps, ms from the pod's
-    start to its container exited with every line logged)."""
+    start to its container exited with every line logged, CPU seconds of
+    the pod's QEMU meanwhile: 0 without one)."""
     pod = node.pod(name, volumes={}, containers=[node.container("writer", f"yes {LINE} | head -n {lines}")])
     with node.running(pod):
         started = time.monotonic()
+        vms = qemu_pids_under(root)
+        cpu_before = cpu_seconds(vms)
         wait_until(lambda: node.status(pod, "writer").state == cri.CONTAINER_EXITED, timeout=600,
                    what=f"{name}'s writer to exit")
         whole_ms = (time.monotonic() - started) * 1e3
+        vm_cpu = cpu_seconds(vms) - cpu_before
         status = node.status(pod, "writer")
         first = last = None
         count = 0
@@ -77,7 +95,7 @@ def one_pod(node, name: str, lines: int) -> tuple[float, float]:
                 count += 1
         if status.exit_code != 0 or count != lines:
             raise RuntimeError(f"{name}: exit {status.exit_code}, {count} of {lines} lines logged")
-    return lines * (len(LINE) + 1) / 2**20 / max(last - first, 1e-6), whole_ms
+    return lines * (len(LINE) + 1) / 2**20 / max(last - first, 1e-6), whole_ms, vm_cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         rates: dict[str, list[float]] = {name: [] for name in RUNTIMES}
         wholes: dict[str, list[float]] = {}
+        per_cpu: list[float] = []
         with contextlib.ExitStack() as stack:
             spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
             for spinner in spinners:
@@ -109,10 +128,14 @@ def main(argv: list[str] | None = None) -> int:
             results["load_before"] = benchlib.loadavg()
             for turn in range(args.rounds):
                 for name in benchlib.rotated(list(RUNTIMES), turn):
-                    rate, whole = one_pod(nodes[name], f"logs-{turn}-{name.replace('crust-', '')}", lines)
+                    rate, whole, vm_cpu = one_pod(nodes[name], roots[name].path,
+                                                  f"logs-{turn}-{name.replace('crust-', '')}", lines)
                     rates[name].append(rate)
                     wholes.setdefault(f"{name}: {args.mib} MiB logged", []).append(whole)
-                    print(f"round {turn + 1}/{args.rounds} {name}: {rate:.1f} MiB/s, {whole:.0f} ms to the exit",
+                    if vm_cpu:
+                        per_cpu.append(args.mib / vm_cpu)
+                    print(f"round {turn + 1}/{args.rounds} {name}: {rate:.1f} MiB/s, {whole:.0f} ms to the exit"
+                          + (f", {args.mib / vm_cpu:.1f} MiB per CPU second of its VM" if vm_cpu else ""),
                           flush=True)
             results["load_after"] = benchlib.loadavg()
             # The accelerator the handler's VM runs under, as its log says it.
@@ -125,12 +148,19 @@ def main(argv: list[str] | None = None) -> int:
                                             "max": round(max(v), 1), "samples": [round(x, 1) for x in v]}
                                      for name, v in rates.items()}
         results["figures"] = benchlib.ms_rows(wholes)
+        if per_cpu:
+            results["microvm_mib_per_vm_cpu_s"] = {"median": round(statistics.median(per_cpu), 1),
+                                                   "min": round(min(per_cpu), 1), "max": round(max(per_cpu), 1),
+                                                   "samples": [round(x, 1) for x in per_cpu]}
         print(f"\n{args.mib} MiB of a container's logs, median of {args.rounds} (min-max), {results['accelerator']}; "
               f"{benchlib.machine_summary(results['machine'])}")
         for name, rate in results["rate_mib_per_s"].items():
             whole = results["figures"][f"{name}: {args.mib} MiB logged"]
             print(f"  {name:14} {rate['median']:6.1f} MiB/s ({rate['min']}-{rate['max']}) between the first and "
                   f"last line; {whole['median_ms']} ms ({whole['min_ms']}-{whole['max_ms']}) to the exit")
+        if per_cpu:
+            moved = results["microvm_mib_per_vm_cpu_s"]
+            print(f"  crust-microvm  {moved['median']:6.1f} MiB per CPU second of its VM ({moved['min']}-{moved['max']})")
         print(f"load {results['load_before']} before, {results['load_after']} after")
 
     return benchlib.guarded_run_then_write(body, benchlib.roots_cleanup(roots), benchlib.report_failure, args.json, results)

@@ -111,7 +111,7 @@ def test_output_spliced_onto_the_port_arrives_whole_held_within_the_bound_and_re
     repeated at the offset still held answers the same bytes again."""
     size = 12 << 20
     # The bytes on stdout, their digest on stderr.
-    script = f"{{ head -c {size} /dev/urandom | tee /dev/fd/3 | sha256sum >&2; }} 3>&1"
+    script = f"{{ head -c {size} /dev/urandom | tee /proc/self/fd/3 | sha256sum >&2; }} 3>&1"
 
     async def read_to_end(client, method: str, offset: int, out: bytearray) -> None:
         while True:
