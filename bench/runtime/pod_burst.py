@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{setting}: {args.pods} runc pods at once: p50 {runc['p50']} s, p99 {runc['p99']} s",
                       flush=True)
                 results["results"][setting] = {"crust-microvm": vm, "runc": runc, "load_at_start": load}
+                results["accelerator"] = benchlib.accelerator_in_log(node.env.handler.log_path)
         results["load_after"] = benchlib.loadavg()
         print(f"\n{args.pods} pods at once, seconds from the request to the container's first write in its volume; "
               f"{benchlib.machine_summary(results['machine'])}")
