@@ -28,11 +28,13 @@ as scripts, `.venv/bin/python bench/NAME.py`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -254,6 +256,15 @@ def rotated(items: list, turn: int) -> list:
     turns at going first, so that none always sees the state another left."""
     k = turn % len(items)
     return items[k:] + items[:k]
+
+
+def keep_cpus_busy(stack: contextlib.ExitStack, count: int) -> None:
+    """count host CPUs kept busy (a process spinning on each) until stack
+    closes: the machine as a loaded node has it."""
+    for _ in range(count):
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        stack.callback(spinner.wait)
+        stack.callback(spinner.kill)
 
 
 # -- signals ----------------------------------------------------------------------------------------

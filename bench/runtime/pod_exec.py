@@ -13,7 +13,10 @@ Per round and runtime:
   answered;
 - 10 MiB out: one ExecSync printing 10 MiB, MiB/s to the whole answer.
 
-    .venv/bin/python bench/runtime/pod_exec.py [--rounds 7] [--keep-log DIR] [--json OUT.json]
+    .venv/bin/python bench/runtime/pod_exec.py [--rounds 7] [--busy 0] [--keep-log DIR] [--json OUT.json]
+
+--busy N keeps N host CPUs busy for the whole run (a process spinning on
+each, started before the nodes): the machine as a loaded node has it.
 
 Median, min and max per figure and runtime, the ratio of the medians, the
 machine, its accelerator and its load before and after.
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", help="write the results there (- for stdout)")
     parser.add_argument("--keep-log", metavar="DIR", help="copy the microVM handler's log there")
+    parser.add_argument("--busy", type=int, default=0, help="host CPUs kept busy by a spinning process each")
     args = parser.parse_args(argv)
     if benchlib.not_root("pod_exec.py", "pods, containerd, QEMU"):
         return 1
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         samples: dict[str, list[float]] = {}
         with contextlib.ExitStack() as stack:
+            benchlib.keep_cpus_busy(stack, args.busy)
             targets, logs = {}, []
             for name in RUNTIMES:
                 node = stack.enter_context(pod_node(name, roots[name]))
@@ -103,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.keep_log:
                 Path(args.keep_log).mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(logs[0], Path(args.keep_log) / "handler-crust-microvm.log")
+        results["busy_host_cpus"] = args.busy
         results["figures"] = benchlib.ms_rows(samples)
         figures = results["figures"]
         results["ratios"] = {}

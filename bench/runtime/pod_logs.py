@@ -32,7 +32,6 @@ import datetime as dt
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -118,10 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         wholes: dict[str, list[float]] = {}
         per_cpu: list[float] = []
         with contextlib.ExitStack() as stack:
-            spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
-            for spinner in spinners:
-                stack.callback(spinner.wait)
-                stack.callback(spinner.kill)
+            benchlib.keep_cpus_busy(stack, args.busy)
             nodes = {name: stack.enter_context(pod_node(
                 name, roots[name], handler_extra=("--cpus", str(args.cpus)) if name == "crust-microvm" else ()))
                 for name in RUNTIMES}
