@@ -7,9 +7,11 @@ containerd runs it with its working directory in the container's bundle:
       prints the ttrpc address of the shim serving ID's pod (containerd 2.3+,
       which sends BootstrapParams: a BootstrapResult holding it) and writes
       it to the bundle's `address` file; starts that shim (a daemon) unless
-      the pod's shim already answers. Every container of a pod goes to one shim:
-      the pod is the sandbox id the CRI runtime's annotation names
-      (crust.common.cri_annotations: containerd's or CRI-O's).
+      it already answers. Every container of a pod goes to one shim: the pod
+      is the sandbox id the CRI runtime's annotation names
+      (crust.common.cri_annotations: containerd's or CRI-O's). A shim serves
+      that pod alone, or every pod of the namespace and handler
+      (`shim_group = "node"`: crust.containerd_shim.pods).
   containerd-shim-crust-v2 -namespace NS -address SOCK -id ID -bundle DIR delete
       cleans up after a shim that died: the container (or the pod) is
       deleted in the handler (at the endpoint `start` recorded in the
@@ -20,6 +22,8 @@ containerd runs it with its working directory in the container's bundle:
 
 Settings (`start` reads containerd's standard input, in either form:
 crust.containerd_shim.bootstrap):
+  which pods share a shim: `shim_group` ("node", the default, or "pod") in
+  the runtime's `ConfigPath` file, else $CRUST_SHIM_GROUP.
   the handler's socket: `handler_endpoint` in the TOML file named by the
   runtime's `ConfigPath` option in containerd's configuration (CRI-O: the
   handler's `runtime_config_path`), else $CRUST_KATA_HANDLER_ENDPOINT (in
@@ -45,7 +49,8 @@ from pathlib import Path
 
 from crust.common import cri_annotations
 from crust.containerd_shim.bootstrap import bootstrap_result, read_start_input, runtime_info
-from crust.containerd_shim.options import SOCKET_DIR, handler_endpoint, keep_endpoint, kept_endpoint
+from crust.containerd_shim.options import (NODE, SOCKET_DIR, configured_settings, handler_endpoint,
+                                           keep_endpoint, kept_endpoint, shim_group)
 
 # containerd runs `start` for every container of a pod, in the path of
 # StartContainer (and of RunPodSandbox): this module imports only what
@@ -66,10 +71,13 @@ def socket_path(containerd_address: str, namespace: str, group: str, directory: 
     return directory / digest
 
 
-def group_of(bundle: Path, container_id: str) -> str:
-    """The pod whose shim serves this container: the sandbox id the CRI
-    runtime's annotation names (the sandbox's own id for the sandbox), else
-    the container itself."""
+def group_of(bundle: Path, container_id: str, shared: bool = False, endpoint: str = "") -> str:
+    """The group whose shim serves this container: for a shim per pod, the
+    pod, i.e. the sandbox id the CRI runtime's annotation names (the
+    sandbox's own id for the sandbox), else the container itself; for a
+    shared shim, its handler's (two handlers' pods never share a shim)."""
+    if shared:
+        return f"{NODE}\0{endpoint}"
     try:
         spec = json.loads((bundle / "config.json").read_text())
     except (OSError, ValueError):
@@ -96,7 +104,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("-id", default="", help="the container (task) id")
     parser.add_argument("-bundle", default="", help="the bundle (delete); else the working directory")
     parser.add_argument("-debug", action="store_true", help="debug logging")
-    parser.add_argument("-socket", default="", help=argparse.SUPPRESS)  # serve: the pod's socket
+    parser.add_argument("-socket", default="", help=argparse.SUPPRESS)  # serve: the shim's socket
+    parser.add_argument("-shared", action="store_true", help=argparse.SUPPRESS)  # serve: the node's pods
     parser.add_argument("-handler-endpoint", dest="handler_endpoint", default="", help=argparse.SUPPRESS)
     parser.add_argument("-log", default="", help=argparse.SUPPRESS)
     parser.add_argument("action", choices=["start", "delete", "serve"], help="what containerd asks")
@@ -109,24 +118,32 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def start(args: argparse.Namespace) -> int:
     bundle = Path.cwd()
-    group = group_of(bundle, args.id)
     # containerd hands the runtime's options to every `start` (never to
     # `delete`), alone (1.6 to 2.2) or in its BootstrapParams (2.3+).
     given = read_start_input(read_stdin(), args.id, args.namespace)
+    settings = configured_settings(given.options)
+    endpoint = handler_endpoint(settings=settings)
+    try:
+        shared = shim_group(settings) == NODE
+    except ValueError as exc:
+        print(f"crust shim start {args.id}: {exc}", file=sys.stderr)
+        return 1
+    group = group_of(bundle, args.id, shared, endpoint)
     directory = Path(given.socket_dir) if given.socket_dir.startswith("/") else SOCKET_DIR
     path = socket_path(args.address, args.namespace, group, directory)
     address = f"unix://{path}"
     from crust.sys.sockets import listen_backlog, socket_alive
 
     directory.mkdir(parents=True, exist_ok=True, mode=0o711)
-    # Two `start`s of one pod at once must not both bind (the second would
+    # Two `start`s of one shim at once must not both bind (the second would
     # unlink the first's socket): the check and the bind hold a lock on the
-    # directory, released when this process exits.
+    # directory, released when this process exits. A shared shim ends only
+    # under this lock, once containerd asked it something after the last
+    # `start` touched its socket, or that touch is old (crust.containerd_shim.pods).
     lock = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     fcntl.flock(lock, fcntl.LOCK_EX)
     # The endpoint the options name is kept in the bundle for `delete`, and
     # so is a socket directory of containerd's own choosing.
-    endpoint = handler_endpoint(given.options)
     keep_endpoint(bundle, endpoint)
     if directory != SOCKET_DIR:
         (bundle / SOCKET_DIR_FILE).write_text(str(directory))
@@ -141,8 +158,9 @@ def start(args: argparse.Namespace) -> int:
         # bundle's `log` fifo (containerd copies it to its own log), never to
         # ours: containerd reads our output to its end.
         command = [sys.executable, "-m", SHIM_MODULE, "-namespace", args.namespace, "-address", args.address,
-                   "-id", group, "-socket", str(path), "-handler-endpoint", endpoint,
-                   "-log", str(bundle / "log"), *(["-debug"] if args.debug or given.debug else []), "serve"]
+                   "-id", NODE if shared else group, *(["-shared"] if shared else []), "-socket", str(path),
+                   "-handler-endpoint", endpoint, "-log", str(bundle / "log"),
+                   *(["-debug"] if args.debug or given.debug else []), "serve"]
         env = {**os.environ, "CRUST_SHIM_LISTEN_FD": str(listener.fileno())}
         if given.ttrpc_address:
             env["TTRPC_ADDRESS"] = given.ttrpc_address  # where events go
@@ -151,6 +169,8 @@ def start(args: argparse.Namespace) -> int:
         subprocess.Popen(command, cwd="/", env=env, pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         listener.close()
+    else:
+        os.utime(path)  # this start's: a shared shim stays for the containerd it answers
     (bundle / "address").write_text(address)
     if given.bootstrap:
         sys.stdout.buffer.write(bootstrap_result(address))
@@ -251,44 +271,36 @@ def remove_dead_socket(bundle: Path) -> bool:
 # -- serve (the daemon) -----------------------------------------------------------------
 
 
-def _log_to(path: str, debug: bool) -> None:
-    from crust.common import logs
-
-    try:
-        # containerd holds the fifo's read end while it runs; opened for
-        # reading too, the open never blocks and a restart loses no line.
-        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC) if path else None
-    except OSError:
-        fd = None
-    if fd is not None:
-        os.dup2(fd, 2)
-        os.close(fd)
-    logs.setup("debug" if debug else "info")
-
-
 def serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
     import signal
 
+    from crust.common import logs
+    from crust.containerd_shim.pods import ShimLog
+
+    shim_log = ShimLog()
+    if args.log:
+        shim_log.follow(os.path.dirname(args.log))
+    logs.setup("debug" if args.debug else "info")
     log = logging.getLogger("crust.containerd_shim")
-    _log_to(args.log, args.debug)
     from crust.sys.memory import give_back_large_buffers
     from crust.sys.openfiles import raise_soft_limit
 
     give_back_large_buffers()  # a 4 MiB request's buffers leave the RSS when freed (crust.sys.memory)
     raise_soft_limit()  # a descriptor per connection (crust.sys.openfiles)
     from crust.api import containerd_task_pb2
-    from crust.containerd_shim.events import Publisher
-    from crust.containerd_shim.task import TaskService
     from crust.common.ttrpc_server import Server
+    from crust.containerd_shim.events import Publisher
+    from crust.containerd_shim.pods import ShimPods
 
     listen_fd = int(os.environ.pop("CRUST_SHIM_LISTEN_FD", "-1"))
 
     async def main() -> None:
         done = asyncio.Event()
         publisher = Publisher(os.environ.get("TTRPC_ADDRESS", ""), args.namespace)
-        service = TaskService(args.handler_endpoint or handler_endpoint(), publisher, on_empty=done.set)
+        service = ShimPods(args.handler_endpoint or handler_endpoint(), publisher, socket_path=args.socket,
+                           shared=args.shared, on_empty=done.set, shim_log=shim_log)
         server = Server()
         server.register_service(containerd_task_pb2.DESCRIPTOR.services_by_name["Task"], service)
         if listen_fd >= 0:
@@ -298,7 +310,7 @@ def serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, done.set)
         loop.add_signal_handler(signal.SIGINT, done.set)
-        log.info("shim serving", extra={"fields": {"pod": args.id, "socket": args.socket,
+        log.info("shim serving", extra={"fields": {"pods": args.id, "socket": args.socket,
                                                    "handler": service.handler_endpoint}})
         await done.wait()
         await asyncio.sleep(0.05)  # Shutdown's answer leaves first
@@ -306,8 +318,9 @@ def serve(args: argparse.Namespace) -> int:
         await server.close()
         await service.close()
         await publisher.close()
-        Path(args.socket).unlink(missing_ok=True)
-        log.info("shim exits", extra={"fields": {"pod": args.id}})
+        if not args.shared:
+            Path(args.socket).unlink(missing_ok=True)   # a shared shim's is released under start's lock
+        log.info("shim exits", extra={"fields": {"pods": args.id}})
 
     asyncio.run(main())
     return 0

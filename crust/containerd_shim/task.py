@@ -1,8 +1,9 @@
 """containerd's task service (containerd.task.v2.Task) for one pod, over the
 microVM handler's PodRuntime (specs/handler.proto).
 
-One shim serves every container of a pod (CRI groups them by the sandbox id
-annotation). The sandbox container is the pod's VM: its Create asks the
+Every container of a pod goes to its pod's service (CRI groups them by the
+sandbox id annotation; a shim process serves one pod or several:
+crust.containerd_shim.pods). The sandbox container is the pod's VM: its Create asks the
 handler for the pod (CreatePod), its pid is QEMU's, killing it stops the pod.
 Every other container has its root file system mounted by the shim at
 <bundle>/rootfs on the host (containerd hands the snapshot's mounts to the
@@ -46,8 +47,8 @@ from crust.containerd_shim.events import Publisher, timestamp
 from crust.containerd_shim.handler_client import HandlerClient
 from crust.containerd_shim.options import configured_endpoint, keep_endpoint
 from crust.containerd_shim.process import CREATED, RUNNING, STOPPED, Container, Process, copy_input, copy_output
-from crust.containerd_shim.translate import (CGROUP_V2_METRICS_TYPE, bad, cgroup_metrics, is_sandbox,
-                                             process_spec, read_config)
+from crust.containerd_shim.translate import (CGROUP_V2_METRICS_TYPE, bad, cgroup_metrics, checked_create,
+                                             is_sandbox, process_spec, read_config)
 from crust.common.ttrpc import TtrpcError
 from crust.sys import mount as sysmount
 from crust.sys import proc
@@ -72,9 +73,10 @@ def handler_timeout(call, now: float) -> float:
 
 
 class TaskService:
-    """The Task service for one pod's shim."""
+    """The Task service of one pod (crust.containerd_shim.pods routes a
+    shim process's calls to its pods' services)."""
 
-    def __init__(self, handler_endpoint: str, publisher: Publisher, on_empty=None):
+    def __init__(self, handler_endpoint: str, publisher: Publisher):
         self.handler_endpoint = handler_endpoint
         self.publisher = publisher
         self.containers: dict[str, Container] = {}
@@ -82,7 +84,6 @@ class TaskService:
         self.vm_pid = 0
         self._vm_watch: asyncio.Task | None = None
         self._client: HandlerClient | None = None
-        self._on_empty = on_empty  # called by Shutdown once no task remains
         self._lock = asyncio.Lock()
 
     # -- the handler ------------------------------------------------------------------
@@ -160,10 +161,7 @@ class TaskService:
     # -- Create / Start ---------------------------------------------------------------
 
     async def Create(self, request: task_pb.CreateTaskRequest, call) -> task_pb.CreateTaskResponse:
-        if not request.id:
-            raise bad("id: the container id is empty")
-        if not request.bundle or not os.path.isabs(request.bundle):
-            raise bad(f"bundle: an absolute path is needed, not {request.bundle!r}")
+        checked_create(request)
         if request.checkpoint:
             raise TtrpcError(ttrpc.UNIMPLEMENTED, "checkpoint: restoring a checkpoint is not implemented")
         async with self._lock:
@@ -510,13 +508,6 @@ class TaskService:
         if request.id:
             self.container(request.id)
         return task_pb.ConnectResponse(shim_pid=os.getpid(), task_pid=self.vm_pid, version=VERSION)
-
-    async def Shutdown(self, request: task_pb.ShutdownRequest, call) -> empty_pb2.Empty:
-        if self.containers and not request.now:
-            return empty_pb2.Empty()
-        if self._on_empty is not None:
-            self._on_empty()
-        return empty_pb2.Empty()
 
     # -- not offered ----------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ Every malformed input is INVALID_ARGUMENT naming the field."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from crust.api import containerd_cgroups_v2_pb2 as cgroups_v2
@@ -20,6 +21,15 @@ CGROUP_V2_METRICS_TYPE = "io.containerd.cgroups.v2.Metrics"
 
 def bad(message: str) -> TtrpcError:
     return TtrpcError(ttrpc.INVALID_ARGUMENT, message)
+
+
+def checked_create(request):
+    """A CreateTaskRequest with an id and an absolute bundle, else INVALID_ARGUMENT."""
+    if not request.id:
+        raise bad("id: the container id is empty")
+    if not request.bundle or not os.path.isabs(request.bundle):
+        raise bad(f"bundle: an absolute path is needed, not {request.bundle!r}")
+    return request
 
 
 def read_config(bundle: str) -> dict:

@@ -270,12 +270,15 @@ KATA_HANDLER = dict(name="kata", endpoint_name="kata.sock", command=("kata", "ha
 
 @contextlib.contextmanager
 def cri_microvm_node(root, pod_network: bool = False, vm_pool: int = 0,
-                     handler_extra: tuple[str, ...] = (), binary: str = "containerd") -> Iterator[CriNode]:
+                     handler_extra: tuple[str, ...] = (), binary: str = "containerd",
+                     shim_group: str = "") -> Iterator[CriNode]:
     """The node with the microVM handler, its containerd's runtime `crust`
     being crust's shim v2 in front of it (RuntimeClass crust-microvm);
     pod_network: pods off the host's network get a bridge of their own;
-    handler_extra: more of the handler's arguments."""
-    env = {"CRUST_KATA_HANDLER_ENDPOINT": kata_handler_endpoint(root)}
+    handler_extra: more of the handler's arguments; shim_group: which pods
+    share a shim process (the shim's default when empty)."""
+    env = {"CRUST_KATA_HANDLER_ENDPOINT": kata_handler_endpoint(root),
+           **({"CRUST_SHIM_GROUP": shim_group} if shim_group else {})}
     with private_containerd(shim_runtimes={"crust": "io.containerd.crust.v2"}, env=env,
                             pod_network=pod_network, binary=binary) as (containerd, image):
         with microvm_node(root, containerd, image, vm_pool, handler_extra) as node:

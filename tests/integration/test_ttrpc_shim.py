@@ -33,11 +33,14 @@ from tests.harness.ttrpc import sock  # noqa: F401 - a fixture
 
 async def test_task_service_status_codes(sock, tmp_path, monkeypatch):
     """Unknown ids are NOT_FOUND, bad input INVALID_ARGUMENT, what crust
-    does not offer UNIMPLEMENTED: the codes containerd's errdefs map."""
+    does not offer UNIMPLEMENTED: the codes containerd's errdefs map; a pod
+    whose Create failed is let go, and Shutdown with no pod ends the shim."""
     from crust.containerd_shim import task
+    from crust.containerd_shim.pods import ShimPods
 
     monkeypatch.setattr(task, "HANDLER_RESTART_SECONDS", 0.5)  # no handler ever comes here
-    service = TaskService("unix:///nonexistent/handler.sock", Publisher("", "k8s.io"))
+    ended = asyncio.Event()
+    service = ShimPods("unix:///nonexistent/handler.sock", Publisher("", "k8s.io"), on_empty=ended.set)
     server = Server()
     server.register_service(task_pb.DESCRIPTOR.services_by_name["Task"], service)
     await server.serve_path(sock)
@@ -74,16 +77,86 @@ async def test_task_service_status_codes(sock, tmp_path, monkeypatch):
         assert await code("Create", task_pb.CreateTaskRequest(id="pod-x", bundle=str(tmp_path)),
                           task_pb.CreateTaskResponse) == ttrpc.UNAVAILABLE
         assert await code("State", task_pb.StateRequest(id="pod-x"), task_pb.StateResponse) == ttrpc.NOT_FOUND
+        assert service.pods == {} and service.bundles == {}
         for method, request in [("Stats", task_pb.StatsRequest(id="x")), ("Update", task_pb.UpdateTaskRequest(id="x")),
                                 ("Pause", task_pb.PauseRequest(id="x")), ("Resume", task_pb.ResumeRequest(id="x")),
                                 ("Checkpoint", task_pb.CheckpointTaskRequest(id="x"))]:
             assert await code(method, request) in (ttrpc.UNIMPLEMENTED, ttrpc.NOT_FOUND), method
         # With no task, Shutdown ends the shim.
-        assert not service.containers
+        assert not ended.is_set()
         await client.call(TASK, "Shutdown", task_pb.ShutdownRequest(id="x"), empty_pb2.Empty, timeout=5)
+        await asyncio.wait_for(ended.wait(), 5)
     finally:
         await client.close()
         await server.close()
+        await service.close()
+
+
+async def test_a_shared_shim_ends_only_once_no_start_touched_its_socket(tmp_path, monkeypatch):
+    """A shim shared by a node's pods, with no pod left and asked to shut
+    down: it stays while a `start` touched its socket within the grace and
+    containerd has not asked anything since (it is about to connect), and
+    while a `start` holds the socket directory's lock; it stays for good
+    when a pod came meanwhile; otherwise it removes its socket and ends,
+    at once when the last touch was answered."""
+    import fcntl
+
+    from crust.containerd_shim import pods as shim_pods
+    from crust.containerd_shim.pods import ShimPods
+
+    monkeypatch.setattr(shim_pods, "START_GRACE_SECONDS", 1.0)
+    path = tmp_path / "shim.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(4)
+    ended = asyncio.Event()
+    service = ShimPods("unix:///nonexistent/handler.sock", Publisher("", "k8s.io"), socket_path=str(path),
+                       shared=True, on_empty=ended.set)
+    try:
+        await service.Shutdown(task_pb.ShutdownRequest(id="gone"), None)
+        await asyncio.sleep(0.6)
+        os.utime(path)  # a start answered this address
+        await asyncio.sleep(0.7)
+        assert not ended.is_set() and path.is_socket()   # 1.3 s after the bind, 0.7 after the start
+        await asyncio.wait_for(ended.wait(), 3)
+        assert not path.exists()
+
+        def bind():
+            made = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            made.bind(str(path))
+            made.listen(4)
+            return made
+
+        listener.close()
+        listener = bind()
+        ended.clear()
+        await service.Connect(task_pb.ConnectRequest(), None)   # the start's containerd asked
+        await service.Shutdown(task_pb.ShutdownRequest(id="gone"), None)
+        await asyncio.wait_for(ended.wait(), 0.5)
+        assert not path.exists()
+
+        listener.close()
+        listener = bind()
+        ended.clear()
+        await service.Shutdown(task_pb.ShutdownRequest(id="gone"), None)
+        service.pods["pod-new"] = TaskService(service.handler_endpoint, service.publisher)  # its Create came
+        await asyncio.sleep(1.5)
+        assert not ended.is_set() and path.is_socket() and service._leaving is None
+        del service.pods["pod-new"]
+
+        os.utime(path, (time.time() - 5, time.time() - 5))
+        lock = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # a start checks and binds under it
+            await service.Shutdown(task_pb.ShutdownRequest(id="gone"), None)
+            await asyncio.sleep(0.5)
+            assert not ended.is_set() and path.is_socket()
+        finally:
+            os.close(lock)
+        await asyncio.wait_for(ended.wait(), 3)
+        assert not path.exists()
+    finally:
+        listener.close()
         await service.close()
 
 

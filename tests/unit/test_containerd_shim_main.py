@@ -51,7 +51,7 @@ def test_the_shim_daemon_imports_no_grpc_and_sends_input_in_the_handlers_field_s
     would be a third of its memory. Its stdin pieces are what the handler
     takes in one bytes field."""
     code = ("import sys\n"
-            "import crust.containerd_shim.main, crust.containerd_shim.task, crust.containerd_shim.events\n"
+            "import crust.containerd_shim.main, crust.containerd_shim.pods, crust.containerd_shim.events\n"
             "import crust.common.logs, crust.sys.memory, crust.sys.openfiles\n"
             "print(sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.')))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
@@ -60,3 +60,30 @@ def test_the_shim_daemon_imports_no_grpc_and_sends_input_in_the_handlers_field_s
     from crust.containerd_shim.process import INPUT_CHUNK
 
     assert INPUT_CHUNK == MAX_STRING
+
+
+def test_which_pods_share_a_shim(tmp_path, monkeypatch):
+    """`shim_group` in the runtime options' file, else $CRUST_SHIM_GROUP,
+    else one shim for the node's pods; another value is refused naming the setting. A
+    shim per pod is the pod's (the sandbox id of CRI's annotation); a
+    shared one is the handler's: two handlers' pods never share one."""
+    import json
+
+    from crust.containerd_shim.main import group_of
+    from crust.containerd_shim.options import ENV_SHIM_GROUP, NODE, POD, shim_group
+
+    monkeypatch.delenv(ENV_SHIM_GROUP, raising=False)
+    assert shim_group({}) == NODE
+    monkeypatch.setenv(ENV_SHIM_GROUP, "pod")
+    assert shim_group({}) == POD and shim_group({"shim_group": "node"}) == NODE
+    with pytest.raises(ValueError, match=r"^shim_group: 'cluster' is not one of node, pod$"):
+        shim_group({"shim_group": "cluster"})
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps({"annotations": {
+        "io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-id": "pod-a"}}))
+    assert group_of(bundle, "c-1") == "pod-a"
+    assert group_of(tmp_path, "c-2") == "c-2"   # no config: a pod of its own
+    assert group_of(bundle, "c-1", shared=True, endpoint="unix:///a.sock") == \
+        group_of(tmp_path, "c-2", shared=True, endpoint="unix:///a.sock") != \
+        group_of(bundle, "c-1", shared=True, endpoint="unix:///b.sock")

@@ -291,7 +291,7 @@ def shim_endpoint() -> str:
     dials, as deploy/containerd configures it."""
     import tomllib
 
-    from crust.containerd_shim.options import DEFAULT_HANDLER_ENDPOINT
+    from crust.containerd_shim.options import DEFAULT_HANDLER_ENDPOINT, NODE, shim_group
 
     drop_in = tomllib.loads((REPO / "deploy" / "containerd" / "crust.toml").read_text())
     runtime = drop_in["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["crust"]
@@ -300,6 +300,7 @@ def shim_endpoint() -> str:
     shipped = tomllib.loads((REPO / "deploy" / "containerd" / settings.name).read_text())
     endpoint = shipped.get("handler_endpoint", DEFAULT_HANDLER_ENDPOINT)
     assert endpoint == DEFAULT_HANDLER_ENDPOINT  # the shipped file and the shim agree without it too
+    assert shim_group(shipped) == shim_group({}) == NODE   # so do they on which pods share a shim
     return endpoint
 
 

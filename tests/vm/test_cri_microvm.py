@@ -241,8 +241,9 @@ def test_a_restarted_handler_and_a_killed_shim(root):
     and exit code still arrive. Then the pod's shim is SIGKILLed: containerd
     cleans up with `containerd-shim-crust-v2 delete`, which stops the pod in
     the handler: the container is reported exited, the VM stops, the claim
-    goes, and so does the dead shim's socket."""
-    with cri_microvm_node(root) as node:
+    goes, and so does the dead shim's socket. (A shim per pod: the shared
+    shim's death is test_a_nodes_pods_share_one_shim_and_its_death_ends_them_all's.)"""
+    with cri_microvm_node(root, shim_group="pod") as node:
         pv = node.pv("pv-m-restart", "ext4", size=128 * 1024**2)
         script = "echo up; while [ ! -e /data/stop ]; do sleep 1; done; echo bye; exit 9"
         first = microvm_pod(node, "restarted", {"data": pv}, [
@@ -288,8 +289,53 @@ def test_a_restarted_handler_and_a_killed_shim(root):
         node.kubelet.stop_pod(pv, second)
 
 
+def test_a_nodes_pods_share_one_shim_and_its_death_ends_them_all(root):
+    """shim_group "node": two pods' containers are served by one shim
+    process (containerd is given the same address); removing one pod leaves
+    the other answering execs through the same shim, and a pod started
+    later joins it. The shim SIGKILLed ends every pod it served (the
+    failure domain docs/containerd-shim.md names): containerd's `delete`
+    stops each pod in the handler, each container is reported exited, the
+    VMs stop and the dead shim's socket goes."""
+    with cri_microvm_node(root, shim_group="node") as node:
+        def run(name: str):
+            made = microvm_pod(node, name, {}, [
+                Container("app", node.image.name, command=["/bin/sh", "-c", "echo up; exec sleep 600"])])
+            node.runtime.run_pod(made)
+            app = node.runtime.pod_status(made).latest("app")
+            wait_until(lambda: "up" in container_log(app), timeout=180, what=f"{name}'s container to run")
+            return made, app
+
+        first, first_app = run("shared-a")
+        second, second_app = run("shared-b")
+        (shim,) = shim_pids(node.containerd)
+        for app, word in ((first_app, b"a"), (second_app, b"b")):
+            answer = node.runtime.exec_sync(app.id, ["/bin/echo", word.decode()], timeout=60)
+            assert (answer.exit_code, answer.stdout) == (0, word + b"\n")
+        node.runtime.kill_pod(first)
+        node.runtime.remove_pod(first)
+        wait_until(lambda: len(qemu_pids_under(root.path)) == 1, timeout=120, what="the first pod's VM to stop")
+        assert shim_pids(node.containerd) == [shim]
+        assert node.runtime.exec_sync(second_app.id, ["/bin/echo", "still"], timeout=60).stdout == b"still\n"
+        third, third_app = run("shared-c")
+        assert shim_pids(node.containerd) == [shim]
+        argv = Path(f"/proc/{shim}/cmdline").read_bytes().decode().split("\0")
+        socket_path = Path(argv[argv.index("-socket") + 1])
+        os.kill(shim, signal.SIGKILL)
+        for app in (second_app, third_app):
+            status = wait_until(lambda a=app: (s := node.runtime.container_status(a.id)).state ==
+                                cri.CONTAINER_EXITED and s, timeout=60, what="CRI to report the container exited")
+            assert status.exit_code != 0
+        wait_until(lambda: qemu_pids_under(root.path) == [], timeout=120, what="the VMs to stop")
+        wait_until(lambda: not socket_path.exists(), timeout=60, what="the killed shim's socket to be removed")
+        for made in (second, third):
+            node.runtime.kill_pod(made)
+            node.runtime.remove_pod(made)
+
+
 def test_starts_of_one_pods_containers_give_one_shim_that_shutdown_ends(tmp_path):
-    """containerd's `start`, four at once for containers of one pod (the check
+    """With a shim per pod (`shim_group` "pod"), containerd's `start`, four
+    at once for containers of one pod (the check
     and the bind hold a lock on the socket directory): one
     daemon, one address (written to each bundle's `address` file, printed
     alone on stdout); Shutdown with no task left ends it and its socket."""
@@ -313,7 +359,7 @@ def test_starts_of_one_pods_containers_give_one_shim_that_shutdown_ends(tmp_path
         bundles.append(bundle)
     shim = Path(sys.executable).parent / "containerd-shim-crust-v2"
     recorded = f"unix://{tmp_path / 'recorded-handler.sock'}"
-    env = {**os.environ, "CRUST_KATA_HANDLER_ENDPOINT": recorded}
+    env = {**os.environ, "CRUST_KATA_HANDLER_ENDPOINT": recorded, "CRUST_SHIM_GROUP": "pod"}
     starts = [subprocess.Popen([str(shim), "-namespace", "crust-test", "-address", fake_containerd,
                                 "-publish-binary", "/bin/false", "-id", f"c-{n}", "start"], cwd=bundle, env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -357,6 +403,81 @@ def test_starts_of_one_pods_containers_give_one_shim_that_shutdown_ends(tmp_path
         for pid in daemons:
             try:
                 os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for out, _ in outputs:
+            if out.startswith(b"unix://"):
+                Path(out.decode().removeprefix("unix://")).unlink(missing_ok=True)
+
+
+def test_starts_of_a_nodes_pods_give_one_shim_per_handler_that_ends_after_the_grace(tmp_path):
+    """With `shim_group` "node" ($CRUST_SHIM_GROUP): `start`s of two pods'
+    containers, four at once, give one daemon and one address; a pod of
+    another handler gets a shim of its own. With no pod left, Shutdown ends
+    each once no `start` touched its socket for the grace, socket and all.
+    A value that is no group fails `start`, naming the setting."""
+    import asyncio
+    import json
+    import sys
+
+    from google.protobuf import empty_pb2
+
+    from crust.api import containerd_task_pb2 as task_pb
+    from crust.common.ttrpc_client import Client
+    from crust.containerd_shim.pods import START_GRACE_SECONDS
+
+    fake_containerd = str(tmp_path / "containerd.sock")  # only a name: nothing is called there
+    shim = Path(sys.executable).parent / "containerd-shim-crust-v2"
+
+    def bundle(name: str, kind: str, pod: str) -> Path:
+        made = tmp_path / name
+        made.mkdir()
+        (made / "config.json").write_text(json.dumps({"annotations": {
+            "io.kubernetes.cri.container-type": kind, "io.kubernetes.cri.sandbox-id": pod}}))
+        return made
+
+    def start(where: Path, task_id: str, handler: str, group: str = "node") -> subprocess.Popen:
+        env = {**os.environ, "CRUST_KATA_HANDLER_ENDPOINT": f"unix://{tmp_path / handler}", "CRUST_SHIM_GROUP": group}
+        return subprocess.Popen([str(shim), "-namespace", "crust-test", "-address", fake_containerd,
+                                 "-publish-binary", "/bin/false", "-id", task_id, "start"], cwd=where, env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    made = [(bundle(f"{pod}-{kind}", kind, pod), f"{pod}-{kind}") for pod in ("pod-a", "pod-b")
+            for kind in ("sandbox", "container")]
+    starts = [start(where, task_id, "a.sock") for where, task_id in made]
+    outputs = [p.communicate(timeout=30) for p in starts]
+    other = start(bundle("pod-c-sandbox", "sandbox", "pod-c"), "pod-c-sandbox", "c.sock")
+    outputs.append(other.communicate(timeout=30))
+    refused = start(bundle("pod-d-sandbox", "sandbox", "pod-d"), "pod-d-sandbox", "a.sock", group="cluster")
+    _, refusal = refused.communicate(timeout=30)
+    try:
+        assert [p.returncode for p in starts + [other]] == [0] * 5, [o[1] for o in outputs]
+        assert refused.returncode == 1 and b"shim_group: 'cluster' is not one of node, pod" in refusal
+        addresses = [out.decode() for out, _ in outputs]
+        assert len(set(addresses[:4])) == 1 and addresses[4] != addresses[0], addresses
+        daemons = {int(line.split(":")[0]): line for line in processes_naming(fake_containerd)}
+        assert len(daemons) == 2 and all(" -id node -shared " in line for line in daemons.values()), daemons
+
+        async def shutdown(address: str) -> None:
+            client = await Client.connect(address.removeprefix("unix://"))
+            try:
+                await client.call("containerd.task.v2.Task", "Shutdown", task_pb.ShutdownRequest(),
+                                  empty_pb2.Empty, timeout=10)
+            finally:
+                await client.close()
+
+        asked = time.monotonic()
+        for address in set(addresses):
+            asyncio.run(shutdown(address))
+        wait_until(lambda: not processes_naming(fake_containerd), timeout=START_GRACE_SECONDS + 20,
+                   what="the shared shims to exit")
+        # The last start touched the sockets just before: they waited it out.
+        assert time.monotonic() - asked > START_GRACE_SECONDS - 3
+        assert not any(Path(a.removeprefix("unix://")).exists() for a in addresses)
+    finally:
+        for line in processes_naming(fake_containerd):
+            try:
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
             except ProcessLookupError:
                 pass
         for out, _ in outputs:

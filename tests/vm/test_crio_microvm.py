@@ -182,12 +182,13 @@ def test_a_pod_runs_in_the_microvm_through_crio(root, crio_tools):
             # Written by the guest with the pod's fsGroup as the file's group.
             assert " 0 2000 " in " ".join(log.split()) + " ", log
             assert not processes_naming("/ext4/written")
-            # One VM and one shim for the pod (CRI-O started one `start` per
-            # container), serving the sandbox's id, in the pod's grouping.
+            # One VM and one shim (CRI-O started one `start` per container):
+            # the node's shared one.
             (vm_pid,) = qemu_pids_under(root.path)
             (shim_pid,) = crio.shim_pids()
             argv = Path(f"/proc/{shim_pid}/cmdline").read_bytes().decode().split("\0")
-            assert argv[argv.index("-id") + 1] == sandbox_id and argv[argv.index("-address") + 1] == ""
+            assert argv[argv.index("-id") + 1] == "node" and "-shared" in argv
+            assert argv[argv.index("-address") + 1] == ""
             shim_socket = Path(argv[argv.index("-socket") + 1])
             bundles = _bundles(crio)
             assert len(bundles) == 4   # the infra container (the VM) and three
