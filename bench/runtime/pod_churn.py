@@ -7,7 +7,8 @@ deferred ext4 volume, and --lives lives as tests/harness/churn.py lives them
 (published, run, written, read by ExecSync, killed, removed, unpublished;
 every tenth a container crashed and restarted in its sandbox, every tenth
 QEMU SIGKILLed). Reported: each life's time, the handler's RSS and
-descriptors after each life and each life's shim's while its pod ran, the
+descriptors after each life and the shim's while each life's pod ran (the
+node's shared shim, kept by a pod that runs all along beside the lives), the
 medians over lives --early (the first few fill caches) against the last as
 many (the issue's limit: no more than 5% growth), and whatever the node
 holds after the last life that it did not hold before the first.
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"{life.handler_fds} fds, shim {life.shim_rss_kib} KiB {life.shim_fds} fds, "
                           f"load {benchlib.loadavg()}", flush=True)
             left = lives.left_once_settled()
+            lives.end_anchor()
+            left = {**left, **{f"{kind} (the anchor gone)": items
+                               for kind, items in lives.left_once_settled().items()}}
             # The VMs live inside lives.live() only: their accelerator is read
             # from the handler's log of them (the way it logs each VM's start).
             results["accelerator"] = benchlib.accelerator_in_log(node.env.handler.log_path)

@@ -9,12 +9,16 @@ each ten) its container crashes once and kubelet starts it again in the
 same sandbox (restartPolicy Always); every tenth (the eighth) the pod's
 QEMU is SIGKILLed while the container runs.
 
-Between lives the node is idle, and measured: the handler's RSS and open
-descriptors, and, while each life's pod ran, its shim's. What the node held
-before the first life is its baseline: after the last, everything a life
-makes (VMs, shims and their sockets, claims, mounts, loop devices, network
+Beside the lives one pod runs all along (the anchor), as other pods do on
+a node: the node's shared shim (containerd-shim.md) serves it and every
+life, so the shim lives as long as the series. Between lives the node is
+idle but for the anchor, and measured: the handler's RSS and open
+descriptors, and, while each life's pod ran, the shim's. What the node held
+before the first life, the anchor running, is its baseline: after the last,
+everything a life makes (VMs, claims, mounts, loop devices, network
 namespaces, veths on the pod bridge, cgroups, files of the handler, proxy
-and kubelet, processes) must be as it was.
+and kubelet, processes) must be as it was, and once the anchor is gone too,
+no shim, no shim socket and no VM is left.
 
 tests/vm/test_churn.py runs a short series in the suite; bench/runtime/pod_churn.py
 the long one.
@@ -41,6 +45,7 @@ from tests.harness.daemons import wait_until
 # crashing one exits 1 on its first run (its mark in the volume).
 RUN = "trap 'exit 0' TERM; echo life-{n} > /data/life && sync && echo up; sleep 600 & wait"
 CRASH_ONCE = "if [ ! -e /data/crashed-{n} ]; then touch /data/crashed-{n}; sync; exit 1; fi; " + RUN
+ANCHOR = "trap 'exit 0' TERM; echo up; sleep 100000 & wait"
 RESTARTED, KILLED = 3, 7   # the life in each ten whose container crashes once / whose QEMU is killed
 LIFE_TIMEOUT = 300.0       # seconds for any one step of a life (a busy machine's VM restore)
 # How much the handler's and the shims' RSS and descriptors may grow from
@@ -78,7 +83,22 @@ class Lives:
         node.runtime.crash_backoff = 0.0   # a crashed container starts again at the next sync
         self.shim_sockets: list[Path] = []
         self.device: tuple[int, int] | None = None
+        self.before_anchor = self.held()
+        self.anchor = Pod(uid="uid-churn-anchor", name="churn-anchor", runtime_class_name="crust-microvm",
+                          host_network=node.containerd.network is None, restart_policy="Never",
+                          termination_grace_period_seconds=2,
+                          containers=[Container("idle", image, command=["/bin/sh", "-c", ANCHOR])])
+        node.runtime.run_pod(self.anchor)
+        idle = node.runtime.pod_status(self.anchor).latest("idle")
+        wait_until(lambda: "up" in container_log(idle), timeout=LIFE_TIMEOUT, what="the anchor pod to run")
         self.baseline = self.held()
+
+    def end_anchor(self) -> None:
+        """The anchor pod removed: with it the node's last pod, so its shim ends."""
+        self.node.runtime.kill_pod(self.anchor)
+        self.node.runtime.remove_pod(self.anchor)
+        assert VolumeManager(self.node.kubelet.root).clean_pod_dir(self.anchor), "the anchor's pod directory stays"
+        self.baseline = self.before_anchor
 
     # -- what the node holds ------------------------------------------------------------------
 
@@ -109,7 +129,8 @@ class Lives:
         the shims' sockets and the volume's host mounts (never any)."""
         now = self.held()
         diff = {kind: now[kind] - self.baseline.get(kind, set()) for kind in now}
-        diff["shim sockets"] = {str(s) for s in self.shim_sockets if s.exists()}
+        if not self.baseline["shims"]:   # the anchor's shim, serving the lives too, keeps its socket
+            diff["shim sockets"] = {str(s) for s in self.shim_sockets if s.exists()}
         if self.device is not None:
             diff["volume mounted on the host"] = {m.mount_point for m in sysmount.of_device(*self.device)}
         return {kind: items for kind, items in diff.items() if items}
@@ -154,7 +175,7 @@ class Lives:
         argv = Path(f"/proc/{shim}/cmdline").read_bytes().decode().split("\0")
         self.shim_sockets.append(Path(argv[argv.index("-socket") + 1]))
         if kind == "killed":
-            (vm,) = qemu_pids_under(node.root.path)
+            (vm,) = set(qemu_pids_under(node.root.path)) - self.baseline["vms"]
             os.kill(vm, signal.SIGKILL)
             ended = wait_until(lambda: (s := node.runtime.container_status(app.id)).state == cri.CONTAINER_EXITED
                                and s, timeout=LIFE_TIMEOUT, what=f"life {n}'s container to end with its VM")
@@ -165,8 +186,9 @@ class Lives:
         node.kubelet.stop_pod(self.pv, pod)
         # kubelet's housekeeping of a deleted pod (cleanupOrphanedPodDirs).
         assert VolumeManager(node.kubelet.root).clean_pod_dir(pod), f"life {n}'s pod directory stays"
-        wait_until(lambda: not shim_pids(node.containerd) and not qemu_pids_under(node.root.path),
-                   timeout=LIFE_TIMEOUT, what=f"life {n}'s shim and VM to go")
+        wait_until(lambda: set(shim_pids(node.containerd)) == self.baseline["shims"] and
+                   set(qemu_pids_under(node.root.path)) == self.baseline["vms"],
+                   timeout=LIFE_TIMEOUT, what=f"life {n}'s VM to go, the anchor's shim and VM to stay")
         assert node.claims() == set()
         handler = node.env.handler.proc.pid
         return Life(n=n, kind=kind, seconds=round(time.monotonic() - started, 3), handler_rss_kib=rss_kib(handler),

@@ -1,5 +1,6 @@
-"""Fifty microVM pod lives one after another through CRI leave the node as
-they found it and grow neither the handler nor the shims (tests/harness/churn.py
+"""Fifty microVM pod lives one after another through CRI, beside a pod that
+runs all along, leave the node as they found it and grow neither the
+handler nor the node's shim (tests/harness/churn.py
 says what a life is; bench/runtime/pod_churn.py runs the long series)."""
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def test_fifty_pod_lives_leave_nothing_and_grow_nothing(root):
         lives = churn.Lives(node, pv, node.image.name)
         lived = [lives.live(n) for n in range(LIVES)]
         assert {life.kind for life in lived} == {"plain", "restarted", "killed"}
+        assert lives.left_once_settled() == {}
+        lives.end_anchor()
         assert lives.left_once_settled() == {}
         for field in ("handler_rss_kib", "handler_fds", "shim_rss_kib", "shim_fds"):
             early, last = churn.growth(lived, EARLY, field)
