@@ -12,7 +12,8 @@ deferred one), started after them.
 With every pod running and --settle seconds passed, counted per pod:
 - memory: the PSS (/proc/PID/smaps_rollup) of every process the pod adds
   on the host: its QEMU and virtiofsd daemons (found by the pod's run
-  directory in their command lines) and its shim, plus the handler's PSS
+  directory in their command lines) and its shim (a shim shared by several
+  pods, --shim-group node, divided among them), plus the handler's PSS
   divided among the pods; for runc, its shim and the container's processes.
   A VM's guest RAM (a memfd, mapped by QEMU and its virtiofsd daemons) is
   counted as the memory the memfd holds, instead of its mapped share: a
@@ -27,7 +28,7 @@ Reported: the median per pod (min-max) and the sum over the pods, for each
 runtime; and the node's daemons (handler, containerd) apart.
 
     .venv/bin/python bench/runtime/pod_density.py [--pods 20] [--settle 10] [--seconds 20] [--vm-source template|boot]
-        [--handler-arg=ARG ...] [--json OUT.json]
+        [--shim-group pod|node] [--handler-arg=ARG ...] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -172,6 +173,17 @@ def shim_of(shims: list[int], sandbox_id: str) -> int:
     raise RuntimeError(f"no shim names sandbox {sandbox_id}")
 
 
+def shim_serving(shims: list[int], task_dir: Path, sandbox_id: str) -> int:
+    """The crust shim that serves the pod: the one listening at the address
+    containerd keeps in the pod's bundle."""
+    address = (task_dir / sandbox_id / "address").read_text().strip().removeprefix("unix://")
+    for pid in shims:
+        argv = cmdline(pid).split()
+        if "-socket" in argv and argv[argv.index("-socket") + 1] == address:
+            return pid
+    raise RuntimeError(f"no shim listens at {address}, pod {sandbox_id}'s address")
+
+
 def pod(n: int, runtime_class: str, image: str, pv=None) -> Pod:
     write = "echo written > /data/idle && sync && " if pv is not None else ""
     return Pod(uid=f"uid-{runtime_class}-{n}", name=f"{runtime_class}-{n}", host_network=True,
@@ -196,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-memory", type=int, default=0, metavar="MIB",
                         help="the handler's --max-memory (its VMs then boot with room for a DIMM, as a node's "
                              "do by default; 0: not passed)")
+    parser.add_argument("--shim-group", choices=("pod", "node"), default="",
+                        help="which pods share a crust shim process (default: the shim's own default)")
     parser.add_argument("--handler-arg", action="append", default=[],
                         help="one more argument of the handler (e.g. --handler-arg=--tcg-tb-mib=64)")
     parser.add_argument("--json", help="write the results there (- for stdout)")
@@ -213,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         template = args.vm_source == "template"
         extra = ((("--vm-template",) if template else ()) + (("--max-memory", str(args.max_memory))
                                                                if args.max_memory else ()) + tuple(args.handler_arg))
-        with cri_microvm_node(root, handler_extra=extra) as node:
+        with cri_microvm_node(root, handler_extra=extra, shim_group=args.shim_group) as node:
             if template:
                 wait_for_template(node.env.handler.state_dir)
                 record = json.loads((node.env.handler.state_dir / "template" / "template.json").read_text())
@@ -245,16 +259,22 @@ def main(argv: list[str] | None = None) -> int:
             if len(vms) != args.pods:
                 raise RuntimeError(f"expected {args.pods} VMs, found {len(vms)}")
             results["accelerator"] = "kvm" if "-accel kvm" in cmdline(vms[0][0]) else "tcg"
+            # A pod's shim: its own, or its share of one that serves several.
+            pod_shims: dict[str, list[int]] = {"crust-microvm": [], "runc": []}
             for _, _, sandbox_id in pods["crust-microvm"]:
-                shim = shim_of(shims, sandbox_id)
                 (vm,) = [g for g in vms if f"crust-{sandbox_id}" in cmdline(g[0])]
-                groups["crust-microvm"].append(vm + [shim])
+                groups["crust-microvm"].append(vm)
+                pod_shims["crust-microvm"].append(shim_serving(shims, node.containerd.task_dir, sandbox_id))
+            served = {pid: pod_shims["crust-microvm"].count(pid) for pid in pod_shims["crust-microvm"]}
+            shared = any("-shared" in cmdline(pid).split() for pid in served)
+            results["shims"] = {"group": "node" if shared else "pod", "crust-microvm": len(served),
+                                "pods_per_shim": max(served.values())}
             for _, _, sandbox_id in pods["runc"]:
                 shim = shim_of(shims, sandbox_id)
                 groups["runc"].append([shim, *descendants(shim)])
             daemons = {"handler": [handler], "containerd": [node.containerd.process.pid]}
             every = [pid for g in groups.values() for members in g for pid in members]
-            every += [handler, node.containerd.process.pid]
+            every += [*served, handler, node.containerd.process.pid]
             before, busy_before, at = {p: benchlib.cpu_ns(p) for p in every}, benchlib.machine_ticks()[0], \
                 time.monotonic()
             time.sleep(args.seconds)
@@ -265,23 +285,29 @@ def main(argv: list[str] | None = None) -> int:
                 return sum(after[p] - before[p] for p in pids) / 1e9 / elapsed
 
             handler_pss = pss_kib(handler)
+            shim_pss = {pid: pss_kib(pid) for pid in served}
             results["columns"] = {}
             for runtime, members in groups.items():
                 share = handler_pss / args.pods if runtime == "crust-microvm" else 0
-                memory = [(pod_kib(g) + share) / 1024 for g in members]
+                shim_kib = [shim_pss[pid] / served[pid] for pid in pod_shims[runtime]] or [0.0] * len(members)
+                shim_cores = [cores([pid]) / served[pid] for pid in pod_shims[runtime]] or [0.0] * len(members)
+                memory = [(pod_kib(g) + share + s) / 1024 for g, s in zip(members, shim_kib)]
                 tcg = [sum(tcg_buffer_kib(p) for p in g) / 1024 for g in members]
-                cpu = [cores(g) for g in members]
+                cpu = [cores(g) + s for g, s in zip(members, shim_cores)]
                 kinds: dict[str, list[float]] = {}
-                for g in members:
+                for g, s in zip(members, shim_kib):
                     for kind, pids in by_kind(g).items():
                         kinds.setdefault(kind, []).append(sum(pss_kib(p) - memfd_pss_kib(p) for p in pids) / 1024)
                     if runtime == "crust-microvm":
+                        kinds.setdefault("crust shim", []).append(s / 1024)
                         kinds.setdefault("guest RAM", []).append(memfd_held_kib(g) / 1024)
                         kinds.setdefault("TCG translation buffer", []).append(sum(tcg_buffer_kib(p) for p in g) / 1024)
                         kinds.setdefault("guest root image", []).append(sum(root_image_kib(p) for p in g) / 1024)
                 results["columns"][runtime] = {"pss_mib": row(memory), "cores": row(cpu, 4),
                                                "pss_mib_without_tcg_buffer": row([m - t for m, t in zip(memory, tcg)]),
-                                               "processes_per_pod": row([len(g) for g in members], 0),
+                                               "processes_per_pod": row([len(g) + (1 / served[pid] if pid else 0)
+                                                                         for g, pid in zip(members, pod_shims[runtime]
+                                                                                           or [0] * len(members))], 2),
                                                "pss_mib_by_process": {k: row(v) for k, v in sorted(kinds.items())}}
             results["daemons"] = {name: {"pss_mib": round(sum(pss_kib(p) for p in pids) / 1024, 1),
                                          "cores": round(cores(pids), 4)}
@@ -305,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                                         for kind, r in column["pss_mib_by_process"].items()))
         for name, row_ in results["daemons"].items():
             print(f"  {name:14s} PSS {row_['pss_mib']} MiB, CPU {row_['cores']} cores")
+        print(f"  crust shims    {results['shims']['crust-microvm']} ({results['shims']['group']}), "
+              f"at most {results['shims']['pods_per_shim']} pods each")
         print(f"  machine        {results['machine_cores']} cores busy")
         print(f"load {results['load_before']} before, {results['load_after']} after")
 
