@@ -55,6 +55,12 @@ BLOCK_MIB = 128
 #   on the machine's one PCI bus, so no other bus is scanned;
 # - memhp_default_state=online: memory hot-plugged for a pod bigger than
 #   the floor (crust.kata.pod.guest_memory) is onlined by the kernel itself;
+# - no_timer_check: no check at boot that the timer reaches the IO-APIC,
+#   which spins ten ticks' time or more by the TSC (the host's clock under
+#   emulation) and wants more than four ticks delivered meanwhile: a VM
+#   the host starves of CPU (a template's, at nice 10 beside busy pods;
+#   any VM on a loaded host) gets too few, and its kernel panics ("IO-APIC
+#   + timer doesn't work!") before it is a tenth of a second old;
 # - swiotlb=noforce: no bounce buffer for DMA above 4 GiB. The guest
 #   root's device memory lies above 4 GiB (crust.kata.image.guest_root), which
 #   would have the kernel set 64 MiB of the guest's RAM aside for one; no
@@ -73,10 +79,10 @@ BLOCK_MIB = 128
 # would: the memory a guest frees goes back to the host by free page
 # reporting instead, which also keeps a saved template's RAM file sparse).
 # Kata's QEMU guests boot with these among their defaults (and with
-# tsc=reliable and no_timer_check, which saved nothing here).
+# tsc=reliable, which saved nothing here).
 GUEST_CMDLINE = ("console=ttyS0 quiet panic=-1 cryptomgr.notests i8042.direct=1 i8042.dumbkbd=1 i8042.nopnp=1 "
                  "i8042.noaux=1 noreplace-smp rcupdate.rcu_expedited=1 pci=lastbus=0 memhp_default_state=online "
-                 "swiotlb=noforce lockdown=confidentiality")
+                 "no_timer_check swiotlb=noforce lockdown=confidentiality")
 
 
 @dataclass
