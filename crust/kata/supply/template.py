@@ -57,6 +57,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from crust.api import agent_pb2
+from crust.common import ttrpc
 from crust.common.atomicfile import write_atomic
 from crust.common.errors import CrustError
 from crust.common.formats import NewerFormat, decode, encode
@@ -97,6 +98,18 @@ BUILD_LEFTOVERS = (PARTIAL_STATE, ram_path(Path(PARTIAL_STATE)).name, WARM_DISK_
 # and at nice 10 on a node busy with pods it gets only what they leave (a
 # boot cut short starts again from nothing).
 BUILD_BOOT_TIMEOUT = 900.0
+# What ends one making of the template and has the keeper try again later.
+MAKING_FAILURES = (VmError, CrustError, ConnectionError, QmpError, QmpGone, CommandError, OSError)
+
+
+class TemplateNotMade(CrustError):
+    """A making of the template ended without a saved VM: why, and its
+    guest's last console lines, read before the build's directory went."""
+
+    def __init__(self, reason: str, console: str = ""):
+        # The error of a QEMU that exited names its console already.
+        super().__init__(reason if console in reason else f"{reason}; console: {console}")
+        self.console = console
 
 
 class TemplateRecord(BaseModel):
@@ -146,6 +159,9 @@ class VmTemplate:
         self.record_path = directory / RECORD_FILE
         self._ready = False
         self._keeper: asyncio.Task | None = None
+        # The end of the making under way, or of the last one (built()).
+        self._ended = asyncio.Event()
+        self._failure: Exception | None = None
         self.builds = 0
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -158,7 +174,7 @@ class VmTemplate:
         await asyncio.to_thread(_remove_build, self.directory / BUILD_DIR)
         for name in BUILD_LEFTOVERS:
             (self.directory / name).unlink(missing_ok=True)
-        self._keeper = asyncio.create_task(self._keep(), name="vm-template")
+        self._begin()
 
     async def stop(self) -> None:
         """The saved template stays for the next handler process."""
@@ -174,6 +190,20 @@ class VmTemplate:
         """The state file to restore a pod's VM from, or None (none fits yet)."""
         return self.state if self._ready else None
 
+    async def built(self) -> Path:
+        """Until the making under way ends: the state file, saved now or
+        kept from before (saved() returns it from then on); or the error
+        that ended the making, raised (TemplateNotMade when the build's VM
+        failed, with its console's last lines, or stop() cut it short); the
+        keeper tries again later, and between two tries this raises the
+        last one's error. It waits as long as the making takes, which
+        bounds itself: its boot by BUILD_BOOT_TIMEOUT, each step after by
+        a timeout of its own."""
+        await self._ended.wait()
+        if self._failure is not None:
+            raise self._failure
+        return self.state
+
     def discard(self, reason: str) -> None:
         """A restore from the template failed: it is made again."""
         log.warning("VM template discarded; making it again", extra={"fields": {"reason": reason[:500]}})
@@ -181,25 +211,44 @@ class VmTemplate:
         for path in (self.record_path, self.state, self.ram):
             path.unlink(missing_ok=True)
         if self._keeper is None or self._keeper.done():
-            self._keeper = asyncio.create_task(self._keep(), name="vm-template")
+            self._begin()
 
     # -- making ------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        self._ended.clear()
+        self._keeper = asyncio.create_task(self._keep(), name="vm-template")
+
+    def _end(self, failure: Exception | None) -> None:
+        self._ready = failure is None
+        self._failure = failure
+        self._ended.set()
 
     async def _keep(self) -> None:
         delay = RETRY_FIRST
         while True:
+            self._ended.clear()
             try:
                 key = await template_key(self.config)
                 if await asyncio.to_thread(self._fits, key):
-                    self._ready = True
+                    self._end(None)
                     log.info("VM template ready", extra={"fields": {"state": str(self.state), "made": False}})
                     return
                 await self._build(key)
-                self._ready = True
+                self._end(None)
                 return
-            except (VmError, CrustError, ConnectionError, QmpError, QmpGone, CommandError, OSError) as exc:
-                log.error("the VM template was not made; trying again later", extra={"fields": {
-                    "error": str(exc)[:500], "retry_s": delay}})
+            except MAKING_FAILURES as exc:
+                fields = {"error": str(exc)[:500], "retry_s": delay}
+                if isinstance(exc, TemplateNotMade):
+                    fields["console"] = exc.console
+                log.error("the VM template was not made; trying again later", extra={"fields": fields})
+                self._end(exc)
+            except BaseException as exc:
+                # Stopped, or an error the keeper does not try again after:
+                # it ends here, and built()'s waiters learn why.
+                stopped = TemplateNotMade("the VM template's making was stopped")
+                self._end(exc if isinstance(exc, Exception) else stopped)
+                raise
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX)
 
@@ -238,6 +287,8 @@ class VmTemplate:
             held = await vm.reported()
             log.info("VM template: guest RAM held before the save", extra={"fields": {"bytes": held}})
             size, ram_bytes = await vm.save(partial)
+        except (*MAKING_FAILURES, ttrpc.TtrpcError) as exc:
+            raise TemplateNotMade(str(exc), vm.console_tail()) from exc
         finally:
             await vm.kill()
             await asyncio.to_thread(_remove_build, workdir)
