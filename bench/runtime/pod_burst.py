@@ -43,7 +43,8 @@ from bench.lib import benchlib  # noqa: E402
 from bench.runtime.pod_density import by_kind, vm_groups  # noqa: E402
 from bench.runtime.pod_start import first_write  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
-from tests.harness.cri import cri_microvm_node, shim_pids, wait_for_template  # noqa: E402
+from tests.harness.cri import cri_microvm_node, shim_pids  # noqa: E402
+from tests.harness.template_log import wait_for_template  # noqa: E402
 from tests.harness.daemons import Root  # noqa: E402
 from tests.harness.daemons import wait_until
 
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             roots.append(root := Root())
             with cri_microvm_node(root, handler_extra=handler_args(setting)) as node:
                 if setting == "template":
-                    wait_for_template(node.env.handler.state_dir)
+                    wait_for_template(node.env.handler)
                 elif setting.startswith("pool"):
                     wanted = int(setting[4:])
                     log = node.env.handler.log_path

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.lib import benchlib  # noqa: E402
 from tests.harness import churn  # noqa: E402
-from tests.harness.cri import cri_microvm_node, wait_for_template  # noqa: E402
+from tests.harness.cri import cri_microvm_node  # noqa: E402
+from tests.harness.template_log import wait_for_template  # noqa: E402
 from tests.harness.daemons import Root  # noqa: E402
 
 FIELDS = ("handler_rss_kib", "handler_fds", "shim_rss_kib", "shim_fds")
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         roots.append(Root())
         started = time.monotonic()
         with cri_microvm_node(roots[0], pod_network=True, handler_extra=("--vm-template",)) as node:
-            wait_for_template(node.env.handler.state_dir)
+            wait_for_template(node.env.handler)
             pv = node.pv("pv-churn", "ext4", size=64 * 1024**2)
             lives = churn.Lives(node, pv, node.image.name)
             lived = []

@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.lib import benchlib  # noqa: E402
 from crust.kata.vmm.qemu import qemu_pids_under  # noqa: E402
 from crust.kubelet import Container, Pod, VolumeMount  # noqa: E402
-from tests.harness.cri import container_log, cri_microvm_node, shim_pids, wait_for_template  # noqa: E402
+from tests.harness.cri import container_log, cri_microvm_node, shim_pids  # noqa: E402
+from tests.harness.template_log import wait_for_template  # noqa: E402
 from tests.harness.daemons import Root  # noqa: E402
 from tests.harness.daemons import wait_until
 
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                if args.max_memory else ()) + tuple(args.handler_arg))
         with cri_microvm_node(root, handler_extra=extra, shim_group=args.shim_group) as node:
             if template:
-                wait_for_template(node.env.handler.state_dir)
+                wait_for_template(node.env.handler)
                 record = json.loads((node.env.handler.state_dir / "template" / "template.json").read_text())
                 results["template"] = {k: record.get(k) for k in ("saved_bytes", "ram_bytes", "boot_s")}
                 print(f"template: state {record['saved_bytes']} B, RAM file {record.get('ram_bytes', 0)} B of data",

@@ -29,7 +29,8 @@ from bench.lib import benchlib  # noqa: E402
 from bench.runtime.pod_density import memfd_held_kib, pss_kib  # noqa: E402
 from crust.kata.vmm.qemu import qemu_pids_under  # noqa: E402
 from crust.kubelet import Container, Pod  # noqa: E402
-from tests.harness.cri import container_log, cri_microvm_node, wait_for_template  # noqa: E402
+from tests.harness.cri import container_log, cri_microvm_node  # noqa: E402
+from tests.harness.template_log import wait_for_template  # noqa: E402
 from tests.harness.daemons import Root, wait_until  # noqa: E402
 
 SCRIPT = ("trap 'exit 0' TERM; echo ready; sleep {wait}; "
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         roots.append(Root())
         with cri_microvm_node(roots[0], handler_extra=tuple(args.handler_arg)) as node:
             if "--vm-template" in args.handler_arg:
-                wait_for_template(node.env.handler.state_dir)
+                wait_for_template(node.env.handler)
             made = Pod(uid="uid-freed", name="freed", host_network=True, runtime_class_name="crust-microvm",
                        restart_policy="Never", termination_grace_period_seconds=2,
                        containers=[Container("freed", node.image.name, command=[

@@ -158,18 +158,6 @@ def container_log(status: cri.ContainerStatus) -> str:
         return ""
 
 
-TEMPLATE_TIMEOUT = 600.0   # the handler saving its template VM (a boot at nice 10)
-
-
-def wait_for_template(handler_state_dir: Path, timeout: float = TEMPLATE_TIMEOUT) -> None:
-    """The handler (--vm-template) saved its VM: each pod's VM is restored from it."""
-    from crust.kata.supply.template import RECORD_FILE
-    from tests.harness.daemons import wait_until
-
-    saved = handler_state_dir / "template" / RECORD_FILE
-    wait_until(saved.exists, timeout=timeout, interval=0.2, what="the handler's template VM")
-
-
 class CriNode:
     """A node as kubelet sees it: the crust stack (driver, shim, proxy
     serving kubelet's registration, the mount-namespace handler), kubelet's

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.harness import churn
-from tests.harness.cri import cri_microvm_node, wait_for_template
+from tests.harness.cri import cri_microvm_node
+from tests.harness.template_log import wait_for_template
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +19,7 @@ EARLY = range(5, 15)   # the lives the last ones are held against (the first few
 
 def test_fifty_pod_lives_leave_nothing_and_grow_nothing(root):
     with cri_microvm_node(root, pod_network=True, handler_extra=("--vm-template",)) as node:
-        wait_for_template(node.env.handler.state_dir)
+        wait_for_template(node.env.handler)
         pv = node.pv("pv-churn", "ext4", size=64 * 1024**2)
         lives = churn.Lives(node, pv, node.image.name)
         lived = [lives.live(n) for n in range(LIVES)]

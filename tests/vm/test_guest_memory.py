@@ -6,8 +6,8 @@ template, with a floor of 256 MiB and a ceiling of 1 GiB."""
 from __future__ import annotations
 
 from crust.kubelet import EmptyDir, VolumeMount
-from tests.harness.cri import wait_for_template
 from tests.harness.pod_nodes import KEEP_RUNNING, MiB, pod_node
+from tests.harness.template_log import wait_for_template
 
 FLOOR, CEILING = 256, 1024
 
@@ -45,7 +45,7 @@ def test_a_pods_guest_gets_its_containers_limits_above_the_floor_up_to_the_ceili
             # tmpfs rounds its size up to whole pages.
             assert 0 <= _df_total(node, app, "/ram") - big_total // 2 < 4096
 
-        wait_for_template(node.handler.state_dir)
+        wait_for_template(node.handler)
         plain = node.pod("mem-floor", volumes={}, containers=[node.container("app", KEEP_RUNNING)])
         with node.running(plain):
             floor_total = _mem_total(node, node.status(plain, "app").id)

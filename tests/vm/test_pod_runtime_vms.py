@@ -26,6 +26,7 @@ from crust.kata.vmm.qemu import qemu_pids_under
 from crust.sys import mount as sysmount
 from tests.harness.daemons import wait_until
 from tests.harness.pod_runtime_client import bind, container_bundle, kata_env_with_client, log_entries
+from tests.harness.template_log import template_events, wait_for_template
 
 
 @pytest.fixture
@@ -210,7 +211,7 @@ def test_pods_vms_are_restored_from_the_saved_vm_and_each_is_its_own(template_en
     (kubelet tries again), leaves nothing of the pod, and the template is
     made again; the next CreatePod restores from the new one."""
     kenv, client = template_env
-    wait_until(lambda: template_record(kenv), timeout=180, what="the VM template")
+    wait_for_template(kenv.handler)
     record = template_record(kenv)
     while time.time() < record["saved_at"] + 5:
         time.sleep(0.1)
@@ -242,14 +243,14 @@ def test_pods_vms_are_restored_from_the_saved_vm_and_each_is_its_own(template_en
     assert seen["restored-a"][0] != seen["restored-b"][0] and seen["restored-a"][1] != seen["restored-b"][1]
 
     kenv.handler.kill()
+    before_restart = len(template_events(kenv.handler))
     wait_until(lambda: kenv.handlers()["kata"].lease_expired, timeout=15, what="the lease to expire")
     kenv.handler.start(timeout=120)
     client.close()
     client.__init__(kenv.handler.socket)
     assert all(client.pods()[pod].alive for pod in seen)
     assert client.exec("restored-a-app", "after-restart", ["cat", "/shared/from-host"])[:2] == (0, b"host\n")
-    wait_until(lambda: [e for e in log_entries(kenv, "VM template ready") if not e["made"]], timeout=60,
-               what="the restarted handler to take the saved VM")
+    assert not wait_for_template(kenv.handler, since=before_restart)["made"]
     assert template_record(kenv) == record
 
     # QEMU refuses a state that is not one (its first bytes overwritten).
@@ -262,14 +263,15 @@ def test_pods_vms_are_restored_from_the_saved_vm_and_each_is_its_own(template_en
             qemu_pids_under(kenv.handler.state_dir / "template"))
 
     before = pods_qemus()
+    before_refusal = len(template_events(kenv.handler))
     with pytest.raises(grpc.RpcError) as refused:
         client.create_pod("unloadable", kenv.path)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
     assert "sandbox unloadable: its VM did not start" in refused.value.details()
     assert "unloadable" not in client.pods() and pods_qemus() <= before
     assert not list((kenv.handler.state_dir / "run").glob("*unloadable*"))
-    wait_until(lambda: (template_record(kenv) or record)["saved_at"] != record["saved_at"], timeout=180,
-               what="the template made again")
+    assert wait_for_template(kenv.handler, since=before_refusal)["made"]
+    assert template_record(kenv)["saved_at"] != record["saved_at"]
     client.create_pod("unloadable", kenv.path)
     assert [e["restored"] for e in log_entries(kenv, "vm up") if e["sandbox"] == "unloadable"] == [True]
     for pod in (*seen, "unloadable"):
