@@ -22,13 +22,13 @@ RUN_KEYS = {"benchmark", "command", "date", "machine", "accelerator", "code", "c
             "load_before", "load_after", "load", "wall_seconds", "containerd"}
 
 
-def merge(before: dict, after: dict) -> dict:
+def merge(before: dict, after: dict, before_ran: str = "just before") -> dict:
     if before.get("benchmark") != after.get("benchmark"):
         raise ValueError(f"results of two benches: {before.get('benchmark')!r} and {after.get('benchmark')!r}")
     info = describe(before)
     kept = {key: value for key, value in before.items() if key not in RUN_KEYS}
     merged = dict(after)
-    merged["before"] = {"note": "the same bench at the commit before, run just before this one",
+    merged["before"] = {"note": f"the same bench at the commit before, run {before_ran} this one",
                         "code": info["commit"], "date": info["date"], "command": before.get("command", ""),
                         "load_before": before.get("load_before", ""),
                         "load_after": before.get("load_after", before.get("load", "")), **kept}
@@ -40,8 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--json", required=True, type=Path)
+    parser.add_argument("--before-ran-after", action="store_true",
+                        help="the commit before's run came right after this one's, not before it")
     args = parser.parse_args(argv)
-    merged = merge(json.loads(args.before.read_text()), json.loads(args.after.read_text()))
+    merged = merge(json.loads(args.before.read_text()), json.loads(args.after.read_text()),
+                   "just after" if args.before_ran_after else "just before")
     args.json.write_text(json.dumps(merged, indent=2) + "\n")
     return 0
 
