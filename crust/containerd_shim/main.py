@@ -315,11 +315,12 @@ def serve(args: argparse.Namespace) -> int:
         await done.wait()
         await asyncio.sleep(0.05)  # Shutdown's answer leaves first
         await publisher.drain(5.0)
+        await service.release_socket()   # a shared shim's, under start's lock, while it still listens
         await server.close()
         await service.close()
         await publisher.close()
         if not args.shared:
-            Path(args.socket).unlink(missing_ok=True)   # a shared shim's is released under start's lock
+            Path(args.socket).unlink(missing_ok=True)
         log.info("shim exits", extra={"fields": {"pods": args.id}})
 
     asyncio.run(main())

@@ -82,6 +82,7 @@ class ShimPods:
         self._on_empty = on_empty
         self._leaving: asyncio.Task | None = None
         self._last_asked = 0.0   # wall-clock time of the last Create or Connect
+        self._released = False   # a shared process's socket removed (another may be bound there since)
 
     def serving(self, container_id: str) -> TaskService:
         """The pod's service that holds this container (or sandbox)."""
@@ -216,28 +217,54 @@ class ShimPods:
         meanwhile (the process stays)."""
         path = Path(self.socket_path)
         while True:
-            lock = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            lock = await self._locked_directory()
             try:
-                while True:
-                    try:
-                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        await asyncio.sleep(LOCK_RETRY_SECONDS)
                 if self.pods:
                     return False
                 try:
                     touched = os.stat(path).st_mtime
                 except FileNotFoundError:
+                    self._released = True
                     return True
                 wait = touched + START_GRACE_SECONDS - time.time()
                 if wait <= 0 or self._last_asked > touched:
-                    path.unlink(missing_ok=True)
-                    log.info("shim socket released", extra={"fields": {"socket": str(path)}})
+                    self._unlink_socket()
                     return True
             finally:
                 os.close(lock)
             await asyncio.sleep(min(wait, START_GRACE_SECONDS))
+
+    async def release_socket(self) -> None:
+        """A shared process that ends otherwise (SIGTERM) removes its
+        socket under `start`'s lock, unless it released it already: while
+        it still listens there, no `start` bound another at that path."""
+        if not self.shared or self._released or not self.socket_path:
+            return
+        lock = await self._locked_directory()
+        try:
+            self._unlink_socket()
+        finally:
+            os.close(lock)
+
+    def _unlink_socket(self) -> None:
+        Path(self.socket_path).unlink(missing_ok=True)
+        self._released = True
+        log.info("shim socket released", extra={"fields": {"socket": self.socket_path}})
+
+    async def _locked_directory(self) -> int:
+        """The socket directory, opened and locked as `start` locks it (the
+        caller closes it)."""
+        lock = os.open(Path(self.socket_path).parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return lock
+                except BlockingIOError:
+                    await asyncio.sleep(LOCK_RETRY_SECONDS)
+        except BaseException:
+            os.close(lock)
+            raise
 
     async def close(self) -> None:
         if self._leaving is not None:

@@ -98,7 +98,8 @@ async def test_a_shared_shim_ends_only_once_no_start_touched_its_socket(tmp_path
     containerd has not asked anything since (it is about to connect), and
     while a `start` holds the socket directory's lock; it stays for good
     when a pod came meanwhile; otherwise it removes its socket and ends,
-    at once when the last touch was answered."""
+    at once when the last touch was answered. Ended otherwise, it removes
+    its socket unless it released it already."""
     import fcntl
 
     from crust.containerd_shim import pods as shim_pods
@@ -154,6 +155,16 @@ async def test_a_shared_shim_ends_only_once_no_start_touched_its_socket(tmp_path
         finally:
             os.close(lock)
         await asyncio.wait_for(ended.wait(), 3)
+        assert not path.exists()
+
+        # Ending after all (SIGTERM): the socket it released is another
+        # shim's now and stays; one that never released its own removes it.
+        listener.close()
+        listener = bind()
+        await service.release_socket()
+        assert path.is_socket()
+        other = ShimPods(service.handler_endpoint, service.publisher, socket_path=str(path), shared=True)
+        await other.release_socket()
         assert not path.exists()
     finally:
         listener.close()
