@@ -3,8 +3,9 @@ process, from what containerd or CRI-O gives it: the runtime's options (a
 google.protobuf.Any of runtimeoptions.v1.Options) name a TOML file whose
 `handler_endpoint` is the handler's socket (without one,
 $CRUST_KATA_HANDLER_ENDPOINT, else the handler's default socket) and whose
-`shim_group` says `node` or `pod` (else $CRUST_SHIM_GROUP, else `node`). `start` keeps the endpoint it used in the bundle
-(ENDPOINT_FILE), so `delete` after a dead shim reaches the same handler.
+`shim_group` says `node` or `pod` (else $CRUST_SHIM_GROUP, else `node`).
+`start` keeps the endpoint it used in the bundle (ENDPOINT_FILE), so
+`delete` after a dead shim reaches the same handler.
 Where the shims' sockets are: containerd 2.3's BootstrapParams name the
 directory, older containerd none (SOCKET_DIR).
 

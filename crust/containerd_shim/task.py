@@ -3,8 +3,9 @@ microVM handler's PodRuntime (specs/handler.proto).
 
 Every container of a pod goes to its pod's service (CRI groups them by the
 sandbox id annotation; a shim process serves one pod or several:
-crust.containerd_shim.pods). The sandbox container is the pod's VM: its Create asks the
-handler for the pod (CreatePod), its pid is QEMU's, killing it stops the pod.
+crust.containerd_shim.pods). The sandbox container is the pod's VM: its
+Create asks the handler for the pod (CreatePod), its pid is QEMU's, killing
+it stops the pod.
 Every other container has its root file system mounted by the shim at
 <bundle>/rootfs on the host (containerd hands the snapshot's mounts to the
 shim, as to runc's), then the handler makes the container (CreateContainer)
