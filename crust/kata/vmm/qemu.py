@@ -91,6 +91,12 @@ MAX_SOCKET_PATH = 107
 # hash of its path, so a restarted handler finds the same sockets.
 SHORT_SOCKET_ROOT = Path("/run/crust-vm-sockets")
 CONSOLE_CHARDEV = "console"
+# How long a VM whose monitor or port closed under a step is given to be
+# seen exiting (reaped) before the step fails without QEMU's exit code.
+EXIT_WAIT = 2.0
+# The console lines a failure quotes: enough for a kernel panic's message,
+# its call trace and the end marker that repeats the message.
+CONSOLE_LINES = 40
 
 
 def socket_dir_for(workdir: Path) -> Path:
@@ -339,9 +345,10 @@ class Vm(VmDevices, VmSaving):
             # A closed socket (or one reset while read: QEMU exiting between
             # the accept and its greeting) usually means QEMU is exiting: say why.
             try:
-                await asyncio.wait_for(asyncio.shield(self._exited), 2)
+                await asyncio.wait_for(asyncio.shield(self._exited), EXIT_WAIT)
             except asyncio.TimeoutError:
-                raise exc from None
+                raise VmError(f"vm {self.name}: {exc} during {what}, and QEMU still runs; "
+                              f"console: {self.console_tail(CONSOLE_LINES) or '-'}") from None
         else:
             task.cancel()
             try:
@@ -349,7 +356,7 @@ class Vm(VmDevices, VmSaving):
             except BaseException:
                 pass
         raise VmError(f"vm {self.name}: QEMU exited ({self._exited.result()}) during {what}; "
-                      f"qemu: {self._qemu_log_text() or '-'}; console: {self.console_tail(8) or '-'}")
+                      f"qemu: {self._qemu_log_text() or '-'}; console: {self.console_tail(CONSOLE_LINES) or '-'}")
 
     async def _monitor(self, coro):
         """A QMP step of start or adopt: its failures are the VM's (VmError)."""
@@ -448,10 +455,16 @@ class Vm(VmDevices, VmSaving):
         return self.boot_seconds
 
     async def _agent_answers(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         if await self.port.ready(wait=timeout) is not None:
             return
-        if not self.alive():
-            raise ConnectionError("QEMU is gone")   # _guarded says why
+        waited = loop.time() - started
+        if not self.alive() or waited < timeout:
+            # The port gave up before its time: QEMU's monitor closed (QEMU
+            # exiting, not yet reaped) or the port would not answer; _guarded
+            # waits for the exit and says why.
+            raise ConnectionError(f"its agent's port gave up {waited:.1f} s into a wait of {timeout:.0f} s")
         raise GuestSilent(f"vm {self.name}: its guest's agent did not answer on its port within {timeout:.0f} s")
 
     async def adopt(self, qemu: proc.ProcessId, disks: list[tuple[str, str]], timeout: float = 30.0) -> None:
