@@ -25,6 +25,7 @@ from crust.kubelet.cri import KubeletRuntime
 from crust.oci_runtime import frontend
 from crust.sys import mount as sysmount
 from tests.harness import upstream
+from tests.harness.pool_log import READY, pool_entries, wait_for_pool
 from tests.harness.upstream import CONTAINERD2
 
 
@@ -310,9 +311,7 @@ def microvm_node(root, daemon, image: images.Image, vm_pool: int = 0,
             # take longer than the test's set-up, and a pod that comes
             # earlier boots a VM of its own, which is not what a test with
             # a pool is about.
-            from tests.harness.daemons import wait_until
-            wait_until(lambda: '"msg": "pooled VM ready"' in node.env.handler.log_path.read_text(errors="replace"),
-                       timeout=300, interval=0.5, what="the pool's first VM")
+            wait_for_pool(node.env.handler, lambda: pool_entries(node.env.handler, READY), "the pool's first VM")
         yield node
     finally:
         node.close()

@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import time
 
-from crust.kata.supply.template import BUILD_BOOT_TIMEOUT
+from crust.kata.supply.pool import NICE_BOOT_TIMEOUT
 
 MADE = "VM template ready"
 NOT_MADE = "the VM template was not made; trying again later"
 DISCARDED = "VM template discarded; making it again"
-# Past every bound a making has of its own (its boot's BUILD_BOOT_TIMEOUT,
+# Past every bound a making has of its own (its boot's NICE_BOOT_TIMEOUT,
 # its later steps' each far shorter): only a making that hangs reaches it.
-MAKING_BOUND = 2 * BUILD_BOOT_TIMEOUT
+MAKING_BOUND = 2 * NICE_BOOT_TIMEOUT
 
 
 def template_events(handler) -> list[dict]:

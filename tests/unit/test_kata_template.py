@@ -131,7 +131,7 @@ def test_built_raises_the_error_that_ended_a_build_with_its_guests_console(templ
 
     failed, again = asyncio.run(scenario())
     assert str(failed) == (f"vm {made[0].name}: its guest's agent did not answer on its port within "
-                           f"{module.BUILD_BOOT_TIMEOUT:.0f} s; console: {SilentVm.CONSOLE}")
+                           f"{module.NICE_BOOT_TIMEOUT:.0f} s; console: {SilentVm.CONSOLE}")
     assert failed.console == SilentVm.CONSOLE and isinstance(failed.__cause__, GuestSilent)
     assert again is not failed and any(str(again).startswith(f"vm {vm.name}: ") for vm in made[1:])
     assert all(vm.killed for vm in made)

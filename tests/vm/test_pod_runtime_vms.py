@@ -26,6 +26,7 @@ from crust.kata.vmm.qemu import qemu_pids_under
 from crust.sys import mount as sysmount
 from tests.harness.daemons import wait_until
 from tests.harness.pod_runtime_client import bind, container_bundle, kata_env_with_client, log_entries
+from tests.harness.pool_log import READY, wait_for_pool
 from tests.harness.template_log import template_events, wait_for_template
 
 
@@ -62,27 +63,10 @@ def pool_env(root):
     yield from kata_env_with_client(root, proxy_extra=["--lease-seconds", "3"], handler_extra=["--vm-pool", "1"])
 
 
-# A pooled VM boots at nice 10: while other VMs keep both CPUs busy it gets
-# about a tenth of one, and its boot and warm-up (some 9 s of CPU alone)
-# take minutes.
-POOL_BOOT_TIMEOUT = 300.0
-
-
-def wait_for_pool(kenv, predicate, what: str):
-    """wait_until(predicate) as long as a pooled VM's boot may take; a
-    timeout says what the handler logged of its pool, and the load."""
-    try:
-        return wait_until(predicate, timeout=POOL_BOOT_TIMEOUT, interval=0.2, what=what)
-    except AssertionError as exc:
-        lines = [line for line in kenv.handler.log_path.read_text(errors="replace").splitlines() if "pool" in line]
-        raise AssertionError(f"{exc} (load {os.getloadavg()}); the handler's pool lines:\n"
-                             + "\n".join(lines[-20:])) from None
-
-
 def pooled_vms(kenv) -> dict[int, str]:
     """QEMU pid -> name of the VMs the pool holds, once their agent answered
     (the handler logs it)."""
-    ready = {int(entry["pid"]): entry["vm"] for entry in log_entries(kenv, "pooled VM ready")}
+    ready = {int(entry["pid"]): entry["vm"] for entry in log_entries(kenv, READY)}
     pool = kenv.handler.state_dir / "pool"
     running = set(qemu_pids_under(pool))   # by their command line: a taken VM's still names the pool
     return {pid: name for pid, name in ready.items() if pid in running and (pool / name).is_dir()}
@@ -97,17 +81,17 @@ def test_a_pod_takes_a_vm_booted_ahead_and_the_pool_boots_the_next(pool_env):
     name and sockets from the VM's own record), and stops the VM the killed
     handler's pool held, booting a new one."""
     kenv, client = pool_env
-    wait_for_pool(kenv, lambda: pooled_vms(kenv), "the pool's first VM")
+    wait_for_pool(kenv.handler, lambda: pooled_vms(kenv), "the pool's first VM")
     (first, name), = pooled_vms(kenv).items()
     # It ran a throwaway container while it waited (the agent's warm).
-    assert [float(entry["warm_s"]) > 0 for entry in log_entries(kenv, "pooled VM ready")] == [True]
+    assert [float(entry["warm_s"]) > 0 for entry in log_entries(kenv, READY)] == [True]
 
     qemu = client.create_pod("pooled", kenv.path)
     assert qemu == first, "the pod booted a VM of its own instead of taking the pooled one: " + "\n".join(
         line for line in kenv.handler.log_path.read_text().splitlines() if "pool" in line)[-3000:]
     workdir = kenv.handler.state_dir / "run"
     assert json.loads(next(workdir.glob("*/vm.json")).read_text())["name"] == name
-    wait_for_pool(kenv, lambda: set(pooled_vms(kenv)) - {first}, "the pool's next VM")
+    wait_for_pool(kenv.handler, lambda: set(pooled_vms(kenv)) - {first}, "the pool's next VM")
     (second, _), = pooled_vms(kenv).items()
     # A waiting VM yields the CPU to the pods (nice 10, its session's group
     # too); the taken one runs as the handler does.
@@ -142,7 +126,7 @@ def test_a_pod_takes_a_vm_booted_ahead_and_the_pool_boots_the_next(pool_env):
     assert client.exec("app", "after-restart", ["cat", "/shared/from-host"])[:2] == (0, b"host\n")
     wait_until(lambda: second not in qemu_pids_under(kenv.handler.state_dir), timeout=30,
                what="the killed handler's pooled VM to be stopped")
-    wait_for_pool(kenv, lambda: set(pooled_vms(kenv)) - {first, second}, "a new pooled VM")
+    wait_for_pool(kenv.handler, lambda: set(pooled_vms(kenv)) - {first, second}, "a new pooled VM")
 
     client.delete_pod("pooled")
     wait_until(lambda: first not in qemu_pids_under(kenv.handler.state_dir), what="the pod's QEMU to exit")
@@ -166,7 +150,7 @@ def test_a_pooled_vm_that_cannot_move_into_the_pods_directory_is_discarded(pool_
     from crust.runtime_handler.handler import workdir_name
 
     kenv, client = pool_env
-    wait_for_pool(kenv, lambda: pooled_vms(kenv), "the pool's first VM")
+    wait_for_pool(kenv.handler, lambda: pooled_vms(kenv), "the pool's first VM")
     (first, name), = pooled_vms(kenv).items()
     leftover = kenv.handler.state_dir / "run" / workdir_name("crashed")
     leftover.mkdir(parents=True)

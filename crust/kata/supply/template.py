@@ -66,6 +66,7 @@ from crust.kata.agent import calls
 from crust.kata.vmm.saved_ram import MIB, ram_path
 from crust.kata.agent.calls import SHM_TMPFS
 from crust.kata.supply.pool import (
+    NICE_BOOT_TIMEOUT,
     POOL_NICE,
     RETRY_FIRST,
     RETRY_MAX,
@@ -94,10 +95,6 @@ BUILD_DIR = "build"
 # state, the warm-up disk's image or its part.
 PARTIAL_STATE = STATE_FILE + ".partial"
 BUILD_LEFTOVERS = (PARTIAL_STATE, ram_path(Path(PARTIAL_STATE)).name, WARM_DISK_IMAGE, WARM_DISK_IMAGE + ".partial")
-# How long the template's boot may take to its agent: nobody waits for it,
-# and at nice 10 on a node busy with pods it gets only what they leave (a
-# boot cut short starts again from nothing).
-BUILD_BOOT_TIMEOUT = 900.0
 # What ends one making of the template and has the keeper try again later.
 MAKING_FAILURES = (VmError, CrustError, ConnectionError, QmpError, QmpGone, CommandError, OSError)
 
@@ -197,7 +194,7 @@ class VmTemplate:
         failed, with its console's last lines, or stop() cut it short); the
         keeper tries again later, and between two tries this raises the
         last one's error. It waits as long as the making takes, which
-        bounds itself: its boot by BUILD_BOOT_TIMEOUT, each step after by
+        bounds itself: its boot by NICE_BOOT_TIMEOUT, each step after by
         a timeout of its own."""
         await self._ended.wait()
         if self._failure is not None:
@@ -272,7 +269,7 @@ class VmTemplate:
                 dataclasses.replace(restore_config(self.config), nice=POOL_NICE))
         started = time.monotonic()
         try:
-            boot_s = await vm.start(BUILD_BOOT_TIMEOUT)   # its guest's agent connected
+            boot_s = await vm.start(NICE_BOOT_TIMEOUT)   # its guest's agent connected
             client = await vm.port.ready()
             await calls.mount_pod_tmpfs(client, SHM_TMPFS, "")
             if vm.port.has("warm"):
