@@ -65,7 +65,7 @@ from crust.kubelet.cni import BridgeNetwork
 from crust.kubelet.cri_daemon import CriDaemon
 from crust.kubelet.image import Image
 from crust.sys import caps, proc
-from crust.sys.sweep import release_under
+from crust.sys.sweep import StillMounted, release_under
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +382,9 @@ class Containerd(CriDaemon):
 
     def close(self) -> list[str]:
         """Stop and remove everything this containerd made; returns what had
-        to be cleaned up by force (empty after an orderly end)."""
+        to be cleaned up by force (empty after an orderly end). StillMounted
+        (after the rest is cleaned up) when a mount in its directory would
+        not go: the directory is kept then, never removed through it."""
         forced: list[str] = []
         if self.process is not None and self.process.poll() is None:
             if self.cri:
@@ -391,11 +393,16 @@ class Containerd(CriDaemon):
         self.stop()
         forced += self._kill_shims()
         forced += self._delete_containers()
-        forced += release_under(self.directory)
+        still: StillMounted | None = None
+        try:
+            forced += release_under(self.directory)
+        except StillMounted as exc:
+            still = exc   # the rest cleaned up; the directory kept, not removed through the mount
         forced += self._remove_cgroups()
         if self.network is not None:
             forced += self.network.remove()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if still is None:
+            shutil.rmtree(self.directory, ignore_errors=True)
         if self._made_shim_dir:
             # Made for our shims (and the runc shim's state below it, e.g.
             # runc/<namespace>): every directory left empty goes, deepest
@@ -405,6 +412,8 @@ class Containerd(CriDaemon):
                     os.rmdir(top)
                 except OSError:
                     pass
+        if still is not None:
+            raise still
         return forced
 
     def _remove_ctr_tasks(self) -> list[str]:

@@ -70,7 +70,7 @@ from crust.kubelet.containerd import CGROUP_FS, can_lower_oom_score, is_shim, re
 from crust.kubelet.cri_daemon import CriDaemon
 from crust.kubelet.image import PAUSE_COMMAND
 from crust.sys import proc
-from crust.sys.sweep import release_under
+from crust.sys.sweep import StillMounted, release_under
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +318,8 @@ class Crio(CriDaemon):
         """Stop and remove everything this CRI-O made; returns what had to
         be cleaned up by force (empty after an orderly end). What it made
         outside its directory, which CRI-O never removes itself, is noted
-        in removed_outside."""
+        in removed_outside. StillMounted (after the rest is cleaned up) when
+        a mount in its directory would not go: the directory is kept then."""
         forced: list[str] = []
         if self.process is not None and self.process.poll() is None:
             forced += self._remove_pods()
@@ -326,14 +327,21 @@ class Crio(CriDaemon):
         forced += self._kill_monitors()
         forced += self._kill_shims()
         forced += self._delete_containers()
-        forced += release_under(self.directory)
+        still: StillMounted | None = None
+        try:
+            forced += release_under(self.directory)
+        except StillMounted as exc:
+            still = exc   # the rest cleaned up; the directory kept, not removed through the mount
         forced += remove_cgroup_trees(self.cgroup_root)
         if self.network is not None:
             forced += self.network.remove()
         self.removed_outside += self._remove_outside()
         self.left_outside = self.made_outside()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if still is None:
+            shutil.rmtree(self.directory, ignore_errors=True)
         self._let_go_of_machine()
+        if still is not None:
+            raise still
         return forced
 
     def _hold_machine(self, timeout: float = MACHINE_WAIT) -> None:

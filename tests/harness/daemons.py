@@ -82,7 +82,8 @@ def block_cap(mode: int = AccessMode.SINGLE_NODE_WRITER) -> csi_pb2.VolumeCapabi
 
 
 def cleanup_root(root: Path) -> None:
-    """Detach and unmount what lives under root (deepest mounts first)."""
+    """Detach and unmount what lives under root (deepest mounts first);
+    StillMounted (the test fails) when a mount there would not go."""
     release_under(root)
 
 
