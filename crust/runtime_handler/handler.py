@@ -72,6 +72,16 @@ class VolumeView(BaseModel):
     readonly: bool = False
 
 
+class ContainerBook(Protocol):
+    """The volumes of containers runc runs (crust.runtime_handler.containers),
+    as the handler asks of them: whether any is held, and their claims
+    taken back after a new registration."""
+
+    containers: dict
+
+    async def reclaim(self) -> None: ...
+
+
 class DirectSource(Protocol):
     """Volumes described outside the proxy (Kata's direct-volume layout)."""
 
@@ -149,7 +159,9 @@ class RuntimeHandler(VolumeLookup):
     def __init__(self, *, name: str, volumes_dir: Path, state_dir: Path, registration: Registration,
                  make_sandbox: Callable[[str, Path, Path | None, proc.ProcessId | None], Sandbox],
                  direct_source: DirectSource | None = None,
-                 before_teardown: Callable[[str], Awaitable[None]] | None = None):
+                 before_teardown: Callable[[str], Awaitable[None]] | None = None,
+                 make_containers: Callable[[RuntimeHandler], ContainerBook] | None = None,
+                 on_watcher: Callable[[bool], Awaitable[None]] | None = None):
         self.name = name
         self.direct_source = direct_source
         self.index = VolumeIndex(volumes_dir)
@@ -166,16 +178,16 @@ class RuntimeHandler(VolumeLookup):
         # handler's own housekeeping.
         self._reaping: dict[str, asyncio.Task] = {}
         self.inflight = InFlight()
-        # Volumes of containers runc runs (crust.runtime_handler.containers),
-        # when this handler serves crust's OCI runtime.
-        self.containers = None
         registration.on_register = self.reclaim
         # Told when the directory watcher stops working and when it works
         # again (the daemon turns it into its health).
-        self.on_watcher: Callable[[bool], Awaitable[None]] | None = None
+        self.on_watcher = on_watcher
         # Told a sandbox's id before the sandbox is stopped and its volumes
         # released (the microVM handler's pods unmount their containers first).
         self._before_teardown = before_teardown
+        # Volumes of containers runc runs (crust.runtime_handler.containers),
+        # when this handler serves crust's OCI runtime.
+        self.containers = make_containers(self) if make_containers is not None else None
 
     def set_before_teardown(self, hook: Callable[[str], Awaitable[None]] | None) -> None:
         """The hook told a sandbox's id before its teardown (stopping it and

@@ -47,15 +47,15 @@ class HandlerDaemon:
         registration = Registration(config.proxy_endpoint, config.name, config.endpoint, config.filesystems,
                                     ["stats", "expand", "fsgroup", "subpath", *extra_features],
                                     lease_file=config.state_dir / "lease")
-        self.handler = RuntimeHandler(name=config.name, volumes_dir=config.volumes_dir,
-                                      state_dir=config.state_dir, registration=registration,
-                                      make_sandbox=make_sandbox, direct_source=direct_source)
-        services = ["Handler", "SandboxControl"]
-        if make_sandbox is mount_namespace_sandbox:
-            # The light handler also serves crust's OCI runtime (containers runc runs).
-            self.handler.containers = ContainerVolumes(self.handler, config.state_dir)
-            services.append("ContainerVolumes")
-        self.handler.on_watcher = self._watcher_health
+        # The light handler also serves crust's OCI runtime (containers runc runs).
+        serves_containers = make_sandbox is mount_namespace_sandbox
+        self.handler = RuntimeHandler(
+            name=config.name, volumes_dir=config.volumes_dir, state_dir=config.state_dir,
+            registration=registration, make_sandbox=make_sandbox, direct_source=direct_source,
+            make_containers=(lambda handler: ContainerVolumes(handler, config.state_dir)) if serves_containers
+            else None,
+            on_watcher=self._watcher_health)
+        services = ["Handler", "SandboxControl"] + (["ContainerVolumes"] if serves_containers else [])
         # More services on the same socket, over the same handler (the
         # microVM handler's PodRuntime): each made from the handler, with
         # its full service name, add_to(server), start() and stop().
