@@ -71,7 +71,7 @@ BLOCK_MIB = 128
 #   of its trace event files, whose inodes and dentries (about 10,000 of
 #   each on Debian 12's 6.1, which makes them all at boot) held 9 MiB of
 #   every guest's RAM, template and restored VMs included
-#   (bench/runtime/pod_density.py; docs/microvm.md, "The guest kernel's
+#   (bench/runtime/pod_density.py; docs/guest-kernel.md, "Its
 #   lockdown"). The rest of what it refuses (kprobes, perf, BPF reading
 #   kernel memory, /dev/mem, /proc/kcore, unsigned modules, hibernation)
 #   no pod's VM uses: the guest's modules are Debian's, signed.
