@@ -62,9 +62,13 @@ HOOK_SHELL = "/bin/sh"
 # container's state crun gives a hook, one line of JSON without its end,
 # read by the shell itself: a program more is a fork and exec more) and
 # waits for the start's line (a failed read, the agent gone, fails the
-# hook and with it crun's create); the second tells the process started.
+# hook and with it crun's create); the second reads its state to the end,
+# then tells the process started. crun writes a hook's state into a pipe
+# after starting the hook, and fails it, and with it the container
+# ("writing to pipe: Broken pipe"), when the hook exited before the write:
+# each hook reads its state before it can end.
 _MADE_HOOK = 'IFS= read -r state; printf \'%s\\n\' "$state" > "$1" && read -r line < "$2"'
-_STARTED_HOOK = 'echo started > "$1"'
+_STARTED_HOOK = 'while IFS= read -r _; do :; done; echo started > "$1"'
 
 
 class Gate:
