@@ -27,12 +27,6 @@ from crust.kata.vmm.qmp import QmpError, QmpGone, QmpTimeout
 
 log = logging.getLogger("crust.kata.pod.pods")
 
-# How many VMs start (restore or boot, then take the pod's devices) at
-# once: a start is CPU work of the host and of the guest's vCPU, so VMs
-# started together beyond the host's CPUs each take longer, and all of a
-# burst's pods come up at the end of it; in turn, the first come up first.
-START_LANES = os.cpu_count() or 1
-
 # What the handler makes a microVM sandbox with: its id, its work
 # directory, no root file system, no process to adopt, and a VM that was
 # booted already (None: one of its own).
@@ -48,10 +42,8 @@ class TakenVm:
 
 
 class VmSource:
-    def __init__(self, make_sandbox: MakeSandbox, pool: VmPool | None = None, template: VmTemplate | None = None,
-                 start_lanes: int = START_LANES):
+    def __init__(self, make_sandbox: MakeSandbox, pool: VmPool | None = None, template: VmTemplate | None = None):
         self.make_sandbox = make_sandbox
-        self._starting = asyncio.Semaphore(start_lanes)
         self.pool = pool   # VMs booted ahead; a pod takes one when it can
         self.template = template   # a VM saved once; restored when the pool has none
         self.handler_nice = os.getpriority(os.PRIO_PROCESS, 0)   # what a taken VM runs at
@@ -78,13 +70,8 @@ class VmSource:
         return TakenVm(sandbox, pooled=pooled is not None, saved=saved)
 
     async def run(self, taken: TakenVm, shared: list[SharedDir], nic: Nic | None) -> None:
-        """The taken VM running with the pod's shares and NIC, once one of
-        the start lanes is free. A restore that fails drops the template
-        (the pod's retry boots)."""
-        async with self._starting:
-            await self._run(taken, shared, nic)
-
-    async def _run(self, taken: TakenVm, shared: list[SharedDir], nic: Nic | None) -> None:
+        """The taken VM running with the pod's shares and NIC. A restore that
+        fails drops the template (the pod's retry boots)."""
         sandbox = taken.sandbox
         if taken.saved is not None:
             # Restored (the saved VM's config: no share, no NIC), then
