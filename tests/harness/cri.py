@@ -25,7 +25,8 @@ from crust.kubelet.cri import KubeletRuntime
 from crust.oci_runtime import frontend
 from crust.sys import mount as sysmount
 from tests.harness import upstream
-from tests.harness.pool_log import READY, pool_entries, wait_for_pool
+from tests.harness.handler_log import entries
+from tests.harness.pool_log import READY, wait_for_pool
 from tests.harness.upstream import CONTAINERD2
 
 
@@ -311,7 +312,7 @@ def microvm_node(root, daemon, image: images.Image, vm_pool: int = 0,
             # take longer than the test's set-up, and a pod that comes
             # earlier boots a VM of its own, which is not what a test with
             # a pool is about.
-            wait_for_pool(node.env.handler, lambda: pool_entries(node.env.handler, READY), "the pool's first VM")
+            wait_for_pool(node.env.handler, lambda: entries(node.env.handler, READY), "the pool's first VM")
         yield node
     finally:
         node.close()

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from crust.api import handler_pb2, handler_pb2_grpc
+from tests.harness.handler_log import entries
 from tests.harness.kata_env import kata_env
 from tests.harness.mount_watch import MountWatch
 
@@ -163,15 +164,7 @@ def pod_env(root):
 
 def log_entries(kenv, msg: str) -> list[dict]:
     """The handler's log entries with that message."""
-    found = []
-    for line in kenv.handler.log_path.read_text(errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if entry.get("msg") == msg:
-            found.append(entry)
-    return found
+    return entries(kenv.handler, msg)
 
 
 def kata_env_with_client(root, **kw):

@@ -5,11 +5,11 @@ tries again later, from nothing)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 from crust.kata.supply.pool import NICE_BOOT_TIMEOUT
 from tests.harness.daemons import wait_until
+from tests.harness.handler_log import entries
 
 READY = "pooled VM ready"
 FAILED = "a pooled VM did not boot; trying again later"
@@ -19,28 +19,15 @@ FAILED = "a pooled VM did not boot; trying again later"
 POOL_BOUND = 2 * NICE_BOOT_TIMEOUT
 
 
-def pool_entries(handler, msg: str) -> list[dict]:
-    """The handler's log entries with that message, oldest first."""
-    found = []
-    for line in handler.log_path.read_text(errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if entry.get("msg") == msg:
-            found.append(entry)
-    return found
-
-
 def wait_for_pool(handler, predicate, what: str):
     """Until predicate() holds, as long as the pool's boots take; a boot
     the pool gave up on meanwhile fails the caller at once with the pool's
     error, and a timeout says what the handler logged of its pool, and the
     load."""
-    failures = len(pool_entries(handler, FAILED))
+    failures = len(entries(handler, FAILED))
 
     def held():
-        failed = pool_entries(handler, FAILED)[failures:]
+        failed = entries(handler, FAILED)[failures:]
         if failed:
             raise AssertionError(f"the pool's VM did not boot: {failed[0].get('error')}")
         return predicate()

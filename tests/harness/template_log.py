@@ -7,10 +7,10 @@ begins again.
 
 from __future__ import annotations
 
-import json
 import time
 
 from crust.kata.supply.pool import NICE_BOOT_TIMEOUT
+from tests.harness.handler_log import entries
 
 MADE = "VM template ready"
 NOT_MADE = "the VM template was not made; trying again later"
@@ -22,15 +22,7 @@ MAKING_BOUND = 2 * NICE_BOOT_TIMEOUT
 
 def template_events(handler) -> list[dict]:
     """The handler's log entries that end or restart a making of its template, oldest first."""
-    found = []
-    for line in handler.log_path.read_text(errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if entry.get("msg") in (MADE, NOT_MADE, DISCARDED):
-            found.append(entry)
-    return found
+    return entries(handler, MADE, NOT_MADE, DISCARDED)
 
 
 def wait_for_template(handler, since: int = 0, timeout: float = MAKING_BOUND) -> dict:
