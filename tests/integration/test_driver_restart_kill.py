@@ -40,7 +40,7 @@ from tests.harness.driver_restart_calls import (
     records_dir,
     write_synced,
 )
-from tests.harness.daemons import MIB, DriverProcess, loop_autoclear, mount_cap, mounted_at
+from tests.harness.daemons import MIB, DriverProcess, loop_autoclear, mount_cap, mounted_at, wait_until
 
 # -- helpers ---------------------------------------------------------------------
 
@@ -114,6 +114,11 @@ def test_sigkill_between_steps_then_restart_finishes_the_life(root, kill_after):
             return
         assert path.stat().st_size == SIZE
         assert list_volume_ids(d) == [vol_id]
+        if not state["staged"]:
+            # A device another process holds open when it is detached (a
+            # test beside this one reading every loop device's status) is
+            # detached by the kernel as that process lets go, moments later.
+            wait_until(lambda: not sysloop.devices_for(path), timeout=10, what="the volume's loop device to go")
         devices = sysloop.devices_for(path)
         assert len(devices) == (1 if state["staged"] else 0), devices  # never a duplicate attach
         assert not any(loop_autoclear(dev) for dev in devices)
