@@ -91,11 +91,7 @@ MAX_SOCKET_PATH = 107
 # hash of its path, so a restarted handler finds the same sockets.
 SHORT_SOCKET_ROOT = Path("/run/crust-vm-sockets")
 CONSOLE_CHARDEV = "console"
-# How long a VM whose monitor or port closed under a step is given to be
-# seen exiting (reaped) before the step fails without QEMU's exit code.
-EXIT_WAIT = 2.0
-# The console lines a failure quotes: enough for a kernel panic's message,
-# its call trace and the end marker that repeats the message.
+# The console lines a failure quotes: a kernel panic's message, trace and end marker.
 CONSOLE_LINES = 40
 
 
@@ -345,9 +341,9 @@ class Vm(VmDevices, VmSaving):
             # A closed socket (or one reset while read: QEMU exiting between
             # the accept and its greeting) usually means QEMU is exiting: say why.
             try:
-                await asyncio.wait_for(asyncio.shield(self._exited), EXIT_WAIT)
+                await asyncio.wait_for(asyncio.shield(self._exited), 2)
             except asyncio.TimeoutError:
-                raise exc from None   # QEMU runs: the step's own failure (a monitor's timeout is a hang)
+                raise exc from None
         else:
             task.cancel()
             try:
@@ -454,15 +450,13 @@ class Vm(VmDevices, VmSaving):
         return self.boot_seconds
 
     async def _agent_answers(self, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = asyncio.get_running_loop().time()
         if await self.port.ready(wait=timeout) is not None:
             return
-        waited = loop.time() - started
+        waited = asyncio.get_running_loop().time() - started
         if not self.alive() or waited < timeout:
-            # The port gave up before its time: QEMU's monitor closed (QEMU
-            # exiting, not yet reaped) or the port would not answer; _guarded
-            # waits for the exit and says why.
+            # Given up early: QEMU's monitor closed (QEMU exiting, not yet
+            # reaped) or the port would not answer; _guarded says why.
             raise ConnectionError(f"its agent's port gave up {waited:.1f} s into a wait of {timeout:.0f} s")
         raise GuestSilent(f"vm {self.name}: its guest's agent did not answer on its port within {timeout:.0f} s")
 
